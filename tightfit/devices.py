@@ -1,0 +1,160 @@
+"""Device profiles: one GPU's facts (memory, compute capability, precision rates) and budgets.
+
+Rates are dense peak TFLOP/s from the vendors' spec sheets (NVIDIA Pascal/Turing/Ampere/Ada/
+Hopper whitepapers and datasheets); tensor-core figures use fp32 accumulation, which is what
+``torch.autocast`` training runs. They are used as *ratios* between precisions on one card,
+not as absolute speeds. Users can add cards with a small JSON file (:func:`load_profiles`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from .errors import TightfitError
+from .units import GiB, MiB, parse_size
+
+# Memory the CUDA context, cuBLAS/cuDNN handles and the driver take outside PyTorch's caching
+# allocator on a typical consumer card (measured by users at 300-500 MiB; we keep the upper end).
+CUDA_CONTEXT_BYTES = 500 * MiB
+# Share of the remaining memory kept free for fragmentation and other processes (display, etc.).
+SAFETY_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One GPU's facts.
+
+    Attributes:
+        key: short name used on the command line, e.g. ``"gtx-1650-ti"``.
+        name: marketing name.
+        total_bytes: card memory in bytes.
+        compute_capability: ``(major, minor)``, e.g. ``(7, 5)``.
+        fp16_tensor_cores: whether fp16 matrix products run on tensor cores.
+        bf16: whether bf16 runs natively (compute capability >= 8.0; not emulated).
+        fp32_tflops, fp16_tflops, bf16_tflops: dense peak rates (bf16 0 when unsupported).
+        host_link_bytes_per_s: host-to-device bandwidth (PCIe), bytes/s.
+    """
+
+    key: str
+    name: str
+    total_bytes: int
+    compute_capability: tuple[int, int]
+    fp16_tensor_cores: bool
+    bf16: bool
+    fp32_tflops: float
+    fp16_tflops: float
+    bf16_tflops: float
+    host_link_bytes_per_s: float
+
+    def budget_bytes(self) -> int:
+        """Bytes the process may hold in tensors: card memory minus the CUDA context and a
+        safety margin (:data:`CUDA_CONTEXT_BYTES`, :data:`SAFETY_MARGIN`)."""
+        return int((self.total_bytes - CUDA_CONTEXT_BYTES) * (1 - SAFETY_MARGIN))
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable form."""
+        d = asdict(self)
+        d["compute_capability"] = list(self.compute_capability)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceProfile":
+        """Inverse of :meth:`to_dict`; ``total_bytes`` may be a size string ("6GiB").
+
+        Raises:
+            TightfitError: on missing or unknown fields.
+        """
+        try:
+            d = dict(d)
+            d["total_bytes"] = parse_size(d["total_bytes"])
+            d["compute_capability"] = tuple(int(x) for x in d["compute_capability"])
+            return cls(**d)
+        except (KeyError, TypeError, ValueError) as e:
+            raise TightfitError(f"malformed GPU profile {d.get('key', '?')!r}: {e}") from None
+
+
+PCIE3_X16 = 12e9   # bytes/s, measured pinned H2D on PCIe 3.0 x16 (theoretical 15.75 GB/s)
+PCIE4_X16 = 24e9
+PCIE5_X16 = 50e9
+
+_BUILTIN = [
+    DeviceProfile("gtx-1650-ti", "NVIDIA GeForce GTX 1650 Ti", 4 * GiB, (7, 5), False, False, 3.2, 6.4, 0.0, PCIE3_X16),
+    DeviceProfile("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", 11 * GiB, (6, 1), False, False, 11.3, 11.3 / 64, 0.0, PCIE3_X16),
+    DeviceProfile("rtx-2060", "NVIDIA GeForce RTX 2060", 6 * GiB, (7, 5), True, False, 6.5, 26.0, 0.0, PCIE3_X16),
+    DeviceProfile("rtx-3060", "NVIDIA GeForce RTX 3060", 12 * GiB, (8, 6), True, True, 12.7, 25.4, 25.4, PCIE4_X16),
+    DeviceProfile("rtx-3090", "NVIDIA GeForce RTX 3090", 24 * GiB, (8, 6), True, True, 35.6, 71.0, 71.0, PCIE4_X16),
+    DeviceProfile("rtx-4090", "NVIDIA GeForce RTX 4090", 24 * GiB, (8, 9), True, True, 82.6, 165.2, 165.2, PCIE4_X16),
+    DeviceProfile("t4", "NVIDIA Tesla T4", 15 * GiB, (7, 5), True, False, 8.1, 65.0, 0.0, PCIE3_X16),
+    DeviceProfile("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16),
+    DeviceProfile("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16),
+    DeviceProfile("h100", "NVIDIA H100 80GB", 80 * GiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16),
+    DeviceProfile("h200", "NVIDIA H200", 143771 * MiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16),
+]
+
+
+def load_profiles(extra_file: str | Path | None = None) -> dict[str, DeviceProfile]:
+    """All known profiles by key: the built-ins plus those in ``extra_file`` or in the JSON file
+    named by the environment variable ``TIGHTFIT_GPU_PROFILES`` (a list of profile dicts, see
+    :meth:`DeviceProfile.from_dict`).
+
+    Raises:
+        TightfitError: if the extra file is missing or malformed.
+    """
+    profiles = {p.key: p for p in _BUILTIN}
+    extra_file = extra_file or os.environ.get("TIGHTFIT_GPU_PROFILES")
+    if extra_file:
+        path = Path(extra_file)
+        if not path.is_file():
+            raise TightfitError(f"GPU profile file not found: {path}")
+        try:
+            entries = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise TightfitError(f"GPU profile file {path} is not valid JSON: {e}") from None
+        if not isinstance(entries, list):
+            raise TightfitError(f"GPU profile file {path} must hold a JSON list of profiles")
+        for entry in entries:
+            p = DeviceProfile.from_dict(entry)
+            profiles[p.key] = p
+    return profiles
+
+
+def get_profile(key: str) -> DeviceProfile:
+    """The profile named ``key`` (case-insensitive; spaces and underscores read as dashes).
+
+    Raises:
+        TightfitError: if no such profile exists (the message lists the known ones).
+    """
+    profiles = load_profiles()
+    norm = key.strip().lower().replace("_", "-").replace(" ", "-")
+    if norm not in profiles:
+        raise TightfitError(f"unknown GPU profile {key!r}; known: {', '.join(sorted(profiles))}")
+    return profiles[norm]
+
+
+def _has_fp16_tensor_cores(name: str, cc: tuple[int, int]) -> bool:
+    # Turing's GTX 16xx chips (TU116/TU117) are sm_75 but have no tensor cores.
+    return cc >= (7, 0) and "GTX 16" not in name.upper()
+
+
+def detect(index: int = 0) -> DeviceProfile | None:
+    """Profile of the local CUDA GPU ``index`` from torch (and a built-in profile with the same
+    name for the rates), or None when there is no CUDA GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(index)
+    cc = (props.major, props.minor)
+    for p in _BUILTIN:
+        if p.name.lower().replace("nvidia ", "") in props.name.lower():
+            return replace(p, total_bytes=props.total_memory, name=props.name)
+    tc = _has_fp16_tensor_cores(props.name, cc)
+    # Unknown card: rates only matter as ratios; use the generation's typical ones.
+    fp16_ratio = 8.0 if tc else (1 / 64 if cc == (6, 1) else 2.0)
+    return DeviceProfile(
+        key="local", name=props.name, total_bytes=props.total_memory, compute_capability=cc,
+        fp16_tensor_cores=tc, bf16=cc >= (8, 0), fp32_tflops=10.0, fp16_tflops=10.0 * fp16_ratio,
+        bf16_tflops=10.0 * fp16_ratio if cc >= (8, 0) else 0.0, host_link_bytes_per_s=PCIE3_X16)

@@ -1,0 +1,81 @@
+"""Mixed precision: choose fp32/fp16/bf16 for a card, and the autocast context and loss scaler.
+
+Rules (NVIDIA's mixed-precision training guide; Micikevicius et al. 2018, "Mixed Precision
+Training"): bf16 needs compute capability >= 8.0 (Ampere) to run natively; fp16 pays for its
+loss scaling only where tensor cores exist (sm_70+, except the GTX 16xx chips); Pascal's
+GP102 (GTX 1080 Ti) runs fp16 arithmetic at 1/64 of fp32, so it uses fp16 only for memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..devices import DeviceProfile
+
+
+def preferred_precision(profile: DeviceProfile | None) -> tuple[str, str]:
+    """The precision to try first on this card, and why.
+
+    Args:
+        profile: the GPU, or None for the CPU.
+
+    Returns:
+        ``(precision, reason)`` with precision in ``fp32|fp16|bf16``.
+    """
+    if profile is None:
+        return "fp32", "CPU: fp32 (autocast on the CPU is slower for training)"
+    cc = profile.compute_capability
+    if profile.bf16 and cc >= (8, 0):
+        return "bf16", f"compute capability {cc[0]}.{cc[1]} >= 8.0: bf16 autocast (no loss scaling needed)"
+    if profile.fp16_tensor_cores:
+        return "fp16", f"fp16 tensor cores on sm_{cc[0]}{cc[1]}: fp16 autocast with dynamic loss scaling"
+    return "fp32", (f"no tensor cores on sm_{cc[0]}{cc[1]} (fp16 at {profile.fp16_tflops / profile.fp32_tflops:.3g}x "
+                    "the fp32 rate): fp32 unless memory needs fp16")
+
+
+def fallback_precisions(profile: DeviceProfile | None, first: str) -> list[str]:
+    """Precisions to try, in order, when ``first`` cannot fit the budget: fp16 saves activation
+    memory on any GPU of compute capability >= 5.3; bf16 only where it runs natively."""
+    if profile is None or first != "fp32":
+        return [first]
+    order = [first]
+    if profile.bf16:
+        order.append("bf16")
+    if profile.compute_capability >= (5, 3):
+        order.append("fp16")
+    return order
+
+
+def check_precision(precision: str, profile: DeviceProfile | None) -> None:
+    """Validate a user's explicit precision for this device.
+
+    Raises:
+        TightfitError: bf16/fp16 asked for on the CPU, or bf16 below compute capability 8.0.
+    """
+    from ..errors import TightfitError
+
+    if precision == "fp32":
+        return
+    if profile is None:
+        raise TightfitError(f"--precision {precision} needs a CUDA GPU; on the CPU use fp32")
+    if precision == "bf16" and not profile.bf16:
+        cc = profile.compute_capability
+        raise TightfitError(f"bf16 needs compute capability >= 8.0; {profile.name} is {cc[0]}.{cc[1]}: use fp16 or fp32")
+
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def autocast(precision: str, device_type: str):
+    """The ``torch.autocast`` context for ``precision`` (a no-op context for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=_DTYPES[precision])
+
+
+def make_grad_scaler(precision: str, device_type: str) -> torch.amp.GradScaler:
+    """A ``torch.amp.GradScaler``, enabled only for fp16 (bf16 and fp32 need no loss scaling).
+    A disabled scaler passes ``scale``/``unscale_``/``step``/``update`` straight through."""
+    return torch.amp.GradScaler(device_type, enabled=(precision == "fp16"))

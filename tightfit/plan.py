@@ -1,0 +1,93 @@
+"""The Plan: an immutable, JSON-serialisable record of how a training step is run.
+
+The planner makes it, the runtime applies it, the report shows it. Fields use the field's
+terms: micro-batch x gradient accumulation steps (x world size) = effective batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from .errors import TightfitError
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one training step runs.
+
+    Attributes:
+        precision: ``"fp32"``, ``"fp16"`` (autocast + dynamic loss scaling) or ``"bf16"``
+            (autocast); master weights stay fp32 in all three.
+        micro_batch: samples per forward/backward pass.
+        effective_batch: samples per optimizer step (the whole accumulation window).
+        activation_checkpointing: recompute each transformer block's activations in backward.
+        optimizer: optimizer family, ``"adamw"``.
+        device: ``"cuda"`` or ``"cpu"``.
+        budget_bytes: memory the step may use on the GPU (None on the CPU / no limit).
+        reasons: one line per choice, saying why it was made.
+        probe_peak_reserved_bytes: peak reserved memory measured by the probe step (None if
+            no probe ran).
+    """
+
+    precision: str
+    micro_batch: int
+    effective_batch: int
+    activation_checkpointing: bool = False
+    optimizer: str = "adamw"
+    device: str = "cpu"
+    budget_bytes: int | None = None
+    reasons: tuple[str, ...] = field(default_factory=tuple)
+    probe_peak_reserved_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise TightfitError(f"unknown precision {self.precision!r}; use one of {PRECISIONS}")
+        if self.micro_batch < 1 or self.effective_batch < 1:
+            raise TightfitError("micro-batch and effective batch must be >= 1")
+        if self.micro_batch > self.effective_batch:
+            object.__setattr__(self, "micro_batch", self.effective_batch)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per full window: ``ceil(effective_batch / micro_batch)``."""
+        return math.ceil(self.effective_batch / self.micro_batch)
+
+    def with_micro_batch(self, micro_batch: int, reason: str | None = None) -> "Plan":
+        """A copy with another micro-batch (the effective batch is unchanged)."""
+        reasons = self.reasons + ((reason,) if reason else ())
+        return replace(self, micro_batch=micro_batch, reasons=reasons)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; includes the derived ``accumulation_steps`` for readers."""
+        d = asdict(self)
+        d["reasons"] = list(self.reasons)
+        d["accumulation_steps"] = self.accumulation_steps
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        """Inverse of :meth:`to_dict` (derived keys are ignored).
+
+        Raises:
+            TightfitError: on missing or unknown keys.
+        """
+        d = {k: v for k, v in d.items() if k != "accumulation_steps"}
+        d["reasons"] = tuple(d.get("reasons", ()))
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise TightfitError(f"malformed plan: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise TightfitError(f"malformed plan JSON: {e}") from None

@@ -1,0 +1,1 @@
+"""Choose a Plan for a workload on a device."""

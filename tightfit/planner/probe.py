@@ -1,0 +1,171 @@
+"""The first planner: pick precision from the card, then find the largest micro-batch that fits
+the budget with real probe steps on the GPU (forward, backward and a first optimizer step, on a
+worst-case batch padded to the full sequence length).
+
+A probe uses a throw-away AdamW with lr = 0 and no weight decay, so the weights stay
+bit-identical; the RNG states are restored and the probe's memory released afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..devices import DeviceProfile
+from ..errors import TightfitError
+from ..levers.checkpointing import set_activation_checkpointing
+from ..levers.precision import autocast, check_precision, fallback_precisions, preferred_precision
+from ..plan import Plan
+from ..runtime.oom import is_oom, release_memory
+from ..runtime.rng import capture_rng, restore_rng
+from ..units import format_bytes
+from ..workload import Workload
+
+# Keep this share of the budget free at the probe's peak: fragmentation grows over the first
+# steps and real batches differ from the probe's, so a probe that only just fits is rejected.
+PROBE_HEADROOM = 0.05
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One probe step: whether it fit, and its peak reserved/allocated bytes (None on OOM)."""
+
+    micro_batch: int
+    fits: bool
+    peak_reserved_bytes: int | None
+    peak_allocated_bytes: int | None
+
+
+def probe_step(workload: Workload, micro_batch: int, precision: str, budget_bytes: int) -> ProbeResult:
+    """Run one full training step of ``micro_batch`` worst-case samples on the model's CUDA device.
+
+    Returns:
+        A :class:`ProbeResult`; ``fits`` is False on OOM or when the peak reserved memory
+        exceeds ``(1 - PROBE_HEADROOM) * budget_bytes``.
+
+    Raises:
+        Any non-OOM error of the step, unchanged.
+    """
+    model = workload.model
+    device = next(model.parameters()).device
+    rng = capture_rng()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, fused=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    oom = False
+    try:
+        _probe_once(workload, micro_batch, precision, device, optimizer)
+        torch.cuda.synchronize(device)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        oom = True
+    optimizer.zero_grad(set_to_none=True)
+    del optimizer
+    release_memory()
+    restore_rng(rng)
+    if oom:
+        return ProbeResult(micro_batch, False, None, None)
+    reserved = torch.cuda.max_memory_reserved(device)
+    allocated = torch.cuda.max_memory_allocated(device)
+    return ProbeResult(micro_batch, reserved <= (1 - PROBE_HEADROOM) * budget_bytes, reserved, allocated)
+
+
+def _probe_once(workload: Workload, micro_batch: int, precision: str, device, optimizer) -> None:
+    batch = {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
+    with autocast(precision, device.type):
+        loss = workload.loss_sum(workload.model, batch) / micro_batch
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+    optimizer.step()  # allocates AdamW's state, as the first real step will
+
+
+def largest_micro_batch(workload: Workload, precision: str, budget_bytes: int, upper: int) -> ProbeResult | None:
+    """Binary search for the largest micro-batch in ``[1, upper]`` whose probe fits.
+
+    Returns:
+        The probe of the largest fitting micro-batch, or None if even 1 does not fit.
+    """
+    best = None
+    first = probe_step(workload, upper, precision, budget_bytes)
+    if first.fits:
+        return first
+    lo, hi = 0, upper  # lo fits (0 trivially), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        r = probe_step(workload, mid, precision, budget_bytes)
+        if r.fits:
+            lo, best = mid, r
+        else:
+            hi = mid
+    return best
+
+
+def balanced_micro_batch(effective_batch: int, largest: int) -> int:
+    """Smallest micro-batch with the same number of accumulation steps as ``largest``: e.g. 32
+    samples with at most 20 per pass -> 2 passes of 16 rather than 20 + 12 (same work, lower peak)."""
+    steps = math.ceil(effective_batch / largest)
+    return math.ceil(effective_batch / steps)
+
+
+def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, budget_bytes: int | None,
+               precision: str = "auto", checkpointing: str = "auto") -> Plan:
+    """Choose the plan for ``workload``.
+
+    On the CPU: fp32, the whole effective batch in one micro-batch (host memory is not budgeted).
+    On a GPU: precision from the card (:func:`preferred_precision`); the largest micro-batch that
+    a probe step fits in ``budget_bytes``, without activation checkpointing if any fits, else
+    with it; if nothing fits in fp32, fp16/bf16 are tried for their smaller activations.
+    The model must already be on ``device``, and the caching allocator capped to the budget.
+
+    Args:
+        precision: ``"auto"`` or an explicit ``fp32|fp16|bf16``.
+        checkpointing: ``"auto"``, ``"on"`` or ``"off"``.
+
+    Raises:
+        TightfitError: nothing fits, or an explicit precision the card cannot run.
+    """
+    E = workload.effective_batch
+    if device == "cpu":
+        prec = "fp32" if precision == "auto" else precision
+        check_precision(prec, None)
+        ckpt = checkpointing == "on"
+        return Plan(prec, E, E, ckpt, device="cpu", budget_bytes=None,
+                    reasons=("CPU: fp32, the whole effective batch in one micro-batch (host memory is not budgeted)",)
+                    + (("activation checkpointing on (asked for)",) if ckpt else ()))
+    if precision == "auto":
+        first, why = preferred_precision(profile)
+        candidates = fallback_precisions(profile, first)
+    else:
+        check_precision(precision, profile)
+        first, why, candidates = precision, f"{precision} (asked for)", [precision]
+    ckpt_options = {"auto": [False, True], "on": [True], "off": [False]}[checkpointing]
+    tried = []
+    for prec in candidates:
+        for ckpt in ckpt_options:
+            set_activation_checkpointing(workload.model, ckpt)
+            best = largest_micro_batch(workload, prec, budget_bytes, E)
+            tried.append(f"{prec}{' + checkpointing' if ckpt else ''}: "
+                         + (f"micro-batch {best.micro_batch}" if best else "micro-batch 1 does not fit"))
+            if best is None:
+                continue
+            mb = balanced_micro_batch(E, best.micro_batch)
+            reasons = [why if prec == first else f"{prec}: {first} did not fit even at micro-batch 1 "
+                       f"(fp16/bf16 halve activation memory)"]
+            reasons.append(f"largest micro-batch that fits {format_bytes(budget_bytes)} (probe step, "
+                           f"{int(PROBE_HEADROOM * 100)}% headroom): {best.micro_batch} -> {mb} x "
+                           f"{math.ceil(E / mb)} accumulation steps = effective batch {E}")
+            reasons.append("activation checkpointing on: nothing fits without it" if ckpt and checkpointing == "auto"
+                           else f"activation checkpointing {'on' if ckpt else 'off'}"
+                           + (" (asked for)" if checkpointing != "auto" else ": not needed to fit"))
+            peak = best.peak_reserved_bytes
+            if mb != best.micro_batch:
+                peak = probe_step(workload, mb, prec, budget_bytes).peak_reserved_bytes
+            set_activation_checkpointing(workload.model, False)  # the runtime applies the plan's choice
+            return Plan(prec, mb, E, ckpt, device=device, budget_bytes=budget_bytes, reasons=tuple(reasons),
+                        probe_peak_reserved_bytes=peak)
+    set_activation_checkpointing(workload.model, False)
+    raise TightfitError(f"nothing fits the budget of {format_bytes(budget_bytes)}: " + "; ".join(tried))

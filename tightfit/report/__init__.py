@@ -1,0 +1,1 @@
+"""What happened, measured: metrics, summaries, diagnoses."""

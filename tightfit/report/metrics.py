@@ -1,0 +1,44 @@
+"""Metrics as JSON Lines: one record per logged step, evaluation and event."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``path``; each line is written with a single
+    ``write`` and flushed, so a killed run leaves whole lines only.
+
+    Args:
+        path: the ``metrics.jsonl`` file (created, or appended to on resume).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def __call__(self, record: dict) -> None:
+        rec = {"time": round(time.time(), 3), **{k: _clean(v) for k, v in record.items()}}
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no inf/NaN
+    return v
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records of a ``metrics.jsonl`` file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,377 @@
+"""The training loop: accumulation windows, mixed precision, clipping, and the guards.
+
+Read it top to bottom in :meth:`Trainer.fit`. Each optimizer step consumes one *window* of
+``effective_batch`` samples, split into micro-batches of ``plan.micro_batch``; the loss of
+every micro-batch is divided by the number of samples in the whole window, so the summed
+gradient equals the gradient of one batch made of the same samples (DESIGN invariant 1).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import TightfitError
+from ..levers.checkpointing import set_activation_checkpointing
+from ..levers.precision import autocast, make_grad_scaler
+from ..plan import Plan
+from ..workload import Workload
+from .health import HealthMonitor
+from .oom import is_oom, release_memory
+from .rng import capture_rng, restore_rng
+
+
+@dataclass
+class TrainConfig:
+    """Settings of a run that are not memory/speed choices (those are in the Plan).
+
+    Attributes:
+        epochs: passes over the training samples.
+        max_steps: stop after this many optimizer steps (None: run all epochs).
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW's decoupled weight decay.
+        warmup_ratio: share of steps with linear warm-up, then linear decay to 0.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        seed: seed of the sample order, dropout and the new head.
+        log_every: write a metrics line every this many optimizer steps.
+        max_skipped_steps: stop after this many non-finite steps in a row.
+        grow_back_after: after an OOM recovery, try doubling the micro-batch again after this
+            many clean windows (0: never).
+    """
+
+    epochs: float = 3.0
+    max_steps: int | None = None
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+    log_every: int = 10
+    max_skipped_steps: int = 20
+    grow_back_after: int = 100
+
+
+@dataclass
+class TrainResult:
+    """What the run did, measured.
+
+    Attributes:
+        steps: optimizer steps taken (skipped non-finite steps included).
+        samples: training samples consumed.
+        train_seconds: wall time of the training loop (evaluation excluded).
+        samples_per_s: ``samples / train_seconds``.
+        final_loss: mean loss of the last window.
+        skipped_steps: steps whose gradients were non-finite (not applied).
+        oom_recoveries: windows redone with a smaller micro-batch.
+        plan: the plan in force at the end (micro-batch after recoveries).
+        peak_allocated_bytes, peak_reserved_bytes: CUDA peaks (None on the CPU).
+        eval: last evaluation ``{"accuracy", "loss", "samples"}`` or None.
+    """
+
+    steps: int = 0
+    samples: int = 0
+    train_seconds: float = 0.0
+    samples_per_s: float = 0.0
+    final_loss: float = math.nan
+    skipped_steps: int = 0
+    oom_recoveries: int = 0
+    plan: Plan | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    eval: dict | None = None
+    events: list[str] = field(default_factory=list)
+
+
+class NonFiniteTrainingError(TightfitError):
+    """Too many optimizer steps in a row had non-finite (inf/NaN) gradients."""
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """Sample order of one epoch: a permutation of ``range(n)`` fixed by ``(seed, epoch)``."""
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def windows_of(order: list[int], effective_batch: int) -> list[list[int]]:
+    """Split an epoch's order into accumulation windows; the last may be shorter (it is stepped,
+    normalised by what it holds)."""
+    return [order[i:i + effective_batch] for i in range(0, len(order), effective_batch)]
+
+
+def steps_per_epoch(n: int, effective_batch: int) -> int:
+    return math.ceil(n / effective_batch)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class Trainer:
+    """Trains ``workload.model`` under ``plan``.
+
+    Args:
+        workload: model, samples and loss.
+        plan: precision, micro-batch, checkpointing, device.
+        config: optimiser and schedule settings.
+        log: called with one dict per metrics record (``{"type": "train"|"eval"|"event", ...}``).
+        progress: show a tqdm progress bar.
+    """
+
+    def __init__(self, workload: Workload, plan: Plan, config: TrainConfig,
+                 log: Callable[[dict], None] = lambda record: None, progress: bool = True):
+        self.w, self.plan, self.cfg, self.log = workload, plan, config, log
+        self.progress = progress
+        self.device = torch.device(plan.device)
+        self.model = workload.model.to(self.device)
+        set_activation_checkpointing(self.model, plan.activation_checkpointing)
+        params = [p for p in self.model.parameters() if p.requires_grad]  # frozen: no state
+        # fused AdamW on CUDA: one kernel, no large temporaries, so an OOM cannot leave a
+        # half-applied update behind (the foreach path allocates per-step temporaries).
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
+                                           fused=self.device.type == "cuda")
+        self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
+        total = math.ceil(config.epochs * self.steps_per_epoch)
+        self.total_steps = min(total, config.max_steps) if config.max_steps else total
+        warmup = int(config.warmup_ratio * self.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: (s + 1) / max(1, warmup) if s < warmup
+            else max(0.0, (self.total_steps - s) / max(1, self.total_steps - warmup)))
+        self.scaler = make_grad_scaler(plan.precision, self.device.type)
+        self.health = HealthMonitor(self.device.index or 0) if self.device.type == "cuda" else None
+        self.micro_batch = plan.micro_batch
+        self.step = 0
+        self.result = TrainResult(plan=plan)
+        self._skipped_in_row = 0
+        self._clean_windows = 0
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> TrainResult:
+        """Train for ``total_steps`` optimizer steps, then evaluate on the held-out samples.
+
+        Raises:
+            NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
+            TightfitError: a micro-batch of 1 runs out of memory.
+        """
+        bar = self._progress_bar()
+        t0 = time.perf_counter()
+        epoch = 0
+        while self.step < self.total_steps:
+            for window in windows_of(epoch_order(len(self.w.train), self.cfg.seed, epoch), self.w.effective_batch):
+                if self.step >= self.total_steps:
+                    break
+                loss = self.run_window(window)
+                stepped = self.optimizer_step(window)
+                self.step += 1
+                self.result.samples += len(window)
+                self.result.final_loss = loss
+                elapsed = time.perf_counter() - t0
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch,
+                                    samples_s=f"{self.result.samples / elapsed:.1f}")
+                if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
+                    self.log(self._train_record(epoch, loss, stepped, elapsed))
+            epoch += 1
+        self.result.train_seconds = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        self.result.steps = self.step
+        self.result.samples_per_s = self.result.samples / max(self.result.train_seconds, 1e-9)
+        self.result.plan = self.plan.with_micro_batch(self.micro_batch) if self.micro_batch != self.plan.micro_batch else self.plan
+        if self.w.eval is not None:
+            self.result.eval = self.evaluate()
+            self.log({"type": "eval", "step": self.step, **self.result.eval})
+        if self.device.type == "cuda":
+            self.result.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
+            self.result.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
+        return self.result
+
+    # ---------------------------------------------------------------- one window
+    def run_window(self, window: list[int]) -> float:
+        """Forward and backward over one accumulation window, recovering from OOM.
+
+        On an out-of-memory error the window is redone from scratch with half the micro-batch
+        (twice the accumulation): gradients are zeroed, the failed attempt's memory released
+        and the RNG states restored, so the redo draws the same dropout masks as a run that used
+        the smaller micro-batch from the start (DESIGN invariant 2).
+
+        Returns:
+            The window's mean loss (a Python float).
+
+        Raises:
+            TightfitError: a micro-batch of 1 still runs out of memory.
+        """
+        rng = capture_rng()
+        while True:
+            try:
+                return self._attempt_window(window)
+            except Exception as e:  # only OOMs are handled; anything else propagates unchanged
+                if not is_oom(e):
+                    raise
+                where = type(e).__name__
+            # Outside the except block: the traceback and the tensors its frames held are gone.
+            self.optimizer.zero_grad(set_to_none=True)
+            release_memory()
+            restore_rng(rng)
+            self._on_oom(where)
+
+    def _attempt_window(self, window: list[int]) -> float:
+        mb = self.micro_batch
+        micro = [self.w.train.collate(window[i:i + mb]) for i in range(0, len(window), mb)]
+        total = sum(self.w.count(b) for b in micro)  # normaliser of the whole window
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in micro:
+            batch = _to_device(batch, self.device)
+            with autocast(self.plan.precision, self.device.type):
+                loss = self.w.loss_sum(self.model, batch) / total
+            self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        self._clean_windows += 1
+        return float(loss_sum)  # one sync per window
+
+    def _on_oom(self, where: str) -> None:
+        self.result.oom_recoveries += 1
+        self._clean_windows = 0
+        if self.micro_batch == 1:
+            raise TightfitError(
+                "out of memory with a micro-batch of 1"
+                + ("" if self.plan.activation_checkpointing else "; a plan with activation checkpointing would use less")
+                + ("; fp16/bf16 autocast would use less" if self.plan.precision == "fp32" else "")
+                + "; or raise the budget")
+        new = max(1, self.micro_batch // 2)
+        msg = (f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {self.step + 1} "
+               f"with micro-batch {new} x {math.ceil(self.w.effective_batch / new)} accumulation steps")
+        self._event(msg)
+        self.micro_batch = new
+
+    def _maybe_grow_back(self) -> None:
+        if (self.cfg.grow_back_after and self.micro_batch < self.plan.micro_batch
+                and self._clean_windows >= self.cfg.grow_back_after):
+            new = min(self.plan.micro_batch, self.micro_batch * 2)
+            self._event(f"{self._clean_windows} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
+            self.micro_batch = new
+            self._clean_windows = 0
+
+    # ---------------------------------------------------------------- optimizer step
+    def optimizer_step(self, window: list[int]) -> bool:
+        """Unscale once, clip, step (unless non-finite), update the loss scale, zero gradients.
+
+        Returns:
+            True if the update was applied, False if it was skipped as non-finite.
+
+        Raises:
+            NonFiniteTrainingError: after ``max_skipped_steps`` skipped steps in a row.
+        """
+        self.scaler.unscale_(self.optimizer)  # exactly once per step, before clipping
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        finite = bool(torch.isfinite(self._grad_norm))
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)  # skips the update itself if unscale_ found inf/NaN
+        elif finite:
+            self.optimizer.step()
+        self.scaler.update()  # also after a skipped step: the loss scale backs off
+        self.scheduler.step()
+        if finite:
+            self._skipped_in_row = 0
+            self.optimizer.zero_grad(set_to_none=True)
+            self._maybe_grow_back()
+            return True
+        self.result.skipped_steps += 1
+        self._skipped_in_row += 1
+        if self._skipped_in_row >= self.cfg.max_skipped_steps:
+            culprit = self._first_nonfinite(window)
+            raise NonFiniteTrainingError(
+                f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
+                f"{culprit}. Try --precision bf16 (compute capability >= 8.0) or fp32, or a lower --lr")
+        self.optimizer.zero_grad(set_to_none=True)
+        return False
+
+    def _first_nonfinite(self, window: list[int]) -> str:
+        """Name the first module whose forward output is non-finite on this window's first
+        micro-batch, else the first parameter whose gradient is."""
+        from ..report.diagnose import first_nonfinite_module
+
+        batch = _to_device(self.w.train.collate(window[:self.micro_batch]), self.device)
+        name = first_nonfinite_module(self.model, batch, lambda: autocast(self.plan.precision, self.device.type))
+        if name:
+            return f"the output of module {name!r}"
+        for pname, p in self.model.named_parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                return f"the gradient of {pname!r} (backward overflow)"
+        return "the loss-scaled backward (gradients overflowed after scaling)"
+
+    # ---------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Accuracy and mean loss on the held-out samples; the evaluation batch halves on OOM
+        independently of the training micro-batch.
+
+        Returns:
+            ``{"accuracy": float, "loss": float, "samples": int, "eval_batch": int}``.
+        """
+        data = self.w.eval
+        self.model.eval()
+        batch_size = max(1, min(len(data), 2 * self.micro_batch))
+        i, correct, loss_total = 0, 0, 0.0
+        while i < len(data):
+            idx = list(range(i, min(i + batch_size, len(data))))
+            try:
+                batch = _to_device(data.collate(idx), self.device)
+                with autocast(self.plan.precision, self.device.type):
+                    inputs = {k: v for k, v in batch.items() if k != "labels"}
+                    logits = self.model(**inputs).logits.float()
+                loss_total += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
+                correct += int((logits.argmax(-1) == batch["labels"]).sum())
+                i += len(idx)
+                continue
+            except Exception as e:
+                if not is_oom(e) or batch_size == 1:
+                    raise
+            release_memory()
+            batch_size //= 2
+            self._event(f"out of memory in evaluation: evaluation batch -> {batch_size}")
+        self.model.train()
+        return {"accuracy": correct / len(data), "loss": loss_total / len(data), "samples": len(data),
+                "eval_batch": batch_size}
+
+    # ---------------------------------------------------------------- logging
+    def _event(self, message: str) -> None:
+        self.result.events.append(message)
+        self.log({"type": "event", "step": self.step, "message": message})
+        if self.progress:
+            from tqdm import tqdm
+            tqdm.write(f"tightfit: {message}")
+
+    def _train_record(self, epoch: int, loss: float, stepped: bool, elapsed: float) -> dict:
+        rec = {"type": "train", "step": self.step, "epoch": epoch, "loss": loss,
+               "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(self._grad_norm),
+               "stepped": stepped, "micro_batch": self.micro_batch,
+               "accumulation_steps": math.ceil(self.w.effective_batch / self.micro_batch),
+               "samples": self.result.samples, "samples_per_s": self.result.samples / max(elapsed, 1e-9)}
+        if self.scaler.is_enabled():
+            rec["loss_scale"] = float(self.scaler.get_scale())
+        if self.device.type == "cuda":
+            rec["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            rec["reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+            rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+        if self.health is not None:
+            h = self.health.sample()
+            if h:
+                rec.update(h)
+                if "warning" in h:
+                    self._event(h["warning"])
+        return rec
+
+    def _progress_bar(self):
+        if not self.progress:
+            return None
+        from tqdm import tqdm
+        return tqdm(total=self.total_steps, desc="train", unit="step", dynamic_ncols=True)

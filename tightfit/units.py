@@ -1,0 +1,62 @@
+"""Memory sizes: parse what users write ("4GiB", "11GB", "512MiB") into bytes, and format bytes.
+
+Inside tightfit every size is an ``int`` of bytes; GiB appear only when displaying.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import TightfitError
+
+# IEC (binary) and SI (decimal) units, as in IEC 80000-13. "GB" is decimal on purpose:
+# a card sold as "11 GB" is written that way by users, and the difference is 7%.
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+GiB = 2**30
+MiB = 2**20
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a memory size into bytes.
+
+    Args:
+        text: e.g. ``"4GiB"``, ``"11GB"``, ``"3.5 GiB"``, ``"512MiB"``, ``"2048"`` (bytes),
+            or an int of bytes. Bare ``K/M/G/T`` are binary (as in ``nvidia-smi``'s MiB).
+
+    Returns:
+        The size in bytes (int, rounded down).
+
+    Raises:
+        TightfitError: if the text is not a positive number followed by a known unit.
+    """
+    if isinstance(text, int):
+        if text <= 0:
+            raise TightfitError(f"memory size must be positive, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise TightfitError(
+            f"cannot read memory size {text!r}: write a number and a unit, e.g. 4GiB, 11GB, 512MiB")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise TightfitError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Format bytes for display: ``format_bytes(3 * 2**30) == "3.00 GiB"``; None gives "-"."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
