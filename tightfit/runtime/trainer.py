@@ -165,8 +165,7 @@ class Trainer:
             for window in windows_of(epoch_order(len(self.w.train), self.cfg.seed, epoch), self.w.effective_batch):
                 if self.step >= self.total_steps:
                     break
-                loss = self.run_window(window)
-                stepped = self.optimizer_step(window)
+                loss, stepped = self.train_step(window)
                 self.step += 1
                 self.result.samples += len(window)
                 self.result.final_loss = loss
@@ -192,36 +191,44 @@ class Trainer:
             self.result.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
         return self.result
 
-    # ---------------------------------------------------------------- one window
-    def run_window(self, window: list[int]) -> float:
-        """Forward and backward over one accumulation window, recovering from OOM.
+    # ---------------------------------------------------------------- one optimizer step
+    def train_step(self, window: list[int]) -> tuple[float, bool]:
+        """One optimizer step over one accumulation window, recovering from out-of-memory errors.
 
-        On an out-of-memory error the window is redone from scratch with half the micro-batch
-        (twice the accumulation): gradients are zeroed, the failed attempt's memory released
-        and the RNG states restored, so the redo draws the same dropout masks as a run that used
-        the smaller micro-batch from the start (DESIGN invariant 2).
+        An OOM in forward, backward or the optimizer step redoes the window from scratch with
+        half the micro-batch (twice the accumulation): gradients are zeroed, the failed
+        attempt's memory released, the loss scaler's per-step state reset and the RNG states
+        restored, so the redo draws the same dropout masks as a run that used the smaller
+        micro-batch from the start (DESIGN invariant 2). Anything but an OOM propagates.
 
         Returns:
-            The window's mean loss (a Python float).
+            ``(mean loss of the window, whether the update was applied)``.
 
         Raises:
             TightfitError: a micro-batch of 1 still runs out of memory.
+            NonFiniteTrainingError: after ``max_skipped_steps`` non-finite steps in a row.
         """
         rng = capture_rng()
         while True:
             try:
-                return self._attempt_window(window)
+                loss = self._forward_backward(window)
+                finite = self._unscale_clip_step()
+                break
             except Exception as e:  # only OOMs are handled; anything else propagates unchanged
                 if not is_oom(e):
                     raise
                 where = type(e).__name__
             # Outside the except block: the traceback and the tensors its frames held are gone.
             self.optimizer.zero_grad(set_to_none=True)
+            self._reset_scaler_step()
             release_memory()
             restore_rng(rng)
             self._on_oom(where)
+        self.scaler.update()  # also after a skipped step: the loss scale backs off
+        self.scheduler.step()  # the schedule follows the data, applied or skipped
+        return loss, self._after_step(finite, window)
 
-    def _attempt_window(self, window: list[int]) -> float:
+    def _forward_backward(self, window: list[int]) -> float:
         mb = self.micro_batch
         micro = [self.w.train.collate(window[i:i + mb]) for i in range(0, len(window), mb)]
         total = sum(self.w.count(b) for b in micro)  # normaliser of the whole window
@@ -232,8 +239,28 @@ class Trainer:
                 loss = self.w.loss_sum(self.model, batch) / total
             self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        self._clean_windows += 1
         return float(loss_sum)  # one sync per window
+
+    def _unscale_clip_step(self) -> bool:
+        """Unscale exactly once, before clipping; apply the update unless non-finite."""
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        finite = bool(torch.isfinite(self._grad_norm))
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)  # skips the update itself if unscale_ found inf/NaN
+        elif finite:
+            self.optimizer.step()
+        return finite
+
+    def _reset_scaler_step(self) -> None:
+        # A failed attempt may have called unscale_ already; a scaler rebuilt from its state
+        # dict keeps the loss scale and growth tracker but forgets that per-step record.
+        if self.scaler.is_enabled():
+            state = self.scaler.state_dict()
+            self.scaler = make_grad_scaler(self.plan.precision, self.device.type)
+            self.scaler.load_state_dict(state)
 
     def _on_oom(self, where: str) -> None:
         self.result.oom_recoveries += 1
@@ -250,39 +277,17 @@ class Trainer:
         self._event(msg)
         self.micro_batch = new
 
-    def _maybe_grow_back(self) -> None:
-        if (self.cfg.grow_back_after and self.micro_batch < self.plan.micro_batch
-                and self._clean_windows >= self.cfg.grow_back_after):
-            new = min(self.plan.micro_batch, self.micro_batch * 2)
-            self._event(f"{self._clean_windows} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
-            self.micro_batch = new
-            self._clean_windows = 0
-
-    # ---------------------------------------------------------------- optimizer step
-    def optimizer_step(self, window: list[int]) -> bool:
-        """Unscale once, clip, step (unless non-finite), update the loss scale, zero gradients.
-
-        Returns:
-            True if the update was applied, False if it was skipped as non-finite.
-
-        Raises:
-            NonFiniteTrainingError: after ``max_skipped_steps`` skipped steps in a row.
-        """
-        self.scaler.unscale_(self.optimizer)  # exactly once per step, before clipping
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        finite = bool(torch.isfinite(self._grad_norm))
-        if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)  # skips the update itself if unscale_ found inf/NaN
-        elif finite:
-            self.optimizer.step()
-        self.scaler.update()  # also after a skipped step: the loss scale backs off
-        self.scheduler.step()
+    def _after_step(self, finite: bool, window: list[int]) -> bool:
+        """Count clean and skipped steps, grow the micro-batch back, zero the gradients."""
         if finite:
             self._skipped_in_row = 0
+            self._clean_windows += 1
             self.optimizer.zero_grad(set_to_none=True)
-            self._maybe_grow_back()
+            if (self.cfg.grow_back_after and self.micro_batch < self.plan.micro_batch
+                    and self._clean_windows >= self.cfg.grow_back_after):
+                new = min(self.plan.micro_batch, self.micro_batch * 2)
+                self._event(f"{self._clean_windows} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
+                self.micro_batch, self._clean_windows = new, 0
             return True
         self.result.skipped_steps += 1
         self._skipped_in_row += 1

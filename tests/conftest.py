@@ -1,0 +1,60 @@
+"""Shared test helpers: a tiny random BERT and synthetic token batches, so unit tests run in
+seconds on a CPU; the end-to-end tests use the real shipped model and data."""
+
+import pytest
+import torch
+
+from tightfit.workload import Workload
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class SyntheticBatches:
+    """``n`` samples of random token ids with lengths 3..``seq_len`` (padded per batch) and
+    random binary labels; same interface as :class:`tightfit.workload.TextBatches`."""
+
+    def __init__(self, n=24, seq_len=12, vocab=50, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.lengths = torch.randint(3, seq_len + 1, (n,), generator=g).tolist()
+        self.ids = torch.randint(1, vocab, (n, seq_len), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+        self.seq_len = seq_len
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def collate(self, indices, pad_to=None):
+        T = pad_to or max(self.lengths[i] for i in indices)
+        ids = torch.zeros(len(indices), T, dtype=torch.long)
+        mask = torch.zeros(len(indices), T, dtype=torch.long)
+        for r, i in enumerate(indices):
+            L = min(self.lengths[i], T)
+            ids[r, :L] = self.ids[i, :L]
+            mask[r, :L] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": self.labels[list(indices)]}
+
+    def worst_case(self, n):
+        return self.collate([i % len(self) for i in range(n)], pad_to=self.seq_len)
+
+
+def tiny_bert(dropout=0.0, seed=0):
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32, num_labels=2,
+                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return BertForSequenceClassification(cfg)
+
+
+@pytest.fixture
+def make_workload():
+    def make(n=24, effective_batch=8, dropout=0.0, seed=0):
+        return Workload(tiny_bert(dropout, seed), SyntheticBatches(n), SyntheticBatches(8, seed=1), effective_batch)
+    return make

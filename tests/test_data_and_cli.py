@@ -1,0 +1,75 @@
+"""Bad input: a one-line error, exit code 2, before any training and with nothing written."""
+
+import gzip
+import json
+
+import pytest
+
+from tightfit.cli import main
+from tightfit.data import held_out_split, load_text_classification
+from tightfit.errors import TightfitError
+
+
+def _csv(tmp_path, text, name="d.csv"):
+    f = tmp_path / name
+    f.write_text(text)
+    return f
+
+
+def test_string_labels_and_formats(tmp_path):
+    f = _csv(tmp_path, "sentence,y\ngood film,pos\nbad film,neg\n\"ok, fine\",pos\n")
+    d = load_text_classification(f, "sentence", "y")
+    assert d.label_names == ["neg", "pos"] and d.labels == [1, 0, 1] and d.texts[2] == "ok, fine"
+    j = tmp_path / "d.jsonl.gz"
+    with gzip.open(j, "wt") as g:
+        g.write("\n".join(json.dumps({"t": f"x{i}", "l": i % 3 * 5}) for i in range(6)) + "\n")
+    d = load_text_classification(j, "t", "l")
+    assert d.label_names == ["0", "5", "10"]  # numeric labels sorted as numbers
+    assert d.labels == [0, 1, 2, 0, 1, 2]
+
+
+@pytest.mark.parametrize("content,name,match", [
+    ("text,label\na,1\nb\n", "d.csv", "has 1 fields"),
+    ('text,label\n"unterminated,1\n', "d.csv", "malformed CSV|fields"),
+    ('{"text": "a", "label": 1}\n{"text": \n', "d.jsonl", "line 2 is not valid JSON"),
+    ("text,label\na,1\nb,1\n", "d.csv", "1 class"),
+    ("text,cls\na,1\nb,0\n", "d.csv", "no column 'label'"),
+    ("a b c", "d.parquet", "unknown data format"),
+])
+def test_bad_data(tmp_path, content, name, match):
+    with pytest.raises(TightfitError, match=match):
+        load_text_classification(_csv(tmp_path, content, name), "text", "label")
+
+
+def test_held_out_split_is_fixed_and_disjoint():
+    a_train, a_eval = held_out_split(1000)
+    b_train, b_eval = held_out_split(1000)
+    assert a_eval == b_eval and len(a_eval) == 100
+    assert not set(a_train) & set(a_eval) and len(a_train) + len(a_eval) == 1000
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--gpu", "gtx-9999"], "unknown GPU profile"),
+    (["--budget", "4GiBB"], "cannot read memory size"),
+    (["--data", "/nonexistent/x.csv"], "data file not found"),
+    (["--precision", "fp8"], "unknown --precision"),
+    (["--model", "/nonexistent/model"], "model folder not found"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_cli_bad_input_exit_2_and_nothing_written(tmp_path, capsys, args, match):
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tightfit: error:") and len(err.splitlines()) == 1
+    import re
+    assert re.search(match, err), err
+    assert not out.exists()
+
+
+def test_cli_unknown_column(tmp_path, capsys):
+    f = _csv(tmp_path, "review,stars\ngreat,5\nawful,1\n")
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(f), "--text-column", "review", "--label-column", "label",
+                 "--out", str(out)]) == 2
+    assert "no column 'label'" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,0 +1,199 @@
+"""Runtime invariants on the CPU with a tiny BERT: accumulation equals one big batch, the last
+short window is normalised by what it holds, OOM recovery keeps the run identical to one that
+used the smaller micro-batch from the start, and non-finite steps are skipped and diagnosed."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tightfit.errors import TightfitError
+from tightfit.plan import Plan
+from tightfit.runtime.trainer import NonFiniteTrainingError, TrainConfig, Trainer, windows_of
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference_grads(workload, window):
+    """Gradient of the mean loss of one batch made of the window's samples."""
+    model = workload.model
+    model.zero_grad(set_to_none=True)
+    batch = workload.train.collate(window)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    F.cross_entropy(logits, batch["labels"]).backward()
+    g = _grads(model)
+    model.zero_grad(set_to_none=True)
+    return g
+
+
+@pytest.mark.parametrize("window_size,micro_batch", [(10, 3), (10, 10), (4, 3), (7, 1)])
+def test_accumulated_gradient_equals_one_big_batch(make_workload, window_size, micro_batch):
+    w = make_workload(effective_batch=10)
+    window = list(range(5, 5 + window_size))  # window_size < 10: a last, short window
+    ref = _reference_grads(w, window)
+    t = Trainer(w, Plan("fp32", micro_batch, 10), TrainConfig(max_grad_norm=None), progress=False)
+    t._forward_backward(window)
+    got = _grads(w.model)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_windows_cover_every_sample_once():
+    order = list(range(20))
+    ws = windows_of(order, 8)
+    assert [len(x) for x in ws] == [8, 8, 4]
+    assert sorted(i for x in ws for i in x) == order
+
+
+def _train(workload, micro_batch, cfg=None, setup=None):
+    t = Trainer(workload, Plan("fp32", micro_batch, workload.effective_batch),
+                cfg or TrainConfig(epochs=1, lr=1e-3, seed=3, grow_back_after=0), progress=False)
+    if setup:
+        setup(t)
+    torch.manual_seed(11)
+    res = t.fit()
+    return t, res
+
+
+def test_last_short_window_is_stepped(make_workload):
+    w = make_workload(n=20, effective_batch=8)
+    t, res = _train(w, 3)
+    assert res.steps == 3 and res.samples == 20
+
+
+class _InjectOOM:
+    """Raise a CUDA-style OOM the first time ``when(t)`` holds."""
+
+    def __init__(self, trainer, when):
+        self.trainer, self.when, self.fired = trainer, when, 0
+
+    def __call__(self, *args, **kwargs):
+        if not self.fired and self.when(self.trainer):
+            self.fired += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "optimizer"])
+def test_oom_recovery_equals_smaller_micro_batch_from_start(make_workload, where):
+    # Dropout on: the redo must draw the same masks as a run that used micro-batch 4 throughout.
+    ref_t, ref = _train(make_workload(n=24, effective_batch=8, dropout=0.1), 4)
+
+    def setup(t):
+        inject = _InjectOOM(t, lambda tr: tr.step == 0 and (where == "optimizer" or tr.micro_batch == 8))
+        layer = t.model.bert.encoder.layer[1]
+        if where == "forward":
+            layer.register_forward_pre_hook(inject)
+        elif where == "backward":
+            layer.register_full_backward_hook(inject)
+        else:
+            t.optimizer.register_step_pre_hook(inject)
+        t._inject = inject
+
+    t, res = _train(make_workload(n=24, effective_batch=8, dropout=0.1), 8, setup=setup)
+    assert t._inject.fired == 1 and res.oom_recoveries == 1
+    assert t.micro_batch == 4 and res.steps == ref.steps == 3 and res.samples == 24
+    assert t.scheduler.last_epoch == ref_t.scheduler.last_epoch
+    for (n, a), (_, b) in zip(t.model.named_parameters(), ref_t.model.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_non_oom_error_propagates_unchanged(make_workload):
+    w = make_workload()
+    boom = ValueError("not a memory problem")
+
+    def setup(t):
+        def hook(*a):
+            raise boom
+        t.model.bert.encoder.layer[0].register_forward_pre_hook(hook)
+
+    with pytest.raises(ValueError) as e:
+        _train(w, 4, setup=setup)
+    assert e.value is boom
+
+
+def test_oom_at_micro_batch_one_stops_with_advice(make_workload):
+    def setup(t):
+        def hook(*a):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        t.model.bert.encoder.layer[0].register_forward_pre_hook(hook)
+
+    with pytest.raises(TightfitError, match="micro-batch of 1.*checkpointing"):
+        _train(make_workload(), 2, setup=setup)
+
+
+def test_grow_back_after_clean_steps(make_workload):
+    w = make_workload(n=48, effective_batch=8)
+    cfg = TrainConfig(epochs=1, lr=1e-3, grow_back_after=2)
+
+    def setup(t):
+        t._inject = _InjectOOM(t, lambda tr: tr.step == 0 and tr.micro_batch == 8)
+        t.model.bert.encoder.layer[1].register_forward_pre_hook(t._inject)
+
+    t, res = _train(w, 8, cfg=cfg, setup=setup)
+    assert res.oom_recoveries == 1 and t.micro_batch == 8
+    assert any("growing micro-batch back 4 -> 8" in e for e in res.events)
+
+
+def test_nonfinite_gradient_is_skipped_and_weights_unchanged(make_workload):
+    w = make_workload(n=16, effective_batch=8)
+
+    calls = []
+
+    def setup(t):
+        def poison(grad):  # only the first window's gradient is non-finite
+            calls.append(1)
+            return grad * math.inf if len(calls) == 1 else grad
+        t.model.classifier.weight.register_hook(poison)
+
+    before = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3), progress=False)
+    setup(t)
+    window = list(range(8))
+    loss, stepped = t.train_step(window)
+    assert not stepped and t.result.skipped_steps == 1
+    for n, p in w.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert all(p.grad is None for p in w.model.parameters())  # zeroed for the next window
+    loss, stepped = t.train_step(window)
+    assert stepped and t.result.skipped_steps == 1
+
+
+def test_run_of_nonfinite_steps_names_the_module(make_workload):
+    w = make_workload(n=32, effective_batch=8)
+
+    def blow_up(module, inputs, output):
+        return output * math.inf
+
+    w.model.bert.encoder.layer[1].output.dense.register_forward_hook(blow_up)
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=2, lr=1e-3, max_skipped_steps=3), progress=False)
+    with pytest.raises(NonFiniteTrainingError, match=r"bert\.encoder\.layer\.1\.output\.dense"):
+        t.fit()
+    assert t.result.skipped_steps == 3
+
+
+def test_frozen_parameters_get_no_state_and_stay_identical(make_workload):
+    w = make_workload(n=16, effective_batch=8)
+    emb = w.model.bert.embeddings
+    for p in emb.parameters():
+        p.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in emb.named_parameters()}
+    t, _ = _train(w, 4)
+    state_params = set(t.optimizer.state.keys())
+    assert not any(p in state_params for p in emb.parameters())
+    for n, p in emb.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_evaluate_returns_accuracy(make_workload):
+    w = make_workload()
+    t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(), progress=False)
+    r = t.evaluate()
+    batch = w.eval.collate(list(range(len(w.eval))))
+    with torch.no_grad():
+        pred = w.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+    assert r["accuracy"] == pytest.approx((pred == batch["labels"]).float().mean().item())
+    assert r["samples"] == 8

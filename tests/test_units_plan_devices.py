@@ -1,0 +1,73 @@
+import json
+
+import pytest
+
+from tightfit.devices import CUDA_CONTEXT_BYTES, SAFETY_MARGIN, get_profile, load_profiles
+from tightfit.errors import TightfitError
+from tightfit.plan import Plan
+from tightfit.units import format_bytes, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4GiB", 4 * 2**30), ("4 gib", 4 * 2**30), ("11GB", 11 * 10**9), ("512MiB", 512 * 2**20),
+    ("3.5GiB", int(3.5 * 2**30)), ("2048", 2048), ("6G", 6 * 2**30), (4096, 4096),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["4GiBB", "four GiB", "", "-1GiB", "0", "4 XB", "1.2.3GB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(TightfitError):
+        parse_size(text)
+
+
+def test_format_bytes():
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(1536 * 2**10) == "1.50 MiB"
+    assert format_bytes(None) == "-"
+
+
+def test_plan_roundtrip_and_accumulation():
+    plan = Plan("fp16", micro_batch=12, effective_batch=32, activation_checkpointing=True, device="cuda",
+                budget_bytes=4 * 2**30, reasons=("a", "b"), probe_peak_reserved_bytes=123)
+    assert plan.accumulation_steps == 3  # 12 + 12 + 8
+    d = json.loads(plan.to_json())
+    assert d["accumulation_steps"] == 3 and d["micro_batch"] == 12
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.with_micro_batch(6).accumulation_steps == 6
+    assert plan.with_micro_batch(6).effective_batch == 32
+
+
+def test_plan_rejects_bad_values():
+    with pytest.raises(TightfitError):
+        Plan("fp8", 1, 1)
+    with pytest.raises(TightfitError):
+        Plan("fp32", 0, 8)
+    with pytest.raises(TightfitError):
+        Plan.from_dict({"precision": "fp32", "micro_batch": 1, "effective_batch": 2, "colour": "red"})
+    with pytest.raises(TightfitError):
+        Plan.from_json("{not json")
+
+
+def test_profiles_and_budget():
+    p = get_profile("GTX_1650_Ti")
+    assert p.total_bytes == 4 * 2**30 and p.compute_capability == (7, 5) and not p.fp16_tensor_cores
+    assert p.budget_bytes() == int((4 * 2**30 - CUDA_CONTEXT_BYTES) * (1 - SAFETY_MARGIN))
+    p = get_profile("gtx-1080-ti")
+    assert p.fp16_tflops / p.fp32_tflops == pytest.approx(1 / 64)
+    with pytest.raises(TightfitError, match="unknown GPU profile"):
+        get_profile("gtx-9999")
+
+
+def test_user_profile_file(tmp_path, monkeypatch):
+    f = tmp_path / "cards.json"
+    f.write_text(json.dumps([{"key": "my-card", "name": "My Card", "total_bytes": "6GiB",
+                              "compute_capability": [7, 5], "fp16_tensor_cores": True, "bf16": False,
+                              "fp32_tflops": 5, "fp16_tflops": 20, "bf16_tflops": 0,
+                              "host_link_bytes_per_s": 12e9}]))
+    monkeypatch.setenv("TIGHTFIT_GPU_PROFILES", str(f))
+    assert get_profile("my-card").total_bytes == 6 * 2**30
+    f.write_text('[{"key": "broken"}]')
+    with pytest.raises(TightfitError, match="malformed GPU profile"):
+        load_profiles()

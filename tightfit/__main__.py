@@ -1,0 +1,7 @@
+"""``python -m tightfit`` = the ``tightfit`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
