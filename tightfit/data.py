@@ -115,9 +115,10 @@ def _read_rows(path: Path) -> list[dict]:
     if reader.fieldnames is None:
         raise TightfitError(f"{path}: empty file")
     for n, row in enumerate(rows, 2):
-        if None in row or any(v is None for v in row.values()):
-            raise TightfitError(f"{path}: line {n} has {len(row) - (None in row) + len(row.get(None) or [])} fields, "
-                                f"the header has {len(reader.fieldnames)}")
+        extra = row.pop(None, None)  # DictReader's place for fields beyond the header
+        fields = sum(v is not None for v in row.values()) + len(extra or [])
+        if fields != len(reader.fieldnames):
+            raise TightfitError(f"{path}: record {n - 1} has {fields} fields, the header has {len(reader.fieldnames)}")
     return rows
 
 

@@ -1,0 +1,77 @@
+"""On a CUDA GPU (skipped elsewhere): the probe's plan fits a capped budget for real, a real
+out-of-memory error mid-run is recovered from, and mixed precision steps run."""
+
+import pytest
+import torch
+
+from tightfit.plan import Plan
+from tightfit.planner.probe import plan_first
+from tightfit.runtime.trainer import TrainConfig, Trainer
+from tightfit.units import GiB, MiB
+from tightfit.workload import Workload
+
+from conftest import SyntheticBatches
+
+pytestmark = pytest.mark.gpu
+
+
+def _bert_base_workload(n=256, effective_batch=64, seq_len=128, seed=0):
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(BertConfig(num_labels=2)).cuda()  # 110M parameters
+    return Workload(model, SyntheticBatches(n, seq_len=seq_len, vocab=30000, seed=seed),
+                    SyntheticBatches(32, seq_len=seq_len, vocab=30000, seed=1), effective_batch)
+
+
+@pytest.fixture
+def capped():
+    """Cap the caching allocator at a budget for the test, then lift the cap."""
+    def cap(budget):
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    yield cap
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.empty_cache()
+
+
+def test_probed_plan_fits_for_a_whole_run(capped):
+    budget = 3 * GiB
+    capped(budget)
+    w = _bert_base_workload()
+    before = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+    plan = plan_first(w, "cuda", None, budget, precision="fp32", checkpointing="off")
+    for n, p in w.model.named_parameters():  # probes leave the weights bit-identical
+        assert torch.equal(p, before[n]), n
+    assert 1 <= plan.micro_batch < 64  # 64 x 128 tokens of fp32 BERT-base does not fit 3 GiB
+    torch.cuda.reset_peak_memory_stats()
+    t = Trainer(w, plan, TrainConfig(epochs=2, lr=1e-5), progress=False)
+    res = t.fit()
+    assert res.oom_recoveries == 0 and res.steps == 8
+    assert torch.cuda.max_memory_reserved() <= budget
+
+
+def test_real_oom_is_recovered_without_changing_the_run(capped):
+    budget = 3 * GiB
+    capped(budget)
+    w = _bert_base_workload(n=128)
+    # A plan that claims the whole window fits: the first forward/backward runs out of memory.
+    t = Trainer(w, Plan("fp32", 64, 64, device="cuda"), TrainConfig(epochs=1, lr=1e-5, grow_back_after=0),
+                progress=False)
+    res = t.fit()
+    assert res.oom_recoveries >= 1 and res.steps == 2 and res.samples == 128
+    assert t.micro_batch < 64 and torch.cuda.max_memory_reserved() <= budget
+    assert t.scheduler.last_epoch == 2
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_steps(precision):
+    if precision == "bf16" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs compute capability >= 8.0")
+    from conftest import tiny_bert
+    w = Workload(tiny_bert().cuda(), SyntheticBatches(64), None, 16)
+    t = Trainer(w, Plan(precision, 8, 16, device="cuda"), TrainConfig(epochs=3, lr=1e-3), progress=False)
+    res = t.fit()
+    assert res.steps == 12 and res.skipped_steps <= 5
+    assert all(p.dtype == torch.float32 for p in w.model.parameters())  # fp32 master weights
+    if precision == "fp16":
+        assert t.scaler.is_enabled() and t.scaler.get_scale() > 0
