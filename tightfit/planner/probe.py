@@ -1,6 +1,6 @@
 """The first planner: pick precision from the card, then find the largest micro-batch that fits
-the budget with real probe steps on the GPU (forward, backward and a first optimizer step, on a
-worst-case batch padded to the full sequence length).
+the budget with real probe steps on the GPU (two steps of forward, backward and optimizer step,
+on a worst-case batch padded to the full sequence length).
 
 A probe uses a throw-away AdamW with lr = 0 and no weight decay, so the weights stay
 bit-identical; the RNG states are restored and the probe's memory released afterwards.
@@ -39,7 +39,7 @@ class ProbeResult:
 
 
 def probe_step(workload: Workload, micro_batch: int, precision: str, budget_bytes: int) -> ProbeResult:
-    """Run one full training step of ``micro_batch`` worst-case samples on the model's CUDA device.
+    """Run two full training steps of ``micro_batch`` worst-case samples on the model's CUDA device.
 
     Returns:
         A :class:`ProbeResult`; ``fits`` is False on OOM or when the peak reserved memory
@@ -57,7 +57,11 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     torch.cuda.reset_peak_memory_stats(device)
     oom = False
     try:
-        _probe_once(workload, micro_batch, precision, device, optimizer)
+        # Two steps: the first allocates AdamW's state, the second runs forward and backward with
+        # that state held -- the steady state of every later step (one step alone under-predicts).
+        for _ in range(2):
+            _probe_once(workload, micro_batch, precision, device, optimizer)
+            optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
     except Exception as e:
         if not is_oom(e):
