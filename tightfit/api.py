@@ -20,6 +20,7 @@ from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
 from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text
 from .plan import PRECISIONS
+from .runtime.rng import seed_everything
 from .units import format_bytes, parse_size
 
 CPU_DEFAULT_TRAIN_SAMPLES = 2000  # keeps the default run under 10 minutes on 2 CPU cores
@@ -49,6 +50,11 @@ class TrainRequest:
     eval_samples: int | None = None
     device: str = "auto"
     log_every: int = 10
+    checkpoint_every: int = 200
+    keep_last: int = 2
+    warn_temp: float = 82.0
+    cooldown_temp: float | None = None
+    resume: str | None = None
     progress: bool = True
     command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in ["tightfit", *sys.argv[1:]]))
 
@@ -100,6 +106,9 @@ def train(req: TrainRequest) -> dict:
     import torch
 
     t_start = time.perf_counter()
+    resume_from = None
+    if req.resume:
+        req, resume_from = _resume_request(req)
     # ---- validate input: nothing is written and the GPU is untouched until all of this passed
     if req.precision not in ("auto", *PRECISIONS):
         raise TightfitError(f"unknown --precision {req.precision!r}; use auto, fp32, fp16 or bf16")
@@ -119,7 +128,7 @@ def train(req: TrainRequest) -> dict:
     else:
         data = load_default()
     out = Path(req.out) if req.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    if out.exists() and any(out.iterdir()):
+    if resume_from is None and out.exists() and any(out.iterdir()):
         raise TightfitError(f"output folder {out} exists and is not empty; choose another --out")
 
     train_idx, eval_idx = held_out_split(len(data))
@@ -132,6 +141,7 @@ def train(req: TrainRequest) -> dict:
     eval_idx = take(eval_idx, req.eval_samples)
     train_data, eval_data = data.subset(train_idx), data.subset(eval_idx)
 
+    seed_everything(req.seed)  # before the new head is initialised
     model, tokenizer = load_classifier(model_path, data.label_names)
     state = model_state_bytes(model)
     if budget is not None and budget < state["total"]:
@@ -139,14 +149,13 @@ def train(req: TrainRequest) -> dict:
             f"budget {format_bytes(budget)} is below the {format_bytes(state['total'])} that this model's fp32 "
             f"weights ({format_bytes(state['parameters'])}), gradients and AdamW state need")
 
+    from .plan import Plan
     from .planner.probe import plan_first
     from .report.metrics import MetricsWriter
     from .report.summary import plan_lines, report_markdown, summary_rows
-    from .runtime.rng import seed_everything
     from .runtime.trainer import TrainConfig, Trainer
     from .workload import TextBatches, Workload
 
-    seed_everything(req.seed)
     workload = Workload(model, TextBatches(tokenizer, train_data, req.seq_len),
                         TextBatches(tokenizer, eval_data, req.seq_len), req.batch_size)
     device_name = "CPU" if device == "cpu" else torch.cuda.get_device_name(0)
@@ -164,21 +173,30 @@ def train(req: TrainRequest) -> dict:
              + (f" (the {profile.name} profile)" if req.gpu else ""))
         model.to(device)
     t_plan = time.perf_counter()
-    from .planner.probe import plan_first
-    plan = plan_first(workload, device, profile, budget, req.precision, req.checkpointing)
+    if resume_from is None:
+        plan = plan_first(workload, device, profile, budget, req.precision, req.checkpointing)
+    else:  # the plan in force when the checkpoint was written (micro-batch after recoveries)
+        plan = Plan.from_dict(_checkpoint_state(resume_from)["plan"])
     planning_s = time.perf_counter() - t_plan
-    _say("plan:")
+    _say("plan:" + (" (from the checkpoint)" if resume_from else ""))
     for line in plan_lines(plan):
         _say(f"  {line}")
 
     out.mkdir(parents=True, exist_ok=True)
+    if resume_from is None:
+        atomic_write_json(out / "request.json", {k: v for k, v in vars(req).items() if k != "progress"})
     atomic_write_json(out / "plan.json", plan.to_dict())
     metrics = MetricsWriter(out / "metrics.jsonl")
-    metrics({"type": "plan", "planning_seconds": planning_s, **plan.to_dict()})
+    metrics({"type": "plan", "planning_seconds": planning_s, "resumed_from": str(resume_from) if resume_from else None,
+             **plan.to_dict()})
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    cfg = TrainConfig(epochs=req.epochs, max_steps=req.max_steps, lr=req.lr, seed=req.seed, log_every=req.log_every)
+    cfg = TrainConfig(epochs=req.epochs, max_steps=req.max_steps, lr=req.lr, seed=req.seed, log_every=req.log_every,
+                      checkpoint_dir=str(out / "checkpoints"), checkpoint_every=req.checkpoint_every,
+                      keep_last=req.keep_last, warn_temp_c=req.warn_temp, cooldown_temp_c=req.cooldown_temp)
     trainer = Trainer(workload, plan, cfg, log=metrics, progress=req.progress)
+    if resume_from is not None:
+        trainer.resume(resume_from)
     try:
         result = trainer.fit()
     finally:
@@ -202,6 +220,9 @@ def train(req: TrainRequest) -> dict:
     if final_plan != plan:
         atomic_write_json(out / "plan.json", final_plan.to_dict())
     atomic_write_text(out / "report.md", report_markdown(final_plan, result, info))
+    from .report.plots import plot_run
+
+    plot_run(out, trainer.memory_timeline, budget if device == "cuda" else None)
     summary = {
         "accuracy": result.eval["accuracy"] if result.eval else None,
         "majority_accuracy": info["majority"], "eval_loss": result.eval["loss"] if result.eval else None,
@@ -220,3 +241,34 @@ def train(req: TrainRequest) -> dict:
         _say(f"  {k:<20} {v}")
     _say(f"run folder: {out} (plan.json, metrics.jsonl, report.md, summary.json, model/)")
     return summary
+
+
+def _checkpoint_state(path: Path) -> dict:
+    import torch
+
+    return torch.load(Path(path) / "state.pt", weights_only=True, map_location="cpu")
+
+
+def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path]:
+    """The request a run folder was started with, and its newest checkpoint.
+
+    Raises:
+        TightfitError: not a tightfit run folder, or no complete checkpoint in it.
+    """
+    import json
+
+    from .runtime.checkpoint import list_checkpoints
+
+    run = Path(req.resume)
+    if not (run / "request.json").is_file():
+        raise TightfitError(f"--resume {run}: not a tightfit run folder (no request.json)")
+    ckpts = list_checkpoints(run / "checkpoints")
+    if not ckpts:
+        raise TightfitError(f"--resume {run}: no checkpoint to resume from")
+    try:
+        saved = json.loads((run / "request.json").read_text())
+        resumed = TrainRequest(**{**saved, "out": str(run), "resume": str(run), "progress": req.progress,
+                                  "command": req.command})
+    except (json.JSONDecodeError, TypeError) as e:
+        raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
+    return resumed, ckpts[-1]

@@ -36,6 +36,13 @@ def _train_parser(sub) -> None:
     p.add_argument("--eval-samples", type=int, help="evaluate on this many held-out samples (default: all)")
     p.add_argument("--device", default="auto", help="auto|cuda|cpu (default: auto: the GPU if there is one)")
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between metrics lines (default: 10)")
+    p.add_argument("--checkpoint-every", type=int, default=200,
+                   help="write a resumable checkpoint every N optimizer steps and at the end (default: 200)")
+    p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (default: 2)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint "
+                                                   "(its other options are taken from DIR/request.json)")
+    p.add_argument("--warn-temp", type=float, default=82.0, help="warn at this GPU temperature, deg C (default: 82)")
+    p.add_argument("--cooldown-temp", type=float, help="pause between steps while the GPU is this hot (deg C)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

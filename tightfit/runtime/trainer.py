@@ -42,6 +42,12 @@ class TrainConfig:
         max_skipped_steps: stop after this many non-finite steps in a row.
         grow_back_after: after an OOM recovery, try doubling the micro-batch again after this
             many clean windows (0: never).
+        checkpoint_dir: folder for ``ckpt-<step>`` checkpoints (None: no checkpoints).
+        checkpoint_every: write a checkpoint every this many steps (and at the end); 0: only at the end.
+        keep_last: keep this many newest checkpoints.
+        warn_temp_c: warn when the GPU reaches this temperature (deg C).
+        cooldown_temp_c: pause between steps while the GPU is at or above this temperature, until
+            it is 5 deg C below (None: never pause); at most ``cooldown_max_s`` per pause.
     """
 
     epochs: float = 3.0
@@ -54,6 +60,12 @@ class TrainConfig:
     log_every: int = 10
     max_skipped_steps: int = 20
     grow_back_after: int = 100
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_last: int = 2
+    warn_temp_c: float = 82.0
+    cooldown_temp_c: float | None = None
+    cooldown_max_s: float = 300.0
 
 
 @dataclass
@@ -143,7 +155,9 @@ class Trainer:
             self.optimizer, lambda s: (s + 1) / max(1, warmup) if s < warmup
             else max(0.0, (self.total_steps - s) / max(1, self.total_steps - warmup)))
         self.scaler = make_grad_scaler(plan.precision, self.device.type)
-        self.health = HealthMonitor(self.device.index or 0) if self.device.type == "cuda" else None
+        self.health = (HealthMonitor(self.device.index or 0, warn_temp_c=config.warn_temp_c)
+                       if self.device.type == "cuda" else None)
+        self.memory_timeline: list[tuple[int, int, int]] = []  # (step, allocated, reserved) bytes
         self.micro_batch = plan.micro_batch
         self.step = 0
         self.result = TrainResult(plan=plan)
@@ -159,10 +173,13 @@ class Trainer:
             TightfitError: a micro-batch of 1 runs out of memory.
         """
         bar = self._progress_bar()
-        t0 = time.perf_counter()
-        epoch = 0
+        t0 = time.perf_counter() - self.result.train_seconds  # continues the clock on resume
+        samples0 = self.result.samples
         while self.step < self.total_steps:
-            for window in windows_of(epoch_order(len(self.w.train), self.cfg.seed, epoch), self.w.effective_batch):
+            # The data position is the global step: epoch orders are fixed by (seed, epoch).
+            epoch, first = divmod(self.step, self.steps_per_epoch)
+            order = epoch_order(len(self.w.train), self.cfg.seed, epoch)
+            for window in windows_of(order, self.w.effective_batch)[first:]:
                 if self.step >= self.total_steps:
                     break
                 loss, stepped = self.train_step(window)
@@ -170,19 +187,24 @@ class Trainer:
                 self.result.samples += len(window)
                 self.result.final_loss = loss
                 elapsed = time.perf_counter() - t0
+                self._record_memory()
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch,
-                                    samples_s=f"{self.result.samples / elapsed:.1f}")
+                                    samples_s=f"{(self.result.samples - samples0) / max(elapsed, 1e-9):.1f}")
                 if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
                     self.log(self._train_record(epoch, loss, stepped, elapsed))
-            epoch += 1
+                if self.cfg.checkpoint_dir and (self.step == self.total_steps or (
+                        self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0)):
+                    self.result.train_seconds = time.perf_counter() - t0
+                    self.save_checkpoint()
+                self._cool_down()
         self.result.train_seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
         self.result.steps = self.step
         self.result.samples_per_s = self.result.samples / max(self.result.train_seconds, 1e-9)
-        self.result.plan = self.plan.with_micro_batch(self.micro_batch) if self.micro_batch != self.plan.micro_batch else self.plan
+        self.result.plan = self.plan_in_force()
         if self.w.eval is not None:
             self.result.eval = self.evaluate()
             self.log({"type": "eval", "step": self.step, **self.result.eval})
@@ -313,6 +335,51 @@ class Trainer:
                 return f"the gradient of {pname!r} (backward overflow)"
         return "the loss-scaled backward (gradients overflowed after scaling)"
 
+    # ---------------------------------------------------------------- checkpoint / resume
+    def plan_in_force(self) -> Plan:
+        """The plan with the micro-batch now in use (after OOM recoveries)."""
+        if self.micro_batch == self.plan.micro_batch:
+            return self.plan
+        return self.plan.with_micro_batch(self.micro_batch, f"micro-batch {self.micro_batch} after OOM recovery")
+
+    def state_dict(self) -> dict:
+        """Everything but the weights that an exact resume needs (tensors and plain values)."""
+        r = self.result
+        return {
+            "step": self.step, "micro_batch": self.micro_batch, "plan": self.plan_in_force().to_dict(),
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(), "rng": capture_rng(),
+            "counters": {"samples": r.samples, "skipped_steps": r.skipped_steps, "oom_recoveries": r.oom_recoveries,
+                         "train_seconds": r.train_seconds, "final_loss": r.final_loss,
+                         "skipped_in_row": self._skipped_in_row, "clean_windows": self._clean_windows},
+        }
+
+    def save_checkpoint(self) -> None:
+        """Write ``ckpt-<step>`` atomically (never with non-finite weights); keep the newest few."""
+        from .checkpoint import save_checkpoint
+
+        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.state_dict(), self.cfg.keep_last)
+        self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
+
+    def resume(self, path) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint`: weights, optimizer, loss scaler,
+        scheduler, RNG states, data position and micro-batch; :meth:`fit` then continues."""
+        from .checkpoint import load_checkpoint
+
+        state = load_checkpoint(path, self.model)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        self.step, self.micro_batch = state["step"], state["micro_batch"]
+        c = state["counters"]
+        self.result.samples, self.result.skipped_steps = c["samples"], c["skipped_steps"]
+        self.result.oom_recoveries, self.result.train_seconds = c["oom_recoveries"], c["train_seconds"]
+        self.result.final_loss = c["final_loss"]
+        self._skipped_in_row, self._clean_windows = c["skipped_in_row"], c["clean_windows"]
+        restore_rng(state["rng"])
+        self._event(f"resumed from {path} at step {self.step} with micro-batch {self.micro_batch}")
+
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -346,6 +413,31 @@ class Trainer:
         self.model.train()
         return {"accuracy": correct / len(data), "loss": loss_total / len(data), "samples": len(data),
                 "eval_batch": batch_size}
+
+    # ---------------------------------------------------------------- memory and health
+    def _record_memory(self) -> None:
+        if self.device.type == "cuda":  # plain ints: no sync, no tensors kept
+            self.memory_timeline.append((self.step, torch.cuda.memory_allocated(self.device),
+                                         torch.cuda.memory_reserved(self.device)))
+
+    def _cool_down(self, sleep: Callable[[float], None] = time.sleep) -> float:
+        """Pause while the GPU is at or above ``cooldown_temp_c``. Returns seconds paused."""
+        limit = self.cfg.cooldown_temp_c
+        if limit is None or self.health is None or not self.health.available:
+            return 0.0
+        reading = self.health.sample()
+        if not reading or reading.get("temp_c", 0.0) < limit:
+            return 0.0
+        self._event(f"GPU at {reading['temp_c']:.0f} C >= {limit:.0f} C: pausing to cool down")
+        paused = 0.0
+        while paused < self.cfg.cooldown_max_s:
+            sleep(2.0)
+            paused += 2.0
+            reading = self.health.sample(force=True)
+            if not reading or reading.get("temp_c", 0.0) <= limit - 5:
+                break
+        self._event(f"resuming after {paused:.0f} s of cool-down")
+        return paused
 
     # ---------------------------------------------------------------- logging
     def _event(self, message: str) -> None:

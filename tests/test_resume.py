@@ -1,0 +1,122 @@
+"""Exact resume: a run killed with SIGKILL mid-training and resumed with ``--resume`` gives the
+same losses, step for step, and the same final weights as the uninterrupted run."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+WORDS = "film plot actor scene great dull awful superb boring moving script music".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_run_inputs(tmp_path_factory):
+    """A small BERT folder (with dropout) and a CSV of 240 labelled texts."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tok = BertTokenizerFast(vocab_file=str(root / "vocab.txt"))
+    model_dir = root / "model"
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=3,
+                                             num_attention_heads=4, intermediate_size=128,
+                                             max_position_embeddings=64)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    rng = random.Random(0)
+    rows = ["text,label"]
+    for _ in range(240):
+        words = rng.choices(WORDS, k=rng.randint(3, 20))
+        rows.append(f"{' '.join(words)},{'pos' if 'great' in words or 'superb' in words else 'neg'}")
+    data = root / "data.csv"
+    data.write_text("\n".join(rows) + "\n")
+    return model_dir, data
+
+
+def _cmd(model_dir, data, out):
+    return [sys.executable, "-m", "tightfit", "train", "--model", str(model_dir), "--data", str(data),
+            "--batch-size", "8", "--epochs", "2", "--lr", "1e-3", "--seq-len", "32", "--log-every", "1",
+            "--checkpoint-every", "3", "--out", str(out), "--no-progress", "--device", "cpu"]
+
+
+def _losses(run):
+    last = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["type"] == "train":
+            last[r["step"]] = r["loss"]  # the resumed run rewrites steps after the checkpoint
+    return last
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_run_inputs, tmp_path):
+    model_dir, data = tiny_run_inputs
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    subprocess.run(_cmd(model_dir, data, full), check=True, capture_output=True)
+    total = max(_losses(full))
+    assert total == 2 * 216 // 8  # 216 training samples (10% held out), 27 steps an epoch
+
+    kill_at = random.Random(os.getpid()).randint(5, total - 5)
+    proc = subprocess.Popen(_cmd(model_dir, data, killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (killed / "metrics.jsonl").exists() and max(_losses(killed) or [0]) >= kill_at:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    steps_before = max(_losses(killed))
+    assert steps_before < total
+    assert not (killed / "model").exists()
+
+    subprocess.run([sys.executable, "-m", "tightfit", "train", "--resume", str(killed), "--no-progress"],
+                   check=True, capture_output=True)
+    a, b = _losses(full), _losses(killed)
+    assert sorted(a) == sorted(b) == list(range(1, total + 1))
+    assert a == b  # bit-identical losses, step for step
+    wa, wb = load_file(full / "model" / "model.safetensors"), load_file(killed / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = (json.loads((r / "summary.json").read_text()) for r in (full, killed))
+    assert sa["accuracy"] == sb["accuracy"]
+
+
+def test_resume_errors(tmp_path, capsys):
+    from tightfit.cli import main
+
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "not a tightfit run folder" in capsys.readouterr().err
+    (tmp_path / "request.json").write_text("{}")
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_no_checkpoint_with_non_finite_weights(tmp_path):
+    from tightfit.runtime.checkpoint import NonFiniteCheckpointError, list_checkpoints, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    save_checkpoint(tmp_path, 1, model, {"step": 1})
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteCheckpointError, match="weight"):
+        save_checkpoint(tmp_path, 2, model, {"step": 2})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-1"]
+
+
+def test_checkpoints_keep_last_and_load_weights_only(tmp_path):
+    from tightfit.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    for step in (2, 4, 6, 8):
+        save_checkpoint(tmp_path, step, model, {"step": step, "t": torch.arange(3)}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-6", "ckpt-8"]
+    other = torch.nn.Linear(3, 2)
+    state = load_checkpoint(tmp_path / "ckpt-8", other)
+    assert state["step"] == 8 and torch.equal(state["t"], torch.arange(3))
+    assert torch.equal(other.weight, model.weight)

@@ -1,0 +1,62 @@
+"""PNG plots of a run (matplotlib, optional): the memory timeline against the budget, and the loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .metrics import read_metrics
+
+
+def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], budget_bytes: int | None) -> list[Path]:
+    """Write ``memory.png`` (allocated/reserved per step with the budget line; GPU runs only)
+    and ``loss.png`` (training loss per logged step, held-out loss) into ``run_dir``.
+
+    Returns:
+        The files written; none if matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    from ..fileio import atomic_write_bytes
+    import io
+
+    run_dir = Path(run_dir)
+    written = []
+
+    def save(fig, name):
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        atomic_write_bytes(run_dir / name, buf.getvalue())
+        written.append(run_dir / name)
+
+    gib = 2**30
+    if memory_timeline:
+        steps = [s for s, _, _ in memory_timeline]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot(steps, [a / gib for _, a, _ in memory_timeline], label="allocated (after step)")
+        ax.plot(steps, [r / gib for _, _, r in memory_timeline], label="reserved")
+        if budget_bytes:
+            ax.axhline(budget_bytes / gib, color="red", linestyle="--", label="budget")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("GiB")
+        ax.set_title("GPU memory")
+        ax.legend()
+        save(fig, "memory.png")
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    train = [r for r in records if r.get("type") == "train" and isinstance(r.get("loss"), float)]
+    if train:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss")
+        evals = [r for r in records if r.get("type") == "eval"]
+        if evals:
+            ax.scatter([r["step"] for r in evals], [r["loss"] for r in evals], color="black", label="held-out loss")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.legend()
+        save(fig, "loss.png")
+    return written
