@@ -91,3 +91,18 @@ class Workload:
     effective_batch: int
     loss_sum: object = classification_loss_sum
     count: object = count_samples
+
+
+def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens a causal-LM loss sums over: next-token targets that are not padding (-100)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed next-token cross-entropy over non-padding targets (``labels`` ``[B, T]``, -100 at
+    padding), as a 0-d fp32 tensor: divided by the window's :func:`count_target_tokens`, the
+    accumulated gradient is that of the token-level mean over the whole window."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits[:, :-1].float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum")

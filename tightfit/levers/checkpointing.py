@@ -18,13 +18,20 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
         ValueError: if ``enabled`` and the model does not support gradient checkpointing.
     """
     if not enabled:
-        flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-            else "is_gradient_checkpointing"  # renamed in transformers 5
-        if getattr(model, flag, False):
-            model.gradient_checkpointing_disable()
+        if getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False):
+            getattr(model, _name(model, "activation_checkpointing_disable", "gradient_checkpointing_disable"))()
         return
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(type(model), "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
         model.config.use_cache = False
+
+
+def _name(model, new: str, old: str) -> str:
+    # transformers renamed gradient_* to activation_* (the old names warn, and go in v6)
+    return new if hasattr(type(model), new) else old
