@@ -1,0 +1,18 @@
+"""Memory of a training step: estimate it without a GPU, measure it on one.
+
+- :func:`estimate` traces one training step on meta tensors and replays its allocations
+  through a model of PyTorch's CUDA caching allocator (:mod:`.allocator`).
+- :mod:`.zoo` builds the built-in architectures (on the meta device: no memory used).
+- :mod:`.blocks` finds a model's repeated blocks and checkpoints all or some of them.
+- :mod:`.step` is the one training step that both the estimate and the GPU measurement run.
+- :mod:`.fast` derives per-sample activation bytes per block once, for the planner.
+"""
+
+def __getattr__(name):  # lazy: importing the zoo or the harness needs no estimator
+    if name in ("MemoryEstimate", "estimate"):
+        from . import estimate as _e
+
+        return getattr(_e, name)
+    raise AttributeError(name)
+
+__all__ = ["MemoryEstimate", "estimate"]
