@@ -23,6 +23,7 @@ from ..plan import Plan
 from ..workload import Workload
 from .health import HealthMonitor
 from .oom import is_oom, release_memory
+from .prefetch import Prefetcher
 from .rng import capture_rng, restore_rng
 
 
@@ -48,6 +49,8 @@ class TrainConfig:
         warn_temp_c: warn when the GPU reaches this temperature (deg C).
         cooldown_temp_c: pause between steps while the GPU is at or above this temperature, until
             it is 5 deg C below (None: never pause); at most ``cooldown_max_s`` per pause.
+        prefetch: collate the next window in the background and copy micro-batches to the GPU on
+            a side stream (:mod:`tightfit.runtime.prefetch`).
     """
 
     epochs: float = 3.0
@@ -66,6 +69,7 @@ class TrainConfig:
     warn_temp_c: float = 82.0
     cooldown_temp_c: float | None = None
     cooldown_max_s: float = 300.0
+    prefetch: bool = True
 
 
 @dataclass
@@ -158,6 +162,8 @@ class Trainer:
         self.health = (HealthMonitor(self.device.index or 0, warn_temp_c=config.warn_temp_c)
                        if self.device.type == "cuda" else None)
         self.memory_timeline: list[tuple[int, int, int]] = []  # (step, allocated, reserved) bytes
+        self.loader = Prefetcher(workload.train.collate, self.device, enabled=config.prefetch)
+        self._orders: dict[int, list[int]] = {}
         self.micro_batch = plan.micro_batch
         self.step = 0
         self.result = TrainResult(plan=plan)
@@ -175,13 +181,11 @@ class Trainer:
         bar = self._progress_bar()
         t0 = time.perf_counter() - self.result.train_seconds  # continues the clock on resume
         samples0 = self.result.samples
-        while self.step < self.total_steps:
-            # The data position is the global step: epoch orders are fixed by (seed, epoch).
-            epoch, first = divmod(self.step, self.steps_per_epoch)
-            order = epoch_order(len(self.w.train), self.cfg.seed, epoch)
-            for window in windows_of(order, self.w.effective_batch)[first:]:
-                if self.step >= self.total_steps:
-                    break
+        try:
+            while self.step < self.total_steps:
+                window = self.window_at(self.step)
+                if self.step + 1 < self.total_steps:
+                    self.loader.schedule(self.step + 1, self.window_at(self.step + 1), self.micro_batch)
                 loss, stepped = self.train_step(window)
                 self.step += 1
                 self.result.samples += len(window)
@@ -193,12 +197,14 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch,
                                     samples_s=f"{(self.result.samples - samples0) / max(elapsed, 1e-9):.1f}")
                 if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
-                    self.log(self._train_record(epoch, loss, stepped, elapsed))
+                    self.log(self._train_record((self.step - 1) // self.steps_per_epoch, loss, stepped, elapsed))
                 if self.cfg.checkpoint_dir and (self.step == self.total_steps or (
                         self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0)):
                     self.result.train_seconds = time.perf_counter() - t0
                     self.save_checkpoint()
                 self._cool_down()
+        finally:
+            self.loader.close()
         self.result.train_seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -212,6 +218,15 @@ class Trainer:
             self.result.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
             self.result.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
         return self.result
+
+    def window_at(self, step: int) -> list[int]:
+        """The samples of global step ``step``: the data position is the step itself, since each
+        epoch's order is fixed by ``(seed, epoch)``; the last window of an epoch may be short."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(len(self.w.train), self.cfg.seed, epoch)}
+        E = self.w.effective_batch
+        return self._orders[epoch][index * E:(index + 1) * E]
 
     # ---------------------------------------------------------------- one optimizer step
     def train_step(self, window: list[int]) -> tuple[float, bool]:
@@ -251,12 +266,14 @@ class Trainer:
         return loss, self._after_step(finite, window)
 
     def _forward_backward(self, window: list[int]) -> float:
-        mb = self.micro_batch
-        micro = [self.w.train.collate(window[i:i + mb]) for i in range(0, len(window), mb)]
+        micro = self.loader.window(self.step, window, self.micro_batch)
         total = sum(self.w.count(b) for b in micro)  # normaliser of the whole window
         loss_sum = torch.zeros((), device=self.device)
-        for batch in micro:
-            batch = _to_device(batch, self.device)
+        staged = self.loader.stage(micro[0])
+        for i in range(len(micro)):
+            batch = self.loader.ready(staged)
+            if i + 1 < len(micro):  # copy the next micro-batch while this one computes
+                staged = self.loader.stage(micro[i + 1])
             with autocast(self.plan.precision, self.device.type):
                 loss = self.w.loss_sum(self.model, batch) / total
             self.scaler.scale(loss).backward()
