@@ -75,3 +75,16 @@ def test_mixed_precision_steps(precision):
     assert all(p.dtype == torch.float32 for p in w.model.parameters())  # fp32 master weights
     if precision == "fp16":
         assert t.scaler.is_enabled() and t.scaler.get_scale() > 0
+
+
+def test_prefetch_gives_the_same_training_as_no_prefetch():
+    from conftest import tiny_bert
+    results = []
+    for prefetch in (False, True):
+        w = Workload(tiny_bert(seed=0).cuda(), SyntheticBatches(64), None, 16)
+        t = Trainer(w, Plan("fp32", 4, 16, device="cuda"), TrainConfig(epochs=2, lr=1e-3, prefetch=prefetch),
+                    progress=False)
+        t.fit()
+        results.append({n: p.detach().clone() for n, p in w.model.named_parameters()})
+    for n in results[0]:
+        torch.testing.assert_close(results[0][n], results[1][n], rtol=1e-5, atol=1e-6, msg=n)
