@@ -197,3 +197,22 @@ def test_evaluate_returns_accuracy(make_workload):
         pred = w.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
     assert r["accuracy"] == pytest.approx((pred == batch["labels"]).float().mean().item())
     assert r["samples"] == 8
+
+
+def test_evaluation_batch_halves_on_oom(make_workload):
+    w = make_workload()
+    t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(), progress=False)
+    ref = t.evaluate()
+    calls = []
+
+    def hook(module, args):
+        calls.append(args[0].shape[0])
+        if args[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    h = w.model.bert.embeddings.word_embeddings.register_forward_pre_hook(hook)
+    r = t.evaluate()
+    h.remove()
+    assert r["eval_batch"] == 2 and calls[:2] == [8, 4]  # 2 x micro-batch 4, then halved twice
+    assert r["accuracy"] == ref["accuracy"] and r["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert t.micro_batch == 4  # the training micro-batch is independent

@@ -398,13 +398,15 @@ class Trainer:
         self._event(f"resumed from {path} at step {self.step} with micro-batch {self.micro_batch}")
 
     # ---------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def evaluate(self) -> dict:
         """Accuracy and mean loss on the held-out samples; the evaluation batch halves on OOM
         independently of the training micro-batch.
 
         Returns:
             ``{"accuracy": float, "loss": float, "samples": int, "eval_batch": int}``.
+
+        Raises:
+            TightfitError: an evaluation batch of 1 runs out of memory.
         """
         data = self.w.eval
         self.model.eval()
@@ -413,23 +415,28 @@ class Trainer:
         while i < len(data):
             idx = list(range(i, min(i + batch_size, len(data))))
             try:
-                batch = _to_device(data.collate(idx), self.device)
-                with autocast(self.plan.precision, self.device.type):
-                    inputs = {k: v for k, v in batch.items() if k != "labels"}
-                    logits = self.model(**inputs).logits.float()
-                loss_total += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
-                correct += int((logits.argmax(-1) == batch["labels"]).sum())
-                i += len(idx)
+                c, l = self._eval_batch(data.collate(idx))
+                correct, loss_total, i = correct + c, loss_total + l, i + len(idx)
                 continue
-            except Exception as e:
-                if not is_oom(e) or batch_size == 1:
+            except Exception as e:  # only OOMs; the failed batch's tensors died with its frame
+                if not is_oom(e):
                     raise
             release_memory()
+            if batch_size == 1:
+                raise TightfitError("out of memory in evaluation with a batch of 1")
             batch_size //= 2
             self._event(f"out of memory in evaluation: evaluation batch -> {batch_size}")
         self.model.train()
         return {"accuracy": correct / len(data), "loss": loss_total / len(data), "samples": len(data),
                 "eval_batch": batch_size}
+
+    @torch.no_grad()
+    def _eval_batch(self, batch: dict) -> tuple[int, float]:
+        batch = _to_device(batch, self.device)
+        with autocast(self.plan.precision, self.device.type):
+            logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
+        return int((logits.argmax(-1) == batch["labels"]).sum()), float(loss)
 
     # ---------------------------------------------------------------- memory and health
     def _record_memory(self) -> None:

@@ -1,0 +1,86 @@
+"""Account every device allocation of a traced step: a torch-dispatch mode over meta tensors.
+
+Each new storage produced by an aten op (what autograd, kernels and the optimizer allocate) is
+replayed as a ``malloc`` through :class:`~.allocator.CachingAllocatorModel`, and as a ``free``
+when the storage dies (a weakref finaliser), so the order of allocations and frees is the
+step's own. Storages are counted once however many views share them. Each live block carries a
+component label; the totals per label are snapshot whenever allocated memory reaches a new peak.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .allocator import CachingAllocatorModel
+
+COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Replays a meta-device trace through the allocator model.
+
+    Attributes:
+        allocator: the :class:`CachingAllocatorModel`.
+        label: component given to new allocations (``"temporaries"`` unless set).
+        peak_breakdown: bytes per component when allocated memory last reached its peak.
+    """
+
+    def __init__(self, allocator: CachingAllocatorModel | None = None):
+        super().__init__()
+        self.allocator = allocator or CachingAllocatorModel()
+        self.label = "temporaries"
+        self._live: dict[int, list] = {}  # id(storage) -> [block, label]
+        self.totals: Counter = Counter()
+        self.peak_breakdown: dict[str, int] = {}
+        self._peak = -1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self.track(t)
+        return out
+
+    def track(self, t: torch.Tensor, label: str | None = None) -> None:
+        """Account ``t``'s storage once (no-op if already live or empty)."""
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._live or st.nbytes() == 0:
+            return
+        block = self.allocator.malloc(st.nbytes())
+        entry = [block, label or self.label]
+        self._live[key] = entry
+        self.totals[entry[1]] += block.size
+        weakref.finalize(st, self._free, key)
+        if self.allocator.allocated > self._peak:
+            self._peak = self.allocator.allocated
+            self.peak_breakdown = dict(self.totals)
+
+    def relabel(self, t: torch.Tensor, label: str, only_from: tuple[str, ...] | None = None) -> None:
+        """Give ``t``'s live storage the component ``label``."""
+        entry = self._live.get(id(t.untyped_storage()))
+        if entry is not None and entry[1] != label and (only_from is None or entry[1] in only_from):
+            self.totals[entry[1]] -= entry[0].size
+            self.totals[label] += entry[0].size
+            entry[1] = label
+
+    def relabel_all(self, old: str, new: str) -> None:
+        """Move every live block labelled ``old`` to ``new``."""
+        for entry in self._live.values():
+            if entry[1] == old:
+                entry[1] = new
+        self.totals[new] += self.totals.pop(old, 0)
+
+    def live_bytes(self) -> int:
+        return self.allocator.allocated
+
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.totals[entry[1]] -= entry[0].size
+            self.allocator.free(entry[0])
