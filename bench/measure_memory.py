@@ -90,34 +90,36 @@ def measure(model, make_batch, row: dict) -> dict:
     batch = make_batch(row["micro_batch"], row["size"], device="cuda")
     optimizer = make_optimizer(model.parameters(), row.get("optimizer", "adamw"), "cuda")
     scaler = torch.amp.GradScaler("cuda", init_scale=1024.0) if row["precision"] == "fp16" else None
-    saved: list = []
+    saved: dict = {}
+    grads: dict = {}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
-    def pack(t):
+    def pack(t):  # records sizes only: holding the tensors would change the peak
         if t.device.type == "cuda" and t.untyped_storage().data_ptr() not in params:
-            saved.append(t)
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    grads = []
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: grads.append(p.grad))
-             for p in model.parameters() if p.requires_grad]
+    def on_grad(p):
+        grads[p.grad.untyped_storage().data_ptr()] = p.grad.untyped_storage().nbytes()
+
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     start_alloc, start_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     peaks = []
     for step in range(3):
         torch.cuda.reset_peak_memory_stats()
         if step == 0:
+            hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters() if p.requires_grad]
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 training_step(model, batch, optimizer, scaler, lambda: autocast(row["precision"], "cuda"))
-            saved_bytes, saved[:] = _storage_bytes(saved), []
-            grad_bytes, grads[:] = _storage_bytes(grads), []
+            for h in hooks:
+                h.remove()
+            del hooks
+            saved_bytes = sum(_rounded(n) for n in saved.values())
+            grad_bytes = sum(_rounded(n) for n in grads.values())
         else:
             training_step(model, batch, optimizer, scaler, lambda: autocast(row["precision"], "cuda"))
         torch.cuda.synchronize()
         peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
-    for h in hooks:
-        h.remove()
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.is_cuda]
     out = dict(row)
     out.update(
@@ -127,7 +129,8 @@ def measure(model, make_batch, row: dict) -> dict:
         breakdown=dict(parameters=_storage_bytes(list(model.parameters()) + list(model.buffers())),
                        gradients=grad_bytes, optimizer_state=_storage_bytes(state), activations=saved_bytes,
                        batch=_storage_bytes(batch.values())),
-        optimizer_params_with_state=len(optimizer.state))
+        optimizer_params_with_state=len(optimizer.state),
+        steps_peak_allocated_bytes=[a for a, _ in peaks], steps_peak_reserved_bytes=[r for _, r in peaks])
     del optimizer, batch, state, scaler
     for p in model.parameters():
         p.grad = None

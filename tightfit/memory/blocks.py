@@ -9,6 +9,7 @@ block keeps only its inputs for backward and recomputes the rest, with the same 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
 
@@ -67,11 +68,14 @@ def parse_checkpointing(spec: str | None, n_blocks: int) -> tuple[int, ...]:
     return tuple(idx)
 
 
-def apply_checkpointing(model: torch.nn.Module, indices) -> list[torch.nn.Module]:
+def apply_checkpointing(model: torch.nn.Module, indices, recompute_context=None) -> list[torch.nn.Module]:
     """Checkpoint exactly the blocks ``indices`` of :func:`find_blocks` (others run normally).
 
     Args:
         indices: block indices, ``"all"``, ``"none"`` or a spec string for :func:`parse_checkpointing`.
+        recompute_context: optional zero-argument callable giving a context entered around each
+            recomputation (the estimator re-enters its CUDA emulation there, since torch-function
+            modes are not active inside the autograd engine).
 
     Returns:
         The model's blocks.
@@ -87,17 +91,23 @@ def apply_checkpointing(model: torch.nn.Module, indices) -> list[torch.nn.Module
         raise TightfitError(f"{type(model).__name__} has no repeated blocks to checkpoint")
     for i, block in enumerate(blocks):
         wrapped = _ORIG in block.__dict__
-        if i in chosen and not wrapped:
+        if wrapped and i in chosen:  # re-wrap: the recompute context may have changed
+            del block.forward
+            block.forward = functools.partial(_checkpointed, block.__dict__[_ORIG], recompute_context)
+        elif i in chosen:
             original = block.forward
             block.__dict__[_ORIG] = original
-            block.forward = functools.partial(_checkpointed, original)
+            block.forward = functools.partial(_checkpointed, original, recompute_context)
         elif i not in chosen and wrapped:
             del block.forward
             del block.__dict__[_ORIG]
     return blocks
 
 
-def _checkpointed(forward, *args, **kwargs):
+def _checkpointed(forward, recompute_context, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    if recompute_context is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=lambda: (contextlib.nullcontext(), recompute_context()), **kwargs)
