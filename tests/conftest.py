@@ -2,7 +2,12 @@
 seconds on a CPU; the end-to-end tests use the real shipped model and data."""
 
 import pytest
-import torch
+
+from tightfit.runtime.allocator import configure_allocator
+
+configure_allocator()  # as the command line does, before CUDA starts
+
+import torch  # noqa: E402
 
 from tightfit.workload import Workload
 

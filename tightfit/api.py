@@ -103,6 +103,9 @@ def train(req: TrainRequest) -> dict:
     Raises:
         TightfitError: bad input (before anything is written), or a run that cannot fit.
     """
+    from .runtime.allocator import configure_allocator
+
+    configure_allocator()  # effective only if CUDA has not started yet in this process
     import torch
 
     t_start = time.perf_counter()

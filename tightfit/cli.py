@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     sub.add_parser("doctor", help="show the GPU(s), driver, CUDA, capabilities and which techniques help")
     args = parser.parse_args(argv)
+    from .runtime.allocator import configure_allocator
+
+    configure_allocator()  # before anything touches CUDA
     try:
         if args.command == "doctor":
             from .doctor import doctor_report

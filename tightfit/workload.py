@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from .data import TextClassificationData
 
+PAD_MULTIPLE = 8
+
 
 class TextBatches:
     """Tokenized texts with labels, padded per batch to the longest sequence in it.
@@ -41,9 +43,13 @@ class TextBatches:
 
         Returns:
             ``input_ids``, ``attention_mask`` (and ``token_type_ids``): int64 ``[B, T]`` with
-            ``T`` the longest sequence among them (or ``pad_to``); ``labels``: int64 ``[B]``.
+            ``T`` the longest sequence among them rounded up to a multiple of 8 (at most
+            ``seq_len``), or ``pad_to``; ``labels``: int64 ``[B]``.
         """
-        length = pad_to or max(len(self.encoded["input_ids"][i]) for i in indices)
+        longest = max(len(self.encoded["input_ids"][i]) for i in indices)
+        # Round up to a multiple of 8 (at most seq_len): fewer distinct shapes fragment the
+        # caching allocator less, and tensor cores prefer multiples of 8.
+        length = pad_to or min(self.seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
         batch = {}
         for k in self.keys:
             fill = self.pad_id if k == "input_ids" else 0

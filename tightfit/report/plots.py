@@ -8,7 +8,7 @@ from .metrics import read_metrics
 
 
 def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], budget_bytes: int | None) -> list[Path]:
-    """Write ``memory.png`` (allocated/reserved per step with the budget line; GPU runs only)
+    """Write ``memory.png`` (peak allocated/reserved of each step with the budget line; GPU runs only)
     and ``loss.png`` (training loss per logged step, held-out loss) into ``run_dir``.
 
     Returns:
@@ -38,8 +38,8 @@ def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], b
     if memory_timeline:
         steps = [s for s, _, _ in memory_timeline]
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.plot(steps, [a / gib for _, a, _ in memory_timeline], label="allocated (after step)")
-        ax.plot(steps, [r / gib for _, _, r in memory_timeline], label="reserved")
+        ax.plot(steps, [a / gib for _, a, _ in memory_timeline], label="peak allocated")
+        ax.plot(steps, [r / gib for _, _, r in memory_timeline], label="peak reserved")
         if budget_bytes:
             ax.axhline(budget_bytes / gib, color="red", linestyle="--", label="budget")
         ax.set_xlabel("optimizer step")

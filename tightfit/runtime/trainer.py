@@ -161,7 +161,8 @@ class Trainer:
         self.scaler = make_grad_scaler(plan.precision, self.device.type)
         self.health = (HealthMonitor(self.device.index or 0, warn_temp_c=config.warn_temp_c)
                        if self.device.type == "cuda" else None)
-        self.memory_timeline: list[tuple[int, int, int]] = []  # (step, allocated, reserved) bytes
+        self.memory_timeline: list[tuple[int, int, int]] = []  # (step, peak allocated, peak reserved) bytes
+        self._peaks = (0, 0)
         self.loader = Prefetcher(workload.train.collate, self.device, enabled=config.prefetch)
         self._orders: dict[int, list[int]] = {}
         self.micro_batch = plan.micro_batch
@@ -214,9 +215,9 @@ class Trainer:
         if self.w.eval is not None:
             self.result.eval = self.evaluate()
             self.log({"type": "eval", "step": self.step, **self.result.eval})
-        if self.device.type == "cuda":
-            self.result.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
-            self.result.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
+        if self.device.type == "cuda":  # the run's peaks: every step's and the evaluation's
+            self.result.peak_allocated_bytes = max(self._peaks[0], torch.cuda.max_memory_allocated(self.device))
+            self.result.peak_reserved_bytes = max(self._peaks[1], torch.cuda.max_memory_reserved(self.device))
         return self.result
 
     def window_at(self, step: int) -> list[int]:
@@ -440,9 +441,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- memory and health
     def _record_memory(self) -> None:
-        if self.device.type == "cuda":  # plain ints: no sync, no tensors kept
-            self.memory_timeline.append((self.step, torch.cuda.memory_allocated(self.device),
-                                         torch.cuda.memory_reserved(self.device)))
+        """Append this step's peak allocated and reserved bytes (plain ints) to the timeline."""
+        if self.device.type == "cuda":
+            peak_alloc = torch.cuda.max_memory_allocated(self.device)
+            peak_res = torch.cuda.max_memory_reserved(self.device)
+            self.memory_timeline.append((self.step, peak_alloc, peak_res))
+            self._peaks = (max(self._peaks[0], peak_alloc), max(self._peaks[1], peak_res))
+            torch.cuda.reset_peak_memory_stats(self.device)  # the next entry is the next step's peak
 
     def _cool_down(self, sleep: Callable[[float], None] = time.sleep) -> float:
         """Pause while the GPU is at or above ``cooldown_temp_c``. Returns seconds paused."""
@@ -482,7 +487,7 @@ class Trainer:
         if self.device.type == "cuda":
             rec["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             rec["reserved_bytes"] = torch.cuda.memory_reserved(self.device)
-            rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            rec["step_peak_allocated_bytes"], rec["step_peak_reserved_bytes"] = self.memory_timeline[-1][1:]
         if self.health is not None:
             h = self.health.sample()
             if h:
