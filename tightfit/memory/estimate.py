@@ -79,7 +79,7 @@ class MemoryEstimate:
         """Human-readable lines (GiB/MiB)."""
         lines = [f"peak reserved   {format_bytes(self.peak_reserved_bytes)}",
                  f"peak allocated  {format_bytes(self.peak_allocated_bytes)}"]
-        lines += [f"  {k:<18}{format_bytes(v)}" for k, v in self.breakdown.items()]
+        lines += [f"  {k:<20}{format_bytes(v)}" for k, v in self.breakdown.items()]
         return "\n".join(lines)
 
 
@@ -174,7 +174,9 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         for h in hooks:
             h.remove()
     alloc = tracker.allocator
-    breakdown = {k: int(tracker.peak_breakdown.get(k, 0)) for k in COMPONENTS}
+    peak = dict(tracker.peak_breakdown)
+    peak["activations"] = peak.get("activations", 0) + peak.pop("forward", 0)  # peak inside a forward
+    breakdown = {k: int(peak.get(k, 0)) for k in COMPONENTS}
     breakdown["allocator_overhead"] = alloc.peak_reserved - alloc.peak_allocated
     plan_dict = plan.to_dict()
     plan_dict["checkpoint_blocks"] = list(indices)

@@ -1,0 +1,73 @@
+"""``tightfit estimate``: predict a training step's peak GPU memory, on any machine.
+
+Wire into ``tightfit/cli.py``: ``add_parser(sub)`` next to the other sub-commands, and
+``return run(args)`` when ``args.command == "estimate"``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import TightfitError
+
+
+def add_parser(subparsers) -> None:
+    """Add the ``estimate`` sub-command to an argparse ``subparsers`` object."""
+    p = subparsers.add_parser("estimate", help="predict a training step's peak GPU memory (no GPU needed)",
+                              description="Predict peak allocated/reserved GPU memory of one training step "
+                                          "(forward, backward, optimizer step) by tracing it on meta tensors.")
+    p.add_argument("--model", required=True, help="minilm, bert-base, bert-large, gpt2, vit-b16, resnet50 "
+                                                  "or a local Hugging Face folder")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--seq-len", type=int, help="tokens per sample (text models)")
+    size.add_argument("--image-size", type=int, help="pixels per side (image models)")
+    p.add_argument("--micro-batch", type=int, required=True, help="samples per forward/backward pass")
+    p.add_argument("--precision", default="fp32", help="fp32|fp16|bf16 (autocast; default fp32)")
+    p.add_argument("--checkpointing", default="none", help="none|all|comma-separated block indices (default none)")
+    p.add_argument("--optimizer", default="adamw", help="adamw|sgd (default adamw)")
+    p.add_argument("--attention", default="sdpa", help="Hugging Face attention: sdpa|eager (default sdpa)")
+    p.add_argument("--gpu", help="GPU profile, e.g. gtx-1650-ti (sets workspace sizes and the budget shown)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args) -> int:
+    """Run ``tightfit estimate``; returns the exit code.
+
+    Raises:
+        TightfitError: bad arguments (unknown model/profile/precision, sizes < 1, bad blocks).
+    """
+    from ..devices import get_profile
+    from ..plan import Plan
+    from ..units import format_bytes
+    from .estimate import estimate
+    from .zoo import build_model
+
+    if args.micro_batch is None or args.micro_batch < 1:
+        raise TightfitError("--micro-batch must be >= 1")
+    if args.optimizer not in ("adamw", "sgd"):
+        raise TightfitError(f"unknown optimizer {args.optimizer!r}: use adamw or sgd")
+    profile = get_profile(args.gpu) if args.gpu else None
+    model, make_batch = build_model(args.model, attn_implementation=args.attention)
+    kind = make_batch.kind
+    if kind == "image" and args.image_size is None:
+        raise TightfitError(f"{args.model} takes images: give --image-size")
+    if kind != "image" and args.seq_len is None:
+        raise TightfitError(f"{args.model} takes text: give --seq-len")
+    size = args.image_size if kind == "image" else args.seq_len
+    batch = make_batch(1, size)
+    plan = Plan(args.precision, args.micro_batch, args.micro_batch, optimizer=args.optimizer, device="cuda",
+                budget_bytes=profile.budget_bytes() if profile else None)
+    try:
+        result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing)
+    except ValueError as e:  # e.g. an image size the model's position embeddings do not cover
+        raise TightfitError(str(e).splitlines()[0]) from None
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print(f"{args.model}, micro-batch {args.micro_batch}, {args.precision}, checkpointing {args.checkpointing}, "
+          f"{args.optimizer}")
+    print(result.table())
+    if profile:
+        fits = result.peak_reserved_bytes <= profile.budget_bytes()
+        print(f"{profile.name}: budget {format_bytes(profile.budget_bytes())} -> {'fits' if fits else 'does NOT fit'}")
+    return 0
