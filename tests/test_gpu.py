@@ -23,6 +23,11 @@ def _bert_base_workload(n=256, effective_batch=64, seq_len=128, seed=0):
                     SyntheticBatches(32, seq_len=seq_len, vocab=30000, seed=1), effective_batch)
 
 
+# With expandable segments the caching allocator maps memory in 20 MiB pages of the large pool
+# and may pass the fraction cap by part of one mapping (seen: 16 MiB over 3 GiB on an H200).
+CAP_SLACK = 32 * MiB
+
+
 @pytest.fixture
 def capped():
     """Cap the caching allocator at a budget for the test, then lift the cap."""
@@ -47,7 +52,7 @@ def test_probed_plan_fits_for_a_whole_run(capped):
     t = Trainer(w, plan, TrainConfig(epochs=2, lr=1e-5), progress=False)
     res = t.fit()
     assert res.oom_recoveries == 0 and res.steps == 8
-    assert res.peak_reserved_bytes <= budget
+    assert res.peak_reserved_bytes <= budget + CAP_SLACK
 
 
 def test_real_oom_is_recovered_without_changing_the_run(capped):
@@ -59,7 +64,7 @@ def test_real_oom_is_recovered_without_changing_the_run(capped):
                 progress=False)
     res = t.fit()
     assert res.oom_recoveries >= 1 and res.steps == 2 and res.samples == 128
-    assert t.micro_batch < 64 and res.peak_reserved_bytes <= budget
+    assert t.micro_batch < 64 and res.peak_reserved_bytes <= budget + CAP_SLACK
     assert t.scheduler.last_epoch == 2
     recovered = {n: p.detach().clone() for n, p in w.model.named_parameters()}
     del t, w

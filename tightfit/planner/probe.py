@@ -39,7 +39,8 @@ class ProbeResult:
 
 
 def probe_step(workload: Workload, micro_batch: int, precision: str, budget_bytes: int) -> ProbeResult:
-    """Run two full training steps of ``micro_batch`` worst-case samples on the model's CUDA device.
+    """Run two full training steps of ``micro_batch`` worst-case samples on the model's CUDA device
+    (the second with two micro-batches when the plan accumulates, so gradients are held).
 
     Returns:
         A :class:`ProbeResult`; ``fits`` is False on OOM or when the peak reserved memory
@@ -56,11 +57,14 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     oom = False
+    # With accumulation, every micro-batch after the first runs forward and backward while the
+    # window's gradients are held: the probe's second step does two micro-batches to see that.
+    accumulating = micro_batch < workload.effective_batch
     try:
         # Two steps: the first allocates AdamW's state, the second runs forward and backward with
         # that state held -- the steady state of every later step (one step alone under-predicts).
-        for _ in range(2):
-            _probe_once(workload, micro_batch, precision, device, optimizer)
+        for micro_batches in (1, 2 if accumulating else 1):
+            _probe_once(workload, micro_batch, precision, device, optimizer, micro_batches)
             optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
     except Exception as e:
@@ -78,11 +82,13 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     return ProbeResult(micro_batch, reserved <= (1 - PROBE_HEADROOM) * budget_bytes, reserved, allocated)
 
 
-def _probe_once(workload: Workload, micro_batch: int, precision: str, device, optimizer) -> None:
-    batch = {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
-    with autocast(precision, device.type):
-        loss = workload.loss_sum(workload.model, batch) / micro_batch
-    loss.backward()
+def _probe_once(workload: Workload, micro_batch: int, precision: str, device, optimizer, micro_batches: int) -> None:
+    for _ in range(micro_batches):
+        batch = {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
+        with autocast(precision, device.type):
+            loss = workload.loss_sum(workload.model, batch) / micro_batch
+        loss.backward()
+        del batch, loss
     torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
     optimizer.step()  # allocates AdamW's state, as the first real step will
 
