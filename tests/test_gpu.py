@@ -1,6 +1,8 @@
 """On a CUDA GPU (skipped elsewhere): the probe's plan fits a capped budget for real, a real
 out-of-memory error mid-run is recovered from, and mixed precision steps run."""
 
+import gc
+
 import pytest
 import torch
 
@@ -33,10 +35,12 @@ CAP_SLACK = 32 * MiB
 def capped():
     """Cap the caching allocator at a budget for the test, then lift the cap."""
     def cap(budget):
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
     yield cap
     torch.cuda.set_per_process_memory_fraction(1.0)
+    gc.collect()
     torch.cuda.empty_cache()
 
 
@@ -70,6 +74,7 @@ def test_real_oom_is_recovered_without_changing_the_run(capped):
         res = t.fit()
         out = [r["loss"] for r in log if r["type"] == "train"]
         del t, w
+        gc.collect()  # the trainer's scheduler closure makes a reference cycle
         torch.cuda.empty_cache()
         return res, out
 
