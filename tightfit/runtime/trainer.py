@@ -154,10 +154,11 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
         total = math.ceil(config.epochs * self.steps_per_epoch)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
-        warmup = int(config.warmup_ratio * self.total_steps)
+        steps, warmup = self.total_steps, int(config.warmup_ratio * self.total_steps)
+        # Linear warm-up then linear decay to 0; the closure holds numbers only, not self.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: (s + 1) / max(1, warmup) if s < warmup
-            else max(0.0, (self.total_steps - s) / max(1, self.total_steps - warmup)))
+            else max(0.0, (steps - s) / max(1, steps - warmup)))
         self.scaler = make_grad_scaler(plan.precision, self.device.type)
         self.health = (HealthMonitor(self.device.index or 0, warn_temp_c=config.warn_temp_c)
                        if self.device.type == "cuda" else None)
