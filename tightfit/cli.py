@@ -1,4 +1,4 @@
-"""The command line: ``tightfit train`` and ``tightfit doctor``.
+"""The command line: ``tightfit train``, ``tightfit estimate`` and ``tightfit doctor``.
 
 User errors (:class:`TightfitError`) print one line ``tightfit: error: ...`` and exit with 2.
 """
@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tightfit", description="Train PyTorch models on GPUs with little memory.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    from .memory.cli import add_parser as add_estimate_parser
+
+    add_estimate_parser(sub)
     sub.add_parser("doctor", help="show the GPU(s), driver, CUDA, capabilities and which techniques help")
     args = parser.parse_args(argv)
     from .runtime.allocator import configure_allocator
@@ -62,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(doctor_report())
             return 0
+        if args.command == "estimate":
+            from .memory.cli import run as run_estimate
+
+            return run_estimate(args)
         if args.command == "train":
             from .api import TrainRequest, train
 
