@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     from .memory.cli import add_parser as add_estimate_parser
 
     add_estimate_parser(sub)
+    from .planner.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     sub.add_parser("doctor", help="show the GPU(s), driver, CUDA, capabilities and which techniques help")
     args = parser.parse_args(argv)
     from .runtime.allocator import configure_allocator
@@ -65,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(doctor_report())
             return 0
+        if args.command == "plan":
+            from .planner.cli import run as run_plan
+
+            return run_plan(args)
         if args.command == "estimate":
             from .memory.cli import run as run_estimate
 

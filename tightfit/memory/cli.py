@@ -26,6 +26,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpointing", default="none", help="none|all|comma-separated block indices (default none)")
     p.add_argument("--optimizer", default="adamw", help="adamw|sgd (default adamw)")
     p.add_argument("--attention", default="sdpa", help="Hugging Face attention: sdpa|eager (default sdpa)")
+    p.add_argument("--allocator", default="expandable", choices=("expandable", "default"),
+                   help="CUDA caching allocator configuration: expandable (expandable_segments:True, what "
+                        "tightfit's runtime sets; default) or default (PyTorch's default segments)")
     p.add_argument("--gpu", help="GPU profile, e.g. gtx-1650-ti (sets workspace sizes and the budget shown)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -34,7 +37,7 @@ def run(args) -> int:
     """Run ``tightfit estimate``; returns the exit code.
 
     Raises:
-        TightfitError: bad arguments (unknown model/profile/precision, sizes < 1, bad blocks).
+        TightfitError: bad arguments (unknown model/profile/precision/allocator, sizes < 1, bad blocks).
     """
     from ..devices import get_profile
     from ..plan import Plan
@@ -58,14 +61,15 @@ def run(args) -> int:
     plan = Plan(args.precision, args.micro_batch, args.micro_batch, optimizer=args.optimizer, device="cuda",
                 budget_bytes=profile.budget_bytes() if profile else None)
     try:
-        result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing)
+        result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing,
+                          allocator=getattr(args, "allocator", "expandable"))
     except ValueError as e:  # e.g. an image size the model's position embeddings do not cover
         raise TightfitError(str(e).splitlines()[0]) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     print(f"{args.model}, micro-batch {args.micro_batch}, {args.precision}, checkpointing {args.checkpointing}, "
-          f"{args.optimizer}")
+          f"{args.optimizer}, {result.allocator} allocator")
     print(result.table())
     if profile:
         fits = result.peak_reserved_bytes <= profile.budget_bytes()

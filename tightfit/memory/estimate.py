@@ -5,8 +5,9 @@ The step of :mod:`.step` (forward under autocast, backward, clipping, optimizer 
 optimizer state, the second runs forward and backward with that state held, which is where
 the peak of every later step lies. :class:`~.cuda_autocast.CudaOnMeta` makes the trace
 allocate what CUDA would; :class:`~.tracker.AllocationTracker` replays every allocation
-through the caching-allocator model, so the result is the peak of ``torch.cuda.
-max_memory_allocated`` / ``max_memory_reserved`` over those steps.
+through a model of the caching allocator (:mod:`.allocator`: expandable segments, as tightfit's
+runtime configures it, or the default configuration), so the result is the peak of
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over those steps.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..units import MiB, format_bytes
 from .blocks import apply_checkpointing, find_blocks, parse_checkpointing
 from .cuda_autocast import CudaOnMeta
 from .step import MetaOptimizer, training_step
+from .allocator import ALLOCATORS, make_allocator
 from .tracker import COMPONENTS, AllocationTracker
 
 STEPS = 2
@@ -57,6 +59,12 @@ class MemoryEstimate:
             values sum to ``peak_reserved_bytes``.
         plan: the plan estimated (``Plan.to_dict()`` plus ``checkpoint_blocks``).
         first_step_peak_reserved_bytes: peak reserved of the first step alone.
+        allocator: the allocator configuration modelled, ``"expandable"`` or ``"default"``.
+        extra: ``first_step_peak_allocated_bytes`` and ``by_allocator``: for every modelled
+            configuration (:data:`~.allocator.ALLOCATORS`), its ``peak_allocated_bytes`` and
+            ``peak_reserved_bytes`` for the same trace; ``start``: per configuration, the
+            ``allocated_bytes`` and ``reserved_bytes`` once workspaces, parameters and the batch
+            are allocated, before the first step.
     """
 
     peak_allocated_bytes: int
@@ -64,12 +72,14 @@ class MemoryEstimate:
     breakdown: dict
     plan: dict
     first_step_peak_reserved_bytes: int = 0
+    allocator: str = "expandable"
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        """JSON-ready: ``peak_allocated_bytes``, ``peak_reserved_bytes``, ``breakdown``, ``plan``."""
+        """JSON-ready: ``peak_allocated_bytes``, ``peak_reserved_bytes``, ``breakdown``, ``plan``,
+        ``allocator``, ``first_step_peak_reserved_bytes``."""
         return {"peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
-                "breakdown": dict(self.breakdown), "plan": dict(self.plan),
+                "breakdown": dict(self.breakdown), "plan": dict(self.plan), "allocator": self.allocator,
                 "first_step_peak_reserved_bytes": self.first_step_peak_reserved_bytes}
 
     def to_json(self) -> str:
@@ -116,7 +126,7 @@ def _meta_batch(batch: dict, micro_batch: int) -> dict:
 
 
 def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: DeviceProfile | None = None,
-             checkpoint_blocks=None) -> MemoryEstimate:
+             checkpoint_blocks=None, allocator: str = "expandable") -> MemoryEstimate:
     """Predict peak allocated/reserved GPU memory of a training step, on any machine.
 
     Args:
@@ -130,13 +140,18 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         device: the GPU profile (sets the cuBLAS workspace size); None: Hopper-sized.
         checkpoint_blocks: block indices (or ``"all"``/``"none"``/a spec string) to checkpoint,
             overriding ``plan.activation_checkpointing``; see :func:`.blocks.find_blocks`.
+        allocator: the caching allocator's configuration: ``"expandable"``
+            (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, what tightfit's runtime sets)
+            or ``"default"``. The other configuration's peaks are in ``extra["by_allocator"]``.
 
     Returns:
         A :class:`MemoryEstimate` (peak over two steps; see the module doc).
 
     Raises:
-        TightfitError: malformed batch, unknown optimizer, or bad block indices.
+        TightfitError: malformed batch, unknown optimizer or allocator, or bad block indices.
     """
+    if allocator not in ALLOCATORS:
+        raise TightfitError(f"unknown allocator {allocator!r}: use one of {', '.join(ALLOCATORS)}")
     if plan.optimizer not in ("adamw", "sgd"):
         raise TightfitError(f"unknown optimizer {plan.optimizer!r}: use adamw or sgd")
     meta = meta_copy(model)
@@ -149,7 +164,8 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     apply_checkpointing(meta, indices, recompute_context=lambda: CudaOnMeta(plan.precision))
     batch = _meta_batch(example_batch, plan.micro_batch)
 
-    tracker = AllocationTracker()
+    others = [k for k in ALLOCATORS if k != allocator]
+    tracker = AllocationTracker(make_allocator(allocator), [make_allocator(k) for k in others])
     emulation = CudaOnMeta(plan.precision)
     params = [p for p in _apply_order(meta, set()) if isinstance(p, torch.nn.Parameter)]
     with tracker, emulation:
@@ -161,6 +177,8 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
             tracker.track(t, "parameters")
         for v in batch.values():
             tracker.track(v, "activations")
+        start = {k: {"allocated_bytes": a.allocated, "reserved_bytes": a.reserved}
+                 for k, a in zip([allocator] + others, [tracker.allocator] + tracker.shadows)}
         hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.relabel(p.grad, "gradients"))
                  for p in params if p.requires_grad]
         optimizer = MetaOptimizer([p for p in params if p.requires_grad], plan.optimizer)
@@ -180,8 +198,11 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     breakdown["allocator_overhead"] = alloc.peak_reserved - alloc.peak_allocated
     plan_dict = plan.to_dict()
     plan_dict["checkpoint_blocks"] = list(indices)
+    by_allocator = {k: {"peak_allocated_bytes": a.peak_allocated, "peak_reserved_bytes": a.peak_reserved}
+                    for k, a in zip([allocator] + others, [alloc] + tracker.shadows)}
     return MemoryEstimate(alloc.peak_allocated, alloc.peak_reserved, breakdown, plan_dict, first_step_reserved,
-                          {"first_step_peak_allocated_bytes": first_step_allocated})
+                          allocator, {"first_step_peak_allocated_bytes": first_step_allocated,
+                                      "by_allocator": by_allocator, "start": start})
 
 
 class _forward_region:

@@ -1,10 +1,12 @@
 """Account every device allocation of a traced step: a torch-dispatch mode over meta tensors.
 
 Each new storage produced by an aten op (what autograd, kernels and the optimizer allocate) is
-replayed as a ``malloc`` through :class:`~.allocator.CachingAllocatorModel`, and as a ``free``
+replayed as a ``malloc`` through an allocator model (:mod:`.allocator`), and as a ``free``
 when the storage dies (a weakref finaliser), so the order of allocations and frees is the
 step's own. Storages are counted once however many views share them. Each live block carries a
 component label; the totals per label are snapshot whenever allocated memory reaches a new peak.
+Further allocator models (``shadows``) can replay the same sequence, so that one trace gives
+the peaks under several allocator configurations.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .allocator import CachingAllocatorModel
+from .allocator import make_allocator
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 
@@ -24,15 +26,21 @@ COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "temp
 class AllocationTracker(TorchDispatchMode):
     """Replays a meta-device trace through the allocator model.
 
+    Args:
+        allocator: the allocator model whose allocated peak sets ``peak_breakdown``
+            (default: expandable segments, :func:`~.allocator.make_allocator`).
+        shadows: more allocator models fed the same ``malloc``/``free`` sequence.
+
     Attributes:
-        allocator: the :class:`CachingAllocatorModel`.
+        allocator, shadows: as given.
         label: component given to new allocations (``"temporaries"`` unless set).
         peak_breakdown: bytes per component when allocated memory last reached its peak.
     """
 
-    def __init__(self, allocator: CachingAllocatorModel | None = None):
+    def __init__(self, allocator=None, shadows=()):
         super().__init__()
-        self.allocator = allocator or CachingAllocatorModel()
+        self.allocator = allocator or make_allocator()
+        self.shadows = list(shadows)
         self.label = "temporaries"
         self._live: dict[int, list] = {}  # id(storage) -> [block, label]
         self.totals: Counter = Counter()
@@ -53,7 +61,7 @@ class AllocationTracker(TorchDispatchMode):
         if key in self._live or st.nbytes() == 0:
             return
         block = self.allocator.malloc(st.nbytes())
-        entry = [block, label or self.label]
+        entry = [block, label or self.label, [a.malloc(st.nbytes()) for a in self.shadows]]
         self._live[key] = entry
         self.totals[entry[1]] += block.size
         weakref.finalize(st, self._free, key)
@@ -84,3 +92,5 @@ class AllocationTracker(TorchDispatchMode):
         if entry is not None:
             self.totals[entry[1]] -= entry[0].size
             self.allocator.free(entry[0])
+            for a, b in zip(self.shadows, entry[2]):
+                a.free(b)

@@ -1,0 +1,77 @@
+"""``tightfit plan``: the fastest plan that fits a card, explained, with no GPU needed."""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import TightfitError
+
+
+def add_parser(subparsers) -> None:
+    """Add the ``plan`` sub-command to an argparse ``subparsers`` object."""
+    p = subparsers.add_parser("plan", help="choose the fastest plan that fits a card (no GPU needed)",
+                              description="Search precision, micro-batch x accumulation and activation "
+                                          "checkpointing for the fastest predicted plan that fits the budget.")
+    p.add_argument("--model", required=True, help="minilm, bert-base, bert-large, gpt2, vit-b16, resnet50 "
+                                                  "or a local Hugging Face folder")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--seq-len", type=int, help="tokens per sample (text models)")
+    size.add_argument("--image-size", type=int, help="pixels per side (image models)")
+    p.add_argument("--batch-size", type=int, required=True, help="effective batch: samples per optimizer step")
+    p.add_argument("--gpu", help="card profile, e.g. gtx-1650-ti (default with --budget: h200 rates)")
+    p.add_argument("--budget", help="memory budget, e.g. 4GiB (default: the card's)")
+    p.add_argument("--precision", default="auto", help="auto|fp32|fp16|bf16 (default auto)")
+    p.add_argument("--checkpointing", default="auto", help="auto|on|off (default auto: searched per block)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args) -> int:
+    """Run ``tightfit plan``; returns the exit code.
+
+    Raises:
+        TightfitError: bad arguments, or nothing fits.
+    """
+    from ..devices import get_profile
+    from ..memory.zoo import build_model
+    from ..units import format_bytes, parse_size
+    from .search import estimator_for, search
+
+    if not args.gpu and not args.budget:
+        raise TightfitError("give --gpu PROFILE or --budget SIZE")
+    if args.batch_size < 1:
+        raise TightfitError("--batch-size must be >= 1")
+    if args.checkpointing not in ("auto", "on", "off"):
+        raise TightfitError(f"unknown --checkpointing {args.checkpointing!r}; use auto, on or off")
+    profile = get_profile(args.gpu or "h200")
+    budget = parse_size(args.budget) if args.budget else profile.budget_bytes()
+    model, make_batch = build_model(args.model)
+    kind = make_batch.kind
+    if (kind == "image") != (args.image_size is not None):
+        raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")
+    size = args.image_size or args.seq_len
+    make_batch(1, size)  # validates the size against the model
+    state = sum(p.numel() for p in model.parameters()) * 16
+    if budget < state:
+        raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(state)} that fp32 weights, "
+                            f"gradients and AdamW state need")
+    result = search(model, make_batch, size, args.batch_size, profile, budget,
+                    estimator_for(model, make_batch, size, profile, args.batch_size),
+                    precision=args.precision, checkpointing=args.checkpointing)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    b = result.best
+    print(f"{args.model}, {'image' if kind == 'image' else 'sequence'} size {size}, effective batch {args.batch_size}, "
+          f"{profile.name} rules, budget {format_bytes(budget)}")
+    print(f"plan: {b.precision}, micro-batch {b.micro_batch} x {b.accumulation_steps} accumulation steps, "
+          f"checkpointing {len(b.checkpoint_blocks)} of {result.n_blocks} blocks"
+          + (f" ({', '.join(map(str, b.checkpoint_blocks))})" if 0 < len(b.checkpoint_blocks) < result.n_blocks else ""))
+    print(f"predicted: {b.samples_per_s:.0f} samples/s, peak {format_bytes(b.peak_reserved_bytes)} reserved of "
+          f"{format_bytes(budget)}")
+    for k, v in b.breakdown.items():
+        print(f"  {k:<20}{format_bytes(v)}")
+    print("runners-up:")
+    for c in result.runners_up[:8]:
+        print(f"  {c.label():<52} {c.why}")
+    print(f"(planned in {result.seconds:.1f} s, no GPU used)")
+    return 0

@@ -1,0 +1,139 @@
+"""The time model: predicted seconds per optimizer step for a plan on a card.
+
+A micro-batch's forward + backward costs ``3 x`` its forward FLOPs (backward = 2 x forward,
+Kaplan et al. 2020, "Scaling Laws for Neural Language Models", sec. 2.1), plus one more forward
+of every checkpointed block (recomputation, Chen et al. 2016, "Training Deep Nets with
+Sublinear Memory Cost"). The GPU runs that at the card's rate for the precision times an
+achievable share (:data:`ACHIEVED_SHARE`); meanwhile the CPU must launch every kernel
+(:data:`LAUNCH_S` each). Whichever is longer sets the micro-batch's time: small micro-batches
+are launch-bound, large ones compute-bound. The fused AdamW step streams weights, gradients
+and both moments through memory once per step. On a GPU, :meth:`TimeModel.calibrate` replaces
+the assumed constants with timed probe steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..devices import DeviceProfile
+
+# Share of the peak rate that a well-shaped transformer/CNN training step reaches in eager
+# PyTorch (MFU); a prior only, replaced by calibration on a GPU.
+ACHIEVED_SHARE = 0.45
+# CPU time to issue one kernel through eager PyTorch (dispatch + launch), seconds.
+LAUNCH_S = 10e-6
+# AdamW step: read weight, gradient, two moments; write weight and two moments (fp32).
+ADAMW_BYTES_PER_PARAM = 7 * 4
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts ATen calls (each is about one kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """One sample's forward pass, measured by tracing on meta tensors.
+
+    Attributes:
+        flops_per_sample: forward FLOPs of one sample (``torch.utils.flop_counter``).
+        ops: ATen calls of one forward (independent of the micro-batch).
+        trainable_params: parameters the optimizer updates.
+        n_blocks: repeated blocks (recomputation unit).
+    """
+
+    flops_per_sample: float
+    ops: int
+    trainable_params: int
+    n_blocks: int
+
+
+def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -> ForwardCost:
+    """Trace one forward of ``model`` (meta device) on a batch of 2 to count FLOPs and kernels."""
+    from ..memory.cuda_autocast import CudaOnMeta
+    from ..memory.estimate import meta_copy
+
+    meta = meta_copy(model)
+    batch = {k: v for k, v in make_batch(2, size).items() if k != "labels"}
+    counter = _OpCounter()
+    with torch.no_grad(), CudaOnMeta("fp32"), FlopCounterMode(display=False) as flops, counter:
+        meta(**batch)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return ForwardCost(flops.get_total_flops() / 2, counter.ops, trainable, n_blocks)
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Predicts seconds per optimizer step.
+
+    Attributes:
+        profile: the card (rates per precision, memory bandwidth).
+        cost: the workload's forward cost.
+        achieved_share: share of the peak rate reached (per precision after calibration).
+        launch_s: seconds per kernel launch.
+    """
+
+    profile: DeviceProfile
+    cost: ForwardCost
+    achieved_share: dict | None = None
+    launch_s: float = LAUNCH_S
+
+    def rate(self, precision: str) -> float:
+        """Achievable FLOP/s for ``precision`` on this card."""
+        p = self.profile
+        peak = {"fp32": p.fp32_tflops, "fp16": p.fp16_tflops, "bf16": p.bf16_tflops or p.fp32_tflops}[precision]
+        share = (self.achieved_share or {}).get(precision, ACHIEVED_SHARE)
+        return peak * 1e12 * share
+
+    def micro_batch_seconds(self, precision: str, micro_batch: int, checkpointed: int) -> float:
+        """Forward + backward (+ recomputation) of one micro-batch: max(compute, kernel launches)."""
+        c = self.cost
+        recompute = checkpointed / c.n_blocks if c.n_blocks else 0.0
+        flops = micro_batch * c.flops_per_sample * (3 + recompute)
+        launches = c.ops * (3 + recompute) * self.launch_s
+        return max(flops / self.rate(precision), launches)
+
+    def optimizer_seconds(self) -> float:
+        """The fused AdamW step: memory-bound over the trainable parameters."""
+        bw = self.profile.memory_bytes_per_s or 500e9
+        return self.cost.trainable_params * ADAMW_BYTES_PER_PARAM / bw
+
+    def step_seconds(self, precision: str, micro_batch: int, effective_batch: int, checkpointed: int) -> float:
+        """One optimizer step: ``ceil(E / mb)`` micro-batches (the last may be smaller) + AdamW."""
+        full, rest = divmod(effective_batch, micro_batch)
+        t = full * self.micro_batch_seconds(precision, micro_batch, checkpointed)
+        if rest:
+            t += self.micro_batch_seconds(precision, rest, checkpointed)
+        return t + self.optimizer_seconds()
+
+    def samples_per_s(self, precision: str, micro_batch: int, effective_batch: int, checkpointed: int) -> float:
+        return effective_batch / self.step_seconds(precision, micro_batch, effective_batch, checkpointed)
+
+    def calibrate(self, precision: str, micro_batch: int, checkpointed: int, measured_step_s: float,
+                  effective_batch: int) -> "TimeModel":
+        """A model whose achieved share for ``precision`` reproduces a measured step time
+        (the share is kept within (0, 1])."""
+        compute = self.step_seconds(precision, micro_batch, effective_batch, checkpointed) - self.optimizer_seconds()
+        share = (self.achieved_share or {}).get(precision, ACHIEVED_SHARE)
+        measured = max(measured_step_s - self.optimizer_seconds(), 1e-9)
+        new = dict(self.achieved_share or {})
+        new[precision] = min(1.0, max(1e-3, share * compute / measured))
+        return replace(self, achieved_share=new)
+
+
+def mfu(flops_per_sample: float, samples_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: ``3 x forward FLOPs x samples/s / peak FLOP/s`` (PaLM, Chowdhery
+    et al. 2022, appendix B; recomputation not counted)."""
+    return 3 * flops_per_sample * samples_per_s / peak_flops if peak_flops else math.nan

@@ -1,0 +1,246 @@
+"""Plan search: the fastest plan whose predicted peak memory fits the budget.
+
+For each precision the card allows and each number of checkpointed blocks (none, a quarter,
+half, three quarters, all -- the first blocks first, since every block of a stack recomputes at
+the same cost and the earliest hold their activations longest), find the largest micro-batch
+that fits ``budget x (1 - headroom)`` (memory from the estimator, :mod:`tightfit.memory`),
+balance it over the accumulation steps, and predict samples/s (:mod:`.cost`). The winner is the
+fastest; the runners-up are the best of every other (precision, checkpointing) and say why they
+lost. Memory for any micro-batch comes from two traces per (precision, checkpointing), since
+every byte that grows with the micro-batch grows linearly; the winner is then traced exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..devices import DeviceProfile
+from ..errors import TightfitError
+from ..levers.precision import check_precision, preferred_precision
+from ..plan import Plan
+from ..units import format_bytes
+from .cost import TimeModel, forward_cost
+
+# Budget share left free for fragmentation growth over the first steps and for batches that
+# differ from the traced one.
+HEADROOM = 0.05
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated plan.
+
+    Attributes:
+        precision, micro_batch, checkpoint_blocks: the choices (blocks by index).
+        accumulation_steps: ``ceil(effective_batch / micro_batch)``.
+        peak_reserved_bytes, peak_allocated_bytes: predicted peaks (None if nothing fits).
+        breakdown: bytes per component at the peak.
+        samples_per_s: predicted throughput (0 if nothing fits).
+        why: why it lost (runners-up) or why it won.
+    """
+
+    precision: str
+    micro_batch: int
+    checkpoint_blocks: tuple[int, ...]
+    accumulation_steps: int
+    peak_reserved_bytes: int | None
+    peak_allocated_bytes: int | None
+    breakdown: dict = field(default_factory=dict)
+    samples_per_s: float = 0.0
+    why: str = ""
+
+    def label(self) -> str:
+        ck = len(self.checkpoint_blocks)
+        return f"{self.precision}, checkpointing {ck} block{'s' if ck != 1 else ''}, micro-batch {self.micro_batch}"
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The winner, the runners-up, and the search's own facts."""
+
+    best: Candidate
+    runners_up: list[Candidate]
+    budget_bytes: int
+    effective_batch: int
+    n_blocks: int
+    seconds: float
+
+    def to_plan(self, device: str = "cuda") -> Plan:
+        """The winner as a :class:`~tightfit.plan.Plan` (checkpointing on if any block is)."""
+        b = self.best
+        return Plan(b.precision, b.micro_batch, self.effective_batch, bool(b.checkpoint_blocks), device=device,
+                    budget_bytes=self.budget_bytes, reasons=(b.why,))
+
+    def to_dict(self) -> dict:
+        """JSON: ``plan``, ``budget_bytes``, ``predicted_peak_bytes`` (reserved),
+        ``predicted_peak_allocated_bytes``, ``breakdown``, ``predicted_samples_per_s``,
+        ``checkpoint_blocks``, ``runners_up``, ``planning_seconds``."""
+        b = self.best
+        return {"plan": self.to_plan().to_dict(), "checkpoint_blocks": list(b.checkpoint_blocks),
+                "budget_bytes": self.budget_bytes, "predicted_peak_bytes": b.peak_reserved_bytes,
+                "predicted_peak_allocated_bytes": b.peak_allocated_bytes, "breakdown": b.breakdown,
+                "predicted_samples_per_s": b.samples_per_s,
+                "runners_up": [{**asdict(c), "checkpoint_blocks": list(c.checkpoint_blocks)} for c in self.runners_up],
+                "planning_seconds": self.seconds}
+
+
+def candidate_precisions(profile: DeviceProfile, precision: str = "auto") -> list[str]:
+    """Precisions to search: the user's, or every one the card runs natively (bf16 only at
+    compute capability >= 8.0; fp16 from 5.3) -- the time model decides between them, so fp16
+    on a card without tensor cores wins only where memory makes it pay."""
+    if precision != "auto":
+        check_precision(precision, profile)
+        return [precision]
+    first = preferred_precision(profile)[0]
+    if profile.bf16:  # bf16 saves what fp16 saves, at the same rate, with no loss scaling
+        return [first] if first == "bf16" else [first, "bf16"]
+    return [first] + [p for p in ("fp32", "fp16") if p != first and profile.compute_capability >= (5, 3)]
+
+
+def checkpoint_options(n_blocks: int) -> list[int]:
+    """Numbers of blocks to checkpoint: 0, n/4, n/2, 3n/4, n (distinct)."""
+    return sorted({0, *(math.ceil(n_blocks * f) for f in (0.25, 0.5, 0.75)), n_blocks}) if n_blocks else [0]
+
+
+class _MemoryCurve:
+    """Peak memory as a function of the micro-batch for one (precision, checkpointed blocks),
+    from exact traces at two micro-batches (linear in between and beyond)."""
+
+    def __init__(self, estimate_fn, precision: str, blocks: tuple[int, ...], probe=(4, 16)):
+        self.estimate_fn, self.precision, self.blocks = estimate_fn, precision, blocks
+        a, b = (estimate_fn(precision, m, blocks) for m in probe)
+        self.points = {probe[0]: a, probe[1]: b}
+        self.m0, self.m1 = probe
+        self.slope = (b.peak_reserved_bytes - a.peak_reserved_bytes) / (probe[1] - probe[0])
+
+    def reserved(self, micro_batch: int) -> float:
+        a = self.points[self.m0].peak_reserved_bytes
+        return a + self.slope * (micro_batch - self.m0)
+
+    def largest_fitting(self, limit: float, upper: int) -> int:
+        """Largest micro-batch in ``[1, upper]`` whose predicted peak is at most ``limit`` (0: none)."""
+        if self.slope <= 0:
+            return upper if self.reserved(upper) <= limit else 0
+        m = int((limit - self.points[self.m0].peak_reserved_bytes) / self.slope + self.m0)
+        return max(0, min(upper, m))
+
+
+def search(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
+           estimate_fn, precision: str = "auto", headroom: float = HEADROOM,
+           checkpointing: str = "auto") -> SearchResult:
+    """Find the fastest plan that fits.
+
+    Args:
+        model: the ``nn.Module`` (meta or real; not modified).
+        make_batch: ``(micro_batch, size) -> batch dict`` (see :func:`tightfit.memory.zoo.build_model`).
+        size: sequence length or image size.
+        effective_batch: samples per optimizer step.
+        profile: the card (precision rules and rates).
+        budget_bytes: memory the step may use (reserved).
+        estimate_fn: ``(precision, micro_batch, checkpoint_blocks) -> MemoryEstimate``.
+        checkpointing: ``"auto"`` (search), ``"off"`` (none) or ``"on"`` (all blocks).
+
+    Raises:
+        TightfitError: nothing fits, even at micro-batch 1 with every block checkpointed.
+    """
+    from ..memory.blocks import find_blocks
+
+    t0 = time.perf_counter()
+    n_blocks = len(find_blocks(model))
+    tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks))
+    limit = budget_bytes * (1 - headroom)
+    ks = {"auto": checkpoint_options(n_blocks), "off": [0], "on": [n_blocks]}[checkpointing]
+    evaluated: list[Candidate] = []
+    for prec in candidate_precisions(profile, precision):
+        curves = {k: _MemoryCurve(estimate_fn, prec, tuple(range(k))) for k in (ks[0], ks[-1])}
+        for k in ks:
+            if k in curves:
+                curve = curves[k]
+            else:  # between none and all, memory falls linearly with the blocks checkpointed
+                lo, hi = curves[ks[0]], curves[ks[-1]]
+                curve = _interpolate(lo, hi, (k - ks[0]) / (ks[-1] - ks[0]), tuple(range(k)))
+            m = curve.largest_fitting(limit, effective_batch)
+            if m == 0:
+                evaluated.append(Candidate(prec, 1, tuple(range(k)), effective_batch, int(curve.reserved(1)), None,
+                                           why=f"does not fit: {format_bytes(curve.reserved(1))} at micro-batch 1"))
+                continue
+            mb = math.ceil(effective_batch / math.ceil(effective_batch / m))  # balanced windows
+            evaluated.append(Candidate(prec, mb, tuple(range(k)), math.ceil(effective_batch / mb),
+                                       int(curve.reserved(mb)), None,
+                                       samples_per_s=tm.samples_per_s(prec, mb, effective_batch, k)))
+    order = candidate_precisions(profile, precision)  # ties go to the card's preferred precision
+    fitting = sorted((c for c in evaluated if c.samples_per_s > 0),
+                     key=lambda c: (-round(c.samples_per_s, 6), order.index(c.precision), len(c.checkpoint_blocks)))
+    if not fitting:
+        raise TightfitError(f"nothing fits {format_bytes(budget_bytes)}: even micro-batch 1 with every block "
+                            f"checkpointed needs {format_bytes(min(c.peak_reserved_bytes for c in evaluated))}")
+    best = _verify(fitting[0], estimate_fn, limit, effective_batch, tm)
+    why = (f"fastest predicted: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_reserved_bytes)} "
+           f"of {format_bytes(budget_bytes)}")
+    best = Candidate(**{**asdict(best), "why": why})
+    runners = []
+    for c in fitting[1:] + [c for c in evaluated if c.samples_per_s == 0]:
+        if c.samples_per_s > 0:
+            c = Candidate(**{**asdict(c), "why": f"slower: {c.samples_per_s:.0f} samples/s "
+                                                   f"({c.samples_per_s / best.samples_per_s:.2f}x)"})
+        runners.append(c)
+    return SearchResult(best, runners, budget_bytes, effective_batch, n_blocks, time.perf_counter() - t0)
+
+
+def _interpolate(lo: _MemoryCurve, hi: _MemoryCurve, f: float, blocks: tuple[int, ...]) -> _MemoryCurve:
+    curve = object.__new__(_MemoryCurve)
+    curve.estimate_fn, curve.precision, curve.blocks = lo.estimate_fn, lo.precision, blocks
+    curve.m0, curve.m1 = lo.m0, lo.m1
+    curve.points = {m: _Blend(lo.points[m], hi.points[m], f) for m in (lo.m0, lo.m1)}
+    curve.slope = lo.slope + f * (hi.slope - lo.slope)
+    return curve
+
+
+@dataclass(frozen=True)
+class _Blend:
+    a: object
+    b: object
+    f: float
+
+    @property
+    def peak_reserved_bytes(self) -> float:
+        return self.a.peak_reserved_bytes + self.f * (self.b.peak_reserved_bytes - self.a.peak_reserved_bytes)
+
+
+def _verify(c: Candidate, estimate_fn, limit: float, effective_batch: int, tm: TimeModel) -> Candidate:
+    """Trace the candidate exactly; while it does not fit, take the next smaller balanced micro-batch."""
+    mb = c.micro_batch
+    while True:
+        est = estimate_fn(c.precision, mb, c.checkpoint_blocks)
+        if est.peak_reserved_bytes <= limit or mb == 1:
+            break
+        steps = math.ceil(effective_batch / mb) + 1
+        mb = math.ceil(effective_batch / steps)
+    return Candidate(c.precision, mb, c.checkpoint_blocks, math.ceil(effective_batch / mb), est.peak_reserved_bytes,
+                     est.peak_allocated_bytes, dict(est.breakdown),
+                     tm.samples_per_s(c.precision, mb, effective_batch, len(c.checkpoint_blocks)))
+
+
+def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effective_batch: int):
+    """``estimate_fn`` backed by :func:`tightfit.memory.estimate`: with accumulation the window's
+    gradients are held while later micro-batches run forward and backward, so their bytes are
+    added to any peak that the estimate reached with gradients freed."""
+    from ..memory.estimate import MemoryEstimate, estimate
+
+    example = make_batch(1, size)
+    grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+
+    def fn(precision: str, micro_batch: int, blocks) -> MemoryEstimate:
+        plan = Plan(precision, micro_batch, micro_batch, device="cuda")
+        est = estimate(model, example, plan, device=profile, checkpoint_blocks=tuple(blocks))
+        if micro_batch >= effective_batch:
+            return est
+        extra = max(0, grads - est.breakdown.get("gradients", 0))
+        bd = dict(est.breakdown)
+        bd["gradients"] = bd.get("gradients", 0) + extra
+        return MemoryEstimate(est.peak_allocated_bytes + extra, est.peak_reserved_bytes + extra, bd, est.plan,
+                              est.first_step_peak_reserved_bytes, est.allocator, est.extra)
+
+    return fn
