@@ -73,3 +73,35 @@ def test_cli_unknown_column(tmp_path, capsys):
                  "--out", str(out)]) == 2
     assert "no column 'label'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_blank_rows_skipped_and_bom_read(tmp_path):
+    f = tmp_path / "excel.csv"
+    f.write_bytes("\ufeffreview,label\ngood,pos\n,neg\nbad,\nawful,neg\n".encode("utf-8"))
+    d = load_text_classification(f, "review", "label")
+    assert d.texts == ["good", "awful"] and d.label_names == ["neg", "pos"] and d.skipped_blank == 2
+
+
+def test_out_is_a_file(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["train", "--out", str(f)]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_profile_file_with_wrong_entries(tmp_path, monkeypatch):
+    from tightfit.devices import load_profiles
+    f = tmp_path / "p.json"
+    f.write_text('["my-card"]')
+    monkeypatch.setenv("TIGHTFIT_GPU_PROFILES", str(f))
+    with pytest.raises(TightfitError, match="malformed GPU profile"):
+        load_profiles()
+
+
+def test_written_files_get_the_usual_mode(tmp_path):
+    import os
+    from tightfit.fileio import atomic_write_text
+    atomic_write_text(tmp_path / "a.txt", "x")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o666 & ~mask

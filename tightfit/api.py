@@ -50,7 +50,7 @@ class TrainRequest:
     eval_samples: int | None = None
     device: str = "auto"
     log_every: int = 10
-    checkpoint_every: int = 200
+    checkpoint_every: int = 100
     keep_last: int = 2
     warn_temp: float = 82.0
     cooldown_temp: float | None = None
@@ -131,15 +131,16 @@ def train(req: TrainRequest) -> dict:
     else:
         data = load_default()
     out = Path(req.out) if req.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    if resume_from is None and out.exists() and any(out.iterdir()):
-        raise TightfitError(f"output folder {out} exists and is not empty; choose another --out")
+    _check_out(out, resuming=resume_from is not None)
 
     train_idx, eval_idx = held_out_split(len(data))
     limit = req.train_samples
-    if limit is None and device == "cpu" and not req.full:
+    if limit is None and device == "cpu" and not req.full and len(train_idx) > CPU_DEFAULT_TRAIN_SAMPLES:
         limit = CPU_DEFAULT_TRAIN_SAMPLES
         notes.append(f"CPU run: training on {limit} of {len(train_idx)} training samples "
                      f"(--full for all, --train-samples N to choose)")
+    if data.skipped_blank:
+        notes.append(f"{data.skipped_blank} rows with a blank text or label were skipped")
     train_idx = take(train_idx, limit)
     eval_idx = take(eval_idx, req.eval_samples)
     train_data, eval_data = data.subset(train_idx), data.subset(eval_idx)
@@ -200,6 +201,11 @@ def train(req: TrainRequest) -> dict:
     trainer = Trainer(workload, plan, cfg, log=metrics, progress=req.progress)
     if resume_from is not None:
         trainer.resume(resume_from)
+        if trainer.step >= trainer.total_steps and (out / "summary.json").is_file():
+            metrics.close()
+            _say(f"run {out} already finished at step {trainer.step}: nothing to resume")
+            import json
+            return json.loads((out / "summary.json").read_text())
     try:
         result = trainer.fit()
     finally:
@@ -268,6 +274,11 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path]:
     ckpts = list_checkpoints(run / "checkpoints")
     if not ckpts:
         raise TightfitError(f"--resume {run}: no checkpoint to resume from")
+    given = [f"--{k.replace('_', '-')}" for k, v in vars(req).items()
+             if k not in ("resume", "progress", "command") and v != getattr(TrainRequest(), k)]
+    if given:
+        print(f"note: --resume takes the run's own options from {run / 'request.json'}; ignoring {', '.join(given)}",
+              flush=True)
     try:
         saved = json.loads((run / "request.json").read_text())
         resumed = TrainRequest(**{**saved, "out": str(run), "resume": str(run), "progress": req.progress,
@@ -275,3 +286,18 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path]:
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
     return resumed, ckpts[-1]
+
+
+def _check_out(out: Path, resuming: bool) -> None:
+    """The run folder must be new or empty (or the run being resumed), and creatable.
+
+    Raises:
+        TightfitError: it is a file, holds another run, or cannot be created.
+    """
+    if out.exists() and not out.is_dir():
+        raise TightfitError(f"--out {out} is a file, not a folder")
+    if not resuming and out.exists() and any(out.iterdir()):
+        raise TightfitError(f"output folder {out} exists and is not empty; choose another --out")
+    parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise TightfitError(f"cannot create the run folder {out}: {parent} is not a writable folder")

@@ -25,7 +25,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--precision", default="auto", help="auto|fp32|fp16|bf16 (default: auto, from the card)")
     p.add_argument("--checkpointing", default="auto", help="activation checkpointing: auto|on|off (default: auto)")
     p.add_argument("--batch-size", type=int, default=32, help="effective batch: samples per optimizer step (default: 32)")
-    p.add_argument("--epochs", type=float, default=3.0, help="passes over the training data (default: 3)")
+    p.add_argument("--epochs", type=float, default=3.0, help="passes over the training data; fractions allowed (default: 3)")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("--lr", type=float, default=5e-5, help="peak learning rate, warm-up then linear decay (default: 5e-5)")
     p.add_argument("--seq-len", type=int, default=64, help="maximum tokens per text (default: 64)")
@@ -36,8 +36,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--eval-samples", type=int, help="evaluate on this many held-out samples (default: all)")
     p.add_argument("--device", default="auto", help="auto|cuda|cpu (default: auto: the GPU if there is one)")
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between metrics lines (default: 10)")
-    p.add_argument("--checkpoint-every", type=int, default=200,
-                   help="write a resumable checkpoint every N optimizer steps and at the end (default: 200)")
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="write a resumable checkpoint every N optimizer steps and at the end (default: 100)")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (default: 2)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint "
                                                    "(its other options are taken from DIR/request.json)")
@@ -49,6 +49,9 @@ def _train_parser(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tightfit`` command. Returns the exit code."""
     parser = argparse.ArgumentParser(prog="tightfit", description="Train PyTorch models on GPUs with little memory.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"tightfit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     from .memory.cli import add_parser as add_estimate_parser

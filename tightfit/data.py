@@ -34,12 +34,14 @@ class TextClassificationData:
         labels: class index per sample, in ``range(len(label_names))``.
         label_names: class names, index = label id.
         source: where the data came from (for reports).
+        skipped_blank: rows dropped for a blank text or label.
     """
 
     texts: list[str]
     labels: list[int]
     label_names: list[str]
     source: str
+    skipped_blank: int = 0
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -80,7 +82,7 @@ def default_data_path() -> Path:
 
 def _open_text(path: Path):
     opener = {".bz2": bz2.open, ".gz": gzip.open}.get(path.suffix, open)
-    return opener(path, "rt", encoding="utf-8", newline="")
+    return opener(path, "rt", encoding="utf-8-sig", newline="")  # -sig: spreadsheet BOMs
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -142,24 +144,28 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     for col, flag in ((text_column, "--text-column"), (label_column, "--label-column")):
         if col not in columns:
             raise TightfitError(f"{path}: no column {col!r} ({flag}); columns are: {', '.join(sorted(map(str, columns)))}")
-    texts, raw = [], []
+    texts, raw, blank = [], [], 0
     for n, r in enumerate(rows, 1):
         if text_column not in r or label_column not in r:
             raise TightfitError(f"{path}: row {n} lacks {text_column!r} or {label_column!r}")
-        label = str(r[label_column]).strip()
+        label = "" if r[label_column] is None else str(r[label_column]).strip()
+        text = "" if r[text_column] is None else str(r[text_column])
         if label in drop_labels:
             continue
-        texts.append(str(r[text_column]))
+        if not label or not text.strip():  # a blank label is no class; a blank text no sample
+            blank += 1
+            continue
+        texts.append(text)
         raw.append(label)
-    if all(not t.strip() for t in texts):
-        raise TightfitError(f"{path}: column {text_column!r} is empty")
+    if not texts:
+        raise TightfitError(f"{path}: no row has both a text ({text_column!r}) and a label ({label_column!r})")
     names = sorted(set(raw))
     if all(_is_int(x) for x in names):
         names = sorted(names, key=int)
     if len(names) < 2:
         raise TightfitError(f"{path}: column {label_column!r} has {len(names)} class(es); need at least 2")
     index = {name: i for i, name in enumerate(names)}
-    return TextClassificationData(texts, [index[x] for x in raw], names, str(path))
+    return TextClassificationData(texts, [index[x] for x in raw], names, str(path), skipped_blank=blank)
 
 
 def _is_int(s: str) -> bool:

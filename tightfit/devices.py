@@ -70,12 +70,15 @@ class DeviceProfile:
             TightfitError: on missing or unknown fields.
         """
         try:
+            if not isinstance(d, dict):
+                raise TypeError("each profile must be a JSON object")
             d = dict(d)
             d["total_bytes"] = parse_size(d["total_bytes"])
             d["compute_capability"] = tuple(int(x) for x in d["compute_capability"])
             return cls(**d)
-        except (KeyError, TypeError, ValueError) as e:
-            raise TightfitError(f"malformed GPU profile {d.get('key', '?')!r}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            key = d.get("key", "?") if isinstance(d, dict) else d
+            raise TightfitError(f"malformed GPU profile {key!r}: {e}") from None
 
 
 PCIE3_X16 = 12e9   # bytes/s, measured pinned H2D on PCIe 3.0 x16 (theoretical 15.75 GB/s)

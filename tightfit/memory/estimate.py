@@ -13,6 +13,7 @@ runtime configures it, or the default configuration), so the result is the peak 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -64,7 +65,10 @@ class MemoryEstimate:
             configuration (:data:`~.allocator.ALLOCATORS`), its ``peak_allocated_bytes`` and
             ``peak_reserved_bytes`` for the same trace; ``start``: per configuration, the
             ``allocated_bytes`` and ``reserved_bytes`` once workspaces, parameters and the batch
-            are allocated, before the first step.
+            are allocated, before the first step; ``block_forward_bytes``: per block of
+            :func:`.blocks.find_blocks`, how many allocated bytes the forward of the last step
+            gained from entering that block to entering the next (to leaving it, for the last
+            block) -- what the block leaves alive for backward, net of what it frees.
     """
 
     peak_allocated_bytes: int
@@ -161,7 +165,7 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         checkpoint_blocks = "all" if plan.activation_checkpointing else "none"
     indices = parse_checkpointing(checkpoint_blocks, n_blocks) if isinstance(checkpoint_blocks, str) \
         else tuple(sorted(set(checkpoint_blocks)))
-    apply_checkpointing(meta, indices, recompute_context=lambda: CudaOnMeta(plan.precision))
+    blocks = apply_checkpointing(meta, indices, recompute_context=lambda: CudaOnMeta(plan.precision))
     batch = _meta_batch(example_batch, plan.micro_batch)
 
     others = [k for k in ALLOCATORS if k != allocator]
@@ -181,6 +185,12 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
                  for k, a in zip([allocator] + others, [tracker.allocator] + tracker.shadows)}
         hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.relabel(p.grad, "gradients"))
                  for p in params if p.requires_grad]
+        marks = [0] * (len(blocks) + 1)  # allocated bytes entering each block, and leaving the last
+        for i, block in enumerate(blocks):
+            hooks.append(block.register_forward_pre_hook(functools.partial(_mark, marks, i, tracker)))
+        if blocks:
+            hooks.append(blocks[-1].register_forward_hook(
+                lambda *a: marks.__setitem__(len(blocks), tracker.allocator.allocated)))
         optimizer = MetaOptimizer([p for p in params if p.requires_grad], plan.optimizer)
         first_step_reserved = 0
         for step in range(STEPS):
@@ -202,7 +212,12 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
                     for k, a in zip([allocator] + others, [alloc] + tracker.shadows)}
     return MemoryEstimate(alloc.peak_allocated, alloc.peak_reserved, breakdown, plan_dict, first_step_reserved,
                           allocator, {"first_step_peak_allocated_bytes": first_step_allocated,
-                                      "by_allocator": by_allocator, "start": start})
+                                      "by_allocator": by_allocator, "start": start,
+                                      "block_forward_bytes": [b - a for a, b in zip(marks, marks[1:])]})
+
+
+def _mark(marks: list, i: int, tracker: AllocationTracker, *args) -> None:
+    marks[i] = tracker.allocator.allocated
 
 
 class _forward_region:

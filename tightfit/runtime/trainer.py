@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -264,7 +265,9 @@ class Trainer:
             restore_rng(rng)
             self._on_oom(where)
         self.scaler.update()  # also after a skipped step: the loss scale backs off
-        self.scheduler.step()  # the schedule follows the data, applied or skipped
+        with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()  # the schedule follows the data, applied or skipped
         return loss, self._after_step(finite, window)
 
     def _forward_backward(self, window: list[int]) -> float:
