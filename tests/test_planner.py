@@ -1,0 +1,101 @@
+"""The planner's card-aware choices and search, with a memory model of known shape."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import tiny_bert
+from tightfit.cli import main
+from tightfit.devices import get_profile
+from tightfit.planner.search import candidate_precisions, checkpoint_options, search
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("card,expected", [
+    ("gtx-1080-ti", ["fp32", "fp16"]), ("gtx-1650-ti", ["fp32", "fp16"]), ("t4", ["fp16", "fp32"]),
+    ("rtx-2060", ["fp16", "fp32"]), ("rtx-3060", ["bf16"]), ("h100", ["bf16"]),
+])
+def test_candidate_precisions_never_bf16_below_ampere(card, expected):
+    assert candidate_precisions(get_profile(card)) == expected
+
+
+def test_checkpoint_options():
+    assert checkpoint_options(12) == [0, 3, 6, 9, 12]
+    assert checkpoint_options(0) == [0]
+
+
+@dataclass
+class Est:
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    breakdown: dict
+
+
+def memory(fixed, per_sample, saving_per_block=0.0, fp16_factor=0.5):
+    """Peak = fixed + micro_batch x per-sample bytes, shrunk by fp16 and by checkpointed blocks."""
+    def fn(precision, micro_batch, blocks):
+        s = per_sample * (fp16_factor if precision != "fp32" else 1.0) * (1 - saving_per_block * len(blocks))
+        peak = int(fixed + micro_batch * s)
+        return Est(peak, peak, {"activations": int(micro_batch * s)})
+    return fn
+
+
+def _make_batch(micro_batch, size):
+    return {"input_ids": torch.zeros(micro_batch, size, dtype=torch.long),
+            "attention_mask": torch.ones(micro_batch, size, dtype=torch.long),
+            "labels": torch.zeros(micro_batch, dtype=torch.long)}
+
+
+def _search(card, budget, fn, E=32, **kw):
+    return search(tiny_bert(), _make_batch, 16, E, get_profile(card), budget, fn, **kw)
+
+
+def test_pascal_keeps_fp32_when_it_fits():
+    r = _search("gtx-1080-ti", 1000 * MiB, memory(100 * MiB, 10 * MiB))
+    assert r.best.precision == "fp32" and r.best.micro_batch == 32 and r.best.checkpoint_blocks == ()
+
+
+def test_pascal_uses_fp16_only_when_memory_needs_it():
+    # fp32 needs 100 + 40 MiB at micro-batch 1 > 130 MiB budget x 0.95; fp16 halves activations
+    r = _search("gtx-1080-ti", 130 * MiB, memory(100 * MiB, 40 * MiB))
+    assert r.best.precision == "fp16"
+    assert any(c.precision == "fp32" and "does not fit" in c.why for c in r.runners_up)
+
+
+def test_gtx_1650_ti_fp16_only_where_it_pays():
+    # Both fit the whole batch: fp16 brings nothing (no tensor cores) -> fp32.
+    assert _search("gtx-1650-ti", 2000 * MiB, memory(100 * MiB, 10 * MiB)).best.precision == "fp32"
+    # fp32 needs 4 micro-batches, fp16 fits 2 with the same per-sample rate: fewer launches pay.
+    r = _search("gtx-1650-ti", 300 * MiB, memory(100 * MiB, 20 * MiB), E=32)
+    assert r.best.precision == "fp16" and r.best.accumulation_steps < 4
+
+
+def test_checkpoints_only_as_many_blocks_as_needed():
+    # Without checkpointing nothing fits; checkpointing half the 2 blocks (1 block) suffices.
+    fn = memory(100 * MiB, 100 * MiB, saving_per_block=0.4)
+    r = _search("h100", 180 * MiB, fn, E=1, precision="fp32")
+    assert r.best.checkpoint_blocks == (0,)
+    assert r.best.peak_reserved_bytes <= 180 * MiB * 0.95
+    no_ckpt = [c for c in r.runners_up if c.checkpoint_blocks == ()]
+    assert no_ckpt and "does not fit" in no_ckpt[0].why
+
+
+def test_plan_command_json_bert_base(capsys):
+    assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64",
+                 "--gpu", "gtx-1080-ti", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("plan", "budget_bytes", "predicted_peak_bytes", "breakdown", "predicted_samples_per_s", "runners_up"):
+        assert key in out
+    assert out["plan"]["precision"] == "fp32"  # fits in fp32 on 11 GB: Pascal stays fp32
+    assert out["predicted_peak_bytes"] <= out["budget_bytes"]
+    assert out["plan"]["micro_batch"] * out["plan"]["accumulation_steps"] >= 64
+
+
+def test_plan_command_bad_input(capsys):
+    assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64"]) == 2
+    assert "--gpu PROFILE or --budget" in capsys.readouterr().err
+    assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "1GiB"]) == 2
+    assert "below the" in capsys.readouterr().err
