@@ -68,7 +68,11 @@ class MemoryEstimate:
             are allocated, before the first step; ``block_forward_bytes``: per block of
             :func:`.blocks.find_blocks`, how many allocated bytes the forward of the last step
             gained from entering that block to entering the next (to leaving it, for the last
-            block) -- what the block leaves alive for backward, net of what it frees.
+            block) -- what the block leaves alive for backward, net of what it frees;
+            ``forward_backward_peak_bytes``: peak allocated bytes of the last step's forward,
+            backward and clipping; ``optimizer_step_peak_bytes``: that of its optimizer step and
+            ``zero_grad``. ``peak_allocated_bytes`` is the larger of the two (the first step,
+            holding no optimizer state during its forward and backward, peaks lower).
     """
 
     peak_allocated_bytes: int
@@ -193,12 +197,15 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
                 lambda *a: marks.__setitem__(len(blocks), tracker.allocator.allocated)))
         optimizer = MetaOptimizer([p for p in params if p.requires_grad], plan.optimizer)
         first_step_reserved = 0
+        phases = {}
         for step in range(STEPS):
-            training_step(meta, batch, _LabelledOptimizer(optimizer, tracker), None,
+            tracker.window_peak = tracker.allocator.allocated
+            training_step(meta, batch, _LabelledOptimizer(optimizer, tracker, phases), None,
                           lambda: _forward_region(emulation, tracker))
             if step == 0:
                 first_step_reserved = tracker.allocator.peak_reserved
                 first_step_allocated = tracker.allocator.peak_allocated
+        phases["optimizer"] = tracker.window_peak  # the last step's optimizer step and zero_grad
         for h in hooks:
             h.remove()
     alloc = tracker.allocator
@@ -213,7 +220,9 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     return MemoryEstimate(alloc.peak_allocated, alloc.peak_reserved, breakdown, plan_dict, first_step_reserved,
                           allocator, {"first_step_peak_allocated_bytes": first_step_allocated,
                                       "by_allocator": by_allocator, "start": start,
-                                      "block_forward_bytes": [b - a for a, b in zip(marks, marks[1:])]})
+                                      "block_forward_bytes": [b - a for a, b in zip(marks, marks[1:])],
+                                      "forward_backward_peak_bytes": phases["forward_backward"],
+                                      "optimizer_step_peak_bytes": phases["optimizer"]})
 
 
 def _mark(marks: list, i: int, tracker: AllocationTracker, *args) -> None:
@@ -241,10 +250,12 @@ class _forward_region:
 class _LabelledOptimizer:
     """Wraps :class:`MetaOptimizer` so that its allocations are labelled optimizer state."""
 
-    def __init__(self, optimizer: MetaOptimizer, tracker: AllocationTracker):
-        self.optimizer, self.tracker = optimizer, tracker
+    def __init__(self, optimizer: MetaOptimizer, tracker: AllocationTracker, phases: dict):
+        self.optimizer, self.tracker, self.phases = optimizer, tracker, phases
 
     def step(self):
+        self.phases["forward_backward"] = self.tracker.window_peak  # of the step now running
+        self.tracker.window_peak = self.tracker.allocator.allocated
         self.tracker.label = "optimizer_state"
         try:
             self.optimizer.step()

@@ -35,6 +35,7 @@ class AllocationTracker(TorchDispatchMode):
         allocator, shadows: as given.
         label: component given to new allocations (``"temporaries"`` unless set).
         peak_breakdown: bytes per component when allocated memory last reached its peak.
+        window_peak: the most allocated bytes since the caller last assigned it (a phase's peak).
     """
 
     def __init__(self, allocator=None, shadows=()):
@@ -46,6 +47,7 @@ class AllocationTracker(TorchDispatchMode):
         self.totals: Counter = Counter()
         self.peak_breakdown: dict[str, int] = {}
         self._peak = -1
+        self.window_peak = 0  # max allocated bytes since the caller last set it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -65,6 +67,7 @@ class AllocationTracker(TorchDispatchMode):
         self._live[key] = entry
         self.totals[entry[1]] += block.size
         weakref.finalize(st, self._free, key)
+        self.window_peak = max(self.window_peak, self.allocator.allocated)
         if self.allocator.allocated > self._peak:
             self._peak = self.allocator.allocated
             self.peak_breakdown = dict(self.totals)
