@@ -113,3 +113,16 @@ def test_prefetch_gives_the_same_training_as_no_prefetch():
         results.append({n: p.detach().clone() for n, p in w.model.named_parameters()})
     for n in results[0]:
         torch.testing.assert_close(results[0][n], results[1][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_searched_plan_is_verified_and_trains_without_oom(capped):
+    from tightfit.devices import detect
+    from tightfit.planner.gpu import plan_on_gpu
+    budget = 3 * GiB
+    capped(budget)
+    w = _bert_base_workload(n=512, effective_batch=128)
+    plan = plan_on_gpu(w, detect(), budget, seq_len=128)
+    assert plan.micro_batch * plan.accumulation_steps >= 128 and plan.probe_peak_reserved_bytes <= budget
+    res = Trainer(w, plan, TrainConfig(epochs=1, lr=1e-5), progress=False).fit()
+    assert res.oom_recoveries == 0 and res.steps == 4
+    assert res.peak_reserved_bytes <= budget + CAP_SLACK

@@ -142,3 +142,20 @@ def test_health_without_nvml_is_off_not_fatal():
     if m.available:
         pytest.skip("NVML is available here")
     assert m.status.startswith("off") and m.sample() is None
+
+
+def test_checkpointing_a_subset_of_blocks_gives_the_same_gradients():
+    ref = _bert_grads(False)
+    model = tiny_bert(dropout=0.1, seed=0)
+    set_activation_checkpointing(model, True, blocks=(1,))
+    from tightfit.memory.blocks import find_blocks
+    blocks = find_blocks(model)
+    assert "_tightfit_forward" in blocks[1].__dict__ and "_tightfit_forward" not in blocks[0].__dict__
+    batch = SyntheticBatches(8).collate(list(range(8)))
+    torch.manual_seed(123)
+    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss.backward()
+    got = _grads(model)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=n)
+    set_activation_checkpointing(model, False, blocks=())
+    assert not any("_tightfit_forward" in b.__dict__ for b in blocks)

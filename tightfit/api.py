@@ -55,6 +55,7 @@ class TrainRequest:
     warn_temp: float = 82.0
     cooldown_temp: float | None = None
     resume: str | None = None
+    planner: str = "search"
     progress: bool = True
     command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in ["tightfit", *sys.argv[1:]]))
 
@@ -115,6 +116,8 @@ def train(req: TrainRequest) -> dict:
     # ---- validate input: nothing is written and the GPU is untouched until all of this passed
     if req.precision not in ("auto", *PRECISIONS):
         raise TightfitError(f"unknown --precision {req.precision!r}; use auto, fp32, fp16 or bf16")
+    if req.planner not in ("search", "probe"):
+        raise TightfitError(f"unknown --planner {req.planner!r}; use search or probe")
     if req.checkpointing not in ("auto", "on", "off"):
         raise TightfitError(f"unknown --checkpointing {req.checkpointing!r}; use auto, on or off")
     for name in ("batch_size", "seq_len"):
@@ -177,7 +180,11 @@ def train(req: TrainRequest) -> dict:
              + (f" (the {profile.name} profile)" if req.gpu else ""))
         model.to(device)
     t_plan = time.perf_counter()
-    if resume_from is None:
+    if resume_from is None and device == "cuda" and req.planner == "search":
+        from .planner.gpu import plan_on_gpu
+
+        plan = plan_on_gpu(workload, profile, budget, req.seq_len, req.precision, req.checkpointing)
+    elif resume_from is None:
         plan = plan_first(workload, device, profile, budget, req.precision, req.checkpointing)
     else:  # the plan in force when the checkpoint was written (micro-batch after recoveries)
         plan = Plan.from_dict(_checkpoint_state(resume_from)["plan"])

@@ -43,6 +43,8 @@ def _train_parser(sub) -> None:
                                                    "(its other options are taken from DIR/request.json)")
     p.add_argument("--warn-temp", type=float, default=82.0, help="warn at this GPU temperature, deg C (default: 82)")
     p.add_argument("--cooldown-temp", type=float, help="pause between steps while the GPU is this hot (deg C)")
+    p.add_argument("--planner", default="search", help="on a GPU: search (predict, then verify the best with "
+                                                       "real steps) or probe (largest micro-batch by probing)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

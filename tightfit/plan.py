@@ -31,6 +31,9 @@ class Plan:
         reasons: one line per choice, saying why it was made.
         probe_peak_reserved_bytes: peak reserved memory measured by the probe step (None if
             no probe ran).
+        checkpoint_blocks: indices of the repeated blocks to checkpoint when
+            ``activation_checkpointing`` is on (None: all of them).
+        predicted_peak_reserved_bytes, predicted_samples_per_s: the planner's predictions.
     """
 
     precision: str
@@ -42,6 +45,9 @@ class Plan:
     budget_bytes: int | None = None
     reasons: tuple[str, ...] = field(default_factory=tuple)
     probe_peak_reserved_bytes: int | None = None
+    checkpoint_blocks: tuple[int, ...] | None = None
+    predicted_peak_reserved_bytes: int | None = None
+    predicted_samples_per_s: float | None = None
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -65,6 +71,8 @@ class Plan:
         """JSON-ready dict; includes the derived ``accumulation_steps`` for readers."""
         d = asdict(self)
         d["reasons"] = list(self.reasons)
+        if self.checkpoint_blocks is not None:
+            d["checkpoint_blocks"] = list(self.checkpoint_blocks)
         d["accumulation_steps"] = self.accumulation_steps
         return d
 
@@ -80,6 +88,8 @@ class Plan:
         """
         d = {k: v for k, v in d.items() if k != "accumulation_steps"}
         d["reasons"] = tuple(d.get("reasons", ()))
+        if d.get("checkpoint_blocks") is not None:
+            d["checkpoint_blocks"] = tuple(d["checkpoint_blocks"])
         try:
             return cls(**d)
         except TypeError as e:

@@ -11,12 +11,29 @@ from __future__ import annotations
 import torch
 
 
-def set_activation_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
-    """Turn activation checkpointing on or off for a Hugging Face ``PreTrainedModel``.
+def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=None) -> None:
+    """Turn activation checkpointing on or off.
+
+    Args:
+        model: a Hugging Face ``PreTrainedModel`` (or any model with repeated blocks when
+            ``blocks`` selects some of them).
+        enabled: checkpoint or not.
+        blocks: indices of the repeated blocks (:func:`tightfit.memory.blocks.find_blocks`) to
+            checkpoint; None or all of them: the model's own Hugging Face hook.
 
     Raises:
         ValueError: if ``enabled`` and the model does not support gradient checkpointing.
     """
+    from ..memory.blocks import apply_checkpointing, find_blocks
+
+    if blocks is not None:
+        apply_checkpointing(model, ())  # unwrap any subset from an earlier choice
+        if enabled and len(tuple(blocks)) < len(find_blocks(model)):
+            set_activation_checkpointing(model, False)
+            apply_checkpointing(model, tuple(blocks))  # non-reentrant, RNG-preserving
+            if getattr(getattr(model, "config", None), "use_cache", None):
+                model.config.use_cache = False
+            return
     if not enabled:
         if getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False):
             getattr(model, _name(model, "activation_checkpointing_disable", "gradient_checkpointing_disable"))()

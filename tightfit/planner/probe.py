@@ -9,6 +9,7 @@ bit-identical; the RNG states are restored and the probe's memory released after
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +31,15 @@ PROBE_HEADROOM = 0.05
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """One probe step: whether it fit, and its peak reserved/allocated bytes (None on OOM)."""
+    """One probe: whether it fit, its peak reserved/allocated bytes (None on OOM), and the time
+    of its steady-state step."""
 
     micro_batch: int
     fits: bool
     peak_reserved_bytes: int | None
     peak_allocated_bytes: int | None
+    step_seconds: float | None = None  # wall time of the second (steady-state) step
+    micro_batches: int = 1  # micro-batches in that step
 
 
 def probe_step(workload: Workload, micro_batch: int, precision: str, budget_bytes: int) -> ProbeResult:
@@ -64,9 +68,11 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
         # Two steps: the first allocates AdamW's state, the second runs forward and backward with
         # that state held -- the steady state of every later step (one step alone under-predicts).
         for micro_batches in (1, 2 if accumulating else 1):
+            t0 = time.perf_counter()
             _probe_once(workload, micro_batch, precision, device, optimizer, micro_batches)
             optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
     except Exception as e:
         if not is_oom(e):
             raise
@@ -79,7 +85,8 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
         return ProbeResult(micro_batch, False, None, None)
     reserved = torch.cuda.max_memory_reserved(device)
     allocated = torch.cuda.max_memory_allocated(device)
-    return ProbeResult(micro_batch, reserved <= (1 - PROBE_HEADROOM) * budget_bytes, reserved, allocated)
+    return ProbeResult(micro_batch, reserved <= (1 - PROBE_HEADROOM) * budget_bytes, reserved, allocated,
+                       seconds, micro_batches)
 
 
 def _probe_once(workload: Workload, micro_batch: int, precision: str, device, optimizer, micro_batches: int) -> None:

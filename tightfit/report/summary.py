@@ -14,8 +14,12 @@ def plan_lines(plan: Plan) -> list[str]:
                                                else " (autocast)" if plan.precision == "bf16" else ""),
         f"micro-batch      {plan.micro_batch} x {plan.accumulation_steps} accumulation steps "
         f"= effective batch {plan.effective_batch}",
-        f"checkpointing    {'on (every transformer block)' if plan.activation_checkpointing else 'off'}",
+        "checkpointing    " + (("blocks " + ", ".join(map(str, plan.checkpoint_blocks)) if plan.checkpoint_blocks
+                                    else "on (every block)") if plan.activation_checkpointing else "off"),
     ]
+    if plan.predicted_samples_per_s:
+        lines.append(f"predicted        {plan.predicted_samples_per_s:.0f} samples/s, "
+                     f"peak {format_bytes(plan.predicted_peak_reserved_bytes)} reserved")
     if plan.probe_peak_reserved_bytes is not None:
         lines.append(f"probe peak       {format_bytes(plan.probe_peak_reserved_bytes)} reserved")
     lines += [f"why: {r}" for r in plan.reasons]

@@ -146,7 +146,7 @@ class Trainer:
         self.progress = progress
         self.device = torch.device(plan.device)
         self.model = workload.model.to(self.device)
-        set_activation_checkpointing(self.model, plan.activation_checkpointing)
+        set_activation_checkpointing(self.model, plan.activation_checkpointing, plan.checkpoint_blocks)
         params = [p for p in self.model.parameters() if p.requires_grad]  # frozen: no state
         # fused AdamW on CUDA: one kernel, no large temporaries, so an OOM cannot leave a
         # half-applied update behind (the foreach path allocates per-step temporaries).
