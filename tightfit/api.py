@@ -53,6 +53,7 @@ class TrainRequest:
     checkpoint_every: int = 100
     keep_last: int = 2
     warn_temp: float = 82.0
+    max_skipped_steps: int = 20
     cooldown_temp: float | None = None
     resume: str | None = None
     planner: str = "search"
@@ -204,7 +205,8 @@ def train(req: TrainRequest) -> dict:
         torch.cuda.reset_peak_memory_stats()
     cfg = TrainConfig(epochs=req.epochs, max_steps=req.max_steps, lr=req.lr, seed=req.seed, log_every=req.log_every,
                       checkpoint_dir=str(out / "checkpoints"), checkpoint_every=req.checkpoint_every,
-                      keep_last=req.keep_last, warn_temp_c=req.warn_temp, cooldown_temp_c=req.cooldown_temp)
+                      keep_last=req.keep_last, warn_temp_c=req.warn_temp, cooldown_temp_c=req.cooldown_temp,
+                      max_skipped_steps=req.max_skipped_steps)
     trainer = Trainer(workload, plan, cfg, log=metrics, progress=req.progress)
     if resume_from is not None:
         trainer.resume(resume_from)

@@ -41,6 +41,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (default: 2)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint "
                                                    "(its other options are taken from DIR/request.json)")
+    p.add_argument("--max-skipped-steps", type=int, default=20,
+                   help="stop after this many non-finite (skipped) steps in a row (default: 20)")
     p.add_argument("--warn-temp", type=float, default=82.0, help="warn at this GPU temperature, deg C (default: 82)")
     p.add_argument("--cooldown-temp", type=float, help="pause between steps while the GPU is this hot (deg C)")
     p.add_argument("--planner", default="search", help="on a GPU: search (predict, then verify the best with "

@@ -34,7 +34,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     t0 = time.perf_counter()
     make_batch = lambda micro_batch, size: workload.train.worst_case(micro_batch)  # noqa: E731
     result = search(workload.model, make_batch, seq_len, workload.effective_batch, profile, budget_bytes,
-                    estimator_for(workload.model, make_batch, seq_len, profile, workload.effective_batch),
+                    estimator_for(workload.model, make_batch, seq_len, profile, workload.effective_batch,
+                                  checkpointed_margin=0.0),  # the probes verify for real
                     precision=precision, checkpointing=checkpointing)
     ranked = [result.best] + [c for c in result.runners_up if c.samples_per_s > 0]
     E, n = workload.effective_batch, result.n_blocks
