@@ -50,6 +50,12 @@ def run(args) -> int:
     if args.optimizer not in ("adamw", "sgd"):
         raise TightfitError(f"unknown optimizer {args.optimizer!r}: use adamw or sgd")
     profile = get_profile(args.gpu) if args.gpu else None
+    if args.precision not in ("fp32", "fp16", "bf16"):
+        raise TightfitError(f"unknown --precision {args.precision!r}; use fp32, fp16 or bf16")
+    if profile is not None:
+        from ..levers.precision import check_precision
+
+        check_precision(args.precision, profile)  # e.g. no bf16 below compute capability 8.0
     model, make_batch = build_model(args.model, attn_implementation=args.attention)
     kind = make_batch.kind
     if kind == "image" and args.image_size is None:
