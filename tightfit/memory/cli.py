@@ -11,16 +11,22 @@ import json
 from ..errors import TightfitError
 
 
-def add_parser(subparsers) -> None:
-    """Add the ``estimate`` sub-command to an argparse ``subparsers`` object."""
-    p = subparsers.add_parser("estimate", help="predict a training step's peak GPU memory (no GPU needed)",
-                              description="Predict peak allocated/reserved GPU memory of one training step "
-                                          "(forward, backward, optimizer step) by tracing it on meta tensors.")
+def add_model_arguments(p) -> None:
+    """``--model`` and ``--seq-len | --image-size``, shared by the commands that take a built-in
+    architecture or a Hugging Face folder."""
     p.add_argument("--model", required=True, help="minilm, bert-base, bert-large, gpt2, vit-b16, resnet50 "
                                                   "or a local Hugging Face folder")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--seq-len", type=int, help="tokens per sample (text models)")
     size.add_argument("--image-size", type=int, help="pixels per side (image models)")
+
+
+def add_parser(subparsers) -> None:
+    """Add the ``estimate`` sub-command to an argparse ``subparsers`` object."""
+    p = subparsers.add_parser("estimate", help="predict a training step's peak GPU memory (no GPU needed)",
+                              description="Predict peak allocated/reserved GPU memory of one training step "
+                                          "(forward, backward, optimizer step) by tracing it on meta tensors.")
+    add_model_arguments(p)
     p.add_argument("--micro-batch", type=int, required=True, help="samples per forward/backward pass")
     p.add_argument("--precision", default="fp32", help="fp32|fp16|bf16 (autocast; default fp32)")
     p.add_argument("--checkpointing", default="none", help="none|all|comma-separated block indices (default none)")

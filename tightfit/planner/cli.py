@@ -12,11 +12,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="choose the fastest plan that fits a card (no GPU needed)",
                               description="Search precision, micro-batch x accumulation and activation "
                                           "checkpointing for the fastest predicted plan that fits the budget.")
-    p.add_argument("--model", required=True, help="minilm, bert-base, bert-large, gpt2, vit-b16, resnet50 "
-                                                  "or a local Hugging Face folder")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--seq-len", type=int, help="tokens per sample (text models)")
-    size.add_argument("--image-size", type=int, help="pixels per side (image models)")
+    from ..memory.cli import add_model_arguments
+
+    add_model_arguments(p)
     p.add_argument("--batch-size", type=int, required=True, help="effective batch: samples per optimizer step")
     p.add_argument("--gpu", help="card profile, e.g. gtx-1650-ti (default with --budget: h200 rates)")
     p.add_argument("--budget", help="memory budget, e.g. 4GiB (default: the card's)")
