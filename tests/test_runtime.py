@@ -216,3 +216,34 @@ def test_evaluation_batch_halves_on_oom(make_workload):
     assert r["eval_batch"] == 2 and calls[:2] == [8, 4]  # 2 x micro-batch 4, then halved twice
     assert r["accuracy"] == ref["accuracy"] and r["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     assert t.micro_batch == 4  # the training micro-batch is independent
+
+
+def test_fp16_unscales_once_before_clipping_and_skipped_step_updates_the_scale(make_workload):
+    """fp16 autocast + GradScaler (on the CPU): the optimizer sees unscaled, clipped gradients;
+    an inf gradient skips the step, keeps the weights and halves the loss scale."""
+    w = make_workload(n=16, effective_batch=8)
+    t = Trainer(w, Plan("fp16", 4, 8), TrainConfig(epochs=1, lr=1e-3, max_grad_norm=0.1), progress=False)
+    assert t.scaler.is_enabled() and t.scaler.get_scale() == 65536.0
+    seen = []
+    t.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append(float(torch.nn.utils.get_total_norm(
+            [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]))))
+    loss, stepped = t.train_step(list(range(8)))
+    assert stepped and float(t._grad_norm) > 0.1  # the true norm, measured after unscaling
+    assert float(t._grad_norm) < 100  # a scaled norm would be ~65536 times larger
+    assert seen == [pytest.approx(0.1, rel=1e-3)]  # clipped after unscaling, before the step
+
+    calls = []
+
+    def poison(grad):  # the next window's gradient is non-finite
+        calls.append(1)
+        return grad * math.inf if len(calls) == 1 else grad
+
+    h = w.model.classifier.weight.register_hook(poison)
+    before = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+    loss, stepped = t.train_step(list(range(8, 16)))
+    h.remove()
+    assert not stepped and t.result.skipped_steps == 1 and len(seen) == 1
+    assert t.scaler.get_scale() == 32768.0  # the update ran: backed off by 0.5
+    for n, p in w.model.named_parameters():
+        assert torch.equal(p, before[n]), n
