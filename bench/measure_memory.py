@@ -23,7 +23,7 @@ import time
 import torch
 
 from tightfit.levers.precision import autocast
-from tightfit.memory.blocks import apply_checkpointing
+from tightfit.levers.blocks import apply_checkpointing
 from tightfit.memory.step import make_optimizer, training_step
 from tightfit.memory.zoo import build_model
 

@@ -20,7 +20,7 @@ from tightfit.devices import get_profile
 from tightfit.errors import TightfitError
 from tightfit.memory.allocator import (CachingAllocatorModel, ExpandableSegmentsModel, make_allocator, page_size,
                                        round_size, segment_size)
-from tightfit.memory.blocks import find_blocks, parse_checkpointing
+from tightfit.levers.blocks import find_blocks, parse_checkpointing
 from tightfit.memory.estimate import estimate
 from tightfit.memory.zoo import build_model
 from tightfit.plan import Plan

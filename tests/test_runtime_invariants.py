@@ -148,7 +148,7 @@ def test_checkpointing_a_subset_of_blocks_gives_the_same_gradients():
     ref = _bert_grads(False)
     model = tiny_bert(dropout=0.1, seed=0)
     set_activation_checkpointing(model, True, blocks=(1,))
-    from tightfit.memory.blocks import find_blocks
+    from tightfit.levers.blocks import find_blocks
     blocks = find_blocks(model)
     assert "_tightfit_forward" in blocks[1].__dict__ and "_tightfit_forward" not in blocks[0].__dict__
     batch = SyntheticBatches(8).collate(list(range(8)))

@@ -20,7 +20,7 @@ from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
 from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text
 from .plan import PRECISIONS
-from .runtime.rng import seed_everything
+from .rng import seed_everything
 from .units import format_bytes, parse_size
 
 CPU_DEFAULT_TRAIN_SAMPLES = 2000  # keeps the default run under 10 minutes on 2 CPU cores

@@ -18,13 +18,13 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
         model: a Hugging Face ``PreTrainedModel`` (or any model with repeated blocks when
             ``blocks`` selects some of them).
         enabled: checkpoint or not.
-        blocks: indices of the repeated blocks (:func:`tightfit.memory.blocks.find_blocks`) to
+        blocks: indices of the repeated blocks (:func:`tightfit.levers.blocks.find_blocks`) to
             checkpoint; None or all of them: the model's own Hugging Face hook.
 
     Raises:
         ValueError: if ``enabled`` and the model does not support gradient checkpointing.
     """
-    from ..memory.blocks import apply_checkpointing, find_blocks
+    from .blocks import apply_checkpointing, find_blocks
 
     if blocks is not None:
         apply_checkpointing(model, ())  # unwrap any subset from an earlier choice

@@ -3,7 +3,7 @@
 - :func:`estimate` traces one training step on meta tensors and replays its allocations
   through a model of PyTorch's CUDA caching allocator (:mod:`.allocator`).
 - :mod:`.zoo` builds the built-in architectures (on the meta device: no memory used).
-- :mod:`.blocks` finds a model's repeated blocks and checkpoints all or some of them.
+- :mod:`tightfit.levers.blocks` (a lever shared with the runtime) finds a model's repeated blocks and checkpoints all or some.
 - :mod:`.step` is the one training step that both the estimate and the GPU measurement run.
 - :mod:`.fast` derives per-sample activation bytes per block once, for the planner.
 """

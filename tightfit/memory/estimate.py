@@ -23,7 +23,7 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..plan import Plan
 from ..units import MiB, format_bytes
-from .blocks import apply_checkpointing, find_blocks, parse_checkpointing
+from ..levers.blocks import apply_checkpointing, find_blocks, parse_checkpointing
 from .cuda_autocast import CudaOnMeta
 from .step import MetaOptimizer, training_step
 from .allocator import ALLOCATORS, make_allocator
@@ -66,7 +66,7 @@ class MemoryEstimate:
             ``peak_reserved_bytes`` for the same trace; ``start``: per configuration, the
             ``allocated_bytes`` and ``reserved_bytes`` once workspaces, parameters and the batch
             are allocated, before the first step; ``block_forward_bytes``: per block of
-            :func:`.blocks.find_blocks`, how many allocated bytes the forward of the last step
+            :func:`tightfit.levers.blocks.find_blocks`, how many allocated bytes the forward of the last step
             gained from entering that block to entering the next (to leaving it, for the last
             block) -- what the block leaves alive for backward, net of what it frees;
             ``forward_backward_peak_bytes``: peak allocated bytes of the last step's forward,
@@ -147,7 +147,7 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
             ``activation_checkpointing`` (all blocks) are read.
         device: the GPU profile (sets the cuBLAS workspace size); None: Hopper-sized.
         checkpoint_blocks: block indices (or ``"all"``/``"none"``/a spec string) to checkpoint,
-            overriding ``plan.activation_checkpointing``; see :func:`.blocks.find_blocks`.
+            overriding ``plan.activation_checkpointing``; see :func:`tightfit.levers.blocks.find_blocks`.
         allocator: the caching allocator's configuration: ``"expandable"``
             (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, what tightfit's runtime sets)
             or ``"default"``. The other configuration's peaks are in ``extra["by_allocator"]``.

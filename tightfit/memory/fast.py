@@ -7,7 +7,7 @@ once with no block checkpointed and once with all of them, and keeps, per trace:
 - ``F``: the peak allocated bytes of the forward, backward and clipping of a steady-state step;
 - ``O``: the peak allocated bytes of its optimizer step (parameters, gradients, optimizer state,
   the batch);
-- ``g_i``: per block ``i`` (:func:`.blocks.find_blocks`), the allocated bytes the forward gains
+- ``g_i``: per block ``i`` (:func:`tightfit.levers.blocks.find_blocks`), the allocated bytes the forward gains
   across that block -- what the block leaves alive for backward.
 
 Every one of these is an affine function of the micro-batch ``B`` (sums of tensor sizes that are
@@ -30,7 +30,7 @@ overhead is not additive per block or per sample, and taking the largest errs hi
 Accuracy: exact at the traced points. The true peak is the larger of several phases, each affine
 in ``B`` (a convex function of ``B``), so between ``lo`` and ``hi`` the lines lie on or above it
 (errs high) and beyond ``hi`` they may lie below it: fit with ``hi`` at least the largest
-micro-batch to be asked. Blocks are assumed to run in the order of :func:`.blocks.find_blocks`.
+micro-batch to be asked. Blocks are assumed to run in the order of :func:`tightfit.levers.blocks.find_blocks`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class FastMemoryModel:
     """Affine-in-micro-batch memory lines of one workload and precision (see the module doc).
 
     Attributes:
-        n_blocks: the model's blocks (:func:`.blocks.find_blocks`).
+        n_blocks: the model's blocks (:func:`tightfit.levers.blocks.find_blocks`).
         micro_batches: ``(lo, hi)``, the traced sizes.
         forward_backward: ``{"none": line, "all": line}``, ``line = (bytes at B=0, bytes per sample)``.
         optimizer_step: line of the optimizer step's peak allocated bytes.
@@ -125,7 +125,7 @@ def fit(model, example_batch: dict, plan: Plan, device=None, micro_batches=(4, 1
         TightfitError: ``micro_batches`` not two increasing sizes >= 1, or what
             :func:`.estimate.estimate` raises.
     """
-    from .blocks import find_blocks
+    from ..levers.blocks import find_blocks
     from .estimate import estimate, meta_copy
 
     lo, hi = micro_batches

@@ -19,8 +19,8 @@ from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.precision import autocast, check_precision, fallback_precisions, preferred_precision
 from ..plan import Plan
-from ..runtime.oom import is_oom, release_memory
-from ..runtime.rng import capture_rng, restore_rng
+from ..memory.oom import is_oom, release_memory
+from ..rng import capture_rng, restore_rng
 from ..units import format_bytes
 from ..workload import Workload
 

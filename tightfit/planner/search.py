@@ -145,7 +145,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     Raises:
         TightfitError: nothing fits, even at micro-batch 1 with every block checkpointed.
     """
-    from ..memory.blocks import find_blocks
+    from ..levers.blocks import find_blocks
 
     t0 = time.perf_counter()
     n_blocks = len(find_blocks(model))

@@ -23,9 +23,9 @@ from ..levers.precision import autocast, make_grad_scaler
 from ..plan import Plan
 from ..workload import Workload
 from .health import HealthMonitor
-from .oom import is_oom, release_memory
+from ..memory.oom import is_oom, release_memory
 from .prefetch import Prefetcher
-from .rng import capture_rng, restore_rng
+from ..rng import capture_rng, restore_rng
 
 
 @dataclass
@@ -346,7 +346,7 @@ class Trainer:
     def _first_nonfinite(self, window: list[int]) -> str:
         """Name the first module whose forward output is non-finite on this window's first
         micro-batch, else the first parameter whose gradient is."""
-        from ..report.diagnose import first_nonfinite_module
+        from .diagnose import first_nonfinite_module
 
         batch = _to_device(self.w.train.collate(window[:self.micro_batch]), self.device)
         name = first_nonfinite_module(self.model, batch, lambda: autocast(self.plan.precision, self.device.type))
