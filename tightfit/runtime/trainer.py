@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -266,7 +267,7 @@ class Trainer:
             self._on_oom(where)
         self.scaler.update()  # also after a skipped step: the loss scale backs off
         with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()  # the schedule follows the data, applied or skipped
         return loss, self._after_step(finite, window)
 
