@@ -99,3 +99,36 @@ def test_plan_command_bad_input(capsys):
     assert "--gpu PROFILE or --budget" in capsys.readouterr().err
     assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "1GiB"]) == 2
     assert "below the" in capsys.readouterr().err
+
+
+def test_verification_shrinks_the_micro_batch_until_the_exact_trace_fits():
+    # Memory grows faster than linearly: the two-point curve (4, 16) under-predicts at 32, so
+    # the exact trace of the winner must take smaller micro-batches until it fits.
+    def fn(precision, micro_batch, blocks):
+        peak = int(100 * MiB + micro_batch * MiB + micro_batch ** 2 * 0.05 * MiB)
+        return Est(peak, peak, {})
+    limit = 150 * MiB * 0.95
+    r = _search("gtx-1080-ti", 150 * MiB, fn, E=32, precision="fp32", checkpointing="off")
+    assert fn("fp32", r.best.micro_batch, ()).peak_reserved_bytes <= limit
+    # one accumulation step fewer (the next balanced micro-batch up) would not fit
+    fewer = -(-32 // (r.best.accumulation_steps - 1))
+    assert fn("fp32", fewer, ()).peak_reserved_bytes > limit
+
+
+def test_nothing_fits_ends_with_an_error_not_a_loop():
+    from tightfit.errors import TightfitError
+
+    def fn(precision, micro_batch, blocks):  # exact only at the curve's points 4 and 16
+        peak = int(100 * MiB + micro_batch * MiB) + (0 if micro_batch in (4, 16) else 50 * MiB)
+        return Est(peak, peak, {})
+    # the curve says micro-batch 3 fits 109 MiB x 0.95; no exact trace below 4 does
+    with pytest.raises(TightfitError, match="nothing fits"):
+        _search("gtx-1080-ti", 109 * MiB, fn, E=32, precision="fp32", checkpointing="off")
+
+
+def test_usage_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--model", "bert-base", "--seq-len", "abc", "--micro-batch", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tightfit: error:") and len(err.splitlines()) == 1

@@ -50,13 +50,20 @@ def _train_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line ``tightfit: error: ...`` and exit code 2, like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"tightfit: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tightfit`` command. Returns the exit code."""
-    parser = argparse.ArgumentParser(prog="tightfit", description="Train PyTorch models on GPUs with little memory.")
+    parser = _Parser(prog="tightfit", description="Train PyTorch models on GPUs with little memory.")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"tightfit {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _train_parser(sub)
     from .memory.cli import add_parser as add_estimate_parser
 

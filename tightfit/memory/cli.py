@@ -75,8 +75,8 @@ def run(args) -> int:
     try:
         result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing,
                           allocator=getattr(args, "allocator", "expandable"))
-    except ValueError as e:  # e.g. an image size the model's position embeddings do not cover
-        raise TightfitError(str(e).splitlines()[0]) from None
+    except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
+        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0

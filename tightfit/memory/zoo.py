@@ -58,7 +58,10 @@ def _config(name_or_path: str):
         raise TightfitError(f"unknown model {name_or_path!r}: use one of {', '.join(ARCHITECTURES)} "
                             "or a local Hugging Face folder with a config.json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = transformers.AutoConfig.from_pretrained(path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise TightfitError(f"cannot read the model config in {path}: {str(e).splitlines()[0]}") from None
     archs = " ".join(getattr(config, "architectures", None) or [])
     kind = ("causal-lm" if "CausalLM" in archs or "LMHead" in archs
             else "image" if "ImageClassification" in archs else "text")
@@ -97,8 +100,11 @@ def build_model(name_or_path: str, device: str | torch.device = "meta",
     head = getattr(transformers, _HEADS[kind])
     transformers.logging.set_verbosity_error()
     kwargs = {} if kind == "image" and "ResNet" in type(config).__name__ else {"attn_implementation": attn_implementation}
-    with torch.device(device):
-        model = head.from_config(config, **kwargs)
+    try:
+        with torch.device(device):
+            model = head.from_config(config, **kwargs)
+    except (AttributeError, ValueError, KeyError, TypeError) as e:
+        raise TightfitError(f"cannot build {name_or_path!r} as a {kind} model: {str(e).splitlines()[0]}") from None
     model.float().train()
     return model, _batch_maker(kind, config)
 

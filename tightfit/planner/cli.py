@@ -42,6 +42,9 @@ def run(args) -> int:
         raise TightfitError(f"unknown --checkpointing {args.checkpointing!r}; use auto, on or off")
     profile = get_profile(args.gpu or "h200")
     budget = parse_size(args.budget) if args.budget else profile.budget_bytes()
+    if args.gpu and budget > profile.total_bytes:
+        raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
+                            f"of the {profile.name}")
     model, make_batch = build_model(args.model)
     kind = make_batch.kind
     if (kind == "image") != (args.image_size is not None):
@@ -52,16 +55,21 @@ def run(args) -> int:
     if budget < state:
         raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(state)} that fp32 weights, "
                             f"gradients and AdamW state need")
-    result = search(model, make_batch, size, args.batch_size, profile, budget,
-                    estimator_for(model, make_batch, size, profile, args.batch_size),
-                    precision=args.precision, checkpointing=args.checkpointing)
+    try:
+        result = search(model, make_batch, size, args.batch_size, profile, budget,
+                        estimator_for(model, make_batch, size, profile, args.batch_size),
+                        precision=args.precision, checkpointing=args.checkpointing)
+    except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
+        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     b = result.best
     print(f"{args.model}, {'image' if kind == 'image' else 'sequence'} size {size}, effective batch {args.batch_size}, "
           f"{profile.name} rules, budget {format_bytes(budget)}")
-    print(f"plan: {b.precision}, micro-batch {b.micro_batch} x {b.accumulation_steps} accumulation steps, "
+    last = args.batch_size - (b.accumulation_steps - 1) * b.micro_batch
+    print(f"plan: {b.precision}, micro-batch {b.micro_batch} x {b.accumulation_steps} accumulation steps"
+          + (f" (the last {last})" if last != b.micro_batch else "") + ", "
           f"checkpointing {len(b.checkpoint_blocks)} of {result.n_blocks} blocks"
           + (f" ({', '.join(map(str, b.checkpoint_blocks))})" if 0 < len(b.checkpoint_blocks) < result.n_blocks else ""))
     print(f"predicted: {b.samples_per_s:.0f} samples/s, peak {format_bytes(b.peak_reserved_bytes)} reserved of "

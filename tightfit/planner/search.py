@@ -70,8 +70,11 @@ class SearchResult:
     def to_plan(self, device: str = "cuda") -> Plan:
         """The winner as a :class:`~tightfit.plan.Plan` (checkpointing on if any block is)."""
         b = self.best
+        partial = 0 < len(b.checkpoint_blocks) < self.n_blocks
         return Plan(b.precision, b.micro_batch, self.effective_batch, bool(b.checkpoint_blocks), device=device,
-                    budget_bytes=self.budget_bytes, reasons=(b.why,))
+                    budget_bytes=self.budget_bytes, reasons=(b.why,),
+                    checkpoint_blocks=tuple(b.checkpoint_blocks) if partial else None,
+                    predicted_peak_reserved_bytes=b.peak_reserved_bytes, predicted_samples_per_s=b.samples_per_s)
 
     def to_dict(self) -> dict:
         """JSON: ``plan``, ``budget_bytes``, ``predicted_peak_bytes`` (reserved),
@@ -173,15 +176,27 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     order = candidate_precisions(profile, precision)  # ties go to the card's preferred precision
     fitting = sorted((c for c in evaluated if c.samples_per_s > 0),
                      key=lambda c: (-round(c.samples_per_s, 6), order.index(c.precision), len(c.checkpoint_blocks)))
-    if not fitting:
-        raise TightfitError(f"nothing fits {format_bytes(budget_bytes)}: even micro-batch 1 with every block "
-                            f"checkpointed needs {format_bytes(min(c.peak_reserved_bytes for c in evaluated))}")
-    best = _verify(fitting[0], estimate_fn, limit, effective_batch, tm)
+    best = None
+    for cand in fitting:  # the fastest whose exact trace fits
+        best = _verify(cand, estimate_fn, limit, effective_batch, tm)
+        if isinstance(best, Candidate):
+            break
+        exact_at_1 = best
+        best = None
+        evaluated = [c for c in evaluated if c is not cand] + [Candidate(**{
+            **asdict(cand), "micro_batch": 1, "peak_reserved_bytes": exact_at_1, "samples_per_s": 0.0,
+            "why": f"does not fit when traced exactly: {format_bytes(exact_at_1)} at micro-batch 1"})]
+    if best is None:
+        raise TightfitError(
+            f"nothing fits {format_bytes(budget_bytes)} (planned against {format_bytes(limit)}, keeping "
+            f"{int(headroom * 100)}% headroom): the smallest plan, micro-batch 1 with every block checkpointed, "
+            f"needs {format_bytes(min(c.peak_reserved_bytes for c in evaluated))}")
     why = (f"fastest predicted: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_reserved_bytes)} "
            f"of {format_bytes(budget_bytes)}")
     best = Candidate(**{**asdict(best), "why": why})
     runners = []
-    for c in fitting[1:] + [c for c in evaluated if c.samples_per_s == 0]:
+    others = [c for c in fitting if (c.precision, c.checkpoint_blocks) != (best.precision, best.checkpoint_blocks)]
+    for c in others + [c for c in evaluated if c.samples_per_s == 0]:
         if c.samples_per_s > 0:
             c = Candidate(**{**asdict(c), "why": f"slower: {c.samples_per_s:.0f} samples/s "
                                                    f"({c.samples_per_s / best.samples_per_s:.2f}x)"})
@@ -209,15 +224,19 @@ class _Blend:
         return self.a.peak_reserved_bytes + self.f * (self.b.peak_reserved_bytes - self.a.peak_reserved_bytes)
 
 
-def _verify(c: Candidate, estimate_fn, limit: float, effective_batch: int, tm: TimeModel) -> Candidate:
-    """Trace the candidate exactly; while it does not fit, take the next smaller balanced micro-batch."""
+def _verify(c: Candidate, estimate_fn, limit: float, effective_batch: int, tm: TimeModel) -> Candidate | int:
+    """Trace the candidate exactly; while it does not fit, take the next smaller balanced
+    micro-batch (one more accumulation step). If even micro-batch 1 does not fit: its exact peak
+    reserved bytes (an int) instead of a candidate."""
     mb = c.micro_batch
     while True:
         est = estimate_fn(c.precision, mb, c.checkpoint_blocks)
-        if est.peak_reserved_bytes <= limit or mb == 1:
+        if est.peak_reserved_bytes <= limit:
             break
+        if mb == 1:
+            return est.peak_reserved_bytes
         steps = math.ceil(effective_batch / mb) + 1
-        mb = math.ceil(effective_batch / steps)
+        mb = min(mb - 1, math.ceil(effective_batch / steps))  # strictly smaller: always ends
     return Candidate(c.precision, mb, c.checkpoint_blocks, math.ceil(effective_batch / mb), est.peak_reserved_bytes,
                      est.peak_allocated_bytes, dict(est.breakdown),
                      tm.samples_per_s(c.precision, mb, effective_batch, len(c.checkpoint_blocks)))

@@ -12,8 +12,10 @@ def plan_lines(plan: Plan) -> list[str]:
         f"device           {plan.device}" + (f", budget {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""),
         f"precision        {plan.precision}" + (" (autocast + dynamic loss scaling)" if plan.precision == "fp16"
                                                else " (autocast)" if plan.precision == "bf16" else ""),
-        f"micro-batch      {plan.micro_batch} x {plan.accumulation_steps} accumulation steps "
-        f"= effective batch {plan.effective_batch}",
+        f"micro-batch      {plan.micro_batch} x {plan.accumulation_steps} accumulation steps"
+        + (f" (the last {plan.effective_batch - (plan.accumulation_steps - 1) * plan.micro_batch})"
+           if plan.effective_batch % plan.micro_batch else "")
+        + f" = effective batch {plan.effective_batch}",
         "checkpointing    " + (("blocks " + ", ".join(map(str, plan.checkpoint_blocks)) if plan.checkpoint_blocks
                                     else "on (every block)") if plan.activation_checkpointing else "off"),
     ]
