@@ -52,6 +52,8 @@ class Candidate:
     why: str = ""
 
     def label(self) -> str:
+        if self.micro_batch == 0:  # a precision that was not searched
+            return self.precision
         ck = len(self.checkpoint_blocks)
         return f"{self.precision}, checkpointing {ck} block{'s' if ck != 1 else ''}, micro-batch {self.micro_batch}"
 
@@ -156,7 +158,16 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     limit = budget_bytes * (1 - headroom)
     ks = {"auto": checkpoint_options(n_blocks), "off": [0], "on": [n_blocks]}[checkpointing]
     evaluated: list[Candidate] = []
-    for prec in candidate_precisions(profile, precision):
+    precisions = candidate_precisions(profile, precision)
+    for prec in precisions:
+        if (prec != precisions[0] and tm.rate(prec) < tm.rate(precisions[0]) / 2
+                and any(c.samples_per_s > 0 for c in evaluated)):
+            # a much slower precision (fp16 on Pascal: 1/64) is only for memory: skip it when
+            # something already fits (DESIGN invariant 7)
+            evaluated.append(Candidate(prec, 0, (), 0, None, None,
+                                       why=f"not searched: {tm.rate(prec) / tm.rate(precisions[0]):.3g}x the "
+                                           f"{precisions[0]} rate on this card, and {precisions[0]} fits"))
+            continue
         curves = {k: _MemoryCurve(estimate_fn, prec, tuple(range(k))) for k in (ks[0], ks[-1])}
         for k in ks:
             if k in curves:
@@ -186,11 +197,15 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
         evaluated = [c for c in evaluated if c is not cand] + [Candidate(**{
             **asdict(cand), "micro_batch": 1, "peak_reserved_bytes": exact_at_1, "samples_per_s": 0.0,
             "why": f"does not fit when traced exactly: {format_bytes(exact_at_1)} at micro-batch 1"})]
+    skipped = [c.precision for c in evaluated if c.micro_batch == 0]
+    if best is None and skipped:  # the slow precision is needed for memory after all
+        return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
+                      precision=skipped[0], headroom=headroom, checkpointing=checkpointing)
     if best is None:
         raise TightfitError(
             f"nothing fits {format_bytes(budget_bytes)} (planned against {format_bytes(limit)}, keeping "
             f"{int(headroom * 100)}% headroom): the smallest plan, micro-batch 1 with every block checkpointed, "
-            f"needs {format_bytes(min(c.peak_reserved_bytes for c in evaluated))}")
+            f"needs {format_bytes(min(c.peak_reserved_bytes for c in evaluated if c.peak_reserved_bytes))}")
     why = (f"fastest predicted: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_reserved_bytes)} "
            f"of {format_bytes(budget_bytes)}")
     best = Candidate(**{**asdict(best), "why": why})
