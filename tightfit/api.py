@@ -6,6 +6,7 @@ budget against the model's state) runs before the run folder is created or the G
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shlex
@@ -213,7 +214,6 @@ def train(req: TrainRequest) -> dict:
         if trainer.step >= trainer.total_steps and (out / "summary.json").is_file():
             metrics.close()
             _say(f"run {out} already finished at step {trainer.step}: nothing to resume")
-            import json
             return json.loads((out / "summary.json").read_text())
     try:
         result = trainer.fit()
@@ -273,8 +273,6 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path]:
     Raises:
         TightfitError: not a tightfit run folder, or no complete checkpoint in it.
     """
-    import json
-
     from .runtime.checkpoint import list_checkpoints
 
     run = Path(req.resume)

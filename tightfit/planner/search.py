@@ -109,27 +109,35 @@ def checkpoint_options(n_blocks: int) -> list[int]:
     return sorted({0, *(math.ceil(n_blocks * f) for f in (0.25, 0.5, 0.75)), n_blocks}) if n_blocks else [0]
 
 
-class _MemoryCurve:
-    """Peak memory as a function of the micro-batch for one (precision, checkpointed blocks),
-    from exact traces at two micro-batches (linear in between and beyond)."""
+@dataclass(frozen=True)
+class _MemoryLine:
+    """Predicted peak reserved bytes ``intercept + slope x micro_batch`` for one (precision,
+    checkpointed blocks): every byte that grows with the micro-batch grows linearly."""
 
-    def __init__(self, estimate_fn, precision: str, blocks: tuple[int, ...], probe=(4, 16)):
-        self.estimate_fn, self.precision, self.blocks = estimate_fn, precision, blocks
-        a, b = (estimate_fn(precision, m, blocks) for m in probe)
-        self.points = {probe[0]: a, probe[1]: b}
-        self.m0, self.m1 = probe
-        self.slope = (b.peak_reserved_bytes - a.peak_reserved_bytes) / (probe[1] - probe[0])
+    intercept: float
+    slope: float
+
+    @classmethod
+    def traced(cls, estimate_fn, precision: str, blocks: tuple[int, ...], at=(4, 16)) -> "_MemoryLine":
+        """The line through exact traces at two micro-batches."""
+        a, b = (estimate_fn(precision, m, blocks).peak_reserved_bytes for m in at)
+        slope = (b - a) / (at[1] - at[0])
+        return cls(a - slope * at[0], slope)
+
+    def blend(self, other: "_MemoryLine", f: float) -> "_MemoryLine":
+        """The line a share ``f`` of the way to ``other`` (memory falls linearly with the
+        number of blocks checkpointed)."""
+        return _MemoryLine(self.intercept + f * (other.intercept - self.intercept),
+                           self.slope + f * (other.slope - self.slope))
 
     def reserved(self, micro_batch: int) -> float:
-        a = self.points[self.m0].peak_reserved_bytes
-        return a + self.slope * (micro_batch - self.m0)
+        return self.intercept + self.slope * micro_batch
 
     def largest_fitting(self, limit: float, upper: int) -> int:
         """Largest micro-batch in ``[1, upper]`` whose predicted peak is at most ``limit`` (0: none)."""
         if self.slope <= 0:
             return upper if self.reserved(upper) <= limit else 0
-        m = int((limit - self.points[self.m0].peak_reserved_bytes) / self.slope + self.m0)
-        return max(0, min(upper, m))
+        return max(0, min(upper, int((limit - self.intercept) / self.slope)))
 
 
 def search(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
@@ -168,13 +176,10 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
                                        why=f"not searched: {tm.rate(prec) / tm.rate(precisions[0]):.3g}x the "
                                            f"{precisions[0]} rate on this card, and {precisions[0]} fits"))
             continue
-        curves = {k: _MemoryCurve(estimate_fn, prec, tuple(range(k))) for k in (ks[0], ks[-1])}
+        lo = _MemoryLine.traced(estimate_fn, prec, tuple(range(ks[0])))
+        hi = _MemoryLine.traced(estimate_fn, prec, tuple(range(ks[-1]))) if len(ks) > 1 else lo
         for k in ks:
-            if k in curves:
-                curve = curves[k]
-            else:  # between none and all, memory falls linearly with the blocks checkpointed
-                lo, hi = curves[ks[0]], curves[ks[-1]]
-                curve = _interpolate(lo, hi, (k - ks[0]) / (ks[-1] - ks[0]), tuple(range(k)))
+            curve = lo.blend(hi, (k - ks[0]) / (ks[-1] - ks[0])) if len(ks) > 1 else lo
             m = curve.largest_fitting(limit, effective_batch)
             if m == 0:
                 evaluated.append(Candidate(prec, 1, tuple(range(k)), effective_batch, int(curve.reserved(1)), None,
@@ -217,26 +222,6 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
                                                    f"({c.samples_per_s / best.samples_per_s:.2f}x)"})
         runners.append(c)
     return SearchResult(best, runners, budget_bytes, effective_batch, n_blocks, time.perf_counter() - t0)
-
-
-def _interpolate(lo: _MemoryCurve, hi: _MemoryCurve, f: float, blocks: tuple[int, ...]) -> _MemoryCurve:
-    curve = object.__new__(_MemoryCurve)
-    curve.estimate_fn, curve.precision, curve.blocks = lo.estimate_fn, lo.precision, blocks
-    curve.m0, curve.m1 = lo.m0, lo.m1
-    curve.points = {m: _Blend(lo.points[m], hi.points[m], f) for m in (lo.m0, lo.m1)}
-    curve.slope = lo.slope + f * (hi.slope - lo.slope)
-    return curve
-
-
-@dataclass(frozen=True)
-class _Blend:
-    a: object
-    b: object
-    f: float
-
-    @property
-    def peak_reserved_bytes(self) -> float:
-        return self.a.peak_reserved_bytes + self.f * (self.b.peak_reserved_bytes - self.a.peak_reserved_bytes)
 
 
 def _verify(c: Candidate, estimate_fn, limit: float, effective_batch: int, tm: TimeModel) -> Candidate | int:

@@ -167,7 +167,7 @@ class Trainer:
         self.memory_timeline: list[tuple[int, int, int]] = []  # (step, peak allocated, peak reserved) bytes
         self._peaks = (0, 0)
         self.loader = Prefetcher(workload.train.collate, self.device, enabled=config.prefetch)
-        self._orders: dict[int, list[int]] = {}
+        self._windows: dict[int, list[list[int]]] = {}  # epoch -> its accumulation windows
         self.micro_batch = plan.micro_batch
         self.step = 0
         self.result = TrainResult(plan=plan)
@@ -227,10 +227,11 @@ class Trainer:
         """The samples of global step ``step``: the data position is the step itself, since each
         epoch's order is fixed by ``(seed, epoch)``; the last window of an epoch may be short."""
         epoch, index = divmod(step, self.steps_per_epoch)
-        if epoch not in self._orders:
-            self._orders = {epoch: epoch_order(len(self.w.train), self.cfg.seed, epoch)}
-        E = self.w.effective_batch
-        return self._orders[epoch][index * E:(index + 1) * E]
+        if epoch not in self._windows:  # keep this epoch's and the next (prefetch looks ahead)
+            self._windows = {e: w for e, w in self._windows.items() if e == epoch - 1}
+            self._windows[epoch] = windows_of(epoch_order(len(self.w.train), self.cfg.seed, epoch),
+                                              self.w.effective_batch)
+        return self._windows[epoch][index]
 
     # ---------------------------------------------------------------- one optimizer step
     def train_step(self, window: list[int]) -> tuple[float, bool]:
