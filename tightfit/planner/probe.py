@@ -20,6 +20,7 @@ from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.precision import autocast, check_precision, fallback_precisions, preferred_precision
 from ..plan import Plan
 from ..memory.oom import is_oom, release_memory
+from ..memory.step import training_loss, training_step
 from ..rng import capture_rng, restore_rng
 from ..units import format_bytes
 from ..workload import Workload
@@ -90,14 +91,18 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
 
 
 def _probe_once(workload: Workload, micro_batch: int, precision: str, device, optimizer, micro_batches: int) -> None:
-    for _ in range(micro_batches):
+    """One optimizer step of ``micro_batches`` worst-case micro-batches: the earlier ones only
+    accumulate gradients, the last runs the shared step (backward, clip, optimizer step, which
+    allocates AdamW's state as the first real step will)."""
+    context = lambda: autocast(precision, device.type)  # noqa: E731
+    for _ in range(micro_batches - 1):
         batch = {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
-        with autocast(precision, device.type):
-            loss = workload.loss_sum(workload.model, batch) / micro_batch
+        with context():
+            loss = training_loss(workload.model, batch)
         loss.backward()
         del batch, loss
-    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
-    optimizer.step()  # allocates AdamW's state, as the first real step will
+    batch = {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
+    training_step(workload.model, batch, optimizer, None, context)
 
 
 def largest_micro_batch(workload: Workload, precision: str, budget_bytes: int, upper: int) -> ProbeResult | None:
