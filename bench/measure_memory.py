@@ -7,8 +7,12 @@ caching allocator's peak allocated / reserved bytes (``torch.cuda.max_memory_*``
 step and of all three, with a breakdown: parameter, gradient, optimizer-state and
 saved-for-backward bytes (unique storages, rounded to the allocator's 512-byte blocks).
 
+Each row runs in a fresh process (``--jobs`` of them at a time on the one GPU; peaks are per
+process), so that no row inherits the allocator state of another: the estimator predicts a
+fresh process.
+
 Usage (from the repository root, on a CUDA machine):
-    PYTHONPATH=. python bench/measure_memory.py --out tests/fixtures/memory/h200.json [--quick]
+    PYTHONPATH=. python bench/measure_memory.py --out tests/fixtures/memory/h200.json [--quick] [--jobs 6]
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -148,15 +155,40 @@ def rows(quick: bool):
         yield from EXTRA
 
 
+def measure_row(row: dict) -> dict:
+    """Build ``row``'s architecture (seed 0, fp32 weights on the GPU) and measure it."""
+    torch.manual_seed(0)
+    model, make_batch = build_model(row["arch"], device="cpu", attn_implementation=row.get("attn", "sdpa"))
+    try:
+        return measure(model.to("cuda"), make_batch, row)
+    except torch.OutOfMemoryError as e:
+        return dict(row, error=f"out of memory: {str(e).splitlines()[0]}")
+
+
+def run_fresh(row: dict) -> dict:
+    """``row`` measured in a new Python process (``--row``)."""
+    cmd = [sys.executable, __file__, "--row", json.dumps(row)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH="."))
+    if p.returncode != 0:
+        return dict(row, error=p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="one micro-batch per architecture")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting rows after this many seconds")
+    ap.add_argument("--jobs", type=int, default=6, help="rows measured at a time (one process each)")
+    ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: measure this JSON row, print it
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("measure_memory: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.row:
+        print(json.dumps(measure_row(json.loads(args.row))))
+        return 0
+    if not args.out:
+        ap.error("--out is required")
     import transformers
 
     t0 = time.time()
@@ -165,29 +197,19 @@ def main(argv=None) -> int:
                   gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                   cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
                   workspace_bytes=workspace_bytes(), steps=3, optimizer="AdamW(fused=True, weight_decay=0.01)",
-                  grad_scaler="GradScaler(init_scale=1024) for fp16", max_grad_norm=1.0)
-    results, models = [], {}
-    for row in rows(args.quick):
-        if time.time() - t0 > args.budget_s:
-            print("time budget reached; stopping", flush=True)
-            break
-        key = (row["arch"], row.get("attn", "sdpa"))
-        if key not in models:
-            models.clear()
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.manual_seed(0)
-            model, make_batch = build_model(row["arch"], device="cpu", attn_implementation=key[1])
-            models[key] = (model.to("cuda"), make_batch)
-        model, make_batch = models[key]
-        try:
-            res = measure(model, make_batch, row)
-        except torch.OutOfMemoryError as e:
-            res = dict(row, error=f"out of memory: {str(e).splitlines()[0]}")
-        results.append(res)
+                  grad_scaler="GradScaler(init_scale=1024) for fp16", max_grad_norm=1.0,
+                  process="one fresh process per row")
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        header["allocator"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    todo = list(rows(args.quick))
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(run_fresh, todo))
+    for res in results:
         print(json.dumps({k: v for k, v in res.items() if k != "breakdown"}), flush=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(header=header, rows=results, seconds=round(time.time() - t0, 1)), f, indent=1)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(header=header, rows=results, seconds=round(time.time() - t0, 1)), f, indent=1)
+    os.replace(tmp, args.out)
     return 0
 
 

@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     from .planner.cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from .bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     sub.add_parser("doctor", help="show the GPU(s), driver, CUDA, capabilities and which techniques help")
     args = parser.parse_args(argv)
     from .runtime.allocator import configure_allocator
@@ -86,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             from .planner.cli import run as run_plan
 
             return run_plan(args)
+        if args.command == "bench":
+            from .bench.cli import run as run_bench
+
+            return run_bench(args)
         if args.command == "estimate":
             from .memory.cli import run as run_estimate
 

@@ -19,22 +19,29 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
             ``blocks`` selects some of them).
         enabled: checkpoint or not.
         blocks: indices of the repeated blocks (:func:`tightfit.levers.blocks.find_blocks`) to
-            checkpoint; None or all of them: the model's own Hugging Face hook.
+            checkpoint; None or all of them: the model's own Hugging Face hook, or tightfit's
+            block wrappers for a model without one (e.g. ResNet).
 
     Raises:
         ValueError: if ``enabled`` and the model does not support gradient checkpointing.
     """
     from .blocks import apply_checkpointing, find_blocks
 
+    own_hook = getattr(model, "supports_gradient_checkpointing", False)
+    if enabled and not own_hook and find_blocks(model):  # e.g. ResNet: wrap the blocks ourselves
+        blocks = tuple(range(len(find_blocks(model)))) if blocks is None else blocks
     if blocks is not None:
         apply_checkpointing(model, ())  # unwrap any subset from an earlier choice
-        if enabled and len(tuple(blocks)) < len(find_blocks(model)):
-            set_activation_checkpointing(model, False)
+        if enabled and (len(tuple(blocks)) < len(find_blocks(model)) or not own_hook):
+            if own_hook:
+                set_activation_checkpointing(model, False)
             apply_checkpointing(model, tuple(blocks))  # non-reentrant, RNG-preserving
             if getattr(getattr(model, "config", None), "use_cache", None):
                 model.config.use_cache = False
             return
     if not enabled:
+        if find_blocks(model):
+            apply_checkpointing(model, ())  # unwrap tightfit's block wrappers, if any
         if getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False):
             getattr(model, _name(model, "activation_checkpointing_disable", "gradient_checkpointing_disable"))()
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,49 @@ from .probe import PROBE_HEADROOM, probe_step
 from .search import estimator_for, search
 
 VERIFIED = 3  # candidates timed for real (each: two probe steps)
+
+
+@dataclass(frozen=True)
+class MicroBatchLine:
+    """Measured time of one micro-batch's forward + backward: ``fixed_s + per_sample_s x m``.
+
+    On a fast GPU a micro-batch costs a fixed CPU time (Python, autograd, kernel launches) that
+    does not shrink with its size, so accumulation steps cost nearly a whole micro-batch each;
+    on a slow card the per-sample term dominates. Both terms scale with the passes over the
+    model (``3 + checkpointed share``: forward, backward = 2 forwards, recomputation); the
+    per-sample term also with the precision's rate relative to the calibrated one.
+    """
+
+    precision: str
+    passes: float  # 3 + checkpointed share of the calibrated candidate
+    fixed_s: float
+    per_sample_s: float
+    rates: dict  # precision -> relative rate (1.0 for the calibrated precision)
+
+    @classmethod
+    def fit(cls, cand, big, small, n_blocks: int, profile: DeviceProfile) -> "MicroBatchLine | None":
+        """Two probes of ``cand`` at micro-batches ``big`` > ``small`` (their steady-state step
+        times); ``profile`` gives the other precisions' rates relative to ``cand``'s."""
+        u_big = big.step_seconds / big.micro_batches
+        u_small = small.step_seconds / small.micro_batches
+        if big.micro_batch <= small.micro_batch:
+            return None
+        per_sample = max(0.0, (u_big - u_small) / (big.micro_batch - small.micro_batch))
+        fixed = max(0.0, u_big - per_sample * big.micro_batch)
+        peaks = {"fp32": profile.fp32_tflops, "fp16": profile.fp16_tflops,
+                 "bf16": profile.bf16_tflops or profile.fp32_tflops}
+        rates = {p: v / peaks[cand.precision] for p, v in peaks.items() if v}
+        return cls(cand.precision, 3 + len(cand.checkpoint_blocks) / max(n_blocks, 1), fixed, per_sample, rates)
+
+    def step_seconds(self, cand, effective_batch: int, n_blocks: int) -> float:
+        """Predicted forward + backward time of one optimizer step of ``cand``."""
+        scale = (3 + len(cand.checkpoint_blocks) / max(n_blocks, 1)) / self.passes
+        rate = self.rates.get(cand.precision, 1.0) or 1.0
+        full, rest = divmod(effective_batch, cand.micro_batch)
+        t = full * (self.fixed_s + self.per_sample_s * cand.micro_batch / rate) * scale
+        if rest:
+            t += (self.fixed_s + self.per_sample_s * rest / rate) * scale
+        return t
 
 
 def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, seq_len: int,
@@ -39,33 +83,53 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                     precision=precision, checkpointing=checkpointing)
     ranked = [result.best] + [c for c in result.runners_up if c.samples_per_s > 0]
     E, n = workload.effective_batch, result.n_blocks
-    measured, rejected = [], []
+    measured, rejected, probes = [], [], {}
+
+    def probe(cand, micro_batch):
+        key = (cand.precision, cand.checkpoint_blocks, micro_batch)
+        if key not in probes:
+            blocks = cand.checkpoint_blocks
+            set_activation_checkpointing(workload.model, bool(blocks), blocks)
+            probes[key] = probe_step(workload, micro_batch, cand.precision, budget_bytes)
+        return probes[key]
+
+    # Calibrate: the search's first choice at its micro-batch and at a quarter of it gives the
+    # card's fixed cost per micro-batch (kernel launches, Python) and its cost per sample.
+    line = None
+    first = probe(ranked[0], ranked[0].micro_batch)
+    if first.fits and ranked[0].micro_batch >= 4:
+        small = probe(ranked[0], ranked[0].micro_batch // 4)
+        if small.fits:
+            line = MicroBatchLine.fit(ranked[0], first, small, n, profile)
+    if line is not None:
+        ranked.sort(key=lambda c: -E / line.step_seconds(c, E, n))
     for cand in ranked:
         if len(measured) == VERIFIED:
             break
-        blocks = cand.checkpoint_blocks
-        set_activation_checkpointing(workload.model, bool(blocks), blocks)
-        probe = probe_step(workload, cand.micro_batch, cand.precision, budget_bytes)
-        if not probe.fits:
-            rejected.append(f"{cand.label()}: " + (f"peak {format_bytes(probe.peak_reserved_bytes)} measured"
-                                                   if probe.peak_reserved_bytes else "out of memory"))
+        pr = probe(cand, cand.micro_batch)
+        if not pr.fits:
+            rejected.append(f"{cand.label()}: " + (f"peak {format_bytes(pr.peak_reserved_bytes)} measured"
+                                                   if pr.peak_reserved_bytes else "out of memory"))
             continue
-        step_s = probe.step_seconds * math.ceil(E / cand.micro_batch) / probe.micro_batches
-        measured.append((E / step_s, cand, probe))
+        step_s = pr.step_seconds * math.ceil(E / cand.micro_batch) / pr.micro_batches
+        measured.append((E / step_s, cand, pr))
     set_activation_checkpointing(workload.model, False, ())
     if not measured:
         raise TightfitError(f"no planned candidate fits {format_bytes(budget_bytes)} for real: " + "; ".join(rejected))
-    speed, best, probe = max(measured, key=lambda m: m[0])
+    speed, best, best_probe = max(measured, key=lambda m: m[0])
     blocks = best.checkpoint_blocks
     reasons = [f"searched {len(ranked) + len([c for c in result.runners_up if c.samples_per_s == 0])} plans "
                f"(precision x checkpointed blocks x micro-batch) in {result.seconds:.1f} s; "
                f"verified {len(measured)} with real steps under the budget ({int(PROBE_HEADROOM * 100)}% headroom)",
                f"fastest measured: {speed:.0f} samples/s (predicted {best.samples_per_s:.0f}), "
-               f"peak {format_bytes(probe.peak_reserved_bytes)} reserved"]
+               f"peak {format_bytes(best_probe.peak_reserved_bytes)} reserved"]
+    if line is not None:
+        reasons.insert(1, f"calibrated with probes: {line.fixed_s * 1e3:.1f} ms per micro-batch + "
+                          f"{line.per_sample_s * 1e3:.3f} ms per sample ({ranked[0].precision}), candidates re-ranked")
     reasons += [f"{c.label()}: {s:.0f} samples/s measured" for s, c, _ in measured if c is not best]
     reasons += [f"rejected {r}" for r in rejected]
     reasons.append(f"planning took {time.perf_counter() - t0:.1f} s")
     return Plan(best.precision, best.micro_batch, E, bool(blocks), device="cuda", budget_bytes=budget_bytes,
-                reasons=tuple(reasons), probe_peak_reserved_bytes=probe.peak_reserved_bytes,
+                reasons=tuple(reasons), probe_peak_reserved_bytes=best_probe.peak_reserved_bytes,
                 checkpoint_blocks=tuple(blocks) if 0 < len(blocks) < n else None,
                 predicted_peak_reserved_bytes=best.peak_reserved_bytes, predicted_samples_per_s=best.samples_per_s)

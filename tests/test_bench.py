@@ -1,0 +1,77 @@
+"""The benchmark harness's pieces that run without a GPU: the calibrated time line, the
+report's ratios and files, and bad input."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from tightfit.bench.report import ratios, write_report
+from tightfit.cli import main
+from tightfit.devices import get_profile
+from tightfit.planner.gpu import MicroBatchLine
+from tightfit.planner.probe import ProbeResult
+from tightfit.planner.search import Candidate
+
+
+def _cand(precision, mb, blocks):
+    return Candidate(precision, mb, tuple(range(blocks)), 0, None, None)
+
+
+def test_micro_batch_line_recovers_fixed_and_per_sample_cost():
+    fixed, per = 0.030, 0.0002  # seconds per micro-batch, per sample
+    big = ProbeResult(128, True, 1, 1, step_seconds=fixed + per * 128, micro_batches=1)
+    small = ProbeResult(32, True, 1, 1, step_seconds=2 * (fixed + per * 32), micro_batches=2)
+    line = MicroBatchLine.fit(_cand("bf16", 128, 12), big, small, 12, get_profile("h200"))
+    assert line.fixed_s == pytest.approx(fixed) and line.per_sample_s == pytest.approx(per)
+    # same precision and blocks: 256 samples as 2 x 128 cost two fixed costs
+    assert line.step_seconds(_cand("bf16", 128, 12), 256, 12) == pytest.approx(2 * (fixed + per * 128))
+    # no checkpointing: 3 passes instead of 4 -> three quarters of the time
+    assert line.step_seconds(_cand("bf16", 256, 0), 256, 12) == pytest.approx(0.75 * (fixed + per * 256))
+    # fp32 on the H200 profile: the per-sample term scales with the bf16/fp32 peak ratio
+    p = get_profile("h200")
+    assert line.step_seconds(_cand("fp32", 256, 12), 256, 12) == pytest.approx(
+        fixed + per * 256 * p.bf16_tflops / p.fp32_tflops)
+
+
+def _rows():
+    return [
+        {"setting": "no budget", "precision": "bf16", "samples_per_s": 1000.0},
+        {"setting": "no budget", "precision": "fp16", "samples_per_s": 800.0},
+        {"setting": "plain", "precision": "fp32", "fits": False},
+        {"setting": "plain", "precision": "bf16", "samples_per_s": 500.0, "peak_reserved_bytes": 2**30},
+        {"setting": "HF Trainer auto_find_batch_size", "precision": "bf16", "samples_per_s": 400.0},
+        {"setting": "tightfit", "precision": "bf16", "samples_per_s": 600.0, "ooms_after_planning": 0,
+         "steps": 300, "planning_seconds": 5.0},
+    ]
+
+
+def test_ratios_against_the_best_of_each_setting():
+    r = ratios(_rows())
+    assert r["vs no-budget best"] == pytest.approx(0.6)
+    assert r["vs best plain PyTorch"] == pytest.approx(1.2)
+    assert r["vs best HF Trainer"] == pytest.approx(1.5)
+    assert math.isnan(ratios(_rows()[:2])["vs best HF Trainer"])
+
+
+def test_report_files(tmp_path):
+    res = {"workload": {"name": "bert-base-128@4GiB", "arch": "bert-base", "size": 128, "budget": "4GiB",
+                        "effective_batch": 256}, "device": "NVIDIA H200", "torch": "2.11", "rows": _rows()}
+    (tmp_path / "bert-base-128@4GiB.json").write_text(json.dumps(res))
+    assert main(["bench", "report", str(tmp_path)]) == 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| bert-base-128@4GiB | vs no-budget best | ≥ 0.80 | 0.60 | no |" in md
+    assert "| bert-base-128@4GiB | vs best HF Trainer | ≥ 1.25 | 1.50 | yes |" in md
+    assert (tmp_path / "results.csv").read_text().count("\n") == 1 + len(_rows())
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_bad_input(tmp_path, capsys):
+    assert main(["bench", "report", str(tmp_path)]) == 2  # no results
+    if not torch.cuda.is_available():
+        assert main(["bench", "run", "--workload", "bert-base-128@4GiB", "--out", str(tmp_path / "o")]) == 2
+    assert main(["bench", "run", "--workload", "minilm-32@smoke", "--out", str(tmp_path / "o"),
+                 "--settings", "hf,nope"]) == 2
+    assert "unknown settings: nope" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

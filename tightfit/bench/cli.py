@@ -1,0 +1,102 @@
+"""``tightfit bench run`` (one workload, on a CUDA GPU) and ``tightfit bench report``."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+from ..errors import TightfitError
+from ..fileio import atomic_write_json
+
+
+def add_parser(subparsers) -> None:
+    """Add the ``bench`` sub-command to an argparse ``subparsers`` object."""
+    from .workloads import WORKLOADS
+
+    p = subparsers.add_parser("bench", help="benchmark tightfit's plan against plain PyTorch and the HF Trainer",
+                              description="Measure one workload under its emulated budget, or write the report.")
+    s = p.add_subparsers(dest="bench_command", required=True)
+    r = s.add_parser("run", help="measure one workload on a CUDA GPU; writes OUT/<workload>.json")
+    r.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    r.add_argument("--out", required=True, help="results folder")
+    r.add_argument("--steps", type=int, default=12, help="steps per compared setting (default 12)")
+    r.add_argument("--tightfit-steps", type=int, default=300, help="steps of tightfit's run (default 300)")
+    r.add_argument("--warmup", type=int, default=3, help="steps left out of samples/s (default 3)")
+    r.add_argument("--settings", default="no-budget,plain,hf,tightfit",
+                   help="comma-separated subset of no-budget,plain,hf,tightfit")
+    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse_help_device())
+    g = s.add_parser("report", help="write results.md, results.csv and results.png from a results folder")
+    g.add_argument("folder")
+
+
+def argparse_help_device() -> str:
+    return "cuda (default) or cpu: a smoke test of the HF Trainer peer only"
+
+
+def run(args) -> int:
+    """Run ``tightfit bench``; returns the exit code.
+
+    Raises:
+        TightfitError: no CUDA GPU for ``run``, unknown settings, or no results for ``report``.
+    """
+    if args.bench_command == "report":
+        for p in __import__("tightfit.bench.report", fromlist=["write_report"]).write_report(args.folder):
+            print(p)
+        return 0
+    import torch
+
+    from .workloads import get_workload
+
+    settings = [s for s in args.settings.split(",") if s]
+    unknown = set(settings) - {"no-budget", "plain", "hf", "tightfit"}
+    if unknown:
+        raise TightfitError(f"unknown settings: {', '.join(sorted(unknown))}")
+    if min(args.steps, args.tightfit_steps) <= args.warmup:
+        raise TightfitError("--steps and --tightfit-steps must be larger than --warmup")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise TightfitError("tightfit bench run needs a CUDA GPU (--device cpu runs the HF Trainer smoke test)")
+    if args.device == "cpu" and settings != ["hf"]:
+        raise TightfitError("--device cpu runs only --settings hf")
+    w = get_workload(args.workload)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    result = {"workload": vars(w), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "python": platform.python_version(),
+              "command": f"tightfit bench run --workload {w.name} --out {args.out} --steps {args.steps} "
+                         f"--tightfit-steps {args.tightfit_steps} --warmup {args.warmup} --settings {args.settings}",
+              "rows": []}
+    path = out / f"{w.name}.json"
+
+    def add(rows):
+        result["rows"].extend(rows)
+        for r in rows:
+            print({k: r.get(k) for k in ("setting", "precision", "checkpointed_blocks", "micro_batch",
+                                         "accumulation_steps", "samples_per_s", "peak_reserved_bytes")}, flush=True)
+        atomic_write_json(path, result)  # after every setting: a cut-short run keeps what it measured
+
+    from . import peers, settings as st
+
+    t0 = time.perf_counter()
+    if "no-budget" in settings:
+        add(st.no_budget(w, args.steps, args.warmup))
+    if "plain" in settings:
+        add(st.plain(w, args.steps, args.warmup))
+    if "hf" in settings:
+        precision = "fp32" if args.device == "cpu" else ("bf16" if torch.cuda.get_device_capability() >= (8, 0)
+                                                         else "fp16")
+        for ck in (False, True):
+            if args.device == "cuda":
+                st.cap_memory(w.budget_bytes)
+            add([peers.hf_trainer(w, precision, ck, w.effective_batch, args.steps, args.warmup, args.device)])
+            if args.device == "cuda":
+                st.cap_memory(None)
+    if "tightfit" in settings:
+        add([st.tightfit(w, args.tightfit_steps, args.warmup)])
+    result["seconds"] = time.perf_counter() - t0
+    atomic_write_json(path, result)
+    print(path)
+    return 0
