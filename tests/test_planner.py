@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_bert
 from tightfit.cli import main
 from tightfit.devices import get_profile
-from tightfit.planner.search import candidate_precisions, checkpoint_options, search
+from tightfit.planner.search import candidate_precisions, search
 
 MiB = 2**20
 
@@ -22,9 +22,15 @@ def test_candidate_precisions_never_bf16_below_ampere(card, expected):
     assert candidate_precisions(get_profile(card)) == expected
 
 
-def test_checkpoint_options():
-    assert checkpoint_options(12) == [0, 3, 6, 9, 12]
-    assert checkpoint_options(0) == [0]
+def test_candidates_are_the_fewest_blocks_per_number_of_micro_batches():
+    # 300 MiB for activations; 2 blocks saving 5% each: 0 blocks fit 30 samples per micro-batch,
+    # 1 block 31, 2 blocks 33
+    fn = memory(100 * MiB, 10 * MiB, saving_per_block=0.05, fp16_factor=1.0)
+    r = _search("gtx-1080-ti", int(400 * MiB / 0.95), fn, E=64, precision="fp32")
+    cands = [r.best] + [c for c in r.runners_up if c.samples_per_s > 0]
+    got = sorted((c.accumulation_steps, len(c.checkpoint_blocks), c.micro_batch) for c in cands)
+    # 64 samples: 3 x 22 with no block; 2 x 32 needs 2 blocks (1 block fits only 31)
+    assert got == [(2, 2, 32), (3, 0, 22)]
 
 
 @dataclass

@@ -81,10 +81,11 @@ def run(args) -> int:
     from . import peers, settings as st
 
     t0 = time.perf_counter()
+    # tightfit first: a run cut short by a time limit keeps its most important row
+    if "tightfit" in settings:
+        add([st.tightfit(w, args.tightfit_steps, args.warmup)])
     if "no-budget" in settings:
         add(st.no_budget(w, args.steps, args.warmup))
-    if "plain" in settings:
-        add(st.plain(w, args.steps, args.warmup))
     if "hf" in settings:
         precision = "fp32" if args.device == "cpu" else ("bf16" if torch.cuda.get_device_capability() >= (8, 0)
                                                          else "fp16")
@@ -94,8 +95,8 @@ def run(args) -> int:
             add([peers.hf_trainer(w, precision, ck, w.effective_batch, args.steps, args.warmup, args.device)])
             if args.device == "cuda":
                 st.cap_memory(None)
-    if "tightfit" in settings:
-        add([st.tightfit(w, args.tightfit_steps, args.warmup)])
+    if "plain" in settings:
+        add(st.plain(w, args.steps, args.warmup))
     result["seconds"] = time.perf_counter() - t0
     atomic_write_json(path, result)
     print(path)

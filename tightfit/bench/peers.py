@@ -43,6 +43,10 @@ def hf_trainer(w: BenchWorkload, precision: str, checkpointing: bool, start_batc
 
     torch.manual_seed(0)
     model, make_batch = build_model(w.arch, device="cpu")
+    setting = {"setting": "HF Trainer auto_find_batch_size", "precision": precision,
+               "checkpointed_blocks": "all" if checkpointing else 0, "start_batch": start_batch}
+    if checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        return {**setting, "fits": False, "error": f"{type(model).__name__} does not support gradient checkpointing"}
     stamps = []
 
     class Clock(TrainerCallback):
@@ -67,9 +71,7 @@ def hf_trainer(w: BenchWorkload, precision: str, checkpointing: bool, start_batc
     at_final = [s for s in stamps if s[1] == final]
     timed = at_final[warmup:]
     speed = final * (len(timed) - 1) / (timed[-1][0] - timed[0][0]) if len(timed) > 1 else float("nan")
-    row = {"setting": "HF Trainer auto_find_batch_size", "precision": precision,
-           "checkpointed_blocks": "all" if checkpointing else 0, "start_batch": start_batch,
-           "micro_batch": final, "effective_batch": final, "accumulation_steps": 1, "samples_per_s": speed,
+    row = {**setting, "micro_batch": final, "effective_batch": final, "accumulation_steps": 1, "samples_per_s": speed,
            "planning_seconds": at_final[0][0] - t0,
            "ooms_after_planning": sum(1 for a, b in zip(stamps, stamps[1:]) if b[1] != a[1]),
            "steps": len(at_final),

@@ -74,7 +74,7 @@ def markdown(results: list[dict]) -> str:
             r = dict(r, samples_per_s=r.get("samples_per_s") if r.get("fits", True) else None)
             cells = [_fmt(r.get(k), k) for k in keys]
             if not r.get("fits", True):
-                cells[5] = "does not fit at batch 1"
+                cells[5] = r.get("error") or "does not fit at batch 1"
             out.append("| " + " | ".join(cells) + " |")
         rs = ratios(rows)
         out.append("\ntightfit: " + ", ".join(f"{k} **{v:.2f}**" for k, v in rs.items() if not math.isnan(v)) + "\n")

@@ -104,11 +104,6 @@ def candidate_precisions(profile: DeviceProfile, precision: str = "auto") -> lis
     return [first] + [p for p in ("fp32", "fp16") if p != first and profile.compute_capability >= (5, 3)]
 
 
-def checkpoint_options(n_blocks: int) -> list[int]:
-    """Numbers of blocks to checkpoint: 0, n/4, n/2, 3n/4, n (distinct)."""
-    return sorted({0, *(math.ceil(n_blocks * f) for f in (0.25, 0.5, 0.75)), n_blocks}) if n_blocks else [0]
-
-
 @dataclass(frozen=True)
 class _MemoryLine:
     """Predicted peak reserved bytes ``intercept + slope x micro_batch`` for one (precision,
@@ -164,7 +159,9 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     n_blocks = len(find_blocks(model))
     tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks))
     limit = budget_bytes * (1 - headroom)
-    ks = {"auto": checkpoint_options(n_blocks), "off": [0], "on": [n_blocks]}[checkpointing]
+    # Blocks checkpointed: any number from 0 to n ("auto"); per number of micro-batches only the
+    # fewest blocks that reach it is a candidate (more would only add recomputation).
+    ks = {"auto": [0, n_blocks], "off": [0], "on": [n_blocks]}[checkpointing]
     evaluated: list[Candidate] = []
     precisions = candidate_precisions(profile, precision)
     for prec in precisions:
@@ -178,17 +175,23 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             continue
         lo = _MemoryLine.traced(estimate_fn, prec, tuple(range(ks[0])))
         hi = _MemoryLine.traced(estimate_fn, prec, tuple(range(ks[-1]))) if len(ks) > 1 else lo
-        for k in ks:
+        frontier: dict[int, Candidate] = {}  # accumulation steps -> fewest blocks that reach them
+        for k in range(ks[0], ks[-1] + 1):
             curve = lo.blend(hi, (k - ks[0]) / (ks[-1] - ks[0])) if len(ks) > 1 else lo
             m = curve.largest_fitting(limit, effective_batch)
             if m == 0:
-                evaluated.append(Candidate(prec, 1, tuple(range(k)), effective_batch, int(curve.reserved(1)), None,
-                                           why=f"does not fit: {format_bytes(curve.reserved(1))} at micro-batch 1"))
+                if k in (ks[0], ks[-1]):  # why fewer blocks lose, or nothing fits
+                    evaluated.append(Candidate(prec, 1, tuple(range(k)), effective_batch, int(curve.reserved(1)),
+                                               None, why=f"does not fit: {format_bytes(curve.reserved(1))} "
+                                                         f"at micro-batch 1"))
                 continue
-            mb = math.ceil(effective_batch / math.ceil(effective_batch / m))  # balanced windows
-            evaluated.append(Candidate(prec, mb, tuple(range(k)), math.ceil(effective_batch / mb),
-                                       int(curve.reserved(mb)), None,
-                                       samples_per_s=tm.samples_per_s(prec, mb, effective_batch, k)))
+            steps = math.ceil(effective_batch / m)
+            if steps in frontier:  # more recomputation for the same number of micro-batches
+                continue
+            mb = math.ceil(effective_batch / steps)  # balanced windows
+            frontier[steps] = Candidate(prec, mb, tuple(range(k)), steps, int(curve.reserved(mb)), None,
+                                        samples_per_s=tm.samples_per_s(prec, mb, effective_batch, k))
+        evaluated.extend(frontier.values())
     order = candidate_precisions(profile, precision)  # ties go to the card's preferred precision
     fitting = sorted((c for c in evaluated if c.samples_per_s > 0),
                      key=lambda c: (-round(c.samples_per_s, 6), order.index(c.precision), len(c.checkpoint_blocks)))
