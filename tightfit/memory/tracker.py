@@ -11,7 +11,6 @@ the peaks under several allocator configurations.
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections import Counter
 
@@ -24,24 +23,24 @@ from .allocator import make_allocator
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 
 
-def kernel_workspace_bytes(func, args) -> int:
-    """Scratch bytes a CUDA kernel takes from the caching allocator for the duration of ``func``.
+def kernel_workspace_bytes(func, args, out) -> int:
+    """Scratch bytes a cuDNN convolution takes from the caching allocator while it runs, on top
+    of its inputs and outputs (``out``: what ``func`` returned).
 
-    Modelled: cuDNN's convolution backward (``aten.convolution_backward``), whose algorithm is
-    chosen on the GPU; its workspace is taken as the larger of its input and its incoming gradient
-    (``args[1]``, ``args[0]``; shapes N x C x H x W), which matches the allocated bytes the
-    trace missed on an NVIDIA H200 for ResNet-50 with checkpointing (30/108/187 MiB measured
-    against 25/98/196 MiB at micro-batch 8/32/64, fp32). 0 for every other op.
+    The algorithm, hence the workspace, is chosen on the GPU; modelled as the larger of the
+    convolution's input and output activations (forward: ``args[0]`` and ``out``; backward:
+    the incoming gradient ``args[0]`` and the input ``args[1]``; shapes N x C x H x W), which
+    matches the allocated bytes a trace without it missed on an NVIDIA H200 for ResNet-50 with
+    checkpointing (30/108/187 MiB measured against 25/98/196 MiB at micro-batch 8/32/64, fp32).
+    0 for every other op.
     """
     if func is torch.ops.aten.convolution_backward.default:
-        grad_out, inp = args[0], args[1]
-        return max(grad_out.numel() * grad_out.element_size(), inp.numel() * inp.element_size())
-    if func is torch.ops.aten.convolution.default and args[0].device.type == "meta":
-        inp, weight = args[0], args[1]
-        n, _, *spatial = inp.shape
-        out = n * weight.shape[0] * math.prod(spatial)  # upper bound on the output (stride 1)
-        return max(out, inp.numel()) * inp.element_size()
-    return 0
+        tensors = (args[0], args[1])
+    elif func is torch.ops.aten.convolution.default:
+        tensors = (args[0], out)
+    else:
+        return 0
+    return max(t.numel() * t.element_size() for t in tensors)
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -71,18 +70,17 @@ class AllocationTracker(TorchDispatchMode):
         self.window_peak = 0  # max allocated bytes since the caller last set it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        ws = kernel_workspace_bytes(func, args)
-        if ws:  # held by the kernel while it runs, freed (to the cache) when it returns
-            blocks = [self.allocator.malloc(ws)] + [a.malloc(ws) for a in self.shadows]
-            self._peak_check(blocks[0].size)
         out = func(*args, **(kwargs or {}))
-        if ws:
-            self.totals["temporaries"] -= blocks[0].size
-            for a, b in zip([self.allocator] + self.shadows, blocks):
-                a.free(b)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 self.track(t)
+        ws = kernel_workspace_bytes(func, args, out)
+        if ws:  # held by the kernel beside its outputs, freed (to the cache) when it returns
+            blocks = [self.allocator.malloc(ws)] + [a.malloc(ws) for a in self.shadows]
+            self._peak_check(blocks[0].size)
+            self.totals["temporaries"] -= blocks[0].size
+            for a, b in zip([self.allocator] + self.shadows, blocks):
+                a.free(b)
         return out
 
     def _peak_check(self, workspace: int) -> None:

@@ -66,7 +66,7 @@ def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -
     from ..memory.estimate import meta_copy
 
     meta = meta_copy(model)
-    batch = {k: v for k, v in make_batch(2, size).items() if k != "labels"}
+    batch = {k: v.to("meta") for k, v in make_batch(2, size).items() if k != "labels"}  # CPU batches too
     counter = _OpCounter()
     with torch.no_grad(), CudaOnMeta("fp32"), FlopCounterMode(display=False) as flops, counter:
         meta(**batch)
