@@ -202,14 +202,15 @@ def main(argv=None) -> int:
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         header["allocator"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     todo = list(rows(args.quick))
+    results = []
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(run_fresh, todo))
-    for res in results:
-        print(json.dumps({k: v for k, v in res.items() if k != "breakdown"}), flush=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(header=header, rows=results, seconds=round(time.time() - t0, 1)), f, indent=1)
-    os.replace(tmp, args.out)
+        for res in pool.map(run_fresh, todo):  # in row order; written after each, so a cut-short run keeps a prefix
+            results.append(res)
+            print(json.dumps({k: v for k, v in res.items() if k != "breakdown"}), flush=True)
+            tmp = args.out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(dict(header=header, rows=results, seconds=round(time.time() - t0, 1)), f, indent=1)
+            os.replace(tmp, args.out)
     return 0
 
 
