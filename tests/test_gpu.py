@@ -126,3 +126,25 @@ def test_searched_plan_is_verified_and_trains_without_oom(capped):
     res = Trainer(w, plan, TrainConfig(epochs=1, lr=1e-5), progress=False).fit()
     assert res.oom_recoveries == 0 and res.steps == 4
     assert res.peak_reserved_bytes <= budget + CAP_SLACK
+
+
+def test_bench_run_measures_every_setting(tmp_path):
+    """``tightfit bench run`` on the smoke workload (MiniLM, 1 GiB): a row per compared setting,
+    tightfit's under its budget with no OOM after planning, and the report's files."""
+    import json
+
+    from tightfit.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "run", "--workload", "minilm-32@smoke", "--out", str(out), "--steps", "5",
+                 "--tightfit-steps", "8", "--warmup", "2"]) == 0
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    res = json.loads((out / "minilm-32@smoke.json").read_text())
+    settings = [r["setting"] for r in res["rows"]]
+    assert settings.count("tightfit") == 1 and settings.count("no budget") == 4
+    assert settings.count("plain") == 6 and settings.count("HF Trainer auto_find_batch_size") == 2
+    tf = next(r for r in res["rows"] if r["setting"] == "tightfit")
+    assert tf["ooms_after_planning"] == 0 and tf["steps"] == 8 and tf["effective_batch"] == 8
+    assert tf["peak_reserved_bytes"] <= 1 * GiB + CAP_SLACK and tf["samples_per_s"] > 0
+    assert main(["bench", "report", str(out)]) == 0
+    assert (out / "results.png").stat().st_size > 0

@@ -162,3 +162,31 @@ def test_checkpointing_a_subset_of_blocks_gives_the_same_gradients():
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=n)
     set_activation_checkpointing(model, False, blocks=())
     assert not any("_tightfit_forward" in b.__dict__ for b in blocks)
+
+
+def test_models_without_an_hf_hook_checkpoint_every_block_with_the_same_gradients():
+    # HF's ResNet has no gradient_checkpointing_enable: tightfit wraps its blocks instead
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from tightfit.levers.blocks import find_blocks
+
+    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 2], num_labels=3)
+
+    def grads(checkpointing):
+        torch.manual_seed(0)
+        model = ResNetForImageClassification(cfg).train()
+        assert not model.supports_gradient_checkpointing
+        set_activation_checkpointing(model, checkpointing)
+        blocks = find_blocks(model)
+        assert sum("_tightfit_forward" in b.__dict__ for b in blocks) == (len(blocks) if checkpointing else 0)
+        x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        F.cross_entropy(model(pixel_values=x).logits, torch.tensor([0, 2])).backward()
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        set_activation_checkpointing(model, False)
+        assert not any("_tightfit_forward" in b.__dict__ for b in blocks)
+        return out
+
+    ref, got = grads(False), grads(True)
+    assert len(find_blocks(ResNetForImageClassification(cfg))) == 3
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=n)
