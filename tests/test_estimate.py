@@ -281,3 +281,16 @@ def test_convolution_workspace_is_the_larger_activation():
     g = torch.empty(2, 4, 30, 30, device="meta", dtype=torch.float16)  # incoming gradient, 14400 B
     assert kernel_workspace_bytes(torch.ops.aten.convolution_backward.default, (g, x.half(), w), None) == 14400
     assert kernel_workspace_bytes(torch.ops.aten.mm.default, (x, w), out) == 0
+
+
+def test_foreach_adamw_adds_one_fp32_copy_of_the_parameters_at_its_step():
+    model, make_batch = build_model("minilm")
+    est = {opt: estimate(model, make_batch(1, 32), Plan("fp32", 4, 4, optimizer=opt), get_profile("h200"))
+           for opt in ("adamw", "adamw-foreach")}
+    # torch._foreach_sqrt(exp_avg_sqs): one fp32 tensor per parameter, each rounded to 512-byte blocks
+    temporaries = sum(-(-p.numel() * 4 // 512) * 512 for p in model.parameters())
+    a, b = (est[k].extra["optimizer_step_peak_bytes"] for k in ("adamw", "adamw-foreach"))
+    assert b - a == temporaries
+    assert est["adamw-foreach"].breakdown["optimizer_state"] == est["adamw"].breakdown["optimizer_state"]
+    with pytest.raises(TightfitError):
+        estimate(model, make_batch(1, 32), Plan("fp32", 4, 4, optimizer="lion"), get_profile("h200"))

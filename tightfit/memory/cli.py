@@ -30,7 +30,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--micro-batch", type=int, required=True, help="samples per forward/backward pass")
     p.add_argument("--precision", default="fp32", help="fp32|fp16|bf16 (autocast; default fp32)")
     p.add_argument("--checkpointing", default="none", help="none|all|comma-separated block indices (default none)")
-    p.add_argument("--optimizer", default="adamw", help="adamw|sgd (default adamw)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="adamw (fused; default) | adamw-foreach (multi-tensor: one more fp32 copy of the "
+                        "parameters at its step) | sgd (momentum)")
     p.add_argument("--attention", default="sdpa", help="Hugging Face attention: sdpa|eager (default sdpa)")
     p.add_argument("--allocator", default="expandable", choices=("expandable", "default"),
                    help="CUDA caching allocator configuration: expandable (expandable_segments:True, what "
@@ -53,8 +55,10 @@ def run(args) -> int:
 
     if args.micro_batch is None or args.micro_batch < 1:
         raise TightfitError("--micro-batch must be >= 1")
-    if args.optimizer not in ("adamw", "sgd"):
-        raise TightfitError(f"unknown optimizer {args.optimizer!r}: use adamw or sgd")
+    from .step import OPTIMIZERS
+
+    if args.optimizer not in OPTIMIZERS:
+        raise TightfitError(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     profile = get_profile(args.gpu) if args.gpu else None
     if args.precision not in ("fp32", "fp16", "bf16"):
         raise TightfitError(f"unknown --precision {args.precision!r}; use fp32, fp16 or bf16")

@@ -12,6 +12,7 @@ runtime configures it, or the default configuration), so the result is the peak 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -25,7 +26,7 @@ from ..plan import Plan
 from ..units import MiB, format_bytes
 from ..levers.blocks import apply_checkpointing, find_blocks, parse_checkpointing
 from .cuda_autocast import CudaOnMeta
-from .step import MetaOptimizer, training_step
+from .step import OPTIMIZERS, MetaOptimizer, training_step
 from .allocator import ALLOCATORS, make_allocator
 from .tracker import COMPONENTS, AllocationTracker
 
@@ -143,7 +144,7 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         example_batch: dict of tensors with a leading batch dimension, ``labels`` included
             (``[B]`` class targets or ``[B, T]`` next-token targets); only shapes and dtypes
             are used, resized to ``plan.micro_batch``. Unpadded batches are assumed.
-        plan: precision, micro-batch, optimizer (``adamw`` or ``sgd``) and
+        plan: precision, micro-batch, optimizer (:data:`~.step.OPTIMIZERS`) and
             ``activation_checkpointing`` (all blocks) are read.
         device: the GPU profile (sets the cuBLAS workspace size); None: Hopper-sized.
         checkpoint_blocks: block indices (or ``"all"``/``"none"``/a spec string) to checkpoint,
@@ -160,8 +161,8 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     """
     if allocator not in ALLOCATORS:
         raise TightfitError(f"unknown allocator {allocator!r}: use one of {', '.join(ALLOCATORS)}")
-    if plan.optimizer not in ("adamw", "sgd"):
-        raise TightfitError(f"unknown optimizer {plan.optimizer!r}: use adamw or sgd")
+    if plan.optimizer not in OPTIMIZERS:
+        raise TightfitError(f"unknown optimizer {plan.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     meta = meta_copy(model)
     meta.train()
     n_blocks = len(find_blocks(meta))
@@ -252,6 +253,15 @@ class _LabelledOptimizer:
 
     def __init__(self, optimizer: MetaOptimizer, tracker: AllocationTracker, phases: dict):
         self.optimizer, self.tracker, self.phases = optimizer, tracker, phases
+        optimizer.temporaries_context = self._temporaries
+
+    @contextlib.contextmanager
+    def _temporaries(self):
+        label, self.tracker.label = self.tracker.label, "temporaries"
+        try:
+            yield
+        finally:
+            self.tracker.label = label
 
     def step(self):
         self.phases["forward_backward"] = self.tracker.window_peak  # of the step now running

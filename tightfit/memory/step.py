@@ -6,6 +6,8 @@ optimizer step, ``zero_grad(set_to_none=True)`` -- the order of tightfit's runti
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -26,45 +28,63 @@ def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
-def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6):
-    """The optimizer the runtime uses: fused AdamW on CUDA (foreach elsewhere), or SGD with
-    momentum 0.9. On the meta device, a stand-in that allocates the same state
-    (:class:`MetaOptimizer`).
+# Optimizers the estimator and the runtime know: fused AdamW (tightfit's default on CUDA),
+# multi-tensor ("foreach") AdamW, SGD with momentum.
+OPTIMIZERS = ("adamw", "adamw-foreach", "sgd")
+
+
+def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight_decay: float = 0.01):
+    """``adamw``: fused AdamW on CUDA (PyTorch's default implementation elsewhere); ``adamw-foreach``: the multi-tensor
+    AdamW; ``sgd``: SGD with momentum 0.9. On the meta device, a stand-in that allocates the
+    same state and temporaries (:class:`MetaOptimizer`).
 
     Raises:
         ValueError: unknown ``kind``.
     """
     params = [p for p in params if p.requires_grad]
-    if kind not in ("adamw", "sgd"):
+    if kind not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {kind!r}")
     if device_type == "meta":
         return MetaOptimizer(params, kind)
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=device_type == "cuda")
+    if kind.startswith("adamw"):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+                                 fused=device_type == "cuda" and kind == "adamw",
+                                 foreach=True if kind == "adamw-foreach" else None)
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
 class MetaOptimizer:
-    """Allocates what fused AdamW / SGD-with-momentum allocate, in the same order, on meta params.
+    """Allocates what the optimizers of :data:`OPTIMIZERS` allocate, in the same order, on meta params.
 
     AdamW (``torch.optim.AdamW(fused=True)``): per parameter, on its first step, a 0-d fp32
     ``step`` tensor on the device, then ``exp_avg`` and ``exp_avg_sq`` (``zeros_like``); the
-    fused kernel needs no temporaries. SGD with momentum: a ``momentum_buffer`` cloned from
-    the gradient on the first step. Parameters without a gradient get no state.
+    fused kernel needs no temporaries. Foreach AdamW: the same state, and at every step one
+    temporary per parameter of its size, ``torch._foreach_sqrt(exp_avg_sqs)`` for the whole
+    group at once (``torch/optim/adam.py``, ``_multi_tensor_adam``), freed when the step ends.
+    SGD with momentum: a ``momentum_buffer`` cloned from the gradient on the first step.
+    Parameters without a gradient get no state.
     """
 
     def __init__(self, params, kind: str):
         self.params, self.kind, self.state = list(params), kind, {}
+        # entered around the step's temporaries (the estimator labels them there)
+        self.temporaries_context = contextlib.nullcontext
 
     def step(self):
         for p in self.params:
             if p.grad is None or p in self.state:
                 continue
-            if self.kind == "adamw":
+            if self.kind.startswith("adamw"):
                 self.state[p] = (torch.zeros((), dtype=torch.float32, device=p.device),
                                  torch.zeros_like(p), torch.zeros_like(p))
             else:
                 self.state[p] = (torch.clone(p.grad).detach(),)
+        if self.kind == "adamw-foreach":
+            self._temporaries([s[2] for p, s in self.state.items() if p.grad is not None])
+
+    def _temporaries(self, exp_avg_sqs: list) -> None:
+        with self.temporaries_context():
+            sqrt = torch._foreach_sqrt(exp_avg_sqs)  # noqa: F841 -- alive until the step returns
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:

@@ -74,6 +74,9 @@ def run(args) -> int:
           + (f" ({', '.join(map(str, b.checkpoint_blocks))})" if 0 < len(b.checkpoint_blocks) < result.n_blocks else ""))
     print(f"predicted: {b.samples_per_s:.0f} samples/s, peak {format_bytes(b.peak_reserved_bytes)} reserved of "
           f"{format_bytes(budget)}")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"optimizer: fused AdamW (no temporaries at its step; foreach AdamW would need "
+          f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)")
     for k, v in b.breakdown.items():
         print(f"  {k:<20}{format_bytes(v)}")
     print("runners-up:")

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
+from ..memory.step import make_optimizer
 from ..levers.precision import autocast, make_grad_scaler
 from ..plan import Plan
 from ..workload import Workload
@@ -149,10 +150,11 @@ class Trainer:
         self.model = workload.model.to(self.device)
         set_activation_checkpointing(self.model, plan.activation_checkpointing, plan.checkpoint_blocks)
         params = [p for p in self.model.parameters() if p.requires_grad]  # frozen: no state
-        # fused AdamW on CUDA: one kernel, no large temporaries, so an OOM cannot leave a
-        # half-applied update behind (the foreach path allocates per-step temporaries).
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
-                                           fused=self.device.type == "cuda")
+        # fused AdamW on CUDA (plan.optimizer "adamw"): one kernel, no large temporaries, so an
+        # OOM cannot leave a half-applied update behind; "adamw-foreach" allocates per-step temporaries.
+        if not plan.optimizer.startswith("adamw"):
+            raise TightfitError(f"the runtime trains with AdamW; got optimizer {plan.optimizer!r}")
+        self.optimizer = make_optimizer(params, plan.optimizer, self.device.type, config.lr, config.weight_decay)
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
         total = math.ceil(config.epochs * self.steps_per_epoch)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
