@@ -141,3 +141,19 @@ def test_usage_errors_are_one_line(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tightfit: error:") and len(err.splitlines()) == 1
+
+
+def test_a_candidate_that_shrinks_when_traced_exactly_does_not_hide_a_faster_one():
+    # The lines (traced at micro-batch 4 and 16) say 1 block fits 2 x 32; the exact trace needs
+    # 50 MiB more above 16 samples, so it shrinks to 3 x 22 -- slower than no checkpointing at 3 x 22.
+    line = memory(100 * MiB, 10 * MiB, saving_per_block=0.1, fp16_factor=1.0)
+
+    def exact(precision, micro_batch, blocks):
+        est = line(precision, micro_batch, blocks)
+        extra = 50 * MiB if len(blocks) == 1 and micro_batch > 16 else 0
+        return Est(est.peak_reserved_bytes + extra, est.peak_allocated_bytes + extra, est.breakdown)
+
+    r = _search("gtx-1080-ti", int(400 * MiB / 0.95), exact, E=64, precision="fp32")
+    assert (r.best.checkpoint_blocks, r.best.micro_batch, r.best.accumulation_steps) == ((), 22, 3)
+    shrunk = [c for c in r.runners_up if c.checkpoint_blocks == (0,)]
+    assert shrunk[0].micro_batch == 22 and shrunk[0].why.startswith("slower")

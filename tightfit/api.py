@@ -257,7 +257,7 @@ def train(req: TrainRequest) -> dict:
     _say("summary:")
     for k, v in summary_rows(result, info):
         _say(f"  {k:<20} {v}")
-    _say(f"run folder: {out} (plan.json, metrics.jsonl, report.md, summary.json, model/)")
+    _say(f"run folder: {out} ({', '.join(sorted(p.name + ('/' if p.is_dir() else '') for p in out.iterdir()))})")
     return summary
 
 

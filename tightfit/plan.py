@@ -51,7 +51,7 @@ class Plan:
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
-            raise TightfitError(f"unknown precision {self.precision!r}; use one of {PRECISIONS}")
+            raise TightfitError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.micro_batch < 1 or self.effective_batch < 1:
             raise TightfitError("micro-batch and effective batch must be >= 1")
         if self.micro_batch > self.effective_batch:

@@ -67,7 +67,8 @@ def run(args) -> int:
               "torch": torch.__version__, "transformers": transformers.__version__,
               "python": platform.python_version(),
               "command": f"tightfit bench run --workload {w.name} --out {args.out} --steps {args.steps} "
-                         f"--tightfit-steps {args.tightfit_steps} --warmup {args.warmup} --settings {args.settings}",
+                         f"--tightfit-steps {args.tightfit_steps} --warmup {args.warmup} --settings {args.settings}"
+                         + (" --device cpu" if args.device == "cpu" else ""),
               "rows": []}
     path = out / f"{w.name}.json"
 

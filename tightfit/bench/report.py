@@ -76,8 +76,9 @@ def markdown(results: list[dict]) -> str:
             if not r.get("fits", True):
                 cells[5] = r.get("error") or "does not fit at batch 1"
             out.append("| " + " | ".join(cells) + " |")
-        rs = ratios(rows)
-        out.append("\ntightfit: " + ", ".join(f"{k} **{v:.2f}**" for k, v in rs.items() if not math.isnan(v)) + "\n")
+        measured = {k: v for k, v in ratios(rows).items() if not math.isnan(v)}
+        out.append(("\ntightfit: " + ", ".join(f"{k} **{v:.2f}**" for k, v in measured.items()) if measured
+                    else "\ntightfit: not measured in this run") + "\n")
     by_name = {r["workload"]["name"]: r for r in results}
     out.append("## Targets\n")
     out.append("| workload | ratio | target | measured | met |")
@@ -88,7 +89,8 @@ def markdown(results: list[dict]) -> str:
         targets = [(n, t) for w, n, t in TARGETS if w == name] + [("vs best plain PyTorch", 1.10)]
         for n, t in targets:
             v = rs.get(n, math.nan)
-            out.append(f"| {name} | {n} | ≥ {t:.2f} | {v:.2f} | {'yes' if v >= t else 'no'} |")
+            out.append(f"| {name} | {n} | ≥ {t:.2f} | " + ("not measured | — |" if math.isnan(v) else
+                                                          f"{v:.2f} | {'yes' if v >= t else 'no'} |"))
         tf = _best(res["rows"], "tightfit")
         if tf:
             out.append(f"| {name} | OOMs after planning ({tf['steps']} steps) | 0 | {tf['ooms_after_planning']} | "

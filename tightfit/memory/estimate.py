@@ -216,6 +216,7 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     breakdown["allocator_overhead"] = alloc.peak_reserved - alloc.peak_allocated
     plan_dict = plan.to_dict()
     plan_dict["checkpoint_blocks"] = list(indices)
+    plan_dict["activation_checkpointing"] = bool(indices)  # what was traced, whatever the plan said
     by_allocator = {k: {"peak_allocated_bytes": a.peak_allocated, "peak_reserved_bytes": a.peak_reserved}
                     for k, a in zip([allocator] + others, [alloc] + tracker.shadows)}
     return MemoryEstimate(alloc.peak_allocated, alloc.peak_reserved, breakdown, plan_dict, first_step_reserved,

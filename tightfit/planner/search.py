@@ -195,34 +195,47 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     order = candidate_precisions(profile, precision)  # ties go to the card's preferred precision
     fitting = sorted((c for c in evaluated if c.samples_per_s > 0),
                      key=lambda c: (-round(c.samples_per_s, 6), order.index(c.precision), len(c.checkpoint_blocks)))
-    best = None
-    for cand in fitting:  # the fastest whose exact trace fits
-        best = _verify(cand, estimate_fn, limit, effective_batch, tm)
-        if isinstance(best, Candidate):
+    # Trace candidates exactly in predicted order; one that does not fit shrinks (and slows), so
+    # go on while the next one's prediction -- an upper bound -- could still beat the best so far.
+    verified: list[Candidate] = []
+    for cand in fitting:
+        if verified and cand.samples_per_s <= max(v.samples_per_s for v in verified):
             break
-        exact_at_1 = best
-        best = None
+        got = _verify(cand, estimate_fn, limit, effective_batch, tm)
+        if isinstance(got, Candidate):
+            verified.append(got)
+            continue
         evaluated = [c for c in evaluated if c is not cand] + [Candidate(**{
-            **asdict(cand), "micro_batch": 1, "peak_reserved_bytes": exact_at_1, "samples_per_s": 0.0,
-            "why": f"does not fit when traced exactly: {format_bytes(exact_at_1)} at micro-batch 1"})]
+            **asdict(cand), "micro_batch": 1, "peak_reserved_bytes": got, "samples_per_s": 0.0,
+            "why": f"does not fit when traced exactly: {format_bytes(got)} at micro-batch 1"})]
     skipped = [c.precision for c in evaluated if c.micro_batch == 0]
-    if best is None and skipped:  # the slow precision is needed for memory after all
+    if not verified and skipped:  # the slow precision is needed for memory after all
         return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
                       precision=skipped[0], headroom=headroom, checkpointing=checkpointing)
-    if best is None:
+    if not verified:
+        smallest = min((c for c in evaluated if c.peak_reserved_bytes), key=lambda c: c.peak_reserved_bytes)
         raise TightfitError(
             f"nothing fits {format_bytes(budget_bytes)} (planned against {format_bytes(limit)}, keeping "
-            f"{int(headroom * 100)}% headroom): the smallest plan, micro-batch 1 with every block checkpointed, "
-            f"needs {format_bytes(min(c.peak_reserved_bytes for c in evaluated if c.peak_reserved_bytes))}")
+            f"{int(headroom * 100)}% headroom): the smallest plan tried ({smallest.label()}) needs "
+            f"{format_bytes(smallest.peak_reserved_bytes)}")
+    rank = {id(c): i for i, c in enumerate(verified)}  # ties: the earlier (preferred) one
+    best = max(verified, key=lambda c: (round(c.samples_per_s, 6), -rank[id(c)]))
     why = (f"fastest predicted: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_reserved_bytes)} "
            f"of {format_bytes(budget_bytes)}")
     best = Candidate(**{**asdict(best), "why": why})
     runners = []
-    others = [c for c in fitting if (c.precision, c.checkpoint_blocks) != (best.precision, best.checkpoint_blocks)]
+    done = {(v.precision, v.checkpoint_blocks) for v in verified}
+    others = [v for v in verified if (v.precision, v.checkpoint_blocks) != (best.precision, best.checkpoint_blocks)]
+    others += [c for c in fitting if (c.precision, c.checkpoint_blocks) not in done
+               and any(c is e for e in evaluated)]
+    others.sort(key=lambda c: -c.samples_per_s)
     for c in others + [c for c in evaluated if c.samples_per_s == 0]:
         if c.samples_per_s > 0:
-            c = Candidate(**{**asdict(c), "why": f"slower: {c.samples_per_s:.0f} samples/s "
-                                                   f"({c.samples_per_s / best.samples_per_s:.2f}x)"})
+            exact = (c.precision, c.checkpoint_blocks) in done
+            ratio = c.samples_per_s / best.samples_per_s
+            c = Candidate(**{**asdict(c), "why": (
+                f"{'slower' if ratio < 0.995 else 'as fast, ranked after it'}: {c.samples_per_s:.0f} samples/s "
+                f"({ratio:.2f}x)" + ("" if exact else ", predicted (not traced exactly)"))})
         runners.append(c)
     return SearchResult(best, runners, budget_bytes, effective_batch, n_blocks, time.perf_counter() - t0)
 
