@@ -25,8 +25,10 @@ from ..devices import DeviceProfile
 # Share of the peak rate that a well-shaped transformer/CNN training step reaches in eager
 # PyTorch (MFU); a prior only, replaced by calibration on a GPU.
 ACHIEVED_SHARE = 0.45
-# CPU time to issue one kernel through eager PyTorch (dispatch + launch), seconds.
-LAUNCH_S = 10e-6
+# CPU time per ATen op through eager PyTorch and Hugging Face modules (Python, dispatch, launch),
+# seconds: 23-27 us per op and pass over the model measured by the planner's calibration for
+# BERT-base/-large and ViT-B/16 on an NVIDIA H200 host (bench/results/bench/; 40 us for ResNet-50).
+LAUNCH_S = 25e-6
 # AdamW step: read weight, gradient, two moments; write weight and two moments (fp32).
 ADAMW_BYTES_PER_PARAM = 7 * 4
 
