@@ -27,32 +27,36 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
     """
     from .blocks import apply_checkpointing, find_blocks
 
+    n = len(find_blocks(model))
+    if n:
+        apply_checkpointing(model, ())  # unwrap tightfit's block wrappers from an earlier choice
     own_hook = getattr(model, "supports_gradient_checkpointing", False)
-    if enabled and not own_hook and find_blocks(model):  # e.g. ResNet: wrap the blocks ourselves
-        blocks = tuple(range(len(find_blocks(model)))) if blocks is None else blocks
-    if blocks is not None:
-        apply_checkpointing(model, ())  # unwrap any subset from an earlier choice
-        if enabled and (len(tuple(blocks)) < len(find_blocks(model)) or not own_hook):
-            if own_hook:
-                set_activation_checkpointing(model, False)
-            apply_checkpointing(model, tuple(blocks))  # non-reentrant, RNG-preserving
-            if getattr(getattr(model, "config", None), "use_cache", None):
-                model.config.use_cache = False
-            return
-    if not enabled:
-        if find_blocks(model):
-            apply_checkpointing(model, ())  # unwrap tightfit's block wrappers, if any
-        if getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False):
-            getattr(model, _name(model, "activation_checkpointing_disable", "gradient_checkpointing_disable"))()
+    chosen = tuple(range(n)) if blocks is None else tuple(blocks)
+    if enabled and n and (len(chosen) < n or not own_hook):  # a subset, or a model without HF's hook
+        _disable_hf_hook(model)
+        apply_checkpointing(model, chosen)  # non-reentrant, RNG-preserving
+        _no_kv_cache(model)
         return
-    if not getattr(model, "supports_gradient_checkpointing", False):
+    if not enabled:
+        _disable_hf_hook(model)
+        return
+    if not own_hook:
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
     kwargs = {"use_reentrant": False}
     if hasattr(type(model), "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
+    _no_kv_cache(model)
+
+
+def _disable_hf_hook(model) -> None:
+    if getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False):
+        getattr(model, _name(model, "activation_checkpointing_disable", "gradient_checkpointing_disable"))()
+
+
+def _no_kv_cache(model) -> None:
+    if getattr(getattr(model, "config", None), "use_cache", None):
         model.config.use_cache = False
 
 

@@ -95,6 +95,14 @@ class _AllocatorBase:
         self._pools = {True: [], False: []}  # small? -> sorted [(size, addr, block)]
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
+    def _best_fit(self, nbytes: int):
+        """``(rounded size, small pool?, that pool's free list, index of its smallest free block
+        that fits -- len(pool) if none)``; free lists are sorted by (size, address)."""
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        pool = self._pools[small]
+        return size, small, pool, bisect.bisect_left(pool, (size, -1))
+
     def _map(self, nbytes: int) -> None:
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
@@ -146,10 +154,7 @@ class CachingAllocatorModel(_AllocatorBase):
 
     def malloc(self, nbytes: int) -> Block:
         """Allocate ``nbytes`` (>= 0); returns the block (its ``size`` is what it occupies)."""
-        size = round_size(nbytes)
-        small = size <= SMALL_SIZE
-        pool = self._pools[small]
-        i = bisect.bisect_left(pool, (size, -1))
+        size, small, pool, i = self._best_fit(nbytes)
         if i < len(pool):
             block = pool.pop(i)[2]
         else:
@@ -175,10 +180,7 @@ class ExpandableSegmentsModel(_AllocatorBase):
 
     def malloc(self, nbytes: int) -> Block:
         """Allocate ``nbytes`` (>= 0); returns the block (its ``size`` is the rounded request)."""
-        size = round_size(nbytes)
-        small = size <= SMALL_SIZE
-        pool = self._pools[small]
-        i = bisect.bisect_left(pool, (size, -1))
+        size, small, pool, i = self._best_fit(nbytes)
         if i < len(pool):
             if pool[i][2] is self._last[small] and i + 1 < len(pool):
                 i += 1  # the growable end block counts as unbounded: take the next fitting block

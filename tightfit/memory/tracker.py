@@ -77,14 +77,15 @@ class AllocationTracker(TorchDispatchMode):
         ws = kernel_workspace_bytes(func, args, out)
         if ws:  # held by the kernel beside its outputs, freed (to the cache) when it returns
             blocks = [self.allocator.malloc(ws)] + [a.malloc(ws) for a in self.shadows]
-            self._peak_check(blocks[0].size)
+            self.totals["temporaries"] += blocks[0].size
+            self._note_peak()
             self.totals["temporaries"] -= blocks[0].size
             for a, b in zip([self.allocator] + self.shadows, blocks):
                 a.free(b)
         return out
 
-    def _peak_check(self, workspace: int) -> None:
-        self.totals["temporaries"] += workspace
+    def _note_peak(self) -> None:
+        """After an allocation: update the window's peak and, at a new peak, the breakdown."""
         self.window_peak = max(self.window_peak, self.allocator.allocated)
         if self.allocator.allocated > self._peak:
             self._peak = self.allocator.allocated
@@ -101,10 +102,7 @@ class AllocationTracker(TorchDispatchMode):
         self._live[key] = entry
         self.totals[entry[1]] += block.size
         weakref.finalize(st, self._free, key)
-        self.window_peak = max(self.window_peak, self.allocator.allocated)
-        if self.allocator.allocated > self._peak:
-            self._peak = self.allocator.allocated
-            self.peak_breakdown = dict(self.totals)
+        self._note_peak()
 
     def relabel(self, t: torch.Tensor, label: str, only_from: tuple[str, ...] | None = None) -> None:
         """Give ``t``'s live storage the component ``label``."""

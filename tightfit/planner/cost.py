@@ -45,6 +45,13 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def peak_flops(profile: DeviceProfile, precision: str) -> float:
+    """The card's dense peak FLOP/s for ``precision`` (bf16 falls back to the fp32 rate where the
+    card has no bf16 rate)."""
+    p = profile
+    return 1e12 * {"fp32": p.fp32_tflops, "fp16": p.fp16_tflops, "bf16": p.bf16_tflops or p.fp32_tflops}[precision]
+
+
 @dataclass(frozen=True)
 class ForwardCost:
     """One sample's forward pass, measured by tracing on meta tensors.
@@ -94,10 +101,8 @@ class TimeModel:
 
     def rate(self, precision: str) -> float:
         """Achievable FLOP/s for ``precision`` on this card."""
-        p = self.profile
-        peak = {"fp32": p.fp32_tflops, "fp16": p.fp16_tflops, "bf16": p.bf16_tflops or p.fp32_tflops}[precision]
         share = (self.achieved_share or {}).get(precision, ACHIEVED_SHARE)
-        return peak * 1e12 * share
+        return peak_flops(self.profile, precision) * share
 
     def micro_batch_seconds(self, precision: str, micro_batch: int, checkpointed: int) -> float:
         """Forward + backward (+ recomputation) of one micro-batch: max(compute, kernel launches)."""

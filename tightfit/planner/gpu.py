@@ -16,6 +16,7 @@ from ..plan import Plan
 from ..units import format_bytes
 from ..workload import Workload
 from .probe import PROBE_HEADROOM, probe_step
+from .cost import peak_flops
 from .search import estimator_for, search
 
 VERIFIED = 3  # candidates timed for real (each: two probe steps)
@@ -48,9 +49,8 @@ class MicroBatchLine:
             return None
         per_sample = max(0.0, (u_big - u_small) / (big.micro_batch - small.micro_batch))
         fixed = max(0.0, u_big - per_sample * big.micro_batch)
-        peaks = {"fp32": profile.fp32_tflops, "fp16": profile.fp16_tflops,
-                 "bf16": profile.bf16_tflops or profile.fp32_tflops}
-        rates = {p: v / peaks[cand.precision] for p, v in peaks.items() if v}
+        ref = peak_flops(profile, cand.precision)
+        rates = {p: peak_flops(profile, p) / ref for p in ("fp32", "fp16", "bf16") if peak_flops(profile, p)}
         return cls(cand.precision, 3 + len(cand.checkpoint_blocks) / max(n_blocks, 1), fixed, per_sample, rates)
 
     def step_seconds(self, cand, effective_batch: int, n_blocks: int) -> float:

@@ -226,8 +226,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     runners = []
     done = {(v.precision, v.checkpoint_blocks) for v in verified}
     others = [v for v in verified if (v.precision, v.checkpoint_blocks) != (best.precision, best.checkpoint_blocks)]
-    others += [c for c in fitting if (c.precision, c.checkpoint_blocks) not in done
-               and any(c is e for e in evaluated)]
+    others += [c for c in evaluated if c.samples_per_s > 0 and (c.precision, c.checkpoint_blocks) not in done]
     others.sort(key=lambda c: -c.samples_per_s)
     for c in others + [c for c in evaluated if c.samples_per_s == 0]:
         if c.samples_per_s > 0:
