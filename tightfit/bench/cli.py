@@ -25,13 +25,10 @@ def add_parser(subparsers) -> None:
     r.add_argument("--warmup", type=int, default=3, help="steps left out of samples/s (default 3)")
     r.add_argument("--settings", default="no-budget,plain,hf,tightfit",
                    help="comma-separated subset of no-budget,plain,hf,tightfit")
-    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse_help_device())
+    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda (default) or cpu: a smoke test of the HF Trainer peer only")
     g = s.add_parser("report", help="write results.md, results.csv and results.png from a results folder")
     g.add_argument("folder")
-
-
-def argparse_help_device() -> str:
-    return "cuda (default) or cpu: a smoke test of the HF Trainer peer only"
 
 
 def run(args) -> int:
@@ -41,7 +38,9 @@ def run(args) -> int:
         TightfitError: no CUDA GPU for ``run``, unknown settings, or no results for ``report``.
     """
     if args.bench_command == "report":
-        for p in __import__("tightfit.bench.report", fromlist=["write_report"]).write_report(args.folder):
+        from .report import write_report
+
+        for p in write_report(args.folder):
             print(p)
         return 0
     import torch

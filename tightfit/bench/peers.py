@@ -16,23 +16,7 @@ import time
 import torch
 
 from ..memory.zoo import build_model
-from .workloads import BenchWorkload
-
-
-class _Samples(torch.utils.data.Dataset):
-    """``n`` random samples (a pool of at most 512, repeated), one dict each (CPU tensors)."""
-
-    def __init__(self, make_batch, size: int, n: int):
-        torch.manual_seed(0)
-        self.pool = min(n, 512)
-        self.batch = make_batch(self.pool, size, device="cpu")
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return {k: v[i % self.pool] for k, v in self.batch.items()}
+from .workloads import BenchWorkload, ZooSamples
 
 
 def hf_trainer(w: BenchWorkload, precision: str, checkpointing: bool, start_batch: int, steps: int,
@@ -61,7 +45,7 @@ def hf_trainer(w: BenchWorkload, precision: str, checkpointing: bool, start_batc
             max_steps=steps, learning_rate=1e-5, bf16=precision == "bf16", fp16=precision == "fp16",
             gradient_checkpointing=checkpointing, report_to=[], save_strategy="no", logging_strategy="no",
             dataloader_num_workers=0, use_cpu=device == "cpu")
-        trainer = Trainer(model=model, args=args, train_dataset=_Samples(make_batch, w.size, start_batch * (steps + 1)),
+        trainer = Trainer(model=model, args=args, train_dataset=ZooSamples(make_batch, w.size, start_batch * (steps + 1)),
                           callbacks=[Clock()])
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()

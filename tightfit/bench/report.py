@@ -26,8 +26,8 @@ TARGETS = [
 
 
 def _best(rows, setting):
-    rows = [r for r in rows if r["setting"].startswith(setting) and r.get("samples_per_s", 0) == r.get("samples_per_s", 0)
-            and r.get("samples_per_s")]
+    rows = [r for r in rows if r["setting"].startswith(setting) and r.get("samples_per_s")
+            and not math.isnan(r["samples_per_s"])]
     return max(rows, key=lambda r: r["samples_per_s"]) if rows else None
 
 
@@ -79,7 +79,6 @@ def markdown(results: list[dict]) -> str:
         measured = {k: v for k, v in ratios(rows).items() if not math.isnan(v)}
         out.append(("\ntightfit: " + ", ".join(f"{k} **{v:.2f}**" for k, v in measured.items()) if measured
                     else "\ntightfit: not measured in this run") + "\n")
-    by_name = {r["workload"]["name"]: r for r in results}
     out.append("## Targets\n")
     out.append("| workload | ratio | target | measured | met |")
     out.append("|---|---|---|---|---|")
@@ -97,7 +96,6 @@ def markdown(results: list[dict]) -> str:
                        f"{'yes' if tf['ooms_after_planning'] == 0 else 'no'} |")
             out.append(f"| {name} | planning seconds | ≤ 30 | {tf['planning_seconds']:.1f} | "
                        f"{'yes' if tf['planning_seconds'] <= 30 else 'no'} |")
-    del by_name
     return "\n".join(out) + "\n"
 
 

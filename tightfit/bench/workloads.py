@@ -60,7 +60,8 @@ def get_workload(name: str) -> BenchWorkload:
 
 class ZooSamples:
     """Random samples of an architecture's input, with the interface of
-    :class:`tightfit.workload.TextBatches` (``collate``, ``worst_case``, ``len``).
+    :class:`tightfit.workload.TextBatches` (``collate``, ``worst_case``, ``len``) and of a
+    map-style dataset (``[i]``: one sample's dict, for the HF Trainer).
 
     ``pool`` distinct samples are drawn once on the CPU (seed 0); sample ``i`` is sample
     ``i % pool`` of the pool, so ``n`` can be large without holding ``n`` images. Every text
@@ -74,6 +75,9 @@ class ZooSamples:
 
     def __len__(self) -> int:
         return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[i % self.pool] for k, v in self.batch.items()}
 
     def collate(self, indices, pad_to=None) -> dict:
         idx = torch.tensor([i % self.pool for i in indices])
