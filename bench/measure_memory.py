@@ -180,12 +180,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one micro-batch per architecture")
     ap.add_argument("--jobs", type=int, default=6, help="rows measured at a time (one process each)")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: measure this JSON row, print it
+    ap.add_argument("--snapshot", help="with --row: also write the allocator's event history (torch.cuda.memory "
+                    "snapshot, Python stacks) to this pickle, to see what is live at the peak")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("measure_memory: needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.row:
+        if args.snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
         print(json.dumps(measure_row(json.loads(args.row))))
+        if args.snapshot:
+            torch.cuda.memory._dump_snapshot(args.snapshot)
         return 0
     if not args.out:
         ap.error("--out is required")

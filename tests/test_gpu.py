@@ -128,6 +128,37 @@ def test_searched_plan_is_verified_and_trains_without_oom(capped):
     assert res.peak_reserved_bytes <= budget + CAP_SLACK
 
 
+def test_compiled_training_matches_eager():
+    """``Plan(compile=True)``: the same losses as eager (fp32, no dropout) over micro-batches of
+    varying size and length (4 x 4 per window and a short last one), without recompiling per shape."""
+    from conftest import tiny_bert
+    losses = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        w = Workload(tiny_bert(seed=0).cuda(), SyntheticBatches(72, seq_len=16), None, 16)
+        log = []
+        Trainer(w, Plan("fp32", 4, 16, device="cuda", compile=compiled),
+                TrainConfig(epochs=2, lr=1e-3, log_every=1), log=log.append, progress=False).fit()
+        losses[compiled] = [r["loss"] for r in log if r["type"] == "train"]
+    assert len(losses[True]) == 10
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=1e-4)
+
+
+def test_planner_compiles_and_the_compiled_plan_fits(capped):
+    from tightfit.devices import detect
+    from tightfit.planner.gpu import plan_on_gpu
+    torch._dynamo.reset()
+    budget = 3 * GiB
+    capped(budget)
+    w = _bert_base_workload(n=512, effective_batch=128)
+    plan = plan_on_gpu(w, detect(), budget, seq_len=128, compile="on")
+    assert plan.compile and plan.probe_peak_reserved_bytes <= 0.95 * budget
+    assert any(r.startswith("torch.compile") for r in plan.reasons)
+    res = Trainer(w, plan, TrainConfig(epochs=1, lr=1e-5), progress=False).fit()
+    assert res.oom_recoveries == 0 and res.steps == 4
+    assert res.peak_reserved_bytes <= budget + CAP_SLACK
+
+
 def test_bench_run_measures_every_setting(tmp_path):
     """``tightfit bench run`` on the smoke workload (MiniLM, 1 GiB): a row per compared setting,
     tightfit's under its budget with no OOM after planning, and the report's files."""
@@ -142,6 +173,7 @@ def test_bench_run_measures_every_setting(tmp_path):
     res = json.loads((out / "minilm-32@smoke.json").read_text())
     settings = [r["setting"] for r in res["rows"]]
     assert settings.count("tightfit") == 1 and settings.count("no budget") == 4
+    assert settings.count("compiled no budget") == 1
     assert settings.count("plain") == 6 and settings.count("HF Trainer auto_find_batch_size") == 2
     tf = next(r for r in res["rows"] if r["setting"] == "tightfit")
     assert tf["ooms_after_planning"] == 0 and tf["steps"] == 8 and tf["effective_batch"] == 8

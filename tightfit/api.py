@@ -39,6 +39,7 @@ class TrainRequest:
     gpu: str | None = None
     precision: str = "auto"
     checkpointing: str = "auto"
+    compile: str = "auto"
     batch_size: int = 32
     epochs: float = 3.0
     max_steps: int | None = None
@@ -122,12 +123,16 @@ def train(req: TrainRequest) -> dict:
         raise TightfitError(f"unknown --planner {req.planner!r}; use search or probe")
     if req.checkpointing not in ("auto", "on", "off"):
         raise TightfitError(f"unknown --checkpointing {req.checkpointing!r}; use auto, on or off")
+    if req.compile not in ("auto", "on", "off"):
+        raise TightfitError(f"unknown --compile {req.compile!r}; use auto, on or off")
     for name in ("batch_size", "seq_len"):
         if getattr(req, name) < 1:
             raise TightfitError(f"--{name.replace('_', '-')} must be >= 1")
     if req.epochs <= 0 or req.lr <= 0 or (req.max_steps is not None and req.max_steps < 1):
         raise TightfitError("--epochs, --lr and --max-steps must be positive")
     device, profile, budget, notes = resolve_device(req)
+    if req.compile == "on" and (device != "cuda" or req.planner != "search"):
+        raise TightfitError("--compile on needs a CUDA GPU and the search planner")
     from .models import load_classifier, model_state_bytes, resolve_model_path
 
     model_path = resolve_model_path(req.model)
@@ -185,7 +190,7 @@ def train(req: TrainRequest) -> dict:
     if resume_from is None and device == "cuda" and req.planner == "search":
         from .planner.gpu import plan_on_gpu
 
-        plan = plan_on_gpu(workload, profile, budget, req.seq_len, req.precision, req.checkpointing)
+        plan = plan_on_gpu(workload, profile, budget, req.seq_len, req.precision, req.checkpointing, req.compile)
     elif resume_from is None:
         plan = plan_first(workload, device, profile, budget, req.precision, req.checkpointing)
     else:  # the plan in force when the checkpoint was written (micro-batch after recoveries)

@@ -24,6 +24,8 @@ def _train_parser(sub) -> None:
                                  "(its budget and precision rules)")
     p.add_argument("--precision", default="auto", help="auto|fp32|fp16|bf16 (default: auto, from the card)")
     p.add_argument("--checkpointing", default="auto", help="activation checkpointing: auto|on|off (default: auto)")
+    p.add_argument("--compile", default="auto", help="torch.compile: auto|on|off (default: auto: on a GPU, kept "
+                   "if the planner's compiled probe steps are faster)")
     p.add_argument("--batch-size", type=int, default=32, help="effective batch: samples per optimizer step (default: 32)")
     p.add_argument("--epochs", type=float, default=3.0, help="passes over the training data; fractions allowed (default: 3)")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")

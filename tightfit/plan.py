@@ -34,6 +34,8 @@ class Plan:
         checkpoint_blocks: indices of the repeated blocks to checkpoint when
             ``activation_checkpointing`` is on (None: all of them).
         predicted_peak_reserved_bytes, predicted_samples_per_s: the planner's predictions.
+        compile: run the model's forward (and its backward) compiled by ``torch.compile``
+            (:mod:`tightfit.levers.compile`); CUDA only.
     """
 
     precision: str
@@ -48,6 +50,7 @@ class Plan:
     checkpoint_blocks: tuple[int, ...] | None = None
     predicted_peak_reserved_bytes: int | None = None
     predicted_samples_per_s: float | None = None
+    compile: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:

@@ -23,8 +23,8 @@ def add_parser(subparsers) -> None:
     r.add_argument("--steps", type=int, default=12, help="steps per compared setting (default 12)")
     r.add_argument("--tightfit-steps", type=int, default=300, help="steps of tightfit's run (default 300)")
     r.add_argument("--warmup", type=int, default=3, help="steps left out of samples/s (default 3)")
-    r.add_argument("--settings", default="no-budget,plain,hf,tightfit",
-                   help="comma-separated subset of no-budget,plain,hf,tightfit")
+    r.add_argument("--settings", default="no-budget,compiled-no-budget,plain,hf,tightfit",
+                   help="comma-separated subset of no-budget,compiled-no-budget,plain,hf,tightfit")
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda (default) or cpu: a smoke test of the HF Trainer peer only")
     g = s.add_parser("report", help="write results.md, results.csv and results.png from a results folder")
@@ -48,7 +48,7 @@ def run(args) -> int:
     from .workloads import get_workload
 
     settings = [s for s in args.settings.split(",") if s]
-    unknown = set(settings) - {"no-budget", "plain", "hf", "tightfit"}
+    unknown = set(settings) - {"no-budget", "compiled-no-budget", "plain", "hf", "tightfit"}
     if unknown:
         raise TightfitError(f"unknown settings: {', '.join(sorted(unknown))}")
     if min(args.steps, args.tightfit_steps) <= args.warmup:
@@ -86,6 +86,8 @@ def run(args) -> int:
         add([st.tightfit(w, args.tightfit_steps, args.warmup)])
     if "no-budget" in settings:
         add(st.no_budget(w, args.steps, args.warmup))
+    if "compiled-no-budget" in settings:
+        add([st.compiled_no_budget(w, args.steps, args.warmup)])
     if "hf" in settings:
         precision = "fp32" if args.device == "cpu" else ("bf16" if torch.cuda.get_device_capability() >= (8, 0)
                                                          else "fp16")

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..fileio import atomic_write_bytes, atomic_write_text
 from ..units import format_bytes
 
-COLUMNS = ("workload", "setting", "precision", "checkpointed_blocks", "micro_batch", "accumulation_steps",
+COLUMNS = ("workload", "setting", "precision", "compile", "checkpointed_blocks", "micro_batch", "accumulation_steps",
            "effective_batch", "samples_per_s", "peak_reserved_bytes", "ooms_after_planning", "planning_seconds",
            "steps", "fits")
 
@@ -32,12 +32,13 @@ def _best(rows, setting):
 
 
 def ratios(rows: list[dict]) -> dict:
-    """tightfit's samples/s over the no-budget best, the best HF Trainer and the best plain
-    configuration of one workload's rows (NaN where a setting is missing)."""
+    """tightfit's samples/s over the no-budget best (eager, as the planner issue measures it), the
+    best HF Trainer, the best plain configuration and -- for reference, not a target -- the compiled
+    no-budget run, of one workload's rows (NaN where a setting is missing)."""
     tf = _best(rows, "tightfit")
     out = {}
     for name, setting in (("vs no-budget best", "no budget"), ("vs best HF Trainer", "HF Trainer"),
-                          ("vs best plain PyTorch", "plain")):
+                          ("vs best plain PyTorch", "plain"), ("vs compiled no-budget", "compiled no budget")):
         ref = _best(rows, setting)
         out[name] = tf["samples_per_s"] / ref["samples_per_s"] if tf and ref else math.nan
     return out
@@ -66,7 +67,7 @@ def markdown(results: list[dict]) -> str:
         out.append(f"## {res['workload']['name']}\n")
         out.append(f"{res['workload']['arch']}, size {res['workload']['size']}, budget {res['workload']['budget']}, "
                    f"effective batch {res['workload']['effective_batch']}; {res['device']}, torch {res['torch']}\n")
-        keys = ("setting", "precision", "checkpointed_blocks", "micro_batch", "accumulation_steps", "samples_per_s",
+        keys = ("setting", "precision", "compile", "checkpointed_blocks", "micro_batch", "accumulation_steps", "samples_per_s",
                 "peak_reserved_bytes", "ooms_after_planning", "planning_seconds")
         out.append("| " + " | ".join(k.replace("_", " ") for k in keys) + " |")
         out.append("|" + "---|" * len(keys))
@@ -74,7 +75,7 @@ def markdown(results: list[dict]) -> str:
             r = dict(r, samples_per_s=r.get("samples_per_s") if r.get("fits", True) else None)
             cells = [_fmt(r.get(k), k) for k in keys]
             if not r.get("fits", True):
-                cells[5] = r.get("error") or "does not fit at batch 1"
+                cells[keys.index("samples_per_s")] = r.get("error") or "does not fit at batch 1"
             out.append("| " + " | ".join(cells) + " |")
         measured = {k: v for k, v in ratios(rows).items() if not math.isnan(v)}
         out.append(("\ntightfit: " + ", ".join(f"{k} **{v:.2f}**" for k, v in measured.items()) if measured

@@ -4,6 +4,8 @@
   no memory cap: the best is the reference speed of the model on this GPU;
 - ``plain``: what a user tuning by hand runs: fp32/fp16/bf16 x checkpointing none/all, each at
   the largest batch whose probe steps fit the budget (found by bisection), no accumulation;
+- ``compiled no budget``: the same as ``no budget`` in bf16 without checkpointing, compiled by
+  ``torch.compile`` -- tightfit's compilation lever without a memory cap, for reference;
 - ``tightfit``: :func:`tightfit.planner.gpu.plan_on_gpu`, then a long run at the effective batch
   (out-of-memory recoveries after planning are counted).
 
@@ -35,6 +37,9 @@ def cap_memory(budget_bytes: int | None) -> None:
 
 
 def clean() -> None:
+    """Free the last setting's memory and compiled graphs (a new model instance would otherwise
+    count as a recompilation of the same code, and past torch's recompile limit run eagerly)."""
+    torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -58,7 +63,7 @@ def timed_run(workload, plan: Plan, steps: int, warmup: int) -> dict:
     speed = workload.effective_batch * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else float("nan")
     return {"samples_per_s": speed, "peak_reserved_bytes": res.peak_reserved_bytes,
             "peak_allocated_bytes": res.peak_allocated_bytes, "ooms_after_planning": res.oom_recoveries,
-            "steps": res.steps, "precision": plan.precision, "micro_batch": plan.micro_batch,
+            "steps": res.steps, "precision": plan.precision, "compile": plan.compile, "micro_batch": plan.micro_batch,
             "accumulation_steps": plan.accumulation_steps, "effective_batch": workload.effective_batch,
             "checkpointed_blocks": len(plan.checkpoint_blocks) if plan.checkpoint_blocks is not None
             else (len(find_blocks(workload.model)) if plan.activation_checkpointing else 0)}
@@ -78,6 +83,19 @@ def no_budget(w: BenchWorkload, steps: int, warmup: int, precisions=("fp16", "bf
             del wl
             clean()
     return rows
+
+
+def compiled_no_budget(w: BenchWorkload, steps: int, warmup: int, precision: str = "bf16") -> dict:
+    """The effective batch in one micro-batch, compiled, without checkpointing or a memory cap."""
+    cap_memory(None)
+    wl = make_workload(w, w.effective_batch, w.effective_batch * steps)
+    plan = Plan(precision, w.effective_batch, w.effective_batch, False, device="cuda", compile=True)
+    t0 = time.perf_counter()
+    row = {"setting": "compiled no budget", **timed_run(wl, plan, steps, warmup),
+           "wall_seconds": time.perf_counter() - t0}
+    del wl
+    clean()
+    return row
 
 
 def plain(w: BenchWorkload, steps: int, warmup: int, precisions=("fp32", "fp16", "bf16")) -> list[dict]:

@@ -17,6 +17,7 @@ import torch
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
+from ..levers.compile import is_compiled, mark_batch_dynamic
 from ..levers.precision import autocast, check_precision, fallback_precisions, preferred_precision
 from ..plan import Plan
 from ..memory.oom import is_oom, release_memory
@@ -99,13 +100,19 @@ def _probe_once(workload: Workload, micro_batch: int, precision: str, device, op
     accumulate gradients, the last runs the shared step (backward, clip, optimizer step, which
     allocates AdamW's state as the first real step will)."""
     context = lambda: autocast(precision, device.type)  # noqa: E731
-    for _ in range(micro_batches - 1):
+    compiled = is_compiled(workload.model)
+
+    def worst_case():
         batch = {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
+        return mark_batch_dynamic(batch) if compiled else batch
+
+    for _ in range(micro_batches - 1):
+        batch = worst_case()
         with context():
             loss = training_loss(workload.model, batch)
         loss.backward()
         del batch, loss
-    batch = {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
+    batch = worst_case()
     training_step(workload.model, batch, optimizer, None, context)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
+from ..levers.compile import compile_model, compile_unavailable, mark_batch_dynamic, uncompile_model
 from ..memory.step import make_optimizer
 from ..levers.precision import autocast, make_grad_scaler
 from ..plan import Plan
@@ -149,6 +150,13 @@ class Trainer:
         self.device = torch.device(plan.device)
         self.model = workload.model.to(self.device)
         set_activation_checkpointing(self.model, plan.activation_checkpointing, plan.checkpoint_blocks)
+        if plan.compile:
+            why = compile_unavailable(self.device.type)
+            if why:
+                raise TightfitError(f"the plan compiles the model, but {why}")
+            compile_model(self.model)
+        else:
+            uncompile_model(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]  # frozen: no state
         # fused AdamW on CUDA (plan.optimizer "adamw"): one kernel, no large temporaries, so an
         # OOM cannot leave a half-applied update behind; "adamw-foreach" allocates per-step temporaries.
@@ -281,6 +289,8 @@ class Trainer:
         staged = self.loader.stage(micro[0])
         for i in range(len(micro)):
             batch = self.loader.ready(staged)
+            if self.plan.compile:  # one compiled graph for every micro-batch size
+                mark_batch_dynamic(batch)
             if i + 1 < len(micro):  # copy the next micro-batch while this one computes
                 staged = self.loader.stage(micro[i + 1])
             with autocast(self.plan.precision, self.device.type):
@@ -442,6 +452,8 @@ class Trainer:
     @torch.no_grad()
     def _eval_batch(self, batch: dict) -> tuple[int, float]:
         batch = _to_device(batch, self.device)
+        if self.plan.compile:
+            mark_batch_dynamic(batch)
         with autocast(self.plan.precision, self.device.type):
             logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
         loss = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
