@@ -55,6 +55,8 @@ def test_held_out_split_is_fixed_and_disjoint():
     (["--precision", "fp8"], "unknown --precision"),
     (["--model", "/nonexistent/model"], "model folder not found"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--compile", "maybe"], "unknown --compile"),
+    (["--compile", "on", "--device", "cpu"], "--compile on needs a CUDA GPU"),
 ])
 def test_cli_bad_input_exit_2_and_nothing_written(tmp_path, capsys, args, match):
     out = tmp_path / "run"

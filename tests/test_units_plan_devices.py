@@ -1,5 +1,7 @@
 import json
 
+import torch
+
 import pytest
 
 from tightfit.devices import CUDA_CONTEXT_BYTES, SAFETY_MARGIN, get_profile, load_profiles
@@ -71,3 +73,25 @@ def test_user_profile_file(tmp_path, monkeypatch):
     f.write_text('[{"key": "broken"}]')
     with pytest.raises(TightfitError, match="malformed GPU profile"):
         load_profiles()
+
+
+def test_compile_is_offered_on_cuda_only_and_survives_the_plan_round_trip():
+    from tightfit.levers.compile import compile_unavailable, is_compiled, compile_model, uncompile_model
+    assert "CUDA" in compile_unavailable("cpu")
+    plan = Plan("bf16", 64, 256, True, device="cuda", compile=True)
+    assert Plan.from_dict(plan.to_dict()) == plan and Plan("fp32", 1, 1).compile is False
+    m = torch.nn.Linear(2, 2)
+    compile_model(m)  # compilation itself is lazy: nothing runs until the first call
+    assert is_compiled(m)
+    uncompile_model(m)
+    assert not is_compiled(m) and m(torch.ones(1, 2)).shape == (1, 2)
+
+
+def test_a_compiled_plan_is_refused_where_compilation_cannot_run():
+    from conftest import SyntheticBatches, tiny_bert
+    from tightfit.errors import TightfitError
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+    w = Workload(tiny_bert(), SyntheticBatches(8), None, 4)
+    with pytest.raises(TightfitError, match="compiles the model"):
+        Trainer(w, Plan("fp32", 4, 4, device="cpu", compile=True), TrainConfig(epochs=1), progress=False)
