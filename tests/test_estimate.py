@@ -207,7 +207,7 @@ def test_every_fixture_row_is_estimated(fixture_errors):
 
 @pytest.mark.parametrize("kind", ["expandable", "default"])
 def test_peak_allocated_within_5_percent_on_every_row(fixture_errors, kind):
-    # measured: median |error| 0.45% (expandable) / 0.5% (default), worst -4.7% / -4.6%
+    # measured: median |error| 0.02% (expandable) / 0.06% (default), worst -4.0% / -3.9%
     errs = [t[1] for t in fixture_errors[kind]]
     worst = max(fixture_errors[kind], key=lambda t: abs(t[1]))
     assert abs(worst[1]) <= 0.05, worst
@@ -215,28 +215,45 @@ def test_peak_allocated_within_5_percent_on_every_row(fixture_errors, kind):
 
 
 def test_peak_reserved_expandable_segments(fixture_errors):
-    """What the estimator achieves with expandable segments (docs/memory-estimator.md).
-
-    The target is peak reserved within 5% on >= 90% of rows and never more than 5% under; with one
-    fresh process per measured row the model reaches 88.3% of rows, a worst under-prediction of
-    -11.6% and a worst over-prediction of +12.5% (GPT-2, all blocks checkpointed), so these bounds
-    are asserted.
-    """
+    """The issue's target, with expandable segments (what tightfit's runtime sets): peak reserved
+    within 5% on >= 90% of rows and never more than 5% under (measured: 97.5% of rows, median
+    0.10%, worst -4.9%; the over-predictions above 5% are GPT-2 with every block checkpointed)."""
     errs = [t[2] for t in fixture_errors["expandable"]]
-    assert statistics.median(abs(e) for e in errs) <= 0.015
-    assert _within(errs) >= 0.88
+    assert statistics.median(abs(e) for e in errs) <= 0.01
+    assert _within(errs) >= 0.90
     worst = min(fixture_errors["expandable"], key=lambda t: t[2])
-    assert worst[2] >= -0.12, worst
+    assert worst[2] >= -0.05, worst
     assert max(errs) <= 0.13
 
 
 def test_peak_reserved_default_allocator(fixture_errors):
-    # one fresh process per measured row; measured: median 2.4%, 71.7% within 5%, -21.6% .. +5.3%
+    # PyTorch's default allocator (not what tightfit runs): measured median 0.38%, 85.0% within 5%,
+    # -21.6% (ResNet-50, all blocks checkpointed: segment fragmentation) .. +5.1%
     errs = [t[2] for t in fixture_errors["default"]]
-    assert statistics.median(abs(e) for e in errs) <= 0.025
-    assert _within(errs) >= 0.70
+    assert statistics.median(abs(e) for e in errs) <= 0.01
+    assert _within(errs) >= 0.85
     assert min(errs) >= -0.22
     assert max(errs) <= 0.06  # never over-predicts by more than 6%
+
+
+def test_reduction_staging_buffers_match_the_h200():
+    """A bias gradient's sum over the tokens takes a staging buffer and semaphores from the caching
+    allocator; sizes measured on an NVIDIA H200 (132 SMs) in ViT-B/16's backward, micro-batch 32."""
+    from tightfit.memory.tracker import reduction_staging_bytes
+    s = torch.ops.aten.sum.dim_IntList
+
+    def grad(*shape):
+        return torch.empty(*shape, dtype=torch.float16, device="meta")
+
+    assert reduction_staging_bytes(s, (grad(6304, 768), [0], True), 132, 2048) == [38_928_384, 24]
+    assert reduction_staging_bytes(s, (grad(6304, 3072), [0], True), 132, 2048) == [138_412_032, 96]
+    # the same tokens as [32, 197, 768], reduced over both leading dimensions
+    assert reduction_staging_bytes(s, (grad(32, 197, 768), [0, 1], True), 132, 2048) == [38_928_384, 24]
+    # fewer SMs, fewer blocks per output: a smaller buffer (GTX 1650 Ti: 16 SMs, 1024 threads each)
+    small = reduction_staging_bytes(s, (grad(6304, 3072), [0], True), 16, 1024)
+    assert 0 < small[0] < 138_412_032
+    assert reduction_staging_bytes(s, (grad(6304, 768), [1], True), 132, 2048) == []  # over the last dim
+    assert reduction_staging_bytes(s, (grad(8, 768), [0], True), 132, 2048) == []  # one block per output
 
 
 # ---------------------------------------------------------------- the planner's fast path

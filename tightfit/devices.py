@@ -37,6 +37,8 @@ class DeviceProfile:
         fp32_tflops, fp16_tflops, bf16_tflops: dense peak rates (bf16 0 when unsupported).
         host_link_bytes_per_s: host-to-device bandwidth (PCIe), bytes/s.
         memory_bytes_per_s: device memory bandwidth, bytes/s (0: unknown).
+        sm_count: streaming multiprocessors (0: unknown); sizes the staging buffers of
+            PyTorch's multi-block reductions (:func:`tightfit.memory.tracker.reduction_staging_bytes`).
     """
 
     key: str
@@ -50,6 +52,14 @@ class DeviceProfile:
     bf16_tflops: float
     host_link_bytes_per_s: float
     memory_bytes_per_s: float = 0.0
+    sm_count: int = 0
+
+    @property
+    def max_threads_per_sm(self) -> int:
+        """Resident threads per SM by compute capability (CUDA C Programming Guide, "Compute
+        Capabilities" table): 1024 on 7.5, 1536 on 8.6/8.7/8.9, 2048 elsewhere from 6.0."""
+        cc = self.compute_capability
+        return 1024 if cc == (7, 5) else 1536 if cc in ((8, 6), (8, 7), (8, 9)) else 2048
 
     def budget_bytes(self) -> int:
         """Bytes the process may hold in tensors: card memory minus the CUDA context and a
@@ -88,17 +98,17 @@ PCIE5_X16 = 50e9
 _BUILTIN = [
     # TU117 has no tensor cores: autocast's fp16 matrix products accumulate in fp32 and run at the
     # fp32 rate (its 2x fp16 rate needs fp16 accumulation), so fp16 pays only through memory.
-    DeviceProfile("gtx-1650-ti", "NVIDIA GeForce GTX 1650 Ti", 4 * GiB, (7, 5), False, False, 3.2, 3.2, 0.0, PCIE3_X16, 192000000000),
-    DeviceProfile("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", 11 * GiB, (6, 1), False, False, 11.3, 11.3 / 64, 0.0, PCIE3_X16, 484000000000),
-    DeviceProfile("rtx-2060", "NVIDIA GeForce RTX 2060", 6 * GiB, (7, 5), True, False, 6.5, 26.0, 0.0, PCIE3_X16, 336000000000),
-    DeviceProfile("rtx-3060", "NVIDIA GeForce RTX 3060", 12 * GiB, (8, 6), True, True, 12.7, 25.4, 25.4, PCIE4_X16, 360000000000),
-    DeviceProfile("rtx-3090", "NVIDIA GeForce RTX 3090", 24 * GiB, (8, 6), True, True, 35.6, 71.0, 71.0, PCIE4_X16, 936000000000),
-    DeviceProfile("rtx-4090", "NVIDIA GeForce RTX 4090", 24 * GiB, (8, 9), True, True, 82.6, 165.2, 165.2, PCIE4_X16, 1008000000000),
-    DeviceProfile("t4", "NVIDIA Tesla T4", 15 * GiB, (7, 5), True, False, 8.1, 65.0, 0.0, PCIE3_X16, 320000000000),
-    DeviceProfile("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16, 1555000000000),
-    DeviceProfile("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16, 2039000000000),
-    DeviceProfile("h100", "NVIDIA H100 80GB", 80 * GiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16, 3350000000000),
-    DeviceProfile("h200", "NVIDIA H200", 143771 * MiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16, 4800000000000),
+    DeviceProfile("gtx-1650-ti", "NVIDIA GeForce GTX 1650 Ti", 4 * GiB, (7, 5), False, False, 3.2, 3.2, 0.0, PCIE3_X16, 192000000000, sm_count=16),
+    DeviceProfile("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", 11 * GiB, (6, 1), False, False, 11.3, 11.3 / 64, 0.0, PCIE3_X16, 484000000000, sm_count=28),
+    DeviceProfile("rtx-2060", "NVIDIA GeForce RTX 2060", 6 * GiB, (7, 5), True, False, 6.5, 26.0, 0.0, PCIE3_X16, 336000000000, sm_count=30),
+    DeviceProfile("rtx-3060", "NVIDIA GeForce RTX 3060", 12 * GiB, (8, 6), True, True, 12.7, 25.4, 25.4, PCIE4_X16, 360000000000, sm_count=28),
+    DeviceProfile("rtx-3090", "NVIDIA GeForce RTX 3090", 24 * GiB, (8, 6), True, True, 35.6, 71.0, 71.0, PCIE4_X16, 936000000000, sm_count=82),
+    DeviceProfile("rtx-4090", "NVIDIA GeForce RTX 4090", 24 * GiB, (8, 9), True, True, 82.6, 165.2, 165.2, PCIE4_X16, 1008000000000, sm_count=128),
+    DeviceProfile("t4", "NVIDIA Tesla T4", 15 * GiB, (7, 5), True, False, 8.1, 65.0, 0.0, PCIE3_X16, 320000000000, sm_count=40),
+    DeviceProfile("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16, 1555000000000, sm_count=108),
+    DeviceProfile("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16, 2039000000000, sm_count=108),
+    DeviceProfile("h100", "NVIDIA H100 80GB", 80 * GiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16, 3350000000000, sm_count=132),
+    DeviceProfile("h200", "NVIDIA H200", 143771 * MiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16, 4800000000000, sm_count=132),
 ]
 
 
@@ -157,7 +167,7 @@ def detect(index: int = 0) -> DeviceProfile | None:
     cc = (props.major, props.minor)
     for p in _BUILTIN:
         if p.name.lower().replace("nvidia ", "") in props.name.lower():
-            return replace(p, total_bytes=props.total_memory, name=props.name)
+            return replace(p, total_bytes=props.total_memory, name=props.name, sm_count=props.multi_processor_count)
     tc = _has_fp16_tensor_cores(props.name, cc)
     # Unknown card: rates only matter as ratios; use the generation's typical ones.
     fp16_ratio = 8.0 if tc else (1 / 64 if cc == (6, 1) else 2.0)
@@ -165,4 +175,4 @@ def detect(index: int = 0) -> DeviceProfile | None:
         key="local", name=props.name, total_bytes=props.total_memory, compute_capability=cc,
         fp16_tensor_cores=tc, bf16=cc >= (8, 0), fp32_tflops=10.0, fp16_tflops=10.0 * fp16_ratio,
         bf16_tflops=10.0 * fp16_ratio if cc >= (8, 0) else 0.0, host_link_bytes_per_s=PCIE3_X16,
-        memory_bytes_per_s=500e9)
+        memory_bytes_per_s=500e9, sm_count=props.multi_processor_count)

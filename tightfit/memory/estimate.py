@@ -174,7 +174,7 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     batch = _meta_batch(example_batch, plan.micro_batch)
 
     others = [k for k in ALLOCATORS if k != allocator]
-    tracker = AllocationTracker(make_allocator(allocator), [make_allocator(k) for k in others])
+    tracker = AllocationTracker(make_allocator(allocator), [make_allocator(k) for k in others], device)
     emulation = CudaOnMeta(plan.precision)
     params = [p for p in _apply_order(meta, set()) if isinstance(p, torch.nn.Parameter)]
     with tracker, emulation:

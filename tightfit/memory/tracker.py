@@ -43,6 +43,67 @@ def kernel_workspace_bytes(func, args, out) -> int:
     return max(t.numel() * t.element_size() for t in tensors)
 
 
+_DIM_REDUCTIONS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim)
+DEFAULT_SM_COUNT, DEFAULT_THREADS_PER_SM = 132, 2048  # an H100/H200 when the card is unknown
+
+
+def _last_pow2(n: int) -> int:
+    return max(1, 1 << (max(1, n).bit_length() - 1))
+
+
+def reduction_staging_bytes(func, args, sm_count: int = DEFAULT_SM_COUNT,
+                            threads_per_sm: int = DEFAULT_THREADS_PER_SM) -> list[int]:
+    """Sizes of the buffers a CUDA sum/mean over leading dimensions takes from the caching
+    allocator while it runs: ``[staging buffer, semaphores]`` (``[]`` when it needs none).
+
+    A bias gradient (``sum`` of a ``[tokens, features]`` gradient over the tokens) is reduced by
+    several thread blocks per output ("global reduce"), which exchange fp32 partial sums through
+    a staging buffer of ``4 x outputs x blocks_per_output x block_width x vector_size`` bytes --
+    e.g. 132 MiB for a ``[6304, 3072]`` gradient on an H200, more than the gradient itself. The
+    launch configuration follows ``setReduceConfig`` in PyTorch's
+    ``aten/src/ATen/native/cuda/Reduce.cuh`` for a contiguous input; it reproduces the sizes
+    measured on an NVIDIA H200 (``[6304, 768]``: 38,928,384 + 24 bytes; ``[6304, 3072]``:
+    138,412,032 + 96 bytes). Reductions over the last dimension need no large buffer (0 here).
+    """
+    if func not in _DIM_REDUCTIONS or not isinstance(args[0], torch.Tensor):
+        return []
+    x = args[0]
+    if x.dim() < 2 or not x.is_contiguous() or not x.is_floating_point() or x.dtype == torch.float64:
+        return []
+    dims = args[1] if len(args) > 1 and args[1] is not None else list(range(x.dim()))
+    dims = sorted({int(d) % x.dim() for d in dims}) or list(range(x.dim()))
+    if dims != list(range(len(dims))) or len(dims) == x.dim():
+        return []  # not a reduction over leading dimensions only
+    outputs = 1
+    for n in x.shape[len(dims):]:
+        outputs *= n
+    inputs = x.numel() // max(outputs, 1)
+    vec = 4
+    while outputs % vec:
+        vec //= 2
+    max_threads = 512 // vec
+    dim0, dim1 = outputs // vec, inputs
+    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    width = min(dim0_pow2, 32)
+    height = min(dim1_pow2, max_threads // width)
+    width = min(dim0_pow2, max_threads // height)
+    step_output, step_input = width, 1
+    if inputs >= height * 16 or inputs >= 256:
+        step_input, block_y = height, True
+    else:
+        step_output, block_y = step_output * height, False
+    grid_x = -(-(outputs // vec) // step_output)
+    target = sm_count * (threads_per_sm // (width * height))
+    per_thread = -(-inputs // step_input)
+    if not (block_y and per_thread >= 256 and grid_x <= target):
+        return []
+    ctas = max(min(-(-target // grid_x), -(-per_thread // 16)), -(-per_thread // 256))
+    if ctas <= 1:
+        return []
+    return [4 * outputs * ctas * width * vec, 4 * grid_x]
+
+
 class AllocationTracker(TorchDispatchMode):
     """Replays a meta-device trace through the allocator model.
 
@@ -50,6 +111,7 @@ class AllocationTracker(TorchDispatchMode):
         allocator: the allocator model whose allocated peak sets ``peak_breakdown``
             (default: expandable segments, :func:`~.allocator.make_allocator`).
         shadows: more allocator models fed the same ``malloc``/``free`` sequence.
+        device: the GPU profile whose SM count sizes reduction staging buffers (None: an H200's).
 
     Attributes:
         allocator, shadows: as given.
@@ -58,8 +120,10 @@ class AllocationTracker(TorchDispatchMode):
         window_peak: the most allocated bytes since the caller last assigned it (a phase's peak).
     """
 
-    def __init__(self, allocator=None, shadows=()):
+    def __init__(self, allocator=None, shadows=(), device=None):
         super().__init__()
+        self.sm_count = getattr(device, "sm_count", 0) or DEFAULT_SM_COUNT
+        self.threads_per_sm = device.max_threads_per_sm if device is not None else DEFAULT_THREADS_PER_SM
         self.allocator = allocator or make_allocator()
         self.shadows = list(shadows)
         self.label = "temporaries"
@@ -74,14 +138,18 @@ class AllocationTracker(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 self.track(t)
-        ws = kernel_workspace_bytes(func, args, out)
+        ws = [n for n in [kernel_workspace_bytes(func, args, out)] if n]
+        ws += reduction_staging_bytes(func, args, self.sm_count, self.threads_per_sm)
         if ws:  # held by the kernel beside its outputs, freed (to the cache) when it returns
-            blocks = [self.allocator.malloc(ws)] + [a.malloc(ws) for a in self.shadows]
-            self.totals["temporaries"] += blocks[0].size
+            models = [self.allocator] + self.shadows
+            blocks = [[a.malloc(n) for n in ws] for a in models]
+            held = sum(b.size for b in blocks[0])
+            self.totals["temporaries"] += held
             self._note_peak()
-            self.totals["temporaries"] -= blocks[0].size
-            for a, b in zip([self.allocator] + self.shadows, blocks):
-                a.free(b)
+            self.totals["temporaries"] -= held
+            for a, bs in zip(models, blocks):
+                for b in reversed(bs):
+                    a.free(b)
         return out
 
     def _note_peak(self) -> None:

@@ -257,10 +257,10 @@ def _verify(c: Candidate, estimate_fn, limit: float, effective_batch: int, tm: T
                      tm.samples_per_s(c.precision, mb, effective_batch, len(c.checkpoint_blocks)))
 
 
-# The estimator under-predicts reserved memory of checkpointed steps by up to 12.5% on the
-# NVIDIA H200 fixtures (docs/memory-estimator.md: cuDNN workspaces and in-segment free space it
-# does not model); a plan made without a GPU to verify it keeps that margin.
-CHECKPOINTED_RESERVED_MARGIN = 0.125
+# The estimator under-predicts reserved memory of checkpointed steps by up to 4.9% on the NVIDIA
+# H200 expandable-segment fixture (docs/memory-estimator.md); a plan made without a GPU to verify
+# it keeps a 5% margin on them.
+CHECKPOINTED_RESERVED_MARGIN = 0.05
 
 
 def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effective_batch: int,
