@@ -75,3 +75,15 @@ def test_bench_bad_input(tmp_path, capsys):
                  "--settings", "hf,nope"]) == 2
     assert "unknown settings: nope" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_report_refuses_what_is_not_a_bench_result(tmp_path, capsys):
+    from tightfit.cli import main
+    assert main(["bench", "report", str(tmp_path / "missing")]) == 2
+    assert "not found" in capsys.readouterr().err
+    for text in ("{bad", '{"a": 1}', "[]"):
+        (tmp_path / "x.json").write_text(text)
+        assert main(["bench", "report", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tightfit: error:") and len(err.splitlines()) == 1
+        assert not (tmp_path / "results.md").exists()

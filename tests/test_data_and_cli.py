@@ -56,6 +56,13 @@ def test_held_out_split_is_fixed_and_disjoint():
     (["--model", "/nonexistent/model"], "model folder not found"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--compile", "maybe"], "unknown --compile"),
+    (["--lr", "nan"], "must be positive and finite"),
+    (["--lr", "inf"], "must be positive and finite"),
+    (["--train-samples", "0"], "--train-samples must be >= 1"),
+    (["--log-every", "0"], "--log-every must be >= 1"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    (["--text-column", "review"], "name columns of a --data file"),
+    (["--seq-len", "2000"], "exceeds the model's 512 positions"),
     (["--compile", "on", "--device", "cpu"], "--compile on needs a CUDA GPU"),
 ])
 def test_cli_bad_input_exit_2_and_nothing_written(tmp_path, capsys, args, match):

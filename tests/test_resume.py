@@ -120,3 +120,14 @@ def test_checkpoints_keep_last_and_load_weights_only(tmp_path):
     state = load_checkpoint(tmp_path / "ckpt-8", other)
     assert state["step"] == 8 and torch.equal(state["t"], torch.arange(3))
     assert torch.equal(other.weight, model.weight)
+
+
+def test_atomic_folders_get_the_modes_of_a_plain_mkdir(tmp_path):
+    import os
+    import stat
+    from tightfit.fileio import atomic_write_dir
+    mask = os.umask(0)
+    os.umask(mask)
+    atomic_write_dir(tmp_path / "model", lambda d: (d / "w.bin").write_bytes(b"x") and os.chmod(d / "w.bin", 0o600))
+    assert stat.S_IMODE((tmp_path / "model").stat().st_mode) == 0o777 & ~mask
+    assert stat.S_IMODE((tmp_path / "model" / "w.bin").stat().st_mode) == 0o666 & ~mask

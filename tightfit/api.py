@@ -7,6 +7,7 @@ budget against the model's state) runs before the run folder is created or the G
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shlex
@@ -125,11 +126,17 @@ def train(req: TrainRequest) -> dict:
         raise TightfitError(f"unknown --checkpointing {req.checkpointing!r}; use auto, on or off")
     if req.compile not in ("auto", "on", "off"):
         raise TightfitError(f"unknown --compile {req.compile!r}; use auto, on or off")
-    for name in ("batch_size", "seq_len"):
-        if getattr(req, name) < 1:
+    for name in ("batch_size", "seq_len", "log_every", "keep_last", "train_samples", "eval_samples"):
+        if getattr(req, name) is not None and getattr(req, name) < 1:
             raise TightfitError(f"--{name.replace('_', '-')} must be >= 1")
-    if req.epochs <= 0 or req.lr <= 0 or (req.max_steps is not None and req.max_steps < 1):
-        raise TightfitError("--epochs, --lr and --max-steps must be positive")
+    if req.checkpoint_every < 0:
+        raise TightfitError("--checkpoint-every must be >= 0 (0: only at the end)")
+    if not (math.isfinite(req.epochs) and math.isfinite(req.lr)) or req.epochs <= 0 or req.lr <= 0 \
+            or (req.max_steps is not None and req.max_steps < 1):
+        raise TightfitError("--epochs, --lr and --max-steps must be positive and finite")
+    if not req.data and (req.text_column, req.label_column) != ("text", "label"):
+        raise TightfitError("--text-column and --label-column name columns of a --data file; "
+                            "the shipped data has its own")
     device, profile, budget, notes = resolve_device(req)
     if req.compile == "on" and (device != "cuda" or req.planner != "search"):
         raise TightfitError("--compile on needs a CUDA GPU and the search planner")
@@ -157,6 +164,9 @@ def train(req: TrainRequest) -> dict:
 
     seed_everything(req.seed)  # before the new head is initialised
     model, tokenizer = load_classifier(model_path, data.label_names)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions and req.seq_len > positions:
+        raise TightfitError(f"--seq-len {req.seq_len} exceeds the model's {positions} positions")
     state = model_state_bytes(model)
     if budget is not None and budget < state["total"]:
         raise TightfitError(

@@ -6,6 +6,7 @@ User errors (:class:`TightfitError`) print one line ``tightfit: error: ...`` and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import TightfitError
@@ -39,7 +40,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto|cuda|cpu (default: auto: the GPU if there is one)")
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between metrics lines (default: 10)")
     p.add_argument("--checkpoint-every", type=int, default=100,
-                   help="write a resumable checkpoint every N optimizer steps and at the end (default: 100)")
+                   help="write a resumable checkpoint every N optimizer steps and at the end; 0: only at the end (default: 100)")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (default: 2)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint "
                                                    "(its other options are taken from DIR/request.json)")
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     except TightfitError as e:
         print(f"tightfit: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     return 1
 
 

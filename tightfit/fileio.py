@@ -47,6 +47,16 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def _plain_modes(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes a plain ``mkdir``/``open`` would (temp
+    folders and some writers make them private: 0700/0600)."""
+    mask = _umask()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~mask)
+
+
 def atomic_write_dir(path: str | Path, fill: Callable[[Path], None]) -> None:
     """Create folder ``path`` atomically: ``fill(tmpdir)`` writes into a sibling temp folder,
     which then replaces ``path`` (an older ``path`` is removed only after ``fill`` succeeded)."""
@@ -55,6 +65,7 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         fill(tmp)
+        _plain_modes(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)

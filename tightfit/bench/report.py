@@ -45,8 +45,26 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def load(folder: str | Path) -> list[dict]:
-    """Every ``<workload>.json`` written by ``tightfit bench run`` in ``folder``."""
-    return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
+    """Every ``<workload>.json`` written by ``tightfit bench run`` in ``folder``.
+
+    Raises:
+        TightfitError: ``folder`` is not a folder, or a JSON file in it is not a benchmark result.
+    """
+    from ..errors import TightfitError
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise TightfitError(f"benchmark results folder not found: {folder}")
+    results = []
+    for p in sorted(folder.glob("*.json")):
+        try:
+            res = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TightfitError(f"{p}: not valid JSON ({e})") from None
+        if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get("workload"), dict)):
+            raise TightfitError(f"{p}: not a result of tightfit bench run (no workload and rows)")
+        results.append(res)
+    return results
 
 
 def _fmt(v, key):

@@ -51,15 +51,15 @@ def parse_checkpointing(spec: str | None, n_blocks: int) -> tuple[int, ...]:
     Raises:
         TightfitError: malformed text, or an index outside ``[0, n_blocks)``.
     """
-    text = (spec or "none").strip().lower()
-    if text in ("none", "off", ""):
+    text = "none" if spec is None else spec.strip().lower()
+    if text in ("none", "off"):
         return ()
     if text in ("all", "on"):
         if n_blocks == 0:
             raise TightfitError("this model has no repeated blocks to checkpoint")
         return tuple(range(n_blocks))
     try:
-        idx = sorted({int(x) for x in text.split(",") if x.strip()})
+        idx = sorted({int(x) for x in text.split(",")})
     except ValueError:
         raise TightfitError(f"--checkpointing takes none, all or block indices like 0,2,5; got {spec!r}") from None
     bad = [i for i in idx if not 0 <= i < n_blocks]

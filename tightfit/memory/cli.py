@@ -81,13 +81,21 @@ def run(args) -> int:
                           allocator=getattr(args, "allocator", "expandable"))
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
+    fits = result.peak_reserved_bytes <= profile.budget_bytes() if profile else None
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        d = result.to_dict()
+        if profile:
+            d.update(budget_bytes=profile.budget_bytes(), fits=fits)
+        print(json.dumps(d, indent=2))
         return 0
-    print(f"{args.model}, micro-batch {args.micro_batch}, {args.precision}, checkpointing {args.checkpointing}, "
+    from ..levers.blocks import find_blocks, parse_checkpointing
+
+    n = len(find_blocks(model))
+    blocks = parse_checkpointing(args.checkpointing, n)
+    ck = "none" if not blocks else f"all {n} blocks" if len(blocks) == n else "blocks " + ",".join(map(str, blocks))
+    print(f"{args.model}, micro-batch {args.micro_batch}, {args.precision}, checkpointing {ck}, "
           f"{args.optimizer}, {result.allocator} allocator")
     print(result.table())
     if profile:
-        fits = result.peak_reserved_bytes <= profile.budget_bytes()
         print(f"{profile.name}: budget {format_bytes(profile.budget_bytes())} -> {'fits' if fits else 'does NOT fit'}")
     return 0

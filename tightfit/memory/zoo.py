@@ -111,8 +111,10 @@ def build_model(name_or_path: str, device: str | torch.device = "meta",
 
 def _batch_maker(kind: str, config) -> BatchMaker:
     def make_batch(micro_batch: int, size: int, device: str | torch.device | None = None) -> dict:
-        if micro_batch < 1 or size < 1:
-            raise TightfitError(f"micro-batch and size must be >= 1, got {micro_batch}, {size}")
+        if micro_batch < 1:
+            raise TightfitError(f"micro-batch must be >= 1, got {micro_batch}")
+        if size < 1:
+            raise TightfitError(f"{'image size' if kind == 'image' else 'sequence length'} must be >= 1, got {size}")
         dev = torch.device(device or "meta")
         real = dev.type != "meta"
         if kind == "image":

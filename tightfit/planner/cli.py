@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from ..errors import TightfitError
 
@@ -42,9 +43,14 @@ def run(args) -> int:
         raise TightfitError(f"unknown --checkpointing {args.checkpointing!r}; use auto, on or off")
     profile = get_profile(args.gpu or "h200")
     budget = parse_size(args.budget) if args.budget else profile.budget_bytes()
-    if args.gpu and budget > profile.total_bytes:
+    if budget > profile.total_bytes:
         raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
-                            f"of the {profile.name}")
+                            f"of the {profile.name}" + ("" if args.gpu else " (whose rates are used without --gpu)"))
+    notes = []
+    if args.gpu and budget > profile.budget_bytes():  # the CUDA context and a margin take the rest
+        notes.append(f"note: budget {format_bytes(budget)} is more than the {format_bytes(profile.budget_bytes())} "
+                     f"usable on the {profile.name}; planning for {format_bytes(profile.budget_bytes())}")
+        budget = profile.budget_bytes()
     model, make_batch = build_model(args.model)
     kind = make_batch.kind
     if (kind == "image") != (args.image_size is not None):
@@ -62,10 +68,14 @@ def run(args) -> int:
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
     if args.json:
+        for n in notes:
+            print(n, file=sys.stderr)
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     b = result.best
-    print(f"{args.model}, {'image' if kind == 'image' else 'sequence'} size {size}, effective batch {args.batch_size}, "
+    for n in notes:
+        print(n)
+    print(f"{args.model}, {'image size' if kind == 'image' else 'sequence length'} {size}, effective batch {args.batch_size}, "
           f"{profile.name} rules, budget {format_bytes(budget)}")
     last = args.batch_size - (b.accumulation_steps - 1) * b.micro_batch
     print(f"plan: {b.precision}, micro-batch {b.micro_batch} x {b.accumulation_steps} accumulation steps"
@@ -79,7 +89,7 @@ def run(args) -> int:
           f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)")
     for k, v in b.breakdown.items():
         print(f"  {k:<20}{format_bytes(v)}")
-    print("runners-up:")
+    print("runners-up:" if result.runners_up else "runners-up: none (the search had no other choice)")
     for c in result.runners_up[:8]:
         print(f"  {c.label():<52} {c.why}")
     print(f"(planned in {result.seconds:.1f} s, no GPU used)")

@@ -156,6 +156,15 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     from ..levers.blocks import find_blocks
 
     t0 = time.perf_counter()
+    traced = {}
+    exact = estimate_fn
+
+    def estimate_fn(precision, micro_batch, blocks):  # noqa: F811 -- each point is traced once
+        key = (precision, micro_batch, tuple(blocks))
+        if key not in traced:
+            traced[key] = exact(precision, micro_batch, blocks)
+        return traced[key]
+
     n_blocks = len(find_blocks(model))
     tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks))
     limit = budget_bytes * (1 - headroom)
@@ -163,6 +172,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     # fewest blocks that reach it is a candidate (more would only add recomputation).
     ks = {"auto": [0, n_blocks], "off": [0], "on": [n_blocks]}[checkpointing]
     evaluated: list[Candidate] = []
+    curves = {}  # precision -> memory line of k checkpointed blocks
     precisions = candidate_precisions(profile, precision)
     for prec in precisions:
         if (prec != precisions[0] and tm.rate(prec) < tm.rate(precisions[0]) / 2
@@ -175,6 +185,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             continue
         lo = _MemoryLine.traced(estimate_fn, prec, tuple(range(ks[0])))
         hi = _MemoryLine.traced(estimate_fn, prec, tuple(range(ks[-1]))) if len(ks) > 1 else lo
+        curves[prec] = (lambda k, lo=lo, hi=hi: lo.blend(hi, (k - ks[0]) / (ks[-1] - ks[0])) if len(ks) > 1 else lo)
         frontier: dict[int, Candidate] = {}  # accumulation steps -> fewest blocks that reach them
         for k in range(ks[0], ks[-1] + 1):
             curve = lo.blend(hi, (k - ks[0]) / (ks[-1] - ks[0])) if len(ks) > 1 else lo
@@ -201,6 +212,11 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     for cand in fitting:
         if verified and cand.samples_per_s <= max(v.samples_per_s for v in verified):
             break
+        more = _more_blocks(cand, curves[cand.precision], ks[-1], estimate_fn, limit, effective_batch, tm)
+        if more is not None:  # the same micro-batches with more blocks checkpointed: may beat shrinking
+            verified.append(more)
+            if more.checkpoint_blocks == cand.checkpoint_blocks:
+                continue  # it fit as predicted
         got = _verify(cand, estimate_fn, limit, effective_batch, tm)
         if isinstance(got, Candidate):
             verified.append(got)
@@ -237,6 +253,24 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
                 f"({ratio:.2f}x)" + ("" if exact else ", predicted (not traced exactly)"))})
         runners.append(c)
     return SearchResult(best, runners, budget_bytes, effective_batch, n_blocks, time.perf_counter() - t0)
+
+
+def _more_blocks(c: Candidate, curve, n_max: int, estimate_fn, limit: float, effective_batch: int,
+                 tm: TimeModel) -> Candidate | None:
+    """Trace the candidate exactly at its micro-batch; if it does not fit, checkpoint more blocks
+    (the fewest the memory line, shifted by the exact trace's error, says could fit; traced again
+    each time) up to ``n_max``. None if no block count fits at this micro-batch."""
+    mb, k = c.micro_batch, len(c.checkpoint_blocks)
+    while k <= n_max:
+        est = estimate_fn(c.precision, mb, tuple(range(k)) if k != len(c.checkpoint_blocks) else c.checkpoint_blocks)
+        if est.peak_reserved_bytes <= limit:
+            blocks = tuple(range(k)) if k != len(c.checkpoint_blocks) else c.checkpoint_blocks
+            return Candidate(c.precision, mb, blocks, math.ceil(effective_batch / mb), est.peak_reserved_bytes,
+                             est.peak_allocated_bytes, dict(est.breakdown),
+                             tm.samples_per_s(c.precision, mb, effective_batch, k))
+        error = est.peak_reserved_bytes - curve(k).reserved(mb)
+        k = next((j for j in range(k + 1, n_max + 1) if curve(j).reserved(mb) + error <= limit), n_max + 1)
+    return None
 
 
 def _verify(c: Candidate, estimate_fn, limit: float, effective_batch: int, tm: TimeModel) -> Candidate | int:
