@@ -63,6 +63,7 @@ def test_held_out_split_is_fixed_and_disjoint():
     (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
     (["--text-column", "review"], "name columns of a --data file"),
     (["--seq-len", "2000"], "exceeds the model's 512 positions"),
+    (["--precision", "bf16", "--device", "cpu"], "needs a CUDA GPU"),
     (["--compile", "on", "--device", "cpu"], "--compile on needs a CUDA GPU"),
 ])
 def test_cli_bad_input_exit_2_and_nothing_written(tmp_path, capsys, args, match):

@@ -140,6 +140,10 @@ def train(req: TrainRequest) -> dict:
     device, profile, budget, notes = resolve_device(req)
     if req.compile == "on" and (device != "cuda" or req.planner != "search"):
         raise TightfitError("--compile on needs a CUDA GPU and the search planner")
+    if req.precision != "auto":
+        from .levers.precision import check_precision
+
+        check_precision(req.precision, profile if device == "cuda" else None)  # before any banner
     from .models import load_classifier, model_state_bytes, resolve_model_path
 
     model_path = resolve_model_path(req.model)
