@@ -115,3 +115,9 @@ def test_written_files_get_the_usual_mode(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_precision_the_device_cannot_run_is_refused_before_any_output(tmp_path, capsys):
+    assert main(["train", "--precision", "fp16", "--device", "cpu", "--out", str(tmp_path / "run")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "needs a CUDA GPU" in err
