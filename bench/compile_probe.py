@@ -44,7 +44,7 @@ def main() -> None:
             torch._functorch.config.activation_memory_budget = float(mode[8:]) if mode != "compile" else 1.0
             wl.model.compile()
         plan = Plan(prec, mb, w.effective_batch, blocks > 0, device="cuda",
-                    checkpoint_blocks=tuple(range(blocks)) if blocks else None)
+                    checkpoint_blocks=tuple(range(blocks)) if blocks else None, compile=mode.startswith("compile"))
         t0 = time.perf_counter()
         try:
             row = timed_run(wl, plan, args.steps, args.warmup)
