@@ -49,6 +49,16 @@ def memory(fixed, per_sample, saving_per_block=0.0, fp16_factor=0.5):
     return fn
 
 
+def one_block_needs_more(line, extra, above):
+    """``line``'s estimates, but with exactly one block checkpointed a micro-batch larger than
+    ``above`` needs ``extra`` bytes more (what the memory lines cannot see)."""
+    def fn(precision, micro_batch, blocks):
+        est = line(precision, micro_batch, blocks)
+        more = extra if len(blocks) == 1 and micro_batch > above else 0
+        return Est(est.peak_reserved_bytes + more, est.peak_allocated_bytes + more, est.breakdown)
+    return fn
+
+
 def _make_batch(micro_batch, size):
     return {"input_ids": torch.zeros(micro_batch, size, dtype=torch.long),
             "attention_mask": torch.ones(micro_batch, size, dtype=torch.long),
@@ -146,12 +156,8 @@ def test_usage_errors_are_one_line(capsys):
 def test_a_candidate_that_shrinks_when_traced_exactly_does_not_hide_a_faster_one():
     # The lines (traced at micro-batch 4 and 16) say 1 block fits 2 x 32; the exact trace needs
     # 50 MiB more above 16 samples, so it shrinks to 3 x 22 -- slower than no checkpointing at 3 x 22.
-    line = memory(100 * MiB, 10 * MiB, saving_per_block=0.1, fp16_factor=1.0)
-
-    def exact(precision, micro_batch, blocks):
-        est = line(precision, micro_batch, blocks)
-        extra = 50 * MiB if len(blocks) == 1 and micro_batch > 16 else 0
-        return Est(est.peak_reserved_bytes + extra, est.peak_allocated_bytes + extra, est.breakdown)
+    exact = one_block_needs_more(memory(100 * MiB, 10 * MiB, saving_per_block=0.1, fp16_factor=1.0),
+                                 50 * MiB, above=16)
 
     r = _search("gtx-1080-ti", int(400 * MiB / 0.95), exact, E=64, precision="fp32")
     assert (r.best.checkpoint_blocks, r.best.micro_batch, r.best.accumulation_steps) == ((), 22, 3)
@@ -162,12 +168,8 @@ def test_a_candidate_that_shrinks_when_traced_exactly_does_not_hide_a_faster_one
 def test_more_blocks_at_the_same_number_of_micro_batches_beat_shrinking():
     # The lines say 1 block fits 1 x 64; the exact trace of 1 block needs 60 MiB more, 2 blocks
     # fit exactly. Checkpointing both blocks at 1 x 64 must be found (not only 1 block shrunk to 2 x 32).
-    line = memory(100 * MiB, 10 * MiB, saving_per_block=0.2, fp16_factor=1.0)
-
-    def exact(precision, micro_batch, blocks):
-        est = line(precision, micro_batch, blocks)
-        extra = 60 * MiB if len(blocks) == 1 and micro_batch > 32 else 0
-        return Est(est.peak_reserved_bytes + extra, est.peak_allocated_bytes + extra, est.breakdown)
+    exact = one_block_needs_more(memory(100 * MiB, 10 * MiB, saving_per_block=0.2, fp16_factor=1.0),
+                                 60 * MiB, above=32)
 
     limit = 100 * MiB + 64 * 10 * MiB * 0.8 + 8 * MiB  # the line: 1 block fits 64 with 8 MiB to spare
     r = _search("gtx-1080-ti", int(limit / 0.95), exact, E=64, precision="fp32")

@@ -71,28 +71,25 @@ def timed_run(workload, plan: Plan, steps: int, warmup: int) -> dict:
 
 def no_budget(w: BenchWorkload, steps: int, warmup: int, precisions=("fp16", "bf16")) -> list[dict]:
     """The effective batch in one micro-batch, without a memory cap."""
-    cap_memory(None)
-    rows = []
-    for prec in precisions:
-        for ck in (False, True):
-            wl = make_workload(w, w.effective_batch, w.effective_batch * steps)
-            n = len(find_blocks(wl.model))
-            plan = Plan(prec, w.effective_batch, w.effective_batch, ck, device="cuda",
-                        checkpoint_blocks=tuple(range(n)) if ck else None)
-            rows.append({"setting": "no budget", **timed_run(wl, plan, steps, warmup)})
-            del wl
-            clean()
-    return rows
+    return [_unbudgeted(w, steps, warmup, "no budget", prec, ck) for prec in precisions for ck in (False, True)]
 
 
 def compiled_no_budget(w: BenchWorkload, steps: int, warmup: int, precision: str = "bf16") -> dict:
     """The effective batch in one micro-batch, compiled, without checkpointing or a memory cap."""
+    return _unbudgeted(w, steps, warmup, "compiled no budget", precision, False, compile=True)
+
+
+def _unbudgeted(w: BenchWorkload, steps: int, warmup: int, setting: str, precision: str, checkpointing: bool,
+                compile: bool = False) -> dict:
+    """One timed run of the effective batch in one micro-batch, no memory cap; ``wall_seconds``
+    includes what ``samples_per_s`` leaves out (model build, first steps, compilation)."""
     cap_memory(None)
     wl = make_workload(w, w.effective_batch, w.effective_batch * steps)
-    plan = Plan(precision, w.effective_batch, w.effective_batch, False, device="cuda", compile=True)
+    n = len(find_blocks(wl.model))
+    plan = Plan(precision, w.effective_batch, w.effective_batch, checkpointing, device="cuda",
+                checkpoint_blocks=tuple(range(n)) if checkpointing else None, compile=compile)
     t0 = time.perf_counter()
-    row = {"setting": "compiled no budget", **timed_run(wl, plan, steps, warmup),
-           "wall_seconds": time.perf_counter() - t0}
+    row = {"setting": setting, **timed_run(wl, plan, steps, warmup), "wall_seconds": time.perf_counter() - t0}
     del wl
     clean()
     return row

@@ -15,6 +15,7 @@ See https://pytorch.org/docs/stable/torch.compiler.html.
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 
 def compile_unavailable(device_type: str) -> str | None:
@@ -41,10 +42,19 @@ def is_compiled(model: torch.nn.Module) -> bool:
 
 def compile_model(model: torch.nn.Module) -> None:
     """Compile ``model``'s forward in place with TorchInductor (default mode: no CUDA graphs,
-    whose private memory pool would sit outside the planned budget). Compilation itself
-    happens at the first call. A second call does nothing."""
-    if not is_compiled(model):
-        model.compile()
+    whose private memory pool would sit outside the planned budget). Every call marks the
+    micro-batch dimension of its tensor arguments dynamic before entering the compiled code.
+    Compilation itself happens at the first call. A second call does nothing."""
+    if is_compiled(model):
+        return
+    model.compile()
+    compiled = model._compiled_call_impl
+
+    def call(*args, **kwargs):  # runs outside the compiled region, where marking takes effect
+        _mark_batch_dynamic(tree_leaves((args, kwargs)))
+        return compiled(*args, **kwargs)
+
+    model._compiled_call_impl = call
 
 
 def uncompile_model(model: torch.nn.Module) -> None:
@@ -53,10 +63,9 @@ def uncompile_model(model: torch.nn.Module) -> None:
         model._compiled_call_impl = None
 
 
-def mark_batch_dynamic(batch: dict) -> dict:
-    """Mark dimension 0 (the micro-batch) of every tensor of ``batch`` dynamic for the compiler,
-    so micro-batches of other sizes reuse the compiled graph. Returns ``batch``."""
-    for v in batch.values():
+def _mark_batch_dynamic(values) -> None:
+    """Mark dimension 0 (the micro-batch) of every tensor in ``values`` dynamic for the compiler,
+    so micro-batches of other sizes reuse the compiled graph."""
+    for v in values:
         if torch.is_tensor(v) and v.dim() > 0:
             torch._dynamo.maybe_mark_dynamic(v, 0)
-    return batch

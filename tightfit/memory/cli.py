@@ -88,10 +88,9 @@ def run(args) -> int:
             d.update(budget_bytes=profile.budget_bytes(), fits=fits)
         print(json.dumps(d, indent=2))
         return 0
-    from ..levers.blocks import find_blocks, parse_checkpointing
+    from ..levers.blocks import find_blocks
 
-    n = len(find_blocks(model))
-    blocks = parse_checkpointing(args.checkpointing, n)
+    n, blocks = len(find_blocks(model)), result.plan["checkpoint_blocks"]  # what was traced
     ck = "none" if not blocks else f"all {n} blocks" if len(blocks) == n else "blocks " + ",".join(map(str, blocks))
     print(f"{args.model}, micro-batch {args.micro_batch}, {args.precision}, checkpointing {ck}, "
           f"{args.optimizer}, {result.allocator} allocator")

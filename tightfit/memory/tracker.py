@@ -138,8 +138,8 @@ class AllocationTracker(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 self.track(t)
-        ws = [n for n in [kernel_workspace_bytes(func, args, out)] if n]
-        ws += reduction_staging_bytes(func, args, self.sm_count, self.threads_per_sm)
+        ws = [n for n in (kernel_workspace_bytes(func, args, out),
+                          *reduction_staging_bytes(func, args, self.sm_count, self.threads_per_sm)) if n]
         if ws:  # held by the kernel beside its outputs, freed (to the cache) when it returns
             models = [self.allocator] + self.shadows
             blocks = [[a.malloc(n) for n in ws] for a in models]

@@ -17,7 +17,6 @@ import torch
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
-from ..levers.compile import is_compiled, mark_batch_dynamic
 from ..levers.precision import autocast, check_precision, fallback_precisions, preferred_precision
 from ..plan import Plan
 from ..memory.oom import is_oom, release_memory
@@ -100,11 +99,9 @@ def _probe_once(workload: Workload, micro_batch: int, precision: str, device, op
     accumulate gradients, the last runs the shared step (backward, clip, optimizer step, which
     allocates AdamW's state as the first real step will)."""
     context = lambda: autocast(precision, device.type)  # noqa: E731
-    compiled = is_compiled(workload.model)
 
     def worst_case():
-        batch = {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
-        return mark_batch_dynamic(batch) if compiled else batch
+        return {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
 
     for _ in range(micro_batches - 1):
         batch = worst_case()

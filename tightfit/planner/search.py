@@ -188,7 +188,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
         curves[prec] = (lambda k, lo=lo, hi=hi: lo.blend(hi, (k - ks[0]) / (ks[-1] - ks[0])) if len(ks) > 1 else lo)
         frontier: dict[int, Candidate] = {}  # accumulation steps -> fewest blocks that reach them
         for k in range(ks[0], ks[-1] + 1):
-            curve = lo.blend(hi, (k - ks[0]) / (ks[-1] - ks[0])) if len(ks) > 1 else lo
+            curve = curves[prec](k)
             m = curve.largest_fitting(limit, effective_batch)
             if m == 0:
                 if k in (ks[0], ks[-1]):  # why fewer blocks lose, or nothing fits
@@ -260,16 +260,15 @@ def _more_blocks(c: Candidate, curve, n_max: int, estimate_fn, limit: float, eff
     """Trace the candidate exactly at its micro-batch; if it does not fit, checkpoint more blocks
     (the fewest the memory line, shifted by the exact trace's error, says could fit; traced again
     each time) up to ``n_max``. None if no block count fits at this micro-batch."""
-    mb, k = c.micro_batch, len(c.checkpoint_blocks)
-    while k <= n_max:
-        est = estimate_fn(c.precision, mb, tuple(range(k)) if k != len(c.checkpoint_blocks) else c.checkpoint_blocks)
+    blocks = c.checkpoint_blocks
+    while len(blocks) <= n_max:
+        est = estimate_fn(c.precision, c.micro_batch, blocks)
         if est.peak_reserved_bytes <= limit:
-            blocks = tuple(range(k)) if k != len(c.checkpoint_blocks) else c.checkpoint_blocks
-            return Candidate(c.precision, mb, blocks, math.ceil(effective_batch / mb), est.peak_reserved_bytes,
-                             est.peak_allocated_bytes, dict(est.breakdown),
-                             tm.samples_per_s(c.precision, mb, effective_batch, k))
-        error = est.peak_reserved_bytes - curve(k).reserved(mb)
-        k = next((j for j in range(k + 1, n_max + 1) if curve(j).reserved(mb) + error <= limit), n_max + 1)
+            return _traced(c, c.micro_batch, blocks, est, effective_batch, tm)
+        error = est.peak_reserved_bytes - curve(len(blocks)).reserved(c.micro_batch)
+        k = next((j for j in range(len(blocks) + 1, n_max + 1)
+                  if curve(j).reserved(c.micro_batch) + error <= limit), n_max + 1)
+        blocks = tuple(range(k))
     return None
 
 
@@ -281,14 +280,18 @@ def _verify(c: Candidate, estimate_fn, limit: float, effective_batch: int, tm: T
     while True:
         est = estimate_fn(c.precision, mb, c.checkpoint_blocks)
         if est.peak_reserved_bytes <= limit:
-            break
+            return _traced(c, mb, c.checkpoint_blocks, est, effective_batch, tm)
         if mb == 1:
             return est.peak_reserved_bytes
         steps = math.ceil(effective_batch / mb) + 1
         mb = min(mb - 1, math.ceil(effective_batch / steps))  # strictly smaller: always ends
-    return Candidate(c.precision, mb, c.checkpoint_blocks, math.ceil(effective_batch / mb), est.peak_reserved_bytes,
+
+
+def _traced(c: Candidate, mb: int, blocks: tuple, est, effective_batch: int, tm: TimeModel) -> Candidate:
+    """``c`` at micro-batch ``mb`` with ``blocks`` checkpointed, with its exact estimate ``est``."""
+    return Candidate(c.precision, mb, blocks, math.ceil(effective_batch / mb), est.peak_reserved_bytes,
                      est.peak_allocated_bytes, dict(est.breakdown),
-                     tm.samples_per_s(c.precision, mb, effective_batch, len(c.checkpoint_blocks)))
+                     tm.samples_per_s(c.precision, mb, effective_batch, len(blocks)))
 
 
 # The estimator under-predicts reserved memory of checkpointed steps by up to 4.9% on the NVIDIA

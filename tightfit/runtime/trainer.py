@@ -20,7 +20,7 @@ import torch
 
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
-from ..levers.compile import compile_model, compile_unavailable, mark_batch_dynamic, uncompile_model
+from ..levers.compile import compile_model, compile_unavailable, uncompile_model
 from ..memory.step import make_optimizer
 from ..levers.precision import autocast, make_grad_scaler
 from ..plan import Plan
@@ -289,8 +289,6 @@ class Trainer:
         staged = self.loader.stage(micro[0])
         for i in range(len(micro)):
             batch = self.loader.ready(staged)
-            if self.plan.compile:  # one compiled graph for every micro-batch size
-                mark_batch_dynamic(batch)
             if i + 1 < len(micro):  # copy the next micro-batch while this one computes
                 staged = self.loader.stage(micro[i + 1])
             with autocast(self.plan.precision, self.device.type):
@@ -452,8 +450,6 @@ class Trainer:
     @torch.no_grad()
     def _eval_batch(self, batch: dict) -> tuple[int, float]:
         batch = _to_device(batch, self.device)
-        if self.plan.compile:
-            mark_batch_dynamic(batch)
         with autocast(self.plan.precision, self.device.type):
             logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
         loss = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
