@@ -87,6 +87,54 @@ def test_compile_is_offered_on_cuda_only_and_survives_the_plan_round_trip():
     assert not is_compiled(m) and m(torch.ones(1, 2)).shape == (1, 2)
 
 
+def test_identical_blocks_are_compiled_one_by_one_and_other_models_whole():
+    from conftest import tiny_bert
+    from tightfit.levers.blocks import find_blocks
+    from tightfit.levers.compile import compile_model, compile_scope, is_compiled, uncompile_model
+    bert = tiny_bert()
+    layers = find_blocks(bert)
+    assert compile_scope(bert) == "blocks"
+    compile_model(bert)
+    assert is_compiled(bert) and bert._compiled_call_impl is None
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    uncompile_model(bert)
+    assert not is_compiled(bert) and all(layer._compiled_call_impl is None for layer in layers)
+    # blocks of two widths (like ResNet's stages) share no compiled code: the whole model is compiled
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
+    mixed = torch.nn.Sequential(torch.nn.ModuleList([mixed[0], mixed[1]]), torch.nn.ModuleList([mixed[2], torch.nn.Linear(8, 8)]))
+    assert compile_scope(mixed) == "model"
+    compile_model(mixed)
+    assert mixed._compiled_call_impl is not None
+
+
+def test_compiled_blocks_checkpoint_around_the_compiled_call_with_eager_gradients(monkeypatch):
+    """The wiring of regional compilation, with the compiler replaced by the identity (TorchInductor
+    needs a GPU here): each block runs its class's forward, checkpointed blocks are recomputed
+    outside it, and loss and gradients equal the eager model's."""
+    from conftest import tiny_bert
+    from tightfit.levers.checkpointing import set_activation_checkpointing
+    from tightfit.levers.compile import compile_model
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn: (lambda *a, **k: calls.append(1) or fn(*a, **k)))
+    ids = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, 0])
+
+    def grads(model):
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out.loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ref_loss, ref = grads(tiny_bert())
+    model = tiny_bert()
+    set_activation_checkpointing(model, True, (0,))
+    compile_model(model)
+    loss, got = grads(model)
+    n = len(model.bert.encoder.layer)
+    assert len(calls) == n + 1  # every block once, the checkpointed one again in backward
+    assert torch.equal(loss, ref_loss) and len(got) == len(ref)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, ref))
+
+
 def test_a_compiled_plan_is_refused_where_compilation_cannot_run():
     from conftest import SyntheticBatches, tiny_bert
     from tightfit.errors import TightfitError

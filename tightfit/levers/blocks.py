@@ -104,6 +104,11 @@ def apply_checkpointing(model: torch.nn.Module, indices, recompute_context=None)
     return blocks
 
 
+def is_checkpointed(block: torch.nn.Module) -> bool:
+    """Whether :func:`apply_checkpointing` wraps ``block``."""
+    return _ORIG in block.__dict__
+
+
 def _checkpointed(forward, recompute_context, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 

@@ -4,7 +4,14 @@ On a fast GPU a small or checkpointed micro-batch is bound by the CPU that launc
 kernels (tens of microseconds per eager op); TorchInductor fuses the element-wise ops
 (bias, GELU, dropout, residual adds, LayerNorm) into a few Triton kernels, which cuts the
 fixed cost per micro-batch and keeps fewer intermediates for backward (less activation memory).
-The model is compiled in place (``nn.Module.compile``), so its ``state_dict`` keys do not change.
+
+Where a model's repeated blocks are identical (a transformer's layers), each block is compiled
+in place rather than the whole model ("regional compilation"): the compiler traces one layer
+and every other layer reuses that code, so compilation takes seconds instead of a minute, and
+checkpointing a different set of blocks later needs no new compilation (a checkpointed and a
+plain block are two variants of the one graph). Other models (ResNet: blocks of four shapes)
+are compiled whole. See https://pytorch.org/tutorials/recipes/regional_compilation.html.
+Modules are compiled in place (``nn.Module.compile``), so ``state_dict`` keys do not change.
 
 The batch dimension is marked dynamic (``torch._dynamo.maybe_mark_dynamic``) so that one
 compiled graph serves every micro-batch size: the short last micro-batch of a window and the
@@ -14,8 +21,12 @@ See https://pytorch.org/docs/stable/torch.compiler.html.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._pytree import tree_leaves
+
+_COMPILED = "_tightfit_compiled"  # model attribute: the modules compile_model compiled
 
 
 def compile_unavailable(device_type: str) -> str | None:
@@ -37,30 +48,75 @@ def compile_unavailable(device_type: str) -> str | None:
 
 def is_compiled(model: torch.nn.Module) -> bool:
     """Whether ``model`` was compiled in place by :func:`compile_model`."""
-    return getattr(model, "_compiled_call_impl", None) is not None
+    return bool(model.__dict__.get(_COMPILED))
+
+
+def compile_scope(model: torch.nn.Module) -> str:
+    """``"blocks"`` when every repeated block of ``model`` (:func:`~tightfit.levers.blocks.find_blocks`)
+    has the same class and the same parameter and buffer shapes, and none has forward hooks, so one
+    compiled block serves all; otherwise ``"model"``."""
+    from .blocks import find_blocks
+
+    blocks = find_blocks(model)
+
+    def signature(block):  # a block with its own hooks is not compiled alone (its compiled call skips them)
+        return (type(block), bool(block._forward_hooks or block._forward_pre_hooks), [(n, tuple(t.shape)) for n, t in block.named_parameters()],
+                [(n, tuple(t.shape)) for n, t in block.named_buffers()])
+
+    if len(blocks) >= 2 and all(signature(b) == signature(blocks[0]) for b in blocks[1:]):
+        return "blocks"
+    return "model"
 
 
 def compile_model(model: torch.nn.Module) -> None:
-    """Compile ``model``'s forward in place with TorchInductor (default mode: no CUDA graphs,
-    whose private memory pool would sit outside the planned budget). Every call marks the
-    micro-batch dimension of its tensor arguments dynamic before entering the compiled code.
-    Compilation itself happens at the first call. A second call does nothing."""
+    """Compile ``model`` in place with TorchInductor: each repeated block when they are identical
+    (:func:`compile_scope`), else the whole forward. Default mode: no CUDA graphs, whose private
+    memory pool would sit outside the planned budget. Every compiled call marks the micro-batch
+    dimension of its tensor arguments dynamic before entering the compiled code. Compilation
+    itself happens at the first call. A second call does nothing.
+
+    A compiled block runs its class's ``forward`` (one compiled function shared by all blocks;
+    the block's own forward hooks are not run), and a block that
+    :func:`~tightfit.levers.blocks.apply_checkpointing` checkpoints is checkpointed around the
+    compiled call: checkpointing inside a graph that is one block (its output made in the
+    checkpointed region) fails in the partitioner of torch 2.11.
+    """
     if is_compiled(model):
         return
-    model.compile()
-    compiled = model._compiled_call_impl
+    from .blocks import find_blocks
 
-    def call(*args, **kwargs):  # runs outside the compiled region, where marking takes effect
-        _mark_batch_dynamic(tree_leaves((args, kwargs)))
-        return compiled(*args, **kwargs)
+    if compile_scope(model) == "blocks":
+        modules = find_blocks(model)
+        forward = torch.compile(type(modules[0]).forward)
+        for block in modules:
+            block._compiled_call_impl = functools.partial(_call_block, forward, block)
+    else:
+        modules = [model]
+        model.compile()
+        compiled = model._compiled_call_impl
 
-    model._compiled_call_impl = call
+        def call(*args, **kwargs):  # outside the compiled region, where marking takes effect
+            _mark_batch_dynamic(tree_leaves((args, kwargs)))
+            return compiled(*args, **kwargs)
+
+        model._compiled_call_impl = call
+    model.__dict__[_COMPILED] = modules
+
+
+def _call_block(forward, block, *args, **kwargs):
+    from .blocks import is_checkpointed
+
+    _mark_batch_dynamic(tree_leaves((args, kwargs)))
+    if is_checkpointed(block):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(forward, block, *args, use_reentrant=False, **kwargs)
+    return forward(block, *args, **kwargs)
 
 
 def uncompile_model(model: torch.nn.Module) -> None:
     """Undo :func:`compile_model`: the eager forward runs again."""
-    if is_compiled(model):
-        model._compiled_call_impl = None
+    for module in model.__dict__.pop(_COMPILED, None) or ():
+        module._compiled_call_impl = None
 
 
 def _mark_batch_dynamic(values) -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
-from ..levers.compile import compile_model, compile_unavailable, uncompile_model
+from ..levers.compile import compile_model, compile_scope, compile_unavailable, uncompile_model
 from ..plan import Plan
 from ..units import format_bytes
 from ..workload import Workload
@@ -21,6 +21,7 @@ from .cost import peak_flops
 from .search import estimator_for, search
 
 VERIFIED = 3  # candidates timed for real (each: two probe steps)
+RETIMED_STEPS = 5  # timed steps of the final eager-vs-compiled comparison
 
 
 @dataclass(frozen=True)
@@ -113,16 +114,27 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
             line = MicroBatchLine.fit(ranked[0], first, small, n, profile)
     if line is not None:
         ranked.sort(key=lambda c: -E / line.step_seconds(c, E, n))
-    for cand in ranked:
-        if len(measured) == VERIFIED:
-            break
+    def verify(cand):
         pr = probe(cand, cand.micro_batch)
         if not pr.fits:
             rejected.append(f"{cand.label()}: " + (f"peak {format_bytes(pr.peak_reserved_bytes)} measured"
                                                    if pr.peak_reserved_bytes else "out of memory"))
-            continue
+            return
         step_s = pr.step_seconds * math.ceil(E / cand.micro_batch) / pr.micro_batches
         measured.append((E / step_s, cand, pr))
+
+    for cand in ranked:
+        if len(measured) == VERIFIED:
+            break
+        verify(cand)
+    # None fit for real (the prediction was short, e.g. memory held elsewhere in the process):
+    # halve the micro-batch of the candidate that checkpoints the most until a real step fits.
+    smallest = max(ranked, key=lambda c: len(c.checkpoint_blocks))
+    while not measured and smallest.micro_batch > 1:
+        mb = smallest.micro_batch // 2
+        smallest = replace(smallest, micro_batch=mb, accumulation_steps=math.ceil(E / mb), samples_per_s=0.0,
+                           peak_reserved_bytes=None, peak_allocated_bytes=None, breakdown={})
+        verify(smallest)
     set_activation_checkpointing(workload.model, False, ())
     if not measured:
         raise TightfitError(f"no planned candidate fits {format_bytes(budget_bytes)} for real: " + "; ".join(rejected))
@@ -130,13 +142,16 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     blocks = best.checkpoint_blocks
     compiled, compile_notes = None, []
     if compile != "off" and not why_not:
-        compiled, compile_notes = compiled_variant(workload, best, 0.0 if compile == "on" else speed, budget_bytes)
+        compiled, compile_notes = compiled_variant(workload, best, budget_bytes, n)
+        if compiled is not None and compile == "auto":
+            compiled, speed, compile_notes = _compiled_or_eager(workload, best, compiled, budget_bytes, compile_notes)
     elif compile == "auto":
         compile_notes = [f"torch.compile not tried: {why_not}"]
     reasons = [f"searched {len(ranked) + len([c for c in result.runners_up if c.samples_per_s == 0])} plans "
                f"(precision x checkpointed blocks x micro-batch) in {result.seconds:.1f} s; "
                f"verified {len(measured)} with real steps under the budget ({int(PROBE_HEADROOM * 100)}% headroom)",
-               f"fastest measured: {speed:.0f} samples/s (predicted {best.samples_per_s:.0f}), "
+               f"fastest measured: {speed:.0f} samples/s " + (f"(predicted {best.samples_per_s:.0f}), " if best.samples_per_s
+                                                             else "(micro-batch halved from the prediction), ") +
                f"peak {format_bytes(best_probe.peak_reserved_bytes)} reserved"]
     if line is not None:
         reasons.insert(1, f"calibrated with probes: {line.fixed_s * 1e3:.1f} ms per micro-batch + "
@@ -146,7 +161,7 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     reasons += compile_notes
     micro_batch, use_compile = best.micro_batch, compiled is not None
     if use_compile:
-        speed, micro_batch, best_probe = compiled
+        speed, micro_batch, blocks, best_probe = compiled
     else:
         uncompile_model(workload.model)
     set_activation_checkpointing(workload.model, False, ())
@@ -155,43 +170,97 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                 reasons=tuple(reasons), probe_peak_reserved_bytes=best_probe.peak_reserved_bytes,
                 checkpoint_blocks=tuple(blocks) if 0 < len(blocks) < n else None,
                 predicted_peak_reserved_bytes=best.peak_reserved_bytes if not use_compile else None,
-                predicted_samples_per_s=speed if use_compile else best.samples_per_s, compile=use_compile)
+                predicted_samples_per_s=speed if use_compile else best.samples_per_s or speed, compile=use_compile)
 
 
-def compiled_variant(workload: Workload, best, eager_speed: float, budget_bytes: int):
-    """Try ``best`` (a verified eager candidate) compiled: same precision and checkpointed blocks,
-    with as few micro-batches as fit (compiled steps keep fewer intermediates, so a larger
-    micro-batch may fit than in eager mode).
-
-    Micro-batches ``ceil(E / k)`` are probed for ``k = 1, 2, ...`` up to the eager plan's count;
-    the first that fits is timed. One compiled graph (dynamic micro-batch dimension) serves all
-    probes; compilation happens in the first.
+def _compiled_or_eager(workload: Workload, best, compiled, budget_bytes: int, notes: list):
+    """Time the eager winner and the compiled variant again, side by side with more steps each
+    (the compiled variant's first probes ran right after compilation), and keep the faster.
 
     Returns:
-        ``((samples/s, micro-batch, probe) or None, reasons)``: None when the compiled step is
-        not faster than ``eager_speed`` (0: keep it anyway) or nothing fits; the model is left
-        compiled only if not None.
+        ``(compiled or None, eager samples/s, notes)``; the model is left compiled only if the
+        compiled variant won.
+    """
+    E, model = workload.effective_batch, workload.model
+
+    def retime(mb, blocks):
+        set_activation_checkpointing(model, bool(blocks), blocks)
+        pr = probe_step(workload, mb, best.precision, budget_bytes, timed_steps=RETIMED_STEPS)
+        return E / (pr.step_seconds * math.ceil(E / mb) / pr.micro_batches) if pr.fits else 0.0
+
+    c_speed = retime(compiled[1], compiled[2])
+    uncompile_model(model)
+    e_speed = retime(best.micro_batch, best.checkpoint_blocks)
+    if c_speed <= e_speed:
+        return None, e_speed, notes + [f"retimed: compiled {c_speed:.0f} vs eager {e_speed:.0f} samples/s: eager kept"]
+    compile_model(model)
+    return (c_speed,) + tuple(compiled[1:]), e_speed, notes + [
+        f"retimed: compiled {c_speed:.0f} vs eager {e_speed:.0f} samples/s: compiled kept"]
+
+
+def compiled_variant(workload: Workload, best, budget_bytes: int, n_blocks: int):
+    """Try ``best`` (a verified eager candidate) compiled, with as few micro-batches as fit
+    (compiled steps keep fewer intermediates, so a larger micro-batch may fit than in eager mode).
+
+    Micro-batches ``ceil(E / k)`` are probed for ``k = 1, 2, ...`` up to the eager plan's count.
+    When the blocks are compiled one by one (:func:`~tightfit.levers.compile.compile_scope`),
+    checkpointing other blocks costs no compilation, so each ``k`` gets the fewest checkpointed
+    blocks (the first ones first) that fit, found by bisection over the block count; the first
+    ``k`` that fits is timed, and when it needed checkpointing also ``k + 1`` (fewer blocks,
+    more micro-batches), and the faster is kept. A model compiled whole keeps ``best``'s blocks.
+    One compiled graph (dynamic micro-batch dimension) serves all probes.
+
+    Returns:
+        ``((samples/s, micro-batch, checkpointed blocks, probe) or None, reasons)``: None when
+        nothing fits; the model is left compiled only if not None.
     """
     E = workload.effective_batch
     model = workload.model
-    set_activation_checkpointing(model, bool(best.checkpoint_blocks), best.checkpoint_blocks)
+    regional = compile_scope(model) == "blocks"
     compile_model(model)
     t0 = time.perf_counter()
-    found, tried = None, []
-    for k in range(1, math.ceil(E / best.micro_batch) + 1):
+    tried, probes = [], {}
+
+    def probe(mb, blocks):
+        key = (mb, blocks)
+        if key not in probes:
+            set_activation_checkpointing(model, bool(blocks), blocks)
+            pr = probes[key] = probe_step(workload, mb, best.precision, budget_bytes)
+            tried.append(f"{mb} x {math.ceil(E / mb)}, {len(blocks)} blocks: "
+                         + (f"{format_bytes(pr.peak_reserved_bytes)} peak" if pr.peak_reserved_bytes else "out of memory"))
+        return probes[key]
+
+    def fewest_blocks(mb):  # the fewest checkpointed blocks that fit at mb, or None
+        if not regional:
+            return best.checkpoint_blocks if probe(mb, best.checkpoint_blocks).fits else None
+        if not probe(mb, tuple(range(n_blocks))).fits:
+            return None
+        lo, hi = 0, n_blocks  # hi fits; find the smallest count that fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if probe(mb, tuple(range(mid))).fits:
+                hi = mid
+            else:
+                lo = mid + 1
+        return tuple(range(hi))
+
+    found = []
+    counts = sorted({math.ceil(E / math.ceil(E / k)) for k in range(1, math.ceil(E / best.micro_batch) + 1)})
+    for k in counts:
         mb = math.ceil(E / k)
-        if k > 1 and mb == math.ceil(E / (k - 1)):
+        blocks = fewest_blocks(mb)
+        if blocks is None:
             continue
-        pr = probe_step(workload, mb, best.precision, budget_bytes)
-        tried.append(f"{mb} x {k}: " + (f"{format_bytes(pr.peak_reserved_bytes)} peak" if pr.peak_reserved_bytes
-                                        else "out of memory"))
-        if pr.fits:
-            found = (E / (pr.step_seconds * k / pr.micro_batches), mb, pr)
+        pr = probe(mb, blocks)
+        found.append((E / (pr.step_seconds * k / pr.micro_batches), mb, blocks, pr))
+        if not regional or not blocks or len(found) == 2:
             break
     seconds = time.perf_counter() - t0
-    if found is None or found[0] <= eager_speed:
+    result = max(found, key=lambda f: f[0]) if found else None
+    scope = "each block" if regional else "whole model"
+    if result is None:
         uncompile_model(model)
-        what = "nothing fits" if found is None else f"{found[0]:.0f} samples/s, not faster than eager"
-        return None, [f"torch.compile ({seconds:.0f} s incl. compilation): {what} (probed {'; '.join(tried)})"]
-    return found, [f"torch.compile: {found[0]:.0f} samples/s at micro-batch {found[1]} vs {eager_speed:.0f} eager "
-                   f"({seconds:.0f} s incl. compilation; probed {'; '.join(tried)})"]
+        return None, [f"torch.compile ({scope}, {seconds:.0f} s incl. compilation): nothing fits "
+                      f"(probed {'; '.join(tried)})"]
+    return result, [f"torch.compile ({scope}): {result[0]:.0f} samples/s at micro-batch {result[1]} with "
+                    f"{len(result[2])} checkpointed blocks ({seconds:.0f} s incl. compilation; probed {'; '.join(tried)})"]

@@ -43,9 +43,11 @@ class ProbeResult:
     micro_batches: int = 1  # micro-batches in that step
 
 
-def probe_step(workload: Workload, micro_batch: int, precision: str, budget_bytes: int) -> ProbeResult:
+def probe_step(workload: Workload, micro_batch: int, precision: str, budget_bytes: int,
+               timed_steps: int = 2) -> ProbeResult:
     """Run two full training steps of ``micro_batch`` worst-case samples on the model's CUDA device
-    (the second with two micro-batches when the plan accumulates, so gradients are held).
+    (the second with two micro-batches when the plan accumulates, so gradients are held), and
+    one more timed like the second (``timed_steps`` after the first: more give a steadier time).
 
     Returns:
         A :class:`ProbeResult`; ``fits`` is False on OOM or when the peak reserved memory
@@ -68,10 +70,10 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     try:
         # Two steps: the first allocates AdamW's state, the second runs forward and backward with
         # that state held -- the steady state of every later step (one step alone under-predicts).
-        # A third step, timed like the second: the faster of the two is the step time (one
-        # step alone is noisy when the CPU is busy).
+        # More steps timed like the second: the fastest is the step time (one step alone is
+        # noisy when the CPU is busy).
         seconds = math.inf
-        for i, micro_batches in enumerate((1,) + (2 if accumulating else 1,) * 2):
+        for i, micro_batches in enumerate((1,) + (2 if accumulating else 1,) * max(1, timed_steps)):
             t0 = time.perf_counter()
             _probe_once(workload, micro_batch, precision, device, optimizer, micro_batches)
             optimizer.zero_grad(set_to_none=True)
