@@ -74,6 +74,16 @@ def test_user_profile_file(tmp_path, monkeypatch):
     with pytest.raises(TightfitError, match="malformed GPU profile"):
         load_profiles()
 
+    card = {"key": "my-card", "name": "My Card", "total_bytes": "6GiB", "compute_capability": [7, 5],
+            "fp16_tensor_cores": True, "bf16": True, "fp32_tflops": 5, "fp16_tflops": 20, "bf16_tflops": 20,
+            "host_link_bytes_per_s": 12e9}
+    f.write_text(json.dumps([card]))  # a Turing card claiming bf16
+    with pytest.raises(TightfitError, match="bf16 needs compute capability >= 8.0"):
+        load_profiles()
+    f.write_text(json.dumps([{**card, "compute_capability": [8, 6], "total_bytes": 0}]))
+    with pytest.raises(TightfitError, match="must be positive"):
+        load_profiles()
+
 
 def test_compile_is_offered_on_cuda_only_and_survives_the_plan_round_trip():
     from tightfit.levers.compile import compile_unavailable, is_compiled, compile_model, uncompile_model

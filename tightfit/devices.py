@@ -54,6 +54,15 @@ class DeviceProfile:
     memory_bytes_per_s: float = 0.0
     sm_count: int = 0
 
+    def __post_init__(self):
+        # Facts that contradict each other would let the planner choose what the card cannot run.
+        if self.total_bytes <= 0 or self.fp32_tflops <= 0 or min(self.fp16_tflops, self.bf16_tflops) < 0:
+            raise ValueError("total_bytes and fp32_tflops must be positive, fp16/bf16_tflops not negative")
+        if self.bf16 and tuple(self.compute_capability) < (8, 0):
+            raise ValueError(f"bf16 needs compute capability >= 8.0, not {self.compute_capability}")
+        if self.bf16 != (self.bf16_tflops > 0):
+            raise ValueError("bf16_tflops must be positive exactly when bf16 is true")
+
     @property
     def max_threads_per_sm(self) -> int:
         """Resident threads per SM by compute capability (CUDA C Programming Guide, "Compute
