@@ -189,3 +189,45 @@ def test_searching_blocks_is_never_slower_than_all_or_none(capsys, args):
         out = capsys.readouterr().out
         speeds[ck] = json.loads(out)["predicted_samples_per_s"] if code == 0 else 0.0
     assert speeds["auto"] >= max(speeds["on"], speeds["off"]) * 0.999, speeds
+
+
+def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(monkeypatch):
+    """The compiled stage's search (no GPU: probes answered by a memory model that is linear in the
+    micro-batch and falls with each checkpointed block): the smallest micro-batch count that fits
+    with every block checkpointed, then the fewest blocks at that count and at the next one."""
+    from types import SimpleNamespace
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate
+
+    n, E, limit = 12, 256, 1000.0
+    probed = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2):
+        blocks = workload.blocks
+        probed.append((mb, len(blocks)))
+        peak = 200 + mb * (1.0 + 0.5 * (n - len(blocks)))  # bytes: fixed + per sample per unsaved block
+        return ProbeResult(mb, peak <= limit, int(peak), int(peak), 0.001 * mb + 0.01, 1)
+
+    w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), blocks=())
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    monkeypatch.setattr(gpu, "compile_model", lambda m: None)
+    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
+    monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
+    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks: setattr(w, "blocks", tuple(blocks)))
+    eager = Candidate("bf16", 8, tuple(range(n)), E // 8, None, None)  # 32 micro-batches of 8
+    result, notes = gpu.compiled_variant(w, eager, 10**9, n)
+    # all blocks: 200 + mb <= 1000 fits at k = 1 (micro-batch 256); the fewest blocks there:
+    # 256 * (7 - c / 2) <= 800 -> c >= 7.75 -> 8. It needed blocks, so k = 2 (128) is tried too:
+    # 128 * (7 - c / 2) <= 800 -> c >= 1.5 -> 2. Time per sample is lower at 256: it wins.
+    assert (256, 8) in probed and (256, 7) in probed and (128, 2) in probed and (128, 1) in probed
+    assert result[1] == 256 and result[2] == tuple(range(8))
+    assert all(mb in (256, 128) for mb, _ in probed)  # no count beyond the second was probed
+
+    # a tight budget: only the eager plan's 32 micro-batches of 8 fit, with every block checkpointed
+    probed.clear()
+    limit = 200 + 8 * 1.0
+    result, _ = gpu.compiled_variant(w, eager, 10**9, n)
+    assert result[1] == 8 and len(result[2]) == n
+    assert len({mb for mb, _ in probed}) <= 7  # bisection over the 29 distinct counts, not a scan

@@ -80,9 +80,10 @@ def test_user_profile_file(tmp_path, monkeypatch):
     f.write_text(json.dumps([card]))  # a Turing card claiming bf16
     with pytest.raises(TightfitError, match="bf16 needs compute capability >= 8.0"):
         load_profiles()
-    f.write_text(json.dumps([{**card, "compute_capability": [8, 6], "total_bytes": 0}]))
-    with pytest.raises(TightfitError, match="must be positive"):
-        load_profiles()
+    for bad in ({"total_bytes": 0}, {"fp16_tflops": 0}, {"fp32_tflops": float("nan")}):
+        f.write_text(json.dumps([{**card, "compute_capability": [8, 6], **bad}]))
+        with pytest.raises(TightfitError, match="must be positive|finite"):
+            load_profiles()
 
 
 def test_compile_is_offered_on_cuda_only_and_survives_the_plan_round_trip():
@@ -109,6 +110,12 @@ def test_identical_blocks_are_compiled_one_by_one_and_other_models_whole():
     assert all(layer._compiled_call_impl is not None for layer in layers)
     uncompile_model(bert)
     assert not is_compiled(bert) and all(layer._compiled_call_impl is None for layer in layers)
+    # blocks with hooks (all of them, forward or backward) would skip them when compiled alone
+    for register in ("register_forward_hook", "register_full_backward_hook"):
+        hooked = tiny_bert()
+        for layer in find_blocks(hooked):
+            getattr(layer, register)(lambda *a: None)
+        assert compile_scope(hooked) == "model"
     # blocks of two widths (like ResNet's stages) share no compiled code: the whole model is compiled
     mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
     mixed = torch.nn.Sequential(torch.nn.ModuleList([mixed[0], mixed[1]]), torch.nn.ModuleList([mixed[2], torch.nn.Linear(8, 8)]))
@@ -143,6 +150,22 @@ def test_compiled_blocks_checkpoint_around_the_compiled_call_with_eager_gradient
     assert len(calls) == n + 1  # every block once, the checkpointed one again in backward
     assert torch.equal(loss, ref_loss) and len(got) == len(ref)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, ref))
+    # every block checkpointed, in either order: Hugging Face's hook (which may checkpoint inside
+    # the compiled forward) gives way to tightfit's wrappers around the compiled call
+    from tightfit.levers.blocks import find_blocks, is_checkpointed
+    from tightfit.levers.checkpointing import hf_hook_active
+    for hook_first in (True, False):
+        model, calls[:] = tiny_bert(), []
+        if hook_first:
+            set_activation_checkpointing(model, True, None)
+            assert hf_hook_active(model)
+        compile_model(model)
+        if not hook_first:
+            set_activation_checkpointing(model, True, None)
+        assert not hf_hook_active(model) and all(is_checkpointed(b) for b in find_blocks(model))
+        loss, got = grads(model)
+        assert len(calls) == 2 * n and torch.equal(loss, ref_loss)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, ref))
 
 
 def test_a_compiled_plan_is_refused_where_compilation_cannot_run():

@@ -8,6 +8,8 @@ not as absolute speeds. Users can add cards with a small JSON file (:func:`load_
 
 from __future__ import annotations
 
+import math
+
 import json
 import os
 from dataclasses import asdict, dataclass, replace
@@ -56,8 +58,11 @@ class DeviceProfile:
 
     def __post_init__(self):
         # Facts that contradict each other would let the planner choose what the card cannot run.
-        if self.total_bytes <= 0 or self.fp32_tflops <= 0 or min(self.fp16_tflops, self.bf16_tflops) < 0:
-            raise ValueError("total_bytes and fp32_tflops must be positive, fp16/bf16_tflops not negative")
+        rates = (self.fp32_tflops, self.fp16_tflops, self.bf16_tflops, self.host_link_bytes_per_s)
+        if not all(math.isfinite(r) for r in rates):
+            raise ValueError("rates must be finite numbers")
+        if self.total_bytes <= 0 or self.fp32_tflops <= 0 or self.fp16_tflops <= 0 or self.bf16_tflops < 0:
+            raise ValueError("total_bytes, fp32_tflops and fp16_tflops must be positive, bf16_tflops not negative")
         if self.bf16 and tuple(self.compute_capability) < (8, 0):
             raise ValueError(f"bf16 needs compute capability >= 8.0, not {self.compute_capability}")
         if self.bf16 != (self.bf16_tflops > 0):

@@ -20,17 +20,21 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
         enabled: checkpoint or not.
         blocks: indices of the repeated blocks (:func:`tightfit.levers.blocks.find_blocks`) to
             checkpoint; None or all of them: the model's own Hugging Face hook, or tightfit's
-            block wrappers for a model without one (e.g. ResNet).
+            block wrappers for a model without one (e.g. ResNet) or compiled block by block.
 
     Raises:
         ValueError: if ``enabled`` and the model does not support gradient checkpointing.
     """
     from .blocks import apply_checkpointing, find_blocks
 
+    from .compile import compiled_by_blocks
+
     n = len(find_blocks(model))
     if n:
         apply_checkpointing(model, ())  # unwrap tightfit's block wrappers from an earlier choice
-    own_hook = getattr(model, "supports_gradient_checkpointing", False)
+    # A block compiled alone must be checkpointed around its compiled call, which only
+    # tightfit's wrappers do (HF's hook may checkpoint inside the layer's forward).
+    own_hook = getattr(model, "supports_gradient_checkpointing", False) and not compiled_by_blocks(model)
     chosen = tuple(range(n)) if blocks is None else tuple(blocks)
     if enabled and n and (len(chosen) < n or not own_hook):  # a subset, or a model without HF's hook
         _disable_hf_hook(model)
@@ -48,6 +52,11 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     _no_kv_cache(model)
+
+
+def hf_hook_active(model: torch.nn.Module) -> bool:
+    """Whether the model's own Hugging Face checkpointing hook is on."""
+    return bool(getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False))
 
 
 def _disable_hf_hook(model) -> None:

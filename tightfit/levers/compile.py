@@ -53,17 +53,19 @@ def is_compiled(model: torch.nn.Module) -> bool:
 
 def compile_scope(model: torch.nn.Module) -> str:
     """``"blocks"`` when every repeated block of ``model`` (:func:`~tightfit.levers.blocks.find_blocks`)
-    has the same class and the same parameter and buffer shapes, and none has forward hooks, so one
-    compiled block serves all; otherwise ``"model"``."""
+    has the same class and the same parameter and buffer shapes, and none has forward or backward
+    hooks, so one compiled block serves all; otherwise ``"model"``."""
     from .blocks import find_blocks
 
     blocks = find_blocks(model)
 
-    def signature(block):  # a block with its own hooks is not compiled alone (its compiled call skips them)
-        return (type(block), bool(block._forward_hooks or block._forward_pre_hooks), [(n, tuple(t.shape)) for n, t in block.named_parameters()],
+    def signature(block):
+        return (type(block), [(n, tuple(t.shape)) for n, t in block.named_parameters()],
                 [(n, tuple(t.shape)) for n, t in block.named_buffers()])
 
-    if len(blocks) >= 2 and all(signature(b) == signature(blocks[0]) for b in blocks[1:]):
+    hooked = any(b._forward_hooks or b._forward_pre_hooks or b._backward_hooks or b._backward_pre_hooks
+                 for b in blocks)  # a block compiled alone runs its class's forward, skipping its hooks
+    if len(blocks) >= 2 and not hooked and all(signature(b) == signature(blocks[0]) for b in blocks[1:]):
         return "blocks"
     return "model"
 
@@ -76,10 +78,13 @@ def compile_model(model: torch.nn.Module) -> None:
     itself happens at the first call. A second call does nothing.
 
     A compiled block runs its class's ``forward`` (one compiled function shared by all blocks;
-    the block's own forward hooks are not run), and a block that
+    blocks with hooks are not compiled alone), and a block that
     :func:`~tightfit.levers.blocks.apply_checkpointing` checkpoints is checkpointed around the
     compiled call: checkpointing inside a graph that is one block (its output made in the
-    checkpointed region) fails in the partitioner of torch 2.11.
+    checkpointed region) fails in the partitioner of torch 2.11. For the same reason Hugging
+    Face's own checkpointing hook, which newer transformers apply inside the layer's ``forward``,
+    is replaced by tightfit's block wrappers (:func:`~tightfit.levers.checkpointing.set_activation_checkpointing`
+    does so for a model compiled block by block).
     """
     if is_compiled(model):
         return
@@ -90,17 +95,20 @@ def compile_model(model: torch.nn.Module) -> None:
         forward = torch.compile(type(modules[0]).forward)
         for block in modules:
             block._compiled_call_impl = functools.partial(_call_block, forward, block)
-    else:
-        modules = [model]
-        model.compile()
-        compiled = model._compiled_call_impl
+        model.__dict__[_COMPILED] = modules
+        from .checkpointing import hf_hook_active, set_activation_checkpointing
+        if hf_hook_active(model):  # its checkpoint would sit inside the compiled block: move it around
+            set_activation_checkpointing(model, True, None)
+        return
+    model.compile()
+    compiled = model._compiled_call_impl
 
-        def call(*args, **kwargs):  # outside the compiled region, where marking takes effect
-            _mark_batch_dynamic(tree_leaves((args, kwargs)))
-            return compiled(*args, **kwargs)
+    def call(*args, **kwargs):  # outside the compiled region, where marking takes effect
+        _mark_batch_dynamic(tree_leaves((args, kwargs)))
+        return compiled(*args, **kwargs)
 
-        model._compiled_call_impl = call
-    model.__dict__[_COMPILED] = modules
+    model._compiled_call_impl = call
+    model.__dict__[_COMPILED] = [model]
 
 
 def _call_block(forward, block, *args, **kwargs):
@@ -111,6 +119,12 @@ def _call_block(forward, block, *args, **kwargs):
         from torch.utils.checkpoint import checkpoint
         return checkpoint(forward, block, *args, use_reentrant=False, **kwargs)
     return forward(block, *args, **kwargs)
+
+
+def compiled_by_blocks(model: torch.nn.Module) -> bool:
+    """Whether :func:`compile_model` compiled ``model``'s blocks one by one (not the whole model)."""
+    modules = model.__dict__.get(_COMPILED)
+    return bool(modules) and modules[0] is not model
 
 
 def uncompile_model(model: torch.nn.Module) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from ..devices import DeviceProfile
 from ..errors import TightfitError
+from ..memory.oom import release_memory
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_scope, compile_unavailable, uncompile_model
 from ..plan import Plan
@@ -20,7 +21,7 @@ from .probe import PROBE_HEADROOM, probe_step
 from .cost import peak_flops
 from .search import estimator_for, search
 
-VERIFIED = 3  # candidates timed for real (each: two probe steps)
+VERIFIED = 3  # candidates timed for real (each: one probe, probe_step)
 RETIMED_STEPS = 5  # timed steps of the final eager-vs-compiled comparison
 
 
@@ -77,9 +78,14 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     The model must be on the GPU and the caching allocator capped at the budget; it is left
     compiled when the plan says so.
 
+    With ``compile="auto"`` a compiler error leaves the verified eager plan in place (noted in
+    its reasons); with ``"on"`` it is raised. When no compiled micro-batch fits, the plan runs
+    eager either way, and says so.
+
     Raises:
         TightfitError: nothing fits (predicted or measured); ``compile`` is ``"on"`` where
             compilation cannot run.
+        Exception: the compiler's own error, with ``compile="on"``.
     """
     if compile not in ("auto", "on", "off"):
         raise TightfitError(f"compile must be auto, on or off; got {compile!r}")
@@ -142,9 +148,21 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     blocks = best.checkpoint_blocks
     compiled, compile_notes = None, []
     if compile != "off" and not why_not:
-        compiled, compile_notes = compiled_variant(workload, best, budget_bytes, n)
-        if compiled is not None and compile == "auto":
-            compiled, speed, compile_notes = _compiled_or_eager(workload, best, compiled, budget_bytes, compile_notes)
+        try:
+            compiled, compile_notes = compiled_variant(workload, best, budget_bytes, n)
+            if compiled is not None and compile == "auto":
+                compiled, speed, compile_notes = _compiled_or_eager(workload, best, compiled, speed, budget_bytes,
+                                                                    compile_notes)
+        except Exception as e:  # a compiler failure: the verified eager plan stands
+            if compile == "on":
+                raise
+            uncompile_model(workload.model)
+            release_memory()
+            compiled = None
+            compile_notes = [f"torch.compile failed, eager plan kept: {type(e).__name__}: "
+                             f"{(str(e).strip().splitlines() or [''])[0][:200]}"]
+        if compile == "on" and compiled is None:
+            compile_notes.append("--compile on: no compiled micro-batch fits, so the plan runs eager")
     elif compile == "auto":
         compile_notes = [f"torch.compile not tried: {why_not}"]
     reasons = [f"searched {len(ranked) + len([c for c in result.runners_up if c.samples_per_s == 0])} plans "
@@ -173,9 +191,11 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                 predicted_samples_per_s=speed if use_compile else best.samples_per_s or speed, compile=use_compile)
 
 
-def _compiled_or_eager(workload: Workload, best, compiled, budget_bytes: int, notes: list):
+def _compiled_or_eager(workload: Workload, best, compiled, eager_speed: float, budget_bytes: int, notes: list):
     """Time the eager winner and the compiled variant again, side by side with more steps each
     (the compiled variant's first probes ran right after compilation), and keep the faster.
+    A retime that no longer fits the headroom counts as 0 samples/s (eager then keeps its
+    earlier measurement, ``eager_speed``).
 
     Returns:
         ``(compiled or None, eager samples/s, notes)``; the model is left compiled only if the
@@ -191,8 +211,9 @@ def _compiled_or_eager(workload: Workload, best, compiled, budget_bytes: int, no
     c_speed = retime(compiled[1], compiled[2])
     uncompile_model(model)
     e_speed = retime(best.micro_batch, best.checkpoint_blocks)
-    if c_speed <= e_speed:
-        return None, e_speed, notes + [f"retimed: compiled {c_speed:.0f} vs eager {e_speed:.0f} samples/s: eager kept"]
+    if c_speed <= e_speed or c_speed == 0:
+        return None, e_speed or eager_speed, notes + [
+            f"retimed: compiled {c_speed:.0f} vs eager {e_speed:.0f} samples/s: eager kept"]
     compile_model(model)
     return (c_speed,) + tuple(compiled[1:]), e_speed, notes + [
         f"retimed: compiled {c_speed:.0f} vs eager {e_speed:.0f} samples/s: compiled kept"]
@@ -202,13 +223,15 @@ def compiled_variant(workload: Workload, best, budget_bytes: int, n_blocks: int)
     """Try ``best`` (a verified eager candidate) compiled, with as few micro-batches as fit
     (compiled steps keep fewer intermediates, so a larger micro-batch may fit than in eager mode).
 
-    Micro-batches ``ceil(E / k)`` are probed for ``k = 1, 2, ...`` up to the eager plan's count.
-    When the blocks are compiled one by one (:func:`~tightfit.levers.compile.compile_scope`),
-    checkpointing other blocks costs no compilation, so each ``k`` gets the fewest checkpointed
-    blocks (the first ones first) that fit, found by bisection over the block count; the first
-    ``k`` that fits is timed, and when it needed checkpointing also ``k + 1`` (fewer blocks,
-    more micro-batches), and the faster is kept. A model compiled whole keeps ``best``'s blocks.
-    One compiled graph (dynamic micro-batch dimension) serves all probes.
+    Micro-batch counts ``k`` run from 1 to the eager plan's count (micro-batch ``ceil(E / k)``);
+    the smallest ``k`` that fits with the most checkpointing on offer is found first (``k = 1``,
+    then bisection over the counts). When the blocks are compiled one by one
+    (:func:`~tightfit.levers.compile.compile_scope`), checkpointing other blocks costs no
+    compilation, so that ``k`` gets the fewest checkpointed blocks (the first ones first) that
+    fit, by bisection over the block count; when it needed checkpointing, the next count is
+    tried too (fewer blocks, one more micro-batch), and the faster is kept. A model compiled
+    whole keeps ``best``'s blocks (another set would recompile). One compiled graph (dynamic
+    micro-batch dimension) serves all probes.
 
     Returns:
         ``((samples/s, micro-batch, checkpointed blocks, probe) or None, reasons)``: None when
@@ -246,7 +269,21 @@ def compiled_variant(workload: Workload, best, budget_bytes: int, n_blocks: int)
 
     found = []
     counts = sorted({math.ceil(E / math.ceil(E / k)) for k in range(1, math.ceil(E / best.micro_batch) + 1)})
-    for k in counts:
+    most = tuple(range(n_blocks)) if regional else best.checkpoint_blocks
+
+    def fits(i):  # count i fits with the most checkpointing: true from some i on
+        return probe(math.ceil(E / counts[i]), most).fits
+
+    lo, hi = 0, len(counts) - 1
+    if not fits(0):  # bisection for the first count that fits (each miss is an out-of-memory probe)
+        lo = 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+    for k in counts[lo:]:
         mb = math.ceil(E / k)
         blocks = fewest_blocks(mb)
         if blocks is None:

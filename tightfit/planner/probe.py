@@ -39,15 +39,16 @@ class ProbeResult:
     fits: bool
     peak_reserved_bytes: int | None
     peak_allocated_bytes: int | None
-    step_seconds: float | None = None  # wall time of a steady-state step (the faster of steps 2 and 3)
+    step_seconds: float | None = None  # wall time of a steady-state step (the fastest timed step)
     micro_batches: int = 1  # micro-batches in that step
 
 
 def probe_step(workload: Workload, micro_batch: int, precision: str, budget_bytes: int,
                timed_steps: int = 2) -> ProbeResult:
-    """Run two full training steps of ``micro_batch`` worst-case samples on the model's CUDA device
-    (the second with two micro-batches when the plan accumulates, so gradients are held), and
-    one more timed like the second (``timed_steps`` after the first: more give a steadier time).
+    """Run ``1 + timed_steps`` full training steps of ``micro_batch`` worst-case samples on the
+    model's CUDA device: the first allocates AdamW's state; the timed ones run two micro-batches
+    when the plan accumulates (so gradients are held), and the fastest of them is the step time
+    (more timed steps give a steadier time).
 
     Returns:
         A :class:`ProbeResult`; ``fits`` is False on OOM or when the peak reserved memory
