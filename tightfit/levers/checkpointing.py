@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .compile import compiled_by_blocks
+
 
 def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=None) -> None:
     """Turn activation checkpointing on or off.
@@ -26,8 +28,6 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
         ValueError: if ``enabled`` and the model does not support gradient checkpointing.
     """
     from .blocks import apply_checkpointing, find_blocks
-
-    from .compile import compiled_by_blocks
 
     n = len(find_blocks(model))
     if n:
@@ -60,7 +60,7 @@ def hf_hook_active(model: torch.nn.Module) -> bool:
 
 
 def _disable_hf_hook(model) -> None:
-    if getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False):
+    if hf_hook_active(model):
         getattr(model, _name(model, "activation_checkpointing_disable", "gradient_checkpointing_disable"))()
 
 

@@ -8,10 +8,10 @@ fixed cost per micro-batch and keeps fewer intermediates for backward (less acti
 Where a model's repeated blocks are identical (a transformer's layers), each block is compiled
 in place rather than the whole model ("regional compilation"): the compiler traces one layer
 and every other layer reuses that code, so compilation takes seconds instead of a minute, and
-checkpointing a different set of blocks later needs no new compilation (a checkpointed and a
-plain block are two variants of the one graph). Other models (ResNet: blocks of four shapes)
-are compiled whole. See https://pytorch.org/tutorials/recipes/regional_compilation.html.
-Modules are compiled in place (``nn.Module.compile``), so ``state_dict`` keys do not change.
+checkpointing a different set of blocks later needs no new compilation (checkpointing wraps the
+compiled call). Other models (ResNet: blocks of four shapes) are compiled whole
+(``nn.Module.compile``). See https://pytorch.org/tutorials/recipes/regional_compilation.html.
+Either way modules are compiled in place, so ``state_dict`` keys do not change.
 
 The batch dimension is marked dynamic (``torch._dynamo.maybe_mark_dynamic``) so that one
 compiled graph serves every micro-batch size: the short last micro-batch of a window and the
@@ -25,6 +25,9 @@ import functools
 
 import torch
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+from .blocks import find_blocks, is_checkpointed
 
 _COMPILED = "_tightfit_compiled"  # model attribute: the modules compile_model compiled
 
@@ -55,8 +58,6 @@ def compile_scope(model: torch.nn.Module) -> str:
     """``"blocks"`` when every repeated block of ``model`` (:func:`~tightfit.levers.blocks.find_blocks`)
     has the same class and the same parameter and buffer shapes, and none has forward or backward
     hooks, so one compiled block serves all; otherwise ``"model"``."""
-    from .blocks import find_blocks
-
     blocks = find_blocks(model)
 
     def signature(block):
@@ -88,8 +89,6 @@ def compile_model(model: torch.nn.Module) -> None:
     """
     if is_compiled(model):
         return
-    from .blocks import find_blocks
-
     if compile_scope(model) == "blocks":
         modules = find_blocks(model)
         forward = torch.compile(type(modules[0]).forward)
@@ -112,11 +111,8 @@ def compile_model(model: torch.nn.Module) -> None:
 
 
 def _call_block(forward, block, *args, **kwargs):
-    from .blocks import is_checkpointed
-
     _mark_batch_dynamic(tree_leaves((args, kwargs)))
     if is_checkpointed(block):
-        from torch.utils.checkpoint import checkpoint
         return checkpoint(forward, block, *args, use_reentrant=False, **kwargs)
     return forward(block, *args, **kwargs)
 

@@ -67,6 +67,27 @@ class MicroBatchLine:
         return t
 
 
+def _samples_per_s(pr, effective_batch: int) -> float:
+    """Samples/s of a whole optimizer step (``ceil(E / micro-batch)`` micro-batches), from a probe."""
+    return effective_batch / (pr.step_seconds * math.ceil(effective_batch / pr.micro_batch) / pr.micro_batches)
+
+
+def _peak(pr) -> str:
+    return f"{format_bytes(pr.peak_reserved_bytes)} peak" if pr.peak_reserved_bytes else "out of memory"
+
+
+def _first_true(lo: int, hi: int, pred) -> int:
+    """The smallest ``i`` in ``[lo, hi]`` with ``pred(i)``, for a ``pred`` false then true, taken
+    true at ``hi`` (not evaluated there)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
 def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, seq_len: int,
                 precision: str = "auto", checkpointing: str = "auto", compile: str = "auto") -> Plan:
     """The fastest plan that really fits: the search's ranking, verified on the GPU.
@@ -122,12 +143,10 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
         ranked.sort(key=lambda c: -E / line.step_seconds(c, E, n))
     def verify(cand):
         pr = probe(cand, cand.micro_batch)
-        if not pr.fits:
-            rejected.append(f"{cand.label()}: " + (f"peak {format_bytes(pr.peak_reserved_bytes)} measured"
-                                                   if pr.peak_reserved_bytes else "out of memory"))
-            return
-        step_s = pr.step_seconds * math.ceil(E / cand.micro_batch) / pr.micro_batches
-        measured.append((E / step_s, cand, pr))
+        if pr.fits:
+            measured.append((_samples_per_s(pr, E), cand, pr))
+        else:
+            rejected.append(f"{cand.label()}: {_peak(pr)}")
 
     for cand in ranked:
         if len(measured) == VERIFIED:
@@ -206,7 +225,7 @@ def _compiled_or_eager(workload: Workload, best, compiled, eager_speed: float, b
     def retime(mb, blocks):
         set_activation_checkpointing(model, bool(blocks), blocks)
         pr = probe_step(workload, mb, best.precision, budget_bytes, timed_steps=RETIMED_STEPS)
-        return E / (pr.step_seconds * math.ceil(E / mb) / pr.micro_batches) if pr.fits else 0.0
+        return _samples_per_s(pr, E) if pr.fits else 0.0
 
     c_speed = retime(compiled[1], compiled[2])
     uncompile_model(model)
@@ -249,47 +268,33 @@ def compiled_variant(workload: Workload, best, budget_bytes: int, n_blocks: int)
         if key not in probes:
             set_activation_checkpointing(model, bool(blocks), blocks)
             pr = probes[key] = probe_step(workload, mb, best.precision, budget_bytes)
-            tried.append(f"{mb} x {math.ceil(E / mb)}, {len(blocks)} blocks: "
-                         + (f"{format_bytes(pr.peak_reserved_bytes)} peak" if pr.peak_reserved_bytes else "out of memory"))
+            tried.append(f"{mb} x {math.ceil(E / mb)}, {len(blocks)} blocks: {_peak(pr)}")
         return probes[key]
 
+    most = tuple(range(n_blocks)) if regional else best.checkpoint_blocks
+
     def fewest_blocks(mb):  # the fewest checkpointed blocks that fit at mb, or None
-        if not regional:
-            return best.checkpoint_blocks if probe(mb, best.checkpoint_blocks).fits else None
-        if not probe(mb, tuple(range(n_blocks))).fits:
+        if not probe(mb, most).fits:
             return None
-        lo, hi = 0, n_blocks  # hi fits; find the smallest count that fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if probe(mb, tuple(range(mid))).fits:
-                hi = mid
-            else:
-                lo = mid + 1
-        return tuple(range(hi))
+        if not regional:
+            return most
+        return tuple(range(_first_true(0, n_blocks, lambda c: probe(mb, tuple(range(c))).fits)))
 
     found = []
     counts = sorted({math.ceil(E / math.ceil(E / k)) for k in range(1, math.ceil(E / best.micro_batch) + 1)})
-    most = tuple(range(n_blocks)) if regional else best.checkpoint_blocks
 
     def fits(i):  # count i fits with the most checkpointing: true from some i on
         return probe(math.ceil(E / counts[i]), most).fits
 
-    lo, hi = 0, len(counts) - 1
-    if not fits(0):  # bisection for the first count that fits (each miss is an out-of-memory probe)
-        lo = 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-    for k in counts[lo:]:
+    # the first count that fits: k = 1, else bisection (each miss is an out-of-memory probe)
+    first = 0 if fits(0) else _first_true(1, len(counts) - 1, fits)
+    for k in counts[first:]:
         mb = math.ceil(E / k)
         blocks = fewest_blocks(mb)
         if blocks is None:
             continue
         pr = probe(mb, blocks)
-        found.append((E / (pr.step_seconds * k / pr.micro_batches), mb, blocks, pr))
+        found.append((_samples_per_s(pr, E), mb, blocks, pr))
         if not regional or not blocks or len(found) == 2:
             break
     seconds = time.perf_counter() - t0
