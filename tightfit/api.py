@@ -114,9 +114,9 @@ def train(req: TrainRequest) -> dict:
     import torch
 
     t_start = time.perf_counter()
-    resume_from = None
+    resume_from, changed = None, {}
     if req.resume:
-        req, resume_from = _resume_request(req)
+        req, resume_from, changed = _resume_request(req)
     # ---- validate input: nothing is written and the GPU is untouched until all of this passed
     if req.precision not in ("auto", *PRECISIONS):
         raise TightfitError(f"unknown --precision {req.precision!r}; use auto, fp32, fp16 or bf16")
@@ -131,6 +131,9 @@ def train(req: TrainRequest) -> dict:
             raise TightfitError(f"--{name.replace('_', '-')} must be >= 1")
     if req.checkpoint_every < 0:
         raise TightfitError("--checkpoint-every must be >= 0 (0: only at the end)")
+    if req.max_skipped_steps < 1:
+        raise TightfitError("--max-skipped-steps must be >= 1 (the number of non-finite steps in a row that stops "
+                            "the run)")
     if not (math.isfinite(req.epochs) and math.isfinite(req.lr)) or req.epochs <= 0 or req.lr <= 0 \
             or (req.max_steps is not None and req.max_steps < 1):
         raise TightfitError("--epochs, --lr and --max-steps must be positive and finite")
@@ -181,7 +184,8 @@ def train(req: TrainRequest) -> dict:
     from .planner.probe import plan_first
     from .report.metrics import MetricsWriter
     from .report.summary import plan_lines, report_markdown, summary_rows
-    from .runtime.trainer import TrainConfig, Trainer
+    from .report.metrics import keep_metrics_until
+    from .runtime.trainer import NonFiniteTrainingError, StoppedError, TrainConfig, Trainer
     from .workload import TextBatches, Workload
 
     workload = Workload(model, TextBatches(tokenizer, train_data, req.seq_len),
@@ -214,28 +218,41 @@ def train(req: TrainRequest) -> dict:
     for line in plan_lines(plan):
         _say(f"  {line}")
 
-    out.mkdir(parents=True, exist_ok=True)
-    if resume_from is None:
-        atomic_write_json(out / "request.json", {k: v for k, v in vars(req).items() if k != "progress"})
-    atomic_write_json(out / "plan.json", plan.to_dict())
-    metrics = MetricsWriter(out / "metrics.jsonl")
-    metrics({"type": "plan", "planning_seconds": planning_s, "resumed_from": str(resume_from) if resume_from else None,
-             **plan.to_dict()})
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     cfg = TrainConfig(epochs=req.epochs, max_steps=req.max_steps, lr=req.lr, seed=req.seed, log_every=req.log_every,
                       checkpoint_dir=str(out / "checkpoints"), checkpoint_every=req.checkpoint_every,
                       keep_last=req.keep_last, warn_temp_c=req.warn_temp, cooldown_temp_c=req.cooldown_temp,
                       max_skipped_steps=req.max_skipped_steps)
-    trainer = Trainer(workload, plan, cfg, log=metrics, progress=req.progress)
+    records: list[dict] = []  # what the trainer logs before the metrics file is open
+    trainer = Trainer(workload, plan, cfg, log=records.append, progress=req.progress)
     if resume_from is not None:
         trainer.resume(resume_from)
         if trainer.step >= trainer.total_steps and (out / "summary.json").is_file():
-            metrics.close()
-            _say(f"run {out} already finished at step {trainer.step}: nothing to resume")
+            _say(f"run {out} already finished at step {trainer.step}: nothing to resume (nothing written)")
             return json.loads((out / "summary.json").read_text())
+    # ---- from here on the run folder is written
+    out.mkdir(parents=True, exist_ok=True)
+    if resume_from is None or changed:
+        atomic_write_json(out / "request.json", _request_record(req))
+    if resume_from is not None:  # drop the records the stopped run wrote after its checkpoint
+        keep_metrics_until(out / "metrics.jsonl", trainer.step)
+    atomic_write_json(out / "plan.json", plan.to_dict())
+    metrics = MetricsWriter(out / "metrics.jsonl")
+    metrics({"type": "plan", "step": trainer.step, "planning_seconds": planning_s,
+             "resumed_from": str(resume_from) if resume_from else None,
+             **({"changed_options": changed} if changed else {}), **plan.to_dict()})
+    for record in records:
+        metrics(record)
+    trainer.log = metrics
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     try:
         result = trainer.fit()
+    except StoppedError as e:
+        resume = f"tightfit train --resume {shlex.quote(str(out))}"
+        if isinstance(e, NonFiniteTrainingError):
+            resume += " --lr <lower>"
+        raise type(e)(f"{e}; " + (f"checkpoint {e.checkpoint} written; continue with: {resume}" if e.checkpoint
+                                  else "no checkpoint could be written"), e.step, e.checkpoint) from None
     finally:
         metrics.close()
 
@@ -286,8 +303,19 @@ def _checkpoint_state(path: Path) -> dict:
     return torch.load(Path(path) / "state.pt", weights_only=True, map_location="cpu")
 
 
-def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path]:
-    """The request a run folder was started with, and its newest checkpoint.
+# Options a resumed run may change: they alter neither the plan nor the data order, so the
+# steps before the checkpoint stay what they were (--lr rescales the schedule from there on).
+RESUME_MAY_CHANGE = ("lr", "max_skipped_steps", "log_every", "warn_temp", "cooldown_temp")
+
+
+def _request_record(req: TrainRequest) -> dict:
+    """The request as written to ``request.json`` (what ``--resume`` starts from)."""
+    return {k: v for k, v in vars(req).items() if k not in ("progress", "resume")}
+
+
+def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict]:
+    """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
+    given now), its newest checkpoint, and ``{option: [old, new]}`` for what changed.
 
     Raises:
         TightfitError: not a tightfit run folder, or no complete checkpoint in it.
@@ -300,18 +328,24 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path]:
     ckpts = list_checkpoints(run / "checkpoints")
     if not ckpts:
         raise TightfitError(f"--resume {run}: no checkpoint to resume from")
-    given = [f"--{k.replace('_', '-')}" for k, v in vars(req).items()
-             if k not in ("resume", "progress", "command") and v != getattr(TrainRequest(), k)]
-    if given:
-        print(f"note: --resume takes the run's own options from {run / 'request.json'}; ignoring {', '.join(given)}",
+    default = TrainRequest()
+    given = {k: v for k, v in vars(req).items()
+             if k not in ("resume", "progress", "command") and v != getattr(default, k)}
+    ignored = [f"--{k.replace('_', '-')}" for k in given if k not in RESUME_MAY_CHANGE]
+    if ignored:
+        print(f"note: --resume takes the run's own options from {run / 'request.json'}; ignoring {', '.join(ignored)} "
+              f"(a resumed run may change only {', '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE)})",
               flush=True)
     try:
         saved = json.loads((run / "request.json").read_text())
-        resumed = TrainRequest(**{**saved, "out": str(run), "resume": str(run), "progress": req.progress,
-                                  "command": req.command})
+        changed = {k: [saved.get(k), v] for k, v in given.items() if k in RESUME_MAY_CHANGE and saved.get(k) != v}
+        resumed = TrainRequest(**{**saved, **{k: new for k, (_, new) in changed.items()}, "out": str(run),
+                                  "resume": str(run), "progress": req.progress, "command": req.command})
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
-    return resumed, ckpts[-1]
+    for k, (old, new) in changed.items():
+        print(f"note: --resume with --{k.replace('_', '-')} {new} (the run had {old})", flush=True)
+    return resumed, ckpts[-1], changed
 
 
 def _check_out(out: Path, resuming: bool) -> None:

@@ -107,8 +107,16 @@ def main(argv: list[str] | None = None) -> int:
             train(TrainRequest(**fields, progress=not args.no_progress))
             return 0
     except TightfitError as e:
+        from .runtime.trainer import TrainingInterrupted
+
+        if isinstance(e, TrainingInterrupted):  # asked for: not an error, but not a finished run
+            print(f"tightfit: {e}", file=sys.stderr)
+            return 130
         print(f"tightfit: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the training loop (loading, planning): nothing was half-written
+        print("tightfit: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0

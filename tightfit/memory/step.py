@@ -12,6 +12,22 @@ import torch
 import torch.nn.functional as F
 
 
+@contextlib.contextmanager
+def module_mode(model: torch.nn.Module, training: bool):
+    """Put every submodule of ``model`` in train (``training=True``: dropout active) or eval
+    mode for the ``with`` block, then give each module back the mode it had (DESIGN invariant
+    9). Hugging Face's ``from_pretrained`` returns a model in eval mode, so whoever runs a
+    training step -- the runtime, the GPU probe -- must set the mode itself.
+    """
+    before = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield model
+    finally:
+        for m, was in before:
+            m.training = was
+
+
 def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Mean cross-entropy of ``model`` on ``batch`` as a 0-d fp32 tensor.
 
@@ -34,9 +50,13 @@ OPTIMIZERS = ("adamw", "adamw-foreach", "sgd")
 
 
 def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight_decay: float = 0.01):
-    """``adamw``: fused AdamW on CUDA (PyTorch's default implementation elsewhere); ``adamw-foreach``: the multi-tensor
-    AdamW; ``sgd``: SGD with momentum 0.9. On the meta device, a stand-in that allocates the
-    same state and temporaries (:class:`MetaOptimizer`).
+    """``adamw``: fused AdamW (one kernel per step, on CUDA and on the CPU); ``adamw-foreach``: the
+    multi-tensor AdamW; ``sgd``: SGD with momentum 0.9. On the meta device, a stand-in that
+    allocates the same state and temporaries (:class:`MetaOptimizer`).
+
+    Fused AdamW allocates nothing at its step but the state on the first step, and that before
+    any parameter or state is written: an out-of-memory error inside its step leaves the model
+    and the optimizer as they were, so the runtime can redo the window (DESIGN invariant 10).
 
     Raises:
         ValueError: unknown ``kind``.
@@ -48,7 +68,7 @@ def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight
         return MetaOptimizer(params, kind)
     if kind.startswith("adamw"):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
-                                 fused=device_type == "cuda" and kind == "adamw",
+                                 fused=kind == "adamw",
                                  foreach=True if kind == "adamw-foreach" else None)
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 

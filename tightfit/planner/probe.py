@@ -20,7 +20,7 @@ from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.precision import autocast, check_precision, fallback_precisions, preferred_precision
 from ..plan import Plan
 from ..memory.oom import is_oom, release_memory
-from ..memory.step import training_loss, training_step
+from ..memory.step import module_mode, training_loss, training_step
 from ..rng import capture_rng, restore_rng
 from ..units import format_bytes
 from ..workload import Workload
@@ -69,18 +69,19 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     # window's gradients are held: the probe's second step does two micro-batches to see that.
     accumulating = micro_batch < workload.effective_batch
     try:
-        # Two steps: the first allocates AdamW's state, the second runs forward and backward with
-        # that state held -- the steady state of every later step (one step alone under-predicts).
-        # More steps timed like the second: the fastest is the step time (one step alone is
-        # noisy when the CPU is busy).
-        seconds = math.inf
-        for i, micro_batches in enumerate((1,) + (2 if accumulating else 1,) * max(1, timed_steps)):
-            t0 = time.perf_counter()
-            _probe_once(workload, micro_batch, precision, device, optimizer, micro_batches)
-            optimizer.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(device)
-            if i:
-                seconds = min(seconds, time.perf_counter() - t0)
+        with module_mode(model, True):  # dropout active, as in the run: its masks are saved too
+            # Two steps: the first allocates AdamW's state, the second runs forward and backward with
+            # that state held -- the steady state of every later step (one step alone under-predicts).
+            # More steps timed like the second: the fastest is the step time (one step alone is
+            # noisy when the CPU is busy).
+            seconds = math.inf
+            for i, micro_batches in enumerate((1,) + (2 if accumulating else 1,) * max(1, timed_steps)):
+                t0 = time.perf_counter()
+                _probe_once(workload, micro_batch, precision, device, optimizer, micro_batches)
+                optimizer.zero_grad(set_to_none=True)
+                torch.cuda.synchronize(device)
+                if i:
+                    seconds = min(seconds, time.perf_counter() - t0)
     except Exception as e:
         if not is_oom(e):
             raise

@@ -38,6 +38,29 @@ def _clean(v):
     return v
 
 
+def keep_metrics_until(path: str | Path, step: int) -> int:
+    """Rewrite ``metrics.jsonl`` atomically without the records of steps after ``step`` (those a
+    stopped run wrote after its last checkpoint, which the resumed run writes again). Records
+    without a step are kept. Returns the number of records dropped."""
+    from ..fileio import atomic_write_text
+
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill: never written whole
+            continue
+        if not isinstance(record.get("step"), int) or record["step"] <= step:
+            kept.append(line)
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """All records of a ``metrics.jsonl`` file."""
     with open(path, encoding="utf-8") as f:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import random
 import re
+import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ import torch
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
-from ..memory.step import make_optimizer
+from ..memory.step import make_optimizer, module_mode
 from ..levers.precision import autocast, make_grad_scaler
 from ..plan import Plan
 from ..workload import Workload
@@ -107,8 +109,32 @@ class TrainResult:
     events: list[str] = field(default_factory=list)
 
 
-class NonFiniteTrainingError(TightfitError):
-    """Too many optimizer steps in a row had non-finite (inf/NaN) gradients."""
+class StoppedError(TightfitError):
+    """Training stopped before its last step, at a step boundary, with the run's state saved.
+
+    Attributes:
+        step: optimizer steps done.
+        checkpoint: the checkpoint written at the stop (None if the run writes none), from
+            which ``--resume`` continues.
+    """
+
+    def __init__(self, message: str, step: int = 0, checkpoint: str | None = None):
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
+class NonFiniteTrainingError(StoppedError):
+    """Too many optimizer steps in a row had non-finite (inf/NaN) gradients. The weights are
+    finite (skipped steps are not applied), so a checkpoint is written at the stop."""
+
+
+class TrainingInterrupted(StoppedError):
+    """SIGINT (Ctrl-C) or SIGTERM arrived; the run stopped at the next step boundary."""
+
+
+class PartialUpdateError(TightfitError):
+    """Out of memory inside the optimizer step after it had changed some parameters or state:
+    redoing the step would apply part of the update twice (DESIGN invariant 10)."""
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -126,6 +152,48 @@ def windows_of(order: list[int], effective_batch: int) -> list[list[int]]:
 
 def steps_per_epoch(n: int, effective_batch: int) -> int:
     return math.ceil(n / effective_batch)
+
+
+def micro_batch_sizes(window_size: int, micro_batch: int) -> list[int]:
+    """Sizes of the micro-batches a window of ``window_size`` samples is split into: full
+    micro-batches, then the remainder (e.g. 7 samples at micro-batch 3: ``[3, 3, 1]``)."""
+    full, rest = divmod(window_size, micro_batch)
+    return [micro_batch] * full + ([rest] if rest else [])
+
+
+def describe_split(window_size: int, micro_batch: int) -> str:
+    """``"3+3+1"`` for 7 samples at micro-batch 3; ``"4 x 8"`` when all micro-batches are equal."""
+    sizes = micro_batch_sizes(window_size, micro_batch)
+    if len(set(sizes)) == 1:
+        return f"{sizes[0]} x {len(sizes)}"
+    return "+".join(map(str, sizes)) if len(sizes) <= 6 else f"{micro_batch} x {len(sizes) - 1} + {sizes[-1]}"
+
+
+def _in_place_versions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Version counter of every parameter and optimizer-state tensor, by ``id``. PyTorch bumps
+    a tensor's version at each in-place write (the counter autograd uses to detect modified
+    saved tensors; ``Tensor._version``, present in every torch release tightfit supports), so
+    comparing two snapshots tells whether a step that failed part-way changed anything. Every
+    AdamW implementation advances the per-parameter ``step`` counters before its first other
+    write (the fused kernel itself bumps no version), so a started AdamW update always shows."""
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors += [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return {id(t): t._version for t in tensors}
+
+
+def _changed_since(optimizer: torch.optim.Optimizer, before: dict[int, int]) -> bool:
+    """True if a parameter or state tensor was written in place since ``before`` (state created
+    since then counts from version 0: freshly zeroed state that was never updated is unchanged)."""
+    return any(v != before.get(k, 0) for k, v in _in_place_versions(optimizer).items())
+
+
+def nonfinite_advice(precision: str) -> str:
+    """What to try after a run of non-finite steps under ``precision``."""
+    if precision == "fp16":
+        return "Try --precision bf16 (compute capability >= 8.0) or fp32, or a lower --lr"
+    if precision == "bf16":
+        return "Try --precision fp32 or a lower --lr"
+    return "Try a lower --lr, and check the data for extreme or invalid values"
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -149,6 +217,9 @@ class Trainer:
         self.progress = progress
         self.device = torch.device(plan.device)
         self.model = workload.model.to(self.device)
+        self.model.zero_grad(set_to_none=True)  # a stray backward before training must not leak into step 1
+        # checkpointing turns the KV cache off; the user's setting comes back when fit() ends
+        self._user_use_cache = getattr(getattr(self.model, "config", None), "use_cache", None)
         set_activation_checkpointing(self.model, plan.activation_checkpointing, plan.checkpoint_blocks)
         if plan.compile:
             why = compile_unavailable(self.device.type)
@@ -183,6 +254,7 @@ class Trainer:
         self.result = TrainResult(plan=plan)
         self._skipped_in_row = 0
         self._clean_windows = 0
+        self._stop_signal: str | None = None
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
@@ -196,32 +268,14 @@ class Trainer:
         t0 = time.perf_counter() - self.result.train_seconds  # continues the clock on resume
         samples0 = self.result.samples
         try:
-            while self.step < self.total_steps:
-                window = self.window_at(self.step)
-                if self.step + 1 < self.total_steps:
-                    self.loader.schedule(self.step + 1, self.window_at(self.step + 1), self.micro_batch)
-                loss, stepped = self.train_step(window)
-                self.step += 1
-                self.result.samples += len(window)
-                self.result.final_loss = loss
-                elapsed = time.perf_counter() - t0
-                self._record_memory()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch,
-                                    samples_s=f"{(self.result.samples - samples0) / max(elapsed, 1e-9):.1f}")
-                if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
-                    self.log(self._train_record((self.step - 1) // self.steps_per_epoch, loss, stepped, elapsed))
-                if self.cfg.checkpoint_dir and (self.step == self.total_steps or (
-                        self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0)):
-                    self.result.train_seconds = time.perf_counter() - t0
-                    self.save_checkpoint()
-                self._cool_down()
+            with self._stop_on_signals():
+                self._train_loop(bar, t0, samples0)
         finally:
             self.loader.close()
+            if bar is not None:
+                bar.close()
+            self._restore_use_cache()
         self.result.train_seconds = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
         self.result.steps = self.step
         self.result.samples_per_s = self.result.samples / max(self.result.train_seconds, 1e-9)
         self.result.plan = self.plan_in_force()
@@ -232,6 +286,87 @@ class Trainer:
             self.result.peak_allocated_bytes = max(self._peaks[0], torch.cuda.max_memory_allocated(self.device))
             self.result.peak_reserved_bytes = max(self._peaks[1], torch.cuda.max_memory_reserved(self.device))
         return self.result
+
+    def _train_loop(self, bar, t0: float, samples0: int) -> None:
+        """The steps of :meth:`fit`; stops at a step boundary on a signal or a run of non-finite steps."""
+        while self.step < self.total_steps:
+            window = self.window_at(self.step)
+            if self.step + 1 < self.total_steps:
+                self.loader.schedule(self.step + 1, self.window_at(self.step + 1), self.micro_batch)
+            loss, stepped = self.train_step(window)
+            self.step += 1
+            self.result.samples += len(window)
+            self.result.final_loss = loss
+            elapsed = time.perf_counter() - t0
+            self._record_memory()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch,
+                                samples_s=f"{(self.result.samples - samples0) / max(elapsed, 1e-9):.1f}")
+            if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
+                self.log(self._train_record((self.step - 1) // self.steps_per_epoch, loss, stepped, elapsed, window))
+            saved = None
+            if self.cfg.checkpoint_dir and (self.step == self.total_steps or (
+                    self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0)):
+                self.result.train_seconds = time.perf_counter() - t0
+                saved = self.save_checkpoint()
+            if self._skipped_in_row >= self.cfg.max_skipped_steps:
+                culprit = self._first_nonfinite(window)
+                where = saved or self._checkpoint_at_stop(t0)  # skipped steps left the weights finite
+                raise NonFiniteTrainingError(
+                    f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
+                    f"{culprit}. {nonfinite_advice(self.plan.precision)}", self.step, where)
+            if self._stop_signal and self.step < self.total_steps:
+                where = saved or self._checkpoint_at_stop(t0)
+                self._event(f"{self._stop_signal}: stopped after step {self.step}"
+                            + (f", checkpoint {where}" if where else ""))
+                raise TrainingInterrupted(f"{self._stop_signal}: stopped after step {self.step} of "
+                                          f"{self.total_steps}", self.step, where)
+            self._cool_down()
+
+    def _checkpoint_at_stop(self, t0: float) -> str | None:
+        """Write a checkpoint of the state now; None when the run writes no checkpoints or the
+        weights are not finite (the newest earlier checkpoint then stands)."""
+        from .checkpoint import NonFiniteCheckpointError
+
+        if not self.cfg.checkpoint_dir:
+            return None
+        self.result.train_seconds = time.perf_counter() - t0
+        try:
+            return self.save_checkpoint()
+        except NonFiniteCheckpointError:
+            return None
+
+    def _stop_on_signals(self):
+        """Within the block, SIGINT/SIGTERM ask for a stop at the next step boundary (a second
+        SIGINT interrupts at once); the previous handlers are restored after."""
+        import contextlib
+
+        if threading.current_thread() is not threading.main_thread():
+            return contextlib.nullcontext()  # signal handlers can only be set from the main thread
+
+        @contextlib.contextmanager
+        def handled():
+            def ask_to_stop(signum, frame):
+                name = signal.Signals(signum).name
+                if self._stop_signal and signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                self._stop_signal = name
+                self._event(f"{name} received: stopping after the current step (Ctrl-C again to stop at once)")
+
+            old = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+        return handled()
+
+    def _restore_use_cache(self) -> None:
+        config = getattr(self.model, "config", None)
+        if self._user_use_cache is not None and config is not None:
+            config.use_cache = self._user_use_cache
 
     def window_at(self, step: int) -> list[int]:
         """The samples of global step ``step``: the data position is the step itself, since each
@@ -258,10 +393,19 @@ class Trainer:
 
         Raises:
             TightfitError: a micro-batch of 1 still runs out of memory.
+            PartialUpdateError: the OOM came inside the optimizer step after it had changed a
+                parameter or its state (impossible with fused AdamW, whose only allocations, the
+                state on the first step, come before any write).
             NonFiniteTrainingError: after ``max_skipped_steps`` non-finite steps in a row.
         """
+        with module_mode(self.model, True):  # dropout on, whatever mode the caller left the model in
+            return self._train_step(window)
+
+    def _train_step(self, window: list[int]) -> tuple[float, bool]:
         rng = capture_rng()
         while True:
+            before = _in_place_versions(self.optimizer)
+            had_state = set(self.optimizer.state)
             try:
                 loss = self._forward_backward(window)
                 finite = self._unscale_clip_step()
@@ -270,6 +414,13 @@ class Trainer:
                 if not is_oom(e):
                     raise
                 where = type(e).__name__
+            if _changed_since(self.optimizer, before):  # never with fused AdamW: see make_optimizer
+                raise PartialUpdateError(
+                    f"out of memory inside the optimizer step of step {self.step + 1} after it had updated part "
+                    "of the parameters or their state; redoing it would apply that part twice, so training stops "
+                    "(the last checkpoint is intact)")
+            for p in [p for p in self.optimizer.state if p not in had_state]:
+                del self.optimizer.state[p]  # state allocated by the failed attempt, never written: start it again
             # Outside the except block: the traceback and the tensors its frames held are gone.
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_scaler_step()
@@ -328,8 +479,9 @@ class Trainer:
                 + ("; fp16/bf16 autocast would use less" if self.plan.precision == "fp32" else "")
                 + "; or raise the budget")
         new = max(1, self.micro_batch // 2)
+        size = len(self.window_at(self.step))
         msg = (f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {self.step + 1} "
-               f"with micro-batch {new} x {math.ceil(self.w.effective_batch / new)} accumulation steps")
+               f"with micro-batch {new}: {size} samples as {describe_split(size, new)}")
         self._event(msg)
         self.micro_batch = new
 
@@ -346,12 +498,7 @@ class Trainer:
                 self.micro_batch, self._clean_windows = new, 0
             return True
         self.result.skipped_steps += 1
-        self._skipped_in_row += 1
-        if self._skipped_in_row >= self.cfg.max_skipped_steps:
-            culprit = self._first_nonfinite(window)
-            raise NonFiniteTrainingError(
-                f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
-                f"{culprit}. Try --precision bf16 (compute capability >= 8.0) or fp32, or a lower --lr")
+        self._skipped_in_row += 1  # fit() stops at max_skipped_steps in a row
         self.optimizer.zero_grad(set_to_none=True)
         return False
 
@@ -380,7 +527,9 @@ class Trainer:
         """Everything but the weights that an exact resume needs (tensors and plain values)."""
         r = self.result
         return {
-            "step": self.step, "micro_batch": self.micro_batch, "plan": self.plan_in_force().to_dict(),
+            # the plan as chosen (not the backed-off one), so that a resumed run grows the
+            # micro-batch back exactly when the uninterrupted run would
+            "step": self.step, "micro_batch": self.micro_batch, "plan": self.plan.to_dict(),
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(), "rng": capture_rng(),
             "counters": {"samples": r.samples, "skipped_steps": r.skipped_steps, "oom_recoveries": r.oom_recoveries,
@@ -388,12 +537,14 @@ class Trainer:
                          "skipped_in_row": self._skipped_in_row, "clean_windows": self._clean_windows},
         }
 
-    def save_checkpoint(self) -> None:
-        """Write ``ckpt-<step>`` atomically (never with non-finite weights); keep the newest few."""
+    def save_checkpoint(self) -> str:
+        """Write ``ckpt-<step>`` atomically (never with non-finite weights); keep the newest few.
+        Returns its path."""
         from .checkpoint import save_checkpoint
 
         path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.state_dict(), self.cfg.keep_last)
         self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
+        return str(path)
 
     def resume(self, path) -> None:
         """Load a checkpoint written by :meth:`save_checkpoint`: weights, optimizer, loss scaler,
@@ -403,6 +554,12 @@ class Trainer:
         state = load_checkpoint(path, self.model)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scheduler.base_lrs != [self.cfg.lr] * len(self.scheduler.base_lrs):  # resumed with a new --lr
+            self.scheduler.base_lrs = [self.cfg.lr] * len(self.scheduler.base_lrs)
+            factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.lr * factor
+            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.micro_batch = state["step"], state["micro_batch"]
@@ -425,8 +582,10 @@ class Trainer:
         Raises:
             TightfitError: an evaluation batch of 1 runs out of memory.
         """
-        data = self.w.eval
-        self.model.eval()
+        with module_mode(self.model, False):
+            return self._evaluate(self.w.eval)
+
+    def _evaluate(self, data) -> dict:
         batch_size = max(1, min(len(data), 2 * self.micro_batch))
         i, correct, loss_total = 0, 0, 0.0
         while i < len(data):
@@ -443,7 +602,6 @@ class Trainer:
                 raise TightfitError("out of memory in evaluation with a batch of 1")
             batch_size //= 2
             self._event(f"out of memory in evaluation: evaluation batch -> {batch_size}")
-        self.model.train()
         return {"accuracy": correct / len(data), "loss": loss_total / len(data), "samples": len(data),
                 "eval_batch": batch_size}
 
@@ -492,11 +650,13 @@ class Trainer:
             from tqdm import tqdm
             tqdm.write(f"tightfit: {message}")
 
-    def _train_record(self, epoch: int, loss: float, stepped: bool, elapsed: float) -> dict:
+    def _train_record(self, epoch: int, loss: float, stepped: bool, elapsed: float, window: list[int]) -> dict:
         rec = {"type": "train", "step": self.step, "epoch": epoch, "loss": loss,
                "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(self._grad_norm),
-               "stepped": stepped, "micro_batch": self.micro_batch,
-               "accumulation_steps": math.ceil(self.w.effective_batch / self.micro_batch),
+               "stepped": stepped, "micro_batch": self.micro_batch, "window_samples": len(window),
+               # what the window really held, e.g. "3+3+1" for 7 samples at micro-batch 3
+               "micro_batches": describe_split(len(window), self.micro_batch),
+               "accumulation_steps": len(micro_batch_sizes(len(window), self.micro_batch)),
                "samples": self.result.samples, "samples_per_s": self.result.samples / max(elapsed, 1e-9)}
         if self.scaler.is_enabled():
             rec["loss_scale"] = float(self.scaler.get_scale())

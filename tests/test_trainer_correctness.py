@@ -1,0 +1,238 @@
+"""Runtime faults a careful user found, each kept as a test that fails when the fault comes back:
+train mode in every training step, no stray gradients, the user's KV-cache setting restored,
+an all-or-nothing optimizer step under OOM, resume after an OOM back-off, honest split reports,
+and stops (signal, non-finite run) that leave a resumable checkpoint."""
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import SyntheticBatches, tiny_bert
+from tightfit.plan import Plan
+from tightfit.runtime.checkpoint import list_checkpoints, load_checkpoint
+from tightfit.runtime.trainer import (NonFiniteTrainingError, PartialUpdateError, TrainConfig, Trainer,
+                                      TrainingInterrupted, describe_split)
+from tightfit.workload import Workload
+
+
+def _workload(n=24, effective_batch=8, dropout=0.1, seed=0):
+    return Workload(tiny_bert(dropout, seed), SyntheticBatches(n), SyntheticBatches(8, seed=1), effective_batch)
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def test_every_training_step_runs_in_train_mode_and_evaluation_in_eval_mode():
+    w = _workload()
+    w.model.eval()  # as Hugging Face's from_pretrained returns it
+    seen = []  # (grad enabled, dropout module in training mode)
+    for m in w.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.register_forward_pre_hook(lambda mod, args: seen.append((torch.is_grad_enabled(), mod.training)))
+    Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1), progress=False).fit()
+    train_calls = [t for g, t in seen if g]
+    eval_calls = [t for g, t in seen if not g]
+    assert train_calls and all(train_calls), "a training step ran with dropout off"
+    assert eval_calls and not any(eval_calls), "evaluation ran with dropout on"
+    assert not any(m.training for m in w.model.modules())  # the caller's mode is given back
+
+
+def test_dropout_is_active_so_seeds_change_the_losses():
+    losses = []
+    for seed in (0, 1):
+        w = _workload()
+        w.model.eval()
+        t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1, seed=0), progress=False)
+        torch.manual_seed(seed)  # the data order is fixed; only dropout draws differ
+        losses.append(t.train_step(list(range(8)))[0])
+    assert losses[0] != losses[1]
+
+
+def test_gradients_left_on_the_model_do_not_leak_into_the_first_step():
+    clean, dirty = _workload(dropout=0.0), _workload(dropout=0.0)
+    batch = dirty.train.collate(list(range(8)))
+    dirty.model(**{k: v for k, v in batch.items() if k != "labels"}).logits.sum().backward()  # a stray backward
+    results = []
+    for w in (clean, dirty):
+        t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3), progress=False)
+        t.train_step(list(range(8)))
+        results.append(_params(w.model))
+    _assert_same(*results)
+
+
+def test_use_cache_is_restored_after_training_with_checkpointing():
+    w = _workload()
+    assert w.model.config.use_cache is True
+    t = Trainer(w, Plan("fp32", 4, 8, activation_checkpointing=True), TrainConfig(epochs=1), progress=False)
+    assert w.model.config.use_cache is False  # off while training with recomputation
+    t.fit()
+    assert w.model.config.use_cache is True
+
+
+def test_metrics_say_how_a_window_was_really_split():
+    assert describe_split(7, 3) == "3+3+1"
+    assert describe_split(8, 4) == "4 x 2"
+    records = []
+    w = _workload(n=7, effective_batch=7)
+    Trainer(w, Plan("fp32", 3, 7), TrainConfig(epochs=1, log_every=1), log=records.append, progress=False).fit()
+    (rec,) = [r for r in records if r["type"] == "train"]
+    assert rec["micro_batches"] == "3+3+1" and rec["accumulation_steps"] == 3 and rec["window_samples"] == 7
+
+
+class _OOMOnCall(TorchDispatchMode):
+    """Raise a CUDA-style OOM at the ``n``-th call of an aten op whose name contains ``op``
+    (ops run under the mode skip some version-counter bumps: use it only before any write)."""
+
+    def __init__(self, op, n):
+        super().__init__()
+        self.op, self.n, self.calls = op, n, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.op in str(func):
+            self.calls += 1
+            if self.calls == self.n:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+        return func(*args, **(kwargs or {}))
+
+
+def _inject_in_optimizer_step(trainer, op, n):
+    """Run the trainer's first optimizer step under :class:`_OOMOnCall`."""
+    step, state = trainer.optimizer.step, {"done": False}
+
+    def wrapped(*args, **kwargs):
+        if state["done"]:
+            return step(*args, **kwargs)
+        state["done"] = True
+        with _OOMOnCall(op, n):
+            return step(*args, **kwargs)
+
+    trainer.optimizer.step = wrapped
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_oom_part_way_through_a_non_fused_optimizer_step_is_never_applied_twice(monkeypatch, foreach):
+    w = _workload(dropout=0.0)
+    t = Trainer(w, Plan("fp32", 8, 8, optimizer="adamw-foreach"), TrainConfig(epochs=1, lr=1e-3), progress=False)
+    for g in t.optimizer.param_groups:
+        g["foreach"] = foreach  # False: the per-parameter (for-loop) implementation
+    t.train_step(list(range(8)))  # the state exists: the next step's failure comes after writes
+    calls = []
+
+    def failing(real):  # the square root of exp_avg_sq comes after step, exp_avg and exp_avg_sq are written
+        def sqrt(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3 or foreach:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+            return real(*args, **kwargs)
+        return sqrt
+
+    if foreach:
+        monkeypatch.setattr(torch, "_foreach_sqrt", failing(torch._foreach_sqrt))
+    else:
+        monkeypatch.setattr(torch.Tensor, "sqrt", failing(torch.Tensor.sqrt))
+    with pytest.raises(PartialUpdateError, match="part"):
+        t.train_step(list(range(8, 16)))
+    assert calls and max(float(s["step"]) for s in t.optimizer.state.values()) <= 2.0  # none stepped twice
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_oom_while_fused_adamw_allocates_its_state_redoes_the_step_exactly():
+    ref = _workload()
+    t_ref = Trainer(ref, Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3, seed=3, grow_back_after=0), progress=False)
+    torch.manual_seed(11)
+    t_ref.fit()
+
+    w = _workload()
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3, seed=3, grow_back_after=0), progress=False)
+    _inject_in_optimizer_step(t, "zeros_like", 7)  # part of the state allocated, nothing updated yet
+    torch.manual_seed(11)
+    res = t.fit()
+    assert res.oom_recoveries == 1 and t.micro_batch == 4
+    assert {float(s["step"]) for s in t.optimizer.state.values()} == {3.0}
+    _assert_same(_params(w.model), _params(ref.model))
+
+
+def test_resume_after_an_oom_back_off_grows_back_like_the_uninterrupted_run(tmp_path):
+    def run(folder, resume_from=None):
+        w = _workload(n=48)
+        cfg = TrainConfig(epochs=1, lr=1e-3, seed=3, grow_back_after=2, checkpoint_dir=str(folder),
+                          checkpoint_every=1, keep_last=10)
+        plan = Plan("fp32", 8, 8)
+        if resume_from is not None:  # the plan the checkpoint carries, as `--resume` takes it
+            plan = Plan.from_dict(load_checkpoint(resume_from, w.model)["plan"])
+        t = Trainer(w, plan, cfg, progress=False)
+        if resume_from is None:
+            fired = []
+
+            def inject(*a):
+                if t.step == 0 and t.micro_batch == 8 and not fired:
+                    fired.append(1)
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            t.model.bert.encoder.layer[1].register_forward_pre_hook(inject)
+            torch.manual_seed(11)
+        else:
+            t.resume(resume_from)  # restores the RNG states too
+        t.fit()
+        return t
+
+    full = run(tmp_path / "full")
+    assert any("growing micro-batch back 4 -> 8" in e for e in full.result.events)
+    resumed = run(tmp_path / "resumed", resume_from=tmp_path / "full" / "ckpt-1")  # at micro-batch 4
+    assert any("growing micro-batch back 4 -> 8" in e for e in resumed.result.events)
+    assert resumed.micro_batch == full.micro_batch == 8
+    _assert_same(_params(resumed.model), _params(full.model))
+
+
+def test_a_run_of_nonfinite_steps_stops_with_a_resumable_checkpoint(tmp_path):
+    w = _workload(n=32, dropout=0.0)
+    w.model.bert.encoder.layer[1].output.dense.register_forward_hook(lambda m, i, out: out * math.inf)
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=2, lr=1e-3, max_skipped_steps=3,
+                                                 checkpoint_dir=str(tmp_path)), progress=False)
+    with pytest.raises(NonFiniteTrainingError, match=r"layer\.1\.output\.dense.*lower --lr") as e:
+        t.fit()
+    assert e.value.step == 3 and e.value.checkpoint == str(tmp_path / "ckpt-3")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-3"]
+    state = load_checkpoint(tmp_path / "ckpt-3", _workload(n=32).model)
+    assert state["step"] == 3 and state["scheduler"]["last_epoch"] == 3  # data position and schedule agree
+
+
+def test_sigint_stops_at_a_step_boundary_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    def trainer(folder):
+        w = _workload(n=48)
+        return Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3, seed=3, checkpoint_dir=str(folder),
+                                                          checkpoint_every=100), progress=False)
+
+    torch.manual_seed(11)
+    full = trainer(tmp_path / "full")
+    full.fit()
+
+    torch.manual_seed(11)
+    stopped = trainer(tmp_path / "stopped")
+    calls = []
+
+    def ctrl_c(*a):  # Ctrl-C in the middle of the third step's forward
+        calls.append(1)
+        if stopped.step == 2 and len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+    stopped.model.bert.encoder.layer[0].register_forward_pre_hook(ctrl_c)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainingInterrupted, match="SIGINT: stopped after step 3") as e:
+        stopped.fit()
+    assert signal.getsignal(signal.SIGINT) is handler  # the caller's handler is back
+    assert e.value.checkpoint == str(tmp_path / "stopped" / "ckpt-3")
+
+    resumed = trainer(tmp_path / "stopped")
+    resumed.resume(e.value.checkpoint)
+    resumed.fit()
+    _assert_same(_params(resumed.model), _params(full.model))
