@@ -48,18 +48,35 @@ def _cmd(model_dir, data, out):
 
 
 def _losses(run):
-    last = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["type"] == "train":
-            last[r["step"]] = r["loss"]  # the resumed run rewrites steps after the checkpoint
-    return last
+    """``{step: loss}`` of the train records; a step logged twice fails (a resumed run must not repeat)."""
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [(r["step"], r["loss"]) for r in steps if r["type"] == "train"]
+    assert len({s for s, _ in steps}) == len(steps), "a step is logged twice"
+    return dict(steps)
 
 
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_run_inputs, tmp_path):
+@pytest.fixture(scope="module")
+def full_run(tiny_run_inputs, tmp_path_factory):
+    """The uninterrupted run that killed and stopped runs must reproduce."""
     model_dir, data = tiny_run_inputs
-    full, killed = tmp_path / "full", tmp_path / "killed"
+    full = tmp_path_factory.mktemp("full") / "run"
     subprocess.run(_cmd(model_dir, data, full), check=True, capture_output=True)
+    return full
+
+
+def _assert_same_run(a, b):
+    la, lb = _losses(a), _losses(b)
+    assert sorted(la) == sorted(lb) == list(range(1, max(la) + 1))
+    assert la == lb  # bit-identical losses, step for step
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = (json.loads((r / "summary.json").read_text()) for r in (a, b))
+    assert sa["accuracy"] == sb["accuracy"]
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_run_inputs, full_run, tmp_path):
+    model_dir, data = tiny_run_inputs
+    full, killed = full_run, tmp_path / "killed"
     total = max(_losses(full))
     assert total == 2 * 216 // 8  # 216 training samples (10% held out), 27 steps an epoch
 
@@ -78,13 +95,55 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_run_inputs, t
 
     subprocess.run([sys.executable, "-m", "tightfit", "train", "--resume", str(killed), "--no-progress"],
                    check=True, capture_output=True)
-    a, b = _losses(full), _losses(killed)
-    assert sorted(a) == sorted(b) == list(range(1, total + 1))
-    assert a == b  # bit-identical losses, step for step
-    wa, wb = load_file(full / "model" / "model.safetensors"), load_file(killed / "model" / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    sa, sb = (json.loads((r / "summary.json").read_text()) for r in (full, killed))
-    assert sa["accuracy"] == sb["accuracy"]
+    _assert_same_run(full, killed)
+
+    # resuming a finished run changes nothing in its folder
+    before = {p: p.read_bytes() for p in killed.rglob("*") if p.is_file()}
+    done = subprocess.run([sys.executable, "-m", "tightfit", "train", "--resume", str(killed), "--no-progress"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "already finished" in done.stdout
+    assert {p: p.read_bytes() for p in killed.rglob("*") if p.is_file()} == before
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_says_how_to_resume(tiny_run_inputs, full_run, tmp_path):
+    model_dir, data = tiny_run_inputs
+    stopped = tmp_path / "stopped"
+    cmd = _cmd(model_dir, data, stopped)
+    cmd[cmd.index("--checkpoint-every") + 1] = "100"  # no periodic checkpoint: the stop must write one
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (stopped / "metrics.jsonl").exists() and max(_losses(stopped) or [0]) >= 4:
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.005)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    (line,) = err.strip().splitlines()  # one line, no traceback
+    assert "SIGINT: stopped after step" in line and f"tightfit train --resume {stopped}" in line
+    assert (stopped / "checkpoints").is_dir() and not (stopped / "model").exists()
+    subprocess.run([sys.executable, "-m", "tightfit", "train", "--resume", str(stopped), "--no-progress"],
+                   check=True, capture_output=True)
+    _assert_same_run(full_run, stopped)
+
+
+def test_training_steps_run_with_dropout_on(tiny_run_inputs, tmp_path, monkeypatch):
+    """The whole `tightfit train` path: from_pretrained gives an eval-mode model; training must not."""
+    from tightfit.api import TrainRequest, train
+
+    model_dir, data = tiny_run_inputs
+    seen = []
+    forward = torch.nn.Dropout.forward
+
+    def spy(self, x):
+        seen.append((torch.is_grad_enabled(), self.training))
+        return forward(self, x)
+
+    monkeypatch.setattr(torch.nn.Dropout, "forward", spy)
+    train(TrainRequest(model=str(model_dir), data=str(data), batch_size=8, epochs=1, max_steps=3, seq_len=32,
+                       device="cpu", out=str(tmp_path / "run"), progress=False))
+    assert any(g for g, _ in seen) and all(t for g, t in seen if g)  # every training forward: dropout on
+    assert not any(t for g, t in seen if not g)  # evaluation: dropout off
 
 
 def test_resume_errors(tmp_path, capsys):
