@@ -65,9 +65,10 @@ def test_real_oom_is_recovered_without_changing_the_run(capped):
     capped(budget)
 
     def losses(plan_micro_batch):
-        # No dropout: recoveries in different windows split them differently, and dropout masks
-        # depend on the split; without it only the order of floating-point sums differs.
-        w = _bert_base_workload(n=192, dropout=0.0)
+        # Dropout on: the redo restores the RNG states, so it draws the masks of a run that used
+        # the smaller micro-batch from the start; only the order of floating-point sums differs.
+        w = _bert_base_workload(n=192, dropout=0.1)
+        w.model.eval()  # as from_pretrained returns it: the trainer must switch dropout on
         log = []
         t = Trainer(w, Plan("fp32", plan_micro_batch, 64, device="cuda"),
                     TrainConfig(epochs=1, lr=1e-5, grow_back_after=0, log_every=1), log=log.append, progress=False)
@@ -180,3 +181,41 @@ def test_bench_run_measures_every_setting(tmp_path):
     assert tf["peak_reserved_bytes"] <= 1 * GiB + CAP_SLACK and tf["samples_per_s"] > 0
     assert main(["bench", "report", str(out)]) == 0
     assert (out / "results.png").stat().st_size > 0
+
+
+def test_probe_and_training_run_with_dropout_on(capped):
+    """A model in eval mode (as from_pretrained returns it) is probed and trained with dropout
+    active: dropout masks are saved for backward, so a probe without them under-measures."""
+    from tightfit.planner.probe import probe_step
+    capped(8 * GiB)
+    w = _bert_base_workload(n=64, effective_batch=16)
+    w.model.eval()
+    seen = []
+    for m in w.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(mod.training) if torch.is_grad_enabled() else None)
+    assert probe_step(w, 8, "bf16", 8 * GiB).fits
+    assert seen and all(seen)
+    seen.clear()
+    Trainer(w, Plan("bf16", 8, 16, device="cuda"), TrainConfig(epochs=1, lr=1e-5), progress=False).fit()
+    assert seen and all(seen) and not w.model.training
+
+
+def test_oom_while_fused_adamw_allocates_its_state_is_redone_on_cuda():
+    """CUDA's fused AdamW: an OOM while its state is allocated changes nothing, so the window
+    is redone (the CPU test injects the same failure; this one runs the CUDA kernels)."""
+    from test_trainer_correctness import _inject_in_optimizer_step
+    from conftest import tiny_bert
+    results = []
+    for micro_batch, inject in ((4, False), (8, True)):
+        w = Workload(tiny_bert(dropout=0.1).cuda(), SyntheticBatches(32), None, 8)
+        t = Trainer(w, Plan("fp32", micro_batch, 8, device="cuda"), TrainConfig(epochs=1, lr=1e-3, grow_back_after=0),
+                    progress=False)
+        if inject:
+            _inject_in_optimizer_step(t, "zeros_like", 7)
+        torch.manual_seed(11)
+        res = t.fit()
+        assert res.oom_recoveries == int(inject) and t.micro_batch == 4
+        results.append({n: p.detach().clone() for n, p in w.model.named_parameters()})
+    for n in results[0]:
+        torch.testing.assert_close(results[0][n], results[1][n], rtol=0, atol=0, msg=n)
