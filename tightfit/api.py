@@ -281,24 +281,31 @@ def train(req: TrainRequest) -> dict:
 
 
 def _checkpoint_state(path: Path) -> dict:
-    import torch
+    """The saved state of checkpoint ``path`` (verified by :func:`_resume_request`).
 
-    return torch.load(Path(path) / "state.pt", weights_only=True, map_location="cpu")
+    Raises:
+        TightfitError: it cannot be loaded (one line).
+    """
+    from .runtime.checkpoint import read_state
+
+    return read_state(path)
 
 
 def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path]:
-    """The request a run folder was started with, and its newest checkpoint.
+    """The request a run folder was started with, and its newest intact checkpoint: a newer
+    corrupt one is skipped with a note (checkpoints are verified against their checksums here,
+    before anything is written, about 1 to 2 s per GB). Temporary folders of a killed checkpoint
+    write are then removed.
 
     Raises:
-        TightfitError: not a tightfit run folder, or no complete checkpoint in it.
+        TightfitError: not a tightfit run folder, or no intact checkpoint in it.
     """
-    from .runtime.checkpoint import list_checkpoints
+    from .runtime.checkpoint import latest_intact_checkpoint, list_checkpoints, remove_stale_temporaries
 
     run = Path(req.resume)
     if not (run / "request.json").is_file():
         raise TightfitError(f"--resume {run}: not a tightfit run folder (no request.json)")
-    ckpts = list_checkpoints(run / "checkpoints")
-    if not ckpts:
+    if not list_checkpoints(run / "checkpoints"):
         raise TightfitError(f"--resume {run}: no checkpoint to resume from")
     given = [f"--{k.replace('_', '-')}" for k, v in vars(req).items()
              if k not in ("resume", "progress", "command") and v != getattr(TrainRequest(), k)]
@@ -311,7 +318,16 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path]:
                                   "command": req.command})
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
-    return resumed, ckpts[-1]
+    try:
+        point = latest_intact_checkpoint(run / "checkpoints")
+    except TightfitError as e:
+        raise type(e)(f"--resume {run}: {e}") from None
+    for note in point.notes:
+        print(f"note: {note}", flush=True)
+    for name, size in remove_stale_temporaries(run / "checkpoints"):
+        print(f"note: removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short",
+              flush=True)
+    return resumed, point.path
 
 
 def _check_out(out: Path, resuming: bool) -> None:
