@@ -298,9 +298,14 @@ def train(req: TrainRequest) -> dict:
 
 
 def _checkpoint_state(path: Path) -> dict:
-    import torch
+    """The saved state of checkpoint ``path`` (verified by :func:`_resume_request`).
 
-    return torch.load(Path(path) / "state.pt", weights_only=True, map_location="cpu")
+    Raises:
+        TightfitError: it cannot be loaded (one line).
+    """
+    from .runtime.checkpoint import read_state
+
+    return read_state(path)
 
 
 # Options a resumed run may change: they alter neither the plan nor the data order, so the
@@ -315,18 +320,20 @@ def _request_record(req: TrainRequest) -> dict:
 
 def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict]:
     """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
-    given now), its newest checkpoint, and ``{option: [old, new]}`` for what changed.
+    given now), its newest intact checkpoint, and ``{option: [old, new]}`` for what changed.
+    A newer corrupt checkpoint is skipped with a note (checkpoints are verified against their
+    checksums here, before anything is written, about 1 to 2 s per GB); temporary folders of a
+    killed checkpoint write are then removed.
 
     Raises:
-        TightfitError: not a tightfit run folder, or no complete checkpoint in it.
+        TightfitError: not a tightfit run folder, or no intact checkpoint in it.
     """
-    from .runtime.checkpoint import list_checkpoints
+    from .runtime.checkpoint import latest_intact_checkpoint, list_checkpoints, remove_stale_temporaries
 
     run = Path(req.resume)
     if not (run / "request.json").is_file():
         raise TightfitError(f"--resume {run}: not a tightfit run folder (no request.json)")
-    ckpts = list_checkpoints(run / "checkpoints")
-    if not ckpts:
+    if not list_checkpoints(run / "checkpoints"):
         raise TightfitError(f"--resume {run}: no checkpoint to resume from")
     default = TrainRequest()
     given = {k: v for k, v in vars(req).items()
@@ -345,7 +352,16 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict]:
         raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
     for k, (old, new) in changed.items():
         print(f"note: --resume with --{k.replace('_', '-')} {new} (the run had {old})", flush=True)
-    return resumed, ckpts[-1], changed
+    try:
+        point = latest_intact_checkpoint(run / "checkpoints")
+    except TightfitError as e:
+        raise type(e)(f"--resume {run}: {e}") from None
+    for note in point.notes:
+        print(f"note: {note}", flush=True)
+    for name, size in remove_stale_temporaries(run / "checkpoints"):
+        print(f"note: removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short",
+              flush=True)
+    return resumed, point.path, changed
 
 
 def _check_out(out: Path, resuming: bool) -> None:

@@ -1,8 +1,13 @@
 """Recognise out-of-memory errors, and release what a failed attempt held.
 
-Only out-of-memory errors are recognised: ``torch.OutOfMemoryError`` (the caching allocator's,
-also raised under ``set_per_process_memory_fraction``) and the RuntimeError texts that cuBLAS,
-cuDNN and the CUDA runtime give when an allocation inside a library fails.
+Only out-of-memory errors are recognised: ``torch.OutOfMemoryError`` by type (the caching
+allocator's, also under ``set_per_process_memory_fraction`` and the ``cudaMallocAsync`` backend),
+and RuntimeErrors whose text holds one of the exact fragments in :data:`OOM_MESSAGES`: the
+messages PyTorch 2.6 to 2.14 builds when an allocation fails in the CUDA driver (expandable
+segments), the CUDA runtime, cuBLAS/cuBLASLt, cuDNN, cuFFT, cuSOLVER, cuSPARSE or the CPU
+allocator. Anything else -- an illegal memory access, a library's internal error, Python's
+``MemoryError`` -- is not an out-of-memory error here and propagates unchanged. ``docs/oom.md``
+has the table of every message, where it comes from, and why it is or is not caught.
 """
 
 from __future__ import annotations
@@ -11,20 +16,48 @@ import gc
 
 import torch
 
+# Exact fragments of out-of-memory messages (case-sensitive), each with where PyTorch builds it.
+# docs/oom.md lists each one (a test keeps the two in step).
 OOM_MESSAGES = (
-    "CUDA out of memory",
-    "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_ALLOC_FAILED",
-    "cudaErrorMemoryAllocation",
+    # c10/cuda/CUDACachingAllocator.cpp: the caching allocator's text, for when a wrapper
+    # (the TorchScript interpreter, a re-raise) has lost the OutOfMemoryError type
+    "CUDA out of memory.",
+    # c10/cuda/driver_api.h C10_CUDA_DRIVER_CHECK (and ATen's AT_CUDA_DRIVER_CHECK) with
+    # CUDA_ERROR_OUT_OF_MEMORY: expandable segments' cuMemMap / cuMemSetAccess / cuMemAddressReserve
+    "CUDA driver error: out of memory",
+    # c10/cuda/CUDAException.cpp C10_CUDA_CHECK with cudaErrorMemoryAllocation (torch.AcceleratorError
+    # from 2.8): pinned host memory, streams, kernel launches; also ATen's TORCH_CUDASPARSE_CHECK,
+    # whose cusparseGetErrorString(CUSPARSE_STATUS_ALLOC_FAILED) is "out of memory"
     "CUDA error: out of memory",
+    "cudaErrorMemoryAllocation",  # the help line C10_CUDA_CHECK appends for that error
+    # aten/src/ATen/cuda/Exceptions.h TORCH_CUDABLAS_CHECK and the cuBLASLt calls in CUDABlas.cpp
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "OOM trying to allocate workspace for cublaslt",  # CUDABlas.cpp, cuBLASLt workspace
+    # AT_CUDNN_CHECK: cuDNN 8's status, and cuDNN 9's two allocation statuses
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+    "CUFFT_ALLOC_FAILED",  # aten/src/ATen/native/cuda/CuFFTUtils.h CUFFT_CHECK
+    "CUSOLVER_STATUS_ALLOC_FAILED",  # TORCH_CUSOLVER_CHECK
+    # c10/core/impl/alloc_cpu.cpp: posix_memalign failed (Linux, macOS) / got no memory (Windows)
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
 )
 
 
 def is_oom(exc: BaseException) -> bool:
-    """True if ``exc`` is an out-of-memory error (by type or by a library's known message)."""
+    """True if ``exc`` is an out-of-memory error: a ``torch.OutOfMemoryError``, or a RuntimeError
+    whose message holds one of the exact fragments in :data:`OOM_MESSAGES`.
+
+    Errors that merely mention memory (an illegal memory access, a library's internal error,
+    ``MemoryError`` from Python) are not out-of-memory errors here; see ``docs/oom.md``.
+    """
     if isinstance(exc, torch.OutOfMemoryError):
         return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MESSAGES)
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return any(fragment in text for fragment in OOM_MESSAGES)
 
 
 def release_memory() -> None:

@@ -1,0 +1,259 @@
+"""Checkpoint integrity: each checkpoint carries a manifest of sizes and SHA-256 checksums, verified
+before loading; a corrupt newest checkpoint falls back to the previous intact one with a note, no
+intact one stops with one line before anything is written, and temporary folders of a killed
+checkpoint write are removed."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from tightfit.errors import TightfitError
+from tightfit.runtime.checkpoint import (
+    CorruptCheckpointError, latest_intact_checkpoint, list_checkpoints, load_checkpoint, read_state,
+    remove_stale_temporaries, save_checkpoint, verify_checkpoint,
+)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+
+
+def _save(folder, steps, model=None):
+    model = model or _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    for step in steps:
+        save_checkpoint(folder, step, model, {"step": step, "optimizer": opt.state_dict()}, keep_last=5)
+    return model
+
+
+def _truncate(path, keep=0.5):
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep))
+
+
+def _flip_middle_byte(path):
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert path.stat().st_size == size
+
+
+def test_manifest_records_size_and_checksum_of_each_file(tmp_path):
+    _save(tmp_path, [2])
+    ckpt = tmp_path / "ckpt-2"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"model.safetensors", "state.pt"}
+    for name, entry in manifest["files"].items():
+        assert entry["bytes"] == (ckpt / name).stat().st_size and len(entry["sha256"]) == 64
+    assert verify_checkpoint(ckpt) is True
+
+
+@pytest.mark.parametrize("name, damage, fault", [
+    ("state.pt", _truncate, "state.pt: truncated"),
+    ("model.safetensors", _truncate, "model.safetensors: truncated"),
+    ("model.safetensors", _flip_middle_byte, "model.safetensors: checksum mismatch"),
+    ("state.pt", _flip_middle_byte, "state.pt: checksum mismatch"),
+])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, name, damage, fault):
+    _save(tmp_path, [2, 4])
+    damage(tmp_path / "ckpt-4" / name)
+    with pytest.raises(CorruptCheckpointError, match=f"checkpoint ckpt-4 is corrupt \\({fault}"):
+        verify_checkpoint(tmp_path / "ckpt-4")
+    with pytest.raises(CorruptCheckpointError, match=fault):
+        load_checkpoint(tmp_path / "ckpt-4", _model())
+    point = latest_intact_checkpoint(tmp_path)
+    assert point.path == tmp_path / "ckpt-2"
+    assert len(point.notes) == 1
+    assert point.notes[0].startswith(f"checkpoint ckpt-4 is corrupt ({fault}")
+    assert point.notes[0].endswith("; resuming from ckpt-2")
+
+
+def test_a_flipped_weight_byte_no_longer_loads_silently(tmp_path):
+    model = _save(tmp_path, [2])
+    _flip_middle_byte(tmp_path / "ckpt-2" / "model.safetensors")
+    other = _model(seed=1)
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        load_checkpoint(tmp_path / "ckpt-2", other)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # nothing was loaded
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+
+
+def test_no_intact_checkpoint_is_one_line_error(tmp_path):
+    _save(tmp_path, [2, 4])
+    _truncate(tmp_path / "ckpt-4" / "state.pt")
+    _flip_middle_byte(tmp_path / "ckpt-2" / "model.safetensors")
+    with pytest.raises(TightfitError) as info:
+        latest_intact_checkpoint(tmp_path)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "ckpt-4 is corrupt (state.pt: truncated" in msg and "ckpt-2 is corrupt (model.safetensors: checksum" in msg
+    with pytest.raises(TightfitError, match="no checkpoint"):
+        latest_intact_checkpoint(tmp_path / "empty")
+
+
+def test_missing_file_and_unreadable_manifest(tmp_path):
+    _save(tmp_path, [2, 4, 6])
+    (tmp_path / "ckpt-6" / "state.pt").unlink()
+    (tmp_path / "ckpt-4" / "manifest.json").write_text('{"format": "tightfit-checkpoint/1", "fi')
+    with pytest.raises(CorruptCheckpointError, match=r"state\.pt: missing"):
+        verify_checkpoint(tmp_path / "ckpt-6")
+    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json: unreadable"):
+        verify_checkpoint(tmp_path / "ckpt-4")
+    point = latest_intact_checkpoint(tmp_path)
+    assert point.path.name == "ckpt-2" and len(point.notes) == 2
+
+
+def test_checkpoint_without_manifest_is_accepted_with_a_note_and_checked_for_truncation(tmp_path):
+    """Checkpoints of tightfit before manifests: resumable, with a note; truncation is still found
+    (safetensors header vs. file length, zip CRCs of state.pt)."""
+    model = _save(tmp_path, [2, 4, 6])
+    for step in (2, 4, 6):
+        (tmp_path / f"ckpt-{step}" / "manifest.json").unlink()
+    assert verify_checkpoint(tmp_path / "ckpt-6") is False
+    point = latest_intact_checkpoint(tmp_path)
+    assert point.path.name == "ckpt-6" and "has no manifest.json" in point.notes[-1]
+    other = _model(seed=1)
+    assert load_checkpoint(tmp_path / "ckpt-6", other)["step"] == 6
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+
+    _truncate(tmp_path / "ckpt-6" / "model.safetensors")
+    _flip_middle_byte(tmp_path / "ckpt-4" / "state.pt")
+    with pytest.raises(CorruptCheckpointError, match="ckpt-6 is corrupt \\(model.safetensors: "):
+        verify_checkpoint(tmp_path / "ckpt-6")
+    with pytest.raises(CorruptCheckpointError, match="ckpt-4 is corrupt \\(state.pt: "):
+        verify_checkpoint(tmp_path / "ckpt-4")
+    assert latest_intact_checkpoint(tmp_path).path.name == "ckpt-2"
+
+
+def test_unloadable_state_is_one_line_error(tmp_path):
+    (tmp_path / "ckpt-2").mkdir()
+    (tmp_path / "ckpt-2" / "state.pt").write_bytes(b"\x00" * 100)
+    with pytest.raises(CorruptCheckpointError) as info:
+        read_state(tmp_path / "ckpt-2")
+    assert str(info.value).startswith("checkpoint ckpt-2 is corrupt (state.pt: cannot be loaded") \
+        and "\n" not in str(info.value)
+
+
+def test_weights_of_another_model_are_one_line_error(tmp_path):
+    _save(tmp_path, [2])
+    with pytest.raises(TightfitError, match="does not fit the model") as info:
+        load_checkpoint(tmp_path / "ckpt-2", torch.nn.Linear(3, 2))
+    assert "\n" not in str(info.value)
+
+
+def test_stale_temporary_folders_are_removed_when_the_next_checkpoint_is_written(tmp_path):
+    _save(tmp_path, [2])
+    tmp = tmp_path / ".ckpt-4.x1y2z3ab.tmp"  # what atomic_write_dir leaves when the process is killed
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(os.urandom(5000))
+    (tmp_path / ".ckpt-2.old").mkdir()
+    (tmp_path / ".other.tmp").mkdir()  # not a checkpoint's: left alone
+    _save(tmp_path, [4])
+    assert not tmp.exists() and not (tmp_path / ".ckpt-2.old").exists()
+    assert (tmp_path / ".other.tmp").is_dir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-2", "ckpt-4"]
+
+
+def test_remove_stale_temporaries_reports_what_it_removed(tmp_path):
+    tmp = tmp_path / ".ckpt-40.abcdefgh.tmp"
+    tmp.mkdir()
+    (tmp / "state.pt").write_bytes(b"x" * 1234)
+    assert remove_stale_temporaries(tmp_path) == [(".ckpt-40.abcdefgh.tmp", 1234)]
+    assert remove_stale_temporaries(tmp_path) == [] and remove_stale_temporaries(tmp_path / "none") == []
+
+
+def test_checkpoints_past_a_fallback_are_dropped_when_the_run_writes_again(tmp_path):
+    """After resuming from ckpt-2 because ckpt-4 was corrupt, the next checkpoint replaces the
+    abandoned stretch: keep_last then counts intact checkpoints of this stretch only."""
+    model = _save(tmp_path, [2, 4])
+    _flip_middle_byte(tmp_path / "ckpt-4" / "model.safetensors")
+    save_checkpoint(tmp_path, 3, model, {"step": 3}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-2", "ckpt-3"]
+
+
+# ---------------------------------------------------------------- the command line
+
+WORDS = "film plot actor scene great dull awful superb boring moving".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished CPU run of a tiny BERT with checkpoints at steps 2, 4 and 6."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    from tightfit.cli import main
+
+    root = tmp_path_factory.mktemp("run")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    model_dir = root / "model"
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=64,
+                                             max_position_embeddings=32)).save_pretrained(model_dir)
+    BertTokenizerFast(vocab_file=str(root / "vocab.txt")).save_pretrained(model_dir)
+    rng = random.Random(0)
+    rows = ["text,label"] + [f"{' '.join(w)},{'pos' if 'great' in w else 'neg'}"
+                             for w in (rng.choices(WORDS, k=rng.randint(3, 10)) for _ in range(80))]
+    (root / "data.csv").write_text("\n".join(rows) + "\n")
+    run = root / "out"
+    assert main(["train", "--model", str(model_dir), "--data", str(root / "data.csv"), "--batch-size", "4",
+                 "--max-steps", "6", "--seq-len", "16", "--log-every", "1", "--checkpoint-every", "2",
+                 "--keep-last", "3", "--out", str(run), "--no-progress", "--device", "cpu"]) == 0
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["ckpt-2", "ckpt-4", "ckpt-6"]
+    return run
+
+
+def _copy_run(run, dest):
+    import shutil
+
+    shutil.copytree(run, dest)
+    return dest
+
+
+def test_cli_resume_skips_a_corrupt_newest_checkpoint_with_a_note(tiny_run, tmp_path, capsys):
+    from tightfit.cli import main
+
+    run = _copy_run(tiny_run, tmp_path / "run")
+    _flip_middle_byte(run / "checkpoints" / "ckpt-6" / "model.safetensors")
+    (run / "checkpoints" / ".ckpt-8.k2j3h4g5.tmp").mkdir()
+    (run / "checkpoints" / ".ckpt-8.k2j3h4g5.tmp" / "model.safetensors").write_bytes(b"x" * 2048)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "note: checkpoint ckpt-6 is corrupt (model.safetensors: checksum mismatch); resuming from ckpt-4" in out
+    assert "note: removed .ckpt-8.k2j3h4g5.tmp" in out
+    assert not (run / "checkpoints" / ".ckpt-8.k2j3h4g5.tmp").exists()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["type"] != "plan" and any((r.get("resumed_from") or "").endswith("ckpt-4")
+                                                for r in records if r["type"] == "plan")
+    verify_checkpoint(run / "checkpoints" / "ckpt-6")  # rewritten by the resumed run: intact again
+
+
+def test_cli_resume_with_no_intact_checkpoint_stops_with_one_line_and_writes_nothing(tiny_run, tmp_path,
+                                                                                     capsys):
+    from tightfit.cli import main
+
+    run = _copy_run(tiny_run, tmp_path / "run")
+    _truncate(run / "checkpoints" / "ckpt-6" / "state.pt")
+    _truncate(run / "checkpoints" / "ckpt-4" / "model.safetensors")
+    _flip_middle_byte(run / "checkpoints" / "ckpt-2" / "model.safetensors")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("tightfit: error: --resume") and "no intact checkpoint" in err and "\n" not in err
+    assert "ckpt-6 is corrupt (state.pt: truncated" in err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # metrics.jsonl untouched
