@@ -236,3 +236,16 @@ def test_sigint_stops_at_a_step_boundary_with_a_checkpoint_that_resumes_exactly(
     resumed.resume(e.value.checkpoint)
     resumed.fit()
     _assert_same(_params(resumed.model), _params(full.model))
+
+
+def test_resume_with_a_new_learning_rate_rescales_the_schedule_from_the_checkpoint(tmp_path):
+    cfg = dict(epochs=1, lr=1e-3, seed=3, checkpoint_dir=str(tmp_path), checkpoint_every=2, keep_last=10)
+    t = Trainer(_workload(n=48), Plan("fp32", 4, 8), TrainConfig(**cfg), progress=False)
+    t.fit()
+    lrs = {}
+    for lr in (1e-3, 2.5e-4):
+        r = Trainer(_workload(n=48), Plan("fp32", 4, 8), TrainConfig(**{**cfg, "lr": lr}), progress=False)
+        r.resume(tmp_path / "ckpt-2")
+        lrs[lr] = r.optimizer.param_groups[0]["lr"]
+        assert r.scheduler.get_last_lr() == [lrs[lr]] and r.scheduler.base_lrs == [lr]
+    assert lrs[2.5e-4] == pytest.approx(lrs[1e-3] / 4) and lrs[1e-3] > 0
