@@ -24,7 +24,7 @@ def tiny_run_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(root / "vocab.txt"))
+    tok = BertTokenizerFast(vocab=str(root / "vocab.txt"))  # transformers 5 ignores vocab_file=
     model_dir = root / "model"
     torch.manual_seed(0)
     BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=3,

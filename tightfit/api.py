@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .data import held_out_split, load_default, load_text_classification, take
+from .data import check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
 from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text
@@ -126,7 +126,8 @@ def train(req: TrainRequest) -> dict:
         raise TightfitError(f"unknown --checkpointing {req.checkpointing!r}; use auto, on or off")
     if req.compile not in ("auto", "on", "off"):
         raise TightfitError(f"unknown --compile {req.compile!r}; use auto, on or off")
-    for name in ("batch_size", "seq_len", "log_every", "keep_last", "train_samples", "eval_samples"):
+    for name in ("batch_size", "seq_len", "log_every", "keep_last", "train_samples", "eval_samples",
+                 "max_skipped_steps"):
         if getattr(req, name) is not None and getattr(req, name) < 1:
             raise TightfitError(f"--{name.replace('_', '-')} must be >= 1")
     if req.checkpoint_every < 0:
@@ -146,8 +147,8 @@ def train(req: TrainRequest) -> dict:
     if req.precision != "auto":
         from .levers.precision import check_precision
 
-        check_precision(req.precision, profile if device == "cuda" else None)  # before any banner
-    from .models import load_classifier, model_state_bytes, resolve_model_path
+        notes += check_precision(req.precision, profile if device == "cuda" else None)  # raises before any banner
+    from .models import check_tokenizer, load_classifier, model_state_bytes, resolve_model_path
 
     model_path = resolve_model_path(req.model)
     if req.data:
@@ -168,12 +169,11 @@ def train(req: TrainRequest) -> dict:
     train_idx = take(train_idx, limit)
     eval_idx = take(eval_idx, req.eval_samples)
     train_data, eval_data = data.subset(train_idx), data.subset(eval_idx)
+    notes += check_split(data, train_data, eval_data)
 
     seed_everything(req.seed)  # before the new head is initialised
     model, tokenizer = load_classifier(model_path, data.label_names)
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if positions and req.seq_len > positions:
-        raise TightfitError(f"--seq-len {req.seq_len} exceeds the model's {positions} positions")
+    notes += check_tokenizer(model, tokenizer, model_path, data.texts, req.seq_len)  # and --seq-len
     state = model_state_bytes(model)
     if budget is not None and budget < state["total"]:
         raise TightfitError(

@@ -23,6 +23,15 @@ DEFAULT_DATA_NAME = "rotten-tomatoes"
 _DEFAULT_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
 HELD_OUT_FRACTION = 0.1
 SPLIT_SEED = 20240601  # fixed: the held-out split never changes with --seed
+# Longer texts are cut to this many characters when read: the tokenizer truncates at --seq-len
+# anyway, and 64 Ki characters are more than 8 characters for each of 8192 positions (the longest
+# encoders), so the cut never changes what a model sees while a stray multi-megabyte field cannot
+# fill memory. (Python's csv module refuses fields over 128 KiB by default.)
+MAX_TEXT_CHARS = 64 * 1024
+MIN_ROWS = 20              # usable rows a data file needs: 18 to train and 2 to evaluate
+MIN_ROWS_PER_CLASS = 2     # average rows per class below which the label column is refused
+FEW_TRAIN_PER_CLASS = 5    # a note below this many training samples per class on average
+FEW_EVAL = 30              # a note below this many held-out samples
 
 
 @dataclass(frozen=True)
@@ -109,11 +118,15 @@ def _read_rows(path: Path) -> list[dict]:
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise TightfitError(f"{path}: cannot read ({e})") from None
     delimiter = "\t" if ".tsv" in suffixes else ","
+    limit = csv.field_size_limit()
     try:
+        csv.field_size_limit(max(limit, 2**31 - 1))  # huge fields load; texts are cut to MAX_TEXT_CHARS
         reader = csv.DictReader(io.StringIO(text), delimiter=delimiter, strict=True)
         rows = list(reader)
     except csv.Error as e:
         raise TightfitError(f"{path}: malformed CSV ({e})") from None
+    finally:
+        csv.field_size_limit(limit)
     if reader.fieldnames is None:
         raise TightfitError(f"{path}: empty file")
     for n, row in enumerate(rows, 2):
@@ -124,11 +137,29 @@ def _read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def _delimiter_hint(path: Path, columns: set) -> str:
+    """A hint when a .csv's header is one column that holds a tab or a semicolon: the file is
+    separated by something else than commas (the columns are not guessed: texts hold every
+    delimiter, so sniffing can split them wrongly without a word)."""
+    if len(columns) != 1:
+        return ""
+    header = str(next(iter(columns)))
+    suffixes = [s.lower() for s in path.suffixes]
+    if "\t" in header and ".csv" in suffixes:
+        return " -- the file looks tab-separated; name it .tsv"
+    if ";" in header:
+        return " -- the file looks semicolon-separated; tightfit reads commas (.csv) or tabs (.tsv)"
+    if "," in header and ".tsv" in suffixes:
+        return " -- the file looks comma-separated; name it .csv"
+    return ""
+
+
 def load_text_classification(path: str | Path, text_column: str = "text", label_column: str = "label",
                              drop_labels: tuple[str, ...] = ()) -> TextClassificationData:
     """Read a CSV/TSV/JSONL file (optionally .gz/.bz2) of texts and labels.
 
     Labels may be strings or numbers; classes are sorted (numerically if all are integers).
+    Texts longer than :data:`MAX_TEXT_CHARS` characters are cut to that length.
 
     Raises:
         TightfitError: missing file, unreadable/malformed content, unknown column, empty text
@@ -143,7 +174,9 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     columns = set().union(*(r.keys() for r in rows[:100]))
     for col, flag in ((text_column, "--text-column"), (label_column, "--label-column")):
         if col not in columns:
-            raise TightfitError(f"{path}: no column {col!r} ({flag}); columns are: {', '.join(sorted(map(str, columns)))}")
+            raise TightfitError(f"{path}: no column {col!r} ({flag}); columns are: "
+                                f"{', '.join(sorted(str(c).replace(chr(9), '<TAB>') for c in columns))}"
+                                f"{_delimiter_hint(path, columns)}")
     texts, raw, blank = [], [], 0
     for n, r in enumerate(rows, 1):
         if text_column not in r or label_column not in r:
@@ -155,7 +188,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         if not label or not text.strip():  # a blank label is no class; a blank text no sample
             blank += 1
             continue
-        texts.append(text)
+        texts.append(text[:MAX_TEXT_CHARS])
         raw.append(label)
     if not texts:
         raise TightfitError(f"{path}: no row has both a text ({text_column!r}) and a label ({label_column!r})")
@@ -188,6 +221,47 @@ def held_out_split(n: int, fraction: float = HELD_OUT_FRACTION) -> tuple[list[in
     random.Random(SPLIT_SEED).shuffle(order)
     n_eval = max(1, int(round(n * fraction)))
     return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def check_split(data: TextClassificationData, train: TextClassificationData,
+                eval_data: TextClassificationData) -> list[str]:
+    """Refuse data too small or too finely labelled to learn from, and note thin splits.
+
+    Args:
+        data: everything that was read.
+        train: the training samples (after the held-out split and ``--train-samples``).
+        eval_data: the held-out samples (after ``--eval-samples``).
+
+    Returns:
+        Notes: fewer than :data:`FEW_EVAL` held-out samples (accuracy moves in coarse steps);
+        classes with no training sample; fewer than :data:`FEW_TRAIN_PER_CLASS` training samples
+        per class on average.
+
+    Raises:
+        TightfitError: fewer than :data:`MIN_ROWS` usable rows, or fewer than
+            :data:`MIN_ROWS_PER_CLASS` rows per class on average (a label column of ids or free
+            text rather than classes).
+    """
+    n, classes = len(data), len(data.label_names)
+    if n < MIN_ROWS:
+        n_train, n_eval = (len(x) for x in held_out_split(n))
+        raise TightfitError(f"{data.source}: {n} usable rows are too few: with {HELD_OUT_FRACTION:.0%} held out, "
+                            f"tightfit would train on {n_train} and evaluate on {n_eval}; give it at least {MIN_ROWS}")
+    if n < MIN_ROWS_PER_CLASS * classes:
+        raise TightfitError(f"{data.source}: {classes} classes among {n} rows ({n / classes:.1f} per class): too "
+                            f"few examples to learn a class from; is the label column the label? (need at least "
+                            f"{MIN_ROWS_PER_CLASS} rows per class on average)")
+    notes = []
+    if len(eval_data) < FEW_EVAL:
+        notes.append(f"accuracy on {len(eval_data)} held-out samples moves in steps of {1 / len(eval_data):.0%} "
+                     "(--eval-samples or more data for a finer measure)")
+    absent = classes - len(set(train.labels))
+    if absent:
+        notes.append(f"{absent} of {classes} classes have no training sample: the model cannot learn them")
+    if len(train) < FEW_TRAIN_PER_CLASS * classes:
+        notes.append(f"{len(train) / classes:.1f} training samples per class on average ({len(train)} samples, "
+                     f"{classes} classes): expect accuracy near chance")
+    return notes
 
 
 def take(indices: list[int], limit: int | None, seed: int = SPLIT_SEED) -> list[int]:

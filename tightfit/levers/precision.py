@@ -48,8 +48,15 @@ def fallback_precisions(profile: DeviceProfile | None, first: str) -> list[str]:
     return order
 
 
-def check_precision(precision: str, profile: DeviceProfile | None) -> None:
+SLOW_FP16_RATIO = 0.5  # warn when an explicit fp16 runs below this share of the fp32 rate
+
+
+def check_precision(precision: str, profile: DeviceProfile | None) -> list[str]:
     """Validate a user's explicit precision for this device.
+
+    Returns:
+        Warnings for a precision the card runs but slowly: fp16 without tensor cores at under
+        :data:`SLOW_FP16_RATIO` of the fp32 rate (Pascal's GP102: 1/64).
 
     Raises:
         TightfitError: bf16/fp16 asked for on the CPU, or bf16 below compute capability 8.0.
@@ -57,12 +64,43 @@ def check_precision(precision: str, profile: DeviceProfile | None) -> None:
     from ..errors import TightfitError
 
     if precision == "fp32":
-        return
+        return []
     if profile is None:
         raise TightfitError(f"--precision {precision} needs a CUDA GPU; on the CPU use fp32")
     if precision == "bf16" and not profile.bf16:
         cc = profile.compute_capability
         raise TightfitError(f"bf16 needs compute capability >= 8.0; {profile.name} is {cc[0]}.{cc[1]}: use fp16 or fp32")
+    ratio = profile.fp16_tflops / profile.fp32_tflops
+    if precision == "fp16" and not profile.fp16_tensor_cores and ratio < SLOW_FP16_RATIO:
+        rate = f"1/{1 / ratio:.0f}" if ratio < 1 else f"{ratio:.2g}x"
+        return [f"{profile.name} runs fp16 at {rate} of its fp32 rate ({profile.fp16_tflops:.3g} vs "
+                f"{profile.fp32_tflops:.3g} TFLOP/s): --precision fp16 saves activation memory but trains far "
+                "slower; --precision fp32 (or auto, which uses fp16 only when fp32 does not fit) is faster"]
+    return []
+
+
+def nonfinite_advice(precision: str, profile: DeviceProfile | None = None, lr: float | None = None) -> str:
+    """What to try after training stopped on non-finite gradients in ``precision``.
+
+    fp16 overflows first (largest value 65504): bf16 where the card runs it natively, else fp32;
+    bf16 has fp32's range but 8 bits of mantissa: fp32. In fp32 the precision is not the cause:
+    the learning rate or the data is (a label or text that makes the loss explode).
+
+    Args:
+        precision: the precision the run used (``fp32|fp16|bf16``).
+        profile: the GPU, or None (unknown: bf16 is then not suggested).
+        lr: the run's peak learning rate, to suggest a tenth of it.
+
+    Returns:
+        One sentence, starting with "Try".
+    """
+    lower = f"a lower --lr (e.g. --lr {lr / 10:.0e})" if lr else "a lower --lr"
+    if precision == "fp16" and profile is not None and profile.bf16:
+        return f"Try --precision bf16 (fp32's range, no loss scaling) or fp32, or {lower}"
+    if precision in ("fp16", "bf16"):
+        return f"Try --precision fp32, or {lower}"
+    return (f"Try {lower}: it blew up in fp32, so the precision is not the cause; also check the data for "
+            "broken texts or labels")
 
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
