@@ -223,7 +223,8 @@ def train(req: TrainRequest) -> dict:
                       keep_last=req.keep_last, warn_temp_c=req.warn_temp, cooldown_temp_c=req.cooldown_temp,
                       max_skipped_steps=req.max_skipped_steps)
     records: list[dict] = []  # what the trainer logs before the metrics file is open
-    trainer = Trainer(workload, plan, cfg, log=records.append, progress=req.progress)
+    trainer = Trainer(workload, plan, cfg, log=records.append, progress=req.progress,
+                      profile=profile if device == "cuda" else None)
     if resume_from is not None:
         trainer.resume(resume_from)
         if trainer.step >= trainer.total_steps and (out / "summary.json").is_file():

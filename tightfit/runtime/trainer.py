@@ -20,11 +20,12 @@ from typing import Callable
 
 import torch
 
+from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
 from ..memory.step import make_optimizer, module_mode
-from ..levers.precision import autocast, make_grad_scaler
+from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
 from .health import HealthMonitor
@@ -187,15 +188,6 @@ def _changed_since(optimizer: torch.optim.Optimizer, before: dict[int, int]) -> 
     return any(v != before.get(k, 0) for k, v in _in_place_versions(optimizer).items())
 
 
-def nonfinite_advice(precision: str) -> str:
-    """What to try after a run of non-finite steps under ``precision``."""
-    if precision == "fp16":
-        return "Try --precision bf16 (compute capability >= 8.0) or fp32, or a lower --lr"
-    if precision == "bf16":
-        return "Try --precision fp32 or a lower --lr"
-    return "Try a lower --lr, and check the data for extreme or invalid values"
-
-
 def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -209,11 +201,14 @@ class Trainer:
         config: optimiser and schedule settings.
         log: called with one dict per metrics record (``{"type": "train"|"eval"|"event", ...}``).
         progress: show a tqdm progress bar.
+        profile: the card whose rules apply (the advice after a non-finite stop names bf16 only
+            where it runs natively); None: unknown or the CPU.
     """
 
     def __init__(self, workload: Workload, plan: Plan, config: TrainConfig,
-                 log: Callable[[dict], None] = lambda record: None, progress: bool = True):
-        self.w, self.plan, self.cfg, self.log = workload, plan, config, log
+                 log: Callable[[dict], None] = lambda record: None, progress: bool = True,
+                 profile: DeviceProfile | None = None):
+        self.w, self.plan, self.cfg, self.log, self.profile = workload, plan, config, log, profile
         self.progress = progress
         self.device = torch.device(plan.device)
         self.model = workload.model.to(self.device)
@@ -315,7 +310,7 @@ class Trainer:
                 where = saved or self._checkpoint_at_stop(t0)  # skipped steps left the weights finite
                 raise NonFiniteTrainingError(
                     f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
-                    f"{culprit}. {nonfinite_advice(self.plan.precision)}", self.step, where)
+                    f"{culprit}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where)
             if self._stop_signal and self.step < self.total_steps:
                 where = saved or self._checkpoint_at_stop(t0)
                 self._event(f"{self._stop_signal}: stopped after step {self.step}"
