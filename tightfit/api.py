@@ -132,9 +132,6 @@ def train(req: TrainRequest) -> dict:
             raise TightfitError(f"--{name.replace('_', '-')} must be >= 1")
     if req.checkpoint_every < 0:
         raise TightfitError("--checkpoint-every must be >= 0 (0: only at the end)")
-    if req.max_skipped_steps < 1:
-        raise TightfitError("--max-skipped-steps must be >= 1 (the number of non-finite steps in a row that stops "
-                            "the run)")
     if not (math.isfinite(req.epochs) and math.isfinite(req.lr)) or req.epochs <= 0 or req.lr <= 0 \
             or (req.max_steps is not None and req.max_steps < 1):
         raise TightfitError("--epochs, --lr and --max-steps must be positive and finite")
@@ -182,9 +179,8 @@ def train(req: TrainRequest) -> dict:
 
     from .plan import Plan
     from .planner.probe import plan_first
-    from .report.metrics import MetricsWriter
+    from .report.metrics import MetricsWriter, keep_metrics_until
     from .report.summary import plan_lines, report_markdown, summary_rows
-    from .report.metrics import keep_metrics_until
     from .runtime.trainer import NonFiniteTrainingError, StoppedError, TrainConfig, Trainer
     from .workload import TextBatches, Workload
 
