@@ -202,7 +202,7 @@ def tiny_run(tmp_path_factory):
     BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
                                              num_attention_heads=2, intermediate_size=64,
                                              max_position_embeddings=32)).save_pretrained(model_dir)
-    BertTokenizerFast(vocab_file=str(root / "vocab.txt")).save_pretrained(model_dir)
+    BertTokenizerFast(vocab=str(root / "vocab.txt")).save_pretrained(model_dir)  # transformers 5 ignores vocab_file=
     rng = random.Random(0)
     rows = ["text,label"] + [f"{' '.join(w)},{'pos' if 'great' in w else 'neg'}"
                              for w in (rng.choices(WORDS, k=rng.randint(3, 10)) for _ in range(80))]
