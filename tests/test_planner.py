@@ -231,3 +231,27 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     result, _ = gpu.compiled_variant(w, eager, 10**9, n)
     assert result[1] == 8 and len(result[2]) == n
     assert len({mb for mb, _ in probed}) <= 7  # bisection over the 29 distinct counts, not a scan
+
+
+def test_one_micro_batch_of_the_whole_batch_is_traced_exactly():
+    """With accumulation the window's gradients are held between micro-batches; one micro-batch of
+    the whole effective batch holds none. The memory line (traced at micro-batches 4 and 16, both
+    accumulating) over-predicts that plan, so the search traces it exactly and finds it fits."""
+    E = 32
+    grads = sum(p.numel() * 4 for p in tiny_bert().parameters())
+
+    def fn(precision, micro_batch, blocks):
+        peak = 100 * MiB + micro_batch * MiB + (grads if micro_batch < E else 0)
+        return Est(peak, peak, {})
+    r = _search("gtx-1080-ti", int((132 * MiB + grads // 2) / 0.95), fn, E=E, precision="fp32", checkpointing="off")
+    assert (r.best.micro_batch, r.best.accumulation_steps) == (32, 1)
+
+
+def test_micro_batch_1_is_traced_exactly_before_nothing_fits():
+    """Below the traced micro-batches the line extrapolates; where it says even micro-batch 1
+    does not fit, the exact trace decides."""
+    def fn(precision, micro_batch, blocks):  # flatter below 4 samples than the line through 4 and 16
+        peak = 100 * MiB + (10 if micro_batch >= 4 else 5) * micro_batch * MiB
+        return Est(peak, peak, {})
+    r = _search("gtx-1080-ti", int(107 * MiB / 0.95), fn, E=8, precision="fp32", checkpointing="off")
+    assert (r.best.micro_batch, r.best.accumulation_steps) == (1, 8)

@@ -2,8 +2,8 @@
 
 Rates are dense peak TFLOP/s from the vendors' spec sheets (NVIDIA Pascal/Turing/Ampere/Ada/
 Hopper whitepapers and datasheets); tensor-core figures use fp32 accumulation, which is what
-``torch.autocast`` training runs. They are used as *ratios* between precisions on one card,
-not as absolute speeds. Users can add cards with a small JSON file (:func:`load_profiles`).
+``torch.autocast`` training runs. A card that cannot hold its peak within its power limit has a
+measured ``sustained_share``. docs/planner.md tabulates every figure with its source. Users can add cards with a small JSON file (:func:`load_profiles`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class DeviceProfile:
         memory_bytes_per_s: device memory bandwidth, bytes/s (0: unknown).
         sm_count: streaming multiprocessors (0: unknown); sizes the staging buffers of
             PyTorch's multi-block reductions (:func:`tightfit.memory.tracker.reduction_staging_bytes`).
+        sustained_share: share of the peak rates that a long run of matrix products sustains
+            within the card's power limit (1.0 unless measured lower; the 70 W T4 holds about
+            24 of its 65 fp16 TFLOPS, see docs/planner.md).
     """
 
     key: str
@@ -55,12 +58,16 @@ class DeviceProfile:
     host_link_bytes_per_s: float
     memory_bytes_per_s: float = 0.0
     sm_count: int = 0
+    sustained_share: float = 1.0
 
     def __post_init__(self):
         # Facts that contradict each other would let the planner choose what the card cannot run.
-        rates = (self.fp32_tflops, self.fp16_tflops, self.bf16_tflops, self.host_link_bytes_per_s)
+        rates = (self.fp32_tflops, self.fp16_tflops, self.bf16_tflops, self.host_link_bytes_per_s,
+                 self.sustained_share)
         if not all(math.isfinite(r) for r in rates):
             raise ValueError("rates must be finite numbers")
+        if not 0 < self.sustained_share <= 1:
+            raise ValueError(f"sustained_share must be in (0, 1], not {self.sustained_share}")
         if self.total_bytes <= 0 or self.fp32_tflops <= 0 or self.fp16_tflops <= 0 or self.bf16_tflops < 0:
             raise ValueError("total_bytes, fp32_tflops and fp16_tflops must be positive, bf16_tflops not negative")
         if self.bf16 and tuple(self.compute_capability) < (8, 0):
@@ -109,20 +116,26 @@ PCIE3_X16 = 12e9   # bytes/s, measured pinned H2D on PCIe 3.0 x16 (theoretical 1
 PCIE4_X16 = 24e9
 PCIE5_X16 = 50e9
 
+# Dense peak rates, TFLOP/s (no structured sparsity), and memory bandwidth; derivations and
+# sources per card in docs/planner.md ("Card table"). Tensor-core rates are those with fp32
+# accumulation, which autocast's matrix products use: half the fp16-accumulate rate on GeForce
+# Turing/Ampere/Ada cards, the full rate on data-centre cards.
 _BUILTIN = [
     # TU117 has no tensor cores: autocast's fp16 matrix products accumulate in fp32 and run at the
     # fp32 rate (its 2x fp16 rate needs fp16 accumulation), so fp16 pays only through memory.
-    DeviceProfile("gtx-1650-ti", "NVIDIA GeForce GTX 1650 Ti", 4 * GiB, (7, 5), False, False, 3.2, 3.2, 0.0, PCIE3_X16, 192000000000, sm_count=16),
-    DeviceProfile("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", 11 * GiB, (6, 1), False, False, 11.3, 11.3 / 64, 0.0, PCIE3_X16, 484000000000, sm_count=28),
-    DeviceProfile("rtx-2060", "NVIDIA GeForce RTX 2060", 6 * GiB, (7, 5), True, False, 6.5, 26.0, 0.0, PCIE3_X16, 336000000000, sm_count=30),
-    DeviceProfile("rtx-3060", "NVIDIA GeForce RTX 3060", 12 * GiB, (8, 6), True, True, 12.7, 25.4, 25.4, PCIE4_X16, 360000000000, sm_count=28),
-    DeviceProfile("rtx-3090", "NVIDIA GeForce RTX 3090", 24 * GiB, (8, 6), True, True, 35.6, 71.0, 71.0, PCIE4_X16, 936000000000, sm_count=82),
-    DeviceProfile("rtx-4090", "NVIDIA GeForce RTX 4090", 24 * GiB, (8, 9), True, True, 82.6, 165.2, 165.2, PCIE4_X16, 1008000000000, sm_count=128),
-    DeviceProfile("t4", "NVIDIA Tesla T4", 15 * GiB, (7, 5), True, False, 8.1, 65.0, 0.0, PCIE3_X16, 320000000000, sm_count=40),
-    DeviceProfile("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16, 1555000000000, sm_count=108),
-    DeviceProfile("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16, 2039000000000, sm_count=108),
-    DeviceProfile("h100", "NVIDIA H100 80GB", 80 * GiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16, 3350000000000, sm_count=132),
-    DeviceProfile("h200", "NVIDIA H200", 143771 * MiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16, 4800000000000, sm_count=132),
+    DeviceProfile("gtx-1650-ti", "NVIDIA GeForce GTX 1650 Ti", 4 * GiB, (7, 5), False, False, 3.0, 3.0, 0.0, PCIE3_X16, 192e9, sm_count=16),
+    DeviceProfile("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", 11 * GiB, (6, 1), False, False, 11.3, 11.3 / 64, 0.0, PCIE3_X16, 484e9, sm_count=28),
+    DeviceProfile("rtx-2060", "NVIDIA GeForce RTX 2060", 6 * GiB, (7, 5), True, False, 6.45, 25.8, 0.0, PCIE3_X16, 336e9, sm_count=30),
+    DeviceProfile("rtx-3060", "NVIDIA GeForce RTX 3060", 12 * GiB, (8, 6), True, True, 12.7, 25.5, 25.5, PCIE4_X16, 360e9, sm_count=28),
+    DeviceProfile("rtx-3090", "NVIDIA GeForce RTX 3090", 24 * GiB, (8, 6), True, True, 35.6, 71.0, 71.0, PCIE4_X16, 936e9, sm_count=82),
+    DeviceProfile("rtx-4090", "NVIDIA GeForce RTX 4090", 24 * GiB, (8, 9), True, True, 82.6, 165.2, 165.2, PCIE4_X16, 1008e9, sm_count=128),
+    # 70 W board: a long run of fp16 matrix products holds ~24 of the datasheet's 65 TFLOPS.
+    DeviceProfile("t4", "NVIDIA Tesla T4", 15 * GiB, (7, 5), True, False, 8.1, 65.0, 0.0, PCIE3_X16, 320e9, sm_count=40,
+                  sustained_share=24 / 65),
+    DeviceProfile("a100-40gb", "NVIDIA A100 40GB", 40 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16, 1555e9, sm_count=108),
+    DeviceProfile("a100-80gb", "NVIDIA A100 80GB", 80 * GiB, (8, 0), True, True, 19.5, 312.0, 312.0, PCIE4_X16, 2039e9, sm_count=108),
+    DeviceProfile("h100", "NVIDIA H100 80GB", 80 * GiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16, 3350e9, sm_count=132),
+    DeviceProfile("h200", "NVIDIA H200", 143771 * MiB, (9, 0), True, True, 67.0, 989.0, 989.0, PCIE5_X16, 4800e9, sm_count=132),
 ]
 
 

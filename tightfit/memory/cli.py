@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from ..errors import TightfitError
+from ..units import format_bytes
 
 
 def add_model_arguments(p) -> None:
@@ -19,6 +20,41 @@ def add_model_arguments(p) -> None:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--seq-len", type=int, help="tokens per sample (text models)")
     size.add_argument("--image-size", type=int, help="pixels per side (image models)")
+
+
+def gradient_note(gradients_at_peak: int, all_gradient_bytes: int, accumulation_steps: int = 1) -> str:
+    """Why the breakdown's gradients (bytes held at the peak) differ from the model's gradients
+    (``all_gradient_bytes``: every trainable parameter's, in its dtype); "" when they agree and
+    there is no accumulation to mention.
+
+    The breakdown is taken at the moment of the allocated peak. A training step frees its
+    gradients after the optimizer step (``zero_grad(set_to_none=True)``, :mod:`.step`), and the
+    peak usually comes in the next step's forward or early backward, while the activations are
+    still held and before backward has produced every gradient -- so few or none are counted
+    there. With gradient accumulation they are held across the window's micro-batches.
+    """
+    if gradients_at_peak < all_gradient_bytes:
+        return (f"at the peak; all gradients: {format_bytes(all_gradient_bytes)}. The peak comes before backward has "
+                f"produced them all, while the activations are still held; each optimizer step frees them "
+                f"(zero_grad(set_to_none=True))")
+    if accumulation_steps > 1:
+        return f"all of them: held across the {accumulation_steps} micro-batches of each accumulation window"
+    return ""
+
+
+def breakdown_lines(breakdown: dict, all_gradient_bytes: int, accumulation_steps: int = 1) -> list[str]:
+    """The per-component bytes at the peak as indented display lines, the gradients with
+    :func:`gradient_note`."""
+    lines = []
+    for k, v in breakdown.items():
+        note = gradient_note(v, all_gradient_bytes, accumulation_steps) if k == "gradients" else ""
+        lines.append(f"  {k:<20}{format_bytes(v)}" + (f"  ({note})" if note else ""))
+    return lines
+
+
+def trainable_gradient_bytes(model) -> int:
+    """Bytes of the gradients of every trainable parameter (same dtype as the parameter)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def add_parser(subparsers) -> None:
@@ -49,7 +85,6 @@ def run(args) -> int:
     """
     from ..devices import get_profile
     from ..plan import Plan
-    from ..units import format_bytes
     from .estimate import estimate
     from .zoo import build_model
 
@@ -82,10 +117,13 @@ def run(args) -> int:
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
     fits = result.peak_reserved_bytes <= profile.budget_bytes() if profile else None
+    grads = trainable_gradient_bytes(model)
+    note = gradient_note(result.breakdown.get("gradients", 0), grads)
     if args.json:
         d = result.to_dict()
         if profile:
             d.update(budget_bytes=profile.budget_bytes(), fits=fits)
+        d["notes"] = [f"gradients: {note}"] if note else []
         print(json.dumps(d, indent=2))
         return 0
     from ..levers.blocks import find_blocks
@@ -94,7 +132,9 @@ def run(args) -> int:
     ck = "none" if not blocks else f"all {n} blocks" if len(blocks) == n else "blocks " + ",".join(map(str, blocks))
     print(f"{args.model}, micro-batch {args.micro_batch}, {args.precision}, checkpointing {ck}, "
           f"{args.optimizer}, {result.allocator} allocator")
-    print(result.table())
+    print(f"peak reserved   {format_bytes(result.peak_reserved_bytes)}")
+    print(f"peak allocated  {format_bytes(result.peak_allocated_bytes)}")
+    print("\n".join(breakdown_lines(result.breakdown, grads)))
     if profile:
         print(f"{profile.name}: budget {format_bytes(profile.budget_bytes())} -> {'fits' if fits else 'does NOT fit'}")
     return 0

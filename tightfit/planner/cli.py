@@ -33,6 +33,8 @@ def run(args) -> int:
     from ..devices import get_profile
     from ..memory.zoo import build_model
     from ..units import format_bytes, parse_size
+    from ..memory.cli import breakdown_lines, gradient_note, trainable_gradient_bytes
+    from .advice import lever_lines
     from .search import estimator_for, search
 
     if not args.gpu and not args.budget:
@@ -59,20 +61,32 @@ def run(args) -> int:
     make_batch(1, size)  # validates the size against the model
     state = sum(p.numel() for p in model.parameters()) * 16
     if budget < state:
+        levers = lever_lines(model, state, budget, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
+                             profile.host_link_bytes_per_s)
         raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(state)} that fp32 weights, "
-                            f"gradients and AdamW state need")
+                            f"gradients and AdamW state need (16 B per parameter), by {format_bytes(state - budget)}; "
+                            f"no micro-batch, accumulation or checkpointing changes that. Levers that would need "
+                            f"support not yet available in tightfit (bytes saved):" + "".join("\n  " + x for x in levers))
+
+    def estimator_at(other_size, effective_batch):  # what fits instead, when nothing does
+        return estimator_for(model, make_batch, other_size, profile, effective_batch)
+
     try:
         result = search(model, make_batch, size, args.batch_size, profile, budget,
                         estimator_for(model, make_batch, size, profile, args.batch_size),
-                        precision=args.precision, checkpointing=args.checkpointing)
+                        precision=args.precision, checkpointing=args.checkpointing, estimator_at=estimator_at)
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
+    b = result.best
+    grads = trainable_gradient_bytes(model)
+    grad_note = gradient_note(b.breakdown.get("gradients", 0), grads, b.accumulation_steps)
     if args.json:
         for n in notes:
             print(n, file=sys.stderr)
-        print(json.dumps(result.to_dict(), indent=2))
+        d = result.to_dict()
+        d["breakdown_notes"] = [f"gradients: {grad_note}"] if grad_note else []
+        print(json.dumps(d, indent=2))
         return 0
-    b = result.best
     for n in notes:
         print(n)
     print(f"{args.model}, {'image size' if kind == 'image' else 'sequence length'} {size}, effective batch {args.batch_size}, "
@@ -87,8 +101,7 @@ def run(args) -> int:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"optimizer: fused AdamW (no temporaries at its step; foreach AdamW would need "
           f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)")
-    for k, v in b.breakdown.items():
-        print(f"  {k:<20}{format_bytes(v)}")
+    print("\n".join(breakdown_lines(b.breakdown, grads, b.accumulation_steps)))
     print("runners-up:" if result.runners_up else "runners-up: none (the search had no other choice)")
     for c in result.runners_up[:8]:
         print(f"  {c.label():<52} {c.why}")

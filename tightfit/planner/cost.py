@@ -46,10 +46,13 @@ class _OpCounter(TorchDispatchMode):
 
 
 def peak_flops(profile: DeviceProfile, precision: str) -> float:
-    """The card's dense peak FLOP/s for ``precision`` (bf16 falls back to the fp32 rate where the
-    card has no bf16 rate)."""
+    """The card's dense FLOP/s for ``precision`` that a long run of matrix products can hold: the
+    datasheet peak times :attr:`~tightfit.devices.DeviceProfile.sustained_share` (below 1 where
+    the power limit lowers the clocks, e.g. the T4); bf16 falls back to the fp32 rate where the
+    card has no bf16 rate. Sources per card: docs/planner.md, "Card table"."""
     p = profile
-    return 1e12 * {"fp32": p.fp32_tflops, "fp16": p.fp16_tflops, "bf16": p.bf16_tflops or p.fp32_tflops}[precision]
+    rate = {"fp32": p.fp32_tflops, "fp16": p.fp16_tflops, "bf16": p.bf16_tflops or p.fp32_tflops}[precision]
+    return 1e12 * rate * p.sustained_share
 
 
 @dataclass(frozen=True)

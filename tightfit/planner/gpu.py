@@ -22,7 +22,9 @@ from .cost import peak_flops
 from .search import estimator_for, search
 
 VERIFIED = 3  # candidates timed for real (each: one probe, probe_step)
+VERIFIED_STEPS = 2  # timed steps of each verification probe (the fastest is the step time)
 RETIMED_STEPS = 5  # timed steps of the final eager-vs-compiled comparison
+VERIFICATION = f"verification timing ({VERIFIED_STEPS} timed steps, the fastest)"
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,13 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                 precision: str = "auto", checkpointing: str = "auto", compile: str = "auto") -> Plan:
     """The fastest plan that really fits: the search's ranking, verified on the GPU.
 
-    Candidates are probed in the search's order (two real training steps each, under the
-    allocator cap); the first :data:`VERIFIED` that fit are timed and the fastest measured wins.
-    Then, unless ``compile`` is ``"off"`` (or ``torch.compile`` cannot run here), the winner's
-    precision and checkpointed blocks are compiled (:func:`compiled_variant`) and kept if faster.
+    Candidates are probed in the search's order (real training steps under the allocator cap,
+    :data:`VERIFIED_STEPS` of them timed); the first :data:`VERIFIED` that fit are timed and the
+    fastest in that verification timing wins among eager plans. Then, unless ``compile`` is
+    ``"off"`` (or ``torch.compile`` cannot run here), the winner's precision and checkpointed
+    blocks are compiled (:func:`compiled_variant`) and kept if faster when both are retimed side
+    by side (:data:`RETIMED_STEPS` timed steps each). Every samples/s figure in the plan's reasons
+    names its timing, and one line starting ``decided by:`` names the timing that decided.
     The model must be on the GPU and the caching allocator capped at the budget; it is left
     compiled when the plan says so.
 
@@ -118,7 +123,9 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     result = search(workload.model, make_batch, seq_len, workload.effective_batch, profile, budget_bytes,
                     estimator_for(workload.model, make_batch, seq_len, profile, workload.effective_batch,
                                   checkpointed_margin=0.0),  # the probes verify for real
-                    precision=precision, checkpointing=checkpointing)
+                    precision=precision, checkpointing=checkpointing,
+                    estimator_at=lambda size, effective_batch: None if size != seq_len else estimator_for(
+                        workload.model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0))
     ranked = [result.best] + [c for c in result.runners_up if c.samples_per_s > 0]
     E, n = workload.effective_batch, result.n_blocks
     measured, rejected, probes = [], [], {}
@@ -128,7 +135,7 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
         if key not in probes:
             blocks = cand.checkpoint_blocks
             set_activation_checkpointing(workload.model, bool(blocks), blocks)
-            probes[key] = probe_step(workload, micro_batch, cand.precision, budget_bytes)
+            probes[key] = probe_step(workload, micro_batch, cand.precision, budget_bytes, timed_steps=VERIFIED_STEPS)
         return probes[key]
 
     # Calibrate: the search's first choice at its micro-batch and at a quarter of it gives the
@@ -163,15 +170,15 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     set_activation_checkpointing(workload.model, False, ())
     if not measured:
         raise TightfitError(f"no planned candidate fits {format_bytes(budget_bytes)} for real: " + "; ".join(rejected))
-    speed, best, best_probe = max(measured, key=lambda m: m[0])
+    verified_speed, best, best_probe = max(measured, key=lambda m: m[0])
     blocks = best.checkpoint_blocks
-    compiled, compile_notes = None, []
+    compiled, compile_notes, retimed = None, [], None
     if compile != "off" and not why_not:
         try:
             compiled, compile_notes = compiled_variant(workload, best, budget_bytes, n)
             if compiled is not None and compile == "auto":
-                compiled, speed, compile_notes = _compiled_or_eager(workload, best, compiled, speed, budget_bytes,
-                                                                    compile_notes)
+                compiled, retimed, compile_notes = _compiled_or_eager(workload, best, compiled, budget_bytes,
+                                                                      compile_notes)
         except Exception as e:  # a compiler failure: the verified eager plan stands
             if compile == "on":
                 raise
@@ -184,19 +191,24 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
             compile_notes.append("--compile on: no compiled micro-batch fits, so the plan runs eager")
     elif compile == "auto":
         compile_notes = [f"torch.compile not tried: {why_not}"]
+    others = sorted(((s, c) for s, c, _ in measured if c is not best), key=lambda m: -m[0])
     reasons = [f"searched {len(ranked) + len([c for c in result.runners_up if c.samples_per_s == 0])} plans "
                f"(precision x checkpointed blocks x micro-batch) in {result.seconds:.1f} s; "
                f"verified {len(measured)} with real steps under the budget ({int(PROBE_HEADROOM * 100)}% headroom)",
-               f"fastest measured: {speed:.0f} samples/s " + (f"(predicted {best.samples_per_s:.0f}), " if best.samples_per_s
-                                                             else "(micro-batch halved from the prediction), ") +
-               f"peak {format_bytes(best_probe.peak_reserved_bytes)} reserved"]
+               f"{VERIFICATION}: {best.label()}: {verified_speed:.0f} samples/s"
+               + (f" (predicted {best.samples_per_s:.0f})" if best.samples_per_s
+                  else " (micro-batch halved from the prediction)")
+               + f", peak {format_bytes(best_probe.peak_reserved_bytes)} reserved: the fastest verified"]
     if line is not None:
         reasons.insert(1, f"calibrated with probes: {line.fixed_s * 1e3:.1f} ms per micro-batch + "
                           f"{line.per_sample_s * 1e3:.3f} ms per sample ({ranked[0].precision}), candidates re-ranked")
-    reasons += [f"{c.label()}: {s:.0f} samples/s measured" for s, c, _ in measured if c is not best]
+    reasons += [f"{VERIFICATION}: {c.label()}: {s:.0f} samples/s"
+                + (f" (predicted {c.samples_per_s:.0f})" if c.samples_per_s else "") for s, c in others]
     reasons += [f"rejected {r}" for r in rejected]
     reasons += compile_notes
+    reasons.append(_decision(best, verified_speed, others, compiled, retimed))
     micro_batch, use_compile = best.micro_batch, compiled is not None
+    speed = None
     if use_compile:
         speed, micro_batch, blocks, best_probe = compiled
     else:
@@ -207,18 +219,55 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                 reasons=tuple(reasons), probe_peak_reserved_bytes=best_probe.peak_reserved_bytes,
                 checkpoint_blocks=tuple(blocks) if 0 < len(blocks) < n else None,
                 predicted_peak_reserved_bytes=best.peak_reserved_bytes if not use_compile else None,
-                predicted_samples_per_s=speed if use_compile else best.samples_per_s or speed, compile=use_compile)
+                # compiled: the measured samples/s that decided (the estimator does not model
+                # compiled steps); eager: the search's prediction (None where it had none)
+                predicted_samples_per_s=speed if use_compile else best.samples_per_s or None, compile=use_compile)
 
 
-def _compiled_or_eager(workload: Workload, best, compiled, eager_speed: float, budget_bytes: int, notes: list):
+def _decision(best, verified_speed: float, others: list, compiled, retimed) -> str:
+    """The reason line that names the timing which decided the plan.
+
+    Args:
+        best: the eager candidate fastest in the verification timing, at ``verified_speed``
+            samples/s; ``others``: ``(samples/s, candidate)`` of the other verified ones.
+        compiled: the compiled variant kept (samples/s first), or None.
+        retimed: ``(compiled samples/s, eager samples/s)`` of the side-by-side retiming, or None
+            when there was none.
+    """
+    if others:
+        s, c = others[0]
+        eager = (f"the verification timing chose {best.label()} at {verified_speed:.0f} samples/s, "
+                 f"{verified_speed / s:.2f}x the next ({c.label()}, {s:.0f})")
+    else:
+        eager = f"the verification timing had only {best.label()} at {verified_speed:.0f} samples/s"
+    if retimed is None:
+        if compiled is None:
+            return f"decided by: {eager}"
+        return (f"decided by: --compile on (the compiled variant, {compiled[0]:.0f} samples/s in its first "
+                f"timing after compilation, runs whatever its speed); among eager candidates {eager}")
+    c_speed, e_speed = retimed
+    kept = "compiled" if compiled is not None else "eager"
+    line = (f"decided by: {eager}; then the side-by-side retiming ({RETIMED_STEPS} timed steps each, the "
+            f"fastest) of it against its compiled variant kept {kept}: compiled {c_speed:.0f} vs eager "
+            f"{e_speed:.0f} samples/s")
+    above = [s for s, _ in others if s > e_speed] + ([verified_speed] if verified_speed > e_speed else [])
+    if above:
+        line += (f". The retimed eager figure ({e_speed:.0f}) is below verification figures "
+                 f"({', '.join(f'{s:.0f}' for s in sorted(above, reverse=True))}): the same step timed at another "
+                 f"moment (after compilation, with other CPU load and GPU clocks); figures are compared only "
+                 f"within one timing")
+    return line
+
+
+def _compiled_or_eager(workload: Workload, best, compiled, budget_bytes: int, notes: list):
     """Time the eager winner and the compiled variant again, side by side with more steps each
     (the compiled variant's first probes ran right after compilation), and keep the faster.
-    A retime that no longer fits the headroom counts as 0 samples/s (eager then keeps its
-    earlier measurement, ``eager_speed``).
+    A retime that no longer fits the headroom counts as 0 samples/s.
 
     Returns:
-        ``(compiled or None, eager samples/s, notes)``; the model is left compiled only if the
-        compiled variant won.
+        ``(compiled or None, (compiled samples/s, eager samples/s), notes)``; the compiled
+        entry carries its retimed samples/s; the model is left compiled only if the compiled
+        variant won.
     """
     E, model = workload.effective_batch, workload.model
 
@@ -230,12 +279,12 @@ def _compiled_or_eager(workload: Workload, best, compiled, eager_speed: float, b
     c_speed = retime(compiled[1], compiled[2])
     uncompile_model(model)
     e_speed = retime(best.micro_batch, best.checkpoint_blocks)
+    note = (f"retimed side by side ({RETIMED_STEPS} timed steps each, the fastest): compiled {c_speed:.0f} vs "
+            f"eager {e_speed:.0f} samples/s" + (" (no longer within the headroom)" if not (c_speed and e_speed) else ""))
     if c_speed <= e_speed or c_speed == 0:
-        return None, e_speed or eager_speed, notes + [
-            f"retimed: compiled {c_speed:.0f} vs eager {e_speed:.0f} samples/s: eager kept"]
+        return None, (c_speed, e_speed), notes + [note + ": eager kept"]
     compile_model(model)
-    return (c_speed,) + tuple(compiled[1:]), e_speed, notes + [
-        f"retimed: compiled {c_speed:.0f} vs eager {e_speed:.0f} samples/s: compiled kept"]
+    return (c_speed,) + tuple(compiled[1:]), (c_speed, e_speed), notes + [note + ": compiled kept"]
 
 
 def compiled_variant(workload: Workload, best, budget_bytes: int, n_blocks: int):
@@ -267,7 +316,7 @@ def compiled_variant(workload: Workload, best, budget_bytes: int, n_blocks: int)
         key = (mb, blocks)
         if key not in probes:
             set_activation_checkpointing(model, bool(blocks), blocks)
-            pr = probes[key] = probe_step(workload, mb, best.precision, budget_bytes)
+            pr = probes[key] = probe_step(workload, mb, best.precision, budget_bytes, timed_steps=VERIFIED_STEPS)
             tried.append(f"{mb} x {math.ceil(E / mb)}, {len(blocks)} blocks: {_peak(pr)}")
         return probes[key]
 
@@ -304,5 +353,6 @@ def compiled_variant(workload: Workload, best, budget_bytes: int, n_blocks: int)
         uncompile_model(model)
         return None, [f"torch.compile ({scope}, {seconds:.0f} s incl. compilation): nothing fits "
                       f"(probed {'; '.join(tried)})"]
-    return result, [f"torch.compile ({scope}): {result[0]:.0f} samples/s at micro-batch {result[1]} with "
+    return result, [f"torch.compile ({scope}): {result[0]:.0f} samples/s in its first timing after compilation "
+                    f"({VERIFIED_STEPS} timed steps, the fastest) at micro-batch {result[1]} with "
                     f"{len(result[2])} checkpointed blocks ({seconds:.0f} s incl. compilation; probed {'; '.join(tried)})"]

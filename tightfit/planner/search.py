@@ -21,6 +21,7 @@ from ..errors import TightfitError
 from ..levers.precision import check_precision, preferred_precision
 from ..plan import Plan
 from ..units import format_bytes
+from .advice import nothing_fits_lines
 from .cost import TimeModel, forward_cost
 
 # Budget share left free for fragmentation growth over the first steps and for batches that
@@ -33,26 +34,43 @@ class Candidate:
     """One evaluated plan.
 
     Attributes:
-        precision, micro_batch, checkpoint_blocks: the choices (blocks by index).
-        accumulation_steps: ``ceil(effective_batch / micro_batch)``.
-        peak_reserved_bytes, peak_allocated_bytes: predicted peaks (None if nothing fits).
+        precision, micro_batch, checkpoint_blocks: the choices (blocks by index); micro-batch
+            and blocks are None for a precision that was not searched.
+        accumulation_steps: ``ceil(effective_batch / micro_batch)`` (None: not searched).
+        peak_reserved_bytes, peak_allocated_bytes: predicted peaks, bytes (None if not known).
         breakdown: bytes per component at the peak.
-        samples_per_s: predicted throughput (0 if nothing fits).
+        samples_per_s: predicted throughput (0 if it does not fit or was not searched).
         why: why it lost (runners-up) or why it won.
     """
 
     precision: str
-    micro_batch: int
-    checkpoint_blocks: tuple[int, ...]
-    accumulation_steps: int
+    micro_batch: int | None
+    checkpoint_blocks: tuple[int, ...] | None
+    accumulation_steps: int | None
     peak_reserved_bytes: int | None
     peak_allocated_bytes: int | None
     breakdown: dict = field(default_factory=dict)
     samples_per_s: float = 0.0
     why: str = ""
 
+    @property
+    def status(self) -> str:
+        """``"fits"``, ``"does not fit"`` or ``"not searched"``."""
+        if self.micro_batch is None:
+            return "not searched"
+        return "fits" if self.samples_per_s > 0 else "does not fit"
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the fields plus ``status``; no figure that was not computed (None instead
+        of 0 for an unsearched micro-batch or for the samples/s of a plan that does not fit)."""
+        d = asdict(self)
+        d["checkpoint_blocks"] = None if self.checkpoint_blocks is None else list(self.checkpoint_blocks)
+        d["samples_per_s"] = self.samples_per_s or None
+        d["status"] = self.status
+        return d
+
     def label(self) -> str:
-        if self.micro_batch == 0:  # a precision that was not searched
+        if self.micro_batch is None:  # a precision that was not searched
             return self.precision
         ck = len(self.checkpoint_blocks)
         return f"{self.precision}, checkpointing {ck} block{'s' if ck != 1 else ''}, micro-batch {self.micro_batch}"
@@ -81,13 +99,14 @@ class SearchResult:
     def to_dict(self) -> dict:
         """JSON: ``plan``, ``budget_bytes``, ``predicted_peak_bytes`` (reserved),
         ``predicted_peak_allocated_bytes``, ``breakdown``, ``predicted_samples_per_s``,
-        ``checkpoint_blocks``, ``runners_up``, ``planning_seconds``."""
+        ``checkpoint_blocks``, ``runners_up`` (:meth:`Candidate.to_dict`: each with a ``status``
+        and a ``why``), ``planning_seconds``."""
         b = self.best
         return {"plan": self.to_plan().to_dict(), "checkpoint_blocks": list(b.checkpoint_blocks),
                 "budget_bytes": self.budget_bytes, "predicted_peak_bytes": b.peak_reserved_bytes,
                 "predicted_peak_allocated_bytes": b.peak_allocated_bytes, "breakdown": b.breakdown,
                 "predicted_samples_per_s": b.samples_per_s,
-                "runners_up": [{**asdict(c), "checkpoint_blocks": list(c.checkpoint_blocks)} for c in self.runners_up],
+                "runners_up": [c.to_dict() for c in self.runners_up],
                 "planning_seconds": self.seconds}
 
 
@@ -137,7 +156,7 @@ class _MemoryLine:
 
 def search(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
            estimate_fn, precision: str = "auto", headroom: float = HEADROOM,
-           checkpointing: str = "auto") -> SearchResult:
+           checkpointing: str = "auto", estimator_at=None) -> SearchResult:
     """Find the fastest plan that fits.
 
     Args:
@@ -149,9 +168,13 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
         budget_bytes: memory the step may use (reserved).
         estimate_fn: ``(precision, micro_batch, checkpoint_blocks) -> MemoryEstimate``.
         checkpointing: ``"auto"`` (search), ``"off"`` (none) or ``"on"`` (all blocks).
+        estimator_at: ``(size, effective_batch) -> estimate_fn``, used only when nothing fits, to
+            find what does (:func:`.advice.nothing_fits_lines`); None: only the levers are given.
 
     Raises:
-        TightfitError: nothing fits, even at micro-batch 1 with every block checkpointed.
+        TightfitError: nothing fits, even at micro-batch 1 with every block checkpointed; the
+            message says by how many bytes, what the model state costs, what fits instead and
+            which levers would make it fit.
     """
     from ..levers.blocks import find_blocks
 
@@ -166,6 +189,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
         return traced[key]
 
     n_blocks = len(find_blocks(model))
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks))
     limit = budget_bytes * (1 - headroom)
     # Blocks checkpointed: any number from 0 to n ("auto"); per number of micro-batches only the
@@ -179,7 +203,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
                 and any(c.samples_per_s > 0 for c in evaluated)):
             # a much slower precision (fp16 on Pascal: 1/64) is only for memory: skip it when
             # something already fits (DESIGN invariant 7)
-            evaluated.append(Candidate(prec, 0, (), 0, None, None,
+            evaluated.append(Candidate(prec, None, None, None, None, None,
                                        why=f"not searched: {tm.rate(prec) / tm.rate(precisions[0]):.3g}x the "
                                            f"{precisions[0]} rate on this card, and {precisions[0]} fits"))
             continue
@@ -190,18 +214,30 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
         for k in range(ks[0], ks[-1] + 1):
             curve = curves[prec](k)
             m = curve.largest_fitting(limit, effective_batch)
+            peak_at = {}  # exact peaks where the line is not to be trusted
+            if k in (ks[0], ks[-1]):
+                # The line comes from traces at micro-batches 4 and 16; at the ends of the range
+                # the step differs in kind: one micro-batch holds no gradients across micro-
+                # batches (estimator_for adds them only when accumulating), and below 4 the
+                # line extrapolates. Trace those ends exactly when the answer could change.
+                if m < effective_batch and curve.reserved(effective_batch) - grad_bytes <= limit:
+                    peak_at[effective_batch] = estimate_fn(prec, effective_batch, tuple(range(k))).peak_reserved_bytes
+                    m = effective_batch if peak_at[effective_batch] <= limit else m
+                if m == 0:
+                    peak_at[1] = estimate_fn(prec, 1, tuple(range(k))).peak_reserved_bytes
+                    m = 1 if peak_at[1] <= limit else 0
             if m == 0:
                 if k in (ks[0], ks[-1]):  # why fewer blocks lose, or nothing fits
-                    evaluated.append(Candidate(prec, 1, tuple(range(k)), effective_batch, int(curve.reserved(1)),
-                                               None, why=f"does not fit: {format_bytes(curve.reserved(1))} "
+                    evaluated.append(Candidate(prec, 1, tuple(range(k)), effective_batch, peak_at[1],
+                                               None, why=f"does not fit: {format_bytes(peak_at[1])} "
                                                          f"at micro-batch 1"))
                 continue
             steps = math.ceil(effective_batch / m)
             if steps in frontier:  # more recomputation for the same number of micro-batches
                 continue
             mb = math.ceil(effective_batch / steps)  # balanced windows
-            frontier[steps] = Candidate(prec, mb, tuple(range(k)), steps, int(curve.reserved(mb)), None,
-                                        samples_per_s=tm.samples_per_s(prec, mb, effective_batch, k))
+            frontier[steps] = Candidate(prec, mb, tuple(range(k)), steps, int(peak_at.get(mb, curve.reserved(mb))),
+                                        None, samples_per_s=tm.samples_per_s(prec, mb, effective_batch, k))
         evaluated.extend(frontier.values())
     order = candidate_precisions(profile, precision)  # ties go to the card's preferred precision
     fitting = sorted((c for c in evaluated if c.samples_per_s > 0),
@@ -224,16 +260,31 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
         evaluated = [c for c in evaluated if c is not cand] + [Candidate(**{
             **asdict(cand), "micro_batch": 1, "peak_reserved_bytes": got, "samples_per_s": 0.0,
             "why": f"does not fit when traced exactly: {format_bytes(got)} at micro-batch 1"})]
-    skipped = [c.precision for c in evaluated if c.micro_batch == 0]
+    skipped = [c.precision for c in evaluated if c.micro_batch is None]
     if not verified and skipped:  # the slow precision is needed for memory after all
         return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
-                      precision=skipped[0], headroom=headroom, checkpointing=checkpointing)
+                      precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
+                      estimator_at=estimator_at)
     if not verified:
         smallest = min((c for c in evaluated if c.peak_reserved_bytes), key=lambda c: c.peak_reserved_bytes)
+        # the least memory searched, exactly: micro-batch 1 with every block or none checkpointed
+        # (a checkpointed step carries estimator_for's margin, so either may be smaller)
+        options = [tuple(range(k)) for k in dict.fromkeys((ks[-1], ks[0]))]
+        est, least = min(((estimate_fn(smallest.precision, 1, o), o) for o in options),
+                         key=lambda e: e[0].peak_reserved_bytes)
+        options.sort(key=lambda o: o != least)
+        size_flag = "--image-size" if getattr(make_batch, "kind", "text") == "image" else "--seq-len"
+        lines = nothing_fits_lines(model, est, limit, smallest.precision, options, size,
+                                   effective_batch, size_flag, profile.host_link_bytes_per_s, estimator_at)
+        if ks[-1] < n_blocks:  # checkpointing was turned off
+            every = estimate_fn(smallest.precision, 1, tuple(range(n_blocks))).peak_reserved_bytes
+            lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch 1 with all "
+                            f"{n_blocks} blocks checkpointed, {format_bytes(every)} (--checkpointing auto)")
         raise TightfitError(
             f"nothing fits {format_bytes(budget_bytes)} (planned against {format_bytes(limit)}, keeping "
-            f"{int(headroom * 100)}% headroom): the smallest plan tried ({smallest.label()}) needs "
-            f"{format_bytes(smallest.peak_reserved_bytes)}")
+            f"{int(headroom * 100)}% headroom): the smallest step tried ({smallest.precision}, micro-batch 1, "
+            f"{len(least)} of {n_blocks} blocks checkpointed) needs {format_bytes(est.peak_reserved_bytes)}, "
+            f"{format_bytes(est.peak_reserved_bytes - limit)} over" + "".join("\n  " + x for x in lines))
     rank = {id(c): i for i, c in enumerate(verified)}  # ties: the earlier (preferred) one
     best = max(verified, key=lambda c: (round(c.samples_per_s, 6), -rank[id(c)]))
     why = (f"fastest predicted: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_reserved_bytes)} "
@@ -249,8 +300,8 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             exact = (c.precision, c.checkpoint_blocks) in done
             ratio = c.samples_per_s / best.samples_per_s
             c = Candidate(**{**asdict(c), "why": (
-                f"{'slower' if ratio < 0.995 else 'as fast, ranked after it'}: {c.samples_per_s:.0f} samples/s "
-                f"({ratio:.2f}x)" + ("" if exact else ", predicted (not traced exactly)"))})
+                f"{'slower' if ratio < 0.995 else 'as fast, ranked after it'}: predicted {c.samples_per_s:.0f} "
+                f"samples/s ({ratio:.2f}x)" + ("" if exact else ", memory from the line, not traced exactly"))})
         runners.append(c)
     return SearchResult(best, runners, budget_bytes, effective_batch, n_blocks, time.perf_counter() - t0)
 

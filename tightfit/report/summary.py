@@ -7,7 +7,8 @@ from ..units import format_bytes
 
 
 def plan_lines(plan: Plan) -> list[str]:
-    """The plan as short display lines."""
+    """The plan as short display lines. A speed says whether it is the search's prediction or,
+    for a compiled plan, a measurement (its timing is named by the ``decided by:`` reason)."""
     lines = [
         f"device           {plan.device}" + (f", budget {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""),
         f"precision        {plan.precision}" + (" (autocast + dynamic loss scaling)" if plan.precision == "fp16"
@@ -19,9 +20,13 @@ def plan_lines(plan: Plan) -> list[str]:
         "checkpointing    " + (("blocks " + ", ".join(map(str, plan.checkpoint_blocks)) if plan.checkpoint_blocks
                                     else "on (every block)") if plan.activation_checkpointing else "off"),
     ]
-    if plan.predicted_samples_per_s:
-        lines.append(f"predicted        {plan.predicted_samples_per_s:.0f} samples/s, "
-                     f"peak {format_bytes(plan.predicted_peak_reserved_bytes)} reserved")
+    if plan.predicted_samples_per_s and plan.compile:  # no prediction for compiled steps: a timing decided
+        lines.append(f"measured         {plan.predicted_samples_per_s:.0f} samples/s, compiled (the timing is "
+                     f"named in 'decided by' below)")
+    elif plan.predicted_samples_per_s:
+        lines.append(f"predicted        {plan.predicted_samples_per_s:.0f} samples/s"
+                     + (f", peak {format_bytes(plan.predicted_peak_reserved_bytes)} reserved"
+                        if plan.predicted_peak_reserved_bytes is not None else ""))
     if plan.probe_peak_reserved_bytes is not None:
         lines.append(f"probe peak       {format_bytes(plan.probe_peak_reserved_bytes)} reserved")
     lines += [f"why: {r}" for r in plan.reasons]

@@ -1,0 +1,216 @@
+"""When no plan fits the budget: what does fit, and which levers would make the request fit.
+
+What fits is found by re-estimating (:mod:`tightfit.memory`, no GPU): the largest effective
+batch that fits with no gradient accumulation (its gradients are then not held across
+micro-batches), and the largest sequence length or image size that fits the effective batch
+asked for. Both use the smallest step there is -- micro-batch 1, or the whole effective batch in
+one micro-batch when not accumulating -- with the checkpointing the search may choose (every block
+first, then none, whichever fits: a checkpointed step carries the search's margin for the
+estimator's error on checkpointed steps).
+
+The levers below are not available in tightfit yet; each is given with the bytes it would save at
+the peak of the smallest step tried. The savings follow from the bytes per parameter of fp32
+weights, fp32 gradients and AdamW's two fp32 moments (4 + 4 + 8 = 16 B per trainable parameter;
+autocast keeps the weights, and so the gradients, in fp32):
+
+- 8-bit AdamW state (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"): the
+  two moments take 1 B each instead of 4 B, 6 B per trainable parameter less.
+- AdamW state in CPU memory (Ren et al. 2021, "ZeRO-Offload"): its 8 B per trainable parameter
+  leave the GPU; every optimizer step then sends the fp32 gradients to the host and the updated
+  fp32 weights back, 8 B per trainable parameter over the host link.
+- bf16 weights and gradients with no fp32 master copy: 2 B each instead of 4 B (updates smaller
+  than bf16's resolution are lost unless rounded stochastically or Kahan-summed).
+- Freezing the input embeddings: no gradient and no AdamW state for them (8 B per parameter,
+  12 B where the gradients are held at the peak).
+"""
+
+from __future__ import annotations
+
+from ..units import format_bytes
+
+# Bytes per trainable parameter of fp32 training with AdamW: weight, gradient, two moments.
+WEIGHT_B, GRADIENT_B, ADAMW_STATE_B = 4, 4, 8
+ADAMW_8BIT_STATE_B = 2  # two 1-byte moments (block-wise quantized; the per-block scales are not counted)
+
+_TRACE_ERRORS = (ValueError, RuntimeError)
+
+
+def _peak(estimate_fn, precision: str, micro_batch: int, block_options, limit: float) -> int | None:
+    """Peak reserved bytes of one step's exact estimate with the first of ``block_options`` (sets
+    of checkpointed blocks) that fits ``limit``, else the least of them; None where it cannot be
+    traced (e.g. a size the model refuses)."""
+    from ..errors import TightfitError
+
+    if estimate_fn is None:
+        return None
+    peaks = []
+    for blocks in block_options:
+        try:
+            peaks.append(estimate_fn(precision, micro_batch, tuple(blocks)).peak_reserved_bytes)
+        except (TightfitError,) + _TRACE_ERRORS:
+            continue
+        if peaks[-1] <= limit:
+            break
+    return min(peaks, default=None)
+
+
+def _largest(candidates: list[int], peak, limit: float) -> tuple[int | None, int | None]:
+    """The largest of the sorted ``candidates`` whose ``peak(c)`` (bytes, growing with ``c``) is
+    at most ``limit``, by bisection after checking the smallest; and the smallest's peak (None
+    where it could not be estimated). ``(None, peak)`` if none fits."""
+    first = peak(candidates[0]) if candidates else None
+    if first is None or first > limit:
+        return None, first
+    lo, hi = 1, len(candidates) - 1
+    best = candidates[0]
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        p = peak(candidates[mid])
+        if p is not None and p <= limit:
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best, first
+
+
+def largest_effective_batch_without_accumulation(estimator_at, size: int, effective_batch: int, precision: str,
+                                                 block_options, limit: float) -> tuple[int | None, int | None]:
+    """The largest effective batch below ``effective_batch`` that fits ``limit`` (bytes) in one
+    micro-batch with one of ``block_options`` checkpointed (None if even 1 does not fit), and the
+    peak reserved bytes of effective batch 1 (None if it could not be estimated).
+
+    Args:
+        estimator_at: ``(size, effective_batch) -> estimate_fn`` (see
+            :func:`tightfit.planner.search.estimator_for`); may return None for a size it cannot
+            estimate.
+    """
+    return _largest(list(range(1, effective_batch)),
+                    lambda m: _peak(estimator_at(size, m), precision, m, block_options, limit), limit)
+
+
+def largest_size(estimator_at, size: int, effective_batch: int, precision: str, block_options,
+                 limit: float) -> tuple[int | None, int | None]:
+    """The largest sequence length / image size below ``size`` at which micro-batch 1 (with
+    ``effective_batch`` accumulation steps and one of ``block_options`` checkpointed) fits
+    ``limit`` (bytes);
+    multiples of 8 from 16 up (tensor-core friendly), every size below that. None if none fits.
+    Second: the peak reserved bytes at size 1 (None if it could not be estimated)."""
+    sizes = [s for s in range(1, size) if s < 16 or s % 8 == 0]
+    return _largest(sizes, lambda s: _peak(estimator_at(s, effective_batch), precision, 1, block_options, limit),
+                    limit)
+
+
+def _resizable(estimator_at, size: int, effective_batch: int) -> bool:
+    """Whether ``estimator_at`` can estimate a size below ``size``."""
+    from ..errors import TightfitError
+
+    try:
+        return size > 1 and estimator_at(size - 1, effective_batch) is not None
+    except (TightfitError,) + _TRACE_ERRORS:
+        return False
+
+
+def _input_embedding_params(model) -> int:
+    """Trainable parameters of the model's input embeddings (Hugging Face
+    ``get_input_embeddings``; else the largest ``nn.Embedding``); 0 if none."""
+    import torch
+
+    emb = None
+    if hasattr(model, "get_input_embeddings"):
+        try:
+            emb = model.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            emb = None
+    if emb is None:
+        embs = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+        emb = max(embs, key=lambda m: m.weight.numel(), default=None)
+    return sum(p.numel() for p in emb.parameters() if p.requires_grad) if emb is not None else 0
+
+
+def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float) -> list[str]:
+    """One line per lever not yet in tightfit: the bytes it would save at a step whose peak is
+    ``peak_bytes`` with ``gradients_at_peak`` bytes of gradients held there, and whether that
+    alone brings the step under ``limit`` (all in bytes; the savings are per parameter, so they
+    leave out the caching allocator's rounding, a few MiB at most). The embeddings' gradients
+    count as held only when all gradients are (accumulation)."""
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    held = gradients_at_peak >= GRADIENT_B * trainable  # all of them, as when accumulating
+    emb = _input_embedding_params(model)
+
+    def verdict(saving: float) -> str:
+        return "would fit" if peak_bytes - saving <= limit else f"still {format_bytes(peak_bytes - saving - limit)} over"
+
+    levers = [
+        (f"8-bit AdamW state (two 1-byte moments instead of two fp32 ones, "
+         f"{ADAMW_STATE_B - ADAMW_8BIT_STATE_B} B x {trainable:,} trainable parameters)",
+         (ADAMW_STATE_B - ADAMW_8BIT_STATE_B) * trainable),
+        (f"AdamW state in CPU memory ({ADAMW_STATE_B} B x {trainable:,} off the GPU; each optimizer step "
+         f"then moves {format_bytes((WEIGHT_B + GRADIENT_B) * trainable)} over the host link, about "
+         f"{(WEIGHT_B + GRADIENT_B) * trainable / host_link_bytes_per_s:.2f} s, plus the CPU's AdamW step)",
+         ADAMW_STATE_B * trainable),
+        (f"bf16 weights and gradients with no fp32 master copy (2 B less per weight"
+         + (", and half the gradients held" if held else "") + ")",
+         (WEIGHT_B // 2) * params + gradients_at_peak // 2),
+    ]
+    if emb:
+        per = ADAMW_STATE_B + (GRADIENT_B if held else 0)
+        levers.append((f"freezing the input embeddings ({emb:,} parameters: no gradient and no AdamW state, "
+                       f"{per} B each)", per * emb))
+    return [f"{name}: -{format_bytes(saving)}, {verdict(saving)}" for name, saving in levers]
+
+
+def nothing_fits_lines(model, estimate, limit: float, precision: str, block_options, size: int,
+                       effective_batch: int, size_flag: str, host_link_bytes_per_s: float,
+                       estimator_at=None) -> list[str]:
+    """The way forward when the smallest step tried does not fit: what it costs, what does fit,
+    and the levers that would make it fit, with their predicted savings (bytes throughout;
+    GiB/MiB only in the text).
+
+    Args:
+        model: the ``nn.Module`` planned for (parameter counts).
+        estimate: exact estimate of the smallest step tried (``peak_reserved_bytes``,
+            ``breakdown``).
+        limit: the planned limit (budget less headroom), bytes.
+        precision: that step's precision.
+        block_options: the sets of checkpointed blocks the search may choose from (e.g. none and
+            all), the one of the smallest step first; what fits may use any of them.
+        size: sequence length or image size asked for; ``size_flag`` its option, e.g. ``"--seq-len"``.
+        estimator_at: ``(size, effective_batch) -> estimate_fn`` to search what fits; None (or a
+            None result for sizes other than ``size``) where it cannot be re-estimated.
+
+    Returns:
+        Display lines, without indentation.
+    """
+    peak = estimate.peak_reserved_bytes
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params = sum(p.numel() for p in model.parameters())
+    state = WEIGHT_B * params + (GRADIENT_B + ADAMW_STATE_B) * trainable
+    gradients = int(estimate.breakdown.get("gradients", 0))
+    lines = [f"model state: {params:,} parameters x 16 B (fp32 weights 4 B, gradients 4 B, AdamW moments 8 B) "
+             f"= {format_bytes(state)}" + (f"; the rest of that step, {format_bytes(peak - state)}, is activations, "
+                                            f"temporaries and allocator overhead" if peak > state else "")]
+    if state > limit:
+        lines.append(f"the model state alone is {format_bytes(state - limit)} over the planned limit: no "
+                     f"micro-batch, accumulation or checkpointing can fit it")
+    elif estimator_at is not None:
+        how = f"{precision}, checkpointing searched as for the plan"
+        if effective_batch > 1:
+            mb, one = largest_effective_batch_without_accumulation(estimator_at, size, effective_batch, precision,
+                                                                   block_options, limit)
+            lines.append(f"fits: effective batch {mb} in one micro-batch (no accumulation, so no gradients held "
+                         f"across micro-batches; {how}): --batch-size {mb}"
+                         if mb else f"does not fit either: effective batch 1 (no accumulation) needs "
+                                    f"{format_bytes(one)}")
+        if not _resizable(estimator_at, size, effective_batch):
+            lines.append(f"a shorter {size_flag} also needs less activation memory (not estimated here)")
+        else:
+            s, one = largest_size(estimator_at, size, effective_batch, precision, block_options, limit)
+            lines.append(f"fits: {size_flag} {s} at effective batch {effective_batch} (micro-batch 1 x "
+                         f"{effective_batch} accumulation steps; {how})" if s else
+                         f"does not fit either: a shorter {size_flag} at effective batch {effective_batch} "
+                         f"({size_flag} 1 needs {format_bytes(one)})")
+    lines.append(f"levers that would need support not yet available in tightfit (bytes saved at the peak of "
+                 f"that step, {format_bytes(peak - limit)} over):")
+    lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s)]
+    return lines
