@@ -8,6 +8,6 @@ RESULTS=${RESULTS:-bench/results/gpu-train}
 mkdir -p "$RESULTS"
 python3 -m tightfit doctor 2>&1 | tee "$RESULTS/doctor.txt"
 for budget in 4GiB 11GiB; do
-  /usr/bin/time -v python3 -m tightfit train --full --budget $budget --out "$RESULTS/run-$budget" --no-progress 2>&1 | tee "$RESULTS/train-$budget.log"
+  python3 -m tightfit train --full --budget $budget --out "$RESULTS/run-$budget" --no-progress 2>&1 | tee "$RESULTS/train-$budget.log"
 done
 python3 -m pytest -q -m gpu tests 2>&1 | tee "$RESULTS/pytest-gpu.log"
