@@ -217,19 +217,19 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
     monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks: setattr(w, "blocks", tuple(blocks)))
     eager = Candidate("bf16", 8, tuple(range(n)), E // 8, None, None)  # 32 micro-batches of 8
-    result, notes = gpu.compiled_variant(w, eager, 10**9, n)
+    result = gpu.compiled_variant(w, eager, 10**9, n).variant
     # all blocks: 200 + mb <= 1000 fits at k = 1 (micro-batch 256); the fewest blocks there:
     # 256 * (7 - c / 2) <= 800 -> c >= 7.75 -> 8. It needed blocks, so k = 2 (128) is tried too:
     # 128 * (7 - c / 2) <= 800 -> c >= 1.5 -> 2. Time per sample is lower at 256: it wins.
     assert (256, 8) in probed and (256, 7) in probed and (128, 2) in probed and (128, 1) in probed
-    assert result[1] == 256 and result[2] == tuple(range(8))
+    assert result.micro_batch == 256 and result.checkpoint_blocks == tuple(range(8))
     assert all(mb in (256, 128) for mb, _ in probed)  # no count beyond the second was probed
 
     # a tight budget: only the eager plan's 32 micro-batches of 8 fit, with every block checkpointed
     probed.clear()
     limit = 200 + 8 * 1.0
-    result, _ = gpu.compiled_variant(w, eager, 10**9, n)
-    assert result[1] == 8 and len(result[2]) == n
+    result = gpu.compiled_variant(w, eager, 10**9, n).variant
+    assert result.micro_batch == 8 and len(result.checkpoint_blocks) == n
     assert len({mb for mb, _ in probed}) <= 7  # bisection over the 29 distinct counts, not a scan
 
 

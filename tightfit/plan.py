@@ -7,12 +7,32 @@ terms: micro-batch x gradient accumulation steps (x world size) = effective batc
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from .errors import TightfitError
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def accumulation_steps(effective_batch: int, micro_batch: int) -> int:
+    """Micro-batches per optimizer step: ``ceil(effective_batch / micro_batch)`` (the last one
+    holds the rest). Both in samples, >= 1. The one place this formula is written; it also gives
+    the micro-batch of a number of steps (:func:`micro_batch_for`)."""
+    return -(-effective_batch // micro_batch)
+
+
+def micro_batch_for(effective_batch: int, steps: int) -> int:
+    """The smallest micro-batch (samples) that covers ``effective_batch`` samples in ``steps``
+    micro-batches: ``ceil(effective_batch / steps)``, so the windows are as even as they can be."""
+    return accumulation_steps(effective_batch, steps)
+
+
+def balanced_micro_batch(effective_batch: int, micro_batch: int) -> int:
+    """The smallest micro-batch with as many accumulation steps as ``micro_batch``: e.g. 32
+    samples with at most 20 per pass -> 2 passes of 16 rather than 20 + 12 (same passes, lower
+    peak). Samples in, samples out."""
+    return micro_batch_for(effective_batch, accumulation_steps(effective_batch, micro_batch))
 
 
 @dataclass(frozen=True)
@@ -63,7 +83,7 @@ class Plan:
     @property
     def accumulation_steps(self) -> int:
         """Micro-batches per full window: ``ceil(effective_batch / micro_batch)``."""
-        return math.ceil(self.effective_batch / self.micro_batch)
+        return accumulation_steps(self.effective_batch, self.micro_batch)
 
     def with_micro_batch(self, micro_batch: int, reason: str | None = None) -> "Plan":
         """A copy with another micro-batch (the effective batch is unchanged)."""
@@ -104,3 +124,17 @@ class Plan:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as e:
             raise TightfitError(f"malformed plan JSON: {e}") from None
+
+
+def plan_with_blocks(precision: str, micro_batch: int, effective_batch: int, blocks: Sequence[int], n_blocks: int,
+                     **fields) -> Plan:
+    """The plan that checkpoints ``blocks`` (indices) of the model's ``n_blocks`` repeated blocks:
+    checkpointing on if any block is, ``checkpoint_blocks`` None when all (or none) are -- the
+    Plan's way of saying "every block". ``fields``: the other :class:`Plan` fields, by name.
+
+    Raises:
+        TightfitError: as :class:`Plan` (unknown precision, a batch size below 1).
+    """
+    partial = 0 < len(blocks) < n_blocks
+    return Plan(precision, micro_batch, effective_batch, bool(blocks),
+                checkpoint_blocks=tuple(blocks) if partial else None, **fields)

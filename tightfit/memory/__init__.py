@@ -5,7 +5,7 @@
 - :mod:`.zoo` builds the built-in architectures (on the meta device: no memory used).
 - :mod:`tightfit.levers.blocks` (a lever shared with the runtime) finds a model's repeated blocks and checkpoints all or some.
 - :mod:`.step` is the one training step that both the estimate and the GPU measurement run.
-- :mod:`.fast` derives per-sample activation bytes per block once, for the planner.
+- :mod:`.fast` is the planner's memory-growth model: peak reserved bytes on lines in the micro-batch.
 """
 
 def __getattr__(name):  # lazy: importing the zoo or the harness needs no estimator

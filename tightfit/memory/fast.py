@@ -1,161 +1,110 @@
-"""The planner's fast path: peak memory for any micro-batch and any set of checkpointed blocks
-from four traces, without tracing again.
+"""How a training step's peak memory grows with the micro-batch: the planner's one memory-growth
+model, fitted to a few exact estimates so that the search can ask about any micro-batch and any
+number of checkpointed blocks without tracing each.
 
-:func:`fit` traces the step (:func:`.estimate.estimate`) at two micro-batch sizes ``lo < hi``,
-once with no block checkpointed and once with all of them, and keeps, per trace:
+The model. A step's peak reserved bytes at micro-batch ``B`` are a sum of tensor sizes that are
+either independent of ``B`` (weights, gradients, optimizer state, workspaces) or proportional to
+it (activations, the batch, temporaries), rounded by the caching allocator: an affine function
+``intercept + slope x B`` up to that rounding (:class:`MemoryLine`). Two exact estimates, at
+micro-batches 4 and 16 (:meth:`MemoryLine.traced`), give the line of one checkpointing choice.
+Checkpointing removes the saved activations of each block it covers, so the line of ``k``
+checkpointed blocks (the first ``k``) is taken ``k / n`` of the way from the line of no block to
+the line of all ``n`` (:class:`BlockLines`, :meth:`MemoryLine.blend`).
 
-- ``F``: the peak allocated bytes of the forward, backward and clipping of a steady-state step;
-- ``O``: the peak allocated bytes of its optimizer step (parameters, gradients, optimizer state,
-  the batch);
-- ``g_i``: per block ``i`` (:func:`tightfit.levers.blocks.find_blocks`), the allocated bytes the forward gains
-  across that block -- what the block leaves alive for backward.
-
-Every one of these is an affine function of the micro-batch ``B`` (sums of tensor sizes that are
-either independent of ``B`` or proportional to it, up to the allocator's 512-byte rounding), so
-two sizes give each line. The per-block saving of checkpointing block ``i`` is
-``s_i(B) = g_i(B, none) - g_i(B, all)``. For a set ``S`` of checkpointed blocks, with ``j`` the last
-block of ``S``:
-
-- no block checkpointed: ``F = F_none(B)``; all: ``F = F_all(B)``;
-- otherwise ``F = max(F_none(B) - sum_{i in S} s_i(B), F_all(B) + sum_{i not in S, i < j} s_i(B))``:
-  the end of the forward holds everything the non-checkpointed blocks save; the recomputation of
-  block ``j`` in backward happens while the blocks before ``j`` still hold their saved tensors
-  (blocks after ``j`` have finished their backward), as in the all-checkpointed trace at its peak;
-- peak allocated ``= max(F, O(B))``.
-
-Peak reserved is the predicted peak allocated plus the largest ``reserved - allocated`` of the
-traces of the same checkpointing (none, all; for a subset, of all four traces): the allocator's
-overhead is not additive per block or per sample, and taking the largest errs high.
-
-Accuracy: exact at the traced points. The true peak is the larger of several phases, each affine
-in ``B`` (a convex function of ``B``), so between ``lo`` and ``hi`` the lines lie on or above it
-(errs high) and beyond ``hi`` they may lie below it: fit with ``hi`` at least the largest
-micro-batch to be asked. Blocks are assumed to run in the order of :func:`tightfit.levers.blocks.find_blocks`.
+Accuracy, and who checks it. The line is exact at the two traced micro-batches. The true peak
+is the larger of several phases (end of the forward, recomputation in backward, the optimizer
+step), each affine in ``B``: a convex function, so between 4 and 16 the line lies on or above
+it and beyond 16 it may lie below; below 4 it extrapolates, and at micro-batch = effective batch
+the step holds no gradients across micro-batches while the traced (accumulating) points do.
+Blocks also differ (the first ones hold their activations longest). The search therefore uses
+the line only to enumerate and rank, and traces every plan it returns exactly
+(:mod:`tightfit.planner.search`); ``tests/test_estimate.py`` measures the line against exact
+estimates.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import TightfitError
-from ..plan import Plan
-
-_KEYS = ("forward_backward_peak_bytes", "optimizer_step_peak_bytes")
-
-
-def _line(x0: int, y0: float, x1: int, y1: float):
-    slope = (y1 - y0) / (x1 - x0)
-    return (y0 - slope * x0, slope)
-
-
-def _at(line, b: int) -> float:
-    return line[0] + line[1] * b
+# Micro-batches of the two exact estimates a line is fitted to.
+TRACED_AT = (4, 16)
 
 
 @dataclass(frozen=True)
-class FastMemoryModel:
-    """Affine-in-micro-batch memory lines of one workload and precision (see the module doc).
+class MemoryLine:
+    """Predicted peak reserved bytes ``intercept + slope x micro_batch`` of one step.
 
     Attributes:
-        n_blocks: the model's blocks (:func:`tightfit.levers.blocks.find_blocks`).
-        micro_batches: ``(lo, hi)``, the traced sizes.
-        forward_backward: ``{"none": line, "all": line}``, ``line = (bytes at B=0, bytes per sample)``.
-        optimizer_step: line of the optimizer step's peak allocated bytes.
-        block_saving: per block, the line of bytes saved by checkpointing it.
-        overhead_bytes: ``{"none": bytes, "all": bytes, "some": bytes}``, the largest
-            ``peak_reserved - peak_allocated`` of the traces with no, all, or either checkpointing.
-        allocator: the allocator configuration modelled.
+        intercept: bytes at micro-batch 0.
+        slope: bytes per sample.
     """
 
-    n_blocks: int
-    micro_batches: tuple
-    forward_backward: dict
-    optimizer_step: tuple
-    block_saving: tuple
-    overhead_bytes: dict
-    allocator: str
+    intercept: float
+    slope: float
 
-    def peak_allocated_bytes(self, micro_batch: int, checkpoint_blocks=()) -> int:
-        """Predicted peak allocated bytes for ``micro_batch`` (>= 1) samples with the blocks
-        ``checkpoint_blocks`` (indices) checkpointed.
+    @classmethod
+    def traced(cls, estimate_fn: Callable, precision: str, blocks: tuple[int, ...], at=TRACED_AT) -> "MemoryLine":
+        """The line through exact estimates at the two micro-batches ``at``.
 
-        Raises:
-            TightfitError: micro-batch < 1 or a block index outside ``[0, n_blocks)``.
-        """
-        if micro_batch < 1:
-            raise TightfitError(f"micro-batch must be >= 1, got {micro_batch}")
-        chosen = set(checkpoint_blocks)
-        if any(not 0 <= i < self.n_blocks for i in chosen):
-            raise TightfitError(f"block indices {sorted(chosen)} out of range: the model has {self.n_blocks} blocks")
-        b = micro_batch
-        if not chosen:
-            fb = _at(self.forward_backward["none"], b)
-        elif len(chosen) == self.n_blocks:
-            fb = _at(self.forward_backward["all"], b)
-        else:
-            save = [_at(line, b) for line in self.block_saving]
-            last = max(chosen)
-            fb = max(_at(self.forward_backward["none"], b) - sum(save[i] for i in chosen),
-                     _at(self.forward_backward["all"], b) + sum(save[i] for i in range(last) if i not in chosen))
-        return int(round(max(fb, _at(self.optimizer_step, b))))
-
-    def peak_reserved_bytes(self, micro_batch: int, checkpoint_blocks=()) -> int:
-        """Predicted peak reserved bytes: peak allocated plus the traces' largest allocator overhead.
+        Args:
+            estimate_fn: ``(precision, micro_batch, checkpoint_blocks) -> MemoryEstimate``.
+            precision: ``fp32|fp16|bf16``; ``blocks``: the checkpointed blocks (indices).
+            at: two different micro-batches.
 
         Raises:
-            TightfitError: as :meth:`peak_allocated_bytes`.
+            What ``estimate_fn`` raises.
         """
-        chosen = set(checkpoint_blocks)
-        kind = "none" if not chosen else "all" if len(chosen) == self.n_blocks else "some"
-        return self.peak_allocated_bytes(micro_batch, chosen) + self.overhead_bytes[kind]
+        a, b = (estimate_fn(precision, m, blocks).peak_reserved_bytes for m in at)
+        slope = (b - a) / (at[1] - at[0])
+        return cls(a - slope * at[0], slope)
+
+    def blend(self, other: "MemoryLine", f: float) -> "MemoryLine":
+        """The line a share ``f`` (0 to 1) of the way to ``other``."""
+        return MemoryLine(self.intercept + f * (other.intercept - self.intercept),
+                          self.slope + f * (other.slope - self.slope))
+
+    def reserved(self, micro_batch: int) -> float:
+        """Predicted peak reserved bytes at ``micro_batch`` samples."""
+        return self.intercept + self.slope * micro_batch
+
+    def largest_fitting(self, limit: float, upper: int) -> int:
+        """Largest micro-batch in ``[1, upper]`` whose predicted peak is at most ``limit`` bytes
+        (0: none)."""
+        if self.slope <= 0:
+            return upper if self.reserved(upper) <= limit else 0
+        return max(0, min(upper, int((limit - self.intercept) / self.slope)))
 
 
-def fit(model, example_batch: dict, plan: Plan, device=None, micro_batches=(4, 16),
-        allocator: str = "expandable") -> FastMemoryModel:
-    """Trace ``model`` at two micro-batch sizes with no and with all blocks checkpointed (four
-    traces; two for a model without blocks) and return the :class:`FastMemoryModel`.
+@dataclass(frozen=True)
+class BlockLines:
+    """The memory lines of one precision for every number of checkpointed blocks from ``first``
+    to ``last`` (the first blocks first): exact lines at both ends, blended in between.
 
-    Args:
-        model, example_batch, device, allocator: as for :func:`.estimate.estimate`.
-        plan: precision and optimizer are read (its micro-batch and checkpointing are not).
-        micro_batches: ``(lo, hi)`` with ``1 <= lo < hi``; predictions are exact there and err
-            high between them.
-
-    Raises:
-        TightfitError: ``micro_batches`` not two increasing sizes >= 1, or what
-            :func:`.estimate.estimate` raises.
+    Attributes:
+        first, last: the fewest and most blocks checkpointed (equal when only one is searched).
+        fewest, most: the lines traced with ``first`` and ``last`` blocks checkpointed.
     """
-    from ..levers.blocks import find_blocks
-    from .estimate import estimate, meta_copy
 
-    lo, hi = micro_batches
-    if not 1 <= lo < hi:
-        raise TightfitError(f"micro_batches must be two sizes 1 <= lo < hi, got {micro_batches}")
-    n_blocks = len(find_blocks(meta_copy(model)))
-    runs = {}
-    for ckpt in (("none", "all") if n_blocks else ("none",)):
-        for b in (lo, hi):
-            p = Plan(plan.precision, b, b, optimizer=plan.optimizer)
-            runs[ckpt, b] = estimate(model, example_batch, p, device, checkpoint_blocks=ckpt, allocator=allocator)
+    first: int
+    last: int
+    fewest: MemoryLine
+    most: MemoryLine
 
-    def line(ckpt, get):
-        return _line(lo, get(runs[ckpt, lo]), hi, get(runs[ckpt, hi]))
+    @classmethod
+    def traced(cls, estimate_fn: Callable, precision: str, first: int, last: int) -> "BlockLines":
+        """Trace the lines of ``first`` and ``last`` checkpointed blocks (two exact estimates
+        each; one line when ``first == last``).
 
-    fb = {c: line(c, lambda e: e.extra[_KEYS[0]]) for c in {k for k, _ in runs}}
-    fb.setdefault("all", fb["none"])
-    saving = tuple(
-        _line(lo, runs["none", lo].extra["block_forward_bytes"][i] - runs["all", lo].extra["block_forward_bytes"][i],
-              hi, runs["none", hi].extra["block_forward_bytes"][i] - runs["all", hi].extra["block_forward_bytes"][i])
-        for i in range(n_blocks))
-    return FastMemoryModel(
-        n_blocks=n_blocks, micro_batches=(lo, hi), forward_backward=fb,
-        optimizer_step=line("none", lambda e: e.extra[_KEYS[1]]), block_saving=saving,
-        overhead_bytes=_overheads(runs),
-        allocator=allocator)
+        Raises:
+            What ``estimate_fn`` raises.
+        """
+        fewest = MemoryLine.traced(estimate_fn, precision, tuple(range(first)))
+        most = MemoryLine.traced(estimate_fn, precision, tuple(range(last))) if last != first else fewest
+        return cls(first, last, fewest, most)
 
-
-def _overheads(runs: dict) -> dict:
-    over = {k: e.peak_reserved_bytes - e.peak_allocated_bytes for k, e in runs.items()}
-    by = {c: max(v for (k, _), v in over.items() if k == c) for c in {k for k, _ in over}}
-    by.setdefault("all", by["none"])
-    return {"none": by["none"], "all": by["all"], "some": max(over.values())}
+    def __call__(self, k: int) -> MemoryLine:
+        """The line of the first ``k`` blocks checkpointed (``first <= k <= last``)."""
+        if self.last == self.first:
+            return self.fewest
+        return self.fewest.blend(self.most, (k - self.first) / (self.last - self.first))

@@ -5,8 +5,8 @@ batch that fits with no gradient accumulation (its gradients are then not held a
 micro-batches), and the largest sequence length or image size that fits the effective batch
 asked for. Both use the smallest step there is -- micro-batch 1, or the whole effective batch in
 one micro-batch when not accumulating -- with the checkpointing the search may choose (every block
-first, then none, whichever fits: a checkpointed step carries the search's margin for the
-estimator's error on checkpointed steps).
+first, then none, whichever fits: a checkpointed step carries the margin for the
+estimator's error on checkpointed steps, :mod:`.margins`).
 
 The levers below are not available in tightfit yet; each is given with the bytes it would save at
 the peak of the smallest step tried. The savings follow from the bytes per parameter of fp32
@@ -27,6 +27,7 @@ autocast keeps the weights, and so the gradients, in fp32):
 from __future__ import annotations
 
 from ..units import format_bytes
+from .bisection import bisect
 
 # Bytes per trainable parameter of fp32 training with AdamW: weight, gradient, two moments.
 WEIGHT_B, GRADIENT_B, ADAMW_STATE_B = 4, 4, 8
@@ -55,22 +56,19 @@ def _peak(estimate_fn, precision: str, micro_batch: int, block_options, limit: f
 
 
 def _largest(candidates: list[int], peak, limit: float) -> tuple[int | None, int | None]:
-    """The largest of the sorted ``candidates`` whose ``peak(c)`` (bytes, growing with ``c``) is
-    at most ``limit``, by bisection after checking the smallest; and the smallest's peak (None
-    where it could not be estimated). ``(None, peak)`` if none fits."""
+    """The largest of the sorted ``candidates`` whose ``peak(c)`` (bytes, growing with ``c``; None
+    where it cannot be estimated, counted as not fitting) is at most ``limit``, by bisection
+    (:func:`.bisection.bisect`) after checking the smallest; and the smallest's peak (None where
+    it could not be estimated). ``(None, peak)`` if none fits."""
     first = peak(candidates[0]) if candidates else None
     if first is None or first > limit:
         return None, first
-    lo, hi = 1, len(candidates) - 1
-    best = candidates[0]
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        p = peak(candidates[mid])
-        if p is not None and p <= limit:
-            best, lo = candidates[mid], mid + 1
-        else:
-            hi = mid - 1
-    return best, first
+
+    def fits(i: int) -> bool:
+        p = peak(candidates[i])
+        return p is not None and p <= limit
+
+    return candidates[bisect(0, len(candidates), fits)], first
 
 
 def largest_effective_batch_without_accumulation(estimator_at, size: int, effective_batch: int, precision: str,

@@ -25,17 +25,51 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    """Run ``tightfit plan``; returns the exit code.
+    """Run ``tightfit plan``: search (no GPU) and print the plan, as text or ``--json``; returns
+    the exit code.
 
     Raises:
-        TightfitError: bad arguments, or nothing fits.
+        TightfitError: bad arguments, a budget below the model state, a model that cannot be
+            traced at the size asked, or nothing fits.
+    """
+    from ..memory.zoo import build_model
+    from .search import estimator_for, search
+
+    profile, budget, notes = _card_and_budget(args)
+    model, make_batch = build_model(args.model)
+    kind = make_batch.kind
+    if (kind == "image") != (args.image_size is not None):
+        raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")
+    size = args.image_size or args.seq_len
+    make_batch(1, size)  # validates the size against the model
+    _check_model_state(model, budget, profile)
+
+    def estimator_at(other_size, effective_batch):  # what fits instead, when nothing does
+        return estimator_for(model, make_batch, other_size, profile, effective_batch)
+
+    try:
+        result = search(model, make_batch, size, args.batch_size, profile, budget,
+                        estimator_for(model, make_batch, size, profile, args.batch_size),
+                        precision=args.precision, checkpointing=args.checkpointing, estimator_at=estimator_at)
+    except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
+        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
+    if args.json:
+        _print_json(result, model, notes)
+    else:
+        _print_text(args, result, model, notes, profile, budget, kind, size)
+    return 0
+
+
+def _card_and_budget(args):
+    """The card profile whose rules apply, the budget (bytes) and notes on how it was chosen: a
+    ``--budget`` above what the ``--gpu`` card can give its tensors is lowered to that
+    (:meth:`~tightfit.devices.DeviceProfile.budget_bytes`).
+
+    Raises:
+        TightfitError: neither ``--gpu`` nor ``--budget``, a bad option, or a budget above the card.
     """
     from ..devices import get_profile
-    from ..memory.zoo import build_model
     from ..units import format_bytes, parse_size
-    from ..memory.cli import breakdown_lines, gradient_note, trainable_gradient_bytes
-    from .advice import lever_lines
-    from .search import estimator_for, search
 
     if not args.gpu and not args.budget:
         raise TightfitError("give --gpu PROFILE or --budget SIZE")
@@ -53,40 +87,49 @@ def run(args) -> int:
         notes.append(f"note: budget {format_bytes(budget)} is more than the {format_bytes(profile.budget_bytes())} "
                      f"usable on the {profile.name}; planning for {format_bytes(profile.budget_bytes())}")
         budget = profile.budget_bytes()
-    model, make_batch = build_model(args.model)
-    kind = make_batch.kind
-    if (kind == "image") != (args.image_size is not None):
-        raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")
-    size = args.image_size or args.seq_len
-    make_batch(1, size)  # validates the size against the model
+    return profile, budget, notes
+
+
+def _check_model_state(model, budget: int, profile) -> None:
+    """Refuse, before any trace, a budget (bytes) below the fp32 weights, gradients and AdamW
+    state (16 B per parameter), naming the levers that would change that.
+
+    Raises:
+        TightfitError: the budget is below the model state.
+    """
+    from ..units import format_bytes
+    from .advice import lever_lines
+
     state = sum(p.numel() for p in model.parameters()) * 16
-    if budget < state:
-        levers = lever_lines(model, state, budget, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
-                             profile.host_link_bytes_per_s)
-        raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(state)} that fp32 weights, "
-                            f"gradients and AdamW state need (16 B per parameter), by {format_bytes(state - budget)}; "
-                            f"no micro-batch, accumulation or checkpointing changes that. Levers that would need "
-                            f"support not yet available in tightfit (bytes saved):" + "".join("\n  " + x for x in levers))
+    if budget >= state:
+        return
+    levers = lever_lines(model, state, budget, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
+                         profile.host_link_bytes_per_s)
+    raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(state)} that fp32 weights, "
+                        f"gradients and AdamW state need (16 B per parameter), by {format_bytes(state - budget)}; "
+                        f"no micro-batch, accumulation or checkpointing changes that. Levers that would need "
+                        f"support not yet available in tightfit (bytes saved):" + "".join("\n  " + x for x in levers))
 
-    def estimator_at(other_size, effective_batch):  # what fits instead, when nothing does
-        return estimator_for(model, make_batch, other_size, profile, effective_batch)
 
-    try:
-        result = search(model, make_batch, size, args.batch_size, profile, budget,
-                        estimator_for(model, make_batch, size, profile, args.batch_size),
-                        precision=args.precision, checkpointing=args.checkpointing, estimator_at=estimator_at)
-    except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
-        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
+def _print_json(result, model, notes: list[str]) -> None:
+    """The search result as JSON on stdout (notes on stderr)."""
+    from ..memory.cli import gradient_note, trainable_gradient_bytes
+
     b = result.best
-    grads = trainable_gradient_bytes(model)
-    grad_note = gradient_note(b.breakdown.get("gradients", 0), grads, b.accumulation_steps)
-    if args.json:
-        for n in notes:
-            print(n, file=sys.stderr)
-        d = result.to_dict()
-        d["breakdown_notes"] = [f"gradients: {grad_note}"] if grad_note else []
-        print(json.dumps(d, indent=2))
-        return 0
+    grad_note = gradient_note(b.breakdown.get("gradients", 0), trainable_gradient_bytes(model), b.accumulation_steps)
+    for n in notes:
+        print(n, file=sys.stderr)
+    d = result.to_dict()
+    d["breakdown_notes"] = [f"gradients: {grad_note}"] if grad_note else []
+    print(json.dumps(d, indent=2))
+
+
+def _print_text(args, result, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:
+    """The plan, its predicted speed and memory breakdown and the runners-up, as text."""
+    from ..memory.cli import breakdown_lines, trainable_gradient_bytes
+    from ..units import format_bytes
+
+    b = result.best
     for n in notes:
         print(n)
     print(f"{args.model}, {'image size' if kind == 'image' else 'sequence length'} {size}, effective batch {args.batch_size}, "
@@ -101,9 +144,8 @@ def run(args) -> int:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"optimizer: fused AdamW (no temporaries at its step; foreach AdamW would need "
           f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)")
-    print("\n".join(breakdown_lines(b.breakdown, grads, b.accumulation_steps)))
+    print("\n".join(breakdown_lines(b.breakdown, trainable_gradient_bytes(model), b.accumulation_steps)))
     print("runners-up:" if result.runners_up else "runners-up: none (the search had no other choice)")
     for c in result.runners_up[:8]:
         print(f"  {c.label():<52} {c.why}")
     print(f"(planned in {result.seconds:.1f} s, no GPU used)")
-    return 0

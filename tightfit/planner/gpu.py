@@ -1,25 +1,36 @@
-"""Planning on a GPU: predict with the search, then verify and time the best candidates with
-real probe steps under the budget, and keep the fastest that fits."""
+"""Planning on a GPU: the search's stages (:mod:`.search`: enumerate, predict), then the three
+that need the card, each a function with a typed result:
+
+3. **verify** (:func:`verify_on_gpu` -> :class:`Verification`): calibrate the time per
+   micro-batch with two probes (:class:`MicroBatchLine`), re-rank, and run the best candidates
+   for real under the budget; the fastest that fits wins among eager plans.
+4. **compile** (:func:`compiled_variant` -> :class:`CompileSearch`): the winner compiled, with
+   as few micro-batches and checkpointed blocks as fit.
+5. **retime** (:func:`retime` -> :class:`Retiming`): the eager winner and its compiled variant
+   timed again side by side; the faster is kept.
+
+:func:`plan_on_gpu` runs them in order and writes the plan's reasons. Every probe goes through
+:func:`~tightfit.planner.probe.probe_step`, which is all the stages touch of the GPU, so tests
+run them on the CPU with an injected ``probe_step``.
+"""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
-
-import torch
 
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..memory.oom import release_memory
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_scope, compile_unavailable, uncompile_model
-from ..plan import Plan
+from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes
 from ..workload import Workload
-from .probe import PROBE_HEADROOM, probe_step
+from .bisection import bisect
 from .cost import peak_flops
-from .search import estimator_for, search
+from .probe import PROBE_HEADROOM, ProbeResult, probe_step
+from .search import Candidate, SearchResult, estimator_for, search
 
 VERIFIED = 3  # candidates timed for real (each: one probe, probe_step)
 VERIFIED_STEPS = 2  # timed steps of each verification probe (the fastest is the step time)
@@ -36,18 +47,25 @@ class MicroBatchLine:
     on a slow card the per-sample term dominates. Both terms scale with the passes over the
     model (``3 + checkpointed share``: forward, backward = 2 forwards, recomputation); the
     per-sample term also with the precision's rate relative to the calibrated one.
+
+    Attributes:
+        precision: the calibrated candidate's precision.
+        passes: ``3 +`` the calibrated candidate's checkpointed share of blocks.
+        fixed_s, per_sample_s: seconds per micro-batch and per sample.
+        rates: precision -> rate relative to the calibrated precision (1.0 for it).
     """
 
     precision: str
-    passes: float  # 3 + checkpointed share of the calibrated candidate
+    passes: float
     fixed_s: float
     per_sample_s: float
-    rates: dict  # precision -> relative rate (1.0 for the calibrated precision)
+    rates: dict
 
     @classmethod
     def fit(cls, cand, big, small, n_blocks: int, profile: DeviceProfile) -> "MicroBatchLine | None":
         """Two probes of ``cand`` at micro-batches ``big`` > ``small`` (their steady-state step
-        times); ``profile`` gives the other precisions' rates relative to ``cand``'s."""
+        times); ``profile`` gives the other precisions' rates relative to ``cand``'s. None when
+        ``big`` is not the larger."""
         u_big = big.step_seconds / big.micro_batches
         u_small = small.step_seconds / small.micro_batches
         if big.micro_batch <= small.micro_batch:
@@ -59,7 +77,7 @@ class MicroBatchLine:
         return cls(cand.precision, 3 + len(cand.checkpoint_blocks) / max(n_blocks, 1), fixed, per_sample, rates)
 
     def step_seconds(self, cand, effective_batch: int, n_blocks: int) -> float:
-        """Predicted forward + backward time of one optimizer step of ``cand``."""
+        """Predicted forward + backward time of one optimizer step of ``cand``, seconds."""
         scale = (3 + len(cand.checkpoint_blocks) / max(n_blocks, 1)) / self.passes
         rate = self.rates.get(cand.precision, 1.0) or 1.0
         full, rest = divmod(effective_batch, cand.micro_batch)
@@ -69,25 +87,94 @@ class MicroBatchLine:
         return t
 
 
-def _samples_per_s(pr, effective_batch: int) -> float:
+@dataclass(frozen=True)
+class Measured:
+    """A candidate that fit for real, with its samples/s in the verification timing."""
+
+    samples_per_s: float
+    candidate: Candidate
+    probe: ProbeResult
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Stage 3's result.
+
+    Attributes:
+        ranked: the search's fitting candidates, re-ranked by the calibration when there was one.
+        line: the calibrated time line (None: no calibration, the search's order kept).
+        measured: the candidates that fit for real, in the order verified (at least one).
+        rejected: ``"label: peak"`` of those that did not.
+    """
+
+    ranked: list[Candidate]
+    line: MicroBatchLine | None
+    measured: list[Measured]
+    rejected: list[str]
+
+    @property
+    def best(self) -> Measured:
+        """The fastest in the verification timing (ties: the first verified)."""
+        return max(self.measured, key=lambda m: m.samples_per_s)
+
+    @property
+    def others(self) -> list[Measured]:
+        """The other measured candidates, fastest first."""
+        best = self.best.candidate
+        return sorted((m for m in self.measured if m.candidate is not best), key=lambda m: -m.samples_per_s)
+
+
+@dataclass(frozen=True)
+class CompiledVariant:
+    """A compiled plan that fits: its samples/s (in the timing named where it is used), its
+    micro-batch, its checkpointed blocks and its probe."""
+
+    samples_per_s: float
+    micro_batch: int
+    checkpoint_blocks: tuple[int, ...]
+    probe: ProbeResult
+
+
+@dataclass(frozen=True)
+class CompileSearch:
+    """Stage 4's result: the compiled variant (None: nothing fits compiled) and a reason line."""
+
+    variant: CompiledVariant | None
+    notes: list[str]
+
+
+@dataclass(frozen=True)
+class Retiming:
+    """Stage 5's result: both plans' samples/s in the side-by-side retiming (0: no longer within
+    the headroom), and the note saying which was kept."""
+
+    compiled_samples_per_s: float
+    eager_samples_per_s: float
+    note: str
+
+    @property
+    def compiled_kept(self) -> bool:
+        return self.compiled_samples_per_s > self.eager_samples_per_s and self.compiled_samples_per_s != 0
+
+
+@dataclass(frozen=True)
+class CompileOutcome:
+    """Stages 4 and 5 together: the compiled variant kept (None: eager), the retiming (None
+    where there was none) and the reason lines."""
+
+    variant: CompiledVariant | None
+    retiming: Retiming | None
+    notes: list[str]
+
+
+def _samples_per_s(pr: ProbeResult, effective_batch: int) -> float:
     """Samples/s of a whole optimizer step (``ceil(E / micro-batch)`` micro-batches), from a probe."""
-    return effective_batch / (pr.step_seconds * math.ceil(effective_batch / pr.micro_batch) / pr.micro_batches)
+    return effective_batch / (pr.step_seconds * accumulation_steps(effective_batch, pr.micro_batch)
+                              / pr.micro_batches)
 
 
-def _peak(pr) -> str:
+def _peak(pr: ProbeResult) -> str:
     return f"{format_bytes(pr.peak_reserved_bytes)} peak" if pr.peak_reserved_bytes else "out of memory"
-
-
-def _first_true(lo: int, hi: int, pred) -> int:
-    """The smallest ``i`` in ``[lo, hi]`` with ``pred(i)``, for a ``pred`` false then true, taken
-    true at ``hi`` (not evaluated there)."""
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if pred(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi
 
 
 def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, seq_len: int,
@@ -108,6 +195,9 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     its reasons); with ``"on"`` it is raised. When no compiled micro-batch fits, the plan runs
     eager either way, and says so.
 
+    Args:
+        budget_bytes: what the step may hold, bytes (the allocator's cap); ``seq_len``: tokens.
+
     Raises:
         TightfitError: nothing fits (predicted or measured); ``compile`` is ``"on"`` where
             compilation cannot run.
@@ -126,32 +216,89 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                     precision=precision, checkpointing=checkpointing,
                     estimator_at=lambda size, effective_batch: None if size != seq_len else estimator_for(
                         workload.model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0))
-    ranked = [result.best] + [c for c in result.runners_up if c.samples_per_s > 0]
-    E, n = workload.effective_batch, result.n_blocks
-    measured, rejected, probes = [], [], {}
+    verification = verify_on_gpu(workload, result, profile, budget_bytes)
+    best = verification.best
+    outcome = compile_and_retime(workload, best.candidate, budget_bytes, result.n_blocks, compile, why_not)
+    reasons = _reasons(result, verification, outcome)
+    variant = outcome.variant
+    if variant is None:
+        uncompile_model(workload.model)
+    set_activation_checkpointing(workload.model, False, ())
+    reasons.append(f"planning took {time.perf_counter() - t0:.1f} s")
+    return _gpu_plan(best, variant, workload.effective_batch, budget_bytes, result.n_blocks, reasons)
 
-    def probe(cand, micro_batch):
+
+def _gpu_plan(best: Measured, variant: CompiledVariant | None, effective_batch: int, budget_bytes: int,
+              n_blocks: int, reasons: list[str]) -> Plan:
+    """The plan of the verified eager winner ``best``, or of the compiled ``variant`` kept.
+    Compiled: the measured samples/s that decided stands as its speed (the estimator does not
+    model compiled steps); eager: the search's prediction (None where it had none)."""
+    c = best.candidate
+    if variant is not None:
+        return plan_with_blocks(c.precision, variant.micro_batch, effective_batch, variant.checkpoint_blocks,
+                                n_blocks, device="cuda", budget_bytes=budget_bytes, reasons=tuple(reasons),
+                                probe_peak_reserved_bytes=variant.probe.peak_reserved_bytes,
+                                predicted_peak_reserved_bytes=None, predicted_samples_per_s=variant.samples_per_s,
+                                compile=True)
+    return plan_with_blocks(c.precision, c.micro_batch, effective_batch, c.checkpoint_blocks, n_blocks,
+                            device="cuda", budget_bytes=budget_bytes, reasons=tuple(reasons),
+                            probe_peak_reserved_bytes=best.probe.peak_reserved_bytes,
+                            predicted_peak_reserved_bytes=c.peak_reserved_bytes,
+                            predicted_samples_per_s=c.samples_per_s or None, compile=False)
+
+
+# ---------------------------------------------------------------- stage 3: verify
+
+def _cached_prober(workload: Workload, budget_bytes: int, timed_steps: int = VERIFIED_STEPS):
+    """``(candidate, micro_batch) -> ProbeResult``: a probe step of the candidate's precision
+    and checkpointed blocks, each (precision, blocks, micro-batch) run once."""
+    probes = {}
+
+    def probe(cand: Candidate, micro_batch: int) -> ProbeResult:
         key = (cand.precision, cand.checkpoint_blocks, micro_batch)
         if key not in probes:
             blocks = cand.checkpoint_blocks
             set_activation_checkpointing(workload.model, bool(blocks), blocks)
-            probes[key] = probe_step(workload, micro_batch, cand.precision, budget_bytes, timed_steps=VERIFIED_STEPS)
+            probes[key] = probe_step(workload, micro_batch, cand.precision, budget_bytes, timed_steps=timed_steps)
         return probes[key]
 
-    # Calibrate: the search's first choice at its micro-batch and at a quarter of it gives the
-    # card's fixed cost per micro-batch (kernel launches, Python) and its cost per sample.
-    line = None
-    first = probe(ranked[0], ranked[0].micro_batch)
-    if first.fits and ranked[0].micro_batch >= 4:
-        small = probe(ranked[0], ranked[0].micro_batch // 4)
-        if small.fits:
-            line = MicroBatchLine.fit(ranked[0], first, small, n, profile)
+    return probe
+
+
+def calibrate(probe, first: Candidate, n_blocks: int, profile: DeviceProfile) -> MicroBatchLine | None:
+    """The search's first choice probed at its micro-batch and at a quarter of it: the card's
+    fixed cost per micro-batch (kernel launches, Python) and its cost per sample. None where
+    either probe does not fit or the micro-batch is below 4."""
+    big = probe(first, first.micro_batch)
+    if not big.fits or first.micro_batch < 4:
+        return None
+    small = probe(first, first.micro_batch // 4)
+    return MicroBatchLine.fit(first, big, small, n_blocks, profile) if small.fits else None
+
+
+def verify_on_gpu(workload: Workload, result: SearchResult, profile: DeviceProfile,
+                  budget_bytes: int) -> Verification:
+    """Stage 3: calibrate (:func:`calibrate`), re-rank the search's fitting candidates by the
+    calibrated line, and probe them in that order until :data:`VERIFIED` fit for real. If none
+    does (the prediction was short, e.g. memory held elsewhere in the process), halve the
+    micro-batch of the candidate that checkpoints the most until a real step fits. Leaves no
+    block checkpointed.
+
+    Raises:
+        TightfitError: no candidate fits for real, even at micro-batch 1.
+    """
+    E, n = workload.effective_batch, result.n_blocks
+    ranked = [result.best] + [c for c in result.runners_up if c.samples_per_s > 0]
+    probe = _cached_prober(workload, budget_bytes)
+    line = calibrate(probe, ranked[0], n, profile)
     if line is not None:
         ranked.sort(key=lambda c: -E / line.step_seconds(c, E, n))
-    def verify(cand):
+    measured, rejected = [], []
+
+    def verify(cand: Candidate) -> None:
         pr = probe(cand, cand.micro_batch)
         if pr.fits:
-            measured.append((_samples_per_s(pr, E), cand, pr))
+            measured.append(Measured(_samples_per_s(pr, E), cand, pr))
         else:
             rejected.append(f"{cand.label()}: {_peak(pr)}")
 
@@ -159,137 +306,82 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
         if len(measured) == VERIFIED:
             break
         verify(cand)
-    # None fit for real (the prediction was short, e.g. memory held elsewhere in the process):
-    # halve the micro-batch of the candidate that checkpoints the most until a real step fits.
     smallest = max(ranked, key=lambda c: len(c.checkpoint_blocks))
     while not measured and smallest.micro_batch > 1:
         mb = smallest.micro_batch // 2
-        smallest = replace(smallest, micro_batch=mb, accumulation_steps=math.ceil(E / mb), samples_per_s=0.0,
+        smallest = replace(smallest, micro_batch=mb, accumulation_steps=accumulation_steps(E, mb), samples_per_s=0.0,
                            peak_reserved_bytes=None, peak_allocated_bytes=None, breakdown={})
         verify(smallest)
     set_activation_checkpointing(workload.model, False, ())
     if not measured:
         raise TightfitError(f"no planned candidate fits {format_bytes(budget_bytes)} for real: " + "; ".join(rejected))
-    verified_speed, best, best_probe = max(measured, key=lambda m: m[0])
-    blocks = best.checkpoint_blocks
-    compiled, compile_notes, retimed = None, [], None
-    if compile != "off" and not why_not:
-        try:
-            compiled, compile_notes = compiled_variant(workload, best, budget_bytes, n)
-            if compiled is not None and compile == "auto":
-                compiled, retimed, compile_notes = _compiled_or_eager(workload, best, compiled, budget_bytes,
-                                                                      compile_notes)
-        except Exception as e:  # a compiler failure: the verified eager plan stands
-            if compile == "on":
-                raise
-            uncompile_model(workload.model)
-            release_memory()
-            compiled = None
-            compile_notes = [f"torch.compile failed, eager plan kept: {type(e).__name__}: "
-                             f"{(str(e).strip().splitlines() or [''])[0][:200]}"]
-        if compile == "on" and compiled is None:
-            compile_notes.append("--compile on: no compiled micro-batch fits, so the plan runs eager")
-    elif compile == "auto":
-        compile_notes = [f"torch.compile not tried: {why_not}"]
-    others = sorted(((s, c) for s, c, _ in measured if c is not best), key=lambda m: -m[0])
-    reasons = [f"searched {len(ranked) + len([c for c in result.runners_up if c.samples_per_s == 0])} plans "
-               f"(precision x checkpointed blocks x micro-batch) in {result.seconds:.1f} s; "
-               f"verified {len(measured)} with real steps under the budget ({int(PROBE_HEADROOM * 100)}% headroom)",
-               f"{VERIFICATION}: {best.label()}: {verified_speed:.0f} samples/s"
-               + (f" (predicted {best.samples_per_s:.0f})" if best.samples_per_s
-                  else " (micro-batch halved from the prediction)")
-               + f", peak {format_bytes(best_probe.peak_reserved_bytes)} reserved: the fastest verified"]
-    if line is not None:
-        reasons.insert(1, f"calibrated with probes: {line.fixed_s * 1e3:.1f} ms per micro-batch + "
-                          f"{line.per_sample_s * 1e3:.3f} ms per sample ({ranked[0].precision}), candidates re-ranked")
-    reasons += [f"{VERIFICATION}: {c.label()}: {s:.0f} samples/s"
-                + (f" (predicted {c.samples_per_s:.0f})" if c.samples_per_s else "") for s, c in others]
-    reasons += [f"rejected {r}" for r in rejected]
-    reasons += compile_notes
-    reasons.append(_decision(best, verified_speed, others, compiled, retimed))
-    micro_batch, use_compile = best.micro_batch, compiled is not None
-    speed = None
-    if use_compile:
-        speed, micro_batch, blocks, best_probe = compiled
-    else:
+    return Verification(ranked, line, measured, rejected)
+
+
+# ---------------------------------------------------------------- stages 4 and 5: compile, retime
+
+def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n_blocks: int, compile: str,
+                       why_not: str | None) -> CompileOutcome:
+    """Stages 4 and 5 for the eager winner ``best``: its compiled variant
+    (:func:`compiled_variant`), retimed against it with ``compile="auto"`` (:func:`retime`).
+    ``why_not``: why ``torch.compile`` cannot run here (None: it can). A compiler failure with
+    ``compile="auto"`` leaves the model eager and says so.
+
+    Raises:
+        Exception: the compiler's own error, with ``compile="on"``.
+    """
+    if compile == "off" or why_not:
+        return CompileOutcome(None, None, [f"torch.compile not tried: {why_not}"] if compile == "auto" else [])
+    variant, retiming, notes = None, None, []
+    try:
+        found = compiled_variant(workload, best, budget_bytes, n_blocks)
+        variant, notes = found.variant, found.notes
+        if variant is not None and compile == "auto":
+            retiming = retime(workload, best, variant, budget_bytes)
+            notes = notes + [retiming.note]
+            variant = replace(variant, samples_per_s=retiming.compiled_samples_per_s) \
+                if retiming.compiled_kept else None
+    except Exception as e:  # a compiler failure: the verified eager plan stands
+        if compile == "on":
+            raise
         uncompile_model(workload.model)
-    set_activation_checkpointing(workload.model, False, ())
-    reasons.append(f"planning took {time.perf_counter() - t0:.1f} s")
-    return Plan(best.precision, micro_batch, E, bool(blocks), device="cuda", budget_bytes=budget_bytes,
-                reasons=tuple(reasons), probe_peak_reserved_bytes=best_probe.peak_reserved_bytes,
-                checkpoint_blocks=tuple(blocks) if 0 < len(blocks) < n else None,
-                predicted_peak_reserved_bytes=best.peak_reserved_bytes if not use_compile else None,
-                # compiled: the measured samples/s that decided (the estimator does not model
-                # compiled steps); eager: the search's prediction (None where it had none)
-                predicted_samples_per_s=speed if use_compile else best.samples_per_s or None, compile=use_compile)
+        release_memory()
+        variant = None
+        notes = [f"torch.compile failed, eager plan kept: {type(e).__name__}: "
+                 f"{(str(e).strip().splitlines() or [''])[0][:200]}"]
+    if compile == "on" and variant is None:
+        notes.append("--compile on: no compiled micro-batch fits, so the plan runs eager")
+    return CompileOutcome(variant, retiming, notes)
 
 
-def _decision(best, verified_speed: float, others: list, compiled, retimed) -> str:
-    """The reason line that names the timing which decided the plan.
-
-    Args:
-        best: the eager candidate fastest in the verification timing, at ``verified_speed``
-            samples/s; ``others``: ``(samples/s, candidate)`` of the other verified ones.
-        compiled: the compiled variant kept (samples/s first), or None.
-        retimed: ``(compiled samples/s, eager samples/s)`` of the side-by-side retiming, or None
-            when there was none.
-    """
-    if others:
-        s, c = others[0]
-        eager = (f"the verification timing chose {best.label()} at {verified_speed:.0f} samples/s, "
-                 f"{verified_speed / s:.2f}x the next ({c.label()}, {s:.0f})")
-    else:
-        eager = f"the verification timing had only {best.label()} at {verified_speed:.0f} samples/s"
-    if retimed is None:
-        if compiled is None:
-            return f"decided by: {eager}"
-        return (f"decided by: --compile on (the compiled variant, {compiled[0]:.0f} samples/s in its first "
-                f"timing after compilation, runs whatever its speed); among eager candidates {eager}")
-    c_speed, e_speed = retimed
-    kept = "compiled" if compiled is not None else "eager"
-    line = (f"decided by: {eager}; then the side-by-side retiming ({RETIMED_STEPS} timed steps each, the "
-            f"fastest) of it against its compiled variant kept {kept}: compiled {c_speed:.0f} vs eager "
-            f"{e_speed:.0f} samples/s")
-    above = [s for s, _ in others if s > e_speed] + ([verified_speed] if verified_speed > e_speed else [])
-    if above:
-        line += (f". The retimed eager figure ({e_speed:.0f}) is below verification figures "
-                 f"({', '.join(f'{s:.0f}' for s in sorted(above, reverse=True))}): the same step timed at another "
-                 f"moment (after compilation, with other CPU load and GPU clocks); figures are compared only "
-                 f"within one timing")
-    return line
-
-
-def _compiled_or_eager(workload: Workload, best, compiled, budget_bytes: int, notes: list):
-    """Time the eager winner and the compiled variant again, side by side with more steps each
-    (the compiled variant's first probes ran right after compilation), and keep the faster.
-    A retime that no longer fits the headroom counts as 0 samples/s.
-
-    Returns:
-        ``(compiled or None, (compiled samples/s, eager samples/s), notes)``; the compiled
-        entry carries its retimed samples/s; the model is left compiled only if the compiled
-        variant won.
-    """
+def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget_bytes: int) -> Retiming:
+    """Stage 5: time the eager winner and the compiled variant again, side by side with more
+    steps each (the compiled variant's first probes ran right after compilation). A retime that
+    no longer fits the headroom counts as 0 samples/s. The model is left compiled only if the
+    compiled variant is faster."""
     E, model = workload.effective_batch, workload.model
 
-    def retime(mb, blocks):
+    def timed(mb: int, blocks: tuple) -> float:
         set_activation_checkpointing(model, bool(blocks), blocks)
         pr = probe_step(workload, mb, best.precision, budget_bytes, timed_steps=RETIMED_STEPS)
         return _samples_per_s(pr, E) if pr.fits else 0.0
 
-    c_speed = retime(compiled[1], compiled[2])
+    c_speed = timed(variant.micro_batch, variant.checkpoint_blocks)
     uncompile_model(model)
-    e_speed = retime(best.micro_batch, best.checkpoint_blocks)
+    e_speed = timed(best.micro_batch, best.checkpoint_blocks)
     note = (f"retimed side by side ({RETIMED_STEPS} timed steps each, the fastest): compiled {c_speed:.0f} vs "
             f"eager {e_speed:.0f} samples/s" + (" (no longer within the headroom)" if not (c_speed and e_speed) else ""))
-    if c_speed <= e_speed or c_speed == 0:
-        return None, (c_speed, e_speed), notes + [note + ": eager kept"]
+    retiming = Retiming(c_speed, e_speed, note)
+    if not retiming.compiled_kept:
+        return replace(retiming, note=note + ": eager kept")
     compile_model(model)
-    return (c_speed,) + tuple(compiled[1:]), (c_speed, e_speed), notes + [note + ": compiled kept"]
+    return replace(retiming, note=note + ": compiled kept")
 
 
-def compiled_variant(workload: Workload, best, budget_bytes: int, n_blocks: int):
-    """Try ``best`` (a verified eager candidate) compiled, with as few micro-batches as fit
-    (compiled steps keep fewer intermediates, so a larger micro-batch may fit than in eager mode).
+def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_blocks: int) -> CompileSearch:
+    """Stage 4: try ``best`` (a verified eager candidate) compiled, with as few micro-batches as
+    fit (compiled steps keep fewer intermediates, so a larger micro-batch may fit than in eager
+    mode).
 
     Micro-batch counts ``k`` run from 1 to the eager plan's count (micro-batch ``ceil(E / k)``);
     the smallest ``k`` that fits with the most checkpointing on offer is found first (``k = 1``,
@@ -299,60 +391,125 @@ def compiled_variant(workload: Workload, best, budget_bytes: int, n_blocks: int)
     fit, by bisection over the block count; when it needed checkpointing, the next count is
     tried too (fewer blocks, one more micro-batch), and the faster is kept. A model compiled
     whole keeps ``best``'s blocks (another set would recompile). One compiled graph (dynamic
-    micro-batch dimension) serves all probes.
-
-    Returns:
-        ``((samples/s, micro-batch, checkpointed blocks, probe) or None, reasons)``: None when
-        nothing fits; the model is left compiled only if not None.
+    micro-batch dimension) serves all probes. The model is left compiled only if a variant fits.
     """
-    E = workload.effective_batch
-    model = workload.model
+    E, model = workload.effective_batch, workload.model
     regional = compile_scope(model) == "blocks"
     compile_model(model)
     t0 = time.perf_counter()
     tried, probes = [], {}
 
-    def probe(mb, blocks):
-        key = (mb, blocks)
-        if key not in probes:
+    def probe(mb: int, blocks: tuple) -> ProbeResult:
+        if (mb, blocks) not in probes:
             set_activation_checkpointing(model, bool(blocks), blocks)
-            pr = probes[key] = probe_step(workload, mb, best.precision, budget_bytes, timed_steps=VERIFIED_STEPS)
-            tried.append(f"{mb} x {math.ceil(E / mb)}, {len(blocks)} blocks: {_peak(pr)}")
-        return probes[key]
+            pr = probes[mb, blocks] = probe_step(workload, mb, best.precision, budget_bytes,
+                                                 timed_steps=VERIFIED_STEPS)
+            tried.append(f"{mb} x {accumulation_steps(E, mb)}, {len(blocks)} blocks: {_peak(pr)}")
+        return probes[mb, blocks]
 
     most = tuple(range(n_blocks)) if regional else best.checkpoint_blocks
+    found = _compiled_candidates(E, best.micro_batch, n_blocks, most, regional, probe)
+    seconds = time.perf_counter() - t0
+    scope = "each block" if regional else "whole model"
+    if not found:
+        uncompile_model(model)
+        return CompileSearch(None, [f"torch.compile ({scope}, {seconds:.0f} s incl. compilation): nothing fits "
+                                    f"(probed {'; '.join(tried)})"])
+    v = max(found, key=lambda f: f.samples_per_s)
+    return CompileSearch(v, [
+        f"torch.compile ({scope}): {v.samples_per_s:.0f} samples/s in its first timing after compilation "
+        f"({VERIFIED_STEPS} timed steps, the fastest) at micro-batch {v.micro_batch} with "
+        f"{len(v.checkpoint_blocks)} checkpointed blocks ({seconds:.0f} s incl. compilation; probed {'; '.join(tried)})"])
 
-    def fewest_blocks(mb):  # the fewest checkpointed blocks that fit at mb, or None
+
+def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tuple, regional: bool,
+                         probe) -> list[CompiledVariant]:
+    """The compiled variants that fit (none, one, or two to compare), by ``probe(mb, blocks)``:
+    at the fewest micro-batches that fit with ``most`` blocks checkpointed, and, where that
+    needed checkpointing and blocks are compiled one by one, at one more micro-batch."""
+    counts = sorted({accumulation_steps(E, micro_batch_for(E, k))
+                     for k in range(1, accumulation_steps(E, eager_micro_batch) + 1)})
+
+    def fits(i: int) -> bool:  # count i fits with the most checkpointing: true from some i on
+        return probe(micro_batch_for(E, counts[i]), most).fits
+
+    def fewest_blocks(mb: int) -> tuple | None:  # the fewest checkpointed blocks that fit at mb, or None
         if not probe(mb, most).fits:
             return None
         if not regional:
             return most
-        return tuple(range(_first_true(0, n_blocks, lambda c: probe(mb, tuple(range(c))).fits)))
-
-    found = []
-    counts = sorted({math.ceil(E / math.ceil(E / k)) for k in range(1, math.ceil(E / best.micro_batch) + 1)})
-
-    def fits(i):  # count i fits with the most checkpointing: true from some i on
-        return probe(math.ceil(E / counts[i]), most).fits
+        return tuple(range(bisect(n_blocks, -1, lambda c: probe(mb, tuple(range(c))).fits)))
 
     # the first count that fits: k = 1, else bisection (each miss is an out-of-memory probe)
-    first = 0 if fits(0) else _first_true(1, len(counts) - 1, fits)
+    first = 0 if fits(0) else bisect(len(counts) - 1, 0, fits)
+    found = []
     for k in counts[first:]:
-        mb = math.ceil(E / k)
+        mb = micro_batch_for(E, k)
         blocks = fewest_blocks(mb)
         if blocks is None:
             continue
         pr = probe(mb, blocks)
-        found.append((_samples_per_s(pr, E), mb, blocks, pr))
+        found.append(CompiledVariant(_samples_per_s(pr, E), mb, blocks, pr))
         if not regional or not blocks or len(found) == 2:
             break
-    seconds = time.perf_counter() - t0
-    result = max(found, key=lambda f: f[0]) if found else None
-    scope = "each block" if regional else "whole model"
-    if result is None:
-        uncompile_model(model)
-        return None, [f"torch.compile ({scope}, {seconds:.0f} s incl. compilation): nothing fits "
-                      f"(probed {'; '.join(tried)})"]
-    return result, [f"torch.compile ({scope}): {result[0]:.0f} samples/s in its first timing after compilation "
-                    f"({VERIFIED_STEPS} timed steps, the fastest) at micro-batch {result[1]} with "
-                    f"{len(result[2])} checkpointed blocks ({seconds:.0f} s incl. compilation; probed {'; '.join(tried)})"]
+    return found
+
+
+# ---------------------------------------------------------------- the plan's reasons
+
+def _reasons(result: SearchResult, verification: Verification, outcome: CompileOutcome) -> list[str]:
+    """The plan's reason lines: what was searched and verified, each verified speed with its
+    timing, the rejected candidates, the compile stage's notes and the ``decided by:`` line."""
+    v = verification
+    best, measured = v.best, v.measured
+    c = best.candidate
+    searched = len(v.ranked) + len([r for r in result.runners_up if r.samples_per_s == 0])
+    reasons = [f"searched {searched} plans (precision x checkpointed blocks x micro-batch) in {result.seconds:.1f} s; "
+               f"verified {len(measured)} with real steps under the budget ({int(PROBE_HEADROOM * 100)}% headroom)",
+               f"{VERIFICATION}: {c.label()}: {best.samples_per_s:.0f} samples/s"
+               + (f" (predicted {c.samples_per_s:.0f})" if c.samples_per_s
+                  else " (micro-batch halved from the prediction)")
+               + f", peak {format_bytes(best.probe.peak_reserved_bytes)} reserved: the fastest verified"]
+    if v.line is not None:
+        reasons.insert(1, f"calibrated with probes: {v.line.fixed_s * 1e3:.1f} ms per micro-batch + "
+                          f"{v.line.per_sample_s * 1e3:.3f} ms per sample ({v.ranked[0].precision}), "
+                          f"candidates re-ranked")
+    reasons += [f"{VERIFICATION}: {m.candidate.label()}: {m.samples_per_s:.0f} samples/s"
+                + (f" (predicted {m.candidate.samples_per_s:.0f})" if m.candidate.samples_per_s else "")
+                for m in v.others]
+    reasons += [f"rejected {r}" for r in v.rejected]
+    reasons += outcome.notes
+    reasons.append(_decision(v, outcome))
+    return reasons
+
+
+def _decision(verification: Verification, outcome: CompileOutcome) -> str:
+    """The reason line that names the timing which decided the plan: the verification timing
+    among eager candidates, then the side-by-side retiming against the compiled variant where
+    there was one, or ``--compile on``."""
+    best, others = verification.best, verification.others
+    label, speed = best.candidate.label(), best.samples_per_s
+    if others:
+        o = others[0]
+        eager = (f"the verification timing chose {label} at {speed:.0f} samples/s, "
+                 f"{speed / o.samples_per_s:.2f}x the next ({o.candidate.label()}, {o.samples_per_s:.0f})")
+    else:
+        eager = f"the verification timing had only {label} at {speed:.0f} samples/s"
+    retimed, compiled = outcome.retiming, outcome.variant
+    if retimed is None:
+        if compiled is None:
+            return f"decided by: {eager}"
+        return (f"decided by: --compile on (the compiled variant, {compiled.samples_per_s:.0f} samples/s in its "
+                f"first timing after compilation, runs whatever its speed); among eager candidates {eager}")
+    c_speed, e_speed = retimed.compiled_samples_per_s, retimed.eager_samples_per_s
+    kept = "compiled" if compiled is not None else "eager"
+    line = (f"decided by: {eager}; then the side-by-side retiming ({RETIMED_STEPS} timed steps each, the "
+            f"fastest) of it against its compiled variant kept {kept}: compiled {c_speed:.0f} vs eager "
+            f"{e_speed:.0f} samples/s")
+    above = [o.samples_per_s for o in others if o.samples_per_s > e_speed] + ([speed] if speed > e_speed else [])
+    if above:
+        line += (f". The retimed eager figure ({e_speed:.0f}) is below verification figures "
+                 f"({', '.join(f'{s:.0f}' for s in sorted(above, reverse=True))}): the same step timed at another "
+                 f"moment (after compilation, with other CPU load and GPU clocks); figures are compared only "
+                 f"within one timing")
+    return line

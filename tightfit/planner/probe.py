@@ -18,16 +18,18 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.precision import autocast, check_precision, fallback_precisions, preferred_precision
-from ..plan import Plan
+from ..plan import Plan, accumulation_steps, balanced_micro_batch
 from ..memory.oom import is_oom, release_memory
 from ..memory.step import module_mode, training_loss, training_step
 from ..rng import capture_rng, restore_rng
 from ..units import format_bytes
 from ..workload import Workload
+from .bisection import bisect
+from .margins import HEADROOM
 
-# Keep this share of the budget free at the probe's peak: fragmentation grows over the first
-# steps and real batches differ from the probe's, so a probe that only just fits is rejected.
-PROBE_HEADROOM = 0.05
+# The share of the budget a probe's measured peak must leave free: the planner's one headroom,
+# the same that predictions are held to (:mod:`.margins` says why and where each margin applies).
+PROBE_HEADROOM = HEADROOM
 
 
 @dataclass(frozen=True)
@@ -118,31 +120,31 @@ def _probe_once(workload: Workload, micro_batch: int, precision: str, device, op
 
 
 def largest_micro_batch(workload: Workload, precision: str, budget_bytes: int, upper: int) -> ProbeResult | None:
-    """Binary search for the largest micro-batch in ``[1, upper]`` whose probe fits.
+    """The largest micro-batch in ``[1, upper]`` whose probe step fits (:func:`probe_step`):
+    ``upper`` first, then bisection (:func:`.bisection.bisect`; each miss is an out-of-memory
+    probe).
+
+    Args:
+        precision: ``fp32|fp16|bf16``; ``budget_bytes``: the budget (bytes); ``upper``: samples.
 
     Returns:
         The probe of the largest fitting micro-batch, or None if even 1 does not fit.
+
+    Raises:
+        Any non-OOM error of a probe step, unchanged.
     """
-    best = None
     first = probe_step(workload, upper, precision, budget_bytes)
     if first.fits:
         return first
-    lo, hi = 0, upper  # lo fits (0 trivially), hi does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        r = probe_step(workload, mid, precision, budget_bytes)
+    fitting: dict[int, ProbeResult] = {}
+
+    def fits(micro_batch: int) -> bool:
+        r = probe_step(workload, micro_batch, precision, budget_bytes)
         if r.fits:
-            lo, best = mid, r
-        else:
-            hi = mid
-    return best
+            fitting[micro_batch] = r
+        return r.fits
 
-
-def balanced_micro_batch(effective_batch: int, largest: int) -> int:
-    """Smallest micro-batch with the same number of accumulation steps as ``largest``: e.g. 32
-    samples with at most 20 per pass -> 2 passes of 16 rather than 20 + 12 (same work, lower peak)."""
-    steps = math.ceil(effective_batch / largest)
-    return math.ceil(effective_batch / steps)
+    return fitting.get(bisect(0, upper, fits))  # 0 fits trivially, upper does not
 
 
 def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, budget_bytes: int | None,
@@ -191,7 +193,7 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
                        f"(fp16/bf16 halve activation memory)"]
             reasons.append(f"largest micro-batch that fits {format_bytes(budget_bytes)} (probe step, "
                            f"{int(PROBE_HEADROOM * 100)}% headroom): {best.micro_batch} -> {mb} x "
-                           f"{math.ceil(E / mb)} accumulation steps = effective batch {E}")
+                           f"{accumulation_steps(E, mb)} accumulation steps = effective batch {E}")
             reasons.append("activation checkpointing on: nothing fits without it" if ckpt and checkpointing == "auto"
                            else f"activation checkpointing {'on' if ckpt else 'off'}"
                            + (" (asked for)" if checkpointing != "auto" else ": not needed to fit"))

@@ -1,32 +1,40 @@
-"""Plan search: the fastest plan whose predicted peak memory fits the budget.
+"""Plan search without a GPU: the fastest plan whose predicted peak memory fits the budget.
 
-For each precision the card allows and each number of checkpointed blocks (none, a quarter,
-half, three quarters, all -- the first blocks first, since every block of a stack recomputes at
-the same cost and the earliest hold their activations longest), find the largest micro-batch
-that fits ``budget x (1 - headroom)`` (memory from the estimator, :mod:`tightfit.memory`),
-balance it over the accumulation steps, and predict samples/s (:mod:`.cost`). The winner is the
-fastest; the runners-up are the best of every other (precision, checkpointing) and say why they
-lost. Memory for any micro-batch comes from two traces per (precision, checkpointing), since
-every byte that grows with the micro-batch grows linearly; the winner is then traced exactly.
+The planner is one pipeline of named stages; this module holds the two that need no GPU, and
+:mod:`.gpu` the three that do:
+
+1. **enumerate** (:func:`enumerate_candidates`): for each precision the card allows and each
+   number of checkpointed blocks (the first blocks first, since every block of a stack
+   recomputes at the same cost and the earliest hold their activations longest), the largest
+   micro-batch that fits the planned limit (:mod:`.margins`) by the memory lines
+   (:mod:`tightfit.memory.fast`, two exact estimates per precision and end of the block range),
+   balanced over the accumulation steps, with its predicted samples/s (:mod:`.cost`). Per
+   number of micro-batches only the fewest blocks that reach it is a candidate.
+2. **predict** (:func:`predict`): trace the candidates exactly (:mod:`tightfit.memory`), in
+   predicted order, while the next one could still beat the best traced so far; one that does
+   not fit checkpoints more blocks or shrinks. Then :func:`rank` names the winner and says why
+   every runner-up lost.
+3. **verify on the GPU**, 4. **compile**, 5. **retime**: :mod:`.gpu`.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.precision import check_precision, preferred_precision
-from ..plan import Plan
+from ..memory.fast import BlockLines
+from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes
 from .advice import nothing_fits_lines
 from .cost import TimeModel, forward_cost
+from .margins import CHECKPOINTED_RESERVED_MARGIN, HEADROOM, estimator_margin_bytes, planned_limit
 
-# Budget share left free for fragmentation growth over the first steps and for batches that
-# differ from the traced one.
-HEADROOM = 0.05
+# ``(precision, micro_batch, checkpoint_blocks) -> MemoryEstimate``: an exact estimate of one step.
+EstimateFn = Callable
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class Candidate:
         return d
 
     def label(self) -> str:
+        """``"bf16, checkpointing 2 blocks, micro-batch 32"`` (the precision alone if not searched)."""
         if self.micro_batch is None:  # a precision that was not searched
             return self.precision
         ck = len(self.checkpoint_blocks)
@@ -78,7 +87,16 @@ class Candidate:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """The winner, the runners-up, and the search's own facts."""
+    """The winner, the runners-up, and the search's own facts.
+
+    Attributes:
+        best: the winner (its ``why`` says why it won).
+        runners_up: every other candidate, fastest first, then those that do not fit.
+        budget_bytes: the budget planned for, bytes.
+        effective_batch: samples per optimizer step.
+        n_blocks: the model's repeated blocks.
+        seconds: wall time of the search.
+    """
 
     best: Candidate
     runners_up: list[Candidate]
@@ -90,11 +108,10 @@ class SearchResult:
     def to_plan(self, device: str = "cuda") -> Plan:
         """The winner as a :class:`~tightfit.plan.Plan` (checkpointing on if any block is)."""
         b = self.best
-        partial = 0 < len(b.checkpoint_blocks) < self.n_blocks
-        return Plan(b.precision, b.micro_batch, self.effective_batch, bool(b.checkpoint_blocks), device=device,
-                    budget_bytes=self.budget_bytes, reasons=(b.why,),
-                    checkpoint_blocks=tuple(b.checkpoint_blocks) if partial else None,
-                    predicted_peak_reserved_bytes=b.peak_reserved_bytes, predicted_samples_per_s=b.samples_per_s)
+        return plan_with_blocks(b.precision, b.micro_batch, self.effective_batch, b.checkpoint_blocks, self.n_blocks,
+                                device=device, budget_bytes=self.budget_bytes, reasons=(b.why,),
+                                predicted_peak_reserved_bytes=b.peak_reserved_bytes,
+                                predicted_samples_per_s=b.samples_per_s)
 
     def to_dict(self) -> dict:
         """JSON: ``plan``, ``budget_bytes``, ``predicted_peak_bytes`` (reserved),
@@ -110,10 +127,73 @@ class SearchResult:
                 "planning_seconds": self.seconds}
 
 
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search ranges over and the facts it ranks by.
+
+    Attributes:
+        precisions: the precisions to search, the card's preferred one first (ties go to it).
+        first_blocks, last_blocks: the fewest and most blocks checkpointed (the first ones).
+        n_blocks: the model's repeated blocks.
+        effective_batch: samples per optimizer step.
+        budget_bytes, limit: the budget and the planned limit under it (bytes, :mod:`.margins`).
+        headroom: the share of the budget kept free.
+        grad_bytes: the trainable parameters' gradients, bytes (held across micro-batches).
+        time_model: predicts samples/s.
+    """
+
+    precisions: list[str]
+    first_blocks: int
+    last_blocks: int
+    n_blocks: int
+    effective_batch: int
+    budget_bytes: int
+    limit: float
+    headroom: float
+    grad_bytes: int
+    time_model: TimeModel
+
+    def is_end(self, k: int) -> bool:
+        """Whether ``k`` checkpointed blocks is an end of the range (where lines are traced)."""
+        return k in (self.first_blocks, self.last_blocks)
+
+
+@dataclass(frozen=True)
+class Enumeration:
+    """Stage 1's output: every candidate, and the memory lines they were read from.
+
+    Attributes:
+        candidates: fitting ones (by the lines), those that do not fit at micro-batch 1, and
+            precisions not searched, in enumeration order.
+        lines: per searched precision, the lines of every number of checkpointed blocks.
+    """
+
+    candidates: list[Candidate]
+    lines: dict[str, BlockLines]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Stage 2's output before ranking.
+
+    Attributes:
+        traced: candidates whose memory was traced exactly and fits, in tracing order.
+        evaluated: the enumeration's candidates, those found not to fit when traced exactly
+            moved to the end as "does not fit".
+    """
+
+    traced: list[Candidate]
+    evaluated: list[Candidate]
+
+
 def candidate_precisions(profile: DeviceProfile, precision: str = "auto") -> list[str]:
     """Precisions to search: the user's, or every one the card runs natively (bf16 only at
     compute capability >= 8.0; fp16 from 5.3) -- the time model decides between them, so fp16
-    on a card without tensor cores wins only where memory makes it pay."""
+    on a card without tensor cores wins only where memory makes it pay.
+
+    Raises:
+        TightfitError: an explicit precision the card cannot run.
+    """
     if precision != "auto":
         check_precision(precision, profile)
         return [precision]
@@ -123,41 +203,11 @@ def candidate_precisions(profile: DeviceProfile, precision: str = "auto") -> lis
     return [first] + [p for p in ("fp32", "fp16") if p != first and profile.compute_capability >= (5, 3)]
 
 
-@dataclass(frozen=True)
-class _MemoryLine:
-    """Predicted peak reserved bytes ``intercept + slope x micro_batch`` for one (precision,
-    checkpointed blocks): every byte that grows with the micro-batch grows linearly."""
-
-    intercept: float
-    slope: float
-
-    @classmethod
-    def traced(cls, estimate_fn, precision: str, blocks: tuple[int, ...], at=(4, 16)) -> "_MemoryLine":
-        """The line through exact traces at two micro-batches."""
-        a, b = (estimate_fn(precision, m, blocks).peak_reserved_bytes for m in at)
-        slope = (b - a) / (at[1] - at[0])
-        return cls(a - slope * at[0], slope)
-
-    def blend(self, other: "_MemoryLine", f: float) -> "_MemoryLine":
-        """The line a share ``f`` of the way to ``other`` (memory falls linearly with the
-        number of blocks checkpointed)."""
-        return _MemoryLine(self.intercept + f * (other.intercept - self.intercept),
-                           self.slope + f * (other.slope - self.slope))
-
-    def reserved(self, micro_batch: int) -> float:
-        return self.intercept + self.slope * micro_batch
-
-    def largest_fitting(self, limit: float, upper: int) -> int:
-        """Largest micro-batch in ``[1, upper]`` whose predicted peak is at most ``limit`` (0: none)."""
-        if self.slope <= 0:
-            return upper if self.reserved(upper) <= limit else 0
-        return max(0, min(upper, int((limit - self.intercept) / self.slope)))
-
-
 def search(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
-           estimate_fn, precision: str = "auto", headroom: float = HEADROOM,
+           estimate_fn: EstimateFn, precision: str = "auto", headroom: float = HEADROOM,
            checkpointing: str = "auto", estimator_at=None) -> SearchResult:
-    """Find the fastest plan that fits.
+    """Find the fastest plan that fits: :func:`enumerate_candidates`, then :func:`predict`, then
+    :func:`rank`.
 
     Args:
         model: the ``nn.Module`` (meta or real; not modified).
@@ -165,198 +215,296 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
         size: sequence length or image size.
         effective_batch: samples per optimizer step.
         profile: the card (precision rules and rates).
-        budget_bytes: memory the step may use (reserved).
+        budget_bytes: memory the step may use (reserved), bytes.
         estimate_fn: ``(precision, micro_batch, checkpoint_blocks) -> MemoryEstimate``.
+        headroom: share of the budget kept free (:mod:`.margins`).
         checkpointing: ``"auto"`` (search), ``"off"`` (none) or ``"on"`` (all blocks).
         estimator_at: ``(size, effective_batch) -> estimate_fn``, used only when nothing fits, to
             find what does (:func:`.advice.nothing_fits_lines`); None: only the levers are given.
 
     Raises:
-        TightfitError: nothing fits, even at micro-batch 1 with every block checkpointed; the
+        TightfitError: nothing fits, even at micro-batch 1 with every block checkpointed (the
             message says by how many bytes, what the model state costs, what fits instead and
-            which levers would make it fit.
+            which levers would make it fit); an unknown ``checkpointing``; a ``precision`` the
+            card cannot run.
     """
-    from ..levers.blocks import find_blocks
-
     t0 = time.perf_counter()
-    traced = {}
-    exact = estimate_fn
+    estimate_fn = _traced_once(estimate_fn)
+    space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
+                         checkpointing)
+    prediction = predict(space, enumerate_candidates(space, estimate_fn), estimate_fn)
+    if not prediction.traced:
+        skipped = [c.precision for c in prediction.evaluated if c.micro_batch is None]
+        if skipped:  # the slow precision is needed for memory after all
+            return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
+                          precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
+                          estimator_at=estimator_at)
+        _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at)
+    return rank(space, prediction, time.perf_counter() - t0)
 
-    def estimate_fn(precision, micro_batch, blocks):  # noqa: F811 -- each point is traced once
+
+def _traced_once(estimate_fn: EstimateFn) -> EstimateFn:
+    """``estimate_fn`` remembering its answers: each (precision, micro-batch, blocks) is traced once."""
+    traced = {}
+
+    def fn(precision, micro_batch, blocks):
         key = (precision, micro_batch, tuple(blocks))
         if key not in traced:
-            traced[key] = exact(precision, micro_batch, blocks)
+            traced[key] = estimate_fn(precision, micro_batch, blocks)
         return traced[key]
+
+    return fn
+
+
+def search_space(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
+                 precision: str = "auto", headroom: float = HEADROOM, checkpointing: str = "auto") -> SearchSpace:
+    """The :class:`SearchSpace` of a workload on a card (one meta trace of the forward for the
+    time model). Arguments as :func:`search`.
+
+    Raises:
+        TightfitError: an unknown ``checkpointing``, or a ``precision`` the card cannot run.
+    """
+    from ..levers.blocks import find_blocks
 
     n_blocks = len(find_blocks(model))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks))
-    limit = budget_bytes * (1 - headroom)
-    # Blocks checkpointed: any number from 0 to n ("auto"); per number of micro-batches only the
-    # fewest blocks that reach it is a candidate (more would only add recomputation).
-    ks = {"auto": [0, n_blocks], "off": [0], "on": [n_blocks]}[checkpointing]
-    evaluated: list[Candidate] = []
-    curves = {}  # precision -> memory line of k checkpointed blocks
-    precisions = candidate_precisions(profile, precision)
-    for prec in precisions:
-        if (prec != precisions[0] and tm.rate(prec) < tm.rate(precisions[0]) / 2
-                and any(c.samples_per_s > 0 for c in evaluated)):
-            # a much slower precision (fp16 on Pascal: 1/64) is only for memory: skip it when
-            # something already fits (DESIGN invariant 7)
-            evaluated.append(Candidate(prec, None, None, None, None, None,
-                                       why=f"not searched: {tm.rate(prec) / tm.rate(precisions[0]):.3g}x the "
-                                           f"{precisions[0]} rate on this card, and {precisions[0]} fits"))
+    ends = {"auto": (0, n_blocks), "off": (0, 0), "on": (n_blocks, n_blocks)}.get(checkpointing)
+    if ends is None:
+        raise TightfitError(f"unknown checkpointing {checkpointing!r}; use auto, on or off")
+    return SearchSpace(candidate_precisions(profile, precision), ends[0], ends[1], n_blocks, effective_batch,
+                       budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm)
+
+
+# ---------------------------------------------------------------- stage 1: enumerate
+
+def enumerate_candidates(space: SearchSpace, estimate_fn: EstimateFn) -> Enumeration:
+    """Stage 1: per precision, the candidates the memory lines say fit (the fewest blocks per
+    number of micro-batches), and where even micro-batch 1 does not fit, a "does not fit" one.
+    A much slower precision (fp16 on Pascal: 1/64 of the rate) is only for memory: it is not
+    searched once something fits (DESIGN invariant 7).
+
+    Raises:
+        What ``estimate_fn`` raises.
+    """
+    tm, first = space.time_model, space.precisions[0]
+    candidates: list[Candidate] = []
+    lines = {}
+    for prec in space.precisions:
+        if prec != first and tm.rate(prec) < tm.rate(first) / 2 and any(c.samples_per_s > 0 for c in candidates):
+            candidates.append(Candidate(prec, None, None, None, None, None,
+                                        why=f"not searched: {tm.rate(prec) / tm.rate(first):.3g}x the "
+                                            f"{first} rate on this card, and {first} fits"))
             continue
-        lo = _MemoryLine.traced(estimate_fn, prec, tuple(range(ks[0])))
-        hi = _MemoryLine.traced(estimate_fn, prec, tuple(range(ks[-1]))) if len(ks) > 1 else lo
-        curves[prec] = (lambda k, lo=lo, hi=hi: lo.blend(hi, (k - ks[0]) / (ks[-1] - ks[0])) if len(ks) > 1 else lo)
-        frontier: dict[int, Candidate] = {}  # accumulation steps -> fewest blocks that reach them
-        for k in range(ks[0], ks[-1] + 1):
-            curve = curves[prec](k)
-            m = curve.largest_fitting(limit, effective_batch)
-            peak_at = {}  # exact peaks where the line is not to be trusted
-            if k in (ks[0], ks[-1]):
-                # The line comes from traces at micro-batches 4 and 16; at the ends of the range
-                # the step differs in kind: one micro-batch holds no gradients across micro-
-                # batches (estimator_for adds them only when accumulating), and below 4 the
-                # line extrapolates. Trace those ends exactly when the answer could change.
-                if m < effective_batch and curve.reserved(effective_batch) - grad_bytes <= limit:
-                    peak_at[effective_batch] = estimate_fn(prec, effective_batch, tuple(range(k))).peak_reserved_bytes
-                    m = effective_batch if peak_at[effective_batch] <= limit else m
-                if m == 0:
-                    peak_at[1] = estimate_fn(prec, 1, tuple(range(k))).peak_reserved_bytes
-                    m = 1 if peak_at[1] <= limit else 0
-            if m == 0:
-                if k in (ks[0], ks[-1]):  # why fewer blocks lose, or nothing fits
-                    evaluated.append(Candidate(prec, 1, tuple(range(k)), effective_batch, peak_at[1],
-                                               None, why=f"does not fit: {format_bytes(peak_at[1])} "
-                                                         f"at micro-batch 1"))
-                continue
-            steps = math.ceil(effective_batch / m)
-            if steps in frontier:  # more recomputation for the same number of micro-batches
-                continue
-            mb = math.ceil(effective_batch / steps)  # balanced windows
-            frontier[steps] = Candidate(prec, mb, tuple(range(k)), steps, int(peak_at.get(mb, curve.reserved(mb))),
-                                        None, samples_per_s=tm.samples_per_s(prec, mb, effective_batch, k))
-        evaluated.extend(frontier.values())
-    order = candidate_precisions(profile, precision)  # ties go to the card's preferred precision
+        lines[prec] = BlockLines.traced(estimate_fn, prec, space.first_blocks, space.last_blocks)
+        candidates += _frontier(space, prec, lines[prec], estimate_fn)
+    return Enumeration(candidates, lines)
+
+
+def _frontier(space: SearchSpace, prec: str, lines: BlockLines, estimate_fn: EstimateFn) -> list[Candidate]:
+    """The candidates of one precision: per number of micro-batches, the fewest checkpointed
+    blocks that reach it (more would only add recomputation); plus, at an end of the block
+    range where even micro-batch 1 does not fit, a candidate saying so."""
+    E = space.effective_batch
+    frontier: dict[int, Candidate] = {}  # accumulation steps -> fewest blocks that reach them
+    out = []
+    for k in range(space.first_blocks, space.last_blocks + 1):
+        line = lines(k)
+        fit = _largest_fitting(space, prec, k, line, estimate_fn)
+        exact = fit.exact_peaks
+        if fit.micro_batch == 0:
+            if space.is_end(k):  # why fewer blocks lose, or nothing fits
+                out.append(Candidate(prec, 1, tuple(range(k)), E, exact[1], None,
+                                     why=f"does not fit: {format_bytes(exact[1])} at micro-batch 1"))
+            continue
+        steps = accumulation_steps(E, fit.micro_batch)
+        if steps in frontier:  # more recomputation for the same number of micro-batches
+            continue
+        mb = micro_batch_for(E, steps)  # balanced windows
+        frontier[steps] = Candidate(prec, mb, tuple(range(k)), steps, int(exact.get(mb, line.reserved(mb))), None,
+                                    samples_per_s=space.time_model.samples_per_s(prec, mb, E, k))
+    return out + list(frontier.values())
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """The largest micro-batch that fits (0: none), and the exact peaks (reserved bytes by
+    micro-batch) traced to find it."""
+
+    micro_batch: int
+    exact_peaks: dict
+
+
+def _largest_fitting(space: SearchSpace, prec: str, k: int, line, estimate_fn: EstimateFn) -> _Fit:
+    """The largest micro-batch that fits the limit with the first ``k`` blocks checkpointed,
+    by ``line`` (:class:`~tightfit.memory.fast.MemoryLine`), and where the line is not to be
+    trusted, by exact traces.
+
+    The line comes from traces at micro-batches 4 and 16; at the ends of the block range the
+    step differs in kind at both ends of the micro-batch range: one micro-batch holds no
+    gradients across micro-batches (:func:`estimator_for` adds them only when accumulating), and
+    below 4 the line extrapolates. Those ends are traced exactly when the answer could change.
+    """
+    E, limit = space.effective_batch, space.limit
+    m = line.largest_fitting(limit, E)
+    exact: dict[int, int] = {}
+    if space.is_end(k):
+        if m < E and line.reserved(E) - space.grad_bytes <= limit:
+            exact[E] = estimate_fn(prec, E, tuple(range(k))).peak_reserved_bytes
+            m = E if exact[E] <= limit else m
+        if m == 0:
+            exact[1] = estimate_fn(prec, 1, tuple(range(k))).peak_reserved_bytes
+            m = 1 if exact[1] <= limit else 0
+    return _Fit(m, exact)
+
+
+# ---------------------------------------------------------------- stage 2: predict
+
+def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateFn) -> Prediction:
+    """Stage 2: trace the candidates that fit by the lines exactly, fastest predicted first.
+    One that does not fit is tried with more blocks checkpointed at its micro-batch
+    (:func:`_more_blocks`) and shrunk (:func:`_shrink`); both results compete. A shrunk plan is
+    slower, so tracing stops once the next candidate's prediction -- an upper bound -- cannot
+    beat the best traced so far.
+
+    Raises:
+        What ``estimate_fn`` raises.
+    """
+    order = space.precisions  # ties go to the card's preferred precision
+    evaluated = list(enumeration.candidates)
     fitting = sorted((c for c in evaluated if c.samples_per_s > 0),
                      key=lambda c: (-round(c.samples_per_s, 6), order.index(c.precision), len(c.checkpoint_blocks)))
-    # Trace candidates exactly in predicted order; one that does not fit shrinks (and slows), so
-    # go on while the next one's prediction -- an upper bound -- could still beat the best so far.
-    verified: list[Candidate] = []
+    traced: list[Candidate] = []
     for cand in fitting:
-        if verified and cand.samples_per_s <= max(v.samples_per_s for v in verified):
+        if traced and cand.samples_per_s <= max(v.samples_per_s for v in traced):
             break
-        more = _more_blocks(cand, curves[cand.precision], ks[-1], estimate_fn, limit, effective_batch, tm)
+        more = _more_blocks(space, cand, enumeration.lines[cand.precision], estimate_fn)
         if more is not None:  # the same micro-batches with more blocks checkpointed: may beat shrinking
-            verified.append(more)
+            traced.append(more)
             if more.checkpoint_blocks == cand.checkpoint_blocks:
                 continue  # it fit as predicted
-        got = _verify(cand, estimate_fn, limit, effective_batch, tm)
+        got = _shrink(space, cand, estimate_fn)
         if isinstance(got, Candidate):
-            verified.append(got)
+            traced.append(got)
             continue
-        evaluated = [c for c in evaluated if c is not cand] + [Candidate(**{
-            **asdict(cand), "micro_batch": 1, "peak_reserved_bytes": got, "samples_per_s": 0.0,
-            "why": f"does not fit when traced exactly: {format_bytes(got)} at micro-batch 1"})]
-    skipped = [c.precision for c in evaluated if c.micro_batch is None]
-    if not verified and skipped:  # the slow precision is needed for memory after all
-        return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
-                      precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
-                      estimator_at=estimator_at)
-    if not verified:
-        smallest = min((c for c in evaluated if c.peak_reserved_bytes), key=lambda c: c.peak_reserved_bytes)
-        # the least memory searched, exactly: micro-batch 1 with every block or none checkpointed
-        # (a checkpointed step carries estimator_for's margin, so either may be smaller)
-        options = [tuple(range(k)) for k in dict.fromkeys((ks[-1], ks[0]))]
-        est, least = min(((estimate_fn(smallest.precision, 1, o), o) for o in options),
-                         key=lambda e: e[0].peak_reserved_bytes)
-        options.sort(key=lambda o: o != least)
-        size_flag = "--image-size" if getattr(make_batch, "kind", "text") == "image" else "--seq-len"
-        lines = nothing_fits_lines(model, est, limit, smallest.precision, options, size,
-                                   effective_batch, size_flag, profile.host_link_bytes_per_s, estimator_at)
-        if ks[-1] < n_blocks:  # checkpointing was turned off
-            every = estimate_fn(smallest.precision, 1, tuple(range(n_blocks))).peak_reserved_bytes
-            lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch 1 with all "
-                            f"{n_blocks} blocks checkpointed, {format_bytes(every)} (--checkpointing auto)")
-        raise TightfitError(
-            f"nothing fits {format_bytes(budget_bytes)} (planned against {format_bytes(limit)}, keeping "
-            f"{int(headroom * 100)}% headroom): the smallest step tried ({smallest.precision}, micro-batch 1, "
-            f"{len(least)} of {n_blocks} blocks checkpointed) needs {format_bytes(est.peak_reserved_bytes)}, "
-            f"{format_bytes(est.peak_reserved_bytes - limit)} over" + "".join("\n  " + x for x in lines))
-    rank = {id(c): i for i, c in enumerate(verified)}  # ties: the earlier (preferred) one
-    best = max(verified, key=lambda c: (round(c.samples_per_s, 6), -rank[id(c)]))
-    why = (f"fastest predicted: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_reserved_bytes)} "
-           f"of {format_bytes(budget_bytes)}")
-    best = Candidate(**{**asdict(best), "why": why})
-    runners = []
-    done = {(v.precision, v.checkpoint_blocks) for v in verified}
-    others = [v for v in verified if (v.precision, v.checkpoint_blocks) != (best.precision, best.checkpoint_blocks)]
-    others += [c for c in evaluated if c.samples_per_s > 0 and (c.precision, c.checkpoint_blocks) not in done]
-    others.sort(key=lambda c: -c.samples_per_s)
-    for c in others + [c for c in evaluated if c.samples_per_s == 0]:
-        if c.samples_per_s > 0:
-            exact = (c.precision, c.checkpoint_blocks) in done
-            ratio = c.samples_per_s / best.samples_per_s
-            c = Candidate(**{**asdict(c), "why": (
-                f"{'slower' if ratio < 0.995 else 'as fast, ranked after it'}: predicted {c.samples_per_s:.0f} "
-                f"samples/s ({ratio:.2f}x)" + ("" if exact else ", memory from the line, not traced exactly"))})
-        runners.append(c)
-    return SearchResult(best, runners, budget_bytes, effective_batch, n_blocks, time.perf_counter() - t0)
+        evaluated = [c for c in evaluated if c is not cand] + [replace(
+            cand, micro_batch=1, peak_reserved_bytes=got, samples_per_s=0.0,
+            why=f"does not fit when traced exactly: {format_bytes(got)} at micro-batch 1")]
+    return Prediction(traced, evaluated)
 
 
-def _more_blocks(c: Candidate, curve, n_max: int, estimate_fn, limit: float, effective_batch: int,
-                 tm: TimeModel) -> Candidate | None:
+def _more_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, estimate_fn: EstimateFn) -> Candidate | None:
     """Trace the candidate exactly at its micro-batch; if it does not fit, checkpoint more blocks
     (the fewest the memory line, shifted by the exact trace's error, says could fit; traced again
-    each time) up to ``n_max``. None if no block count fits at this micro-batch."""
-    blocks = c.checkpoint_blocks
+    each time) up to the most searched. None if no block count fits at this micro-batch."""
+    blocks, n_max, limit = c.checkpoint_blocks, space.last_blocks, space.limit
     while len(blocks) <= n_max:
         est = estimate_fn(c.precision, c.micro_batch, blocks)
         if est.peak_reserved_bytes <= limit:
-            return _traced(c, c.micro_batch, blocks, est, effective_batch, tm)
-        error = est.peak_reserved_bytes - curve(len(blocks)).reserved(c.micro_batch)
+            return _traced(space, c, c.micro_batch, blocks, est)
+        error = est.peak_reserved_bytes - lines(len(blocks)).reserved(c.micro_batch)
         k = next((j for j in range(len(blocks) + 1, n_max + 1)
-                  if curve(j).reserved(c.micro_batch) + error <= limit), n_max + 1)
+                  if lines(j).reserved(c.micro_batch) + error <= limit), n_max + 1)
         blocks = tuple(range(k))
     return None
 
 
-def _verify(c: Candidate, estimate_fn, limit: float, effective_batch: int, tm: TimeModel) -> Candidate | int:
+def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn) -> Candidate | int:
     """Trace the candidate exactly; while it does not fit, take the next smaller balanced
     micro-batch (one more accumulation step). If even micro-batch 1 does not fit: its exact peak
     reserved bytes (an int) instead of a candidate."""
-    mb = c.micro_batch
+    E, mb = space.effective_batch, c.micro_batch
     while True:
         est = estimate_fn(c.precision, mb, c.checkpoint_blocks)
-        if est.peak_reserved_bytes <= limit:
-            return _traced(c, mb, c.checkpoint_blocks, est, effective_batch, tm)
+        if est.peak_reserved_bytes <= space.limit:
+            return _traced(space, c, mb, c.checkpoint_blocks, est)
         if mb == 1:
             return est.peak_reserved_bytes
-        steps = math.ceil(effective_batch / mb) + 1
-        mb = min(mb - 1, math.ceil(effective_batch / steps))  # strictly smaller: always ends
+        mb = min(mb - 1, micro_batch_for(E, accumulation_steps(E, mb) + 1))  # strictly smaller: always ends
 
 
-def _traced(c: Candidate, mb: int, blocks: tuple, est, effective_batch: int, tm: TimeModel) -> Candidate:
+def _traced(space: SearchSpace, c: Candidate, mb: int, blocks: tuple, est) -> Candidate:
     """``c`` at micro-batch ``mb`` with ``blocks`` checkpointed, with its exact estimate ``est``."""
-    return Candidate(c.precision, mb, blocks, math.ceil(effective_batch / mb), est.peak_reserved_bytes,
+    E = space.effective_batch
+    return Candidate(c.precision, mb, blocks, accumulation_steps(E, mb), est.peak_reserved_bytes,
                      est.peak_allocated_bytes, dict(est.breakdown),
-                     tm.samples_per_s(c.precision, mb, effective_batch, len(blocks)))
+                     space.time_model.samples_per_s(c.precision, mb, E, len(blocks)))
 
 
-# The estimator under-predicts reserved memory of checkpointed steps by up to 4.9% on the NVIDIA
-# H200 expandable-segment fixture (docs/memory-estimator.md); a plan made without a GPU to verify
-# it keeps a 5% margin on them.
-CHECKPOINTED_RESERVED_MARGIN = 0.05
+def rank(space: SearchSpace, prediction: Prediction, seconds: float) -> SearchResult:
+    """The fastest traced candidate (ties: the one traced first) and the runners-up, each with
+    why it lost: traced ones and those only predicted by the lines (fastest first, saying which),
+    then those that do not fit. ``seconds``: the search's wall time so far."""
+    traced, evaluated = prediction.traced, prediction.evaluated
+    order = {id(c): i for i, c in enumerate(traced)}  # ties: the earlier (preferred) one
+    best = max(traced, key=lambda c: (round(c.samples_per_s, 6), -order[id(c)]))
+    best = replace(best, why=f"fastest predicted: {best.samples_per_s:.0f} samples/s, peak "
+                             f"{format_bytes(best.peak_reserved_bytes)} of {format_bytes(space.budget_bytes)}")
+    done = {(v.precision, v.checkpoint_blocks) for v in traced}
+    others = [v for v in traced if (v.precision, v.checkpoint_blocks) != (best.precision, best.checkpoint_blocks)]
+    others += [c for c in evaluated if c.samples_per_s > 0 and (c.precision, c.checkpoint_blocks) not in done]
+    others.sort(key=lambda c: -c.samples_per_s)
+    runners = []
+    for c in others + [c for c in evaluated if c.samples_per_s == 0]:
+        if c.samples_per_s > 0:
+            exact = (c.precision, c.checkpoint_blocks) in done
+            ratio = c.samples_per_s / best.samples_per_s
+            c = replace(c, why=f"{'slower' if ratio < 0.995 else 'as fast, ranked after it'}: predicted "
+                               f"{c.samples_per_s:.0f} samples/s ({ratio:.2f}x)"
+                               + ("" if exact else ", memory from the line, not traced exactly"))
+        runners.append(c)
+    return SearchResult(best, runners, space.budget_bytes, space.effective_batch, space.n_blocks, seconds)
 
+
+def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, make_batch, size: int,
+                        profile: DeviceProfile, estimate_fn: EstimateFn, estimator_at) -> None:
+    """Raise the error that says by how much the smallest step tried misses, what the model
+    state costs, what fits instead and which levers would make it fit
+    (:func:`.advice.nothing_fits_lines`).
+
+    Raises:
+        TightfitError: always.
+    """
+    limit, n_blocks = space.limit, space.n_blocks
+    smallest = min((c for c in evaluated if c.peak_reserved_bytes), key=lambda c: c.peak_reserved_bytes)
+    # the least memory searched, exactly: micro-batch 1 with every block or none checkpointed
+    # (a checkpointed step carries the estimator's margin, :mod:`.margins`, so either may be smaller)
+    options = [tuple(range(k)) for k in dict.fromkeys((space.last_blocks, space.first_blocks))]
+    ests = [estimate_fn(smallest.precision, 1, o) for o in options]
+    i = min(range(len(options)), key=lambda j: ests[j].peak_reserved_bytes)
+    est, least = ests[i], options[i]
+    options.sort(key=lambda o: o != least)
+    size_flag = "--image-size" if getattr(make_batch, "kind", "text") == "image" else "--seq-len"
+    lines = nothing_fits_lines(model, est, limit, smallest.precision, options, size, space.effective_batch,
+                               size_flag, profile.host_link_bytes_per_s, estimator_at)
+    if space.last_blocks < n_blocks:  # checkpointing was turned off
+        every = estimate_fn(smallest.precision, 1, tuple(range(n_blocks))).peak_reserved_bytes
+        lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch 1 with all "
+                        f"{n_blocks} blocks checkpointed, {format_bytes(every)} (--checkpointing auto)")
+    raise TightfitError(
+        f"nothing fits {format_bytes(space.budget_bytes)} (planned against {format_bytes(limit)}, keeping "
+        f"{int(space.headroom * 100)}% headroom): the smallest step tried ({smallest.precision}, micro-batch 1, "
+        f"{len(least)} of {n_blocks} blocks checkpointed) needs {format_bytes(est.peak_reserved_bytes)}, "
+        f"{format_bytes(est.peak_reserved_bytes - limit)} over" + "".join("\n  " + x for x in lines))
+
+
+# ---------------------------------------------------------------- the estimator the stages use
 
 def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effective_batch: int,
-                  checkpointed_margin: float = CHECKPOINTED_RESERVED_MARGIN):
+                  checkpointed_margin: float = CHECKPOINTED_RESERVED_MARGIN) -> EstimateFn:
     """``estimate_fn`` backed by :func:`tightfit.memory.estimate`: with accumulation the window's
     gradients are held while later micro-batches run forward and backward, so their bytes are
-    added to any peak that the estimate reached with gradients freed; checkpointed plans get
-    ``checkpointed_margin`` on reserved (0 when real probe steps verify the plan)."""
+    added to any peak that the estimate reached with gradients freed; checkpointed plans carry
+    the estimator's margin on reserved (:func:`.margins.estimator_margin_bytes`;
+    ``checkpointed_margin`` 0 when real probe steps verify the plan).
+
+    Args:
+        model, make_batch, size: the workload (``make_batch(micro_batch, size)``).
+        profile: the card modelled; ``effective_batch``: samples per optimizer step.
+
+    Raises:
+        What :func:`tightfit.memory.estimate` raises, when the returned function is called.
+    """
     from ..memory.estimate import MemoryEstimate, estimate
 
     example = make_batch(1, size)
@@ -366,7 +514,7 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
         plan = Plan(precision, micro_batch, micro_batch, device="cuda")
         est = estimate(model, example, plan, device=profile, checkpoint_blocks=tuple(blocks))
         extra = max(0, grads - est.breakdown.get("gradients", 0)) if micro_batch < effective_batch else 0
-        margin = int(checkpointed_margin * (est.peak_reserved_bytes + extra)) if blocks else 0
+        margin = estimator_margin_bytes(est.peak_reserved_bytes + extra, bool(blocks), checkpointed_margin)
         if not extra and not margin:
             return est
         bd = dict(est.breakdown)
