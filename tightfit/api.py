@@ -1,93 +1,96 @@
-"""The Python face of ``tightfit train``: validate everything, plan, train, write the run folder.
+"""The Python face of ``tightfit train``: a recipe, read top to bottom in :func:`train`.
 
-Order matters: every check that can fail on bad input (sizes, profiles, files, columns, the
-budget against the model's state) runs before the run folder is created or the GPU touched.
+:class:`TrainRecipe` composes tightfit's parts in steps, each a short method: the setup
+(options checked → device resolved → data loaded → run folder checked → model loaded → plan →
+trainer), then the run folder opened, one call of the training loop, and the finish (model,
+report, plots, summary).
+
+Order matters: every check that can fail on bad input (the options, sizes, profiles, files,
+columns, the budget against the model's state) runs in the setup, before the run folder is
+created or the GPU touched; on resume nothing is written before the checkpoint is verified and
+the finished-run check is done.
+
+Messages (notes, the plan, the summary, training events) go to the ``tightfit`` logger: the
+command line prints them; a Python caller sees them with ``logging.basicConfig(level=logging.INFO)``
+and silences them with ``logging.getLogger("tightfit").setLevel(logging.ERROR)``.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import logging
 import os
 import resource
 import shlex
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .data import check_split, held_out_split, load_default, load_text_classification, take
+from .config import PlanOptions, TrainRequest
+from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
 from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text
-from .plan import PRECISIONS
+from .report.summary import RunInfo, RunSummary
 from .rng import seed_everything
 from .units import format_bytes, parse_size
+
+__all__ = ["TrainRecipe", "TrainRequest", "RunSummary", "resolve_device", "train"]
+
+log = logging.getLogger(__name__)
 
 CPU_DEFAULT_TRAIN_SAMPLES = 2000  # keeps the default run under 10 minutes on 2 CPU cores
 
 
-@dataclass
-class TrainRequest:
-    """Everything ``tightfit train`` accepts (see ``tightfit train --help``)."""
+def train(req: TrainRequest) -> RunSummary:
+    """Run ``tightfit train``.
 
-    model: str | None = None
-    data: str | None = None
-    text_column: str = "text"
-    label_column: str = "label"
-    budget: str | None = None
-    gpu: str | None = None
-    precision: str = "auto"
-    checkpointing: str = "auto"
-    compile: str = "auto"
-    batch_size: int = 32
-    epochs: float = 3.0
-    max_steps: int | None = None
-    lr: float = 5e-5
-    seq_len: int = 64
-    seed: int = 0
-    out: str | None = None
-    full: bool = False
-    train_samples: int | None = None
-    eval_samples: int | None = None
-    device: str = "auto"
-    log_every: int = 10
-    checkpoint_every: int = 100
-    keep_last: int = 2
-    warn_temp: float = 82.0
-    max_skipped_steps: int = 20
-    cooldown_temp: float | None = None
-    resume: str | None = None
-    planner: str = "search"
-    progress: bool = True
-    command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in ["tightfit", *sys.argv[1:]]))
+    Args:
+        req: the options (``TrainRequest(model=..., data=..., batch_size=...)``).
+
+    Returns:
+        The run's summary, also written to ``summary.json`` (for a resumed run that had already
+        finished: the summary it wrote then).
+
+    Raises:
+        TightfitError: bad input (before anything is written), a run that cannot fit, or a
+            run stopped early (:class:`tightfit.runtime.trainer.StoppedError`, with the command
+            that continues it).
+    """
+    from .runtime.allocator import configure_allocator
+
+    configure_allocator()  # effective only if CUDA has not started yet in this process
+    recipe = TrainRecipe(req)
+    recipe.setup()  # checks, loads and plans; writes nothing
+    finished = recipe.finished_summary()
+    if finished is not None:
+        return finished
+    recipe.open_run_folder()
+    return recipe.finish(recipe.train())
 
 
-def _say(msg: str = "") -> None:
-    print(msg, flush=True)
-
-
-def resolve_device(req: TrainRequest) -> tuple[str, DeviceProfile | None, int | None, list[str]]:
-    """Device, the card profile whose rules apply, and the budget in bytes.
+def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProfile | None, int | None, list[str]]:
+    """Device, the card profile whose rules apply, the budget in bytes, and notes.
 
     ``--gpu`` emulates a known card on whatever GPU is present (its budget and precision rules);
     ``--budget`` caps memory at a given size; neither: the local card's own budget.
 
+    Args:
+        options: the plan options (or a whole request).
+
     Raises:
-        TightfitError: unknown profile, unreadable budget, or a budget larger than the card.
+        TightfitError: unknown profile, unreadable budget, no GPU for ``--device cuda``, or a
+            budget larger than the card.
     """
     import torch
 
+    p = options.planning if isinstance(options, TrainRequest) else options
     notes = []
-    profile = get_profile(req.gpu) if req.gpu else None
-    budget = parse_size(req.budget) if req.budget else None
-    if req.device not in ("auto", "cpu", "cuda"):
-        raise TightfitError(f"unknown --device {req.device!r}; use auto, cpu or cuda")
-    if req.device == "cuda" and not torch.cuda.is_available():
+    profile = get_profile(p.gpu) if p.gpu else None
+    budget = parse_size(p.budget) if p.budget else None
+    if p.device == "cuda" and not torch.cuda.is_available():
         raise TightfitError("--device cuda, but no CUDA GPU is visible")
-    use_cuda = torch.cuda.is_available() and req.device != "cpu"
-    if not use_cuda:
+    if not torch.cuda.is_available() or p.device == "cpu":
         if profile or budget:
             notes.append("no CUDA GPU in use: --gpu/--budget are checked but training runs on the CPU")
         return "cpu", None, budget or (profile.budget_bytes() if profile else None), notes
@@ -102,196 +105,283 @@ def resolve_device(req: TrainRequest) -> tuple[str, DeviceProfile | None, int | 
     return "cuda", profile, budget, notes
 
 
-def train(req: TrainRequest) -> dict:
-    """Run ``tightfit train``: returns the summary dict also written to ``summary.json``.
+class TrainRecipe:
+    """One ``tightfit train`` run, as steps on its state (in the manner of torchtune's recipes).
 
-    Raises:
-        TightfitError: bad input (before anything is written), or a run that cannot fit.
+    Use: ``recipe.setup()``; if ``recipe.finished_summary()`` is None, ``recipe.open_run_folder()``,
+    then ``recipe.finish(recipe.train())``. The options were checked when the request was made
+    (:mod:`tightfit.config`); :meth:`setup` does every other check and writes nothing.
+
+    Args:
+        req: the options of the run.
+
+    Attributes (set by the steps, in order):
+        req: the options in force (on resume: the run's own, with what may change given anew).
+        resume_from, changed: the verified checkpoint a resumed run continues from, and the
+            options given anew (``{option: [old, new]}``).
+        device, profile, budget: ``"cpu"`` or ``"cuda"``, the card whose rules apply, the budget in bytes.
+        model_path, data: the model folder and the whole data set.
+        out: the run folder.
+        train_data, eval_data: the samples trained on and held out.
+        model, tokenizer, workload: the model with its new head, its tokenizer, and the workload.
+        device_name: ``"CPU"`` or the GPU's name.
+        plan, planning_s: the plan and the seconds it took.
+        trainer: the :class:`tightfit.runtime.trainer.Trainer`.
+        metrics: the open ``metrics.jsonl`` writer (after :meth:`open_run_folder`).
     """
-    from .runtime.allocator import configure_allocator
 
-    configure_allocator()  # effective only if CUDA has not started yet in this process
-    import torch
+    def __init__(self, req: TrainRequest):
+        self.req = req
+        self.t_start = time.perf_counter()
+        self.notes: list[str] = []  # printed after the banner, as "note: ..."
+        self.resume_from: Path | None = None  # the checkpoint a resumed run continues from
+        self.changed: dict = {}  # {option: [old, new]} given anew on resume
+        self.device, self.profile, self.budget = "cpu", None, None
+        self.records: list[dict] = []  # what the trainer logs before the metrics file is open
+        self.metrics = None
 
-    t_start = time.perf_counter()
-    resume_from, changed = None, {}
-    if req.resume:
-        req, resume_from, changed = _resume_request(req)
-    # ---- validate input: nothing is written and the GPU is untouched until all of this passed
-    if req.precision not in ("auto", *PRECISIONS):
-        raise TightfitError(f"unknown --precision {req.precision!r}; use auto, fp32, fp16 or bf16")
-    if req.planner not in ("search", "probe"):
-        raise TightfitError(f"unknown --planner {req.planner!r}; use search or probe")
-    if req.checkpointing not in ("auto", "on", "off"):
-        raise TightfitError(f"unknown --checkpointing {req.checkpointing!r}; use auto, on or off")
-    if req.compile not in ("auto", "on", "off"):
-        raise TightfitError(f"unknown --compile {req.compile!r}; use auto, on or off")
-    for name in ("batch_size", "seq_len", "log_every", "keep_last", "train_samples", "eval_samples",
-                 "max_skipped_steps"):
-        if getattr(req, name) is not None and getattr(req, name) < 1:
-            raise TightfitError(f"--{name.replace('_', '-')} must be >= 1")
-    if req.checkpoint_every < 0:
-        raise TightfitError("--checkpoint-every must be >= 0 (0: only at the end)")
-    if not (math.isfinite(req.epochs) and math.isfinite(req.lr)) or req.epochs <= 0 or req.lr <= 0 \
-            or (req.max_steps is not None and req.max_steps < 1):
-        raise TightfitError("--epochs, --lr and --max-steps must be positive and finite")
-    if not req.data and (req.text_column, req.label_column) != ("text", "label"):
-        raise TightfitError("--text-column and --label-column name columns of a --data file; "
-                            "the shipped data has its own")
-    device, profile, budget, notes = resolve_device(req)
-    if req.compile == "on" and (device != "cuda" or req.planner != "search"):
-        raise TightfitError("--compile on needs a CUDA GPU and the search planner")
-    if req.precision != "auto":
-        from .levers.precision import check_precision
+    # ---------------------------------------------------------------- setup: writes nothing
+    def setup(self) -> None:
+        """Resolve the resume, the device, the data, the run folder, the model, the plan and the
+        trainer (on resume: its state restored from the verified checkpoint).
 
-        notes += check_precision(req.precision, profile if device == "cuda" else None)  # raises before any banner
-    from .models import check_tokenizer, load_classifier, model_state_bytes, resolve_model_path
+        Raises:
+            TightfitError: bad input or a request that cannot be met; nothing is written.
+        """
+        if self.req.run.resume:
+            self.req, self.resume_from, self.changed = _resume_request(self.req)
+        self._resolve_device()
+        self._load_data()
+        self._check_run_folder()
+        self._split_data()
+        self._load_model()
+        self._announce()
+        self._plan()
+        self._make_trainer()
 
-    model_path = resolve_model_path(req.model)
-    if req.data:
-        data = load_text_classification(req.data, req.text_column, req.label_column)
-    else:
-        data = load_default()
-    out = Path(req.out) if req.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    _check_out(out, resuming=resume_from is not None)
+    def _resolve_device(self) -> None:
+        """Device, profile and budget; the options that depend on the device."""
+        p = self.req.planning
+        self.device, self.profile, self.budget, notes = resolve_device(p)
+        self.notes += notes
+        if p.compile == "on" and (self.device != "cuda" or p.planner != "search"):
+            raise TightfitError("--compile on needs a CUDA GPU and the search planner")
+        if p.precision != "auto":
+            from .levers.precision import check_precision
 
-    train_idx, eval_idx = held_out_split(len(data))
-    limit = req.train_samples
-    if limit is None and device == "cpu" and not req.full and len(train_idx) > CPU_DEFAULT_TRAIN_SAMPLES:
-        limit = CPU_DEFAULT_TRAIN_SAMPLES
-        notes.append(f"CPU run: training on {limit} of {len(train_idx)} training samples "
-                     f"(--full for all, --train-samples N to choose)")
-    if data.skipped_blank:
-        notes.append(f"{data.skipped_blank} rows with a blank text or label were skipped")
-    train_idx = take(train_idx, limit)
-    eval_idx = take(eval_idx, req.eval_samples)
-    train_data, eval_data = data.subset(train_idx), data.subset(eval_idx)
-    notes += check_split(data, train_data, eval_data)
+            self.notes += check_precision(p.precision, self.profile if self.device == "cuda" else None)
 
-    seed_everything(req.seed)  # before the new head is initialised
-    model, tokenizer = load_classifier(model_path, data.label_names)
-    notes += check_tokenizer(model, tokenizer, model_path, data.texts, req.seq_len)  # and --seq-len
-    state = model_state_bytes(model)
-    if budget is not None and budget < state["total"]:
-        raise TightfitError(
-            f"budget {format_bytes(budget)} is below the {format_bytes(state['total'])} that this model's fp32 "
-            f"weights ({format_bytes(state['parameters'])}), gradients and AdamW state need")
+    def _load_data(self) -> None:
+        """The model folder's path and the whole data set (both checked)."""
+        from .models import resolve_model_path
 
-    from .plan import Plan
-    from .planner.probe import plan_first
-    from .report.metrics import MetricsWriter, keep_metrics_until
-    from .report.summary import plan_lines, report_markdown, summary_rows
-    from .runtime.trainer import NonFiniteTrainingError, StoppedError, TrainConfig, Trainer
-    from .workload import TextBatches, Workload
+        w = self.req.workload
+        self.model_path = resolve_model_path(w.model)
+        self.data = load_text_classification(w.data, w.text_column, w.label_column) if w.data else load_default()
 
-    workload = Workload(model, TextBatches(tokenizer, train_data, req.seq_len),
-                        TextBatches(tokenizer, eval_data, req.seq_len), req.batch_size)
-    device_name = "CPU" if device == "cpu" else torch.cuda.get_device_name(0)
-    _say(f"tightfit {__version__}: fine-tuning {model_path.name if req.model else 'minilm (all-MiniLM-L6-v2)'} "
-         f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters) on {data.source}: "
-         f"{len(train_data)} training / {len(eval_data)} held-out samples, classes {data.label_names}")
-    for n in notes:
-        _say(f"note: {n}")
+    def _check_run_folder(self) -> None:
+        """The run folder: new or empty (or the run being resumed), and creatable."""
+        out = self.req.run.out
+        self.out = Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        _check_out(self.out, resuming=self.resume_from is not None)
 
-    # ---- plan (on a GPU: cap the caching allocator at the budget, then probe)
-    if device == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
-        _say(f"device: {device_name}, memory capped at {format_bytes(budget)}"
-             + (f" (the {profile.name} profile)" if req.gpu else ""))
-        model.to(device)
-    t_plan = time.perf_counter()
-    if resume_from is None and device == "cuda" and req.planner == "search":
-        from .planner.gpu import plan_on_gpu
+    def _split_data(self) -> None:
+        """The fixed held-out split, cut to ``--train-samples``/``--eval-samples`` (on the CPU, to
+        :data:`CPU_DEFAULT_TRAIN_SAMPLES` unless ``--full``), and its checks."""
+        run, data = self.req.run, self.data
+        train_idx, eval_idx = held_out_split(len(data))
+        limit = run.train_samples
+        if limit is None and self.device == "cpu" and not run.full and len(train_idx) > CPU_DEFAULT_TRAIN_SAMPLES:
+            limit = CPU_DEFAULT_TRAIN_SAMPLES
+            self.notes.append(f"CPU run: training on {limit} of {len(train_idx)} training samples "
+                              f"(--full for all, --train-samples N to choose)")
+        if data.skipped_blank:
+            self.notes.append(f"{data.skipped_blank} rows with a blank text or label were skipped")
+        self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
+        self.eval_data: TextClassificationData = data.subset(take(eval_idx, run.eval_samples))
+        self.notes += check_split(data, self.train_data, self.eval_data)
 
-        plan = plan_on_gpu(workload, profile, budget, req.seq_len, req.precision, req.checkpointing, req.compile)
-    elif resume_from is None:
-        plan = plan_first(workload, device, profile, budget, req.precision, req.checkpointing)
-    else:  # the plan in force when the checkpoint was written (micro-batch after recoveries)
-        plan = Plan.from_dict(_checkpoint_state(resume_from)["plan"])
-    planning_s = time.perf_counter() - t_plan
-    _say("plan:" + (" (from the checkpoint)" if resume_from else ""))
-    for line in plan_lines(plan):
-        _say(f"  {line}")
+    def _load_model(self) -> None:
+        """The model with a new head (seeded), its tokenizer checked against the data and
+        ``--seq-len``, the budget checked against its state, and the workload.
 
-    cfg = TrainConfig(epochs=req.epochs, max_steps=req.max_steps, lr=req.lr, seed=req.seed, log_every=req.log_every,
-                      checkpoint_dir=str(out / "checkpoints"), checkpoint_every=req.checkpoint_every,
-                      keep_last=req.keep_last, warn_temp_c=req.warn_temp, cooldown_temp_c=req.cooldown_temp,
-                      max_skipped_steps=req.max_skipped_steps)
-    records: list[dict] = []  # what the trainer logs before the metrics file is open
-    trainer = Trainer(workload, plan, cfg, log=records.append, progress=req.progress,
-                      profile=profile if device == "cuda" else None)
-    if resume_from is not None:
-        trainer.resume(resume_from)
-        if trainer.step >= trainer.total_steps and (out / "summary.json").is_file():
-            _say(f"run {out} already finished at step {trainer.step}: nothing to resume (nothing written)")
-            return json.loads((out / "summary.json").read_text())
-    # ---- from here on the run folder is written
-    out.mkdir(parents=True, exist_ok=True)
-    if resume_from is None or changed:
-        atomic_write_json(out / "request.json", _request_record(req))
-    if resume_from is not None:  # drop the records the stopped run wrote after its checkpoint
-        keep_metrics_until(out / "metrics.jsonl", trainer.step)
-    atomic_write_json(out / "plan.json", plan.to_dict())
-    metrics = MetricsWriter(out / "metrics.jsonl")
-    metrics({"type": "plan", "step": trainer.step, "planning_seconds": planning_s,
-             "resumed_from": str(resume_from) if resume_from else None,
-             **({"changed_options": changed} if changed else {}), **plan.to_dict()})
-    for record in records:
-        metrics(record)
-    trainer.log = metrics
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        result = trainer.fit()
-    except StoppedError as e:
-        resume = f"tightfit train --resume {shlex.quote(str(out))}"
-        if isinstance(e, NonFiniteTrainingError):
-            resume += " --lr <lower>"
-        raise type(e)(f"{e}; " + (f"checkpoint {e.checkpoint} written; continue with: {resume}" if e.checkpoint
-                                  else "no checkpoint could be written"), e.step, e.checkpoint) from None
-    finally:
-        metrics.close()
+        Raises:
+            TightfitError: a bad model folder or tokenizer, or a budget below the model's state.
+        """
+        from .models import check_tokenizer, load_classifier, model_state_bytes
+        from .workload import TextBatches, Workload
 
-    def save_model(tmp: Path) -> None:
-        trainer.model.to("cpu").save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        seq_len = self.req.workload.seq_len
+        seed_everything(self.req.training.seed)  # before the new head is initialised
+        self.model, self.tokenizer = load_classifier(self.model_path, self.data.label_names)
+        self.notes += check_tokenizer(self.model, self.tokenizer, self.model_path, self.data.texts, seq_len)
+        state = model_state_bytes(self.model)
+        if self.budget is not None and self.budget < state["total"]:
+            raise TightfitError(
+                f"budget {format_bytes(self.budget)} is below the {format_bytes(state['total'])} that this model's "
+                f"fp32 weights ({format_bytes(state['parameters'])}), gradients and AdamW state need")
+        self.workload = Workload(self.model, TextBatches(self.tokenizer, self.train_data, seq_len),
+                                 TextBatches(self.tokenizer, self.eval_data, seq_len), self.req.workload.batch_size)
 
-    atomic_write_dir(out / "model", save_model)
-    health = trainer.health
-    info = {
-        "model": str(model_path), "data": data.source, "n_train": len(train_data), "n_eval": len(eval_data),
-        "label_names": data.label_names, "majority": eval_data.majority_fraction(), "device_name": device_name
-        + (f", memory capped at {format_bytes(budget)}" if device == "cuda" else ""), "budget_bytes": budget,
-        "torch": torch.__version__, "version": __version__, "command": req.command,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if device == "cpu" else None,
-        "max_temp_c": health.max_temp_c if health else None, "max_power_w": health.max_power_w if health else None,
-    }
-    final_plan = result.plan
-    if final_plan != plan:
-        atomic_write_json(out / "plan.json", final_plan.to_dict())
-    atomic_write_text(out / "report.md", report_markdown(final_plan, result, info))
-    from .report.plots import plot_run
+    def _announce(self) -> None:
+        """Log what is trained on what, and the notes so far."""
+        import torch
 
-    plot_run(out, trainer.memory_timeline, budget if device == "cuda" else None)
-    summary = {
-        "accuracy": result.eval["accuracy"] if result.eval else None,
-        "majority_accuracy": info["majority"], "eval_loss": result.eval["loss"] if result.eval else None,
-        "samples_per_s": result.samples_per_s, "steps": result.steps, "train_samples": result.samples,
-        "train_seconds": result.train_seconds, "planning_seconds": planning_s,
-        "peak_allocated_bytes": result.peak_allocated_bytes, "peak_reserved_bytes": result.peak_reserved_bytes,
-        "peak_rss_bytes": info["peak_rss_bytes"], "budget_bytes": budget, "skipped_steps": result.skipped_steps,
-        "oom_recoveries": result.oom_recoveries, "device": info["device_name"], "torch": torch.__version__,
-        "plan": final_plan.to_dict(), "command": req.command, "wall_seconds": time.perf_counter() - t_start,
-        "health": {"status": health.status, "max_temp_c": health.max_temp_c, "max_power_w": health.max_power_w}
-        if health else {"status": "off (CPU run)"},
-    }
-    atomic_write_json(out / "summary.json", summary)
-    _say("summary:")
-    for k, v in summary_rows(result, info):
-        _say(f"  {k:<20} {v}")
-    _say(f"run folder: {out} ({', '.join(sorted(p.name + ('/' if p.is_dir() else '') for p in out.iterdir()))})")
-    return summary
+        self.device_name = "CPU" if self.device == "cpu" else torch.cuda.get_device_name(0)
+        name = self.model_path.name if self.req.workload.model else "minilm (all-MiniLM-L6-v2)"
+        n_params = sum(p.numel() for p in self.model.parameters()) / 1e6
+        log.info(f"tightfit {__version__}: fine-tuning {name} ({n_params:.1f}M parameters) on {self.data.source}: "
+                 f"{len(self.train_data)} training / {len(self.eval_data)} held-out samples, "
+                 f"classes {self.data.label_names}")
+        for n in self.notes:
+            log.warning(f"note: {n}")
+
+    def _plan(self) -> None:
+        """On a GPU: cap the caching allocator at the budget. Then plan (or take the plan in force
+        from the checkpoint on resume) and log it."""
+        import torch
+
+        from .report.summary import plan_lines
+
+        if self.device == "cuda":
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total))
+            log.info(f"device: {self.device_name}, memory capped at {format_bytes(self.budget)}"
+                     + (f" (the {self.profile.name} profile)" if self.req.planning.gpu else ""))
+            self.model.to(self.device)
+        from .planner import probe  # noqa: F401  (imported before the clock: planning_s times the planning)
+
+        t_plan = time.perf_counter()
+        self.plan = self._choose_plan()
+        self.planning_s = time.perf_counter() - t_plan
+        log.info("plan:" + (" (from the checkpoint)" if self.resume_from else ""))
+        for line in plan_lines(self.plan):
+            log.info(f"  {line}")
+
+    def _choose_plan(self):
+        """The planner's plan: the search on a GPU (``--planner search``), the first prober
+        otherwise; on resume the plan in force when the checkpoint was written (micro-batch
+        after recoveries)."""
+        p, seq_len = self.req.planning, self.req.workload.seq_len
+        if self.resume_from is not None:
+            from .plan import Plan
+
+            return Plan.from_dict(_checkpoint_state(self.resume_from)["plan"])
+        if self.device == "cuda" and p.planner == "search":
+            from .planner.gpu import plan_on_gpu
+
+            return plan_on_gpu(self.workload, self.profile, self.budget, seq_len, p.precision, p.checkpointing,
+                               p.compile)
+        from .planner.probe import plan_first
+
+        return plan_first(self.workload, self.device, self.profile, self.budget, p.precision, p.checkpointing)
+
+    def _make_trainer(self) -> None:
+        """The trainer of the training options; on resume, restored from the checkpoint."""
+        from .runtime.trainer import TrainConfig, Trainer
+
+        cfg = TrainConfig.from_options(self.req.training, checkpoint_dir=str(self.out / "checkpoints"))
+        self.trainer = Trainer(self.workload, self.plan, cfg, log=self.records.append, progress=self.req.run.progress,
+                               profile=self.profile if self.device == "cuda" else None)
+        if self.resume_from is not None:
+            self.trainer.resume(self.resume_from)
+
+    def finished_summary(self) -> RunSummary | None:
+        """For a resumed run that had already finished: its summary (logged as such; nothing is
+        written). None otherwise."""
+        summary = self.out / "summary.json"
+        if self.resume_from is None or self.trainer.step < self.trainer.total_steps or not summary.is_file():
+            return None
+        log.info(f"run {self.out} already finished at step {self.trainer.step}: nothing to resume (nothing written)")
+        return RunSummary.from_dict(json.loads(summary.read_text()))
+
+    # ---------------------------------------------------------------- from here on the run folder is written
+    def open_run_folder(self) -> None:
+        """Create the run folder; write ``request.json`` (new runs, and resumed runs with changed
+        options) and ``plan.json``; open ``metrics.jsonl`` (on resume: cut back to the
+        checkpoint's step) with the plan record and what the trainer logged so far."""
+        from .report.metrics import MetricsWriter, keep_metrics_until
+
+        out, step = self.out, self.trainer.step
+        out.mkdir(parents=True, exist_ok=True)
+        if self.resume_from is None or self.changed:
+            atomic_write_json(out / "request.json", _request_record(self.req))
+        if self.resume_from is not None:  # drop the records the stopped run wrote after its checkpoint
+            keep_metrics_until(out / "metrics.jsonl", step)
+        atomic_write_json(out / "plan.json", self.plan.to_dict())
+        self.metrics = MetricsWriter(out / "metrics.jsonl")
+        self.metrics({"type": "plan", "step": step, "planning_seconds": self.planning_s,
+                      "resumed_from": str(self.resume_from) if self.resume_from else None,
+                      **({"changed_options": self.changed} if self.changed else {}), **self.plan.to_dict()})
+        for record in self.records:
+            self.metrics(record)
+        self.trainer.log = self.metrics
+
+    def train(self):
+        """The training loop, then the evaluation. Returns the trainer's ``TrainResult``.
+
+        Raises:
+            StoppedError: stopped early (signal, non-finite steps); the message says how to resume.
+        """
+        import torch
+
+        from .runtime.trainer import NonFiniteTrainingError, StoppedError
+
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            return self.trainer.fit()
+        except StoppedError as e:
+            resume = f"tightfit train --resume {shlex.quote(str(self.out))}"
+            if isinstance(e, NonFiniteTrainingError):
+                resume += " --lr <lower>"
+            raise type(e)(f"{e}; " + (f"checkpoint {e.checkpoint} written; continue with: {resume}" if e.checkpoint
+                                      else "no checkpoint could be written"), e.step, e.checkpoint) from None
+        finally:
+            self.metrics.close()
+
+    # ---------------------------------------------------------------- finish
+    def finish(self, result) -> RunSummary:
+        """Save the model and tokenizer; write the final plan (if recoveries changed it),
+        ``report.md``, the plots and ``summary.json``; log the summary. Returns the summary."""
+        from .report.plots import plot_run
+        from .report.summary import report_markdown, summary_rows
+
+        out, health = self.out, self.trainer.health
+        atomic_write_dir(out / "model", self._save_model)
+        info = self._run_info()
+        if result.plan != self.plan:
+            atomic_write_json(out / "plan.json", result.plan.to_dict())
+        atomic_write_text(out / "report.md", report_markdown(result.plan, result, info))
+        plot_run(out, self.trainer.memory_timeline, self.budget if self.device == "cuda" else None)
+        summary = RunSummary.of_run(result, info, self.planning_s, time.perf_counter() - self.t_start,
+                                    health.status if health else None)
+        atomic_write_json(out / "summary.json", summary.to_dict())
+        log.info("summary:")
+        for k, v in summary_rows(result, info):
+            log.info(f"  {k:<20} {v}")
+        files = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
+        log.info(f"run folder: {out} ({', '.join(files)})")
+        return summary
+
+    def _save_model(self, folder: Path) -> None:
+        """Write the trained weights (safetensors, from the CPU) and the tokenizer into ``folder``."""
+        self.trainer.model.to("cpu").save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
+
+    def _run_info(self) -> RunInfo:
+        """What was trained, where and how, for the report and the summary."""
+        import torch
+
+        cuda, health = self.device == "cuda", self.trainer.health
+        return RunInfo(
+            model=str(self.model_path), data=self.data.source, n_train=len(self.train_data),
+            n_eval=len(self.eval_data), label_names=self.data.label_names,
+            majority=self.eval_data.majority_fraction(),
+            device_name=self.device_name + (f", memory capped at {format_bytes(self.budget)}" if cuda else ""),
+            budget_bytes=self.budget, torch=torch.__version__, version=__version__, command=self.req.run.command,
+            peak_rss_bytes=None if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            max_temp_c=health.max_temp_c if health else None, max_power_w=health.max_power_w if health else None)
 
 
 def _checkpoint_state(path: Path) -> dict:
@@ -311,8 +401,9 @@ RESUME_MAY_CHANGE = ("lr", "max_skipped_steps", "log_every", "warn_temp", "coold
 
 
 def _request_record(req: TrainRequest) -> dict:
-    """The request as written to ``request.json`` (what ``--resume`` starts from)."""
-    return {k: v for k, v in vars(req).items() if k not in ("progress", "resume")}
+    """The request as written to ``request.json`` (what ``--resume`` starts from): the flat
+    ``{option: value}`` dict of :meth:`TrainRequest.to_flat`, less ``progress`` and ``resume``."""
+    return {k: v for k, v in req.to_flat().items() if k not in ("progress", "resume")}
 
 
 def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict]:
@@ -327,37 +418,36 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict]:
     """
     from .runtime.checkpoint import latest_intact_checkpoint, list_checkpoints, remove_stale_temporaries
 
-    run = Path(req.resume)
+    run = Path(req.run.resume)
     if not (run / "request.json").is_file():
         raise TightfitError(f"--resume {run}: not a tightfit run folder (no request.json)")
     if not list_checkpoints(run / "checkpoints"):
         raise TightfitError(f"--resume {run}: no checkpoint to resume from")
-    default = TrainRequest()
-    given = {k: v for k, v in vars(req).items()
-             if k not in ("resume", "progress", "command") and v != getattr(default, k)}
+    default = TrainRequest().to_flat()
+    given = {k: v for k, v in req.to_flat().items()
+             if k not in ("resume", "progress", "command") and v != default[k]}
     ignored = [f"--{k.replace('_', '-')}" for k in given if k not in RESUME_MAY_CHANGE]
     if ignored:
-        print(f"note: --resume takes the run's own options from {run / 'request.json'}; ignoring {', '.join(ignored)} "
-              f"(a resumed run may change only {', '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE)})",
-              flush=True)
+        log.warning(f"note: --resume takes the run's own options from {run / 'request.json'}; ignoring "
+                    f"{', '.join(ignored)} (a resumed run may change only "
+                    f"{', '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE)})")
     try:
         saved = json.loads((run / "request.json").read_text())
         changed = {k: [saved.get(k), v] for k, v in given.items() if k in RESUME_MAY_CHANGE and saved.get(k) != v}
         resumed = TrainRequest(**{**saved, **{k: new for k, (_, new) in changed.items()}, "out": str(run),
-                                  "resume": str(run), "progress": req.progress, "command": req.command})
+                                  "resume": str(run), "progress": req.run.progress, "command": req.run.command})
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
     for k, (old, new) in changed.items():
-        print(f"note: --resume with --{k.replace('_', '-')} {new} (the run had {old})", flush=True)
+        log.warning(f"note: --resume with --{k.replace('_', '-')} {new} (the run had {old})")
     try:
         point = latest_intact_checkpoint(run / "checkpoints")
     except TightfitError as e:
         raise type(e)(f"--resume {run}: {e}") from None
     for note in point.notes:
-        print(f"note: {note}", flush=True)
+        log.warning(f"note: {note}")
     for name, size in remove_stale_temporaries(run / "checkpoints"):
-        print(f"note: removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short",
-              flush=True)
+        log.warning(f"note: removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short")
     return resumed, point.path, changed
 
 

@@ -68,15 +68,14 @@ def _card_and_budget(args):
     Raises:
         TightfitError: neither ``--gpu`` nor ``--budget``, a bad option, or a budget above the card.
     """
+    from ..config import PlanOptions, WorkloadOptions, check_option
     from ..devices import get_profile
     from ..units import format_bytes, parse_size
 
     if not args.gpu and not args.budget:
         raise TightfitError("give --gpu PROFILE or --budget SIZE")
-    if args.batch_size < 1:
-        raise TightfitError("--batch-size must be >= 1")
-    if args.checkpointing not in ("auto", "on", "off"):
-        raise TightfitError(f"unknown --checkpointing {args.checkpointing!r}; use auto, on or off")
+    check_option(WorkloadOptions, "batch_size", args.batch_size)  # as `tightfit train` checks them
+    check_option(PlanOptions, "checkpointing", args.checkpointing)
     profile = get_profile(args.gpu or "h200")
     budget = parse_size(args.budget) if args.budget else profile.budget_bytes()
     if budget > profile.total_bytes:

@@ -1,9 +1,17 @@
-"""The human report of a run: a terminal summary and ``report.md``."""
+"""The report of a run: the plan as lines, the summary (``summary.json`` and the terminal's
+rows) and ``report.md``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from ..errors import TightfitError
 from ..plan import Plan
 from ..units import format_bytes
+
+if TYPE_CHECKING:
+    from ..runtime.trainer import TrainResult
 
 
 def plan_lines(plan: Plan) -> list[str]:
@@ -33,39 +41,145 @@ def plan_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def summary_rows(result, info: dict) -> list[tuple[str, str]]:
-    """(label, value) rows of the end-of-run summary from a ``TrainResult`` and run info
-    (``majority``, ``budget_bytes``, ``peak_rss_bytes``, ``device_name``, ...)."""
+@dataclass(frozen=True)
+class RunInfo:
+    """What was trained, where and how: the header of the report.
+
+    Attributes:
+        model: the model folder.
+        data: where the data came from.
+        n_train, n_eval: training and held-out samples.
+        label_names: the classes.
+        majority: held-out accuracy of always answering the most common class.
+        device_name: ``"CPU"`` or the GPU's name (with ``", memory capped at ..."``).
+        budget_bytes: the GPU memory budget (None on the CPU without one).
+        torch, version: the versions of PyTorch and tightfit.
+        command: the command line.
+        peak_rss_bytes: peak host memory of the process (CPU runs; None on a GPU).
+        max_temp_c, max_power_w: the GPU's hottest and most power-hungry readings (None: not sampled).
+    """
+
+    model: str
+    data: str
+    n_train: int
+    n_eval: int
+    label_names: list[str]
+    majority: float
+    device_name: str
+    budget_bytes: int | None
+    torch: str
+    version: str
+    command: str
+    peak_rss_bytes: int | None = None
+    max_temp_c: float | None = None
+    max_power_w: float | None = None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The end-of-run numbers, as written to ``summary.json`` (its keys are these fields').
+
+    Attributes:
+        accuracy, eval_loss: the last held-out evaluation (None: none ran).
+        majority_accuracy: held-out accuracy of the most common class.
+        samples_per_s, steps, train_samples, train_seconds: the training loop's pace and length.
+        planning_seconds: time spent planning; wall_seconds: the whole run's time.
+        peak_allocated_bytes, peak_reserved_bytes: CUDA peaks (None on the CPU).
+        peak_rss_bytes: peak host memory (CPU runs).
+        budget_bytes: the memory budget.
+        skipped_steps, oom_recoveries: steps not applied (non-finite) and windows redone after an OOM.
+        device, torch, command: where and how it ran.
+        plan: the plan in force at the end.
+        health: ``{"status", "max_temp_c", "max_power_w"}`` on a GPU, ``{"status": "off (CPU run)"}`` on the CPU.
+    """
+
+    accuracy: float | None
+    majority_accuracy: float
+    eval_loss: float | None
+    samples_per_s: float
+    steps: int
+    train_samples: int
+    train_seconds: float
+    planning_seconds: float
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    peak_rss_bytes: int | None
+    budget_bytes: int | None
+    skipped_steps: int
+    oom_recoveries: int
+    device: str
+    torch: str
+    plan: Plan
+    command: str
+    wall_seconds: float
+    health: dict
+
+    @classmethod
+    def of_run(cls, result: TrainResult, info: RunInfo, planning_seconds: float, wall_seconds: float,
+               health_status: str | None) -> "RunSummary":
+        """The summary of a finished run from the trainer's result and the run's info;
+        ``health_status`` is the GPU health monitor's (None: no monitor, a CPU run)."""
+        health = ({"status": health_status, "max_temp_c": info.max_temp_c, "max_power_w": info.max_power_w}
+                  if health_status is not None else {"status": "off (CPU run)"})
+        return cls(
+            accuracy=result.eval["accuracy"] if result.eval else None, majority_accuracy=info.majority,
+            eval_loss=result.eval["loss"] if result.eval else None, samples_per_s=result.samples_per_s,
+            steps=result.steps, train_samples=result.samples, train_seconds=result.train_seconds,
+            planning_seconds=planning_seconds, peak_allocated_bytes=result.peak_allocated_bytes,
+            peak_reserved_bytes=result.peak_reserved_bytes, peak_rss_bytes=info.peak_rss_bytes,
+            budget_bytes=info.budget_bytes, skipped_steps=result.skipped_steps, oom_recoveries=result.oom_recoveries,
+            device=info.device_name, torch=info.torch, plan=result.plan, command=info.command,
+            wall_seconds=wall_seconds, health=health)
+
+    def to_dict(self) -> dict:
+        """The ``summary.json`` dict (the plan as :meth:`Plan.to_dict`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"plan": self.plan.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunSummary":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            TightfitError: a key is missing or the plan is malformed.
+        """
+        missing = [f.name for f in fields(cls) if f.name not in d]
+        if missing:
+            raise TightfitError(f"malformed run summary: no {', '.join(missing)}")
+        return cls(**{f.name: d[f.name] for f in fields(cls)} | {"plan": Plan.from_dict(d["plan"])})
+
+
+def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
+    """(label, value) rows of the end-of-run summary from the trainer's result and the run's info."""
     rows = []
     if result.eval:
         rows.append(("held-out accuracy", f"{result.eval['accuracy']:.4f} on {result.eval['samples']} samples "
-                                          f"(majority class {info['majority']:.4f})"))
+                                          f"(majority class {info.majority:.4f})"))
         rows.append(("held-out loss", f"{result.eval['loss']:.4f}"))
     rows.append(("training", f"{result.steps} steps, {result.samples} samples in {result.train_seconds:.1f} s"))
     rows.append(("samples/s", f"{result.samples_per_s:.1f}"))
     rows.append(("final train loss", f"{result.final_loss:.4f}"))
     if result.peak_reserved_bytes is not None:
-        budget = info.get("budget_bytes")
+        budget = info.budget_bytes
         rows.append(("peak GPU memory", f"{format_bytes(result.peak_allocated_bytes)} allocated, "
                                         f"{format_bytes(result.peak_reserved_bytes)} reserved"
                                         + (f" of a {format_bytes(budget)} budget "
                                            f"({100 * result.peak_reserved_bytes / budget:.0f}%)" if budget else "")))
-    if info.get("peak_rss_bytes"):
-        rows.append(("peak process memory", format_bytes(info["peak_rss_bytes"]) + " (host RSS)"))
+    if info.peak_rss_bytes:
+        rows.append(("peak process memory", format_bytes(info.peak_rss_bytes) + " (host RSS)"))
     rows.append(("skipped steps", str(result.skipped_steps)))
     rows.append(("OOM recoveries", str(result.oom_recoveries)))
-    if info.get("max_temp_c") is not None:
-        rows.append(("GPU max temperature", f"{info['max_temp_c']:.0f} C, max power {info['max_power_w']:.0f} W"))
+    if info.max_temp_c is not None:
+        rows.append(("GPU max temperature", f"{info.max_temp_c:.0f} C, max power {info.max_power_w:.0f} W"))
     return rows
 
 
-def report_markdown(plan: Plan, result, info: dict) -> str:
+def report_markdown(plan: Plan, result: TrainResult, info: RunInfo) -> str:
     """``report.md``: what ran, the plan and the measured summary."""
     out = ["# tightfit run report", "",
-           f"- model: `{info['model']}`", f"- data: `{info['data']}` ({info['n_train']} training, "
-           f"{info['n_eval']} held-out samples; {info['label_names']})",
-           f"- hardware: {info['device_name']}", f"- torch {info['torch']}, tightfit {info['version']}",
-           f"- command: `{info['command']}`", "", "## Plan", "", "```", *plan_lines(plan), "```", "",
+           f"- model: `{info.model}`", f"- data: `{info.data}` ({info.n_train} training, "
+           f"{info.n_eval} held-out samples; {info.label_names})",
+           f"- hardware: {info.device_name}", f"- torch {info.torch}, tightfit {info.version}",
+           f"- command: `{info.command}`", "", "## Plan", "", "```", *plan_lines(plan), "```", "",
            "## Measured", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in summary_rows(result, info)]
     if result.events:

@@ -8,6 +8,7 @@ gradient equals the gradient of one batch made of the same samples (DESIGN invar
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import re
@@ -15,11 +16,12 @@ import signal
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
 
+from ..config import TrainOptions
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
@@ -33,50 +35,30 @@ from ..memory.oom import is_oom, release_memory
 from .prefetch import Prefetcher
 from ..rng import capture_rng, restore_rng
 
+_log = logging.getLogger(__name__)
 
-@dataclass
-class TrainConfig:
-    """Settings of a run that are not memory/speed choices (those are in the Plan).
+
+@dataclass(frozen=True)
+class TrainConfig(TrainOptions):
+    """Settings of a run that are not memory/speed choices (those are in the Plan): the training
+    options (:class:`tightfit.config.TrainOptions`, where each is documented, defaulted and
+    checked) and what the runtime needs besides them.
 
     Attributes:
-        epochs: passes over the training samples.
-        max_steps: stop after this many optimizer steps (None: run all epochs).
-        lr: peak learning rate of AdamW.
-        weight_decay: AdamW's decoupled weight decay.
-        warmup_ratio: share of steps with linear warm-up, then linear decay to 0.
-        max_grad_norm: clip the global gradient norm to this (None: no clipping).
-        seed: seed of the sample order, dropout and the new head.
-        log_every: write a metrics line every this many optimizer steps.
-        max_skipped_steps: stop after this many non-finite steps in a row.
-        grow_back_after: after an OOM recovery, try doubling the micro-batch again after this
-            many clean windows (0: never).
         checkpoint_dir: folder for ``ckpt-<step>`` checkpoints (None: no checkpoints).
-        checkpoint_every: write a checkpoint every this many steps (and at the end); 0: only at the end.
-        keep_last: keep this many newest checkpoints.
-        warn_temp_c: warn when the GPU reaches this temperature (deg C).
-        cooldown_temp_c: pause between steps while the GPU is at or above this temperature, until
-            it is 5 deg C below (None: never pause); at most ``cooldown_max_s`` per pause.
+        cooldown_max_s: the longest pause of one cool-down (``cooldown_temp_c``).
         prefetch: collate the next window in the background and copy micro-batches to the GPU on
             a side stream (:mod:`tightfit.runtime.prefetch`).
     """
 
-    epochs: float = 3.0
-    max_steps: int | None = None
-    lr: float = 5e-5
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.1
-    max_grad_norm: float | None = 1.0
-    seed: int = 0
-    log_every: int = 10
-    max_skipped_steps: int = 20
-    grow_back_after: int = 100
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    keep_last: int = 2
-    warn_temp_c: float = 82.0
-    cooldown_temp_c: float | None = None
     cooldown_max_s: float = 300.0
     prefetch: bool = True
+
+    @classmethod
+    def from_options(cls, options: TrainOptions, **runtime) -> "TrainConfig":
+        """The config of ``options`` with the runtime's own settings (``checkpoint_dir=...``)."""
+        return cls(**{f.name: getattr(options, f.name) for f in fields(options)}, **runtime)
 
 
 @dataclass
@@ -642,8 +624,7 @@ class Trainer:
         self.result.events.append(message)
         self.log({"type": "event", "step": self.step, "message": message})
         if self.progress:
-            from tqdm import tqdm
-            tqdm.write(f"tightfit: {message}")
+            _log.info("tightfit: %s", message)
 
     def _train_record(self, epoch: int, loss: float, stepped: bool, elapsed: float, window: list[int]) -> dict:
         rec = {"type": "train", "step": self.step, "epoch": epoch, "loss": loss,

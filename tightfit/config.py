@@ -1,0 +1,338 @@
+"""The options of ``tightfit train``, defined once: a tree of frozen dataclasses.
+
+Each option is a dataclass field made by :func:`option`: its default, its help text and its
+checks live there and nowhere else. From the tree come
+
+- the ``tightfit train`` argument parser (:func:`add_train_arguments`: flag, type, default and
+  help of every option, grouped as the tree is),
+- the Python API's request (:class:`TrainRequest`, built from flat keywords such as
+  ``TrainRequest(model=..., batch_size=16, lr=1e-4)``),
+- ``request.json`` (:meth:`TrainRequest.to_flat`, the flat ``{option: value}`` dict that
+  ``--resume`` reads back),
+- the runtime's settings (``tightfit.runtime.trainer.TrainConfig`` extends :class:`TrainOptions`).
+
+Every group checks its values in ``__post_init__`` (like :class:`tightfit.plan.Plan`) and raises
+:class:`TightfitError` with a one-line message naming the option's flag, so a bad value is
+refused when the request is made, before anything is loaded or written.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import sys
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from typing import Any
+
+from .errors import TightfitError
+from .plan import PRECISIONS
+
+
+def option(default: Any = MISSING, help: str = "", *, key: str | None = None, flag: str | None = None,
+           metavar: str | None = None, minimum: float | None = None, below: str = "",
+           choices: tuple[str, ...] | None = None, cli: bool = True,
+           default_factory: Any = MISSING) -> Any:
+    """A dataclass field that is an option.
+
+    Args:
+        default: the option's default (the one place it is written).
+        help: the ``--help`` text; ``{default}`` in it is replaced by the default as shown.
+        key: the option's flat name (TrainRequest keyword, ``request.json`` key, ``--flag``)
+            when it differs from the field's name.
+        flag: the command-line flag when it is not ``--`` + the key with dashes.
+        metavar: the name of the value in ``--help``.
+        minimum: the smallest value allowed (None values pass: "not given").
+        below: appended to the message of a value below ``minimum``.
+        choices: the values allowed; the message lists them.
+        cli: False for options the Python API takes but the command line does not.
+        default_factory: instead of ``default``, for computed defaults.
+
+    Returns:
+        A :func:`dataclasses.field` carrying this in its metadata.
+    """
+    meta = {"help": help, "key": key, "flag": flag, "metavar": metavar, "minimum": minimum, "below": below,
+            "choices": choices, "cli": cli}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def option_key(f: Field) -> str:
+    """The flat name of option field ``f``: its TrainRequest keyword and ``request.json`` key."""
+    return f.metadata.get("key") or f.name
+
+
+def option_flag(f: Field) -> str:
+    """The command-line flag of option field ``f``, e.g. ``--batch-size``; the field's name for
+    options the command line does not take (used in messages)."""
+    if not f.metadata.get("cli", True):
+        return f.name
+    return f.metadata.get("flag") or "--" + option_key(f).replace("_", "-")
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    """``"auto, on or off"``."""
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+
+
+def check_value(f: Field, value: Any) -> None:
+    """Check one option's value against its field's ``choices`` and ``minimum``.
+
+    Raises:
+        TightfitError: ``unknown --precision 'fp8'; use auto, fp32, fp16 or bf16``,
+            ``--batch-size must be >= 1``.
+    """
+    choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
+    if choices and value not in choices:
+        raise TightfitError(f"unknown {option_flag(f)} {value!r}; use {_one_of(choices)}")
+    if minimum is not None and value is not None and value < minimum:
+        raise TightfitError(f"{option_flag(f)} must be >= {minimum}{f.metadata.get('below', '')}")
+
+
+def check_option(group: type, name: str, value: Any) -> None:
+    """Check ``value`` as option ``name`` of ``group`` (for commands that share an option).
+
+    Raises:
+        TightfitError: as :func:`check_value`.
+    """
+    check_value(next(f for f in fields(group) if f.name == name), value)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """Base of the option groups: checks every field on construction."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            check_value(f, getattr(self, f.name))
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """Checks that involve several options of the group (none by default)."""
+
+
+@dataclass(frozen=True)
+class WorkloadOptions(_Options):
+    """What is trained: the model, the data, and how it is cut into samples and batches.
+
+    Attributes:
+        model: a local Hugging Face model folder (None: the shipped all-MiniLM-L6-v2).
+        data: a CSV/TSV/JSONL file (None: the shipped Rotten Tomatoes reviews).
+        text_column, label_column: the data file's columns.
+        batch_size: the effective batch: samples per optimizer step.
+        seq_len: tokens per text; longer texts are truncated.
+    """
+
+    model: str | None = option(None, "local Hugging Face model folder (default: the shipped all-MiniLM-L6-v2)")
+    data: str | None = option(None, "CSV/TSV/JSONL file, optionally .gz/.bz2 (default: Rotten Tomatoes reviews)")
+    text_column: str = option("text", "column holding the text (default: {default})")
+    label_column: str = option("label", "column holding the label; strings allowed (default: {default})")
+    batch_size: int = option(32, "effective batch: samples per optimizer step (default: {default})", minimum=1)
+    seq_len: int = option(64, "maximum tokens per text (default: {default})", minimum=1)
+
+    def _check_together(self) -> None:
+        """Columns are named only for a data file."""
+        if not self.data and (self.text_column, self.label_column) != ("text", "label"):
+            raise TightfitError("--text-column and --label-column name columns of a --data file; "
+                                "the shipped data has its own")
+
+
+@dataclass(frozen=True)
+class PlanOptions(_Options):
+    """Where the run trains and what the planner may choose.
+
+    Attributes:
+        budget: GPU memory the run may use, e.g. ``"4GiB"`` (None: the card's).
+        gpu: a known card's profile key whose budget and precision rules apply.
+        precision: ``auto`` (from the card), ``fp32``, ``fp16`` or ``bf16``.
+        checkpointing: activation checkpointing, ``auto``, ``on`` or ``off``.
+        compile: ``torch.compile``, ``auto``, ``on`` or ``off``.
+        device: ``auto`` (the GPU if there is one), ``cpu`` or ``cuda``.
+        planner: on a GPU, ``search`` or ``probe``.
+    """
+
+    budget: str | None = option(None, "GPU memory the run may use, e.g. 4GiB, 11GB (default: the card's)")
+    gpu: str | None = option(None, "plan for a known card, e.g. gtx-1650-ti, gtx-1080-ti, rtx-3060 "
+                                   "(its budget and precision rules)")
+    precision: str = option("auto", "auto|fp32|fp16|bf16 (default: {default}, from the card)",
+                            choices=("auto", *PRECISIONS))
+    checkpointing: str = option("auto", "activation checkpointing: auto|on|off (default: {default})",
+                                choices=("auto", "on", "off"))
+    compile: str = option("auto", "torch.compile: auto|on|off (default: {default}: on a GPU, kept if the "
+                                  "planner's compiled probe steps are faster)", choices=("auto", "on", "off"))
+    device: str = option("auto", "auto|cuda|cpu (default: {default}: the GPU if there is one)",
+                         choices=("auto", "cpu", "cuda"))
+    planner: str = option("search", "on a GPU: search (predict, then verify the best with real steps) or probe "
+                                    "(largest micro-batch by probing)", choices=("search", "probe"))
+
+
+@dataclass(frozen=True)
+class TrainOptions(_Options):
+    """How the model is trained: length, optimizer and schedule, logging, checkpoints, guards.
+
+    Attributes:
+        epochs: passes over the training samples; fractions allowed.
+        max_steps: stop after this many optimizer steps (None: run all epochs).
+        lr: peak learning rate of AdamW (linear warm-up, then linear decay to 0).
+        weight_decay: AdamW's decoupled weight decay.
+        warmup_ratio: share of steps with linear warm-up.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        seed: seed of the sample order, dropout and the new head.
+        log_every: write a metrics line every this many optimizer steps.
+        checkpoint_every: write a checkpoint every this many steps (and at the end); 0: only at the end.
+        keep_last: keep this many newest checkpoints.
+        max_skipped_steps: stop after this many non-finite steps in a row.
+        grow_back_after: after an OOM recovery, try doubling the micro-batch again after this
+            many clean windows (0: never).
+        warn_temp_c: warn when the GPU reaches this temperature (deg C); option ``warn_temp``.
+        cooldown_temp_c: pause between steps while the GPU is at or above this temperature, until
+            it is 5 deg C below (None: never pause); option ``cooldown_temp``.
+    """
+
+    epochs: float = option(3.0, "passes over the training data; fractions allowed (default: {default})")
+    max_steps: int | None = option(None, "stop after this many optimizer steps")
+    lr: float = option(5e-5, "peak learning rate, warm-up then linear decay (default: {default})")
+    weight_decay: float = option(0.01, cli=False)
+    warmup_ratio: float = option(0.1, cli=False)
+    max_grad_norm: float | None = option(1.0, cli=False)
+    seed: int = option(0, "seed of sample order, dropout and the new head (default: {default})")
+    log_every: int = option(10, "optimizer steps between metrics lines (default: {default})", minimum=1)
+    checkpoint_every: int = option(100, "write a resumable checkpoint every N optimizer steps and at the end; "
+                                        "0: only at the end (default: {default})",
+                                   minimum=0, below=" (0: only at the end)")
+    keep_last: int = option(2, "checkpoints to keep (default: {default})", minimum=1)
+    max_skipped_steps: int = option(20, "stop after this many non-finite (skipped) steps in a row "
+                                        "(default: {default})", minimum=1)
+    grow_back_after: int = option(100, cli=False)
+    warn_temp_c: float = option(82.0, "warn at this GPU temperature, deg C (default: {default})", key="warn_temp")
+    cooldown_temp_c: float | None = option(None, "pause between steps while the GPU is this hot (deg C)",
+                                           key="cooldown_temp")
+
+    def _check_together(self) -> None:
+        """The length of training and the learning rate: positive and finite."""
+        if not (math.isfinite(self.epochs) and math.isfinite(self.lr)) or self.epochs <= 0 or self.lr <= 0 \
+                or (self.max_steps is not None and self.max_steps < 1):
+            raise TightfitError("--epochs, --lr and --max-steps must be positive and finite")
+
+
+def _command_line() -> str:
+    """This process's command line as ``tightfit ...``, quoted for a shell."""
+    return " ".join(shlex.quote(a) for a in ["tightfit", *sys.argv[1:]])
+
+
+@dataclass(frozen=True)
+class RunOptions(_Options):
+    """The run folder, how much data is used, and how the run reports.
+
+    Attributes:
+        out: the run folder (None: ``runs/<date-time>``).
+        resume: a run folder to continue from its newest intact checkpoint.
+        full: on the CPU, train on all training samples (default: a subset).
+        train_samples, eval_samples: use this many training / held-out samples.
+        progress: show a progress bar.
+        command: the command line recorded in the report.
+    """
+
+    out: str | None = option(None, "run folder (default: runs/<date-time>); must not exist or be empty")
+    resume: str | None = option(None, "continue the run in DIR from its newest checkpoint (its other options "
+                                      "are taken from DIR/request.json)", metavar="DIR")
+    full: bool = option(False, "on the CPU, train on all training samples (default: a subset)")
+    train_samples: int | None = option(None, "train on this many training samples (fixed random subset)", minimum=1)
+    eval_samples: int | None = option(None, "evaluate on this many held-out samples (default: all)", minimum=1)
+    progress: bool = option(True, "no progress bar", flag="--no-progress")
+    command: str = option(default_factory=_command_line, cli=False)
+
+
+# The tree's groups: (attribute of TrainRequest, class, title in --help).
+GROUPS: tuple[tuple[str, type, str], ...] = (
+    ("workload", WorkloadOptions, "what to train"),
+    ("planning", PlanOptions, "device and plan"),
+    ("training", TrainOptions, "training"),
+    ("run", RunOptions, "run folder and data size"),
+)
+# Flat option name -> (group attribute, field name), e.g. "warn_temp" -> ("training", "warn_temp_c").
+_FLAT: dict[str, tuple[str, str]] = {option_key(f): (attr, f.name) for attr, cls, _ in GROUPS for f in fields(cls)}
+
+
+@dataclass(frozen=True, init=False)
+class TrainRequest:
+    """Everything ``tightfit train`` accepts (see ``tightfit train --help``), as a tree of groups.
+
+    Made from flat keywords, as on the command line (``TrainRequest(model="m", batch_size=16,
+    warn_temp=80)``), or from whole groups (``TrainRequest(training=TrainOptions(lr=1e-4))``),
+    or both (flat keywords then change the given groups). Unknown keywords raise ``TypeError``,
+    bad values :class:`TightfitError`.
+
+    Attributes:
+        workload: :class:`WorkloadOptions`.
+        planning: :class:`PlanOptions`.
+        training: :class:`TrainOptions`.
+        run: :class:`RunOptions`.
+    """
+
+    workload: WorkloadOptions
+    planning: PlanOptions
+    training: TrainOptions
+    run: RunOptions
+
+    def __init__(self, **options: Any):
+        flat: dict[str, dict[str, Any]] = {attr: {} for attr, _, _ in GROUPS}
+        groups = {attr: options.pop(attr) for attr, _, _ in GROUPS if attr in options}
+        for key, value in options.items():
+            if key not in _FLAT:
+                raise TypeError(f"TrainRequest() got an unexpected keyword argument {key!r}")
+            attr, name = _FLAT[key]
+            flat[attr][name] = value
+        for attr, cls, _ in GROUPS:
+            group = groups.get(attr)
+            group = cls(**flat[attr]) if group is None else replace(group, **flat[attr])
+            object.__setattr__(self, attr, group)
+
+    def to_flat(self) -> dict[str, Any]:
+        """``{option: value}`` with the flat names (the keywords of the constructor)."""
+        return {option_key(f): getattr(getattr(self, attr), f.name) for attr, cls, _ in GROUPS for f in fields(cls)}
+
+    def with_options(self, **options: Any) -> "TrainRequest":
+        """A copy with some options (flat names) changed."""
+        return TrainRequest(**{**self.to_flat(), **options})
+
+    @classmethod
+    def from_args(cls, args) -> "TrainRequest":
+        """The request from an ``argparse`` namespace made by :func:`add_train_arguments`."""
+        return cls(**{option_key(f): getattr(args, option_key(f))
+                      for _, group, _ in GROUPS for f in fields(group) if f.metadata.get("cli", True)})
+
+
+def _shown(value: Any) -> str:
+    """A default as ``--help`` shows it: ``3`` for 3.0, ``5e-5`` for 5e-05."""
+    if isinstance(value, float):
+        text = f"{value:g}"
+        mantissa, _, exponent = text.partition("e")
+        return f"{mantissa}e{int(exponent)}" if exponent else text
+    return str(value)
+
+
+def _argument(group, f: Field, hints: dict) -> None:
+    """Add option field ``f`` to an argparse group: flag, type from the annotation, default, help."""
+    kind = typing.get_args(hints[f.name]) or (hints[f.name],)
+    kind = next(t for t in kind if t is not type(None))
+    kw: dict[str, Any] = {"dest": option_key(f), "default": f.default,
+                          "help": f.metadata["help"].format(default=_shown(f.default))}
+    if kind is bool:
+        kw["action"] = "store_false" if f.default else "store_true"
+    elif kind is not str:
+        kw["type"] = kind
+    if f.metadata.get("metavar"):
+        kw["metavar"] = f.metadata["metavar"]
+    group.add_argument(option_flag(f), **kw)
+
+
+def add_train_arguments(parser) -> None:
+    """Add every command-line option of :class:`TrainRequest` to ``parser``, one argument group
+    per option group."""
+    for _, cls, title in GROUPS:
+        group, hints = parser.add_argument_group(title), typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.metadata.get("cli", True):
+                _argument(group, f, hints)
