@@ -1,8 +1,8 @@
 """Measure the peak GPU memory of training steps over the zoo, for the estimator's fixtures.
 
 For every row: build the architecture (random fp32 weights) on the GPU, apply the
-checkpointing, run three full training steps (:func:`tightfit.memory.step.training_step`:
-forward under autocast, backward, clipping, fused AdamW step, zero_grad) and record the
+checkpointing, run three full training steps (:func:`tightfit.step.training_step`:
+forward under autocast, backward, clipping, the optimizer step, zero_grad) and record the
 caching allocator's peak allocated / reserved bytes (``torch.cuda.max_memory_*``) of the first
 step and of all three, with a breakdown: parameter, gradient, optimizer-state and
 saved-for-backward bytes (unique storages, rounded to the allocator's 512-byte blocks).
@@ -31,7 +31,7 @@ import torch
 
 from tightfit.levers.precision import autocast
 from tightfit.levers.blocks import apply_checkpointing
-from tightfit.memory.step import make_optimizer, training_step
+from tightfit.step import make_optimizer, training_loss, training_step
 from tightfit.memory.zoo import build_model
 
 # (architecture, size: sequence length or image size, micro-batches)
@@ -87,6 +87,11 @@ def workspace_bytes() -> int:
     return torch.cuda.memory_allocated() - before
 
 
+def run_step(model, batch: dict, optimizer, scaler, row: dict) -> None:
+    """One training step of ``row`` on ``batch`` (one micro-batch, its mean loss)."""
+    training_step(model, [batch], training_loss, 1, optimizer, scaler, lambda: autocast(row["precision"], "cuda"))
+
+
 def measure(model, make_batch, row: dict) -> dict:
     """Three training steps of ``row``; returns the row with measured bytes."""
     apply_checkpointing(model, row["checkpointing"])
@@ -117,14 +122,14 @@ def measure(model, make_batch, row: dict) -> dict:
         if step == 0:
             hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters() if p.requires_grad]
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                training_step(model, batch, optimizer, scaler, lambda: autocast(row["precision"], "cuda"))
+                run_step(model, batch, optimizer, scaler, row)
             for h in hooks:
                 h.remove()
             del hooks
             saved_bytes = sum(_rounded(n) for n in saved.values())
             grad_bytes = sum(_rounded(n) for n in grads.values())
         else:
-            training_step(model, batch, optimizer, scaler, lambda: autocast(row["precision"], "cuda"))
+            run_step(model, batch, optimizer, scaler, row)
         torch.cuda.synchronize()
         peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.is_cuda]

@@ -113,7 +113,8 @@ def autocast(precision: str, device_type: str):
     return torch.autocast(device_type=device_type, dtype=_DTYPES[precision])
 
 
-def make_grad_scaler(precision: str, device_type: str) -> torch.amp.GradScaler:
+def make_grad_scaler(precision: str, device_type: str, init_scale: float = 2.0**16) -> torch.amp.GradScaler:
     """A ``torch.amp.GradScaler``, enabled only for fp16 (bf16 and fp32 need no loss scaling).
-    A disabled scaler passes ``scale``/``unscale_``/``step``/``update`` straight through."""
-    return torch.amp.GradScaler(device_type, enabled=(precision == "fp16"))
+    A disabled scaler passes ``scale``/``unscale_``/``step``/``update`` straight through.
+    ``init_scale``: the first loss scale (PyTorch's default 2**16; the planner's probe uses 1)."""
+    return torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=(precision == "fp16"))

@@ -4,7 +4,8 @@
   through a model of PyTorch's CUDA caching allocator (:mod:`.allocator`).
 - :mod:`.zoo` builds the built-in architectures (on the meta device: no memory used).
 - :mod:`tightfit.levers.blocks` (a lever shared with the runtime) finds a model's repeated blocks and checkpoints all or some.
-- :mod:`.step` is the one training step that both the estimate and the GPU measurement run.
+- :mod:`tightfit.step` is the one training step that the estimate traces, the GPU measurement
+  runs and the runtime trains with.
 - :mod:`.fast` is the planner's memory-growth model: peak reserved bytes on lines in the micro-batch.
 """
 

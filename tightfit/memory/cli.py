@@ -90,7 +90,7 @@ def run(args) -> int:
 
     if args.micro_batch is None or args.micro_batch < 1:
         raise TightfitError("--micro-batch must be >= 1")
-    from .step import OPTIMIZERS
+    from ..step import OPTIMIZERS
 
     if args.optimizer not in OPTIMIZERS:
         raise TightfitError(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")

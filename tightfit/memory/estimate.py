@@ -1,12 +1,13 @@
 """Estimate a training step's peak GPU memory without a GPU.
 
-The step of :mod:`.step` (forward under autocast, backward, clipping, optimizer step,
-``zero_grad``) runs twice on a meta-device copy of the model -- the first step allocates the
-optimizer state, the second runs forward and backward with that state held, which is where
-the peak of every later step lies. :class:`~.cuda_autocast.CudaOnMeta` makes the trace
-allocate what CUDA would; :class:`~.tracker.AllocationTracker` replays every allocation
-through a model of the caching allocator (:mod:`.allocator`: expandable segments, as tightfit's
-runtime configures it, or the default configuration), so the result is the peak of
+The runtime's step, :func:`tightfit.step.training_step` (forward under autocast, backward,
+clipping, optimizer step, ``zero_grad``) with the plan's optimizer, runs twice on a
+meta-device copy of the model -- the first step allocates the optimizer state, the second
+runs forward and backward with that state held, which is where the peak of every later step
+lies. :class:`~.cuda_autocast.CudaOnMeta` makes the trace allocate what CUDA would;
+:class:`~.tracker.AllocationTracker` replays every allocation through a model of the caching
+allocator (:mod:`.allocator`: expandable segments, as tightfit's runtime configures it, or the
+default configuration), so the result is the peak of
 ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over those steps.
 """
 
@@ -26,7 +27,7 @@ from ..plan import Plan
 from ..units import MiB, format_bytes
 from ..levers.blocks import apply_checkpointing, find_blocks, parse_checkpointing
 from .cuda_autocast import CudaOnMeta
-from .step import OPTIMIZERS, MetaOptimizer, training_step
+from ..step import OPTIMIZERS, MetaOptimizer, make_optimizer, training_loss, training_step
 from .allocator import ALLOCATORS, make_allocator
 from .tracker import COMPONENTS, AllocationTracker
 
@@ -144,7 +145,7 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         example_batch: dict of tensors with a leading batch dimension, ``labels`` included
             (``[B]`` class targets or ``[B, T]`` next-token targets); only shapes and dtypes
             are used, resized to ``plan.micro_batch``. Unpadded batches are assumed.
-        plan: precision, micro-batch, optimizer (:data:`~.step.OPTIMIZERS`) and
+        plan: precision, micro-batch, optimizer (:data:`tightfit.step.OPTIMIZERS`) and
             ``activation_checkpointing`` (all blocks) are read.
         device: the GPU profile (sets the cuBLAS workspace size); None: Hopper-sized.
         checkpoint_blocks: block indices (or ``"all"``/``"none"``/a spec string) to checkpoint,
@@ -196,13 +197,15 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         if blocks:
             hooks.append(blocks[-1].register_forward_hook(
                 lambda *a: marks.__setitem__(len(blocks), tracker.allocator.allocated)))
-        optimizer = MetaOptimizer([p for p in params if p.requires_grad], plan.optimizer)
+        optimizer = make_optimizer(params, plan.optimizer, "meta")  # a MetaOptimizer of the plan's kind
         first_step_reserved = 0
         phases = {}
         for step in range(STEPS):
             tracker.window_peak = tracker.allocator.allocated
-            training_step(meta, batch, _LabelledOptimizer(optimizer, tracker, phases), None,
-                          lambda: _forward_region(emulation, tracker))
+            # one unpadded micro-batch: its mean loss is the runtime's loss_sum / count; no loss
+            # scaling is traced (its few 0-d tensors are left out)
+            training_step(meta, [batch], training_loss, 1, _LabelledOptimizer(optimizer, tracker, phases), None,
+                          lambda: _forward_region(emulation, tracker), max_grad_norm=1.0)
             if step == 0:
                 first_step_reserved = tracker.allocator.peak_reserved
                 first_step_allocated = tracker.allocator.peak_allocated
@@ -254,6 +257,7 @@ class _LabelledOptimizer:
 
     def __init__(self, optimizer: MetaOptimizer, tracker: AllocationTracker, phases: dict):
         self.optimizer, self.tracker, self.phases = optimizer, tracker, phases
+        self.param_groups = optimizer.param_groups
         optimizer.temporaries_context = self._temporaries
 
     @contextlib.contextmanager

@@ -2,7 +2,8 @@
 the budget with real probe steps on the GPU (two steps of forward, backward and optimizer step,
 on a worst-case batch padded to the full sequence length).
 
-A probe uses a throw-away AdamW with lr = 0 and no weight decay, so the weights stay
+A probe runs the runtime's step (:func:`tightfit.step.training_step`) with a throw-away
+optimizer of the plan's kind at lr = 0 and no weight decay, so the weights stay
 bit-identical; the RNG states are restored and the probe's memory released afterwards.
 """
 
@@ -17,10 +18,10 @@ import torch
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
-from ..levers.precision import autocast, check_precision, fallback_precisions, preferred_precision
+from ..levers.precision import autocast, check_precision, fallback_precisions, make_grad_scaler, preferred_precision
 from ..plan import Plan, accumulation_steps, balanced_micro_batch
 from ..memory.oom import is_oom, release_memory
-from ..memory.step import module_mode, training_loss, training_step
+from ..step import make_optimizer, module_mode, training_step
 from ..rng import capture_rng, restore_rng
 from ..units import format_bytes
 from ..workload import Workload
@@ -46,11 +47,16 @@ class ProbeResult:
 
 
 def probe_step(workload: Workload, micro_batch: int, precision: str, budget_bytes: int,
-               timed_steps: int = 2) -> ProbeResult:
+               timed_steps: int = 2, optimizer: str = "adamw") -> ProbeResult:
     """Run ``1 + timed_steps`` full training steps of ``micro_batch`` worst-case samples on the
-    model's CUDA device: the first allocates AdamW's state; the timed ones run two micro-batches
-    when the plan accumulates (so gradients are held), and the fastest of them is the step time
-    (more timed steps give a steadier time).
+    model's CUDA device (:func:`run_probe_steps`): the first allocates the optimizer's state;
+    the timed ones run two micro-batches when the plan accumulates (so gradients are held), and
+    the fastest of them is the step time (more timed steps give a steadier time).
+
+    Args:
+        precision: the plan's precision (autocast, and loss scaling for fp16).
+        optimizer: the plan's optimizer (``Plan.optimizer``, one of :data:`tightfit.step.OPTIMIZERS`);
+            the model's checkpointing is the caller's to set, as the plan says.
 
     Returns:
         A :class:`ProbeResult`; ``fits`` is False on OOM or when the peak reserved memory
@@ -59,37 +65,17 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     Raises:
         Any non-OOM error of the step, unchanged.
     """
-    model = workload.model
-    device = next(model.parameters()).device
+    device = next(workload.model.parameters()).device
     rng = capture_rng()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, fused=True)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     oom = False
-    # With accumulation, every micro-batch after the first runs forward and backward while the
-    # window's gradients are held: the probe's second step does two micro-batches to see that.
-    accumulating = micro_batch < workload.effective_batch
     try:
-        with module_mode(model, True):  # dropout active, as in the run: its masks are saved too
-            # Two steps: the first allocates AdamW's state, the second runs forward and backward with
-            # that state held -- the steady state of every later step (one step alone under-predicts).
-            # More steps timed like the second: the fastest is the step time (one step alone is
-            # noisy when the CPU is busy).
-            seconds = math.inf
-            for i, micro_batches in enumerate((1,) + (2 if accumulating else 1,) * max(1, timed_steps)):
-                t0 = time.perf_counter()
-                _probe_once(workload, micro_batch, precision, device, optimizer, micro_batches)
-                optimizer.zero_grad(set_to_none=True)
-                torch.cuda.synchronize(device)
-                if i:
-                    seconds = min(seconds, time.perf_counter() - t0)
+        seconds, micro_batches = run_probe_steps(workload, micro_batch, precision, optimizer, timed_steps)
     except Exception as e:
         if not is_oom(e):
             raise
         oom = True
-    optimizer.zero_grad(set_to_none=True)
-    del optimizer
     release_memory()
     restore_rng(rng)
     if oom:
@@ -100,23 +86,58 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
                        seconds, micro_batches)
 
 
-def _probe_once(workload: Workload, micro_batch: int, precision: str, device, optimizer, micro_batches: int) -> None:
-    """One optimizer step of ``micro_batches`` worst-case micro-batches: the earlier ones only
-    accumulate gradients, the last runs the shared step (backward, clip, optimizer step, which
-    allocates AdamW's state as the first real step will)."""
-    context = lambda: autocast(precision, device.type)  # noqa: E731
+def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimizer: str,
+                    timed_steps: int = 2) -> tuple[float, int]:
+    """The probe's steps, on the model's device (the CPU too): ``1 + timed_steps`` runs of
+    :func:`tightfit.step.training_step` in train mode, with the plan's optimizer built by
+    :func:`tightfit.step.make_optimizer` at lr 0 and no weight decay (the weights stay
+    bit-identical), the runtime's loss (``workload.loss_sum`` over ``workload.count``) and
+    its autocast and loss scaler for ``precision`` (the scaler starts at scale 1, so that an
+    overflow does not skip the first step, which allocates the optimizer's state).
 
-    def worst_case():
-        return {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
+    With accumulation, every micro-batch after the first runs forward and backward while the
+    window's gradients are held: the timed steps do two micro-batches to see that.
 
-    for _ in range(micro_batches - 1):
-        batch = worst_case()
-        with context():
-            loss = training_loss(workload.model, batch)
-        loss.backward()
-        del batch, loss
-    batch = worst_case()
-    training_step(workload.model, batch, optimizer, None, context)
+    Returns:
+        ``(seconds, micro_batches)``: wall time of the fastest timed step (synchronised with
+        the device), and the micro-batches in it.
+
+    Raises:
+        Any error of a step, unchanged (an OOM included); the gradients are freed first and the
+        throw-away optimizer dies with the error.
+    """
+    model = workload.model
+    device = next(model.parameters()).device
+    opt = make_optimizer(model.parameters(), optimizer, device.type, lr=0.0, weight_decay=0.0)
+    scaler = make_grad_scaler(precision, device.type, init_scale=1.0)
+    accumulating = micro_batch < workload.effective_batch
+    normaliser = workload.count(workload.train.worst_case(micro_batch))  # per worst-case micro-batch
+
+    def worst_case(n):  # made one at a time: each is dropped before the next
+        for _ in range(n):
+            yield {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
+
+    seconds = math.inf
+    try:
+        with module_mode(model, True):  # dropout active, as in the run: its masks are saved too
+            # The first step allocates the optimizer's state; the later ones run forward and backward
+            # with that state held -- the steady state of every later step (one step alone
+            # under-predicts). The fastest timed step is the step time (one alone is noisy).
+            for i, micro_batches in enumerate((1,) + (2 if accumulating else 1,) * max(1, timed_steps)):
+                t0 = time.perf_counter()
+                training_step(model, worst_case(micro_batches), workload.loss_sum, normaliser * micro_batches,
+                              opt, scaler, lambda: autocast(precision, device.type))
+                _synchronize(device)
+                if i:
+                    seconds = min(seconds, time.perf_counter() - t0)
+    finally:
+        opt.zero_grad(set_to_none=True)
+    return seconds, micro_batches
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def largest_micro_batch(workload: Workload, precision: str, budget_bytes: int, upper: int) -> ProbeResult | None:

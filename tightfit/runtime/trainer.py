@@ -4,6 +4,8 @@ Read it top to bottom in :meth:`Trainer.fit`. Each optimizer step consumes one *
 ``effective_batch`` samples, split into micro-batches of ``plan.micro_batch``; the loss of
 every micro-batch is divided by the number of samples in the whole window, so the summed
 gradient equals the gradient of one batch made of the same samples (DESIGN invariant 1).
+The step itself is :func:`tightfit.step.training_step`, the one the planner's probe and the
+memory estimator run too (DESIGN invariant 13); the trainer adds the guards around it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
-from ..memory.step import make_optimizer, module_mode
+from ..step import accumulate, make_optimizer, module_mode, training_step
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
@@ -384,8 +386,9 @@ class Trainer:
             before = _in_place_versions(self.optimizer)
             had_state = set(self.optimizer.state)
             try:
-                loss = self._forward_backward(window)
-                finite = self._unscale_clip_step()
+                micro_batches, normaliser = self._micro_batches(window)
+                result = training_step(self.model, micro_batches, self.w.loss_sum, normaliser, self.optimizer,
+                                       self.scaler, self._autocast, self.cfg.max_grad_norm)
                 break
             except Exception as e:  # only OOMs are handled; anything else propagates unchanged
                 if not is_oom(e):
@@ -404,39 +407,38 @@ class Trainer:
             release_memory()
             restore_rng(rng)
             self._on_oom(where)
-        self.scaler.update()  # also after a skipped step: the loss scale backs off
+        self._grad_norm = result.grad_norm
         with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()  # the schedule follows the data, applied or skipped
-        return loss, self._after_step(finite, window)
+        return result.loss, self._after_step(result.finite, window)
 
-    def _forward_backward(self, window: list[int]) -> float:
+    def _micro_batches(self, window: list[int]) -> tuple:
+        """``(micro-batches, normaliser)`` of ``window``: an iterator of its micro-batches on the
+        device, each staged one ahead (the next is copied while this one computes), and the
+        samples (or tokens) of the whole window that the loss is divided by."""
         micro = self.loader.window(self.step, window, self.micro_batch)
         total = sum(self.w.count(b) for b in micro)  # normaliser of the whole window
-        loss_sum = torch.zeros((), device=self.device)
-        staged = self.loader.stage(micro[0])
-        for i in range(len(micro)):
-            batch = self.loader.ready(staged)
-            if i + 1 < len(micro):  # copy the next micro-batch while this one computes
-                staged = self.loader.stage(micro[i + 1])
-            with autocast(self.plan.precision, self.device.type):
-                loss = self.w.loss_sum(self.model, batch) / total
-            self.scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        return float(loss_sum)  # one sync per window
 
-    def _unscale_clip_step(self) -> bool:
-        """Unscale exactly once, before clipping; apply the update unless non-finite."""
-        self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        finite = bool(torch.isfinite(self._grad_norm))
-        if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)  # skips the update itself if unscale_ found inf/NaN
-        elif finite:
-            self.optimizer.step()
-        return finite
+        def staged():
+            handle = self.loader.stage(micro[0])
+            for i in range(len(micro)):
+                batch = self.loader.ready(handle)
+                if i + 1 < len(micro):  # copy the next micro-batch while this one computes
+                    handle = self.loader.stage(micro[i + 1])
+                yield batch
+                del batch
+
+        return staged(), total
+
+    def _autocast(self):
+        return autocast(self.plan.precision, self.device.type)
+
+    def _forward_backward(self, window: list[int]) -> float:
+        """Forward and backward of ``window`` only, as the step does them (no update): returns
+        the window's mean loss and leaves the summed gradients in ``.grad``."""
+        micro_batches, normaliser = self._micro_batches(window)
+        return float(accumulate(self.model, micro_batches, self.w.loss_sum, normaliser, self.scaler, self._autocast))
 
     def _reset_scaler_step(self) -> None:
         # A failed attempt may have called unscale_ already; a scaler rebuilt from its state
@@ -463,11 +465,10 @@ class Trainer:
         self.micro_batch = new
 
     def _after_step(self, finite: bool, window: list[int]) -> bool:
-        """Count clean and skipped steps, grow the micro-batch back, zero the gradients."""
+        """Count clean and skipped steps, grow the micro-batch back (the step zeroed the gradients)."""
         if finite:
             self._skipped_in_row = 0
             self._clean_windows += 1
-            self.optimizer.zero_grad(set_to_none=True)
             if (self.cfg.grow_back_after and self.micro_batch < self.plan.micro_batch
                     and self._clean_windows >= self.cfg.grow_back_after):
                 new = min(self.plan.micro_batch, self.micro_batch * 2)
@@ -476,7 +477,6 @@ class Trainer:
             return True
         self.result.skipped_steps += 1
         self._skipped_in_row += 1  # fit() stops at max_skipped_steps in a row
-        self.optimizer.zero_grad(set_to_none=True)
         return False
 
     def _first_nonfinite(self, window: list[int]) -> str:

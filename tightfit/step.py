@@ -1,0 +1,259 @@
+"""The one training step: the runtime trains with it, the planner's GPU probe times and measures
+it, and the memory estimator traces it on meta tensors (DESIGN invariant 13).
+
+One optimizer step over one accumulation window, as nanoGPT's ``train.py`` writes it::
+
+    for batch in micro_batches:                 # accumulate()
+        with autocast:  loss = loss_sum(model, batch) / normaliser
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)                  # apply_update(): unscale exactly once,
+    clip_grad_norm_(params, max_grad_norm)      #   clip the true (unscaled) gradients,
+    scaler.step(optimizer)                      #   step (skipped on inf/NaN),
+    scaler.update()                             #   update the loss scale, also after a skip,
+    optimizer.zero_grad(set_to_none=True)       #   and free the gradients.
+
+The optimizer comes from :func:`make_optimizer` with the plan's ``optimizer``, the autocast
+context and the loss scaler from the plan's precision, and checkpointing from the plan applied
+to the model; the callers only differ in the guards around the step (the runtime's OOM
+recovery, the probe's timing, the estimator's labelling of allocations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+
+@contextlib.contextmanager
+def module_mode(model: torch.nn.Module, training: bool):
+    """Put every submodule of ``model`` in train (``training=True``: dropout active) or eval
+    mode for the ``with`` block, then give each module back the mode it had (DESIGN invariant
+    9). Hugging Face's ``from_pretrained`` returns a model in eval mode, so whoever runs a
+    training step -- the runtime, the GPU probe -- must set the mode itself.
+    """
+    before = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield model
+    finally:
+        for m, was in before:
+            m.training = was
+
+
+def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """Mean cross-entropy of ``model`` on ``batch`` as a 0-d fp32 tensor (the estimator's loss,
+    which knows no workload: for one unpadded micro-batch it equals a workload's
+    ``loss_sum / count``).
+
+    ``labels`` of shape ``[B]`` are classification targets for ``logits [B, C]``; ``[B, T]``
+    labels are next-token targets for ``logits [B, T, V]`` (shifted by one, as causal LMs train).
+    Logits are upcast to fp32 first, as tightfit's runtime and Hugging Face's LM loss do.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    labels = batch["labels"]
+    if labels.dim() == 2:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+# Optimizers the estimator and the runtime know: fused AdamW (tightfit's default on CUDA),
+# multi-tensor ("foreach") AdamW, SGD with momentum.
+OPTIMIZERS = ("adamw", "adamw-foreach", "sgd")
+
+
+def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight_decay: float = 0.01):
+    """The optimizer of a plan (``plan.optimizer``) over the trainable ``params``: the one
+    builder of the runtime, the GPU probe (lr 0, no weight decay) and the estimator (meta).
+
+    ``adamw``: fused AdamW (one kernel per step, on CUDA and on the CPU); ``adamw-foreach``: the
+    multi-tensor AdamW; ``sgd``: SGD with momentum 0.9. On the meta device, a stand-in that
+    allocates the same state and temporaries (:class:`MetaOptimizer`).
+
+    Fused AdamW allocates nothing at its step but the state on the first step, and that before
+    any parameter or state is written: an out-of-memory error inside its step leaves the model
+    and the optimizer as they were, so the runtime can redo the window (DESIGN invariant 10).
+
+    Args:
+        params: parameters; those without ``requires_grad`` get no state (they are left out).
+        kind: one of :data:`OPTIMIZERS`.
+        device_type: the parameters' device type (``"cuda"``, ``"cpu"`` or ``"meta"``).
+        lr, weight_decay: learning rate and decoupled weight decay (SGD: no weight decay).
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    params = [p for p in params if p.requires_grad]
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {kind!r}")
+    if device_type == "meta":
+        return MetaOptimizer(params, kind)
+    if kind.startswith("adamw"):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+                                 fused=kind == "adamw",
+                                 foreach=True if kind == "adamw-foreach" else None)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+class MetaOptimizer:
+    """Allocates what the optimizers of :data:`OPTIMIZERS` allocate, in the same order, on meta params.
+
+    AdamW (``torch.optim.AdamW(fused=True)``): per parameter, on its first step, a 0-d fp32
+    ``step`` tensor on the device, then ``exp_avg`` and ``exp_avg_sq`` (``zeros_like``); the
+    fused kernel needs no temporaries. Foreach AdamW: the same state, and at every step one
+    temporary per parameter of its size, ``torch._foreach_sqrt(exp_avg_sqs)`` for the whole
+    group at once (``torch/optim/adam.py``, ``_multi_tensor_adam``), freed when the step ends.
+    SGD with momentum: a ``momentum_buffer`` cloned from the gradient on the first step.
+    Parameters without a gradient get no state.
+    """
+
+    def __init__(self, params, kind: str):
+        self.params, self.kind, self.state = list(params), kind, {}
+        self.param_groups = [{"params": self.params}]  # as torch.optim's, for clipping
+        # entered around the step's temporaries (the estimator labels them there)
+        self.temporaries_context = contextlib.nullcontext
+
+    def step(self):
+        for p in self.params:
+            if p.grad is None or p in self.state:
+                continue
+            if self.kind.startswith("adamw"):
+                self.state[p] = (torch.zeros((), dtype=torch.float32, device=p.device),
+                                 torch.zeros_like(p), torch.zeros_like(p))
+            else:
+                self.state[p] = (torch.clone(p.grad).detach(),)
+        if self.kind == "adamw-foreach":
+            self._temporaries([s[2] for p, s in self.state.items() if p.grad is not None])
+
+    def _temporaries(self, exp_avg_sqs: list) -> None:
+        with self.temporaries_context():
+            sqrt = torch._foreach_sqrt(exp_avg_sqs)  # noqa: F841 -- alive until the step returns
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.state.values() for t in s]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one :func:`training_step` did.
+
+    Attributes:
+        loss: the window's loss, the sum of every micro-batch's ``loss_sum / normaliser`` (a
+            Python float; None on the meta device).
+        grad_norm: global L2 norm of the unscaled gradients before clipping (a Python float;
+            None on the meta device, which holds no values).
+        finite: whether ``grad_norm`` is finite (True on the meta device). A non-finite step is
+            not applied (with an enabled loss scaler, the scaler decides, from ``unscale_``).
+    """
+
+    loss: float | None
+    grad_norm: float | None
+    finite: bool
+
+
+def accumulate(model: torch.nn.Module, micro_batches: Iterable[dict], loss_sum: Callable, normaliser: float,
+               scaler, autocast_ctx: Callable) -> torch.Tensor:
+    """Forward and backward of every micro-batch of one window, adding to ``.grad``.
+
+    Each micro-batch's loss is ``loss_sum(model, batch) / normaliser``, so with ``normaliser``
+    the count of samples (or target tokens) of the whole window the summed gradient is that
+    of one batch made of the same samples (DESIGN invariant 1). Each micro-batch is dropped
+    before the next is drawn, so an iterator that makes or stages batches lazily holds one at
+    a time.
+
+    Args:
+        model: in the mode the caller chose (training: train mode).
+        micro_batches: dicts of tensors on the model's device, drawn one at a time.
+        loss_sum: ``(model, batch) -> 0-d tensor``, the loss summed over what ``normaliser`` counts.
+        normaliser: samples (or tokens) in the whole window, > 0.
+        scaler: ``torch.amp.GradScaler`` (enabled: the loss is scaled before backward) or None.
+        autocast_ctx: zero-argument callable returning the forward's autocast context.
+
+    Returns:
+        The window's loss: a 0-d detached tensor (sum over micro-batches of the normalised loss).
+
+    Raises:
+        ValueError: ``micro_batches`` is empty.
+    """
+    total = None
+    for batch in micro_batches:
+        with autocast_ctx():
+            loss = loss_sum(model, batch)
+            if normaliser != 1:  # dividing by 1 is the identity: no kernel, no extra 0-d tensor
+                loss = loss / normaliser
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        del batch, loss
+    if total is None:
+        raise ValueError("a training step needs at least one micro-batch")
+    return total
+
+
+def apply_update(optimizer, scaler, max_grad_norm: float | None) -> tuple[float | None, bool]:
+    """The update of one window: unscale exactly once, clip, step (or skip), update the loss
+    scale, zero the gradients (DESIGN invariant 3).
+
+    Clipping runs on every parameter of ``optimizer.param_groups`` (``max_grad_norm`` None:
+    norm measured, nothing clipped). Without an enabled scaler a non-finite norm skips
+    ``optimizer.step()``; with one, ``scaler.step`` skips it when ``unscale_`` found inf/NaN.
+    ``scaler.update()`` runs also after a skipped step (the loss scale backs off).
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer or :class:`MetaOptimizer` (or a wrapper of one
+            with ``param_groups``, ``step`` and ``zero_grad``).
+        scaler: ``torch.amp.GradScaler`` (enabled or not) or None.
+        max_grad_norm: clip the global L2 norm of the gradients to this; None: no clipping.
+
+    Returns:
+        ``(grad_norm, finite)`` as in :class:`StepResult`.
+    """
+    scaling = scaler is not None and scaler.is_enabled()
+    if scaling:
+        scaler.unscale_(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_grad_norm is None else max_grad_norm)
+    grad_norm = None if norm.is_meta else float(norm)  # a host sync; the tensor is freed before the step
+    del norm
+    finite = grad_norm is None or math.isfinite(grad_norm)
+    if scaling:
+        scaler.step(optimizer)  # skips the update itself if unscale_ found inf/NaN
+    elif finite:
+        optimizer.step()
+    if scaler is not None:
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, finite
+
+
+def training_step(model: torch.nn.Module, micro_batches: Iterable[dict], loss_sum: Callable, normaliser: float,
+                  optimizer, scaler, autocast_ctx: Callable, max_grad_norm: float | None = 1.0) -> StepResult:
+    """One optimizer step over one accumulation window: :func:`accumulate`, then
+    :func:`apply_update` (see the module doc). The runtime, the GPU probe and the estimator's
+    trace all run this function.
+
+    Args:
+        model, micro_batches, loss_sum, normaliser, scaler, autocast_ctx: as in :func:`accumulate`.
+        optimizer, max_grad_norm: as in :func:`apply_update`.
+
+    Returns:
+        A :class:`StepResult`; the gradients are zeroed (``None``) after it.
+
+    Raises:
+        ValueError: no micro-batch. Errors of the model or the optimizer (out-of-memory
+        included) propagate unchanged, leaving the gradients as they were at the error.
+    """
+    total = accumulate(model, micro_batches, loss_sum, normaliser, scaler, autocast_ctx)
+    loss = None if total.is_meta else float(total)  # one host sync per window; freed before the update
+    del total
+    grad_norm, finite = apply_update(optimizer, scaler, max_grad_norm)
+    return StepResult(loss, grad_norm, finite)
