@@ -145,9 +145,9 @@ def train(req: TrainRequest) -> dict:
         from .levers.precision import check_precision
 
         notes += check_precision(req.precision, profile if device == "cuda" else None)  # raises before any banner
-    from .models import check_tokenizer, load_classifier, model_state_bytes, resolve_model_path
+    from .models import check_tokenizer, model_state_bytes, resolve_for_training
 
-    model_path = resolve_model_path(req.model)
+    source = resolve_for_training(req.model)  # the registry: a name or a local folder
     if req.data:
         data = load_text_classification(req.data, req.text_column, req.label_column)
     else:
@@ -169,8 +169,9 @@ def train(req: TrainRequest) -> dict:
     notes += check_split(data, train_data, eval_data)
 
     seed_everything(req.seed)  # before the new head is initialised
-    model, tokenizer = load_classifier(model_path, data.label_names)
-    notes += check_tokenizer(model, tokenizer, model_path, data.texts, req.seq_len)  # and --seq-len
+    model, tokenizer = source.load_classifier(data.label_names)
+    notes += source.training_notes()
+    notes += check_tokenizer(model, tokenizer, source.tokenizer_path(), data.texts, req.seq_len)  # and --seq-len
     state = model_state_bytes(model)
     if budget is not None and budget < state["total"]:
         raise TightfitError(
@@ -187,7 +188,7 @@ def train(req: TrainRequest) -> dict:
     workload = Workload(model, TextBatches(tokenizer, train_data, req.seq_len),
                         TextBatches(tokenizer, eval_data, req.seq_len), req.batch_size)
     device_name = "CPU" if device == "cpu" else torch.cuda.get_device_name(0)
-    _say(f"tightfit {__version__}: fine-tuning {model_path.name if req.model else 'minilm (all-MiniLM-L6-v2)'} "
+    _say(f"tightfit {__version__}: fine-tuning {source.about} "
          f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters) on {data.source}: "
          f"{len(train_data)} training / {len(eval_data)} held-out samples, classes {data.label_names}")
     for n in notes:
@@ -260,7 +261,7 @@ def train(req: TrainRequest) -> dict:
     atomic_write_dir(out / "model", save_model)
     health = trainer.health
     info = {
-        "model": str(model_path), "data": data.source, "n_train": len(train_data), "n_eval": len(eval_data),
+        "model": source.location(), "data": data.source, "n_train": len(train_data), "n_eval": len(eval_data),
         "label_names": data.label_names, "majority": eval_data.majority_fraction(), "device_name": device_name
         + (f", memory capped at {format_bytes(budget)}" if device == "cuda" else ""), "budget_bytes": budget,
         "torch": torch.__version__, "version": __version__, "command": req.command,
