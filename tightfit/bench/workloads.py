@@ -1,5 +1,5 @@
-"""The benchmark's workloads: an architecture of :mod:`tightfit.memory.zoo`, its input size, the
-emulated card's budget and the effective batch every setting trains with."""
+"""The benchmark's workloads: an architecture of the model registry (:mod:`tightfit.models`), its
+input size, the emulated card's budget and the effective batch every setting trains with."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TightfitError
-from ..memory.zoo import build_model
+from ..models import build_model
 from ..units import parse_size
 from ..workload import Workload
 
@@ -19,7 +19,7 @@ class BenchWorkload:
 
     Attributes:
         name: ``<arch>-<size>@<budget>``.
-        arch: architecture name of :func:`tightfit.memory.zoo.build_model`.
+        arch: a name of the model registry (:data:`tightfit.models.REGISTRY`).
         size: sequence length (text) or image side in pixels.
         budget: memory budget, e.g. ``"4GiB"`` (bytes from :attr:`budget_bytes`).
         effective_batch: samples per optimizer step for tightfit and the no-budget reference.
@@ -88,7 +88,9 @@ class ZooSamples:
 
 
 def make_workload(w: BenchWorkload, effective_batch: int, samples: int, device: str = "cuda") -> Workload:
-    """A fresh model (seed 0, fp32 weights on ``device``) with ``samples`` random samples."""
+    """A fresh model (seed 0, fp32 weights on ``device``) with ``samples`` random samples, trained
+    with the registry's task for the architecture (e.g. token-level loss for a causal LM)."""
     torch.manual_seed(0)
     model, make_batch = build_model(w.arch, device="cpu")
-    return Workload(model.to(device), ZooSamples(make_batch, w.size, samples), None, effective_batch)
+    return Workload(model.to(device), ZooSamples(make_batch, w.size, samples), None, effective_batch,
+                    task=make_batch.task)

@@ -550,11 +550,15 @@ class Trainer:
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict:
-        """Accuracy and mean loss on the held-out samples; the evaluation batch halves on OOM
-        independently of the training micro-batch.
+        """Evaluate on the held-out samples with the workload's task, in eval mode; the evaluation
+        batch halves on OOM independently of the training micro-batch.
 
         Returns:
-            ``{"accuracy": float, "loss": float, "samples": int, "eval_batch": int}``.
+            The task's metrics (:meth:`tightfit.tasks.Task.summarize`) plus ``"samples"`` (held-out
+            samples) and ``"eval_batch"`` (the evaluation batch that ran): for classification
+            ``{"accuracy", "loss", "samples", "eval_batch"}`` (loss: mean cross-entropy per sample);
+            for a causal LM ``{"loss", "perplexity", "tokens", "samples", "eval_batch"}`` (loss: mean
+            per target token).
 
         Raises:
             TightfitError: an evaluation batch of 1 runs out of memory.
@@ -563,13 +567,16 @@ class Trainer:
             return self._evaluate(self.w.eval)
 
     def _evaluate(self, data) -> dict:
+        """The OOM back-off around :meth:`_eval_batch`: every held-out sample is counted once,
+        in batches of ``2 x micro_batch`` at first, halved after each OOM."""
         batch_size = max(1, min(len(data), 2 * self.micro_batch))
-        i, correct, loss_total = 0, 0, 0.0
+        i, totals = 0, {}
         while i < len(data):
             idx = list(range(i, min(i + batch_size, len(data))))
             try:
-                c, l = self._eval_batch(data.collate(idx))
-                correct, loss_total, i = correct + c, loss_total + l, i + len(idx)
+                for k, v in self._eval_batch(data.collate(idx)).items():
+                    totals[k] = totals.get(k, 0) + v
+                i += len(idx)
                 continue
             except Exception as e:  # only OOMs; the failed batch's tensors died with its frame
                 if not is_oom(e):
@@ -579,16 +586,15 @@ class Trainer:
                 raise TightfitError("out of memory in evaluation with a batch of 1")
             batch_size //= 2
             self._event(f"out of memory in evaluation: evaluation batch -> {batch_size}")
-        return {"accuracy": correct / len(data), "loss": loss_total / len(data), "samples": len(data),
-                "eval_batch": batch_size}
+        return {**self.w.task.summarize(totals), "samples": len(data), "eval_batch": batch_size}
 
     @torch.no_grad()
-    def _eval_batch(self, batch: dict) -> tuple[int, float]:
+    def _eval_batch(self, batch: dict) -> dict[str, float]:
+        """The task's additive statistics of one batch (:meth:`tightfit.tasks.Task.eval_sums`),
+        under the plan's autocast."""
         batch = _to_device(batch, self.device)
         with autocast(self.plan.precision, self.device.type):
-            logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
-        return int((logits.argmax(-1) == batch["labels"]).sum()), float(loss)
+            return self.w.task.eval_sums(self.model, batch)
 
     # ---------------------------------------------------------------- memory and health
     def _record_memory(self) -> None:

@@ -1,0 +1,310 @@
+"""Tasks: what a workload's batches mean.
+
+A task knows its loss, what that loss is normalised by, how to evaluate a model on held-out
+batches, and how to make an example batch of any size for a model config. Batches are dicts of
+tensors keyed by the model's ``forward`` arguments plus ``labels``.
+
+- :class:`SequenceClassification`: ``input_ids``/``attention_mask`` ``[B, T]``, ``labels`` ``[B]``;
+  evaluation: accuracy and mean loss per sample.
+- :class:`ImageClassification`: ``pixel_values`` ``[B, C, H, W]``, ``labels`` ``[B]``; the same
+  evaluation.
+- :class:`CausalLM`: ``input_ids``/``attention_mask``/``labels`` ``[B, T]`` (``labels`` -100 at
+  padding); evaluation: mean loss per target token and perplexity.
+
+The loss is a *sum* over what :meth:`Task.count` counts, so that the runtime can divide it by the
+count of a whole accumulation window (DESIGN invariant 1). Evaluation is the sum of per-batch
+statistics (:meth:`Task.eval_sums`) turned into metrics (:meth:`Task.summarize`), so that the
+runtime can evaluate in batches of any size (halving them on out-of-memory errors) and get what
+:meth:`Task.evaluate` gives on the same samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Iterable, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from .errors import TightfitError
+
+Batch = dict[str, torch.Tensor]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What a workload's batches mean (see the module docstring).
+
+    Attributes:
+        kind: ``"text"``, ``"causal-lm"`` or ``"image"``: what a batch's *size* means in
+            :meth:`example_batch` (sequence length in tokens, or image side in pixels).
+    """
+
+    kind: str
+
+    def loss_sum(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """The training loss summed (not averaged) over what :meth:`count` counts: 0-d fp32."""
+
+    def count(self, batch: Batch) -> int:
+        """How many units (samples or target tokens) :meth:`loss_sum` sums over."""
+
+    def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
+        """Additive evaluation statistics of one batch (Python numbers; summed over batches)."""
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metrics from the statistics of all batches."""
+
+    def evaluate(self, model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, float]:
+        """Metrics of ``model`` on ``batches`` (no gradients; the caller sets eval mode)."""
+
+    def example_batch(self, config, micro_batch: int, size: int, device: str | torch.device = "meta") -> Batch:
+        """A batch of ``micro_batch`` samples of ``size`` for a model built from ``config``."""
+
+
+def evaluate_batches(task: Task, model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, float]:
+    """``task.summarize`` of the summed ``task.eval_sums`` over ``batches``, without gradients.
+
+    Args:
+        task: the task.
+        model: the model, on the batches' device (its mode is left as the caller set it).
+        batches: batch dicts.
+
+    Returns:
+        The task's metrics, e.g. ``{"accuracy", "loss"}`` or ``{"loss", "perplexity", "tokens"}``.
+    """
+    totals: dict[str, float] = {}
+    with torch.no_grad():
+        for batch in batches:
+            add_sums(totals, task.eval_sums(model, batch))
+    return task.summarize(totals)
+
+
+def add_sums(totals: dict[str, float], part: dict[str, float]) -> None:
+    """Add one batch's :meth:`Task.eval_sums` into ``totals`` in place."""
+    for k, v in part.items():
+        totals[k] = totals.get(k, 0) + v
+
+
+def _inputs(batch: Batch) -> Batch:
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+# ---------------------------------------------------------------- losses (also used on their own)
+def count_samples(batch: Batch) -> int:
+    """Samples the classification loss sums over (one per label in ``labels`` ``[B]``)."""
+    return int(batch["labels"].numel())
+
+
+def classification_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Summed (not averaged) cross-entropy of ``logits`` ``[B, C]`` against ``labels`` ``[B]``,
+    as a 0-d fp32 tensor, so that dividing by the window's sample count gives the mean over the
+    whole accumulation window."""
+    logits = model(**_inputs(batch)).logits
+    return F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
+
+
+def count_target_tokens(batch: Batch) -> int:
+    """Tokens a causal-LM loss sums over: next-token targets ``labels[:, 1:]`` that are not
+    padding (-100)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def causal_lm_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Summed next-token cross-entropy over non-padding targets (``labels`` ``[B, T]``, -100 at
+    padding; ``logits`` ``[B, T, V]``), as a 0-d fp32 tensor in nats: divided by the window's
+    :func:`count_target_tokens`, the accumulated gradient is that of the token-level mean over
+    the whole window."""
+    logits = model(**_inputs(batch)).logits[:, :-1].float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+# ---------------------------------------------------------------- example batches
+def _check_sizes(kind: str, micro_batch: int, size: int) -> None:
+    if micro_batch < 1:
+        raise TightfitError(f"micro-batch must be >= 1, got {micro_batch}")
+    if size < 1:
+        raise TightfitError(f"{'image size' if kind == 'image' else 'sequence length'} must be >= 1, got {size}")
+
+
+def _random_ints(high: int, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+    """Uniform int64 in ``[0, high)`` on a real device; zeros on ``meta`` (shapes only)."""
+    if dev.type == "meta":
+        return torch.zeros(shape, dtype=torch.long, device=dev)
+    return torch.randint(0, high, shape, device=dev)
+
+
+def _token_batch(config, micro_batch: int, size: int, dev: torch.device) -> Batch:
+    """Random ``input_ids`` and an all-ones ``attention_mask``, int64 ``[micro_batch, size]``."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit and size > limit:
+        raise TightfitError(f"sequence length {size} exceeds the model's {limit} positions")
+    ids = _random_ints(config.vocab_size, (micro_batch, size), dev)
+    return {"input_ids": ids, "attention_mask": torch.ones(micro_batch, size, dtype=torch.long, device=dev)}
+
+
+# ---------------------------------------------------------------- the tasks
+@dataclass(frozen=True)
+class SequenceClassification:
+    """One label per text: cross-entropy over ``logits`` ``[B, num_labels]``.
+
+    Batches: ``input_ids``, ``attention_mask`` (and ``token_type_ids``) int64 ``[B, T]``,
+    ``labels`` int64 ``[B]``. Evaluation: ``{"accuracy", "loss"}`` (mean cross-entropy per sample,
+    nats).
+    """
+
+    kind: ClassVar[str] = "text"
+
+    def loss_sum(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        return classification_loss_sum(model, batch)
+
+    def count(self, batch: Batch) -> int:
+        return count_samples(batch)
+
+    def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
+        """``{"correct", "loss_sum", "samples"}`` of one batch (argmax of fp32 logits)."""
+        logits = model(**_inputs(batch)).logits.float()
+        loss = F.cross_entropy(logits, batch["labels"], reduction="sum")
+        return {"correct": int((logits.argmax(-1) == batch["labels"]).sum()), "loss_sum": float(loss),
+                "samples": count_samples(batch)}
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """``{"accuracy": correct / samples, "loss": loss_sum / samples}`` (NaN without samples)."""
+        n = sums.get("samples", 0)
+        if not n:
+            return {"accuracy": math.nan, "loss": math.nan}
+        return {"accuracy": sums["correct"] / n, "loss": sums["loss_sum"] / n}
+
+    def evaluate(self, model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, float]:
+        return evaluate_batches(self, model, batches)
+
+    def example_batch(self, config, micro_batch: int, size: int, device: str | torch.device = "meta") -> Batch:
+        """``input_ids``/``attention_mask`` int64 ``[micro_batch, size]`` (size: tokens) and
+        ``labels`` int64 ``[micro_batch]`` below ``config.num_labels``; random on a real device,
+        zeros on ``meta``.
+
+        Raises:
+            TightfitError: sizes below 1, or ``size`` past the model's positions.
+        """
+        _check_sizes(self.kind, micro_batch, size)
+        dev = torch.device(device)
+        batch = _token_batch(config, micro_batch, size, dev)
+        batch["labels"] = _random_ints(config.num_labels, (micro_batch,), dev)
+        return batch
+
+
+@dataclass(frozen=True)
+class ImageClassification(SequenceClassification):
+    """One label per image; the loss and evaluation of :class:`SequenceClassification`.
+
+    Batches: ``pixel_values`` fp32 ``[B, C, H, W]``, ``labels`` int64 ``[B]``.
+    """
+
+    kind: ClassVar[str] = "image"
+
+    def example_batch(self, config, micro_batch: int, size: int, device: str | torch.device = "meta") -> Batch:
+        """``pixel_values`` fp32 ``[micro_batch, config.num_channels (3), size, size]`` (size:
+        pixels; standard normal on a real device, uninitialised on ``meta``) and ``labels``
+        int64 ``[micro_batch]`` below ``config.num_labels``.
+
+        Raises:
+            TightfitError: sizes below 1.
+        """
+        _check_sizes(self.kind, micro_batch, size)
+        dev = torch.device(device)
+        shape = (micro_batch, getattr(config, "num_channels", 3), size, size)
+        pixels = torch.empty(shape, device=dev) if dev.type == "meta" else torch.randn(shape, device=dev)
+        return {"pixel_values": pixels, "labels": _random_ints(config.num_labels, (micro_batch,), dev)}
+
+
+@dataclass(frozen=True)
+class CausalLM:
+    """Next-token prediction: cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``.
+
+    Batches: ``input_ids``, ``attention_mask``, ``labels`` int64 ``[B, T]`` with -100 in
+    ``labels`` where the text is padding. The loss is normalised by target tokens. Evaluation:
+    ``{"loss": mean loss per target token (nats), "perplexity": exp(loss), "tokens": targets}``.
+    """
+
+    kind: ClassVar[str] = "causal-lm"
+
+    def loss_sum(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        return causal_lm_loss_sum(model, batch)
+
+    def count(self, batch: Batch) -> int:
+        return count_target_tokens(batch)
+
+    def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
+        """``{"loss_sum", "tokens"}`` of one batch: summed token loss (nats) and target tokens."""
+        return {"loss_sum": float(causal_lm_loss_sum(model, batch)), "tokens": count_target_tokens(batch)}
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """Mean token loss, its perplexity and the token count (NaN without tokens)."""
+        tokens = int(sums.get("tokens", 0))
+        loss = sums["loss_sum"] / tokens if tokens else math.nan
+        return {"loss": loss, "perplexity": math.exp(loss) if tokens else math.nan, "tokens": tokens}
+
+    def evaluate(self, model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, float]:
+        return evaluate_batches(self, model, batches)
+
+    def example_batch(self, config, micro_batch: int, size: int, device: str | torch.device = "meta") -> Batch:
+        """``input_ids``/``attention_mask``/``labels`` int64 ``[micro_batch, size]`` (``labels`` a
+        copy of ``input_ids``; size: tokens).
+
+        Raises:
+            TightfitError: sizes below 1, or ``size`` past the model's positions.
+        """
+        _check_sizes(self.kind, micro_batch, size)
+        batch = _token_batch(config, micro_batch, size, torch.device(device))
+        batch["labels"] = batch["input_ids"].clone()
+        return batch
+
+
+@dataclass(frozen=True)
+class LossOnly:
+    """A task made of a user's ``loss_sum(model, batch)`` and ``count(batch)``; evaluation gives
+    ``{"loss": summed loss / count}`` (the loss in the units the training normalises by)."""
+
+    loss_fn: object
+    count_fn: object
+    kind: ClassVar[str] = "custom"
+
+    def loss_sum(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        return self.loss_fn(model, batch)
+
+    def count(self, batch: Batch) -> int:
+        return int(self.count_fn(batch))
+
+    def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
+        return {"loss_sum": float(self.loss_fn(model, batch)), "count": int(self.count_fn(batch))}
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        n = sums.get("count", 0)
+        return {"loss": sums["loss_sum"] / n if n else math.nan}
+
+    def evaluate(self, model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, float]:
+        return evaluate_batches(self, model, batches)
+
+    def example_batch(self, config, micro_batch: int, size: int, device: str | torch.device = "meta") -> Batch:
+        raise TightfitError("a task made of a loss function cannot make example batches; give the data instead")
+
+
+def task_for(loss_sum=None, count=None) -> Task:
+    """The task behind a ``(loss_sum, count)`` pair: the built-in task for the built-in functions
+    (:class:`SequenceClassification` when both are None), else a :class:`LossOnly`.
+
+    Raises:
+        TightfitError: only one of the two is given for a custom loss.
+    """
+    builtin = {(None, None): SequenceClassification(),
+               (classification_loss_sum, count_samples): SequenceClassification(),
+               (classification_loss_sum, None): SequenceClassification(),
+               (causal_lm_loss_sum, count_target_tokens): CausalLM(),
+               (causal_lm_loss_sum, None): CausalLM()}
+    key = (loss_sum, count)
+    if key in builtin:
+        return builtin[key]
+    if loss_sum is None or count is None:
+        raise TightfitError("a custom loss_sum needs its count (what the loss sums over) too, and vice versa")
+    return LossOnly(loss_sum, count)
