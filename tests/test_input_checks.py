@@ -277,3 +277,19 @@ def test_nonfinite_advice_depends_on_the_precision():
     assert "--precision fp32" in precision.nonfinite_advice("bf16", ampere)
     fp32 = precision.nonfinite_advice("fp32", ampere, lr=1e-3)
     assert "--precision" not in fp32 and "--lr 1e-04" in fp32 and "labels" in fp32
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--warn-temp", "nan"], "--warn-temp must be a GPU temperature"),
+    (["--cooldown-temp", "-5"], "--cooldown-temp must be a GPU temperature"),
+])
+def test_temperatures_must_be_temperatures(argv, message, tmp_path, capsys):
+    from tightfit.cli import main
+    assert main(["train", *argv, "--out", str(tmp_path / "run"), "--device", "cpu"]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_a_folder_given_as_data_is_named_a_folder(tmp_path, capsys):
+    from tightfit.cli import main
+    assert main(["train", "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--device", "cpu"]) == 2
+    assert "is a folder" in capsys.readouterr().err

@@ -190,3 +190,72 @@ def test_atomic_folders_get_the_modes_of_a_plain_mkdir(tmp_path):
     atomic_write_dir(tmp_path / "model", lambda d: (d / "w.bin").write_bytes(b"x") and os.chmod(d / "w.bin", 0o600))
     assert stat.S_IMODE((tmp_path / "model").stat().st_mode) == 0o777 & ~mask
     assert stat.S_IMODE((tmp_path / "model" / "w.bin").stat().st_mode) == 0o666 & ~mask
+
+
+def _short_run(model_dir, data, out, *extra):
+    from tightfit.cli import main
+    return main(["train", "--model", str(model_dir), "--data", str(data), "--batch-size", "8", "--max-steps", "2",
+                 "--lr", "1e-3", "--seq-len", "32", "--checkpoint-every", "1", "--out", str(out), "--no-progress",
+                 "--device", "cpu", *extra])
+
+
+def test_resume_takes_options_written_anew_even_at_their_default(tiny_run_inputs, tmp_path):
+    from tightfit.api import TrainRequest, _resume_request
+    from tightfit.cli import _given_options, _parser
+
+    model_dir, data = tiny_run_inputs
+    assert _short_run(model_dir, data, tmp_path / "run", "--max-skipped-steps", "5") == 0
+    parser = _parser()
+    argv = ["train", "--resume", str(tmp_path / "run"), "--lr", "5e-5", "--max-skipped-steps", "20"]
+    args = parser.parse_args(argv)
+    args.given_options = _given_options(parser.train_parser, argv)
+    req, _, changed, _ = _resume_request(TrainRequest.from_args(args))
+    assert changed == {"lr": [1e-3, 5e-5], "max_skipped_steps": [5, 20]}  # both are the defaults
+    assert req.training.lr == 5e-5 and req.training.max_skipped_steps == 20
+
+
+def test_resume_refuses_data_that_changed(tiny_run_inputs, tmp_path, capsys):
+    from tightfit.cli import main
+
+    model_dir, data = tiny_run_inputs
+    mine = tmp_path / "data.csv"
+    mine.write_text(data.read_text())
+    run = tmp_path / "run"
+    assert _short_run(model_dir, mine, run) == 0
+    (run / "summary.json").unlink()  # as if stopped before the end
+    lines = mine.read_text().splitlines()
+    mine.write_text("\n".join(lines[:1] + lines[2:]) + "\n")  # one row fewer: every later sample moves
+    before = (run / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    assert "data differ" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_saved_classifier_trains_on_another_number_of_classes(tiny_run_inputs, tmp_path):
+    model_dir, data = tiny_run_inputs
+    assert _short_run(model_dir, data, tmp_path / "two") == 0  # model/ holds a 2-class head
+    rows = data.read_text().splitlines()
+    three = tmp_path / "three.csv"
+    three.write_text("\n".join(rows[:1] + [f"{r.rsplit(',', 1)[0]},{'abc'[i % 3]}" for i, r in enumerate(rows[1:])]))
+    assert _short_run(tmp_path / "two" / "model", three, tmp_path / "run3") == 0
+    summary = json.loads((tmp_path / "run3" / "summary.json").read_text())
+    assert summary["steps"] == 2
+
+
+def test_an_interrupt_before_the_first_checkpoint_leaves_the_folder_reusable(tiny_run_inputs, tmp_path, monkeypatch,
+                                                                              capsys):
+    from tightfit.runtime.trainer import Trainer
+
+    model_dir, data = tiny_run_inputs
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Trainer, "fit", interrupted)
+    assert _short_run(model_dir, data, tmp_path / "run") == 130
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "empty").mkdir()  # a folder the user made stays, empty
+    assert _short_run(model_dir, data, tmp_path / "empty") == 130
+    assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
+    monkeypatch.undo()
+    assert _short_run(model_dir, data, tmp_path / "run") == 0  # the same --out works again

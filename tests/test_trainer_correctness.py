@@ -249,3 +249,46 @@ def test_resume_with_a_new_learning_rate_rescales_the_schedule_from_the_checkpoi
         lrs[lr] = r.optimizer.param_groups[0]["lr"]
         assert r.scheduler.get_last_lr() == [lrs[lr]] and r.scheduler.base_lrs == [lr]
     assert lrs[2.5e-4] == pytest.approx(lrs[1e-3] / 4) and lrs[1e-3] > 0
+
+
+def test_a_non_finite_gradient_with_a_finite_forward_is_named_and_a_new_lr_starts_a_fresh_count(tmp_path):
+    w = _workload(n=32, dropout=0.0)
+    w.model.classifier.weight.register_hook(lambda g: g * math.nan)  # fp32: no loss scaling involved
+    cfg = dict(epochs=2, lr=1e-3, max_skipped_steps=2, checkpoint_dir=str(tmp_path))
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(**cfg), progress=False)
+    with pytest.raises(NonFiniteTrainingError, match=r"the gradient of 'classifier\.weight'") as e:
+        t.fit()
+    assert "loss-scaled" not in str(e.value)
+    r = Trainer(_workload(n=32, dropout=0.0), Plan("fp32", 8, 8), TrainConfig(**{**cfg, "lr": 1e-4}), progress=False)
+    r.resume(e.value.checkpoint)
+    assert r._skipped_in_row == 0  # the old learning rate's run of skipped steps does not carry over
+
+
+def test_the_record_of_a_step_gives_the_micro_batch_it_ran_with_even_when_it_grows_back():
+    records = []
+    w = _workload(n=48)
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3, grow_back_after=2, log_every=1),
+                log=records.append, progress=False)
+    fired = []
+
+    def inject(*a):
+        if t.step == 0 and t.micro_batch == 8 and not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    t.model.bert.encoder.layer[1].register_forward_pre_hook(inject)
+    t.fit()
+    steps = {r["step"]: r["micro_batch"] for r in records if r["type"] == "train"}
+    # steps 1 and 2 run at 4; the micro-batch grows back after step 2, so step 3 runs at 8
+    assert [steps[s] for s in (1, 2, 3)] == [4, 4, 8]
+
+
+def test_metrics_cut_back_to_a_checkpoint_drop_later_steps_and_the_evaluation_after_it(tmp_path):
+    import json
+    from tightfit.report.metrics import keep_metrics_until
+    path = tmp_path / "metrics.jsonl"
+    records = [{"type": "plan", "step": 0}, {"type": "train", "step": 5}, {"type": "checkpoint", "step": 6},
+               {"type": "train", "step": 6}, {"type": "eval", "step": 6}, {"type": "train", "step": 7}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"type": "train", "st')  # a cut last line
+    keep_metrics_until(path, 6)
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert kept == records[:4]

@@ -22,6 +22,7 @@ import logging
 import os
 import resource
 import shlex
+import shutil
 import time
 from pathlib import Path
 
@@ -65,8 +66,13 @@ def train(req: TrainRequest) -> RunSummary:
     finished = recipe.finished_summary()
     if finished is not None:
         return finished
-    recipe.open_run_folder()
-    return recipe.finish(recipe.train())
+    try:
+        recipe.open_run_folder()
+        result = recipe.train()
+    except KeyboardInterrupt:  # stopped at once (a second Ctrl-C, or before training began)
+        recipe.interrupted()
+        raise
+    return recipe.finish(result)
 
 
 def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProfile | None, int | None, list[str]]:
@@ -138,6 +144,7 @@ class TrainRecipe:
         self.changed: dict = {}  # {option: [old, new]} given anew on resume
         self.device, self.profile, self.budget = "cpu", None, None
         self.records: list[dict] = []  # what the trainer logs before the metrics file is open
+        self.data_fingerprint: str | None = None  # of the samples trained on and held out
         self.metrics = None
 
     # ---------------------------------------------------------------- setup: writes nothing
@@ -149,7 +156,7 @@ class TrainRecipe:
             TightfitError: bad input or a request that cannot be met; nothing is written.
         """
         if self.req.run.resume:
-            self.req, self.resume_from, self.changed = _resume_request(self.req)
+            self.req, self.resume_from, self.changed, self.data_fingerprint = _resume_request(self.req)
         self._resolve_device()
         self._load_data()
         self._check_run_folder()
@@ -200,6 +207,12 @@ class TrainRecipe:
         self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
         self.eval_data: TextClassificationData = data.subset(take(eval_idx, run.eval_samples))
         self.notes += check_split(data, self.train_data, self.eval_data)
+        fingerprint = f"{self.train_data.fingerprint()}:{self.eval_data.fingerprint()}"
+        if self.resume_from is not None and self.data_fingerprint not in (None, fingerprint):
+            raise TightfitError(f"--resume {self.out}: the data differ from those the run started with "
+                                f"({self.data.source}: other rows, order or labels); resume with the same data, "
+                                "or start a new run")
+        self.data_fingerprint = fingerprint
 
     def _load_model(self) -> None:
         """The model with a new head (seeded), its tokenizer checked against the data and
@@ -297,6 +310,25 @@ class TrainRecipe:
         return RunSummary.from_dict(json.loads(summary.read_text()))
 
     # ---------------------------------------------------------------- from here on the run folder is written
+    def interrupted(self) -> None:
+        """After an interrupt that stopped at once: a new run with no checkpoint yet is removed
+        (what it wrote and, if it made it, the folder), so that the same ``--out`` can be used
+        again; otherwise say how to continue."""
+        from .runtime.checkpoint import list_checkpoints
+
+        if getattr(self, "created", None) is None:
+            return
+        if list_checkpoints(self.out / "checkpoints"):
+            log.warning(f"note: continue with: tightfit train --resume {shlex.quote(str(self.out))}")
+            return
+        if self.metrics is not None:
+            self.metrics.close()
+        for path in reversed(self.created):  # files first, the folder last
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
     def open_run_folder(self) -> None:
         """Create the run folder; write ``request.json`` (new runs, and resumed runs with changed
         options) and ``plan.json``; open ``metrics.jsonl`` (on resume: cut back to the
@@ -304,9 +336,13 @@ class TrainRecipe:
         from .report.metrics import MetricsWriter, keep_metrics_until
 
         out, step = self.out, self.trainer.step
+        self.created = [] if out.exists() else [out]  # what interrupted() may remove: only what this run made
         out.mkdir(parents=True, exist_ok=True)
+        self.created += [out / n for n in ("request.json", "plan.json", "metrics.jsonl", "checkpoints")
+                         if self.resume_from is None and not (out / n).exists()]
         if self.resume_from is None or self.changed:
-            atomic_write_json(out / "request.json", _request_record(self.req))
+            atomic_write_json(out / "request.json", {**_request_record(self.req),
+                                                     "data_fingerprint": self.data_fingerprint})
         if self.resume_from is not None:  # drop the records the stopped run wrote after its checkpoint
             keep_metrics_until(out / "metrics.jsonl", step)
         atomic_write_json(out / "plan.json", self.plan.to_dict())
@@ -404,12 +440,13 @@ RESUME_MAY_CHANGE = ("lr", "max_skipped_steps", "log_every", "warn_temp", "coold
 def _request_record(req: TrainRequest) -> dict:
     """The request as written to ``request.json`` (what ``--resume`` starts from): the flat
     ``{option: value}`` dict of :meth:`TrainRequest.to_flat`, less ``progress`` and ``resume``."""
-    return {k: v for k, v in req.to_flat().items() if k not in ("progress", "resume")}
+    return {k: v for k, v in req.to_flat().items() if k not in ("progress", "resume", "given")}
 
 
-def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict]:
+def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict, str | None]:
     """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
-    given now), its newest intact checkpoint, and ``{option: [old, new]}`` for what changed.
+    given now), its newest intact checkpoint, ``{option: [old, new]}`` for what changed, and the
+    fingerprint of the data it started with (None for runs that recorded none).
     A newer corrupt checkpoint is skipped with a note (checkpoints are verified against their
     checksums here, before anything is written, about 1 to 2 s per GB); temporary folders of a
     killed checkpoint write are then removed.
@@ -424,9 +461,10 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict]:
         raise TightfitError(f"--resume {run}: not a tightfit run folder (no request.json)")
     if not list_checkpoints(run / "checkpoints"):
         raise TightfitError(f"--resume {run}: no checkpoint to resume from")
-    default = TrainRequest().to_flat()
-    given = {k: v for k, v in req.to_flat().items()
-             if k not in ("resume", "progress", "command") and v != default[k]}
+    default, now = TrainRequest().to_flat(), req.to_flat()
+    written = req.run.given  # the flags on the command line; from the API: what differs from the default
+    given = {k: v for k, v in now.items() if k not in ("resume", "progress", "command", "given")
+             and (k in written if written else v != default[k])}
     ignored = [f"--{k.replace('_', '-')}" for k in given if k not in RESUME_MAY_CHANGE]
     if ignored:
         log.warning(f"note: --resume takes the run's own options from {run / 'request.json'}; ignoring "
@@ -434,9 +472,11 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict]:
                     f"{', '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE)})")
     try:
         saved = json.loads((run / "request.json").read_text())
+        fingerprint = saved.pop("data_fingerprint", None)
         changed = {k: [saved.get(k), v] for k, v in given.items() if k in RESUME_MAY_CHANGE and saved.get(k) != v}
         resumed = TrainRequest(**{**saved, **{k: new for k, (_, new) in changed.items()}, "out": str(run),
-                                  "resume": str(run), "progress": req.run.progress, "command": req.run.command})
+                                  "resume": str(run), "progress": req.run.progress,
+                                  "command": saved.get("command", req.run.command)})  # the run's own command
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
     for k, (old, new) in changed.items():
@@ -449,7 +489,7 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict]:
         log.warning(f"note: {note}")
     for name, size in remove_stale_temporaries(run / "checkpoints"):
         log.warning(f"note: removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short")
-    return resumed, point.path, changed
+    return resumed, point.path, changed, fingerprint
 
 
 def _check_out(out: Path, resuming: bool) -> None:

@@ -9,19 +9,28 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from .errors import TightfitError
 
 
-def _train_parser(sub) -> None:
-    """Add ``tightfit train``: its options come from :mod:`tightfit.config`."""
+def _train_parser(sub):
+    """Add ``tightfit train`` (its options come from :mod:`tightfit.config`) and return its parser.
+    No abbreviated flags: the flags written are what a resumed run takes anew."""
     from .config import add_train_arguments
 
-    p = sub.add_parser("train", help="fine-tune a text classifier under a GPU memory budget",
+    p = sub.add_parser("train", allow_abbrev=False, help="fine-tune a text classifier under a GPU memory budget",
                        description="Fine-tune a Hugging Face model on labelled text under a GPU memory budget. "
                                    "With no arguments: the shipped MiniLM on Rotten Tomatoes fresh/rotten reviews.")
     add_train_arguments(p)
+    return p
+
+
+def _given_options(train_parser, argv: list[str]) -> tuple[str, ...]:
+    """Flat names (``lr``, ``max_skipped_steps``) of the ``train`` options written in ``argv``."""
+    flags = {s: a.dest for a in train_parser._actions for s in a.option_strings if s.startswith("--")}
+    return tuple(dict.fromkeys(flags[t.split("=", 1)[0]] for t in argv if t.split("=", 1)[0] in flags))
 
 
 class _StdoutHandler(logging.Handler):
@@ -64,7 +73,7 @@ def _parser() -> _Parser:
     parser = _Parser(prog="tightfit", description="Train PyTorch models on GPUs with little memory.")
     parser.add_argument("--version", action="version", version=f"tightfit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _train_parser(sub)
+    parser.train_parser = _train_parser(sub)
     add_estimate_parser(sub)
     add_plan_parser(sub)
     add_bench_parser(sub)
@@ -103,14 +112,25 @@ def _run(args) -> int:
     return 1
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tightfit`` command. Returns the exit code."""
-    args = _parser().parse_args(argv)
-    from .runtime.allocator import configure_allocator
-
-    configure_allocator()  # before anything touches CUDA
-    log_to_stdout()
+    old_sigterm = None
     try:
+        parser = _parser()
+        argv = sys.argv[1:] if argv is None else argv
+        args = parser.parse_args(argv)
+        if args.command == "train":
+            args.given_options = _given_options(parser.train_parser, argv)
+            # SIGTERM outside the training loop (which stops at a step boundary) stops like Ctrl-C
+            old_sigterm = signal.signal(signal.SIGTERM, _interrupt)
+        from .runtime.allocator import configure_allocator
+
+        configure_allocator()  # before anything touches CUDA
+        log_to_stdout()
         return _run(args)
     except TightfitError as e:
         from .runtime.trainer import TrainingInterrupted
@@ -126,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
+    finally:
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
 
 
 if __name__ == "__main__":

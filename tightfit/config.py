@@ -214,6 +214,9 @@ class TrainOptions(_Options):
         if not (math.isfinite(self.epochs) and math.isfinite(self.lr)) or self.epochs <= 0 or self.lr <= 0 \
                 or (self.max_steps is not None and self.max_steps < 1):
             raise TightfitError("--epochs, --lr and --max-steps must be positive and finite")
+        for flag, temp in (("--warn-temp", self.warn_temp_c), ("--cooldown-temp", self.cooldown_temp_c)):
+            if temp is not None and not 0 < temp < 150:  # NaN fails too
+                raise TightfitError(f"{flag} must be a GPU temperature in deg C between 0 and 150, not {temp}")
 
 
 def _command_line() -> str:
@@ -242,6 +245,9 @@ class RunOptions(_Options):
     eval_samples: int | None = option(None, "evaluate on this many held-out samples (default: all)", minimum=1)
     progress: bool = option(True, "no progress bar", flag="--no-progress")
     command: str = option(default_factory=_command_line, cli=False)
+    # flat names of the options given on the command line (a resumed run takes these anew even
+    # when a value equals the default); empty from the Python API: differing from the default counts
+    given: tuple = option((), cli=False)
 
 
 # The tree's groups: (attribute of TrainRequest, class, title in --help).
@@ -300,8 +306,9 @@ class TrainRequest:
     @classmethod
     def from_args(cls, args) -> "TrainRequest":
         """The request from an ``argparse`` namespace made by :func:`add_train_arguments`."""
-        return cls(**{option_key(f): getattr(args, option_key(f))
-                      for _, group, _ in GROUPS for f in fields(group) if f.metadata.get("cli", True)})
+        options = {option_key(f): getattr(args, option_key(f))
+                   for _, group, _ in GROUPS for f in fields(group) if f.metadata.get("cli", True)}
+        return cls(**options, given=tuple(getattr(args, "given_options", ())))
 
 
 def _shown(value: Any) -> str:

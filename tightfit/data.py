@@ -55,6 +55,18 @@ class TextClassificationData:
     def __len__(self) -> int:
         return len(self.texts)
 
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of the texts, labels and class names, in order: a resumed run checks that
+        it continues on the samples it started with."""
+        import hashlib
+        import json
+
+        h = hashlib.sha256(json.dumps(self.label_names).encode())
+        for text, label in zip(self.texts, self.labels):
+            h.update(f"{label}\t{len(text)}\t".encode())
+            h.update(text.encode("utf-8", "surrogatepass"))
+        return h.hexdigest()
+
     def subset(self, indices) -> "TextClassificationData":
         idx = list(indices)
         return TextClassificationData([self.texts[i] for i in idx], [self.labels[i] for i in idx],
@@ -166,6 +178,8 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
             column, or fewer than two classes.
     """
     path = Path(path)
+    if path.is_dir():
+        raise TightfitError(f"{path} is a folder; --data takes one CSV, TSV or JSONL file")
     if not path.is_file():
         raise TightfitError(f"data file not found: {path}")
     rows = _read_rows(path)

@@ -381,7 +381,8 @@ def load_classifier(path: Path, label_names: list[str]):
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=len(label_names), id2label=id2label,
-            label2id={v: k for k, v in id2label.items()}, dtype=torch.float32, output_loading_info=True)
+            label2id={v: k for k, v in id2label.items()}, dtype=torch.float32, output_loading_info=True,
+            ignore_mismatched_sizes=True)  # a folder's own head for another number of classes is replaced
     except errors as e:
         hint = " (the weights file is truncated or corrupt)" if type(e).__name__ == "SafetensorError" or \
             isinstance(e, EOFError) or "PytorchStreamReader" in str(e) else ""

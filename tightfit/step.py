@@ -36,13 +36,16 @@ def module_mode(model: torch.nn.Module, training: bool):
     9). Hugging Face's ``from_pretrained`` returns a model in eval mode, so whoever runs a
     training step -- the runtime, the GPU probe -- must set the mode itself.
     """
-    before = [(m, m.training) for m in model.modules()]
-    model.train(training)
+    # Only the modules whose mode differs are touched: in the steady state (the runtime keeps the
+    # model in train mode between steps) this costs one walk over the modules, no attribute writes.
+    changed = [m for m in model.modules() if m.training != training]
+    for m in changed:
+        m.training = training  # what Module.train() sets, module by module
     try:
         yield model
     finally:
-        for m, was in before:
-            m.training = was
+        for m in changed:
+            m.training = not training
 
 
 def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:

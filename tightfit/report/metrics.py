@@ -27,6 +27,8 @@ class MetricsWriter:
         self._f.flush()
 
     def close(self) -> None:
+        if self._f.closed:
+            return
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
@@ -40,8 +42,9 @@ def _clean(v):
 
 def keep_metrics_until(path: str | Path, step: int) -> int:
     """Rewrite ``metrics.jsonl`` atomically without the records of steps after ``step`` (those a
-    stopped run wrote after its last checkpoint, which the resumed run writes again). Records
-    without a step are kept. Returns the number of records dropped."""
+    stopped run wrote after its last checkpoint, which the resumed run writes again) and without
+    an evaluation at ``step`` (it followed the checkpoint). Records without a step are kept.
+    Returns the number of records dropped."""
     from ..fileio import atomic_write_text
 
     path = Path(path)
@@ -54,7 +57,9 @@ def keep_metrics_until(path: str | Path, step: int) -> int:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a kill: never written whole
             continue
-        if not isinstance(record.get("step"), int) or record["step"] <= step:
+        at = record.get("step")
+        # an evaluation at the checkpoint's step came after it: the resumed run evaluates again
+        if not isinstance(at, int) or at < step or (at == step and record.get("type") != "eval"):
             kept.append(line)
     if len(kept) != len(lines):
         atomic_write_text(path, "".join(line + "\n" for line in kept))

@@ -229,6 +229,8 @@ class Trainer:
         self.loader = Prefetcher(workload.train.collate, self.device, enabled=config.prefetch)
         self._windows: dict[int, list[list[int]]] = {}  # epoch -> its accumulation windows
         self.micro_batch = plan.micro_batch
+        self._used_micro_batch = plan.micro_batch  # the micro-batch of the last step taken
+        self._fused = all(g.get("fused") for g in self.optimizer.param_groups)
         self.step = 0
         self.result = TrainResult(plan=plan)
         self._skipped_in_row = 0
@@ -290,8 +292,8 @@ class Trainer:
                 self.result.train_seconds = time.perf_counter() - t0
                 saved = self.save_checkpoint()
             if self._skipped_in_row >= self.cfg.max_skipped_steps:
-                culprit = self._first_nonfinite(window)
                 where = saved or self._checkpoint_at_stop(t0)  # skipped steps left the weights finite
+                culprit = self._first_nonfinite(window)  # after the checkpoint: it draws random numbers
                 raise NonFiniteTrainingError(
                     f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
                     f"{culprit}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where)
@@ -383,7 +385,9 @@ class Trainer:
     def _train_step(self, window: list[int]) -> tuple[float, bool]:
         rng = capture_rng()
         while True:
-            before = _in_place_versions(self.optimizer)
+            # Fused AdamW allocates only its new state, before any write (see make_optimizer): it
+            # needs no snapshot, which would cost a walk over every state tensor at every step.
+            before = None if self._fused else _in_place_versions(self.optimizer)
             had_state = set(self.optimizer.state)
             try:
                 micro_batches, normaliser = self._micro_batches(window)
@@ -394,7 +398,7 @@ class Trainer:
                 if not is_oom(e):
                     raise
                 where = type(e).__name__
-            if _changed_since(self.optimizer, before):  # never with fused AdamW: see make_optimizer
+            if before is not None and _changed_since(self.optimizer, before):
                 raise PartialUpdateError(
                     f"out of memory inside the optimizer step of step {self.step + 1} after it had updated part "
                     "of the parameters or their state; redoing it would apply that part twice, so training stops "
@@ -411,6 +415,7 @@ class Trainer:
         with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()  # the schedule follows the data, applied or skipped
+        self._used_micro_batch = self.micro_batch  # what this step ran with (before any grow-back)
         return result.loss, self._after_step(result.finite, window)
 
     def _micro_batches(self, window: list[int]) -> tuple:
@@ -488,10 +493,19 @@ class Trainer:
         name = first_nonfinite_module(self.model, batch, lambda: autocast(self.plan.precision, self.device.type))
         if name:
             return f"the output of module {name!r}"
-        for pname, p in self.model.named_parameters():
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                return f"the gradient of {pname!r} (backward overflow)"
-        return "the loss-scaled backward (gradients overflowed after scaling)"
+        # The forward is finite: run one unscaled backward of that micro-batch (the step's own
+        # gradients were zeroed) and name the first parameter whose gradient is not finite.
+        with module_mode(self.model, True), autocast(self.plan.precision, self.device.type):
+            loss = self.w.loss_sum(self.model, batch)
+        loss.backward()
+        bad = next((n for n, p in self.model.named_parameters()
+                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())), None)
+        self.model.zero_grad(set_to_none=True)
+        if bad:
+            return f"the gradient of {bad!r} (backward overflow)"
+        if self.scaler.is_enabled():
+            return "the loss-scaled backward (gradients overflowed after scaling)"
+        return "the gradients of the whole window (each micro-batch alone is finite)"
 
     # ---------------------------------------------------------------- checkpoint / resume
     def plan_in_force(self) -> Plan:
@@ -531,7 +545,8 @@ class Trainer:
         state = load_checkpoint(path, self.model)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.scheduler.base_lrs != [self.cfg.lr] * len(self.scheduler.base_lrs):  # resumed with a new --lr
+        lr_changed = self.scheduler.base_lrs != [self.cfg.lr] * len(self.scheduler.base_lrs)
+        if lr_changed:  # resumed with a new --lr
             self.scheduler.base_lrs = [self.cfg.lr] * len(self.scheduler.base_lrs)
             factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
             for group in self.optimizer.param_groups:
@@ -545,6 +560,8 @@ class Trainer:
         self.result.oom_recoveries, self.result.train_seconds = c["oom_recoveries"], c["train_seconds"]
         self.result.final_loss = c["final_loss"]
         self._skipped_in_row, self._clean_windows = c["skipped_in_row"], c["clean_windows"]
+        if lr_changed:  # the run of non-finite steps belonged to the old learning rate
+            self._skipped_in_row = 0
         restore_rng(state["rng"])
         self._event(f"resumed from {path} at step {self.step} with micro-batch {self.micro_batch}")
 
@@ -629,16 +646,15 @@ class Trainer:
     def _event(self, message: str) -> None:
         self.result.events.append(message)
         self.log({"type": "event", "step": self.step, "message": message})
-        if self.progress:
-            _log.info("tightfit: %s", message)
+        _log.info("tightfit: %s", message)  # shown by the command line, with or without a progress bar
 
     def _train_record(self, epoch: int, loss: float, stepped: bool, elapsed: float, window: list[int]) -> dict:
         rec = {"type": "train", "step": self.step, "epoch": epoch, "loss": loss,
                "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(self._grad_norm),
-               "stepped": stepped, "micro_batch": self.micro_batch, "window_samples": len(window),
+               "stepped": stepped, "micro_batch": self._used_micro_batch, "window_samples": len(window),
                # what the window really held, e.g. "3+3+1" for 7 samples at micro-batch 3
-               "micro_batches": describe_split(len(window), self.micro_batch),
-               "accumulation_steps": len(micro_batch_sizes(len(window), self.micro_batch)),
+               "micro_batches": describe_split(len(window), self._used_micro_batch),
+               "accumulation_steps": len(micro_batch_sizes(len(window), self._used_micro_batch)),
                "samples": self.result.samples, "samples_per_s": self.result.samples / max(elapsed, 1e-9)}
         if self.scaler.is_enabled():
             rec["loss_scale"] = float(self.scaler.get_scale())
