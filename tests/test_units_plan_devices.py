@@ -176,3 +176,19 @@ def test_a_compiled_plan_is_refused_where_compilation_cannot_run():
     w = Workload(tiny_bert(), SyntheticBatches(8), None, 4)
     with pytest.raises(TightfitError, match="compiles the model"):
         Trainer(w, Plan("fp32", 4, 4, device="cpu", compile=True), TrainConfig(epochs=1), progress=False)
+
+
+def test_the_compiled_call_slot_is_honoured_by_this_torch():
+    """tightfit.levers.compile writes nn.Module's private compiled-call slot in one function;
+    this fails on a torch release that stops reading it."""
+    import torch
+    from tightfit.levers.compile import compiled_call, set_compiled_call
+
+    m = torch.nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    m.compile()  # the public method fills the slot that set_compiled_call writes
+    assert compiled_call(m) is not None
+    set_compiled_call(m, lambda *args, **kwargs: "replaced")
+    assert m(x) == "replaced"
+    set_compiled_call(m, None)
+    assert compiled_call(m) is None and torch.equal(m(x), torch.nn.functional.linear(x, m.weight, m.bias))

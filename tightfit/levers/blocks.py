@@ -116,3 +116,15 @@ def _checkpointed(forward, recompute_context, *args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False,
                       context_fn=lambda: (contextlib.nullcontext(), recompute_context()), **kwargs)
+
+
+# Model attribute naming the modules that tightfit.levers.compile compiled (kept here, beside the
+# blocks, so that checkpointing can ask without importing the compile lever).
+COMPILED_MARK = "_tightfit_compiled"
+
+
+def compiled_by_blocks(model: torch.nn.Module) -> bool:
+    """Whether :func:`tightfit.levers.compile.compile_model` compiled ``model``'s blocks one by
+    one (not the whole model)."""
+    modules = model.__dict__.get(COMPILED_MARK)
+    return bool(modules) and modules[0] is not model

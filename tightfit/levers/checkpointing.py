@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .compile import compiled_by_blocks
+from .blocks import compiled_by_blocks
 
 
 def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=None) -> None:

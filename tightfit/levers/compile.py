@@ -24,12 +24,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from .blocks import find_blocks, is_checkpointed
+from .blocks import COMPILED_MARK, compiled_by_blocks, find_blocks, is_checkpointed
 
-_COMPILED = "_tightfit_compiled"  # model attribute: the modules compile_model compiled
 
 
 def compile_unavailable(device_type: str) -> str | None:
@@ -51,7 +49,7 @@ def compile_unavailable(device_type: str) -> str | None:
 
 def is_compiled(model: torch.nn.Module) -> bool:
     """Whether ``model`` was compiled in place by :func:`compile_model`."""
-    return bool(model.__dict__.get(_COMPILED))
+    return bool(model.__dict__.get(COMPILED_MARK))
 
 
 def compile_scope(model: torch.nn.Module) -> str:
@@ -93,40 +91,57 @@ def compile_model(model: torch.nn.Module) -> None:
         modules = find_blocks(model)
         forward = torch.compile(type(modules[0]).forward)
         for block in modules:
-            block._compiled_call_impl = functools.partial(_call_block, forward, block)
-        model.__dict__[_COMPILED] = modules
+            set_compiled_call(block, functools.partial(_call_block, forward, block))
+        model.__dict__[COMPILED_MARK] = modules
         from .checkpointing import hf_hook_active, set_activation_checkpointing
         if hf_hook_active(model):  # its checkpoint would sit inside the compiled block: move it around
             set_activation_checkpointing(model, True, None)
         return
-    model.compile()
-    compiled = model._compiled_call_impl
+    model.compile()  # the public way: compiles the module's call, hooks included
+    compiled = compiled_call(model)
 
     def call(*args, **kwargs):  # outside the compiled region, where marking takes effect
-        _mark_batch_dynamic(tree_leaves((args, kwargs)))
+        _mark_batch_dynamic(_tensors(args, kwargs))
         return compiled(*args, **kwargs)
 
-    model._compiled_call_impl = call
-    model.__dict__[_COMPILED] = [model]
+    set_compiled_call(model, call)
+    model.__dict__[COMPILED_MARK] = [model]
+
+
+def set_compiled_call(module: torch.nn.Module, call) -> None:
+    """Make ``module(...)`` run ``call(*args, **kwargs)`` in place of its eager call (None: eager
+    again). This is the slot ``nn.Module.compile()`` fills (``_compiled_call_impl``, read by
+    ``nn.Module.__call__`` in every torch since 2.2); the public method cannot give one compiled
+    function to many blocks or wrap checkpointing or dynamic-shape marking around it, so the
+    private attribute is written here and read in :func:`compiled_call`, nowhere else
+    (tests/test_units_plan_devices.py checks that the installed torch still honours it)."""
+    module._compiled_call_impl = call
+
+
+def compiled_call(module: torch.nn.Module):
+    """What ``module(...)`` runs in place of its eager call (None: the eager call)."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list:
+    """The tensors among a call's arguments, and inside tuples/lists among them (one level)."""
+    out = []
+    for v in (*args, *kwargs.values()):
+        out.extend(v if isinstance(v, (tuple, list)) else (v,))
+    return [v for v in out if torch.is_tensor(v)]
 
 
 def _call_block(forward, block, *args, **kwargs):
-    _mark_batch_dynamic(tree_leaves((args, kwargs)))
+    _mark_batch_dynamic(_tensors(args, kwargs))
     if is_checkpointed(block):
         return checkpoint(forward, block, *args, use_reentrant=False, **kwargs)
     return forward(block, *args, **kwargs)
 
 
-def compiled_by_blocks(model: torch.nn.Module) -> bool:
-    """Whether :func:`compile_model` compiled ``model``'s blocks one by one (not the whole model)."""
-    modules = model.__dict__.get(_COMPILED)
-    return bool(modules) and modules[0] is not model
-
-
 def uncompile_model(model: torch.nn.Module) -> None:
     """Undo :func:`compile_model`: the eager forward runs again."""
-    for module in model.__dict__.pop(_COMPILED, None) or ():
-        module._compiled_call_impl = None
+    for module in model.__dict__.pop(COMPILED_MARK, None) or ():
+        set_compiled_call(module, None)
 
 
 def _mark_batch_dynamic(values) -> None:
