@@ -49,6 +49,23 @@ class SyntheticBatches:
         return self.collate([i % len(self) for i in range(n)], pad_to=self.seq_len)
 
 
+class LMBatches(SyntheticBatches):
+    """Synthetic causal-LM samples of different lengths; padding is -100 in ``labels``."""
+
+    def collate(self, indices, pad_to=None):
+        b = super().collate(indices, pad_to)
+        b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)
+        return b
+
+
+def tiny_gpt2(seed=0, dropout=None):
+    """A 2-layer GPT-2 (vocabulary 50); ``dropout`` sets its three dropout rates (None: GPT-2's 0.1)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    rates = {} if dropout is None else {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
+    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2, **rates))
+
+
 def tiny_bert(dropout=0.0, seed=0):
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(seed)

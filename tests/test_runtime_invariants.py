@@ -9,28 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SyntheticBatches, tiny_bert
+from conftest import LMBatches, SyntheticBatches, tiny_bert, tiny_gpt2
 from tightfit.levers.checkpointing import set_activation_checkpointing
 from tightfit.plan import Plan
 from tightfit.runtime.health import HealthMonitor
 from tightfit.runtime.trainer import TrainConfig, Trainer
 from tightfit.workload import Workload, causal_lm_loss_sum, count_target_tokens
-
-
-class LMBatches(SyntheticBatches):
-    """Synthetic causal-LM samples of different lengths; padding is -100 in ``labels``."""
-
-    def collate(self, indices, pad_to=None):
-        b = super().collate(indices, pad_to)
-        b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)
-        return b
-
-
-def tiny_gpt2(seed=0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 def _grads(model):
@@ -41,7 +25,7 @@ def _grads(model):
 def test_token_level_accumulation_with_padding_equals_one_big_batch(micro_batch):
     data = LMBatches(n=10, seq_len=16)
     window = list(range(10))
-    model = tiny_gpt2()
+    model = tiny_gpt2(dropout=0.0)
     big = data.collate(window)
     logits = model(input_ids=big["input_ids"], attention_mask=big["attention_mask"]).logits[:, :-1]
     # the token-level mean over every non-padding target of the window
@@ -82,7 +66,7 @@ def test_checkpointing_recomputes_same_dropout_and_works_with_frozen_inputs(free
 
 
 def test_checkpointing_turns_the_kv_cache_off():
-    model = tiny_gpt2()
+    model = tiny_gpt2(dropout=0.0)
     assert model.config.use_cache
     set_activation_checkpointing(model, True)
     assert model.config.use_cache is False

@@ -9,24 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SyntheticBatches, tiny_bert
+from conftest import LMBatches, SyntheticBatches, tiny_bert, tiny_gpt2
 from tightfit.plan import Plan
 from tightfit.runtime.trainer import TrainConfig, Trainer
-
-
-class LMBatches(SyntheticBatches):
-    """Causal-LM samples of different lengths; padding is -100 in ``labels``."""
-
-    def collate(self, indices, pad_to=None):
-        b = super().collate(indices, pad_to)
-        b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)
-        return b
-
-
-def tiny_gpt2(seed=0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2))
 
 
 # ---------------------------------------------------------------- causal LM

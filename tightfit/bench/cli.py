@@ -31,6 +31,27 @@ def add_parser(subparsers) -> None:
     g.add_argument("folder")
 
 
+def _checked_settings(args) -> list[str]:
+    """The settings ``tightfit bench run`` compares, after checking the run's options.
+
+    Raises:
+        TightfitError: unknown settings, too few steps, no CUDA GPU, or a CPU run of other settings.
+    """
+    import torch
+
+    settings = [s for s in args.settings.split(",") if s]
+    unknown = set(settings) - {"no-budget", "compiled-no-budget", "plain", "hf", "tightfit"}
+    if unknown:
+        raise TightfitError(f"unknown settings: {', '.join(sorted(unknown))}")
+    if min(args.steps, args.tightfit_steps) <= args.warmup:
+        raise TightfitError("--steps and --tightfit-steps must be larger than --warmup")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise TightfitError("tightfit bench run needs a CUDA GPU (--device cpu runs the HF Trainer smoke test)")
+    if args.device == "cpu" and settings != ["hf"]:
+        raise TightfitError("--device cpu runs only --settings hf")
+    return settings
+
+
 def run(args) -> int:
     """Run ``tightfit bench``; returns the exit code.
 
@@ -47,16 +68,7 @@ def run(args) -> int:
 
     from .workloads import get_workload
 
-    settings = [s for s in args.settings.split(",") if s]
-    unknown = set(settings) - {"no-budget", "compiled-no-budget", "plain", "hf", "tightfit"}
-    if unknown:
-        raise TightfitError(f"unknown settings: {', '.join(sorted(unknown))}")
-    if min(args.steps, args.tightfit_steps) <= args.warmup:
-        raise TightfitError("--steps and --tightfit-steps must be larger than --warmup")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise TightfitError("tightfit bench run needs a CUDA GPU (--device cpu runs the HF Trainer smoke test)")
-    if args.device == "cpu" and settings != ["hf"]:
-        raise TightfitError("--device cpu runs only --settings hf")
+    settings = _checked_settings(args)
     w = get_workload(args.workload)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

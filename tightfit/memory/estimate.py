@@ -160,6 +160,8 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     Raises:
         TightfitError: malformed batch, unknown optimizer or allocator, or bad block indices.
     """
+    # One piece on purpose (over 60 lines): the order of the allocations traced below is the order
+    # the GPU makes them in, and reading it top to bottom is how the estimate is checked.
     if allocator not in ALLOCATORS:
         raise TightfitError(f"unknown allocator {allocator!r}: use one of {', '.join(ALLOCATORS)}")
     if plan.optimizer not in OPTIMIZERS:
