@@ -207,6 +207,10 @@ class TrainRecipe:
         self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
         self.eval_data: TextClassificationData = data.subset(take(eval_idx, run.eval_samples))
         self.notes += check_split(data, self.train_data, self.eval_data)
+        batch = self.req.workload.batch_size
+        if batch > len(self.train_data):
+            self.notes.append(f"--batch-size {batch} is more than the {len(self.train_data)} training samples: "
+                              f"every optimizer step sees all of them (one step per epoch)")
         fingerprint = f"{self.train_data.fingerprint()}:{self.eval_data.fingerprint()}"
         if self.resume_from is not None and self.data_fingerprint not in (None, fingerprint):
             raise TightfitError(f"--resume {self.out}: the data differ from those the run started with "

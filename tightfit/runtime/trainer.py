@@ -674,4 +674,4 @@ class Trainer:
         if not self.progress:
             return None
         from tqdm import tqdm
-        return tqdm(total=self.total_steps, desc="train", unit="step", dynamic_ncols=True)
+        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
