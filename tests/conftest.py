@@ -80,3 +80,17 @@ def make_workload():
     def make(n=24, effective_batch=8, dropout=0.0, seed=0):
         return Workload(tiny_bert(dropout, seed), SyntheticBatches(n), SyntheticBatches(8, seed=1), effective_batch)
     return make
+
+
+def tiny_text_model_folder(root, words, **config):
+    """Save a seeded BERT classifier (``BertConfig(**config)``) with a WordPiece tokenizer of the
+    special tokens plus ``words`` under ``root/model``, as ``tightfit train --model`` reads it."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
+    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    model_dir = root / "model"
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(vocab_size=len(vocab), **config)).save_pretrained(model_dir)
+    BertTokenizerFast(vocab=str(root / "vocab.txt")).save_pretrained(model_dir)  # transformers 5 ignores vocab_file=
+    return model_dir

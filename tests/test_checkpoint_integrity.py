@@ -190,19 +190,12 @@ WORDS = "film plot actor scene great dull awful superb boring moving".split()
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A finished CPU run of a tiny BERT with checkpoints at steps 2, 4 and 6."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
+    from conftest import tiny_text_model_folder
     from tightfit.cli import main
 
     root = tmp_path_factory.mktemp("run")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    model_dir = root / "model"
-    torch.manual_seed(0)
-    BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, intermediate_size=64,
-                                             max_position_embeddings=32)).save_pretrained(model_dir)
-    BertTokenizerFast(vocab=str(root / "vocab.txt")).save_pretrained(model_dir)  # transformers 5 ignores vocab_file=
+    model_dir = tiny_text_model_folder(root, WORDS, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=32)
     rng = random.Random(0)
     rows = ["text,label"] + [f"{' '.join(w)},{'pos' if 'great' in w else 'neg'}"
                              for w in (rng.choices(WORDS, k=rng.randint(3, 10)) for _ in range(80))]

@@ -19,18 +19,11 @@ WORDS = "film plot actor scene great dull awful superb boring moving script musi
 @pytest.fixture(scope="module")
 def tiny_run_inputs(tmp_path_factory):
     """A small BERT folder (with dropout) and a CSV of 240 labelled texts."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from conftest import tiny_text_model_folder
 
     root = tmp_path_factory.mktemp("tiny")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tok = BertTokenizerFast(vocab=str(root / "vocab.txt"))  # transformers 5 ignores vocab_file=
-    model_dir = root / "model"
-    torch.manual_seed(0)
-    BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=3,
-                                             num_attention_heads=4, intermediate_size=128,
-                                             max_position_embeddings=64)).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = tiny_text_model_folder(root, WORDS, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                       intermediate_size=128, max_position_embeddings=64)
     rng = random.Random(0)
     rows = ["text,label"]
     for _ in range(240):

@@ -163,6 +163,17 @@ def test_oom_while_fused_adamw_allocates_its_state_redoes_the_step_exactly():
     _assert_same(_params(w.model), _params(ref.model))
 
 
+def _oom_once_in_the_first_step(trainer):
+    """Raise one CUDA-style OOM in the first step's forward at micro-batch 8 (the trainer backs off to 4)."""
+    fired = []
+
+    def inject(*a):
+        if trainer.step == 0 and trainer.micro_batch == 8 and not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(inject)
+
+
 def test_resume_after_an_oom_back_off_grows_back_like_the_uninterrupted_run(tmp_path):
     def run(folder, resume_from=None):
         w = _workload(n=48)
@@ -173,13 +184,7 @@ def test_resume_after_an_oom_back_off_grows_back_like_the_uninterrupted_run(tmp_
             plan = Plan.from_dict(load_checkpoint(resume_from, w.model)["plan"])
         t = Trainer(w, plan, cfg, progress=False)
         if resume_from is None:
-            fired = []
-
-            def inject(*a):
-                if t.step == 0 and t.micro_batch == 8 and not fired:
-                    fired.append(1)
-                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-            t.model.bert.encoder.layer[1].register_forward_pre_hook(inject)
+            _oom_once_in_the_first_step(t)
             torch.manual_seed(11)
         else:
             t.resume(resume_from)  # restores the RNG states too
@@ -269,13 +274,7 @@ def test_the_record_of_a_step_gives_the_micro_batch_it_ran_with_even_when_it_gro
     w = _workload(n=48)
     t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3, grow_back_after=2, log_every=1),
                 log=records.append, progress=False)
-    fired = []
-
-    def inject(*a):
-        if t.step == 0 and t.micro_batch == 8 and not fired:
-            fired.append(1)
-            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-    t.model.bert.encoder.layer[1].register_forward_pre_hook(inject)
+    _oom_once_in_the_first_step(t)
     t.fit()
     steps = {r["step"]: r["micro_batch"] for r in records if r["type"] == "train"}
     # steps 1 and 2 run at 4; the micro-batch grows back after step 2, so step 3 runs at 8
