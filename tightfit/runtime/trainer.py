@@ -248,6 +248,7 @@ class Trainer:
         bar = self._progress_bar()
         t0 = time.perf_counter() - self.result.train_seconds  # continues the clock on resume
         samples0 = self.result.samples
+        self._t_fit = time.perf_counter()  # the progress bar's rate counts this process's steps only
         try:
             with self._stop_on_signals():
                 self._train_loop(bar, t0, samples0)
@@ -283,7 +284,7 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch,
-                                samples_s=f"{(self.result.samples - samples0) / max(elapsed, 1e-9):.1f}")
+                                samples_s=f"{(self.result.samples - samples0) / max(time.perf_counter() - self._t_fit, 1e-9):.1f}")
             if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
                 self.log(self._train_record((self.step - 1) // self.steps_per_epoch, loss, stepped, elapsed, window))
             saved = None
