@@ -26,7 +26,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .blocks import COMPILED_MARK, compiled_by_blocks, find_blocks, is_checkpointed
+from .blocks import COMPILED_MARK, find_blocks, is_checkpointed
 
 
 

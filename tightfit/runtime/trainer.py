@@ -10,6 +10,7 @@ memory estimator run too (DESIGN invariant 13); the trainer adds the guards arou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -282,9 +283,9 @@ class Trainer:
             elapsed = time.perf_counter() - t0
             self._record_memory()
             if bar is not None:
+                rate = (self.result.samples - samples0) / max(time.perf_counter() - self._t_fit, 1e-9)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch,
-                                samples_s=f"{(self.result.samples - samples0) / max(time.perf_counter() - self._t_fit, 1e-9):.1f}")
+                bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch, samples_s=f"{rate:.1f}")
             if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
                 self.log(self._train_record((self.step - 1) // self.steps_per_epoch, loss, stepped, elapsed, window))
             saved = None
@@ -322,8 +323,6 @@ class Trainer:
     def _stop_on_signals(self):
         """Within the block, SIGINT/SIGTERM ask for a stop at the next step boundary (a second
         SIGINT interrupts at once); the previous handlers are restored after."""
-        import contextlib
-
         if threading.current_thread() is not threading.main_thread():
             return contextlib.nullcontext()  # signal handlers can only be set from the main thread
 
