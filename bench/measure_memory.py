@@ -32,7 +32,7 @@ import torch
 from tightfit.levers.precision import autocast
 from tightfit.levers.blocks import apply_checkpointing
 from tightfit.step import make_optimizer, training_loss, training_step
-from tightfit.memory.zoo import build_model
+from tightfit.models import build_model
 
 # (architecture, size: sequence length or image size, micro-batches)
 ZOO = [

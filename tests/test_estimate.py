@@ -22,7 +22,7 @@ from tightfit.memory.allocator import (CachingAllocatorModel, ExpandableSegments
                                        round_size, segment_size)
 from tightfit.levers.blocks import find_blocks, parse_checkpointing
 from tightfit.memory.estimate import estimate
-from tightfit.memory.zoo import build_model
+from tightfit.models import build_model
 from tightfit.plan import Plan
 
 MiB = 2**20

@@ -172,7 +172,7 @@ def test_t4_is_not_predicted_much_faster_than_an_rtx_3060(model_name):
     TFLOPS within its 70 W limit; the RTX 3060 has 25.5 dense with fp32 accumulation and
     more memory bandwidth. Neither card should be predicted far faster than the other."""
     from tightfit.levers.blocks import find_blocks
-    from tightfit.memory.zoo import build_model
+    from tightfit.models import build_model
     from tightfit.planner.cost import TimeModel, forward_cost
 
     model, make_batch = build_model(model_name)

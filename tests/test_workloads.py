@@ -174,7 +174,7 @@ def _shapes(model):
 def test_one_registry_resolves_the_same_model_for_train_and_estimate(name):
     """``--model NAME`` in ``train`` loads the architecture that ``estimate``/``plan`` build
     (same classes, parameter names and shapes), with a tokenizer that fits it."""
-    from tightfit.memory.zoo import build_model
+    from tightfit.models import build_model
     from tightfit.models import check_tokenizer, resolve_for_training
 
     estimated, make_batch = build_model(name)  # what tightfit estimate/plan trace (meta device)
@@ -189,7 +189,7 @@ def test_one_registry_resolves_the_same_model_for_train_and_estimate(name):
 def test_a_local_folder_is_the_same_architecture_in_every_command(tmp_path):
     from transformers import BertTokenizer
 
-    from tightfit.memory.zoo import build_model
+    from tightfit.models import build_model
     from tightfit.models import resolve_for_training
 
     (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad"]))

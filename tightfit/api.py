@@ -278,13 +278,14 @@ class TrainRecipe:
 
     def _choose_plan(self):
         """The planner's plan: the search on a GPU (``--planner search``), the first prober
-        otherwise; on resume the plan in force when the checkpoint was written (micro-batch
-        after recoveries)."""
+        otherwise; on resume the plan the run chose, as its checkpoint carries it (the trainer's
+        resume then restores the micro-batch in force)."""
         p, seq_len = self.req.planning, self.req.workload.seq_len
         if self.resume_from is not None:
             from .plan import Plan
+            from .runtime.checkpoint import read_state
 
-            return Plan.from_dict(_checkpoint_state(self.resume_from)["plan"])
+            return Plan.from_dict(read_state(self.resume_from)["plan"])
         if self.device == "cuda" and p.planner == "search":
             from .planner.gpu import plan_on_gpu
 
@@ -423,17 +424,6 @@ class TrainRecipe:
             budget_bytes=self.budget, torch=torch.__version__, version=__version__, command=self.req.run.command,
             peak_rss_bytes=None if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             max_temp_c=health.max_temp_c if health else None, max_power_w=health.max_power_w if health else None)
-
-
-def _checkpoint_state(path: Path) -> dict:
-    """The saved state of checkpoint ``path`` (verified by :func:`_resume_request`).
-
-    Raises:
-        TightfitError: it cannot be loaded (one line).
-    """
-    from .runtime.checkpoint import read_state
-
-    return read_state(path)
 
 
 # Options a resumed run may change: they alter neither the plan nor the data order, so the

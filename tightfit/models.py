@@ -235,18 +235,6 @@ def resolve_for_training(name_or_path: str | None) -> ModelEntry:
     return entry
 
 
-def resolve_model_path(name_or_path: str | None) -> Path:
-    """The folder of pretrained weights of ``name_or_path`` (:func:`resolve`).
-
-    Raises:
-        TightfitError: as :func:`resolve`, or a registry name without shipped weights.
-    """
-    entry = resolve(name_or_path)
-    if entry.weights is None:
-        raise TightfitError(f"{entry.name} has no pretrained weights shipped (random weights from its config)")
-    return entry.weights()
-
-
 def build_model(name_or_path: str, device: str | torch.device = "meta",
                 attn_implementation: str = "sdpa") -> tuple[torch.nn.Module, BatchMaker]:
     """``resolve(name_or_path).build(device, attn_implementation)``: the architecture with its

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..memory.zoo import build_model
+from ..models import build_model
 from .workloads import BenchWorkload, ZooSamples
 
 

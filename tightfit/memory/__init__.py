@@ -2,14 +2,14 @@
 
 - :func:`estimate` traces one training step on meta tensors and replays its allocations
   through a model of PyTorch's CUDA caching allocator (:mod:`.allocator`).
-- :mod:`.zoo` builds the built-in architectures (on the meta device: no memory used).
+- :func:`tightfit.models.build_model` builds the built-in architectures (on the meta device: no memory used).
 - :mod:`tightfit.levers.blocks` (a lever shared with the runtime) finds a model's repeated blocks and checkpoints all or some.
 - :mod:`tightfit.step` is the one training step that the estimate traces, the GPU measurement
   runs and the runtime trains with.
 - :mod:`.fast` is the planner's memory-growth model: peak reserved bytes on lines in the micro-batch.
 """
 
-def __getattr__(name):  # lazy: importing the zoo or the harness needs no estimator
+def __getattr__(name):  # lazy: importing this package needs no estimator
     if name in ("MemoryEstimate", "estimate"):
         from . import estimate as _e
 

@@ -86,7 +86,7 @@ def run(args) -> int:
     from ..devices import get_profile
     from ..plan import Plan
     from .estimate import estimate
-    from .zoo import build_model
+    from ..models import build_model
 
     if args.micro_batch is None or args.micro_batch < 1:
         raise TightfitError("--micro-batch must be >= 1")

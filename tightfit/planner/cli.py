@@ -32,7 +32,7 @@ def run(args) -> int:
         TightfitError: bad arguments, a budget below the model state, a model that cannot be
             traced at the size asked, or nothing fits.
     """
-    from ..memory.zoo import build_model
+    from ..models import build_model
     from .search import estimator_for, search
 
     profile, budget, notes = _card_and_budget(args)

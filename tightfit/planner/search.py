@@ -211,7 +211,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
 
     Args:
         model: the ``nn.Module`` (meta or real; not modified).
-        make_batch: ``(micro_batch, size) -> batch dict`` (see :func:`tightfit.memory.zoo.build_model`).
+        make_batch: ``(micro_batch, size) -> batch dict`` (see :func:`tightfit.models.build_model`).
         size: sequence length or image size.
         effective_batch: samples per optimizer step.
         profile: the card (precision rules and rates).
