@@ -1,4 +1,10 @@
-"""tightfit: train and fine-tune PyTorch models on GPUs with little memory, as fast as the card allows."""
+"""tightfit: train and fine-tune PyTorch models on GPUs with little memory, as fast as the card allows.
+
+In your own loop: ``plan = tightfit.plan(model, sample_batch, effective_batch=64, budget="4GiB")``,
+``step = tightfit.TrainStep(plan, model, optimizer)``, then ``step(batch)`` per optimizer step
+(:mod:`tightfit.loop`). ``tightfit.plan`` is that function; the :class:`Plan` class lives in the
+module ``tightfit.plan`` (``from tightfit.plan import Plan``, or ``tightfit.Plan``).
+"""
 
 __version__ = "0.1.0"
 
@@ -6,4 +12,18 @@ from .errors import TightfitError  # noqa: E402
 from .plan import Plan  # noqa: E402
 from .units import format_bytes, parse_size  # noqa: E402
 
-__all__ = ["Plan", "TightfitError", "format_bytes", "parse_size", "__version__"]
+del plan  # the submodule's attribute; ``tightfit.plan`` is the planning function (loaded on first use)
+
+__all__ = ["Plan", "StepOutcome", "TightfitError", "TrainStep", "format_bytes", "parse_size", "plan", "__version__"]
+
+_LOOP = ("plan", "TrainStep", "StepOutcome")
+
+
+def __getattr__(name):
+    # the own-loop API imports torch: loaded on first use, so that `import tightfit` stays light
+    if name in _LOOP:
+        from . import loop
+
+        globals().update({n: getattr(loop, n) for n in _LOOP})
+        return globals()[name]
+    raise AttributeError(f"module 'tightfit' has no attribute {name!r}")

@@ -1,0 +1,177 @@
+"""tightfit in a user's own loop (:mod:`tightfit.loop`): ``tightfit.plan`` and ``tightfit.TrainStep``."""
+
+import math
+
+import pytest
+import torch
+
+import tightfit
+from conftest import SyntheticBatches, tiny_bert
+from tightfit import Plan, TightfitError
+from tightfit.runtime.trainer import NonFiniteTrainingError
+
+
+def _mlp(seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 3))
+
+
+def _xy(n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _ce(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def test_package_root_exports_the_own_loop_api():
+    assert callable(tightfit.plan) and tightfit.TrainStep.__module__ == "tightfit.loop"
+    from tightfit.plan import Plan as PlanClass  # the module stays importable under the function's name
+    assert PlanClass is tightfit.Plan
+
+
+def test_cpu_plan_is_the_whole_batch_in_fp32_and_notes_the_budget():
+    model = _mlp()
+    plan = tightfit.plan(model, _xy(8), effective_batch=32, budget="4GiB", loss=_ce, device="cpu")
+    assert (plan.device, plan.precision, plan.micro_batch, plan.effective_batch) == ("cpu", "fp32", 32, 32)
+    assert any("no CUDA GPU in use" in r for r in plan.reasons)
+
+
+def test_micro_batched_step_equals_one_full_batch_step():
+    # micro-batches 3+3+2 with accumulation give the update of the whole batch of 8 (clipped, AdamW)
+    x, y = _xy(8)
+    ref = _mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for _ in range(3):
+        loss = _ce(ref, (x, y))
+        ref_losses.append(float(loss))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    model = _mlp()
+    step = tightfit.TrainStep(Plan("fp32", 3, 8), model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss=_ce)
+    outs = [step((x, y)) for _ in range(3)]
+    assert outs[-1].stepped and outs[-1].micro_batch == 3 and outs[-1].accumulation_steps == 3
+    for o, r in zip(outs, ref_losses):
+        assert math.isclose(o.loss, r, rel_tol=1e-5)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _OOMOnce:
+    """A forward pre-hook raising a CUDA-style OOM once, on the first input of ``rows`` samples."""
+
+    def __init__(self, rows):
+        self.rows, self.fired = rows, 0
+
+    def __call__(self, module, args):
+        if not self.fired and args[0].shape[0] == self.rows:
+            self.fired += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def _run_with_oom(device: str, steps=4, dropout=0.2):
+    """Losses and weights of a loop planned at micro-batch 8 that runs out of memory in its first
+    forward, and of a loop at micro-batch 4 from the start (dropout on in both)."""
+    data = [_xy(8, seed=s) for s in range(steps)]
+    runs = []
+    for micro_batch, inject in ((4, False), (8, True)):
+        model = _mlp(dropout=dropout).to(device)
+        step = tightfit.TrainStep(Plan("fp32", micro_batch, 8, device=device), model, loss=_ce, lr=1e-2)
+        if inject:
+            hook = _OOMOnce(8)
+            model[2].register_forward_pre_hook(hook)  # inside the forward, after the first layer ran
+        torch.manual_seed(1)
+        outs = [step(batch) for batch in data]
+        runs.append((outs, [p.detach().clone() for p in model.parameters()], step))
+    assert hook.fired == 1
+    return runs
+
+
+def test_oom_inside_the_users_loop_is_redone_at_half_the_micro_batch_with_the_same_losses():
+    (ref, ref_w, _), (got, got_w, step) = _run_with_oom("cpu")
+    assert got[0].oom_recoveries == 1 and step.oom_recoveries == 1 and step.micro_batch == 4
+    assert [o.micro_batch for o in got] == [4, 4, 4, 4] and got[0].accumulation_steps == 2
+    assert [o.loss for o in got] == [o.loss for o in ref]  # same dropout masks: RNG restored for the redo
+    for a, b in zip(got_w, ref_w):
+        assert torch.equal(a, b)
+    assert "out of memory (OutOfMemoryError) at micro-batch 8" in step.events[0]
+
+
+def test_micro_batch_grows_back_after_clean_steps():
+    model = _mlp()
+    hook = _OOMOnce(8)
+    model[2].register_forward_pre_hook(hook)
+    step = tightfit.TrainStep(Plan("fp32", 8, 8), model, loss=_ce, grow_back_after=2)
+    micro = [step(_xy(8, s)).micro_batch for s in range(4)]
+    assert micro == [4, 4, 8, 8] and any("growing micro-batch back 4 -> 8" in e for e in step.events)
+
+
+def test_oom_at_micro_batch_one_stops_with_advice():
+    model = _mlp()
+    model[0].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+    step = tightfit.TrainStep(Plan("fp32", 2, 2), model, loss=_ce)
+    with pytest.raises(TightfitError, match="micro-batch of 1.*checkpointing"):
+        step(_xy(2))
+
+
+def test_non_finite_step_is_skipped_and_a_run_of_them_stops():
+    model = _mlp()
+    step = tightfit.TrainStep(Plan("fp32", 4, 8), model, max_skipped_steps=2,
+                              loss=lambda m, b: _ce(m, b) * float("inf"))
+    before = [p.detach().clone() for p in model.parameters()]
+    out = step(_xy(8))
+    assert not out.stepped and step.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # nothing applied
+    with pytest.raises(NonFiniteTrainingError, match="2 steps in a row"):
+        step(_xy(8))
+
+
+def test_hugging_face_model_loss_by_default_dropout_on_and_mode_given_back():
+    model = tiny_bert(dropout=0.1)
+    model.eval()
+    batch = SyntheticBatches(16).collate(list(range(16)))
+    plan = tightfit.plan(model, batch, effective_batch=16)
+    seen = []
+    model.bert.encoder.layer[0].register_forward_pre_hook(lambda m, a: seen.append(m.training))
+    step = tightfit.TrainStep(Plan("fp32", 8, 16), model, lr=1e-3)
+    out = step(batch)
+    assert plan.micro_batch == 16 and out.accumulation_steps == 2 and math.isfinite(out.loss)
+    assert seen == [True, True] and not model.training  # dropout on during the step; eval mode after
+
+
+@pytest.mark.parametrize("batch, message", [
+    ({"x": torch.zeros(4, 2), "labels": torch.zeros(3)}, "disagree on the number of samples"),
+    ("text", "must be a dict or a tuple"),
+    ((torch.zeros(4, 6), [1, 2, 3, 4]), "must be a tensor"),
+])
+def test_malformed_batches_are_refused_in_one_line(batch, message):
+    with pytest.raises(TightfitError, match=message):
+        tightfit.plan(_mlp(), batch, loss=_ce)
+
+
+def test_bad_effective_batch_and_loss_are_refused():
+    with pytest.raises(TightfitError, match="effective_batch"):
+        tightfit.plan(_mlp(), _xy(4), effective_batch=0, loss=_ce)
+    step = tightfit.TrainStep(Plan("fp32", 4, 4), _mlp(), loss=lambda m, b: m(b[0]))  # not one number
+    with pytest.raises(TightfitError, match="one number"):
+        step(_xy(4))
+    with pytest.raises(TightfitError, match="tuple batch needs loss="):
+        tightfit.TrainStep(Plan("fp32", 4, 4), _mlp())(_xy(4))
+
+
+@pytest.mark.gpu
+def test_gpu_planned_loop_recovers_an_injected_oom_with_the_same_losses():
+    # the plan's probes on the GPU, then the user's loop: an OOM inside it is redone at half the micro-batch
+    plan = tightfit.plan(_mlp(), _xy(8), effective_batch=8, budget="2GiB", loss=_ce)
+    assert plan.device == "cuda" and plan.micro_batch == 8 and plan.probe_peak_reserved_bytes
+    (ref, ref_w, _), (got, got_w, step) = _run_with_oom("cuda")
+    assert got[0].oom_recoveries == 1 and step.micro_batch == 4
+    torch.testing.assert_close([o.loss for o in got], [o.loss for o in ref], rtol=1e-6, atol=0)
+    for a, b in zip(got_w, ref_w):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert got[0].peak_reserved_bytes and len(step.memory_timeline) == 4

@@ -1,0 +1,412 @@
+"""tightfit in your own training loop: a plan for your model and batch, and one call per optimizer step.
+
+Three added lines (Accelerate needs ``prepare``, an ``accumulate()`` block, ``backward`` and
+``find_executable_batch_size`` around the loop; Lightning Fabric ``setup``, ``autocast``,
+``backward`` and ``clip_gradients``)::
+
+    import tightfit
+    plan = tightfit.plan(model, sample_batch, effective_batch=64, budget="4GiB")
+    step = tightfit.TrainStep(plan, model, optimizer)
+    for batch in loader:        # each batch is a whole effective batch (64 samples)
+        out = step(batch)       # in place of: loss = ...; loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+:func:`plan` chooses precision, micro-batch x gradient accumulation steps and activation
+checkpointing with the planner's real probe steps (:func:`tightfit.planner.probe.plan_first`);
+:class:`TrainStep` runs :func:`tightfit.step.training_step` -- the step the ``tightfit train``
+runtime, the GPU probe and the memory estimator run -- on the micro-batches of each batch, with
+the runtime's guards: OOM recovery keeping the effective batch, non-finite steps skipped,
+memory timeline and GPU health.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .errors import TightfitError
+from .plan import Plan, accumulation_steps
+
+__all__ = ["StepOutcome", "TrainStep", "plan"]
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+# ---------------------------------------------------------------- batches
+class _Batch:
+    """A user's batch as a dict of tensors split along dim 0, and back to its own form.
+
+    Args:
+        batch: a dict (or Mapping) of tensors ``[B, ...]``, or a tuple/list of tensors ``[B, ...]``.
+
+    Raises:
+        TightfitError: another type, no tensors, or tensors whose first dimensions differ.
+    """
+
+    def __init__(self, batch):
+        if isinstance(batch, Mapping):
+            self.keys, values = list(batch.keys()), list(batch.values())
+        elif isinstance(batch, (tuple, list)):
+            self.keys, values = None, list(batch)
+        else:
+            raise TightfitError(f"a batch must be a dict or a tuple of tensors, got {type(batch).__name__}")
+        if not values or not all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in values):
+            raise TightfitError("every value of a batch must be a tensor with the samples along dimension 0")
+        sizes = {v.shape[0] for v in values}
+        if len(sizes) != 1:
+            raise TightfitError(f"the tensors of a batch disagree on the number of samples (dimension 0): {sorted(sizes)}")
+        self.kind = type(batch)
+        self.values = values
+        self.size = sizes.pop()
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors keyed by name (tuple batches: ``"0"``, ``"1"``, ...), as the planner's probe takes them."""
+        keys = self.keys if self.keys is not None else [str(i) for i in range(len(self.values))]
+        return dict(zip(keys, self.values))
+
+    def restore(self, d: dict[str, torch.Tensor]):
+        """``d`` (a slice of :meth:`as_dict`) in the user's form: a dict, or a tuple/list in order."""
+        if self.keys is not None:
+            return d
+        values = [d[str(i)] for i in range(len(self.values))]
+        return values if self.kind is list else tuple(values)
+
+
+def _loss_sum(batch: _Batch, loss: LossFn | None) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
+    """``(model, dict micro-batch) -> loss summed over its samples``: the user's mean loss times the
+    samples in the micro-batch, so that :func:`tightfit.step.accumulate`, which divides by the samples
+    of the whole batch, weights each micro-batch by its share (the gradient of the whole batch's mean
+    loss: exact for losses that are means over samples)."""
+    def loss_sum(model, d):
+        b = batch.restore(d)
+        n = next(iter(d.values())).shape[0]
+        if loss is not None:
+            value = loss(model, b)
+        elif isinstance(b, dict):
+            value = getattr(model(**b), "loss", None)
+            if value is None:
+                raise TightfitError("the model's output has no .loss for this batch: give loss=lambda model, batch: ...")
+        else:
+            raise TightfitError("a tuple batch needs loss=lambda model, batch: ... (the model cannot compute it)")
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise TightfitError(f"the loss must be a tensor holding one number (the mean over the batch), "
+                                f"got {type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}")
+        return value.reshape(()) * n
+
+    return loss_sum
+
+
+class _SampleBatches:
+    """The sample batch as the planner's training data: ``collate(indices)`` and ``worst_case(n)``
+    (``n`` rows, the sample's rows repeated: the sample batch stands for the largest batch trained on)."""
+
+    def __init__(self, batch: _Batch):
+        self.d, self.size = batch.as_dict(), batch.size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def collate(self, indices, pad_to=None) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        return {k: v.index_select(0, idx.to(v.device)) for k, v in self.d.items()}
+
+    def worst_case(self, n: int) -> dict[str, torch.Tensor]:
+        return self.collate([i % self.size for i in range(n)])
+
+
+# ---------------------------------------------------------------- planning
+def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = None, budget: str | int | None = None,
+         *, loss: LossFn | None = None, gpu: str | None = None, precision: str = "auto",
+         checkpointing: str = "auto", device: str = "auto") -> Plan:
+    """The plan for training ``model`` on batches like ``sample_batch``: precision, micro-batch x
+    gradient accumulation steps = ``effective_batch``, and activation checkpointing.
+
+    On a CUDA GPU (``device="auto"`` or ``"cuda"``): the model is moved to the GPU, the caching
+    allocator is capped at the budget (``torch.cuda.set_per_process_memory_fraction``, for the rest
+    of the process, so that the plan and the run see the same limit), and real probe steps of
+    forward, backward and a fused AdamW step find the largest micro-batch that fits with the
+    planner's headroom (:func:`tightfit.planner.probe.plan_first`; the weights are left
+    bit-identical). Without a GPU, or with ``device="cpu"``: fp32 (unless asked), the whole
+    effective batch in one micro-batch, no budget (host memory is not budgeted); a ``budget`` or
+    ``gpu`` is checked and noted in the plan's reasons. To predict a GPU's plan on a machine
+    without one, use ``tightfit plan --model ... --gpu ...``.
+
+    Args:
+        model: the ``nn.Module`` to train (a Hugging Face model or any other).
+        sample_batch: one batch as the loop will pass it: a dict of tensors (e.g. a tokenizer's
+            output with ``labels``) or a tuple of tensors ``(x, y)``, samples along dim 0. Give the
+            largest shapes training will see (e.g. padded to the longest sequence): the probes
+            repeat its rows to make micro-batches of any size.
+        effective_batch: samples per optimizer step (default: the sample batch's size).
+        budget: GPU memory the training may use, e.g. ``"4GiB"`` or bytes (default: the card's).
+        loss: ``(model, batch) -> 0-d tensor``, the mean loss over the batch's samples; default:
+            ``model(**batch).loss`` (Hugging Face models given ``labels``).
+        gpu: a known card's profile (e.g. ``"gtx-1650-ti"``) whose budget and precision rules apply.
+        precision: ``"auto"`` (from the card), ``"fp32"``, ``"fp16"`` or ``"bf16"``.
+        checkpointing: activation checkpointing, ``"auto"``, ``"on"`` or ``"off"``.
+        device: ``"auto"``, ``"cuda"`` or ``"cpu"``.
+
+    Returns:
+        A :class:`tightfit.Plan` (``plan.reasons`` says why each choice was made).
+
+    Raises:
+        TightfitError: a malformed batch or option, a budget that cannot be read or exceeds the
+            card, a loss that is not one number, or nothing fits the budget (before any training).
+    """
+    from .api import resolve_device
+    from .config import PlanOptions
+    from .planner.probe import plan_first
+    from .workload import Workload
+
+    b = _Batch(sample_batch)
+    E = b.size if effective_batch is None else effective_batch
+    if isinstance(E, bool) or not isinstance(E, int) or E < 1:
+        raise TightfitError(f"effective_batch must be a whole number >= 1, got {effective_batch!r}")
+    options = PlanOptions(budget=None if budget is None else str(budget), gpu=gpu, precision=precision,
+                          checkpointing=checkpointing, device=device)
+    dev, profile, budget_bytes, notes = resolve_device(options)
+    workload = Workload(model, _SampleBatches(b), None, E, loss_sum=_loss_sum(b, loss), count=lambda d: len(next(iter(d.values()))))
+    if dev == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
+        model.to(dev)
+    chosen = plan_first(workload, dev, profile, budget_bytes, precision, checkpointing)
+    return replace(chosen, reasons=chosen.reasons + tuple(notes)) if notes else chosen
+
+
+# ---------------------------------------------------------------- the step
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one :class:`TrainStep` call did.
+
+    Attributes:
+        loss: the batch's mean loss (a Python float: the samples-weighted mean of the micro-batches' losses).
+        grad_norm: global L2 norm of the unscaled gradients before clipping.
+        stepped: whether the optimizer step was applied (False: non-finite gradients, skipped).
+        micro_batch: samples per forward/backward pass in this step (after any OOM recovery).
+        accumulation_steps: micro-batches this step ran.
+        oom_recoveries: times this step was redone with a smaller micro-batch.
+        peak_allocated_bytes, peak_reserved_bytes: this step's CUDA peaks (None on the CPU).
+        health: the GPU's NVML reading ``{"temp_c", "power_w", ...}`` (None without NVML or on the CPU).
+    """
+
+    loss: float
+    grad_norm: float | None
+    stepped: bool
+    micro_batch: int
+    accumulation_steps: int
+    oom_recoveries: int = 0
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    health: dict | None = None
+
+
+class TrainStep:
+    """One optimizer step per call on a whole effective batch, run as ``plan`` says, with the guards.
+
+    Each call splits the batch along dim 0 into micro-batches of the plan's size, runs forward under
+    autocast and backward (the loss scaled for fp16) on each, normalised so the summed gradient is the
+    whole batch's; then unscales once, clips, steps or skips a non-finite step, updates the loss scale
+    and zeroes the gradients (:func:`tightfit.step.training_step`). An out-of-memory error anywhere in
+    the step redoes the batch from scratch with half the micro-batch -- the same samples, the same
+    effective batch, the RNG states restored so dropout draws as a run at that micro-batch would
+    (DESIGN invariant 2) -- and the micro-batch grows back after ``grow_back_after`` clean steps.
+    The model is in train mode during the call (dropout on) and gets its own mode back after.
+
+    Args:
+        plan: from :func:`plan` (or any :class:`tightfit.Plan`).
+        model: the model planned for; moved to ``plan.device``, activation checkpointing applied as planned.
+        optimizer: your optimizer over the model's parameters; None: the plan's (fused AdamW, ``lr``).
+        loss: ``(model, batch) -> 0-d mean loss``, as in :func:`plan`; default ``model(**batch).loss``.
+        lr: learning rate of the optimizer made when ``optimizer`` is None.
+        max_grad_norm: clip the global gradient norm to this (None: measure, do not clip).
+        max_skipped_steps: raise after this many non-finite (skipped) steps in a row.
+        grow_back_after: after an OOM recovery, double the micro-batch again (up to the plan's)
+            after this many clean steps (0: never).
+        warn_temp_c: log a warning when the GPU reaches this temperature (deg C).
+
+    Attributes:
+        micro_batch: the micro-batch in force; ``steps``, ``skipped_steps``, ``oom_recoveries``: counts.
+        memory_timeline: ``(step, peak allocated bytes, peak reserved bytes)`` per step on CUDA.
+        events: what the guards did, one line each (also logged to the ``tightfit`` logger).
+        health: the :class:`tightfit.runtime.health.HealthMonitor` on CUDA (None on the CPU).
+
+    Raises (from a call):
+        TightfitError: a malformed batch; out of memory at a micro-batch of 1.
+        NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
+        PartialUpdateError: out of memory inside an optimizer step that had already written part of
+            the update (not possible with fused AdamW).
+    """
+
+    def __init__(self, plan: Plan, model: torch.nn.Module, optimizer=None, *, loss: LossFn | None = None,
+                 lr: float = 5e-5, max_grad_norm: float | None = 1.0, max_skipped_steps: int = 20,
+                 grow_back_after: int = 100, warn_temp_c: float = 82.0):
+        from .levers.checkpointing import set_activation_checkpointing
+        from .levers.precision import make_grad_scaler
+        from .runtime.health import HealthMonitor
+        from .step import make_optimizer
+
+        if not isinstance(plan, Plan):
+            raise TightfitError(f"TrainStep(plan, model, optimizer): plan must be a tightfit.Plan, got {type(plan).__name__}")
+        self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
+        self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
+        self.device = torch.device(plan.device)
+        self.model = model.to(self.device)
+        if plan.activation_checkpointing:
+            set_activation_checkpointing(model, True, plan.checkpoint_blocks)
+        self.optimizer = optimizer if optimizer is not None else make_optimizer(
+            model.parameters(), plan.optimizer, self.device.type, lr)
+        self._fused = all(g.get("fused") for g in self.optimizer.param_groups)
+        self.scaler = make_grad_scaler(plan.precision, self.device.type)
+        self.health = HealthMonitor(self.device.index or 0, warn_temp_c) if self.device.type == "cuda" else None
+        self.micro_batch = self._used_micro_batch = plan.micro_batch
+        self.steps = self.skipped_steps = self.oom_recoveries = 0
+        self._skipped_in_row = self._clean_steps = 0
+        self.memory_timeline: list[tuple[int, int, int]] = []
+        self.events: list[str] = []
+        self.model.zero_grad(set_to_none=True)  # a stray backward before the loop must not leak into step 1
+
+    def __call__(self, batch) -> StepOutcome:
+        """One optimizer step on ``batch`` (a dict or tuple of tensors, samples along dim 0, on any
+        device: micro-batches are copied to the plan's device one at a time). Returns a
+        :class:`StepOutcome`; see the class for the errors."""
+        from .step import module_mode
+
+        b = _Batch(batch)
+        recoveries = self.oom_recoveries
+        with module_mode(self.model, True):  # dropout on, whatever mode the model was left in
+            result = self._step_with_recovery(b)
+        self.steps += 1
+        stepped = self._after_step(result.finite)
+        peaks, reading = self._record_memory_and_health()
+        return StepOutcome(result.loss, result.grad_norm, stepped, self._used_micro_batch,
+                           accumulation_steps(b.size, self._used_micro_batch), self.oom_recoveries - recoveries, *peaks, reading)
+
+    def _step_with_recovery(self, b: _Batch):
+        """:func:`tightfit.step.training_step` on ``b``, redone with half the micro-batch after each
+        OOM, as the ``tightfit train`` runtime redoes a window (:meth:`tightfit.runtime.trainer.Trainer.train_step`)."""
+        from .levers.precision import autocast
+        from .memory.oom import is_oom, release_memory
+        from .rng import capture_rng, restore_rng
+        from .runtime.trainer import PartialUpdateError, _changed_since, _in_place_versions
+        from .step import training_step
+
+        d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss), capture_rng()
+        while True:
+            # fused AdamW allocates only its new state, before any write: no snapshot needed
+            before = None if self._fused else _in_place_versions(self.optimizer)
+            had_state = set(self.optimizer.state)
+            try:
+                result = training_step(self.model, self._micro_batches(d, b.size), loss_sum, b.size, self.optimizer,
+                                       self.scaler, lambda: autocast(self.plan.precision, self.device.type),
+                                       self.max_grad_norm)
+                self._used_micro_batch = self.micro_batch
+                return result
+            except Exception as e:  # only OOMs are handled; anything else propagates unchanged
+                if not is_oom(e):
+                    raise
+                where = type(e).__name__
+            if before is not None and _changed_since(self.optimizer, before):
+                raise PartialUpdateError(f"out of memory inside the optimizer step of step {self.steps + 1} after it had "
+                                         "updated part of the parameters or their state; redoing it would apply that "
+                                         "part twice (use fused AdamW, the plan's optimizer, to rule this out)")
+            for p in [p for p in self.optimizer.state if p not in had_state]:
+                del self.optimizer.state[p]  # state the failed attempt allocated but never wrote
+            # outside the except block: the traceback and the tensors its frames held are gone
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_scaler_step()
+            release_memory()
+            restore_rng(rng)
+            self._on_oom(where, b.size)
+
+    def _micro_batches(self, d: dict, n: int):
+        """The micro-batches of ``d`` on the plan's device, made one at a time (each dropped before the next)."""
+        for i in range(0, n, self.micro_batch):
+            yield {k: v[i:i + self.micro_batch].to(self.device, non_blocking=True) for k, v in d.items()}
+
+    def _reset_scaler_step(self) -> None:
+        # a failed attempt may have called unscale_; a scaler rebuilt from its state keeps the scale
+        from .levers.precision import make_grad_scaler
+
+        if self.scaler.is_enabled():
+            state = self.scaler.state_dict()
+            self.scaler = make_grad_scaler(self.plan.precision, self.device.type)
+            self.scaler.load_state_dict(state)
+
+    def _on_oom(self, where: str, size: int) -> None:
+        from .runtime.trainer import describe_split
+
+        self.oom_recoveries += 1
+        self._clean_steps = 0
+        if self.micro_batch == 1:
+            raise TightfitError("out of memory with a micro-batch of 1"
+                                + ("" if self.plan.activation_checkpointing else
+                                   "; a plan with activation checkpointing would use less")
+                                + ("; fp16/bf16 autocast would use less" if self.plan.precision == "fp32" else "")
+                                + "; or raise the budget")
+        new = max(1, self.micro_batch // 2)
+        self._event(f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {self.steps + 1} "
+                    f"with micro-batch {new}: {size} samples as {describe_split(size, new)}")
+        self.micro_batch = new
+
+    def _after_step(self, finite: bool) -> bool:
+        """Count clean and skipped steps; grow the micro-batch back after ``grow_back_after`` clean ones."""
+        from .levers.precision import nonfinite_advice
+        from .runtime.trainer import NonFiniteTrainingError
+
+        if not finite:
+            self.skipped_steps += 1
+            self._skipped_in_row += 1
+            self._event(f"step {self.steps}: non-finite gradients, update skipped")
+            if self._skipped_in_row >= self.max_skipped_steps:
+                raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients. "
+                                             f"{nonfinite_advice(self.plan.precision)}", self.steps)
+            return False
+        self._skipped_in_row = 0
+        self._clean_steps += 1
+        if (self.grow_back_after and self.micro_batch < self.plan.micro_batch
+                and self._clean_steps >= self.grow_back_after):
+            new = min(self.plan.micro_batch, self.micro_batch * 2)
+            self._event(f"{self._clean_steps} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
+            self.micro_batch, self._clean_steps = new, 0
+        return True
+
+    def _record_memory_and_health(self) -> tuple[tuple[int | None, int | None], dict | None]:
+        """This step's CUDA peaks (appended to :attr:`memory_timeline`, then reset) and the GPU's health."""
+        if self.device.type != "cuda":
+            return (None, None), None
+        peaks = (torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device))
+        self.memory_timeline.append((self.steps, *peaks))
+        torch.cuda.reset_peak_memory_stats(self.device)  # the next entry is the next step's peak
+        reading = self.health.sample() if self.health is not None else None
+        if reading and "warning" in reading:
+            self._event(reading["warning"])
+        return peaks, reading
+
+    def plan_in_force(self) -> Plan:
+        """The plan with the micro-batch now in use (after OOM recoveries)."""
+        if self.micro_batch == self.plan.micro_batch:
+            return self.plan
+        return self.plan.with_micro_batch(self.micro_batch, f"micro-batch {self.micro_batch} after OOM recovery")
+
+    def summary(self) -> dict:
+        """``{"steps", "skipped_steps", "oom_recoveries", "micro_batch", "peak_allocated_bytes",
+        "peak_reserved_bytes", "max_temp_c", "max_power_w", "health"}``: the run so far (peaks:
+        the largest of :attr:`memory_timeline`, None on the CPU)."""
+        t = self.memory_timeline
+        h = self.health
+        return {"steps": self.steps, "skipped_steps": self.skipped_steps, "oom_recoveries": self.oom_recoveries,
+                "micro_batch": self.micro_batch,
+                "peak_allocated_bytes": max((x[1] for x in t), default=None),
+                "peak_reserved_bytes": max((x[2] for x in t), default=None),
+                "max_temp_c": h.max_temp_c if h else None, "max_power_w": h.max_power_w if h else None,
+                "health": h.status if h else "off (CPU)"}
+
+    def _event(self, message: str) -> None:
+        self.events.append(message)
+        log.info("tightfit: %s", message)
+
