@@ -47,7 +47,7 @@ def test_micro_batched_step_equals_one_full_batch_step():
     ref_losses = []
     for _ in range(3):
         loss = _ce(ref, (x, y))
-        ref_losses.append(float(loss))
+        ref_losses.append(float(loss.detach()))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()

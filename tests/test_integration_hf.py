@@ -1,0 +1,160 @@
+"""tightfit with the Hugging Face Trainer (:mod:`tightfit.integrations.hf`): real ``Trainer.train()`` runs on the CPU."""
+
+import logging
+
+import pytest
+import torch
+
+import tightfit
+from conftest import SyntheticBatches, tiny_bert
+from tightfit import Plan, TightfitError
+
+hf = pytest.importorskip("tightfit.integrations.hf")
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+from tightfit.runtime.trainer import NonFiniteTrainingError  # noqa: E402
+
+
+class _Rows(torch.utils.data.Dataset):
+    """``n`` synthetic samples padded to one length, as dicts the Trainer's default collator stacks."""
+
+    def __init__(self, n=32):
+        self.batch = SyntheticBatches(n).worst_case(n)
+
+    def __len__(self):
+        return len(self.batch["labels"])
+
+    def __getitem__(self, i):
+        return {k: v[i] for k, v in self.batch.items()}
+
+
+def _trainer(tmp_path, plan, steps=3, dropout=0.1, callback=None, **extra):
+    model = tiny_bert(dropout=dropout)
+    args = TrainingArguments(**{"output_dir": str(tmp_path / "out"), "max_steps": steps, "learning_rate": 1e-3,
+                                "logging_steps": 1, "save_strategy": "no", "report_to": [], "disable_tqdm": True,
+                                "seed": 0, **hf.training_arguments(plan), **extra})
+    return Trainer(model=model, args=args, train_dataset=_Rows(),
+                   callbacks=[callback or hf.TightfitCallback(plan)])
+
+
+def _weights(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_plan_becomes_training_arguments():
+    kw = hf.training_arguments(Plan("fp16", 4, 32, activation_checkpointing=True, device="cuda"))
+    assert kw["per_device_train_batch_size"] == 4 and kw["gradient_accumulation_steps"] == 8
+    assert kw["fp16"] and not kw["bf16"] and kw["activation_checkpointing"]
+    assert kw["activation_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert kw["optim"] == "adamw_torch_fused" and not kw["auto_find_batch_size"] and not kw["use_cpu"]
+    kw = hf.training_arguments(Plan("bf16", 8, 8, device="cuda"))
+    assert kw["bf16"] and not kw["fp16"] and kw["gradient_accumulation_steps"] == 1 and not kw["activation_checkpointing"]
+    with pytest.raises(TightfitError, match="must be a tightfit.Plan"):
+        hf.training_arguments({"micro_batch": 4})
+
+
+def test_uneven_plan_notes_the_trainers_effective_batch(caplog):
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        kw = hf.training_arguments(Plan("fp32", 4, 10))
+    assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] == 12
+    assert "4 x 3 = 12 samples (the plan's: 10)" in caplog.text
+
+
+def test_real_trainer_runs_the_plan_with_the_callback(tmp_path):
+    plan = tightfit.plan(tiny_bert(), _Rows().batch, effective_batch=8, device="cpu")
+    plan = plan.with_micro_batch(4)  # as a GPU plan would accumulate: 4 x 2
+    cb = hf.TightfitCallback(plan)
+    trainer = _trainer(tmp_path, plan, callback=cb)
+    out = hf.train(trainer)
+    assert trainer.state.global_step == 3 and out.global_step == 3
+    assert trainer.args.gradient_accumulation_steps == 2 and trainer.args.per_device_train_batch_size == 4
+    assert cb.events == [] and cb.skipped_steps == 0  # arguments as planned, every step finite
+    assert cb.summary()["health"].startswith("off")
+
+
+class _OOMAt:
+    """A forward pre-hook raising a CUDA-style OOM once, when ``when(rows)`` holds for its input."""
+
+    def __init__(self, when):
+        self.when, self.fired, self.calls = when, 0, 0
+
+    def __call__(self, module, args, kwargs):
+        self.calls += 1
+        rows = (args[0] if args else kwargs["hidden_states"]).shape[0]
+        if not self.fired and self.when(self.calls, rows):
+            self.fired += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def test_oom_before_the_first_step_trains_again_at_half_the_micro_batch_same_effective_batch(tmp_path):
+    ref = _trainer(tmp_path / "ref", Plan("fp32", 4, 8))
+    ref.train()
+    trainer = _trainer(tmp_path / "oom", Plan("fp32", 8, 8))
+    hook = _OOMAt(lambda calls, rows: rows == 8)
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(hook, with_kwargs=True)
+    hf.train(trainer)
+    assert hook.fired == 1 and trainer.state.global_step == 3
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
+    for a, b in zip(_weights(trainer), _weights(ref)):  # dropout on: same data order and masks as the reference
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_oom_after_a_step_resumes_from_the_newest_checkpoint(tmp_path):
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=3, save_strategy="steps", save_steps=1)
+    hook = _OOMAt(lambda calls, rows: calls == 3)  # the third forward: step 3, after two checkpoints
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(hook, with_kwargs=True)
+    hf.train(trainer)
+    assert hook.fired == 1 and trainer.state.global_step == 3
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
+    assert (tmp_path / "out" / "checkpoint-3").is_dir()
+
+
+def test_oom_after_a_step_without_a_checkpoint_stops_and_says_why(tmp_path):
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8))
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(_OOMAt(lambda calls, rows: calls == 2),
+                                                                   with_kwargs=True)
+    with pytest.raises(TightfitError, match="at step 2 .* no checkpoint"):
+        hf.train(trainer)
+
+
+def test_smaller_micro_batch_keeps_the_effective_batch():
+    assert hf.smaller_micro_batch(8, 1) == (4, 2)
+    assert hf.smaller_micro_batch(6, 2) == (3, 4)
+    assert hf.smaller_micro_batch(5, 2) == (2, 5)
+    assert hf.smaller_micro_batch(2, 3) == (1, 6)
+
+
+def test_non_finite_step_is_skipped_then_a_run_of_them_stops_training(tmp_path):
+    cb = hf.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=2)
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=5, callback=cb)
+    start = _weights(trainer)
+    w = trainer.model.classifier.weight
+    w.register_hook(lambda g: g * float("nan"))  # every step's gradient is NaN
+    with pytest.raises(NonFiniteTrainingError, match="2 steps in a row had non-finite gradients"):
+        hf.train(trainer)
+    assert cb.skipped_steps == 2 and trainer.state.global_step == 2
+    for a, b in zip(_weights(trainer), start):  # neither step was applied: no weight decay, no AdamW state
+        assert torch.equal(a, b)
+
+
+def test_shipped_model_trains_with_the_trainer(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tightfit.models import default_model_path
+
+    try:
+        path = default_model_path()
+    except TightfitError as e:
+        pytest.skip(str(e))
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ["a fine film", "a dull film", "great acting", "poor plot"] * 2
+    enc = tok(texts, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    rows = [{**{k: v[i] for k, v in enc.items()}, "labels": torch.tensor(i % 2)} for i in range(len(texts))]
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+    plan = tightfit.plan(model, {**enc, "labels": torch.tensor([i % 2 for i in range(8)])}, effective_batch=8)
+    cb = hf.TightfitCallback(plan)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[], save_strategy="no",
+                             disable_tqdm=True, **hf.training_arguments(plan))
+    out = hf.train(Trainer(model=model, args=args, train_dataset=rows, callbacks=[cb]))
+    assert out.global_step == 2 and cb.events == []

@@ -1,0 +1,266 @@
+"""tightfit with the Hugging Face ``Trainer``: the plan as ``TrainingArguments``, a callback, and an OOM redo.
+
+Four added lines::
+
+    import tightfit
+    from tightfit.integrations import hf
+    plan = tightfit.plan(model, sample_batch, effective_batch=32, budget="4GiB")
+    args = TrainingArguments(output_dir="out", **hf.training_arguments(plan), ...)
+    trainer = Trainer(model, args, ..., callbacks=[hf.TightfitCallback(plan)])
+    hf.train(trainer)            # in place of trainer.train()
+
+What each part does, and what the Trainer leaves out of reach:
+
+- :func:`training_arguments`: micro-batch, gradient accumulation steps, fp16/bf16 autocast,
+  activation checkpointing (non-reentrant) and fused AdamW, as the ``TrainingArguments`` that mean them.
+- :class:`TightfitCallback`: per-step peak allocated/reserved memory and GPU health (NVML) in the
+  Trainer's logs; skips an optimizer step whose gradients are not finite in fp32/bf16 (the Trainer
+  would apply it; in fp16 its loss scaler already skips it) and stops training after
+  ``max_skipped_steps`` in a row; warns when the arguments differ from the plan.
+- :func:`train`: the OOM policy. An out-of-memory error inside the Trainer's step cannot be caught
+  inside it, so :func:`train` catches it around ``trainer.train()`` and trains again with half the
+  micro-batch and twice the accumulation (the same effective batch): from the start when no
+  optimizer step had been taken (the weights are untouched; the RNG states are restored), else
+  from the newest checkpoint in ``output_dir`` (the Trainer restores weights, optimizer, schedule,
+  RNG and data position); with no checkpoint to go back to, it stops with a message saying so.
+  The Trainer's own ``auto_find_batch_size`` also restarts after an OOM, but shrinks the
+  per-device batch at the same accumulation -- a smaller effective batch -- and restarts from
+  step 0 with the weights the failed attempt had already updated; :func:`training_arguments`
+  turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..errors import TightfitError
+from ..plan import Plan
+from . import require
+
+transformers = require("transformers")
+require("accelerate")  # the Trainer's own dependency
+
+__all__ = ["TightfitCallback", "train", "training_arguments"]
+
+log = logging.getLogger(__name__)
+
+# tightfit's optimizer kinds (tightfit.step.OPTIMIZERS) as the Trainer's ``optim`` names
+_OPTIM = {"adamw": "adamw_torch_fused", "adamw-foreach": "adamw_torch", "sgd": "sgd"}
+
+
+def training_arguments(plan: Plan) -> dict:
+    """``TrainingArguments`` keyword arguments that run ``plan``.
+
+    ``per_device_train_batch_size`` = the micro-batch, ``gradient_accumulation_steps`` = the plan's
+    accumulation steps, ``fp16``/``bf16`` (autocast; fp16 with the Trainer's dynamic loss scaling),
+    ``activation_checkpointing`` (``gradient_checkpointing`` before transformers 5; non-reentrant, every layer: the Trainer cannot checkpoint a subset,
+    so a plan that checkpoints some blocks uses less memory and more time here), ``optim`` (fused
+    AdamW for tightfit's default), ``use_cpu`` for a CPU plan, and ``auto_find_batch_size=False``
+    (see the module doc). The Trainer's effective batch is micro-batch x accumulation steps, which
+    is the plan's unless its last micro-batch is short (e.g. 10 samples as 4+4+2: the Trainer runs
+    4 x 3 = 12); a note is logged then.
+
+    Raises:
+        TightfitError: ``plan`` is not a :class:`tightfit.Plan`.
+    """
+    if not isinstance(plan, Plan):
+        raise TightfitError(f"training_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
+    if plan.micro_batch * plan.accumulation_steps != plan.effective_batch:
+        log.warning(f"note: the Trainer's effective batch is {plan.micro_batch} x {plan.accumulation_steps} = "
+                    f"{plan.micro_batch * plan.accumulation_steps} samples (the plan's: {plan.effective_batch})")
+    ckpt = plan.activation_checkpointing
+    # transformers 5.x renamed gradient_checkpointing* to activation_checkpointing* (the old names warn)
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {"per_device_train_batch_size": plan.micro_batch, "gradient_accumulation_steps": plan.accumulation_steps,
+            "fp16": plan.precision == "fp16", "bf16": plan.precision == "bf16",
+            name: ckpt, f"{name}_kwargs": {"use_reentrant": False} if ckpt else None,
+            "optim": _OPTIM[plan.optimizer], "use_cpu": plan.device == "cpu", "auto_find_batch_size": False}
+
+
+class TightfitCallback(transformers.TrainerCallback):
+    """Memory and health reporting and the non-finite guard for the Hugging Face ``Trainer``.
+
+    At every optimizer step: the peak allocated and reserved CUDA memory since the previous one
+    (:attr:`memory_timeline`) and an NVML health reading; both go into the Trainer's logs as
+    ``peak_allocated_bytes``, ``peak_reserved_bytes`` (the largest since the last log, bytes),
+    ``gpu_temp_c`` and ``gpu_power_w``. Before the optimizer step, after the Trainer has unscaled
+    and clipped: if a gradient is not finite, the step is skipped -- in fp32/bf16 by dropping the
+    gradients, so that the optimizer leaves every parameter and its state as they were (the
+    learning-rate schedule still advances, as in ``tightfit train``); in fp16 the Trainer's loss
+    scaler skips it itself. After ``max_skipped_steps`` skipped steps in a row training stops
+    (:attr:`stop_reason` says why; :func:`train` raises it).
+
+    Args:
+        plan: the plan the arguments were made from (None: no check of the arguments).
+        max_skipped_steps: stop after this many non-finite steps in a row.
+        warn_temp_c: log a warning when the GPU reaches this temperature (deg C).
+
+    Attributes:
+        memory_timeline: ``(step, peak allocated bytes, peak reserved bytes)`` per optimizer step (CUDA).
+        skipped_steps, events, stop_reason: what the guards did.
+    """
+
+    def __init__(self, plan: Plan | None = None, max_skipped_steps: int = 20, warn_temp_c: float = 82.0):
+        self.plan, self.max_skipped_steps, self.warn_temp_c = plan, max_skipped_steps, warn_temp_c
+        self.memory_timeline: list[tuple[int, int, int]] = []
+        self.skipped_steps, self._skipped_in_row = 0, 0
+        self.events: list[str] = []
+        self.stop_reason: str | None = None
+        self.health = None
+        self._logged_upto = 0  # memory_timeline entries already in a log record
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        """Check the arguments against the plan; start the memory peaks and the health monitor."""
+        if self.plan is not None:
+            self._check_arguments(args, train_dataloader)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+            if self.health is None:
+                from ..runtime.health import HealthMonitor
+
+                self.health = HealthMonitor(torch.cuda.current_device(), self.warn_temp_c)
+
+    def _check_arguments(self, args, loader) -> None:
+        p = self.plan
+        batch = getattr(loader, "batch_size", None) or args.per_device_train_batch_size
+        want = {"per-device batch": (batch, p.micro_batch),
+                "gradient accumulation steps": (args.gradient_accumulation_steps, p.accumulation_steps),
+                "precision": ("fp16" if args.fp16 else "bf16" if args.bf16 else "fp32", p.precision)}
+        for name, (got, planned) in want.items():
+            if got != planned:
+                self._event(f"the Trainer runs {name} {got}, the plan {planned}"
+                            + (" (a batch found by auto_find_batch_size: the effective batch is smaller than "
+                               "planned)" if name == "per-device batch" and args.auto_find_batch_size else ""))
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        """Skip the step (fp32/bf16: drop the gradients) if a gradient is not finite; stop after too many in a row."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)  # what unscale_ checks, per tensor
+        if finite:
+            self._skipped_in_row = 0
+            return
+        self.skipped_steps += 1
+        self._skipped_in_row += 1
+        if not args.fp16:  # without a loss scaler nothing else would skip it
+            for p in model.parameters():
+                p.grad = None  # torch.optim leaves parameters without a gradient, and their state, untouched
+        self._event(f"step {state.global_step + 1}: non-finite gradients, update skipped")
+        if self._skipped_in_row >= self.max_skipped_steps:
+            from ..levers.precision import nonfinite_advice
+
+            precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+            self.stop_reason = (f"{self._skipped_in_row} steps in a row had non-finite gradients. "
+                                f"{nonfinite_advice(precision, None, args.learning_rate)}")
+            log.error("tightfit: %s", self.stop_reason)
+            control.should_training_stop = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Record this optimizer step's memory peaks (then reset them) and sample the GPU's health."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        self.memory_timeline.append((state.global_step, torch.cuda.max_memory_allocated(),
+                                     torch.cuda.max_memory_reserved()))
+        torch.cuda.reset_peak_memory_stats()
+        reading = self.health.sample() if self.health is not None else None
+        if reading and "warning" in reading:
+            self._event(reading["warning"])
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Add the memory peaks since the last log and the latest health reading to the Trainer's logs."""
+        if logs is None:
+            return
+        recent = self.memory_timeline[self._logged_upto:]
+        self._logged_upto = len(self.memory_timeline)
+        if recent:
+            logs["peak_allocated_bytes"] = max(x[1] for x in recent)
+            logs["peak_reserved_bytes"] = max(x[2] for x in recent)
+        reading = self.health.sample() if self.health is not None else None
+        if reading and "temp_c" in reading:
+            logs["gpu_temp_c"], logs["gpu_power_w"] = reading["temp_c"], reading["power_w"]
+
+    def summary(self) -> dict:
+        """``{"peak_allocated_bytes", "peak_reserved_bytes", "skipped_steps", "max_temp_c", "max_power_w",
+        "health"}`` over the run so far (peaks None on the CPU)."""
+        t, h = self.memory_timeline, self.health
+        return {"peak_allocated_bytes": max((x[1] for x in t), default=None),
+                "peak_reserved_bytes": max((x[2] for x in t), default=None), "skipped_steps": self.skipped_steps,
+                "max_temp_c": h.max_temp_c if h else None, "max_power_w": h.max_power_w if h else None,
+                "health": h.status if h else "off (no CUDA GPU)"}
+
+    def _event(self, message: str) -> None:
+        self.events.append(message)
+        log.warning("tightfit: %s", message)
+
+
+def smaller_micro_batch(per_device: int, accumulation: int) -> tuple[int, int]:
+    """After an OOM at ``per_device`` x ``accumulation``: the largest micro-batch of at most half
+    ``per_device`` that divides the effective batch, and its accumulation steps (the Trainer's
+    effective batch is their product, so it stays the same). E.g. 8 x 1 -> 4 x 2; 6 x 2 -> 3 x 4;
+    5 x 2 -> 2 x 5."""
+    effective = per_device * accumulation
+    micro = next(m for m in range(per_device // 2, 0, -1) if effective % m == 0)
+    return micro, effective // micro
+
+
+def train(trainer, **train_kwargs):
+    """``trainer.train(**train_kwargs)`` with tightfit's OOM policy (see the module doc): after an
+    out-of-memory error, train again at a smaller micro-batch with the same effective batch
+    (:func:`smaller_micro_batch`), from the start if no optimizer step had been taken, else from the
+    newest checkpoint in ``output_dir``.
+
+    Returns:
+        What ``trainer.train`` returns (a ``TrainOutput``).
+
+    Raises:
+        TightfitError: out of memory at a per-device batch of 1, or after an optimizer step with no
+            checkpoint to go back to.
+        NonFiniteTrainingError: a :class:`TightfitCallback` stopped training on non-finite steps.
+        Anything else ``trainer.train`` raises, unchanged.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from ..memory.oom import is_oom, release_memory
+    from ..rng import capture_rng, restore_rng
+    from ..runtime.trainer import NonFiniteTrainingError
+
+    args = trainer.args
+    rng = capture_rng()
+    while True:
+        try:
+            output = trainer.train(**train_kwargs)
+            break
+        except Exception as e:  # only OOMs are handled; anything else propagates unchanged
+            if not is_oom(e):
+                raise
+            where = type(e).__name__
+        step, mb, acc = trainer.state.global_step, args.per_device_train_batch_size, args.gradient_accumulation_steps
+        if mb == 1:
+            raise TightfitError("out of memory in the Trainer with a per-device batch of 1; "
+                                "plan with activation checkpointing or fp16/bf16, or raise the budget")
+        if step > 0:  # the weights have moved: go back to a checkpoint, never redo on top of them
+            last = get_last_checkpoint(args.output_dir) if args.output_dir else None
+            if last is None:
+                raise TightfitError(f"out of memory in the Trainer at step {step + 1} at per-device batch {mb}, with "
+                                    f"no checkpoint in {args.output_dir} to train again from (its weights have "
+                                    f"moved since step 0); set save_steps, or plan for a smaller budget")
+            train_kwargs["resume_from_checkpoint"] = last
+        trainer.model.zero_grad(set_to_none=True)
+        release_memory()  # outside the except block: the failed attempt's frames are gone
+        if step == 0:
+            restore_rng(rng)  # the redo draws the data order and dropout as a run at the smaller batch would
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = smaller_micro_batch(mb, acc)
+        # the Trainer reads its loader's batch from this attribute, set from the arguments at construction
+        # (the one it updates itself for auto_find_batch_size)
+        trainer._train_batch_size = args.train_batch_size
+        log.warning(f"tightfit: out of memory ({where}) at per-device batch {mb} x {acc}: training again with "
+                    f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} (same effective batch) "
+                    + (f"from {train_kwargs['resume_from_checkpoint']}" if step else "from the start"))
+    stopped = [c.stop_reason for c in trainer.callback_handler.callbacks
+               if isinstance(c, TightfitCallback) and c.stop_reason]
+    if stopped:
+        raise NonFiniteTrainingError(stopped[0], trainer.state.global_step)
+    return output
