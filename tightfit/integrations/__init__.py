@@ -21,3 +21,19 @@ def require(module: str, extra: str = "integrations"):
         return importlib.import_module(module)
     except ImportError:
         raise TightfitError(f"{module} is not installed: pip install 'tightfit[{extra}]'") from None
+
+
+def smaller_micro_batch(per_device: int, accumulation: int) -> tuple[int, int]:
+    """After an OOM at ``per_device`` x ``accumulation``: the largest micro-batch of at most half
+    ``per_device`` that divides the effective batch, and its accumulation steps: the HF Trainer and
+    Lightning run micro-batch x accumulation samples per optimizer step (no shorter last micro-batch),
+    so only a divisor keeps the effective batch. E.g. 8 x 1 -> 4 x 2; 6 x 2 -> 3 x 4; 5 x 2 -> 2 x 5.
+
+    Raises:
+        ValueError: ``per_device`` below 2 (nothing smaller to go to).
+    """
+    if per_device < 2:
+        raise ValueError("a micro-batch of 1 cannot be split")
+    effective = per_device * accumulation
+    micro = next(m for m in range(per_device // 2, 0, -1) if effective % m == 0)
+    return micro, effective // micro

@@ -38,12 +38,12 @@ import torch
 
 from ..errors import TightfitError
 from ..plan import Plan
-from . import require
+from . import require, smaller_micro_batch
 
 transformers = require("transformers")
 require("accelerate")  # the Trainer's own dependency
 
-__all__ = ["TightfitCallback", "train", "training_arguments"]
+__all__ = ["TightfitCallback", "smaller_micro_batch", "train", "training_arguments"]
 
 log = logging.getLogger(__name__)
 
@@ -194,16 +194,6 @@ class TightfitCallback(transformers.TrainerCallback):
     def _event(self, message: str) -> None:
         self.events.append(message)
         log.warning("tightfit: %s", message)
-
-
-def smaller_micro_batch(per_device: int, accumulation: int) -> tuple[int, int]:
-    """After an OOM at ``per_device`` x ``accumulation``: the largest micro-batch of at most half
-    ``per_device`` that divides the effective batch, and its accumulation steps (the Trainer's
-    effective batch is their product, so it stays the same). E.g. 8 x 1 -> 4 x 2; 6 x 2 -> 3 x 4;
-    5 x 2 -> 2 x 5."""
-    effective = per_device * accumulation
-    micro = next(m for m in range(per_device // 2, 0, -1) if effective % m == 0)
-    return micro, effective // micro
 
 
 def train(trainer, **train_kwargs):

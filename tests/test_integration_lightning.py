@@ -1,0 +1,103 @@
+"""tightfit with Lightning (:mod:`tightfit.integrations.lightning`): real ``lightning.Trainer.fit`` runs on the CPU."""
+
+import logging
+
+import pytest
+import torch
+
+import tightfit
+from conftest import SyntheticBatches, tiny_bert
+from tightfit import Plan, TightfitError
+
+tl = pytest.importorskip("tightfit.integrations.lightning")
+import lightning as L  # noqa: E402
+
+from tightfit.levers.checkpointing import hf_hook_active  # noqa: E402
+from tightfit.runtime.trainer import NonFiniteTrainingError  # noqa: E402
+
+
+class _Classifier(L.LightningModule):
+    """A tiny BERT classifier as a LightningModule (dropout on)."""
+
+    def __init__(self, dropout=0.1):
+        super().__init__()
+        self.bert = tiny_bert(dropout=dropout)
+        self.batches = 0
+
+    def training_step(self, batch, batch_idx):
+        self.batches += 1
+        return self.bert(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _loader(micro_batch, n=32):
+    rows = SyntheticBatches(n).worst_case(n)
+    data = [{k: v[i] for k, v in rows.items()} for i in range(n)]
+    return torch.utils.data.DataLoader(data, batch_size=micro_batch)
+
+
+def _fit(plan, module=None, steps=3, callback=None, micro_batch=None, **override):
+    module = module or _Classifier()
+    cb = callback or tl.TightfitCallback(plan)
+    trainer = L.Trainer(**{**tl.trainer_arguments(plan), "max_steps": steps, "logger": False,
+                           "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+                           "callbacks": [cb], **override})
+    trainer.fit(module, _loader(micro_batch or plan.micro_batch))
+    return trainer, module, cb
+
+
+def test_plan_becomes_trainer_arguments():
+    kw = tl.trainer_arguments(Plan("bf16", 4, 32, device="cuda"))
+    assert kw["accumulate_grad_batches"] == 8 and kw["precision"] == "bf16-mixed" and kw["accelerator"] == "gpu"
+    assert tl.trainer_arguments(Plan("fp16", 4, 4))["precision"] == "16-mixed"
+    with pytest.raises(TightfitError, match="must be a tightfit.Plan"):
+        tl.TightfitCallback("4GiB")
+
+
+def test_real_fit_runs_the_plans_accumulation():
+    module = _Classifier()
+    plan = tightfit.plan(module.bert, SyntheticBatches(8).worst_case(8), effective_batch=8, device="cpu")
+    plan = plan.with_micro_batch(4)  # 4 x 2, as a GPU plan would accumulate
+    trainer, module, cb = _fit(plan, module)
+    assert trainer.global_step == 3 and module.batches == 6 and trainer.accumulate_grad_batches == 2
+    assert cb.events == [] and cb.summary()["health"].startswith("off")
+
+
+def test_callback_sets_accumulation_and_checkpointing_and_warns_on_precision_and_batch(caplog):
+    plan = Plan("bf16", 4, 8, activation_checkpointing=True)
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        trainer, module, cb = _fit(plan, steps=1, micro_batch=8, accumulate_grad_batches=1, precision="32-true")
+    assert trainer.accumulate_grad_batches == 2 and module.batches == 2
+    assert hf_hook_active(module.bert)  # the model's own (non-reentrant) hook
+    assert any("accumulate_grad_batches 1 -> 2" in e for e in cb.events)
+    assert any("precision '32-true', the plan 'bf16-mixed'" in e for e in cb.events)
+    assert any("batch_size is 8, the plan's micro-batch 4" in e for e in cb.events)
+    assert "tightfit: accumulate_grad_batches" in caplog.text
+
+
+def test_non_finite_steps_are_skipped_then_fit_stops():
+    module = _Classifier()
+    start = [p.detach().clone() for p in module.parameters()]
+    module.bert.classifier.weight.register_hook(lambda g: g * float("nan"))
+    cb = tl.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=2)
+    with pytest.raises(NonFiniteTrainingError, match="2 steps in a row"):
+        _fit(Plan("fp32", 8, 8), module, steps=5, callback=cb)
+    assert cb.skipped_steps == 2
+    for a, b in zip(module.parameters(), start):  # neither step applied (no weight decay, no AdamW state)
+        assert torch.equal(a, b)
+
+
+def test_oom_names_the_micro_batch_that_keeps_the_effective_batch():
+    module = _Classifier()
+
+    def oom(m, args, kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    module.bert.bert.encoder.layer[0].register_forward_pre_hook(oom, with_kwargs=True)
+    cb = tl.TightfitCallback(Plan("fp32", 8, 16))
+    with pytest.raises(torch.OutOfMemoryError):
+        _fit(Plan("fp32", 8, 16), module, callback=cb)
+    assert any("out of memory at micro-batch 8 x 2" in e and "batch_size=4" in e and "accumulate_grad_batches=4" in e
+               for e in cb.events)

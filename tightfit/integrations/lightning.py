@@ -1,0 +1,198 @@
+"""tightfit with Lightning: the plan as ``Trainer`` arguments, and a ``Callback`` for the rest.
+
+Four added lines::
+
+    import tightfit
+    from tightfit.integrations.lightning import TightfitCallback, trainer_arguments
+    plan = tightfit.plan(module, sample_batch, effective_batch=32, budget="4GiB", loss=...)
+    loader = DataLoader(dataset, batch_size=plan.micro_batch)
+    trainer = L.Trainer(**trainer_arguments(plan), callbacks=[TightfitCallback(plan)], ...)
+
+What each part does, and what Lightning leaves out of reach:
+
+- :func:`trainer_arguments`: ``accumulate_grad_batches``, ``precision`` (``"32-true"``,
+  ``"16-mixed"``, ``"bf16-mixed"``), gradient clipping at norm 1 and the accelerator. The
+  precision plugin is fixed when the ``Trainer`` is made, so only these arguments can set it.
+- :class:`TightfitCallback`: at ``setup`` turns activation checkpointing on as planned (the
+  model's own Hugging Face hook, non-reentrant, or tightfit's block wrappers), sets
+  ``trainer.accumulate_grad_batches`` to the plan's (as Lightning's own
+  ``GradientAccumulationScheduler`` does) and warns when the precision or the loader's batch
+  differ from the plan; logs per-step peak allocated/reserved memory and GPU health (NVML);
+  skips an optimizer step whose (unscaled) gradients are not finite -- in ``32-true``/``bf16-mixed``
+  by dropping the gradients, so that the optimizer leaves every parameter and its state as they
+  were; in ``16-mixed`` the loss scaler skips it -- and stops ``fit`` after ``max_skipped_steps``
+  in a row.
+- Out of memory: Lightning has no hook that can redo a step with smaller micro-batches (the
+  loader's batch is fixed; ``Tuner.scale_batch_size`` searches before training and keeps no
+  effective batch). The callback names the micro-batch and accumulation that keep the effective
+  batch, and ``fit`` raises the OOM as it would without tightfit. The plan's probes chose a
+  micro-batch that fits the budget with headroom, so this is the exception.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import TightfitError
+from ..plan import Plan
+from . import require
+
+L = require("lightning.pytorch")
+
+__all__ = ["TightfitCallback", "trainer_arguments"]
+
+log = logging.getLogger(__name__)
+
+PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def trainer_arguments(plan: Plan) -> dict:
+    """``lightning.Trainer`` keyword arguments that run ``plan``: ``accumulate_grad_batches`` (the
+    plan's accumulation steps), ``precision`` (autocast; fp16 with dynamic loss scaling),
+    ``gradient_clip_val=1.0`` (tightfit's norm clipping, after unscaling), ``accelerator`` and
+    ``devices=1``. The loader's ``batch_size`` is the plan's micro-batch (``plan.micro_batch``).
+
+    Raises:
+        TightfitError: ``plan`` is not a :class:`tightfit.Plan`.
+    """
+    if not isinstance(plan, Plan):
+        raise TightfitError(f"trainer_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
+    return {"accumulate_grad_batches": plan.accumulation_steps, "precision": PRECISION[plan.precision],
+            "gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm",
+            "accelerator": "gpu" if plan.device == "cuda" else "cpu", "devices": 1}
+
+
+def _checkpointable(module: torch.nn.Module) -> torch.nn.Module:
+    """The module activation checkpointing applies to: the first submodule with Hugging Face's hook
+    (the wrapped transformer), else ``module`` itself (tightfit's wrappers around its repeated blocks)."""
+    return next((m for m in module.modules() if getattr(m, "supports_gradient_checkpointing", False)), module)
+
+
+class TightfitCallback(L.Callback):
+    """Activation checkpointing and accumulation from the plan, memory and health reporting, and the
+    non-finite guard, for ``lightning.Trainer.fit`` (see the module doc for what each hook does).
+
+    Logged each optimizer step (``self.log``, to the Trainer's loggers): ``peak_allocated_bytes``,
+    ``peak_reserved_bytes`` (CUDA, since the previous step), ``gpu_temp_c``, ``gpu_power_w`` (NVML).
+
+    Args:
+        plan: from :func:`tightfit.plan`.
+        max_skipped_steps: raise after this many non-finite steps in a row.
+        warn_temp_c: log a warning when the GPU reaches this temperature (deg C).
+
+    Attributes:
+        memory_timeline: ``(step, peak allocated bytes, peak reserved bytes)`` per optimizer step (CUDA).
+        skipped_steps, events: what the guards did.
+
+    Raises (from ``fit``):
+        NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
+    """
+
+    def __init__(self, plan: Plan, max_skipped_steps: int = 20, warn_temp_c: float = 82.0):
+        if not isinstance(plan, Plan):
+            raise TightfitError(f"TightfitCallback(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
+        self.plan, self.max_skipped_steps, self.warn_temp_c = plan, max_skipped_steps, warn_temp_c
+        self.memory_timeline: list[tuple[int, int, int]] = []
+        self.skipped_steps, self._skipped_in_row = 0, 0
+        self.events: list[str] = []
+        self.health = None
+        self._last_step = 0
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Before ``fit``: checkpointing as planned, the plan's accumulation, checks of precision."""
+        if stage != "fit":
+            return
+        if self.plan.activation_checkpointing:
+            from ..levers.checkpointing import set_activation_checkpointing
+
+            set_activation_checkpointing(_checkpointable(pl_module), True, self.plan.checkpoint_blocks)
+        if trainer.accumulate_grad_batches != self.plan.accumulation_steps:
+            self._event(f"accumulate_grad_batches {trainer.accumulate_grad_batches} -> {self.plan.accumulation_steps} "
+                        f"(the plan's)")
+            trainer.accumulate_grad_batches = self.plan.accumulation_steps
+        want = PRECISION[self.plan.precision]
+        if str(trainer.precision) != want:
+            self._event(f"the Trainer runs precision {trainer.precision!r}, the plan {want!r}: "
+                        f"make the Trainer with trainer_arguments(plan)")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Check the loader's batch against the plan's micro-batch; start the peaks and the health monitor."""
+        batch = getattr(trainer.train_dataloader, "batch_size", None)
+        if batch is not None and batch != self.plan.micro_batch:
+            self._event(f"the training loader's batch_size is {batch}, the plan's micro-batch {self.plan.micro_batch}")
+        if pl_module.device.type == "cuda":
+            from ..runtime.health import HealthMonitor
+
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+            self.health = HealthMonitor(pl_module.device.index or 0, self.warn_temp_c)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """Skip the step (32-true/bf16-mixed: drop the gradients) if a gradient is not finite; raise after too many."""
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if all(bool(torch.isfinite(g).all()) for g in grads):  # what unscale_ checks, per tensor
+            self._skipped_in_row = 0
+            return
+        self.skipped_steps += 1
+        self._skipped_in_row += 1
+        if self.plan.precision != "fp16":  # no loss scaler would skip it
+            for p in pl_module.parameters():
+                p.grad = None  # torch.optim leaves parameters without a gradient, and their state, untouched
+        self._event(f"step {trainer.global_step + 1}: non-finite gradients, update skipped")
+        if self._skipped_in_row >= self.max_skipped_steps:
+            from ..levers.precision import nonfinite_advice
+            from ..runtime.trainer import NonFiniteTrainingError
+
+            raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients. "
+                                         f"{nonfinite_advice(self.plan.precision)}", trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """After each optimizer step: its memory peaks (then reset) and the GPU's health, logged."""
+        if trainer.global_step == self._last_step:  # a micro-batch inside an accumulation window
+            return
+        self._last_step = trainer.global_step
+        if pl_module.device.type != "cuda":
+            return
+        peaks = (torch.cuda.max_memory_allocated(pl_module.device), torch.cuda.max_memory_reserved(pl_module.device))
+        self.memory_timeline.append((trainer.global_step, *peaks))
+        torch.cuda.reset_peak_memory_stats(pl_module.device)
+        pl_module.log_dict({"peak_allocated_bytes": float(peaks[0]), "peak_reserved_bytes": float(peaks[1])},
+                           on_step=True, on_epoch=False)
+        reading = self.health.sample() if self.health is not None else None
+        if reading and "temp_c" in reading:
+            pl_module.log_dict({"gpu_temp_c": reading["temp_c"], "gpu_power_w": reading["power_w"]},
+                               on_step=True, on_epoch=False)
+            if "warning" in reading:
+                self._event(reading["warning"])
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """On an out-of-memory error: say which micro-batch and accumulation keep the effective batch."""
+        from ..memory.oom import is_oom
+        from . import smaller_micro_batch
+
+        if not is_oom(exception):
+            return
+        mb, acc = getattr(trainer.train_dataloader, "batch_size", None) or self.plan.micro_batch, \
+            trainer.accumulate_grad_batches
+        if mb > 1:
+            new_mb, new_acc = smaller_micro_batch(mb, acc)
+            self._event(f"out of memory at micro-batch {mb} x {acc}: Lightning cannot redo the step; fit again with "
+                        f"DataLoader(batch_size={new_mb}) and accumulate_grad_batches={new_acc} (the same effective "
+                        f"batch), or plan for a smaller budget")
+        else:
+            self._event("out of memory at micro-batch 1: plan with activation checkpointing or fp16/bf16, "
+                        "or raise the budget")
+
+    def summary(self) -> dict:
+        """``{"peak_allocated_bytes", "peak_reserved_bytes", "skipped_steps", "max_temp_c", "max_power_w",
+        "health"}`` over the run so far (peaks None on the CPU)."""
+        t, h = self.memory_timeline, self.health
+        return {"peak_allocated_bytes": max((x[1] for x in t), default=None),
+                "peak_reserved_bytes": max((x[2] for x in t), default=None), "skipped_steps": self.skipped_steps,
+                "max_temp_c": h.max_temp_c if h else None, "max_power_w": h.max_power_w if h else None,
+                "health": h.status if h else "off (no CUDA GPU)"}
+
+    def _event(self, message: str) -> None:
+        self.events.append(message)
+        log.warning("tightfit: %s", message)
