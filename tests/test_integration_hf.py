@@ -76,11 +76,12 @@ class _OOMAt:
     """A forward pre-hook raising a CUDA-style OOM once, when ``when(rows)`` holds for its input."""
 
     def __init__(self, when):
-        self.when, self.fired, self.calls = when, 0, 0
+        self.when, self.fired, self.calls, self.rows = when, 0, 0, []
 
     def __call__(self, module, args, kwargs):
         self.calls += 1
         rows = (args[0] if args else kwargs["hidden_states"]).shape[0]
+        self.rows.append(rows)
         if not self.fired and self.when(self.calls, rows):
             self.fired += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
@@ -106,6 +107,8 @@ def test_oom_after_a_step_resumes_from_the_newest_checkpoint(tmp_path):
     hf.train(trainer)
     assert hook.fired == 1 and trainer.state.global_step == 3
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
+    # 2 steps of 8, the failed forward, then only step 3 again from checkpoint-2, as 2 micro-batches of 4
+    assert hook.calls == 2 + 1 + 2 and hook.rows == [8, 8, 8, 4, 4]
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
 
 

@@ -63,28 +63,39 @@ def test_micro_batched_step_equals_one_full_batch_step():
 
 
 class _OOMOnce:
-    """A forward pre-hook raising a CUDA-style OOM once, on the first input of ``rows`` samples."""
+    """A hook raising a CUDA-style OOM once, on the first call whose tensor (input or gradient) has ``rows``
+    samples; for an optimizer's step pre-hook (``rows`` None), on the first step."""
 
-    def __init__(self, rows):
+    def __init__(self, rows=None):
         self.rows, self.fired = rows, 0
 
-    def __call__(self, module, args):
-        if not self.fired and args[0].shape[0] == self.rows:
+    def __call__(self, module, args, *rest):
+        tensor = args[0] if isinstance(args, tuple) and args and isinstance(args[0], torch.Tensor) else None
+        if not self.fired and (self.rows is None or (tensor is not None and tensor.shape[0] == self.rows)):
             self.fired += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
 
-def _run_with_oom(device: str, steps=4, dropout=0.2):
-    """Losses and weights of a loop planned at micro-batch 8 that runs out of memory in its first
-    forward, and of a loop at micro-batch 4 from the start (dropout on in both)."""
+def _run_with_oom(device: str, where: str = "forward", steps=4, dropout=0.2):
+    """Losses, weights and step of a loop planned at micro-batch 8 that runs out of memory once in its first
+    step (``where``: the forward after dropout, the backward, or the optimizer step, all gradients held),
+    and of a loop at micro-batch 4 from the start. Dropout on; SGD without clipping, so gradients left
+    over from the failed attempt would show in the weights."""
     data = [_xy(8, seed=s) for s in range(steps)]
     runs = []
     for micro_batch, inject in ((4, False), (8, True)):
         model = _mlp(dropout=dropout).to(device)
-        step = tightfit.TrainStep(Plan("fp32", micro_batch, 8, device=device), model, loss=_ce, lr=1e-2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = tightfit.TrainStep(Plan("fp32", micro_batch, 8, device=device), model, opt, loss=_ce,
+                                  max_grad_norm=None)
         if inject:
-            hook = _OOMOnce(8)
-            model[2].register_forward_pre_hook(hook)  # inside the forward, after the first layer ran
+            hook = _OOMOnce(None if where == "optimizer" else 8)
+            if where == "forward":
+                model[3].register_forward_pre_hook(hook)  # after dropout has drawn its mask
+            elif where == "backward":
+                model[1].register_full_backward_pre_hook(hook)  # mid-backward: the last layer's gradients written
+            else:
+                opt.register_step_pre_hook(hook)
         torch.manual_seed(1)
         outs = [step(batch) for batch in data]
         runs.append((outs, [p.detach().clone() for p in model.parameters()], step))
@@ -92,8 +103,9 @@ def _run_with_oom(device: str, steps=4, dropout=0.2):
     return runs
 
 
-def test_oom_inside_the_users_loop_is_redone_at_half_the_micro_batch_with_the_same_losses():
-    (ref, ref_w, _), (got, got_w, step) = _run_with_oom("cpu")
+@pytest.mark.parametrize("where", ["forward", "backward", "optimizer"])
+def test_oom_inside_the_users_loop_is_redone_at_half_the_micro_batch_with_the_same_losses(where):
+    (ref, ref_w, _), (got, got_w, step) = _run_with_oom("cpu", where)
     assert got[0].oom_recoveries == 1 and step.oom_recoveries == 1 and step.micro_batch == 4
     assert [o.micro_batch for o in got] == [4, 4, 4, 4] and got[0].accumulation_steps == 2
     assert [o.loss for o in got] == [o.loss for o in ref]  # same dropout masks: RNG restored for the redo
@@ -169,7 +181,7 @@ def test_gpu_planned_loop_recovers_an_injected_oom_with_the_same_losses():
     # the plan's probes on the GPU, then the user's loop: an OOM inside it is redone at half the micro-batch
     plan = tightfit.plan(_mlp(), _xy(8), effective_batch=8, budget="2GiB", loss=_ce)
     assert plan.device == "cuda" and plan.micro_batch == 8 and plan.probe_peak_reserved_bytes
-    (ref, ref_w, _), (got, got_w, step) = _run_with_oom("cuda")
+    (ref, ref_w, _), (got, got_w, step) = _run_with_oom("cuda", "backward")
     assert got[0].oom_recoveries == 1 and step.micro_batch == 4
     torch.testing.assert_close([o.loss for o in got], [o.loss for o in ref], rtol=1e-6, atol=0)
     for a, b in zip(got_w, ref_w):
