@@ -161,3 +161,20 @@ def test_shipped_model_trains_with_the_trainer(tmp_path):
                              disable_tqdm=True, **hf.training_arguments(plan))
     out = hf.train(Trainer(model=model, args=args, train_dataset=rows, callbacks=[cb]))
     assert out.global_step == 2 and cb.events == []
+
+
+@pytest.mark.gpu
+def test_callback_reports_each_steps_memory_on_the_gpu(tmp_path):
+    model = tiny_bert(dropout=0.1)
+    try:
+        plan = tightfit.plan(model, {k: v[:8] for k, v in _Rows().batch.items()},
+                             effective_batch=8, budget="2GiB")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the plan capped this process; the other tests run uncapped
+    cb = hf.TightfitCallback(plan)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, logging_steps=1, report_to=[], save_strategy="no",
+                             disable_tqdm=True, **hf.training_arguments(plan))
+    trainer = Trainer(model=model, args=args, train_dataset=_Rows(), callbacks=[cb])
+    hf.train(trainer)
+    assert plan.device == "cuda" and len(cb.memory_timeline) == 2 and cb.summary()["peak_reserved_bytes"] > 0
+    assert any("peak_allocated_bytes" in r for r in trainer.state.log_history)

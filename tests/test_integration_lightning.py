@@ -101,3 +101,15 @@ def test_oom_names_the_micro_batch_that_keeps_the_effective_batch():
         _fit(Plan("fp32", 8, 16), module, callback=cb)
     assert any("out of memory at micro-batch 8 x 2" in e and "batch_size=4" in e and "accumulate_grad_batches=4" in e
                for e in cb.events)
+
+
+@pytest.mark.gpu
+def test_callback_records_each_steps_memory_on_the_gpu():
+    module = _Classifier()
+    try:
+        plan = tightfit.plan(module.bert, SyntheticBatches(8).worst_case(8), effective_batch=8, budget="2GiB")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the plan capped this process; the other tests run uncapped
+    trainer, module, cb = _fit(plan, module, steps=2)
+    assert plan.device == "cuda" and trainer.global_step == 2
+    assert [s for s, _, _ in cb.memory_timeline] == [1, 2] and cb.summary()["peak_reserved_bytes"] > 0

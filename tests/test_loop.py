@@ -179,7 +179,10 @@ def test_bad_effective_batch_and_loss_are_refused():
 @pytest.mark.gpu
 def test_gpu_planned_loop_recovers_an_injected_oom_with_the_same_losses():
     # the plan's probes on the GPU, then the user's loop: an OOM inside it is redone at half the micro-batch
-    plan = tightfit.plan(_mlp(), _xy(8), effective_batch=8, budget="2GiB", loss=_ce)
+    try:
+        plan = tightfit.plan(_mlp(), _xy(8), effective_batch=8, budget="2GiB", loss=_ce)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the plan capped this process; the other tests run uncapped
     assert plan.device == "cuda" and plan.micro_batch == 8 and plan.probe_peak_reserved_bytes
     (ref, ref_w, _), (got, got_w, step) = _run_with_oom("cuda", "backward")
     assert got[0].oom_recoveries == 1 and step.micro_batch == 4
