@@ -119,6 +119,14 @@ class _SampleBatches:
 
 
 # ---------------------------------------------------------------- planning
+def _as_arguments(message: str) -> str:
+    """A message of the command line's device resolution, with its flags as this API's arguments."""
+    for flag, arg in (("--gpu/--budget", "gpu=/budget="), ("--device cuda", 'device="cuda"'), ("--budget", "budget="),
+                      ("--gpu", "gpu=")):
+        message = message.replace(flag, arg)
+    return message
+
+
 def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = None, budget: str | int | None = None,
          *, loss: LossFn | None = None, gpu: str | None = None, precision: str = "auto",
          checkpointing: str = "auto", device: str = "auto") -> Plan:
@@ -168,7 +176,11 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         raise TightfitError(f"effective_batch must be a whole number >= 1, got {effective_batch!r}")
     options = PlanOptions(budget=None if budget is None else str(budget), gpu=gpu, precision=precision,
                           checkpointing=checkpointing, device=device)
-    dev, profile, budget_bytes, notes = resolve_device(options)
+    try:
+        dev, profile, budget_bytes, notes = resolve_device(options)
+    except TightfitError as e:
+        raise TightfitError(_as_arguments(str(e))) from None
+    notes = [_as_arguments(n) for n in notes]
     workload = Workload(model, _SampleBatches(b), None, E, loss_sum=_loss_sum(b, loss), count=lambda d: len(next(iter(d.values()))))
     if dev == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
