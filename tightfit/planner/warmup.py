@@ -13,6 +13,7 @@ See https://pytorch.org/docs/stable/torch.compiler_dynamic_shapes.html.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import replace
 
@@ -42,7 +43,8 @@ def other_length(data) -> int | None:
     :data:`~tightfit.workload.PAD_MULTIPLE`; None for data of fixed-size samples (images) or
     too short to have another length."""
     seq_len = getattr(data, "seq_len", None)
-    if not isinstance(seq_len, int) or not hasattr(data, "encoded"):
+    collate = getattr(data, "collate", None)
+    if not isinstance(seq_len, int) or collate is None or "pad_to" not in inspect.signature(collate).parameters:
         return None
     length = (seq_len // 2) // PAD_MULTIPLE * PAD_MULTIPLE
     return length if 2 <= length < seq_len else None
