@@ -183,14 +183,14 @@ def test_a_background_checkpoint_holds_the_state_of_its_step_boundary(tmp_path, 
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     expected_avg = state["optimizer"]["state"][0]["exp_avg"].clone()
     release, started = threading.Event(), threading.Event()
-    hashing = ckpt.sha256_file
+    clean = ckpt.remove_stale_temporaries  # the writer's first call, before any file is written
 
-    def slow_hash(path):
+    def slow_start(folder):
         started.set()
         release.wait(10)
-        return hashing(path)
+        return clean(folder)
 
-    monkeypatch.setattr(ckpt, "sha256_file", slow_hash)
+    monkeypatch.setattr(ckpt, "remove_stale_temporaries", slow_start)
     writer = CheckpointWriter(tmp_path, keep_last=2)
     path = writer.save(1, model, state)
     assert started.wait(10)
