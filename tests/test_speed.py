@@ -315,3 +315,50 @@ def test_steady_state_is_the_median_of_ten_step_windows_and_the_report_shows_all
     assert "plan from the cache" in text["time: planning"] and "compilation 7.0 s" in text["time: planning"]
     assert text["time: evaluation"] == "1.5 s" and "0.25 s holding the loop" in text["time: checkpoints"]
     json.dumps(speed)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+def test_after_the_planning_warm_up_other_lengths_do_not_recompile():
+    import torch._dynamo
+
+    from tightfit.levers.compile import compile_model
+    from tightfit.planner.probe import probe_step
+    from tightfit.planner.warmup import _AtLength, warm_other_lengths
+    from tightfit.workload import Workload
+    from dataclasses import replace
+
+    w = Workload(tiny_bert(dropout=0.1).cuda(), SyntheticBatches(64, seq_len=32), None, 8)
+    compile_model(w.model)
+    budget = 8 * 2**30
+    assert probe_step(w, 8, "bf16", budget, timed_steps=1).fits  # compiled at the worst case (32 tokens)
+    assert warm_other_lengths(w, 8, (), "bf16", budget)
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for length, mb in ((24, 8), (8, 3), (32, 5)):  # other lengths, a short last micro-batch
+            assert probe_step(replace(w, train=_AtLength(w.train, length)), mb, "bf16", budget, timed_steps=1).fits
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
+@pytest.mark.gpu
+def test_a_background_checkpoint_from_the_gpu_holds_its_step(tmp_path):
+    from tightfit.runtime.async_checkpoint import CheckpointWriter
+    from tightfit.runtime.checkpoint import read_state
+
+    model, state = _model_and_state()
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    opt.step()
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    writer = CheckpointWriter(tmp_path)
+    path = writer.save(1, model, {"optimizer": opt.state_dict()})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)  # queued right after the copies: must not reach them
+    writer.close()
+    saved = load_file(path / "model.safetensors")
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
+    assert read_state(path)["optimizer"]["state"][0]["exp_avg"].device.type == "cpu"
