@@ -268,6 +268,22 @@ def test_a_run_resumed_from_a_background_checkpoint_reproduces_the_uninterrupted
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_training_returns_only_once_its_last_checkpoint_is_in_place(make_workload, tmp_path, monkeypatch):
+    import time as clock
+
+    import tightfit.runtime.checkpoint as ckpt
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+
+    hashing = ckpt.sha256_file
+    monkeypatch.setattr(ckpt, "sha256_file", lambda path: clock.sleep(0.3) or hashing(path))  # a slow disk
+    cfg = TrainConfig(checkpoint_dir=str(tmp_path), checkpoint_every=1, max_steps=2, prefetch=False)
+    trainer = Trainer(make_workload(n=16, effective_batch=8), Plan("fp32", 8, 8), cfg, progress=False)
+    trainer.fit()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["ckpt-1", "ckpt-2"]
+    assert ckpt.verify_checkpoint(tmp_path / "ckpt-2")
+    assert trainer.result.checkpoint_write_seconds >= 4 * 0.3  # two files per checkpoint, hashed in the background
+
+
 def test_resume_reads_and_hashes_the_checkpoint_once(tmp_path, monkeypatch):
     import tightfit.api as api
     import tightfit.runtime.checkpoint as ckpt
