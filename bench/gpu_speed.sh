@@ -21,13 +21,13 @@ log="$OUT/speed.log"
   git log -1 --format='tightfit commit %H' 2>/dev/null
 } > "$log" 2>&1
 for i in 1 2; do
-  timeout 200 python3 bench/speed_profile.py run main-$i "$OUT" -- --full --budget 4GiB --out "$RUNS/main-$i" \
+  timeout 150 python3 bench/speed_profile.py run main-$i "$OUT" -- --full --budget 4GiB --out "$RUNS/main-$i" \
       --no-progress >> "$log" 2>&1
   echo "main-$i exit $?" >> "$log"
 done
 rm -f "$OUT/main-2-profile.txt"  # the same steps as main-1's; keeps the file count down
 python3 bench/make_bert_base.py /tmp/bert-base "${TIGHTFIT_DEFAULT_MODEL:-}" >> "$log" 2>&1
-timeout 200 python3 bench/speed_profile.py run bert-base-128 "$OUT" -- --model /tmp/bert-base --seq-len 128 \
+timeout 150 python3 bench/speed_profile.py run bert-base-128 "$OUT" -- --model /tmp/bert-base --seq-len 128 \
     --batch-size 256 --budget 4GiB --compile on --epochs 3 --checkpoint-every 30 --train-samples 8192 \
     --out "$RUNS/bert-base-128" --no-progress >> "$log" 2>&1
 echo "bert-base-128 exit $?" >> "$log"
