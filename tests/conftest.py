@@ -21,6 +21,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _own_plan_cache(tmp_path, monkeypatch):
+    """Each test plans afresh: its own, empty plan cache (tightfit.planner.cache)."""
+    monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path / "tightfit-cache"))
+
+
 class SyntheticBatches:
     """``n`` samples of random token ids with lengths 3..``seq_len`` (padded per batch) and
     random binary labels; same interface as :class:`tightfit.workload.TextBatches`."""

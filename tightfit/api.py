@@ -24,6 +24,7 @@ import resource
 import shlex
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
@@ -146,6 +147,7 @@ class TrainRecipe:
         self.records: list[dict] = []  # what the trainer logs before the metrics file is open
         self.data_fingerprint: str | None = None  # of the samples trained on and held out
         self.metrics = None
+        self.plan_timings: dict = {}  # the planner's stage times (seconds), or {"cached": True, ...}
 
     # ---------------------------------------------------------------- setup: writes nothing
     def setup(self) -> None:
@@ -272,7 +274,13 @@ class TrainRecipe:
         t_plan = time.perf_counter()
         self.plan = self._choose_plan()
         self.planning_s = time.perf_counter() - t_plan
-        log.info("plan:" + (" (from the checkpoint)" if self.resume_from else ""))
+        cached = self.plan_timings.get("cached", False)
+        if cached and self.resume_from is None:  # compile now what planning compiled in the first run
+            from .planner.warmup import warm_compiled_plan
+
+            self.plan_timings["compile_s"] = warm_compiled_plan(self.workload, self.plan, self.budget)
+        log.info("plan:" + (" (from the checkpoint)" if self.resume_from else " (from the plan cache)" if cached
+                            else "") + f" planning took {self.planning_s:.1f} s")
         for line in plan_lines(self.plan):
             log.info(f"  {line}")
 
@@ -285,15 +293,49 @@ class TrainRecipe:
             from .plan import Plan
             from .runtime.checkpoint import read_state
 
-            return Plan.from_dict(read_state(self.resume_from)["plan"])
-        if self.device == "cuda" and p.planner == "search":
-            from .planner.gpu import plan_on_gpu
-
-            return plan_on_gpu(self.workload, self.profile, self.budget, seq_len, p.precision, p.checkpointing,
-                               p.compile)
+            self.resume_state = read_state(self.resume_from)  # read once: the trainer's resume takes it
+            return Plan.from_dict(self.resume_state["plan"])
+        if self.device == "cuda":
+            return self._cached_gpu_plan()
         from .planner.probe import plan_first
 
         return plan_first(self.workload, self.device, self.profile, self.budget, p.precision, p.checkpointing)
+
+    def _cached_gpu_plan(self):
+        """The GPU planner's plan, from the plan cache (:mod:`tightfit.planner.cache`) when the
+        same job was planned before on the same card and budget (``--replan``: plan afresh);
+        a fresh plan is cached. ``self.plan_timings`` gets the planner's stage times."""
+        import math
+
+        import torch
+
+        from .planner.cache import from_cache_reason, load_plan, plan_key, store_plan
+        from .planner.probe import plan_first
+
+        p, w, E = self.req.planning, self.workload, self.workload.effective_batch
+        steps = math.ceil(self.req.training.epochs * math.ceil(len(self.train_data) / E))
+        run_samples = min(steps, self.req.training.max_steps or steps) * E
+        key = plan_key(w.model, w.train.worst_case(1), E,
+                       {"precision": p.precision, "checkpointing": p.checkpointing, "compile": p.compile,
+                        "planner": p.planner}, self.profile.name, torch.cuda.get_device_properties(0).total_memory,
+                       self.budget, run_samples)
+        cached = None if p.replan else load_plan(key)
+        if cached is not None:
+            plan, record = cached
+            self.plan_timings = {**record["timings"], "cached": True, "planned_s": record["planning_seconds"]}
+            self.plan_timings.pop("compile_s", None)  # the first run's; this run's is measured in _plan
+            reasons = tuple(r for r in plan.reasons if not r.startswith("plan from the cache"))
+            return replace(plan, reasons=(from_cache_reason(record),) + reasons)
+        t0 = time.perf_counter()
+        if p.planner == "search":
+            from .planner.gpu import plan_on_gpu
+
+            plan = plan_on_gpu(w, self.profile, self.budget, self.req.workload.seq_len, p.precision, p.checkpointing,
+                               p.compile, run_samples=run_samples, timings=self.plan_timings)
+        else:
+            plan = plan_first(w, self.device, self.profile, self.budget, p.precision, p.checkpointing)
+        store_plan(key, plan, time.perf_counter() - t0, timings=self.plan_timings)
+        return plan
 
     def _make_trainer(self) -> None:
         """The trainer of the training options; on resume, restored from the checkpoint."""
@@ -302,8 +344,8 @@ class TrainRecipe:
         cfg = TrainConfig.from_options(self.req.training, checkpoint_dir=str(self.out / "checkpoints"))
         self.trainer = Trainer(self.workload, self.plan, cfg, log=self.records.append, progress=self.req.run.progress,
                                profile=self.profile if self.device == "cuda" else None)
-        if self.resume_from is not None:
-            self.trainer.resume(self.resume_from)
+        if self.resume_from is not None:  # verified by _resume_request, its state read by _choose_plan
+            self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
 
     def finished_summary(self) -> RunSummary | None:
         """For a resumed run that had already finished: its summary (logged as such; nothing is
@@ -387,6 +429,7 @@ class TrainRecipe:
         """Save the model and tokenizer; write the final plan (if recoveries changed it),
         ``report.md``, the plots and ``summary.json``; log the summary. Returns the summary."""
         from .report.plots import plot_run
+        from .report.speed import speed_record, speed_rows
         from .report.summary import report_markdown, summary_rows
 
         out, health = self.out, self.trainer.health
@@ -394,13 +437,14 @@ class TrainRecipe:
         info = self._run_info()
         if result.plan != self.plan:
             atomic_write_json(out / "plan.json", result.plan.to_dict())
-        atomic_write_text(out / "report.md", report_markdown(result.plan, result, info))
+        speed = speed_record(result, self.planning_s, self.plan_timings)
+        atomic_write_text(out / "report.md", report_markdown(result.plan, result, info, speed))
         plot_run(out, self.trainer.memory_timeline, self.budget if self.device == "cuda" else None)
         summary = RunSummary.of_run(result, info, self.planning_s, time.perf_counter() - self.t_start,
-                                    health.status if health else None)
+                                    health.status if health else None, speed)
         atomic_write_json(out / "summary.json", summary.to_dict())
         log.info("summary:")
-        for k, v in summary_rows(result, info):
+        for k, v in summary_rows(result, info) + speed_rows(speed):
             log.info(f"  {k:<20} {v}")
         files = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
         log.info(f"run folder: {out} ({', '.join(files)})")

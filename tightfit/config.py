@@ -152,6 +152,7 @@ class PlanOptions(_Options):
         compile: ``torch.compile``, ``auto``, ``on`` or ``off``.
         device: ``auto`` (the GPU if there is one), ``cpu`` or ``cuda``.
         planner: on a GPU, ``search`` or ``probe``.
+        replan: ignore a cached plan of the same job (:mod:`tightfit.planner.cache`).
     """
 
     budget: str | None = option(None, "GPU memory the run may use, e.g. 4GiB, 11GB (default: the card's)")
@@ -167,6 +168,8 @@ class PlanOptions(_Options):
                          choices=("auto", "cpu", "cuda"))
     planner: str = option("search", "on a GPU: search (predict, then verify the best with real steps) or probe "
                                     "(largest micro-batch by probing)", choices=("search", "probe"))
+    replan: bool = option(False, "plan afresh even if this job's plan is in the plan cache "
+                                 "($TIGHTFIT_CACHE_DIR or ~/.cache/tightfit)")
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,8 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[dict], loss_sum: 
     return total
 
 
-def apply_update(optimizer, scaler, max_grad_norm: float | None) -> tuple[float | None, bool]:
+def apply_update(optimizer, scaler, max_grad_norm: float | None,
+                 loss: torch.Tensor | None = None) -> tuple[float | None, bool]:
     """The update of one window: unscale exactly once, clip, step (or skip), update the loss
     scale, zero the gradients (DESIGN invariant 3).
 
@@ -216,17 +217,27 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None) -> tuple[float 
             with ``param_groups``, ``step`` and ``zero_grad``).
         scaler: ``torch.amp.GradScaler`` (enabled or not) or None.
         max_grad_norm: clip the global L2 norm of the gradients to this; None: no clipping.
+        loss: the window's 0-d loss tensor (:func:`accumulate`), read to the host in the same
+            sync as the gradient norm (the non-finite guard needs the norm on the host before
+            the step; reading the loss separately would cost a second sync per step); None: not read.
 
     Returns:
-        ``(grad_norm, finite)`` as in :class:`StepResult`.
+        ``(grad_norm, finite)`` as in :class:`StepResult`; with ``loss``, ``(grad_norm, finite,
+        loss as a float)``.
     """
     scaling = scaler is not None and scaler.is_enabled()
     if scaling:
         scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_grad_norm is None else max_grad_norm)
-    grad_norm = None if norm.is_meta else float(norm)  # a host sync; the tensor is freed before the step
-    del norm
+    loss_value = None
+    if norm.is_meta:
+        grad_norm = None
+    elif loss is None:
+        grad_norm = float(norm)  # a host sync; the tensor is freed before the step
+    else:  # one host sync for both; the 2-element tensor is freed at once
+        grad_norm, loss_value = torch.stack([norm.detach().float(), loss.detach().float().to(norm.device)]).tolist()
+    del norm, loss
     finite = grad_norm is None or math.isfinite(grad_norm)
     if scaling:
         scaler.step(optimizer)  # skips the update itself if unscale_ found inf/NaN
@@ -235,7 +246,7 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None) -> tuple[float 
     if scaler is not None:
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, finite
+    return (grad_norm, finite) if loss_value is None else (grad_norm, finite, loss_value)
 
 
 def training_step(model: torch.nn.Module, micro_batches: Iterable[dict], loss_sum: Callable, normaliser: float,
@@ -256,7 +267,10 @@ def training_step(model: torch.nn.Module, micro_batches: Iterable[dict], loss_su
         included) propagate unchanged, leaving the gradients as they were at the error.
     """
     total = accumulate(model, micro_batches, loss_sum, normaliser, scaler, autocast_ctx)
-    loss = None if total.is_meta else float(total)  # one host sync per window; freed before the update
-    del total
-    grad_norm, finite = apply_update(optimizer, scaler, max_grad_norm)
+    if total.is_meta:
+        del total  # freed before the update, as the estimator traces it
+        grad_norm, finite = apply_update(optimizer, scaler, max_grad_norm)
+        return StepResult(None, grad_norm, finite)
+    # the loss is read with the gradient norm: one host sync per window (apply_update's)
+    grad_norm, finite, loss = apply_update(optimizer, scaler, max_grad_norm, loss=total)
     return StepResult(loss, grad_norm, finite)

@@ -31,11 +31,28 @@ from .bisection import bisect
 from .cost import peak_flops
 from .probe import PROBE_HEADROOM, ProbeResult, probe_step
 from .search import Candidate, SearchResult, estimator_for, search
+from .warmup import warm_other_lengths
 
 VERIFIED = 3  # candidates timed for real (each: one probe, probe_step)
 VERIFIED_STEPS = 2  # timed steps of each verification probe (the fastest is the step time)
 RETIMED_STEPS = 5  # timed steps of the final eager-vs-compiled comparison
 VERIFICATION = f"verification timing ({VERIFIED_STEPS} timed steps, the fastest)"
+# A run predicted to take less than this at its eager speed is not compiled: regional compilation
+# and the retiming cost 15-40 s on an H200 (bench/results), which a short run cannot win back.
+COMPILE_MIN_RUN_S = 60.0
+
+
+def too_short_to_compile(run_samples: int | None, eager_samples_per_s: float) -> str | None:
+    """Why compiling does not pay for a run of ``run_samples`` samples at the verified eager
+    ``eager_samples_per_s`` (None: it may; also when the run's length is unknown)."""
+    if not run_samples or eager_samples_per_s <= 0:
+        return None
+    seconds = run_samples / eager_samples_per_s
+    if seconds >= COMPILE_MIN_RUN_S:
+        return None
+    return (f"the run is predicted to take {seconds:.0f} s at the verified eager speed "
+            f"({eager_samples_per_s:.0f} samples/s), less than the {COMPILE_MIN_RUN_S:.0f} s that "
+            f"compilation needs to repay its cost")
 
 
 @dataclass(frozen=True)
@@ -178,7 +195,8 @@ def _peak(pr: ProbeResult) -> str:
 
 
 def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, seq_len: int,
-                precision: str = "auto", checkpointing: str = "auto", compile: str = "auto") -> Plan:
+                precision: str = "auto", checkpointing: str = "auto", compile: str = "auto",
+                run_samples: int | None = None, timings: dict | None = None) -> Plan:
     """The fastest plan that really fits: the search's ranking, verified on the GPU.
 
     Candidates are probed in the search's order (real training steps under the allocator cap,
@@ -195,8 +213,17 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     its reasons); with ``"on"`` it is raised. When no compiled micro-batch fits, the plan runs
     eager either way, and says so.
 
+    Planning is kept in proportion to the run: with ``compile="auto"`` a run predicted to take
+    less than :data:`COMPILE_MIN_RUN_S` at the verified eager speed is not compiled (compilation
+    and its retiming could not repay their cost), and the reasons say so.
+
     Args:
         budget_bytes: what the step may hold, bytes (the allocator's cap); ``seq_len``: tokens.
+        run_samples: samples the run will train on (steps x effective batch; None: unknown).
+        timings: filled with the stages' wall times, seconds: ``search_s``, ``verify_s``,
+            ``compile_s`` (compile and retime, compilation included); and the plan's speeds,
+            samples/s: ``predicted_samples_per_s`` (the search's time model for the eager winner)
+            and ``probed_samples_per_s`` (the timing that decided).
 
     Raises:
         TightfitError: nothing fits (predicted or measured); ``compile`` is ``"on"`` where
@@ -216,9 +243,20 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                     precision=precision, checkpointing=checkpointing,
                     estimator_at=lambda size, effective_batch: None if size != seq_len else estimator_for(
                         workload.model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0))
+    t_verify = time.perf_counter()
     verification = verify_on_gpu(workload, result, profile, budget_bytes)
     best = verification.best
+    if compile == "auto" and not why_not:
+        why_not = too_short_to_compile(run_samples, best.samples_per_s)
+    t_compile = time.perf_counter()
     outcome = compile_and_retime(workload, best.candidate, budget_bytes, result.n_blocks, compile, why_not)
+    if timings is not None:
+        retimed = outcome.retiming.eager_samples_per_s if outcome.retiming else 0.0
+        timings.update(search_s=t_verify - t0, verify_s=t_compile - t_verify,
+                       compile_s=time.perf_counter() - t_compile,
+                       predicted_samples_per_s=best.candidate.samples_per_s or None,
+                       probed_samples_per_s=outcome.variant.samples_per_s if outcome.variant else
+                       (retimed or best.samples_per_s))
     reasons = _reasons(result, verification, outcome)
     variant = outcome.variant
     if variant is None:
@@ -336,6 +374,9 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
     try:
         found = compiled_variant(workload, best, budget_bytes, n_blocks)
         variant, notes = found.variant, found.notes
+        if variant is not None:  # other sequence lengths compile now, not during the run
+            notes = notes + warm_other_lengths(workload, variant.micro_batch, variant.checkpoint_blocks,
+                                               best.precision, budget_bytes)
         if variant is not None and compile == "auto":
             retiming = retime(workload, best, variant, budget_bytes)
             notes = notes + [retiming.note]

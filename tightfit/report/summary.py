@@ -91,6 +91,8 @@ class RunSummary:
         device, torch, command: where and how it ran.
         plan: the plan in force at the end.
         health: ``{"status", "max_temp_c", "max_power_w"}`` on a GPU, ``{"status": "off (CPU run)"}`` on the CPU.
+        speed: predicted, probed and delivered samples/s and the time breakdown
+            (:func:`tightfit.report.speed.speed_record`; None in summaries written before it existed).
     """
 
     accuracy: float | None
@@ -113,10 +115,11 @@ class RunSummary:
     command: str
     wall_seconds: float
     health: dict
+    speed: dict | None = None
 
     @classmethod
     def of_run(cls, result: TrainResult, info: RunInfo, planning_seconds: float, wall_seconds: float,
-               health_status: str | None) -> "RunSummary":
+               health_status: str | None, speed: dict | None = None) -> "RunSummary":
         """The summary of a finished run from the trainer's result and the run's info;
         ``health_status`` is the GPU health monitor's (None: no monitor, a CPU run)."""
         health = ({"status": health_status, "max_temp_c": info.max_temp_c, "max_power_w": info.max_power_w}
@@ -129,7 +132,7 @@ class RunSummary:
             peak_reserved_bytes=result.peak_reserved_bytes, peak_rss_bytes=info.peak_rss_bytes,
             budget_bytes=info.budget_bytes, skipped_steps=result.skipped_steps, oom_recoveries=result.oom_recoveries,
             device=info.device_name, torch=info.torch, plan=result.plan, command=info.command,
-            wall_seconds=wall_seconds, health=health)
+            wall_seconds=wall_seconds, health=health, speed=speed)
 
     def to_dict(self) -> dict:
         """The ``summary.json`` dict (the plan as :meth:`Plan.to_dict`)."""
@@ -142,10 +145,11 @@ class RunSummary:
         Raises:
             TightfitError: a key is missing or the plan is malformed.
         """
-        missing = [f.name for f in fields(cls) if f.name not in d]
+        optional = ("speed",)
+        missing = [f.name for f in fields(cls) if f.name not in d and f.name not in optional]
         if missing:
             raise TightfitError(f"malformed run summary: no {', '.join(missing)}")
-        return cls(**{f.name: d[f.name] for f in fields(cls)} | {"plan": Plan.from_dict(d["plan"])})
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d} | {"plan": Plan.from_dict(d["plan"])})
 
 
 def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
@@ -173,8 +177,9 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
     return rows
 
 
-def report_markdown(plan: Plan, result: TrainResult, info: RunInfo) -> str:
-    """``report.md``: what ran, the plan and the measured summary."""
+def report_markdown(plan: Plan, result: TrainResult, info: RunInfo, speed: dict | None = None) -> str:
+    """``report.md``: what ran, the plan and the measured summary; with ``speed``
+    (:func:`tightfit.report.speed.speed_record`), the speeds side by side and where the time went."""
     out = ["# tightfit run report", "",
            f"- model: `{info.model}`", f"- data: `{info.data}` ({info.n_train} training, "
            f"{info.n_eval} held-out samples; {info.label_names})",
@@ -182,6 +187,11 @@ def report_markdown(plan: Plan, result: TrainResult, info: RunInfo) -> str:
            f"- command: `{info.command}`", "", "## Plan", "", "```", *plan_lines(plan), "```", "",
            "## Measured", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in summary_rows(result, info)]
+    if speed is not None:
+        from .speed import speed_rows
+
+        out += ["", "## Speed: delivered against predicted", "", "| | |", "|---|---|"]
+        out += [f"| {k} | {v} |" for k, v in speed_rows(speed)]
     if result.events:
         out += ["", "## Events", ""] + [f"- {e}" for e in result.events]
     return "\n".join(out) + "\n"

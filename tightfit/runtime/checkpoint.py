@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model
 
 from ..errors import TightfitError
 from ..fileio import atomic_write_dir
@@ -91,28 +91,114 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, state: dict, keep_last: int = 2) -> Path:
-    """Write ``folder/ckpt-<step>`` atomically with its manifest, then delete older checkpoints
-    beyond the newest ``keep_last`` and any checkpoint of a later step (only a resume that fell
-    back past a corrupt checkpoint leaves those: they belong to the abandoned stretch of the run).
-    Temporary folders of an earlier, killed write are removed first.
+@dataclass
+class Snapshot:
+    """A checkpoint's content copied off the model at a step boundary, ready to be written by
+    :func:`write_snapshot` on any thread while training goes on.
 
-    Hashing the written files for the manifest costs about 1 to 2 s per GB (:func:`sha256_file`).
+    Attributes:
+        weights: the model's state dict without duplicate (tied) entries, CPU tensors (pinned
+            where the model is on CUDA); ``shared``: ``{dropped name: kept name}`` for the tied ones.
+        state: :func:`save_checkpoint`'s ``state`` with every tensor copied to the CPU.
+        ready: a CUDA event recorded after the copies (None on the CPU): the writer waits on it.
+        nbytes: host bytes held by the copies.
+    """
+
+    weights: dict
+    shared: dict
+    state: dict
+    ready: object = None
+    nbytes: int = 0
+
+
+class _HostBuffers:
+    """Reusable host buffers for snapshots, by name: pinned memory is slow to allocate, and one
+    set bounds the host memory of checkpointing to one copy of the model and its state."""
+
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def copy(self, name, t: torch.Tensor, pin: bool) -> torch.Tensor:
+        t = t.detach()
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._buffers[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        buf.copy_(t, non_blocking=pin)
+        return buf
+
+
+def _check_finite(model: torch.nn.Module) -> None:
+    """One device sync for all parameters; the slow per-parameter walk only names a culprit."""
+    params = [p for p in model.parameters() if p.numel()]
+    if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+        _assert_finite(model)
+
+
+def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | None = None) -> Snapshot:
+    """Copy ``model``'s weights and ``state``'s tensors to host memory now (asynchronously from
+    CUDA into pinned buffers, in stream order, so the next step's updates cannot reach them).
 
     Args:
-        state: tensors and plain Python values only (so ``weights_only`` loading works).
+        buffers: host buffers to reuse (the previous snapshot from them must be written first);
+            None: fresh ones.
 
     Raises:
-        NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is written).
+        NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is copied).
     """
-    _assert_finite(model)
+    _check_finite(model)
+    buffers = buffers or _HostBuffers()
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    weights, shared, seen = {}, {}, {}
+    for name, t in model.state_dict().items():
+        where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and where in seen:  # a tied weight: written once, as safetensors' save_model does
+            shared[name] = seen[where]
+            continue
+        seen[where] = name
+        weights[name] = buffers.copy(("w", name), t, t.is_cuda)
+    counter = [0]
+
+    def host(v):
+        if isinstance(v, torch.Tensor):
+            counter[0] += 1
+            return buffers.copy(("s", counter[0]), v, v.is_cuda) if v.is_cuda else v.detach().clone()
+        if isinstance(v, dict):
+            return {k: host(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(host(x) for x in v)
+        return v
+
+    host_state = host(state)
+    ready = None
+    if on_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    return Snapshot(weights, shared, host_state, ready, nbytes)
+
+
+def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2) -> Path:
+    """Write ``snap`` as ``folder/ckpt-<step>`` atomically with its manifest (written last), then
+    delete older checkpoints beyond the newest ``keep_last`` and any checkpoint of a later step
+    (only a resume that fell back past a corrupt checkpoint leaves those: they belong to the
+    abandoned stretch of the run). Temporary folders of an earlier, killed write are removed
+    first. Safe to run on a background thread; hashing costs about 1 to 2 s per GB
+    (:func:`sha256_file`).
+
+    Returns:
+        The checkpoint's folder.
+    """
+    from safetensors.torch import save_file
+
+    if snap.ready is not None:
+        snap.ready.synchronize()  # the copies into host memory are done
     folder = Path(folder)
     remove_stale_temporaries(folder)
     target = folder / f"ckpt-{step}"
 
     def fill(tmp: Path) -> None:
-        save_model(model, str(tmp / MODEL_FILE))  # handles tied weights
-        torch.save(state, tmp / STATE_FILE)
+        save_file(snap.weights, str(tmp / MODEL_FILE), metadata=dict(snap.shared) or None)
+        torch.save(snap.state, tmp / STATE_FILE)
         files = {}
         for name in (MODEL_FILE, STATE_FILE):
             _fsync(tmp / name)  # on disk before the folder's rename makes it a checkpoint
@@ -128,6 +214,20 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, state: dict
     for old in later + (kept[:-keep_last] if keep_last > 0 else []):
         shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, state: dict, keep_last: int = 2) -> Path:
+    """Write ``folder/ckpt-<step>`` now: :func:`take_snapshot` then :func:`write_snapshot` on
+    this thread (:class:`tightfit.runtime.async_checkpoint.CheckpointWriter` writes in the
+    background instead).
+
+    Args:
+        state: tensors and plain Python values only (so ``weights_only`` loading works).
+
+    Raises:
+        NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is written).
+    """
+    return write_snapshot(folder, step, take_snapshot(model, state), keep_last)
 
 
 def _step(path: Path) -> int:
@@ -289,9 +389,14 @@ def read_state(path: Path) -> dict:
         raise _fail(path, f"{STATE_FILE}: cannot be loaded: {_first_line(e)}") from None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
+def load_checkpoint(path: Path, model: torch.nn.Module, verified: bool = False, state: dict | None = None) -> dict:
     """Verify checkpoint ``path`` (:func:`verify_checkpoint`, about 1 to 2 s per GB), load its
     weights into ``model`` (in place) and return the saved state dict.
+
+    Args:
+        verified: the caller has just verified ``path`` (e.g. :func:`latest_intact_checkpoint`):
+            it is not hashed again.
+        state: its state as the caller already read it (:func:`read_state`): not read again.
 
     Raises:
         CorruptCheckpointError: verification fails, or safetensors / ``torch.load`` cannot read a
@@ -301,7 +406,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
             recognises) loading the weights ran out of memory; propagated unchanged.
     """
     path = Path(path)
-    verify_checkpoint(path)
+    if not verified:
+        verify_checkpoint(path)
     try:
         load_model(model, str(path / MODEL_FILE), device=str(next(model.parameters()).device))
     except Exception as e:
@@ -310,4 +416,4 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
         if isinstance(e, RuntimeError):  # torch's load_state_dict: missing/unexpected keys, shapes
             raise TightfitError(f"checkpoint {path.name} does not fit the model: {_first_line(e)}") from None
         raise _fail(path, f"{MODEL_FILE}: cannot be loaded: {_first_line(e)}") from None  # SafetensorError, OSError
-    return read_state(path)
+    return read_state(path) if state is None else state

@@ -52,11 +52,14 @@ class TrainConfig(TrainOptions):
         cooldown_max_s: the longest pause of one cool-down (``cooldown_temp_c``).
         prefetch: collate the next window in the background and copy micro-batches to the GPU on
             a side stream (:mod:`tightfit.runtime.prefetch`).
+        background_checkpoints: write periodic checkpoints on a background thread
+            (:mod:`tightfit.runtime.async_checkpoint`); False: on the loop's thread.
     """
 
     checkpoint_dir: str | None = None
     cooldown_max_s: float = 300.0
     prefetch: bool = True
+    background_checkpoints: bool = True
 
     @classmethod
     def from_options(cls, options: TrainOptions, **runtime) -> "TrainConfig":
@@ -79,6 +82,11 @@ class TrainResult:
         plan: the plan in force at the end (micro-batch after recoveries).
         peak_allocated_bytes, peak_reserved_bytes: CUDA peaks (None on the CPU).
         eval: last evaluation ``{"accuracy", "loss", "samples"}`` or None.
+        step_ends: ``(seconds since this process's loop began, samples so far)`` after each step
+            of this process (for the delivered samples/s: :mod:`tightfit.report.speed`).
+        checkpoint_seconds: time the loop was held by checkpoints (snapshots, waiting for a write);
+            checkpoint_write_seconds: time spent writing and hashing them (in the background).
+        eval_seconds: wall time of the evaluation.
     """
 
     steps: int = 0
@@ -93,6 +101,10 @@ class TrainResult:
     peak_reserved_bytes: int | None = None
     eval: dict | None = None
     events: list[str] = field(default_factory=list)
+    step_ends: list[tuple[float, int]] = field(default_factory=list)
+    checkpoint_seconds: float = 0.0
+    checkpoint_write_seconds: float = 0.0
+    eval_seconds: float = 0.0
 
 
 class StoppedError(TightfitError):
@@ -237,6 +249,7 @@ class Trainer:
         self._skipped_in_row = 0
         self._clean_windows = 0
         self._stop_signal: str | None = None
+        self._writer = None  # the CheckpointWriter, made at the first checkpoint
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
@@ -258,12 +271,15 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self._restore_use_cache()
+            self.flush_checkpoints()  # no run ends with a checkpoint still being written
         self.result.train_seconds = time.perf_counter() - t0
         self.result.steps = self.step
         self.result.samples_per_s = self.result.samples / max(self.result.train_seconds, 1e-9)
         self.result.plan = self.plan_in_force()
         if self.w.eval is not None:
+            t_eval = time.perf_counter()
             self.result.eval = self.evaluate()
+            self.result.eval_seconds = time.perf_counter() - t_eval
             self.log({"type": "eval", "step": self.step, **self.result.eval})
         if self.device.type == "cuda":  # the run's peaks: every step's and the evaluation's
             self.result.peak_allocated_bytes = max(self._peaks[0], torch.cuda.max_memory_allocated(self.device))
@@ -280,27 +296,31 @@ class Trainer:
             self.step += 1
             self.result.samples += len(window)
             self.result.final_loss = loss
-            elapsed = time.perf_counter() - t0
+            now = time.perf_counter()
+            elapsed = now - t0
+            self.result.step_ends.append((now - self._t_fit, self.result.samples - samples0))
             self._record_memory()
             if bar is not None:
-                rate = (self.result.samples - samples0) / max(time.perf_counter() - self._t_fit, 1e-9)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch, samples_s=f"{rate:.1f}")
+                rate = (self.result.samples - samples0) / max(now - self._t_fit, 1e-9)
+                bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch, samples_s=f"{rate:.1f}", refresh=False)
+                bar.update(1)  # redraws at most every tqdm's mininterval
             if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
                 self.log(self._train_record((self.step - 1) // self.steps_per_epoch, loss, stepped, elapsed, window))
             saved = None
             if self.cfg.checkpoint_dir and (self.step == self.total_steps or (
                     self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0)):
                 self.result.train_seconds = time.perf_counter() - t0
-                saved = self.save_checkpoint()
+                saved = self.save_checkpoint(background=True)
             if self._skipped_in_row >= self.cfg.max_skipped_steps:
                 where = saved or self._checkpoint_at_stop(t0)  # skipped steps left the weights finite
+                self.flush_checkpoints()
                 culprit = self._first_nonfinite(window)  # after the checkpoint: it draws random numbers
                 raise NonFiniteTrainingError(
                     f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
                     f"{culprit}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where)
             if self._stop_signal and self.step < self.total_steps:
                 where = saved or self._checkpoint_at_stop(t0)
+                self.flush_checkpoints()
                 self._event(f"{self._stop_signal}: stopped after step {self.step}"
                             + (f", checkpoint {where}" if where else ""))
                 raise TrainingInterrupted(f"{self._stop_signal}: stopped after step {self.step} of "
@@ -528,21 +548,44 @@ class Trainer:
                          "skipped_in_row": self._skipped_in_row, "clean_windows": self._clean_windows},
         }
 
-    def save_checkpoint(self) -> str:
+    def save_checkpoint(self, background: bool = False) -> str:
         """Write ``ckpt-<step>`` atomically (never with non-finite weights); keep the newest few.
-        Returns its path."""
-        from .checkpoint import save_checkpoint
+        With ``background`` (and ``config.background_checkpoints``) only the copy to host memory
+        happens now and the write goes on in the background (:mod:`.async_checkpoint`; the next
+        save and :meth:`flush_checkpoints` wait for it). Returns its path.
 
-        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.state_dict(), self.cfg.keep_last)
+        Raises:
+            NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is written).
+        """
+        from .async_checkpoint import CheckpointWriter
+
+        if self._writer is None:
+            self._writer = CheckpointWriter(self.cfg.checkpoint_dir, self.cfg.keep_last,
+                                            background=self.cfg.background_checkpoints)
+        path = self._writer.save(self.step, self.model, self.state_dict())
+        if not background:
+            self.flush_checkpoints()
         self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
         return str(path)
 
-    def resume(self, path) -> None:
+    def flush_checkpoints(self) -> None:
+        """Wait until the checkpoint being written in the background is in place (re-raising
+        the writer's error), and count the time checkpoints took."""
+        if self._writer is not None:
+            try:
+                self._writer.flush()
+            finally:
+                self.result.checkpoint_seconds = self._writer.blocked_seconds
+                self.result.checkpoint_write_seconds = self._writer.write_seconds
+
+    def resume(self, path, state: dict | None = None, verified: bool = False) -> None:
         """Load a checkpoint written by :meth:`save_checkpoint`: weights, optimizer, loss scaler,
-        scheduler, RNG states, data position and micro-batch; :meth:`fit` then continues."""
+        scheduler, RNG states, data position and micro-batch; :meth:`fit` then continues.
+        ``state`` and ``verified``: as :func:`~tightfit.runtime.checkpoint.load_checkpoint` (a
+        caller that verified and read the checkpoint already passes them: read and hashed once)."""
         from .checkpoint import load_checkpoint
 
-        state = load_checkpoint(path, self.model)
+        state = load_checkpoint(path, self.model, verified=verified, state=state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         lr_changed = self.scheduler.base_lrs != [self.cfg.lr] * len(self.scheduler.base_lrs)

@@ -1,0 +1,380 @@
+"""Delivering the plan's speed: the plan cache, planning in proportion to the run, checkpoints
+written in the background (taken at the step boundary, atomic, exact on resume), a resume that
+reads and hashes its checkpoint once, sequence lengths compiled at planning time, and the
+delivered-against-predicted report."""
+
+import json
+import math
+import random
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SyntheticBatches, tiny_bert, tiny_text_model_folder
+from tightfit.plan import Plan
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------- the plan cache
+
+def _key(model=None, **changes):
+    from tightfit.planner.cache import plan_key
+
+    args = dict(worst_case={"input_ids": torch.zeros(1, 12, dtype=torch.long)}, effective_batch=8,
+                options={"precision": "auto", "checkpointing": "auto", "compile": "auto", "planner": "search"},
+                card="NVIDIA H200", total_bytes=140 * 2**30, budget_bytes=4 * 2**30, run_samples=800)
+    args.update(changes)
+    return plan_key(model if model is not None else tiny_bert(), **args)
+
+
+def test_plan_key_depends_on_what_decides_the_plan_and_not_on_the_weights():
+    base = _key()
+    assert _key(tiny_bert(seed=1)) == base  # other weights, same structure
+    other = tiny_bert()
+    other.classifier = torch.nn.Linear(32, 3)  # another head: another structure
+    assert _key(other) != base
+    frozen = tiny_bert()
+    frozen.bert.embeddings.requires_grad_(False)
+    assert _key(frozen) != base
+    for change in ({"worst_case": {"input_ids": torch.zeros(1, 16, dtype=torch.long)}}, {"effective_batch": 16},
+                   {"options": {"precision": "bf16", "checkpointing": "auto", "compile": "auto", "planner": "search"}},
+                   {"card": "NVIDIA A100"}, {"total_bytes": 80 * 2**30}, {"budget_bytes": 8 * 2**30},
+                   {"run_samples": 8000}):
+        assert _key(**change) != base, change
+
+
+def test_plan_cache_round_trip_is_atomic_and_ignores_damaged_entries(tmp_path, monkeypatch):
+    from tightfit.planner.cache import cache_dir, load_plan, store_plan
+
+    monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path / "cache"))
+    assert cache_dir() == tmp_path / "cache"
+    plan = Plan("bf16", 16, 32, device="cuda", budget_bytes=4 * 2**30, reasons=("why",), compile=True,
+                predicted_samples_per_s=123.0)
+    assert load_plan("k" * 64) is None
+    path = store_plan("k" * 64, plan, 12.5, timings={"probed_samples_per_s": 123.0})
+    assert path.parent == tmp_path / "cache" / "plans" and not list(path.parent.glob(".*.tmp"))
+    got, record = load_plan("k" * 64)
+    assert got == plan and record["planning_seconds"] == 12.5 and record["timings"]["probed_samples_per_s"] == 123.0
+    path.write_text("{not json")
+    assert load_plan("k" * 64) is None  # a damaged entry only costs a fresh plan
+
+
+class _Recipe(SimpleNamespace):
+    pass
+
+
+def _recipe(tmp_path, replan=False):
+    """A TrainRecipe that has reached planning on a (faked) GPU."""
+    from tightfit.api import TrainRecipe
+    from tightfit.config import TrainRequest
+    from tightfit.devices import get_profile
+    from tightfit.workload import Workload
+
+    recipe = TrainRecipe.__new__(TrainRecipe)
+    recipe.req = TrainRequest(batch_size=8, epochs=1.0, replan=replan)
+    recipe.workload = Workload(tiny_bert(), SyntheticBatches(24), None, 8)
+    recipe.train_data = list(range(24))
+    recipe.profile, recipe.budget, recipe.device = get_profile("h200"), 4 * 2**30, "cuda"
+    recipe.plan_timings = {}
+    return recipe
+
+
+def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, monkeypatch):
+    import tightfit.planner.gpu as gpu
+
+    monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=140 * 2**30))
+    calls = []
+
+    def fake_plan_on_gpu(workload, profile, budget, seq_len, precision, checkpointing, compile, run_samples=None,
+                         timings=None):
+        calls.append(run_samples)
+        timings.update(probed_samples_per_s=500.0, predicted_samples_per_s=450.0, compile_s=3.0)
+        return Plan("bf16", 8, 8, device="cuda", budget_bytes=budget, reasons=("searched",))
+
+    monkeypatch.setattr(gpu, "plan_on_gpu", fake_plan_on_gpu)
+    first = _recipe(tmp_path)._cached_gpu_plan()
+    assert calls == [24]  # 3 steps of 8 samples: the run's length reaches the planner
+    second = _recipe(tmp_path)
+    plan = second._cached_gpu_plan()
+    assert calls == [24], "planned again"
+    assert plan.reasons[0].startswith("plan from the cache") and plan.reasons[1:] == first.reasons
+    assert second.plan_timings["cached"] and second.plan_timings["probed_samples_per_s"] == 500.0
+    again = _recipe(tmp_path)._cached_gpu_plan()  # a plan from the cache says so once, not twice
+    assert sum(r.startswith("plan from the cache") for r in again.reasons) == 1
+    _recipe(tmp_path, replan=True)._cached_gpu_plan()
+    assert calls == [24, 24]  # --replan plans afresh
+
+
+def _fake_gpu_plan(monkeypatch, run_samples):
+    """plan_on_gpu on the CPU with the search's answer and every probe faked (eager 240 samples/s)."""
+    import tightfit.planner.gpu as gpu
+    from tightfit.devices import get_profile
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate, SearchResult
+
+    E = 64
+    a = Candidate("bf16", 32, (), 2, 900, 900, {}, 300.0, "fastest predicted")
+    result = SearchResult(a, [], 10**9, E, 4, 0.1)
+    compiled = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2):
+        sps = 400.0 if compiled else 240.0
+        return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (sps * math.ceil(E / mb)), 1)
+
+    monkeypatch.setattr(gpu, "search", lambda *a, **k: result)
+    monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    monkeypatch.setattr(gpu, "compile_unavailable", lambda device: None)
+    monkeypatch.setattr(gpu, "compile_scope", lambda m: "model")
+    monkeypatch.setattr(gpu, "compile_model", lambda m: compiled.append(1))
+    monkeypatch.setattr(gpu, "uncompile_model", lambda m: compiled.clear())
+    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
+    w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)
+    timings = {}
+    plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, run_samples=run_samples, timings=timings)
+    return plan, timings
+
+
+def test_a_run_too_short_to_repay_compilation_is_not_compiled_and_the_reason_says_so(monkeypatch):
+    short, timings = _fake_gpu_plan(monkeypatch, run_samples=240 * 30)  # 30 s at the eager 240 samples/s
+    assert not short.compile
+    assert any("torch.compile not tried: the run is predicted to take 30 s" in r for r in short.reasons)
+    assert timings["probed_samples_per_s"] == pytest.approx(240.0) and timings["predicted_samples_per_s"] == 300.0
+    assert {"search_s", "verify_s", "compile_s"} <= set(timings)
+    long, timings = _fake_gpu_plan(monkeypatch, run_samples=240 * 600)
+    assert long.compile and timings["probed_samples_per_s"] == pytest.approx(400.0)
+
+
+# ---------------------------------------------------------------- sequence lengths compiled while planning
+
+def test_the_warm_up_length_is_another_padded_length_of_text_data():
+    from tightfit.planner.warmup import _AtLength, other_length
+    from tightfit.workload import DatasetBatches
+
+    data = SyntheticBatches(24, seq_len=32)
+    assert other_length(data) == 16
+    assert _AtLength(data, 16).worst_case(3)["input_ids"].shape == (3, 16)
+    assert other_length(SyntheticBatches(24, seq_len=8)) is None  # half of 8 rounds to nothing
+    assert other_length(DatasetBatches([(torch.zeros(3), 0)] * 4)) is None  # fixed-size samples
+
+
+# ---------------------------------------------------------------- checkpoints in the background
+
+def _model_and_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].weight = torch.nn.Parameter(model[1].weight.detach().clone())
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, {"step": 1, "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}
+
+
+def test_a_background_checkpoint_holds_the_state_of_its_step_boundary(tmp_path, monkeypatch):
+    import tightfit.runtime.checkpoint as ckpt
+    from tightfit.runtime.async_checkpoint import CheckpointWriter
+
+    model, state = _model_and_state()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_avg = state["optimizer"]["state"][0]["exp_avg"].clone()
+    release, started = threading.Event(), threading.Event()
+    clean = ckpt.remove_stale_temporaries  # the writer's first call, before any file is written
+
+    def slow_start(folder):
+        started.set()
+        release.wait(10)
+        return clean(folder)
+
+    monkeypatch.setattr(ckpt, "remove_stale_temporaries", slow_start)
+    writer = CheckpointWriter(tmp_path, keep_last=2)
+    path = writer.save(1, model, state)
+    assert started.wait(10)
+    assert not path.exists()  # still being written: nothing in place yet
+    with torch.no_grad():  # the next steps change the weights and the state in place
+        for p in model.parameters():
+            p.add_(1.0)
+        state["optimizer"]["state"][0]["exp_avg"].add_(1.0)
+    release.set()
+    writer.close()
+    saved = load_file(path / "model.safetensors")
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
+    assert torch.equal(ckpt.read_state(path)["optimizer"]["state"][0]["exp_avg"], expected_avg)
+    assert ckpt.verify_checkpoint(path)
+
+
+def test_a_failed_background_write_leaves_no_checkpoint_and_is_raised(tmp_path, monkeypatch):
+    import tightfit.runtime.checkpoint as ckpt
+    from tightfit.runtime.async_checkpoint import CheckpointWriter
+
+    model, state = _model_and_state()
+    writer = CheckpointWriter(tmp_path, keep_last=2)
+    writer.save(1, model, state)
+    writer.flush()
+
+    def broken(path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "sha256_file", broken)
+    writer.save(2, model, state)
+    with pytest.raises(OSError, match="disk full"):
+        writer.flush()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["ckpt-1"]  # no half checkpoint
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_background_and_foreground_checkpoints_are_the_same(tmp_path):
+    from tightfit.runtime.checkpoint import read_state, save_checkpoint
+    from tightfit.runtime.async_checkpoint import CheckpointWriter
+
+    model, state = _model_and_state()
+    save_checkpoint(tmp_path / "fg", 1, model, state)
+    writer = CheckpointWriter(tmp_path / "bg")
+    writer.save(1, model, state)
+    writer.close()
+    a, b = (load_file(tmp_path / d / "ckpt-1" / "model.safetensors") for d in ("fg", "bg"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = (read_state(tmp_path / d / "ckpt-1") for d in ("fg", "bg"))
+    assert torch.equal(sa["rng"], sb["rng"]) and sa["optimizer"]["state"][0]["exp_avg"].equal(
+        sb["optimizer"]["state"][0]["exp_avg"])
+
+
+def _fit(make_workload, folder, resume=None):
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+
+    w = make_workload(n=48, effective_batch=8, dropout=0.1)
+    cfg = TrainConfig(checkpoint_dir=str(folder), checkpoint_every=2, max_steps=6, keep_last=10, lr=1e-3, seed=3,
+                      log_every=1, prefetch=False, background_checkpoints=True)
+    losses = []
+    trainer = Trainer(w, Plan("fp32", 4, 8), cfg, progress=False,
+                      log=lambda r: losses.append((r["step"], r["loss"])) if r["type"] == "train" else None)
+    if resume:
+        trainer.resume(resume)
+    trainer.fit()
+    return trainer, dict(losses)
+
+
+def test_a_run_resumed_from_a_background_checkpoint_reproduces_the_uninterrupted_one(make_workload, tmp_path):
+    full, full_losses = _fit(make_workload, tmp_path / "full")
+    assert full.result.checkpoint_write_seconds > 0 and full.result.checkpoint_seconds > 0
+    for step in (2, 4):
+        resumed, rest = _fit(make_workload, tmp_path / f"from-{step}", resume=tmp_path / "full" / f"ckpt-{step}")
+        assert rest == {k: v for k, v in full_losses.items() if k > step}
+        a, b = full.model.state_dict(), resumed.model.state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_returns_only_once_its_last_checkpoint_is_in_place(make_workload, tmp_path, monkeypatch):
+    import time as clock
+
+    import tightfit.runtime.checkpoint as ckpt
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+
+    hashing = ckpt.sha256_file
+    monkeypatch.setattr(ckpt, "sha256_file", lambda path: clock.sleep(0.3) or hashing(path))  # a slow disk
+    cfg = TrainConfig(checkpoint_dir=str(tmp_path), checkpoint_every=1, max_steps=2, prefetch=False)
+    trainer = Trainer(make_workload(n=16, effective_batch=8), Plan("fp32", 8, 8), cfg, progress=False)
+    trainer.fit()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["ckpt-1", "ckpt-2"]
+    assert ckpt.verify_checkpoint(tmp_path / "ckpt-2")
+    assert trainer.result.checkpoint_write_seconds >= 4 * 0.3  # two files per checkpoint, hashed in the background
+
+
+def test_resume_reads_and_hashes_the_checkpoint_once(tmp_path, monkeypatch):
+    import tightfit.api as api
+    import tightfit.runtime.checkpoint as ckpt
+
+    words = ["good", "bad", "great", "awful", "fine", "film", "plot"]
+    model_dir = tiny_text_model_folder(tmp_path, words, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64)
+    rng = random.Random(0)
+    rows = ["text,label"] + [f"{' '.join(rng.choices(words, k=5))},{rng.choice(['pos', 'neg'])}" for _ in range(60)]
+    (tmp_path / "data.csv").write_text("\n".join(rows) + "\n")
+    run = tmp_path / "run"
+    common = dict(model=str(model_dir), data=str(tmp_path / "data.csv"), batch_size=8, seq_len=16, device="cpu",
+                  progress=False)
+    api.train(api.TrainRequest(**common, max_steps=4, checkpoint_every=2, out=str(run)))
+    hashed, loaded = [], []
+    sha, load = ckpt.sha256_file, torch.load
+    monkeypatch.setattr(ckpt, "sha256_file", lambda p: hashed.append(p.name) or sha(p))
+    monkeypatch.setattr(torch, "load", lambda p, *a, **k: loaded.append(str(p)) or load(p, *a, **k))
+    recipe = api.TrainRecipe(api.TrainRequest(**common, resume=str(run)))
+    recipe.setup()
+    assert sorted(hashed) == ["model.safetensors", "state.pt"]  # each file hashed once
+    assert [p for p in loaded if p.endswith("state.pt")] == [str(run / "checkpoints" / "ckpt-4" / "state.pt")]
+    assert recipe.trainer.step == 4
+
+
+# ---------------------------------------------------------------- delivered against predicted
+
+def test_steady_state_is_the_median_of_ten_step_windows_and_the_report_shows_all_speeds():
+    from tightfit.report.speed import speed_record, speed_rows, steady_samples_per_s
+
+    # 30 steps of 8 samples: the first window is slow (warm-up), the others 0.1 s per step
+    ends, t = [], 0.0
+    for step in range(1, 31):
+        t += 1.0 if step <= 10 else 0.1
+        ends.append((t, 8 * step))
+    assert steady_samples_per_s(ends) == pytest.approx(80.0)
+    assert steady_samples_per_s(ends[:9]) is None
+    result = SimpleNamespace(step_ends=ends, samples_per_s=240 / t, eval_seconds=1.5, checkpoint_seconds=0.25,
+                             checkpoint_write_seconds=2.0)
+    speed = speed_record(result, 0.4, {"cached": True, "predicted_samples_per_s": 90.0,
+                                       "probed_samples_per_s": 100.0, "compile_s": 7.0})
+    assert speed["steady_vs_probed"] == pytest.approx(0.8) and speed["plan_cached"]
+    text = dict(speed_rows(speed))
+    assert "predicted 90 | probed 100 | delivered 80 steady" in text["samples/s"]
+    assert "plan from the cache" in text["time: planning"] and "compilation 7.0 s" in text["time: planning"]
+    assert text["time: evaluation"] == "1.5 s" and "0.25 s holding the loop" in text["time: checkpoints"]
+    json.dumps(speed)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+def test_after_the_planning_warm_up_other_lengths_do_not_recompile():
+    import torch._dynamo
+
+    from tightfit.levers.compile import compile_model
+    from tightfit.planner.probe import probe_step
+    from tightfit.planner.warmup import _AtLength, warm_other_lengths
+    from tightfit.workload import Workload
+    from dataclasses import replace
+
+    w = Workload(tiny_bert(dropout=0.1).cuda(), SyntheticBatches(64, seq_len=32), None, 8)
+    compile_model(w.model)
+    budget = 8 * 2**30
+    assert probe_step(w, 8, "bf16", budget, timed_steps=1).fits  # compiled at the worst case (32 tokens)
+    assert warm_other_lengths(w, 8, (), "bf16", budget)
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for length, mb in ((24, 8), (8, 3), (32, 5)):  # other lengths, a short last micro-batch
+            assert probe_step(replace(w, train=_AtLength(w.train, length)), mb, "bf16", budget, timed_steps=1).fits
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
+@pytest.mark.gpu
+def test_a_background_checkpoint_from_the_gpu_holds_its_step(tmp_path):
+    from tightfit.runtime.async_checkpoint import CheckpointWriter
+    from tightfit.runtime.checkpoint import read_state
+
+    model, state = _model_and_state()
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    opt.step()
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    writer = CheckpointWriter(tmp_path)
+    path = writer.save(1, model, {"optimizer": opt.state_dict()})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)  # queued right after the copies: must not reach them
+    writer.close()
+    saved = load_file(path / "model.safetensors")
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
+    assert read_state(path)["optimizer"]["state"][0]["exp_avg"].device.type == "cpu"

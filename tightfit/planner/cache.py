@@ -1,0 +1,122 @@
+"""The plan cache: a second run of the same job takes its plan from disk and starts training at once.
+
+A plan depends only on what the planner saw: the model's structure (its config and its
+parameters' names, shapes, dtypes and ``requires_grad``; not the weights' values), the shapes of
+a worst-case batch (the sequence length or the image size), the effective batch, the run's
+length in samples (it decides whether compilation can repay its cost), the planning options
+(precision, checkpointing, compile, planner), the card (name and total memory) and the budget,
+and the versions of torch and tightfit. :func:`plan_key` hashes exactly those with SHA-256;
+:func:`load_plan` and :func:`store_plan` read and write ``<cache>/plans/<key>.json``
+atomically (:mod:`tightfit.fileio`), where ``<cache>`` is ``$TIGHTFIT_CACHE_DIR`` or
+``~/.cache/tightfit``. A cache entry that cannot be read is ignored (and replanned), never an
+error: the cache only saves time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..fileio import atomic_write_json
+from ..plan import Plan
+
+_log = logging.getLogger(__name__)
+
+CACHE_FORMAT = "tightfit-plan-cache/1"
+
+
+def cache_dir() -> Path:
+    """The cache folder: ``$TIGHTFIT_CACHE_DIR``, else ``~/.cache/tightfit``."""
+    env = os.environ.get("TIGHTFIT_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "tightfit"
+
+
+def model_structure(model: torch.nn.Module) -> dict:
+    """What of ``model`` a plan depends on, JSON-ready: its class, its config (a Hugging Face
+    ``config.to_dict()`` where it has one, minus the name or path it was loaded from) and, per
+    parameter and buffer, name, shape, dtype and ``requires_grad``. No weight values."""
+    config = getattr(model, "config", None)
+    conf = None
+    if config is not None and hasattr(config, "to_dict"):
+        conf = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    return {
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "config": conf,
+        "parameters": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in model.named_parameters()],
+        "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
+    }
+
+
+def batch_shapes(batch: dict) -> dict:
+    """``{key: [shape, dtype]}`` of a batch of tensors (a worst-case batch: sequence length, image size)."""
+    return {k: [list(v.shape), str(v.dtype)] for k, v in sorted(batch.items()) if torch.is_tensor(v)}
+
+
+def plan_key(model: torch.nn.Module, worst_case: dict, effective_batch: int, options: dict, card: str,
+             total_bytes: int, budget_bytes: int, run_samples: int | None) -> str:
+    """SHA-256 (hex) of everything the plan depends on (see the module doc).
+
+    Args:
+        model: the model as planned (on any device).
+        worst_case: a worst-case batch of one sample (its shapes: sequence length, image size).
+        effective_batch: samples per optimizer step.
+        options: the planning options that change the plan (precision, checkpointing, compile, planner).
+        card: the card's name; ``total_bytes``: its memory; ``budget_bytes``: the budget, bytes.
+        run_samples: samples the run will train on (None: unknown).
+    """
+    key = {"format": CACHE_FORMAT, "model": model_structure(model), "batch": batch_shapes(worst_case),
+           "effective_batch": effective_batch, "options": dict(sorted(options.items())), "card": card,
+           "total_bytes": total_bytes, "budget_bytes": budget_bytes, "run_samples": run_samples,
+           "torch": torch.__version__, "tightfit": __version__}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def _path(key: str, folder: Path | None) -> Path:
+    return (folder or cache_dir()) / "plans" / f"{key}.json"
+
+
+def load_plan(key: str, folder: Path | None = None) -> tuple[Plan, dict] | None:
+    """The cached plan of ``key`` and its record (``planning_seconds``, ``created``, ``path``,
+    ``timings``), or None when there is none or it cannot be read (logged at debug level)."""
+    path = _path(key, folder)
+    if not path.is_file():
+        return None
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        if entry.get("format") != CACHE_FORMAT or entry.get("key") != key:
+            return None
+        return Plan.from_dict(entry["plan"]), {"planning_seconds": float(entry.get("planning_seconds", 0.0)),
+                                               "created": entry.get("created", ""), "path": str(path),
+                                               "timings": dict(entry.get("timings") or {})}
+    except Exception as e:  # a damaged entry only costs a fresh plan
+        _log.debug("plan cache entry %s unreadable: %s", path, e)
+        return None
+
+
+def store_plan(key: str, plan: Plan, planning_seconds: float, folder: Path | None = None,
+               timings: dict | None = None) -> Path | None:
+    """Write ``plan`` under ``key`` atomically, with the planner's ``timings`` (its stage times
+    and the speeds it predicted and probed). Returns the path, or None when the cache folder
+    cannot be written (logged; the run goes on)."""
+    path = _path(key, folder)
+    try:
+        atomic_write_json(path, {"format": CACHE_FORMAT, "key": key, "planning_seconds": planning_seconds,
+                                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                 "timings": dict(timings or {}), "plan": plan.to_dict()})
+    except OSError as e:
+        _log.warning("tightfit: note: the plan could not be cached in %s (%s)", path.parent, e)
+        return None
+    return path
+
+
+def from_cache_reason(record: dict) -> str:
+    """The reason line of a plan taken from the cache."""
+    return (f"plan from the cache ({record['path']}, planned {record['created']} in "
+            f"{record['planning_seconds']:.1f} s); --replan plans afresh")

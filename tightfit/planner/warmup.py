@@ -1,0 +1,104 @@
+"""Compile at planning time what the run would otherwise compile during its first steps.
+
+Text batches are padded to their longest sample (a multiple of 8), so a run meets many sequence
+lengths, while the planner's probes all run the worst case (the full ``seq_len``). Under
+``torch.compile`` the first new length recompiles with the sequence dimension dynamic
+(TorchInductor's "automatic dynamic shapes": a dimension seen with two sizes is compiled for
+any size), which took seconds inside the run's first steps and left the plan's timing measured
+on the static graph. One warm-up step at another length here makes that recompilation happen
+while planning, and the retiming that follows times the dynamic graph that the run will use
+(TorchDynamo tries the newest compiled entry first).
+See https://pytorch.org/docs/stable/torch.compiler_dynamic_shapes.html.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import replace
+
+from ..levers.checkpointing import set_activation_checkpointing
+from ..workload import PAD_MULTIPLE, Workload
+from .probe import probe_step
+
+
+class _AtLength:
+    """The training data's batches padded to ``length`` tokens (the probe's ``worst_case``)."""
+
+    def __init__(self, data, length: int):
+        self.data, self.length = data, length
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def collate(self, indices, pad_to=None):
+        return self.data.collate(indices, pad_to=self.length)
+
+    def worst_case(self, n: int):
+        return self.collate([i % len(self.data) for i in range(n)])
+
+
+def other_length(data) -> int | None:
+    """A second sequence length for ``data`` (tokens): half its ``seq_len``, a multiple of
+    :data:`~tightfit.workload.PAD_MULTIPLE`; None for data of fixed-size samples (images) or
+    too short to have another length."""
+    seq_len = getattr(data, "seq_len", None)
+    collate = getattr(data, "collate", None)
+    if not isinstance(seq_len, int) or collate is None or "pad_to" not in inspect.signature(collate).parameters:
+        return None
+    length = (seq_len // 2) // PAD_MULTIPLE * PAD_MULTIPLE
+    return length if 2 <= length < seq_len else None
+
+
+def warm_other_lengths(workload: Workload, micro_batch: int, blocks: tuple, precision: str,
+                       budget_bytes: int) -> list[str]:
+    """Run one training step (:func:`~tightfit.planner.probe.probe_step`, lr 0: weights
+    unchanged) of the compiled model at :func:`other_length`, with ``blocks`` checkpointed.
+
+    Returns:
+        The reason line saying so and how long it took (none for data of one length).
+
+    Raises:
+        Any non-OOM error of the step (a compiler error), unchanged.
+    """
+    length = other_length(workload.train)
+    if length is None:
+        return []
+    t0 = time.perf_counter()
+    set_activation_checkpointing(workload.model, bool(blocks), blocks)
+    probe_step(replace(workload, train=_AtLength(workload.train, length)), micro_batch, precision, budget_bytes,
+               timed_steps=1)
+    return [f"compiled for any sequence length at planning time: one warm-up step at {length} tokens "
+            f"({time.perf_counter() - t0:.1f} s), so the run does not recompile"]
+
+
+def warm_compiled_plan(workload: Workload, plan, budget_bytes: int) -> float:
+    """Compile ``plan``'s model before training (a plan taken from the cache, whose planning
+    compiled nothing in this process): one probe step at the worst case and one at
+    :func:`other_length`, at the plan's micro-batch and checkpointed blocks. TorchInductor's
+    own on-disk caches make this faster than the first compilation. Leaves the model compiled
+    and no block checkpointed (the trainer applies the plan).
+
+    Returns:
+        Seconds spent (0.0 when the plan does not compile).
+    """
+    from ..levers.compile import compile_model
+
+    if not plan.compile:
+        return 0.0
+    t0 = time.perf_counter()
+    model = workload.model
+    blocks = plan.checkpoint_blocks if plan.checkpoint_blocks is not None else (
+        tuple(range(_n_blocks(model))) if plan.activation_checkpointing else ())
+    compile_model(model)
+    set_activation_checkpointing(model, bool(blocks), blocks)
+    probe_step(workload, plan.micro_batch, plan.precision, budget_bytes, timed_steps=1)
+    warm_other_lengths(workload, plan.micro_batch, blocks, plan.precision, budget_bytes)
+    set_activation_checkpointing(model, False, ())
+    return time.perf_counter() - t0
+
+
+def _n_blocks(model) -> int:
+    from ..levers.blocks import find_blocks
+
+    return len(find_blocks(model))

@@ -1,0 +1,95 @@
+"""Delivered against predicted: the run's samples/s next to the planner's, and where the time went.
+
+Three figures of one plan's speed, side by side:
+
+- **predicted**: the search's time model (:mod:`tightfit.planner.cost`) for the eager winner
+  (None where there was none, e.g. the probe planner);
+- **probed**: the planner's timing that decided the plan (real steps on worst-case batches, the
+  fastest of a few);
+- **delivered**: the run itself, from the time after each step: in the steady state (the median
+  of the samples/s of consecutive :data:`WINDOW`-step windows, which leaves out warm-up,
+  checkpoints and evaluation stalls) and over the whole run (all samples over the loop's time).
+
+The time breakdown names planning (and whether the plan came from the cache), compilation
+before training, evaluation, and checkpoints (time the loop was held, and the background
+writer's time).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+WINDOW = 10  # steps per window of the steady-state figure
+
+
+def steady_samples_per_s(step_ends: list[tuple[float, int]], window: int = WINDOW) -> float | None:
+    """Median samples/s over consecutive ``window``-step windows.
+
+    Args:
+        step_ends: ``(seconds since the loop began, samples so far)`` after each step, in order.
+
+    Returns:
+        The median, or None with fewer than ``window`` steps.
+    """
+    points = [(0.0, 0)] + list(step_ends)
+    rates = []
+    for i in range(window, len(points), window):
+        (t0, s0), (t1, s1) = points[i - window], points[i]
+        if t1 > t0:
+            rates.append((s1 - s0) / (t1 - t0))
+    return statistics.median(rates) if rates else None
+
+
+def speed_record(result, planning_seconds: float, timings: dict) -> dict:
+    """The run's speed and time breakdown, JSON-ready (``summary.json``'s ``speed``).
+
+    Args:
+        result: the trainer's :class:`~tightfit.runtime.trainer.TrainResult`.
+        planning_seconds: wall time of planning in this process (seconds).
+        timings: the planner's record (:func:`tightfit.planner.gpu.plan_on_gpu`'s ``timings``,
+            or the plan cache's: ``cached``, ``predicted_samples_per_s``, ``probed_samples_per_s``,
+            ``compile_s``, ...).
+
+    Returns:
+        ``{"predicted_samples_per_s", "probed_samples_per_s", "steady_samples_per_s",
+        "whole_run_samples_per_s", "steady_vs_probed", "planning_seconds", "plan_cached",
+        "compile_seconds", "eval_seconds", "checkpoint_seconds", "checkpoint_write_seconds"}``
+        (figures not known are None; samples/s, seconds).
+    """
+    steady = steady_samples_per_s(result.step_ends)
+    probed = timings.get("probed_samples_per_s")
+    return {
+        "predicted_samples_per_s": timings.get("predicted_samples_per_s"),
+        "probed_samples_per_s": probed,
+        "steady_samples_per_s": steady,
+        "whole_run_samples_per_s": result.samples_per_s,
+        "steady_vs_probed": steady / probed if steady and probed else None,
+        "planning_seconds": planning_seconds,
+        "plan_cached": bool(timings.get("cached")),
+        "compile_seconds": timings.get("compile_s"),
+        "eval_seconds": result.eval_seconds,
+        "checkpoint_seconds": result.checkpoint_seconds,
+        "checkpoint_write_seconds": result.checkpoint_write_seconds,
+    }
+
+
+def _rate(v) -> str:
+    return f"{v:.0f}" if v else "-"
+
+
+def speed_rows(speed: dict) -> list[tuple[str, str]]:
+    """(label, value) rows: the three speeds side by side, then the time breakdown."""
+    rows = [("samples/s", f"predicted {_rate(speed['predicted_samples_per_s'])} | probed "
+                          f"{_rate(speed['probed_samples_per_s'])} | delivered {_rate(speed['steady_samples_per_s'])} "
+                          f"steady (median of {WINDOW}-step windows), {_rate(speed['whole_run_samples_per_s'])} "
+                          f"whole run")]
+    if speed.get("steady_vs_probed"):
+        rows.append(("steady / probed", f"{speed['steady_vs_probed']:.2f}"))
+    plan = f"{speed['planning_seconds']:.1f} s" + (" (plan from the cache)" if speed["plan_cached"] else "")
+    if speed.get("compile_seconds"):
+        plan += f", compilation {speed['compile_seconds']:.1f} s"
+    rows.append(("time: planning", plan))
+    rows.append(("time: evaluation", f"{speed['eval_seconds']:.1f} s"))
+    rows.append(("time: checkpoints", f"{speed['checkpoint_seconds']:.2f} s holding the loop, "
+                                      f"{speed['checkpoint_write_seconds']:.2f} s writing in the background"))
+    return rows

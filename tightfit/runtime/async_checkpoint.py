@@ -1,0 +1,94 @@
+"""Checkpoints off the training loop's critical path.
+
+At a step boundary the loop only copies the state into host memory
+(:func:`~tightfit.runtime.checkpoint.take_snapshot`: device-to-host copies into reused pinned
+buffers, in stream order); a single background thread then serialises, fsyncs and hashes it
+and renames the folder into place (:func:`~tightfit.runtime.checkpoint.write_snapshot`, manifest
+last), so a crash or kill at any moment leaves either the whole checkpoint or none. One write
+is in flight at a time: the next save waits for the previous one, which bounds the host memory
+to one copy of the weights and the state. :meth:`CheckpointWriter.flush` waits for the write in
+flight and re-raises its error; the trainer calls it at every stop (end of training, a signal,
+non-finite steps, an error), so a run never ends with a checkpoint half-written.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .checkpoint import _HostBuffers, take_snapshot, write_snapshot
+
+
+class CheckpointWriter:
+    """Writes checkpoints in the background, one at a time.
+
+    Args:
+        folder: where ``ckpt-<step>`` folders go; ``keep_last``: newest checkpoints kept.
+        background: False writes on the calling thread (same files).
+
+    Attributes:
+        blocked_seconds: time the caller spent in :meth:`save` and :meth:`flush` (the snapshot,
+            and waiting for the previous write).
+        write_seconds: time the writer spent writing and hashing.
+        host_bytes: host memory held by the snapshot buffers (one copy of the weights).
+    """
+
+    def __init__(self, folder: str | Path, keep_last: int = 2, background: bool = True):
+        self.folder, self.keep_last = Path(folder), keep_last
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tightfit-checkpoint") if background else None
+        self._pending: Future | None = None
+        self._buffers = _HostBuffers()
+        self.blocked_seconds = self.write_seconds = 0.0
+        self.host_bytes = 0
+
+    def save(self, step: int, model: torch.nn.Module, state: dict) -> Path:
+        """Snapshot ``model`` and ``state`` now and write them as ``ckpt-<step>`` (in the
+        background unless built otherwise). Returns the folder the checkpoint will have.
+
+        Raises:
+            NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is written).
+            Exception: the previous background write's error (its checkpoint is not in place).
+        """
+        t0 = time.perf_counter()
+        try:
+            self._wait()  # its buffers are reused by this snapshot
+            snap = take_snapshot(model, state, self._buffers)
+            self.host_bytes = max(self.host_bytes, snap.nbytes)
+            if self._pool is None:
+                self._write(step, snap)
+            else:
+                self._pending = self._pool.submit(self._write, step, snap)
+        finally:
+            self.blocked_seconds += time.perf_counter() - t0
+        return self.folder / f"ckpt-{step}"
+
+    def _write(self, step: int, snap) -> Path:
+        t0 = time.perf_counter()
+        try:
+            return write_snapshot(self.folder, step, snap, self.keep_last)
+        finally:
+            self.write_seconds += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Wait for the write in flight; re-raise its error (raised once)."""
+        t0 = time.perf_counter()
+        try:
+            self._wait()
+        finally:
+            self.blocked_seconds += time.perf_counter() - t0
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """:meth:`flush`, then stop the writer thread."""
+        try:
+            self.flush()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
