@@ -62,6 +62,18 @@ def log_to_stdout() -> None:
         logger.addHandler(_StdoutHandler())
 
 
+# Loggers of libraries imported on the way (transformers imports torchao whenever it is
+# installed) that warn at import time about their own build: noise on the command line's stderr,
+# where an error is one line. Their errors still show.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_import_warnings() -> None:
+    """Raise :data:`QUIET_LOGGERS` to ERROR (called by the command line, not by the library)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line ``tightfit: error: ...`` and exit code 2, like every other bad input."""
 
@@ -138,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         from .runtime.allocator import configure_allocator
 
         configure_allocator()  # before anything touches CUDA
+        quiet_import_warnings()
         log_to_stdout()
         return _run(args)
     except TightfitError as e:
