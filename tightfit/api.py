@@ -62,7 +62,9 @@ def train(req: TrainRequest) -> RunSummary:
     from .runtime.allocator import configure_allocator
 
     configure_allocator()  # effective only if CUDA has not started yet in this process
-    recipe = TrainRecipe(req)
+    from .image_train import recipe_class
+
+    recipe = recipe_class(req)(req)  # TrainRecipe, or ImageTrainRecipe for an image model
     recipe.setup()  # checks, loads and plans; writes nothing
     finished = recipe.finished_summary()
     if finished is not None:
@@ -227,7 +229,7 @@ class TrainRecipe:
         Raises:
             TightfitError: a bad model folder or tokenizer, or a budget below the model's state.
         """
-        from .models import check_tokenizer, model_state_bytes
+        from .models import check_tokenizer
         from .workload import TextBatches, Workload
 
         seq_len = self.req.workload.seq_len
@@ -235,13 +237,27 @@ class TrainRecipe:
         self.model, self.tokenizer = self.source.load_classifier(self.data.label_names)
         self.notes += self.source.training_notes()
         self.notes += check_tokenizer(self.model, self.tokenizer, self.source.tokenizer_path(), self.data.texts, seq_len)
+        self._check_budget()
+        self.workload = Workload(self.model, TextBatches(self.tokenizer, self.train_data, seq_len),
+                                 TextBatches(self.tokenizer, self.eval_data, seq_len), self.req.workload.batch_size)
+
+    def _check_budget(self) -> None:
+        """The budget holds the model's fp32 weights, gradients and AdamW state.
+
+        Raises:
+            TightfitError: it does not.
+        """
+        from .models import model_state_bytes
+
         state = model_state_bytes(self.model)
         if self.budget is not None and self.budget < state["total"]:
             raise TightfitError(
                 f"budget {format_bytes(self.budget)} is below the {format_bytes(state['total'])} that this model's "
                 f"fp32 weights ({format_bytes(state['parameters'])}), gradients and AdamW state need")
-        self.workload = Workload(self.model, TextBatches(self.tokenizer, self.train_data, seq_len),
-                                 TextBatches(self.tokenizer, self.eval_data, seq_len), self.req.workload.batch_size)
+
+    def input_size(self) -> int:
+        """The size a sample's worst case has, for the planner: ``--seq-len`` (tokens)."""
+        return self.req.workload.seq_len
 
     def _announce(self) -> None:
         """Log what is trained on what, and the notes so far."""
@@ -288,7 +304,7 @@ class TrainRecipe:
         """The planner's plan: the search on a GPU (``--planner search``), the first prober
         otherwise; on resume the plan the run chose, as its checkpoint carries it (the trainer's
         resume then restores the micro-batch in force)."""
-        p, seq_len = self.req.planning, self.req.workload.seq_len
+        p, seq_len = self.req.planning, self.input_size()
         if self.resume_from is not None:
             from .plan import Plan
             from .runtime.checkpoint import read_state

@@ -123,20 +123,27 @@ class WorkloadOptions(_Options):
         text_column, label_column: the data file's columns.
         batch_size: the effective batch: samples per optimizer step.
         seq_len: tokens per text; longer texts are truncated.
+        image_column: the CSV column of image paths (image models).
+        image_size: image side in pixels (image models; None: the model's).
     """
 
-    model: str | None = option(None, "minilm, bert-base, bert-large (random weights, MiniLM's tokenizer) or a local "
-                                     "Hugging Face model folder (default: the shipped all-MiniLM-L6-v2)")
-    data: str | None = option(None, "CSV/TSV/JSONL file, optionally .gz/.bz2 (default: Rotten Tomatoes reviews)")
+    model: str | None = option(None, "minilm, bert-base, bert-large (random weights, MiniLM's tokenizer), the image "
+                                     "models resnet50, vit-b16 (random weights), or a local Hugging Face model folder "
+                                     "(default: the shipped all-MiniLM-L6-v2)")
+    data: str | None = option(None, "CSV/TSV/JSONL file, optionally .gz/.bz2 (default: Rotten Tomatoes reviews); "
+                                    "for an image model: digits, a folder of class folders, or a CSV of paths and labels")
     text_column: str = option("text", "column holding the text (default: {default})")
     label_column: str = option("label", "column holding the label; strings allowed (default: {default})")
     batch_size: int = option(32, "effective batch: samples per optimizer step (default: {default})", minimum=1)
     seq_len: int = option(64, "maximum tokens per text (default: {default})", minimum=1)
+    image_column: str = option("path", "image models: the CSV column holding image paths (default: {default})")
+    image_size: int | None = option(None, "image models: image side in pixels (default: the model's, 224 for "
+                                          "ResNet)", minimum=1)
 
     def _check_together(self) -> None:
         """Columns are named only for a data file."""
-        if not self.data and (self.text_column, self.label_column) != ("text", "label"):
-            raise TightfitError("--text-column and --label-column name columns of a --data file; "
+        if not self.data and (self.text_column, self.label_column, self.image_column) != ("text", "label", "path"):
+            raise TightfitError("--text-column, --label-column and --image-column name columns of a --data file; "
                                 "the shipped data has its own")
 
 

@@ -74,10 +74,16 @@ class TextClassificationData:
 
     def majority_fraction(self) -> float:
         """Share of the most frequent class (the accuracy of always guessing it)."""
-        counts = [0] * len(self.label_names)
-        for y in self.labels:
-            counts[y] += 1
-        return max(counts) / max(1, len(self.labels))
+        return majority_fraction(self.labels, len(self.label_names))
+
+
+def majority_fraction(labels: list[int], n_classes: int) -> float:
+    """Share of the most frequent of ``n_classes`` classes among ``labels`` (the accuracy of always
+    guessing it; 0 without labels)."""
+    counts = [0] * n_classes
+    for y in labels:
+        counts[y] += 1
+    return max(counts) / max(1, len(labels))
 
 
 def _package_dir(name: str) -> Path | None:

@@ -181,8 +181,8 @@ def _bert_tokenizer() -> Path:
 
 _RANDOM_BERT = ("{name}: no pretrained weights are shipped: training from random weights, with the shipped "
                 "MiniLM's tokenizer (BERT's uncased WordPiece vocabulary of 30,522 tokens, which {name} was made for)")
-_NO_TEXT = ("{name} is an image model; tightfit train fine-tunes text classifiers on labelled text "
-            "(use {name} with estimate, plan, bench or the Python API)")
+_NO_TEXT = ("{name} is an image model: tightfit train trains it on images (--data digits, a folder with one "
+            "subfolder per class, or a CSV of image paths and labels)")
 
 #: The built-in architectures (random weights from the config unless ``weights``).
 REGISTRY: dict[str, ModelEntry] = {e.name: e for e in (

@@ -1,0 +1,152 @@
+"""``tightfit train`` on images: the recipe of :class:`tightfit.api.TrainRecipe` with image data
+(:mod:`tightfit.images`) and an image classifier (transformers' ``ResNetForImageClassification``,
+``ViTForImageClassification`` or any ``AutoModelForImageClassification`` folder) in place of text
+and a tokenizer. The plan, the guards, the run folder and the report are the text recipe's.
+
+A run is an image run when its model is an image model (a registry name such as ``resnet50`` or
+``vit-b16``, or a folder whose ``config.json`` names an ``...ForImageClassification``
+architecture); image data (``digits`` or a folder) with a text model is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .api import TrainRecipe
+from .config import TrainRequest
+from .errors import TightfitError
+from .fileio import atomic_write_json
+from .images import PREPROCESSING_FILE, ImageSamples, is_image_data, load_image_classification, preprocessing_record
+from .models import ModelEntry, resolve
+from .rng import seed_everything
+
+DEFAULT_IMAGE_SIZE = 224  # ImageNet's side, for models whose config names none (ResNet)
+
+
+def _model_and_data(req: TrainRequest) -> tuple[str | None, str | None]:
+    """``(--model, --data)`` of the run: for ``--resume``, those of the run being resumed (read
+    leniently: the text recipe reports an unreadable run folder)."""
+    model, data = req.workload.model, req.workload.data
+    if req.run.resume:
+        try:
+            saved = json.loads((Path(req.run.resume) / "request.json").read_text())
+            model, data = saved.get("model"), saved.get("data")
+        except (OSError, ValueError, AttributeError):
+            pass
+    return model, data
+
+
+def is_image_model(entry: ModelEntry) -> bool:
+    """Whether ``entry`` classifies images (registry task, or the folder's ``config.json``).
+
+    Raises:
+        TightfitError: a folder's config cannot be read.
+    """
+    return (entry.task.kind if entry.task is not None else entry.load_config()[0].kind) == "image"
+
+
+def recipe_class(req: TrainRequest) -> type[TrainRecipe]:
+    """:class:`ImageTrainRecipe` for an image model, :class:`tightfit.api.TrainRecipe` otherwise.
+
+    Raises:
+        TightfitError: image data (``digits`` or a folder) with a text model; an unknown model.
+    """
+    model, data = _model_and_data(req)
+    if is_image_model(resolve(model)):
+        return ImageTrainRecipe
+    if is_image_data(data):
+        raise TightfitError(f"--data {data} is images, but {model or 'the default model'} is a text model: give an "
+                            "image model (--model resnet50, --model vit-b16, or a folder of an image classifier)")
+    return TrainRecipe
+
+
+def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size: int | None):
+    """``(model, size, channels)``: ``entry`` as an image classifier for ``label_names`` in fp32 --
+    a folder's weights with a new head, or random weights from the registry's config (from the
+    global torch RNG; the caller seeds it) -- the image side it takes, and its input channels.
+
+    Args:
+        entry: an image model of the registry or a folder.
+        label_names: the classes (the head's outputs).
+        image_size: ``--image-size`` (None: the config's ``image_size``, else :data:`DEFAULT_IMAGE_SIZE`).
+
+    Raises:
+        TightfitError: the folder cannot be loaded or lacks most of its weights; a ViT folder asked
+            for another image size than the one its position embeddings were made for.
+    """
+    import torch
+    from transformers import AutoModelForImageClassification
+
+    from .models import _check_loaded_weights, _load_errors, _one_line, _quiet_transformers
+
+    _quiet_transformers()
+    _, config = entry.load_config()
+    made_for = getattr(config, "image_size", None)
+    size = image_size or made_for or DEFAULT_IMAGE_SIZE
+    id2label = dict(enumerate(label_names))
+    labels = dict(num_labels=len(label_names), id2label=id2label, label2id={v: k for k, v in id2label.items()})
+    if entry.folder is None:  # a registry architecture: random weights, built for this image size
+        if made_for is not None:
+            config.image_size = size
+        for k, v in labels.items():
+            setattr(config, k, v)
+        model = AutoModelForImageClassification.from_config(config).float()
+    else:
+        if made_for is not None and size != made_for:
+            raise TightfitError(f"--image-size {size}: the model in {entry.folder} takes {made_for} x {made_for} "
+                                f"images (its position embeddings); leave --image-size out or use {made_for}")
+        try:
+            model, info = AutoModelForImageClassification.from_pretrained(
+                entry.folder, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True, **labels)
+        except _load_errors() as e:
+            raise TightfitError(f"cannot load the model from {entry.folder}: {_one_line(e)}") from None
+        _check_loaded_weights(model, info, entry.folder)
+    return model, size, int(getattr(config, "num_channels", 3))
+
+
+class ImageTrainRecipe(TrainRecipe):
+    """``tightfit train`` for an image model: image data, an image classifier, the same plan,
+    guards, run folder and report as :class:`tightfit.api.TrainRecipe`. The run folder's
+    ``model/`` holds the weights (safetensors), ``config.json`` and :data:`PREPROCESSING_FILE`
+    (how images become ``pixel_values``)."""
+
+    def _load_data(self) -> None:
+        """The image model's registry entry and the labelled images (every image checked)."""
+        w = self.req.workload
+        self.source = resolve(w.model)
+        if not w.data:
+            raise TightfitError(f"{self.source.name} is an image model: give --data (digits, a folder with one "
+                                "subfolder per class, or a CSV of image paths and labels)")
+        self.data = load_image_classification(w.data, w.label_column, w.image_column)
+
+    def _load_model(self) -> None:
+        """The classifier (seeded head), the budget checked against its state, and the workload."""
+        from .tasks import ImageClassification
+        from .workload import DatasetBatches, Workload, collate_as
+
+        seed_everything(self.req.training.seed)  # before the new head (or the whole model) is initialised
+        self.model, self.image_size, self.channels = load_image_classifier(self.source, self.data.label_names,
+                                                                           self.req.workload.image_size)
+        if self.source.folder is None:
+            self.notes.append(f"{self.source.name}: no pretrained weights are shipped: training from random weights")
+        self._check_budget()
+        collate = collate_as("pixel_values", "labels")
+
+        def batches(data):
+            samples = ImageSamples(data, self.image_size, self.channels)
+            # every image has the same shape: any n samples are the worst case (no scan that decodes them all)
+            return DatasetBatches(samples, collate, worst_case=lambda n: collate([samples[0]] * n))
+
+        self.workload = Workload(self.model, batches(self.train_data), batches(self.eval_data),
+                                 self.req.workload.batch_size, task=ImageClassification())
+
+    def input_size(self) -> int:
+        """The image side in pixels (the planner's size of a sample)."""
+        return self.image_size
+
+    def _save_model(self, folder: Path) -> None:
+        """The trained weights (safetensors, from the CPU), ``config.json`` and the preprocessing."""
+        self.trainer.model.to("cpu").save_pretrained(folder, safe_serialization=True)
+        atomic_write_json(folder / PREPROCESSING_FILE,
+                          preprocessing_record(self.image_size, self.channels, self.data.label_names))

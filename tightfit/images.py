@@ -1,0 +1,259 @@
+"""Labelled images: scikit-learn's digits, a folder of class folders, or a CSV of paths and labels.
+
+``--data`` for an image model is one of
+
+- ``digits``: scikit-learn's 1,797 handwritten digits (8x8 grey levels 0-16, 10 classes), read
+  offline (``sklearn.datasets.load_digits``; where scikit-learn is not installed, the same
+  ``digits.csv.gz`` named by ``TIGHTFIT_DIGITS``);
+- a folder with one subfolder per class, each holding that class's images (PNG, JPEG, BMP, GIF,
+  WebP, TIFF; nested folders included);
+- a CSV/TSV file with a column of image paths (``--image-column``, default ``path``; relative to
+  the file's folder) and a column of labels (``--label-column``).
+
+Every image is opened and checked here, before any model is built or anything written, so that an
+unreadable file stops the run with one line. Images become ``pixel_values`` by
+:func:`pixel_values`: grey or RGB as the model's ``num_channels`` wants, resized (bilinear,
+antialiased) to ``size x size`` and scaled to ``[-1, 1]`` (mean 0.5, std 0.5 per channel); the
+same preprocessing is recorded beside a trained model (:func:`preprocessing_record`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .data import _read_rows, majority_fraction
+from .errors import TightfitError
+
+DIGITS = "digits"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+MEAN, STD = 0.5, 0.5  # pixel_values = (x / 255 - MEAN) / STD, per channel: [-1, 1]
+PREPROCESSING_FILE = "tightfit_images.json"
+
+
+@dataclass(frozen=True)
+class ImageClassificationData:
+    """Images with integer labels (the interface of :class:`tightfit.data.TextClassificationData`:
+    ``subset``, ``fingerprint``, ``majority_fraction``, ``label_names``, ``source``).
+
+    Attributes:
+        images: per sample, a file path (str) or a uint8 array ``[H, W]`` (grey) / ``[H, W, 3]``.
+        labels: class index per sample, in ``range(len(label_names))``.
+        label_names: class names, index = label id.
+        source: where the data came from (for reports).
+        skipped_blank: rows of a CSV dropped for a blank path or label.
+    """
+
+    images: list
+    labels: list[int]
+    label_names: list[str]
+    source: str
+    skipped_blank: int = 0
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def subset(self, indices) -> "ImageClassificationData":
+        idx = list(indices)
+        return ImageClassificationData([self.images[i] for i in idx], [self.labels[i] for i in idx],
+                                       self.label_names, self.source)
+
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of the class names, labels and images (pixels, or paths and file sizes), in
+        order: a resumed run checks that it continues on the samples it started with."""
+        h = hashlib.sha256(repr(self.label_names).encode())
+        for image, label in zip(self.images, self.labels):
+            h.update(f"{label}\t".encode())
+            if isinstance(image, str):
+                h.update(f"{image}\t{os.path.getsize(image)}\n".encode())
+            else:
+                h.update(np.ascontiguousarray(image).tobytes())
+        return h.hexdigest()
+
+    def majority_fraction(self) -> float:
+        """Share of the most frequent class (the accuracy of always guessing it)."""
+        return majority_fraction(self.labels, len(self.label_names))
+
+
+def is_image_data(spec: str | None) -> bool:
+    """Whether ``--data`` names images without knowing the model: ``digits`` or a folder."""
+    return spec == DIGITS or (spec is not None and Path(spec).is_dir())
+
+
+def load_image_classification(spec: str, label_column: str = "label", image_column: str = "path") -> ImageClassificationData:
+    """The labelled images ``--data`` names (see the module docstring), every image checked.
+
+    Raises:
+        TightfitError: missing path; an empty folder or one without class folders; fewer than two
+            classes; a file that is not a readable image; a CSV without the columns or with a
+            path that does not exist.
+    """
+    if spec == DIGITS:
+        return load_digits()
+    path = Path(spec)
+    if path.is_dir():
+        return _load_folder(path)
+    if not path.is_file():
+        raise TightfitError(f"image data not found: {path} (give digits, a folder with one subfolder per class, "
+                            "or a CSV of image paths and labels)")
+    return _load_csv(path, label_column, image_column)
+
+
+def load_digits() -> ImageClassificationData:
+    """scikit-learn's digits: 1,797 images of 8x8 grey levels 0-16 (stored as uint8 0-255), 10
+    classes ``0``-``9``; from ``sklearn.datasets.load_digits`` or, without scikit-learn, from the
+    file ``TIGHTFIT_DIGITS`` names (scikit-learn's ``digits.csv.gz``: 64 pixels and the label per row).
+
+    Raises:
+        TightfitError: neither scikit-learn nor a readable ``TIGHTFIT_DIGITS`` file.
+    """
+    env = os.environ.get("TIGHTFIT_DIGITS")
+    if env:
+        try:
+            with gzip.open(env, "rt") if env.endswith(".gz") else open(env) as f:
+                table = np.loadtxt(f, delimiter=",")
+        except (OSError, ValueError) as e:
+            raise TightfitError(f"TIGHTFIT_DIGITS={env}: cannot read ({e})") from None
+        pixels, target = table[:, :-1], table[:, -1].astype(int)
+    elif importlib.util.find_spec("sklearn") is not None:
+        from sklearn.datasets import load_digits as sk_digits
+
+        d = sk_digits()
+        pixels, target = d.data, d.target
+    else:
+        raise TightfitError("--data digits needs scikit-learn: pip install 'tightfit[images]' "
+                            "(or TIGHTFIT_DIGITS=path/to/digits.csv.gz)")
+    images = list(np.rint(pixels.reshape(-1, 8, 8) * (255 / 16)).astype(np.uint8))
+    return ImageClassificationData(images, [int(t) for t in target], [str(i) for i in range(10)], DIGITS)
+
+
+def _check_image(path: Path) -> None:
+    """Open and verify one image file (header and data, without decoding it all).
+
+    Raises:
+        TightfitError: PIL cannot read it.
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, OSError, ...)
+        raise TightfitError(f"{path}: not a readable image ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") \
+            from None
+
+
+def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int = 0) -> ImageClassificationData:
+    """Check every image, number the classes (numerically when all are integers)."""
+    if not paths:
+        raise TightfitError(f"{source}: no images")
+    names = sorted(set(raw_labels))
+    if all(n.lstrip("-").isdigit() for n in names):
+        names = sorted(names, key=int)
+    if len(names) < 2:
+        raise TightfitError(f"{source}: {len(names)} class ({', '.join(names)}); need at least 2")
+    for p in paths:
+        _check_image(Path(p))
+    index = {n: i for i, n in enumerate(names)}
+    return ImageClassificationData(paths, [index[x] for x in raw_labels], names, source, skipped)
+
+
+def _load_folder(root: Path) -> ImageClassificationData:
+    """``root/<class>/**/<image>``: the class is the name of the first-level folder."""
+    classes = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise TightfitError(f"{root}: no class folders (put each class's images in a subfolder named after it)")
+    paths, labels = [], []
+    for c in classes:
+        files = sorted(f for f in c.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        paths += [str(f) for f in files]
+        labels += [c.name] * len(files)
+    return _finish(paths, labels, str(root))
+
+
+def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassificationData:
+    """A CSV/TSV of image paths (relative to the file's folder) and labels."""
+    rows = _read_rows(path)
+    if not rows:
+        raise TightfitError(f"{path}: no rows")
+    columns = set().union(*(r.keys() for r in rows[:100]))
+    for col, flag in ((image_column, "--image-column"), (label_column, "--label-column")):
+        if col not in columns:
+            raise TightfitError(f"{path}: no column {col!r} ({flag}); columns are: {', '.join(sorted(map(str, columns)))}")
+    paths, labels, blank = [], [], 0
+    for n, r in enumerate(rows, 1):
+        file, label = str(r.get(image_column) or "").strip(), str(r.get(label_column) or "").strip()
+        if not file or not label:
+            blank += 1
+            continue
+        p = Path(file) if Path(file).is_absolute() else path.parent / file
+        if not p.is_file():
+            raise TightfitError(f"{path}: row {n}: image not found: {p}")
+        paths.append(str(p))
+        labels.append(label)
+    return _finish(paths, labels, str(path), blank)
+
+
+def load_image(image) -> np.ndarray:
+    """One sample's pixels: uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB; other modes converted)."""
+    if not isinstance(image, str):
+        return image
+    from PIL import Image
+
+    with Image.open(image) as im:
+        return np.asarray(im.convert("L" if im.mode in ("1", "L", "I", "I;16", "F") else "RGB"))
+
+
+def pixel_values(image: np.ndarray, size: int, channels: int) -> torch.Tensor:
+    """The model's input for one image: fp32 ``[channels, size, size]`` in ``[-1, 1]``.
+
+    Args:
+        image: uint8 ``[H, W]`` or ``[H, W, 3]``.
+        size: the side in pixels (bilinear, antialiased resize, ``torch.nn.functional.interpolate``).
+        channels: 1 (grey: RGB averaged with ITU-R 601 luma weights) or 3 (grey repeated).
+    """
+    x = torch.from_numpy(np.ascontiguousarray(image)).float() / 255
+    x = x[None] if x.ndim == 2 else x.permute(2, 0, 1)  # [C, H, W]
+    if channels == 1 and x.shape[0] == 3:
+        x = (x * torch.tensor([0.299, 0.587, 0.114])[:, None, None]).sum(0, keepdim=True)
+    elif channels != x.shape[0]:
+        x = x.expand(channels, -1, -1)
+    if tuple(x.shape[1:]) != (size, size):
+        x = torch.nn.functional.interpolate(x[None], size=(size, size), mode="bilinear", antialias=True,
+                                            align_corners=False)[0]
+    return (x - MEAN) / STD
+
+
+class ImageSamples(torch.utils.data.Dataset):
+    """A map-style dataset of ``(pixel_values [C, size, size] fp32, label int64 [])`` samples,
+    decoded on access (collate with ``tightfit.workload.collate_as("pixel_values", "labels")``).
+
+    Args:
+        data: the images and labels.
+        size: image side in pixels.
+        channels: the model's input channels (1 or 3).
+    """
+
+    def __init__(self, data: ImageClassificationData, size: int, channels: int):
+        self.data, self.size, self.channels = data, size, channels
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = load_image(self.data.images[i])
+        return pixel_values(image, self.size, self.channels), torch.tensor(self.data.labels[i], dtype=torch.long)
+
+
+def preprocessing_record(size: int, channels: int, label_names: list[str]) -> dict[str, Any]:
+    """What :func:`pixel_values` does, as written beside a trained model (:data:`PREPROCESSING_FILE`)."""
+    return {"image_size": size, "num_channels": channels, "mean": MEAN, "std": STD, "resize": "bilinear, antialiased",
+            "scale": "pixel / 255", "label_names": list(label_names)}
