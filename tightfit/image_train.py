@@ -56,8 +56,10 @@ def recipe_class(req: TrainRequest) -> type[TrainRecipe]:
     if is_image_model(resolve(model)):
         return ImageTrainRecipe
     if is_image_data(data):
-        raise TightfitError(f"--data {data} is images, but {model or 'the default model'} is a text model: give an "
-                            "image model (--model resnet50, --model vit-b16, or a folder of an image classifier)")
+        what = "digits, images" if data == "digits" else "a folder, read as images (one subfolder per class)"
+        raise TightfitError(f"--data {data} is {what}, but {model or 'the default model'} is a text model: give an "
+                            "image model (--model resnet50, --model vit-b16, or a folder of an image classifier), "
+                            "or for text one CSV, TSV or JSONL file")
     return TrainRecipe
 
 

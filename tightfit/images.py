@@ -209,7 +209,7 @@ def load_image(image) -> np.ndarray:
     from PIL import Image
 
     with Image.open(image) as im:
-        return np.asarray(im.convert("L" if im.mode in ("1", "L", "I", "I;16", "F") else "RGB"))
+        return np.array(im.convert("L" if im.mode in ("1", "L", "I", "I;16", "F") else "RGB"))
 
 
 def pixel_values(image: np.ndarray, size: int, channels: int) -> torch.Tensor:

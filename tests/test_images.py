@@ -1,0 +1,158 @@
+"""``tightfit train`` on images (CPU): scikit-learn's digits, a folder of class folders and a CSV
+of paths, with tiny transformers ResNet/ViT classifiers saved as model folders; the checks that
+refuse bad image input before any work."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sklearn")  # the `images` extra
+
+from tightfit.cli import main  # noqa: E402
+from tightfit.errors import TightfitError  # noqa: E402
+from tightfit.images import (ImageSamples, load_digits, load_image_classification,  # noqa: E402
+                             pixel_values)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny ResNet (BatchNorm, grey input) and a tiny ViT (16 px, dropout 0.1) model folder."""
+    from transformers import ResNetConfig, ResNetForImageClassification, ViTConfig, ViTForImageClassification
+
+    root = tmp_path_factory.mktemp("image-models")
+    torch.manual_seed(0)
+    ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                              layer_type="basic", num_labels=2)).save_pretrained(root / "resnet")
+    ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=64, hidden_dropout_prob=0.1,
+                                        num_labels=2)).save_pretrained(root / "vit")
+    return root
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """Three digit classes as PNG files, 12 each: ``root/<class>/<n>.png``."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("pngs")
+    d = load_digits()
+    for cls in ("0", "1", "7"):
+        (root / cls).mkdir()
+        idx = [i for i, y in enumerate(d.labels) if d.label_names[y] == cls][:12]
+        for n, i in enumerate(idx):
+            Image.fromarray(d.images[i]).save(root / cls / f"{n}.png")
+    return root
+
+
+def _train(argv, out):
+    return main(["train", *argv, "--out", str(out), "--no-progress", "--device", "cpu", "--checkpoint-every", "0"])
+
+
+def test_digits_train_above_chance_in_train_mode(models, tmp_path, capsys, monkeypatch):
+    """Two epochs of a tiny ResNet on digits reach well above chance (0.10; majority 0.13): a fault that
+    shuffles labels against images stays near chance. Every training forward runs in train mode, and
+    BatchNorm's running statistics are learnt (they stay at their initial 0/1 when training runs in eval
+    mode); evaluation runs in eval mode."""
+    import transformers
+
+    modes = []
+    real_forward = transformers.ResNetForImageClassification.forward
+
+    def spy(self, *a, **k):
+        modes.append((self.training, torch.is_grad_enabled()))
+        return real_forward(self, *a, **k)
+
+    monkeypatch.setattr(transformers.ResNetForImageClassification, "forward", spy)
+    out = tmp_path / "run"
+    assert _train(["--data", "digits", "--model", str(models / "resnet"), "--image-size", "16", "--epochs", "2",
+                   "--batch-size", "32", "--lr", "3e-3"], out) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy"] >= 0.6, summary
+    assert "held-out accuracy" in capsys.readouterr().out
+    assert all(training for training, grad in modes if grad) and any(grad for _, grad in modes)
+    assert not any(training for training, grad in modes if not grad)  # evaluation in eval mode
+    from safetensors.torch import load_file
+    weights = load_file(out / "model" / "model.safetensors")
+    means = [v for k, v in weights.items() if k.endswith("running_mean")]
+    assert means and all(v.abs().sum() > 0 for v in means)
+    pre = json.loads((out / "model" / "tightfit_images.json").read_text())
+    assert pre["image_size"] == 16 and pre["num_channels"] == 1 and pre["label_names"][3] == "3"
+
+
+def test_vit_on_an_image_folder_and_a_csv(models, image_folder, tmp_path):
+    """A ViT (3 channels, dropout) trains on PNG class folders and on a CSV of relative paths; the
+    run folder is the text runs' (plan, metrics, report, model)."""
+    out = tmp_path / "folder-run"
+    assert _train(["--data", str(image_folder), "--model", str(models / "vit"), "--max-steps", "2",
+                   "--batch-size", "8"], out) == 0
+    assert {"plan.json", "metrics.jsonl", "report.md", "summary.json", "model"} <= {p.name for p in out.iterdir()}
+    ev = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["type"] == "eval" and 0 <= r["accuracy"] <= 1 for r in ev)
+    csv = image_folder / "list.csv"
+    rows = [f"{p.relative_to(image_folder)},{p.parent.name}" for p in sorted(image_folder.rglob("*.png"))]
+    csv.write_text("file,digit\n" + "\n".join(rows) + "\n")
+    data = load_image_classification(str(csv), "digit", "file")
+    assert data.label_names == ["0", "1", "7"] and len(data) == 36
+    assert _train(["--data", str(csv), "--image-column", "file", "--label-column", "digit", "--model",
+                   str(models / "vit"), "--max-steps", "1", "--batch-size", "8"], tmp_path / "csv-run") == 0
+
+
+def test_pixel_values_shape_and_range():
+    grey = np.array([[0, 255], [255, 0]], dtype=np.uint8)
+    x = pixel_values(grey, 6, 3)
+    assert x.shape == (3, 6, 6) and x.dtype == torch.float32 and -1 <= x.min() < x.max() <= 1
+    assert torch.equal(x[0], x[2])  # grey repeated into RGB
+    rgb = np.zeros((4, 4, 3), dtype=np.uint8)
+    assert pixel_values(rgb, 4, 1).shape == (1, 4, 4)
+    d = load_digits()
+    pv, y = ImageSamples(d, 8, 1)[5]
+    assert pv.shape == (1, 8, 8) and int(y) == d.labels[5]
+
+
+def _bad(argv, tmp_path, capsys, message):
+    out = tmp_path / "run"
+    assert _train(argv, out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tightfit: error:") and message in err[0], err
+    assert not out.exists()
+
+
+def test_empty_folder_is_refused(models, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    _bad(["--data", str(tmp_path / "empty"), "--model", str(models / "resnet")], tmp_path, capsys, "no class folders")
+
+
+def test_one_class_is_refused(models, tmp_path, capsys, image_folder):
+    import shutil
+    root = tmp_path / "one"
+    shutil.copytree(image_folder / "7", root / "7")
+    _bad(["--data", str(root), "--model", str(models / "resnet")], tmp_path, capsys, "need at least 2")
+
+
+def test_unreadable_image_is_refused(models, tmp_path, capsys, image_folder):
+    import shutil
+    root = tmp_path / "broken"
+    shutil.copytree(image_folder, root, ignore=shutil.ignore_patterns("*.csv"))
+    (root / "1" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\nnot an image")
+    _bad(["--data", str(root), "--model", str(models / "resnet")], tmp_path, capsys, "3.png: not a readable image")
+
+
+def test_csv_without_the_path_column_is_refused(models, tmp_path, capsys):
+    (tmp_path / "l.csv").write_text("image,label\na.png,1\n")
+    _bad(["--data", str(tmp_path / "l.csv"), "--model", str(models / "resnet")], tmp_path, capsys,
+         "no column 'path' (--image-column)")
+
+
+def test_images_with_a_text_model_and_an_image_model_without_data(models, tmp_path, capsys):
+    _bad(["--data", "digits"], tmp_path, capsys, "is a text model")
+    _bad(["--model", "resnet50"], tmp_path, capsys, "give --data")
+    _bad(["--data", "digits", "--model", str(models / "vit"), "--image-size", "32"], tmp_path, capsys,
+         "takes 16 x 16 images")
+
+
+def test_missing_image_in_csv_is_refused(tmp_path):
+    (tmp_path / "l.csv").write_text("path,label\nnope.png,1\n")
+    with pytest.raises(TightfitError, match="image not found"):
+        load_image_classification(str(tmp_path / "l.csv"))
