@@ -1,4 +1,4 @@
-"""The command line: ``tightfit train``, ``tightfit estimate`` and ``tightfit doctor``.
+"""The command line: ``tightfit train``, ``estimate``, ``plan``, ``bench``, ``export`` and ``doctor``.
 
 User errors (:class:`TightfitError`) print one line ``tightfit: error: ...`` on stderr and exit with 2.
 The library's messages (``logging.getLogger("tightfit")``) are printed on stdout, one plain line each.
@@ -24,7 +24,22 @@ def _train_parser(sub):
                        description="Fine-tune a Hugging Face model on labelled text under a GPU memory budget. "
                                    "With no arguments: the shipped MiniLM on Rotten Tomatoes fresh/rotten reviews.")
     add_train_arguments(p)
+    # not an option of training: refused with one line that says where int8 belongs (tightfit export)
+    p.add_argument("--int8", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _export_parser(sub) -> None:
+    """Add ``tightfit export``."""
+    p = sub.add_parser("export", help="quantize a trained model to int8 for CPU inference, with a size/latency/"
+                                      "accuracy report",
+                       description="Dynamic int8 quantization (torch.ao) of a run folder's model (or a Hugging Face "
+                                   "classifier folder) for CPU inference; writes the model and report.md into --out.")
+    p.add_argument("source", metavar="RUN_FOLDER_OR_MODEL", help="a tightfit train run folder or a model folder")
+    p.add_argument("--int8", action="store_true", required=True, help="dynamic int8 quantization of every Linear layer")
+    p.add_argument("--out", required=True, help="output folder (new or empty)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="inference device: cpu (the only one int8 dynamic quantization runs on)")
 
 
 def _given_options(train_parser, argv: list[str]) -> tuple[str, ...]:
@@ -96,6 +111,7 @@ def _parser() -> _Parser:
     add_estimate_parser(sub)
     add_plan_parser(sub)
     add_bench_parser(sub)
+    _export_parser(sub)
     sub.add_parser("doctor", help="show the GPU(s), driver, CUDA, capabilities and which techniques help")
     return parser
 
@@ -123,7 +139,17 @@ def _run(args) -> int:
         from .memory.cli import run as run_estimate
 
         return run_estimate(args)
+    if args.command == "export":
+        from .export import export_int8, report_markdown
+
+        print(report_markdown(export_int8(args.source, args.out, args.device)), end="")
+        print(f"written: {args.out}")
+        return 0
     if args.command == "train":
+        if args.int8:
+            from .export import TRAIN_REFUSAL
+
+            raise TightfitError(TRAIN_REFUSAL)
         from .api import TrainRequest, train
 
         train(TrainRequest.from_args(args))

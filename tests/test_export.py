@@ -1,0 +1,110 @@
+"""``tightfit export --int8`` (CPU): a tiny text run and a tiny image run quantized, saved, read
+back safely and reported; refusals of CUDA inference and int8 training before any work."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from tightfit.cli import main
+from tightfit.export import WEIGHTS_FILE, load_int8, quantize
+
+WORDS = "film plot actor scene great dull awful superb boring moving".split()
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A finished CPU run of a tiny BERT on 80 labelled rows (held out: 8)."""
+    from conftest import tiny_text_model_folder
+
+    root = tmp_path_factory.mktemp("text")
+    model_dir = tiny_text_model_folder(root, WORDS, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=32)
+    rng = random.Random(0)
+    rows = ["text,label"] + [f"{' '.join(w)},{'pos' if 'great' in w else 'neg'}"
+                             for w in (rng.choices(WORDS, k=rng.randint(3, 10)) for _ in range(80))]
+    (root / "data.csv").write_text("\n".join(rows) + "\n")
+    run = root / "run"
+    assert main(["train", "--model", str(model_dir), "--data", str(root / "data.csv"), "--batch-size", "8",
+                 "--max-steps", "4", "--seq-len", "16", "--checkpoint-every", "0", "--out", str(run),
+                 "--no-progress", "--device", "cpu"]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory):
+    """A finished CPU run of a tiny ResNet on digits (held out: 180)."""
+    pytest.importorskip("sklearn")
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    root = tmp_path_factory.mktemp("image")
+    torch.manual_seed(0)
+    ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                              layer_type="basic", num_labels=2)).save_pretrained(root / "resnet")
+    run = root / "run"
+    assert main(["train", "--data", "digits", "--model", str(root / "resnet"), "--image-size", "16", "--epochs", "1",
+                 "--batch-size", "32", "--lr", "3e-3", "--checkpoint-every", "0", "--out", str(run), "--no-progress",
+                 "--device", "cpu"]) == 0
+    return run
+
+
+def _linears(model):
+    return [type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)
+            or type(m).__name__ == "Linear" and "quantized" in type(m).__module__]
+
+
+def test_text_run_export_reads_back_safely(text_run, tmp_path, capsys):
+    out = tmp_path / "int8"
+    assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| saved size |" in printed and "CPU latency, batch 32" in printed and "held-out accuracy" in printed
+    assert "| saved size |" in (out / "report.md").read_text()
+    r = json.loads((out / "export.json").read_text())
+    assert r["held_out_samples"] == 8 and 0 <= r["int8"]["accuracy"] <= 1 and r["int8"]["size_bytes"] > 0
+    assert set(r["int8"]["latency_s"]) == {"1", "32"}
+    # the run's own held-out split: the exported fp32 model scores what the run reported
+    assert r["fp32"]["accuracy"] == json.loads((text_run / "summary.json").read_text())["accuracy"]
+    torch.load(out / WEIGHTS_FILE, weights_only=True)  # no pickled code
+    loaded = load_int8(out)
+    kinds = {t.__module__ for t in _linears(loaded)}
+    assert kinds == {"torch.ao.nn.quantized.dynamic.modules.linear"}, kinds
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    fp32 = AutoModelForSequenceClassification.from_pretrained(text_run / "model").eval()
+    batch = AutoTokenizer.from_pretrained(out)(["great film", "dull plot"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, quantize(fp32)(**batch).logits)
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_image_run_export_keeps_accuracy(image_run, tmp_path):
+    out = tmp_path / "int8"
+    assert main(["export", "--int8", str(image_run), "--out", str(out)]) == 0
+    r = json.loads((out / "export.json").read_text())
+    summary = json.loads((image_run / "summary.json").read_text())
+    assert r["held_out_samples"] == 180 and r["fp32"]["accuracy"] == summary["accuracy"]
+    assert summary["accuracy"] > 0.6 and abs(r["int8"]["accuracy"] - r["fp32"]["accuracy"]) <= 0.05, r
+    assert (out / "tightfit_images.json").is_file()
+
+
+def _refused(argv, capsys, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tightfit: error:") and message in err[0], err
+
+
+def test_cuda_inference_and_int8_training_are_refused_before_any_work(text_run, tmp_path, capsys, monkeypatch):
+    import tightfit.export as export
+
+    def no_work(*a, **k):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(export, "_load_fp32", no_work)
+    _refused(["export", "--int8", str(text_run), "--out", str(tmp_path / "o"), "--device", "cuda"], capsys,
+             "runs on the CPU only")
+    _refused(["train", "--int8", "--out", str(tmp_path / "t"), "--device", "cpu"], capsys, "not training")
+    _refused(["export", "--int8", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], capsys, "no such run")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    _refused(["export", "--int8", str(text_run), "--out", str(tmp_path / "full")], capsys, "not an empty folder")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "t").exists()

@@ -1,0 +1,306 @@
+"""``tightfit export --int8``: a trained classifier quantized for CPU inference, with its report.
+
+Dynamic int8 quantization (``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear``,
+``torch.qint8`` weights, activations quantized per batch at run time) of a run folder's model (or
+of a Hugging Face model folder). The report compares the int8 model with the fp32 one: the saved
+size, the CPU latency at batch 1 and 32, and -- for a run folder -- the accuracy on the run's own
+held-out samples (the fixed split the run evaluated on).
+
+Saved format: ``config.json`` (and the tokenizer or the image preprocessing) plus ``model_int8.pt``,
+the quantized model's ``state_dict`` written by ``torch.save``. It is read back by
+:func:`load_int8` with ``torch.load(weights_only=True)`` -- only tensors, dtypes and tuples, no
+pickled code -- into the architecture built from ``config.json`` and quantized the same way. A
+TorchScript or ``torch.export`` program would carry the code too, but TorchScript is deprecated
+and the exporter does not take the quantized Linear's packed weights; a state dict keeps the load
+safe and the model an ordinary transformers module. The folder is written atomically.
+
+Dynamic quantization is for inference on the CPU: its kernels (fbgemm/x86, qnnpack) have no CUDA
+version and it has no backward; asking for either is refused before any work.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import statistics
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import TightfitError
+from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text
+from .units import format_bytes
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model_int8.pt"
+LATENCY_BATCHES = (1, 32)
+LATENCY_REPEATS = 10  # timed calls per batch size (after 2 warm-up calls); the median is reported
+EVAL_BATCH = 64
+
+CUDA_REFUSAL = ("int8 dynamic quantization (torch.ao quantize_dynamic) runs on the CPU only: its quantized Linear "
+                "kernels (fbgemm, qnnpack) have no CUDA version; export with --device cpu for CPU inference")
+TRAIN_REFUSAL = ("--int8 is for CPU inference, not training (dynamic int8 quantization has no backward): train in "
+                 "fp32/fp16/bf16, then run: tightfit export --int8 RUN_FOLDER --out DIR")
+
+
+@contextmanager
+def _quiet_quantization():
+    """torch.ao.quantization warns that it is deprecated (torchao is its successor) at every call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.ao.quantization.*")
+        warnings.filterwarnings("ignore", category=UserWarning, message=".*quantize_per_tensor.*")
+        warnings.filterwarnings("ignore", category=UserWarning, message=".*TypedStorage is deprecated.*")
+        yield
+
+
+def quantize(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every ``nn.Linear`` dynamically quantized to int8 weights
+    (``torch.ao.quantization.quantize_dynamic``), in eval mode, on the CPU; ``model`` is unchanged."""
+    with _quiet_quantization():
+        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).cpu().eval(), {torch.nn.Linear},
+                                                      dtype=torch.qint8)
+
+
+@dataclass
+class _Source:
+    """What is exported: the fp32 model folder, its task kind, and the run folder (if any)."""
+
+    model_dir: Path
+    kind: str  # "text" or "image"
+    run: Path | None
+
+
+def _source(path: str) -> _Source:
+    """A run folder (``request.json`` and ``model/``) or a model folder (``config.json``).
+
+    Raises:
+        TightfitError: neither; a model that is not a sequence or image classifier.
+    """
+    from .models import _folder_config, _task_of_config
+
+    p = Path(path)
+    if (p / "request.json").is_file() and (p / "model" / "config.json").is_file():
+        run, model_dir = p, p / "model"
+    elif (p / "config.json").is_file():
+        run, model_dir = None, p
+    elif p.is_dir():
+        raise TightfitError(f"{p}: neither a tightfit run folder (request.json, model/) nor a model folder (config.json)")
+    else:
+        raise TightfitError(f"{p}: no such run or model folder")
+    kind = _task_of_config(_folder_config(model_dir)).kind
+    if kind not in ("text", "image"):
+        raise TightfitError(f"{model_dir}: a {kind} model; tightfit export --int8 takes text or image classifiers")
+    return _Source(model_dir, kind, run)
+
+
+def check_request(source: str, out: str, device: str = "cpu") -> _Source:
+    """Every check of an export, before any work: CPU only, the source, an empty output folder.
+
+    Raises:
+        TightfitError: ``device`` is not ``cpu``; a bad source; ``out`` exists and is not empty.
+    """
+    if device != "cpu":
+        raise TightfitError(CUDA_REFUSAL)
+    src = _source(source)
+    o = Path(out)
+    if o.exists() and (not o.is_dir() or any(o.iterdir())):
+        raise TightfitError(f"--out {o} exists and is not an empty folder; choose another")
+    return src
+
+
+def _load_fp32(src: _Source) -> torch.nn.Module:
+    from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
+
+    from .models import _quiet_transformers
+
+    _quiet_transformers()
+    cls = AutoModelForImageClassification if src.kind == "image" else AutoModelForSequenceClassification
+    return cls.from_pretrained(src.model_dir, dtype=torch.float32).eval()
+
+
+def _held_out(src: _Source):
+    """The run's held-out samples as a batch source (``collate(indices)``, ``len``) and its task;
+    ``(None, task)`` for a bare model folder."""
+    from .tasks import ImageClassification, SequenceClassification
+
+    task = ImageClassification() if src.kind == "image" else SequenceClassification()
+    if src.run is None:
+        return None, task
+    from .config import TrainRequest
+    from .image_train import recipe_class
+
+    saved = json.loads((src.run / "request.json").read_text())
+    saved.pop("data_fingerprint", None)
+    req = TrainRequest(**{**saved, "out": str(src.run), "progress": False})
+    recipe = recipe_class(req)(req)
+    recipe._load_data()  # the run's data and its fixed held-out split, as the run made them
+    recipe._split_data()
+    eval_data = recipe.eval_data
+    if src.kind == "image":
+        from .images import PREPROCESSING_FILE, ImageSamples
+        from .workload import DatasetBatches, collate_as
+
+        pre = json.loads((src.model_dir / PREPROCESSING_FILE).read_text())
+        return DatasetBatches(ImageSamples(eval_data, pre["image_size"], pre["num_channels"]),
+                              collate_as("pixel_values", "labels")), task
+    from transformers import AutoTokenizer
+
+    from .workload import TextBatches
+
+    return TextBatches(AutoTokenizer.from_pretrained(src.model_dir), eval_data, req.workload.seq_len), task
+
+
+def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> dict:
+    """``n`` held-out samples (cycled), or random inputs of the model's size for a bare folder."""
+    if held_out is not None:
+        batch = held_out.collate([i % len(held_out) for i in range(n)])
+    else:
+        from .models import batch_maker
+        from .tasks import ImageClassification, SequenceClassification
+
+        task = ImageClassification() if src.kind == "image" else SequenceClassification()
+        size = getattr(model.config, "image_size", 224) if src.kind == "image" else 128
+        torch.manual_seed(0)
+        batch = batch_maker(task, model.config)(n, size, device="cpu")
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def cpu_latency(model: torch.nn.Module, inputs: dict, repeats: int = LATENCY_REPEATS) -> float:
+    """Median wall time (seconds) of ``model(**inputs)`` on the CPU under ``torch.inference_mode``,
+    over ``repeats`` calls after 2 warm-up calls."""
+    times = []
+    with torch.inference_mode(), _quiet_quantization():
+        for i in range(repeats + 2):
+            t = time.perf_counter()
+            model(**inputs)
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _accuracy(model, task, held_out) -> float | None:
+    if held_out is None:
+        return None
+    from .tasks import evaluate_batches
+
+    n = len(held_out)
+    batches = (held_out.collate(list(range(i, min(n, i + EVAL_BATCH)))) for i in range(0, n, EVAL_BATCH))
+    with torch.inference_mode(), _quiet_quantization():
+        return evaluate_batches(task, model, batches)["accuracy"]
+
+
+def load_int8(folder: str | Path) -> torch.nn.Module:
+    """The int8 model saved by :func:`export_int8`: the architecture of ``folder/config.json``,
+    quantized as at export, with the weights of ``model_int8.pt`` read by
+    ``torch.load(weights_only=True)``; in eval mode, on the CPU.
+
+    Raises:
+        TightfitError: not an export folder, or weights that do not match the config.
+    """
+    from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification
+
+    from .models import _quiet_transformers, _task_of_config
+
+    folder = Path(folder)
+    if not (folder / WEIGHTS_FILE).is_file() or not (folder / "config.json").is_file():
+        raise TightfitError(f"{folder}: not an int8 export (no {WEIGHTS_FILE} and config.json)")
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(folder)
+    cls = AutoModelForImageClassification if _task_of_config(config).kind == "image" else \
+        AutoModelForSequenceClassification
+    model = quantize(cls.from_config(config))
+    with _quiet_quantization():
+        state = torch.load(folder / WEIGHTS_FILE, weights_only=True, map_location="cpu")
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            raise TightfitError(f"{folder / WEIGHTS_FILE}: weights do not match config.json ({str(e).splitlines()[0]})") \
+                from None
+    return model.eval()
+
+
+def _fp32_size(model_dir: Path) -> int:
+    """Bytes of the fp32 weights files (safetensors, or PyTorch's bin files)."""
+    files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
+
+
+def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dict:
+    """Quantize ``source``'s model to int8 for CPU inference, save it in ``out`` and report.
+
+    Args:
+        source: a ``tightfit train`` run folder or a Hugging Face classifier folder.
+        out: the output folder (new or empty), written atomically: ``config.json``, the tokenizer
+            (text) or ``tightfit_images.json`` (images), :data:`WEIGHTS_FILE`, ``report.md``,
+            ``export.json``.
+        device: must be ``"cpu"``.
+
+    Returns:
+        The numbers of the report: ``{"fp32": {...}, "int8": {...}, ...}`` with per model
+        ``size_bytes``, ``latency_s`` (``{batch: seconds}``) and ``accuracy`` (None without
+        held-out data).
+
+    Raises:
+        TightfitError: as :func:`check_request`, before any work.
+    """
+    src = check_request(str(source), str(out), device)
+    fp32 = _load_fp32(src)
+    held_out, task = _held_out(src)
+    int8 = quantize(fp32)
+    result = {"source": str(source), "kind": src.kind, "held_out_samples": len(held_out) if held_out else 0,
+              "torch": torch.__version__, "quantized_engine": torch.backends.quantized.engine,
+              "threads": torch.get_num_threads()}
+    latency = {}
+    for name, model in (("fp32", fp32), ("int8", int8)):
+        latency[name] = {b: cpu_latency(model, _example_batch(src, fp32, held_out, b)) for b in LATENCY_BATCHES}
+
+    def fill(folder: Path) -> None:
+        fp32.config.save_pretrained(folder)
+        for f in src.model_dir.iterdir():  # the tokenizer or the image preprocessing, as trained
+            if f.is_file() and f.suffix in (".json", ".txt", ".model") and f.name not in ("config.json",) \
+                    and not f.name.endswith(".index.json"):
+                (folder / f.name).write_bytes(f.read_bytes())
+        with _quiet_quantization():
+            torch.save(int8.state_dict(), folder / WEIGHTS_FILE)
+
+    # accuracy after the weights are written: the int8 figure is that of the model read back
+    out = Path(out)
+    atomic_write_dir(out, fill)
+    loaded = load_int8(out)
+    result["fp32"] = {"size_bytes": _fp32_size(src.model_dir), "latency_s": latency["fp32"],
+                      "accuracy": _accuracy(fp32, task, held_out)}
+    result["int8"] = {"size_bytes": (out / WEIGHTS_FILE).stat().st_size, "latency_s": latency["int8"],
+                      "accuracy": _accuracy(loaded, task, held_out)}
+    text = report_markdown(result)
+    atomic_write_text(out / "report.md", text)
+    atomic_write_json(out / "export.json", result)
+    return result
+
+
+def report_markdown(r: dict) -> str:
+    """The export's table: size, CPU latency at each batch and held-out accuracy, fp32 against int8."""
+    def acc(v):
+        return "not measured (no held-out data: export a run folder)" if v is None else f"{v:.4f}"
+
+    rows = [("saved size", format_bytes(r["fp32"]["size_bytes"]), format_bytes(r["int8"]["size_bytes"]))]
+    for b in LATENCY_BATCHES:
+        f, i = r["fp32"]["latency_s"][b], r["int8"]["latency_s"][b]
+        rows.append((f"CPU latency, batch {b}", f"{f * 1e3:.1f} ms", f"{i * 1e3:.1f} ms ({f / i:.2f}x)"))
+    rows.append((f"held-out accuracy ({r['held_out_samples']} samples)", acc(r["fp32"]["accuracy"]),
+                 acc(r["int8"]["accuracy"])))
+    lines = ["# tightfit export --int8", "",
+             f"{r['source']} ({r['kind']} classifier): every nn.Linear dynamically quantized to int8 "
+             f"(torch.ao.quantization.quantize_dynamic, qint8 weights, activations quantized per batch), "
+             f"torch {r['torch']}, engine {r['quantized_engine']}, {r['threads']} CPU threads; latency: the median "
+             f"of {LATENCY_REPEATS} calls after 2 warm-up calls.", "",
+             "| | fp32 | int8 |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    lines += ["", f"Load: `tightfit.export.load_int8(folder)` (weights read with torch.load(weights_only=True)); "
+                  "CPU inference only."]
+    return "\n".join(lines) + "\n"
