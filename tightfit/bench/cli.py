@@ -1,4 +1,5 @@
-"""``tightfit bench run`` (one workload, on a CUDA GPU) and ``tightfit bench report``."""
+"""``tightfit bench run`` (one workload, on a CUDA GPU), ``tightfit bench report`` and ``tightfit bench --suite
+seeds`` (:mod:`tightfit.bench.seeds`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("bench", help="benchmark tightfit's plan against plain PyTorch and the HF Trainer",
                               description="Measure one workload under its emulated budget, or write the report.")
-    s = p.add_subparsers(dest="bench_command", required=True)
+    p.add_argument("--suite", choices=["seeds"], help="seeds: the 1080 Ti BERT table beside tightfit's plan for that "
+                                                      "card, and the ViT-B/16 challenge (CUDA GPU; writes --out)")
+    p.add_argument("--out", help="results folder of --suite")
+    s = p.add_subparsers(dest="bench_command")
     r = s.add_parser("run", help="measure one workload on a CUDA GPU; writes OUT/<workload>.json")
     r.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     r.add_argument("--out", required=True, help="results folder")
@@ -58,6 +62,16 @@ def run(args) -> int:
     Raises:
         TightfitError: no CUDA GPU for ``run``, unknown settings, or no results for ``report``.
     """
+    if args.bench_command is None:
+        if not args.suite or not args.out:
+            raise TightfitError("tightfit bench: give run, report, or --suite seeds --out DIR")
+        from .seeds import run_seeds
+
+        res = run_seeds(args.out)
+        print(f"{args.out}/seeds.md: ViT-B/16 criteria met: {res['vit']['met']}")
+        return 0
+    if args.suite:
+        raise TightfitError("--suite is its own command: tightfit bench --suite seeds --out DIR")
     if args.bench_command == "report":
         from .report import write_report
 

@@ -47,14 +47,16 @@ def clean() -> None:
 class _TimedTrainer(Trainer):
     def train_step(self, window):
         out = super().train_step(window)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():  # a CPU run (the seeds suite's smoke test) has nothing to wait for
+            torch.cuda.synchronize()
         self.stamps.append(time.perf_counter())
         return out
 
 
 def timed_run(workload, plan: Plan, steps: int, warmup: int) -> dict:
     """Train ``steps`` optimizer steps of ``plan``; speed over the steps after ``warmup``."""
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     t = _TimedTrainer(workload, plan, TrainConfig(epochs=1, max_steps=steps, lr=1e-5, checkpoint_dir=None,
                                                   warmup_ratio=0.0), progress=False)
     t.stamps = []
