@@ -156,3 +156,13 @@ def test_missing_image_in_csv_is_refused(tmp_path):
     (tmp_path / "l.csv").write_text("path,label\nnope.png,1\n")
     with pytest.raises(TightfitError, match="image not found"):
         load_image_classification(str(tmp_path / "l.csv"))
+
+
+def test_digits_file_without_scikit_learn_is_the_same(monkeypatch):
+    from pathlib import Path
+    monkeypatch.setenv("TIGHTFIT_DIGITS", str(Path(__file__).parents[1] / "bench" / "data" / "digits.csv.gz"))
+    from_file = load_digits()
+    monkeypatch.delenv("TIGHTFIT_DIGITS")
+    from_sklearn = load_digits()
+    assert from_file.labels == from_sklearn.labels
+    assert all(np.array_equal(a, b) for a, b in zip(from_file.images, from_sklearn.images))
