@@ -68,7 +68,7 @@ class SeedsConfig:
     image_size: int = 224
     vit_budget: str = "10GiB"
     vit_batch: int = 32
-    vit_epochs: float = 10.0
+    vit_epochs: float = 12.0
     vit_lr: float = 1e-4
     device: str = "cuda"
 
