@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `tightfit bench --suite seeds` on one CUDA GPU: the GTX 1080 Ti BERT-base table (seq 512, 20 steps
 # per row) beside tightfit's plan for that card, and the ViT-B/16 challenge (digits at 224 px, two
-# 12-epoch fine-tunes). About 4-6 minutes on an H200.
+# 12-epoch fine-tunes at effective batch 16). About 4-6 minutes on an H200.
 # Usage (repository root): OUT=folder bench/seeds.sh
 # Writes into $OUT: seeds.json, seeds.md, seeds-bert.png, seeds-vit.png, seeds.log.
 set -uo pipefail

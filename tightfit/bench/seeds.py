@@ -67,7 +67,7 @@ class SeedsConfig:
     vit: str = "vit-b16"
     image_size: int = 224
     vit_budget: str = "10GiB"
-    vit_batch: int = 32
+    vit_batch: int = 16
     vit_epochs: float = 12.0
     vit_lr: float = 1e-4
     device: str = "cuda"
