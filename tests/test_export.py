@@ -108,3 +108,12 @@ def test_cuda_inference_and_int8_training_are_refused_before_any_work(text_run, 
     (tmp_path / "full" / "x").write_text("x")
     _refused(["export", "--int8", str(text_run), "--out", str(tmp_path / "full")], capsys, "not an empty folder")
     assert not (tmp_path / "o").exists() and not (tmp_path / "t").exists()
+
+
+def test_a_bare_model_folder_exports_without_accuracy(text_run, tmp_path):
+    out = tmp_path / "int8"
+    assert main(["export", "--int8", str(text_run / "model"), "--out", str(out)]) == 0
+    r = json.loads((out / "export.json").read_text())
+    assert r["held_out_samples"] == 0 and r["fp32"]["accuracy"] is None and r["int8"]["accuracy"] is None
+    assert "not measured" in (out / "report.md").read_text()
+    assert (out / "vocab.txt").is_file() or (out / "tokenizer.json").is_file()

@@ -42,6 +42,7 @@ WEIGHTS_FILE = "model_int8.pt"
 LATENCY_BATCHES = (1, 32)
 LATENCY_REPEATS = 10  # timed calls per batch size (after 2 warm-up calls); the median is reported
 EVAL_BATCH = 64
+BARE_SEQ_LEN = 128  # tokens per random text when a bare model folder (no data) is timed
 
 CUDA_REFUSAL = ("int8 dynamic quantization (torch.ao quantize_dynamic) runs on the CPU only: its quantized Linear "
                 "kernels (fbgemm, qnnpack) have no CUDA version; export with --device cpu for CPU inference")
@@ -157,7 +158,8 @@ def _held_out(src: _Source):
 
 
 def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> dict:
-    """``n`` held-out samples (cycled), or random inputs of the model's size for a bare folder."""
+    """``n`` held-out samples (cycled), or random inputs for a bare folder: token ids ``[n, 128]``
+    (at most the model's positions) or images at the config's ``image_size`` (224 without one)."""
     if held_out is not None:
         batch = held_out.collate([i % len(held_out) for i in range(n)])
     else:
@@ -165,7 +167,8 @@ def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> di
         from .tasks import ImageClassification, SequenceClassification
 
         task = ImageClassification() if src.kind == "image" else SequenceClassification()
-        size = getattr(model.config, "image_size", 224) if src.kind == "image" else 128
+        size = getattr(model.config, "image_size", 224) if src.kind == "image" else \
+            min(BARE_SEQ_LEN, getattr(model.config, "max_position_embeddings", None) or BARE_SEQ_LEN)
         torch.manual_seed(0)
         batch = batch_maker(task, model.config)(n, size, device="cpu")
     return {k: v for k, v in batch.items() if k != "labels"}
