@@ -189,6 +189,19 @@ def vit_challenge(cfg: SeedsConfig, work: Path) -> dict:
                     "accuracy loss < 2 points": loss < ACCURACY_LOSS_LIMIT}}
 
 
+def _part(fn, *args) -> dict:
+    """``fn(*args)``; an error is recorded (``{"error": ...}``, traceback on stderr) rather than
+    raised, so that an unattended run still reports the other part."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 -- any failure of one part is reported, the other part still runs
+        import sys
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+
+
 def run_seeds(out: str | Path, cfg: SeedsConfig = SeedsConfig()) -> dict:
     """Run both parts, writing ``seeds.json`` after each, then ``seeds.md``, ``seeds-bert.png`` and
     ``seeds-vit.png`` into ``out``. Returns the results.
@@ -205,10 +218,10 @@ def run_seeds(out: str | Path, cfg: SeedsConfig = SeedsConfig()) -> dict:
     res = {"config": asdict(cfg), "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
     t0 = time.perf_counter()
-    res["bert"] = bert_table(cfg)
+    res["bert"] = _part(bert_table, cfg)
     atomic_write_json(out / "seeds.json", res)
     with tempfile.TemporaryDirectory(prefix="tightfit-seeds-") as work:
-        res["vit"] = vit_challenge(cfg, Path(work))
+        res["vit"] = _part(vit_challenge, cfg, Path(work))
     res["seconds"] = time.perf_counter() - t0
     atomic_write_json(out / "seeds.json", res)
     write_seeds_report(out, res)
@@ -228,10 +241,18 @@ def markdown(res: dict) -> str:
     b, v = res["bert"], res["vit"]
     lines = ["# tightfit bench --suite seeds", "",
              f"{res['device']}, torch {res['torch']}, transformers {res['transformers']}. Speed is this GPU's; memory "
-             "is capped to the emulated card's budget.", "",
-             f"## BERT fine-tuning on a {b['card']} ({_gib(b['budget_bytes'])} budget)", "",
+             "is capped to the emulated card's budget.", ""]
+    lines += _bert_lines(res, b) if "error" not in b else ["## BERT fine-tuning on a GTX 1080 Ti budget", "",
+                                                            f"Not completed: {b['error']}"]
+    lines += _vit_lines(res, v) if "error" not in v else ["", "## ViT-B/16 challenge", "", f"Not completed: {v['error']}"]
+    return "\n".join(lines) + "\n"
+
+
+def _bert_lines(res: dict, b: dict) -> list[str]:
+    """The 1080 Ti table's section of :func:`markdown`."""
+    lines = [f"## BERT fine-tuning on a {b['card']} ({_gib(b['budget_bytes'])} budget)", "",
              f"{b['model']} (random weights), sequence length {b['seq_len']}, AdamW; each row "
-             f"{res['config']['bert_steps']} optimizer steps, it/s and samples/s after {res['config']['warmup']} warm-up "
+             f"{res['config']['bert_steps']} optimizer steps, it/s (optimizer steps per second) and samples/s after {res['config']['warmup']} warm-up "
              "steps. Predicted: tightfit's estimate without a GPU.", "",
              "| configuration | precision | micro-batch x accumulation | checkpointing | predicted peak reserved | "
              "peak reserved | peak allocated | it/s | samples/s | OOM recoveries |",
@@ -246,6 +267,12 @@ def markdown(res: dict) -> str:
     for r in b["rows"]:
         if r["setting"].startswith("tightfit"):
             lines += ["", f"Why ({r['setting']}):"] + [f"- {x}" for x in r.get("reasons", [])]
+    return lines
+
+
+def _vit_lines(res: dict, v: dict) -> list[str]:
+    """The ViT-B/16 challenge's section of :func:`markdown`."""
+    lines = []
     f, t = v["runs"]["fp32"], v["runs"]["tightfit"]
     lines += ["", f"## ViT-B/16 challenge: {v['image_size']} px, effective batch >= 16, under {_gib(v['budget_bytes'])}, "
                   "< 2 points accuracy loss against fp32", "",
@@ -265,10 +292,10 @@ def markdown(res: dict) -> str:
               "| criterion | met |", "|---|---|"]
     lines += [f"| {k} | {'yes' if ok else 'no'} |" for k, ok in v["met"].items()]
     lines += ["", "tightfit's plan:"] + [f"- {x}" for x in t["plan"].get("reasons", [])]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def _charts(res: dict) -> tuple[bytes, bytes]:
+def _charts(res: dict) -> tuple[bytes | None, bytes | None]:
     """Two PNGs: the 1080 Ti rows' peak memory (predicted and measured, against the budget) and
     samples/s; the ViT runs' accuracy and peak memory."""
     import io
@@ -286,9 +313,23 @@ def _charts(res: dict) -> tuple[bytes, bytes]:
         return buf.getvalue()
 
     gib = 2 ** 30
+    bert_png = vit_png = None
+    if "error" not in res["bert"]:
+        bert_png = png(_bert_figure(plt, res, gib))
+    if "error" not in res["vit"]:
+        vit_png = png(_vit_figure(plt, res, gib))
+    return bert_png, vit_png
+
+
+def _bert_figure(plt, res: dict, gib: int):
+    """The 1080 Ti rows: peak reserved (predicted, measured, budget) and samples/s."""
     rows = res["bert"]["rows"]
-    names = [r["setting"].replace(", ", ",\n").replace(" + ", " +\n") for r in rows]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    short = {"tightfit plan, predicted (no GPU)": "tightfit plan\npredicted", "FP32, batch 8": "FP32\nbatch 8",
+             "FP16 + gradient accumulation, effective batch 32": "FP16 + accumulation\neffective batch 32",
+             "FP16 + activation checkpointing, batch 16": "FP16 + checkpointing\nbatch 16",
+             "tightfit plan, planned on the GPU and run": "tightfit plan\nplanned and run"}
+    names = [short.get(r["setting"], r["setting"]) for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(15, 4.8))
     x = range(len(rows))
     a1.bar([i - 0.2 for i in x], [(r.get("predicted_peak_reserved_bytes") or 0) / gib for r in rows], 0.4,
            label="predicted (no GPU)")
@@ -301,8 +342,11 @@ def _charts(res: dict) -> tuple[bytes, bytes]:
     a2.set_ylabel("samples/s (this GPU)")
     a2.set_xticks(list(x), names, fontsize=7)
     fig.suptitle(f"BERT fine-tuning under the {res['bert']['card']} budget")
-    bert_png = png(fig)
+    return fig
 
+
+def _vit_figure(plt, res: dict, gib: int):
+    """The ViT runs: held-out accuracy, and peak reserved against the budget."""
     v = res["vit"]
     fig, (b1, b2) = plt.subplots(1, 2, figsize=(9, 4))
     labels = ["fp32", "tightfit"]
@@ -314,14 +358,16 @@ def _charts(res: dict) -> tuple[bytes, bytes]:
     b2.set_ylabel("peak reserved (GiB)")
     b2.legend(fontsize=8)
     fig.suptitle(f"{v['model']} at {v['image_size']} px on digits")
-    return bert_png, png(fig)
+    return fig
 
 
 def write_seeds_report(out: str | Path, res: dict) -> list[Path]:
     """Write ``seeds.md``, ``seeds-bert.png`` and ``seeds-vit.png`` for the results ``res``."""
     out = Path(out)
     atomic_write_text(out / "seeds.md", markdown(res))
-    bert_png, vit_png = _charts(res)
-    atomic_write_bytes(out / "seeds-bert.png", bert_png)
-    atomic_write_bytes(out / "seeds-vit.png", vit_png)
-    return [out / "seeds.md", out / "seeds-bert.png", out / "seeds-vit.png"]
+    written = [out / "seeds.md"]
+    for name, data in zip(("seeds-bert.png", "seeds-vit.png"), _charts(res)):
+        if data is not None:  # None: that part did not complete
+            atomic_write_bytes(out / name, data)
+            written.append(out / name)
+    return written
