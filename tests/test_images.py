@@ -166,3 +166,14 @@ def test_digits_file_without_scikit_learn_is_the_same(monkeypatch):
     from_sklearn = load_digits()
     assert from_file.labels == from_sklearn.labels
     assert all(np.array_equal(a, b) for a, b in zip(from_file.images, from_sklearn.images))
+
+
+def test_resume_of_an_image_run_finds_its_recipe_and_data(models, tmp_path, capsys):
+    """``--resume`` reads the run's own options (an image model, digits): the image recipe, the same
+    images (fingerprint checked), and a finished run is left as it is."""
+    out = tmp_path / "run"
+    assert _train(["--data", "digits", "--model", str(models / "resnet"), "--image-size", "8", "--max-steps", "2",
+                   "--batch-size", "16", "--eval-samples", "20"], out) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    assert "already finished at step 2" in capsys.readouterr().out
