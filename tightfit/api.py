@@ -304,7 +304,7 @@ class TrainRecipe:
         """The planner's plan: the search on a GPU (``--planner search``), the first prober
         otherwise; on resume the plan the run chose, as its checkpoint carries it (the trainer's
         resume then restores the micro-batch in force)."""
-        p, seq_len = self.req.planning, self.input_size()
+        p = self.req.planning
         if self.resume_from is not None:
             from .plan import Plan
             from .runtime.checkpoint import read_state
@@ -346,7 +346,7 @@ class TrainRecipe:
         if p.planner == "search":
             from .planner.gpu import plan_on_gpu
 
-            plan = plan_on_gpu(w, self.profile, self.budget, self.req.workload.seq_len, p.precision, p.checkpointing,
+            plan = plan_on_gpu(w, self.profile, self.budget, self.input_size(), p.precision, p.checkpointing,
                                p.compile, run_samples=run_samples, timings=self.plan_timings)
         else:
             plan = plan_first(w, self.device, self.profile, self.budget, p.precision, p.checkpointing)
