@@ -177,3 +177,14 @@ def test_resume_of_an_image_run_finds_its_recipe_and_data(models, tmp_path, caps
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "--no-progress"]) == 0
     assert "already finished at step 2" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_digits_on_the_gpu_under_a_budget(models, tmp_path):
+    """The image recipe on a CUDA GPU: planned under a 2 GiB budget, trained, above chance."""
+    out = tmp_path / "run"
+    assert main(["train", "--data", "digits", "--model", str(models / "resnet"), "--image-size", "16", "--epochs", "2",
+                 "--batch-size", "32", "--lr", "3e-3", "--budget", "2GiB", "--compile", "off", "--out", str(out),
+                 "--no-progress", "--checkpoint-every", "0"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["accuracy"] >= 0.6 and s["peak_reserved_bytes"] <= 2 * 2**30 and s["device"] != "CPU", s
