@@ -56,6 +56,12 @@ class Plan:
         predicted_peak_reserved_bytes, predicted_samples_per_s: the planner's predictions.
         compile: run the model's forward (and its backward) compiled by ``torch.compile``
             (:mod:`tightfit.levers.compile`); CUDA only.
+        block_policies: what each repeated block keeps for backward, one of ``none``,
+            ``selective`` (recompute only the cheap ops), ``full`` (recompute the block) or
+            ``offload`` (saved tensors in pinned host memory) per block
+            (:data:`tightfit.levers.blocks.BLOCK_POLICIES`); None: ``activation_checkpointing``
+            and ``checkpoint_blocks`` say which blocks recompute fully (plans written before
+            per-block choices existed).
     """
 
     precision: str
@@ -71,6 +77,7 @@ class Plan:
     predicted_peak_reserved_bytes: int | None = None
     predicted_samples_per_s: float | None = None
     compile: bool = False
+    block_policies: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -96,6 +103,8 @@ class Plan:
         d["reasons"] = list(self.reasons)
         if self.checkpoint_blocks is not None:
             d["checkpoint_blocks"] = list(self.checkpoint_blocks)
+        if self.block_policies is not None:
+            d["block_policies"] = list(self.block_policies)
         d["accumulation_steps"] = self.accumulation_steps
         return d
 
@@ -113,6 +122,8 @@ class Plan:
         d["reasons"] = tuple(d.get("reasons", ()))
         if d.get("checkpoint_blocks") is not None:
             d["checkpoint_blocks"] = tuple(d["checkpoint_blocks"])
+        if d.get("block_policies") is not None:
+            d["block_policies"] = tuple(d["block_policies"])
         try:
             return cls(**d)
         except TypeError as e:

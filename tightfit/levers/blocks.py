@@ -1,10 +1,13 @@
-"""A model's repeated blocks (transformer layers, ResNet bottlenecks), and checkpointing of all
-or some of them.
+"""A model's repeated blocks (transformer layers, ResNet bottlenecks), and what each keeps for
+backward: its saved activations (``none``), only its inputs and the outputs of its matrix
+products and attention (``selective``), only its inputs (``full``), or everything in pinned
+host memory (``offload``).
 
-Checkpointing wraps each chosen block's ``forward`` in the non-reentrant
-``torch.utils.checkpoint.checkpoint`` (as the Hugging Face hook does for whole models): the
-block keeps only its inputs for backward and recomputes the rest, with the same dropout masks
-(the RNG state is restored), and it works when the inputs do not require grad.
+Recomputation wraps a block's ``forward`` in the non-reentrant
+``torch.utils.checkpoint.checkpoint`` (as the Hugging Face hook does for whole models), fully or
+with a selective policy (:mod:`.selective`): the block recomputes with the same dropout masks
+(the RNG state is restored), and it works when the inputs do not require grad. Offload runs the
+block's forward under :class:`~.offload.HostOffload`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ import torch
 from ..errors import TightfitError
 
 _ORIG = "_tightfit_forward"
+_POLICY = "_tightfit_block_policy"
+
+# What a block keeps for backward, least memory-saving first: "none" saves its activations,
+# "selective" recomputes the cheap ops, "full" everything, "offload" keeps them on the host.
+BLOCK_POLICIES = ("none", "selective", "full", "offload")
 
 
 def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -68,54 +76,100 @@ def parse_checkpointing(spec: str | None, n_blocks: int) -> tuple[int, ...]:
     return tuple(idx)
 
 
-def apply_checkpointing(model: torch.nn.Module, indices, recompute_context=None) -> list[torch.nn.Module]:
-    """Checkpoint exactly the blocks ``indices`` of :func:`find_blocks` (others run normally).
+def apply_checkpointing(model: torch.nn.Module, indices, recompute_context=None, policy: str = "full",
+                        also_saved=None) -> list[torch.nn.Module]:
+    """Checkpoint exactly the blocks ``indices`` of :func:`find_blocks` with ``policy`` (others
+    run normally).
 
     Args:
         indices: block indices, ``"all"``, ``"none"`` or a spec string for :func:`parse_checkpointing`.
         recompute_context: optional zero-argument callable giving a context entered around each
             recomputation (the estimator re-enters its CUDA emulation there, since torch-function
             modes are not active inside the autograd engine).
+        policy: what the chosen blocks keep, one of :data:`BLOCK_POLICIES` (``"full"``: recompute).
+        also_saved: for ``"selective"``, see :func:`.selective.selective_context_fn`.
 
     Returns:
         The model's blocks.
 
     Raises:
-        TightfitError: bad indices.
+        TightfitError: bad indices or policy.
     """
     blocks = find_blocks(model)
     if isinstance(indices, str):
         indices = parse_checkpointing(indices, len(blocks))
     chosen = set(indices)
-    if chosen and not blocks:
+    return apply_block_policies(model, [policy if i in chosen else "none" for i in range(len(blocks))],
+                                recompute_context, also_saved, blocks)
+
+
+def apply_block_policies(model: torch.nn.Module, policies, recompute_context=None, also_saved=None,
+                         blocks=None) -> list[torch.nn.Module]:
+    """Give block ``i`` of :func:`find_blocks` the policy ``policies[i]`` (:data:`BLOCK_POLICIES`).
+
+    Args:
+        policies: one policy per block (a sequence as long as the model's blocks).
+        recompute_context, also_saved: as in :func:`apply_checkpointing`.
+        blocks: the model's blocks, if already found.
+
+    Returns:
+        The model's blocks.
+
+    Raises:
+        TightfitError: an unknown policy, or as many policies as blocks not given.
+    """
+    blocks = find_blocks(model) if blocks is None else blocks
+    policies = tuple(policies)
+    bad = sorted({p for p in policies if p not in BLOCK_POLICIES})
+    if bad:
+        raise TightfitError(f"unknown block policy {bad[0]!r}: use one of {', '.join(BLOCK_POLICIES)}")
+    if any(p != "none" for p in policies) and not blocks:
         raise TightfitError(f"{type(model).__name__} has no repeated blocks to checkpoint")
-    for i, block in enumerate(blocks):
-        wrapped = _ORIG in block.__dict__
-        if wrapped and i in chosen:  # re-wrap: the recompute context may have changed
-            del block.forward
-            block.forward = functools.partial(_checkpointed, block.__dict__[_ORIG], recompute_context)
-        elif i in chosen:
-            original = block.forward
-            block.__dict__[_ORIG] = original
-            block.forward = functools.partial(_checkpointed, original, recompute_context)
-        elif i not in chosen and wrapped:
+    if len(policies) != len(blocks):
+        raise TightfitError(f"{len(policies)} block policies for a model with {len(blocks)} blocks")
+    for block, policy in zip(blocks, policies):
+        if _ORIG in block.__dict__:  # unwrap an earlier choice (its recompute context may differ)
             del block.forward
             del block.__dict__[_ORIG]
+            del block.__dict__[_POLICY]
+        if policy != "none":
+            original = block.forward
+            block.__dict__[_ORIG] = original
+            block.__dict__[_POLICY] = policy
+            block.forward = functools.partial(_wrapped, original, policy, recompute_context, also_saved)
     return blocks
 
 
 def is_checkpointed(block: torch.nn.Module) -> bool:
-    """Whether :func:`apply_checkpointing` wraps ``block``."""
+    """Whether :func:`apply_block_policies` wraps ``block`` (any policy but ``"none"``)."""
     return _ORIG in block.__dict__
 
 
-def _checkpointed(forward, recompute_context, *args, **kwargs):
+def block_policy(block: torch.nn.Module) -> str:
+    """The policy :func:`apply_block_policies` gave ``block`` (:data:`BLOCK_POLICIES`)."""
+    return block.__dict__.get(_POLICY, "none")
+
+
+def run_block(forward, policy: str, recompute_context, also_saved, *args, **kwargs):
+    """Call ``forward(*args, **kwargs)`` (a block's forward, eager or compiled) under ``policy``."""
     from torch.utils.checkpoint import checkpoint
 
+    if policy == "offload":
+        from .offload import HostOffload
+        with HostOffload():
+            return forward(*args, **kwargs)
+    if policy == "selective":
+        from .selective import selective_context_fn
+        return checkpoint(forward, *args, use_reentrant=False,
+                          context_fn=selective_context_fn(recompute_context, also_saved), **kwargs)
     if recompute_context is None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False,
                       context_fn=lambda: (contextlib.nullcontext(), recompute_context()), **kwargs)
+
+
+def _wrapped(forward, policy, recompute_context, also_saved, *args, **kwargs):
+    return run_block(forward, policy, recompute_context, also_saved, *args, **kwargs)
 
 
 # Model attribute naming the modules that tightfit.levers.compile compiled (kept here, beside the

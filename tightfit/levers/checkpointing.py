@@ -13,7 +13,7 @@ import torch
 from .blocks import compiled_by_blocks
 
 
-def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=None) -> None:
+def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=None, policies=None) -> None:
     """Turn activation checkpointing on or off.
 
     Args:
@@ -23,15 +23,25 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
         blocks: indices of the repeated blocks (:func:`tightfit.levers.blocks.find_blocks`) to
             checkpoint; None or all of them: the model's own Hugging Face hook, or tightfit's
             block wrappers for a model without one (e.g. ResNet) or compiled block by block.
+        policies: one choice per block (``none|selective|full|offload``,
+            :data:`tightfit.levers.blocks.BLOCK_POLICIES`), overriding ``enabled`` and ``blocks``
+            (a plan's ``block_policies``); None: ``enabled`` and ``blocks`` decide.
 
     Raises:
         ValueError: if ``enabled`` and the model does not support gradient checkpointing.
+        TightfitError: ``policies`` not one known policy per block.
     """
-    from .blocks import apply_checkpointing, find_blocks
+    from .blocks import apply_block_policies, apply_checkpointing, find_blocks
 
     n = len(find_blocks(model))
     if n:
         apply_checkpointing(model, ())  # unwrap tightfit's block wrappers from an earlier choice
+    if policies is not None:
+        _disable_hf_hook(model)
+        apply_block_policies(model, policies)
+        if any(p != "none" for p in policies):
+            _no_kv_cache(model)
+        return
     # A block compiled alone must be checkpointed around its compiled call, which only
     # tightfit's wrappers do (HF's hook may checkpoint inside the layer's forward).
     own_hook = getattr(model, "supports_gradient_checkpointing", False) and not compiled_by_blocks(model)

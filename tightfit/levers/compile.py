@@ -24,9 +24,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from .blocks import COMPILED_MARK, find_blocks, is_checkpointed
+from .blocks import COMPILED_MARK, block_policy, find_blocks, run_block
 
 
 
@@ -133,8 +132,9 @@ def _tensors(args: tuple, kwargs: dict) -> list:
 
 def _call_block(forward, block, *args, **kwargs):
     _mark_batch_dynamic(_tensors(args, kwargs))
-    if is_checkpointed(block):
-        return checkpoint(forward, block, *args, use_reentrant=False, **kwargs)
+    policy = block_policy(block)
+    if policy != "none":
+        return run_block(forward, policy, None, None, block, *args, **kwargs)
     return forward(block, *args, **kwargs)
 
 

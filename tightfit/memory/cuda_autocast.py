@@ -43,13 +43,22 @@ def _round_up(n: int, m: int) -> int:
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Memory of the flash / memory-efficient SDPA kernels: q, k, v ``[B, H, T, D]``."""
+    """Memory of the flash / memory-efficient SDPA kernels: q, k, v ``[B, H, T, D]``.
+
+    ``running`` is True while the forward allocates: selective checkpointing keeps the outputs
+    of the real kernels, so its policy keeps these too (:func:`fused_attention_running`)."""
+
+    running = False
 
     @staticmethod
     def forward(ctx, q, k, v, flash):
         B, H, T, D = q.shape
-        out = q.new_empty(B, T, H, v.shape[-1]).transpose(1, 2)
-        lse = q.new_empty(B, H, T if flash else _round_up(T, 32), dtype=torch.float32)
+        _FusedAttention.running = True
+        try:
+            out = q.new_empty(B, T, H, v.shape[-1]).transpose(1, 2)
+            lse = q.new_empty(B, H, T if flash else _round_up(T, 32), dtype=torch.float32)
+        finally:
+            _FusedAttention.running = False
         ctx.flash = flash
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -66,6 +75,11 @@ class _FusedAttention(torch.autograd.Function):
             work = [q.new_empty(B, H, T, dtype=torch.float32)]
         del work
         return grads[0], grads[1], grads[2], None
+
+
+def fused_attention_running() -> bool:
+    """Whether the stand-in for a fused attention kernel is allocating its outputs now."""
+    return _FusedAttention.running
 
 
 class CudaOnMeta(TorchFunctionMode):

@@ -25,8 +25,8 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..plan import Plan
 from ..units import MiB, format_bytes
-from ..levers.blocks import apply_checkpointing, find_blocks, parse_checkpointing
-from .cuda_autocast import CudaOnMeta
+from ..levers.blocks import apply_block_policies, find_blocks, parse_checkpointing
+from .cuda_autocast import CudaOnMeta, fused_attention_running
 from ..step import OPTIMIZERS, MetaOptimizer, make_optimizer, training_loss, training_step
 from .allocator import ALLOCATORS, make_allocator
 from .tracker import COMPONENTS, AllocationTracker
@@ -136,7 +136,7 @@ def _meta_batch(batch: dict, micro_batch: int) -> dict:
 
 
 def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: DeviceProfile | None = None,
-             checkpoint_blocks=None, allocator: str = "expandable") -> MemoryEstimate:
+             checkpoint_blocks=None, allocator: str = "expandable", block_policies=None) -> MemoryEstimate:
     """Predict peak allocated/reserved GPU memory of a training step, on any machine.
 
     Args:
@@ -153,12 +153,17 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         allocator: the caching allocator's configuration: ``"expandable"``
             (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, what tightfit's runtime sets)
             or ``"default"``. The other configuration's peaks are in ``extra["by_allocator"]``.
+        block_policies: one choice per block (``none|selective|full|offload``,
+            :data:`tightfit.levers.blocks.BLOCK_POLICIES`), overriding ``checkpoint_blocks`` and
+            the plan; recomputed blocks replay what they keep exactly (selective: the outputs of
+            the matrix products and the attention kernel), offloaded blocks drop their saved
+            tensors after the forward and allocate them again in backward.
 
     Returns:
         A :class:`MemoryEstimate` (peak over two steps; see the module doc).
 
     Raises:
-        TightfitError: malformed batch, unknown optimizer or allocator, or bad block indices.
+        TightfitError: malformed batch, unknown optimizer or allocator, bad block indices or policies.
     """
     # One piece on purpose (over 60 lines): the order of the allocations traced below is the order
     # the GPU makes them in, and reading it top to bottom is how the estimate is checked.
@@ -169,11 +174,18 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     meta = meta_copy(model)
     meta.train()
     n_blocks = len(find_blocks(meta))
-    if checkpoint_blocks is None:
-        checkpoint_blocks = "all" if plan.activation_checkpointing else "none"
-    indices = parse_checkpointing(checkpoint_blocks, n_blocks) if isinstance(checkpoint_blocks, str) \
-        else tuple(sorted(set(checkpoint_blocks)))
-    blocks = apply_checkpointing(meta, indices, recompute_context=lambda: CudaOnMeta(plan.precision))
+    if block_policies is None and checkpoint_blocks is None and plan.block_policies is not None:
+        block_policies = plan.block_policies
+    if block_policies is None:
+        if checkpoint_blocks is None:
+            checkpoint_blocks = "all" if plan.activation_checkpointing else "none"
+        indices = parse_checkpointing(checkpoint_blocks, n_blocks) if isinstance(checkpoint_blocks, str) \
+            else tuple(sorted(set(checkpoint_blocks)))
+        block_policies = ["full" if i in indices else "none" for i in range(n_blocks)]
+    block_policies = tuple(block_policies)
+    indices = tuple(i for i, p in enumerate(block_policies) if p in ("full", "selective"))
+    blocks = apply_block_policies(meta, block_policies, recompute_context=lambda: CudaOnMeta(plan.precision),
+                                  also_saved=fused_attention_running)
     batch = _meta_batch(example_batch, plan.micro_batch)
 
     others = [k for k in ALLOCATORS if k != allocator]
@@ -222,6 +234,7 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     plan_dict = plan.to_dict()
     plan_dict["checkpoint_blocks"] = list(indices)
     plan_dict["activation_checkpointing"] = bool(indices)  # what was traced, whatever the plan said
+    plan_dict["block_policies"] = list(block_policies) if set(block_policies) - {"none", "full"} else None
     by_allocator = {k: {"peak_allocated_bytes": a.peak_allocated, "peak_reserved_bytes": a.peak_reserved}
                     for k, a in zip([allocator] + others, [alloc] + tracker.shadows)}
     return MemoryEstimate(alloc.peak_allocated, alloc.peak_reserved, breakdown, plan_dict, first_step_reserved,

@@ -212,7 +212,8 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)  # a stray backward before training must not leak into step 1
         # checkpointing turns the KV cache off; the user's setting comes back when fit() ends
         self._user_use_cache = getattr(getattr(self.model, "config", None), "use_cache", None)
-        set_activation_checkpointing(self.model, plan.activation_checkpointing, plan.checkpoint_blocks)
+        set_activation_checkpointing(self.model, plan.activation_checkpointing, plan.checkpoint_blocks,
+                                     plan.block_policies)
         if plan.compile:
             why = compile_unavailable(self.device.type)
             if why:

@@ -1,0 +1,139 @@
+"""Per-block choices of what a block keeps for backward (none / selective / full / offload):
+exact gradients with dropout on, what selective recomputation recomputes, the estimator's
+memory of each choice, and plans with and without per-block choices."""
+
+import pytest
+import torch
+
+from tightfit.levers.blocks import apply_block_policies, block_policy, find_blocks
+from tightfit.levers.checkpointing import set_activation_checkpointing
+
+from conftest import SyntheticBatches, tiny_bert
+
+
+def _run(policies, freeze=False, seed=123, device="cpu"):
+    """Loss and gradients of one forward/backward of a tiny BERT (dropout 0.1, train mode)."""
+    model = tiny_bert(dropout=0.1, seed=0).to(device).train()
+    if freeze:
+        for p in model.bert.embeddings.parameters():
+            p.requires_grad_(False)
+    set_activation_checkpointing(model, False, policies=policies)
+    batch = {k: v.to(device) for k, v in SyntheticBatches(8).collate(list(range(8))).items()}
+    torch.manual_seed(seed)
+    if device == "cuda":
+        torch.cuda.manual_seed(seed)
+    loss = model(**batch).loss
+    loss.backward()
+    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _same(a, b):
+    assert a[0] == pytest.approx(b[0], rel=1e-6)
+    assert a[1].keys() == b[1].keys()
+    for n in a[1]:
+        torch.testing.assert_close(b[1][n], a[1][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_selective_full_and_mixed_blocks_give_the_same_loss_and_gradients_with_dropout(freeze):
+    ref = _run(("none", "none"), freeze)
+    for policies in [("selective", "selective"), ("full", "full"), ("selective", "full"), ("offload", "selective")]:
+        _same(ref, _run(policies, freeze))
+    # dropout is really on: other masks give other gradients
+    other = _run(("none", "none"), freeze, seed=124)
+    assert other[0] != pytest.approx(ref[0], rel=1e-6)
+
+
+class _CountBackwardMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.mm):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_matmuls(policies):
+    model = tiny_bert(dropout=0.1, seed=0).train()
+    set_activation_checkpointing(model, False, policies=policies)
+    batch = SyntheticBatches(8).collate(list(range(8)))
+    loss = model(**batch).loss
+    with _CountBackwardMatmuls() as counter:
+        loss.backward()
+    return counter.calls
+
+
+def test_selective_recomputes_no_matrix_product_but_full_recomputes_them_all():
+    none, selective, full = (_backward_matmuls((p, p)) for p in ("none", "selective", "full"))
+    assert selective == none
+    assert full == none + 2 * 6  # each BERT layer's six linear layers run again
+
+
+def test_policies_are_set_per_block_and_undone():
+    model = tiny_bert()
+    blocks = find_blocks(model)
+    apply_block_policies(model, ("offload", "selective"))
+    assert [block_policy(b) for b in blocks] == ["offload", "selective"]
+    set_activation_checkpointing(model, False)
+    assert [block_policy(b) for b in blocks] == ["none", "none"]
+    from tightfit.errors import TightfitError
+    with pytest.raises(TightfitError, match="unknown block policy"):
+        apply_block_policies(model, ("none", "lazy"))
+    with pytest.raises(TightfitError, match="1 block policies for a model with 2 blocks"):
+        apply_block_policies(model, ("none",))
+
+
+def _estimate(policies, precision="bf16"):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from tightfit.memory.estimate import estimate
+    from tightfit.plan import Plan
+
+    with torch.device("meta"):
+        model = BertForSequenceClassification(BertConfig(
+            vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+            max_position_embeddings=128, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
+    batch = {"input_ids": torch.zeros(1, 128, dtype=torch.long), "labels": torch.zeros(1, dtype=torch.long)}
+    return estimate(model, batch, Plan(precision, 64, 64, device="cuda"), block_policies=policies)
+
+
+def test_estimator_orders_the_choices_by_the_memory_they_keep():
+    est = {p: _estimate((p,) * 4) for p in ("none", "selective", "full", "offload")}
+    peak = {p: e.peak_allocated_bytes for p, e in est.items()}
+    assert peak["none"] > peak["selective"] > peak["full"]
+    assert peak["offload"] < peak["selective"]
+    # the traced plan says what was traced
+    assert est["selective"].plan["block_policies"] == ["selective"] * 4
+    assert est["full"].plan["block_policies"] is None and est["full"].plan["checkpoint_blocks"] == [0, 1, 2, 3]
+
+
+def test_selective_keeps_the_matmul_and_attention_outputs():
+    """A selectively checkpointed layer keeps, per token, what its matrix products and the
+    attention kernel output (bf16: q, k, v, attention, its projection, intermediate, output:
+    7 x hidden + intermediate values, 2 bytes each, + the fp32 log-sum-exp per head)."""
+    none, sel = _estimate(("none",) * 4), _estimate(("none", "selective", "none", "none"))
+    full = _estimate(("none", "full", "none", "none"))
+    tokens = 64 * 128
+    kept = tokens * (5 * 256 + 1024 + 256) * 2 + 64 * 4 * 128 * 4
+    got = sel.extra["first_step_peak_allocated_bytes"] - full.extra["first_step_peak_allocated_bytes"]
+    assert got == pytest.approx(kept, rel=0.05)
+    assert sel.peak_allocated_bytes < none.peak_allocated_bytes
+
+
+def test_plans_without_per_block_choices_still_load_and_new_ones_round_trip():
+    from tightfit.plan import Plan
+
+    old = {"precision": "bf16", "micro_batch": 8, "effective_batch": 32, "activation_checkpointing": True,
+           "checkpoint_blocks": [0, 1], "accumulation_steps": 4}
+    assert Plan.from_dict(old).block_policies is None
+    new = Plan("bf16", 8, 32, True, block_policies=("selective", "full", "none"))
+    assert Plan.from_json(new.to_json()) == new
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_gives_the_same_gradients_and_frees_the_saved_activations():
+    ref = _run(("none", "none"), device="cuda")
+    _same(ref, _run(("offload", "offload"), device="cuda"))
+    _same(ref, _run(("offload", "selective"), device="cuda"))
