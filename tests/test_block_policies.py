@@ -137,3 +137,57 @@ def test_offload_on_cuda_gives_the_same_gradients_and_frees_the_saved_activation
     ref = _run(("none", "none"), device="cuda")
     _same(ref, _run(("offload", "offload"), device="cuda"))
     _same(ref, _run(("offload", "selective"), device="cuda"))
+
+
+# --------------------------------------------------------------------------- the planner
+
+KEEP = {"none": 1.0, "selective": 0.6, "full": 0.1, "offload": 0.05}  # share of a block's activations kept
+
+
+def _policy_memory(precision, micro_batch, choice, n=2):
+    """Peak = 100 MiB + micro-batch x 10 MiB x the share of the activations the choice keeps."""
+    from test_planner import Est, MiB
+
+    policies = choice if choice and isinstance(choice[0], str) else \
+        ["full" if i in choice else "none" for i in range(n)]
+    s = 10 * MiB * sum(KEEP[p] for p in policies) / n
+    peak = int(100 * MiB + micro_batch * s)
+    return Est(peak, peak, {"activations": int(micro_batch * s)})
+
+
+def test_planner_mixes_selective_and_full_blocks_when_that_is_faster_and_says_what_it_costs():
+    from test_planner import MiB, _search
+
+    # 350 MiB: one micro-batch of 64 fits with one block selective and one full (324 MiB) but not
+    # with both selective (420 MiB); both full (164 MiB) recompute more
+    r = _search("h100", int(350 * MiB / 0.95), _policy_memory, E=64, precision="fp32", per_block=True)
+    assert r.best.block_policies == ("full", "selective") and r.best.micro_batch == 64
+    assert "recomputation" in r.best.why
+    whole = next(c for c in r.runners_up if c.block_policies is None and len(c.checkpoint_blocks) == 2)
+    assert whole.micro_batch == 64 and whole.samples_per_s < r.best.samples_per_s
+    plan = r.to_plan()
+    assert plan.block_policies == ("full", "selective") and plan.activation_checkpointing
+    # more room: no recomputation beats any
+    r = _search("h100", int(800 * MiB / 0.95), _policy_memory, E=64, precision="fp32", per_block=True)
+    assert r.best.block_policies is None and r.best.checkpoint_blocks == ()
+
+
+def test_offload_is_costed_by_the_host_link():
+    from dataclasses import replace
+
+    from tightfit.devices import get_profile
+    from tightfit.planner.cost import ForwardCost, TimeModel
+
+    cost = ForwardCost(flops_per_sample=1e12, ops=100, trainable_params=1000, n_blocks=4, selective_ops_per_block=20,
+                       selective_bytes_per_sample=1e6)
+    slow = TimeModel(get_profile("h100"), cost, offload_bytes={"bf16": 4e6})
+    fast = replace(slow, profile=replace(slow.profile, host_link_bytes_per_s=1e15))
+    policies = ("offload",) * 2 + ("none",) * 2
+    _, _, transfer = slow.step_parts("bf16", 64, 64, 0, policies)
+    # compute-bound: the copies out hide behind the forward, the copies back are waited for
+    assert transfer == pytest.approx(2 * 64 * 4e6 / slow.profile.host_link_bytes_per_s, rel=0.01)
+    assert fast.step_parts("bf16", 64, 64, 0, policies)[2] < transfer / 1000
+    # selective reruns launches only, full reruns the block's FLOPs too
+    sel = slow.step_parts("bf16", 64, 64, 0, ("selective",) * 4)[1]
+    full = slow.step_parts("bf16", 64, 64, 4, None)[1]
+    assert 0 < sel < full

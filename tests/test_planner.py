@@ -66,6 +66,7 @@ def _make_batch(micro_batch, size):
 
 
 def _search(card, budget, fn, E=32, **kw):
+    kw.setdefault("per_block", False)  # these memory models know whole blocks only
     return search(tiny_bert(), _make_batch, 16, E, get_profile(card), budget, fn, **kw)
 
 

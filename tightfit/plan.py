@@ -141,11 +141,15 @@ def plan_with_blocks(precision: str, micro_batch: int, effective_batch: int, blo
                      **fields) -> Plan:
     """The plan that checkpoints ``blocks`` (indices) of the model's ``n_blocks`` repeated blocks:
     checkpointing on if any block is, ``checkpoint_blocks`` None when all (or none) are -- the
-    Plan's way of saying "every block". ``fields``: the other :class:`Plan` fields, by name.
+    Plan's way of saying "every block". ``fields``: the other :class:`Plan` fields, by name; with
+    ``block_policies`` the blocks that recompute (full or selective) are taken from them.
 
     Raises:
         TightfitError: as :class:`Plan` (unknown precision, a batch size below 1).
     """
+    policies = fields.get("block_policies")
+    if policies is not None:  # the blocks that recompute, fully or selectively
+        blocks = tuple(i for i, p in enumerate(policies) if p in ("full", "selective"))
     partial = 0 < len(blocks) < n_blocks
     return Plan(precision, micro_batch, effective_batch, bool(blocks),
                 checkpoint_blocks=tuple(blocks) if partial else None, **fields)

@@ -9,15 +9,25 @@ achievable share (:data:`ACHIEVED_SHARE`); meanwhile the CPU must launch every k
 are launch-bound, large ones compute-bound. The fused AdamW step streams weights, gradients
 and both moments through memory once per step. On a GPU, :meth:`TimeModel.calibrate` replaces
 the assumed constants with timed probe steps.
+
+Per-block choices (:data:`tightfit.levers.blocks.BLOCK_POLICIES`): a ``full`` block costs one
+more forward of the block; a ``selective`` block reruns only the ops whose outputs the
+selective policy drops (:mod:`tightfit.levers.selective`: no matrix product, so their FLOPs
+are left out, but each is a kernel launch, counted from the traced forward, and each reads its
+input and writes its output through memory at the card's bandwidth); an ``offload``
+block copies its saved activations to the host and back over the host link
+(``DeviceProfile.host_link_bytes_per_s``, pinned memory): the device-to-host copies run on a
+side stream beside the forward's compute, the host-to-device copies are waited for in backward.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..devices import DeviceProfile
@@ -34,15 +44,29 @@ ADAMW_BYTES_PER_PARAM = 7 * 4
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts ATen calls (each is about one kernel launch on a GPU)."""
+    """Counts ATen calls (each is about one kernel launch on a GPU): all of them, those inside
+    a repeated block (``depth`` > 0 while one runs), and those of them that selective
+    recomputation reruns."""
 
     def __init__(self):
         super().__init__()
-        self.ops = 0
+        self.ops = self.block_ops = self.recomputed_ops = 0
+        self.recomputed_bytes = 0
+        self.depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from ..levers.selective import is_saved
+
         self.ops += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.depth:
+            self.block_ops += 1
+            if not is_saved(func):
+                self.recomputed_ops += 1
+                if not getattr(func, "is_view", False):  # a view writes nothing
+                        self.recomputed_bytes += sum(t.numel() * t.element_size() for t in tree_leaves(out)
+                                                 if isinstance(t, torch.Tensor))
+        return out
 
 
 def peak_flops(profile: DeviceProfile, precision: str) -> float:
@@ -64,26 +88,41 @@ class ForwardCost:
         ops: ATen calls of one forward (independent of the micro-batch).
         trainable_params: parameters the optimizer updates.
         n_blocks: repeated blocks (recomputation unit).
+        selective_ops_per_block: ATen calls a selectively checkpointed block reruns in backward
+            (the average over the blocks; 0 when unknown).
+        selective_bytes_per_sample: bytes those ops write per sample and block (fp32 trace).
     """
 
     flops_per_sample: float
     ops: int
     trainable_params: int
     n_blocks: int
+    selective_ops_per_block: float = 0.0
+    selective_bytes_per_sample: float = 0.0
 
 
 def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -> ForwardCost:
-    """Trace one forward of ``model`` (meta device) on a batch of 2 to count FLOPs and kernels."""
+    """Trace one forward of ``model`` (meta device) on a batch of 2 to count FLOPs and kernels
+    (in all, and those selective recomputation reruns in the repeated blocks)."""
+    from ..levers.blocks import find_blocks
     from ..memory.cuda_autocast import CudaOnMeta
     from ..memory.estimate import meta_copy
 
     meta = meta_copy(model)
     batch = {k: v.to("meta") for k, v in make_batch(2, size).items() if k != "labels"}  # CPU batches too
     counter = _OpCounter()
+    hooks = []
+    for block in find_blocks(meta):
+        hooks.append(block.register_forward_pre_hook(lambda *a: setattr(counter, "depth", counter.depth + 1)))
+        hooks.append(block.register_forward_hook(lambda *a: setattr(counter, "depth", counter.depth - 1)))
     with torch.no_grad(), CudaOnMeta("fp32"), FlopCounterMode(display=False) as flops, counter:
         meta(**batch)
+    for h in hooks:
+        h.remove()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return ForwardCost(flops.get_total_flops() / 2, counter.ops, trainable, n_blocks)
+    per_block = 1 / n_blocks if n_blocks else 0.0
+    return ForwardCost(flops.get_total_flops() / 2, counter.ops, trainable, n_blocks,
+                       counter.recomputed_ops * per_block, counter.recomputed_bytes * per_block / 2)
 
 
 @dataclass(frozen=True)
@@ -95,41 +134,72 @@ class TimeModel:
         cost: the workload's forward cost.
         achieved_share: share of the peak rate reached (per precision after calibration).
         launch_s: seconds per kernel launch.
+        offload_bytes: per precision, the bytes one sample's block saves for backward (what an
+            offloaded block sends to the host and back); filled by the search from its traces.
     """
 
     profile: DeviceProfile
     cost: ForwardCost
     achieved_share: dict | None = None
     launch_s: float = LAUNCH_S
+    offload_bytes: dict = field(default_factory=dict)
 
     def rate(self, precision: str) -> float:
         """Achievable FLOP/s for ``precision`` on this card."""
         share = (self.achieved_share or {}).get(precision, ACHIEVED_SHARE)
         return peak_flops(self.profile, precision) * share
 
-    def micro_batch_seconds(self, precision: str, micro_batch: int, checkpointed: int) -> float:
-        """Forward + backward (+ recomputation) of one micro-batch: max(compute, kernel launches)."""
+    def micro_batch_seconds(self, precision: str, micro_batch: int, checkpointed: int, policies=None) -> float:
+        """Forward + backward (+ recomputation, + waiting for host copies) of one micro-batch:
+        max(compute, kernel launches) + the transfers not hidden. ``policies``: one choice per
+        block (None: ``checkpointed`` blocks recompute fully, the others keep everything)."""
+        return sum(self.micro_batch_parts(precision, micro_batch, checkpointed, policies))
+
+    def micro_batch_parts(self, precision: str, micro_batch: int, checkpointed: int, policies=None):
+        """``(without recomputation, recomputation, transfer)`` seconds of one micro-batch (see
+        :meth:`micro_batch_seconds`)."""
         c = self.cost
-        recompute = checkpointed / c.n_blocks if c.n_blocks else 0.0
-        flops = micro_batch * c.flops_per_sample * (3 + recompute)
-        launches = c.ops * (3 + recompute) * self.launch_s
-        return max(flops / self.rate(precision), launches)
+        n = c.n_blocks or 1
+        full = checkpointed if policies is None else sum(p == "full" for p in policies)
+        selective = 0 if policies is None else sum(p == "selective" for p in policies)
+        offloaded = 0 if policies is None else sum(p == "offload" for p in policies)
+        flops = micro_batch * c.flops_per_sample
+        launches = c.ops * self.launch_s
+        base = max(3 * flops / self.rate(precision), 3 * launches)
+        bw = self.profile.memory_bytes_per_s or 500e9
+        rerun = selective * micro_batch * c.selective_bytes_per_sample * 2 / bw  # read + write, memory-bound
+        total = max((3 + full / n) * flops / self.rate(precision) + rerun,
+                    (3 + full / n) * launches + selective * c.selective_ops_per_block * self.launch_s)
+        moved = offloaded * micro_batch * self.offload_bytes.get(precision, 0.0)
+        bw = self.profile.host_link_bytes_per_s or 12e9  # built-in cards: PCIe, devices.py
+        # device-to-host beside the forward (a third of the compute), host-to-device waited for
+        transfer = max(0.0, moved / bw - total / 3) + moved / bw if moved else 0.0
+        return base, total - base, transfer
 
     def optimizer_seconds(self) -> float:
         """The fused AdamW step: memory-bound over the trainable parameters."""
         bw = self.profile.memory_bytes_per_s or 500e9
         return self.cost.trainable_params * ADAMW_BYTES_PER_PARAM / bw
 
-    def step_seconds(self, precision: str, micro_batch: int, effective_batch: int, checkpointed: int) -> float:
+    def step_seconds(self, precision: str, micro_batch: int, effective_batch: int, checkpointed: int,
+                     policies=None) -> float:
         """One optimizer step: ``ceil(E / mb)`` micro-batches (the last may be smaller) + AdamW."""
-        full, rest = divmod(effective_batch, micro_batch)
-        t = full * self.micro_batch_seconds(precision, micro_batch, checkpointed)
-        if rest:
-            t += self.micro_batch_seconds(precision, rest, checkpointed)
-        return t + self.optimizer_seconds()
+        return sum(self.step_parts(precision, micro_batch, effective_batch, checkpointed, policies)) \
+            + self.optimizer_seconds()
 
-    def samples_per_s(self, precision: str, micro_batch: int, effective_batch: int, checkpointed: int) -> float:
-        return effective_batch / self.step_seconds(precision, micro_batch, effective_batch, checkpointed)
+    def step_parts(self, precision: str, micro_batch: int, effective_batch: int, checkpointed: int,
+                   policies=None) -> tuple[float, float, float]:
+        """``(forward + backward, recomputation, host transfers not hidden)`` seconds of one
+        optimizer step's micro-batches (the AdamW step not included)."""
+        full, rest = divmod(effective_batch, micro_batch)
+        parts = [full * x for x in self.micro_batch_parts(precision, micro_batch, checkpointed, policies)]
+        if rest:
+            parts = [a + b for a, b in zip(parts, self.micro_batch_parts(precision, rest, checkpointed, policies))]
+        return tuple(parts)
+
+    def samples_per_s(self, precision: str, micro_batch: int, effective_batch: int, checkpointed: int,
+                      policies=None) -> float:
+        return effective_batch / self.step_seconds(precision, micro_batch, effective_batch, checkpointed, policies)
 
     def calibrate(self, precision: str, micro_batch: int, checkpointed: int, measured_step_s: float,
                   effective_batch: int) -> "TimeModel":

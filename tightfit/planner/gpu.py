@@ -282,7 +282,8 @@ def _gpu_plan(best: Measured, variant: CompiledVariant | None, effective_batch: 
                             device="cuda", budget_bytes=budget_bytes, reasons=tuple(reasons),
                             probe_peak_reserved_bytes=best.probe.peak_reserved_bytes,
                             predicted_peak_reserved_bytes=c.peak_reserved_bytes,
-                            predicted_samples_per_s=c.samples_per_s or None, compile=False)
+                            predicted_samples_per_s=c.samples_per_s or None, compile=False,
+                            block_policies=c.block_policies)
 
 
 # ---------------------------------------------------------------- stage 3: verify
@@ -293,10 +294,10 @@ def _cached_prober(workload: Workload, budget_bytes: int, timed_steps: int = VER
     probes = {}
 
     def probe(cand: Candidate, micro_batch: int) -> ProbeResult:
-        key = (cand.precision, cand.checkpoint_blocks, micro_batch)
+        key = (cand.precision, cand.checkpoint_blocks, cand.block_policies, micro_batch)
         if key not in probes:
             blocks = cand.checkpoint_blocks
-            set_activation_checkpointing(workload.model, bool(blocks), blocks)
+            set_activation_checkpointing(workload.model, bool(blocks), blocks, cand.block_policies)
             probes[key] = probe_step(workload, micro_batch, cand.precision, budget_bytes, timed_steps=timed_steps)
         return probes[key]
 
@@ -402,14 +403,14 @@ def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget
     compiled variant is faster."""
     E, model = workload.effective_batch, workload.model
 
-    def timed(mb: int, blocks: tuple) -> float:
-        set_activation_checkpointing(model, bool(blocks), blocks)
+    def timed(mb: int, blocks: tuple, policies=None) -> float:
+        set_activation_checkpointing(model, bool(blocks), blocks, policies)
         pr = probe_step(workload, mb, best.precision, budget_bytes, timed_steps=RETIMED_STEPS)
         return _samples_per_s(pr, E) if pr.fits else 0.0
 
     c_speed = timed(variant.micro_batch, variant.checkpoint_blocks)
     uncompile_model(model)
-    e_speed = timed(best.micro_batch, best.checkpoint_blocks)
+    e_speed = timed(best.micro_batch, best.checkpoint_blocks, best.block_policies)
     note = (f"retimed side by side ({RETIMED_STEPS} timed steps each, the fastest): compiled {c_speed:.0f} vs "
             f"eager {e_speed:.0f} samples/s" + (" (no longer within the headroom)" if not (c_speed and e_speed) else ""))
     retiming = Retiming(c_speed, e_speed, note)

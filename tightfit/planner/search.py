@@ -9,7 +9,10 @@ The planner is one pipeline of named stages; this module holds the two that need
    micro-batch that fits the planned limit (:mod:`.margins`) by the memory lines
    (:mod:`tightfit.memory.fast`, two exact estimates per precision and end of the block range),
    balanced over the accumulation steps, with its predicted samples/s (:mod:`.cost`). Per
-   number of micro-batches only the fewest blocks that reach it is a candidate.
+   number of micro-batches only the fewest blocks that reach it is a candidate. Then the
+   per-block choices past whole-block recomputation (:func:`_choice_ladders`): blocks
+   recomputed selectively, then fully on top of that, or offloaded to the host, one block
+   at a time, the cheapest memory first; per number of micro-batches the fastest of each.
 2. **predict** (:func:`predict`): trace the candidates exactly (:mod:`tightfit.memory`), in
    predicted order, while the next one could still beat the best traced so far; one that does
    not fit checkpoints more blocks or shrinks. Then :func:`rank` names the winner and says why
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.precision import check_precision, preferred_precision
-from ..memory.fast import BlockLines
+from ..memory.fast import BlockLines, MemoryLine
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes
 from .advice import nothing_fits_lines
@@ -49,6 +52,9 @@ class Candidate:
         breakdown: bytes per component at the peak.
         samples_per_s: predicted throughput (0 if it does not fit or was not searched).
         why: why it lost (runners-up) or why it won.
+        block_policies: one choice per block (:data:`tightfit.levers.blocks.BLOCK_POLICIES`)
+            where the candidate mixes them; then ``checkpoint_blocks`` are the blocks recomputed
+            fully. None: ``checkpoint_blocks`` recompute fully, the others keep everything.
     """
 
     precision: str
@@ -60,6 +66,12 @@ class Candidate:
     breakdown: dict = field(default_factory=dict)
     samples_per_s: float = 0.0
     why: str = ""
+    block_policies: tuple[str, ...] | None = None
+
+    @property
+    def choice(self) -> tuple:
+        """What the estimator traces: the block policies, or the checkpointed blocks' indices."""
+        return self.block_policies if self.block_policies is not None else self.checkpoint_blocks
 
     @property
     def status(self) -> str:
@@ -73,6 +85,7 @@ class Candidate:
         of 0 for an unsearched micro-batch or for the samples/s of a plan that does not fit)."""
         d = asdict(self)
         d["checkpoint_blocks"] = None if self.checkpoint_blocks is None else list(self.checkpoint_blocks)
+        d["block_policies"] = None if self.block_policies is None else list(self.block_policies)
         d["samples_per_s"] = self.samples_per_s or None
         d["status"] = self.status
         return d
@@ -81,6 +94,10 @@ class Candidate:
         """``"bf16, checkpointing 2 blocks, micro-batch 32"`` (the precision alone if not searched)."""
         if self.micro_batch is None:  # a precision that was not searched
             return self.precision
+        if self.block_policies is not None:
+            kinds = [f"{self.block_policies.count(p)} {p}" for p in ("selective", "full", "offload")
+                     if p in self.block_policies]
+            return f"{self.precision}, blocks {' + '.join(kinds)}, micro-batch {self.micro_batch}"
         ck = len(self.checkpoint_blocks)
         return f"{self.precision}, checkpointing {ck} block{'s' if ck != 1 else ''}, micro-batch {self.micro_batch}"
 
@@ -111,7 +128,7 @@ class SearchResult:
         return plan_with_blocks(b.precision, b.micro_batch, self.effective_batch, b.checkpoint_blocks, self.n_blocks,
                                 device=device, budget_bytes=self.budget_bytes, reasons=(b.why,),
                                 predicted_peak_reserved_bytes=b.peak_reserved_bytes,
-                                predicted_samples_per_s=b.samples_per_s)
+                                predicted_samples_per_s=b.samples_per_s, block_policies=b.block_policies)
 
     def to_dict(self) -> dict:
         """JSON: ``plan``, ``budget_bytes``, ``predicted_peak_bytes`` (reserved),
@@ -120,6 +137,7 @@ class SearchResult:
         and a ``why``), ``planning_seconds``."""
         b = self.best
         return {"plan": self.to_plan().to_dict(), "checkpoint_blocks": list(b.checkpoint_blocks),
+                "block_policies": None if b.block_policies is None else list(b.block_policies),
                 "budget_bytes": self.budget_bytes, "predicted_peak_bytes": b.peak_reserved_bytes,
                 "predicted_peak_allocated_bytes": b.peak_allocated_bytes, "breakdown": b.breakdown,
                 "predicted_samples_per_s": b.samples_per_s,
@@ -140,6 +158,8 @@ class SearchSpace:
         headroom: the share of the budget kept free.
         grad_bytes: the trainable parameters' gradients, bytes (held across micro-batches).
         time_model: predicts samples/s.
+        ladders: the per-block choices searched past whole-block recomputation
+            (``"selective"``, ``"offload"``; :func:`_choice_ladders`).
     """
 
     precisions: list[str]
@@ -152,6 +172,7 @@ class SearchSpace:
     headroom: float
     grad_bytes: int
     time_model: TimeModel
+    ladders: tuple[str, ...] = ()
 
     def is_end(self, k: int) -> bool:
         """Whether ``k`` checkpointed blocks is an end of the range (where lines are traced)."""
@@ -205,7 +226,7 @@ def candidate_precisions(profile: DeviceProfile, precision: str = "auto") -> lis
 
 def search(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
            estimate_fn: EstimateFn, precision: str = "auto", headroom: float = HEADROOM,
-           checkpointing: str = "auto", estimator_at=None) -> SearchResult:
+           checkpointing: str = "auto", estimator_at=None, per_block: bool = True) -> SearchResult:
     """Find the fastest plan that fits: :func:`enumerate_candidates`, then :func:`predict`, then
     :func:`rank`.
 
@@ -216,11 +237,14 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
         effective_batch: samples per optimizer step.
         profile: the card (precision rules and rates).
         budget_bytes: memory the step may use (reserved), bytes.
-        estimate_fn: ``(precision, micro_batch, checkpoint_blocks) -> MemoryEstimate``.
+        estimate_fn: ``(precision, micro_batch, choice) -> MemoryEstimate``; ``choice``: the
+            checkpointed blocks' indices, or one policy per block (strings).
         headroom: share of the budget kept free (:mod:`.margins`).
         checkpointing: ``"auto"`` (search), ``"off"`` (none) or ``"on"`` (all blocks).
         estimator_at: ``(size, effective_batch) -> estimate_fn``, used only when nothing fits, to
             find what does (:func:`.advice.nothing_fits_lines`); None: only the levers are given.
+        per_block: with ``checkpointing="auto"``, also search selective recomputation and
+            activation offload per block (:func:`_choice_ladders`).
 
     Raises:
         TightfitError: nothing fits, even at micro-batch 1 with every block checkpointed (the
@@ -231,14 +255,14 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     t0 = time.perf_counter()
     estimate_fn = _traced_once(estimate_fn)
     space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
-                         checkpointing)
+                         checkpointing, per_block)
     prediction = predict(space, enumerate_candidates(space, estimate_fn), estimate_fn)
     if not prediction.traced:
         skipped = [c.precision for c in prediction.evaluated if c.micro_batch is None]
         if skipped:  # the slow precision is needed for memory after all
             return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
                           precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
-                          estimator_at=estimator_at)
+                          estimator_at=estimator_at, per_block=per_block)
         _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at)
     return rank(space, prediction, time.perf_counter() - t0)
 
@@ -257,7 +281,8 @@ def _traced_once(estimate_fn: EstimateFn) -> EstimateFn:
 
 
 def search_space(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
-                 precision: str = "auto", headroom: float = HEADROOM, checkpointing: str = "auto") -> SearchSpace:
+                 precision: str = "auto", headroom: float = HEADROOM, checkpointing: str = "auto",
+                 per_block: bool = True) -> SearchSpace:
     """The :class:`SearchSpace` of a workload on a card (one meta trace of the forward for the
     time model). Arguments as :func:`search`.
 
@@ -272,8 +297,9 @@ def search_space(model, make_batch, size: int, effective_batch: int, profile: De
     ends = {"auto": (0, n_blocks), "off": (0, 0), "on": (n_blocks, n_blocks)}.get(checkpointing)
     if ends is None:
         raise TightfitError(f"unknown checkpointing {checkpointing!r}; use auto, on or off")
+    ladders = ("selective", "offload") if per_block and checkpointing == "auto" and n_blocks else ()
     return SearchSpace(candidate_precisions(profile, precision), ends[0], ends[1], n_blocks, effective_batch,
-                       budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm)
+                       budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders)
 
 
 # ---------------------------------------------------------------- stage 1: enumerate
@@ -298,7 +324,51 @@ def enumerate_candidates(space: SearchSpace, estimate_fn: EstimateFn) -> Enumera
             continue
         lines[prec] = BlockLines.traced(estimate_fn, prec, space.first_blocks, space.last_blocks)
         candidates += _frontier(space, prec, lines[prec], estimate_fn)
+        if space.ladders:
+            candidates += _ladder_candidates(space, prec, lines[prec], estimate_fn)
     return Enumeration(candidates, lines)
+
+
+def _choice_ladders(space: SearchSpace, prec: str, lines: BlockLines, estimate_fn: EstimateFn):
+    """The per-block choices past whole-block recomputation, as ``(policies, MemoryLine)``
+    pairs: the first ``k`` blocks selective (the others keep everything), then all selective
+    with the first ``k`` recomputed fully, and the first ``k`` offloaded. Each ladder's memory
+    line is traced at its ends (all blocks with one choice) and blended in between, as
+    :class:`~tightfit.memory.fast.BlockLines` does for whole blocks. Also fills the time model's
+    bytes an offloaded block moves per sample: what a block saves, the slope of no
+    checkpointing less that of all blocks recomputed."""
+    n = space.n_blocks
+    none, full = lines(0), lines(n)
+    space.time_model.offload_bytes[prec] = max(0.0, (none.slope - full.slope) / n)
+    out = []
+    if "selective" in space.ladders:
+        sel = MemoryLine.traced(estimate_fn, prec, ("selective",) * n)
+        out += [(("selective",) * k + ("none",) * (n - k), none.blend(sel, k / n)) for k in range(1, n + 1)]
+        out += [(("full",) * k + ("selective",) * (n - k), sel.blend(full, k / n)) for k in range(1, n)]
+    if "offload" in space.ladders:
+        off = MemoryLine.traced(estimate_fn, prec, ("offload",) * n)
+        out += [(("offload",) * k + ("none",) * (n - k), none.blend(off, k / n)) for k in range(1, n + 1)]
+    return out
+
+
+def _ladder_candidates(space: SearchSpace, prec: str, lines: BlockLines, estimate_fn: EstimateFn) -> list[Candidate]:
+    """Per ladder of :func:`_choice_ladders` and number of micro-batches, the fastest choice
+    that fits by its memory line (traced exactly in stage 2 when it could win)."""
+    E, tm = space.effective_batch, space.time_model
+    best: dict[tuple, Candidate] = {}
+    for policies, line in _choice_ladders(space, prec, lines, estimate_fn):
+        m = line.largest_fitting(space.limit, E)
+        if m == 0:
+            continue
+        steps = accumulation_steps(E, m)
+        mb = micro_batch_for(E, steps)
+        full = tuple(i for i, p in enumerate(policies) if p == "full")
+        c = Candidate(prec, mb, full, steps, int(line.reserved(mb)), None,
+                      samples_per_s=tm.samples_per_s(prec, mb, E, len(full), policies), block_policies=policies)
+        key = ("offload" in policies, steps)
+        if key not in best or c.samples_per_s > best[key].samples_per_s:
+            best[key] = c
+    return list(best.values())
 
 
 def _frontier(space: SearchSpace, prec: str, lines: BlockLines, estimate_fn: EstimateFn) -> list[Candidate]:
@@ -378,7 +448,8 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
     for cand in fitting:
         if traced and cand.samples_per_s <= max(v.samples_per_s for v in traced):
             break
-        more = _more_blocks(space, cand, enumeration.lines[cand.precision], estimate_fn)
+        more = None if cand.block_policies is not None else \
+            _more_blocks(space, cand, enumeration.lines[cand.precision], estimate_fn)
         if more is not None:  # the same micro-batches with more blocks checkpointed: may beat shrinking
             traced.append(more)
             if more.checkpoint_blocks == cand.checkpoint_blocks:
@@ -415,7 +486,7 @@ def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn) -> Candid
     reserved bytes (an int) instead of a candidate."""
     E, mb = space.effective_batch, c.micro_batch
     while True:
-        est = estimate_fn(c.precision, mb, c.checkpoint_blocks)
+        est = estimate_fn(c.precision, mb, c.choice)
         if est.peak_reserved_bytes <= space.limit:
             return _traced(space, c, mb, c.checkpoint_blocks, est)
         if mb == 1:
@@ -428,7 +499,8 @@ def _traced(space: SearchSpace, c: Candidate, mb: int, blocks: tuple, est) -> Ca
     E = space.effective_batch
     return Candidate(c.precision, mb, blocks, accumulation_steps(E, mb), est.peak_reserved_bytes,
                      est.peak_allocated_bytes, dict(est.breakdown),
-                     space.time_model.samples_per_s(c.precision, mb, E, len(blocks)))
+                     space.time_model.samples_per_s(c.precision, mb, E, len(blocks), c.block_policies),
+                     block_policies=c.block_policies)
 
 
 def rank(space: SearchSpace, prediction: Prediction, seconds: float) -> SearchResult:
@@ -439,21 +511,35 @@ def rank(space: SearchSpace, prediction: Prediction, seconds: float) -> SearchRe
     order = {id(c): i for i, c in enumerate(traced)}  # ties: the earlier (preferred) one
     best = max(traced, key=lambda c: (round(c.samples_per_s, 6), -order[id(c)]))
     best = replace(best, why=f"fastest predicted: {best.samples_per_s:.0f} samples/s, peak "
-                             f"{format_bytes(best.peak_reserved_bytes)} of {format_bytes(space.budget_bytes)}")
-    done = {(v.precision, v.checkpoint_blocks) for v in traced}
-    others = [v for v in traced if (v.precision, v.checkpoint_blocks) != (best.precision, best.checkpoint_blocks)]
-    others += [c for c in evaluated if c.samples_per_s > 0 and (c.precision, c.checkpoint_blocks) not in done]
+                             f"{format_bytes(best.peak_reserved_bytes)} of {format_bytes(space.budget_bytes)}"
+                             + _overheads(space, best))
+    done = {_key(v) for v in traced}
+    others = [v for v in traced if _key(v) != _key(best)]
+    others += [c for c in evaluated if c.samples_per_s > 0 and _key(c) not in done]
     others.sort(key=lambda c: -c.samples_per_s)
     runners = []
     for c in others + [c for c in evaluated if c.samples_per_s == 0]:
         if c.samples_per_s > 0:
-            exact = (c.precision, c.checkpoint_blocks) in done
+            exact = _key(c) in done
             ratio = c.samples_per_s / best.samples_per_s
             c = replace(c, why=f"{'slower' if ratio < 0.995 else 'as fast, ranked after it'}: predicted "
                                f"{c.samples_per_s:.0f} samples/s ({ratio:.2f}x)"
                                + ("" if exact else ", memory from the line, not traced exactly"))
         runners.append(c)
     return SearchResult(best, runners, space.budget_bytes, space.effective_batch, space.n_blocks, seconds)
+
+
+def _key(c: Candidate) -> tuple:
+    return c.precision, c.checkpoint_blocks, c.block_policies
+
+
+def _overheads(space: SearchSpace, c: Candidate) -> str:
+    """``"; per step: recomputation 12 ms, host transfers 3 ms"`` (the parts paid, predicted)."""
+    _, recompute, transfer = space.time_model.step_parts(c.precision, c.micro_batch, space.effective_batch,
+                                                         len(c.checkpoint_blocks), c.block_policies)
+    parts = [f"{name} {t * 1e3:.0f} ms" for name, t in (("recomputation", recompute), ("host transfers", transfer))
+             if t > 0]
+    return f"; per step: {', '.join(parts)}" if parts else ""
 
 
 def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, make_batch, size: int,
@@ -512,9 +598,15 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
 
     def fn(precision: str, micro_batch: int, blocks) -> MemoryEstimate:
         plan = Plan(precision, micro_batch, micro_batch, device="cuda")
-        est = estimate(model, example, plan, device=profile, checkpoint_blocks=tuple(blocks))
+        blocks = tuple(blocks)
+        if blocks and isinstance(blocks[0], str):  # one policy per block
+            est = estimate(model, example, plan, device=profile, block_policies=blocks)
+            checkpointed = any(p != "none" for p in blocks)
+        else:
+            est = estimate(model, example, plan, device=profile, checkpoint_blocks=blocks)
+            checkpointed = bool(blocks)
         extra = max(0, grads - est.breakdown.get("gradients", 0)) if micro_batch < effective_batch else 0
-        margin = estimator_margin_bytes(est.peak_reserved_bytes + extra, bool(blocks), checkpointed_margin)
+        margin = estimator_margin_bytes(est.peak_reserved_bytes + extra, checkpointed, checkpointed_margin)
         if not extra and not margin:
             return est
         bd = dict(est.breakdown)
