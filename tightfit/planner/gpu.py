@@ -196,7 +196,7 @@ def _peak(pr: ProbeResult) -> str:
 
 def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, seq_len: int,
                 precision: str = "auto", checkpointing: str = "auto", compile: str = "auto",
-                run_samples: int | None = None, timings: dict | None = None) -> Plan:
+                run_samples: int | None = None, timings: dict | None = None, per_block: bool = True) -> Plan:
     """The fastest plan that really fits: the search's ranking, verified on the GPU.
 
     Candidates are probed in the search's order (real training steps under the allocator cap,
@@ -224,6 +224,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
             ``compile_s`` (compile and retime, compilation included); and the plan's speeds,
             samples/s: ``predicted_samples_per_s`` (the search's time model for the eager winner)
             and ``probed_samples_per_s`` (the timing that decided).
+        per_block: also search selective recomputation and activation offload per block
+            (:func:`~tightfit.planner.search.search`); False: whole blocks only.
 
     Raises:
         TightfitError: nothing fits (predicted or measured); ``compile`` is ``"on"`` where
@@ -242,7 +244,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                                   checkpointed_margin=0.0),  # the probes verify for real
                     precision=precision, checkpointing=checkpointing,
                     estimator_at=lambda size, effective_batch: None if size != seq_len else estimator_for(
-                        workload.model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0))
+                        workload.model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0),
+                    per_block=per_block)
     t_verify = time.perf_counter()
     verification = verify_on_gpu(workload, result, profile, budget_bytes)
     best = verification.best
