@@ -155,8 +155,17 @@ def _policy_memory(precision, micro_batch, choice, n=2):
     return Est(peak, peak, {"activations": int(micro_batch * s)})
 
 
-def test_planner_mixes_selective_and_full_blocks_when_that_is_faster_and_says_what_it_costs():
+def test_planner_mixes_selective_and_full_blocks_when_that_is_faster_and_says_what_it_costs(monkeypatch):
     from test_planner import MiB, _search
+
+    from tightfit.planner import search as search_module
+    from tightfit.planner.cost import ForwardCost
+
+    # launch-bound at small micro-batches, compute-bound at 64 samples: fewer micro-batches pay, and
+    # selective recomputation costs less than recomputing a whole block
+    monkeypatch.setattr(search_module, "forward_cost", lambda *a: ForwardCost(
+        flops_per_sample=2e9, ops=100, trainable_params=1000, n_blocks=2, selective_ops_per_block=40,
+        selective_bytes_per_sample=1e5))
 
     # 350 MiB: one micro-batch of 64 fits with one block selective and one full (324 MiB) but not
     # with both selective (420 MiB); both full (164 MiB) recompute more
@@ -167,6 +176,9 @@ def test_planner_mixes_selective_and_full_blocks_when_that_is_faster_and_says_wh
     assert whole.micro_batch == 64 and whole.samples_per_s < r.best.samples_per_s
     plan = r.to_plan()
     assert plan.block_policies == ("full", "selective") and plan.activation_checkpointing
+    # 500 MiB: every block selective fits one micro-batch (484 MiB), no block recomputes its matmuls
+    r = _search("h100", int(500 * MiB / 0.95), _policy_memory, E=64, precision="fp32", per_block=True)
+    assert r.best.block_policies == ("selective", "selective") and r.best.micro_batch == 64
     # more room: no recomputation beats any
     r = _search("h100", int(800 * MiB / 0.95), _policy_memory, E=64, precision="fp32", per_block=True)
     assert r.best.block_policies is None and r.best.checkpoint_blocks == ()

@@ -136,10 +136,12 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
     last = args.batch_size - (b.accumulation_steps - 1) * b.micro_batch
     print(f"plan: {b.precision}, micro-batch {b.micro_batch} x {b.accumulation_steps} accumulation steps"
           + (f" (the last {last})" if last != b.micro_batch else "") + ", "
-          f"checkpointing {len(b.checkpoint_blocks)} of {result.n_blocks} blocks"
-          + (f" ({', '.join(map(str, b.checkpoint_blocks))})" if 0 < len(b.checkpoint_blocks) < result.n_blocks else ""))
+          + (f"blocks {', '.join(b.block_policies)}" if b.block_policies is not None else
+             f"checkpointing {len(b.checkpoint_blocks)} of {result.n_blocks} blocks"
+             + (f" ({', '.join(map(str, b.checkpoint_blocks))})" if 0 < len(b.checkpoint_blocks) < result.n_blocks
+                else "")))
     print(f"predicted: {b.samples_per_s:.0f} samples/s, peak {format_bytes(b.peak_reserved_bytes)} reserved of "
-          f"{format_bytes(budget)}")
+          f"{format_bytes(budget)}" + (b.why[b.why.index("; per step"):] if "; per step" in b.why else ""))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"optimizer: fused AdamW (no temporaries at its step; foreach AdamW would need "
           f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)")

@@ -169,12 +169,19 @@ class TimeModel:
         bw = self.profile.memory_bytes_per_s or 500e9
         rerun = selective * micro_batch * c.selective_bytes_per_sample * 2 / bw  # read + write, memory-bound
         total = max((3 + full / n) * flops / self.rate(precision) + rerun,
-                    (3 + full / n) * launches + selective * c.selective_ops_per_block * self.launch_s)
+                    (3 + full / n) * launches + selective * self._selective_launches() * self.launch_s)
         moved = offloaded * micro_batch * self.offload_bytes.get(precision, 0.0)
         bw = self.profile.host_link_bytes_per_s or 12e9  # built-in cards: PCIe, devices.py
         # device-to-host beside the forward (a third of the compute), host-to-device waited for
         transfer = max(0.0, moved / bw - total / 3) + moved / bw if moved else 0.0
         return base, total - base, transfer
+
+    def _selective_launches(self) -> float:
+        """Kernel-launch equivalents a selective block adds: its recomputed ops, and each of its
+        forward ops once more, for passing through the selective policy's Python dispatch mode
+        (``torch.utils.checkpoint``'s caching mode sees every op)."""
+        c = self.cost
+        return c.selective_ops_per_block + c.ops / (c.n_blocks or 1)
 
     def optimizer_seconds(self) -> float:
         """The fused AdamW step: memory-bound over the trainable parameters."""

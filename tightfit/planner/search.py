@@ -323,9 +323,12 @@ def enumerate_candidates(space: SearchSpace, estimate_fn: EstimateFn) -> Enumera
                                             f"{first} rate on this card, and {first} fits"))
             continue
         lines[prec] = BlockLines.traced(estimate_fn, prec, space.first_blocks, space.last_blocks)
-        candidates += _frontier(space, prec, lines[prec], estimate_fn)
-        if space.ladders:
-            candidates += _ladder_candidates(space, prec, lines[prec], estimate_fn)
+        whole = _frontier(space, prec, lines[prec], estimate_fn)
+        candidates += whole
+        if space.ladders:  # only where they beat whole blocks at the same number of micro-batches
+            fastest = {c.accumulation_steps: c.samples_per_s for c in whole if c.samples_per_s > 0}
+            candidates += [c for c in _ladder_candidates(space, prec, lines[prec], estimate_fn)
+                           if c.samples_per_s > fastest.get(c.accumulation_steps, 0.0)]
     return Enumeration(candidates, lines)
 
 

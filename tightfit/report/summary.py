@@ -25,8 +25,9 @@ def plan_lines(plan: Plan) -> list[str]:
         + (f" (the last {plan.effective_batch - (plan.accumulation_steps - 1) * plan.micro_batch})"
            if plan.effective_batch % plan.micro_batch else "")
         + f" = effective batch {plan.effective_batch}",
-        "checkpointing    " + (("blocks " + ", ".join(map(str, plan.checkpoint_blocks)) if plan.checkpoint_blocks
-                                    else "on (every block)") if plan.activation_checkpointing else "off"),
+        "checkpointing    " + ("per block: " + ", ".join(plan.block_policies) if plan.block_policies is not None
+                               else ("blocks " + ", ".join(map(str, plan.checkpoint_blocks)) if plan.checkpoint_blocks
+                                     else "on (every block)") if plan.activation_checkpointing else "off"),
     ]
     if plan.predicted_samples_per_s and plan.compile:  # no prediction for compiled steps: a timing decided
         lines.append(f"measured         {plan.predicted_samples_per_s:.0f} samples/s, compiled (the timing is "
