@@ -133,10 +133,27 @@ def test_plans_without_per_block_choices_still_load_and_new_ones_round_trip():
 
 
 @pytest.mark.gpu
-def test_offload_on_cuda_gives_the_same_gradients_and_frees_the_saved_activations():
+def test_offload_on_cuda_gives_the_same_gradients_and_frees_the_saved_activations(monkeypatch):
+    import tightfit.levers.offload as offload
+
+    monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 0)  # the tiny model's tensors are all small
     ref = _run(("none", "none"), device="cuda")
     _same(ref, _run(("offload", "offload"), device="cuda"))
     _same(ref, _run(("offload", "selective"), device="cuda"))
+
+    def held_after_forward(policies):
+        model = tiny_bert(dropout=0.1, seed=0).cuda().train()
+        set_activation_checkpointing(model, False, policies=policies)
+        batch = {k: v.cuda() for k, v in SyntheticBatches(64, seq_len=32).collate(list(range(64))).items()}
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(**batch).loss
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+        return held
+
+    assert held_after_forward(("offload", "offload")) < 0.5 * held_after_forward(("none", "none"))
 
 
 # --------------------------------------------------------------------------- the planner

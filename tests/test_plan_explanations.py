@@ -52,7 +52,7 @@ def _plan_with_fake_gpu(monkeypatch, compile):
     monkeypatch.setattr(gpu, "compile_scope", lambda m: "model")
     monkeypatch.setattr(gpu, "compile_model", lambda m: setattr(state, "compiled", True))
     monkeypatch.setattr(gpu, "uncompile_model", lambda m: setattr(state, "compiled", False))
-    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks=(): setattr(state, "blocks", tuple(blocks)))
+    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks=(), policies=None: setattr(state, "blocks", tuple(blocks)))
     w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)
     return gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile=compile)
 

@@ -216,7 +216,7 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     monkeypatch.setattr(gpu, "compile_model", lambda m: None)
     monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
     monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
-    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks: setattr(w, "blocks", tuple(blocks)))
+    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks, policies=None: setattr(w, "blocks", tuple(blocks)))
     eager = Candidate("bf16", 8, tuple(range(n)), E // 8, None, None)  # 32 micro-batches of 8
     result = gpu.compiled_variant(w, eager, 10**9, n).variant
     # all blocks: 200 + mb <= 1000 fits at k = 1 (micro-batch 256); the fewest blocks there:
