@@ -220,3 +220,14 @@ def test_offload_is_costed_by_the_host_link():
     sel = slow.step_parts("bf16", 64, 64, 0, ("selective",) * 4)[1]
     full = slow.step_parts("bf16", 64, 64, 4, None)[1]
     assert 0 < sel < full
+
+
+def test_offload_leaves_weights_and_their_views_and_small_tensors_on_the_device():
+    from tightfit.levers.offload import HostOffload
+
+    hooks = HostOffload(min_bytes=1024)
+    weight = torch.nn.Parameter(torch.empty(64, 64, device="meta"))
+    activation = torch.empty(64, 64, device="meta")
+    assert not hooks._offloads(weight) and not hooks._offloads(weight.t())
+    assert hooks._offloads(activation) and not hooks._offloads(activation[:1])
+    assert not hooks._offloads(torch.empty(64, 64))  # host tensors stay where they are

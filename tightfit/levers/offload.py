@@ -41,8 +41,10 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
 
     def _offloads(self, t: torch.Tensor) -> bool:
-        return (t.device.type in ("cuda", "meta") and not isinstance(t, torch.nn.Parameter)
-                and t.untyped_storage().nbytes() >= self.min_bytes and t.layout == torch.strided)
+        base = t if t._base is None else t._base  # a linear layer saves ``weight.t()``, a view
+        return (t.device.type in ("cuda", "meta") and not isinstance(base, torch.nn.Parameter)
+                and t.layout == torch.strided and min(t.untyped_storage().nbytes(),
+                                                     t.numel() * t.element_size()) >= self.min_bytes)
 
     def _pack(self, t: torch.Tensor):
         if not self._offloads(t):
@@ -50,10 +52,10 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         self.bytes_offloaded += t.numel() * t.element_size()
         if t.device.type == "meta":
             with _disable_current_modes():  # a shape record, not a device allocation
-                host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-            return ("meta", host, t.requires_grad)
+                host = torch.empty(t.size(), dtype=t.dtype, device="meta")
+            return ("meta", host, None)
         stream = HostOffload._streams.setdefault(t.device, torch.cuda.Stream(t.device))
-        host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)  # dense, as save_on_cpu
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written by now
         with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
@@ -67,6 +69,6 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             return packed
         device, host, extra = packed
         if device == "meta":  # the host-to-device copy's allocation
-            return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device="meta")
+            return torch.empty(host.size(), dtype=host.dtype, device="meta")
         torch.cuda.current_stream(device).wait_event(extra)  # the host copy is complete
         return host.to(device, non_blocking=True)
