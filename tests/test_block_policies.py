@@ -231,3 +231,15 @@ def test_offload_leaves_weights_and_their_views_and_small_tensors_on_the_device(
     assert not hooks._offloads(weight) and not hooks._offloads(weight.t())
     assert hooks._offloads(activation) and not hooks._offloads(activation[:1])
     assert not hooks._offloads(torch.empty(64, 64))  # host tensors stay where they are
+
+
+def test_the_runtime_applies_the_plans_per_block_choices(make_workload):
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+
+    w = make_workload(n=16, effective_batch=8, dropout=0.1)
+    plan = Plan("fp32", 4, 8, True, block_policies=("selective", "full"))
+    t = Trainer(w, plan, TrainConfig(epochs=1, lr=1e-3), progress=False)
+    assert [block_policy(b) for b in find_blocks(t.model)] == ["selective", "full"]
+    res = t.fit()
+    assert res.steps == 2
