@@ -1,20 +1,22 @@
 """Per-block choices on a GPU: what each costs and saves, measured against the prediction, and
 tightfit's plan with them against whole-block checkpointing and the no-budget references.
 
-Three parts, each written to ``OUT`` as it finishes (``block_policies.json`` and ``.md``):
+Three parts, written to ``OUT`` as they finish (``block_policies.json`` and ``.md``):
 
 1. ``link``: pinned host <-> device copy bandwidth of 256 MiB (the time model's host link).
-2. ``memory``: per workload, one training step of a fixed micro-batch with every block
-   ``none`` / ``selective`` / ``full`` / ``offload`` and a mixed choice, each in a fresh
-   process (the estimator predicts a fresh process): the estimator's peak allocated/reserved
-   bytes against ``torch.cuda.max_memory_*``, and the measured step time.
+2. ``memory``: per workload, training steps of a fixed micro-batch with every block
+   ``none`` / ``selective`` / ``full`` / ``offload`` and a mixed choice (half selective, half
+   full), each in a fresh process (the estimator predicts a fresh process; ``--jobs`` of them
+   share the GPU at once, so their step times are only indicative): the estimator's peak
+   allocated/reserved bytes against ``torch.cuda.max_memory_*``.
 3. ``speed``: per workload under its budget: tightfit's plan with per-block choices and with
    whole blocks only (``plan_on_gpu(per_block=False)``), each planned and trained for
    ``--steps`` steps, beside the no-budget eager (bf16, checkpointing none/all) and compiled
    (bf16) references of :mod:`tightfit.bench.settings`.
 
-Order: BERT-base's memory rows, its speed part, then ResNet-50's and ViT-B/16's, each part
-started only while ``--minutes`` (default 6) have not run out.
+Order: every memory row (about a minute), then the speed parts of BERT-base, ResNet-50 and
+ViT-B/16, each started only while ``--minutes`` (default 5) have not run out (BERT-base's
+takes about four: two plans with compilation, and the compiled reference).
 
 Usage (repository root, CUDA machine):
     PYTHONPATH=.:$PYTHONPATH python bench/block_policies.py --out "$OUT"
@@ -28,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 # (workload of tightfit.bench.workloads, micro-batch of the memory rows, precision)
 WORKLOADS = [("bert-base-128@4GiB", 32, "bf16"), ("resnet50-224@4GiB", 32, "bf16"), ("vit-b16-224@10GiB", 32, "bf16")]
@@ -164,7 +167,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--minutes", type=float, default=6.0, help="skip what would start after this many minutes")
+    ap.add_argument("--minutes", type=float, default=5.0, help="skip what would start after this many minutes")
+    ap.add_argument("--jobs", type=int, default=5, help="memory rows run at once (default 5)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:  # one part in this fresh process; its JSON on the last line of stdout
@@ -188,14 +192,15 @@ def main() -> int:
             f.write(_markdown(res))
 
     late = lambda: time.perf_counter() - t0 > 60 * args.minutes  # noqa: E731
-    for i, (wname, mb, prec) in enumerate(WORKLOADS):
-        for choice in ("none", "selective", "full", "offload", "mixed"):
-            if late() or (i > 0 and choice == "mixed"):
-                break
-            res["memory"].append(_child(["--child", "memory", wname, str(mb), prec, choice]))
-            save()
+    rows = [["--child", "memory", wname, str(mb), prec, choice] for wname, mb, prec in WORKLOADS
+            for choice in ("none", "selective", "full", "offload", "mixed")]
+    with ThreadPoolExecutor(args.jobs) as pool:  # peaks are per process: the rows may share the GPU
+        res["memory"] = list(pool.map(_child, rows))
+    save()
+    for wname, _, _ in WORKLOADS:
         if late():
-            break
+            res["speed"][wname] = {"error": f"skipped: past {args.minutes} minutes"}
+            continue
         res["speed"][wname] = _child(["--steps", str(args.steps), "--warmup", str(args.warmup),
                                       "--child", "speed", wname])
         save()
