@@ -268,8 +268,8 @@ class TrainStep:
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
         self.device = torch.device(plan.device)
         self.model = model.to(self.device)
-        if plan.activation_checkpointing:
-            set_activation_checkpointing(model, True, plan.checkpoint_blocks)
+        if plan.activation_checkpointing or plan.block_policies is not None:
+            set_activation_checkpointing(model, True, plan.checkpoint_blocks, plan.block_policies)
         self.optimizer = optimizer if optimizer is not None else make_optimizer(
             model.parameters(), plan.optimizer, self.device.type, lr)
         self._fused = all(g.get("fused") for g in self.optimizer.param_groups)

@@ -104,10 +104,11 @@ class TightfitCallback(L.Callback):
         """Before ``fit``: checkpointing as planned, the plan's accumulation, checks of precision."""
         if stage != "fit":
             return
-        if self.plan.activation_checkpointing:
+        if self.plan.activation_checkpointing or self.plan.block_policies is not None:
             from ..levers.checkpointing import set_activation_checkpointing
 
-            set_activation_checkpointing(_checkpointable(pl_module), True, self.plan.checkpoint_blocks)
+            set_activation_checkpointing(_checkpointable(pl_module), True, self.plan.checkpoint_blocks,
+                                         self.plan.block_policies)
         if trainer.accumulate_grad_batches != self.plan.accumulation_steps:
             self._event(f"accumulate_grad_batches {trainer.accumulate_grad_batches} -> {self.plan.accumulation_steps} "
                         f"(the plan's)")
