@@ -14,8 +14,8 @@ train = [{"input_ids": ids[i], "attention_mask": torch.ones(32, dtype=torch.long
 
 sample = {"input_ids": ids[:16], "attention_mask": torch.ones(16, 32, dtype=torch.long), "labels": torch.arange(16) % 2}
 plan = tightfit.plan(model, sample, effective_batch=16, budget="4GiB")  # tightfit (3/6)
-args = TrainingArguments(output_dir="hf-out", max_steps=2, learning_rate=5e-5, report_to=[], save_strategy="no",
-                         **hf.training_arguments(plan))  # tightfit (4/6): was per_device_train_batch_size=16, ...
+args = TrainingArguments(**hf.training_arguments(plan, output_dir="hf-out", max_steps=2, learning_rate=5e-5,  # tightfit (4/6)
+                                                report_to=[], save_strategy="no"))  # was per_device_train_batch_size=16
 trainer = Trainer(model=model, args=args, train_dataset=train,
                   callbacks=[hf.TightfitCallback(plan)])  # tightfit (5/6)
 result = hf.train(trainer)  # tightfit (6/6): was trainer.train()

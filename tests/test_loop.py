@@ -1,6 +1,10 @@
 """tightfit in a user's own loop (:mod:`tightfit.loop`): ``tightfit.plan`` and ``tightfit.TrainStep``."""
 
+import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +12,7 @@ import torch
 import tightfit
 from conftest import SyntheticBatches, tiny_bert
 from tightfit import Plan, TightfitError
-from tightfit.runtime.trainer import NonFiniteTrainingError
+from tightfit.runtime.trainer import NonFiniteTrainingError, PartialUpdateError
 
 
 def _mlp(seed=0, dropout=0.0):
@@ -39,21 +43,31 @@ def test_cpu_plan_is_the_whole_batch_in_fp32_and_notes_the_budget():
     assert any("no CUDA GPU in use" in r for r in plan.reasons)
 
 
-def test_micro_batched_step_equals_one_full_batch_step():
-    # micro-batches 3+3+2 with accumulation give the update of the whole batch of 8 (clipped, AdamW)
+def _plain_loop(loss_fn, steps, clip=None, opt=torch.optim.AdamW, lr=1e-2):
+    """Losses and model of the loop without tightfit: backward, (clip), step, zero_grad on the whole batch."""
     x, y = _xy(8)
     ref = _mlp()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_losses = []
-    for _ in range(3):
-        loss = _ce(ref, (x, y))
-        ref_losses.append(float(loss.detach()))
+    o = opt(ref.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(ref, (x, y))
+        losses.append(float(loss.detach()))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        o.step()
+        o.zero_grad()
+    return losses, ref
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_micro_batched_step_equals_one_full_batch_step(clip):
+    # micro-batches 3+3+2 with accumulation give the update of the whole batch of 8 (AdamW; clipped if asked)
+    x, y = _xy(8)
+    ref_losses, ref = _plain_loop(_ce, 3, clip)
     model = _mlp()
-    step = tightfit.TrainStep(Plan("fp32", 3, 8), model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss=_ce)
+    step = tightfit.TrainStep(Plan("fp32", 3, 8), model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss=_ce,
+                              max_grad_norm=clip)
     outs = [step((x, y)) for _ in range(3)]
     assert outs[-1].stepped and outs[-1].micro_batch == 3 and outs[-1].accumulation_steps == 3
     for o, r in zip(outs, ref_losses):
@@ -190,3 +204,103 @@ def test_gpu_planned_loop_recovers_an_injected_oom_with_the_same_losses():
     for a, b in zip(got_w, ref_w):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert got[0].peak_reserved_bytes and len(step.memory_timeline) == 4
+
+
+# ---------------------------------------------------------------- what a new user of the own-loop API ran into
+def _big_loss(model, batch):  # gradients far above norm 1, so clipping would show in the weights
+    return _ce(model, batch) * 100
+
+
+def test_gradients_are_not_clipped_unless_asked():
+    ref_losses, ref = _plain_loop(_big_loss, 3, clip=None, opt=torch.optim.SGD, lr=1e-3)
+    model = _mlp()
+    step = tightfit.TrainStep(Plan("fp32", 4, 8), model, torch.optim.SGD(model.parameters(), lr=1e-3), loss=_big_loss)
+    outs = [step(_xy(8)) for _ in range(3)]
+    assert outs[0].grad_norm > 1.0
+    torch.testing.assert_close([o.loss for o in outs], ref_losses, rtol=1e-5, atol=0)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_skipped_step_is_a_warning_on_the_tightfit_logger(caplog):
+    # WARNING on "tightfit" (no handler of tightfit's own): Python's logging.lastResort shows it with no set-up
+    step = tightfit.TrainStep(Plan("fp32", 4, 8), _mlp(), loss=lambda m, b: _ce(m, b) * float("inf"))
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        step(_xy(8))
+    [record] = [r for r in caplog.records if "non-finite gradients" in r.getMessage()]
+    assert record.levelno == logging.WARNING and record.name == "tightfit"
+    assert not logging.getLogger("tightfit").handlers
+
+
+def test_train_step_refuses_a_plan_for_another_device_before_any_work():
+    with pytest.raises(TightfitError, match=r"^precision='bf16' needs a CUDA GPU"):
+        tightfit.TrainStep(Plan("bf16", 4, 8), _mlp(), loss=_ce)
+    with pytest.raises(TightfitError, match="the model's parameters are on meta"):
+        tightfit.TrainStep(Plan("fp32", 4, 8), _mlp().to("meta"), loss=_ce)
+    if not torch.cuda.is_available():
+        with pytest.raises(TightfitError, match="no CUDA GPU is visible"):
+            tightfit.TrainStep(Plan("fp32", 4, 8, device="cuda"), _mlp(), loss=_ce)
+
+
+def test_cpu_plan_leaves_the_random_numbers_as_they_were():
+    # the plan's loss check runs a forward with dropout on: the run after it must draw what it would have
+    model, batch = _mlp(dropout=0.5), _xy(8)
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    tightfit.plan(model, batch, loss=_ce, device="cpu")
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_batch_larger_than_the_effective_batch_is_refused_a_smaller_last_one_runs():
+    step = tightfit.TrainStep(Plan("fp32", 4, 8), _mlp(), loss=_ce)
+    with pytest.raises(TightfitError, match="a batch of 12 samples is more than the plan's effective batch of 8"):
+        step(_xy(12))
+    assert step((_xy(5))).stepped and step.steps == 1
+    with pytest.raises(TightfitError, match="empty"):
+        step((torch.zeros(0, 6), torch.zeros(0, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"loss": lambda m, b: m(b[0])}, "one number"),
+    ({"loss": _ce, "budget": "1KiB"}, r"budget=1.00 KiB cannot hold the model's weights"),
+    ({"loss": _ce, "budget": "64GiB", "gpu": "gtx-1650-ti"}, "more than the"),
+    ({"loss": _ce, "budget": -1}, "must be positive"),
+    ({"loss": _ce, "budget": "-1"}, "must be positive"),
+    ({"loss": _ce, "budget": 4.5}, "fraction of a byte"),
+    ({"loss": _ce, "precision": "fp8"}, r"^unknown precision='fp8'; use auto"),
+    ({"loss": _ce, "precision": "bf16"}, r"^precision='bf16' needs a CUDA GPU"),
+])
+def test_cpu_plan_finds_at_plan_time_what_the_first_step_would(kwargs, message):
+    with pytest.raises(TightfitError, match=message) as e:
+        tightfit.plan(_mlp(), _xy(4), **kwargs, device="cpu")
+    assert "--" not in str(e.value)  # the API's arguments, not the command line's flags
+
+
+def test_errors_a_loop_catches_are_at_the_package_root_and_name_arguments():
+    assert tightfit.NonFiniteTrainingError is NonFiniteTrainingError and tightfit.PartialUpdateError is PartialUpdateError
+    step = tightfit.TrainStep(Plan("fp32", 4, 8), _mlp(), max_skipped_steps=1, loss=lambda m, b: _ce(m, b) * float("nan"))
+    with pytest.raises(tightfit.NonFiniteTrainingError) as e:
+        step(_xy(8))
+    assert "--" not in str(e.value) and "learning rate" in str(e.value)
+    light = subprocess.run([sys.executable, "-c", "import sys, tightfit; print('torch' in sys.modules)"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert light.stdout.strip() == "False", light.stderr
+
+
+class _DictOut(torch.nn.Module):
+    """A model returning a plain dict with a "loss" key (as many non-Hugging Face models do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.cross_entropy(self.net(x), labels)}
+
+
+def test_a_model_output_dict_with_a_loss_key_is_the_default_loss():
+    x, y = _xy(8)
+    model = _DictOut()
+    plan = tightfit.plan(model, {"x": x, "labels": y}, device="cpu")
+    out = tightfit.TrainStep(plan, model)({"x": x, "labels": y})
+    assert out.stepped and math.isclose(out.loss, float(_ce(_mlp(), (x, y)).detach()), rel_tol=1e-5)

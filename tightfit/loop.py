@@ -1,10 +1,11 @@
 """tightfit in your own training loop: a plan for your model and batch, and one call per optimizer step.
 
-Three added lines (Accelerate needs ``prepare``, an ``accumulate()`` block, ``backward`` and
+Four added lines (Accelerate needs ``prepare``, an ``accumulate()`` block, ``backward`` and
 ``find_executable_batch_size`` around the loop; Lightning Fabric ``setup``, ``autocast``,
 ``backward`` and ``clip_gradients``)::
 
     import tightfit
+    sample_batch = collate([dataset[i] for i in range(64)])  # not next(iter(loader)): that draws the shuffle
     plan = tightfit.plan(model, sample_batch, effective_batch=64, budget="4GiB")
     step = tightfit.TrainStep(plan, model, optimizer)
     for batch in loader:        # each batch is a whole effective batch (64 samples)
@@ -15,12 +16,14 @@ checkpointing with the planner's real probe steps (:func:`tightfit.planner.probe
 :class:`TrainStep` runs :func:`tightfit.step.training_step` -- the step the ``tightfit train``
 runtime, the GPU probe and the memory estimator run -- on the micro-batches of each batch, with
 the runtime's guards: OOM recovery keeping the effective batch, non-finite steps skipped,
-memory timeline and GPU health.
+memory timeline and GPU health. Nothing else changes: no gradient clipping unless asked for
+(``max_grad_norm=``). Errors name this API's arguments (``precision=``), not the command line's flags.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
@@ -31,7 +34,7 @@ from .plan import Plan, accumulation_steps
 
 __all__ = ["StepOutcome", "TrainStep", "plan"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("tightfit")  # warnings show without any logging set up (logging.lastResort)
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -44,7 +47,7 @@ class _Batch:
         batch: a dict (or Mapping) of tensors ``[B, ...]``, or a tuple/list of tensors ``[B, ...]``.
 
     Raises:
-        TightfitError: another type, no tensors, or tensors whose first dimensions differ.
+        TightfitError: another type, no tensors, tensors whose first dimensions differ, or 0 samples.
     """
 
     def __init__(self, batch):
@@ -59,6 +62,8 @@ class _Batch:
         sizes = {v.shape[0] for v in values}
         if len(sizes) != 1:
             raise TightfitError(f"the tensors of a batch disagree on the number of samples (dimension 0): {sorted(sizes)}")
+        if 0 in sizes:
+            raise TightfitError("the batch is empty (0 samples along dimension 0)")
         self.kind = type(batch)
         self.values = values
         self.size = sizes.pop()
@@ -87,9 +92,11 @@ def _loss_sum(batch: _Batch, loss: LossFn | None) -> Callable[[torch.nn.Module, 
         if loss is not None:
             value = loss(model, b)
         elif isinstance(b, dict):
-            value = getattr(model(**b), "loss", None)
+            out = model(**b)
+            value = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
             if value is None:
-                raise TightfitError("the model's output has no .loss for this batch: give loss=lambda model, batch: ...")
+                raise TightfitError("the model's output has no .loss (or \"loss\" key) for this batch: "
+                                    "give loss=lambda model, batch: ...")
         else:
             raise TightfitError("a tuple batch needs loss=lambda model, batch: ... (the model cannot compute it)")
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -119,12 +126,53 @@ class _SampleBatches:
 
 
 # ---------------------------------------------------------------- planning
-def _as_arguments(message: str) -> str:
-    """A message of the command line's device resolution, with its flags as this API's arguments."""
-    for flag, arg in (("--gpu/--budget", "gpu=/budget="), ("--device cuda", 'device="cuda"'), ("--budget", "budget="),
-                      ("--gpu", "gpu=")):
+_FLAG_VALUE = re.compile(r"--(precision|checkpointing|device) (?:'([^']*)'|(\w+))")
+
+
+def as_arguments(message: str) -> str:
+    """A message of the shared checks (written for the command line), with its flags as the Python
+    API's arguments: ``unknown --precision 'fp8'`` -> ``unknown precision='fp8'``, ``--lr`` -> learning rate."""
+    message = _FLAG_VALUE.sub(lambda m: f"{m.group(1)}={(m.group(2) if m.group(2) is not None else m.group(3))!r}",
+                              message)
+    for flag, arg in (("--gpu/--budget", "gpu=/budget="), ("--budget", "budget="), ("--gpu", "gpu="),
+                      ("--lr", "learning rate")):
         message = message.replace(flag, arg)
     return message
+
+
+def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | None, budget_bytes: int | None,
+                           gpu: str | None) -> None:
+    """Without a GPU, what the probes would have found at plan time: one forward and loss on a
+    2-sample slice of the sample batch (train mode, no gradients, the RNG states given back, so the
+    run is unchanged), and a budget that holds at least the weights, gradients and AdamW state
+    (:func:`tightfit.models.model_state_bytes`, 16 bytes per trainable fp32 parameter) and no more
+    than the ``gpu`` card's memory.
+
+    Raises:
+        TightfitError: the loss is not one number (or the model has none); the budget cannot hold
+            the model state; a budget above the card's memory.
+    """
+    from .devices import get_profile
+    from .models import model_state_bytes
+    from .rng import capture_rng, restore_rng
+    from .step import module_mode
+    from .units import format_bytes
+
+    if budget_bytes is not None:
+        if gpu is not None and budget_bytes > get_profile(gpu).total_bytes:
+            raise TightfitError(f"budget={format_bytes(budget_bytes)} is more than the "
+                                f"{format_bytes(get_profile(gpu).total_bytes)} of gpu={gpu!r}")
+        need = model_state_bytes(model)["total"]
+        if budget_bytes < need:
+            raise TightfitError(f"budget={format_bytes(budget_bytes)} cannot hold the model's weights, gradients and "
+                                f"AdamW state ({format_bytes(need)}, before any activations): raise the budget")
+    d = {k: v[:2] for k, v in b.as_dict().items()}
+    rng = capture_rng()
+    try:
+        with torch.no_grad(), module_mode(model, True):
+            _loss_sum(b, loss)(model, d)
+    finally:
+        restore_rng(rng)  # the probe draws no dropout mask the run would have drawn
 
 
 def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = None, budget: str | int | None = None,
@@ -140,19 +188,23 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
     planner's headroom (:func:`tightfit.planner.probe.plan_first`; the weights are left
     bit-identical). Without a GPU, or with ``device="cpu"``: fp32 (unless asked), the whole
     effective batch in one micro-batch, no budget (host memory is not budgeted); a ``budget`` or
-    ``gpu`` is checked and noted in the plan's reasons. To predict a GPU's plan on a machine
-    without one, use ``tightfit plan --model ... --gpu ...``.
+    ``gpu`` is checked (it must hold the weights, gradients and AdamW state, and fit the card) and
+    noted in the plan's reasons, and one forward and loss on two samples checks the loss (the RNG
+    states given back). To predict a GPU's plan on a machine without one, use
+    ``tightfit plan --model ... --gpu ...``. The model is moved to the plan's device.
 
     Args:
         model: the ``nn.Module`` to train (a Hugging Face model or any other).
         sample_batch: one batch as the loop will pass it: a dict of tensors (e.g. a tokenizer's
             output with ``labels``) or a tuple of tensors ``(x, y)``, samples along dim 0. Give the
             largest shapes training will see (e.g. padded to the longest sequence): the probes
-            repeat its rows to make micro-batches of any size.
+            repeat its rows to make micro-batches of any size. Take it from the data set
+            (``default_collate([dataset[i] for i in range(n)])``), not ``next(iter(loader))``, which
+            draws from the shuffle's random numbers and so changes the run's order.
         effective_batch: samples per optimizer step (default: the sample batch's size).
-        budget: GPU memory the training may use, e.g. ``"4GiB"`` or bytes (default: the card's).
+        budget: GPU memory the training may use, e.g. ``"4GiB"`` or whole bytes (default: the card's).
         loss: ``(model, batch) -> 0-d tensor``, the mean loss over the batch's samples; default:
-            ``model(**batch).loss`` (Hugging Face models given ``labels``).
+            ``model(**batch).loss`` or ``model(**batch)["loss"]`` (Hugging Face models given ``labels``).
         gpu: a known card's profile (e.g. ``"gtx-1650-ti"``) whose budget and precision rules apply.
         precision: ``"auto"`` (from the card), ``"fp32"``, ``"fp16"`` or ``"bf16"``.
         checkpointing: activation checkpointing, ``"auto"``, ``"on"`` or ``"off"``.
@@ -162,31 +214,38 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         A :class:`tightfit.Plan` (``plan.reasons`` says why each choice was made).
 
     Raises:
-        TightfitError: a malformed batch or option, a budget that cannot be read or exceeds the
-            card, a loss that is not one number, or nothing fits the budget (before any training).
+        TightfitError: a malformed or empty batch or option, a budget that cannot be read, is not
+            positive, exceeds the card or cannot hold the model state, a loss that is not one number,
+            fp16/bf16 without a GPU, or nothing fits the budget (before any training). The message
+            names this function's arguments.
     """
     from .api import resolve_device
     from .config import PlanOptions
     from .planner.probe import plan_first
+    from .units import parse_size
     from .workload import Workload
 
     b = _Batch(sample_batch)
     E = b.size if effective_batch is None else effective_batch
     if isinstance(E, bool) or not isinstance(E, int) or E < 1:
         raise TightfitError(f"effective_batch must be a whole number >= 1, got {effective_batch!r}")
-    options = PlanOptions(budget=None if budget is None else str(budget), gpu=gpu, precision=precision,
-                          checkpointing=checkpointing, device=device)
     try:
+        if budget is not None:
+            budget = str(parse_size(budget))  # bytes as text: the shared options take what the command line does
+        options = PlanOptions(budget=budget, gpu=gpu, precision=precision, checkpointing=checkpointing, device=device)
         dev, profile, budget_bytes, notes = resolve_device(options)
-    except TightfitError as e:
-        raise TightfitError(_as_arguments(str(e))) from None
-    notes = [_as_arguments(n) for n in notes]
-    workload = Workload(model, _SampleBatches(b), None, E, loss_sum=_loss_sum(b, loss), count=lambda d: len(next(iter(d.values()))))
-    if dev == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
+        notes = [as_arguments(n) for n in notes]
+        workload = Workload(model, _SampleBatches(b), None, E, loss_sum=_loss_sum(b, loss),
+                            count=lambda d: len(next(iter(d.values()))))
+        if dev == "cuda":
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
         model.to(dev)
-    chosen = plan_first(workload, dev, profile, budget_bytes, precision, checkpointing)
+        if dev == "cpu":
+            _check_loss_and_budget(model, b, loss, budget_bytes, gpu)
+        chosen = plan_first(workload, dev, profile, budget_bytes, precision, checkpointing)
+    except TightfitError as e:
+        raise TightfitError(as_arguments(str(e))) from None
     return replace(chosen, reasons=chosen.reasons + tuple(notes)) if notes else chosen
 
 
@@ -197,7 +256,7 @@ class StepOutcome:
 
     Attributes:
         loss: the batch's mean loss (a Python float: the samples-weighted mean of the micro-batches' losses).
-        grad_norm: global L2 norm of the unscaled gradients before clipping.
+        grad_norm: global L2 norm of the unscaled gradients (before clipping, if ``max_grad_norm`` is set).
         stepped: whether the optimizer step was applied (False: non-finite gradients, skipped).
         micro_batch: samples per forward/backward pass in this step (after any OOM recovery).
         accumulation_steps: micro-batches this step ran.
@@ -222,20 +281,23 @@ class TrainStep:
 
     Each call splits the batch along dim 0 into micro-batches of the plan's size, runs forward under
     autocast and backward (the loss scaled for fp16) on each, normalised so the summed gradient is the
-    whole batch's; then unscales once, clips, steps or skips a non-finite step, updates the loss scale
-    and zeroes the gradients (:func:`tightfit.step.training_step`). An out-of-memory error anywhere in
-    the step redoes the batch from scratch with half the micro-batch -- the same samples, the same
-    effective batch, the RNG states restored so dropout draws as a run at that micro-batch would
-    (DESIGN invariant 2) -- and the micro-batch grows back after ``grow_back_after`` clean steps.
-    The model is in train mode during the call (dropout on) and gets its own mode back after.
+    whole batch's; then unscales once, clips only if ``max_grad_norm`` is given, steps or skips a
+    non-finite step (a WARNING on the ``tightfit`` logger, shown with no logging set up), updates the
+    loss scale and zeroes the gradients (:func:`tightfit.step.training_step`). An out-of-memory error
+    anywhere in the step redoes the batch from scratch with half the micro-batch -- the same samples,
+    the same effective batch, the RNG states restored, so the losses and weights are those of a run
+    that had used the smaller micro-batch from the start -- and the micro-batch grows back after
+    ``grow_back_after`` clean steps. The model is in train mode during the call (dropout on) and gets
+    its own mode back after.
 
     Args:
         plan: from :func:`plan` (or any :class:`tightfit.Plan`).
-        model: the model planned for; moved to ``plan.device``, activation checkpointing applied as planned.
+        model: the model planned for, on ``plan.device`` (:func:`plan` moves it there); activation
+            checkpointing applied as planned.
         optimizer: your optimizer over the model's parameters; None: the plan's (fused AdamW, ``lr``).
         loss: ``(model, batch) -> 0-d mean loss``, as in :func:`plan`; default ``model(**batch).loss``.
         lr: learning rate of the optimizer made when ``optimizer`` is None.
-        max_grad_norm: clip the global gradient norm to this (None: measure, do not clip).
+        max_grad_norm: clip the global gradient norm to this (default None: measure, do not clip).
         max_skipped_steps: raise after this many non-finite (skipped) steps in a row.
         grow_back_after: after an OOM recovery, double the micro-batch again (up to the plan's)
             after this many clean steps (0: never).
@@ -247,15 +309,18 @@ class TrainStep:
         events: what the guards did, one line each (also logged to the ``tightfit`` logger).
         health: the :class:`tightfit.runtime.health.HealthMonitor` on CUDA (None on the CPU).
 
-    Raises (from a call):
-        TightfitError: a malformed batch; out of memory at a micro-batch of 1.
+    Raises:
+        TightfitError: (at construction, before any work) ``plan`` is not a Plan; the model's
+            parameters are not on ``plan.device``; a CUDA plan without a visible CUDA GPU; an fp16/bf16
+            plan on the CPU. (From a call) a malformed or empty batch, or one of more samples than
+            the plan's effective batch; out of memory at a micro-batch of 1.
         NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
         PartialUpdateError: out of memory inside an optimizer step that had already written part of
             the update (not possible with fused AdamW).
     """
 
     def __init__(self, plan: Plan, model: torch.nn.Module, optimizer=None, *, loss: LossFn | None = None,
-                 lr: float = 5e-5, max_grad_norm: float | None = 1.0, max_skipped_steps: int = 20,
+                 lr: float = 5e-5, max_grad_norm: float | None = None, max_skipped_steps: int = 20,
                  grow_back_after: int = 100, warn_temp_c: float = 82.0):
         from .levers.checkpointing import set_activation_checkpointing
         from .levers.precision import make_grad_scaler
@@ -264,10 +329,10 @@ class TrainStep:
 
         if not isinstance(plan, Plan):
             raise TightfitError(f"TrainStep(plan, model, optimizer): plan must be a tightfit.Plan, got {type(plan).__name__}")
+        self.device = _check_device(plan, model)
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
-        self.device = torch.device(plan.device)
-        self.model = model.to(self.device)
+        self.model = model
         if plan.activation_checkpointing or plan.block_policies is not None:
             set_activation_checkpointing(model, True, plan.checkpoint_blocks, plan.block_policies)
         self.optimizer = optimizer if optimizer is not None else make_optimizer(
@@ -289,6 +354,10 @@ class TrainStep:
         from .step import module_mode
 
         b = _Batch(batch)
+        if b.size > self.plan.effective_batch:  # one optimizer step over more samples than planned
+            raise TightfitError(f"a batch of {b.size} samples is more than the plan's effective batch of "
+                                f"{self.plan.effective_batch}: give each step at most {self.plan.effective_batch} "
+                                f"samples (the loader's batch_size), or plan(effective_batch={b.size})")
         recoveries = self.oom_recoveries
         with module_mode(self.model, True):  # dropout on, whatever mode the model was left in
             result = self._step_with_recovery(b)
@@ -362,7 +431,7 @@ class TrainStep:
                                 + "; or raise the budget")
         new = max(1, self.micro_batch // 2)
         self._event(f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {self.steps + 1} "
-                    f"with micro-batch {new}: {size} samples as {describe_split(size, new)}")
+                    f"with micro-batch {new}: {size} samples as {describe_split(size, new)}", logging.WARNING)
         self.micro_batch = new
 
     def _after_step(self, finite: bool) -> bool:
@@ -373,10 +442,10 @@ class TrainStep:
         if not finite:
             self.skipped_steps += 1
             self._skipped_in_row += 1
-            self._event(f"step {self.steps}: non-finite gradients, update skipped")
+            self._event(f"step {self.steps}: non-finite gradients, update skipped", logging.WARNING)
             if self._skipped_in_row >= self.max_skipped_steps:
                 raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients. "
-                                             f"{nonfinite_advice(self.plan.precision)}", self.steps)
+                                             f"{as_arguments(nonfinite_advice(self.plan.precision))}", self.steps)
             return False
         self._skipped_in_row = 0
         self._clean_steps += 1
@@ -418,7 +487,29 @@ class TrainStep:
                 "max_temp_c": h.max_temp_c if h else None, "max_power_w": h.max_power_w if h else None,
                 "health": h.status if h else "off (CPU)"}
 
-    def _event(self, message: str) -> None:
+    def _event(self, message: str, level: int = logging.INFO) -> None:
         self.events.append(message)
-        log.info("tightfit: %s", message)
+        log.log(level, "tightfit: %s", message)
+
+
+def _check_device(plan: Plan, model: torch.nn.Module) -> torch.device:
+    """The device the step runs on: the model's, which must be the plan's (checked before any work,
+    as :func:`plan` checks its arguments).
+
+    Raises:
+        TightfitError: a CUDA plan without a visible CUDA GPU; fp16/bf16 on the CPU; parameters not
+            on ``plan.device``.
+    """
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        raise TightfitError("the plan is for a CUDA GPU (plan.device='cuda'), but no CUDA GPU is visible: "
+                            "plan on this machine with tightfit.plan")
+    if plan.device == "cpu" and plan.precision != "fp32":
+        raise TightfitError(f"precision={plan.precision!r} needs a CUDA GPU; on the CPU the plan must be fp32 "
+                            "(as tightfit.plan makes it)")
+    devices = {p.device for p in model.parameters()}
+    if any(d.type != plan.device for d in devices):
+        raise TightfitError(f"the plan is for {plan.device}, but the model's parameters are on "
+                            f"{', '.join(sorted(map(str, devices)))}: plan with this model (tightfit.plan moves it), "
+                            f"or model.to({plan.device!r})")
+    return next(iter(devices)) if len(devices) == 1 else torch.device(plan.device)
 

@@ -17,35 +17,47 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([+-]?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 GiB = 2**30
 MiB = 2**20
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int | float) -> int:
     """Parse a memory size into bytes.
 
     Args:
         text: e.g. ``"4GiB"``, ``"11GB"``, ``"3.5 GiB"``, ``"512MiB"``, ``"2048"`` (bytes),
-            or an int of bytes. Bare ``K/M/G/T`` are binary (as in ``nvidia-smi``'s MiB).
+            or a number of bytes (an int, or a float holding a whole number such as ``4e9``).
+            Bare ``K/M/G/T`` are binary (as in ``nvidia-smi``'s MiB).
 
     Returns:
-        The size in bytes (int, rounded down).
+        The size in bytes (int; a fraction of a unit is rounded down to whole bytes).
 
     Raises:
-        TightfitError: if the text is not a positive number followed by a known unit.
+        TightfitError: not a number followed by a known unit; zero or negative; a fraction of a
+            byte (``4.5`` or ``"4.5"`` without a unit).
     """
-    if isinstance(text, int):
+    if isinstance(text, bool):
+        raise TightfitError(f"cannot read memory size {text!r}: write a number and a unit, e.g. 4GiB, 11GB, 512MiB")
+    if isinstance(text, (int, float)):
         if text <= 0:
-            raise TightfitError(f"memory size must be positive, got {text}")
-        return text
+            raise TightfitError(f"memory size must be positive, got {text!r}")
+        if isinstance(text, float) and not text.is_integer():
+            raise TightfitError(f"memory size {text!r} is a fraction of a byte: give whole bytes, "
+                                f"or a string with a unit, e.g. \"{text:g}GiB\"")
+        return int(text)
     m = _SIZE_RE.match(str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise TightfitError(
             f"cannot read memory size {text!r}: write a number and a unit, e.g. 4GiB, 11GB, 512MiB")
-    value = int(float(m.group(1)) * _UNITS[unit])
+    number = float(m.group(1))
+    if number <= 0:
+        raise TightfitError(f"memory size must be positive, got {text!r}")
+    if _UNITS[unit] == 1 and not number.is_integer():
+        raise TightfitError(f"memory size {text!r} is a fraction of a byte: write a unit, e.g. {m.group(1)}GiB")
+    value = int(number * _UNITS[unit])
     if value <= 0:
         raise TightfitError(f"memory size must be positive, got {text!r}")
     return value

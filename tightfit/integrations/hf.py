@@ -1,18 +1,19 @@
 """tightfit with the Hugging Face ``Trainer``: the plan as ``TrainingArguments``, a callback, and an OOM redo.
 
-Four added lines::
+Three added lines, three changed::
 
     import tightfit
     from tightfit.integrations import hf
     plan = tightfit.plan(model, sample_batch, effective_batch=32, budget="4GiB")
-    args = TrainingArguments(output_dir="out", **hf.training_arguments(plan), ...)
+    args = TrainingArguments(**hf.training_arguments(plan, output_dir="out", ...))  # your other arguments
     trainer = Trainer(model, args, ..., callbacks=[hf.TightfitCallback(plan)])
     hf.train(trainer)            # in place of trainer.train()
 
 What each part does, and what the Trainer leaves out of reach:
 
-- :func:`training_arguments`: micro-batch, gradient accumulation steps, fp16/bf16 autocast,
-  activation checkpointing (non-reentrant) and fused AdamW, as the ``TrainingArguments`` that mean them.
+- :func:`training_arguments`: micro-batch, gradient accumulation steps, fp16/bf16 autocast and
+  activation checkpointing (non-reentrant), as the ``TrainingArguments`` that mean them, merged with
+  yours; nothing else changes (the optimizer and gradient clipping stay the Trainer's or yours).
 - :class:`TightfitCallback`: per-step peak allocated/reserved memory and GPU health (NVML) in the
   Trainer's logs; skips an optimizer step whose gradients are not finite in fp32/bf16 (the Trainer
   would apply it; in fp16 its loss scaler already skips it) and stops training after
@@ -51,34 +52,55 @@ log = logging.getLogger(__name__)
 _OPTIM = {"adamw": "adamw_torch_fused", "adamw-foreach": "adamw_torch", "sgd": "sgd"}
 
 
-def training_arguments(plan: Plan) -> dict:
-    """``TrainingArguments`` keyword arguments that run ``plan``.
+def training_arguments(plan: Plan, **yours) -> dict:
+    """``TrainingArguments`` keyword arguments that run ``plan``, merged with ``yours``:
+    ``TrainingArguments(**training_arguments(plan, output_dir="out", learning_rate=2e-5, ...))``.
 
-    ``per_device_train_batch_size`` = the micro-batch, ``gradient_accumulation_steps`` = the plan's
-    accumulation steps, ``fp16``/``bf16`` (autocast; fp16 with the Trainer's dynamic loss scaling),
-    ``activation_checkpointing`` (``gradient_checkpointing`` before transformers 5; non-reentrant, every layer: the Trainer cannot checkpoint a subset,
-    so a plan that checkpoints some blocks uses less memory and more time here), ``optim`` (fused
-    AdamW for tightfit's default), ``use_cpu`` for a CPU plan, and ``auto_find_batch_size=False``
-    (see the module doc). The Trainer's effective batch is micro-batch x accumulation steps, which
-    is the plan's unless its last micro-batch is short (e.g. 10 samples as 4+4+2: the Trainer runs
-    4 x 3 = 12); a note is logged then.
+    The plan sets ``per_device_train_batch_size`` = the micro-batch, ``gradient_accumulation_steps``
+    = the plan's accumulation steps, ``fp16``/``bf16`` (autocast; fp16 with the Trainer's dynamic
+    loss scaling), ``activation_checkpointing`` (``gradient_checkpointing`` before transformers 5;
+    non-reentrant, every layer: the Trainer cannot checkpoint a subset, so a plan that checkpoints
+    some blocks uses less memory and more time here), ``use_cpu`` and ``auto_find_batch_size=False``
+    (see the module doc). Everything else is yours or the Trainer's default: ``optim`` is set only
+    for a plan whose optimizer is not the Trainer's default fused AdamW and you gave none; gradient
+    clipping stays ``max_grad_norm`` (yours, or the Trainer's 1.0). The Trainer's effective batch is
+    micro-batch x accumulation steps, which is the plan's unless its last micro-batch is short (e.g.
+    10 samples as 4+4+2: the Trainer runs 4 x 3 = 12); a note is logged then.
+
+    Args:
+        plan: from :func:`tightfit.plan`.
+        yours: your own ``TrainingArguments`` keywords; one the plan sets may be given only with the
+            plan's value (delete your batch size, accumulation and precision arguments).
 
     Raises:
-        TightfitError: ``plan`` is not a :class:`tightfit.Plan`.
+        TightfitError: ``plan`` is not a :class:`tightfit.Plan`; one of ``yours`` sets what the plan
+            sets to another value (one line naming each).
     """
     if not isinstance(plan, Plan):
         raise TightfitError(f"training_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
-    if plan.micro_batch * plan.accumulation_steps != plan.effective_batch:
-        log.warning(f"note: the Trainer's effective batch is {plan.micro_batch} x {plan.accumulation_steps} = "
-                    f"{plan.micro_batch * plan.accumulation_steps} samples (the plan's: {plan.effective_batch})")
     ckpt = plan.activation_checkpointing
     # transformers 5.x renamed gradient_checkpointing* to activation_checkpointing* (the old names warn)
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    return {"per_device_train_batch_size": plan.micro_batch, "gradient_accumulation_steps": plan.accumulation_steps,
-            "fp16": plan.precision == "fp16", "bf16": plan.precision == "bf16",
-            name: ckpt, f"{name}_kwargs": {"use_reentrant": False} if ckpt else None,
-            "optim": _OPTIM[plan.optimizer], "use_cpu": plan.device == "cpu", "auto_find_batch_size": False}
+    planned = {"per_device_train_batch_size": plan.micro_batch, "gradient_accumulation_steps": plan.accumulation_steps,
+               "fp16": plan.precision == "fp16", "bf16": plan.precision == "bf16",
+               name: ckpt, f"{name}_kwargs": {"use_reentrant": False} if ckpt else None,
+               "use_cpu": plan.device == "cpu", "auto_find_batch_size": False}
+    if "optim" not in yours and _OPTIM[plan.optimizer] != _OPTIM["adamw"]:  # the Trainer's default: fused AdamW
+        planned["optim"] = _OPTIM[plan.optimizer]
+    old = "gradient_checkpointing" if name == "activation_checkpointing" else None
+    given = {(name + k[len(old):] if old and k.startswith(old) else k): v for k, v in yours.items()}
+    conflicts = [f"{k}={given[k]!r} (the plan's: {v!r})" for k, v in planned.items()
+                 if k in given and given[k] != v and not (k.endswith("_kwargs") and not ckpt)]
+    if conflicts:
+        raise TightfitError(f"training_arguments(plan, ...): the plan sets {', '.join(conflicts)}; delete "
+                            f"{'it' if len(conflicts) == 1 else 'them'} from your arguments (the plan's effective "
+                            f"batch is {plan.micro_batch} x {plan.accumulation_steps}; "
+                            f"it sets {', '.join(planned)})")
+    if plan.micro_batch * plan.accumulation_steps != plan.effective_batch:
+        log.warning(f"note: the Trainer's effective batch is {plan.micro_batch} x {plan.accumulation_steps} = "
+                    f"{plan.micro_batch * plan.accumulation_steps} samples (the plan's: {plan.effective_batch})")
+    return {**given, **planned}
 
 
 class TightfitCallback(transformers.TrainerCallback):
@@ -151,10 +173,11 @@ class TightfitCallback(transformers.TrainerCallback):
         self._event(f"step {state.global_step + 1}: non-finite gradients, update skipped")
         if self._skipped_in_row >= self.max_skipped_steps:
             from ..levers.precision import nonfinite_advice
+            from ..loop import as_arguments
 
             precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
             self.stop_reason = (f"{self._skipped_in_row} steps in a row had non-finite gradients. "
-                                f"{nonfinite_advice(precision, None, args.learning_rate)}")
+                                f"{as_arguments(nonfinite_advice(precision, None, args.learning_rate))}")
             log.error("tightfit: %s", self.stop_reason)
             control.should_training_stop = True
 

@@ -1,23 +1,24 @@
 """tightfit with Lightning: the plan as ``Trainer`` arguments, and a ``Callback`` for the rest.
 
-Four added lines::
+Three added lines, two changed::
 
     import tightfit
     from tightfit.integrations.lightning import TightfitCallback, trainer_arguments
     plan = tightfit.plan(module, sample_batch, effective_batch=32, budget="4GiB", loss=...)
-    loader = DataLoader(dataset, batch_size=plan.micro_batch)
-    trainer = L.Trainer(**trainer_arguments(plan), callbacks=[TightfitCallback(plan)], ...)
+    trainer = L.Trainer(**trainer_arguments(plan, max_epochs=3, ...), callbacks=[TightfitCallback(plan)])
+    trainer.fit(module, DataLoader(dataset, batch_size=plan.micro_batch))
 
 What each part does, and what Lightning leaves out of reach:
 
 - :func:`trainer_arguments`: ``accumulate_grad_batches``, ``precision`` (``"32-true"``,
-  ``"16-mixed"``, ``"bf16-mixed"``), gradient clipping at norm 1 and the accelerator. The
-  precision plugin is fixed when the ``Trainer`` is made, so only these arguments can set it.
+  ``"16-mixed"``, ``"bf16-mixed"``) and the accelerator, merged with your arguments (devices and
+  gradient clipping stay yours). The precision plugin is fixed when the ``Trainer`` is made, so
+  only these arguments can set it.
 - :class:`TightfitCallback`: at ``setup`` turns activation checkpointing on as planned (the
   model's own Hugging Face hook, non-reentrant, or tightfit's block wrappers), sets
   ``trainer.accumulate_grad_batches`` to the plan's (as Lightning's own
   ``GradientAccumulationScheduler`` does) and warns when the precision or the loader's batch
-  differ from the plan; logs per-step peak allocated/reserved memory and GPU health (NVML);
+  differ from the plan (saying what the effective batch becomes); logs per-step peak allocated/reserved memory and GPU health (NVML);
   skips an optimizer step whose (unscaled) gradients are not finite -- in ``32-true``/``bf16-mixed``
   by dropping the gradients, so that the optimizer leaves every parameter and its state as they
   were; in ``16-mixed`` the loss scaler skips it -- and stops ``fit`` after ``max_skipped_steps``
@@ -48,20 +49,70 @@ log = logging.getLogger(__name__)
 PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
 
 
-def trainer_arguments(plan: Plan) -> dict:
-    """``lightning.Trainer`` keyword arguments that run ``plan``: ``accumulate_grad_batches`` (the
-    plan's accumulation steps), ``precision`` (autocast; fp16 with dynamic loss scaling),
-    ``gradient_clip_val=1.0`` (tightfit's norm clipping, after unscaling), ``accelerator`` and
-    ``devices=1``. The loader's ``batch_size`` is the plan's micro-batch (``plan.micro_batch``).
+# accelerators that run a plan made for each device ("auto" finds the GPU the plan was made on)
+_ACCELERATORS = {"cuda": ("gpu", "cuda", "auto"), "cpu": ("cpu",)}
+
+
+def _unified_precision(value):
+    """Lightning's own spelling of a ``precision`` argument (``16`` -> ``"16-mixed"``), to compare with the plan's."""
+    import warnings
+
+    try:
+        from lightning.fabric.connector import _convert_precision_to_unified_args
+    except ImportError:  # another Lightning version: compare as written
+        return str(value)
+    with warnings.catch_warnings():  # Lightning warns about the old spellings itself when the Trainer is made
+        warnings.simplefilter("ignore")
+        try:
+            return _convert_precision_to_unified_args(value)
+        except ValueError:
+            return str(value)
+
+
+def trainer_arguments(plan: Plan, **yours) -> dict:
+    """``lightning.Trainer`` keyword arguments that run ``plan``, merged with ``yours``:
+    ``L.Trainer(**trainer_arguments(plan, max_epochs=3, ...), callbacks=[TightfitCallback(plan)])``.
+
+    The plan sets ``accumulate_grad_batches`` (its accumulation steps), ``precision`` (autocast;
+    fp16 with dynamic loss scaling) and ``accelerator`` (``"gpu"`` or ``"cpu"``; yours is kept when
+    it runs the plan's device). Everything else is yours or Lightning's: ``devices``, gradient
+    clipping (``gradient_clip_val``; none unless you give it). The loader's ``batch_size`` is the
+    plan's micro-batch (``plan.micro_batch``). Lightning's effective batch is micro-batch x
+    accumulation steps, which is the plan's unless its last micro-batch is short (e.g. 40 samples
+    as 12+12+12+4: Lightning runs 12 x 4 = 48); a note is logged then.
+
+    Args:
+        plan: from :func:`tightfit.plan`.
+        yours: your own ``Trainer`` keywords; one the plan sets may be given only with the plan's
+            value (delete your ``accumulate_grad_batches`` and ``precision``).
 
     Raises:
-        TightfitError: ``plan`` is not a :class:`tightfit.Plan`.
+        TightfitError: ``plan`` is not a :class:`tightfit.Plan`; one of ``yours`` sets what the plan
+            sets to another value (one line naming each).
     """
     if not isinstance(plan, Plan):
         raise TightfitError(f"trainer_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
-    return {"accumulate_grad_batches": plan.accumulation_steps, "precision": PRECISION[plan.precision],
-            "gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm",
-            "accelerator": "gpu" if plan.device == "cuda" else "cpu", "devices": 1}
+    planned = {"accumulate_grad_batches": plan.accumulation_steps, "precision": PRECISION[plan.precision],
+               "accelerator": "gpu" if plan.device == "cuda" else "cpu"}
+    conflicts = []
+    if "accumulate_grad_batches" in yours and yours["accumulate_grad_batches"] != plan.accumulation_steps:
+        conflicts.append(f"accumulate_grad_batches={yours['accumulate_grad_batches']!r} (the plan's: "
+                         f"{plan.accumulation_steps})")
+    if "precision" in yours and _unified_precision(yours["precision"]) != planned["precision"]:
+        conflicts.append(f"precision={yours['precision']!r} (the plan's: {planned['precision']!r})")
+    if "accelerator" in yours:
+        if str(yours["accelerator"]) in _ACCELERATORS[plan.device]:
+            planned["accelerator"] = yours["accelerator"]
+        else:
+            conflicts.append(f"accelerator={yours['accelerator']!r} (the plan's: {planned['accelerator']!r})")
+    if conflicts:
+        raise TightfitError(f"trainer_arguments(plan, ...): the plan sets {', '.join(conflicts)}; delete "
+                            f"{'it' if len(conflicts) == 1 else 'them'} from your arguments (it sets "
+                            f"{', '.join(planned)})")
+    if plan.micro_batch * plan.accumulation_steps != plan.effective_batch:
+        log.warning(f"note: Lightning's effective batch is {plan.micro_batch} x {plan.accumulation_steps} = "
+                    f"{plan.micro_batch * plan.accumulation_steps} samples (the plan's: {plan.effective_batch})")
+    return {**yours, **planned}
 
 
 def _checkpointable(module: torch.nn.Module) -> torch.nn.Module:
@@ -122,7 +173,10 @@ class TightfitCallback(L.Callback):
         """Check the loader's batch against the plan's micro-batch; start the peaks and the health monitor."""
         batch = getattr(trainer.train_dataloader, "batch_size", None)
         if batch is not None and batch != self.plan.micro_batch:
-            self._event(f"the training loader's batch_size is {batch}, the plan's micro-batch {self.plan.micro_batch}")
+            acc = trainer.accumulate_grad_batches
+            self._event(f"the training loader's batch_size is {batch}, the plan's micro-batch {self.plan.micro_batch}: "
+                        f"each optimizer step trains on {batch} x {acc} = {batch * acc} samples (the plan's effective "
+                        f"batch: {self.plan.effective_batch}); make the loader with batch_size=plan.micro_batch")
         if pl_module.device.type == "cuda":
             from ..runtime.health import HealthMonitor
 
@@ -143,10 +197,11 @@ class TightfitCallback(L.Callback):
         self._event(f"step {trainer.global_step + 1}: non-finite gradients, update skipped")
         if self._skipped_in_row >= self.max_skipped_steps:
             from ..levers.precision import nonfinite_advice
+            from ..loop import as_arguments
             from ..runtime.trainer import NonFiniteTrainingError
 
             raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients. "
-                                         f"{nonfinite_advice(self.plan.precision)}", trainer.global_step)
+                                         f"{as_arguments(nonfinite_advice(self.plan.precision))}", trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """After each optimizer step: its memory peaks (then reset) and the GPU's health, logged."""
