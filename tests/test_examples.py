@@ -33,3 +33,11 @@ def test_example_runs(name, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "plan:" in run.stdout or "micro-batch" in run.stdout, run.stdout
+    # the plan's loss runs outside fit: a training_step that calls self.log would warn here
+    assert "self.log" not in run.stderr, run.stderr[-3000:]
+
+
+def test_examples_take_the_sample_batch_without_drawing_from_the_loaders_shuffle():
+    # next(iter(loader)) on a shuffling loader draws from torch's RNG: the run would train in another order
+    for name in EXAMPLES:
+        assert "next(iter(" not in re.sub(r"#.*", "", (ROOT / "examples" / name).read_text()), name

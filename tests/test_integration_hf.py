@@ -46,11 +46,25 @@ def test_plan_becomes_training_arguments():
     assert kw["per_device_train_batch_size"] == 4 and kw["gradient_accumulation_steps"] == 8
     assert kw["fp16"] and not kw["bf16"] and kw["activation_checkpointing"]
     assert kw["activation_checkpointing_kwargs"] == {"use_reentrant": False}
-    assert kw["optim"] == "adamw_torch_fused" and not kw["auto_find_batch_size"] and not kw["use_cpu"]
+    assert "optim" not in kw and not kw["auto_find_batch_size"] and not kw["use_cpu"]
     kw = hf.training_arguments(Plan("bf16", 8, 8, device="cuda"))
     assert kw["bf16"] and not kw["fp16"] and kw["gradient_accumulation_steps"] == 1 and not kw["activation_checkpointing"]
     with pytest.raises(TightfitError, match="must be a tightfit.Plan"):
         hf.training_arguments({"micro_batch": 4})
+
+
+def test_training_arguments_take_yours_and_refuse_what_the_plan_sets_otherwise():
+    plan = Plan("fp32", 4, 16)
+    kw = hf.training_arguments(plan, output_dir="out", learning_rate=1e-4, max_grad_norm=0.5, optim="adamw_torch",
+                               per_device_train_batch_size=4)  # the plan's own value: allowed
+    assert kw["output_dir"] == "out" and kw["learning_rate"] == 1e-4 and kw["optim"] == "adamw_torch"
+    assert kw["max_grad_norm"] == 0.5 and kw["gradient_accumulation_steps"] == 4
+    assert "max_grad_norm" not in hf.training_arguments(plan)  # the Trainer's own clipping, untouched
+    with pytest.raises(TightfitError, match=r"per_device_train_batch_size=16 \(the plan's: 4\), fp16=True \(the "
+                                            r"plan's: False\); delete them"):
+        hf.training_arguments(plan, output_dir="out", per_device_train_batch_size=16, fp16=True)
+    with pytest.raises(TightfitError, match="activation_checkpointing=True"):  # the old name is the same argument
+        hf.training_arguments(plan, gradient_checkpointing=True)
 
 
 def test_uneven_plan_notes_the_trainers_effective_batch(caplog):
@@ -133,8 +147,9 @@ def test_non_finite_step_is_skipped_then_a_run_of_them_stops_training(tmp_path):
     start = _weights(trainer)
     w = trainer.model.classifier.weight
     w.register_hook(lambda g: g * float("nan"))  # every step's gradient is NaN
-    with pytest.raises(NonFiniteTrainingError, match="2 steps in a row had non-finite gradients"):
+    with pytest.raises(NonFiniteTrainingError, match="2 steps in a row had non-finite gradients") as e:
         hf.train(trainer)
+    assert "--" not in str(e.value) and "learning rate" in str(e.value)  # the API's words, not the CLI's flags
     assert cb.skipped_steps == 2 and trainer.state.global_step == 2
     for a, b in zip(_weights(trainer), start):  # neither step was applied: no weight decay, no AdamW state
         assert torch.equal(a, b)

@@ -51,9 +51,25 @@ def _fit(plan, module=None, steps=3, callback=None, micro_batch=None, **override
 def test_plan_becomes_trainer_arguments():
     kw = tl.trainer_arguments(Plan("bf16", 4, 32, device="cuda"))
     assert kw["accumulate_grad_batches"] == 8 and kw["precision"] == "bf16-mixed" and kw["accelerator"] == "gpu"
+    assert "gradient_clip_val" not in kw and "devices" not in kw  # clipping and devices stay the user's
     assert tl.trainer_arguments(Plan("fp16", 4, 4))["precision"] == "16-mixed"
     with pytest.raises(TightfitError, match="must be a tightfit.Plan"):
         tl.TightfitCallback("4GiB")
+
+
+def test_trainer_arguments_take_yours_and_refuse_what_the_plan_sets_otherwise(caplog):
+    plan = Plan("bf16", 4, 32, device="cuda")
+    kw = tl.trainer_arguments(plan, max_epochs=2, devices=4, precision="bf16", accelerator="auto")
+    assert kw["max_epochs"] == 2 and kw["devices"] == 4 and kw["precision"] == "bf16-mixed"
+    assert kw["accelerator"] == "auto"  # runs the plan's GPU
+    with pytest.raises(TightfitError, match=r"accumulate_grad_batches=1 \(the plan's: 8\), precision='32-true' "
+                                            r"\(the plan's: 'bf16-mixed'\); delete them"):
+        tl.trainer_arguments(plan, accumulate_grad_batches=1, precision="32-true")
+    with pytest.raises(TightfitError, match="accelerator='cpu'"):
+        tl.trainer_arguments(plan, accelerator="cpu")
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        kw = tl.trainer_arguments(Plan("fp32", 12, 40))
+    assert kw["accumulate_grad_batches"] == 4 and "12 x 4 = 48 samples (the plan's: 40)" in caplog.text
 
 
 def test_real_fit_runs_the_plans_accumulation():
@@ -73,7 +89,8 @@ def test_callback_sets_accumulation_and_checkpointing_and_warns_on_precision_and
     assert hf_hook_active(module.bert)  # the model's own (non-reentrant) hook
     assert any("accumulate_grad_batches 1 -> 2" in e for e in cb.events)
     assert any("precision '32-true', the plan 'bf16-mixed'" in e for e in cb.events)
-    assert any("batch_size is 8, the plan's micro-batch 4" in e for e in cb.events)
+    assert any("batch_size is 8, the plan's micro-batch 4: each optimizer step trains on 8 x 2 = 16 samples "
+               "(the plan's effective batch: 8)" in e for e in cb.events)
     assert "tightfit: accumulate_grad_batches" in caplog.text
 
 

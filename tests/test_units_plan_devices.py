@@ -24,6 +24,19 @@ def test_parse_size_rejects(text):
         parse_size(text)
 
 
+@pytest.mark.parametrize("text,message", [
+    ("-1", "must be positive"), (-1, "must be positive"), ("-1GiB", "must be positive"), (0.0, "must be positive"),
+    (4.5, "fraction of a byte"), ("4.5", "fraction of a byte"), ("4.5B", "fraction of a byte"), (True, "cannot read"),
+])
+def test_parse_size_says_what_is_wrong(text, message):
+    with pytest.raises(TightfitError, match=message):
+        parse_size(text)
+
+
+def test_parse_size_takes_a_whole_float_of_bytes():
+    assert parse_size(4e9) == 4_000_000_000 and parse_size("0.5KB") == 500
+
+
 def test_format_bytes():
     assert format_bytes(3 * 2**30) == "3.00 GiB"
     assert format_bytes(1536 * 2**10) == "1.50 MiB"
