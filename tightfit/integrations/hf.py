@@ -62,7 +62,8 @@ def training_arguments(plan: Plan, **yours) -> dict:
     non-reentrant, every layer: the Trainer cannot checkpoint a subset, so a plan that checkpoints
     some blocks uses less memory and more time here), ``use_cpu`` and ``auto_find_batch_size=False``
     (see the module doc). Everything else is yours or the Trainer's default: ``optim`` is set only
-    for a plan whose optimizer is not the Trainer's default fused AdamW and you gave none; gradient
+    when you gave none and the Trainer's default is not the plan's optimizer (transformers 5's
+    default is the plan's fused AdamW); gradient
     clipping stays ``max_grad_norm`` (yours, or the Trainer's 1.0). The Trainer's effective batch is
     micro-batch x accumulation steps, which is the plan's unless its last micro-batch is short (e.g.
     10 samples as 4+4+2: the Trainer runs 4 x 3 = 12); a note is logged then.
@@ -86,8 +87,9 @@ def training_arguments(plan: Plan, **yours) -> dict:
                "fp16": plan.precision == "fp16", "bf16": plan.precision == "bf16",
                name: ckpt, f"{name}_kwargs": {"use_reentrant": False} if ckpt else None,
                "use_cpu": plan.device == "cpu", "auto_find_batch_size": False}
-    if "optim" not in yours and _OPTIM[plan.optimizer] != _OPTIM["adamw"]:  # the Trainer's default: fused AdamW
-        planned["optim"] = _OPTIM[plan.optimizer]
+    default = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}["optim"]
+    if "optim" not in yours and _OPTIM[plan.optimizer] != getattr(default, "value", default):
+        planned["optim"] = _OPTIM[plan.optimizer]  # only when the Trainer's default is not the plan's optimizer
     old = "gradient_checkpointing" if name == "activation_checkpointing" else None
     given = {(name + k[len(old):] if old and k.startswith(old) else k): v for k, v in yours.items()}
     conflicts = [f"{k}={given[k]!r} (the plan's: {v!r})" for k, v in planned.items()
