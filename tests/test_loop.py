@@ -242,9 +242,16 @@ def test_train_step_refuses_a_plan_for_another_device_before_any_work():
             tightfit.TrainStep(Plan("fp32", 4, 8, device="cuda"), _mlp(), loss=_ce)
 
 
+class _Noisy(torch.nn.Module):
+    """Adds Gaussian noise in every forward, in train and eval mode alike (draws from torch's RNG)."""
+
+    def forward(self, x):
+        return x + 0.01 * torch.randn_like(x)
+
+
 def test_cpu_plan_leaves_the_random_numbers_as_they_were():
-    # the plan's loss check runs a forward with dropout on: the run after it must draw what it would have
-    model, batch = _mlp(dropout=0.5), _xy(8)
+    # the plan's loss check runs a forward that draws random numbers: the run after it must draw what it would have
+    model, batch = torch.nn.Sequential(_Noisy(), _mlp()), _xy(8)
     torch.manual_seed(3)
     before = torch.get_rng_state()
     tightfit.plan(model, batch, loss=_ce, device="cpu")
@@ -304,3 +311,10 @@ def test_a_model_output_dict_with_a_loss_key_is_the_default_loss():
     plan = tightfit.plan(model, {"x": x, "labels": y}, device="cpu")
     out = tightfit.TrainStep(plan, model)({"x": x, "labels": y})
     assert out.stepped and math.isclose(out.loss, float(_ce(_mlp(), (x, y)).detach()), rel_tol=1e-5)
+
+
+def test_cpu_plans_loss_check_leaves_batch_norm_statistics_as_they_were():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tightfit.plan(model, _xy(8), loss=_ce, device="cpu")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and model.training

@@ -143,8 +143,8 @@ def as_arguments(message: str) -> str:
 def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | None, budget_bytes: int | None,
                            gpu: str | None) -> None:
     """Without a GPU, what the probes would have found at plan time: one forward and loss on a
-    2-sample slice of the sample batch (train mode, no gradients, the RNG states given back, so the
-    run is unchanged), and a budget that holds at least the weights, gradients and AdamW state
+    2-sample slice of the sample batch (eval mode, no gradients, the RNG states given back, so the
+    model and the run are unchanged), and a budget that holds at least the weights, gradients and AdamW state
     (:func:`tightfit.models.model_state_bytes`, 16 bytes per trainable fp32 parameter) and no more
     than the ``gpu`` card's memory.
 
@@ -169,7 +169,7 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
     d = {k: v[:2] for k, v in b.as_dict().items()}
     rng = capture_rng()
     try:
-        with torch.no_grad(), module_mode(model, True):
+        with torch.no_grad(), module_mode(model, False):  # eval: batch norm's running statistics stay as they are
             _loss_sum(b, loss)(model, d)
     finally:
         restore_rng(rng)  # the probe draws no dropout mask the run would have drawn
