@@ -16,7 +16,7 @@ WORK=${WORK:-/tmp/tightfit-multi-gpu}
 mkdir -p "$OUT"; rm -rf "$WORK"; mkdir -p "$WORK"
 LOGS="$OUT/logs.txt"; : > "$LOGS"
 COMMON=(--seq-len 128 --budget 4GiB --batch-size 256 --train-samples 6400 --eval-samples 256 --epochs 1
-        --log-every 1 --compile off --planner probe --no-progress)
+        --log-every 1 --compile off --planner probe --replan --no-progress)
 
 run() {  # run NAME SECONDS CMD... : output to $WORK/NAME.log, head+tail into logs.txt
   local name=$1 limit=$2; shift 2
