@@ -61,10 +61,13 @@ def train(req: TrainRequest) -> RunSummary:
     """
     from .runtime.allocator import configure_allocator
 
+    from .runtime.distributed import World
+
     configure_allocator()  # effective only if CUDA has not started yet in this process
     from .image_train import recipe_class
 
-    recipe = recipe_class(req)(req)  # TrainRecipe, or ImageTrainRecipe for an image model
+    world = World.from_env(req.planning.device)  # several ranks under torchrun (docs/distributed.md)
+    recipe = recipe_class(req)(req, world)  # TrainRecipe, or ImageTrainRecipe for an image model
     recipe.setup()  # checks, loads and plans; writes nothing
     finished = recipe.finished_summary()
     if finished is not None:
@@ -75,7 +78,9 @@ def train(req: TrainRequest) -> RunSummary:
     except KeyboardInterrupt:  # stopped at once (a second Ctrl-C, or before training began)
         recipe.interrupted()
         raise
-    return recipe.finish(result)
+    summary = recipe.finish(result)
+    world.close()
+    return summary
 
 
 def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProfile | None, int | None, list[str]]:
@@ -139,8 +144,11 @@ class TrainRecipe:
         metrics: the open ``metrics.jsonl`` writer (after :meth:`open_run_folder`).
     """
 
-    def __init__(self, req: TrainRequest):
+    def __init__(self, req: TrainRequest, world=None):
+        from .runtime.distributed import World
+
         self.req = req
+        self.world = world or World()  # rank 0 plans and writes the run folder; see runtime/distributed.py
         self.t_start = time.perf_counter()
         self.notes: list[str] = []  # printed after the banner, as "note: ..."
         self.resume_from: Path | None = None  # the checkpoint a resumed run continues from
@@ -160,7 +168,8 @@ class TrainRecipe:
             TightfitError: bad input or a request that cannot be met; nothing is written.
         """
         if self.req.run.resume:
-            self.req, self.resume_from, self.changed, self.data_fingerprint = _resume_request(self.req)
+            self.req, self.resume_from, self.changed, self.data_fingerprint = _resume_request(self.req,
+                                                                                              self.world.is_main)
         self._resolve_device()
         self._load_data()
         self._check_run_folder()
@@ -250,7 +259,7 @@ class TrainRecipe:
         from .models import model_state_bytes
 
         state = model_state_bytes(self.model)
-        if self.budget is not None and self.budget < state["total"]:
+        if self.budget is not None and self.budget < state["total"] and not self.world.distributed:  # else sharding.py
             raise TightfitError(
                 f"budget {format_bytes(self.budget)} is below the {format_bytes(state['total'])} that this model's "
                 f"fp32 weights ({format_bytes(state['parameters'])}), gradients and AdamW state need")
@@ -288,10 +297,17 @@ class TrainRecipe:
         from .planner import probe  # noqa: F401  (imported before the clock: planning_s times the planning)
 
         t_plan = time.perf_counter()
-        self.plan = self._choose_plan()
+        if self.world.distributed:  # rank 0 plans, every rank takes its plan (or its error)
+            from .planner.sharding import plan_for_ranks
+
+            self.plan = self.world.decide(lambda: plan_for_ranks(self, self._choose_plan))
+        else:
+            self.plan = self._choose_plan()
+            if self.plan.world_size != 1:  # a run of several ranks resumed by one process
+                self.plan = replace(self.plan, world_size=1, sharding="none")
         self.planning_s = time.perf_counter() - t_plan
         cached = self.plan_timings.get("cached", False)
-        if cached and self.resume_from is None:  # compile now what planning compiled in the first run
+        if cached and self.resume_from is None and not self.world.distributed:  # compile now what planning compiled in the first run
             from .planner.warmup import warm_compiled_plan
 
             self.plan_timings["compile_s"] = warm_compiled_plan(self.workload, self.plan, self.budget)
@@ -358,8 +374,9 @@ class TrainRecipe:
         from .runtime.trainer import TrainConfig, Trainer
 
         cfg = TrainConfig.from_options(self.req.training, checkpoint_dir=str(self.out / "checkpoints"))
-        self.trainer = Trainer(self.workload, self.plan, cfg, log=self.records.append, progress=self.req.run.progress,
-                               profile=self.profile if self.device == "cuda" else None)
+        self.trainer = Trainer(self.workload, self.plan, cfg, log=self.records.append,
+                               progress=self.req.run.progress and self.world.is_main,
+                               profile=self.profile if self.device == "cuda" else None, world=self.world)
         if self.resume_from is not None:  # verified by _resume_request, its state read by _choose_plan
             self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
 
@@ -398,6 +415,11 @@ class TrainRecipe:
         checkpoint's step) with the plan record and what the trainer logged so far."""
         from .report.metrics import MetricsWriter, keep_metrics_until
 
+        if not self.world.is_main:  # only rank 0 writes the run folder
+            self.metrics = _Discard()
+            self.trainer.log = self.metrics
+            self.created = None
+            return
         out, step = self.out, self.trainer.step
         self.created = [] if out.exists() else [out]  # what interrupted() may remove: only what this run made
         out.mkdir(parents=True, exist_ok=True)
@@ -449,6 +471,10 @@ class TrainRecipe:
         from .report.summary import report_markdown, summary_rows
 
         out, health = self.out, self.trainer.health
+        self._weights = self._gathered_weights()  # a collective under FSDP2: every rank takes part
+        if not self.world.is_main:  # rank 0 writes the model, the report and the summary
+            return RunSummary.of_run(result, self._run_info(), self.planning_s, time.perf_counter() - self.t_start,
+                                     health.status if health else None)
         atomic_write_dir(out / "model", self._save_model)
         info = self._run_info()
         if result.plan != self.plan:
@@ -468,8 +494,21 @@ class TrainRecipe:
 
     def _save_model(self, folder: Path) -> None:
         """Write the trained weights (safetensors, from the CPU) and the tokenizer into ``folder``."""
-        self.trainer.model.to("cpu").save_pretrained(folder, safe_serialization=True)
+        model = self.world.unwrap(self.trainer.model)
+        if self._weights is not None:  # FSDP2: the full weights gathered from the shards
+            model.save_pretrained(folder, state_dict=self._weights, safe_serialization=True)
+        else:
+            model.to("cpu").save_pretrained(folder, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)
+
+    def _gathered_weights(self) -> dict | None:
+        """Under FSDP2, the full weights on the CPU (gathered from every rank: call on all); else None."""
+        if self.trainer.world.sharding != "fsdp":
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.trainer.model, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=True))
 
     def _run_info(self) -> RunInfo:
         """What was trained, where and how, for the report and the summary."""
@@ -497,7 +536,17 @@ def _request_record(req: TrainRequest) -> dict:
     return {k: v for k, v in req.to_flat().items() if k not in ("progress", "resume", "given")}
 
 
-def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict, str | None]:
+class _Discard:
+    """The metrics writer of ranks other than 0: they write nothing."""
+
+    def __call__(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest, Path, dict, str | None]:
     """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
     given now), its newest intact checkpoint, ``{option: [old, new]}`` for what changed, and the
     fingerprint of the data it started with (None for runs that recorded none).
@@ -541,7 +590,7 @@ def _resume_request(req: TrainRequest) -> tuple[TrainRequest, Path, dict, str | 
         raise type(e)(f"--resume {run}: {e}") from None
     for note in point.notes:
         log.warning(f"note: {note}")
-    for name, size in remove_stale_temporaries(run / "checkpoints"):
+    for name, size in remove_stale_temporaries(run / "checkpoints") if main else ():  # rank 0 cleans up
         log.warning(f"note: removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short")
     return resumed, point.path, changed, fingerprint
 

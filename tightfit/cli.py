@@ -26,6 +26,10 @@ def _train_parser(sub):
     add_train_arguments(p)
     # not an option of training: refused with one line that says where int8 belongs (tightfit export)
     p.add_argument("--int8", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="train on N GPUs of this machine: starts N processes with torch.distributed.run, as "
+                        "`torchrun --nproc-per-node N -m tightfit train ...` does (with --device cpu: N processes "
+                        "on the CPU); see docs/distributed.md for several machines")
     return p
 
 
@@ -152,6 +156,11 @@ def _run(args) -> int:
             raise TightfitError(TRAIN_REFUSAL)
         from .api import TrainRequest, train
 
+        if args.gpus != 1 and "LOCAL_RANK" not in os.environ:  # --gpus N: torchrun starts N of this command
+            from .runtime.launch import device_of, launch
+
+            return launch(args.gpus, device_of(args), args.argv)
+
         train(TrainRequest.from_args(args))
         return 0
     return 1
@@ -168,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = _parser()
         argv = sys.argv[1:] if argv is None else argv
         args = parser.parse_args(argv)
+        args.argv = argv
         if args.command == "train":
             args.given_options = _given_options(parser.train_parser, argv)
             args.command_line = " ".join(shlex.quote(a) for a in ["tightfit", *argv])

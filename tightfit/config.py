@@ -160,6 +160,7 @@ class PlanOptions(_Options):
         device: ``auto`` (the GPU if there is one), ``cpu`` or ``cuda``.
         planner: on a GPU, ``search`` or ``probe``.
         replan: ignore a cached plan of the same job (:mod:`tightfit.planner.cache`).
+        sharding: on several ranks, ``auto``, ``ddp`` or ``fsdp`` (:mod:`tightfit.planner.sharding`).
     """
 
     budget: str | None = option(None, "GPU memory the run may use, e.g. 4GiB, 11GB (default: the card's)")
@@ -173,6 +174,8 @@ class PlanOptions(_Options):
                                   "planner's compiled probe steps are faster)", choices=("auto", "on", "off"))
     device: str = option("auto", "auto|cuda|cpu (default: {default}: the GPU if there is one)",
                          choices=("auto", "cpu", "cuda"))
+    sharding: str = option("auto", "on several GPUs (torchrun / --gpus): auto|ddp|fsdp (default: {default}: DDP "
+                                   "when the replicated state fits, else FSDP2)", choices=("auto", "ddp", "fsdp"))
     planner: str = option("search", "on a GPU: search (predict, then verify the best with real steps) or probe "
                                     "(largest micro-batch by probing)", choices=("search", "probe"))
     replan: bool = option(False, "plan afresh even if this job's plan is in the plan cache "

@@ -13,6 +13,13 @@ from dataclasses import asdict, dataclass, field, replace
 from .errors import TightfitError
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+SHARDINGS = ("none", "ddp", "fsdp")
+
+
+def rank_batch(effective_batch: int, world_size: int) -> int:
+    """Samples of one window that each of ``world_size`` processes trains on:
+    ``ceil(effective_batch / world_size)`` (the ranks' shares differ by at most one sample)."""
+    return -(-effective_batch // world_size)
 
 
 def accumulation_steps(effective_batch: int, micro_batch: int) -> int:
@@ -62,6 +69,12 @@ class Plan:
             (:data:`tightfit.levers.blocks.BLOCK_POLICIES`); None: ``activation_checkpointing``
             and ``checkpoint_blocks`` say which blocks recompute fully (plans written before
             per-block choices existed).
+        world_size: processes (GPUs) training together under torchrun; each runs
+            ``micro_batch`` samples per pass, so micro-batch x accumulation steps x world size
+            = effective batch (:func:`rank_batch`).
+        sharding: ``"none"`` (one process), ``"ddp"`` (replicated state, gradients all-reduced) or
+            ``"fsdp"`` (parameters, gradients and optimizer state sharded by FSDP2); see
+            :mod:`tightfit.planner.sharding`.
     """
 
     precision: str
@@ -78,19 +91,28 @@ class Plan:
     predicted_samples_per_s: float | None = None
     compile: bool = False
     block_policies: tuple[str, ...] | None = None
+    world_size: int = 1
+    sharding: str = "none"
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise TightfitError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.micro_batch < 1 or self.effective_batch < 1:
             raise TightfitError("micro-batch and effective batch must be >= 1")
-        if self.micro_batch > self.effective_batch:
-            object.__setattr__(self, "micro_batch", self.effective_batch)
+        if self.world_size < 1 or self.sharding not in SHARDINGS:
+            raise TightfitError(f"world size must be >= 1 and sharding one of {', '.join(SHARDINGS)}")
+        if self.micro_batch > self.rank_batch:
+            object.__setattr__(self, "micro_batch", self.rank_batch)
+
+    @property
+    def rank_batch(self) -> int:
+        """Samples of a full window that one process trains on: ``ceil(effective_batch / world_size)``."""
+        return rank_batch(self.effective_batch, self.world_size)
 
     @property
     def accumulation_steps(self) -> int:
-        """Micro-batches per full window: ``ceil(effective_batch / micro_batch)``."""
-        return accumulation_steps(self.effective_batch, self.micro_batch)
+        """Micro-batches per full window on each process: ``ceil(rank_batch / micro_batch)``."""
+        return accumulation_steps(self.rank_batch, self.micro_batch)
 
     def with_micro_batch(self, micro_batch: int, reason: str | None = None) -> "Plan":
         """A copy with another micro-batch (the effective batch is unchanged)."""

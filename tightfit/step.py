@@ -230,6 +230,8 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
         scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_grad_norm is None else max_grad_norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2's sharded gradients give a DTensor: the global norm, replicated
+        norm = norm.full_tensor()
     loss_value = None
     if norm.is_meta:
         grad_norm = None

@@ -22,8 +22,9 @@ def plan_lines(plan: Plan) -> list[str]:
         f"precision        {plan.precision}" + (" (autocast + dynamic loss scaling)" if plan.precision == "fp16"
                                                else " (autocast)" if plan.precision == "bf16" else ""),
         f"micro-batch      {plan.micro_batch} x {plan.accumulation_steps} accumulation steps"
-        + (f" (the last {plan.effective_batch - (plan.accumulation_steps - 1) * plan.micro_batch})"
-           if plan.effective_batch % plan.micro_batch else "")
+        + (f" (the last {plan.rank_batch - (plan.accumulation_steps - 1) * plan.micro_batch})"
+           if plan.rank_batch % plan.micro_batch else "")
+        + (f" x {plan.world_size} ranks ({plan.sharding.upper()})" if plan.world_size > 1 else "")
         + f" = effective batch {plan.effective_batch}",
         "checkpointing    " + ("per block: " + ", ".join(plan.block_policies) if plan.block_policies is not None
                                else ("blocks " + ", ".join(map(str, plan.checkpoint_blocks)) if plan.checkpoint_blocks

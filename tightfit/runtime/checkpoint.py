@@ -305,11 +305,13 @@ def verify_checkpoint(path: Path) -> bool:
         expected = {name: (int(v["bytes"]), str(v["sha256"])) for name, v in files.items()}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise _fail(path, f"{MANIFEST}: unreadable: {_first_line(e)}") from None
-    for name in (MODEL_FILE, STATE_FILE):
+    sharded = manifest.get("layout") == "dcp"  # written by runtime/sharded_checkpoint.py: dcp/ for the weights
+    for name in (STATE_FILE,) if sharded else (MODEL_FILE, STATE_FILE):
         if name not in expected:
             raise _fail(path, f"{MANIFEST}: does not list {name}")
     for name, (size, digest) in expected.items():
-        if "/" in name or "\\" in name or name.startswith("."):
+        inner = name[4:] if sharded and name.startswith("dcp/") else name  # DCP's own files (".metadata")
+        if "/" in inner or "\\" in inner or inner in ("", ".", "..") or (inner == name and name.startswith(".")):
             raise _fail(path, f"{MANIFEST}: lists {name!r}, not a file of the checkpoint")
         f = path / name
         if not f.is_file():

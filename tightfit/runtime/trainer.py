@@ -33,6 +33,7 @@ from ..step import accumulate, make_optimizer, module_mode, training_step
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
+from .distributed import World
 from .health import HealthMonitor
 from ..memory.oom import is_oom, release_memory
 from .prefetch import Prefetcher
@@ -200,11 +201,13 @@ class Trainer:
         progress: show a tqdm progress bar.
         profile: the card whose rules apply (the advice after a non-finite stop names bf16 only
             where it runs natively); None: unknown or the CPU.
+        world: the ranks training together under torchrun (:mod:`tightfit.runtime.distributed`);
+            None: this process alone.
     """
 
     def __init__(self, workload: Workload, plan: Plan, config: TrainConfig,
                  log: Callable[[dict], None] = lambda record: None, progress: bool = True,
-                 profile: DeviceProfile | None = None):
+                 profile: DeviceProfile | None = None, world: World | None = None):
         self.w, self.plan, self.cfg, self.log, self.profile = workload, plan, config, log, profile
         self.progress = progress
         self.device = torch.device(plan.device)
@@ -221,6 +224,10 @@ class Trainer:
             compile_model(self.model)
         else:
             uncompile_model(self.model)
+        # several ranks: DDP or FSDP2 as the plan says, before the optimizer sees the parameters
+        self.world = world or World()
+        self.model = self.world.wrap(self.model, plan.sharding)
+        self.world.seed_rank(config.seed)
         params = [p for p in self.model.parameters() if p.requires_grad]  # frozen: no state
         # fused AdamW on CUDA (plan.optimizer "adamw"): one kernel, no large temporaries, so an
         # OOM cannot leave a half-applied update behind; "adamw-foreach" allocates per-step temporaries.
@@ -236,7 +243,9 @@ class Trainer:
             self.optimizer, lambda s: (s + 1) / max(1, warmup) if s < warmup
             else max(0.0, (steps - s) / max(1, steps - warmup)))
         self.scaler = make_grad_scaler(plan.precision, self.device.type)
-        self.health = (HealthMonitor(self.device.index or 0, warn_temp_c=config.warn_temp_c)
+        gpu = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else 0)  # this rank's GPU
+        self.health = (HealthMonitor(gpu, warn_temp_c=config.warn_temp_c)
                        if self.device.type == "cuda" else None)
         self.memory_timeline: list[tuple[int, int, int]] = []  # (step, peak allocated, peak reserved) bytes
         self._peaks = (0, 0)
@@ -292,8 +301,11 @@ class Trainer:
         while self.step < self.total_steps:
             window = self.window_at(self.step)
             if self.step + 1 < self.total_steps:
-                self.loader.schedule(self.step + 1, self.window_at(self.step + 1), self.micro_batch)
+                self.loader.schedule(self.step + 1, self.world.shard(self.window_at(self.step + 1)), self.micro_batch)
             loss, stepped = self.train_step(window)
+            loss, stop = self.world.after_step(loss, self._stop_signal is not None)  # the ranks' mean; any stop
+            if stop and not self._stop_signal:
+                self._stop_signal = "a stop on another rank"
             self.step += 1
             self.result.samples += len(window)
             self.result.final_loss = loss
@@ -366,7 +378,7 @@ class Trainer:
         return handled()
 
     def _restore_use_cache(self) -> None:
-        config = getattr(self.model, "config", None)
+        config = getattr(self.world.unwrap(self.model), "config", None)
         if self._user_use_cache is not None and config is not None:
             config.use_cache = self._user_use_cache
 
@@ -406,19 +418,22 @@ class Trainer:
     def _train_step(self, window: list[int]) -> tuple[float, bool]:
         rng = capture_rng()
         while True:
+            self._guard = None  # several ranks: the loss function that agrees on OOMs (_micro_batches)
             # Fused AdamW allocates only its new state, before any write (see make_optimizer): it
             # needs no snapshot, which would cost a walk over every state tensor at every step.
             before = None if self._fused else _in_place_versions(self.optimizer)
             had_state = set(self.optimizer.state)
             try:
                 micro_batches, normaliser = self._micro_batches(window)
-                result = training_step(self.model, micro_batches, self.w.loss_sum, normaliser, self.optimizer,
+                result = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
+                                       self.optimizer,
                                        self.scaler, self._autocast, self.cfg.max_grad_norm)
                 break
             except Exception as e:  # only OOMs are handled; anything else propagates unchanged
                 if not is_oom(e):
                     raise
                 where = type(e).__name__
+                self.world.on_oom(e, self._guard)  # the other ranks learn of it (or all stop)
             if before is not None and _changed_since(self.optimizer, before):
                 raise PartialUpdateError(
                     f"out of memory inside the optimizer step of step {self.step + 1} after it had updated part "
@@ -443,8 +458,13 @@ class Trainer:
         """``(micro-batches, normaliser)`` of ``window``: an iterator of its micro-batches on the
         device, each staged one ahead (the next is copied while this one computes), and the
         samples (or tokens) of the whole window that the loss is divided by."""
-        micro = self.loader.window(self.step, window, self.micro_batch)
+        micro = self.loader.window(self.step, self.world.shard(window), self.micro_batch)
         total = sum(self.w.count(b) for b in micro)  # normaliser of the whole window
+        if self.world.distributed:  # this rank's share, padded so all ranks run as many passes
+            pad = self.world.padding(window, self.micro_batch)
+            micro = micro + ([self.w.train.collate(window[:1])] * pad if pad else [])
+            total = self.world.normaliser(total)
+            self._guard = self.world.guard(self.model, self.w.loss_sum, len(micro), pad)
 
         def staged():
             handle = self.loader.stage(micro[0])
@@ -560,6 +580,14 @@ class Trainer:
         """
         from .async_checkpoint import CheckpointWriter
 
+        if self.world.distributed:  # every rank writes its part with torch.distributed.checkpoint
+            from .sharded_checkpoint import save_sharded
+
+            state = {k: v for k, v in self.state_dict().items() if k != "optimizer"}
+            path = save_sharded(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, state, self.world,
+                                self.cfg.keep_last)
+            self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
+            return str(path)
         if self._writer is None:
             self._writer = CheckpointWriter(self.cfg.checkpoint_dir, self.cfg.keep_last,
                                             background=self.cfg.background_checkpoints)
@@ -586,8 +614,13 @@ class Trainer:
         caller that verified and read the checkpoint already passes them: read and hashed once)."""
         from .checkpoint import load_checkpoint
 
-        state = load_checkpoint(path, self.model, verified=verified, state=state)
-        self.optimizer.load_state_dict(state["optimizer"])
+        from .sharded_checkpoint import is_sharded, load_sharded
+
+        if is_sharded(path):  # written by several ranks: DCP reshards to this world size
+            state = load_sharded(path, self.model, self.optimizer, self.world, verified=verified)
+        else:
+            state = load_checkpoint(path, self.world.unwrap(self.model), verified=verified, state=state)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         lr_changed = self.scheduler.base_lrs != [self.cfg.lr] * len(self.scheduler.base_lrs)
         if lr_changed:  # resumed with a new --lr
@@ -696,10 +729,12 @@ class Trainer:
         rec = {"type": "train", "step": self.step, "epoch": epoch, "loss": loss,
                "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(self._grad_norm),
                "stepped": stepped, "micro_batch": self._used_micro_batch, "window_samples": len(window),
-               # what the window really held, e.g. "3+3+1" for 7 samples at micro-batch 3
-               "micro_batches": describe_split(len(window), self._used_micro_batch),
-               "accumulation_steps": len(micro_batch_sizes(len(window), self._used_micro_batch)),
+               # what the window really held (on this rank), e.g. "3+3+1" for 7 samples at micro-batch 3
+               "micro_batches": describe_split(len(self.world.shard(window)), self._used_micro_batch),
+               "accumulation_steps": len(micro_batch_sizes(len(self.world.shard(window)), self._used_micro_batch)),
                "samples": self.result.samples, "samples_per_s": self.result.samples / max(elapsed, 1e-9)}
+        if self.world.distributed:
+            rec["world_size"] = self.world.size
         if self.scaler.is_enabled():
             rec["loss_scale"] = float(self.scaler.get_scale())
         if self.device.type == "cuda":
@@ -708,6 +743,8 @@ class Trainer:
             rec["step_peak_allocated_bytes"], rec["step_peak_reserved_bytes"] = self.memory_timeline[-1][1:]
         if self.health is not None:
             h = self.health.sample()
+            if self.world.distributed:  # health per GPU: every rank's reading, on rank 0's record
+                rec["gpus"] = self.world.gather(h)
             if h:
                 rec.update(h)
                 if "warning" in h:

@@ -1,0 +1,87 @@
+"""Summarise bench/multi_gpu.sh's runs: python3 bench/multi_gpu_report.py WORK OUT
+(writes OUT/multi_gpu.json and OUT/multi_gpu.md)."""
+
+import json
+import sys
+from pathlib import Path
+
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+codes = dict(line.split() for line in (work / "exit-codes.txt").read_text().splitlines()) \
+    if (work / "exit-codes.txt").exists() else {}
+
+
+def records(run):
+    f = work / run / "metrics.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def train_records(run):
+    return [r for r in records(run) if r["type"] == "train"]
+
+
+def steady_rate(run, skip=5):
+    """samples/s between the end of step ``skip`` and the last step (first steps warm up)."""
+    tr = train_records(run)
+    if len(tr) <= skip + 1:
+        return None
+    a, b = tr[skip - 1], tr[-1]
+    return (b["samples"] - a["samples"]) / (b["time"] - a["time"])
+
+
+def load(run, name):
+    f = work / run / name
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def run_info(run):
+    plan, summ = load(run, "plan.json"), load(run, "summary.json")
+    last_error = next((line for line in reversed((work / f"{run}.log").read_text().splitlines())
+                       if "error" in line.lower()), None) if (work / f"{run}.log").exists() else None
+    return {"exit": codes.get(run), "steady_samples_per_s": steady_rate(run),
+            "plan": None if plan is None else {k: plan.get(k) for k in (
+                "precision", "micro_batch", "accumulation_steps", "effective_batch", "activation_checkpointing",
+                "world_size", "sharding", "reasons", "predicted_peak_reserved_bytes", "probe_peak_reserved_bytes")},
+            "summary": summ, "error": last_error if codes.get(run) not in (None, "0") else None,
+            "gpus_health_last": next((r.get("gpus") for r in reversed(train_records(run)) if r.get("gpus")), None)}
+
+
+res = {name: run_info(name) for name in ("base-1gpu", "base-2gpu", "large-2gpu", "large-1gpu")}
+b1, b2 = res["base-1gpu"]["steady_samples_per_s"], res["base-2gpu"]["steady_samples_per_s"]
+res["base_speedup_2_over_1"] = b2 / b1 if b1 and b2 else None
+ref = {r["step"]: r["loss"] for r in train_records("base-2gpu")}
+resumed = {}
+for run in ("killed", "killed-1gpu"):
+    losses = {r["step"]: r["loss"] for r in train_records(run)}
+    after = sorted(s for s in losses if s > 10 and s in ref)
+    resumed[run] = {"steps_compared": len(after),
+                    "exact_equal": sum(losses[s] == ref[s] for s in after),
+                    "max_abs_loss_diff": max((abs(losses[s] - ref[s]) for s in after), default=None),
+                    "events": [r["message"] for r in records(run) if r["type"] == "event"][-3:],
+                    "exit": codes.get("resume-2gpu" if run == "killed" else "resume-1gpu")}
+res["resume"] = resumed
+oom = out / "oom.json"
+res["oom"] = {k: v for k, v in json.loads(oom.read_text()).items() if k not in ("inject", "switch")} \
+    if oom.exists() else {"exit": codes.get("oom")}
+(out / "multi_gpu.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+def fmt(x, f="{:.1f}"):
+    return "n/a" if x is None else f.format(x)
+
+
+md = ["# Several GPUs (2 x H200, budget 4 GiB per GPU emulated)", "",
+      "| run | exit | plan | steady samples/s |", "|---|---|---|---|"]
+for name in ("base-1gpu", "base-2gpu", "large-2gpu", "large-1gpu"):
+    r = res[name]
+    p = r["plan"]
+    plan = "none" if p is None else (f"{p['precision']}, {p['micro_batch']} x {p['accumulation_steps']} x "
+                                     f"{p['world_size']} ({p['sharding']}), ckpt {p['activation_checkpointing']}")
+    md.append(f"| {name} | {r['exit']} | {plan} | {fmt(r['steady_samples_per_s'])} |")
+md += ["", f"BERT-base 2 GPUs / 1 GPU: **{fmt(res['base_speedup_2_over_1'], '{:.2f}')}x** (target >= 1.8x)", ""]
+if res["large-1gpu"]["error"]:
+    md.append(f"BERT-large on 1 GPU: `{res['large-1gpu']['error'][:300]}`")
+md += ["", "## OOM on rank 1 mid-run", "```", json.dumps(res["oom"], indent=1), "```", "",
+       "## Kill + resume (losses after the checkpoint vs the uninterrupted 2-GPU run)", "```",
+       json.dumps(resumed, indent=1), "```"]
+(out / "multi_gpu.md").write_text("\n".join(md) + "\n")
+print("\n".join(md))

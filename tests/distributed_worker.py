@@ -1,0 +1,97 @@
+"""Runs tightfit's trainer on several CPU processes (gloo) for tests/test_distributed.py: each
+rank trains a tiny BERT with the given spec and saves what it saw and did."""
+
+import os
+import socket
+
+import torch
+
+DEADLINE_S = 150
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(spec: dict, world_size: int, out) -> list[dict]:
+    """Run :func:`train` on ``world_size`` spawned processes (1: in this process); returns each
+    rank's result."""
+    import torch.multiprocessing as mp
+
+    if world_size == 1:
+        return [train(0, 1, None, spec)]
+    import time
+
+    port = free_port()
+    ctx = mp.spawn(_entry, args=(world_size, port, spec, str(out)), nprocs=world_size, join=False)
+    deadline = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=1.0):  # a rank left waiting in a collective must fail the test, not hang it
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise AssertionError(f"the ranks did not finish within {DEADLINE_S} s (a rank waits in a collective)")
+    return [torch.load(os.path.join(str(out), f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _entry(rank, world_size, port, spec, out):
+    torch.set_num_threads(1)
+    result = train(rank, world_size, port, spec)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def train(rank: int, world_size: int, port, spec: dict) -> dict:
+    """Train as ``spec`` says: ``n``, ``effective_batch``, ``micro_batch``, ``dropout``,
+    ``sharding``, ``max_steps``, ``checkpoint_dir``/``checkpoint_every``, ``resume`` (a
+    checkpoint), ``oom`` (``(rank, step)``: an injected OOM in that rank's forward at that step,
+    once). Returns the records, the samples each step drew on this rank, the final weights."""
+    from conftest import SyntheticBatches, tiny_bert
+
+    from tightfit.plan import Plan
+    from tightfit.runtime.distributed import World
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    if world_size > 1:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        world = World.from_env("cpu")
+    else:
+        world = World()
+    data = SyntheticBatches(spec.get("n", 24))
+    drawn = []  # (step, indices) of every collate of a training micro-batch on this rank
+    collate = data.collate
+
+    def logged(indices, pad_to=None):
+        drawn.append(list(indices))
+        return collate(indices, pad_to)
+
+    data.collate = logged
+    w = Workload(tiny_bert(spec.get("dropout", 0.0), 0), data, None, spec.get("effective_batch", 8))
+    plan = Plan("fp32", spec.get("micro_batch", 4), w.effective_batch, world_size=world_size,
+                sharding=spec.get("sharding", "ddp") if world_size > 1 else "none")
+    cfg = TrainConfig(epochs=spec.get("epochs", 1), max_steps=spec.get("max_steps"), lr=1e-3, seed=3, log_every=1,
+                      grow_back_after=0, prefetch=False, checkpoint_dir=spec.get("checkpoint_dir"),
+                      checkpoint_every=spec.get("checkpoint_every", 0), keep_last=spec.get("keep_last", 3))
+    records = []
+    t = Trainer(w, plan, cfg, log=records.append, progress=False, world=world)
+    if spec.get("resume"):
+        t.resume(spec["resume"])
+    if spec.get("oom") and spec["oom"][0] == rank:
+        fired = []
+
+        def inject(*a):
+            if not fired and t.step == spec["oom"][1]:
+                fired.append(1)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        world.unwrap(t.model).bert.encoder.layer[1].register_forward_pre_hook(inject)
+    res = t.fit()
+    if world.sharding == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        weights = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        weights = {k: v.detach().clone() for k, v in world.unwrap(t.model).state_dict().items()}
+    world.close()
+    return {"records": records, "drawn": drawn, "weights": weights, "oom_recoveries": res.oom_recoveries,
+            "micro_batch": t.micro_batch, "steps": res.steps, "samples": res.samples}

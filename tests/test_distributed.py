@@ -1,0 +1,207 @@
+"""Several ranks (two CPU processes on gloo, as torchrun runs them): the effective batch is
+exact and every sample is trained on once; an OOM on one rank makes every rank redo the window
+with the same smaller micro-batch; the skip decision agrees; DCP checkpoints resume exactly on
+the same number of ranks and on one; the torchrun rendezvous of ``tightfit train --gpus 2``."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed_worker import spawn
+from tightfit.errors import TightfitError
+from tightfit.plan import Plan
+from tightfit.planner.sharding import choose_sharding, sharded_state_bytes
+from tightfit.runtime.distributed import micro_batches_per_rank, shard_of
+
+
+def _losses(result):
+    return [r["loss"] for r in result["records"] if r["type"] == "train"]
+
+
+def _same_weights(a, b, exact=True):
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# ---------------------------------------------------------------- without processes
+@pytest.mark.parametrize("size", [0, 1, 2, 5, 8, 9])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shards_cover_the_window_once_and_differ_by_at_most_one(size, world):
+    window = list(range(100, 100 + size))
+    shards = [shard_of(window, r, world) for r in range(world)]
+    assert sum(shards, []) == window  # in order, each sample once
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    for mb in (1, 2, 3):
+        n = micro_batches_per_rank(size, world, mb)
+        assert n >= 1 and all(-(-len(s) // mb) <= n for s in shards)
+
+
+def test_plan_counts_accumulation_per_rank():
+    p = Plan("fp32", 4, 32, world_size=2, sharding="ddp")
+    assert p.rank_batch == 16 and p.accumulation_steps == 4  # 4 x 4 x 2 = 32
+    assert Plan.from_dict(p.to_dict()) == p
+    assert Plan("fp32", 64, 32, world_size=2, sharding="ddp").micro_batch == 16
+    with pytest.raises(TightfitError):
+        Plan("fp32", 4, 32, sharding="zero3")
+
+
+def test_sharding_choice_ddp_when_replicated_state_fits_else_fsdp():
+    from conftest import tiny_bert
+
+    model = tiny_bert()
+    replicated, sharded = sharded_state_bytes(model, 2)
+    assert sharded < replicated
+    assert choose_sharding(model, 1, 10 * replicated).sharding == "none"
+    assert choose_sharding(model, 2, 10 * replicated).sharding == "ddp"
+    fsdp = choose_sharding(model, 2, int(1.2 * sharded))
+    assert fsdp.sharding == "fsdp" and fsdp.saved_bytes == replicated - sharded and "FSDP2" in fsdp.reason
+    with pytest.raises(TightfitError, match="even sharded over 2 GPUs"):
+        choose_sharding(model, 2, sharded // 2)
+
+
+def test_sharded_state_is_the_state_over_the_ranks_plus_gathered_blocks():
+    from conftest import tiny_bert
+
+    from tightfit.models import model_state_bytes
+
+    model = tiny_bert()
+    total = model_state_bytes(model)["total"]  # 16 bytes per trainable fp32 parameter
+    layers = model.bert.encoder.layer
+    block = sum(p.numel() * 4 for p in layers[0].parameters())
+    root = sum(p.numel() * 4 for p in model.parameters()) - len(layers) * block
+    for world in (2, 4):
+        assert sharded_state_bytes(model, world) == (total, -(-total // world) + root + 3 * block)
+
+
+def test_fsdp_micro_batch_is_the_estimate_less_what_sharding_removes(monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import SyntheticBatches, tiny_bert
+
+    import tightfit.memory.estimate as est
+    from tightfit.planner.margins import HEADROOM
+    from tightfit.planner.sharding import fsdp_micro_batch
+    from tightfit.workload import Workload
+
+    w = Workload(tiny_bert(), SyntheticBatches(64, seq_len=32), None, 64)
+    replicated, sharded = sharded_state_bytes(w.model, 2)
+    monkeypatch.setattr(est, "estimate", lambda model, batch, plan, profile: SimpleNamespace(
+        peak_reserved_bytes=replicated + 10_000 + 10_000 * plan.micro_batch))  # a line in the micro-batch
+    budget = 400_000  # the replicated state alone would not fit
+    mb, peak = fsdp_micro_batch(w, None, budget, 2, "fp32", False)
+    assert mb == int(((1 - HEADROOM) * budget - sharded - 10_000) / 10_000) == 8
+    assert peak == sharded + 10_000 + 10_000 * mb
+
+
+def test_fsdp_micro_batch_comes_from_the_estimator_less_the_sharded_state():
+    from conftest import SyntheticBatches, tiny_bert
+
+    from tightfit.planner.margins import HEADROOM
+    from tightfit.planner.sharding import fsdp_micro_batch
+    from tightfit.workload import Workload
+
+    w = Workload(tiny_bert(), SyntheticBatches(64, seq_len=32), None, 64)
+    mb, peak = fsdp_micro_batch(w, None, 100_000_000, 2, "fp32", False)
+    assert mb == 32 and peak <= (1 - HEADROOM) * 100_000_000  # each rank's share of 64, predicted to fit
+    assert fsdp_micro_batch(w, None, 80_000_000, 2, "fp32", False) is None  # below the step's fixed bytes
+
+
+# ---------------------------------------------------------------- two processes on gloo
+def test_two_ranks_train_every_sample_once_and_match_one_process(tmp_path):
+    # 21 samples, effective batch 8, micro-batch 3: windows 8, 8, 5; rank shares 4+4, 4+4, 3+2.
+    spec = {"n": 21, "effective_batch": 8, "micro_batch": 3}
+    two = spawn(spec, 2, tmp_path)
+    one = spawn(spec, 1, tmp_path)[0]
+    drawn = [sorted(i for mb in r["drawn"] for i in mb) for r in two]
+    assert sorted(drawn[0] + drawn[1]) == list(range(21))  # every sample once, no rank overlaps
+    assert [len(mb) for mb in two[1]["drawn"]] == [3, 1, 3, 1, 2]  # 4 = 3+1 per window, then 2
+    # micro-batch x accumulation x world size = effective batch: same losses and weights as one process
+    torch.testing.assert_close(_losses(two[0]), _losses(one), rtol=1e-5, atol=1e-6)
+    _same_weights(two[0]["weights"], one["weights"], exact=False)
+    _same_weights(two[0]["weights"], two[1]["weights"])  # the replicas agree bit for bit
+    # the skip decision agrees: the gradient norm every rank measured is the same number
+    norms = [[r["grad_norm"] for r in res["records"] if r["type"] == "train"] for res in two]
+    assert norms[0] == norms[1]
+
+
+def test_a_window_smaller_than_the_ranks_is_padded_with_zero_weight(tmp_path):
+    # 17 samples, effective batch 8: the last window holds 1 sample, rank 1 has none of it.
+    spec = {"n": 17, "effective_batch": 8, "micro_batch": 4, "sharding": "fsdp"}
+    two = spawn(spec, 2, tmp_path)
+    one = spawn(spec, 1, tmp_path)[0]
+    assert two[0]["samples"] == 17 and two[0]["steps"] == 3
+    torch.testing.assert_close(_losses(two[0]), _losses(one), rtol=1e-5, atol=1e-6)
+    _same_weights(two[0]["weights"], one["weights"], exact=False)
+
+
+def test_oom_on_one_rank_every_rank_redoes_the_window_with_the_smaller_micro_batch(tmp_path):
+    base = {"n": 24, "effective_batch": 8, "dropout": 0.1}  # dropout on: the redo must draw the same masks
+    ref = spawn({**base, "micro_batch": 2}, 2, tmp_path)
+    hit = spawn({**base, "micro_batch": 4, "oom": (1, 0)}, 2, tmp_path)  # rank 1's forward, first step
+    for r in hit:
+        assert r["oom_recoveries"] == 1 and r["micro_batch"] == 2 and r["steps"] == 3
+    assert _losses(hit[0]) == _losses(ref[0])  # as micro-batch 2 from the start, bit for bit
+    _same_weights(hit[0]["weights"], ref[0]["weights"])
+    events = [r["message"] for r in hit[0]["records"] if r["type"] == "event"]
+    assert any("out of memory" in m and "redoing step 1" in m for m in events)  # rank 0 redid it too
+
+
+def test_oom_mid_run_on_one_rank_keeps_the_replicas_identical(tmp_path):
+    # Step 2: DDP has rebuilt its buckets and armed all-reduces before; the redo must not leave
+    # one rank in an all-reduce (gloo aborts on a mismatched collective).
+    hit = spawn({"n": 24, "effective_batch": 8, "micro_batch": 4, "dropout": 0.1, "oom": (0, 1)}, 2, tmp_path)
+    assert [r["oom_recoveries"] for r in hit] == [1, 1] and [r["micro_batch"] for r in hit] == [2, 2]
+    assert [r["samples"] for r in hit] == [24, 24]
+    _same_weights(hit[0]["weights"], hit[1]["weights"])
+
+
+def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):
+    spec = {"n": 24, "effective_batch": 8, "micro_batch": 2, "dropout": 0.1, "sharding": "fsdp"}
+    full = spawn({**spec, "checkpoint_dir": str(tmp_path / "full"), "checkpoint_every": 1}, 2, tmp_path)
+    ckpt = tmp_path / "full" / "ckpt-1"
+    assert (ckpt / "dcp").is_dir()
+    resumed = spawn({**spec, "resume": str(ckpt)}, 2, tmp_path)
+    assert _losses(resumed[0]) == _losses(full[0])[1:]  # dropout on, bit for bit
+    _same_weights(resumed[0]["weights"], full[0]["weights"])
+    # 2 -> 1: the sharded state is resharded into one process; without dropout the run continues
+    # as the two ranks did (only the order of floating-point sums differs)
+    plain = {**spec, "dropout": 0.0}
+    full = spawn({**plain, "checkpoint_dir": str(tmp_path / "plain"), "checkpoint_every": 1},
+                 2, tmp_path)
+    one = spawn({**plain, "resume": str(tmp_path / "plain" / "ckpt-1")}, 1, tmp_path)[0]
+    torch.testing.assert_close(_losses(one), _losses(full[0])[1:], rtol=1e-5, atol=1e-6)
+    _same_weights(one["weights"], full[0]["weights"], exact=False)
+
+
+def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
+    """``tightfit train --gpus 2 --device cpu``: torch.distributed.run starts two processes that
+    meet at the rendezvous, train DDP and write one run folder with one line per step."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_resume import WORDS
+
+    from conftest import tiny_text_model_folder
+
+    model = tiny_text_model_folder(tmp_path, WORDS, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=64)
+    data = tmp_path / "data.csv"
+    data.write_text("text,label\n" + "".join(f"{WORDS[i % 12]} {WORDS[(i * 5) % 12]},{'ab'[i % 2]}\n"
+                                             for i in range(40)))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tightfit", "train", "--model", str(model), "--data", str(data), "--batch-size",
+           "8", "--epochs", "1", "--seq-len", "16", "--log-every", "1", "--out", str(out), "--no-progress",
+           "--device", "cpu", "--gpus", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("summary:") == 1  # rank 1 keeps quiet
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["sharding"] == "ddp"
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["type"] == "train"]
+    assert steps == sorted(set(steps)) and len(steps) == 5  # 36 training samples / 8

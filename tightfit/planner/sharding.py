@@ -1,0 +1,197 @@
+"""The planner per rank: DDP when the replicated training state fits each GPU's budget, FSDP2
+sharding of parameters, gradients and optimizer state when it does not.
+
+Memory per rank (bytes; AdamW with fp32 master weights, as :func:`tightfit.models.model_state_bytes`
+counts them: 4 B weights + 4 B gradient + 8 B moments per trainable parameter, Rajbhandari et
+al. 2020, "ZeRO", section 3):
+
+* DDP: the whole state on every rank. DDP's gradient buckets hold the gradients themselves
+  (``gradient_as_bucket_view=True``), so nothing is added.
+* FSDP2 (``fully_shard`` on each repeated block, then the root): the state divided by the world
+  size, plus the parameters FSDP2 all-gathers while it computes: the root's own parameters
+  (embeddings, head: unsharded during the whole forward and backward), and about two blocks
+  (the one computing and the one prefetched) plus one block's unsharded gradient before its
+  reduce-scatter (PyTorch's FSDP2 notes: ``torch/distributed/fsdp/_fully_shard``).
+
+DDP is chosen when its state takes at most :data:`STATE_SHARE` of the budget (the rest is for
+activations); FSDP2 otherwise, if its own state fits the budget (less the planner's headroom;
+whether activations fit too is the micro-batch planner's question); else nothing fits. The
+micro-batch is then planned on rank 0: under DDP by the single-GPU planner (each rank runs the
+same step as one GPU would, on its share of the window); under FSDP2 from the memory estimator
+(no GPU can run the unsharded step), see :func:`fsdp_micro_batch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import TightfitError
+from ..units import format_bytes
+from .margins import HEADROOM
+
+# The share of the budget the training state may take; the rest is left to activations.
+STATE_SHARE = 0.6
+GATHERED_BLOCKS = 3  # two blocks all-gathered (current, prefetched) + one block's unsharded gradient
+
+
+@dataclass(frozen=True)
+class ShardingChoice:
+    """How the ranks hold the training state.
+
+    Attributes:
+        sharding: ``"none"`` (one process), ``"ddp"`` or ``"fsdp"``.
+        state_bytes: training state per rank (bytes), all-gather buffers included.
+        saved_bytes: what FSDP2 removes from each rank compared with DDP (0 otherwise).
+        reason: one line saying why.
+    """
+
+    sharding: str
+    state_bytes: int
+    saved_bytes: int
+    reason: str
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def sharded_state_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
+    """``(replicated, sharded)``: training-state bytes per rank under DDP and under FSDP2 (see
+    the module doc for the terms)."""
+    from ..levers.blocks import find_blocks
+    from ..models import model_state_bytes
+
+    total = model_state_bytes(model)["total"]
+    blocks = find_blocks(model)
+    block = max((_param_bytes(b) for b in blocks), default=_param_bytes(model))
+    root = _param_bytes(model) - sum(_param_bytes(b) for b in blocks)
+    return total, -(-total // world_size) + root + GATHERED_BLOCKS * block
+
+
+def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int | None,
+                    asked: str = "auto") -> ShardingChoice:
+    """DDP or FSDP2 for ``model`` on ``world_size`` ranks of ``budget_bytes`` each.
+
+    Args:
+        asked: ``"auto"``, ``"ddp"`` or ``"fsdp"`` (the latter two are taken as given).
+
+    Raises:
+        TightfitError: not even the sharded state fits the budget.
+    """
+    if world_size <= 1:
+        return ShardingChoice("none", 0, 0, "one process")
+    replicated, sharded = sharded_state_bytes(model, world_size)
+    if asked in ("ddp", "fsdp"):
+        state = replicated if asked == "ddp" else sharded
+        return ShardingChoice(asked, state, 0 if asked == "ddp" else replicated - sharded, f"{asked} (asked for)")
+    if budget_bytes is None or replicated <= STATE_SHARE * budget_bytes:
+        where = "no budget (CPU)" if budget_bytes is None else \
+            f"{format_bytes(replicated)} of replicated state fits {int(STATE_SHARE * 100)}% of {format_bytes(budget_bytes)}"
+        return ShardingChoice("ddp", replicated, 0, f"DDP on {world_size} ranks: {where}")
+    if sharded <= (1 - HEADROOM) * budget_bytes:  # whether activations fit too: fsdp_micro_batch
+        return ShardingChoice("fsdp", sharded, replicated - sharded,
+                              f"FSDP2 on {world_size} ranks: the replicated state ({format_bytes(replicated)}) "
+                              f"exceeds {int(STATE_SHARE * 100)}% of {format_bytes(budget_bytes)}; sharded it is "
+                              f"{format_bytes(sharded)} per rank (state / {world_size} + all-gathered blocks)")
+    raise TightfitError(f"the training state needs {format_bytes(sharded)} per GPU even sharded over {world_size} "
+                        f"GPUs, more than the {format_bytes(budget_bytes)} budget allows: "
+                        "use more GPUs or a larger budget")
+
+
+def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, precision: str,
+                     checkpointing: bool) -> tuple[int, int] | None:
+    """The largest micro-batch (up to each rank's share of the window) whose predicted per-rank
+    peak fits ``budget_bytes`` under FSDP2, and that peak (bytes); None if micro-batch 1 does not.
+
+    The single-GPU estimate (:func:`tightfit.memory.estimate.estimate`, traced on meta tensors at
+    micro-batches 4 and 16 and fitted to a line, :class:`tightfit.memory.fast.MemoryLine`) less
+    what sharding removes (:func:`sharded_state_bytes`), held to the planner's headroom.
+    """
+    from ..memory.estimate import estimate
+    from ..memory.fast import TRACED_AT, MemoryLine
+    from ..plan import Plan, rank_batch
+
+    example = workload.train.worst_case(1)
+    replicated, sharded = sharded_state_bytes(workload.model, world_size)
+    upper = rank_batch(workload.effective_batch, world_size)
+
+    def fn(prec, mb, blocks):
+        return estimate(workload.model, example, Plan(prec, mb, mb, checkpointing), profile)
+
+    line = MemoryLine.traced(fn, precision, (), TRACED_AT)
+    shift = replicated - sharded
+    limit = budget_bytes * (1 - HEADROOM) + shift
+    mb = line.largest_fitting(limit, upper)
+    return (mb, int(line.reserved(mb) - shift)) if mb >= 1 else None
+
+
+def plan_for_ranks(recipe, single_plan):
+    """The plan of a run on ``recipe.world.size`` ranks, made on rank 0 (the caller broadcasts it).
+
+    Resumed runs keep their plan (a new world size re-decides only the sharding). DDP: the
+    single-GPU planner ``single_plan()`` on each rank's share of the window, with the budget
+    less DDP's gradient buckets (gradients accumulated outside DDP's buckets until the window's
+    last micro-batch sit beside them). FSDP2: precision from the card, the micro-batch from
+    :func:`fsdp_micro_batch`, without activation checkpointing if any fits.
+
+    Args:
+        recipe: a :class:`tightfit.api.TrainRecipe` after its model is loaded.
+        single_plan: ``() -> Plan``, the one-GPU planner of the recipe (reads ``recipe.workload``
+            and ``recipe.budget``).
+
+    Raises:
+        TightfitError: nothing fits.
+    """
+    from dataclasses import replace
+
+    from ..levers.precision import check_precision, preferred_precision
+    from ..models import model_state_bytes
+    from ..plan import Plan, balanced_micro_batch, rank_batch
+
+    world, p = recipe.world, recipe.req.planning
+    cuda = recipe.device == "cuda"
+    choice = choose_sharding(recipe.model, world.size, recipe.budget if cuda else None, p.sharding)
+    if recipe.resume_from is not None:
+        plan = single_plan()
+        if plan.world_size == world.size:
+            return plan
+        return replace(plan, world_size=world.size, sharding=choice.sharding,
+                       reasons=plan.reasons + (f"resumed on {world.size} ranks: {choice.reason}",))
+    E = recipe.workload.effective_batch
+    share = rank_batch(E, world.size)
+    if choice.sharding == "ddp":
+        saved = recipe.workload, recipe.budget
+        recipe.workload = replace(recipe.workload, effective_batch=share)
+        if cuda:
+            recipe.budget -= model_state_bytes(recipe.model)["gradients"]
+        try:
+            base = single_plan()
+        finally:
+            recipe.workload, recipe.budget = saved
+        return replace(base, effective_batch=E, world_size=world.size, sharding="ddp",
+                       reasons=base.reasons + (choice.reason + f"; {share} samples of each window per rank",))
+    if not cuda:
+        prec = "fp32" if p.precision == "auto" else p.precision
+        return Plan(prec, share, E, p.checkpointing == "on", device="cpu", world_size=world.size, sharding="fsdp",
+                    reasons=(choice.reason, "CPU: each rank's whole share in one micro-batch"))
+    if p.precision == "auto":
+        prec, why = preferred_precision(recipe.profile)
+    else:
+        check_precision(p.precision, recipe.profile)
+        prec, why = p.precision, f"{p.precision} (asked for)"
+    tried = []
+    for ckpt in {"auto": [False, True], "on": [True], "off": [False]}[p.checkpointing]:
+        fit = fsdp_micro_batch(recipe.workload, recipe.profile, recipe.budget, world.size, prec, ckpt)
+        tried.append(f"checkpointing {'on' if ckpt else 'off'}: " + (f"micro-batch {fit[0]}" if fit else "none fits"))
+        if fit is None:
+            continue
+        mb = balanced_micro_batch(share, fit[0])
+        return Plan(prec, mb, E, ckpt, device="cuda", budget_bytes=recipe.budget, world_size=world.size,
+                    sharding="fsdp", predicted_peak_reserved_bytes=fit[1],
+                    reasons=(why, choice.reason, f"micro-batch {mb} per rank: the largest whose predicted peak "
+                             f"(the estimator's, less the sharded state) fits {format_bytes(recipe.budget)}",
+                             f"activation checkpointing {'on' if ckpt else 'off'}"))
+    raise TightfitError(f"nothing fits {format_bytes(recipe.budget)} per GPU under FSDP2 on {world.size} GPUs: "
+                        + "; ".join(tried))

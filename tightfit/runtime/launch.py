@@ -1,0 +1,77 @@
+"""``tightfit train --gpus N``: the same command on N processes, started by PyTorch's own
+launcher (``torch.distributed.run``, what ``torchrun`` runs) on this machine; each process then
+joins the process group (:mod:`tightfit.runtime.distributed`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..errors import TightfitError
+from .distributed import NO_MULTICAST_ENV
+
+_log = logging.getLogger(__name__)
+
+
+def strip_gpus(argv: list[str]) -> list[str]:
+    """``argv`` without ``--gpus N`` / ``--gpus=N`` (the processes started must not start more)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--gpus":
+            skip = True
+            continue
+        if a.startswith("--gpus="):
+            continue
+        out.append(a)
+    return out
+
+
+def device_of(args) -> str:
+    """The ``--device`` of a ``train`` command line; for ``--resume DIR``, the run's own."""
+    if getattr(args, "resume", None):
+        import json
+        from pathlib import Path
+
+        try:
+            return json.loads((Path(args.resume) / "request.json").read_text()).get("device", "auto")
+        except (OSError, ValueError):
+            return args.device  # the resume itself reports the unreadable folder
+    return args.device
+
+
+def launch(n: int, device: str, argv: list[str]) -> int:
+    """Run ``tightfit <argv>`` (``argv`` without ``--gpus``) on ``n`` local processes through
+    ``torch.distributed.run`` (standalone rendezvous on this machine), NVLink multicast off.
+
+    Returns:
+        0 when every process finished; otherwise the first failed process's exit code (2 for a
+        bad input, 130 for an interrupt).
+
+    Raises:
+        TightfitError: ``n`` below 1, or more than the visible GPUs (before anything starts).
+    """
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if n < 1:
+        raise TightfitError(f"--gpus must be at least 1, not {n}")
+    if device != "cpu":
+        visible = torch.cuda.device_count()
+        if n > visible:
+            raise TightfitError(f"--gpus {n}, but {visible} GPU{'s' if visible != 1 else ''} visible "
+                                "(--device cpu runs the processes on the CPU)")
+    os.environ.update(NO_MULTICAST_ENV)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several processes, said once
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={n}", "--module", "tightfit",
+                                         *strip_gpus(argv)])
+    _log.info(f"tightfit: starting {n} processes (torch.distributed.run)")
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        return next((c for c in codes if c in (2, 130)), codes[0] if codes and codes[0] > 0 else 1)
+    return 0

@@ -1,0 +1,129 @@
+"""Checkpoints of a run on several processes, written and read with
+``torch.distributed.checkpoint`` (DCP), so that a run can resume on another number of processes
+(2 -> 1 included) and FSDP2's sharded state is never gathered on one rank.
+
+Layout of ``ckpt-<step>/`` (the single-process layout of :mod:`.checkpoint`, with ``dcp/`` in
+place of ``model.safetensors``)::
+
+    dcp/            DCP's files: the model's and the optimizer's state dicts, keyed by the
+                    parameters' names (``torch.distributed.checkpoint.state_dict.get_state_dict``,
+                    which removes the DDP/FSDP wrappers), each rank writing its part
+    state.pt        rank 0's trainer state (scheduler, loss scaler, data position, plan, counters)
+                    and every rank's RNG states (``rng_by_rank``); ``weights_only`` loadable
+    manifest.json   size and SHA-256 of every file above, written last (``layout: "dcp"``)
+
+The folder is written atomically by rank 0 (:func:`tightfit.fileio.atomic_write_dir`): every rank
+writes its DCP part into rank 0's temporary folder, whose name rank 0 broadcasts; rank 0 then
+writes ``state.pt`` and the manifest and renames the folder. On several machines the run
+folder must be on a file system all of them see.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import TightfitError
+from ..fileio import atomic_write_dir
+from .checkpoint import (MANIFEST, MANIFEST_FORMAT, STATE_FILE, NonFiniteCheckpointError, _fsync, list_checkpoints,
+                         read_state, remove_stale_temporaries, sha256_file, verify_checkpoint)
+from .distributed import World
+
+DCP_DIR = "dcp"
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether checkpoint folder ``path`` was written by :func:`save_sharded`."""
+    return (Path(path) / DCP_DIR).is_dir()
+
+
+def _finite_everywhere(model: torch.nn.Module, world: World) -> bool:
+    local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                for p in model.parameters())
+    return world.all_sum([float(not local)])[0] == 0
+
+
+def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, state: dict, world: World,
+                 keep_last: int = 2) -> Path:
+    """Write ``folder/ckpt-<step>`` from every rank (a collective: all ranks call it at the same step).
+
+    Args:
+        model, optimizer: the wrapped model (DDP or FSDP2) and its optimizer.
+        state: this rank's trainer state without model and optimizer (tensors and plain values);
+            rank 0's is saved, with the ``rng`` of every rank as ``rng_by_rank``.
+
+    Returns:
+        The checkpoint folder.
+
+    Raises:
+        NonFiniteCheckpointError: a parameter holds inf/NaN on some rank (nothing is written).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if not _finite_everywhere(model, world):
+        raise NonFiniteCheckpointError("refusing to write a checkpoint: a parameter holds inf/NaN")
+    folder, target = Path(folder), Path(folder) / f"ckpt-{step}"
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    rngs = world.gather(state.get("rng"))
+    if not world.is_main:
+        tmp = world.broadcast(None)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(tmp) / DCP_DIR))
+        world.barrier()
+        return target
+
+    remove_stale_temporaries(folder)
+
+    def fill(tmp: Path) -> None:
+        world.broadcast(str(tmp))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+        torch.save({**state, "rng_by_rank": rngs, "world_size": world.size}, tmp / STATE_FILE)
+        files = {}
+        for f in sorted([tmp / STATE_FILE, *(tmp / DCP_DIR).iterdir()]):
+            _fsync(f)
+            files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+        manifest = {"format": MANIFEST_FORMAT, "layout": "dcp", "step": step, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        _fsync(tmp / MANIFEST)
+
+    atomic_write_dir(target, fill)
+    ckpts = list_checkpoints(folder)
+    kept = [p for p in ckpts if int(p.name.split("-")[1]) <= step]
+    for old in [p for p in ckpts if p not in kept] + (kept[:-keep_last] if keep_last > 0 else []):
+        shutil.rmtree(old, ignore_errors=True)
+    world.barrier()
+    return target
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer, world: World, verified: bool = False) -> dict:
+    """Verify checkpoint ``path`` (unless ``verified``) and load its model and optimizer state into ``model`` (wrapped
+    or not, on any number of processes: DCP reshards) and ``optimizer``; return the saved trainer
+    state with ``rng`` set to this rank's RNG states (rank 0's when the world size changed).
+
+    Raises:
+        CorruptCheckpointError: the files do not match the manifest.
+        TightfitError: the state does not fit the model.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    if not verified:  # the caller may have verified it already (read and hashed once)
+        verify_checkpoint(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd}
+    try:
+        with warnings.catch_warnings():  # one process reading a checkpoint of several: what is meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=str(path / DCP_DIR), no_dist=not world.distributed)
+    except Exception as e:  # DCP wraps the planner's key and shape errors in its own exception types
+        raise TightfitError(f"checkpoint {path.name} does not fit the model: {str(e).splitlines()[0][:200]}") from None
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    state = read_state(path)
+    rngs = state.pop("rng_by_rank", None) or [state["rng"]]
+    state["rng"] = rngs[world.rank] if len(rngs) == world.size else rngs[0]
+    return state
