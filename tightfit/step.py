@@ -67,17 +67,21 @@ def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 # Optimizers the estimator and the runtime know: fused AdamW (tightfit's default on CUDA),
-# multi-tensor ("foreach") AdamW, SGD with momentum.
-OPTIMIZERS = ("adamw", "adamw-foreach", "sgd")
+# multi-tensor ("foreach") AdamW, SGD with momentum, and the levers of
+# :mod:`tightfit.levers.optimizers` (torchao): 8-bit AdamW state, AdamW state offloaded to the CPU.
+OPTIMIZERS = ("adamw", "adamw-foreach", "sgd", "adamw8bit", "adamw-offload")
 
 
-def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight_decay: float = 0.01):
+def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight_decay: float = 0.01,
+                   accumulating: bool = False):
     """The optimizer of a plan (``plan.optimizer``) over the trainable ``params``: the one
     builder of the runtime, the GPU probe (lr 0, no weight decay) and the estimator (meta).
 
     ``adamw``: fused AdamW (one kernel per step, on CUDA and on the CPU); ``adamw-foreach``: the
-    multi-tensor AdamW; ``sgd``: SGD with momentum 0.9. On the meta device, a stand-in that
-    allocates the same state and temporaries (:class:`MetaOptimizer`).
+    multi-tensor AdamW; ``sgd``: SGD with momentum 0.9; ``adamw8bit``: torchao's AdamW8bit;
+    ``adamw-offload``: torchao's CPUOffloadOptimizer around a fused CPU AdamW (CUDA only; see
+    :mod:`tightfit.levers.optimizers`). On the meta device, a stand-in that allocates the same
+    GPU state and temporaries (:class:`MetaOptimizer`).
 
     Fused AdamW allocates nothing at its step but the state on the first step, and that before
     any parameter or state is written: an out-of-memory error inside its step leaves the model
@@ -88,15 +92,25 @@ def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight
         kind: one of :data:`OPTIMIZERS`.
         device_type: the parameters' device type (``"cuda"``, ``"cpu"`` or ``"meta"``).
         lr, weight_decay: learning rate and decoupled weight decay (SGD: no weight decay).
+        accumulating: the windows have several micro-batches (``adamw-offload`` then keeps the
+            GPU gradients; the runtime switches it per window,
+            :func:`tightfit.levers.optimizers.hold_gradients`).
 
     Raises:
         ValueError: unknown ``kind``.
+        TightfitError: a lever whose library (torchao) is missing, or ``adamw-offload`` without CUDA.
     """
     params = [p for p in params if p.requires_grad]
     if kind not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {kind!r}")
     if device_type == "meta":
-        return MetaOptimizer(params, kind)
+        return MetaOptimizer(params, kind, accumulating)
+    if kind == "adamw8bit":
+        from .levers.optimizers import adamw_8bit
+        return adamw_8bit(params, lr, weight_decay)
+    if kind == "adamw-offload":
+        from .levers.optimizers import adamw_offload
+        return adamw_offload(params, lr, weight_decay, accumulating)
     if kind.startswith("adamw"):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
                                  fused=kind == "adamw",
@@ -105,7 +119,8 @@ def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight
 
 
 class MetaOptimizer:
-    """Allocates what the optimizers of :data:`OPTIMIZERS` allocate, in the same order, on meta params.
+    """Allocates on the GPU what the optimizers of :data:`OPTIMIZERS` allocate there, in the same
+    order, on meta params.
 
     AdamW (``torch.optim.AdamW(fused=True)``): per parameter, on its first step, a 0-d fp32
     ``step`` tensor on the device, then ``exp_avg`` and ``exp_avg_sq`` (``zeros_like``); the
@@ -113,20 +128,43 @@ class MetaOptimizer:
     temporary per parameter of its size, ``torch._foreach_sqrt(exp_avg_sqs)`` for the whole
     group at once (``torch/optim/adam.py``, ``_multi_tensor_adam``), freed when the step ends.
     SGD with momentum: a ``momentum_buffer`` cloned from the gradient on the first step.
+    8-bit AdamW (torchao ``AdamW8bit``): per moment of a quantized tensor
+    (:func:`tightfit.levers.optimizers.is_quantized`) uint8 codes of the parameter's shape, one
+    fp32 scale per 256 elements and a 256-entry fp32 look-up table; fp32 ``zeros_like`` for the
+    others; its ``step`` counter lives on the CPU. CPU offload (torchao ``CPUOffloadOptimizer``):
+    fused AdamW state only for the parameters kept on the GPU
+    (:func:`tightfit.levers.optimizers.is_offloaded` false); the others' gradients are freed as
+    backward produces them unless ``accumulating``.
     Parameters without a gradient get no state.
     """
 
-    def __init__(self, params, kind: str):
+    def __init__(self, params, kind: str, accumulating: bool = False):
         self.params, self.kind, self.state = list(params), kind, {}
         self.param_groups = [{"params": self.params}]  # as torch.optim's, for clipping
         # entered around the step's temporaries (the estimator labels them there)
         self.temporaries_context = contextlib.nullcontext
+        if kind == "adamw-offload" and not accumulating:
+            from .levers.optimizers import is_offloaded
+            for p in self.params:
+                if is_offloaded(p.numel()):
+                    p.register_post_accumulate_grad_hook(_free_grad)
 
     def step(self):
+        from .levers.optimizers import BLOCK_SIZE, QMAP_BYTES, is_offloaded, is_quantized
+
         for p in self.params:
             if p.grad is None or p in self.state:
                 continue
-            if self.kind.startswith("adamw"):
+            if self.kind == "adamw8bit":
+                self.state[p] = tuple(
+                    t for _ in range(2) for t in (
+                        (torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
+                         torch.zeros(p.numel() // BLOCK_SIZE, device=p.device),
+                         torch.zeros(QMAP_BYTES // 4, device=p.device))
+                        if is_quantized(p.numel()) else (torch.zeros_like(p),)))
+            elif self.kind == "adamw-offload" and is_offloaded(p.numel()):
+                self.state[p] = ()  # on the host
+            elif self.kind.startswith("adamw"):
                 self.state[p] = (torch.zeros((), dtype=torch.float32, device=p.device),
                                  torch.zeros_like(p), torch.zeros_like(p))
             else:
@@ -144,6 +182,10 @@ class MetaOptimizer:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for s in self.state.values() for t in s]
+
+
+def _free_grad(p: torch.Tensor) -> None:
+    p.grad = None  # copied to the host as produced (CPU offload without accumulation)
 
 
 @dataclass(frozen=True)
@@ -214,7 +256,8 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
 
     Args:
         optimizer: a ``torch.optim`` optimizer or :class:`MetaOptimizer` (or a wrapper of one
-            with ``param_groups``, ``step`` and ``zero_grad``).
+            with ``param_groups``, ``step`` and ``zero_grad``). One with ``wait_for_gradients``
+            (CPU offload: ``param_groups`` hold the host copies) is waited for first.
         scaler: ``torch.amp.GradScaler`` (enabled or not) or None.
         max_grad_norm: clip the global L2 norm of the gradients to this; None: no clipping.
         loss: the window's 0-d loss tensor (:func:`accumulate`), read to the host in the same
@@ -225,6 +268,8 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
         ``(grad_norm, finite)`` as in :class:`StepResult`; with ``loss``, ``(grad_norm, finite,
         loss as a float)``.
     """
+    if hasattr(optimizer, "wait_for_gradients"):  # CPU offload: the host copies of the gradients are complete
+        optimizer.wait_for_gradients()
     scaling = scaler is not None and scaler.is_enabled()
     if scaling:
         scaler.unscale_(optimizer)

@@ -211,7 +211,8 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         if blocks:
             hooks.append(blocks[-1].register_forward_hook(
                 lambda *a: marks.__setitem__(len(blocks), tracker.allocator.allocated)))
-        optimizer = make_optimizer(params, plan.optimizer, "meta")  # a MetaOptimizer of the plan's kind
+        optimizer = make_optimizer(params, plan.optimizer, "meta",  # a MetaOptimizer of the plan's kind
+                                   accumulating=plan.accumulation_steps > 1)
         first_step_reserved = 0
         phases = {}
         for step in range(STEPS):

@@ -18,6 +18,7 @@ import torch
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
+from ..levers.optimizers import hold_gradients
 from ..levers.precision import autocast, check_precision, fallback_precisions, make_grad_scaler, preferred_precision
 from ..plan import Plan, accumulation_steps, balanced_micro_batch
 from ..memory.oom import is_oom, release_memory
@@ -108,9 +109,10 @@ def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimi
     """
     model = workload.model
     device = next(model.parameters()).device
-    opt = make_optimizer(model.parameters(), optimizer, device.type, lr=0.0, weight_decay=0.0)
-    scaler = make_grad_scaler(precision, device.type, init_scale=1.0)
     accumulating = micro_batch < workload.effective_batch
+    opt = make_optimizer(model.parameters(), optimizer, device.type, lr=0.0, weight_decay=0.0,
+                         accumulating=accumulating)
+    scaler = make_grad_scaler(precision, device.type, init_scale=1.0)
     normaliser = workload.count(workload.train.worst_case(micro_batch))  # per worst-case micro-batch
 
     def worst_case(n):  # made one at a time: each is dropped before the next
@@ -124,6 +126,7 @@ def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimi
             # with that state held -- the steady state of every later step (one step alone
             # under-predicts). The fastest timed step is the step time (one alone is noisy).
             for i, micro_batches in enumerate((1,) + (2 if accumulating else 1,) * max(1, timed_steps)):
+                hold_gradients(opt, micro_batches)
                 t0 = time.perf_counter()
                 training_step(model, worst_case(micro_batches), workload.loss_sum, normaliser * micro_batches,
                               opt, scaler, lambda: autocast(precision, device.type))

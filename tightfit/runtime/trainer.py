@@ -29,6 +29,7 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
+from ..levers.optimizers import hold_gradients, set_lr
 from ..step import accumulate, make_optimizer, module_mode, training_step
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
@@ -233,7 +234,8 @@ class Trainer:
         # OOM cannot leave a half-applied update behind; "adamw-foreach" allocates per-step temporaries.
         if not plan.optimizer.startswith("adamw"):
             raise TightfitError(f"the runtime trains with AdamW; got optimizer {plan.optimizer!r}")
-        self.optimizer = make_optimizer(params, plan.optimizer, self.device.type, config.lr, config.weight_decay)
+        self.optimizer = make_optimizer(params, plan.optimizer, self.device.type, config.lr, config.weight_decay,
+                                        accumulating=plan.accumulation_steps > 1)
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
         total = math.ceil(config.epochs * self.steps_per_epoch)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
@@ -465,6 +467,7 @@ class Trainer:
             micro = micro + ([self.w.train.collate(window[:1])] * pad if pad else [])
             total = self.world.normaliser(total)
             self._guard = self.world.guard(self.model, self.w.loss_sum, len(micro), pad)
+        hold_gradients(self.optimizer, len(micro))  # offloaded gradients: kept on the GPU only to accumulate
 
         def staged():
             handle = self.loader.stage(micro[0])
@@ -627,7 +630,7 @@ class Trainer:
             self.scheduler.base_lrs = [self.cfg.lr] * len(self.scheduler.base_lrs)
             factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
             for group in self.optimizer.param_groups:
-                group["lr"] = self.cfg.lr * factor
+                set_lr(group, self.cfg.lr * factor)
             self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,203 @@
+"""Optimizer state that fits where AdamW's fp32 state does not: 8-bit moments and CPU offload,
+both from torchao (``pip install 'tightfit[levers]'``).
+
+Why torchao rather than bitsandbytes: torchao imports and runs on a CPU-only machine (its 8-bit
+AdamW is PyTorch code compiled by ``torch.compile``), so the same optimizer that trains on the
+GPU is tested on the CPU; and it also ships ``CPUOffloadOptimizer`` (ZeRO-Offload's layout on one
+GPU), so both levers come from one well-kept library.
+
+- ``adamw8bit``: ``torchao.optim.AdamW8bit`` -- both moments quantized block-wise to 8 bits
+  (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"), block 256, for tensors
+  of at least 4,096 elements whose size is a multiple of the block (torchao follows
+  bitsandbytes); smaller tensors keep fp32 moments. Per quantized element: two 1-byte codes plus
+  two fp32 scales per 256 elements (2.03 B instead of 8 B); per quantized tensor, two 256-entry
+  fp32 look-up tables (``qmap``).
+- ``adamw-offload``: ``torchao.optim.CPUOffloadOptimizer`` around a fused torch AdamW (Ren et al.
+  2021, "ZeRO-Offload"): for every parameter of at least 4,096 elements, an fp32 master copy,
+  its gradient and both moments live in pinned host memory (16 B per element); gradients are
+  copied to the host on a side stream as backward produces them; the step runs on the CPU and
+  the new weights are copied back. Without accumulation the GPU gradient is freed once copied
+  (:func:`hold_gradients`). Smaller parameters keep a fused AdamW on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..errors import TightfitError
+
+LEVER_OPTIMIZERS = ("adamw8bit", "adamw-offload")
+
+# torchao's thresholds (torchao/optim/adam.py ``_new_buffer``, cpu_offload.py ``minimal_size``).
+QUANTIZED_MIN_NUMEL = 4096
+BLOCK_SIZE = 256
+QMAP_BYTES = 256 * 4  # one fp32 look-up table per quantized moment
+OFFLOAD_MIN_NUMEL = 4096
+
+
+def _torchao_optim():
+    """``torchao.optim``, imported on first use.
+
+    Raises:
+        TightfitError: torchao is not installed (one line naming the extra).
+    """
+    try:
+        import torchao.optim as optim
+    except ImportError:
+        raise TightfitError("8-bit and CPU-offloaded optimizer state need torchao: "
+                            "pip install 'tightfit[levers]'") from None
+    return optim
+
+
+def is_quantized(numel: int) -> bool:
+    """Whether torchao's 8-bit AdamW keeps a tensor of ``numel`` elements in 8 bits."""
+    return numel >= QUANTIZED_MIN_NUMEL and numel % BLOCK_SIZE == 0
+
+
+def is_offloaded(numel: int) -> bool:
+    """Whether ``CPUOffloadOptimizer`` moves a parameter of ``numel`` elements to the host."""
+    return numel >= OFFLOAD_MIN_NUMEL
+
+
+def adamw_8bit(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """``torchao.optim.AdamW8bit`` over ``params`` (trainable, any device).
+
+    Raises:
+        TightfitError: torchao is not installed.
+    """
+    return _torchao_optim().AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+
+
+def adamw_offload(params, lr: float, weight_decay: float, accumulating: bool = False) -> torch.optim.Optimizer:
+    """A ``torchao.optim.CPUOffloadOptimizer`` with a fused CPU AdamW (:func:`_offload_class`),
+    over CUDA ``params``; GPU gradients are freed once copied unless ``accumulating``.
+
+    Raises:
+        TightfitError: torchao is not installed, no CUDA device (torchao offloads from CUDA), or
+            too little host memory (:func:`check_host_memory`).
+    """
+    if not torch.cuda.is_available():
+        raise TightfitError("optimizer adamw-offload needs a CUDA GPU (its state is offloaded from the GPU)")
+    params = list(params)
+    check_host_memory([p.numel() for p in params])
+    return _offload_class()(params, lr=lr, weight_decay=weight_decay, hold=accumulating)
+
+
+@functools.cache
+def _offload_class():
+    """The subclass of torchao's ``CPUOffloadOptimizer`` that tightfit's step needs (built on
+    first use, so that torchao is imported lazily):
+
+    - ``wait_for_gradients()``: the host gradients are complete (the side stream's copies have
+      finished) before they are unscaled, clipped and checked for inf/NaN
+      (:func:`tightfit.step.apply_update`);
+    - ``hold``: keep the GPU gradients (accumulation: the next micro-batch adds to them and the
+      accumulated sum is copied again) or free each once copied; switchable per window
+      (torchao fixes its ``offload_gradients`` at construction);
+    - ``state``: the per-parameter states of all inner optimizers, as one mapping, so that the
+      runtime's rollback (drop state created by a failed attempt) works as with a torch optimizer;
+    - ``load_state_dict`` also refreshes the host master weights from the (resumed) model, which
+      torchao copies only at construction;
+    - ``zero_grad`` forgets the copies queued by a skipped step.
+    """
+    base = _torchao_optim().CPUOffloadOptimizer
+
+    class OffloadedAdamW(base):
+        def __init__(self, params, lr: float, weight_decay: float, hold: bool = False):
+            super().__init__(params, torch.optim.AdamW, offload_gradients=False, lr=lr, weight_decay=weight_decay)
+            self.hold = hold
+            for p in self.param_d2h_map:  # after torchao's hook, which queues the copy
+                p.register_post_accumulate_grad_hook(self._free_gradient)
+
+        def _free_gradient(self, p):
+            if not self.hold and p.grad is not None:
+                p.grad.record_stream(self.stream)  # the copy on the side stream still reads it
+                p.grad = None
+
+        def wait_for_gradients(self) -> None:
+            for event in self.queue.values():
+                event.synchronize()
+
+        @property
+        def state(self):
+            return _States([o.state for o in self.optim_dict.values()] + ([self.d_opt.state] if self.d_opt else []))
+
+        def zero_grad(self, set_to_none: bool = True):
+            super().zero_grad(set_to_none)
+            self.queue.clear()
+
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict)
+            with torch.no_grad():
+                for p_device, p_host in self.param_d2h_map.items():
+                    p_host.copy_(p_device.detach())
+
+    return OffloadedAdamW
+
+
+class _States(dict):
+    """Read/delete view over several optimizers' ``state`` mappings (keys are distinct tensors)."""
+
+    def __init__(self, states: list):
+        super().__init__((k, v) for s in states for k, v in s.items())
+        self._states = states
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        for s in self._states:
+            s.pop(key, None)
+
+
+def hold_gradients(optimizer, micro_batches: int) -> None:
+    """Tell an optimizer that offloads gradients how many micro-batches the next window has:
+    with more than one, the GPU gradients must stay to be accumulated; with one, each is freed
+    once copied to the host. A no-op for the other optimizers."""
+    if hasattr(optimizer, "hold"):
+        optimizer.hold = micro_batches > 1
+
+
+def set_lr(group: dict, lr: float) -> None:
+    """Set a parameter group's learning rate, in place where it is a tensor (torchao's 8-bit
+    AdamW keeps it as a 0-d tensor and refuses a float)."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+
+
+def available_host_bytes() -> int:
+    """Host memory available to a new allocation, bytes: ``MemAvailable`` of ``/proc/meminfo``
+    (Linux), else free physical pages (``os.sysconf``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def offload_host_bytes(numels) -> int:
+    """Pinned host memory ``adamw-offload`` holds for parameters of ``numels`` elements (fp32):
+    master weight, gradient and two moments, 16 B per element of each offloaded parameter."""
+    return sum(16 * n for n in numels if is_offloaded(n))
+
+
+def check_host_memory(numels, available: int | None = None) -> None:
+    """Refuse ``adamw-offload`` where the host cannot hold its state.
+
+    Raises:
+        TightfitError: the pinned state (:func:`offload_host_bytes`) exceeds ``available``
+            (default :func:`available_host_bytes`) less 10% for the process itself.
+    """
+    from ..units import format_bytes
+
+    need = offload_host_bytes(numels)
+    available = available_host_bytes() if available is None else available
+    if need > 0.9 * available:
+        raise TightfitError(f"optimizer adamw-offload needs {format_bytes(need)} of pinned host memory "
+                            f"(fp32 weights, gradients and AdamW state), but {format_bytes(available)} is available")
