@@ -186,6 +186,13 @@ class TrainRecipe:
         self.notes += notes
         if p.compile == "on" and (self.device != "cuda" or p.planner != "search"):
             raise TightfitError("--compile on needs a CUDA GPU and the search planner")
+        if p.optimizer == "adamw-offload" and self.device != "cuda":
+            raise TightfitError("--optimizer adamw-offload needs a CUDA GPU (its state is offloaded from the GPU)")
+        if p.optimizer in ("adamw8bit", "adamw-offload"):
+            from .planner.optimizers import levers_installed
+
+            if not levers_installed():
+                raise TightfitError(f"--optimizer {p.optimizer} needs torchao: pip install 'tightfit[levers]'")
         if p.precision != "auto":
             from .levers.precision import check_precision
 
@@ -251,18 +258,24 @@ class TrainRecipe:
                                  TextBatches(self.tokenizer, self.eval_data, seq_len), self.req.workload.batch_size)
 
     def _check_budget(self) -> None:
-        """The budget holds the model's fp32 weights, gradients and AdamW state.
+        """The budget holds the least model state of the optimizers that may be chosen
+        (:func:`tightfit.planner.optimizers.least_state_bytes`; fp32 AdamW: weights, gradients
+        and state, 16 B per parameter).
 
         Raises:
             TightfitError: it does not.
         """
         from .models import model_state_bytes
+        from .planner.optimizers import least_state_bytes, levers_installed
 
         state = model_state_bytes(self.model)
-        if self.budget is not None and self.budget < state["total"] and not self.world.distributed:  # else sharding.py
+        least, kind = least_state_bytes(self.model, self.req.planning.optimizer,
+                                        levers=levers_installed() and self.device == "cuda")
+        if self.budget is not None and self.budget < least and not self.world.distributed:  # else sharding.py
             raise TightfitError(
-                f"budget {format_bytes(self.budget)} is below the {format_bytes(state['total'])} that this model's "
-                f"fp32 weights ({format_bytes(state['parameters'])}), gradients and AdamW state need")
+                f"budget {format_bytes(self.budget)} is below the {format_bytes(least)} of model state that optimizer "
+                f"{kind} needs at least (fp32 AdamW: this model's fp32 weights ({format_bytes(state['parameters'])}), "
+                f"gradients and AdamW state, {format_bytes(state['total'])})")
 
     def input_size(self) -> int:
         """The size a sample's worst case has, for the planner: ``--seq-len`` (tokens)."""
@@ -331,7 +344,8 @@ class TrainRecipe:
             return self._cached_gpu_plan()
         from .planner.probe import plan_first
 
-        return plan_first(self.workload, self.device, self.profile, self.budget, p.precision, p.checkpointing)
+        plan = plan_first(self.workload, self.device, self.profile, self.budget, p.precision, p.checkpointing)
+        return plan if p.optimizer == "auto" else replace(plan, optimizer=p.optimizer)  # the CPU: no search
 
     def _cached_gpu_plan(self):
         """The GPU planner's plan, from the plan cache (:mod:`tightfit.planner.cache`) when the
@@ -349,7 +363,8 @@ class TrainRecipe:
         run_samples = min(steps, self.req.training.max_steps or steps) * E
         key = plan_key(w.model, w.train.worst_case(1), E,
                        {"precision": p.precision, "checkpointing": p.checkpointing, "compile": p.compile,
-                        "planner": p.planner}, self.profile.name, torch.cuda.get_device_properties(0).total_memory,
+                        "planner": p.planner, "optimizer": p.optimizer, "trainable": self.req.workload.trainable},
+                       self.profile.name, torch.cuda.get_device_properties(0).total_memory,
                        self.budget, run_samples)
         cached = None if p.replan else load_plan(key)
         if cached is not None:
@@ -363,9 +378,10 @@ class TrainRecipe:
             from .planner.gpu import plan_on_gpu
 
             plan = plan_on_gpu(w, self.profile, self.budget, self.input_size(), p.precision, p.checkpointing,
-                               p.compile, run_samples=run_samples, timings=self.plan_timings)
+                               p.compile, run_samples=run_samples, timings=self.plan_timings, optimizer=p.optimizer)
         else:
             plan = plan_first(w, self.device, self.profile, self.budget, p.precision, p.checkpointing)
+            plan = plan if p.optimizer == "auto" else replace(plan, optimizer=p.optimizer)
         store_plan(key, plan, time.perf_counter() - t0, timings=self.plan_timings)
         return plan
 

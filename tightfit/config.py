@@ -27,7 +27,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
 from .errors import TightfitError
-from .plan import PRECISIONS
+from .plan import OPTIMIZER_CHOICES, PRECISIONS
 
 
 def option(default: Any = MISSING, help: str = "", *, key: str | None = None, flag: str | None = None,
@@ -161,6 +161,8 @@ class PlanOptions(_Options):
         planner: on a GPU, ``search`` or ``probe``.
         replan: ignore a cached plan of the same job (:mod:`tightfit.planner.cache`).
         sharding: on several ranks, ``auto``, ``ddp`` or ``fsdp`` (:mod:`tightfit.planner.sharding`).
+        optimizer: ``auto`` (fp32 AdamW state first, then 8-bit or CPU-offloaded state where
+            that fits or is faster), ``adamw``, ``adamw8bit`` or ``adamw-offload``.
     """
 
     budget: str | None = option(None, "GPU memory the run may use, e.g. 4GiB, 11GB (default: the card's)")
@@ -180,6 +182,9 @@ class PlanOptions(_Options):
                                     "(largest micro-batch by probing)", choices=("search", "probe"))
     replan: bool = option(False, "plan afresh even if this job's plan is in the plan cache "
                                  "($TIGHTFIT_CACHE_DIR or ~/.cache/tightfit)")
+    optimizer: str = option("auto", "auto|adamw|adamw8bit|adamw-offload: AdamW with fp32 state, 8-bit state or "
+                                    "state on the CPU (torchao; default: {default}, the levers only where fp32 "
+                                    "state fits nothing or they are predicted faster)", choices=OPTIMIZER_CHOICES)
 
 
 @dataclass(frozen=True)

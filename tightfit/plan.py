@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass, field, replace
 from .errors import TightfitError
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+# What ``--optimizer`` may ask for: the planner's choice, fused AdamW, or an optimizer lever
+# (tightfit.levers.optimizers: torchao's 8-bit AdamW, AdamW offloaded to the CPU).
+OPTIMIZER_CHOICES = ("auto", "adamw", "adamw8bit", "adamw-offload")
 SHARDINGS = ("none", "ddp", "fsdp")
 
 
@@ -52,7 +55,8 @@ class Plan:
         micro_batch: samples per forward/backward pass.
         effective_batch: samples per optimizer step (the whole accumulation window).
         activation_checkpointing: recompute each transformer block's activations in backward.
-        optimizer: optimizer family, ``"adamw"``.
+        optimizer: the optimizer, one of :data:`tightfit.step.OPTIMIZERS`: ``"adamw"`` (fused),
+            ``"adamw8bit"`` (8-bit state) or ``"adamw-offload"`` (state on the CPU) for training.
         device: ``"cuda"`` or ``"cpu"``.
         budget_bytes: memory the step may use on the GPU (None on the CPU / no limit).
         reasons: one line per choice, saying why it was made.

@@ -8,13 +8,15 @@ one micro-batch when not accumulating -- with the checkpointing the search may c
 first, then none, whichever fits: a checkpointed step carries the margin for the
 estimator's error on checkpointed steps, :mod:`.margins`).
 
-The levers below are not available in tightfit yet; each is given with the bytes it would save at
-the peak of the smallest step tried. The savings follow from the bytes per parameter of fp32
+Each lever below is given with the bytes it would save at the peak of the smallest step tried;
+the first two are tightfit's optimizer levers (``--optimizer``, :mod:`tightfit.levers.optimizers`),
+the others are not available in tightfit yet. The savings follow from the bytes per parameter of fp32
 weights, fp32 gradients and AdamW's two fp32 moments (4 + 4 + 8 = 16 B per trainable parameter;
 autocast keeps the weights, and so the gradients, in fp32):
 
 - 8-bit AdamW state (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"): the
-  two moments take 1 B each instead of 4 B, 6 B per trainable parameter less.
+  two moments take 1 B each instead of 4 B, 6 B per trainable parameter less (less the block
+  scales, 2 x 4 B per 256 parameters).
 - AdamW state in CPU memory (Ren et al. 2021, "ZeRO-Offload"): its 8 B per trainable parameter
   leave the GPU; every optimizer step then sends the fp32 gradients to the host and the updated
   fp32 weights back, 8 B per trainable parameter over the host link.
@@ -126,7 +128,8 @@ def _input_embedding_params(model) -> int:
 
 
 def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float) -> list[str]:
-    """One line per lever not yet in tightfit: the bytes it would save at a step whose peak is
+    """One line per lever (the optimizer levers with their ``--optimizer`` value, the others
+    marked not yet available): the bytes it would save at a step whose peak is
     ``peak_bytes`` with ``gradients_at_peak`` bytes of gradients held there, and whether that
     alone brings the step under ``limit`` (all in bytes; the savings are per parameter, so they
     leave out the caching allocator's rounding, a few MiB at most). The embeddings' gradients
@@ -139,22 +142,24 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     def verdict(saving: float) -> str:
         return "would fit" if peak_bytes - saving <= limit else f"still {format_bytes(peak_bytes - saving - limit)} over"
 
+    later = "not yet available in tightfit"
     levers = [
-        (f"8-bit AdamW state (two 1-byte moments instead of two fp32 ones, "
+        (f"8-bit AdamW state (--optimizer adamw8bit: two 1-byte moments instead of two fp32 ones, "
          f"{ADAMW_STATE_B - ADAMW_8BIT_STATE_B} B x {trainable:,} trainable parameters)",
-         (ADAMW_STATE_B - ADAMW_8BIT_STATE_B) * trainable),
-        (f"AdamW state in CPU memory ({ADAMW_STATE_B} B x {trainable:,} off the GPU; each optimizer step "
+         int((ADAMW_STATE_B - ADAMW_8BIT_STATE_B - 8 / 256) * trainable)),
+        (f"AdamW state in CPU memory (--optimizer adamw-offload: {ADAMW_STATE_B} B x {trainable:,} off the GPU, "
+         f"{format_bytes(16 * trainable)} of pinned host memory; each optimizer step "
          f"then moves {format_bytes((WEIGHT_B + GRADIENT_B) * trainable)} over the host link, about "
          f"{(WEIGHT_B + GRADIENT_B) * trainable / host_link_bytes_per_s:.2f} s, plus the CPU's AdamW step)",
          ADAMW_STATE_B * trainable),
-        (f"bf16 weights and gradients with no fp32 master copy (2 B less per weight"
+        (f"bf16 weights and gradients with no fp32 master copy ({later}; 2 B less per weight"
          + (", and half the gradients held" if held else "") + ")",
          (WEIGHT_B // 2) * params + gradients_at_peak // 2),
     ]
     if emb:
         per = ADAMW_STATE_B + (GRADIENT_B if held else 0)
-        levers.append((f"freezing the input embeddings ({emb:,} parameters: no gradient and no AdamW state, "
-                       f"{per} B each)", per * emb))
+        levers.append((f"freezing the input embeddings ({later}; {emb:,} parameters: no gradient and no AdamW "
+                       f"state, {per} B each)", per * emb))
     return [f"{name}: -{format_bytes(saving)}, {verdict(saving)}" for name, saving in levers]
 
 
@@ -208,7 +213,6 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
                          f"{effective_batch} accumulation steps; {how})" if s else
                          f"does not fit either: a shorter {size_flag} at effective batch {effective_batch} "
                          f"({size_flag} 1 needs {format_bytes(one)})")
-    lines.append(f"levers that would need support not yet available in tightfit (bytes saved at the peak of "
-                 f"that step, {format_bytes(peak - limit)} over):")
+    lines.append(f"levers (bytes saved at the peak of that step, {format_bytes(peak - limit)} over):")
     lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s)]
     return lines

@@ -21,6 +21,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budget", help="memory budget, e.g. 4GiB (default: the card's)")
     p.add_argument("--precision", default="auto", help="auto|fp32|fp16|bf16 (default auto)")
     p.add_argument("--checkpointing", default="auto", help="auto|on|off (default auto: searched per block)")
+    p.add_argument("--optimizer", default="auto", help="auto|adamw|adamw8bit|adamw-offload (default auto: fp32 "
+                                                       "AdamW state first, then the optimizer levers)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -33,7 +35,8 @@ def run(args) -> int:
             traced at the size asked, or nothing fits.
     """
     from ..models import build_model
-    from .search import estimator_for, search
+    from .optimizers import search_optimizers
+    from .search import estimator_for
 
     profile, budget, notes = _card_and_budget(args)
     model, make_batch = build_model(args.model)
@@ -42,15 +45,18 @@ def run(args) -> int:
         raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")
     size = args.image_size or args.seq_len
     make_batch(1, size)  # validates the size against the model
-    _check_model_state(model, budget, profile)
+    _check_model_state(model, budget, profile, args.optimizer)
 
-    def estimator_at(other_size, effective_batch):  # what fits instead, when nothing does
-        return estimator_for(model, make_batch, other_size, profile, effective_batch)
+    def estimator_at(kind):  # what fits instead, when nothing does
+        return lambda other_size, effective_batch: estimator_for(model, make_batch, other_size, profile,
+                                                                 effective_batch, optimizer=kind)
 
-    try:
-        result = search(model, make_batch, size, args.batch_size, profile, budget,
-                        estimator_for(model, make_batch, size, profile, args.batch_size),
-                        precision=args.precision, checkpointing=args.checkpointing, estimator_at=estimator_at)
+    try:  # planning for a card elsewhere: the levers are searched whether or not torchao is here
+        result = search_optimizers(
+            model, make_batch, size, args.batch_size, profile, budget,
+            lambda kind: estimator_for(model, make_batch, size, profile, args.batch_size, optimizer=kind),
+            optimizer=args.optimizer, estimator_at=estimator_at, levers=True,
+            precision=args.precision, checkpointing=args.checkpointing)
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
     if args.json:
@@ -76,6 +82,7 @@ def _card_and_budget(args):
         raise TightfitError("give --gpu PROFILE or --budget SIZE")
     check_option(WorkloadOptions, "batch_size", args.batch_size)  # as `tightfit train` checks them
     check_option(PlanOptions, "checkpointing", args.checkpointing)
+    check_option(PlanOptions, "optimizer", args.optimizer)
     profile = get_profile(args.gpu or "h200")
     budget = parse_size(args.budget) if args.budget else profile.budget_bytes()
     if budget > profile.total_bytes:
@@ -89,25 +96,29 @@ def _card_and_budget(args):
     return profile, budget, notes
 
 
-def _check_model_state(model, budget: int, profile) -> None:
-    """Refuse, before any trace, a budget (bytes) below the fp32 weights, gradients and AdamW
-    state (16 B per parameter), naming the levers that would change that.
+def _check_model_state(model, budget: int, profile, optimizer: str = "adamw") -> None:
+    """Refuse, before any trace, a budget (bytes) below the least model state of the optimizers
+    that may be chosen (:func:`.optimizers.least_state_bytes`; fp32 AdamW: weights, gradients and
+    state, 16 B per parameter), naming the levers.
 
     Raises:
         TightfitError: the budget is below the model state.
     """
     from ..units import format_bytes
     from .advice import lever_lines
+    from .optimizers import least_state_bytes
 
-    state = sum(p.numel() for p in model.parameters()) * 16
-    if budget >= state:
+    least, kind = least_state_bytes(model, optimizer, levers=True)
+    if budget >= least:
         return
+    state = sum(p.numel() for p in model.parameters()) * 16
     levers = lever_lines(model, state, budget, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
                          profile.host_link_bytes_per_s)
-    raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(state)} that fp32 weights, "
-                        f"gradients and AdamW state need (16 B per parameter), by {format_bytes(state - budget)}; "
-                        f"no micro-batch, accumulation or checkpointing changes that. Levers that would need "
-                        f"support not yet available in tightfit (bytes saved):" + "".join("\n  " + x for x in levers))
+    raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(least)} of model state that "
+                        f"optimizer {kind} needs at least (fp32 AdamW: weights, gradients and state, 16 B per "
+                        f"parameter, {format_bytes(state)}), by {format_bytes(least - budget)}; no micro-batch, "
+                        f"accumulation or checkpointing changes that. Levers (bytes saved against fp32 AdamW):"
+                        + "".join("\n  " + x for x in levers))
 
 
 def _print_json(result, model, notes: list[str]) -> None:
@@ -143,8 +154,12 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
     print(f"predicted: {b.samples_per_s:.0f} samples/s, peak {format_bytes(b.peak_reserved_bytes)} reserved of "
           f"{format_bytes(budget)}" + (b.why[b.why.index("; per step"):] if "; per step" in b.why else ""))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"optimizer: fused AdamW (no temporaries at its step; foreach AdamW would need "
-          f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)")
+    if b.optimizer == "adamw":
+        print(f"optimizer: fused AdamW (no temporaries at its step; foreach AdamW would need "
+              f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)")
+    why = b.why.find("; optimizer ")
+    print(f"optimizer: {b.optimizer}" + (f": {b.why[why + len('; optimizer ') + len(b.optimizer):].lstrip(',:; ')}"
+                                         if why >= 0 else ""))
     print("\n".join(breakdown_lines(b.breakdown, trainable_gradient_bytes(model), b.accumulation_steps)))
     print("runners-up:" if result.runners_up else "runners-up: none (the search had no other choice)")
     for c in result.runners_up[:8]:

@@ -18,6 +18,12 @@ input and writes its output through memory at the card's bandwidth); an ``offloa
 block copies its saved activations to the host and back over the host link
 (``DeviceProfile.host_link_bytes_per_s``, pinned memory): the device-to-host copies run on a
 side stream beside the forward's compute, the host-to-device copies are waited for in backward.
+
+The optimizer levers (:mod:`tightfit.levers.optimizers`) cost differently: torchao's 8-bit AdamW
+runs one compiled call per parameter tensor (:data:`OPTIMIZER_CALL_S` each) at its measured rate;
+CPU offload copies the gradients to the host (once per micro-batch: the accumulated gradient is
+copied again after each) and the new weights back over the host link, and runs AdamW on the CPU at
+:data:`CPU_ADAMW_PARAMS_PER_S`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..devices import DeviceProfile
+from ..plan import accumulation_steps
 
 # Share of the peak rate that a well-shaped transformer/CNN training step reaches in eager
 # PyTorch (MFU); a prior only, replaced by calibration on a GPU.
@@ -41,6 +48,17 @@ ACHIEVED_SHARE = 0.45
 LAUNCH_S = 25e-6
 # AdamW step: read weight, gradient, two moments; write weight and two moments (fp32).
 ADAMW_BYTES_PER_PARAM = 7 * 4
+# torchao AdamW8bit: read weight and gradient (fp32), read and write two 1-byte moments, write the
+# weight (the per-256-element scales add 3%).
+ADAMW8BIT_BYTES_PER_PARAM = 4 + 4 + 2 + 2 + 4
+# Per parameter tensor of torchao's AdamW8bit step: one call of its compiled single-tensor update
+# (guards, launch) from a Python loop. A prior (100 us), to be replaced by the figure that
+# bench/optimizer_levers.py measures on the GPU machine.
+OPTIMIZER_CALL_S = 100e-6
+# Fused AdamW on the host CPU, parameters per second: torchao's CPUOffloadOptimizer took about
+# 0.25 s per step for BERT-large's 335M parameters on the NVIDIA H200 machine's host (issue 14's
+# by-hand measurement, torch 2.11, 16 cores); bench/optimizer_levers.py measures it again.
+CPU_ADAMW_PARAMS_PER_S = 1.3e9
 
 
 class _OpCounter(TorchDispatchMode):
@@ -91,6 +109,9 @@ class ForwardCost:
         selective_ops_per_block: ATen calls a selectively checkpointed block reruns in backward
             (the average over the blocks; 0 when unknown).
         selective_bytes_per_sample: bytes those ops write per sample and block (fp32 trace).
+        trainable_tensors: parameter tensors the optimizer updates.
+        offloaded_params: trainable parameters in tensors that CPU offload moves to the host
+            (:func:`tightfit.levers.optimizers.is_offloaded`).
     """
 
     flops_per_sample: float
@@ -99,6 +120,8 @@ class ForwardCost:
     n_blocks: int
     selective_ops_per_block: float = 0.0
     selective_bytes_per_sample: float = 0.0
+    trainable_tensors: int = 0
+    offloaded_params: int = 0
 
 
 def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -> ForwardCost:
@@ -119,10 +142,13 @@ def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -
         meta(**batch)
     for h in hooks:
         h.remove()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from ..levers.optimizers import is_offloaded
+
+    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     per_block = 1 / n_blocks if n_blocks else 0.0
-    return ForwardCost(flops.get_total_flops() / 2, counter.ops, trainable, n_blocks,
-                       counter.recomputed_ops * per_block, counter.recomputed_bytes * per_block / 2)
+    return ForwardCost(flops.get_total_flops() / 2, counter.ops, sum(trainable), n_blocks,
+                       counter.recomputed_ops * per_block, counter.recomputed_bytes * per_block / 2,
+                       trainable_tensors=len(trainable), offloaded_params=sum(n for n in trainable if is_offloaded(n)))
 
 
 @dataclass(frozen=True)
@@ -136,6 +162,7 @@ class TimeModel:
         launch_s: seconds per kernel launch.
         offload_bytes: per precision, the bytes one sample's block saves for backward (what an
             offloaded block sends to the host and back); filled by the search from its traces.
+        optimizer: the plan's optimizer (``Plan.optimizer``).
     """
 
     profile: DeviceProfile
@@ -143,6 +170,7 @@ class TimeModel:
     achieved_share: dict | None = None
     launch_s: float = LAUNCH_S
     offload_bytes: dict = field(default_factory=dict)
+    optimizer: str = "adamw"
 
     def rate(self, precision: str) -> float:
         """Achievable FLOP/s for ``precision`` on this card."""
@@ -183,16 +211,33 @@ class TimeModel:
         c = self.cost
         return c.selective_ops_per_block + c.ops / (c.n_blocks or 1)
 
-    def optimizer_seconds(self) -> float:
-        """The fused AdamW step: memory-bound over the trainable parameters."""
-        bw = self.profile.memory_bytes_per_s or 500e9
-        return self.cost.trainable_params * ADAMW_BYTES_PER_PARAM / bw
+    def optimizer_seconds(self, micro_batches: int = 1) -> float:
+        """The optimizer's share of one step with ``micro_batches`` micro-batches, seconds.
+
+        ``adamw``: the fused step, memory-bound over the trainable parameters
+        (:data:`ADAMW_BYTES_PER_PARAM` at the card's memory bandwidth). ``adamw8bit``:
+        :data:`ADAMW8BIT_BYTES_PER_PARAM` per parameter plus :data:`OPTIMIZER_CALL_S` per tensor.
+        ``adamw-offload``: the offloaded parameters' fp32 gradients to the host after every
+        micro-batch and their weights back (4 B each way per parameter over
+        ``host_link_bytes_per_s``; the copies overlap the backward only in part, so all are
+        counted), AdamW on the CPU (:data:`CPU_ADAMW_PARAMS_PER_S`), and fused AdamW on the GPU
+        for the rest.
+        """
+        c, bw = self.cost, self.profile.memory_bytes_per_s or 500e9
+        if self.optimizer == "adamw8bit":
+            return c.trainable_params * ADAMW8BIT_BYTES_PER_PARAM / bw + c.trainable_tensors * OPTIMIZER_CALL_S
+        if self.optimizer == "adamw-offload":
+            n = c.offloaded_params
+            link = 4 * n * (micro_batches + 1) / self.profile.host_link_bytes_per_s
+            return link + n / CPU_ADAMW_PARAMS_PER_S + (c.trainable_params - n) * ADAMW_BYTES_PER_PARAM / bw
+        return c.trainable_params * ADAMW_BYTES_PER_PARAM / bw
 
     def step_seconds(self, precision: str, micro_batch: int, effective_batch: int, checkpointed: int,
                      policies=None) -> float:
-        """One optimizer step: ``ceil(E / mb)`` micro-batches (the last may be smaller) + AdamW."""
+        """One optimizer step: ``ceil(E / mb)`` micro-batches (the last may be smaller) + the
+        optimizer (:meth:`optimizer_seconds`)."""
         return sum(self.step_parts(precision, micro_batch, effective_batch, checkpointed, policies)) \
-            + self.optimizer_seconds()
+            + self.optimizer_seconds(accumulation_steps(effective_batch, micro_batch))
 
     def step_parts(self, precision: str, micro_batch: int, effective_batch: int, checkpointed: int,
                    policies=None) -> tuple[float, float, float]:
@@ -212,9 +257,10 @@ class TimeModel:
                   effective_batch: int) -> "TimeModel":
         """A model whose achieved share for ``precision`` reproduces a measured step time
         (the share is kept within (0, 1])."""
-        compute = self.step_seconds(precision, micro_batch, effective_batch, checkpointed) - self.optimizer_seconds()
+        opt = self.optimizer_seconds(accumulation_steps(effective_batch, micro_batch))
+        compute = self.step_seconds(precision, micro_batch, effective_batch, checkpointed) - opt
         share = (self.achieved_share or {}).get(precision, ACHIEVED_SHARE)
-        measured = max(measured_step_s - self.optimizer_seconds(), 1e-9)
+        measured = max(measured_step_s - opt, 1e-9)
         new = dict(self.achieved_share or {})
         new[precision] = min(1.0, max(1e-3, share * compute / measured))
         return replace(self, achieved_share=new)

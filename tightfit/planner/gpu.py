@@ -30,7 +30,8 @@ from ..workload import Workload
 from .bisection import bisect
 from .cost import peak_flops
 from .probe import PROBE_HEADROOM, ProbeResult, probe_step
-from .search import Candidate, SearchResult, estimator_for, search
+from .optimizers import search_optimizers
+from .search import Candidate, SearchResult, estimator_for
 from .warmup import warm_other_lengths
 
 VERIFIED = 3  # candidates timed for real (each: one probe, probe_step)
@@ -196,7 +197,8 @@ def _peak(pr: ProbeResult) -> str:
 
 def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, seq_len: int,
                 precision: str = "auto", checkpointing: str = "auto", compile: str = "auto",
-                run_samples: int | None = None, timings: dict | None = None, per_block: bool = True) -> Plan:
+                run_samples: int | None = None, timings: dict | None = None, per_block: bool = True,
+                optimizer: str = "auto") -> Plan:
     """The fastest plan that really fits: the search's ranking, verified on the GPU.
 
     Candidates are probed in the search's order (real training steps under the allocator cap,
@@ -226,6 +228,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
             and ``probed_samples_per_s`` (the timing that decided).
         per_block: also search selective recomputation and activation offload per block
             (:func:`~tightfit.planner.search.search`); False: whole blocks only.
+        optimizer: ``auto`` (fp32 AdamW state first, then the optimizer levers:
+            :mod:`.optimizers`) or the one to use.
 
     Raises:
         TightfitError: nothing fits (predicted or measured); ``compile`` is ``"on"`` where
@@ -239,13 +243,15 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
         raise TightfitError(f"--compile on: {why_not}")
     t0 = time.perf_counter()
     make_batch = lambda micro_batch, size: workload.train.worst_case(micro_batch)  # noqa: E731
-    result = search(workload.model, make_batch, seq_len, workload.effective_batch, profile, budget_bytes,
-                    estimator_for(workload.model, make_batch, seq_len, profile, workload.effective_batch,
-                                  checkpointed_margin=0.0),  # the probes verify for real
-                    precision=precision, checkpointing=checkpointing,
-                    estimator_at=lambda size, effective_batch: None if size != seq_len else estimator_for(
-                        workload.model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0),
-                    per_block=per_block)
+    model = workload.model
+    result = search_optimizers(
+        model, make_batch, seq_len, workload.effective_batch, profile, budget_bytes,
+        lambda kind: estimator_for(model, make_batch, seq_len, profile, workload.effective_batch,
+                                   checkpointed_margin=0.0, optimizer=kind),  # the probes verify for real
+        optimizer=optimizer, precision=precision, checkpointing=checkpointing,
+        estimator_at=lambda kind: lambda size, effective_batch: None if size != seq_len else estimator_for(
+            model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0, optimizer=kind),
+        per_block=per_block)
     t_verify = time.perf_counter()
     verification = verify_on_gpu(workload, result, profile, budget_bytes)
     best = verification.best
@@ -261,6 +267,9 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                        probed_samples_per_s=outcome.variant.samples_per_s if outcome.variant else
                        (retimed or best.samples_per_s))
     reasons = _reasons(result, verification, outcome)
+    chosen = result.best.why.find("; optimizer ")  # why this optimizer, and its cost (.optimizers)
+    if chosen >= 0:
+        reasons.insert(0, result.best.why[chosen + 2:])
     variant = outcome.variant
     if variant is None:
         uncompile_model(workload.model)
@@ -278,11 +287,12 @@ def _gpu_plan(best: Measured, variant: CompiledVariant | None, effective_batch: 
     if variant is not None:
         return plan_with_blocks(c.precision, variant.micro_batch, effective_batch, variant.checkpoint_blocks,
                                 n_blocks, device="cuda", budget_bytes=budget_bytes, reasons=tuple(reasons),
+                                optimizer=c.optimizer,
                                 probe_peak_reserved_bytes=variant.probe.peak_reserved_bytes,
                                 predicted_peak_reserved_bytes=None, predicted_samples_per_s=variant.samples_per_s,
                                 compile=True)
     return plan_with_blocks(c.precision, c.micro_batch, effective_batch, c.checkpoint_blocks, n_blocks,
-                            device="cuda", budget_bytes=budget_bytes, reasons=tuple(reasons),
+                            device="cuda", budget_bytes=budget_bytes, reasons=tuple(reasons), optimizer=c.optimizer,
                             probe_peak_reserved_bytes=best.probe.peak_reserved_bytes,
                             predicted_peak_reserved_bytes=c.peak_reserved_bytes,
                             predicted_samples_per_s=c.samples_per_s or None, compile=False,
@@ -297,11 +307,12 @@ def _cached_prober(workload: Workload, budget_bytes: int, timed_steps: int = VER
     probes = {}
 
     def probe(cand: Candidate, micro_batch: int) -> ProbeResult:
-        key = (cand.precision, cand.checkpoint_blocks, cand.block_policies, micro_batch)
+        key = (cand.precision, cand.checkpoint_blocks, cand.block_policies, micro_batch, cand.optimizer)
         if key not in probes:
             blocks = cand.checkpoint_blocks
             set_activation_checkpointing(workload.model, bool(blocks), blocks, cand.block_policies)
-            probes[key] = probe_step(workload, micro_batch, cand.precision, budget_bytes, timed_steps=timed_steps)
+            probes[key] = probe_step(workload, micro_batch, cand.precision, budget_bytes, timed_steps=timed_steps,
+                                     optimizer=cand.optimizer)
         return probes[key]
 
     return probe
@@ -408,7 +419,8 @@ def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget
 
     def timed(mb: int, blocks: tuple, policies=None) -> float:
         set_activation_checkpointing(model, bool(blocks), blocks, policies)
-        pr = probe_step(workload, mb, best.precision, budget_bytes, timed_steps=RETIMED_STEPS)
+        pr = probe_step(workload, mb, best.precision, budget_bytes, timed_steps=RETIMED_STEPS,
+                        optimizer=best.optimizer)
         return _samples_per_s(pr, E) if pr.fits else 0.0
 
     c_speed = timed(variant.micro_batch, variant.checkpoint_blocks)
@@ -447,7 +459,7 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     def probe(mb: int, blocks: tuple) -> ProbeResult:
         if (mb, blocks) not in probes:
             set_activation_checkpointing(model, bool(blocks), blocks)
-            pr = probes[mb, blocks] = probe_step(workload, mb, best.precision, budget_bytes,
+            pr = probes[mb, blocks] = probe_step(workload, mb, best.precision, budget_bytes, optimizer=best.optimizer,
                                                  timed_steps=VERIFIED_STEPS)
             tried.append(f"{mb} x {accumulation_steps(E, mb)}, {len(blocks)} blocks: {_peak(pr)}")
         return probes[mb, blocks]

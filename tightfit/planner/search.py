@@ -55,6 +55,8 @@ class Candidate:
         block_policies: one choice per block (:data:`tightfit.levers.blocks.BLOCK_POLICIES`)
             where the candidate mixes them; then ``checkpoint_blocks`` are the blocks recomputed
             fully. None: ``checkpoint_blocks`` recompute fully, the others keep everything.
+        optimizer: the optimizer searched with (``Plan.optimizer``; set by
+            :func:`tightfit.planner.optimizers.search_optimizers`).
     """
 
     precision: str
@@ -67,6 +69,7 @@ class Candidate:
     samples_per_s: float = 0.0
     why: str = ""
     block_policies: tuple[str, ...] | None = None
+    optimizer: str = "adamw"
 
     @property
     def choice(self) -> tuple:
@@ -126,7 +129,7 @@ class SearchResult:
         """The winner as a :class:`~tightfit.plan.Plan` (checkpointing on if any block is)."""
         b = self.best
         return plan_with_blocks(b.precision, b.micro_batch, self.effective_batch, b.checkpoint_blocks, self.n_blocks,
-                                device=device, budget_bytes=self.budget_bytes, reasons=(b.why,),
+                                device=device, budget_bytes=self.budget_bytes, reasons=(b.why,), optimizer=b.optimizer,
                                 predicted_peak_reserved_bytes=b.peak_reserved_bytes,
                                 predicted_samples_per_s=b.samples_per_s, block_policies=b.block_policies)
 
@@ -224,9 +227,14 @@ def candidate_precisions(profile: DeviceProfile, precision: str = "auto") -> lis
     return [first] + [p for p in ("fp32", "fp16") if p != first and profile.compute_capability >= (5, 3)]
 
 
+class NothingFitsError(TightfitError):
+    """No plan fits the budget (the message says by how much and what would fit)."""
+
+
 def search(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
            estimate_fn: EstimateFn, precision: str = "auto", headroom: float = HEADROOM,
-           checkpointing: str = "auto", estimator_at=None, per_block: bool = True) -> SearchResult:
+           checkpointing: str = "auto", estimator_at=None, per_block: bool = True,
+           optimizer: str = "adamw") -> SearchResult:
     """Find the fastest plan that fits: :func:`enumerate_candidates`, then :func:`predict`, then
     :func:`rank`.
 
@@ -245,9 +253,11 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             find what does (:func:`.advice.nothing_fits_lines`); None: only the levers are given.
         per_block: with ``checkpointing="auto"``, also search selective recomputation and
             activation offload per block (:func:`_choice_ladders`).
+        optimizer: the optimizer ``estimate_fn`` traces (:func:`estimator_for`), for the time
+            model; the search over optimizers is :mod:`.optimizers`'.
 
     Raises:
-        TightfitError: nothing fits, even at micro-batch 1 with every block checkpointed (the
+        NothingFitsError: nothing fits, even at micro-batch 1 with every block checkpointed (the
             message says by how many bytes, what the model state costs, what fits instead and
             which levers would make it fit); an unknown ``checkpointing``; a ``precision`` the
             card cannot run.
@@ -255,14 +265,14 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     t0 = time.perf_counter()
     estimate_fn = _traced_once(estimate_fn)
     space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
-                         checkpointing, per_block)
+                         checkpointing, per_block, optimizer)
     prediction = predict(space, enumerate_candidates(space, estimate_fn), estimate_fn)
     if not prediction.traced:
         skipped = [c.precision for c in prediction.evaluated if c.micro_batch is None]
         if skipped:  # the slow precision is needed for memory after all
             return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
                           precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
-                          estimator_at=estimator_at, per_block=per_block)
+                          estimator_at=estimator_at, per_block=per_block, optimizer=optimizer)
         _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at)
     return rank(space, prediction, time.perf_counter() - t0)
 
@@ -282,7 +292,7 @@ def _traced_once(estimate_fn: EstimateFn) -> EstimateFn:
 
 def search_space(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
                  precision: str = "auto", headroom: float = HEADROOM, checkpointing: str = "auto",
-                 per_block: bool = True) -> SearchSpace:
+                 per_block: bool = True, optimizer: str = "adamw") -> SearchSpace:
     """The :class:`SearchSpace` of a workload on a card (one meta trace of the forward for the
     time model). Arguments as :func:`search`.
 
@@ -293,7 +303,7 @@ def search_space(model, make_batch, size: int, effective_batch: int, profile: De
 
     n_blocks = len(find_blocks(model))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks))
+    tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks), optimizer=optimizer)
     ends = {"auto": (0, n_blocks), "off": (0, 0), "on": (n_blocks, n_blocks)}.get(checkpointing)
     if ends is None:
         raise TightfitError(f"unknown checkpointing {checkpointing!r}; use auto, on or off")
@@ -552,7 +562,7 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
     (:func:`.advice.nothing_fits_lines`).
 
     Raises:
-        TightfitError: always.
+        NothingFitsError: always.
     """
     limit, n_blocks = space.limit, space.n_blocks
     smallest = min((c for c in evaluated if c.peak_reserved_bytes), key=lambda c: c.peak_reserved_bytes)
@@ -570,7 +580,7 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
         every = estimate_fn(smallest.precision, 1, tuple(range(n_blocks))).peak_reserved_bytes
         lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch 1 with all "
                         f"{n_blocks} blocks checkpointed, {format_bytes(every)} (--checkpointing auto)")
-    raise TightfitError(
+    raise NothingFitsError(
         f"nothing fits {format_bytes(space.budget_bytes)} (planned against {format_bytes(limit)}, keeping "
         f"{int(space.headroom * 100)}% headroom): the smallest step tried ({smallest.precision}, micro-batch 1, "
         f"{len(least)} of {n_blocks} blocks checkpointed) needs {format_bytes(est.peak_reserved_bytes)}, "
@@ -580,7 +590,7 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
 # ---------------------------------------------------------------- the estimator the stages use
 
 def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effective_batch: int,
-                  checkpointed_margin: float = CHECKPOINTED_RESERVED_MARGIN) -> EstimateFn:
+                  checkpointed_margin: float = CHECKPOINTED_RESERVED_MARGIN, optimizer: str = "adamw") -> EstimateFn:
     """``estimate_fn`` backed by :func:`tightfit.memory.estimate`: with accumulation the window's
     gradients are held while later micro-batches run forward and backward, so their bytes are
     added to any peak that the estimate reached with gradients freed; checkpointed plans carry
@@ -590,6 +600,7 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
     Args:
         model, make_batch, size: the workload (``make_batch(micro_batch, size)``).
         profile: the card modelled; ``effective_batch``: samples per optimizer step.
+        optimizer: the plan's optimizer (:data:`tightfit.step.OPTIMIZERS`).
 
     Raises:
         What :func:`tightfit.memory.estimate` raises, when the returned function is called.
@@ -600,7 +611,7 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
     grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
 
     def fn(precision: str, micro_batch: int, blocks) -> MemoryEstimate:
-        plan = Plan(precision, micro_batch, micro_batch, device="cuda")
+        plan = Plan(precision, micro_batch, micro_batch, optimizer=optimizer, device="cuda")
         blocks = tuple(blocks)
         if blocks and isinstance(blocks[0], str):  # one policy per block
             est = estimate(model, example, plan, device=profile, block_policies=blocks)

@@ -30,6 +30,8 @@ def plan_lines(plan: Plan) -> list[str]:
                                else ("blocks " + ", ".join(map(str, plan.checkpoint_blocks)) if plan.checkpoint_blocks
                                      else "on (every block)") if plan.activation_checkpointing else "off"),
     ]
+    if plan.optimizer != "adamw":  # an optimizer lever (the reasons say why and what it costs)
+        lines.append(f"optimizer        {plan.optimizer}")
     if plan.predicted_samples_per_s and plan.compile:  # no prediction for compiled steps: a timing decided
         lines.append(f"measured         {plan.predicted_samples_per_s:.0f} samples/s, compiled (the timing is "
                      f"named in 'decided by' below)")

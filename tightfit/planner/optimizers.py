@@ -1,0 +1,179 @@
+"""The optimizer as an outer dimension of the plan search: fp32 AdamW state first, then the
+levers of :mod:`tightfit.levers.optimizers` where they can help.
+
+Order (``optimizer="auto"``): search with fused AdamW (:func:`.search.search`). If its best plan
+needs neither accumulation nor checkpointing, nothing can be faster: it stands. Otherwise (or if
+nothing fits) search with 8-bit AdamW state; then, if that fits nothing or still accumulates or
+checkpoints, with the state offloaded to the CPU (only where the host has the memory for it).
+The fastest predicted plan of those searched wins, and its reasons say why its optimizer was
+chosen and what it costs (state bytes on the GPU, the optimizer step's predicted time, host
+memory). An explicit optimizer is searched alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import TightfitError
+from ..levers.optimizers import LEVER_OPTIMIZERS, available_host_bytes, is_quantized, offload_host_bytes
+from ..units import format_bytes
+from ..plan import OPTIMIZER_CHOICES
+from .search import NothingFitsError, SearchResult, search
+
+_NAMES = {"adamw": "fp32 AdamW state", "adamw8bit": "8-bit AdamW state (torchao AdamW8bit)",
+          "adamw-offload": "AdamW state and fp32 master weights on the CPU (torchao CPUOffloadOptimizer)"}
+
+
+def levers_installed() -> bool:
+    """Whether torchao (the ``levers`` extra) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
+def _constrained(result: SearchResult) -> bool:
+    b = result.best
+    return b.accumulation_steps > 1 or bool(b.checkpoint_blocks)
+
+
+def state_bytes(model, kind: str) -> int:
+    """GPU bytes of the optimizer state of ``model``'s trainable parameters under ``kind``
+    (:mod:`tightfit.levers.optimizers` for the layouts)."""
+    total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        n = p.numel()
+        if kind == "adamw8bit":
+            total += 2 * (n + 4 * (n // 256) + 1024) if is_quantized(n) else 8 * n
+        elif kind == "adamw-offload":
+            total += 0 if n >= 4096 else 8 * n
+        else:
+            total += 8 * n
+    return total
+
+
+def optimizer_step_seconds(model, kind: str, profile, micro_batches: int) -> float:
+    """The time model's optimizer share of one step (:meth:`.cost.TimeModel.optimizer_seconds`),
+    seconds, from ``model``'s trainable parameters."""
+    from ..levers.optimizers import is_offloaded
+    from .cost import ForwardCost, TimeModel
+
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    cost = ForwardCost(0.0, 0, sum(sizes), 0, trainable_tensors=len(sizes),
+                       offloaded_params=sum(n for n in sizes if is_offloaded(n)))
+    return TimeModel(profile, cost, optimizer=kind).optimizer_seconds(micro_batches)
+
+
+def least_state_bytes(model, optimizer: str = "auto", levers: bool = True) -> tuple[int, str]:
+    """The least model state a step can hold on the GPU, bytes, and the optimizer that holds it:
+    fp32 weights (4 B per parameter) plus, per trainable parameter, the gradient (4 B; with CPU
+    offload none is held at once without accumulation) and the optimizer state (:func:`state_bytes`),
+    over ``optimizer`` (``auto``: every optimizer, the levers only if ``levers``)."""
+    kinds = [optimizer] if optimizer != "auto" else ["adamw"] + (list(LEVER_OPTIMIZERS) if levers else [])
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    need = {k: weights + (0 if k == "adamw-offload" else grads) + state_bytes(model, k) for k in kinds}
+    kind = min(need, key=need.get)
+    return need[kind], kind
+
+
+def _cost_line(model, result: SearchResult, kind: str, profile) -> str:
+    """What the optimizer of ``result`` costs: GPU state bytes, step time, host memory."""
+    b = result.best
+    gpu = f"optimizer state on the GPU {format_bytes(state_bytes(model, kind))} " \
+          f"(fp32 AdamW: {format_bytes(state_bytes(model, 'adamw'))})"
+    if kind == "adamw-offload":
+        host = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
+        gpu += f", {format_bytes(host)} of pinned host memory"
+    step = optimizer_step_seconds(model, kind, profile, b.accumulation_steps)
+    return f"{gpu}; the optimizer's share of each step predicted at {step * 1000:.0f} ms"
+
+
+def search_optimizers(model, make_batch, size: int, effective_batch: int, profile, budget_bytes: int,
+                      estimator, optimizer: str = "auto", estimator_at=None, levers: bool | None = None,
+                      host_bytes: int | None = None, **options) -> SearchResult:
+    """The fastest plan over precision x checkpointing x micro-batch (:func:`.search.search`)
+    and the optimizer (the module doc says in which order).
+
+    Args:
+        model, make_batch, size, effective_batch, profile, budget_bytes: as :func:`.search.search`.
+        estimator: ``kind -> estimate_fn`` (e.g. :func:`.search.estimator_for` with ``optimizer=kind``).
+        optimizer: ``auto`` or one of :data:`tightfit.step.OPTIMIZERS` to search alone.
+        estimator_at: ``kind -> (size, effective_batch) -> estimate_fn`` for the nothing-fits
+            advice, or None.
+        levers: whether ``auto`` may choose the levers (None: where torchao is installed).
+        host_bytes: host memory available for offloaded state (None: :func:`available_host_bytes`).
+        options: ``precision``, ``checkpointing``, ``headroom`` of :func:`.search.search`.
+
+    Returns:
+        The winner's :class:`~.search.SearchResult`, its candidates marked with the optimizer
+        and the best's ``why`` saying why that optimizer.
+
+    Raises:
+        NothingFitsError: nothing fits with any optimizer searched (the fp32 AdamW message,
+            with a line per lever searched).
+        TightfitError: as :func:`.search.search`.
+    """
+    if optimizer not in OPTIMIZER_CHOICES:
+        raise TightfitError(f"unknown optimizer {optimizer!r}; use {', '.join(OPTIMIZER_CHOICES)}")
+
+    def run(kind: str) -> SearchResult:
+        at = estimator_at(kind) if estimator_at is not None else None
+        r = search(model, make_batch, size, effective_batch, profile, budget_bytes, estimator(kind),
+                   estimator_at=at, optimizer=kind, **options)
+        return replace(r, best=replace(r.best, optimizer=kind),
+                       runners_up=[replace(c, optimizer=kind) for c in r.runners_up])
+
+    if optimizer != "auto":
+        r = run(optimizer)
+        return _explained(r, optimizer, f"optimizer {optimizer}: as asked (--optimizer {optimizer})", model, profile)
+    levers = levers_installed() if levers is None else levers
+    results, failures = {}, {}
+    try:
+        results["adamw"] = run("adamw")
+    except NothingFitsError as e:
+        failures["adamw"] = e
+    if "adamw" in results and not _constrained(results["adamw"]):
+        return _explained(results["adamw"], "adamw", "optimizer adamw (fused, fp32 state): the plan fits without "
+                          "accumulation or checkpointing, so no optimizer lever can make it faster", model, profile)
+    if not levers:
+        if "adamw" in results:
+            return _explained(results["adamw"], "adamw", "optimizer adamw (fused, fp32 state): the optimizer levers "
+                              "were not searched (pip install 'tightfit[levers]')", model, profile)
+        raise failures["adamw"]
+    for kind in LEVER_OPTIMIZERS:
+        if kind == "adamw-offload":
+            if "adamw8bit" in results and not _constrained(results["adamw8bit"]):
+                break
+            need = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
+            have = available_host_bytes() if host_bytes is None else host_bytes
+            if need > 0.9 * have:
+                failures[kind] = NothingFitsError(f"needs {format_bytes(need)} of pinned host memory, "
+                                                  f"{format_bytes(have)} available")
+                continue
+        try:
+            results[kind] = run(kind)
+        except NothingFitsError as e:
+            failures[kind] = e
+    if not results:
+        first = str(failures["adamw"])
+        also = "".join(f"\n  searched {_NAMES[k]} (--optimizer {k}): does not fit either"
+                       f" ({str(e).splitlines()[0].split(': the smallest step tried ')[-1]})"
+                       for k, e in failures.items() if k != "adamw")
+        raise NothingFitsError(first + also)
+    kind = max(results, key=lambda k: results[k].best.samples_per_s)
+    best = results[kind]
+    compared = "; ".join(f"{k}: {r.best.samples_per_s:.0f} samples/s ({r.best.label()}, "
+                         f"{r.best.accumulation_steps} accumulation steps)" for k, r in results.items() if k != kind)
+    why = ("fp32 AdamW state fits nothing" if "adamw" in failures
+           else f"fp32 AdamW state needs {results['adamw'].best.accumulation_steps} accumulation steps and "
+                f"{len(results['adamw'].best.checkpoint_blocks)} checkpointed blocks")
+    why = f"optimizer {kind}, {_NAMES[kind]}: {why}; predicted fastest" + (f" (against {compared})" if compared else "")
+    return _explained(best, kind, why, model, profile)
+
+
+def _explained(result: SearchResult, kind: str, why: str, model, profile) -> SearchResult:
+    """``result`` with the optimizer's reason and cost appended to its best's ``why``."""
+    b = result.best
+    return replace(result, best=replace(b, why=f"{b.why}; {why}; {_cost_line(model, result, kind, profile)}"))
