@@ -41,11 +41,11 @@ def _plan_with_fake_gpu(monkeypatch, compile):
         (True, 64, 0, 5): 260.0, (False, 32, 0, 5): 214.0,  # the side-by-side retiming
     }
 
-    def fake_probe(workload, mb, precision, budget, timed_steps=2):
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
         sps = speeds[(state.compiled, mb, len(state.blocks), timed_steps)]
         return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (sps * math.ceil(E / mb)), 1)
 
-    monkeypatch.setattr(gpu, "search", lambda *a, **k: result)
+    monkeypatch.setattr(gpu, "search_optimizers", lambda *a, **k: result)
     monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
     monkeypatch.setattr(gpu, "probe_step", fake_probe)
     monkeypatch.setattr(gpu, "compile_unavailable", lambda device: None)

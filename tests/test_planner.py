@@ -117,7 +117,8 @@ def test_plan_command_json_bert_base(capsys):
 def test_plan_command_bad_input(capsys):
     assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64"]) == 2
     assert "--gpu PROFILE or --budget" in capsys.readouterr().err
-    assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "1GiB"]) == 2
+    assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "1GiB",
+                 "--optimizer", "adamw"]) == 2
     assert "below the" in capsys.readouterr().err
 
 
@@ -205,7 +206,7 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     n, E, limit = 12, 256, 1000.0
     probed = []
 
-    def fake_probe(workload, mb, precision, budget, timed_steps=2):
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
         blocks = workload.blocks
         probed.append((mb, len(blocks)))
         peak = 200 + mb * (1.0 + 0.5 * (n - len(blocks)))  # bytes: fixed + per sample per unsaved block

@@ -1,0 +1,115 @@
+"""The optimizer levers in the estimator, the time model and the planner (no GPU): 8-bit and
+CPU-offloaded AdamW state are predicted per tensor as torchao lays it out, the planner searches
+them only where fp32 AdamW state fits nothing (or accumulates/checkpoints), and the advice names
+them when nothing fits."""
+
+import pytest
+import torch
+
+from tightfit.devices import get_profile
+from tightfit.memory.estimate import estimate
+from tightfit.plan import Plan
+from tightfit.planner.cost import ForwardCost, TimeModel
+from tightfit.planner.optimizers import least_state_bytes, search_optimizers, state_bytes
+from tightfit.planner.search import NothingFitsError, estimator_for
+from tightfit.units import MiB
+
+SEQ, E = 16, 8
+H200 = get_profile("h200")
+
+
+def model():
+    """2 layers, width 256, vocabulary 1,000: 1.9M parameters, most in tensors torchao quantizes/offloads."""
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
+        max_position_embeddings=64, num_labels=2))
+
+
+def make_batch(micro_batch, size):
+    return {"input_ids": torch.ones(micro_batch, size, dtype=torch.long),
+            "attention_mask": torch.ones(micro_batch, size, dtype=torch.long),
+            "labels": torch.zeros(micro_batch, dtype=torch.long)}
+
+
+@pytest.fixture(scope="module")
+def m():
+    return model()
+
+
+def least_peak(m, kind, E=E):
+    """Peak reserved bytes of the smallest step (micro-batch 1, no block or every block checkpointed:
+    a checkpointed step carries the estimator's margin, so either may be smaller)."""
+    fn = estimator_for(m, make_batch, SEQ, H200, E, optimizer=kind)
+    return min(fn("bf16", 1, blocks).peak_reserved_bytes for blocks in ((), (0, 1)))
+
+
+def plan(m, budget, optimizer="auto", E=E, **kw):
+    return search_optimizers(m, make_batch, SEQ, E, H200, budget,
+                             lambda kind: estimator_for(m, make_batch, SEQ, H200, E, optimizer=kind),
+                             optimizer=optimizer, levers=True, precision="bf16", **kw)
+
+
+def test_the_estimator_holds_8bit_state_as_torchao_lays_it_out(m):
+    est = estimate(m, make_batch(1, SEQ), Plan("bf16", 4, 4, optimizer="adamw8bit", device="cuda"))
+    want = state_bytes(m, "adamw8bit")  # codes, block scales and look-up tables; fp32 for small tensors
+    assert want < state_bytes(m, "adamw") / 3.5
+    assert abs(est.breakdown["optimizer_state"] - want) <= 512 * 6 * len(list(m.parameters()))  # block rounding
+
+
+def test_the_estimator_holds_no_offloaded_state_and_frees_gradients_without_accumulation(m):
+    est = estimate(m, make_batch(1, SEQ), Plan("bf16", 4, 4, optimizer="adamw-offload", device="cuda"))
+    small = sum(p.numel() * 8 for p in m.parameters() if p.numel() < 4096)
+    assert est.breakdown["optimizer_state"] < small + 512 * 3 * len(list(m.parameters()))
+    assert est.breakdown["optimizer_state"] < state_bytes(m, "adamw") / 20
+    plain = estimate(m, make_batch(1, SEQ), Plan("bf16", 4, 4, optimizer="adamw", device="cuda"))
+    assert est.extra["forward_backward_peak_bytes"] < plain.extra["forward_backward_peak_bytes"] - 4 * 1_000_000
+
+
+def test_the_time_model_prices_each_optimizer():
+    cost = ForwardCost(1e9, 1000, 300_000_000, 24, 390, 299_000_000)
+    t = {k: TimeModel(H200, cost, optimizer=k) for k in ("adamw", "adamw8bit", "adamw-offload")}
+    assert t["adamw8bit"].optimizer_seconds() > 390 * 50e-6  # one compiled call per tensor
+    assert t["adamw-offload"].optimizer_seconds() > 0.2  # CPU AdamW over 299M parameters
+    # with accumulation the accumulated gradients cross the host link again after each micro-batch
+    assert t["adamw-offload"].optimizer_seconds(4) > t["adamw-offload"].optimizer_seconds(1)
+    assert t["adamw"].optimizer_seconds(4) == t["adamw"].optimizer_seconds(1)
+
+
+def test_a_plan_that_fits_unconstrained_keeps_fp32_adamw(m):
+    r = plan(m, 4 << 30)
+    assert r.best.optimizer == "adamw" and r.best.accumulation_steps == 1
+    assert "no optimizer lever can make it faster" in r.best.why
+    assert r.to_plan().optimizer == "adamw"
+
+
+def test_8bit_state_is_chosen_where_fp32_state_fits_nothing_and_says_why(m):
+    fp32, eight = least_peak(m, "adamw"), least_peak(m, "adamw8bit")
+    assert eight < fp32 - 4 * MiB
+    budget = int((eight + fp32) / 2 / 0.95)  # between the two, with the planner's headroom
+    r = plan(m, budget)
+    assert r.best.optimizer == "adamw8bit" and r.to_plan().optimizer == "adamw8bit"
+    assert "fp32 AdamW state fits nothing" in r.best.why and "optimizer state on the GPU" in r.best.why
+    assert all(c.optimizer == "adamw8bit" for c in r.runners_up)
+    with pytest.raises(NothingFitsError, match=r"--optimizer adamw8bit.*would fit"):
+        plan(m, budget, optimizer="adamw")  # forced: the advice names the lever
+
+
+def test_offload_is_chosen_where_only_it_fits_and_only_with_the_host_memory(m):
+    # effective batch 1: no accumulation, so the offloaded gradients are freed as they are copied
+    eight, off = least_peak(m, "adamw8bit", E=1), least_peak(m, "adamw-offload", E=1)
+    assert off < eight - 4 * MiB
+    budget = int((eight + off) / 2 / 0.95)
+    r = plan(m, budget, host_bytes=64 << 30, E=1)
+    assert r.best.optimizer == "adamw-offload" and "pinned host memory" in r.best.why
+    with pytest.raises(NothingFitsError, match="pinned host memory"):
+        plan(m, budget, host_bytes=1 << 20, E=1)
+
+
+def test_least_state_counts_what_each_optimizer_keeps_on_the_gpu(m):
+    n = sum(p.numel() for p in m.parameters())
+    assert least_state_bytes(m, "adamw") == (16 * n, "adamw")
+    need, kind = least_state_bytes(m, "auto")
+    assert kind == "adamw-offload" and need < 5 * n
+    assert least_state_bytes(m, "auto", levers=False)[1] == "adamw"
