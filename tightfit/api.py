@@ -251,6 +251,13 @@ class TrainRecipe:
         seq_len = self.req.workload.seq_len
         seed_everything(self.req.training.seed)  # before the new head is initialised
         self.model, self.tokenizer = self.source.load_classifier(self.data.label_names)
+        if self.req.workload.trainable == "lora":
+            from .levers.lora import apply_lora, trainable_count
+
+            self.model = apply_lora(self.model)
+            n, total = trainable_count(self.model)
+            self.notes.append(f"--trainable lora: {n:,} of {total:,} parameters trainable ({100 * n / total:.2f}%: "
+                              f"LoRA adapters and the head; the rest frozen)")
         self.notes += self.source.training_notes()
         self.notes += check_tokenizer(self.model, self.tokenizer, self.source.tokenizer_path(), self.data.texts, seq_len)
         self._check_budget()
@@ -318,6 +325,9 @@ class TrainRecipe:
             self.plan = self._choose_plan()
             if self.plan.world_size != 1:  # a run of several ranks resumed by one process
                 self.plan = replace(self.plan, world_size=1, sharding="none")
+        if self.resume_from is None:  # what is trained, in the plan and the report
+            self.plan = replace(self.plan, trainable=self.req.workload.trainable, trainable_params=sum(
+                p.numel() for p in self.model.parameters() if p.requires_grad))
         self.planning_s = time.perf_counter() - t_plan
         cached = self.plan_timings.get("cached", False)
         if cached and self.resume_from is None and not self.world.distributed:  # compile now what planning compiled in the first run
@@ -510,11 +520,13 @@ class TrainRecipe:
 
     def _save_model(self, folder: Path) -> None:
         """Write the trained weights (safetensors, from the CPU) and the tokenizer into ``folder``."""
+        from .levers.lora import merged
+
         model = self.world.unwrap(self.trainer.model)
         if self._weights is not None:  # FSDP2: the full weights gathered from the shards
             model.save_pretrained(folder, state_dict=self._weights, safe_serialization=True)
         else:
-            model.to("cpu").save_pretrained(folder, safe_serialization=True)
+            merged(model.to("cpu")).save_pretrained(folder, safe_serialization=True)  # LoRA: merged
         self.tokenizer.save_pretrained(folder)
 
     def _gathered_weights(self) -> dict | None:

@@ -125,6 +125,8 @@ class WorkloadOptions(_Options):
         seq_len: tokens per text; longer texts are truncated.
         image_column: the CSV column of image paths (image models).
         image_size: image side in pixels (image models; None: the model's).
+        trainable: ``all`` parameters, or ``lora``: LoRA adapters on the blocks' linear layers and
+            the head, everything else frozen (changes what is learned; never chosen by tightfit).
     """
 
     model: str | None = option(None, "minilm, bert-base, bert-large (random weights, MiniLM's tokenizer), the image "
@@ -139,6 +141,9 @@ class WorkloadOptions(_Options):
     image_column: str = option("path", "image models: the CSV column holding image paths (default: {default})")
     image_size: int | None = option(None, "image models: image side in pixels (default: the model's, 224 for "
                                           "ResNet)", minimum=1)
+    trainable: str = option("all", "all|lora: train every parameter, or LoRA adapters (rank 8) on the blocks' "
+                                   "linear layers and the head, the rest frozen (default: {default})",
+                            choices=("all", "lora"))
 
     def _check_together(self) -> None:
         """Columns are named only for a data file."""

@@ -79,6 +79,9 @@ class Plan:
         sharding: ``"none"`` (one process), ``"ddp"`` (replicated state, gradients all-reduced) or
             ``"fsdp"`` (parameters, gradients and optimizer state sharded by FSDP2); see
             :mod:`tightfit.planner.sharding`.
+        trainable: what is trained: ``"all"`` parameters or ``"lora"`` adapters and the head
+            (:mod:`tightfit.levers.lora`).
+        trainable_params: parameters the optimizer updates (None: not counted).
     """
 
     precision: str
@@ -97,6 +100,8 @@ class Plan:
     block_policies: tuple[str, ...] | None = None
     world_size: int = 1
     sharding: str = "none"
+    trainable: str = "all"
+    trainable_params: int | None = None
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:

@@ -32,6 +32,8 @@ def plan_lines(plan: Plan) -> list[str]:
     ]
     if plan.optimizer != "adamw":  # an optimizer lever (the reasons say why and what it costs)
         lines.append(f"optimizer        {plan.optimizer}")
+    if plan.trainable_params is not None:
+        lines.append(f"trainable        {plan.trainable}: {plan.trainable_params:,} parameters")
     if plan.predicted_samples_per_s and plan.compile:  # no prediction for compiled steps: a timing decided
         lines.append(f"measured         {plan.predicted_samples_per_s:.0f} samples/s, compiled (the timing is "
                      f"named in 'decided by' below)")

@@ -1,0 +1,202 @@
+"""GPU bench of the optimizer levers (8-bit AdamW state, AdamW state offloaded to the CPU) on
+workloads whose fp32 AdamW state does not fit the budget. Run from the repository root on a
+CUDA machine with torchao and peft importable:
+
+    OUT=/some/folder python bench/optimizer_levers.py            # all three workloads
+    OUT=... BENCH_WORKLOADS=bert-large-128@4GiB python bench/optimizer_levers.py
+
+Per workload (memory capped with ``torch.cuda.set_per_process_memory_fraction``), rows of
+``tightfit bench``'s shape (:mod:`tightfit.bench.settings`):
+
+- ``tightfit``: :func:`tightfit.planner.gpu.plan_on_gpu` (``--optimizer auto``, compilation off
+  to keep the bench short), then ``TF_STEPS`` timed steps;
+- ``by hand``: torchao's AdamW8bit, and CPUOffloadOptimizer, each bf16 with every block
+  checkpointed at the largest batch whose probe step fits, no accumulation (what a user tuning by
+  hand runs), ``STEPS`` timed steps;
+- ``no budget``: the effective batch in one bf16 micro-batch (checkpointing none and all), no cap.
+
+Also measured, for the time model (:mod:`tightfit.planner.cost`): fused CPU AdamW's parameters/s,
+pinned host-to-device bandwidth, and the per-tensor time of torchao's 8-bit step on the GPU.
+Writes ``optimizer_levers.json`` and ``optimizer_levers.md`` to ``$OUT`` (after every row).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tightfit.runtime.allocator import configure_allocator  # noqa: E402
+
+configure_allocator()  # expandable segments, as tightfit's command line runs
+
+from tightfit.bench import settings as st  # noqa: E402
+from tightfit.bench.workloads import BenchWorkload, make_workload  # noqa: E402
+from tightfit.devices import detect  # noqa: E402
+from tightfit.levers.blocks import find_blocks  # noqa: E402
+from tightfit.levers.checkpointing import set_activation_checkpointing  # noqa: E402
+from tightfit.plan import Plan  # noqa: E402
+from tightfit.planner.bisection import bisect  # noqa: E402
+from tightfit.planner.gpu import plan_on_gpu  # noqa: E402
+from tightfit.planner.probe import probe_step  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "bench-out"))
+STEPS, TF_STEPS, WARMUP = 12, 40, 3
+
+
+def decoder_folder(root: Path, name: str, width: int, lm: bool) -> str:
+    """A 24-layer GPT-2-style decoder config folder (random weights: only the config is read)."""
+    from transformers import GPT2Config
+
+    path = root / name
+    GPT2Config(n_embd=width, n_layer=24, n_head=16, n_positions=1024, num_labels=2, pad_token_id=0,
+               architectures=["GPT2LMHeadModel" if lm else "GPT2ForSequenceClassification"]).save_pretrained(path)
+    return str(path)
+
+
+def workloads(root: Path) -> list[BenchWorkload]:
+    return [BenchWorkload("bert-large-128@4GiB", "bert-large", 128, "4GiB", 128),
+            BenchWorkload("decoder-334m-cls-256@6GiB", decoder_folder(root, "decoder-334m", 1024, False), 256,
+                          "6GiB", 64),
+            BenchWorkload("decoder-1.3b-lm-512@11GiB", decoder_folder(root, "decoder-1.3b", 2048, True), 512,
+                          "11GiB", 8)]
+
+
+def by_hand(w: BenchWorkload, optimizer: str) -> dict:
+    """The largest batch (no accumulation, bf16, every block checkpointed) that fits with ``optimizer``."""
+    st.cap_memory(w.budget_bytes)
+    wl = make_workload(w, w.effective_batch, w.effective_batch)
+    n = len(find_blocks(wl.model))
+    set_activation_checkpointing(wl.model, True, tuple(range(n)))
+    t0 = time.perf_counter()
+    fits = {}
+
+    def ok(mb: int) -> bool:
+        wl.effective_batch = mb  # no accumulation: the batch is the micro-batch
+        fits[mb] = probe_step(wl, mb, "bf16", w.budget_bytes, timed_steps=1, optimizer=optimizer).fits
+        return fits[mb]
+
+    mb = w.effective_batch if ok(w.effective_batch) else bisect(0, w.effective_batch, ok)
+    row = {"setting": f"by hand: torchao {optimizer}", "optimizer": optimizer, "planning_seconds": time.perf_counter() - t0}
+    set_activation_checkpointing(wl.model, False, ())
+    if mb:
+        wl.effective_batch, wl.train.n = mb, mb * STEPS
+        plan = Plan("bf16", mb, mb, True, optimizer=optimizer, device="cuda")
+        row.update(st.timed_run(wl, plan, STEPS, WARMUP))
+    else:
+        row["fits"] = False
+    del wl
+    st.clean()
+    return row
+
+
+def tightfit(w: BenchWorkload) -> dict:
+    import resource
+
+    st.cap_memory(w.budget_bytes)
+    wl = make_workload(w, w.effective_batch, w.effective_batch * TF_STEPS)
+    t0 = time.perf_counter()
+    plan = plan_on_gpu(wl, detect(), w.budget_bytes, w.size, compile="off")
+    planning = time.perf_counter() - t0
+    row = {"setting": "tightfit", "optimizer": plan.optimizer, "planning_seconds": planning,
+           "reasons": list(plan.reasons), "predicted_samples_per_s": plan.predicted_samples_per_s,
+           **st.timed_run(wl, plan, TF_STEPS, WARMUP), "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    del wl
+    st.clean()
+    return row
+
+
+def machine_rates() -> dict:
+    """CPU fused AdamW parameters/s, pinned H2D bytes/s, torchao 8-bit step seconds per tensor (GPU)."""
+    from torchao.optim import AdamW8bit
+
+    n = 100_000_000
+    p = torch.nn.Parameter(torch.zeros(n))
+    p.grad = torch.ones(n)
+    opt = torch.optim.AdamW([p], fused=True)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        opt.step()
+    cpu_rate = 3 * n / (time.perf_counter() - t0)
+    host = torch.empty(256 << 20, dtype=torch.float32, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    link = 5 * host.numel() * 4 / (time.perf_counter() - t0)
+    ps = [torch.nn.Parameter(torch.zeros(1024, 1024, device="cuda")) for _ in range(200)]
+    for q in ps:
+        q.grad = torch.ones_like(q)
+    o = AdamW8bit(ps)
+    o.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        o.step()
+    torch.cuda.synchronize()
+    per_tensor = (time.perf_counter() - t0) / 5 / len(ps)
+    return {"cpu_fused_adamw_params_per_s": cpu_rate, "pinned_h2d_bytes_per_s": link,
+            "adamw8bit_seconds_per_tensor_1m": per_tensor}
+
+
+def write(results: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "optimizer_levers.json").write_text(json.dumps(results, indent=2, default=str))
+    lines = ["| workload | setting | optimizer | batch (micro x accum) | ckpt blocks | samples/s | vs no-budget best "
+             "| peak reserved GiB | OOMs after planning | planning s |", "|" + "---|" * 10]
+    for name, rows in results["workloads"].items():
+        best = max((r.get("samples_per_s") or 0 for r in rows if r["setting"] == "no budget"), default=0)
+        for r in rows:
+            sps = r.get("samples_per_s")
+            head = f"| {name} | {r['setting']} | {r.get('optimizer', 'adamw')} |"
+            if not sps:
+                lines.append(f"{head} {r.get('error', 'does not fit')[:200]} | | | | | | |")
+                continue
+            lines.append(f"{head} {r.get('micro_batch')} x {r.get('accumulation_steps')} | "
+                         f"{r.get('checkpointed_blocks')} | {sps:.1f} | {sps / best if best else float('nan'):.2f} | "
+                         f"{(r.get('peak_reserved_bytes') or 0) / 2**30:.2f} | {r.get('ooms_after_planning')} | "
+                         f"{r.get('planning_seconds', 0):.1f} |")
+    lines += ["", "machine rates: " + json.dumps(results.get("rates", {}))]
+    (OUT / "optimizer_levers.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    t_start = time.perf_counter()
+    root = Path(tempfile.mkdtemp())
+    chosen = os.environ.get("BENCH_WORKLOADS")
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "workloads": {}}
+    try:
+        results["rates"] = machine_rates()
+    except Exception as e:  # the rows matter more than the rates
+        results["rates"] = {"error": repr(e)}
+    write(results)
+    for w in workloads(root):
+        if chosen and w.name not in chosen.split(","):
+            continue
+        rows = results["workloads"].setdefault(w.name, [])
+        for run in (lambda: [tightfit(w)], lambda: [by_hand(w, "adamw8bit")], lambda: [by_hand(w, "adamw-offload")],
+                    lambda: st.no_budget(w, STEPS, WARMUP, precisions=("bf16",))):
+            try:
+                rows += run()
+            except Exception as e:  # keep going: one setting's failure is a result too
+                rows.append({"setting": "error", "error": repr(e)[:2000]})
+            write(results)
+            print(f"{w.name}: {rows[-1].get('setting')} {rows[-1].get('samples_per_s')} "
+                  f"({time.perf_counter() - t_start:.0f} s)", flush=True)
+    results["wall_seconds"] = time.perf_counter() - t_start
+    write(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""LoRA through peft (``--trainable lora``): adapters on the blocks' linear layers per architecture,
+the head trainable, everything else frozen and bit-identical; the estimator holds no gradient or
+optimizer state for frozen weights; the saved model is the merged plain model."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import SyntheticBatches, tiny_bert
+from tightfit.memory.estimate import estimate
+from tightfit.plan import Plan
+from tightfit.runtime.trainer import TrainConfig, Trainer
+from tightfit.workload import Workload
+
+pytest.importorskip("peft")
+from tightfit.levers.lora import apply_lora, lora_targets, merged, trainable_count  # noqa: E402
+
+
+def tiny_gpt2_classifier():
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+    torch.manual_seed(0)
+    return GPT2ForSequenceClassification(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                                    num_labels=2, pad_token_id=0))
+
+
+@pytest.mark.parametrize("make, suffixes", [
+    (lambda: tiny_bert(), {"query", "key", "value", "dense"}),
+    (tiny_gpt2_classifier, {"c_attn", "c_proj", "c_fc"}),
+])
+def test_targets_are_the_linear_layers_of_every_block(make, suffixes):
+    names = lora_targets(make())
+    assert {n.rsplit(".", 1)[-1] for n in names} == suffixes
+    assert {re.search(r"\.(\d+)\.", n).group(1) for n in names} == {"0", "1"}  # both blocks
+
+
+def test_lora_trains_adapters_and_head_and_leaves_the_rest_bit_identical():
+    model = apply_lora(tiny_bert(dropout=0.1))
+    n, total = trainable_count(model)
+    assert 0 < n < total / 3  # rank 8 on width 32: large for a tiny model
+    frozen = {k: p.detach().clone() for k, p in model.named_parameters() if not p.requires_grad}
+    trained = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+    assert any("classifier" in k for k in trained) and all("lora_" in k or "classifier" in k for k in trained)
+    w = Workload(model, SyntheticBatches(16), SyntheticBatches(8, seed=1), 8)
+    t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-2), progress=False)
+    t.fit()
+    assert len(t.optimizer.state) == len(trained)  # no optimizer state for frozen weights
+    for k, p in model.named_parameters():
+        if k in frozen:
+            assert torch.equal(p, frozen[k]), k
+    assert any(not torch.equal(p, trained[k]) for k, p in model.named_parameters() if "lora_B" in k)
+
+
+def test_the_estimator_holds_state_and_gradients_only_for_lora_parameters():
+    model = apply_lora(tiny_bert())
+    n, total = trainable_count(model)
+    batch = SyntheticBatches(8).worst_case(2)
+    lora = estimate(model, batch, Plan("fp32", 2, 2))
+    full = estimate(tiny_bert(), batch, Plan("fp32", 2, 2))
+    assert lora.breakdown["optimizer_state"] < full.breakdown["optimizer_state"] / 2
+    assert lora.breakdown["optimizer_state"] <= 8 * n + 512 * 3 * len([p for p in model.parameters() if p.requires_grad])
+
+
+def test_the_saved_model_is_the_plain_model_with_the_adapters_merged(tmp_path):
+    from transformers import BertForSequenceClassification
+
+    model = apply_lora(tiny_bert())
+    for k, p in model.named_parameters():
+        if "lora_B" in k:
+            torch.nn.init.normal_(p)  # a trained adapter (B starts at zero)
+    model.eval()
+    batch = {k: v for k, v in SyntheticBatches(8).worst_case(3).items() if k != "labels"}
+    want = model(**batch).logits
+    merged(model).save_pretrained(tmp_path)
+    loaded = BertForSequenceClassification.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded(**batch).logits, want, rtol=1e-4, atol=1e-5)
+    assert any(k.endswith("lora_B.default.weight") for k, _ in model.named_parameters())  # the copy was merged

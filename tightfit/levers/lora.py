@@ -1,0 +1,72 @@
+"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") through peft:
+train low-rank adapters on the linear layers of the repeated blocks and the classification head,
+with every other weight frozen (no gradient, no optimizer state: DESIGN invariant 6). Chosen
+only when asked (``--trainable lora``): it changes what is learned, and so the accuracy.
+
+The adapted layers are found per architecture from the model itself: every ``nn.Linear`` (and
+Hugging Face's ``Conv1D``, GPT-2's linear layer) inside the blocks of
+:func:`tightfit.levers.blocks.find_blocks` -- BERT's query/key/value/output/intermediate
+projections, GPT-2's ``c_attn``/``c_proj``/``c_fc``, a Llama-style decoder's ``q_proj`` ... ``down_proj``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..errors import TightfitError
+from .blocks import find_blocks
+
+TRAINABLE = ("all", "lora")
+RANK, ALPHA, DROPOUT = 8, 16, 0.1  # the LoRA paper's and peft's usual settings for fine-tuning
+HEADS = ("classifier", "score")  # Hugging Face's sequence-classification heads (BERT, decoders)
+
+
+def lora_targets(model: torch.nn.Module) -> list[str]:
+    """Full names of the linear layers inside ``model``'s repeated blocks.
+
+    Raises:
+        TightfitError: the model has no repeated blocks with linear layers.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    inside = {id(m) for b in find_blocks(model) for m in b.modules()}
+    names = [n for n, m in model.named_modules() if id(m) in inside and isinstance(m, (torch.nn.Linear, Conv1D))]
+    if not names:
+        raise TightfitError("--trainable lora: the model has no repeated blocks with linear layers to adapt")
+    return names
+
+
+def apply_lora(model: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
+    """``model`` wrapped by peft with LoRA adapters of ``rank`` on :func:`lora_targets`; the
+    classification head (``classifier``/``score``) stays trainable, everything else is frozen.
+    The wrapper's ``forward(**batch)`` returns the model's output.
+
+    Raises:
+        TightfitError: peft is missing (the ``levers`` extra), or no layer to adapt.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise TightfitError("--trainable lora needs peft: pip install 'tightfit[levers]'") from None
+    targets = lora_targets(model)
+    wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=ALPHA, lora_dropout=DROPOUT, target_modules=targets))
+    for name, p in wrapped.named_parameters():
+        if any(f".{h}." in f".{name}" for h in HEADS):
+            p.requires_grad_(True)  # the new head learns in full
+    return wrapped
+
+
+def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameters of ``model``."""
+    ps = list(model.parameters())
+    return sum(p.numel() for p in ps if p.requires_grad), sum(p.numel() for p in ps)
+
+
+def merged(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain model with the LoRA adapters merged into the weights (peft's ``merge_and_unload``
+    on a copy), to save in the model's own format; ``model`` itself if it has no adapters."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    return copy.deepcopy(model).merge_and_unload()
