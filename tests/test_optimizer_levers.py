@@ -228,3 +228,16 @@ def test_resume_refreshes_the_offloaded_master_weights(tmp_path):
     t.resume(list_checkpoints(tmp_path)[0])  # ckpt-3, written mid-run
     t.fit()
     assert_same(params(resumed.model), params(full.model))
+
+
+@pytest.mark.gpu
+def test_a_released_offloaded_optimizer_leaves_no_hook_on_the_model():
+    from tightfit.levers.optimizers import release
+
+    model = bert_with_large_tensors(dropout=0.0).cuda()
+    opt = make_optimizer(model.parameters(), "adamw-offload", "cuda", lr=1e-3)
+    batch = dict(input_ids=torch.randint(1, 50, (2, 8), device="cuda"), labels=torch.tensor([0, 1], device="cuda"))
+    release(opt)
+    model(**batch).loss.backward()
+    assert not opt.queue  # no gradient was copied to its host buffers
+    assert all(p.grad is not None for p in model.parameters())  # nor freed on the GPU

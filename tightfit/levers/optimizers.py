@@ -101,16 +101,35 @@ def _offload_class():
       runtime's rollback (drop state created by a failed attempt) works as with a torch optimizer;
     - ``load_state_dict`` also refreshes the host master weights from the (resumed) model, which
       torchao copies only at construction;
-    - ``zero_grad`` forgets the copies queued by a skipped step.
+    - ``zero_grad`` forgets the copies queued by a skipped step;
+    - ``close()`` removes the gradient hooks it put on the model's parameters (torchao keeps no
+      handle to them; without this a throw-away optimizer, e.g. a probe's, would go on copying
+      every gradient to its host buffers): :func:`release`.
     """
     base = _torchao_optim().CPUOffloadOptimizer
 
     class OffloadedAdamW(base):
         def __init__(self, params, lr: float, weight_decay: float, hold: bool = False):
-            super().__init__(params, torch.optim.AdamW, offload_gradients=False, lr=lr, weight_decay=weight_decay)
+            from unittest import mock
+
+            self.handles = []
+            register = torch.Tensor.register_post_accumulate_grad_hook
+
+            def kept(t, hook):  # torchao's own hooks, with handles to remove them
+                self.handles.append(register(t, hook))
+                return self.handles[-1]
+
+            with mock.patch.object(torch.Tensor, "register_post_accumulate_grad_hook", kept):
+                super().__init__(params, torch.optim.AdamW, offload_gradients=False, lr=lr,
+                                 weight_decay=weight_decay)
             self.hold = hold
             for p in self.param_d2h_map:  # after torchao's hook, which queues the copy
-                p.register_post_accumulate_grad_hook(self._free_gradient)
+                self.handles.append(p.register_post_accumulate_grad_hook(self._free_gradient))
+
+        def close(self) -> None:
+            for h in self.handles:
+                h.remove()
+            self.handles = []
 
         def _free_gradient(self, p):
             if not self.hold and p.grad is not None:
@@ -149,6 +168,13 @@ class _States(dict):
         super().__delitem__(key)
         for s in self._states:
             s.pop(key, None)
+
+
+def release(optimizer) -> None:
+    """Detach an optimizer that is done with from the model (CPU offload: its gradient hooks);
+    a no-op for the others."""
+    if hasattr(optimizer, "close"):
+        optimizer.close()
 
 
 def hold_gradients(optimizer, micro_batches: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
-from ..levers.optimizers import hold_gradients
+from ..levers.optimizers import hold_gradients, release
 from ..levers.precision import autocast, check_precision, fallback_precisions, make_grad_scaler, preferred_precision
 from ..plan import Plan, accumulation_steps, balanced_micro_batch
 from ..memory.oom import is_oom, release_memory
@@ -135,6 +135,7 @@ def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimi
                     seconds = min(seconds, time.perf_counter() - t0)
     finally:
         opt.zero_grad(set_to_none=True)
+        release(opt)  # a throw-away optimizer leaves no hook on the model
     return seconds, micro_batches
 
 
