@@ -48,22 +48,22 @@ from tightfit.planner.gpu import plan_on_gpu  # noqa: E402
 from tightfit.planner.probe import probe_step  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "bench-out"))
-STEPS, TF_STEPS, WARMUP = 12, 40, 3
+STEPS, TF_STEPS, WARMUP = 10, 30, 3
 
 
-def decoder_folder(root: Path, name: str, width: int, lm: bool) -> str:
+def decoder_folder(root: Path, name: str, width: int, lm: bool, vocab: int = 50257) -> str:
     """A 24-layer GPT-2-style decoder config folder (random weights: only the config is read)."""
     from transformers import GPT2Config
 
     path = root / name
-    GPT2Config(n_embd=width, n_layer=24, n_head=16, n_positions=1024, num_labels=2, pad_token_id=0,
+    GPT2Config(vocab_size=vocab, n_embd=width, n_layer=24, n_head=16, n_positions=1024, num_labels=2, pad_token_id=0,
                architectures=["GPT2LMHeadModel" if lm else "GPT2ForSequenceClassification"]).save_pretrained(path)
     return str(path)
 
 
 def workloads(root: Path) -> list[BenchWorkload]:
     return [BenchWorkload("bert-large-128@4GiB", "bert-large", 128, "4GiB", 128),
-            BenchWorkload("decoder-334m-cls-256@6GiB", decoder_folder(root, "decoder-334m", 1024, False), 256,
+            BenchWorkload("decoder-334m-cls-256@6GiB", decoder_folder(root, "decoder-334m", 1024, False, vocab=30522), 256,
                           "6GiB", 64),
             BenchWorkload("decoder-1.3b-lm-512@11GiB", decoder_folder(root, "decoder-1.3b", 2048, True), 512,
                           "11GiB", 8)]
