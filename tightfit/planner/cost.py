@@ -48,16 +48,19 @@ ACHIEVED_SHARE = 0.45
 LAUNCH_S = 25e-6
 # AdamW step: read weight, gradient, two moments; write weight and two moments (fp32).
 ADAMW_BYTES_PER_PARAM = 7 * 4
-# torchao AdamW8bit: read weight and gradient (fp32), read and write two 1-byte moments, write the
-# weight (the per-256-element scales add 3%).
-ADAMW8BIT_BYTES_PER_PARAM = 4 + 4 + 2 + 2 + 4
+# torchao AdamW8bit on the GPU, parameters per second: 4.45e10 measured on an NVIDIA H200 for one
+# 100M-parameter tensor (bench/results/device-facts/, torch 2.11, torchao 0.18) -- slower than its
+# bytes suggest (it dequantizes, updates and requantizes block by block).
+ADAMW8BIT_PARAMS_PER_S = 4.45e10
 # Per parameter tensor of torchao's AdamW8bit step: one call of its compiled single-tensor update
 # (guards, launch) from a Python loop. A prior (100 us), to be replaced by the figure that
 # bench/optimizer_levers.py measures on the GPU machine.
 OPTIMIZER_CALL_S = 100e-6
-# Fused AdamW on the host CPU, parameters per second: torchao's CPUOffloadOptimizer took about
-# 0.25 s per step for BERT-large's 335M parameters on the NVIDIA H200 machine's host (issue 14's
-# by-hand measurement, torch 2.11, 16 cores); bench/optimizer_levers.py measures it again.
+# Fused AdamW on the host CPU as torchao's CPUOffloadOptimizer runs it (one AdamW per parameter
+# tensor, each waiting for its gradient's copy), parameters per second: about 0.25 s per step for
+# BERT-large's 335M parameters on the single-H200 machine (16 cores; issue 14's by-hand
+# measurement, torch 2.11). The raw fused CPU AdamW is faster: 6.18e9 parameters/s with 32 threads
+# over one 100M tensor (bench/results/device-facts/).
 CPU_ADAMW_PARAMS_PER_S = 1.3e9
 
 
@@ -216,7 +219,7 @@ class TimeModel:
 
         ``adamw``: the fused step, memory-bound over the trainable parameters
         (:data:`ADAMW_BYTES_PER_PARAM` at the card's memory bandwidth). ``adamw8bit``:
-        :data:`ADAMW8BIT_BYTES_PER_PARAM` per parameter plus :data:`OPTIMIZER_CALL_S` per tensor.
+        :data:`ADAMW8BIT_PARAMS_PER_S` plus :data:`OPTIMIZER_CALL_S` per tensor.
         ``adamw-offload``: the offloaded parameters' fp32 gradients to the host after every
         micro-batch and their weights back (4 B each way per parameter over
         ``host_link_bytes_per_s``; the copies overlap the backward only in part, so all are
@@ -225,7 +228,7 @@ class TimeModel:
         """
         c, bw = self.cost, self.profile.memory_bytes_per_s or 500e9
         if self.optimizer == "adamw8bit":
-            return c.trainable_params * ADAMW8BIT_BYTES_PER_PARAM / bw + c.trainable_tensors * OPTIMIZER_CALL_S
+            return c.trainable_params / ADAMW8BIT_PARAMS_PER_S + c.trainable_tensors * OPTIMIZER_CALL_S
         if self.optimizer == "adamw-offload":
             n = c.offloaded_params
             link = 4 * n * (micro_batches + 1) / self.profile.host_link_bytes_per_s
