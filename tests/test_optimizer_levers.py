@@ -241,3 +241,17 @@ def test_a_released_offloaded_optimizer_leaves_no_hook_on_the_model():
     model(**batch).loss.backward()
     assert not opt.queue  # no gradient was copied to its host buffers
     assert all(p.grad is not None for p in model.parameters())  # nor freed on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw-offload"])
+def test_the_gpu_planner_verifies_and_trains_with_the_optimizer_asked_for(optimizer):
+    from tightfit.devices import detect
+    from tightfit.planner.gpu import plan_on_gpu
+
+    w = workload(n=32, effective_batch=16)
+    w.model.cuda()
+    plan = plan_on_gpu(w, detect(), 2 << 30, 12, compile="off", optimizer=optimizer)
+    assert plan.optimizer == optimizer and any(r.startswith(f"optimizer {optimizer}") for r in plan.reasons)
+    res = Trainer(w, plan, TrainConfig(epochs=1, lr=1e-3), progress=False).fit()
+    assert res.oom_recoveries == 0 and math.isfinite(res.final_loss)
