@@ -255,3 +255,26 @@ def test_the_gpu_planner_verifies_and_trains_with_the_optimizer_asked_for(optimi
     assert plan.optimizer == optimizer and any(r.startswith(f"optimizer {optimizer}") for r in plan.reasons)
     res = Trainer(w, plan, TrainConfig(epochs=1, lr=1e-3), progress=False).fit()
     assert res.oom_recoveries == 0 and math.isfinite(res.final_loss)
+
+
+@pytest.mark.gpu
+def test_resume_with_8bit_state_on_the_gpu_reproduces_the_uninterrupted_run(tmp_path):
+    """The checkpoint's host snapshot keeps torchao's 8-bit tensors as they are (a copy into a
+    plain fp32 buffer would dequantize them, and the resumed run would step fp32 moments)."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from tightfit.runtime.checkpoint import list_checkpoints, read_state
+
+    cfg = dict(epochs=2, lr=1e-3, seed=5)
+    full = workload(seed=1)
+    torch.manual_seed(0)
+    Trainer(full, Plan("fp32", 4, 8, optimizer="adamw8bit", device="cuda"),
+            TrainConfig(**cfg, checkpoint_every=2, keep_last=3, checkpoint_dir=str(tmp_path)), progress=False).fit()
+    ckpt = [c for c in list_checkpoints(tmp_path) if c.name == "ckpt-2"][0]
+    saved = read_state(ckpt)["optimizer"]["state"]
+    assert any(isinstance(v, OptimState8bit) for s in saved.values() for v in s.values())
+    resumed = workload(seed=2)
+    t = Trainer(resumed, Plan("fp32", 4, 8, optimizer="adamw8bit", device="cuda"), TrainConfig(**cfg), progress=False)
+    t.resume(ckpt)
+    t.fit()
+    assert_same(params(resumed.model), params(full.model))

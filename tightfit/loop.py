@@ -374,6 +374,7 @@ class TrainStep:
         from .memory.oom import is_oom, release_memory
         from .rng import capture_rng, restore_rng
         from .runtime.trainer import PartialUpdateError, _changed_since, _in_place_versions
+        from .levers.optimizers import hold_gradients
         from .step import training_step
 
         d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss), capture_rng()
@@ -381,6 +382,7 @@ class TrainStep:
             # fused AdamW allocates only its new state, before any write: no snapshot needed
             before = None if self._fused else _in_place_versions(self.optimizer)
             had_state = set(self.optimizer.state)
+            hold_gradients(self.optimizer, accumulation_steps(b.size, self.micro_batch))  # CPU offload
             try:
                 result = training_step(self.model, self._micro_batches(d, b.size), loss_sum, b.size, self.optimizer,
                                        self.scaler, lambda: autocast(self.plan.precision, self.device.type),

@@ -158,9 +158,14 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
         weights[name] = buffers.copy(("w", name), t, t.is_cuda)
     counter = [0]
 
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     def host(v):
         if isinstance(v, torch.Tensor):
             counter[0] += 1
+            if is_traceable_wrapper_subclass(v):  # torchao's 8-bit state: copy its inner tensors, keep its type
+                names, ctx = v.__tensor_flatten__()
+                return type(v).__tensor_unflatten__({n: host(getattr(v, n)) for n in names}, ctx, v.size(), v.stride())
             return buffers.copy(("s", counter[0]), v, v.is_cuda) if v.is_cuda else v.detach().clone()
         if isinstance(v, dict):
             return {k: host(x) for k, x in v.items()}
