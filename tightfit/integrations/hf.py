@@ -49,7 +49,8 @@ __all__ = ["TightfitCallback", "smaller_micro_batch", "train", "training_argumen
 log = logging.getLogger(__name__)
 
 # tightfit's optimizer kinds (tightfit.step.OPTIMIZERS) as the Trainer's ``optim`` names
-_OPTIM = {"adamw": "adamw_torch_fused", "adamw-foreach": "adamw_torch", "sgd": "sgd"}
+# (torchao's AdamW8bit is the Trainer's "adamw_torch_8bit"; it has no CPU-offloaded AdamW)
+_OPTIM = {"adamw": "adamw_torch_fused", "adamw-foreach": "adamw_torch", "sgd": "sgd", "adamw8bit": "adamw_torch_8bit"}
 
 
 def training_arguments(plan: Plan, **yours) -> dict:
@@ -75,11 +76,15 @@ def training_arguments(plan: Plan, **yours) -> dict:
 
     Raises:
         TightfitError: ``plan`` is not a :class:`tightfit.Plan`; one of ``yours`` sets what the plan
-            sets to another value (one line naming each).
+            sets to another value (one line naming each); the plan's optimizer has no Trainer
+            counterpart (``adamw-offload``).
     """
     if not isinstance(plan, Plan):
         raise TightfitError(f"training_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
     ckpt = plan.activation_checkpointing
+    if plan.optimizer not in _OPTIM:
+        raise TightfitError(f"the HF Trainer has no optimizer for plan.optimizer {plan.optimizer!r}; "
+                            f"plan with one of {', '.join(_OPTIM)}")
     # transformers 5.x renamed gradient_checkpointing* to activation_checkpointing* (the old names warn)
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
