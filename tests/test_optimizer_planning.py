@@ -114,3 +114,12 @@ def test_least_state_counts_what_each_optimizer_keeps_on_the_gpu(m):
     need, kind = least_state_bytes(m, "auto")
     assert kind == "adamw-offload" and need < 5 * n
     assert least_state_bytes(m, "auto", levers=False)[1] == "adamw"
+
+
+def test_hf_trainer_arguments_name_torchaos_8bit_adamw_and_refuse_offload():
+    from tightfit.errors import TightfitError
+    from tightfit.integrations.hf import training_arguments
+
+    assert training_arguments(Plan("bf16", 4, 8, optimizer="adamw8bit", device="cuda"))["optim"] == "adamw_torch_8bit"
+    with pytest.raises(TightfitError, match="adamw-offload"):
+        training_arguments(Plan("bf16", 4, 8, optimizer="adamw-offload", device="cuda"))
