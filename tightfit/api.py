@@ -251,6 +251,16 @@ class TrainRecipe:
         seq_len = self.req.workload.seq_len
         seed_everything(self.req.training.seed)  # before the new head is initialised
         self.model, self.tokenizer = self.source.load_classifier(self.data.label_names)
+        self.notes += self.source.training_notes()
+        self.notes += check_tokenizer(self.model, self.tokenizer, self.source.tokenizer_path(), self.data.texts, seq_len)
+        self._apply_trainable()
+        self._check_budget()
+        self.workload = Workload(self.model, TextBatches(self.tokenizer, self.train_data, seq_len),
+                                 TextBatches(self.tokenizer, self.eval_data, seq_len), self.req.workload.batch_size)
+
+    def _apply_trainable(self) -> None:
+        """``--trainable lora``: wrap the model with LoRA adapters (:mod:`tightfit.levers.lora`),
+        the rest frozen, and say how many parameters train."""
         if self.req.workload.trainable == "lora":
             from .levers.lora import apply_lora, trainable_count
 
@@ -258,11 +268,6 @@ class TrainRecipe:
             n, total = trainable_count(self.model)
             self.notes.append(f"--trainable lora: {n:,} of {total:,} parameters trainable ({100 * n / total:.2f}%: "
                               f"LoRA adapters and the head; the rest frozen)")
-        self.notes += self.source.training_notes()
-        self.notes += check_tokenizer(self.model, self.tokenizer, self.source.tokenizer_path(), self.data.texts, seq_len)
-        self._check_budget()
-        self.workload = Workload(self.model, TextBatches(self.tokenizer, self.train_data, seq_len),
-                                 TextBatches(self.tokenizer, self.eval_data, seq_len), self.req.workload.batch_size)
 
     def _check_budget(self) -> None:
         """The budget holds the least model state of the optimizers that may be chosen

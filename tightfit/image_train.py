@@ -132,6 +132,7 @@ class ImageTrainRecipe(TrainRecipe):
                                                                            self.req.workload.image_size)
         if self.source.folder is None:
             self.notes.append(f"{self.source.name}: no pretrained weights are shipped: training from random weights")
+        self._apply_trainable()
         self._check_budget()
         collate = collate_as("pixel_values", "labels")
 
@@ -149,6 +150,8 @@ class ImageTrainRecipe(TrainRecipe):
 
     def _save_model(self, folder: Path) -> None:
         """The trained weights (safetensors, from the CPU), ``config.json`` and the preprocessing."""
-        self.trainer.model.to("cpu").save_pretrained(folder, safe_serialization=True)
+        from .levers.lora import merged
+
+        merged(self.trainer.model.to("cpu")).save_pretrained(folder, safe_serialization=True)  # LoRA: merged
         atomic_write_json(folder / PREPROCESSING_FILE,
                           preprocessing_record(self.image_size, self.channels, self.data.label_names))
