@@ -69,7 +69,7 @@ def test_the_estimator_holds_no_offloaded_state_and_frees_gradients_without_accu
 
 
 def test_the_time_model_prices_each_optimizer():
-    cost = ForwardCost(1e9, 1000, 300_000_000, 24, 390, 299_000_000)
+    cost = ForwardCost(1e9, 1000, 300_000_000, 24, trainable_tensors=390, offloaded_params=299_000_000)
     t = {k: TimeModel(H200, cost, optimizer=k) for k in ("adamw", "adamw8bit", "adamw-offload")}
     assert t["adamw8bit"].optimizer_seconds() > 390 * 50e-6  # one compiled call per tensor
     assert t["adamw-offload"].optimizer_seconds() > 0.2  # CPU AdamW over 299M parameters

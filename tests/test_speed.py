@@ -122,11 +122,11 @@ def _fake_gpu_plan(monkeypatch, run_samples):
     result = SearchResult(a, [], 10**9, E, 4, 0.1)
     compiled = []
 
-    def fake_probe(workload, mb, precision, budget, timed_steps=2):
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
         sps = 400.0 if compiled else 240.0
         return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (sps * math.ceil(E / mb)), 1)
 
-    monkeypatch.setattr(gpu, "search", lambda *a, **k: result)
+    monkeypatch.setattr(gpu, "search_optimizers", lambda *a, **k: result)
     monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
     monkeypatch.setattr(gpu, "probe_step", fake_probe)
     monkeypatch.setattr(gpu, "compile_unavailable", lambda device: None)

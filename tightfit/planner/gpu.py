@@ -391,7 +391,7 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
         variant, notes = found.variant, found.notes
         if variant is not None:  # other sequence lengths compile now, not during the run
             notes = notes + warm_other_lengths(workload, variant.micro_batch, variant.checkpoint_blocks,
-                                               best.precision, budget_bytes)
+                                               best.precision, budget_bytes, best.optimizer)
         if variant is not None and compile == "auto":
             retiming = retime(workload, best, variant, budget_bytes)
             notes = notes + [retiming.note]

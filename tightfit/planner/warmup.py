@@ -51,9 +51,10 @@ def other_length(data) -> int | None:
 
 
 def warm_other_lengths(workload: Workload, micro_batch: int, blocks: tuple, precision: str,
-                       budget_bytes: int) -> list[str]:
+                       budget_bytes: int, optimizer: str = "adamw") -> list[str]:
     """Run one training step (:func:`~tightfit.planner.probe.probe_step`, lr 0: weights
-    unchanged) of the compiled model at :func:`other_length`, with ``blocks`` checkpointed.
+    unchanged) of the compiled model at :func:`other_length`, with ``blocks`` checkpointed and
+    the plan's ``optimizer`` (its state is part of the step's memory).
 
     Returns:
         The reason line saying so and how long it took (none for data of one length).
@@ -67,7 +68,7 @@ def warm_other_lengths(workload: Workload, micro_batch: int, blocks: tuple, prec
     t0 = time.perf_counter()
     set_activation_checkpointing(workload.model, bool(blocks), blocks)
     probe_step(replace(workload, train=_AtLength(workload.train, length)), micro_batch, precision, budget_bytes,
-               timed_steps=1)
+               timed_steps=1, optimizer=optimizer)
     return [f"compiled for any sequence length at planning time: one warm-up step at {length} tokens "
             f"({time.perf_counter() - t0:.1f} s), so the run does not recompile"]
 
@@ -92,8 +93,8 @@ def warm_compiled_plan(workload: Workload, plan, budget_bytes: int) -> float:
         tuple(range(_n_blocks(model))) if plan.activation_checkpointing else ())
     compile_model(model)
     set_activation_checkpointing(model, bool(blocks), blocks)
-    probe_step(workload, plan.micro_batch, plan.precision, budget_bytes, timed_steps=1)
-    warm_other_lengths(workload, plan.micro_batch, blocks, plan.precision, budget_bytes)
+    probe_step(workload, plan.micro_batch, plan.precision, budget_bytes, timed_steps=1, optimizer=plan.optimizer)
+    warm_other_lengths(workload, plan.micro_batch, blocks, plan.precision, budget_bytes, plan.optimizer)
     set_activation_checkpointing(model, False, ())
     return time.perf_counter() - t0
 
