@@ -91,7 +91,7 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
     calls = []
 
     def fake_plan_on_gpu(workload, profile, budget, seq_len, precision, checkpointing, compile, run_samples=None,
-                         timings=None):
+                         timings=None, optimizer="auto"):
         calls.append(run_samples)
         timings.update(probed_samples_per_s=500.0, predicted_samples_per_s=450.0, compile_s=3.0)
         return Plan("bf16", 8, 8, device="cuda", budget_bytes=budget, reasons=("searched",))
