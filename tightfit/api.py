@@ -186,8 +186,8 @@ class TrainRecipe:
         self.notes += notes
         if p.compile == "on" and (self.device != "cuda" or p.planner != "search"):
             raise TightfitError("--compile on needs a CUDA GPU and the search planner")
-        if p.optimizer == "adamw-offload" and self.device != "cuda":
-            raise TightfitError("--optimizer adamw-offload needs a CUDA GPU (its state is offloaded from the GPU)")
+        if p.optimizer == "adamw-offload" and (self.device != "cuda" or self.world.distributed):
+            raise TightfitError("--optimizer adamw-offload needs one CUDA GPU (torchao offloads one GPU's state)")
         if p.optimizer in ("adamw8bit", "adamw-offload"):
             from .planner.optimizers import levers_installed
 

@@ -31,6 +31,12 @@ def levers_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _constrained(result: SearchResult) -> bool:
     b = result.best
     return b.accumulation_steps > 1 or bool(b.checkpoint_blocks)
@@ -146,6 +152,8 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         if kind == "adamw-offload":
             if "adamw8bit" in results and not _constrained(results["adamw8bit"]):
                 break
+            if _several_ranks():  # torchao's CPUOffloadOptimizer offloads one GPU's state
+                continue
             need = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
             have = available_host_bytes() if host_bytes is None else host_bytes
             if need > 0.9 * have:
