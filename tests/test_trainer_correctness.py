@@ -48,6 +48,23 @@ def test_every_training_step_runs_in_train_mode_and_evaluation_in_eval_mode():
     assert not any(m.training for m in w.model.modules())  # the caller's mode is given back
 
 
+def test_a_module_switched_to_eval_between_steps_is_put_back_in_train_mode():
+    # fit() checks the modules it listed instead of walking the module tree at each step; a
+    # module flipped between steps (here by the metrics callback) must still train with dropout on.
+    w = _workload()
+    head = w.model.dropout  # the classifier's dropout, run in every forward
+    seen = []  # its mode in every training forward
+    head.register_forward_pre_hook(lambda mod, args: seen.append(mod.training) if torch.is_grad_enabled() else None)
+
+    def log(record):
+        if record["type"] == "train":
+            head.training = False  # a plain attribute write, as Module.eval() does module by module
+
+    Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1, log_every=1), log=log, progress=False).fit()
+    assert seen == [True] * 6  # 3 steps of 2 micro-batches
+    assert w.model.training and not head.training  # the modes the caller (and callback) left come back
+
+
 def test_dropout_is_active_so_seeds_change_the_losses():
     losses = []
     for seed in (0, 1):

@@ -251,6 +251,7 @@ class Trainer:
                        if self.device.type == "cuda" else None)
         self.memory_timeline: list[tuple[int, int, int]] = []  # (step, peak allocated, peak reserved) bytes
         self._peaks = (0, 0)
+        self._current_bytes = (0, 0)  # allocated, reserved bytes at the last _record_memory
         self.loader = Prefetcher(workload.train.collate, self.device, enabled=config.prefetch)
         self._windows: dict[int, list[list[int]]] = {}  # epoch -> its accumulation windows
         self.micro_batch = plan.micro_batch
@@ -262,6 +263,7 @@ class Trainer:
         self._clean_windows = 0
         self._stop_signal: str | None = None
         self._writer = None  # the CheckpointWriter, made at the first checkpoint
+        self._modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
@@ -276,7 +278,8 @@ class Trainer:
         samples0 = self.result.samples
         self._t_fit = time.perf_counter()  # the progress bar's rate counts this process's steps only
         try:
-            with self._stop_on_signals():
+            self._modules = list(self.model.modules())  # the modules train_step checks (see there)
+            with self._stop_on_signals(), module_mode(self.model, True):  # the caller's modes come back at the end
                 self._train_loop(bar, t0, samples0)
         finally:
             self.loader.close()
@@ -414,6 +417,13 @@ class Trainer:
                 state on the first step, come before any write).
             NonFiniteTrainingError: after ``max_skipped_steps`` non-finite steps in a row.
         """
+        if self._modules is None:
+            self._modules = list(self.model.modules())
+        # Steady state (fit() keeps the model in train mode between steps): a check of the modules
+        # seen at the start of fit(), no walk of the module tree; any module out of train mode
+        # (flipped by a callback, a step called directly on an eval-mode model) takes the full walk.
+        if all(m.training for m in self._modules):
+            return self._train_step(window)
         with module_mode(self.model, True):  # dropout on, whatever mode the caller left the model in
             return self._train_step(window)
 
@@ -424,7 +434,7 @@ class Trainer:
             # Fused AdamW allocates only its new state, before any write (see make_optimizer): it
             # needs no snapshot, which would cost a walk over every state tensor at every step.
             before = None if self._fused else _in_place_versions(self.optimizer)
-            had_state = set(self.optimizer.state)
+            had_state = len(self.optimizer.state)  # state is added in order: the failed attempt's comes last
             try:
                 micro_batches, normaliser = self._micro_batches(window)
                 result = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
@@ -441,7 +451,7 @@ class Trainer:
                     f"out of memory inside the optimizer step of step {self.step + 1} after it had updated part "
                     "of the parameters or their state; redoing it would apply that part twice, so training stops "
                     "(the last checkpoint is intact)")
-            for p in [p for p in self.optimizer.state if p not in had_state]:
+            for p in list(self.optimizer.state)[had_state:]:
                 del self.optimizer.state[p]  # state allocated by the failed attempt, never written: start it again
             # Outside the except block: the traceback and the tensors its frames held are gone.
             self.optimizer.zero_grad(set_to_none=True)
@@ -450,9 +460,12 @@ class Trainer:
             restore_rng(rng)
             self._on_oom(where)
         self._grad_norm = result.grad_norm
-        with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
-            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+        if result.finite:
             self.scheduler.step()  # the schedule follows the data, applied or skipped
+        else:
+            with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+                self.scheduler.step()
         self._used_micro_batch = self.micro_batch  # what this step ran with (before any grow-back)
         return result.loss, self._after_step(result.finite, window)
 
@@ -697,8 +710,12 @@ class Trainer:
     def _record_memory(self) -> None:
         """Append this step's peak allocated and reserved bytes (plain ints) to the timeline."""
         if self.device.type == "cuda":
-            peak_alloc = torch.cuda.max_memory_allocated(self.device)
-            peak_res = torch.cuda.max_memory_reserved(self.device)
+            # One read of the allocator's counters: torch.cuda.max_memory_allocated and its kin
+            # each build and flatten the whole statistics dict.
+            stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+            peak_alloc = stats["allocated_bytes"]["all"]["peak"]
+            peak_res = stats["reserved_bytes"]["all"]["peak"]
+            self._current_bytes = (stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"])
             self.memory_timeline.append((self.step, peak_alloc, peak_res))
             self._peaks = (max(self._peaks[0], peak_alloc), max(self._peaks[1], peak_res))
             torch.cuda.reset_peak_memory_stats(self.device)  # the next entry is the next step's peak
@@ -741,8 +758,7 @@ class Trainer:
         if self.scaler.is_enabled():
             rec["loss_scale"] = float(self.scaler.get_scale())
         if self.device.type == "cuda":
-            rec["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
-            rec["reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+            rec["allocated_bytes"], rec["reserved_bytes"] = self._current_bytes  # read by _record_memory
             rec["step_peak_allocated_bytes"], rec["step_peak_reserved_bytes"] = self.memory_timeline[-1][1:]
         if self.health is not None:
             h = self.health.sample()
