@@ -434,7 +434,7 @@ class Trainer:
             # Fused AdamW allocates only its new state, before any write (see make_optimizer): it
             # needs no snapshot, which would cost a walk over every state tensor at every step.
             before = None if self._fused else _in_place_versions(self.optimizer)
-            had_state = len(self.optimizer.state)  # state is added in order: the failed attempt's comes last
+            had_state = set(self.optimizer.state)
             try:
                 micro_batches, normaliser = self._micro_batches(window)
                 result = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
@@ -451,7 +451,7 @@ class Trainer:
                     f"out of memory inside the optimizer step of step {self.step + 1} after it had updated part "
                     "of the parameters or their state; redoing it would apply that part twice, so training stops "
                     "(the last checkpoint is intact)")
-            for p in list(self.optimizer.state)[had_state:]:
+            for p in [p for p in self.optimizer.state if p not in had_state]:
                 del self.optimizer.state[p]  # state allocated by the failed attempt, never written: start it again
             # Outside the except block: the traceback and the tensors its frames held are gone.
             self.optimizer.zero_grad(set_to_none=True)
