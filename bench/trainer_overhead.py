@@ -14,14 +14,15 @@ then the cost of each piece of per-step bookkeeping alone (microseconds per call
 
     python bench/trainer_overhead.py [--device cpu|cuda] [--steps 200] [--repeats 5]
 
-CPU: fp32; CUDA: bf16 autocast. Prints a Markdown table (bench/results/trainer-overhead/README.md
-records it).
+CPU: fp32; CUDA: bf16 autocast. Prints Markdown tables (bench/results/trainer-overhead/README.md
+records them) and, with ``OUT`` set, writes them to ``$OUT/trainer-overhead-<cpu|cuda>.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -165,15 +166,18 @@ def main() -> None:
         tr.total_steps = n * args.repeats
         tr.fit()
         ends = [e for e, _ in tr.result.step_ends]
-        gaps = [b - a for a, b in zip(ends[10:], ends[11:])]
+        ends = ends[10:] if len(ends) > 12 else ends  # steady state: after the first 10 steps
+        gaps = [b - a for a, b in zip(ends, ends[1:])]
         rows[f"Trainer loop (fit), prefetch {'on' if prefetch else 'off'}"] = statistics.median(gaps)
 
     base = rows["step"]
-    print(f"device {device}, torch {torch.__version__}, {args.layers} layers, micro-batch {mb}, "
+    lines = []
+    emit = lines.append  # collected, then printed and written to $OUT
+    emit(f"device {device}, torch {torch.__version__}, {args.layers} layers, micro-batch {mb}, "
           f"{n} steps x {args.repeats} blocks (median)\n")
-    print("| per optimizer step | host ms | over the step, ms |\n|---|---|---|")
+    emit("| per optimizer step | host ms | over the step, ms |\n|---|---|---|")
     for k, v in rows.items():
-        print(f"| {k} | {1e3 * v:.3f} | {1e3 * (v - base):+.3f} |")
+        emit(f"| {k} | {1e3 * v:.3f} | {1e3 * (v - base):+.3f} |")
 
     # ---- the pieces alone (microseconds per call)
     model.train()
@@ -203,9 +207,15 @@ def main() -> None:
     if device.type == "cuda":
         t._record_memory()
     t._grad_norm = 1.0
-    print("\n| bookkeeping piece | us per call |\n|---|---|")
+    emit("\n| bookkeeping piece | us per call |\n|---|---|")
     for k, fn in pieces.items():
-        print(f"| {k} | {per_call_us(fn):.1f} |")
+        emit(f"| {k} | {per_call_us(fn):.1f} |")
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    if os.environ.get("OUT"):  # a GPU run's result comes back from $OUT
+        os.makedirs(os.environ["OUT"], exist_ok=True)
+        with open(os.path.join(os.environ["OUT"], f"trainer-overhead-{device.type}.md"), "w") as f:
+            f.write(text)
     if not math.isfinite(base):
         raise SystemExit(1)
 
