@@ -263,7 +263,7 @@ class Trainer:
         self._clean_windows = 0
         self._stop_signal: str | None = None
         self._writer = None  # the CheckpointWriter, made at the first checkpoint
-        self._modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
+        self._listed_modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
@@ -278,7 +278,7 @@ class Trainer:
         samples0 = self.result.samples
         self._t_fit = time.perf_counter()  # the progress bar's rate counts this process's steps only
         try:
-            self._modules = list(self.model.modules())  # the modules train_step checks (see there)
+            self._listed_modules = list(self.model.modules())  # the modules train_step checks (see there)
             with self._stop_on_signals(), module_mode(self.model, True):  # the caller's modes come back at the end
                 self._train_loop(bar, t0, samples0)
         finally:
@@ -417,12 +417,12 @@ class Trainer:
                 state on the first step, come before any write).
             NonFiniteTrainingError: after ``max_skipped_steps`` non-finite steps in a row.
         """
-        if self._modules is None:
-            self._modules = list(self.model.modules())
+        if self._listed_modules is None:
+            self._listed_modules = list(self.model.modules())
         # Steady state (fit() keeps the model in train mode between steps): a check of the modules
         # seen at the start of fit(), no walk of the module tree; any module out of train mode
         # (flipped by a callback, a step called directly on an eval-mode model) takes the full walk.
-        if all(m.training for m in self._modules):
+        if all(m.training for m in self._listed_modules):
             return self._train_step(window)
         with module_mode(self.model, True):  # dropout on, whatever mode the caller left the model in
             return self._train_step(window)
