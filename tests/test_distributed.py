@@ -113,6 +113,29 @@ def test_fsdp_micro_batch_comes_from_the_estimator_less_the_sharded_state():
     assert fsdp_micro_batch(w, None, 80_000_000, 2, "fp32", False) is None  # below the step's fixed bytes
 
 
+def test_rng_of_more_gpus_restores_on_fewer(monkeypatch):
+    """A checkpoint written where 2 GPUs were visible resumes where 1 is: device 0's state is
+    restored, device 1's (absent here) is not asked for (torch raised IndexError)."""
+    import torch.cuda.random as cuda_random
+
+    from tightfit.rng import capture_rng, restore_rng
+
+    set_on = []
+
+    def fake_set(state, device="cuda"):
+        idx = device if isinstance(device, int) else 0
+        if idx >= 1:
+            raise IndexError("tuple index out of range")  # torch.cuda.default_generators[1]
+        set_on.append(idx)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake_set)
+    monkeypatch.setattr(cuda_random, "set_rng_state", fake_set)
+    restore_rng({**capture_rng(), "cuda": [torch.zeros(16, dtype=torch.uint8)] * 2})
+    assert set_on == [0]
+
+
 # ---------------------------------------------------------------- two processes on gloo
 def test_two_ranks_train_every_sample_once_and_match_one_process(tmp_path):
     # 21 samples, effective batch 8, micro-batch 3: windows 8, 8, 5; rank shares 4+4, 4+4, 3+2.
@@ -180,9 +203,9 @@ def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):
     _same_weights(one["weights"], full[0]["weights"], exact=False)
 
 
-def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
-    """``tightfit train --gpus 2 --device cpu``: torch.distributed.run starts two processes that
-    meet at the rendezvous, train DDP and write one run folder with one line per step."""
+def _tiny_cli_run(tmp_path, *extra):
+    """``tightfit train ... --device cpu`` of a tiny text classifier (40 rows, effective batch 8,
+    dropout on) into ``tmp_path/run``; returns the finished process and the run folder."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_resume import WORDS
 
@@ -196,8 +219,57 @@ def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tightfit", "train", "--model", str(model), "--data", str(data), "--batch-size",
            "8", "--epochs", "1", "--seq-len", "16", "--log-every", "1", "--out", str(out), "--no-progress",
-           "--device", "cpu", "--gpus", "2"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+           "--device", "cpu", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240), out
+
+
+def _train_losses(run):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == "train"}
+
+
+def _cut_to(run, step, dest):
+    """A copy of run folder ``run`` as if it had been killed right after checkpoint ``step``."""
+    import shutil
+
+    shutil.copytree(run, dest)
+    for c in (dest / "checkpoints").glob("ckpt-*"):
+        if int(c.name.split("-")[1]) > step:
+            shutil.rmtree(c)
+    (dest / "summary.json").unlink()
+    return dest
+
+
+def test_gpus_2_resume_through_the_cli_on_two_ranks_and_on_one(tmp_path):
+    """``tightfit train --resume DIR --gpus 2`` continues a 2-rank run bit for bit (every rank
+    restores the checkpoint, not only the one that planned), and ``tightfit train --resume DIR``
+    continues it in one process with the same effective batch (DCP reshards)."""
+    done, run = _tiny_cli_run(tmp_path, "--gpus", "2", "--checkpoint-every", "1", "--keep-last", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    full = _train_losses(run)
+    assert sorted(full) == [1, 2, 3, 4, 5]
+    for gpus in ("2", "1"):
+        cut = _cut_to(run, 3, tmp_path / f"cut{gpus}")
+        cmd = [sys.executable, "-m", "tightfit", "train", "--resume", str(cut), "--no-progress", "--gpus", gpus]
+        again = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resumed from" in again.stdout + again.stderr
+        losses = _train_losses(cut)
+        assert sorted(losses) == [1, 2, 3, 4, 5]  # the steps after the checkpoint were trained anew
+        plan = json.loads((cut / "plan.json").read_text())
+        assert plan["effective_batch"] == 8 and plan["world_size"] == int(gpus)
+        assert plan["micro_batch"] * -(-8 // (plan["micro_batch"] * int(gpus))) * int(gpus) >= 8
+        if gpus == "2":
+            assert losses == full  # dropout on: bit for bit
+        else:
+            assert [losses[s] for s in (1, 2, 3)] == [full[s] for s in (1, 2, 3)]
+            torch.testing.assert_close([losses[4], losses[5]], [full[4], full[5]], rtol=0.05, atol=0.05)
+
+
+def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
+    """``tightfit train --gpus 2 --device cpu``: torch.distributed.run starts two processes that
+    meet at the rendezvous, train DDP and write one run folder with one line per step."""
+    done, out = _tiny_cli_run(tmp_path, "--gpus", "2")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("summary:") == 1  # rank 1 keeps quiet
     plan = json.loads((out / "plan.json").read_text())
