@@ -256,6 +256,9 @@ def test_gpus_2_resume_through_the_cli_on_two_ranks_and_on_one(tmp_path):
         assert "resumed from" in again.stdout + again.stderr
         losses = _train_losses(cut)
         assert sorted(losses) == [1, 2, 3, 4, 5]  # the steps after the checkpoint were trained anew
+        recs = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+        mark = max(i for i, r in enumerate(recs) if r["type"] == "event" and r["message"].startswith("resumed from"))
+        assert [r["step"] for r in recs[mark + 1:] if r["type"] == "train"] == [4, 5]  # what bench/multi_gpu_report.py reads
         plan = json.loads((cut / "plan.json").read_text())
         assert plan["effective_batch"] == 8 and plan["world_size"] == int(gpus)
         assert plan["micro_batch"] * -(-8 // (plan["micro_batch"] * int(gpus))) * int(gpus) >= 8
