@@ -202,6 +202,17 @@ def test_oom_mid_run_on_one_rank_keeps_the_replicas_identical(tmp_path):
     _same_weights(hit[0]["weights"], hit[1]["weights"])
 
 
+def test_fsdp_probe_step_halves_on_oom_and_leaves_no_trace(tmp_path):
+    # The planned micro-batch 4 runs out of memory in the probe on every rank: all take 2, and
+    # training then runs exactly as a run planned at 2 (weights, AdamW state, RNG untouched).
+    base = {"n": 24, "effective_batch": 8, "dropout": 0.1, "sharding": "fsdp"}
+    ref = spawn({**base, "micro_batch": 2}, 2, tmp_path)
+    probed = spawn({**base, "micro_batch": 4, "probe_oom_above": 2}, 2, tmp_path)
+    assert [r["micro_batch"] for r in probed] == [2, 2] and [r["oom_recoveries"] for r in probed] == [0, 0]
+    assert _losses(probed[0]) == _losses(ref[0])  # bit for bit
+    _same_weights(probed[0]["weights"], ref[0]["weights"])
+
+
 def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):
     spec = {"n": 24, "effective_batch": 8, "micro_batch": 2, "dropout": 0.1, "sharding": "fsdp"}
     full = spawn({**spec, "checkpoint_dir": str(tmp_path / "full"), "checkpoint_every": 1}, 2, tmp_path)

@@ -413,6 +413,15 @@ class TrainRecipe:
                                profile=self.profile if self.device == "cuda" else None, world=self.world)
         if self.resume_from is not None:  # verified by _resume_request, its state read by _choose_plan (on rank 0)
             self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
+        elif self.device == "cuda" and self.plan.sharding == "fsdp":  # the estimator's micro-batch, run once
+            from .planner.fsdp_probe import verify_micro_batch
+
+            planned, mb = self.plan.micro_batch, verify_micro_batch(self.trainer)
+            if mb != planned:
+                self.plan = replace(self.plan, micro_batch=mb, reasons=self.plan.reasons + (
+                    f"probe step on every rank: micro-batch {planned} ran out of memory, {mb} runs",))
+                self.trainer.plan = self.trainer.result.plan = self.plan
+                log.info(f"  probe step on every rank: micro-batch {planned} -> {mb}")
 
     def finished_summary(self) -> RunSummary | None:
         """For a resumed run that had already finished: its summary (logged as such; nothing is
