@@ -87,6 +87,14 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
                 fired.append(1)
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         world.unwrap(t.model).bert.encoder.layer[1].register_forward_pre_hook(inject)
+    allreduces = []  # DDP's gradient all-reduces (one per bucket) on this rank
+    if world.sharding == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counted(state, bucket):
+            allreduces.append(t.step)
+            return allreduce_hook(state, bucket)
+        t.model.register_comm_hook(None, counted)
     if spec.get("probe_oom_above"):  # every rank: an OOM in the forward of a micro-batch above this
         def too_big(module, args, kwargs):
             if args[0].shape[0] > spec["probe_oom_above"]:
@@ -103,4 +111,4 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
         weights = {k: v.detach().clone() for k, v in world.unwrap(t.model).state_dict().items()}
     world.close()
     return {"records": records, "drawn": drawn, "weights": weights, "oom_recoveries": res.oom_recoveries,
-            "micro_batch": t.micro_batch, "steps": res.steps, "samples": res.samples}
+            "micro_batch": t.micro_batch, "steps": res.steps, "samples": res.samples, "allreduces": allreduces}

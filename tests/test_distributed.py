@@ -171,6 +171,15 @@ def test_two_ranks_train_every_sample_once_and_match_one_process(tmp_path):
     assert norms[0] == norms[1]
 
 
+def test_ddp_all_reduces_the_gradients_once_per_window(tmp_path):
+    # 4 micro-batches per rank per window (no_sync on the first 3) all-reduce as often as 1.
+    spec = {"n": 48, "effective_batch": 16}
+    many = spawn({**spec, "micro_batch": 2}, 2, tmp_path)
+    one = spawn({**spec, "micro_batch": 8}, 2, tmp_path)
+    assert many[0]["steps"] == 3 and len(one[0]["allreduces"]) >= 3
+    assert many[0]["allreduces"] == one[0]["allreduces"]  # the same buckets, at the same steps
+
+
 def test_a_window_smaller_than_the_ranks_is_padded_with_zero_weight(tmp_path):
     # 17 samples, effective batch 8: the last window holds 1 sample, rank 1 has none of it.
     spec = {"n": 17, "effective_batch": 8, "micro_batch": 4, "sharding": "fsdp"}
