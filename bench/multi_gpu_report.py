@@ -50,14 +50,22 @@ b1, b2 = res["base-1gpu"]["steady_samples_per_s"], res["base-2gpu"]["steady_samp
 res["base_speedup_2_over_1"] = b2 / b1 if b1 and b2 else None
 ref = {r["step"]: r["loss"] for r in train_records("base-2gpu")}
 resumed = {}
-for run in ("killed", "killed-1gpu"):
-    losses = {r["step"]: r["loss"] for r in train_records(run)}
-    after = sorted(s for s in losses if s > 10 and s in ref)
-    resumed[run] = {"steps_compared": len(after),
-                    "exact_equal": sum(losses[s] == ref[s] for s in after),
-                    "max_abs_loss_diff": max((abs(losses[s] - ref[s]) for s in after), default=None),
-                    "events": [r["message"] for r in records(run) if r["type"] == "event"][-3:],
-                    "exit": codes.get("resume-2gpu" if run == "killed" else "resume-1gpu")}
+for run, exact in (("killed", True), ("killed-1gpu", False)):
+    # Only what the resumed run itself wrote: the train records after its "resumed from ... at step N"
+    # event (the killed run's own records up to its kill are not evidence of a resume).
+    recs, code = records(run), codes.get("resume-2gpu" if run == "killed" else "resume-1gpu")
+    marks = [i for i, r in enumerate(recs) if r["type"] == "event" and r["message"].startswith("resumed from")]
+    at = int(recs[marks[-1]]["message"].split(" at step ")[1].split()[0]) if marks else None
+    losses = {r["step"]: r["loss"] for r in recs[marks[-1] + 1:] if r["type"] == "train"} if marks else {}
+    after = sorted(s for s in losses if s in ref)
+    equal = sum(losses[s] == ref[s] for s in after)
+    diff = max((abs(losses[s] - ref[s]) for s in after), default=None)
+    complete = bool(ref) and after == [s for s in sorted(ref) if at is not None and s > at]
+    ok = code == "0" and bool(after) and complete and (equal == len(after) if exact else diff < 0.05)
+    resumed[run] = {"ok": ok, "exit": code, "resumed_at_step": at, "steps_written_by_resume": len(losses),
+                    "steps_compared": len(after), "reached_last_step": complete,
+                    "exact_equal": equal, "max_abs_loss_diff": diff,
+                    "events": [r["message"] for r in recs if r["type"] == "event"][-3:]}
 res["resume"] = resumed
 oom = out / "oom.json"
 res["oom"] = {k: v for k, v in json.loads(oom.read_text()).items() if k not in ("inject", "switch")} \
@@ -81,7 +89,9 @@ md += ["", f"BERT-base 2 GPUs / 1 GPU: **{fmt(res['base_speedup_2_over_1'], '{:.
 if res["large-1gpu"]["error"]:
     md.append(f"BERT-large on 1 GPU: `{res['large-1gpu']['error'][:300]}`")
 md += ["", "## OOM on rank 1 mid-run", "```", json.dumps(res["oom"], indent=1), "```", "",
-       "## Kill + resume (losses after the checkpoint vs the uninterrupted 2-GPU run)", "```",
+       "## Kill + resume (losses the resumed run wrote vs the uninterrupted 2-GPU run)", "",
+       *[f"- {k}: **{'PASS' if v['ok'] else 'FAIL'}** (exit {v['exit']}, {v['steps_compared']} steps compared, "
+         f"{v['exact_equal']} bit-equal)" for k, v in resumed.items()], "", "```",
        json.dumps(resumed, indent=1), "```"]
 (out / "multi_gpu.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))

@@ -45,7 +45,8 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
     """Train as ``spec`` says: ``n``, ``effective_batch``, ``micro_batch``, ``dropout``,
     ``sharding``, ``max_steps``, ``checkpoint_dir``/``checkpoint_every``, ``resume`` (a
     checkpoint), ``oom`` (``(rank, step)``: an injected OOM in that rank's forward at that step,
-    once). Returns the records, the samples each step drew on this rank, the final weights."""
+    once), ``probe_oom_above`` (the FSDP2 probe step first, with an OOM on every rank for
+    micro-batches above it). Returns the records, the samples each step drew on this rank, the final weights."""
     from conftest import SyntheticBatches, tiny_bert
 
     from tightfit.plan import Plan
@@ -86,6 +87,22 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
                 fired.append(1)
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         world.unwrap(t.model).bert.encoder.layer[1].register_forward_pre_hook(inject)
+    allreduces = []  # DDP's gradient all-reduces (one per bucket) on this rank
+    if world.sharding == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counted(state, bucket):
+            allreduces.append(t.step)
+            return allreduce_hook(state, bucket)
+        t.model.register_comm_hook(None, counted)
+    if spec.get("probe_oom_above"):  # every rank: an OOM in the forward of a micro-batch above this
+        def too_big(module, args, kwargs):
+            if args[0].shape[0] > spec["probe_oom_above"]:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        hook = world.unwrap(t.model).bert.encoder.layer[1].register_forward_pre_hook(too_big, with_kwargs=True)
+        from tightfit.planner.fsdp_probe import verify_micro_batch
+        probed = verify_micro_batch(t)
+        hook.remove()
     res = t.fit()
     if world.sharding == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -94,4 +111,4 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
         weights = {k: v.detach().clone() for k, v in world.unwrap(t.model).state_dict().items()}
     world.close()
     return {"records": records, "drawn": drawn, "weights": weights, "oom_recoveries": res.oom_recoveries,
-            "micro_batch": t.micro_batch, "steps": res.steps, "samples": res.samples}
+            "micro_batch": t.micro_batch, "steps": res.steps, "samples": res.samples, "allreduces": allreduces}

@@ -56,14 +56,14 @@ def test_sharding_choice_ddp_when_replicated_state_fits_else_fsdp():
     from conftest import tiny_bert
 
     model = tiny_bert()
-    replicated, sharded = sharded_state_bytes(model, 2)
+    replicated, sharded = sharded_state_bytes(model, 4)  # a tiny model's embeddings weigh a lot: 4 ranks
     assert sharded < replicated
     assert choose_sharding(model, 1, 10 * replicated).sharding == "none"
     assert choose_sharding(model, 2, 10 * replicated).sharding == "ddp"
-    fsdp = choose_sharding(model, 2, int(1.2 * sharded))
+    fsdp = choose_sharding(model, 4, int(1.2 * sharded))
     assert fsdp.sharding == "fsdp" and fsdp.saved_bytes == replicated - sharded and "FSDP2" in fsdp.reason
-    with pytest.raises(TightfitError, match="even sharded over 2 GPUs"):
-        choose_sharding(model, 2, sharded // 2)
+    with pytest.raises(TightfitError, match="even sharded over 4 GPUs"):
+        choose_sharding(model, 4, sharded // 2)
 
 
 def test_sharded_state_is_the_state_over_the_ranks_plus_gathered_blocks():
@@ -76,8 +76,8 @@ def test_sharded_state_is_the_state_over_the_ranks_plus_gathered_blocks():
     layers = model.bert.encoder.layer
     block = sum(p.numel() * 4 for p in layers[0].parameters())
     root = sum(p.numel() * 4 for p in model.parameters()) - len(layers) * block
-    for world in (2, 4):
-        assert sharded_state_bytes(model, world) == (total, -(-total // world) + root + 3 * block)
+    for world in (2, 4):  # root: parameters + gradient; blocks: 2 gathered + 2 gradient buffers
+        assert sharded_state_bytes(model, world) == (total, -(-total // world) + 2 * root + 4 * block)
 
 
 def test_fsdp_micro_batch_is_the_estimate_less_what_sharding_removes(monkeypatch):
@@ -94,10 +94,27 @@ def test_fsdp_micro_batch_is_the_estimate_less_what_sharding_removes(monkeypatch
     replicated, sharded = sharded_state_bytes(w.model, 2)
     monkeypatch.setattr(est, "estimate", lambda model, batch, plan, profile: SimpleNamespace(
         peak_reserved_bytes=replicated + 10_000 + 10_000 * plan.micro_batch))  # a line in the micro-batch
-    budget = 400_000  # the replicated state alone would not fit
+    budget = 500_000  # the replicated state alone would not fit
     mb, peak = fsdp_micro_batch(w, None, budget, 2, "fp32", False)
-    assert mb == int(((1 - HEADROOM) * budget - sharded - 10_000) / 10_000) == 8
+    assert mb == int(((1 - HEADROOM) * budget - sharded - 10_000) / 10_000) == 12
     assert peak == sharded + 10_000 + 10_000 * mb
+    # A single-GPU peak that does not hold the whole state (AdamW's moments come at the first
+    # step): only its bytes per sample count, the sharded state is added in full.
+    monkeypatch.setattr(est, "estimate", lambda model, batch, plan, profile: SimpleNamespace(
+        peak_reserved_bytes=replicated // 2 + 10_000 * plan.micro_batch))
+    mb, peak = fsdp_micro_batch(w, None, budget, 2, "fp32", False)
+    assert mb == int(((1 - HEADROOM) * budget - sharded) / 10_000) == 13 and peak == sharded + 10_000 * mb
+
+
+def test_fsdp_takes_checkpointing_when_the_micro_batch_would_be_tiny():
+    from tightfit.planner.sharding import choose_checkpointing
+
+    assert choose_checkpointing({False: (3, 0), True: (24, 0)}, 128) == [True]
+    assert choose_checkpointing({False: (12, 0), True: (48, 0)}, 128) == [False, True]  # not tiny
+    assert choose_checkpointing({False: (3, 0), True: (5, 0)}, 128) == [False, True]  # not worth it
+    assert choose_checkpointing({False: (3, 0), True: (8, 0)}, 3) == [False, True]  # the whole share
+    assert choose_checkpointing({False: None, True: (8, 0)}, 128) == [True]
+    assert choose_checkpointing({False: (3, 0)}, 128) == [False]  # --checkpointing off
 
 
 def test_fsdp_micro_batch_comes_from_the_estimator_less_the_sharded_state():
@@ -111,6 +128,29 @@ def test_fsdp_micro_batch_comes_from_the_estimator_less_the_sharded_state():
     mb, peak = fsdp_micro_batch(w, None, 100_000_000, 2, "fp32", False)
     assert mb == 32 and peak <= (1 - HEADROOM) * 100_000_000  # each rank's share of 64, predicted to fit
     assert fsdp_micro_batch(w, None, 80_000_000, 2, "fp32", False) is None  # below the step's fixed bytes
+
+
+def test_rng_of_more_gpus_restores_on_fewer(monkeypatch):
+    """A checkpoint written where 2 GPUs were visible resumes where 1 is: device 0's state is
+    restored, device 1's (absent here) is not asked for (torch raised IndexError)."""
+    import torch.cuda.random as cuda_random
+
+    from tightfit.rng import capture_rng, restore_rng
+
+    set_on = []
+
+    def fake_set(state, device="cuda"):
+        idx = device if isinstance(device, int) else 0
+        if idx >= 1:
+            raise IndexError("tuple index out of range")  # torch.cuda.default_generators[1]
+        set_on.append(idx)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake_set)
+    monkeypatch.setattr(cuda_random, "set_rng_state", fake_set)
+    restore_rng({**capture_rng(), "cuda": [torch.zeros(16, dtype=torch.uint8)] * 2})
+    assert set_on == [0]
 
 
 # ---------------------------------------------------------------- two processes on gloo
@@ -129,6 +169,15 @@ def test_two_ranks_train_every_sample_once_and_match_one_process(tmp_path):
     # the skip decision agrees: the gradient norm every rank measured is the same number
     norms = [[r["grad_norm"] for r in res["records"] if r["type"] == "train"] for res in two]
     assert norms[0] == norms[1]
+
+
+def test_ddp_all_reduces_the_gradients_once_per_window(tmp_path):
+    # 4 micro-batches per rank per window (no_sync on the first 3) all-reduce as often as 1.
+    spec = {"n": 48, "effective_batch": 16}
+    many = spawn({**spec, "micro_batch": 2}, 2, tmp_path)
+    one = spawn({**spec, "micro_batch": 8}, 2, tmp_path)
+    assert many[0]["steps"] == 3 and len(one[0]["allreduces"]) >= 3
+    assert many[0]["allreduces"] == one[0]["allreduces"]  # the same buckets, at the same steps
 
 
 def test_a_window_smaller_than_the_ranks_is_padded_with_zero_weight(tmp_path):
@@ -162,6 +211,17 @@ def test_oom_mid_run_on_one_rank_keeps_the_replicas_identical(tmp_path):
     _same_weights(hit[0]["weights"], hit[1]["weights"])
 
 
+def test_fsdp_probe_step_halves_on_oom_and_leaves_no_trace(tmp_path):
+    # The planned micro-batch 4 runs out of memory in the probe on every rank: all take 2, and
+    # training then runs exactly as a run planned at 2 (weights, AdamW state, RNG untouched).
+    base = {"n": 24, "effective_batch": 8, "dropout": 0.1, "sharding": "fsdp"}
+    ref = spawn({**base, "micro_batch": 2}, 2, tmp_path)
+    probed = spawn({**base, "micro_batch": 4, "probe_oom_above": 2}, 2, tmp_path)
+    assert [r["micro_batch"] for r in probed] == [2, 2] and [r["oom_recoveries"] for r in probed] == [0, 0]
+    assert _losses(probed[0]) == _losses(ref[0])  # bit for bit
+    _same_weights(probed[0]["weights"], ref[0]["weights"])
+
+
 def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):
     spec = {"n": 24, "effective_batch": 8, "micro_batch": 2, "dropout": 0.1, "sharding": "fsdp"}
     full = spawn({**spec, "checkpoint_dir": str(tmp_path / "full"), "checkpoint_every": 1}, 2, tmp_path)
@@ -180,9 +240,9 @@ def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):
     _same_weights(one["weights"], full[0]["weights"], exact=False)
 
 
-def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
-    """``tightfit train --gpus 2 --device cpu``: torch.distributed.run starts two processes that
-    meet at the rendezvous, train DDP and write one run folder with one line per step."""
+def _tiny_cli_run(tmp_path, *extra):
+    """``tightfit train ... --device cpu`` of a tiny text classifier (40 rows, effective batch 8,
+    dropout on) into ``tmp_path/run``; returns the finished process and the run folder."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_resume import WORDS
 
@@ -196,8 +256,60 @@ def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tightfit", "train", "--model", str(model), "--data", str(data), "--batch-size",
            "8", "--epochs", "1", "--seq-len", "16", "--log-every", "1", "--out", str(out), "--no-progress",
-           "--device", "cpu", "--gpus", "2"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+           "--device", "cpu", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240), out
+
+
+def _train_losses(run):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == "train"}
+
+
+def _cut_to(run, step, dest):
+    """A copy of run folder ``run`` as if it had been killed right after checkpoint ``step``."""
+    import shutil
+
+    shutil.copytree(run, dest)
+    for c in (dest / "checkpoints").glob("ckpt-*"):
+        if int(c.name.split("-")[1]) > step:
+            shutil.rmtree(c)
+    (dest / "summary.json").unlink()
+    return dest
+
+
+def test_gpus_2_resume_through_the_cli_on_two_ranks_and_on_one(tmp_path):
+    """``tightfit train --resume DIR --gpus 2`` continues a 2-rank run bit for bit (every rank
+    restores the checkpoint, not only the one that planned), and ``tightfit train --resume DIR``
+    continues it in one process with the same effective batch (DCP reshards)."""
+    done, run = _tiny_cli_run(tmp_path, "--gpus", "2", "--checkpoint-every", "1", "--keep-last", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    full = _train_losses(run)
+    assert sorted(full) == [1, 2, 3, 4, 5]
+    for gpus in ("2", "1"):
+        cut = _cut_to(run, 3, tmp_path / f"cut{gpus}")
+        cmd = [sys.executable, "-m", "tightfit", "train", "--resume", str(cut), "--no-progress", "--gpus", gpus]
+        again = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resumed from" in again.stdout + again.stderr
+        losses = _train_losses(cut)
+        assert sorted(losses) == [1, 2, 3, 4, 5]  # the steps after the checkpoint were trained anew
+        recs = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+        mark = max(i for i, r in enumerate(recs) if r["type"] == "event" and r["message"].startswith("resumed from"))
+        assert [r["step"] for r in recs[mark + 1:] if r["type"] == "train"] == [4, 5]  # what bench/multi_gpu_report.py reads
+        plan = json.loads((cut / "plan.json").read_text())
+        assert plan["effective_batch"] == 8 and plan["world_size"] == int(gpus)
+        assert plan["micro_batch"] * -(-8 // (plan["micro_batch"] * int(gpus))) * int(gpus) >= 8
+        if gpus == "2":
+            assert losses == full  # dropout on: bit for bit
+        else:
+            assert [losses[s] for s in (1, 2, 3)] == [full[s] for s in (1, 2, 3)]
+            torch.testing.assert_close([losses[4], losses[5]], [full[4], full[5]], rtol=0.05, atol=0.05)
+
+
+def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
+    """``tightfit train --gpus 2 --device cpu``: torch.distributed.run starts two processes that
+    meet at the rendezvous, train DDP and write one run folder with one line per step."""
+    done, out = _tiny_cli_run(tmp_path, "--gpus", "2")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("summary:") == 1  # rank 1 keeps quiet
     plan = json.loads((out / "plan.json").read_text())

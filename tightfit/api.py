@@ -153,6 +153,7 @@ class TrainRecipe:
         self.notes: list[str] = []  # printed after the banner, as "note: ..."
         self.resume_from: Path | None = None  # the checkpoint a resumed run continues from
         self.changed: dict = {}  # {option: [old, new]} given anew on resume
+        self.resume_state: dict | None = None  # the checkpoint's state once read (rank 0 plans: others read it anew)
         self.device, self.profile, self.budget = "cpu", None, None
         self.records: list[dict] = []  # what the trainer logs before the metrics file is open
         self.data_fingerprint: str | None = None  # of the samples trained on and held out
@@ -329,7 +330,9 @@ class TrainRecipe:
         else:
             self.plan = self._choose_plan()
             if self.plan.world_size != 1:  # a run of several ranks resumed by one process
-                self.plan = replace(self.plan, world_size=1, sharding="none")
+                self.plan = replace(self.plan, world_size=1, sharding="none", reasons=self.plan.reasons + (
+                    f"resumed in one process: the same micro-batch {self.plan.micro_batch}, the ranks' "
+                    f"effective batch {self.plan.effective_batch} in more accumulation steps",))
         if self.resume_from is None:  # what is trained, in the plan and the report
             self.plan = replace(self.plan, trainable=self.req.workload.trainable, trainable_params=sum(
                 p.numel() for p in self.model.parameters() if p.requires_grad))
@@ -408,8 +411,17 @@ class TrainRecipe:
         self.trainer = Trainer(self.workload, self.plan, cfg, log=self.records.append,
                                progress=self.req.run.progress and self.world.is_main,
                                profile=self.profile if self.device == "cuda" else None, world=self.world)
-        if self.resume_from is not None:  # verified by _resume_request, its state read by _choose_plan
+        if self.resume_from is not None:  # verified by _resume_request, its state read by _choose_plan (on rank 0)
             self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
+        elif self.device == "cuda" and self.plan.sharding == "fsdp":  # the estimator's micro-batch, run once
+            from .planner.fsdp_probe import verify_micro_batch
+
+            planned, mb = self.plan.micro_batch, verify_micro_batch(self.trainer)
+            if mb != planned:
+                self.plan = replace(self.plan, micro_batch=mb, reasons=self.plan.reasons + (
+                    f"probe step on every rank: micro-batch {planned} ran out of memory, {mb} runs",))
+                self.trainer.plan = self.trainer.result.plan = self.plan
+                log.info(f"  probe step on every rank: micro-batch {planned} -> {mb}")
 
     def finished_summary(self) -> RunSummary | None:
         """For a resumed run that had already finished: its summary (logged as such; nothing is

@@ -32,7 +32,10 @@ def restore_rng(state: dict) -> None:
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per device the writer saw: a run resumed with fewer visible devices (a
+        # 2-GPU checkpoint resumed under CUDA_VISIBLE_DEVICES=0) restores those it has
+        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
 
 
 def seed_everything(seed: int) -> None:

@@ -8,10 +8,15 @@ al. 2020, "ZeRO", section 3):
 * DDP: the whole state on every rank. DDP's gradient buckets hold the gradients themselves
   (``gradient_as_bucket_view=True``), so nothing is added.
 * FSDP2 (``fully_shard`` on each repeated block, then the root): the state divided by the world
-  size, plus the parameters FSDP2 all-gathers while it computes: the root's own parameters
-  (embeddings, head: unsharded during the whole forward and backward), and about two blocks
-  (the one computing and the one prefetched) plus one block's unsharded gradient before its
-  reduce-scatter (PyTorch's FSDP2 notes: ``torch/distributed/fsdp/_fully_shard``).
+  size (AdamW's moments included: allocated at the first step, they are there from then on),
+  plus what FSDP2 holds unsharded while it computes: the root's own parameters (embeddings,
+  head: all-gathered during the whole forward and backward) and their fp32 gradient before its
+  reduce-scatter, two blocks' all-gathered parameters (the one computing and the one
+  prefetched) and two blocks' fp32 gradients (the unsharded gradient and the reduce-scatter's
+  input buffer) (PyTorch's FSDP2 notes: ``torch/distributed/fsdp/_fully_shard``). Activations
+  per rank: the single-GPU estimator's bytes per sample (the slope of its line) times the
+  micro-batch; on CUDA the planned micro-batch is then verified by one real step on every rank
+  before training (:mod:`tightfit.planner.fsdp_probe`).
 
 DDP is chosen when its state takes at most :data:`STATE_SHARE` of the budget (the rest is for
 activations); FSDP2 otherwise, if its own state fits the budget (less the planner's headroom;
@@ -33,7 +38,11 @@ from .margins import HEADROOM
 
 # The share of the budget the training state may take; the rest is left to activations.
 STATE_SHARE = 0.6
-GATHERED_BLOCKS = 3  # two blocks all-gathered (current, prefetched) + one block's unsharded gradient
+GATHERED_BLOCKS = 4  # two blocks all-gathered (current, prefetched) + two blocks' gradient buffers
+ROOT_COPIES = 2  # the root's parameters all-gathered + their unsharded gradient
+# Under FSDP2 activation checkpointing is taken when the micro-batch without it would be below
+# this (and checkpointing at least doubles it): tiny micro-batches leave the GPU idle.
+TINY_MICRO_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,7 @@ def sharded_state_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, i
     blocks = find_blocks(model)
     block = max((_param_bytes(b) for b in blocks), default=_param_bytes(model))
     root = _param_bytes(model) - sum(_param_bytes(b) for b in blocks)
-    return total, -(-total // world_size) + root + GATHERED_BLOCKS * block
+    return total, -(-total // world_size) + ROOT_COPIES * root + GATHERED_BLOCKS * block
 
 
 def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int | None,
@@ -105,9 +114,13 @@ def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, prec
     """The largest micro-batch (up to each rank's share of the window) whose predicted per-rank
     peak fits ``budget_bytes`` under FSDP2, and that peak (bytes); None if micro-batch 1 does not.
 
-    The single-GPU estimate (:func:`tightfit.memory.estimate.estimate`, traced on meta tensors at
-    micro-batches 4 and 16 and fitted to a line, :class:`tightfit.memory.fast.MemoryLine`) less
-    what sharding removes (:func:`sharded_state_bytes`), held to the planner's headroom.
+    Per-rank peak = the sharded state (:func:`sharded_state_bytes`) + the single-GPU estimate's
+    bytes per sample x micro-batch + what its line holds at micro-batch 0 beyond the replicated
+    state (fixed temporaries); the estimate (:func:`tightfit.memory.estimate.estimate`) is traced
+    on meta tensors at micro-batches 4 and 16 and fitted to a line
+    (:class:`tightfit.memory.fast.MemoryLine`). Held to the planner's headroom. (Subtracting the
+    replicated state from the single-GPU peak instead under-counts: that peak need not hold every
+    state byte at once, e.g. AdamW's moments before the first step.)
     """
     from ..memory.estimate import estimate
     from ..memory.fast import TRACED_AT, MemoryLine
@@ -121,10 +134,21 @@ def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, prec
         return estimate(workload.model, example, Plan(prec, mb, mb, checkpointing), profile)
 
     line = MemoryLine.traced(fn, precision, (), TRACED_AT)
-    shift = replicated - sharded
-    limit = budget_bytes * (1 - HEADROOM) + shift
-    mb = line.largest_fitting(limit, upper)
-    return (mb, int(line.reserved(mb) - shift)) if mb >= 1 else None
+    fixed = sharded + max(0.0, line.intercept - replicated)
+    rank_line = MemoryLine(fixed, line.slope)
+    mb = rank_line.largest_fitting(budget_bytes * (1 - HEADROOM), upper)
+    return (mb, int(rank_line.reserved(mb))) if mb >= 1 else None
+
+
+def choose_checkpointing(fits: dict, share: int) -> list[bool]:
+    """The activation-checkpointing choices worth running, best first, from ``{checkpointing:
+    (micro-batch, peak) or None}``: without checkpointing when it fits a micro-batch of at least
+    :data:`TINY_MICRO_BATCH` (or the rank's whole ``share``), or when checkpointing does not at
+    least double it; with checkpointing otherwise."""
+    off, on = fits.get(False), fits.get(True)
+    if off and on and off[0] < min(TINY_MICRO_BATCH, share) and on[0] >= 2 * off[0]:
+        return [True]
+    return [c for c in (False, True) if fits.get(c)]
 
 
 def plan_for_ranks(recipe, single_plan):
@@ -181,17 +205,18 @@ def plan_for_ranks(recipe, single_plan):
     else:
         check_precision(p.precision, recipe.profile)
         prec, why = p.precision, f"{p.precision} (asked for)"
-    tried = []
+    fits, tried = {}, []
     for ckpt in {"auto": [False, True], "on": [True], "off": [False]}[p.checkpointing]:
-        fit = fsdp_micro_batch(recipe.workload, recipe.profile, recipe.budget, world.size, prec, ckpt)
-        tried.append(f"checkpointing {'on' if ckpt else 'off'}: " + (f"micro-batch {fit[0]}" if fit else "none fits"))
-        if fit is None:
-            continue
+        fits[ckpt] = fsdp_micro_batch(recipe.workload, recipe.profile, recipe.budget, world.size, prec, ckpt)
+        tried.append(f"checkpointing {'on' if ckpt else 'off'}: "
+                     + (f"micro-batch {fits[ckpt][0]}" if fits[ckpt] else "none fits"))
+    for ckpt in choose_checkpointing(fits, share):
+        fit = fits[ckpt]
         mb = balanced_micro_batch(share, fit[0])
         return Plan(prec, mb, E, ckpt, device="cuda", budget_bytes=recipe.budget, world_size=world.size,
                     sharding="fsdp", predicted_peak_reserved_bytes=fit[1],
                     reasons=(why, choice.reason, f"micro-batch {mb} per rank: the largest whose predicted peak "
                              f"(the estimator's, less the sharded state) fits {format_bytes(recipe.budget)}",
-                             f"activation checkpointing {'on' if ckpt else 'off'}"))
+                             f"activation checkpointing {'on' if ckpt else 'off'} ({'; '.join(tried)})"))
     raise TightfitError(f"nothing fits {format_bytes(recipe.budget)} per GPU under FSDP2 on {world.size} GPUs: "
                         + "; ".join(tried))

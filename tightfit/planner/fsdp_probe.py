@@ -1,0 +1,87 @@
+"""The FSDP2 micro-batch verified by one real step on every rank before training.
+
+Under FSDP2 no GPU can run the unsharded step, so the planner's micro-batch comes from the
+estimator (:func:`tightfit.planner.sharding.fsdp_micro_batch`), and an OOM during training
+stops every rank (FSDP2's collectives run in every pass). So on CUDA each rank first runs one
+full step (forward, backward, gradient reduce-scatter, AdamW, whose moments it allocates) on
+the worst-case micro-batch (every sample padded to the full sequence length) at learning rate
+0, which leaves the weights as they were; the optimizer state, gradients and RNG states are
+then put back as before. The ranks agree (one all-reduce per attempt) on whether any ran out
+of memory; if one did, all halve the micro-batch and try again.
+
+Ranks of one run hold the same shapes, so they run out of memory at the same allocation and
+reach the agreement together; an OOM on one rank alone, inside a collective, would leave the
+others waiting until the process group's timeout (torchrun then stops them all).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import TightfitError
+from ..memory.oom import is_oom, release_memory
+from ..rng import capture_rng, restore_rng
+from ..step import module_mode, training_step
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free the parameters an interrupted FSDP2 pass left all-gathered."""
+    for m in model.modules():
+        if hasattr(m, "reshard") and type(m).__name__.startswith("FSDP"):
+            m.reshard()
+
+
+def _attempt(trainer, micro_batch: int) -> bool:
+    """One learning-rate-0 step of ``micro_batch`` worst-case samples; whether it ran out of memory."""
+    batch = {k: v.to(trainer.device) for k, v in trainer.w.train.worst_case(micro_batch).items()}
+    try:
+        with module_mode(trainer.model, True):  # as the training steps run (dropout on)
+            training_step(trainer.model, [batch], trainer.w.loss_sum, float(trainer.w.count(batch)), trainer.optimizer,
+                          trainer.scaler, trainer._autocast, trainer.cfg.max_grad_norm)
+        return False
+    except Exception as e:  # only OOMs are handled; anything else propagates
+        if not is_oom(e):
+            raise
+        return True
+
+
+def verify_micro_batch(trainer) -> int:
+    """Run the probe step on every rank of ``trainer`` (a :class:`tightfit.runtime.trainer.Trainer`
+    under FSDP2, before :meth:`fit`; a collective: every rank calls it) and set its micro-batch to
+    the largest that ran on all ranks, halving from the planned one.
+
+    Returns:
+        The micro-batch in force (samples per rank).
+
+    Raises:
+        TightfitError: a micro-batch of 1 runs out of memory.
+    """
+    world, opt = trainer.world, trainer.optimizer
+    rng = capture_rng()
+    lrs = [g["lr"] for g in opt.param_groups]
+    scaler = trainer.scaler.state_dict() if trainer.scaler.is_enabled() else None
+    mb = trainer.micro_batch
+    while True:
+        for g in opt.param_groups:  # AdamW at lr 0: p * (1 - 0 * wd) - 0 * update == p
+            g["lr"] = 0.0
+        try:
+            failed = _attempt(trainer, mb)
+        finally:
+            for g, lr in zip(opt.param_groups, lrs):
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            opt.state.clear()  # the first real step allocates it again, as without the probe
+            if scaler is not None:
+                trainer.scaler.load_state_dict(scaler)
+            restore_rng(rng)
+        if failed:
+            _reshard(trainer.model)
+            release_memory()
+        if world.all_sum([float(failed)])[0] == 0:
+            break
+        if mb == 1:
+            raise TightfitError("micro-batch 1 runs out of memory under FSDP2 in the probe step: use more GPUs, "
+                                "a larger budget or --checkpointing on")
+        mb //= 2
+    trainer.micro_batch = trainer._used_micro_batch = mb
+    return mb
