@@ -193,3 +193,17 @@ def test_callback_reports_each_steps_memory_on_the_gpu(tmp_path):
     hf.train(trainer)
     assert plan.device == "cuda" and len(cb.memory_timeline) == 2 and cb.summary()["peak_reserved_bytes"] > 0
     assert any("peak_allocated_bytes" in r for r in trainer.state.log_history)
+
+
+def test_memory_peaks_reach_the_trainers_log_history_not_only_the_printed_line():
+    """The Trainer records a copy of the logs before ``on_log``: the callback's additions must land
+    in ``state.log_history`` too (found on the GPU, where peaks exist)."""
+    from types import SimpleNamespace
+
+    cb = hf.TightfitCallback(Plan("fp32", 8, 8))
+    cb.memory_timeline.append((1, 1000, 2000))  # as on CUDA after one optimizer step
+    logs = {"loss": 0.5}
+    state = SimpleNamespace(log_history=[{**logs, "step": 1}])
+    cb.on_log(None, state, None, logs=logs)
+    assert state.log_history[-1]["peak_allocated_bytes"] == 1000
+    assert state.log_history[-1]["peak_reserved_bytes"] == 2000

@@ -211,6 +211,10 @@ class TightfitCallback(transformers.TrainerCallback):
         reading = self.health.sample() if self.health is not None else None
         if reading and "temp_c" in reading:
             logs["gpu_temp_c"], logs["gpu_power_w"] = reading["temp_c"], reading["power_w"]
+        # The Trainer appends a copy of ``logs`` to ``log_history`` before calling ``on_log``:
+        # what is added here must go into that copy too, or only the printed line shows it.
+        if state.log_history:
+            state.log_history[-1].update({k: v for k, v in logs.items() if k in _ADDED_KEYS})
 
     def summary(self) -> dict:
         """``{"peak_allocated_bytes", "peak_reserved_bytes", "skipped_steps", "max_temp_c", "max_power_w",
@@ -224,6 +228,9 @@ class TightfitCallback(transformers.TrainerCallback):
     def _event(self, message: str) -> None:
         self.events.append(message)
         log.warning("tightfit: %s", message)
+
+
+_ADDED_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "gpu_temp_c", "gpu_power_w")
 
 
 def train(trainer, **train_kwargs):
