@@ -203,3 +203,38 @@ def test_card_table_matches_the_documented_rates():
         got = [number(c) for c in rows[key][2:7]]
         want = [p.fp32_tflops, p.fp16_tflops, p.bf16_tflops, p.sustained_share, p.memory_bytes_per_s / 1e9]
         assert got == pytest.approx(want, rel=0.01), (key, rows[key])
+
+
+def test_an_optimizer_whose_candidates_do_not_fit_for_real_falls_back_to_the_next_lever(monkeypatch):
+    """The prediction put fp32 AdamW within the budget, every probe ran out of memory: the GPU
+    planner searches and verifies the 8-bit state next (as BERT-large at 4 GiB needed on the H200)."""
+    import tightfit.planner.gpu as gpu
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate, SearchResult
+
+    E, n = 64, 4
+    results = {k: SearchResult(Candidate("bf16", 32, (), 2, 900, 900, {}, 300.0, f"fastest with {k}", optimizer=k),
+                               [], 10**9, E, n, 0.1) for k in ("adamw", "adamw8bit")}
+    asked = []
+
+    def fake_search(*a, optimizer="auto", **k):
+        asked.append(optimizer)
+        return results["adamw" if optimizer == "auto" else optimizer]
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        if optimizer == "adamw":
+            return ProbeResult(mb, False, None, None)  # out of memory at every micro-batch
+        return ProbeResult(mb, True, 500 * MiB, 500 * MiB, 0.1, 1)
+
+    monkeypatch.setattr(gpu, "search_optimizers", fake_search)
+    monkeypatch.setattr(gpu, "levers_installed", lambda: True)
+    monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
+    w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)
+    plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off")
+    assert plan.optimizer == "adamw8bit" and asked == ["auto", "adamw8bit"]
+    assert any("fell back to adamw8bit" in r for r in plan.reasons)
+    with pytest.raises(gpu.NotFitForReal):  # asked for fp32 AdamW: no fallback
+        gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off", optimizer="adamw")

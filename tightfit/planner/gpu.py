@@ -24,13 +24,14 @@ from ..errors import TightfitError
 from ..memory.oom import release_memory
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_scope, compile_unavailable, uncompile_model
+from ..levers.optimizers import LEVER_OPTIMIZERS
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes
 from ..workload import Workload
 from .bisection import bisect
 from .cost import peak_flops
 from .probe import PROBE_HEADROOM, ProbeResult, probe_step
-from .optimizers import search_optimizers
+from .optimizers import levers_installed, search_optimizers
 from .search import Candidate, SearchResult, estimator_for
 from .warmup import warm_other_lengths
 
@@ -54,6 +55,10 @@ def too_short_to_compile(run_samples: int | None, eager_samples_per_s: float) ->
     return (f"the run is predicted to take {seconds:.0f} s at the verified eager speed "
             f"({eager_samples_per_s:.0f} samples/s), less than the {COMPILE_MIN_RUN_S:.0f} s that "
             f"compilation needs to repay its cost")
+
+
+class NotFitForReal(TightfitError):
+    """No planned candidate fit the budget when probed on the GPU (its message lists them)."""
 
 
 @dataclass(frozen=True)
@@ -244,16 +249,20 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     t0 = time.perf_counter()
     make_batch = lambda micro_batch, size: workload.train.worst_case(micro_batch)  # noqa: E731
     model = workload.model
-    result = search_optimizers(
-        model, make_batch, seq_len, workload.effective_batch, profile, budget_bytes,
-        lambda kind: estimator_for(model, make_batch, seq_len, profile, workload.effective_batch,
-                                   checkpointed_margin=0.0, optimizer=kind),  # the probes verify for real
-        optimizer=optimizer, precision=precision, checkpointing=checkpointing,
-        estimator_at=lambda kind: lambda size, effective_batch: None if size != seq_len else estimator_for(
-            model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0, optimizer=kind),
-        per_block=per_block)
+
+    def searched(kind: str) -> SearchResult:
+        return search_optimizers(
+            model, make_batch, seq_len, workload.effective_batch, profile, budget_bytes,
+            lambda kind: estimator_for(model, make_batch, seq_len, profile, workload.effective_batch,
+                                       checkpointed_margin=0.0, optimizer=kind),  # the probes verify for real
+            optimizer=kind, precision=precision, checkpointing=checkpointing,
+            estimator_at=lambda kind: lambda size, effective_batch: None if size != seq_len else estimator_for(
+                model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0, optimizer=kind),
+            per_block=per_block)
+
+    result = searched(optimizer)
     t_verify = time.perf_counter()
-    verification = verify_on_gpu(workload, result, profile, budget_bytes)
+    result, verification, fallback = _verified(workload, result, profile, budget_bytes, optimizer, searched)
     best = verification.best
     if compile == "auto" and not why_not:
         why_not = too_short_to_compile(run_samples, best.samples_per_s)
@@ -270,12 +279,48 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     chosen = result.best.why.find("; optimizer ")  # why this optimizer, and its cost (.optimizers)
     if chosen >= 0:
         reasons.insert(0, result.best.why[chosen + 2:])
+    if fallback:
+        reasons.insert(0, fallback)
     variant = outcome.variant
     if variant is None:
         uncompile_model(workload.model)
     set_activation_checkpointing(workload.model, False, ())
     reasons.append(f"planning took {time.perf_counter() - t0:.1f} s")
     return _gpu_plan(best, variant, workload.effective_batch, budget_bytes, result.n_blocks, reasons)
+
+
+def _verified(workload: Workload, result: SearchResult, profile: DeviceProfile, budget_bytes: int, optimizer: str,
+              searched) -> tuple[SearchResult, "Verification", str | None]:
+    """Verify ``result`` on the GPU; with ``optimizer="auto"``, where none of its candidates fits
+    for real, search and verify the optimizer levers after its optimizer in turn
+    (:data:`~.optimizers.LEVER_OPTIMIZERS`): the prediction put the optimizer's state within the
+    budget, the GPU did not, so the next lever's smaller state is tried rather than giving up.
+    ``searched``: ``kind -> SearchResult``. Returns the result verified, its verification and
+    the line saying why another optimizer was used (None if none was).
+
+    Raises:
+        NotFitForReal: nothing fits for real with any optimizer tried (the first failure's message,
+            a line per lever tried).
+    """
+    try:
+        return result, verify_on_gpu(workload, result, profile, budget_bytes), None
+    except NotFitForReal as first:
+        kind = result.best.optimizer or "adamw"
+        if optimizer != "auto" or not levers_installed():
+            raise
+        failures = [f"{kind}: {first}"]
+        later = LEVER_OPTIMIZERS[LEVER_OPTIMIZERS.index(kind) + 1:] if kind in LEVER_OPTIMIZERS else LEVER_OPTIMIZERS
+        for lever in later:
+            try:
+                other = searched(lever)
+                verification = verify_on_gpu(workload, other, profile, budget_bytes)
+            except TightfitError as e:  # predicted not to fit, or not for real either
+                failures.append(f"{lever}: {str(e).splitlines()[0]}")
+                continue
+            return other, verification, (f"fell back to {lever}: no candidate with {kind} state fit for real "
+                                         f"(predicted to fit; {'; '.join(f.split(': ', 1)[0] for f in failures)} "
+                                         f"out of memory on the GPU)")
+        raise NotFitForReal("\n  ".join(failures)) from None
 
 
 def _gpu_plan(best: Measured, variant: CompiledVariant | None, effective_batch: int, budget_bytes: int,
@@ -367,7 +412,7 @@ def verify_on_gpu(workload: Workload, result: SearchResult, profile: DeviceProfi
         verify(smallest)
     set_activation_checkpointing(workload.model, False, ())
     if not measured:
-        raise TightfitError(f"no planned candidate fits {format_bytes(budget_bytes)} for real: " + "; ".join(rejected))
+        raise NotFitForReal(f"no planned candidate fits {format_bytes(budget_bytes)} for real: " + "; ".join(rejected))
     return Verification(ranked, line, measured, rejected)
 
 
