@@ -7,7 +7,7 @@ subclasses ``tightfit.NonFiniteTrainingError`` and ``tightfit.PartialUpdateError
 module ``tightfit.plan`` (``from tightfit.plan import Plan``, or ``tightfit.Plan``).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .errors import TightfitError  # noqa: E402
 from .plan import Plan  # noqa: E402
