@@ -7,6 +7,7 @@ a callback for memory and health reporting and tightfit's guards where the frame
 from __future__ import annotations
 
 import importlib
+import logging
 
 from ..errors import TightfitError
 
@@ -37,3 +38,27 @@ def smaller_micro_batch(per_device: int, accumulation: int) -> tuple[int, int]:
     effective = per_device * accumulation
     micro = next(m for m in range(per_device // 2, 0, -1) if effective % m == 0)
     return micro, effective // micro
+
+
+class Watch:
+    """What both callbacks keep and report: ``memory_timeline`` (``(step, peak allocated bytes,
+    peak reserved bytes)`` per optimizer step, CUDA), ``health`` (an NVML monitor or None),
+    ``skipped_steps`` and ``events`` (one line each, also logged as warnings)."""
+
+    memory_timeline: list
+    health: object
+    skipped_steps: int
+    events: list
+
+    def summary(self) -> dict:
+        """``{"peak_allocated_bytes", "peak_reserved_bytes", "skipped_steps", "max_temp_c", "max_power_w",
+        "health"}`` over the run so far (peaks None on the CPU)."""
+        t, h = self.memory_timeline, self.health
+        return {"peak_allocated_bytes": max((x[1] for x in t), default=None),
+                "peak_reserved_bytes": max((x[2] for x in t), default=None), "skipped_steps": self.skipped_steps,
+                "max_temp_c": h.max_temp_c if h else None, "max_power_w": h.max_power_w if h else None,
+                "health": h.status if h else "off (no CUDA GPU)"}
+
+    def _event(self, message: str) -> None:
+        self.events.append(message)
+        logging.getLogger(type(self).__module__).warning("tightfit: %s", message)

@@ -39,7 +39,7 @@ import torch
 
 from ..errors import TightfitError
 from ..plan import Plan
-from . import require, smaller_micro_batch
+from . import Watch, require, smaller_micro_batch
 
 transformers = require("transformers")
 require("accelerate")  # the Trainer's own dependency
@@ -110,7 +110,7 @@ def training_arguments(plan: Plan, **yours) -> dict:
     return {**given, **planned}
 
 
-class TightfitCallback(transformers.TrainerCallback):
+class TightfitCallback(Watch, transformers.TrainerCallback):
     """Memory and health reporting and the non-finite guard for the Hugging Face ``Trainer``.
 
     At every optimizer step: the peak allocated and reserved CUDA memory since the previous one
@@ -216,18 +216,6 @@ class TightfitCallback(transformers.TrainerCallback):
         if state.log_history:
             state.log_history[-1].update({k: v for k, v in logs.items() if k in _ADDED_KEYS})
 
-    def summary(self) -> dict:
-        """``{"peak_allocated_bytes", "peak_reserved_bytes", "skipped_steps", "max_temp_c", "max_power_w",
-        "health"}`` over the run so far (peaks None on the CPU)."""
-        t, h = self.memory_timeline, self.health
-        return {"peak_allocated_bytes": max((x[1] for x in t), default=None),
-                "peak_reserved_bytes": max((x[2] for x in t), default=None), "skipped_steps": self.skipped_steps,
-                "max_temp_c": h.max_temp_c if h else None, "max_power_w": h.max_power_w if h else None,
-                "health": h.status if h else "off (no CUDA GPU)"}
-
-    def _event(self, message: str) -> None:
-        self.events.append(message)
-        log.warning("tightfit: %s", message)
 
 
 _ADDED_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "gpu_temp_c", "gpu_power_w")

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import TightfitError
 from ..plan import Plan
-from . import require
+from . import Watch, require
 
 L = require("lightning.pytorch")
 
@@ -121,7 +121,7 @@ def _checkpointable(module: torch.nn.Module) -> torch.nn.Module:
     return next((m for m in module.modules() if getattr(m, "supports_gradient_checkpointing", False)), module)
 
 
-class TightfitCallback(L.Callback):
+class TightfitCallback(Watch, L.Callback):
     """Activation checkpointing and accumulation from the plan, memory and health reporting, and the
     non-finite guard, for ``lightning.Trainer.fit`` (see the module doc for what each hook does).
 
@@ -240,15 +240,3 @@ class TightfitCallback(L.Callback):
             self._event("out of memory at micro-batch 1: plan with activation checkpointing or fp16/bf16, "
                         "or raise the budget")
 
-    def summary(self) -> dict:
-        """``{"peak_allocated_bytes", "peak_reserved_bytes", "skipped_steps", "max_temp_c", "max_power_w",
-        "health"}`` over the run so far (peaks None on the CPU)."""
-        t, h = self.memory_timeline, self.health
-        return {"peak_allocated_bytes": max((x[1] for x in t), default=None),
-                "peak_reserved_bytes": max((x[2] for x in t), default=None), "skipped_steps": self.skipped_steps,
-                "max_temp_c": h.max_temp_c if h else None, "max_power_w": h.max_power_w if h else None,
-                "health": h.status if h else "off (no CUDA GPU)"}
-
-    def _event(self, message: str) -> None:
-        self.events.append(message)
-        log.warning("tightfit: %s", message)
