@@ -130,3 +130,42 @@ def test_callback_records_each_steps_memory_on_the_gpu():
     trainer, module, cb = _fit(plan, module, steps=2)
     assert plan.device == "cuda" and trainer.global_step == 2
     assert [s for s, _, _ in cb.memory_timeline] == [1, 2] and cb.summary()["peak_reserved_bytes"] > 0
+
+
+def test_shipped_model_trains_with_lightning():
+    """A real ``Trainer.fit`` of the shipped MiniLM, planned by tightfit, with the callback."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tightfit.models import default_model_path
+
+    try:
+        path = default_model_path()
+    except TightfitError as e:
+        pytest.skip(str(e))
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ["a fine film", "a dull film", "great acting", "poor plot"] * 2
+    enc = tok(texts, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    labels = torch.tensor([i % 2 for i in range(len(texts))])
+    torch.manual_seed(0)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    module = Module()
+    plan = tightfit.plan(module.model, {**enc, "labels": labels}, effective_batch=8)
+    rows = [{**{k: v[i] for k, v in enc.items()}, "labels": labels[i]} for i in range(len(texts))]
+    before = [p.detach().clone() for p in module.model.parameters()]
+    cb = tl.TightfitCallback(plan)
+    trainer = L.Trainer(**tl.trainer_arguments(plan), max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=plan.micro_batch))
+    assert trainer.global_step == 2 and cb.events == []
+    assert any(not torch.equal(a, b) for a, b in zip(module.model.parameters(), before))  # it trained
