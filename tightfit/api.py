@@ -536,7 +536,13 @@ class TrainRecipe:
         return summary
 
     def _save_model(self, folder: Path) -> None:
-        """Write the trained weights (safetensors, from the CPU) and the tokenizer into ``folder``."""
+        """Write the trained weights (:meth:`_save_weights`) and the tokenizer into ``folder``."""
+        self._save_weights(folder)
+        self.tokenizer.save_pretrained(folder)
+
+    def _save_weights(self, folder: Path) -> None:
+        """The trained weights (safetensors, from the CPU) and ``config.json``: the model out of its
+        DDP/FSDP2 wrapper, under FSDP2 the full weights gathered from the shards, LoRA merged."""
         from .levers.lora import merged
 
         model = self.world.unwrap(self.trainer.model)
@@ -544,7 +550,6 @@ class TrainRecipe:
             model.save_pretrained(folder, state_dict=self._weights, safe_serialization=True)
         else:
             merged(model.to("cpu")).save_pretrained(folder, safe_serialization=True)  # LoRA: merged
-        self.tokenizer.save_pretrained(folder)
 
     def _gathered_weights(self) -> dict | None:
         """Under FSDP2, the full weights on the CPU (gathered from every rank: call on all); else None."""

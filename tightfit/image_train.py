@@ -149,9 +149,8 @@ class ImageTrainRecipe(TrainRecipe):
         return self.image_size
 
     def _save_model(self, folder: Path) -> None:
-        """The trained weights (safetensors, from the CPU), ``config.json`` and the preprocessing."""
-        from .levers.lora import merged
-
-        merged(self.trainer.model.to("cpu")).save_pretrained(folder, safe_serialization=True)  # LoRA: merged
+        """The trained weights (:meth:`_save_weights`: unwrapped from DDP/FSDP2, LoRA merged),
+        ``config.json`` and the preprocessing."""
+        self._save_weights(folder)
         atomic_write_json(folder / PREPROCESSING_FILE,
                           preprocessing_record(self.image_size, self.channels, self.data.label_names))
