@@ -141,3 +141,12 @@ def test_hf_trainer_arguments_name_torchaos_8bit_adamw_and_refuse_offload():
     assert training_arguments(Plan("bf16", 4, 8, optimizer="adamw8bit", device="cuda"))["optim"] == "adamw_torch_8bit"
     with pytest.raises(TightfitError, match="adamw-offload"):
         training_arguments(Plan("bf16", 4, 8, optimizer="adamw-offload", device="cuda"))
+
+
+def test_nothing_fits_with_8bit_state_counts_8bit_state_and_offers_only_the_levers_left(m):
+    """Asked for 8-bit state, the message must not price fp32 AdamW moments nor offer 8-bit state again."""
+    with pytest.raises(NothingFitsError) as e:
+        plan(m, 12 * MiB, optimizer="adamw8bit")
+    text = str(e.value)
+    assert "x 10 B (fp32 weights 4 B, gradients 4 B, 8-bit AdamW moments 2 B)" in text
+    assert "--optimizer adamw8bit" not in text and "--optimizer adamw-offload" in text

@@ -34,6 +34,14 @@ from .bisection import bisect
 # Bytes per trainable parameter of fp32 training with AdamW: weight, gradient, two moments.
 WEIGHT_B, GRADIENT_B, ADAMW_STATE_B = 4, 4, 8
 ADAMW_8BIT_STATE_B = 2  # two 1-byte moments (block-wise quantized; the per-block scales are not counted)
+# Optimizer state on the GPU per trainable parameter, bytes, and how to say it.
+STATE_ON_GPU = {"adamw8bit": (ADAMW_8BIT_STATE_B, "8-bit AdamW moments"),
+                "adamw-offload": (0, "AdamW moments in CPU memory")}
+
+
+def _state_on_gpu(optimizer: str) -> tuple[int, str]:
+    """``(bytes per trainable parameter, words)`` of ``optimizer``'s state on the GPU."""
+    return STATE_ON_GPU.get(optimizer, (ADAMW_STATE_B, "AdamW moments"))
 
 _TRACE_ERRORS = (ValueError, RuntimeError)
 
@@ -127,13 +135,15 @@ def _input_embedding_params(model) -> int:
     return sum(p.numel() for p in emb.parameters() if p.requires_grad) if emb is not None else 0
 
 
-def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float) -> list[str]:
+def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float,
+                optimizer: str = "adamw") -> list[str]:
     """One line per lever (the optimizer levers with their ``--optimizer`` value, the others
     marked not yet available): the bytes it would save at a step whose peak is
     ``peak_bytes`` with ``gradients_at_peak`` bytes of gradients held there, and whether that
     alone brings the step under ``limit`` (all in bytes; the savings are per parameter, so they
     leave out the caching allocator's rounding, a few MiB at most). The embeddings' gradients
-    count as held only when all gradients are (accumulation)."""
+    count as held only when all gradients are (accumulation). An optimizer lever already in use
+    (``optimizer``) is not offered again, and offload saves what ``optimizer`` keeps on the GPU."""
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     held = gradients_at_peak >= GRADIENT_B * trainable  # all of them, as when accumulating
@@ -143,15 +153,16 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
         return "would fit" if peak_bytes - saving <= limit else f"still {format_bytes(peak_bytes - saving - limit)} over"
 
     later = "not yet available in tightfit"
+    state_b = _state_on_gpu(optimizer)[0]
     levers = [
         (f"8-bit AdamW state (--optimizer adamw8bit: two 1-byte moments instead of two fp32 ones, "
          f"{ADAMW_STATE_B - ADAMW_8BIT_STATE_B} B x {trainable:,} trainable parameters)",
          int((ADAMW_STATE_B - ADAMW_8BIT_STATE_B - 8 / 256) * trainable)),
-        (f"AdamW state in CPU memory (--optimizer adamw-offload: {ADAMW_STATE_B} B x {trainable:,} off the GPU, "
+        (f"AdamW state in CPU memory (--optimizer adamw-offload: {state_b} B x {trainable:,} off the GPU, "
          f"{format_bytes(16 * trainable)} of pinned host memory; each optimizer step "
          f"then moves {format_bytes((WEIGHT_B + GRADIENT_B) * trainable)} over the host link, about "
          f"{(WEIGHT_B + GRADIENT_B) * trainable / host_link_bytes_per_s:.2f} s, plus the CPU's AdamW step)",
-         ADAMW_STATE_B * trainable),
+         state_b * trainable),
         (f"bf16 weights and gradients with no fp32 master copy ({later}; 2 B less per weight"
          + (", and half the gradients held" if held else "") + ")",
          (WEIGHT_B // 2) * params + gradients_at_peak // 2),
@@ -160,12 +171,13 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
         per = ADAMW_STATE_B + (GRADIENT_B if held else 0)
         levers.append((f"freezing the input embeddings ({later}; {emb:,} parameters: no gradient and no AdamW "
                        f"state, {per} B each)", per * emb))
-    return [f"{name}: -{format_bytes(saving)}, {verdict(saving)}" for name, saving in levers]
+    in_use = {"adamw8bit": 1, "adamw-offload": 2}.get(optimizer, 0)  # levers[:in_use] are used already
+    return [f"{name}: -{format_bytes(saving)}, {verdict(saving)}" for name, saving in levers[in_use:]]
 
 
 def nothing_fits_lines(model, estimate, limit: float, precision: str, block_options, size: int,
                        effective_batch: int, size_flag: str, host_link_bytes_per_s: float,
-                       estimator_at=None) -> list[str]:
+                       estimator_at=None, optimizer: str = "adamw") -> list[str]:
     """The way forward when the smallest step tried does not fit: what it costs, what does fit,
     and the levers that would make it fit, with their predicted savings (bytes throughout;
     GiB/MiB only in the text).
@@ -181,6 +193,7 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
         size: sequence length or image size asked for; ``size_flag`` its option, e.g. ``"--seq-len"``.
         estimator_at: ``(size, effective_batch) -> estimate_fn`` to search what fits; None (or a
             None result for sizes other than ``size``) where it cannot be re-estimated.
+        optimizer: the plan's optimizer (:data:`tightfit.step.OPTIMIZERS`): its state's bytes.
 
     Returns:
         Display lines, without indentation.
@@ -188,9 +201,11 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
     peak = estimate.peak_reserved_bytes
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     params = sum(p.numel() for p in model.parameters())
-    state = WEIGHT_B * params + (GRADIENT_B + ADAMW_STATE_B) * trainable
+    state_b, words = _state_on_gpu(optimizer)
+    state = WEIGHT_B * params + (GRADIENT_B + state_b) * trainable
     gradients = int(estimate.breakdown.get("gradients", 0))
-    lines = [f"model state: {params:,} parameters x 16 B (fp32 weights 4 B, gradients 4 B, AdamW moments 8 B) "
+    lines = [f"model state: {params:,} parameters x {WEIGHT_B + GRADIENT_B + state_b} B (fp32 weights 4 B, "
+             f"gradients 4 B, {words} {state_b} B) "
              f"= {format_bytes(state)}" + (f"; the rest of that step, {format_bytes(peak - state)}, is activations, "
                                             f"temporaries and allocator overhead" if peak > state else "")]
     if state > limit:
@@ -214,5 +229,5 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
                          f"does not fit either: a shorter {size_flag} at effective batch {effective_batch} "
                          f"({size_flag} 1 needs {format_bytes(one)})")
     lines.append(f"levers (bytes saved at the peak of that step, {format_bytes(peak - limit)} over):")
-    lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s)]
+    lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s, optimizer)]
     return lines

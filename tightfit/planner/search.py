@@ -273,7 +273,8 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
                           precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
                           estimator_at=estimator_at, per_block=per_block, optimizer=optimizer)
-        _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at)
+        _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at,
+                            optimizer)
     return rank(space, prediction, time.perf_counter() - t0)
 
 
@@ -556,7 +557,8 @@ def _overheads(space: SearchSpace, c: Candidate) -> str:
 
 
 def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, make_batch, size: int,
-                        profile: DeviceProfile, estimate_fn: EstimateFn, estimator_at) -> None:
+                        profile: DeviceProfile, estimate_fn: EstimateFn, estimator_at,
+                        optimizer: str = "adamw") -> None:
     """Raise the error that says by how much the smallest step tried misses, what the model
     state costs, what fits instead and which levers would make it fit
     (:func:`.advice.nothing_fits_lines`).
@@ -575,7 +577,7 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
     options.sort(key=lambda o: o != least)
     size_flag = "--image-size" if getattr(make_batch, "kind", "text") == "image" else "--seq-len"
     lines = nothing_fits_lines(model, est, limit, smallest.precision, options, size, space.effective_batch,
-                               size_flag, profile.host_link_bytes_per_s, estimator_at)
+                               size_flag, profile.host_link_bytes_per_s, estimator_at, optimizer)
     if space.last_blocks < n_blocks:  # checkpointing was turned off
         every = estimate_fn(smallest.precision, 1, tuple(range(n_blocks))).peak_reserved_bytes
         lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch 1 with all "
