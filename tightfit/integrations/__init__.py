@@ -40,6 +40,16 @@ def smaller_micro_batch(per_device: int, accumulation: int) -> tuple[int, int]:
     return micro, effective // micro
 
 
+def note_uneven(plan, framework: str) -> None:
+    """Warn (logger ``tightfit.integrations``) when ``framework`` -- which runs micro-batch x
+    accumulation samples per optimizer step, with no shorter last micro-batch -- would not run
+    the plan's effective batch exactly (e.g. 12 x 4 = 48 for 40)."""
+    if plan.micro_batch * plan.accumulation_steps != plan.effective_batch:
+        logging.getLogger(__name__).warning(
+            f"note: {framework} effective batch is {plan.micro_batch} x {plan.accumulation_steps} = "
+            f"{plan.micro_batch * plan.accumulation_steps} samples (the plan's: {plan.effective_batch})")
+
+
 class Watch:
     """What both callbacks keep and report: ``memory_timeline`` (``(step, peak allocated bytes,
     peak reserved bytes)`` per optimizer step, CUDA), ``health`` (an NVML monitor or None),

@@ -39,7 +39,7 @@ import torch
 
 from ..errors import TightfitError
 from ..plan import Plan
-from . import Watch, require, smaller_micro_batch
+from . import Watch, note_uneven, require, smaller_micro_batch
 
 transformers = require("transformers")
 require("accelerate")  # the Trainer's own dependency
@@ -104,9 +104,7 @@ def training_arguments(plan: Plan, **yours) -> dict:
                             f"{'it' if len(conflicts) == 1 else 'them'} from your arguments (the plan's effective "
                             f"batch is {plan.micro_batch} x {plan.accumulation_steps}; "
                             f"it sets {', '.join(planned)})")
-    if plan.micro_batch * plan.accumulation_steps != plan.effective_batch:
-        log.warning(f"note: the Trainer's effective batch is {plan.micro_batch} x {plan.accumulation_steps} = "
-                    f"{plan.micro_batch * plan.accumulation_steps} samples (the plan's: {plan.effective_batch})")
+    note_uneven(plan, "the Trainer's")
     return {**given, **planned}
 
 

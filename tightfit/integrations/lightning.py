@@ -38,7 +38,7 @@ import torch
 
 from ..errors import TightfitError
 from ..plan import Plan
-from . import Watch, require
+from . import Watch, note_uneven, require
 
 L = require("lightning.pytorch")
 
@@ -109,9 +109,7 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
         raise TightfitError(f"trainer_arguments(plan, ...): the plan sets {', '.join(conflicts)}; delete "
                             f"{'it' if len(conflicts) == 1 else 'them'} from your arguments (it sets "
                             f"{', '.join(planned)})")
-    if plan.micro_batch * plan.accumulation_steps != plan.effective_batch:
-        log.warning(f"note: Lightning's effective batch is {plan.micro_batch} x {plan.accumulation_steps} = "
-                    f"{plan.micro_batch * plan.accumulation_steps} samples (the plan's: {plan.effective_batch})")
+    note_uneven(plan, "Lightning's")
     return {**yours, **planned}
 
 
