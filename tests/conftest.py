@@ -100,3 +100,21 @@ def tiny_text_model_folder(root, words, **config):
     BertForSequenceClassification(BertConfig(vocab_size=len(vocab), **config)).save_pretrained(model_dir)
     BertTokenizerFast(vocab=str(root / "vocab.txt")).save_pretrained(model_dir)  # transformers 5 ignores vocab_file=
     return model_dir
+
+
+def shipped_model_reviews():
+    """The shipped MiniLM folder and 8 tokenized review snippets (16 tokens) with 0/1 labels:
+    ``(path, encoding dict, labels (8,))``; skips the test where the shipped model is absent."""
+    from transformers import AutoTokenizer
+
+    from tightfit.errors import TightfitError
+    from tightfit.models import default_model_path
+
+    try:
+        path = default_model_path()
+    except TightfitError as e:
+        pytest.skip(str(e))
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ["a fine film", "a dull film", "great acting", "poor plot"] * 2
+    enc = tok(texts, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    return path, enc, torch.tensor([i % 2 for i in range(len(texts))])

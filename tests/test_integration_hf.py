@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tightfit
-from conftest import SyntheticBatches, tiny_bert
+from conftest import SyntheticBatches, shipped_model_reviews, tiny_bert
 from tightfit import Plan, TightfitError
 
 hf = pytest.importorskip("tightfit.integrations.hf")
@@ -156,21 +156,13 @@ def test_non_finite_step_is_skipped_then_a_run_of_them_stops_training(tmp_path):
 
 
 def test_shipped_model_trains_with_the_trainer(tmp_path):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
-    from tightfit.models import default_model_path
-
-    try:
-        path = default_model_path()
-    except TightfitError as e:
-        pytest.skip(str(e))
-    tok = AutoTokenizer.from_pretrained(path)
-    texts = ["a fine film", "a dull film", "great acting", "poor plot"] * 2
-    enc = tok(texts, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
-    rows = [{**{k: v[i] for k, v in enc.items()}, "labels": torch.tensor(i % 2)} for i in range(len(texts))]
+    path, enc, labels = shipped_model_reviews()
+    rows = [{**{k: v[i] for k, v in enc.items()}, "labels": labels[i]} for i in range(len(labels))]
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-    plan = tightfit.plan(model, {**enc, "labels": torch.tensor([i % 2 for i in range(8)])}, effective_batch=8)
+    plan = tightfit.plan(model, {**enc, "labels": labels}, effective_batch=8)
     cb = hf.TightfitCallback(plan)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[], save_strategy="no",
                              disable_tqdm=True, **hf.training_arguments(plan))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tightfit
-from conftest import SyntheticBatches, tiny_bert
+from conftest import SyntheticBatches, shipped_model_reviews, tiny_bert
 from tightfit import Plan, TightfitError
 
 tl = pytest.importorskip("tightfit.integrations.lightning")
@@ -134,18 +134,9 @@ def test_callback_records_each_steps_memory_on_the_gpu():
 
 def test_shipped_model_trains_with_lightning():
     """A real ``Trainer.fit`` of the shipped MiniLM, planned by tightfit, with the callback."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
-    from tightfit.models import default_model_path
-
-    try:
-        path = default_model_path()
-    except TightfitError as e:
-        pytest.skip(str(e))
-    tok = AutoTokenizer.from_pretrained(path)
-    texts = ["a fine film", "a dull film", "great acting", "poor plot"] * 2
-    enc = tok(texts, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
-    labels = torch.tensor([i % 2 for i in range(len(texts))])
+    path, enc, labels = shipped_model_reviews()
     torch.manual_seed(0)
 
     class Module(L.LightningModule):
@@ -161,7 +152,7 @@ def test_shipped_model_trains_with_lightning():
 
     module = Module()
     plan = tightfit.plan(module.model, {**enc, "labels": labels}, effective_batch=8)
-    rows = [{**{k: v[i] for k, v in enc.items()}, "labels": labels[i]} for i in range(len(texts))]
+    rows = [{**{k: v[i] for k, v in enc.items()}, "labels": labels[i]} for i in range(len(labels))]
     before = [p.detach().clone() for p in module.model.parameters()]
     cb = tl.TightfitCallback(plan)
     trainer = L.Trainer(**tl.trainer_arguments(plan), max_steps=2, logger=False, enable_checkpointing=False,
