@@ -373,14 +373,15 @@ class TrainStep:
         from .levers.precision import autocast
         from .memory.oom import is_oom, release_memory
         from .rng import capture_rng, restore_rng
-        from .runtime.trainer import PartialUpdateError, _changed_since, _in_place_versions
+        from .runtime.trainer import PartialUpdateError
+        from .step import changed_since, in_place_versions
         from .levers.optimizers import hold_gradients
         from .step import training_step
 
         d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss), capture_rng()
         while True:
             # fused AdamW allocates only its new state, before any write: no snapshot needed
-            before = None if self._fused else _in_place_versions(self.optimizer)
+            before = None if self._fused else in_place_versions(self.optimizer)
             had_state = set(self.optimizer.state)
             hold_gradients(self.optimizer, accumulation_steps(b.size, self.micro_batch))  # CPU offload
             try:
@@ -393,7 +394,7 @@ class TrainStep:
                 if not is_oom(e):
                     raise
                 where = type(e).__name__
-            if before is not None and _changed_since(self.optimizer, before):
+            if before is not None and changed_since(self.optimizer, before):
                 raise PartialUpdateError(f"out of memory inside the optimizer step of step {self.steps + 1} after it had "
                                          "updated part of the parameters or their state; redoing it would apply that "
                                          "part twice (use fused AdamW, the plan's optimizer, to rule this out)")

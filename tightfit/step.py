@@ -341,3 +341,21 @@ def training_step(model: torch.nn.Module, micro_batches: Iterable[dict], loss_su
     # the loss is read with the gradient norm: one host sync per window (apply_update's)
     grad_norm, finite, loss = apply_update(optimizer, scaler, max_grad_norm, loss=total)
     return StepResult(loss, grad_norm, finite)
+
+
+def in_place_versions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Version counter of every parameter and optimizer-state tensor, by ``id``. PyTorch bumps
+    a tensor's version at each in-place write (the counter autograd uses to detect modified
+    saved tensors; ``Tensor._version``, present in every torch release tightfit supports), so
+    comparing two snapshots tells whether a step that failed part-way changed anything. Every
+    AdamW implementation advances the per-parameter ``step`` counters before its first other
+    write (the fused kernel itself bumps no version), so a started AdamW update always shows."""
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors += [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return {id(t): t._version for t in tensors}
+
+
+def changed_since(optimizer: torch.optim.Optimizer, before: dict[int, int]) -> bool:
+    """True if a parameter or state tensor was written in place since ``before`` (state created
+    since then counts from version 0: freshly zeroed state that was never updated is unchanged)."""
+    return any(v != before.get(k, 0) for k, v in in_place_versions(optimizer).items())

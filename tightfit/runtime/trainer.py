@@ -30,7 +30,7 @@ from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
 from ..levers.optimizers import hold_gradients, set_lr
-from ..step import accumulate, make_optimizer, module_mode, training_step
+from ..step import accumulate, changed_since, in_place_versions, make_optimizer, module_mode, training_step
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
@@ -167,24 +167,6 @@ def describe_split(window_size: int, micro_batch: int) -> str:
     if len(set(sizes)) == 1:
         return f"{sizes[0]} x {len(sizes)}"
     return "+".join(map(str, sizes)) if len(sizes) <= 6 else f"{micro_batch} x {len(sizes) - 1} + {sizes[-1]}"
-
-
-def _in_place_versions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """Version counter of every parameter and optimizer-state tensor, by ``id``. PyTorch bumps
-    a tensor's version at each in-place write (the counter autograd uses to detect modified
-    saved tensors; ``Tensor._version``, present in every torch release tightfit supports), so
-    comparing two snapshots tells whether a step that failed part-way changed anything. Every
-    AdamW implementation advances the per-parameter ``step`` counters before its first other
-    write (the fused kernel itself bumps no version), so a started AdamW update always shows."""
-    tensors = [p for g in optimizer.param_groups for p in g["params"]]
-    tensors += [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    return {id(t): t._version for t in tensors}
-
-
-def _changed_since(optimizer: torch.optim.Optimizer, before: dict[int, int]) -> bool:
-    """True if a parameter or state tensor was written in place since ``before`` (state created
-    since then counts from version 0: freshly zeroed state that was never updated is unchanged)."""
-    return any(v != before.get(k, 0) for k, v in _in_place_versions(optimizer).items())
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -433,7 +415,7 @@ class Trainer:
             self._guard = None  # several ranks: the loss function that agrees on OOMs (_micro_batches)
             # Fused AdamW allocates only its new state, before any write (see make_optimizer): it
             # needs no snapshot, which would cost a walk over every state tensor at every step.
-            before = None if self._fused else _in_place_versions(self.optimizer)
+            before = None if self._fused else in_place_versions(self.optimizer)
             had_state = set(self.optimizer.state)
             try:
                 micro_batches, normaliser = self._micro_batches(window)
@@ -446,7 +428,7 @@ class Trainer:
                     raise
                 where = type(e).__name__
                 self.world.on_oom(e, self._guard)  # the other ranks learn of it (or all stop)
-            if before is not None and _changed_since(self.optimizer, before):
+            if before is not None and changed_since(self.optimizer, before):
                 raise PartialUpdateError(
                     f"out of memory inside the optimizer step of step {self.step + 1} after it had updated part "
                     "of the parameters or their state; redoing it would apply that part twice, so training stops "
