@@ -34,7 +34,8 @@ sys.path.insert(0, ".")
 from tightfit.levers.precision import autocast, make_grad_scaler  # noqa: E402
 from tightfit.plan import Plan  # noqa: E402
 from tightfit.rng import capture_rng  # noqa: E402
-from tightfit.runtime.trainer import TrainConfig, Trainer, _in_place_versions  # noqa: E402
+from tightfit.runtime.trainer import TrainConfig, Trainer  # noqa: E402
+from tightfit.step import in_place_versions  # noqa: E402
 from tightfit.step import make_optimizer, module_mode, training_step  # noqa: E402
 from tightfit.workload import Workload  # noqa: E402
 
@@ -186,7 +187,7 @@ def main() -> None:
         "capture_rng()": capture_rng,
         "walk model.modules() (module_mode's check)": lambda: [m for m in model.modules() if not m.training],
         "check of the listed modules (train_step's check)": lambda: all(m.training for m in modules),
-        "_in_place_versions (non-fused optimizers only)": lambda: _in_place_versions(t.optimizer),
+        "in_place_versions (non-fused optimizers only)": lambda: in_place_versions(t.optimizer),
         "set(optimizer.state)": lambda: set(t.optimizer.state),
     }
 
