@@ -344,3 +344,31 @@ def test_the_runtime_applies_the_plans_per_block_choices(make_workload):
     assert [block_policy(b) for b in find_blocks(t.model)] == ["selective", "full"]
     res = t.fit()
     assert res.steps == 2
+
+
+@pytest.mark.parametrize("stash", [1, 3])
+def test_offload_keeps_the_last_saved_tensors_until_backward_and_the_trace_counts_them(monkeypatch, stash):
+    """Saved tensors are dropped in stream order: the last ``STASH_TENSORS`` stay allocated
+    after the forward (their copies may still run), the first unpack of backward drops them.
+    On the meta device, as the estimator traces it: a chain of tanh (each saves its 1 MiB
+    output) leaves the input plus ``stash`` outputs (the last being the forward's result)."""
+    from tightfit.levers import offload
+    from tightfit.memory.tracker import AllocationTracker
+
+    monkeypatch.setattr(offload, "STASH_TENSORS", stash)
+    MiB = 1 << 20
+    tracker = AllocationTracker()
+    with tracker:
+        x = torch.empty(MiB // 4, device="meta", requires_grad=True)
+        tracker.track(x)
+        hooks = offload.HostOffload(min_bytes=0)
+        with hooks:
+            y = x
+            for _ in range(8):
+                y = torch.tanh(y)
+        assert hooks.bytes_offloaded == 8 * MiB
+        assert tracker.allocator.allocated == (1 + stash) * MiB
+        stashed = offload.HostOffload._stash[torch.device("meta")]
+        assert len(stashed) == stash and stashed[-1][0] is y
+        y.sum().backward()
+        assert not stashed
