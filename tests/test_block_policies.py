@@ -191,8 +191,7 @@ class _SavedRandomOps(torch.utils._python_dispatch.TorchDispatchMode):
 def test_offload_on_cuda_gives_the_same_gradients_and_frees_the_saved_activations(monkeypatch):
     """Offload and selective recomputation give the gradients of no recomputation on CUDA, with
     dropout on, also when the copies to the host run late or the forward's kernels do (a
-    missing stream wait, event wait or ``record_stream`` then copies NaN, zeros or reused
-    memory). Deterministic algorithms where torch has them; the rest of the CUDA kernels'
+    missing stream or event wait then copies NaN or memory already reused). Deterministic algorithms where torch has them; the rest of the CUDA kernels'
     run-to-run noise (the memory-efficient attention's backward) is measured from two runs
     without recomputation and allowed for, capped far below what another dropout mask or a
     wrong value changes."""
