@@ -54,14 +54,13 @@ def main() -> None:
     for name, build in engines():
         wl = make_workload(w, 32, 64)
         model = wl.model.train()
-        batch = {k: v.cuda() for k, v in wl.data.collate(range(32)).items()}
+        batch = {k: v.cuda() for k, v in wl.train.collate(range(32)).items()}
         opt = build([p for p in model.parameters() if p.requires_grad])
         times, extra = [], []
         try:
             for i in range(13):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
-                    out = model(**batch)
-                loss = out.loss if hasattr(out, "loss") and out.loss is not None else out.logits.float().mean()
+                    loss = wl.loss_sum(model, batch) / 32
                 loss.backward()
                 if hasattr(opt, "wait_for_gradients"):
                     opt.wait_for_gradients()
