@@ -106,12 +106,14 @@ def test_fsdp_micro_batch_is_the_estimate_less_what_sharding_removes(monkeypatch
     assert mb == int(((1 - HEADROOM) * budget - sharded) / 10_000) == 13 and peak == sharded + 10_000 * mb
 
 
-def test_fsdp_takes_checkpointing_when_the_micro_batch_would_be_tiny():
+def test_fsdp_takes_checkpointing_when_it_halves_the_micro_batches_per_window():
     from tightfit.planner.sharding import choose_checkpointing
 
     assert choose_checkpointing({False: (3, 0), True: (24, 0)}, 128) == [True]
-    assert choose_checkpointing({False: (12, 0), True: (48, 0)}, 128) == [False, True]  # not tiny
-    assert choose_checkpointing({False: (3, 0), True: (5, 0)}, 128) == [False, True]  # not worth it
+    assert choose_checkpointing({False: (9, 0), True: (128, 0)}, 128) == [True]  # BERT-large, 2 x 4 GiB
+    assert choose_checkpointing({False: (12, 0), True: (48, 0)}, 128) == [True]  # 11 -> 3 micro-batches
+    assert choose_checkpointing({False: (64, 0), True: (96, 0)}, 128) == [False, True]  # 2 -> 2
+    assert choose_checkpointing({False: (3, 0), True: (5, 0)}, 128) == [False, True]  # 43 -> 26: not worth it
     assert choose_checkpointing({False: (3, 0), True: (8, 0)}, 3) == [False, True]  # the whole share
     assert choose_checkpointing({False: None, True: (8, 0)}, 128) == [True]
     assert choose_checkpointing({False: (3, 0)}, 128) == [False]  # --checkpointing off
