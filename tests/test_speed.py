@@ -7,6 +7,7 @@ import json
 import math
 import random
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -159,8 +160,65 @@ def test_the_warm_up_length_is_another_padded_length_of_text_data():
     data = SyntheticBatches(24, seq_len=32)
     assert other_length(data) == 16
     assert _AtLength(data, 16).worst_case(3)["input_ids"].shape == (3, 16)
+    run = data.collate([0, 1, 2])
+    for padded in (True, False):  # the warm-up's batches are the run's: same keys and dtypes
+        warm = _AtLength(data, 16, padded).collate([0, 1, 2])
+        assert {k: v.dtype for k, v in warm.items()} == {k: v.dtype for k, v in run.items()}
+        assert bool((warm["attention_mask"] == 0).any()) == padded  # with padding, or none at all
     assert other_length(SyntheticBatches(24, seq_len=8)) is None  # half of 8 rounds to nothing
     assert other_length(DatasetBatches([(torch.zeros(3), 0)] * 4)) is None  # fixed-size samples
+
+
+class _Batch:
+    """One batch of ``data``'s own collate (padded to its longest sample, as in the run) as the
+    probe's worst case."""
+
+    def __init__(self, data, indices):
+        self.data, self.indices = data, indices
+
+    def __len__(self):
+        return len(self.data)
+
+    def collate(self, indices, pad_to=None):
+        return self.data.collate(self.indices)
+
+    def worst_case(self, n):
+        return self.collate(self.indices)
+
+
+@pytest.mark.parametrize("padded_worst_case", [True, False])
+def test_after_the_warm_up_run_batches_of_any_length_with_or_without_padding_do_not_recompile(monkeypatch,
+                                                                                               padded_worst_case):
+    """TorchDynamo's guards and automatic dynamic shapes, on the CPU with its ``eager`` backend
+    (no code generated): the run's batches reuse what the planner compiled. BERT with SDPA gives
+    its layers no mask for a batch without padding, and a mask tensor otherwise."""
+    import functools
+
+    import torch._dynamo
+
+    import tightfit.planner.warmup as warmup
+    from tightfit.levers.compile import compile_model
+    from tightfit.planner.probe import run_probe_steps
+    from tightfit.workload import Workload
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.setattr(warmup, "probe_step", lambda w, mb, precision, budget, timed_steps, optimizer:
+                        run_probe_steps(w, mb, precision, optimizer, timed_steps))
+    data = SyntheticBatches(64, seq_len=32)
+    data.lengths = ([32] * 8 if not padded_worst_case else [5] + [32] * 7) + [24] * 8 + [8] * 8 + [3, 30] * 20
+    w = Workload(tiny_bert(dropout=0.1), data, None, 8)
+    torch._dynamo.reset()
+    try:
+        compile_model(w.model)
+        run_probe_steps(w, 8, "fp32", "adamw", 1)  # the planner's probes: the worst case, 32 tokens
+        assert len(warmup.warm_other_lengths(w, 8, (), "fp32", 2**30)) == 1
+        batches = [range(8, 16), range(8, 12), range(16, 19), range(15, 19), [24, 26, 28], range(24, 30),
+                   range(1, 5)]  # 24 and 8 tokens without padding, then with; 32 with, then without
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for indices in batches:
+                run_probe_steps(replace(w, train=_Batch(data, list(indices))), len(indices), "fp32", "adamw", 1)
+    finally:
+        torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------- checkpoints in the background
