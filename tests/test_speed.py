@@ -189,8 +189,9 @@ class _Batch:
 @pytest.mark.parametrize("padded_worst_case", [True, False])
 def test_after_the_warm_up_run_batches_of_any_length_with_or_without_padding_do_not_recompile(monkeypatch,
                                                                                                padded_worst_case):
-    """TorchDynamo's guards and automatic dynamic shapes, on the CPU with its ``eager`` backend
-    (no code generated): the run's batches reuse what the planner compiled. BERT with SDPA gives
+    """TorchDynamo's guards and automatic dynamic shapes, on the CPU with a backend that runs the
+    traced graph as it is: the run's batches reuse what the planner compiled, and the planner
+    compiles each kind of call once. BERT with SDPA gives
     its layers no mask for a batch without padding, and a mask tensor otherwise."""
     import functools
 
@@ -201,7 +202,9 @@ def test_after_the_warm_up_run_batches_of_any_length_with_or_without_padding_do_
     from tightfit.planner.probe import run_probe_steps
     from tightfit.workload import Workload
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    graphs = []  # each graph TorchDynamo compiles (the block's forward, for one kind of call)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=lambda gm, inputs: graphs.append(
+        gm) or gm.forward))
     monkeypatch.setattr(warmup, "probe_step", lambda w, mb, precision, budget, timed_steps, optimizer:
                         run_probe_steps(w, mb, precision, optimizer, timed_steps))
     data = SyntheticBatches(64, seq_len=32)
@@ -210,8 +213,10 @@ def test_after_the_warm_up_run_batches_of_any_length_with_or_without_padding_do_
     torch._dynamo.reset()
     try:
         compile_model(w.model)
-        run_probe_steps(w, 8, "fp32", "adamw", 1)  # the planner's probes: the worst case, 32 tokens
-        assert len(warmup.warm_other_lengths(w, 8, (), "fp32", 2**30)) == 1
+        with warmup.any_length(data):  # the planner's probes: the worst case, 32 tokens
+            run_probe_steps(w, 8, "fp32", "adamw", 1)
+            assert len(warmup.warm_other_lengths(w, 8, (), "fp32", 2**30)) == 1
+        assert len(graphs) == 2  # with a mask and without, each once for every length
         batches = [range(8, 16), range(8, 12), range(16, 19), range(15, 19), [24, 26, 28], range(24, 30),
                    range(1, 5)]  # 24 and 8 tokens without padding, then with; 32 with, then without
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -459,21 +464,20 @@ def test_after_the_planning_warm_up_other_lengths_do_not_recompile():
 
     from tightfit.levers.compile import compile_model
     from tightfit.planner.probe import probe_step
-    from tightfit.planner.warmup import _AtLength, warm_other_lengths
+    from tightfit.planner.warmup import _AtLength, any_length, warm_other_lengths
     from tightfit.workload import Workload
-    from dataclasses import replace
 
     w = Workload(tiny_bert(dropout=0.1).cuda(), SyntheticBatches(64, seq_len=32), None, 8)
     compile_model(w.model)
     budget = 8 * 2**30
-    assert probe_step(w, 8, "bf16", budget, timed_steps=1).fits  # compiled at the worst case (32 tokens)
-    assert warm_other_lengths(w, 8, (), "bf16", budget)
-    torch._dynamo.config.error_on_recompile = True
-    try:
+    with any_length(w.train):  # as the planner does
+        assert probe_step(w, 8, "bf16", budget, timed_steps=1).fits  # compiled at the worst case (32 tokens)
+        assert warm_other_lengths(w, 8, (), "bf16", budget)
+    with torch._dynamo.config.patch(error_on_recompile=True):
         for length, mb in ((24, 8), (8, 3), (32, 5)):  # other lengths, a short last micro-batch
-            assert probe_step(replace(w, train=_AtLength(w.train, length)), mb, "bf16", budget, timed_steps=1).fits
-    finally:
-        torch._dynamo.config.error_on_recompile = False
+            for padded in (True, False, None):  # with padding, without, as collated
+                assert probe_step(replace(w, train=_AtLength(w.train, length, padded)), mb, "bf16", budget,
+                                  timed_steps=1).fits
 
 
 @pytest.mark.gpu

@@ -14,12 +14,14 @@ long as the batch). Hugging Face models with SDPA attention drop an all-ones mas
 gets ``attention_mask=None``, so that SDPA may use its flash kernel) and give the blocks a mask
 tensor otherwise: two compiled graphs. The warm-up steps one batch of each kind, with the
 length dimension marked dynamic (:func:`~tightfit.levers.compile.length_dynamic`), so that each
-kind is compiled once for every length.
+kind is compiled once for every length; the planner's first compiled probes already mark the
+full length dynamic (:func:`any_length`), so the kind they meet is not compiled twice.
 See https://pytorch.org/docs/stable/torch.compiler_dynamic_shapes.html.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import replace
@@ -70,6 +72,16 @@ def other_length(data) -> int | None:
         return None
     length = (seq_len // 2) // PAD_MULTIPLE * PAD_MULTIPLE
     return length if 2 <= length < seq_len else None
+
+
+def any_length(data):
+    """A context in which compiled calls mark the full sequence length of text data of several
+    lengths (:func:`other_length`) dynamic (:func:`~tightfit.levers.compile.length_dynamic`), so
+    that the planner's first compiled probes compile the graph that serves every length, not one
+    for the full length alone that the warm-up would then compile again (a block compiles in
+    seconds). Does nothing for other data."""
+    length = data.seq_len if other_length(data) is not None else None
+    return length_dynamic(length) if length else contextlib.nullcontext()
 
 
 def mask_kinds(data) -> tuple:
@@ -127,7 +139,8 @@ def warm_compiled_plan(workload: Workload, plan, budget_bytes: int) -> float:
         tuple(range(_n_blocks(model))) if plan.activation_checkpointing else ())
     compile_model(model)
     set_activation_checkpointing(model, bool(blocks), blocks)
-    probe_step(workload, plan.micro_batch, plan.precision, budget_bytes, timed_steps=1, optimizer=plan.optimizer)
+    with any_length(workload.train):
+        probe_step(workload, plan.micro_batch, plan.precision, budget_bytes, timed_steps=1, optimizer=plan.optimizer)
     warm_other_lengths(workload, plan.micro_batch, blocks, plan.precision, budget_bytes, plan.optimizer)
     set_activation_checkpointing(model, False, ())
     return time.perf_counter() - t0
