@@ -21,6 +21,7 @@ See https://pytorch.org/docs/stable/torch.compiler.html.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -144,9 +145,33 @@ def uncompile_model(model: torch.nn.Module) -> None:
         set_compiled_call(module, None)
 
 
+_dynamic_length: int | None = None  # set by :func:`length_dynamic` while a warm-up compiles
+
+
+@contextlib.contextmanager
+def length_dynamic(length: int):
+    """While active, compiled calls also mark dynamic every other dimension of their tensor
+    arguments whose size is ``length`` (tokens): the sequence dimensions of hidden states and of
+    attention masks ``[B, 1, T, T]``. TorchDynamo's automatic dynamic shapes makes a dimension
+    dynamic only when one input name was seen with two sizes, so a kind of call first compiled at
+    the warm-up's length (a block given a mask where the first probe gave none) would be
+    specialised to that length and recompile at the next one. ``maybe_mark_dynamic`` lets the
+    compiler keep a dimension static where the code needs it (a head dimension of equal size)."""
+    global _dynamic_length
+    previous, _dynamic_length = _dynamic_length, length
+    try:
+        yield
+    finally:
+        _dynamic_length = previous
+
+
 def _mark_batch_dynamic(values) -> None:
     """Mark dimension 0 (the micro-batch) of every tensor in ``values`` dynamic for the compiler,
-    so micro-batches of other sizes reuse the compiled graph."""
+    so micro-batches of other sizes reuse the compiled graph (and, under :func:`length_dynamic`,
+    the dimensions of that length)."""
     for v in values:
         if torch.is_tensor(v) and v.dim() > 0:
             torch._dynamo.maybe_mark_dynamic(v, 0)
+            for d in range(1, v.dim()):
+                if _dynamic_length is not None and v.shape[d] == _dynamic_length:
+                    torch._dynamo.maybe_mark_dynamic(v, d)

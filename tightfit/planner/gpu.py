@@ -33,7 +33,7 @@ from .cost import peak_flops
 from .probe import PROBE_HEADROOM, ProbeResult, probe_step
 from .optimizers import levers_installed, search_optimizers
 from .search import Candidate, SearchResult, estimator_for
-from .warmup import warm_other_lengths
+from .warmup import any_length, warm_other_lengths
 
 VERIFIED = 3  # candidates timed for real (each: one probe, probe_step)
 VERIFIED_STEPS = 2  # timed steps of each verification probe (the fastest is the step time)
@@ -432,16 +432,17 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
         return CompileOutcome(None, None, [f"torch.compile not tried: {why_not}"] if compile == "auto" else [])
     variant, retiming, notes = None, None, []
     try:
-        found = compiled_variant(workload, best, budget_bytes, n_blocks)
-        variant, notes = found.variant, found.notes
-        if variant is not None:  # other sequence lengths compile now, not during the run
-            notes = notes + warm_other_lengths(workload, variant.micro_batch, variant.checkpoint_blocks,
-                                               best.precision, budget_bytes, best.optimizer)
-        if variant is not None and compile == "auto":
-            retiming = retime(workload, best, variant, budget_bytes)
-            notes = notes + [retiming.note]
-            variant = replace(variant, samples_per_s=retiming.compiled_samples_per_s) \
-                if retiming.compiled_kept else None
+        with any_length(workload.train):  # compiled for every sequence length from the first probe
+            found = compiled_variant(workload, best, budget_bytes, n_blocks)
+            variant, notes = found.variant, found.notes
+            if variant is not None:  # other sequence lengths compile now, not during the run
+                notes = notes + warm_other_lengths(workload, variant.micro_batch, variant.checkpoint_blocks,
+                                                   best.precision, budget_bytes, best.optimizer)
+            if variant is not None and compile == "auto":
+                retiming = retime(workload, best, variant, budget_bytes)
+                notes = notes + [retiming.note]
+                variant = replace(variant, samples_per_s=retiming.compiled_samples_per_s) \
+                    if retiming.compiled_kept else None
     except Exception as e:  # a compiler failure: the verified eager plan stands
         if compile == "on":
             raise

@@ -8,31 +8,55 @@ any size), which took seconds inside the run's first steps and left the plan's t
 on the static graph. One warm-up step at another length here makes that recompilation happen
 while planning, and the retiming that follows times the dynamic graph that the run will use
 (TorchDynamo tries the newest compiled entry first).
+
+A run also meets two kinds of batch at every length: with padding, and without (every sample as
+long as the batch). Hugging Face models with SDPA attention drop an all-ones mask (the block
+gets ``attention_mask=None``, so that SDPA may use its flash kernel) and give the blocks a mask
+tensor otherwise: two compiled graphs. The warm-up steps one batch of each kind, with the
+length dimension marked dynamic (:func:`~tightfit.levers.compile.length_dynamic`), so that each
+kind is compiled once for every length; the planner's first compiled probes already mark the
+full length dynamic (:func:`any_length`), so the kind they meet is not compiled twice.
 See https://pytorch.org/docs/stable/torch.compiler_dynamic_shapes.html.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import replace
 
+import torch
+
 from ..levers.checkpointing import set_activation_checkpointing
+from ..levers.compile import length_dynamic
 from ..workload import PAD_MULTIPLE, Workload
 from .probe import probe_step
 
 
 class _AtLength:
-    """The training data's batches padded to ``length`` tokens (the probe's ``worst_case``)."""
+    """The training data's batches padded to ``length`` tokens (the probe's ``worst_case``).
+    ``padded``: True gives the first sample a padding position at the end (``attention_mask``
+    ``[B, T]`` 0 there), False makes the mask all ones (no padding), None leaves the batch as
+    the data collates it."""
 
-    def __init__(self, data, length: int):
-        self.data, self.length = data, length
+    def __init__(self, data, length: int, padded: bool | None = None):
+        self.data, self.length, self.padded = data, length, padded
 
     def __len__(self) -> int:
         return len(self.data)
 
     def collate(self, indices, pad_to=None):
-        return self.data.collate(indices, pad_to=self.length)
+        batch = self.data.collate(indices, pad_to=self.length)
+        mask = batch.get("attention_mask")
+        if self.padded is None or not torch.is_tensor(mask) or mask.dim() != 2:
+            return batch
+        mask = mask.clone()
+        if self.padded:
+            mask[0, -1] = 0
+        else:
+            mask.fill_(1)
+        return {**batch, "attention_mask": mask}
 
     def worst_case(self, n: int):
         return self.collate([i % len(self.data) for i in range(n)])
@@ -50,10 +74,28 @@ def other_length(data) -> int | None:
     return length if 2 <= length < seq_len else None
 
 
+def any_length(data):
+    """A context in which compiled calls mark the full sequence length of text data of several
+    lengths (:func:`other_length`) dynamic (:func:`~tightfit.levers.compile.length_dynamic`), so
+    that the planner's first compiled probes compile the graph that serves every length, not one
+    for the full length alone that the warm-up would then compile again (a block compiles in
+    seconds). Does nothing for other data."""
+    length = data.seq_len if other_length(data) is not None else None
+    return length_dynamic(length) if length else contextlib.nullcontext()
+
+
+def mask_kinds(data) -> tuple:
+    """The kinds of batch :func:`warm_other_lengths` steps (``_AtLength``'s ``padded``): with
+    and without padding for data whose batches hold a 2-D ``attention_mask``, else one as is."""
+    mask = data.worst_case(1).get("attention_mask")
+    return (True, False) if torch.is_tensor(mask) and mask.dim() == 2 else (None,)
+
+
 def warm_other_lengths(workload: Workload, micro_batch: int, blocks: tuple, precision: str,
                        budget_bytes: int, optimizer: str = "adamw") -> list[str]:
-    """Run one training step (:func:`~tightfit.planner.probe.probe_step`, lr 0: weights
-    unchanged) of the compiled model at :func:`other_length`, with ``blocks`` checkpointed and
+    """Run training steps (:func:`~tightfit.planner.probe.probe_step`, lr 0: weights
+    unchanged) of the compiled model at :func:`other_length`, one per :func:`mask_kinds` (with
+    and without padding), the length dimension marked dynamic, with ``blocks`` checkpointed and
     the plan's ``optimizer`` (its state is part of the step's memory).
 
     Returns:
@@ -67,10 +109,14 @@ def warm_other_lengths(workload: Workload, micro_batch: int, blocks: tuple, prec
         return []
     t0 = time.perf_counter()
     set_activation_checkpointing(workload.model, bool(blocks), blocks)
-    probe_step(replace(workload, train=_AtLength(workload.train, length)), micro_batch, precision, budget_bytes,
-               timed_steps=1, optimizer=optimizer)
-    return [f"compiled for any sequence length at planning time: one warm-up step at {length} tokens "
-            f"({time.perf_counter() - t0:.1f} s), so the run does not recompile"]
+    kinds = mask_kinds(workload.train)
+    with length_dynamic(length):
+        for padded in kinds:
+            probe_step(replace(workload, train=_AtLength(workload.train, length, padded)), micro_batch, precision,
+                       budget_bytes, timed_steps=1, optimizer=optimizer)
+    return [f"compiled for any sequence length at planning time: {len(kinds)} warm-up step(s) at {length} tokens"
+            f"{', with and without padding' if len(kinds) > 1 else ''} ({time.perf_counter() - t0:.1f} s), "
+            f"so the run does not recompile"]
 
 
 def warm_compiled_plan(workload: Workload, plan, budget_bytes: int) -> float:
@@ -93,7 +139,8 @@ def warm_compiled_plan(workload: Workload, plan, budget_bytes: int) -> float:
         tuple(range(_n_blocks(model))) if plan.activation_checkpointing else ())
     compile_model(model)
     set_activation_checkpointing(model, bool(blocks), blocks)
-    probe_step(workload, plan.micro_batch, plan.precision, budget_bytes, timed_steps=1, optimizer=plan.optimizer)
+    with any_length(workload.train):
+        probe_step(workload, plan.micro_batch, plan.precision, budget_bytes, timed_steps=1, optimizer=plan.optimizer)
     warm_other_lengths(workload, plan.micro_batch, blocks, plan.precision, budget_bytes, plan.optimizer)
     set_activation_checkpointing(model, False, ())
     return time.perf_counter() - t0

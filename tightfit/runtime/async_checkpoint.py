@@ -33,7 +33,8 @@ class CheckpointWriter:
         blocked_seconds: time the caller spent in :meth:`save` and :meth:`flush` (the snapshot,
             and waiting for the previous write).
         write_seconds: time the writer spent writing and hashing.
-        host_bytes: host memory held by the snapshot buffers (one copy of the weights).
+        host_bytes: host memory held by the snapshot buffers (one copy of the weights and the
+            state, reused by every checkpoint).
     """
 
     def __init__(self, folder: str | Path, keep_last: int = 2, background: bool = True):

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +102,8 @@ class Snapshot:
             where the model is on CUDA); ``shared``: ``{dropped name: kept name}`` for the tied ones.
         state: :func:`save_checkpoint`'s ``state`` with every tensor copied to the CPU.
         ready: a CUDA event recorded after the copies (None on the CPU): the writer waits on it.
-        nbytes: host bytes held by the copies.
+        nbytes: host bytes held by the copies (weights and state: for AdamW about 3x the
+            fp32 weights).
     """
 
     weights: dict
@@ -156,7 +158,7 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
             continue
         seen[where] = name
         weights[name] = buffers.copy(("w", name), t, t.is_cuda)
-    counter = [0]
+    counter, state_bytes = [0], [0]
 
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -166,7 +168,9 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
             if is_traceable_wrapper_subclass(v):  # torchao's 8-bit state: copy its inner tensors, keep its type
                 names, ctx = v.__tensor_flatten__()
                 return type(v).__tensor_unflatten__({n: host(getattr(v, n)) for n in names}, ctx, v.size(), v.stride())
-            return buffers.copy(("s", counter[0]), v, v.is_cuda) if v.is_cuda else v.detach().clone()
+            copied = buffers.copy(("s", counter[0]), v, v.is_cuda)  # CPU state too (offloaded): no new memory
+            state_bytes[0] += copied.numel() * copied.element_size()
+            return copied
         if isinstance(v, dict):
             return {k: host(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
@@ -178,7 +182,7 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
     if on_cuda:
         ready = torch.cuda.Event()
         ready.record()
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values()) + state_bytes[0]
     return Snapshot(weights, shared, host_state, ready, nbytes)
 
 
@@ -188,7 +192,7 @@ def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2) 
     (only a resume that fell back past a corrupt checkpoint leaves those: they belong to the
     abandoned stretch of the run). Temporary folders of an earlier, killed write are removed
     first. Safe to run on a background thread; hashing costs about 1 to 2 s per GB
-    (:func:`sha256_file`).
+    (:func:`sha256_file`); the weights are hashed on a second thread while ``state.pt`` is written.
 
     Returns:
         The checkpoint's folder.
@@ -201,13 +205,18 @@ def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2) 
     remove_stale_temporaries(folder)
     target = folder / f"ckpt-{step}"
 
+    def record(path: Path) -> dict:
+        _fsync(path)  # on disk before the folder's rename makes it a checkpoint
+        return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
     def fill(tmp: Path) -> None:
         save_file(snap.weights, str(tmp / MODEL_FILE), metadata=dict(snap.shared) or None)
-        torch.save(snap.state, tmp / STATE_FILE)
-        files = {}
-        for name in (MODEL_FILE, STATE_FILE):
-            _fsync(tmp / name)  # on disk before the folder's rename makes it a checkpoint
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+        # the weights are synced and hashed (hashlib releases the GIL) while state.pt is written
+        with ThreadPoolExecutor(1, thread_name_prefix="tightfit-checkpoint-hash") as hasher:
+            weights = hasher.submit(record, tmp / MODEL_FILE)
+            torch.save(snap.state, tmp / STATE_FILE)
+            files = {STATE_FILE: record(tmp / STATE_FILE)}
+            files = {MODEL_FILE: weights.result(), **files}
         manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         _fsync(tmp / MANIFEST)

@@ -86,7 +86,8 @@ class TrainResult:
         eval: last evaluation ``{"accuracy", "loss", "samples"}`` or None.
         step_ends: ``(seconds since this process's loop began, samples so far)`` after each step
             of this process (for the delivered samples/s: :mod:`tightfit.report.speed`).
-        checkpoint_seconds: time the loop was held by checkpoints (snapshots, waiting for a write);
+        checkpoint_seconds: time the run was held by checkpoints (snapshots, waiting for a write;
+            the last write goes on during the evaluation, and only a wait after it counts);
             checkpoint_write_seconds: time spent writing and hashing them (in the background).
         eval_seconds: wall time of the evaluation.
     """
@@ -259,25 +260,31 @@ class Trainer:
         t0 = time.perf_counter() - self.result.train_seconds  # continues the clock on resume
         samples0 = self.result.samples
         self._t_fit = time.perf_counter()  # the progress bar's rate counts this process's steps only
+        trained = False
         try:
             self._listed_modules = list(self.model.modules())  # the modules train_step checks (see there)
             with self._stop_on_signals(), module_mode(self.model, True):  # the caller's modes come back at the end
                 self._train_loop(bar, t0, samples0)
+            trained = True
         finally:
             self.loader.close()
             if bar is not None:
                 bar.close()
             self._restore_use_cache()
-            self.flush_checkpoints()  # no run ends with a checkpoint still being written
+            if not trained:
+                self.flush_checkpoints()  # no run ends with a checkpoint still being written
         self.result.train_seconds = time.perf_counter() - t0
         self.result.steps = self.step
         self.result.samples_per_s = self.result.samples / max(self.result.train_seconds, 1e-9)
         self.result.plan = self.plan_in_force()
-        if self.w.eval is not None:
-            t_eval = time.perf_counter()
-            self.result.eval = self.evaluate()
-            self.result.eval_seconds = time.perf_counter() - t_eval
-            self.log({"type": "eval", "step": self.step, **self.result.eval})
+        try:  # the last checkpoint is written in the background while the model is evaluated
+            if self.w.eval is not None:
+                t_eval = time.perf_counter()
+                self.result.eval = self.evaluate()
+                self.result.eval_seconds = time.perf_counter() - t_eval
+                self.log({"type": "eval", "step": self.step, **self.result.eval})
+        finally:
+            self.flush_checkpoints()  # ... and is in place before fit returns
         if self.device.type == "cuda":  # the run's peaks: every step's and the evaluation's
             self.result.peak_allocated_bytes = max(self._peaks[0], torch.cuda.max_memory_allocated(self.device))
             self.result.peak_reserved_bytes = max(self._peaks[1], torch.cuda.max_memory_reserved(self.device))
