@@ -47,7 +47,8 @@ run large-2gpu 150 python3 -m tightfit train --model bert-large "${COMMON[@]}" "
 # 3. OOM on rank 1 mid-run (SKIP_OOM=1 leaves it out)
 [ -n "${SKIP_OOM:-}" ] || run oom 120 env OUT="$OUT" python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/multi_gpu_oom.py
 # 4. kill after the first checkpoint, resume on 2 GPUs and (from a copy) on 1 GPU. The run gets its
-#    own session (setsid) and writes its process-group id, so that the kill reaches the launcher and both ranks.
+#    own session (setsid) and writes its process-group id, so that the kill reaches the launcher; the ranks
+#    are killed by their command line.
 setsid bash -c 'echo $$ > "$0"; exec "$@"' "$WORK/killed.pgid" python3 -m tightfit train --model bert-base \
   "${COMMON[@]}" "${EAGER[@]}" "${BASE[@]}" --gpus 2 --out "$WORK/killed" > "$WORK/killed.log" 2>&1 &
 pid=$!
@@ -55,7 +56,8 @@ for _ in $(seq 1 300); do
   [ -d "$WORK/killed/checkpoints/ckpt-25" ] && break  # renamed into place only once complete
   sleep 0.2
 done
-kill -KILL -- "-$(cat "$WORK/killed.pgid")" 2>/dev/null; wait "$pid" 2>/dev/null
+# the launcher's group, and the ranks by their command line (torchrun may start them in sessions of their own)
+kill -KILL -- "-$(cat "$WORK/killed.pgid")" 2>/dev/null; pkill -KILL -f -- "--out $WORK/killed( |$)"; wait "$pid" 2>/dev/null
 sleep 2
 echo "killed after: $(ls "$WORK/killed/checkpoints" 2>/dev/null | tr '\n' ' ')" >> "$LOGS"
 cp "$WORK/killed/metrics.jsonl" "$WORK/killed-before-resume.jsonl" 2>/dev/null  # what the killed run wrote

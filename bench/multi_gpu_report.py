@@ -2,6 +2,7 @@
 (writes OUT/multi_gpu.json and OUT/multi_gpu.md)."""
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -19,13 +20,14 @@ def train_records(run):
     return [r for r in records(run) if r["type"] == "train"]
 
 
-def steady_rate(run, skip=5):
-    """samples/s between the end of step ``skip`` and the last step (first steps warm up)."""
-    tr = train_records(run)
-    if len(tr) <= skip + 1:
-        return None
-    a, b = tr[skip - 1], tr[-1]
-    return (b["samples"] - a["samples"]) / (b["time"] - a["time"])
+def steady_rate(run, skip=5, window=10):
+    """samples/s of the steady state: the median over consecutive ``window``-step windows after the
+    first ``skip`` steps (warm-up, compilation), the last step left out (it holds the epoch's
+    partial window and the wait for the final checkpoint); the trainer's "steady" is the same."""
+    tr = train_records(run)[skip - 1:-1]
+    rates = [(b["samples"] - a["samples"]) / (b["time"] - a["time"])
+             for a, b in zip(tr[::window], tr[window::window])]
+    return statistics.median(rates) if rates else None
 
 
 def load(run, name):

@@ -1,13 +1,14 @@
-"""The FSDP2 micro-batch verified by one real step on every rank before training.
+"""The FSDP2 micro-batch verified by two real steps on every rank before training.
 
 Under FSDP2 no GPU can run the unsharded step, so the planner's micro-batch comes from the
 estimator (:func:`tightfit.planner.sharding.fsdp_micro_batch`), and an OOM during training
-stops every rank (FSDP2's collectives run in every pass). So on CUDA each rank first runs one
-full step (forward, backward, gradient reduce-scatter, AdamW, whose moments it allocates) on
-the worst-case micro-batch (every sample padded to the full sequence length) at learning rate
-0, which leaves the weights as they were; the optimizer state, gradients and RNG states are
+stops every rank (FSDP2's collectives run in every pass). So on CUDA each rank first runs two
+full steps (forward, backward, gradient reduce-scatter, AdamW, whose moments the first allocates
+and the second holds throughout) on the worst-case micro-batch (every sample padded to the full
+sequence length) at learning rate 0, which leaves the weights as they were, and their peak
+reserved memory must stay within the planner's headroom; the optimizer state, gradients and RNG states are
 then put back as before. The ranks agree (one all-reduce per attempt) on whether any ran out
-of memory; if one did, all halve the micro-batch and try again.
+of memory (or past the headroom); if one did, all halve the micro-batch and try again.
 
 Ranks of one run hold the same shapes, so they run out of memory at the same allocation and
 reach the agreement together; an OOM on one rank alone, inside a collective, would leave the
@@ -22,6 +23,7 @@ from ..errors import TightfitError
 from ..memory.oom import is_oom, release_memory
 from ..rng import capture_rng, restore_rng
 from ..step import module_mode, training_step
+from .margins import planned_limit
 
 
 def _reshard(model: torch.nn.Module) -> None:
@@ -31,18 +33,31 @@ def _reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
+PROBE_STEPS = 2  # the second runs its forward and backward with AdamW's moments in place, as every later step
+
+
 def _attempt(trainer, micro_batch: int) -> bool:
-    """One learning-rate-0 step of ``micro_batch`` worst-case samples; whether it ran out of memory."""
+    """:data:`PROBE_STEPS` learning-rate-0 steps of ``micro_batch`` worst-case samples; whether
+    they ran out of memory or, on a GPU, their peak reserved memory passed the planner's limit
+    (:func:`tightfit.planner.margins.planned_limit` of the plan's budget: fragmentation grows
+    over the next steps; on 2 H200s at 4 GiB each, BERT-large at micro-batch 128 peaked at 3.27 GiB
+    in its first step, 3.98 GiB from the second on, and ran out of memory at the sixth,
+    bench/results/multi-gpu-2)."""
     batch = {k: v.to(trainer.device) for k, v in trainer.w.train.worst_case(micro_batch).items()}
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
     try:
         with module_mode(trainer.model, True):  # as the training steps run (dropout on)
-            training_step(trainer.model, [batch], trainer.w.loss_sum, float(trainer.w.count(batch)), trainer.optimizer,
-                          trainer.scaler, trainer._autocast, trainer.cfg.max_grad_norm)
-        return False
+            for _ in range(PROBE_STEPS):
+                training_step(trainer.model, [batch], trainer.w.loss_sum, float(trainer.w.count(batch)),
+                              trainer.optimizer, trainer.scaler, trainer._autocast, trainer.cfg.max_grad_norm)
     except Exception as e:  # only OOMs are handled; anything else propagates
         if not is_oom(e):
             raise
         return True
+    budget = trainer.plan.budget_bytes
+    return bool(cuda and budget and torch.cuda.max_memory_reserved(trainer.device) > planned_limit(budget))
 
 
 def verify_micro_batch(trainer) -> int:
