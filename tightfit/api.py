@@ -192,8 +192,11 @@ class TrainRecipe:
         if p.optimizer in ("adamw8bit", "adamw-offload"):
             from .planner.optimizers import levers_installed
 
-            if not levers_installed():
-                raise TightfitError(f"--optimizer {p.optimizer} needs torchao: pip install 'tightfit[levers]'")
+            if not levers_installed(p.optimizer):
+                from .levers.optimizers import LEVER_LIBRARY
+
+                raise TightfitError(f"--optimizer {p.optimizer} needs {LEVER_LIBRARY[p.optimizer]}: "
+                                    "pip install 'tightfit[levers]'")
         if p.precision != "auto":
             from .levers.precision import check_precision
 

@@ -82,9 +82,10 @@ def log_to_stdout() -> None:
 
 
 # Loggers of libraries imported on the way (transformers imports torchao whenever it is
-# installed) that warn at import time about their own build: noise on the command line's stderr,
-# where an error is one line. Their errors still show.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+# installed, peft imports bitsandbytes) that warn at import time about their own build (e.g.
+# bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community", a logging warning):
+# noise on the command line's stderr, where an error is one line. Their errors still show.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
 def quiet_import_warnings() -> None:

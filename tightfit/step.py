@@ -68,7 +68,8 @@ def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 # Optimizers the estimator and the runtime know: fused AdamW (tightfit's default on CUDA),
 # multi-tensor ("foreach") AdamW, SGD with momentum, and the levers of
-# :mod:`tightfit.levers.optimizers` (torchao): 8-bit AdamW state, AdamW state offloaded to the CPU.
+# :mod:`tightfit.levers.optimizers`: 8-bit AdamW state (bitsandbytes), AdamW state offloaded to the
+# CPU (torchao).
 OPTIMIZERS = ("adamw", "adamw-foreach", "sgd", "adamw8bit", "adamw-offload")
 
 
@@ -78,7 +79,7 @@ def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight
     builder of the runtime, the GPU probe (lr 0, no weight decay) and the estimator (meta).
 
     ``adamw``: fused AdamW (one kernel per step, on CUDA and on the CPU); ``adamw-foreach``: the
-    multi-tensor AdamW; ``sgd``: SGD with momentum 0.9; ``adamw8bit``: torchao's AdamW8bit;
+    multi-tensor AdamW; ``sgd``: SGD with momentum 0.9; ``adamw8bit``: bitsandbytes' AdamW8bit;
     ``adamw-offload``: torchao's CPUOffloadOptimizer around a fused CPU AdamW (CUDA only; see
     :mod:`tightfit.levers.optimizers`). On the meta device, a stand-in that allocates the same
     GPU state and temporaries (:class:`MetaOptimizer`).
@@ -98,7 +99,8 @@ def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight
 
     Raises:
         ValueError: unknown ``kind``.
-        TightfitError: a lever whose library (torchao) is missing, or ``adamw-offload`` without CUDA.
+        TightfitError: a lever whose library (bitsandbytes, torchao) is missing, or ``adamw-offload``
+            without CUDA.
     """
     params = [p for p in params if p.requires_grad]
     if kind not in OPTIMIZERS:
@@ -118,11 +120,6 @@ def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
-# fp32 copies of the largest quantized parameter alive during torchao's 8-bit step (see
-# MetaOptimizer._dequantized).
-DEQUANTIZED_COPIES = 4
-
-
 class MetaOptimizer:
     """Allocates on the GPU what the optimizers of :data:`OPTIMIZERS` allocate there, in the same
     order, on meta params.
@@ -133,10 +130,12 @@ class MetaOptimizer:
     temporary per parameter of its size, ``torch._foreach_sqrt(exp_avg_sqs)`` for the whole
     group at once (``torch/optim/adam.py``, ``_multi_tensor_adam``), freed when the step ends.
     SGD with momentum: a ``momentum_buffer`` cloned from the gradient on the first step.
-    8-bit AdamW (torchao ``AdamW8bit``): per moment of a quantized tensor
-    (:func:`tightfit.levers.optimizers.is_quantized`) uint8 codes of the parameter's shape, one
-    fp32 scale per 256 elements and a 256-entry fp32 look-up table; fp32 ``zeros_like`` for the
-    others; its ``step`` counter lives on the CPU. CPU offload (torchao ``CPUOffloadOptimizer``):
+    8-bit AdamW (bitsandbytes ``AdamW8bit``, as :func:`tightfit.levers.optimizers.adamw_8bit`
+    runs it: every parameter's state before any update): at the first quantized tensor
+    (:func:`tightfit.levers.optimizers.is_quantized`) the two shared 256-entry fp32 quantization
+    maps; per quantized tensor two uint8 code tensors of its shape, then two fp32 scale vectors of
+    ``ceil(n / 256)``; fp32 ``zeros_like`` twice for the others; ``step`` counters are Python ints;
+    its kernels allocate nothing at the step. CPU offload (torchao ``CPUOffloadOptimizer``):
     fused AdamW state only for the parameters kept on the GPU
     (:func:`tightfit.levers.optimizers.is_offloaded` false); the others' gradients are freed as
     backward produces them unless ``accumulating``.
@@ -145,6 +144,7 @@ class MetaOptimizer:
 
     def __init__(self, params, kind: str, accumulating: bool = False):
         self.params, self.kind, self.state = list(params), kind, {}
+        self._qmaps = False  # adamw8bit: the shared quantization maps exist
         self.param_groups = [{"params": self.params}]  # as torch.optim's, for clipping
         # entered around the step's temporaries (the estimator labels them there)
         self.temporaries_context = contextlib.nullcontext
@@ -161,12 +161,16 @@ class MetaOptimizer:
             if p.grad is None or p in self.state:
                 continue
             if self.kind == "adamw8bit":
-                self.state[p] = tuple(
-                    t for _ in range(2) for t in (
-                        (torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
-                         torch.zeros(p.numel() // BLOCK_SIZE, device=p.device),
-                         torch.zeros(QMAP_BYTES // 4, device=p.device))
-                        if is_quantized(p.numel()) else (torch.zeros_like(p),)))
+                if not is_quantized(p.numel()):
+                    self.state[p] = (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
+                    continue
+                qmaps = () if self._qmaps else (torch.zeros(QMAP_BYTES // 4 // 2, device=p.device),
+                                                torch.zeros(QMAP_BYTES // 4 // 2, device=p.device))
+                self._qmaps = True  # shared by every tensor: counted once, with the first
+                blocks = -(-p.numel() // BLOCK_SIZE)
+                self.state[p] = qmaps + (torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
+                                         torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
+                                         torch.zeros(blocks, device=p.device), torch.zeros(blocks, device=p.device))
             elif self.kind == "adamw-offload" and is_offloaded(p.numel()):
                 self.state[p] = ()  # on the host
             elif self.kind.startswith("adamw"):
@@ -176,25 +180,10 @@ class MetaOptimizer:
                 self.state[p] = (torch.clone(p.grad).detach(),)
         if self.kind == "adamw-foreach":
             self._temporaries([s[2] for p, s in self.state.items() if p.grad is not None])
-        if self.kind == "adamw8bit":
-            self._dequantized([p for p in self.params if p.grad is not None and is_quantized(p.numel())])
 
     def _temporaries(self, exp_avg_sqs: list) -> None:
         with self.temporaries_context():
             sqrt = torch._foreach_sqrt(exp_avg_sqs)  # noqa: F841 -- alive until the step returns
-
-    def _dequantized(self, quantized: list) -> None:
-        """torchao's 8-bit step updates one parameter at a time in fp32: both moments dequantized
-        and their new values before requantization, :data:`DEQUANTIZED_COPIES` fp32 copies of the
-        largest parameter at most. Calibrated on one measurement (NVIDIA H200, torch 2.11, torchao
-        0.18, BERT-large seq 128, 24 blocks checkpointed, ``bench/results/optimizer-levers``):
-        real peaks 3.80-3.90 GiB reserved at micro-batches 1-8, predicted 3.47 GiB without these
-        copies and 3.82-3.83 GiB with four."""
-        if not quantized:
-            return
-        largest = max(quantized, key=lambda p: p.numel())
-        with self.temporaries_context():
-            copies = [torch.empty(largest.shape, device=largest.device) for _ in range(DEQUANTIZED_COPIES)]  # noqa: F841
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:

@@ -49,8 +49,8 @@ __all__ = ["TightfitCallback", "smaller_micro_batch", "train", "training_argumen
 log = logging.getLogger(__name__)
 
 # tightfit's optimizer kinds (tightfit.step.OPTIMIZERS) as the Trainer's ``optim`` names
-# (torchao's AdamW8bit is the Trainer's "adamw_torch_8bit"; it has no CPU-offloaded AdamW)
-_OPTIM = {"adamw": "adamw_torch_fused", "adamw-foreach": "adamw_torch", "sgd": "sgd", "adamw8bit": "adamw_torch_8bit"}
+# (bitsandbytes' AdamW8bit is the Trainer's "adamw_bnb_8bit"; it has no CPU-offloaded AdamW)
+_OPTIM = {"adamw": "adamw_torch_fused", "adamw-foreach": "adamw_torch", "sgd": "sgd", "adamw8bit": "adamw_bnb_8bit"}
 
 
 def training_arguments(plan: Plan, **yours) -> dict:

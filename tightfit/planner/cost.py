@@ -19,8 +19,10 @@ block copies its saved activations to the host and back over the host link
 (``DeviceProfile.host_link_bytes_per_s``, pinned memory): the device-to-host copies run on a
 side stream beside the forward's compute, the host-to-device copies are waited for in backward.
 
-The optimizer levers (:mod:`tightfit.levers.optimizers`) cost differently: torchao's 8-bit AdamW
-runs one compiled call per parameter tensor (:data:`OPTIMIZER_CALL_S` each) at its measured rate;
+The optimizer levers (:mod:`tightfit.levers.optimizers`) cost differently: bitsandbytes' 8-bit
+AdamW streams weights, gradients and 1-byte moments through memory
+(:data:`ADAMW8BIT_BYTES_PER_PARAM`) in one kernel per parameter tensor, each followed by a device
+sync (:data:`OPTIMIZER_CALL_S` each);
 CPU offload copies the gradients to the host (once per micro-batch: the accumulated gradient is
 copied again after each) and the new weights back over the host link, and runs AdamW on the CPU at
 :data:`CPU_ADAMW_PARAMS_PER_S`.
@@ -48,14 +50,15 @@ ACHIEVED_SHARE = 0.45
 LAUNCH_S = 25e-6
 # AdamW step: read weight, gradient, two moments; write weight and two moments (fp32).
 ADAMW_BYTES_PER_PARAM = 7 * 4
-# torchao AdamW8bit on the GPU, parameters per second: 4.45e10 measured on an NVIDIA H200 for one
-# 100M-parameter tensor (bench/results/device-facts/, torch 2.11, torchao 0.18) -- slower than its
-# bytes suggest (it dequantizes, updates and requantizes block by block).
-ADAMW8BIT_PARAMS_PER_S = 4.45e10
-# Per parameter tensor of torchao's AdamW8bit step: one call of its compiled single-tensor update
-# (guards, launch) from a Python loop. A prior (100 us), to be replaced by the figure that
-# bench/optimizer_levers.py measures on the GPU machine.
-OPTIMIZER_CALL_S = 100e-6
+# bitsandbytes AdamW8bit step (fp32 weights and gradients): read weight, gradient and two 1-byte
+# moments, write weight and moments (the per-block scales, 8 B per 256 elements, left out).
+ADAMW8BIT_BYTES_PER_PARAM = 4 + 4 + 2 + 4 + 2
+# Per parameter tensor of bitsandbytes' AdamW8bit step: a Python call, one kernel launch and a
+# ``torch.cuda.synchronize()`` (bitsandbytes/optim/optimizer.py ``step``: ``sync_gpu(p)``). One
+# step over BERT-large's 335.1M parameters in 393 tensors took 26.5 ms on an NVIDIA H200 (torch
+# 2.11, bitsandbytes 0.50.2; bench/results/optimizer-levers/optimizer_step_time.json); less its
+# bytes at the card's 4.8 TB/s (1.1 ms), 65 us per tensor.
+OPTIMIZER_CALL_S = 65e-6
 # Fused AdamW on the host CPU as torchao's CPUOffloadOptimizer runs it (one AdamW per parameter
 # tensor, each waiting for its gradient's copy), parameters per second: about 0.25 s per step for
 # BERT-large's 335M parameters on the single-H200 machine (16 cores; issue 14's by-hand
@@ -219,7 +222,8 @@ class TimeModel:
 
         ``adamw``: the fused step, memory-bound over the trainable parameters
         (:data:`ADAMW_BYTES_PER_PARAM` at the card's memory bandwidth). ``adamw8bit``:
-        :data:`ADAMW8BIT_PARAMS_PER_S` plus :data:`OPTIMIZER_CALL_S` per tensor.
+        :data:`ADAMW8BIT_BYTES_PER_PARAM` at the card's memory bandwidth plus
+        :data:`OPTIMIZER_CALL_S` per tensor.
         ``adamw-offload``: the offloaded parameters' fp32 gradients to the host after every
         micro-batch and their weights back (4 B each way per parameter over
         ``host_link_bytes_per_s``; the copies overlap the backward only in part, so all are
@@ -228,7 +232,7 @@ class TimeModel:
         """
         c, bw = self.cost, self.profile.memory_bytes_per_s or 500e9
         if self.optimizer == "adamw8bit":
-            return c.trainable_params / ADAMW8BIT_PARAMS_PER_S + c.trainable_tensors * OPTIMIZER_CALL_S
+            return c.trainable_params * ADAMW8BIT_BYTES_PER_PARAM / bw + c.trainable_tensors * OPTIMIZER_CALL_S
         if self.optimizer == "adamw-offload":
             n = c.offloaded_params
             link = 4 * n * (micro_batches + 1) / self.profile.host_link_bytes_per_s

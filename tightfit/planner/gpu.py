@@ -311,6 +311,8 @@ def _verified(workload: Workload, result: SearchResult, profile: DeviceProfile, 
         failures = [f"{kind}: {first}"]
         later = LEVER_OPTIMIZERS[LEVER_OPTIMIZERS.index(kind) + 1:] if kind in LEVER_OPTIMIZERS else LEVER_OPTIMIZERS
         for lever in later:
+            if not levers_installed(lever):
+                continue
             try:
                 other = searched(lever)
                 verification = verify_on_gpu(workload, other, profile, budget_bytes)

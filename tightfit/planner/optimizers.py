@@ -15,20 +15,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import TightfitError
-from ..levers.optimizers import LEVER_OPTIMIZERS, available_host_bytes, is_quantized, offload_host_bytes
+from ..levers.optimizers import LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_state_bytes, available_host_bytes, offload_host_bytes
 from ..units import format_bytes
 from ..plan import OPTIMIZER_CHOICES
 from .search import NothingFitsError, SearchResult, search
 
-_NAMES = {"adamw": "fp32 AdamW state", "adamw8bit": "8-bit AdamW state (torchao AdamW8bit)",
+_NAMES = {"adamw": "fp32 AdamW state", "adamw8bit": "8-bit AdamW state (bitsandbytes AdamW8bit)",
           "adamw-offload": "AdamW state and fp32 master weights on the CPU (torchao CPUOffloadOptimizer)"}
 
 
-def levers_installed() -> bool:
-    """Whether torchao (the ``levers`` extra) can be imported."""
+def levers_installed(kind: str | None = None) -> bool:
+    """Whether the library of optimizer lever ``kind`` (:data:`LEVER_LIBRARY`, the ``levers``
+    extra) can be imported; without ``kind``, that of any lever."""
     import importlib.util
 
-    return importlib.util.find_spec("torchao") is not None
+    return any(importlib.util.find_spec(LEVER_LIBRARY[k]) is not None for k in ([kind] if kind else LEVER_OPTIMIZERS))
 
 
 def _several_ranks() -> bool:
@@ -45,14 +46,14 @@ def _constrained(result: SearchResult) -> bool:
 def state_bytes(model, kind: str) -> int:
     """GPU bytes of the optimizer state of ``model``'s trainable parameters under ``kind``
     (:mod:`tightfit.levers.optimizers` for the layouts)."""
+    if kind == "adamw8bit":
+        return adamw_8bit_state_bytes(p.numel() for p in model.parameters() if p.requires_grad)
     total = 0
     for p in model.parameters():
         if not p.requires_grad:
             continue
         n = p.numel()
-        if kind == "adamw8bit":
-            total += 2 * (n + 4 * (n // 256) + 1024) if is_quantized(n) else 8 * n
-        elif kind == "adamw-offload":
+        if kind == "adamw-offload":
             total += 0 if n >= 4096 else 8 * n
         else:
             total += 8 * n
@@ -108,7 +109,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         optimizer: ``auto`` or one of :data:`tightfit.step.OPTIMIZERS` to search alone.
         estimator_at: ``kind -> (size, effective_batch) -> estimate_fn`` for the nothing-fits
             advice, or None.
-        levers: whether ``auto`` may choose the levers (None: where torchao is installed).
+        levers: whether ``auto`` may choose the levers (None: those whose library is installed).
         host_bytes: host memory available for offloaded state (None: :func:`available_host_bytes`).
         options: ``precision``, ``checkpointing``, ``headroom`` of :func:`.search.search`.
 
@@ -134,7 +135,11 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     if optimizer != "auto":
         r = run(optimizer)
         return _explained(r, optimizer, f"optimizer {optimizer}: as asked (--optimizer {optimizer})", model, profile)
-    levers = levers_installed() if levers is None else levers
+    if levers is None:
+        kinds = [k for k in LEVER_OPTIMIZERS if levers_installed(k)]
+    else:
+        kinds = list(LEVER_OPTIMIZERS) if levers else []
+    levers = bool(kinds)
     results, failures = {}, {}
     try:
         results["adamw"] = run("adamw")
@@ -148,7 +153,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             return _explained(results["adamw"], "adamw", "optimizer adamw (fused, fp32 state): the optimizer levers "
                               "were not searched (pip install 'tightfit[levers]')", model, profile)
         raise failures["adamw"]
-    for kind in LEVER_OPTIMIZERS:
+    for kind in kinds:
         if kind == "adamw-offload":
             if "adamw8bit" in results and not _constrained(results["adamw8bit"]):
                 break
