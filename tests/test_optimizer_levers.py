@@ -1,9 +1,10 @@
-"""The optimizer levers (torchao 8-bit AdamW, CPU-offloaded AdamW) keep the step's guards:
-unscale once and clip before the step, skip on inf/NaN, all-or-nothing rollback after an OOM,
-exact resume. torchao's AdamW8bit runs on the CPU (its step is compiled by torch.compile: the
-first test in a process compiles it once per parameter shape); CPUOffloadOptimizer needs CUDA.
+"""The optimizer levers (bitsandbytes 8-bit AdamW, torchao CPU-offloaded AdamW) keep the step's
+guards: unscale once and clip before the step, skip on inf/NaN, all-or-nothing rollback after an
+OOM, exact resume. bitsandbytes' AdamW8bit runs on the CPU (>= 0.50); CPUOffloadOptimizer needs
+CUDA.
 """
 
+import importlib.util
 import math
 
 import pytest
@@ -16,11 +17,12 @@ from tightfit.runtime.trainer import PartialUpdateError, TrainConfig, Trainer
 from tightfit.step import apply_update, make_optimizer
 from tightfit.workload import Workload
 
-torchao = pytest.importorskip("torchao")
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 
 
 def bert_with_large_tensors(seed=0, dropout=0.1):
-    """A 2-layer BERT whose embeddings and linear weights have >= 4,096 elements (8-bit in torchao)."""
+    """A 2-layer BERT whose embeddings and linear weights have >= 4,096 elements (8-bit in bitsandbytes)."""
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(seed)
     return BertForSequenceClassification(BertConfig(
@@ -42,29 +44,37 @@ def assert_same(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+@needs_bnb
 def test_adamw8bit_keeps_large_tensors_in_8_bits_and_small_ones_in_fp32():
-    from torchao.optim.subclass_8bit import OptimState8bit
     model = bert_with_large_tensors()
     opt = make_optimizer(model.parameters(), "adamw8bit", "cpu", lr=1e-3)
     model(input_ids=torch.randint(1, 50, (2, 8)), labels=torch.tensor([0, 1])).loss.backward()
     opt.step()
     for p in model.parameters():
-        kind = type(opt.state[p]["exp_avg"])
-        assert (kind is OptimState8bit) == (p.numel() >= 4096 and p.numel() % 256 == 0), p.shape
+        want = torch.uint8 if p.numel() >= 4096 else torch.float32
+        assert opt.state[p]["state1"].dtype == opt.state[p]["state2"].dtype == want, p.shape
 
 
-def test_a_missing_torchao_is_one_line_naming_the_extra(monkeypatch):
+@pytest.mark.parametrize("library, kind", [("bitsandbytes", "adamw8bit"), ("torchao", "adamw-offload")])
+def test_a_missing_lever_library_is_one_line_naming_the_extra(monkeypatch, library, kind):
     import builtins
     real = builtins.__import__
 
-    def no_torchao(name, *a, **k):
-        if name.startswith("torchao"):
+    def missing(name, *a, **k):
+        if name.startswith(library):
             raise ImportError(name)
         return real(name, *a, **k)
 
-    monkeypatch.setattr(builtins, "__import__", no_torchao)
-    with pytest.raises(TightfitError, match=r"tightfit\[levers\]"):
-        make_optimizer([torch.nn.Parameter(torch.zeros(3))], "adamw8bit", "cpu")
+    monkeypatch.setattr(builtins, "__import__", missing)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # offload checks CUDA first
+    from tightfit.levers import optimizers as lv
+    monkeypatch.setattr(lv, "check_host_memory", lambda numels: None)
+    lv._8bit_class.cache_clear()
+    lv._offload_class.cache_clear()
+    with pytest.raises(TightfitError, match=rf"needs {library}: pip install 'tightfit\[levers\]'$"):
+        make_optimizer([torch.nn.Parameter(torch.zeros(3))], kind, "cpu")
+    lv._8bit_class.cache_clear()
+    lv._offload_class.cache_clear()
 
 
 def _grads(model, value=None, scaler=None, seed=0):
@@ -76,6 +86,7 @@ def _grads(model, value=None, scaler=None, seed=0):
         next(model.parameters()).grad.fill_(value)
 
 
+@needs_bnb
 def test_apply_update_unscales_once_and_clips_before_the_8bit_step():
     model = bert_with_large_tensors(dropout=0.0)
     opt = make_optimizer(model.parameters(), "adamw8bit", "cpu", lr=1e-3)
@@ -92,6 +103,7 @@ def test_apply_update_unscales_once_and_clips_before_the_8bit_step():
     assert seen and math.isclose(seen[0], true_norm / 4, rel_tol=1e-3)  # clipped before the step
 
 
+@needs_bnb
 @pytest.mark.parametrize("scaling", [False, True])
 def test_a_non_finite_window_leaves_8bit_state_and_weights_untouched(scaling):
     model = bert_with_large_tensors(dropout=0.0)
@@ -100,7 +112,7 @@ def test_a_non_finite_window_leaves_8bit_state_and_weights_untouched(scaling):
     _grads(model, scaler=scaler)
     apply_update(opt, scaler, 1.0)  # state exists
     before = params(model)
-    state = {id(p): {k: (v.dequantize() if hasattr(v, "dequantize") else v).clone() for k, v in s.items()}
+    state = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
              for p, s in opt.state.items()}
     _grads(model, math.inf, scaler=scaler)
     norm, finite = apply_update(opt, scaler, 1.0)
@@ -108,27 +120,32 @@ def test_a_non_finite_window_leaves_8bit_state_and_weights_untouched(scaling):
     assert_same(params(model), before)
     for p, s in opt.state.items():
         for k, v in s.items():
-            assert torch.equal(v.dequantize() if hasattr(v, "dequantize") else v, state[id(p)][k]), k
+            assert (torch.equal(v, state[id(p)][k]) if isinstance(v, torch.Tensor) else v == state[id(p)][k]), k
     if scaling:
         assert scaler.get_scale() == 512.0  # the loss scale backed off after the skip
 
 
-def _oom_in_new_buffer(trainer, n):
-    """Raise a CUDA-style OOM at the ``n``-th state tensor torchao creates in the first step."""
+def _oom_in_new_state(trainer, n):
+    """Raise a CUDA-style OOM at the ``n``-th moment buffer bitsandbytes allocates in the first step."""
     opt, calls = trainer.optimizer, []
-    real = opt._new_buffer
+    real = opt.get_state_buffer
 
-    def new_buffer(p, signed):
+    def get_state_buffer(p, dtype=torch.float32):
         calls.append(1)
         if len(calls) == n:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
-        return real(p, signed)
+        return real(p, dtype=dtype)
 
-    opt._new_buffer = new_buffer
+    opt.get_state_buffer = get_state_buffer
     return calls
 
 
-def test_oom_while_8bit_state_is_allocated_redoes_the_step_exactly():
+@needs_bnb
+@pytest.mark.parametrize("n", [2, 3, 9])
+def test_oom_while_8bit_state_is_allocated_redoes_the_step_exactly(n):
+    """2: the first parameter's second moment; 3 and 9: a later parameter's, after which
+    bitsandbytes alone would already have updated the first ones (tightfit allocates every
+    parameter's state before any update)."""
     cfg = dict(epochs=1, lr=1e-3, seed=3, grow_back_after=0)
     ref = workload()
     t_ref = Trainer(ref, Plan("fp32", 4, 8, optimizer="adamw8bit"), TrainConfig(**cfg), progress=False)
@@ -137,22 +154,34 @@ def test_oom_while_8bit_state_is_allocated_redoes_the_step_exactly():
 
     w = workload()
     t = Trainer(w, Plan("fp32", 8, 8, optimizer="adamw8bit"), TrainConfig(**cfg), progress=False)
-    _oom_in_new_buffer(t, 2)  # the first parameter's second moment: nothing written yet
+    _oom_in_new_state(t, n)
     torch.manual_seed(11)
     res = t.fit()
     assert res.oom_recoveries == 1 and t.micro_batch == 4
-    assert {float(s["step"]) for s in t.optimizer.state.values()} == {3.0}  # no parameter stepped twice
+    assert {s["step"] for s in t.optimizer.state.values()} == {3}  # no parameter stepped twice
     assert_same(params(w.model), params(ref.model))
 
 
-def test_oom_after_the_8bit_step_wrote_a_parameter_stops_rather_than_apply_it_twice():
+@needs_bnb
+def test_oom_after_the_8bit_step_wrote_a_parameter_stops_rather_than_apply_it_twice(monkeypatch):
+    import bitsandbytes.functional as F
+
     t = Trainer(workload(), Plan("fp32", 8, 8, optimizer="adamw8bit"), TrainConfig(epochs=1, lr=1e-3),
                 progress=False)
-    _oom_in_new_buffer(t, 3)  # the second parameter's state: the first one is updated already
+    calls, real = [], F.optimizer_update_8bit_blockwise
+
+    def update(*a, **k):  # the second quantized parameter's update fails; the first is written
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(F, "optimizer_update_8bit_blockwise", update)
     with pytest.raises(PartialUpdateError, match="part"):
         t.train_step(list(range(8)))
 
 
+@needs_bnb
 def test_resume_with_8bit_state_reproduces_the_uninterrupted_run(tmp_path):
     from tightfit.runtime.checkpoint import list_checkpoints
 
@@ -168,7 +197,8 @@ def test_resume_with_8bit_state_reproduces_the_uninterrupted_run(tmp_path):
     assert_same(params(resumed.model), params(full.model))
 
 
-def test_resume_with_a_new_lr_sets_torchaos_tensor_lr_in_place(tmp_path):
+@needs_bnb
+def test_resume_with_a_new_lr_steps_with_the_new_lr(tmp_path):
     from tightfit.runtime.checkpoint import list_checkpoints
 
     Trainer(workload(), Plan("fp32", 8, 8, optimizer="adamw8bit"),
@@ -176,14 +206,15 @@ def test_resume_with_a_new_lr_sets_torchaos_tensor_lr_in_place(tmp_path):
     t = Trainer(workload(), Plan("fp32", 8, 8, optimizer="adamw8bit"), TrainConfig(epochs=1, lr=5e-4),
                 progress=False)
     t.resume(list_checkpoints(tmp_path)[-1])
-    assert all(isinstance(g["lr"], torch.Tensor) for g in t.optimizer.param_groups)
-    t.fit()  # torchao refuses a float lr at its step
+    t.fit()
+    assert all(isinstance(g["lr"], float) and g["lr"] <= 5e-4 for g in t.optimizer.param_groups)
 
 
 # ---------------------------------------------------------------- CPU offload (CUDA)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("micro_batch", [8, 4])
+@needs_torchao
 def test_offloaded_adamw_trains_like_fused_adamw(micro_batch):
     """One micro-batch (gradients freed on the GPU once copied) and accumulation (held): the
     host step gives the weights fused AdamW gives, up to the CPU's rounding."""
@@ -199,6 +230,7 @@ def test_offloaded_adamw_trains_like_fused_adamw(micro_batch):
 
 
 @pytest.mark.gpu
+@needs_torchao
 def test_offloaded_adamw_clips_the_complete_host_gradients():
     model = bert_with_large_tensors(dropout=0.0).cuda()
     opt = make_optimizer(model.parameters(), "adamw-offload", "cuda", lr=1e-3)
@@ -212,6 +244,7 @@ def test_offloaded_adamw_clips_the_complete_host_gradients():
 
 
 @pytest.mark.gpu
+@needs_torchao
 def test_resume_refreshes_the_offloaded_master_weights(tmp_path):
     """torchao copies the master weights to the host only when the optimizer is built, before
     the checkpoint's weights are loaded: a stale host copy would undo the resume."""
@@ -231,6 +264,7 @@ def test_resume_refreshes_the_offloaded_master_weights(tmp_path):
 
 
 @pytest.mark.gpu
+@needs_torchao
 def test_a_released_offloaded_optimizer_leaves_no_hook_on_the_model():
     from tightfit.levers.optimizers import release
 
@@ -244,7 +278,8 @@ def test_a_released_offloaded_optimizer_leaves_no_hook_on_the_model():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw-offload"])
+@pytest.mark.parametrize("optimizer", [pytest.param("adamw8bit", marks=needs_bnb),
+                                       pytest.param("adamw-offload", marks=needs_torchao)])
 def test_the_gpu_planner_verifies_and_trains_with_the_optimizer_asked_for(optimizer):
     from tightfit.devices import detect
     from tightfit.planner.gpu import plan_on_gpu
@@ -257,12 +292,11 @@ def test_the_gpu_planner_verifies_and_trains_with_the_optimizer_asked_for(optimi
     assert res.oom_recoveries == 0 and math.isfinite(res.final_loss)
 
 
+@needs_bnb
 @pytest.mark.gpu
 def test_resume_with_8bit_state_on_the_gpu_reproduces_the_uninterrupted_run(tmp_path):
-    """The checkpoint's host snapshot keeps torchao's 8-bit tensors as they are (a copy into a
-    plain fp32 buffer would dequantize them, and the resumed run would step fp32 moments)."""
-    from torchao.optim.subclass_8bit import OptimState8bit
-
+    """The checkpoint keeps bitsandbytes' uint8 codes and block scales as they are, and the resumed
+    optimizer shares one pair of quantization maps again."""
     from tightfit.runtime.checkpoint import list_checkpoints, read_state
 
     cfg = dict(epochs=2, lr=1e-3, seed=5)
@@ -272,9 +306,10 @@ def test_resume_with_8bit_state_on_the_gpu_reproduces_the_uninterrupted_run(tmp_
             TrainConfig(**cfg, checkpoint_every=2, keep_last=3, checkpoint_dir=str(tmp_path)), progress=False).fit()
     ckpt = [c for c in list_checkpoints(tmp_path) if c.name == "ckpt-2"][0]
     saved = read_state(ckpt)["optimizer"]["state"]
-    assert any(isinstance(v, OptimState8bit) for s in saved.values() for v in s.values())
+    assert any(v.dtype == torch.uint8 for s in saved.values() for v in s["__bnb_optimizer_quant_state__"].values())
     resumed = workload(seed=2)
     t = Trainer(resumed, Plan("fp32", 4, 8, optimizer="adamw8bit", device="cuda"), TrainConfig(**cfg), progress=False)
     t.resume(ckpt)
+    assert len({s["qmap1"].data_ptr() for s in t.optimizer.state.values() if "qmap1" in s}) == 1
     t.fit()
     assert_same(params(resumed.model), params(full.model))
