@@ -107,6 +107,27 @@ def test_the_time_model_prices_each_optimizer():
     assert t["adamw"].optimizer_seconds(4) == t["adamw"].optimizer_seconds(1)
 
 
+def test_the_8bit_state_of_bert_large_is_the_measured_one():
+    """bitsandbytes' AdamW8bit state over BERT-large on the H200 (0.6356 GiB,
+    bench/results/optimizer-levers/optimizer_step_time.json), to the byte: that bench summed the
+    state tensors per parameter, the two shared maps once per quantized tensor."""
+    import json
+    from pathlib import Path
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from tightfit.levers.optimizers import QMAP_BYTES, is_quantized
+
+    rows = json.loads((Path(__file__).parents[1] / "bench/results/optimizer-levers/optimizer_step_time.json")
+                      .read_text())["rows"]
+    measured = next(r for r in rows if r["engine"] == "bitsandbytes AdamW8bit")["gpu_state_GiB"] * 2**30
+    with torch.device("meta"):
+        bert = BertForSequenceClassification(BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                                        intermediate_size=4096))
+    quantized = sum(is_quantized(p.numel()) for p in bert.parameters())
+    assert state_bytes(bert, "adamw8bit") + (quantized - 1) * QMAP_BYTES == round(measured)
+
+
 def test_the_8bit_step_time_is_the_measured_one():
     """BERT-large's 335.1M parameters in 393 tensors, one bitsandbytes AdamW8bit step on the H200
     (bench/results/optimizer-levers/optimizer_step_time.json): predicted within 5%."""
