@@ -1,6 +1,6 @@
 """GPU bench of the optimizer levers (8-bit AdamW state, AdamW state offloaded to the CPU) on
 workloads whose fp32 AdamW state does not fit the budget. Run from the repository root on a
-CUDA machine with torchao and peft importable:
+CUDA machine with bitsandbytes, torchao and peft importable:
 
     OUT=/some/folder python bench/optimizer_levers.py            # all three workloads
     OUT=... BENCH_WORKLOADS=bert-large-128@4GiB python bench/optimizer_levers.py
@@ -10,9 +10,10 @@ Per workload (memory capped with ``torch.cuda.set_per_process_memory_fraction``)
 
 - ``tightfit``: :func:`tightfit.planner.gpu.plan_on_gpu` (``--optimizer auto``, compilation off
   to keep the bench short), then ``TF_STEPS`` timed steps;
-- ``by hand``: torchao's AdamW8bit, and CPUOffloadOptimizer, each bf16 with every block
-  checkpointed at the largest batch whose probe step fits, no accumulation (what a user tuning by
-  hand runs), ``STEPS`` timed steps;
+- ``by hand``: bitsandbytes' AdamW8bit, torchao's AdamW8bit and torchao's CPUOffloadOptimizer, each
+  as the library ships it (:data:`BY_HAND_8BIT` swaps the 8-bit one into the runtime), bf16 with
+  every block checkpointed at the largest batch whose probe step fits, no accumulation (what a user
+  tuning by hand runs), ``STEPS`` timed steps;
 - ``no budget``: the effective batch in one bf16 micro-batch (checkpointing none and all), no cap.
 
 Effective batches: 128 (BERT-large), 64 (the 334M decoder classifier), 4 (the 1.3B decoder LM: with
@@ -20,12 +21,15 @@ CPU offload its gradients are freed on the GPU only without accumulation, and 4 
 the most that fits 11 GiB that way by the estimator: 9.7 GiB, 8 needs 11.6 GiB).
 
 Also measured, for the time model (:mod:`tightfit.planner.cost`): fused CPU AdamW's parameters/s,
-pinned host-to-device bandwidth, and the per-tensor time of torchao's 8-bit step on the GPU.
+pinned host-to-device bandwidth, bitsandbytes' 8-bit step over 200 tensors of 4,096 elements (its
+per-tensor cost, ``OPTIMIZER_CALL_S``) and over one of 100M (its parameters/s), and the per-tensor
+time of torchao's 8-bit step.
 Writes ``optimizer_levers.json`` and ``optimizer_levers.md`` to ``$OUT`` (after every row).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -73,8 +77,44 @@ def workloads(root: Path) -> list[BenchWorkload]:
                           "11GiB", 4)]
 
 
-def by_hand(w: BenchWorkload, optimizer: str) -> dict:
-    """The largest batch (no accumulation, bf16, every block checkpointed) that fits with ``optimizer``."""
+def _bnb_8bit(params, lr, weight_decay):
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+
+
+def _torchao_8bit(params, lr, weight_decay):
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+
+
+# Each library's 8-bit AdamW as it ships (without tightfit's adaptations), for the by-hand rows.
+BY_HAND_8BIT = {"bitsandbytes": _bnb_8bit, "torchao": _torchao_8bit}
+
+
+@contextlib.contextmanager
+def eight_bit_from(library: str):
+    """Build ``adamw8bit`` with ``library``'s class as it ships while the block runs (the runtime
+    builds it through :func:`tightfit.levers.optimizers.adamw_8bit`)."""
+    from tightfit.levers import optimizers as lv
+
+    real = lv.adamw_8bit
+    lv.adamw_8bit = BY_HAND_8BIT[library]
+    try:
+        yield
+    finally:
+        lv.adamw_8bit = real
+
+
+def by_hand(w: BenchWorkload, optimizer: str, library: str = "torchao") -> dict:
+    """The largest batch (no accumulation, bf16, every block checkpointed) that fits with ``optimizer``
+    from ``library`` (``adamw8bit``: bitsandbytes or torchao; ``adamw-offload``: torchao)."""
+    with eight_bit_from(library) if optimizer == "adamw8bit" else contextlib.nullcontext():
+        return _by_hand(w, optimizer, library)
+
+
+def _by_hand(w: BenchWorkload, optimizer: str, library: str) -> dict:
     st.cap_memory(w.budget_bytes)
     wl = make_workload(w, w.effective_batch, w.effective_batch)
     n = len(find_blocks(wl.model))
@@ -88,7 +128,7 @@ def by_hand(w: BenchWorkload, optimizer: str) -> dict:
         return fits[mb]
 
     mb = w.effective_batch if ok(w.effective_batch) else bisect(0, w.effective_batch, ok)
-    row = {"setting": f"by hand: torchao {optimizer}", "optimizer": optimizer, "planning_seconds": time.perf_counter() - t0}
+    row = {"setting": f"by hand: {library} {optimizer}", "optimizer": optimizer, "planning_seconds": time.perf_counter() - t0}
     set_activation_checkpointing(wl.model, False, ())
     if mb:
         wl.effective_batch, wl.train.n = mb, mb * STEPS
@@ -117,9 +157,28 @@ def tightfit(w: BenchWorkload) -> dict:
     return row
 
 
+def _step_seconds(opt, repeat: int = 5) -> float:
+    opt.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        opt.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeat
+
+
+def _grads(shapes) -> list:
+    ps = [torch.nn.Parameter(torch.zeros(s, device="cuda")) for s in shapes]
+    for q in ps:
+        q.grad = torch.ones_like(q)
+    return ps
+
+
 def machine_rates() -> dict:
-    """CPU fused AdamW parameters/s, pinned H2D bytes/s, torchao 8-bit step seconds per tensor (GPU)."""
-    from torchao.optim import AdamW8bit
+    """CPU fused AdamW parameters/s, pinned H2D bytes/s; on the GPU, bitsandbytes' 8-bit step
+    seconds per tensor (200 tensors of 4,096 elements: launch and sync) and parameters/s (one
+    100M tensor), and torchao's 8-bit step seconds per 1M-element tensor."""
+    from tightfit.levers.optimizers import adamw_8bit
 
     n = 100_000_000
     p = torch.nn.Parameter(torch.zeros(n))
@@ -139,19 +198,16 @@ def machine_rates() -> dict:
         dev.copy_(host, non_blocking=True)
     torch.cuda.synchronize()
     link = 5 * host.numel() * 4 / (time.perf_counter() - t0)
-    ps = [torch.nn.Parameter(torch.zeros(1024, 1024, device="cuda")) for _ in range(200)]
-    for q in ps:
-        q.grad = torch.ones_like(q)
-    o = AdamW8bit(ps)
-    o.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        o.step()
-    torch.cuda.synchronize()
-    per_tensor = (time.perf_counter() - t0) / 5 / len(ps)
-    return {"cpu_fused_adamw_params_per_s": cpu_rate, "pinned_h2d_bytes_per_s": link,
-            "adamw8bit_seconds_per_tensor_1m": per_tensor}
+    rates = {"cpu_fused_adamw_params_per_s": cpu_rate, "pinned_h2d_bytes_per_s": link}
+    small = _step_seconds(adamw_8bit(_grads([4096] * 200), 1e-5, 0.01))
+    rates["bnb_adamw8bit_seconds_per_tensor_4096"] = small / 200
+    rates["bnb_adamw8bit_params_per_s_100m"] = 100_000_000 / _step_seconds(adamw_8bit(_grads([100_000_000]), 1e-5, 0.01))
+    try:
+        rates["torchao_adamw8bit_seconds_per_tensor_1m"] = _step_seconds(
+            _torchao_8bit(_grads([(1024, 1024)] * 200), 1e-5, 0.01)) / 200
+    except Exception as e:  # noqa: BLE001 - the bitsandbytes rates matter more
+        rates["torchao_adamw8bit_error"] = repr(e)[:300]
+    return rates
 
 
 def write(results: dict) -> None:
@@ -189,7 +245,8 @@ def main() -> None:
         if chosen and w.name not in chosen.split(","):
             continue
         rows = results["workloads"].setdefault(w.name, [])
-        for run in (lambda: [tightfit(w)], lambda: [by_hand(w, "adamw8bit")], lambda: [by_hand(w, "adamw-offload")],
+        for run in (lambda: [tightfit(w)], lambda: [by_hand(w, "adamw8bit", "bitsandbytes")],
+                    lambda: [by_hand(w, "adamw8bit", "torchao")], lambda: [by_hand(w, "adamw-offload", "torchao")],
                     lambda: st.no_budget(w, STEPS, WARMUP, precisions=("bf16",))):
             try:
                 rows += run()
