@@ -318,3 +318,20 @@ def test_resume_with_8bit_state_on_the_gpu_reproduces_the_uninterrupted_run(tmp_
     assert len({s["qmap1"].data_ptr() for s in t.optimizer.state.values() if "qmap1" in s}) == 1
     t.fit()
     assert_same(params(resumed.model), params(full.model))
+
+
+@needs_bnb
+def test_the_command_line_silences_bitsandbytes_import_warnings():
+    """bitsandbytes logs warnings about its own build when imported (peft imports it too), on the
+    stderr where the command line's errors are one line; the command line raises its logger."""
+    import subprocess
+    import sys
+
+    def stderr(quiet: bool) -> str:
+        code = ("from tightfit.cli import quiet_import_warnings; " + ("quiet_import_warnings(); " if quiet else "")
+                + "import bitsandbytes.optim; import bitsandbytes.backends.cpu.ops")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+
+    if not stderr(False).strip():
+        pytest.skip("this bitsandbytes build warns about nothing at import")
+    assert stderr(True).strip() == ""
