@@ -227,7 +227,7 @@ def test_an_optimizer_whose_candidates_do_not_fit_for_real_falls_back_to_the_nex
         return ProbeResult(mb, True, 500 * MiB, 500 * MiB, 0.1, 1)
 
     monkeypatch.setattr(gpu, "search_optimizers", fake_search)
-    monkeypatch.setattr(gpu, "levers_installed", lambda: True)
+    monkeypatch.setattr(gpu, "levers_installed", lambda kind=None: True)
     monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
     monkeypatch.setattr(gpu, "probe_step", fake_probe)
     monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
