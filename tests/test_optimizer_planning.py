@@ -48,10 +48,10 @@ def least_peak(m, kind, E=E):
     return min(fn("bf16", 1, blocks).peak_reserved_bytes for blocks in ((), (0, 1)))
 
 
-def plan(m, budget, optimizer="auto", E=E, **kw):
+def plan(m, budget, optimizer="auto", E=E, levers=True, **kw):
     return search_optimizers(m, make_batch, SEQ, E, H200, budget,
                              lambda kind: estimator_for(m, make_batch, SEQ, H200, E, optimizer=kind),
-                             optimizer=optimizer, levers=True, precision="bf16", **kw)
+                             optimizer=optimizer, levers=levers, precision="bf16", **kw)
 
 
 def test_the_estimator_holds_8bit_state_as_bitsandbytes_lays_it_out(m):
@@ -159,6 +159,18 @@ def test_8bit_state_is_chosen_where_fp32_state_fits_nothing_and_says_why(m):
     assert all(c.optimizer == "adamw8bit" for c in r.runners_up)
     with pytest.raises(NothingFitsError, match=r"--optimizer adamw8bit.*would fit"):
         plan(m, budget, optimizer="adamw")  # forced: the advice names the lever
+
+
+def test_auto_searches_only_the_levers_whose_library_is_installed(m, monkeypatch):
+    """Without bitsandbytes, 8-bit state is not chosen (its step could not be built); torchao's
+    offload still is."""
+    import tightfit.planner.optimizers as po
+
+    fp32, eight = least_peak(m, "adamw"), least_peak(m, "adamw8bit")
+    budget = int((eight + fp32) / 2 / 0.95)
+    monkeypatch.setattr(po, "levers_installed", lambda kind=None: kind != "adamw8bit")
+    r = plan(m, budget, levers=None, host_bytes=64 << 30)
+    assert r.best.optimizer == "adamw-offload"
 
 
 def test_offload_is_chosen_where_only_it_fits_and_only_with_the_host_memory(m):
