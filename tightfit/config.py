@@ -188,7 +188,7 @@ class PlanOptions(_Options):
     replan: bool = option(False, "plan afresh even if this job's plan is in the plan cache "
                                  "($TIGHTFIT_CACHE_DIR or ~/.cache/tightfit)")
     optimizer: str = option("auto", "auto|adamw|adamw8bit|adamw-offload: AdamW with fp32 state, 8-bit state or "
-                                    "state on the CPU (torchao; default: {default}, the levers only where fp32 "
+                                    "state on the CPU (bitsandbytes, torchao; default: {default}, the levers only where fp32 "
                                     "state fits nothing or they are predicted faster)", choices=OPTIMIZER_CHOICES)
 
 

@@ -14,7 +14,7 @@ from .errors import TightfitError
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 # What ``--optimizer`` may ask for: the planner's choice, fused AdamW, or an optimizer lever
-# (tightfit.levers.optimizers: torchao's 8-bit AdamW, AdamW offloaded to the CPU).
+# (tightfit.levers.optimizers: bitsandbytes' 8-bit AdamW, torchao's AdamW offloaded to the CPU).
 OPTIMIZER_CHOICES = ("auto", "adamw", "adamw8bit", "adamw-offload")
 SHARDINGS = ("none", "ddp", "fsdp")
 

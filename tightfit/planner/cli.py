@@ -51,7 +51,7 @@ def run(args) -> int:
         return lambda other_size, effective_batch: estimator_for(model, make_batch, other_size, profile,
                                                                  effective_batch, optimizer=kind)
 
-    try:  # planning for a card elsewhere: the levers are searched whether or not torchao is here
+    try:  # planning for a card elsewhere: the levers are searched whether or not their libraries are here
         result = search_optimizers(
             model, make_batch, size, args.batch_size, profile, budget,
             lambda kind: estimator_for(model, make_batch, size, profile, args.batch_size, optimizer=kind),

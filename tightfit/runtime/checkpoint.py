@@ -165,7 +165,7 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
     def host(v):
         if isinstance(v, torch.Tensor):
             counter[0] += 1
-            if is_traceable_wrapper_subclass(v):  # torchao's 8-bit state: copy its inner tensors, keep its type
+            if is_traceable_wrapper_subclass(v):  # a tensor subclass (e.g. torchao's): copy its inner tensors, keep its type
                 names, ctx = v.__tensor_flatten__()
                 return type(v).__tensor_unflatten__({n: host(getattr(v, n)) for n in names}, ctx, v.size(), v.stride())
             copied = buffers.copy(("s", counter[0]), v, v.is_cuda)  # CPU state too (offloaded): no new memory

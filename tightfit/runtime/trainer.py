@@ -736,7 +736,7 @@ class Trainer:
 
     def _train_record(self, epoch: int, loss: float, stepped: bool, elapsed: float, window: list[int]) -> dict:
         rec = {"type": "train", "step": self.step, "epoch": epoch, "loss": loss,
-               "lr": float(self.scheduler.get_last_lr()[0]),  # a tensor under torchao's 8-bit AdamW
+               "lr": float(self.scheduler.get_last_lr()[0]),  # a tensor under torchao's optimizers
                "grad_norm": float(self._grad_norm),
                "stepped": stepped, "micro_batch": self._used_micro_batch, "window_samples": len(window),
                # what the window really held (on this rank), e.g. "3+3+1" for 7 samples at micro-batch 3
