@@ -2,8 +2,9 @@
 with the memory each step adds on top of the weights and gradients: the numbers that decide which
 library backs tightfit's ``adamw8bit`` and ``adamw-offload`` levers (issue 14).
 
-Rows: torch fused AdamW (fp32 state, the reference), torchao ``AdamW8bit``, bitsandbytes
-``AdamW8bit`` (if importable), torchao ``CPUOffloadOptimizer`` (tightfit's ``adamw_offload``,
+Rows: torch fused AdamW (fp32 state, the reference), torchao ``AdamW8bit``, tightfit's
+``adamw8bit`` (bitsandbytes' class with its state allocated before any update), bitsandbytes
+``AdamW8bit`` as shipped (if importable), torchao ``CPUOffloadOptimizer`` (tightfit's ``adamw_offload``,
 gradients freed once copied). Each: a real bf16 forward/backward at micro-batch 32 x 128 tokens
 (so that offload's gradient hooks run), then ``step()`` timed with a device sync, median of 10.
 
@@ -35,7 +36,10 @@ def engines():
     from tightfit.levers import optimizers as lv
 
     yield "torch fused AdamW (fp32 state)", lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, fused=True)
-    yield "torchao AdamW8bit", lambda ps: lv.adamw_8bit(ps, 1e-5, 0.01)
+    yield "torchao AdamW8bit", lambda ps: __import__("torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit(
+        ps, lr=1e-5, weight_decay=0.01)
+    yield "tightfit adamw8bit (bitsandbytes AdamW8bit, all state before any update)", lambda ps: lv.adamw_8bit(
+        ps, 1e-5, 0.01)
     try:
         import bitsandbytes as bnb
 
