@@ -10,7 +10,7 @@
 #     the uninterrupted eager 2-GPU run of 1.) and on 1 GPU (DCP reshards; the losses continue); only the steps the
 #     resumed run itself wrote are compared, and a resume that failed or wrote none fails the check
 # Usage (repo root; the shipped model/data as for bench/gpu_train.sh): OUT=folder bench/multi_gpu.sh
-# (RUNS="base eager large2 large1 oom kill" by default: the sections to run; kill needs eager's reference)
+# (RUNS="base eager1 eager2 large2 large1 oom kill" by default: the sections to run; kill needs eager2's reference)
 # Writes $OUT/multi_gpu.json, $OUT/multi_gpu.md, $OUT/oom.json, $OUT/logs.txt (about 7 minutes).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -37,12 +37,12 @@ run() {  # run NAME SECONDS CMD... : output to $WORK/NAME.log, head+tail into lo
 
 # 1. BERT-base, 1 GPU then 2 GPUs, compiled (the planner's default on a GPU) and eager; the eager
 #    2-GPU run writes checkpoints: it is the reference of 4.
-want() { [[ " ${RUNS:-base eager large2 large1 oom kill} " == *" $1 "* ]]; }  # RUNS: the sections to run
+want() { [[ " ${RUNS:-base eager1 eager2 large2 large1 oom kill} " == *" $1 "* ]]; }  # RUNS: the sections to run
 
 want base && run base-1gpu 170 env CUDA_VISIBLE_DEVICES=0 python3 -m tightfit train --model bert-base "${COMMON[@]}" "${BASE[@]}" --compile on --out "$WORK/base-1gpu"
 want base && run base-2gpu 170 python3 -m tightfit train --model bert-base "${COMMON[@]}" "${BASE[@]}" --compile on --gpus 2 --out "$WORK/base-2gpu"
-want eager && run base-1gpu-eager 120 env CUDA_VISIBLE_DEVICES=0 python3 -m tightfit train --model bert-base "${COMMON[@]}" "${EAGER[@]}" "${BASE[@]}" --out "$WORK/base-1gpu-eager"
-want eager && run base-2gpu-eager 120 python3 -m tightfit train --model bert-base "${COMMON[@]}" "${EAGER[@]}" "${BASE[@]}" --gpus 2 --out "$WORK/base-2gpu-eager"
+want eager1 && run base-1gpu-eager 120 env CUDA_VISIBLE_DEVICES=0 python3 -m tightfit train --model bert-base "${COMMON[@]}" "${EAGER[@]}" "${BASE[@]}" --out "$WORK/base-1gpu-eager"
+want eager2 && run base-2gpu-eager 120 python3 -m tightfit train --model bert-base "${COMMON[@]}" "${EAGER[@]}" "${BASE[@]}" --gpus 2 --out "$WORK/base-2gpu-eager"
 # 2. BERT-large: 2 GPUs (sharded), and the best single-GPU plan under the same budget (optimizer levers
 #    allowed)
 want large2 && run large-2gpu 150 python3 -m tightfit train --model bert-large "${COMMON[@]}" "${EAGER[@]}" "${LARGE[@]}" --gpus 2 --out "$WORK/large-2gpu"
