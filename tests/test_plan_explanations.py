@@ -213,8 +213,9 @@ def test_an_optimizer_whose_candidates_do_not_fit_for_real_falls_back_to_the_nex
     from tightfit.planner.search import Candidate, SearchResult
 
     E, n = 64, 4
-    results = {k: SearchResult(Candidate("bf16", 32, (), 2, 900, 900, {}, 300.0, f"fastest with {k}", optimizer=k),
-                               [], 10**9, E, n, 0.1) for k in ("adamw", "adamw8bit")}
+    results = {k: SearchResult(Candidate("bf16", 32, (), 2, 900, 900, {}, 300.0,
+                                         f"fastest; optimizer {k}: as asked (--optimizer {k}); its state 1 GiB",
+                                         optimizer=k), [], 10**9, E, n, 0.1) for k in ("adamw", "adamw8bit")}
     asked = []
 
     def fake_search(*a, optimizer="auto", **k):
@@ -236,5 +237,6 @@ def test_an_optimizer_whose_candidates_do_not_fit_for_real_falls_back_to_the_nex
     plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off")
     assert plan.optimizer == "adamw8bit" and asked == ["auto", "adamw8bit"]
     assert any("fell back to adamw8bit" in r for r in plan.reasons)
+    assert "optimizer adamw8bit; its state 1 GiB" in plan.reasons and not any("as asked" in r for r in plan.reasons)
     with pytest.raises(gpu.NotFitForReal):  # asked for fp32 AdamW: no fallback
         gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off", optimizer="adamw")

@@ -278,7 +278,10 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     reasons = _reasons(result, verification, outcome)
     chosen = result.best.why.find("; optimizer ")  # why this optimizer, and its cost (.optimizers)
     if chosen >= 0:
-        reasons.insert(0, result.best.why[chosen + 2:])
+        line = result.best.why[chosen + 2:]
+        if fallback:  # searched alone as if asked for: say it was the fallback's choice instead
+            line = line.replace(f": as asked (--optimizer {result.best.optimizer})", "")
+        reasons.insert(0, line)
     if fallback:
         reasons.insert(0, fallback)
     variant = outcome.variant
