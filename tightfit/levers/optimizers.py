@@ -47,30 +47,26 @@ QMAP_BYTES = 2 * 256 * 4  # a signed and an unsigned fp32 map, shared by all ten
 OFFLOAD_MIN_NUMEL = 4096
 
 
-def _torchao_optim():
-    """``torchao.optim``, imported on first use.
+def _library(module: str, what: str):
+    """``module`` (a lever's library), imported on first use.
 
     Raises:
-        TightfitError: torchao is not installed (one line naming the extra).
+        TightfitError: the library is not installed (one line: ``what`` needs it, and the extra).
     """
     try:
-        import torchao.optim as optim
+        return __import__(module, fromlist=["_"])  # the submodule itself
     except ImportError:
-        raise TightfitError("CPU-offloaded optimizer state needs torchao: pip install 'tightfit[levers]'") from None
-    return optim
+        raise TightfitError(f"{what} needs {module.split('.')[0]}: pip install 'tightfit[levers]'") from None
+
+
+def _torchao_optim():
+    """``torchao.optim`` (raises TightfitError when torchao is missing)."""
+    return _library("torchao.optim", "CPU-offloaded optimizer state")
 
 
 def _bnb_optim():
-    """``bitsandbytes.optim``, imported on first use.
-
-    Raises:
-        TightfitError: bitsandbytes is not installed (one line naming the extra).
-    """
-    try:
-        import bitsandbytes.optim as optim
-    except ImportError:
-        raise TightfitError("8-bit optimizer state needs bitsandbytes: pip install 'tightfit[levers]'") from None
-    return optim
+    """``bitsandbytes.optim`` (raises TightfitError when bitsandbytes is missing)."""
+    return _library("bitsandbytes.optim", "8-bit optimizer state")
 
 
 def is_quantized(numel: int) -> bool:
