@@ -157,6 +157,19 @@ def test_plan_breakdown_explains_the_gradients(tmp_path, capsys):
     assert "all gradients" in line or "accumulation window" in line, out
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_plan_says_the_optimizer_once(tmp_path, capsys, optimizer):
+    model = _tiny_bert(tmp_path)
+    assert main(["plan", "--model", model, "--seq-len", "32", "--batch-size", "8", "--gpu", "t4",
+                 "--optimizer", optimizer, "--checkpointing", "on"]) == 0  # checkpointing: a per-step cost too
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("optimizer:")]
+    assert len(lines) == 1 and lines[0].startswith(f"optimizer: {optimizer}"), out
+    assert out.count("as asked (--optimizer") == 1 and "state" in lines[0], out
+    predicted = next(x for x in out.splitlines() if x.startswith("predicted:"))
+    assert "recomputation" in predicted and "optimizer" not in predicted, predicted
+
+
 def test_runners_up_of_precisions_not_searched_carry_no_made_up_numbers():
     from test_planner import _search, memory
 

@@ -151,15 +151,16 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
              f"checkpointing {len(b.checkpoint_blocks)} of {result.n_blocks} blocks"
              + (f" ({', '.join(map(str, b.checkpoint_blocks))})" if 0 < len(b.checkpoint_blocks) < result.n_blocks
                 else "")))
+    why = b.why.find("; optimizer ")  # why this optimizer and its cost (planner/optimizers.py): its own line
+    per_step = b.why[b.why.find("; per step"):why if why >= 0 else None] if "; per step" in b.why else ""
     print(f"predicted: {b.samples_per_s:.0f} samples/s, peak {format_bytes(b.peak_reserved_bytes)} reserved of "
-          f"{format_bytes(budget)}" + (b.why[b.why.index("; per step"):] if "; per step" in b.why else ""))
+          f"{format_bytes(budget)}" + per_step)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    reason = b.why[why + len("; optimizer ") + len(b.optimizer):].lstrip(",:; ") if why >= 0 else ""
     if b.optimizer == "adamw":
-        print(f"optimizer: fused AdamW (no temporaries at its step; foreach AdamW would need "
-              f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)")
-    why = b.why.find("; optimizer ")
-    print(f"optimizer: {b.optimizer}" + (f": {b.why[why + len('; optimizer ') + len(b.optimizer):].lstrip(',:; ')}"
-                                         if why >= 0 else ""))
+        reason = "; ".join(filter(None, [reason, f"fused (no temporaries at its step; foreach AdamW would need "
+                                                 f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)"]))
+    print(f"optimizer: {b.optimizer}" + (f": {reason}" if reason else ""))
     print("\n".join(breakdown_lines(b.breakdown, trainable_gradient_bytes(model), b.accumulation_steps)))
     print("runners-up:" if result.runners_up else "runners-up: none (the search had no other choice)")
     for c in result.runners_up[:8]:
