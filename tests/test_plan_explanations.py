@@ -170,6 +170,21 @@ def test_plan_says_the_optimizer_once(tmp_path, capsys, optimizer):
     assert "recomputation" in predicted and "optimizer" not in predicted, predicted
 
 
+def test_plan_for_lora_counts_only_the_adapters_state(tmp_path, capsys):
+    model = _tiny_bert(tmp_path)
+    args = ["plan", "--model", model, "--seq-len", "32", "--batch-size", "8", "--gpu", "t4", "--optimizer", "adamw",
+            "--json"]
+    assert main(args) == 0
+    full = json.loads(capsys.readouterr().out)["breakdown"]
+    assert main(args + ["--trainable", "lora"]) == 0
+    captured = capsys.readouterr()
+    lora = json.loads(captured.out)["breakdown"]
+    assert "--trainable lora:" in captured.err and "parameters trainable" in captured.err
+    assert lora["optimizer_state"] < full["optimizer_state"] / 2  # AdamW state of the adapters and head only
+    assert main(args + ["--trainable", "some"]) == 2  # one line, before any trace
+    assert "trainable" in capsys.readouterr().err
+
+
 def test_runners_up_of_precisions_not_searched_carry_no_made_up_numbers():
     from test_planner import _search, memory
 

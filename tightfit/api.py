@@ -266,12 +266,10 @@ class TrainRecipe:
         """``--trainable lora``: wrap the model with LoRA adapters (:mod:`tightfit.levers.lora`),
         the rest frozen, and say how many parameters train."""
         if self.req.workload.trainable == "lora":
-            from .levers.lora import apply_lora, trainable_count
+            from .levers.lora import apply_lora, trainable_note
 
             self.model = apply_lora(self.model)
-            n, total = trainable_count(self.model)
-            self.notes.append(f"--trainable lora: {n:,} of {total:,} parameters trainable ({100 * n / total:.2f}%: "
-                              f"LoRA adapters and the head; the rest frozen)")
+            self.notes.append(trainable_note(self.model))
 
     def _check_budget(self) -> None:
         """The budget holds the least model state of the optimizers that may be chosen

@@ -64,6 +64,13 @@ def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in ps if p.requires_grad), sum(p.numel() for p in ps)
 
 
+def trainable_note(model: torch.nn.Module) -> str:
+    """The line that says how many parameters of a LoRA-wrapped ``model`` train (plan and train say it)."""
+    n, total = trainable_count(model)
+    return (f"--trainable lora: {n:,} of {total:,} parameters trainable ({100 * n / total:.2f}%: "
+            f"LoRA adapters and the head; the rest frozen)")
+
+
 def merged(model: torch.nn.Module) -> torch.nn.Module:
     """A plain model with the LoRA adapters merged into the weights (peft's ``merge_and_unload``
     on a copy), to save in the model's own format; ``model`` itself if it has no adapters."""

@@ -23,6 +23,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpointing", default="auto", help="auto|on|off (default auto: searched per block)")
     p.add_argument("--optimizer", default="auto", help="auto|adamw|adamw8bit|adamw-offload (default auto: fp32 "
                                                        "AdamW state first, then the optimizer levers)")
+    p.add_argument("--trainable", default="all", help="all|lora: plan for training every parameter, or LoRA "
+                                                      "adapters (peft, rank 8) with the rest frozen (default all)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -40,6 +42,11 @@ def run(args) -> int:
 
     profile, budget, notes = _card_and_budget(args)
     model, make_batch = build_model(args.model)
+    if args.trainable == "lora":  # as `tightfit train --trainable lora` wraps it before planning
+        from ..levers.lora import apply_lora, trainable_note
+
+        model = apply_lora(model)
+        notes.append(trainable_note(model))
     kind = make_batch.kind
     if (kind == "image") != (args.image_size is not None):
         raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")
@@ -83,6 +90,7 @@ def _card_and_budget(args):
     check_option(WorkloadOptions, "batch_size", args.batch_size)  # as `tightfit train` checks them
     check_option(PlanOptions, "checkpointing", args.checkpointing)
     check_option(PlanOptions, "optimizer", args.optimizer)
+    check_option(WorkloadOptions, "trainable", args.trainable)
     profile = get_profile(args.gpu or "h200")
     budget = parse_size(args.budget) if args.budget else profile.budget_bytes()
     if budget > profile.total_bytes:
