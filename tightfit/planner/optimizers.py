@@ -2,7 +2,7 @@
 levers of :mod:`tightfit.levers.optimizers` where they can help.
 
 Order (``optimizer="auto"``): search with fused AdamW (:func:`.search.search`). If its best plan
-needs neither accumulation nor checkpointing, nothing can be faster: it stands. Otherwise (or if
+needs neither accumulation nor any block recomputed or offloaded, nothing can be faster: it stands. Otherwise (or if
 nothing fits) search with 8-bit AdamW state; then, if that fits nothing or still accumulates or
 checkpoints, with the state offloaded to the CPU (only where the host has the memory for it).
 The fastest predicted plan of those searched wins, and its reasons say why its optimizer was
@@ -39,8 +39,28 @@ def _several_ranks() -> bool:
 
 
 def _constrained(result: SearchResult) -> bool:
+    """Whether the best plan pays for its memory in time: accumulation, or any block recomputed
+    (fully or selectively) or with its activations offloaded."""
     b = result.best
-    return b.accumulation_steps > 1 or bool(b.checkpoint_blocks)
+    return b.accumulation_steps > 1 or bool(b.checkpoint_blocks) or any(
+        p != "none" for p in b.block_policies or ())
+
+
+_BLOCK_WORDS = {"selective": "selectively recomputed", "full": "checkpointed", "offload": "offloaded"}
+
+
+def _what_it_pays(b) -> str:
+    """``"7 accumulation steps, 5 selectively recomputed blocks and 1 checkpointed block"``: what
+    candidate ``b`` uses to fit."""
+    def n(k: int, what: str) -> str:
+        return f"{k} {what}{'s' if k != 1 else ''}"
+
+    parts = [n(b.accumulation_steps, "accumulation step")] if b.accumulation_steps > 1 else []
+    if b.block_policies is not None:
+        parts += [n(b.block_policies.count(p), f"{w} block") for p, w in _BLOCK_WORDS.items() if p in b.block_policies]
+    elif b.checkpoint_blocks:
+        parts.append(n(len(b.checkpoint_blocks), "checkpointed block"))
+    return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
 
 
 def state_bytes(model, kind: str) -> int:
@@ -147,7 +167,8 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         failures["adamw"] = e
     if "adamw" in results and not _constrained(results["adamw"]):
         return _explained(results["adamw"], "adamw", "optimizer adamw (fused, fp32 state): the plan fits without "
-                          "accumulation or checkpointing, so no optimizer lever can make it faster", model, profile)
+                          "accumulation, checkpointing or activation offload, so no optimizer lever can make it "
+                          "faster", model, profile)
     if not levers:
         if "adamw" in results:
             return _explained(results["adamw"], "adamw", "optimizer adamw (fused, fp32 state): the optimizer levers "
@@ -180,8 +201,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     compared = "; ".join(f"{k}: {r.best.samples_per_s:.0f} samples/s ({r.best.label()}, "
                          f"{r.best.accumulation_steps} accumulation steps)" for k, r in results.items() if k != kind)
     why = ("fp32 AdamW state fits nothing" if "adamw" in failures
-           else f"fp32 AdamW state needs {results['adamw'].best.accumulation_steps} accumulation steps and "
-                f"{len(results['adamw'].best.checkpoint_blocks)} checkpointed blocks")
+           else f"fp32 AdamW state needs {_what_it_pays(results['adamw'].best)}")
     why = f"optimizer {kind}, {_NAMES[kind]}: {why}; predicted fastest" + (f" (against {compared})" if compared else "")
     return _explained(best, kind, why, model, profile)
 

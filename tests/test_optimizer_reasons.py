@@ -1,0 +1,81 @@
+"""Why the planner chose an optimizer, as `tightfit plan` prints it (no GPU, no trace: the search
+per optimizer is stubbed): fp32 AdamW stands only where its plan pays nothing for memory (no
+accumulation, no block recomputed or offloaded), the reason names what it pays, and the reason is
+printed once."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import tightfit.planner.optimizers as po
+from tightfit.devices import get_profile
+from tightfit.planner.cli import _print_text
+from tightfit.planner.search import Candidate, SearchResult
+
+H200 = get_profile("h200")
+E = 8
+
+
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 2))
+
+
+def result(samples_per_s, policies=None, blocks=(), accumulation=1):
+    best = Candidate("bf16", E // accumulation, blocks, accumulation, 100 << 20, 90 << 20, {"parameters": 1 << 20},
+                     samples_per_s, "fits; per step: host transfers 5 ms" if policies else "fits",
+                     block_policies=policies)
+    return SearchResult(best, [], 1 << 30, E, 2, 0.1)
+
+
+def search_stub(monkeypatch, per_kind):
+    def fake_search(*a, optimizer="adamw", **k):
+        return per_kind[optimizer]
+    monkeypatch.setattr(po, "search", fake_search)
+
+
+def plan(m):
+    return po.search_optimizers(m, None, 16, E, H200, 1 << 30, lambda kind: None, levers=True, host_bytes=64 << 30)
+
+
+def test_fp32_adamw_with_offloaded_activations_is_weighed_against_the_levers(monkeypatch):
+    """Offloading a block's activations costs time, so a lever that needs none may be faster."""
+    search_stub(monkeypatch, {"adamw": result(100, ("offload", "none")), "adamw8bit": result(150),
+                              "adamw-offload": result(50)})
+    r = plan(model())
+    assert r.best.optimizer == "adamw8bit"
+    assert "fp32 AdamW state needs 1 offloaded block;" in r.best.why
+    assert "no optimizer lever can make it faster" not in r.best.why
+
+
+def test_the_reason_names_selective_and_full_blocks_and_accumulation(monkeypatch):
+    search_stub(monkeypatch, {"adamw": result(100, ("selective", "selective", "full"), blocks=(2,), accumulation=2),
+                              "adamw8bit": result(150), "adamw-offload": result(50)})
+    assert ("fp32 AdamW state needs 2 accumulation steps, 2 selectively recomputed blocks and 1 checkpointed block;"
+            in plan(model()).best.why)
+
+
+def test_fp32_adamw_that_pays_nothing_for_memory_stands(monkeypatch):
+    search_stub(monkeypatch, {"adamw": result(100, ("none", "none")), "adamw8bit": result(150),
+                              "adamw-offload": result(50)})
+    r = plan(model())
+    assert r.best.optimizer == "adamw" and "no optimizer lever can make it faster" in r.best.why
+
+
+@pytest.mark.parametrize("chosen", ["adamw", "adamw8bit"])
+def test_plan_prints_the_optimizer_and_its_reason_once(monkeypatch, capsys, chosen):
+    search_stub(monkeypatch, {"adamw": result(100 if chosen == "adamw" else 10, ("offload", "none")),
+                              "adamw8bit": result(50, ("offload", "none")), "adamw-offload": result(20)})
+    m = model()
+    r = plan(m)
+    assert r.best.optimizer == chosen
+    _print_text(SimpleNamespace(model="tiny", batch_size=E), r, m, [], H200, 1 << 30, "text", 16)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    predicted = next(x for x in lines if x.startswith("predicted:"))
+    assert predicted.endswith("per step: host transfers 5 ms")  # the step's costs, not the optimizer's reason
+    assert [x for x in lines if x.startswith("optimizer")] == [x for x in lines if "optimizer state on the GPU" in x]
+    assert out.count("optimizer state on the GPU") == 1 and out.count("predicted fastest") == 1
+    optimizer_line = next(x for x in lines if x.startswith("optimizer: "))
+    assert optimizer_line.startswith(f"optimizer: {chosen}, ") and ": (" not in optimizer_line
+    assert ("foreach AdamW would need" in optimizer_line) == (chosen == "adamw")
