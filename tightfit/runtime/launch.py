@@ -48,12 +48,15 @@ def launch(n: int, device: str, argv: list[str]) -> int:
 
     Returns:
         0 when every process finished; otherwise the first failed process's exit code (2 for a
-        bad input, 130 for an interrupt).
+        bad input, 130 for an interrupt). 130 also when this launcher is sent SIGINT or SIGTERM:
+        torch.distributed.run passes the signal on to every process (which stop at a step
+        boundary, write a checkpoint and say how to resume) and then raises ``SignalException``.
 
     Raises:
         TightfitError: ``n`` below 1, or more than the visible GPUs (before anything starts).
     """
     import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -74,4 +77,6 @@ def launch(n: int, device: str, argv: list[str]) -> int:
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         return next((c for c in codes if c in (2, 130)), codes[0] if codes and codes[0] > 0 else 1)
+    except SignalException:  # Ctrl-C or SIGTERM here: the processes have stopped as asked; no traceback
+        return 130
     return 0
