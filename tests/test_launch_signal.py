@@ -22,3 +22,29 @@ def test_a_signal_to_the_launcher_ends_it_with_exit_code_130(monkeypatch, sig):
     monkeypatch.setattr(torchrun, "run", fake_run)
     assert launch(2, "cpu", ["train", "--device", "cpu", "--gpus", "2"]) == 130
     assert started == ["2"]  # it did start the processes
+
+
+def test_the_resume_command_of_a_multi_process_run_keeps_its_processes(monkeypatch):
+    """Only the same number of processes continues exactly (docs/distributed.md)."""
+    from tightfit.runtime.launch import resume_processes
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert resume_processes(1) == ""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resume_processes(2) == " --gpus 2"
+    assert "torchrun" in resume_processes(8) and "8 processes" in resume_processes(8)  # 2 machines x 4
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_an_interrupted_multi_process_run_says_how_to_resume_once(monkeypatch, capsys, rank):
+    import tightfit.cli as cli
+    from tightfit.runtime.trainer import TrainingInterrupted
+
+    def stopped(args):
+        raise TrainingInterrupted("SIGINT: stopped after step 3 of 9; continue with: tightfit train --resume r --gpus 2",
+                                  3, "r/checkpoints/ckpt-3")
+
+    monkeypatch.setattr(cli, "_run", stopped)
+    monkeypatch.setenv("RANK", rank)
+    assert cli.main(["train", "--device", "cpu"]) == 130
+    assert ("continue with" in capsys.readouterr().err) == (rank == "0")

@@ -443,7 +443,10 @@ class TrainRecipe:
         if getattr(self, "created", None) is None:
             return
         if list_checkpoints(self.out / "checkpoints"):
-            log.warning(f"note: continue with: tightfit train --resume {shlex.quote(str(self.out))}")
+            from .runtime.launch import resume_processes
+
+            log.warning(f"note: continue with: tightfit train --resume {shlex.quote(str(self.out))}"
+                        + resume_processes(self.world.size))
             return
         if self.metrics is not None:
             self.metrics.close()
@@ -498,7 +501,9 @@ class TrainRecipe:
         try:
             return self.trainer.fit()
         except StoppedError as e:
-            resume = f"tightfit train --resume {shlex.quote(str(self.out))}"
+            from .runtime.launch import resume_processes
+
+            resume = f"tightfit train --resume {shlex.quote(str(self.out))}" + resume_processes(self.world.size)
             if isinstance(e, NonFiniteTrainingError):
                 resume += " --lr <lower>"
             raise type(e)(f"{e}; " + (f"checkpoint {e.checkpoint} written; continue with: {resume}" if e.checkpoint

@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         from .runtime.trainer import TrainingInterrupted
 
         if isinstance(e, TrainingInterrupted):  # asked for: not an error, but not a finished run
-            print(f"tightfit: {e}", file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":  # every rank stops at the same step: rank 0 says so
+                print(f"tightfit: {e}", file=sys.stderr)
             return 130
         print(f"tightfit: error: {e}", file=sys.stderr)
         return 2

@@ -80,3 +80,14 @@ def launch(n: int, device: str, argv: list[str]) -> int:
     except SignalException:  # Ctrl-C or SIGTERM here: the processes have stopped as asked; no traceback
         return 130
     return 0
+
+
+def resume_processes(world_size: int) -> str:
+    """What the ``--resume`` command a run prints adds so that it continues on as many processes as
+    it ran on (only then is the continuation exact: docs/distributed.md): nothing for one process,
+    `` --gpus N` when all ``N`` ran on this machine, else a reminder to start it with torchrun again."""
+    if world_size <= 1:
+        return ""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
+        return f" --gpus {world_size}"
+    return f" (started with torchrun as before, on {world_size} processes, to continue exactly)"
