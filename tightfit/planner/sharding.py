@@ -189,6 +189,10 @@ def plan_for_ranks(recipe, single_plan):
             return plan
         return replace(plan, world_size=world.size, sharding=choice.sharding,
                        reasons=plan.reasons + (f"resumed on {world.size} ranks: {choice.reason}",))
+    if choice.sharding == "fsdp" and p.optimizer not in ("auto", "adamw"):  # the FSDP2 plan holds fp32 AdamW state
+        raise TightfitError(f"--optimizer {p.optimizer} is not available under FSDP2 "
+                            f"({'--sharding fsdp' if p.sharding == 'fsdp' else choice.reason}): its plan "
+                            "shards fp32 AdamW state; use --sharding ddp, or --optimizer adamw")
     E = recipe.workload.effective_batch
     share = rank_batch(E, world.size)
     if choice.sharding == "ddp":
