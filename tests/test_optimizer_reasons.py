@@ -79,3 +79,18 @@ def test_plan_prints_the_optimizer_and_its_reason_once(monkeypatch, capsys, chos
     optimizer_line = next(x for x in lines if x.startswith("optimizer: "))
     assert optimizer_line.startswith(f"optimizer: {chosen}, ") and ": (" not in optimizer_line
     assert ("foreach AdamW would need" in optimizer_line) == (chosen == "adamw")
+
+
+def test_the_planning_time_counts_every_optimizer_searched(monkeypatch):
+    """`tightfit plan` prints "planned in" the result's seconds: every search, not the winner's alone."""
+    clock = [0.0]
+    per_kind = {"adamw": result(100, ("offload", "none")), "adamw8bit": result(150), "adamw-offload": result(50)}
+
+    def fake_search(*a, optimizer="adamw", **k):
+        clock[0] += 10.0  # each search takes 10 s
+        return per_kind[optimizer]
+
+    monkeypatch.setattr(po, "search", fake_search)
+    monkeypatch.setattr(po.time, "perf_counter", lambda: clock[0])
+    r = plan(model())
+    assert r.best.optimizer == "adamw8bit" and r.seconds == 20.0  # fp32 and 8-bit (which pays nothing: offload not searched)

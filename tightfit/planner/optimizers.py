@@ -12,6 +12,7 @@ memory). An explicit optimizer is searched alone.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from ..errors import TightfitError
@@ -144,6 +145,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     """
     if optimizer not in OPTIMIZER_CHOICES:
         raise TightfitError(f"unknown optimizer {optimizer!r}; use {', '.join(OPTIMIZER_CHOICES)}")
+    started = time.perf_counter()  # the result's seconds: every optimizer's search, not only the winner's
 
     def run(kind: str) -> SearchResult:
         at = estimator_at(kind) if estimator_at is not None else None
@@ -154,7 +156,8 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
 
     if optimizer != "auto":
         r = run(optimizer)
-        return _explained(r, optimizer, f"optimizer {optimizer}: as asked (--optimizer {optimizer})", model, profile)
+        return _explained(r, optimizer, f"optimizer {optimizer}: as asked (--optimizer {optimizer})", model, profile,
+                          started)
     if levers is None:
         kinds = [k for k in LEVER_OPTIMIZERS if levers_installed(k)]
     else:
@@ -168,11 +171,11 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     if "adamw" in results and not _constrained(results["adamw"]):
         return _explained(results["adamw"], "adamw", "optimizer adamw (fused, fp32 state): the plan fits without "
                           "accumulation, checkpointing or activation offload, so no optimizer lever can make it "
-                          "faster", model, profile)
+                          "faster", model, profile, started)
     if not levers:
         if "adamw" in results:
             return _explained(results["adamw"], "adamw", "optimizer adamw (fused, fp32 state): the optimizer levers "
-                              "were not searched (pip install 'tightfit[levers]')", model, profile)
+                              "were not searched (pip install 'tightfit[levers]')", model, profile, started)
         raise failures["adamw"]
     for kind in kinds:
         if kind == "adamw-offload":
@@ -203,10 +206,12 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     why = ("fp32 AdamW state fits nothing" if "adamw" in failures
            else f"fp32 AdamW state needs {_what_it_pays(results['adamw'].best)}")
     why = f"optimizer {kind}, {_NAMES[kind]}: {why}; predicted fastest" + (f" (against {compared})" if compared else "")
-    return _explained(best, kind, why, model, profile)
+    return _explained(best, kind, why, model, profile, started)
 
 
-def _explained(result: SearchResult, kind: str, why: str, model, profile) -> SearchResult:
-    """``result`` with the optimizer's reason and cost appended to its best's ``why``."""
+def _explained(result: SearchResult, kind: str, why: str, model, profile, started: float) -> SearchResult:
+    """``result`` with the optimizer's reason and cost appended to its best's ``why``, and the
+    seconds since ``started`` (``time.perf_counter()``) as its search time."""
     b = result.best
-    return replace(result, best=replace(b, why=f"{b.why}; {why}; {_cost_line(model, result, kind, profile)}"))
+    return replace(result, best=replace(b, why=f"{b.why}; {why}; {_cost_line(model, result, kind, profile)}"),
+                   seconds=time.perf_counter() - started)

@@ -172,7 +172,7 @@ def plan_for_ranks(recipe, single_plan):
             and ``recipe.budget``).
 
     Raises:
-        TightfitError: nothing fits.
+        TightfitError: nothing fits, or an optimizer lever asked for under FSDP2.
     """
     from dataclasses import replace
 
