@@ -3,6 +3,7 @@ fp32 AdamW stands only where its plan pays nothing for memory (no accumulation, 
 recomputed or offloaded), the reason names what it pays, and the planning time counts every
 optimizer searched."""
 
+import pytest
 import torch
 
 import tightfit.planner.optimizers as po
@@ -71,3 +72,25 @@ def test_the_planning_time_counts_every_optimizer_searched(monkeypatch):
     monkeypatch.setattr(po.time, "perf_counter", lambda: clock[0])
     r = plan(model())
     assert r.best.optimizer == "adamw8bit" and r.seconds == 20.0  # fp32 and 8-bit (which pays nothing: offload not searched)
+
+
+def test_the_reason_says_which_levers_fit_nothing_or_were_not_searched(monkeypatch):
+    """"predicted fastest" of one lever: the others fit nothing, lacked host memory or their library."""
+    from tightfit.planner.search import NothingFitsError
+
+    def fake_search(*a, optimizer="adamw", **k):
+        if optimizer == "adamw-offload":
+            return result(50)
+        raise NothingFitsError("nothing fits 1 GiB")
+
+    monkeypatch.setattr(po, "search", fake_search)
+    r = plan(model())
+    assert r.best.optimizer == "adamw-offload" and "(against adamw8bit: fits nothing)" in r.best.why
+    monkeypatch.setattr(po, "levers_installed", lambda kind=None: kind != "adamw8bit")
+    r = po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=None, host_bytes=64 << 30)
+    assert "(against adamw8bit: not searched (bitsandbytes is not installed))" in r.best.why
+    with pytest.raises(NothingFitsError, match="adamw-offload"):  # no host memory for offload, 8-bit fits nothing
+        po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=True, host_bytes=1)
+    search_stub(monkeypatch, {"adamw": result(100, accumulation=2), "adamw8bit": result(150, accumulation=2)})
+    r = po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=True, host_bytes=1)
+    assert r.best.optimizer == "adamw8bit" and "adamw-offload: needs" in r.best.why and "pinned host memory" in r.best.why

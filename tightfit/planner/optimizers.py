@@ -160,8 +160,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                           started)
     if levers is None:
         kinds = [k for k in LEVER_OPTIMIZERS if levers_installed(k)]
+        missing = [k for k in LEVER_OPTIMIZERS if k not in kinds]
     else:
-        kinds = list(LEVER_OPTIMIZERS) if levers else []
+        kinds, missing = (list(LEVER_OPTIMIZERS) if levers else []), []
     levers = bool(kinds)
     results, failures = {}, {}
     try:
@@ -201,8 +202,11 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         raise NothingFitsError(first + also)
     kind = max(results, key=lambda k: results[k].best.samples_per_s)
     best = results[kind]
-    compared = "; ".join(f"{k}: {r.best.samples_per_s:.0f} samples/s ({r.best.label()}, "
-                         f"{r.best.accumulation_steps} accumulation steps)" for k, r in results.items() if k != kind)
+    compared = "; ".join([f"{k}: {r.best.samples_per_s:.0f} samples/s ({r.best.label()}, "
+                          f"{r.best.accumulation_steps} accumulation steps)" for k, r in results.items() if k != kind]
+                         + [f"{k}: " + ("fits nothing" if "pinned host memory" not in str(e) else str(e))
+                            for k, e in failures.items() if k != "adamw"]
+                         + [f"{k}: not searched ({LEVER_LIBRARY[k]} is not installed)" for k in missing])
     why = ("fp32 AdamW state fits nothing" if "adamw" in failures
            else f"fp32 AdamW state needs {_what_it_pays(results['adamw'].best)}")
     why = f"optimizer {kind}, {_NAMES[kind]}: {why}; predicted fastest" + (f" (against {compared})" if compared else "")
