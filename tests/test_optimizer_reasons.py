@@ -81,7 +81,7 @@ def test_the_reason_says_which_levers_fit_nothing_or_were_not_searched(monkeypat
     def fake_search(*a, optimizer="adamw", **k):
         if optimizer == "adamw-offload":
             return result(50)
-        raise NothingFitsError("nothing fits 1 GiB")
+        raise NothingFitsError("nothing fits 1 GiB\n  levers: --optimizer adamw-offload (4 GiB of pinned host memory)")
 
     monkeypatch.setattr(po, "search", fake_search)
     r = plan(model())

@@ -164,7 +164,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     else:
         kinds, missing = (list(LEVER_OPTIMIZERS) if levers else []), []
     levers = bool(kinds)
-    results, failures = {}, {}
+    results, failures, short = {}, {}, {}  # short: why a lever was not searched, in a few words
     try:
         results["adamw"] = run("adamw")
     except NothingFitsError as e:
@@ -187,8 +187,8 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             need = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
             have = available_host_bytes() if host_bytes is None else host_bytes
             if need > 0.9 * have:
-                failures[kind] = NothingFitsError(f"needs {format_bytes(need)} of pinned host memory, "
-                                                  f"{format_bytes(have)} available")
+                short[kind] = f"needs {format_bytes(need)} of pinned host memory, {format_bytes(have)} available"
+                failures[kind] = NothingFitsError(short[kind])
                 continue
         try:
             results[kind] = run(kind)
@@ -204,8 +204,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     best = results[kind]
     compared = "; ".join([f"{k}: {r.best.samples_per_s:.0f} samples/s ({r.best.label()}, "
                           f"{r.best.accumulation_steps} accumulation steps)" for k, r in results.items() if k != kind]
-                         + [f"{k}: " + ("fits nothing" if "pinned host memory" not in str(e) else str(e))
-                            for k, e in failures.items() if k != "adamw"]
+                         + [f"{k}: {short.get(k, 'fits nothing')}" for k in failures if k != "adamw"]
                          + [f"{k}: not searched ({LEVER_LIBRARY[k]} is not installed)" for k in missing])
     why = ("fp32 AdamW state fits nothing" if "adamw" in failures
            else f"fp32 AdamW state needs {_what_it_pays(results['adamw'].best)}")
