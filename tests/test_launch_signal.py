@@ -48,3 +48,16 @@ def test_an_interrupted_multi_process_run_says_how_to_resume_once(monkeypatch, c
     monkeypatch.setenv("RANK", rank)
     assert cli.main(["train", "--device", "cpu"]) == 130
     assert ("continue with" in capsys.readouterr().err) == (rank == "0")
+
+
+def test_bad_options_with_gpus_are_one_line_before_any_process_starts(monkeypatch, capsys, tmp_path):
+    import tightfit.cli as cli
+
+    started = []
+    monkeypatch.setattr(torchrun, "run", lambda args: started.append(args))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert cli.main(["train", "--gpus", "2", "--device", "cpu", "--lr", "-1", "--out", str(tmp_path / "run")]) == 2
+    out = capsys.readouterr()
+    assert started == [] and "starting" not in out.out
+    assert out.err.count("\n") == 1 and "--lr" in out.err
+    assert not (tmp_path / "run").exists()

@@ -160,6 +160,7 @@ def _run(args) -> int:
         if args.gpus != 1 and "LOCAL_RANK" not in os.environ:  # --gpus N: torchrun starts N of this command
             from .runtime.launch import device_of, launch
 
+            TrainRequest.from_args(args)  # the options' own checks: one line here, before any process starts
             return launch(args.gpus, device_of(args), args.argv)
 
         train(TrainRequest.from_args(args))
