@@ -111,4 +111,5 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
         weights = {k: v.detach().clone() for k, v in world.unwrap(t.model).state_dict().items()}
     world.close()
     return {"records": records, "drawn": drawn, "weights": weights, "oom_recoveries": res.oom_recoveries,
-            "micro_batch": t.micro_batch, "steps": res.steps, "samples": res.samples, "allreduces": allreduces}
+            "micro_batch": t.micro_batch, "steps": res.steps, "samples": res.samples, "allreduces": allreduces,
+            "checkpoint_seconds": res.checkpoint_seconds}

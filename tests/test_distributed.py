@@ -229,6 +229,7 @@ def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):
     full = spawn({**spec, "checkpoint_dir": str(tmp_path / "full"), "checkpoint_every": 1}, 2, tmp_path)
     ckpt = tmp_path / "full" / "ckpt-1"
     assert (ckpt / "dcp").is_dir()
+    assert all(r["checkpoint_seconds"] > 0 for r in full)  # the summary's "time: checkpoints" counts them
     resumed = spawn({**spec, "resume": str(ckpt)}, 2, tmp_path)
     assert _losses(resumed[0]) == _losses(full[0])[1:]  # dropout on, bit for bit
     _same_weights(resumed[0]["weights"], full[0]["weights"])

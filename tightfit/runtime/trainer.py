@@ -589,8 +589,12 @@ class Trainer:
             from .sharded_checkpoint import save_sharded
 
             state = {k: v for k, v in self.state_dict().items() if k != "optimizer"}
+            t0 = time.perf_counter()
             path = save_sharded(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, state, self.world,
                                 self.cfg.keep_last)
+            held = time.perf_counter() - t0  # written in the loop's time: it holds the loop as long as it writes
+            self.result.checkpoint_seconds += held
+            self.result.checkpoint_write_seconds += held
             self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
             return str(path)
         if self._writer is None:
