@@ -20,6 +20,7 @@ def test_budget_below_model_state_is_refused(tmp_path, capsys):
     assert main(["train", "--budget", "100MiB", "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "below the" in err and "weights" in err
+    assert "8-bit AdamW state (--optimizer adamw8bit" in err  # the levers, as `tightfit plan` names them
     assert not out.exists()
 
 

@@ -273,23 +273,20 @@ class TrainRecipe:
 
     def _check_budget(self) -> None:
         """The budget holds the least model state of the optimizers that may be chosen
-        (:func:`tightfit.planner.optimizers.least_state_bytes`; fp32 AdamW: weights, gradients
-        and state, 16 B per parameter).
+        (:func:`tightfit.planner.advice.check_model_state`, as ``tightfit plan`` checks it; fp32
+        AdamW: weights, gradients and state, 16 B per parameter).
 
         Raises:
-            TightfitError: it does not.
+            TightfitError: it does not (naming the levers and what each saves).
         """
-        from .models import model_state_bytes
-        from .planner.optimizers import least_state_bytes, levers_installed
+        from .devices import get_profile
+        from .planner.advice import check_model_state
+        from .planner.optimizers import levers_installed
 
-        state = model_state_bytes(self.model)
-        least, kind = least_state_bytes(self.model, self.req.planning.optimizer,
-                                        levers=levers_installed() and self.device == "cuda")
-        if self.budget is not None and self.budget < least and not self.world.distributed:  # else sharding.py
-            raise TightfitError(
-                f"budget {format_bytes(self.budget)} is below the {format_bytes(least)} of model state that optimizer "
-                f"{kind} needs at least (fp32 AdamW: this model's fp32 weights ({format_bytes(state['parameters'])}), "
-                f"gradients and AdamW state, {format_bytes(state['total'])})")
+        if self.budget is not None and not self.world.distributed:  # several ranks: planner/sharding.py
+            link = (self.profile or get_profile("h200")).host_link_bytes_per_s
+            check_model_state(self.model, self.budget, self.req.planning.optimizer,
+                              levers_installed() and self.device == "cuda", link)
 
     def input_size(self) -> int:
         """The size a sample's worst case has, for the planner: ``--seq-len`` (tokens)."""

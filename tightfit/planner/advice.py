@@ -175,6 +175,36 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     return [f"{name}: -{format_bytes(saving)}, {verdict(saving)}" for name, saving in levers[in_use:]]
 
 
+def check_model_state(model, budget: int, optimizer: str, levers: bool, host_link_bytes_per_s: float) -> None:
+    """Refuse, before any trace, a budget (bytes) below the least model state of the optimizers
+    that may be chosen (:func:`.optimizers.least_state_bytes`; fp32 AdamW: weights, gradients and
+    state, 16 B per parameter), naming the levers and what each saves (:func:`lever_lines`).
+    ``tightfit plan`` and ``tightfit train`` both check with it.
+
+    Args:
+        optimizer: ``--optimizer``; levers: whether ``auto`` may choose the optimizer levers.
+        host_link_bytes_per_s: the card's host link, for offload's transfer time.
+
+    Raises:
+        TightfitError: the budget is below the model state.
+    """
+    from ..errors import TightfitError
+    from .optimizers import least_state_bytes
+
+    least, kind = least_state_bytes(model, optimizer, levers=levers)
+    if budget >= least:
+        return
+    params = sum(p.numel() for p in model.parameters())
+    state = params * 16
+    lines = lever_lines(model, state, budget, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
+                        host_link_bytes_per_s)
+    raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(least)} of model state that "
+                        f"optimizer {kind} needs at least (fp32 AdamW: fp32 weights ({format_bytes(4 * params)}), "
+                        f"gradients and state, 16 B per parameter, {format_bytes(state)}), by "
+                        f"{format_bytes(least - budget)}; no micro-batch, accumulation or checkpointing changes that. "
+                        "Levers (bytes saved against fp32 AdamW):" + "".join("\n  " + x for x in lines))
+
+
 def nothing_fits_lines(model, estimate, limit: float, precision: str, block_options, size: int,
                        effective_batch: int, size_flag: str, host_link_bytes_per_s: float,
                        estimator_at=None, optimizer: str = "adamw") -> list[str]:

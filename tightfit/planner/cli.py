@@ -37,6 +37,7 @@ def run(args) -> int:
             traced at the size asked, or nothing fits.
     """
     from ..models import build_model
+    from .advice import check_model_state
     from .optimizers import search_optimizers
     from .search import estimator_for
 
@@ -52,7 +53,7 @@ def run(args) -> int:
         raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")
     size = args.image_size or args.seq_len
     make_batch(1, size)  # validates the size against the model
-    _check_model_state(model, budget, profile, args.optimizer)
+    check_model_state(model, budget, args.optimizer, True, profile.host_link_bytes_per_s)
 
     def estimator_at(kind):  # what fits instead, when nothing does
         return lambda other_size, effective_batch: estimator_for(model, make_batch, other_size, profile,
@@ -102,31 +103,6 @@ def _card_and_budget(args):
                      f"usable on the {profile.name}; planning for {format_bytes(profile.budget_bytes())}")
         budget = profile.budget_bytes()
     return profile, budget, notes
-
-
-def _check_model_state(model, budget: int, profile, optimizer: str = "adamw") -> None:
-    """Refuse, before any trace, a budget (bytes) below the least model state of the optimizers
-    that may be chosen (:func:`.optimizers.least_state_bytes`; fp32 AdamW: weights, gradients and
-    state, 16 B per parameter), naming the levers.
-
-    Raises:
-        TightfitError: the budget is below the model state.
-    """
-    from ..units import format_bytes
-    from .advice import lever_lines
-    from .optimizers import least_state_bytes
-
-    least, kind = least_state_bytes(model, optimizer, levers=True)
-    if budget >= least:
-        return
-    state = sum(p.numel() for p in model.parameters()) * 16
-    levers = lever_lines(model, state, budget, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
-                         profile.host_link_bytes_per_s)
-    raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(least)} of model state that "
-                        f"optimizer {kind} needs at least (fp32 AdamW: weights, gradients and state, 16 B per "
-                        f"parameter, {format_bytes(state)}), by {format_bytes(least - budget)}; no micro-batch, "
-                        f"accumulation or checkpointing changes that. Levers (bytes saved against fp32 AdamW):"
-                        + "".join("\n  " + x for x in levers))
 
 
 def _print_json(result, model, notes: list[str]) -> None:
