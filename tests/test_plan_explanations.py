@@ -185,6 +185,24 @@ def test_plan_for_lora_counts_only_the_adapters_state(tmp_path, capsys):
     assert "trainable" in capsys.readouterr().err
 
 
+def test_plan_does_not_rule_out_offload_by_this_machines_host_memory(tmp_path, capsys, monkeypatch):
+    """`tightfit plan` plans for a card elsewhere: offload is weighed against that machine's host
+    memory, unknown here, not against this one's (search_optimizers checks what it is given)."""
+    import tightfit.planner.optimizers as opt
+    from tightfit.errors import TightfitError
+
+    given = {}
+
+    def stop(*a, **k):
+        given.update(k)
+        raise TightfitError("stopped here")
+
+    monkeypatch.setattr(opt, "search_optimizers", stop)
+    assert main(["plan", "--model", _tiny_bert(tmp_path), "--seq-len", "32", "--batch-size", "8", "--gpu", "t4"]) == 2
+    capsys.readouterr()
+    assert given["host_bytes"] >= 2**60
+
+
 def test_runners_up_of_precisions_not_searched_carry_no_made_up_numbers():
     from test_planner import _search, memory
 

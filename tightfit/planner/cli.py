@@ -8,6 +8,11 @@ import sys
 from ..errors import TightfitError
 
 
+# `tightfit plan` plans for a card elsewhere, whose host memory it cannot see: offload is not
+# ruled out by this machine's free memory (the plan's reason says how much pinned memory it needs).
+UNKNOWN_HOST_BYTES = 2**62
+
+
 def add_parser(subparsers) -> None:
     """Add the ``plan`` sub-command to an argparse ``subparsers`` object."""
     p = subparsers.add_parser("plan", help="choose the fastest plan that fits a card (no GPU needed)",
@@ -64,6 +69,7 @@ def run(args) -> int:
             model, make_batch, size, args.batch_size, profile, budget,
             lambda kind: estimator_for(model, make_batch, size, profile, args.batch_size, optimizer=kind),
             optimizer=args.optimizer, estimator_at=estimator_at, levers=True,
+            host_bytes=UNKNOWN_HOST_BYTES,  # the card's machine, not this one: its reason says what offload pins
             precision=args.precision, checkpointing=args.checkpointing)
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
