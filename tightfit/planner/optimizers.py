@@ -16,7 +16,8 @@ import time
 from dataclasses import replace
 
 from ..errors import TightfitError
-from ..levers.optimizers import LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_state_bytes, available_host_bytes, offload_host_bytes
+from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_state_bytes, available_host_bytes,
+                                 is_offloaded, offload_host_bytes)
 from ..units import format_bytes
 from ..plan import OPTIMIZER_CHOICES
 from .search import NothingFitsError, SearchResult, search
@@ -75,7 +76,7 @@ def state_bytes(model, kind: str) -> int:
             continue
         n = p.numel()
         if kind == "adamw-offload":
-            total += 0 if n >= 4096 else 8 * n
+            total += 0 if is_offloaded(n) else 8 * n
         else:
             total += 8 * n
     return total
