@@ -268,6 +268,73 @@ def test_resume_refreshes_the_offloaded_master_weights(tmp_path):
     assert_same(params(resumed.model), params(full.model))
 
 
+def _three_linears(seed=0):
+    """Two layers of 8,192 weights (offloaded) and small ones (kept on the GPU), on CUDA."""
+    torch.manual_seed(seed)
+    return torch.nn.ModuleDict(dict(a=torch.nn.Linear(64, 128), b=torch.nn.Linear(128, 64),
+                                    c=torch.nn.Linear(64, 8))).cuda()
+
+
+def _window_loss(model, step):
+    """Window 1 skips layer ``b``: its weights get no gradient, and must not be stepped."""
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step)).cuda()
+    h = torch.relu(model["a"](x))
+    h = model["b"](h) if step != 1 else h[:, :64]
+    return model["c"](h).pow(2).mean()
+
+
+def _through_checkpoint(state_dict):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_the_one_fused_host_step_gives_torchaos_per_parameter_weights_bit_for_bit():
+    """tightfit's step (one fused CPU AdamW over all host copies) against torchao's own
+    ``CPUOffloadOptimizer`` (one fused CPU AdamW per parameter), clipped through the host groups:
+    the same weights bit for bit, with a parameter that has no gradient in one window, after a
+    resume from tightfit's checkpoint and from one torchao wrote (weights_only loads)."""
+    from torchao.optim import CPUOffloadOptimizer
+
+    from tightfit.levers.optimizers import adamw_offload, release
+
+    ref_model, model = _three_linears(), _three_linears()
+    ref = CPUOffloadOptimizer(list(ref_model.parameters()), torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    opt = adamw_offload(model.parameters(), 1e-3, 0.01)
+    assert len(opt.host.params) == 2 and not opt.optim_dict  # one host optimizer, not one per parameter
+
+    def windows(opt, start, n):
+        for step in range(start, start + n):
+            for m, o in ((ref_model, ref), (model, opt)):
+                _window_loss(m, step).backward()
+                if hasattr(o, "wait_for_gradients"):
+                    o.wait_for_gradients()
+                else:  # torchao's: wait for its copies as its step would
+                    torch.cuda.synchronize()
+                torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 0.5)
+                o.step()
+                o.zero_grad()
+            assert_same(params(model), params(ref_model))
+
+    windows(opt, 0, 4)
+    resumed = adamw_offload(model.parameters(), 1.0, 0.01)  # lr from the checkpoint
+    release(opt)
+    for p in resumed.param_d2h_map.values():
+        p.zero_()  # as stale as a copy made before the checkpoint's weights are loaded: load refreshes it
+    resumed.load_state_dict(_through_checkpoint(opt.state_dict()))
+    windows(resumed, 4, 2)
+    from_torchao = adamw_offload(model.parameters(), 1e-3, 0.01)
+    release(resumed)
+    from_torchao.load_state_dict(_through_checkpoint(ref.state_dict()))
+    windows(from_torchao, 6, 2)
+    release(from_torchao)
+
+
 @pytest.mark.gpu
 @needs_torchao
 def test_a_released_offloaded_optimizer_leaves_no_hook_on_the_model():

@@ -101,7 +101,9 @@ def test_the_time_model_prices_each_optimizer():
     cost = ForwardCost(1e9, 1000, 300_000_000, 24, trainable_tensors=390, offloaded_params=299_000_000)
     t = {k: TimeModel(H200, cost, optimizer=k) for k in ("adamw", "adamw8bit", "adamw-offload")}
     assert t["adamw8bit"].optimizer_seconds() > 390 * 50e-6  # one kernel and one device sync per tensor
-    assert t["adamw-offload"].optimizer_seconds() > 0.2  # CPU AdamW over 299M parameters
+    # CPU AdamW over 299M parameters: no faster than the host's fused AdamW over one tensor (4.8e9
+    # parameters/s on the H200 host, bench/results/optimizer-levers/optimizer_step_time.json)
+    assert t["adamw-offload"].optimizer_seconds() > 299_000_000 / 4.8e9
     # with accumulation the accumulated gradients cross the host link again after each micro-batch
     assert t["adamw-offload"].optimizer_seconds(4) > t["adamw-offload"].optimizer_seconds(1)
     assert t["adamw"].optimizer_seconds(4) == t["adamw"].optimizer_seconds(1)
