@@ -28,9 +28,10 @@ LARGE=(--train-samples 12800)  # 50 steps
 run() {  # run NAME SECONDS CMD... : output to $WORK/NAME.log, head+tail into logs.txt
   local name=$1 limit=$2; shift 2
   echo "== $name: $*" >> "$LOGS"
+  local t0=$SECONDS
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   local rc=$?
-  echo "exit $rc" >> "$LOGS"
+  echo "exit $rc after $((SECONDS - t0)) s" >> "$LOGS"
   grep -v "Warning\|warn(" "$WORK/$name.log" | grep -E "plan:|  (micro-batch|precision|checkpointing|optimizer|why)|samples/s|summary|error|Error|OOM|out of memory|resumed" | head -40 >> "$LOGS"
   echo "$name $rc" >> "$WORK/exit-codes.txt"
 }
@@ -46,7 +47,7 @@ want eager2 && run base-2gpu-eager 120 python3 -m tightfit train --model bert-ba
 # 2. BERT-large: 2 GPUs (sharded), and the best single-GPU plan under the same budget (optimizer levers
 #    allowed)
 want large2 && run large-2gpu 150 python3 -m tightfit train --model bert-large "${COMMON[@]}" "${EAGER[@]}" "${LARGE[@]}" --gpus 2 --out "$WORK/large-2gpu"
-want large1 && run large-1gpu 150 env CUDA_VISIBLE_DEVICES=0 python3 -m tightfit train --model bert-large "${COMMON[@]}" --compile off "${LARGE[@]}" --out "$WORK/large-1gpu"
+want large1 && run large-1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m tightfit train --model bert-large "${COMMON[@]}" --compile off "${LARGE[@]}" --out "$WORK/large-1gpu"
 # 3. OOM on rank 1 mid-run
 want oom && run oom 120 env OUT="$OUT" python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/multi_gpu_oom.py
 # 4. kill after the first checkpoint, resume on 2 GPUs and (from a copy) on 1 GPU. The run gets its
