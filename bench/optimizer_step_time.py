@@ -104,7 +104,10 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
                 if i >= 3:
                     times.append(dt)
-            state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+            states = getattr(opt, "state", None)  # torchao's CPUOffloadOptimizer has none: its on-device one
+            if states is None:
+                states = opt.d_opt.state if getattr(opt, "d_opt", None) is not None else {}
+            state = sum(t.numel() * t.element_size() for s in states.values() for t in s.values()
                         if isinstance(t, torch.Tensor) and t.is_cuda)
             row = {"engine": name, "step_s": statistics.median(times), "step_extra_peak_GiB": max(extra) / GiB,
                    "gpu_state_GiB": state / GiB, "params": sum(p.numel() for p in model.parameters()),

@@ -268,6 +268,20 @@ def test_resume_refreshes_the_offloaded_master_weights(tmp_path):
     assert_same(params(resumed.model), params(full.model))
 
 
+@pytest.mark.gpu
+@needs_torchao
+def test_after_loading_a_state_dict_the_learning_rate_reaches_the_small_parameters():
+    """The runtime's schedule sets ``lr`` through ``param_groups``; torch's ``load_state_dict``
+    replaces the on-device optimizer's groups, so they must be the ones ``param_groups`` gives."""
+    model = _three_linears()
+    opt = make_optimizer(model.parameters(), "adamw-offload", "cuda", lr=1e-3)
+    opt.load_state_dict(_through_checkpoint(opt.state_dict()))
+    for group in opt.param_groups:
+        group["lr"] = 0.5
+    assert opt.d_opt is not None and all(g["lr"] == 0.5 for g in opt.d_opt.param_groups)
+    assert all(g["lr"] == 0.5 for g in opt.host.param_groups)
+
+
 def _three_linears(seed=0):
     """Two layers of 8,192 weights (offloaded) and small ones (kept on the GPU), on CUDA."""
     torch.manual_seed(seed)

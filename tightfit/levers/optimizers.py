@@ -186,7 +186,8 @@ def _offload_class():
       are left alone, as torchao steps only its queue), then the new weights are copied to the
       GPU on torchao's side stream, which is synchronised before the step returns; the small
       parameters' fused AdamW on the GPU (torchao's ``d_opt``) is started first, as torchao does;
-    - ``param_groups``: torchao's on-device groups, then the host optimizer's (the host copies
+    - ``param_groups``: the on-device optimizer's groups (not torchao's ``d_param_groups``, which
+      its ``load_state_dict`` leaves behind), then the host optimizer's (the host copies
       with their host gradients: the runtime unscales, clips and sets ``lr`` through them);
     - ``state``: the host optimizer's and the on-device optimizer's per-parameter states, as one
       mapping, so that the runtime's rollback (drop state created by a failed attempt) works as
@@ -257,7 +258,10 @@ def _offload_class():
 
         @property
         def param_groups(self):
-            return self.d_param_groups + (self.host.param_groups if self.host is not None else [])
+            # the on-device optimizer's own groups: its load_state_dict replaces them with new dicts,
+            # so torchao's d_param_groups would then miss the runtime's lr updates after a resume
+            return ((self.d_opt.param_groups if self.d_opt is not None else [])
+                    + (self.host.param_groups if self.host is not None else []))
 
         @property
         def state(self):
