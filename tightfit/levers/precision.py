@@ -107,10 +107,19 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def autocast(precision: str, device_type: str):
-    """The ``torch.autocast`` context for ``precision`` (a no-op context for fp32)."""
+    """The ``torch.autocast`` context for ``precision`` (a no-op context for fp32).
+
+    The cast weights are not cached (``cache_enabled=False``). torch's cache keeps the
+    low-precision copy of every weight until the forward's autocast region ends: 2 bytes per
+    parameter, held for nothing where blocks are recomputed (they cast again in backward) and
+    on top of the window's gradients in every forward after the first of an accumulation window
+    (BERT-large, bf16, 8-bit AdamW, all blocks checkpointed, micro-batch 32: 0.62 GiB of a
+    4.24 GiB peak, NVIDIA H200). Each weight of a transformer is used once per forward, so the
+    cache saves no casts; a weight a layer keeps for its backward is still saved by that layer.
+    """
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=_DTYPES[precision])
+    return torch.autocast(device_type=device_type, dtype=_DTYPES[precision], cache_enabled=False)
 
 
 def make_grad_scaler(precision: str, device_type: str, init_scale: float = 2.0**16) -> torch.amp.GradScaler:

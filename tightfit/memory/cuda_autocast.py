@@ -6,8 +6,8 @@ a step traced on the meta device differs from the same step on a GPU. This torch
 
 - **autocast** (``aten/src/ATen/autocast_mode.cpp``, CUDA lists): matrix products and
   convolutions run in the low precision; the fp32 list (layer_norm, pow, exp, losses, ...)
-  runs in fp32; softmax/log_softmax/sum/cumsum/prod get ``dtype=float32``; casts of leaf
-  tensors that require grad (the weights) are cached until the forward's autocast region ends.
+  runs in fp32; softmax/log_softmax/sum/cumsum/prod get ``dtype=float32``; casts are not
+  cached (tightfit's autocast runs with ``cache_enabled=False``: :func:`tightfit.levers.precision.autocast`).
 - **dropout**: CUDA runs ``native_dropout`` (output + a 1-byte mask); the generic path would
   keep a mask in the input's dtype.
 - **scaled_dot_product_attention**: the flash kernel (fp16/bf16, no mask) or the
@@ -92,28 +92,17 @@ class CudaOnMeta(TorchFunctionMode):
     def __init__(self, precision: str):
         super().__init__()
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-        self._cache: dict[int, torch.Tensor] | None = None
 
     @contextlib.contextmanager
     def forward_region(self):
-        """The autocast region of the forward: weight casts are cached until it ends."""
-        self._cache = {}
-        try:
-            yield
-        finally:
-            self._cache = None
+        """The autocast region of the forward (casts are not cached: nothing outlives it)."""
+        yield
 
     def _cast(self, x, dtype, only_from=None):
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype
                 and x.dtype != torch.float64 and (only_from is None or x.dtype in only_from)):
             return x
-        cacheable = self._cache is not None and x.is_leaf and x.requires_grad
-        if cacheable and id(x) in self._cache:
-            return self._cache[id(x)]
-        y = x.to(dtype)
-        if cacheable:
-            self._cache[id(x)] = y
-        return y
+        return x.to(dtype)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -4,7 +4,9 @@ The runtime's step, :func:`tightfit.step.training_step` (forward under autocast,
 clipping, optimizer step, ``zero_grad``) with the plan's optimizer, runs twice on a
 meta-device copy of the model -- the first step allocates the optimizer state, the second
 runs forward and backward with that state held, which is where the peak of every later step
-lies. :class:`~.cuda_autocast.CudaOnMeta` makes the trace allocate what CUDA would;
+lies; with gradient accumulation (``plan.accumulation_steps > 1``) it runs two micro-batches, so
+that the second's forward and backward run with the window's gradients held.
+:class:`~.cuda_autocast.CudaOnMeta` makes the trace allocate what CUDA would;
 :class:`~.tracker.AllocationTracker` replays every allocation through a model of the caching
 allocator (:mod:`.allocator`: expandable segments, as tightfit's runtime configures it, or the
 default configuration), so the result is the peak of
@@ -217,9 +219,12 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         phases = {}
         for step in range(STEPS):
             tracker.window_peak = tracker.allocator.allocated
-            # one unpadded micro-batch: its mean loss is the runtime's loss_sum / count; no loss
-            # scaling is traced (its few 0-d tensors are left out)
-            training_step(meta, [batch], training_loss, 1, _LabelledOptimizer(optimizer, tracker, phases), None,
+            # unpadded micro-batches: their mean loss is the runtime's loss_sum / count; no loss
+            # scaling is traced (its few 0-d tensors are left out). With accumulation the last step
+            # runs two: the second's forward and backward run with the window's gradients held,
+            # as every later micro-batch of a window does
+            n = 2 if plan.accumulation_steps > 1 and step == STEPS - 1 else 1
+            training_step(meta, [batch] * n, training_loss, n, _LabelledOptimizer(optimizer, tracker, phases), None,
                           lambda: _forward_region(emulation, tracker), max_grad_norm=1.0)
             if step == 0:
                 first_step_reserved = tracker.allocator.peak_reserved

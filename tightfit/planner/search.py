@@ -426,7 +426,7 @@ def _largest_fitting(space: SearchSpace, prec: str, k: int, line, estimate_fn: E
 
     The line comes from traces at micro-batches 4 and 16; at the ends of the block range the
     step differs in kind at both ends of the micro-batch range: one micro-batch holds no
-    gradients across micro-batches (:func:`estimator_for` adds them only when accumulating), and
+    gradients across micro-batches (:func:`estimator_for` traces them held only when accumulating), and
     below 4 the line extrapolates. Those ends are traced exactly when the answer could change.
     """
     E, limit = space.effective_batch, space.limit
@@ -593,9 +593,9 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
 
 def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effective_batch: int,
                   checkpointed_margin: float = CHECKPOINTED_RESERVED_MARGIN, optimizer: str = "adamw") -> EstimateFn:
-    """``estimate_fn`` backed by :func:`tightfit.memory.estimate`: with accumulation the window's
-    gradients are held while later micro-batches run forward and backward, so their bytes are
-    added to any peak that the estimate reached with gradients freed; checkpointed plans carry
+    """``estimate_fn`` backed by :func:`tightfit.memory.estimate`: with accumulation the estimate
+    traces a micro-batch run with the window's gradients held (as every micro-batch after a
+    window's first runs); checkpointed plans carry
     the estimator's margin on reserved (:func:`.margins.estimator_margin_bytes`;
     ``checkpointed_margin`` 0 when real probe steps verify the plan).
 
@@ -610,10 +610,11 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
     from ..memory.estimate import MemoryEstimate, estimate
 
     example = make_batch(1, size)
-    grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
 
     def fn(precision: str, micro_batch: int, blocks) -> MemoryEstimate:
-        plan = Plan(precision, micro_batch, micro_batch, optimizer=optimizer, device="cuda")
+        # the window's effective batch: with accumulation the estimate traces a micro-batch run
+        # with the window's gradients held
+        plan = Plan(precision, micro_batch, max(micro_batch, effective_batch), optimizer=optimizer, device="cuda")
         blocks = tuple(blocks)
         if blocks and isinstance(blocks[0], str):  # one policy per block
             est = estimate(model, example, plan, device=profile, block_policies=blocks)
@@ -621,14 +622,12 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
         else:
             est = estimate(model, example, plan, device=profile, checkpoint_blocks=blocks)
             checkpointed = bool(blocks)
-        extra = max(0, grads - est.breakdown.get("gradients", 0)) if micro_batch < effective_batch else 0
-        margin = estimator_margin_bytes(est.peak_reserved_bytes + extra, checkpointed, checkpointed_margin)
-        if not extra and not margin:
+        margin = estimator_margin_bytes(est.peak_reserved_bytes, checkpointed, checkpointed_margin)
+        if not margin:
             return est
         bd = dict(est.breakdown)
-        bd["gradients"] = bd.get("gradients", 0) + extra
         bd["allocator_overhead"] = bd.get("allocator_overhead", 0) + margin
-        return MemoryEstimate(est.peak_allocated_bytes + extra, est.peak_reserved_bytes + extra + margin, bd, est.plan,
+        return MemoryEstimate(est.peak_allocated_bytes, est.peak_reserved_bytes + margin, bd, est.plan,
                               est.first_step_peak_reserved_bytes, est.allocator, est.extra)
 
     return fn
