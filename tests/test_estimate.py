@@ -137,6 +137,19 @@ def test_frozen_parameters_get_no_gradient_or_state():
     assert saved >= 8 * emb  # at least the two AdamW moments of the embeddings
 
 
+def test_an_accumulating_step_is_traced_with_the_windows_gradients_held():
+    """With accumulation, every micro-batch after a window's first runs forward and backward
+    holding all the window's gradients: the estimate traces one (a single micro-batch frees
+    nothing before its own gradients exist, and peaks with only part of them)."""
+    model, make_batch = build_model("minilm")
+    grads = sum(round_size(4 * p.numel()) for p in model.parameters())
+    one = estimate(model, make_batch(1, 128), Plan("bf16", 8, 8), get_profile("h200"), checkpoint_blocks="all")
+    window = estimate(model, make_batch(1, 128), Plan("bf16", 8, 32), get_profile("h200"), checkpoint_blocks="all")
+    assert one.breakdown["gradients"] < grads
+    assert window.breakdown["gradients"] >= grads
+    assert window.peak_allocated_bytes > one.peak_allocated_bytes
+
+
 def test_checkpointing_and_low_precision_save_activation_memory():
     _, none = _estimate("bert-base", 256, 8)
     _, some = _estimate("bert-base", 256, 8, ckpt="0,1,2,3,4,5")

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from tightfit.devices import get_profile
 from tightfit.errors import TightfitError
@@ -32,3 +33,12 @@ def test_pascal_falls_back_to_fp16_only_for_memory():
     assert fallback_precisions(p, "fp32") == ["fp32", "fp16"]
     with pytest.raises(TightfitError):
         check_precision("fp16", None)  # no autocast on the CPU
+
+
+def test_autocast_keeps_no_cache_of_cast_weights():
+    """torch's cache would hold the low-precision copy of every weight until the forward ends
+    (on top of an accumulation window's gradients, and for recomputed blocks for nothing)."""
+    from tightfit.levers.precision import autocast
+
+    with autocast("bf16", "cpu"):
+        assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
