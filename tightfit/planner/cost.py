@@ -60,17 +60,12 @@ ADAMW8BIT_BYTES_PER_PARAM = 4 + 4 + 2 + 4 + 2
 # bytes at the card's 4.8 TB/s (1.1 ms), 65 us per tensor.
 OPTIMIZER_CALL_S = 65e-6
 # Fused AdamW on the host CPU as ``adamw-offload`` runs it: one fused step over every offloaded
-# tensor (tightfit.levers.host_adamw), parameters per second. PREDICTION, not yet measured on the
-# GPU host: torchao's one AdamW per tensor took 665 ms for BERT-large's 335.1M parameters in 393
-# tensors on an NVIDIA H200 host (32 threads, torch 2.11; bench/results/optimizer-levers/
-# optimizer_step_time.json); on a 2-thread CPU one fused step over 132M parameters in 165 tensors
-# took 208 ms against 1,212 ms per tensor, so about 665 x 208 / 1212 = 114 ms, 2.9e9 parameters/s
-# (below the 4.8e9/s of one fused step over a single tensor of that size, same file). The row
-# "tightfit adamw-offload" of bench/optimizer_step_time.py measures it. The per-tensor step gave
-# 1.3e9 (about 0.25 s per BERT-large step on the single-H200 machine, issue 14's by-hand measurement).
-# The raw fused CPU AdamW: 6.18e9 parameters/s with 32 threads over one 100M tensor
-# (bench/results/device-facts/).
-CPU_ADAMW_PARAMS_PER_S = 2.9e9
+# tensor (tightfit.levers.host_adamw), parameters per second. Measured on an NVIDIA H200 host (16
+# threads, torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json): the fused CPU
+# AdamW over BERT-large's 393 tensors (335.1M parameters) at 3.6e9 parameters/s; the whole
+# ``adamw-offload`` step, the weights' copies back to the GPU included, 110.6 ms (torchao's one
+# AdamW per tensor: 665 ms, bench/results/optimizer-levers/).
+CPU_ADAMW_PARAMS_PER_S = 3.6e9
 
 
 class _OpCounter(TorchDispatchMode):
