@@ -320,3 +320,12 @@ def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["type"] == "train"]
     assert steps == sorted(set(steps)) and len(steps) == 5  # 36 training samples / 8
+
+
+def test_gpus_2_an_input_error_found_by_every_rank_is_printed_once(tmp_path):
+    """An error of the input that each rank finds in its own setup (here: a label column the data
+    lacks, found only once the file is read) is printed by rank 0 alone, exit code 2."""
+    done, out = _tiny_cli_run(tmp_path, "--gpus", "2", "--label-column", "stars")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("tightfit: error:") == 1, done.stderr[-2000:]
+    assert "stars" in done.stderr and not out.exists()

@@ -68,7 +68,11 @@ def train(req: TrainRequest) -> RunSummary:
 
     world = World.from_env(req.planning.device)  # several ranks under torchrun (docs/distributed.md)
     recipe = recipe_class(req)(req, world)  # TrainRecipe, or ImageTrainRecipe for an image model
-    recipe.setup()  # checks, loads and plans; writes nothing
+    try:
+        recipe.setup()  # checks, loads and plans; writes nothing
+    except TightfitError as e:
+        e.every_rank = world.distributed  # each rank checked the same input: rank 0 alone says so
+        raise
     finished = recipe.finished_summary()
     if finished is not None:
         return finished

@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("RANK", "0") == "0":  # every rank stops at the same step: rank 0 says so
                 print(f"tightfit: {e}", file=sys.stderr)
             return 130
-        print(f"tightfit: error: {e}", file=sys.stderr)
+        if not getattr(e, "every_rank", False) or os.environ.get("RANK", "0") == "0":
+            print(f"tightfit: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside the training loop (loading, planning): nothing was half-written
         print("tightfit: interrupted", file=sys.stderr)
