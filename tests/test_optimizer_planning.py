@@ -163,6 +163,29 @@ def test_8bit_state_is_chosen_where_fp32_state_fits_nothing_and_says_why(m):
         plan(m, budget, optimizer="adamw")  # forced: the advice names the lever
 
 
+def test_auto_traces_no_optimizer_whose_model_state_alone_is_over_the_limit():
+    """fp32 AdamW's weights, gradients and state over the planned limit: not one trace of it
+    (for BERT-large at 4 GiB that search cost half the planning); the lever is chosen as before."""
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    big = BertForSequenceClassification(BertConfig(  # 51M of its 52M parameters in the embeddings
+        vocab_size=200000, hidden_size=256, num_hidden_layers=1, num_attention_heads=4, intermediate_size=512,
+        max_position_embeddings=64, num_labels=2))
+    traced = []
+
+    def estimator(kind):
+        fn = estimator_for(big, make_batch, SEQ, H200, E, optimizer=kind)
+        return lambda *a: traced.append(kind) or fn(*a)
+
+    eight = min(estimator_for(big, make_batch, SEQ, H200, E, optimizer="adamw8bit")("bf16", 1, b).peak_reserved_bytes
+                for b in ((), (0,)))
+    budget = int(eight / 0.95) + 4 * MiB  # 8-bit's smallest step fits ...
+    assert least_state_bytes(big, "adamw")[0] > 0.95 * budget  # ... fp32 AdamW's state alone does not
+    r = search_optimizers(big, make_batch, SEQ, E, H200, budget, estimator, levers=True, precision="bf16")
+    assert r.best.optimizer in ("adamw8bit", "adamw-offload") and "fp32 AdamW state fits nothing" in r.best.why
+    assert "adamw" not in traced and "adamw8bit" in traced
+
+
 def test_auto_searches_only_the_levers_whose_library_is_installed(m, monkeypatch):
     """Without bitsandbytes, 8-bit state is not chosen (its step could not be built); torchao's
     offload still is."""

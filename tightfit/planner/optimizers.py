@@ -20,6 +20,7 @@ from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_sta
                                  is_offloaded, offload_host_bytes)
 from ..units import format_bytes
 from ..plan import OPTIMIZER_CHOICES
+from .margins import HEADROOM, planned_limit
 from .search import NothingFitsError, SearchResult, search
 
 _NAMES = {"adamw": "fp32 AdamW state", "adamw8bit": "8-bit AdamW state (bitsandbytes AdamW8bit)",
@@ -149,6 +150,11 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     started = time.perf_counter()  # the result's seconds: every optimizer's search, not only the winner's
 
     def run(kind: str) -> SearchResult:
+        if optimizer == "auto":  # no trace where the model state alone is over the limit and another fits
+            need, limit = least_state_bytes(model, kind)[0], planned_limit(budget_bytes, options.get("headroom", HEADROOM))
+            if need > limit and any(least_state_bytes(model, k)[0] <= limit for k in ["adamw", *kinds]):
+                raise NothingFitsError(f"its model state alone, {format_bytes(need)}, is over the "
+                                       f"{format_bytes(limit)} a step may hold")
         at = estimator_at(kind) if estimator_at is not None else None
         r = search(model, make_batch, size, effective_batch, profile, budget_bytes, estimator(kind),
                    estimator_at=at, optimizer=kind, **options)

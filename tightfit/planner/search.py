@@ -495,17 +495,30 @@ def _more_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, estimate_f
 
 
 def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn) -> Candidate | int:
-    """Trace the candidate exactly; while it does not fit, take the next smaller balanced
-    micro-batch (one more accumulation step). If even micro-batch 1 does not fit: its exact peak
-    reserved bytes (an int) instead of a candidate."""
+    """Trace the candidate exactly; if it does not fit, the largest smaller balanced micro-batch
+    (more accumulation steps) that does, found by bisection over the balanced micro-batches (the
+    peak grows with the micro-batch): a handful of exact traces instead of one per accumulation
+    step. If even micro-batch 1 does not fit: its exact peak reserved bytes (an int) instead of a
+    candidate."""
     E, mb = space.effective_batch, c.micro_batch
-    while True:
-        est = estimate_fn(c.precision, mb, c.choice)
-        if est.peak_reserved_bytes <= space.limit:
-            return _traced(space, c, mb, c.checkpoint_blocks, est)
-        if mb == 1:
-            return est.peak_reserved_bytes
-        mb = min(mb - 1, micro_batch_for(E, accumulation_steps(E, mb) + 1))  # strictly smaller: always ends
+    est = estimate_fn(c.precision, mb, c.choice)
+    if est.peak_reserved_bytes <= space.limit:
+        return _traced(space, c, mb, c.checkpoint_blocks, est)
+    smaller = [mb]  # balanced micro-batches below mb, largest first, down to 1
+    while smaller[-1] > 1:
+        m = smaller[-1]
+        smaller.append(min(m - 1, micro_batch_for(E, accumulation_steps(E, m) + 1)))  # strictly smaller
+    lo, hi, best = 1, len(smaller) - 1, None  # smaller[0] does not fit; find the first index that does
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        got = estimate_fn(c.precision, smaller[mid], c.choice)
+        if got.peak_reserved_bytes <= space.limit:
+            best, hi = (smaller[mid], got), mid - 1
+        else:
+            lo, est = mid + 1, got
+    if best is None:  # not even micro-batch 1 (the last one traced)
+        return est.peak_reserved_bytes
+    return _traced(space, c, best[0], c.checkpoint_blocks, best[1])
 
 
 def _traced(space: SearchSpace, c: Candidate, mb: int, blocks: tuple, est) -> Candidate:
