@@ -243,6 +243,19 @@ def weights_in(model: torch.nn.Module, kind: str):
             m._buffers[name] = b
 
 
+def allow_state_classes(error: Exception) -> bool:
+    """Whether ``torch.load(weights_only=True)`` may succeed on a second try after ``error``: it
+    refused a class of torchao's optimizer state (``OptimState8bit`` of ``adamw8bit-bf16``), and
+    torchao, now imported, allows its classes (torchao/optim/subclass_8bit.py calls
+    ``torch.serialization.add_safe_globals`` on import). False if torchao is not installed."""
+    import importlib.util
+
+    if "torchao.optim" not in str(error) or importlib.util.find_spec("torchao") is None:
+        return False
+    _torchao_8bit()
+    return True
+
+
 def is_quantized_torchao(numel: int) -> bool:
     """Whether torchao's 8-bit AdamW keeps a tensor of ``numel`` elements in 8 bits (at least
     4,096 elements, a whole number of 256-element blocks)."""
