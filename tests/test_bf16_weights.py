@@ -78,6 +78,62 @@ def test_the_optimizer_refuses_weights_that_are_not_bf16():
         make_optimizer(bert().parameters(), KIND, "cpu")
 
 
+def _oom_in_new_buffer(trainer, n):
+    """Raise a CUDA-style OOM at the ``n``-th moment torchao creates in the first step."""
+    opt, calls = trainer.optimizer, []
+    real = opt._new_buffer
+
+    def new_buffer(p, signed):
+        calls.append(1)
+        if len(calls) == n:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+        return real(p, signed)
+
+    opt._new_buffer = new_buffer
+
+
+@needs_torchao
+@pytest.mark.parametrize("n", [2, 5])
+def test_oom_while_the_state_is_allocated_redoes_the_step_exactly(n):
+    """2: the first parameter's second moment; 5: the third parameter's first, after which torchao
+    alone would already have updated the first two (tightfit allocates every state before any update)."""
+    cfg = dict(epochs=1, lr=1e-3, seed=3, grow_back_after=0)
+    ref = workload()
+    t_ref = Trainer(ref, Plan("bf16", 4, 8, optimizer=KIND), TrainConfig(**cfg), progress=False)
+    torch.manual_seed(11)
+    t_ref.fit()
+    w = workload()
+    t = Trainer(w, Plan("bf16", 8, 8, optimizer=KIND), TrainConfig(**cfg), progress=False)
+    _oom_in_new_buffer(t, n)
+    torch.manual_seed(11)
+    res = t.fit()
+    assert res.oom_recoveries == 1 and t.micro_batch == 4
+    assert {float(s["step"]) for s in t.optimizer.state.values()} == {3.0}  # no parameter stepped twice
+    assert_same(params(w.model), params(ref.model))
+
+
+@needs_torchao
+def test_oom_inside_the_update_after_a_parameter_was_written_stops_rather_than_apply_it_twice(monkeypatch):
+    from tightfit.runtime.trainer import PartialUpdateError
+
+    t = Trainer(workload(), Plan("bf16", 8, 8, optimizer=KIND), TrainConfig(epochs=1, lr=1e-3), progress=False)
+    real, calls = torch.compile, []
+
+    def compile_then_fail(fn, **kw):  # torchao compiles its update at every call (cached)
+        compiled = real(fn, **kw)
+
+        def update(*a):
+            calls.append(1)
+            if len(calls) == 2:  # the first parameter is updated already
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+            return compiled(*a)
+        return update
+
+    monkeypatch.setattr(torch, "compile", compile_then_fail)
+    with pytest.raises(PartialUpdateError, match="part"):
+        t.train_step(list(range(8)))
+
+
 @needs_torchao
 def test_the_probe_leaves_the_fp32_weights_bit_identical():
     """The probe steps a bf16 copy (the optimizer refuses fp32) and gives the very same fp32
