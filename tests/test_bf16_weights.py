@@ -217,6 +217,8 @@ def test_fp16_and_fp32_with_bf16_weights_are_refused_in_one_line(capsys, tmp_pat
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "keeps the weights in bf16" in err
     assert not out.exists()  # refused before anything was written
+    assert main(["train", "--device", "cpu", "--no-progress", "--out", str(out), "--optimizer", KIND]) == 2
+    assert "CUDA GPU only" in capsys.readouterr().err and not out.exists()
 
 
 @needs_torchao
