@@ -151,7 +151,7 @@ class MetaOptimizer:
     twice for the others; the ``step`` counters are on the CPU. Its compiled update
     (``single_param_adam``) holds no tensor-sized temporary on CUDA: torchao's AdamW8bit over
     BERT-large on an NVIDIA H200 peaked 30 MB above its state
-    (bench/results/optimizer-levers/optimizer_step_time.json), left out.
+    (bench/results/optimizer-levers-3/optimizer_step_time.json, fp32 weights), left out.
     Parameters without a gradient get no state.
     """
 

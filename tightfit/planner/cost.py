@@ -67,9 +67,11 @@ OPTIMIZER_CALL_S = 65e-6
 ADAMW8BIT_BF16_BYTES_PER_PARAM = 2 + 2 + 2 + 2 + 2
 # Per parameter tensor of torchao's 8-bit AdamW step: host time of one call of its compiled
 # ``single_param_adam`` (torch.compile's guards and launch, torchao/optim/adam.py ``_AdamBase.step``).
-# Measured on an NVIDIA H200 host: 153 ms for BERT-large's 393 tensors with bf16 weights and
-# stochastic rounding, 0.39 ms each (the 335.1M parameters' bytes take under 1 ms at 4.8 TB/s);
-# 143.8 ms with fp32 weights (torch 2.11; bench/results/optimizer-levers/optimizer_step_time.json).
+# Measured on an NVIDIA H200 host with fp32 weights: 153.4 ms for BERT-large's 393 tensors, 0.39 ms
+# each (torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json, row "torchao
+# AdamW8bit"; 143.8 ms in bench/results/optimizer-levers/). The step is host-bound (the 335.1M
+# parameters' bytes take under 1 ms at 4.8 TB/s), so the same time is assumed with bf16 weights and
+# stochastic rounding (one more fused operation per call): not yet measured alone.
 TORCHAO_CALL_S = 0.39e-3
 # Fused AdamW on the host CPU as ``adamw-offload`` runs it: one fused step over every offloaded
 # tensor (tightfit.levers.host_adamw), parameters per second. Measured on an NVIDIA H200 host (16
