@@ -349,8 +349,9 @@ def test_the_bf16_weights_step_time_is_the_measured_one():
 @pytest.mark.gpu
 @needs_torchao
 def test_on_the_gpu_the_state_and_the_step_peak_are_the_estimators():
-    """torchao's state for bf16 BERT weights on CUDA is the stand-in's to the byte, and its step
-    allocates little beyond it (the estimator leaves the compiled update's temporaries out)."""
+    """torchao's state for bf16 BERT weights on CUDA is the stand-in's (to the allocator's 512-byte
+    rounding), and its step allocates little beyond it (the estimator leaves the compiled update's
+    temporaries out)."""
     from tightfit.planner.optimizers import state_bytes
 
     model = bert(dropout=0.0).to(torch.bfloat16).cuda()
@@ -363,8 +364,9 @@ def test_on_the_gpu_the_state_and_the_step_peak_are_the_estimators():
     torch.cuda.reset_peak_memory_stats()
     opt.step()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - start == state_bytes(model, KIND)
-    assert torch.cuda.max_memory_allocated() - start < state_bytes(model, KIND) + 4 * 2**20
+    rounding = 512 * 6 * len(list(model.parameters()))  # the caching allocator's 512-byte blocks
+    assert 0 <= torch.cuda.memory_allocated() - start - state_bytes(model, KIND) <= rounding
+    assert torch.cuda.max_memory_allocated() - start < state_bytes(model, KIND) + rounding + 4 * 2**20
 
 
 @pytest.mark.gpu
