@@ -186,7 +186,7 @@ def test_the_estimators_state_is_torchaos_to_the_byte():
     assert state_bytes(net, KIND) == real_bytes
 
 
-def test_the_estimator_traces_bf16_weights_and_gradients():
+def test_the_estimator_traces_bf16_weights():
     from tightfit.memory.estimate import estimate
     from tightfit.planner.optimizers import state_bytes
 
@@ -392,3 +392,18 @@ def test_on_the_gpu_the_probe_restores_the_fp32_weights_and_resume_is_exact(tmp_
     t.resume([c for c in list_checkpoints(tmp_path) if c.name == "ckpt-2"][0])
     t.fit()
     assert_same(params(resumed.model), params(full.model))
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_your_own_loop_with_the_plans_bf16_weights_optimizer_casts_the_model():
+    from tightfit.loop import TrainStep
+
+    model = bert().cuda()
+    step = TrainStep(Plan("bf16", 4, 8, optimizer=KIND, device="cuda"), model, lr=1e-3)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    batch = {k: v.cuda() for k, v in SyntheticBatches(8).worst_case(8).items()}
+    before = params(model)
+    out = step(batch)
+    assert out.stepped and out.accumulation_steps == 2
+    assert any(not torch.equal(v, before[k]) for k, v in params(model).items())
