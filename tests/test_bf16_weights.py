@@ -314,6 +314,16 @@ def test_the_planner_chooses_bf16_weights_only_where_nothing_else_fits_and_says_
     assert roomy.best.optimizer != KIND and KIND not in roomy.best.why
 
 
+def test_nothing_fits_with_bf16_weights_counts_their_bytes_and_offers_no_optimizer_lever_again(m):
+    from tightfit.planner.search import NothingFitsError
+
+    with pytest.raises(NothingFitsError) as e:
+        _plan(m, 12 * 2**20, optimizer=KIND)
+    text = str(e.value)
+    assert "x 6 B (bf16 weights 2 B, gradients 2 B, 8-bit AdamW moments 2 B)" in text
+    assert "--optimizer" not in text and "freezing the input embeddings" in text
+
+
 def test_an_explicit_bf16_weights_optimizer_refuses_another_precision(m):
     with pytest.raises(TightfitError, match="not fp32"):
         _plan(m, 1 << 30, optimizer=KIND, precision="fp32")
