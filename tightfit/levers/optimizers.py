@@ -1,5 +1,6 @@
-"""Optimizer state that fits where AdamW's fp32 state does not: 8-bit moments (bitsandbytes) and
-CPU offload (torchao), both from ``pip install 'tightfit[levers]'``.
+"""Optimizer state that fits where AdamW's fp32 state does not: 8-bit moments (bitsandbytes), CPU
+offload (torchao), and bf16 weights with 8-bit moments (torchao), all from
+``pip install 'tightfit[levers]'``.
 
 - ``adamw8bit``: ``bitsandbytes.optim.AdamW8bit`` -- both moments quantized block-wise to 8 bits
   (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"). Layout
@@ -224,7 +225,7 @@ def weights_in(model: torch.nn.Module, kind: str):
     if dtype is None:
         yield model
         return
-    params = [(p, p.detach().to("cpu", copy=True)) for p in {id(p): p for p in model.parameters()}.values()
+    params = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()
               if p.is_floating_point() and p.dtype != dtype]
     buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
     try:
