@@ -237,11 +237,14 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
     peak = estimate.peak_reserved_bytes
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     params = sum(p.numel() for p in model.parameters())
+    from .optimizers import weight_bytes
+
     state_b, words = _state_on_gpu(optimizer)
-    state = WEIGHT_B * params + (GRADIENT_B + state_b) * trainable
+    w = weight_bytes(optimizer)  # 4 (fp32), 2 under adamw8bit-bf16; the gradients as many
+    state = w * params + (w + state_b) * trainable
     gradients = int(estimate.breakdown.get("gradients", 0))
-    lines = [f"model state: {params:,} parameters x {WEIGHT_B + GRADIENT_B + state_b} B (fp32 weights 4 B, "
-             f"gradients 4 B, {words} {state_b} B) "
+    lines = [f"model state: {params:,} parameters x {2 * w + state_b} B ({'fp32' if w == 4 else 'bf16'} weights "
+             f"{w} B, gradients {w} B, {words} {state_b} B) "
              f"= {format_bytes(state)}" + (f"; the rest of that step, {format_bytes(peak - state)}, is activations, "
                                             f"temporaries and allocator overhead" if peak > state else "")]
     if state > limit:
