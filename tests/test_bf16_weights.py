@@ -324,7 +324,9 @@ def test_nothing_fits_with_bf16_weights_counts_their_bytes_and_offers_no_optimiz
     assert "--optimizer" not in text and "freezing the input embeddings" in text
 
 
-def test_an_explicit_bf16_weights_optimizer_refuses_another_precision(m):
+def test_an_explicit_bf16_weights_optimizer_says_what_it_changes_and_refuses_another_precision(m):
+    r = _plan(m, 1 << 30, optimizer=KIND)
+    assert r.best.precision == "bf16" and "stochastically rounded" in r.best.why and "as asked" in r.best.why
     with pytest.raises(TightfitError, match="not fp32"):
         _plan(m, 1 << 30, optimizer=KIND, precision="fp32")
 

@@ -180,8 +180,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
 
     if optimizer != "auto":
         r = run(optimizer)
-        return _explained(r, optimizer, f"optimizer {optimizer}: as asked (--optimizer {optimizer})", model, profile,
-                          started)
+        named = f", {_NAMES[optimizer]}" if weights_dtype(optimizer) is not None else ""  # it changes the numerics
+        return _explained(r, optimizer, f"optimizer {optimizer}{named}: as asked (--optimizer {optimizer})", model,
+                          profile, started)
     if levers is None:
         kinds = [k for k in LEVER_OPTIMIZERS if levers_installed(k)]
         missing = [k for k in LEVER_OPTIMIZERS if k not in kinds]
