@@ -4,6 +4,7 @@ memory estimator's trace all run :func:`tightfit.step.training_step`, with the p
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import tightfit.step
+from tightfit.levers.optimizers import weights_dtype
 from tightfit.memory.estimate import estimate
 from tightfit.planner import probe as probe_module
 from tightfit.plan import Plan
@@ -100,13 +102,15 @@ def test_probe_builds_the_plans_optimizer_and_leaves_the_weights_alone(make_work
     w = make_workload(n=16, effective_batch=8, dropout=0.1)
     w.model.eval()
     before = {n: p.detach().clone() for n, p in w.model.named_parameters()}
-    result = probe_module.probe_step(w, 8, "fp32", 1 << 40, timed_steps=1, optimizer=kind)
+    bf16 = weights_dtype(kind) is not None  # adamw8bit-bf16: the probe steps bf16 weights under bf16 autocast
+    result = probe_module.probe_step(w, 8, "bf16" if bf16 else "fp32", 1 << 40, timed_steps=1, optimizer=kind)
     assert result.fits and result.micro_batches == 1  # not accumulating: one micro-batch per step
-    expected = _kind(make_optimizer(w.model.parameters(), kind, "cpu"))
+    expected = _kind(make_optimizer(copy.deepcopy(w.model).to(torch.bfloat16 if bf16 else torch.float32).parameters(),
+                                    kind, "cpu"))
     assert [_kind(c["optimizer"]) for c in calls] == [expected, expected]
     assert all(c["optimizer"].param_groups[0]["lr"] == 0.0 for c in calls)
     for n, p in w.model.named_parameters():
-        assert torch.equal(p, before[n]), n  # lr 0, no weight decay: bit-identical
+        assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n  # lr 0, no weight decay: bit-identical
         assert p.grad is None
     assert not w.model.training  # the probe ran in train mode and gave the mode back
 

@@ -193,7 +193,13 @@ class TrainRecipe:
             raise TightfitError("--compile on needs a CUDA GPU and the search planner")
         if p.optimizer == "adamw-offload" and (self.device != "cuda" or self.world.distributed):
             raise TightfitError("--optimizer adamw-offload needs one CUDA GPU (torchao offloads one GPU's state)")
-        if p.optimizer in ("adamw8bit", "adamw-offload"):
+        from .levers.optimizers import LEVER_OPTIMIZERS, check_precision as check_optimizer_precision, weights_dtype
+
+        check_optimizer_precision(p.optimizer, p.precision)  # bf16 weights train under bf16 autocast only
+        if weights_dtype(p.optimizer) is not None and self.device != "cuda":
+            raise TightfitError(f"--optimizer {p.optimizer} trains under bf16 autocast, which tightfit runs on a CUDA GPU "
+                                "only")
+        if p.optimizer in LEVER_OPTIMIZERS:
             from .planner.optimizers import levers_installed
 
             if not levers_installed(p.optimizer):

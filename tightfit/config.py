@@ -167,7 +167,7 @@ class PlanOptions(_Options):
         replan: ignore a cached plan of the same job (:mod:`tightfit.planner.cache`).
         sharding: on several ranks, ``auto``, ``ddp`` or ``fsdp`` (:mod:`tightfit.planner.sharding`).
         optimizer: ``auto`` (fp32 AdamW state first, then 8-bit or CPU-offloaded state where
-            that fits or is faster), ``adamw``, ``adamw8bit`` or ``adamw-offload``.
+            that fits or is faster), ``adamw``, ``adamw8bit``, ``adamw-offload`` or ``adamw8bit-bf16``.
     """
 
     budget: str | None = option(None, "GPU memory the run may use, e.g. 4GiB, 11GB (default: the card's)")
@@ -187,8 +187,9 @@ class PlanOptions(_Options):
                                     "(largest micro-batch by probing)", choices=("search", "probe"))
     replan: bool = option(False, "plan afresh even if this job's plan is in the plan cache "
                                  "($TIGHTFIT_CACHE_DIR or ~/.cache/tightfit)")
-    optimizer: str = option("auto", "auto|adamw|adamw8bit|adamw-offload: AdamW with fp32 state, 8-bit state or "
-                                    "state on the CPU (bitsandbytes, torchao; default: {default}, the levers only where fp32 "
+    optimizer: str = option("auto", "auto|adamw|adamw8bit|adamw-offload|adamw8bit-bf16: AdamW with fp32 state, "
+                                    "8-bit state, state on the CPU, or bf16 weights with 8-bit state and stochastically "
+                                    "rounded updates (bitsandbytes, torchao; default: {default}, the levers only where fp32 "
                                     "state fits nothing or they are predicted faster)", choices=OPTIMIZER_CHOICES)
 
 

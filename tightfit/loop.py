@@ -294,7 +294,8 @@ class TrainStep:
         plan: from :func:`plan` (or any :class:`tightfit.Plan`).
         model: the model planned for, on ``plan.device`` (:func:`plan` moves it there); activation
             checkpointing applied as planned.
-        optimizer: your optimizer over the model's parameters; None: the plan's (fused AdamW, ``lr``).
+        optimizer: your optimizer over the model's parameters; None: the plan's (fused AdamW, ``lr``;
+            under ``adamw8bit-bf16`` the model's floating-point weights are first cast to bf16, in place).
         loss: ``(model, batch) -> 0-d mean loss``, as in :func:`plan`; default ``model(**batch).loss``.
         lr: learning rate of the optimizer made when ``optimizer`` is None.
         max_grad_norm: clip the global gradient norm to this (default None: measure, do not clip).
@@ -335,6 +336,10 @@ class TrainStep:
         self.model = model
         if plan.activation_checkpointing or plan.block_policies is not None:
             set_activation_checkpointing(model, True, plan.checkpoint_blocks, plan.block_policies)
+        if optimizer is None:  # the plan's; adamw8bit-bf16 needs the model's weights in bf16 first
+            from .levers.optimizers import cast_weights
+
+            cast_weights(model, plan.optimizer)
         self.optimizer = optimizer if optimizer is not None else make_optimizer(
             model.parameters(), plan.optimizer, self.device.type, lr)
         self._fused = all(g.get("fused") for g in self.optimizer.param_groups)

@@ -14,8 +14,9 @@ from .errors import TightfitError
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 # What ``--optimizer`` may ask for: the planner's choice, fused AdamW, or an optimizer lever
-# (tightfit.levers.optimizers: bitsandbytes' 8-bit AdamW, torchao's AdamW offloaded to the CPU).
-OPTIMIZER_CHOICES = ("auto", "adamw", "adamw8bit", "adamw-offload")
+# (tightfit.levers.optimizers: bitsandbytes' 8-bit AdamW, torchao's AdamW offloaded to the CPU,
+# bf16 weights with torchao's 8-bit AdamW rounding them stochastically).
+OPTIMIZER_CHOICES = ("auto", "adamw", "adamw8bit", "adamw-offload", "adamw8bit-bf16")
 SHARDINGS = ("none", "ddp", "fsdp")
 
 
@@ -51,12 +52,14 @@ class Plan:
 
     Attributes:
         precision: ``"fp32"``, ``"fp16"`` (autocast + dynamic loss scaling) or ``"bf16"``
-            (autocast); master weights stay fp32 in all three.
+            (autocast); the weights stay fp32 in all three, except under ``adamw8bit-bf16``
+            (bf16 weights, bf16 only).
         micro_batch: samples per forward/backward pass.
         effective_batch: samples per optimizer step (the whole accumulation window).
         activation_checkpointing: recompute each transformer block's activations in backward.
         optimizer: the optimizer, one of :data:`tightfit.step.OPTIMIZERS`: ``"adamw"`` (fused),
-            ``"adamw8bit"`` (8-bit state) or ``"adamw-offload"`` (state on the CPU) for training.
+            ``"adamw8bit"`` (8-bit state), ``"adamw-offload"`` (state on the CPU) or
+            ``"adamw8bit-bf16"`` (bf16 weights, 8-bit state) for training.
         device: ``"cuda"`` or ``"cpu"``.
         budget_bytes: memory the step may use on the GPU (None on the CPU / no limit).
         reasons: one line per choice, saying why it was made.
@@ -110,6 +113,9 @@ class Plan:
             raise TightfitError("micro-batch and effective batch must be >= 1")
         if self.world_size < 1 or self.sharding not in SHARDINGS:
             raise TightfitError(f"world size must be >= 1 and sharding one of {', '.join(SHARDINGS)}")
+        from .levers.optimizers import check_precision
+
+        check_precision(self.optimizer, self.precision)  # bf16 weights: bf16 autocast only
         if self.micro_batch > self.rank_batch:
             object.__setattr__(self, "micro_batch", self.rank_batch)
 

@@ -69,8 +69,8 @@ def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 # Optimizers the estimator and the runtime know: fused AdamW (tightfit's default on CUDA),
 # multi-tensor ("foreach") AdamW, SGD with momentum, and the levers of
 # :mod:`tightfit.levers.optimizers`: 8-bit AdamW state (bitsandbytes), AdamW state offloaded to the
-# CPU (torchao).
-OPTIMIZERS = ("adamw", "adamw-foreach", "sgd", "adamw8bit", "adamw-offload")
+# CPU (torchao), bf16 weights with 8-bit AdamW state and stochastically rounded updates (torchao).
+OPTIMIZERS = ("adamw", "adamw-foreach", "sgd", "adamw8bit", "adamw-offload", "adamw8bit-bf16")
 
 
 def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight_decay: float = 0.01,
@@ -80,9 +80,10 @@ def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight
 
     ``adamw``: fused AdamW (one kernel per step, on CUDA and on the CPU); ``adamw-foreach``: the
     multi-tensor AdamW; ``sgd``: SGD with momentum 0.9; ``adamw8bit``: bitsandbytes' AdamW8bit;
-    ``adamw-offload``: torchao's CPUOffloadOptimizer around a fused CPU AdamW (CUDA only; see
-    :mod:`tightfit.levers.optimizers`). On the meta device, a stand-in that allocates the same
-    GPU state and temporaries (:class:`MetaOptimizer`).
+    ``adamw-offload``: torchao's CPUOffloadOptimizer around a fused CPU AdamW (CUDA only);
+    ``adamw8bit-bf16``: torchao's AdamW8bit rounding bf16 weights stochastically (the ``params``
+    must be bf16 already; see :mod:`tightfit.levers.optimizers`). On the meta device, a stand-in
+    that allocates the same GPU state and temporaries (:class:`MetaOptimizer`).
 
     Fused AdamW allocates nothing at its step but the state on the first step, and that before
     any parameter or state is written: an out-of-memory error inside its step leaves the model
@@ -99,8 +100,8 @@ def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight
 
     Raises:
         ValueError: unknown ``kind``.
-        TightfitError: a lever whose library (bitsandbytes, torchao) is missing, or ``adamw-offload``
-            without CUDA.
+        TightfitError: a lever whose library (bitsandbytes, torchao) is missing, ``adamw-offload``
+            without CUDA, or ``adamw8bit-bf16`` over parameters that are not bf16.
     """
     params = [p for p in params if p.requires_grad]
     if kind not in OPTIMIZERS:
@@ -113,6 +114,9 @@ def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight
     if kind == "adamw-offload":
         from .levers.optimizers import adamw_offload
         return adamw_offload(params, lr, weight_decay, accumulating)
+    if kind == "adamw8bit-bf16":
+        from .levers.optimizers import adamw_8bit_bf16
+        return adamw_8bit_bf16(params, lr, weight_decay)
     if kind.startswith("adamw"):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
                                  fused=kind == "adamw",
@@ -139,6 +143,15 @@ class MetaOptimizer:
     fused AdamW state only for the parameters kept on the GPU
     (:func:`tightfit.levers.optimizers.is_offloaded` false); the others' gradients are freed as
     backward produces them unless ``accumulating``.
+    bf16 weights with torchao's 8-bit AdamW (``adamw8bit-bf16``, as
+    :func:`tightfit.levers.optimizers.adamw_8bit_bf16` runs it: every parameter's state before any
+    update; the parameters are bf16): per quantized tensor
+    (:func:`tightfit.levers.optimizers.is_quantized_torchao`), for each moment in turn, uint8 codes
+    of its shape, an fp32 scale per 256 elements and its own 256-entry fp32 map; bf16 ``zeros_like``
+    twice for the others; the ``step`` counters are on the CPU. Its compiled update
+    (``single_param_adam``) holds no tensor-sized temporary on CUDA: torchao's AdamW8bit over
+    BERT-large on an NVIDIA H200 peaked 30 MB above its state
+    (bench/results/optimizer-levers-3/optimizer_step_time.json, fp32 weights), left out.
     Parameters without a gradient get no state.
     """
 
@@ -155,12 +168,21 @@ class MetaOptimizer:
                     p.register_post_accumulate_grad_hook(_free_grad)
 
     def step(self):
-        from .levers.optimizers import BLOCK_SIZE, QMAP_BYTES, is_offloaded, is_quantized
+        from .levers.optimizers import (BLOCK_SIZE, QMAP_BYTES, TORCHAO_QMAP_BYTES, is_offloaded, is_quantized,
+                                        is_quantized_torchao)
 
         for p in self.params:
             if p.grad is None or p in self.state:
                 continue
-            if self.kind == "adamw8bit":
+            if self.kind == "adamw8bit-bf16":
+                if not is_quantized_torchao(p.numel()):
+                    self.state[p] = (torch.zeros_like(p), torch.zeros_like(p))
+                    continue
+                self.state[p] = tuple(
+                    t for _ in range(2) for t in (torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
+                                                  torch.zeros(p.numel() // BLOCK_SIZE, device=p.device),
+                                                  torch.zeros(TORCHAO_QMAP_BYTES // 4, device=p.device)))
+            elif self.kind == "adamw8bit":
                 if not is_quantized(p.numel()):
                     self.state[p] = (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
                     continue

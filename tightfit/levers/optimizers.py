@@ -1,5 +1,6 @@
-"""Optimizer state that fits where AdamW's fp32 state does not: 8-bit moments (bitsandbytes) and
-CPU offload (torchao), both from ``pip install 'tightfit[levers]'``.
+"""Optimizer state that fits where AdamW's fp32 state does not: 8-bit moments (bitsandbytes), CPU
+offload (torchao), and bf16 weights with 8-bit moments (torchao), all from
+``pip install 'tightfit[levers]'``.
 
 - ``adamw8bit``: ``bitsandbytes.optim.AdamW8bit`` -- both moments quantized block-wise to 8 bits
   (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"). Layout
@@ -31,10 +32,25 @@ CPU offload (torchao), both from ``pip install 'tightfit[levers]'``.
   (``bench/results/optimizer-levers/optimizer_step_time.json``); on a 2-thread CPU, 132M
   parameters in 165 tensors, 1,212 ms per parameter against 208 ms for one fused step. Weights
   and state are bit-identical to the per-parameter steps.
+- ``adamw8bit-bf16``: ``torchao.optim.AdamW8bit(..., bf16_stochastic_round=True)`` over bf16
+  weights (Zamirai et al. 2020, "Revisiting BFloat16 Training"): the model's weights and so its
+  gradients are bf16 (2 + 2 B per parameter, no fp32 master copy) and the two moments 8-bit;
+  each update is computed in fp32 and rounded to bf16 stochastically (``_fp32_to_bf16_sr``,
+  torchao/optim/quant_utils.py: away from zero with the probability of the dropped 16 bits), so
+  an update below half a bf16 ulp moves the weight in expectation instead of rounding away. It
+  changes the numerics (bf16 weights), and runs only under bf16 autocast
+  (:func:`check_precision`). torchao's layout for bf16 parameters (torchao/optim/adam.py
+  ``_new_buffer``, subclass_8bit.py ``OptimState8bit.zeros``, 0.18): tensors of at least 4,096
+  elements whose size is a multiple of 256 keep each moment as uint8 codes of the parameter's
+  shape, one fp32 scale per 256 elements and their own 256-entry fp32 look-up table; the others
+  two bf16 moments (``zeros_like``); the ``step`` counters and the learning rate are fp32 0-d
+  tensors on the CPU. (bitsandbytes' AdamW8bit has no stochastic rounding: a bf16 weight of 1.0
+  stays exactly 1.0 under 50 steps of lr 1e-4.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -42,9 +58,12 @@ import torch
 
 from ..errors import TightfitError
 
-LEVER_OPTIMIZERS = ("adamw8bit", "adamw-offload")
+LEVER_OPTIMIZERS = ("adamw8bit", "adamw-offload", "adamw8bit-bf16")
 # the library (import name, of the ``levers`` extra) behind each lever
-LEVER_LIBRARY = {"adamw8bit": "bitsandbytes", "adamw-offload": "torchao"}
+LEVER_LIBRARY = {"adamw8bit": "bitsandbytes", "adamw-offload": "torchao", "adamw8bit-bf16": "torchao"}
+# The optimizers that keep the model's weights (and so its gradients) in bf16, with no fp32
+# copy, and so need bf16 autocast: the one place that says so (:func:`weights_dtype`).
+BF16_WEIGHTS = ("adamw8bit-bf16",)
 
 # bitsandbytes' 8-bit layout (bitsandbytes/optim/optimizer.py: ``min_8bit_size``, the block size of
 # ``Optimizer2State.init_state``, ``fill_qmap``) and torchao's offload threshold
@@ -53,6 +72,10 @@ QUANTIZED_MIN_NUMEL = 4096
 BLOCK_SIZE = 256
 QMAP_BYTES = 2 * 256 * 4  # a signed and an unsigned fp32 map, shared by all tensors of one optimizer
 OFFLOAD_MIN_NUMEL = 4096
+# torchao's 8-bit layout (torchao/optim/adam.py ``_new_buffer``: "follow bitsandbytes, only
+# quantize tensors >= 4096 values", and a whole number of blocks; subclass_8bit.py: a 256-entry
+# fp32 map per moment of each quantized tensor).
+TORCHAO_QMAP_BYTES = 256 * 4
 
 
 def _library(module: str, what: str):
@@ -70,6 +93,11 @@ def _library(module: str, what: str):
 def _torchao_optim():
     """``torchao.optim`` (raises TightfitError when torchao is missing)."""
     return _library("torchao.optim", "CPU-offloaded optimizer state")
+
+
+def _torchao_8bit():
+    """``torchao.optim`` for ``adamw8bit-bf16`` (raises TightfitError when torchao is missing)."""
+    return _library("torchao.optim", "optimizer adamw8bit-bf16 (bf16 weights, 8-bit AdamW state)")
 
 
 def _bnb_optim():
@@ -153,6 +181,143 @@ def _8bit_class():
                         s[key] = shared.setdefault((key, s[key].device), s[key])
 
     return AdamW8bit
+
+
+def weights_dtype(kind: str) -> torch.dtype | None:
+    """The dtype optimizer ``kind`` keeps the model's floating-point weights in: ``torch.bfloat16``
+    for :data:`BF16_WEIGHTS`, None for the others (the weights stay as they are, fp32). The
+    runtime casts the model to it before building the optimizer, the GPU probe casts for its steps
+    and restores the weights after (:func:`weights_in`), the estimator traces a copy in it."""
+    return torch.bfloat16 if kind in BF16_WEIGHTS else None
+
+
+def check_precision(kind: str, precision: str) -> None:
+    """Refuse a precision that optimizer ``kind`` cannot train with: bf16 weights need bf16
+    autocast (fp32 autocast would not run the matrix products in the weights' dtype; fp16's
+    loss scaling would unscale bf16 gradients that have no room to spare).
+
+    Raises:
+        TightfitError: ``kind`` keeps bf16 weights and ``precision`` is not ``"bf16"`` (``"auto"``
+            passes: the planner then searches bf16 only).
+    """
+    if kind in BF16_WEIGHTS and precision not in ("bf16", "auto"):
+        raise TightfitError(f"optimizer {kind} keeps the weights in bf16 and trains under bf16 autocast only, "
+                            f"not {precision} (use precision bf16, or auto)")
+
+
+def cast_weights(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """``model`` with its floating-point parameters and buffers in :func:`weights_dtype` of
+    ``kind`` (in place, ``Module.to``: the parameter objects stay the same); unchanged for
+    optimizers that keep the weights as they are."""
+    dtype = weights_dtype(kind)
+    return model if dtype is None else model.to(dtype)
+
+
+@contextlib.contextmanager
+def weights_in(model: torch.nn.Module, kind: str):
+    """The ``with`` block runs with ``model``'s floating-point parameters and buffers in
+    :func:`weights_dtype` of ``kind``; after it every one is exactly what it was, bit for bit
+    and the same object: each parameter's data is copied back from a host copy made before the
+    cast (bf16 cannot hold fp32 weights), each buffer is the original tensor again. A no-op for
+    optimizers that keep the weights as they are.
+    """
+    dtype = weights_dtype(kind)
+    if dtype is None:
+        yield model
+        return
+    params = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()
+              if p.is_floating_point() and p.dtype != dtype]
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    try:
+        for p, _ in params:
+            p.data = p.data.to(dtype)  # the fp32 data is freed: only the host copy is left
+        for m, name, b in buffers:
+            if b.is_floating_point():
+                m._buffers[name] = b.to(dtype)
+        yield model
+    finally:
+        for p, host in params:  # every low-precision copy freed before the fp32 weights come back
+            p.data = torch.empty(0, dtype=host.dtype, device=p.device)
+        for p, host in params:
+            p.data = host.to(p.device)
+        for m, name, b in buffers:
+            m._buffers[name] = b
+
+
+def allow_state_classes(error: Exception) -> bool:
+    """Whether ``torch.load(weights_only=True)`` may succeed on a second try after ``error``: it
+    refused a class of torchao's optimizer state (``OptimState8bit`` of ``adamw8bit-bf16``), and
+    torchao, now imported, allows its classes (torchao/optim/subclass_8bit.py calls
+    ``torch.serialization.add_safe_globals`` on import). False if torchao is not installed."""
+    import importlib.util
+
+    if "torchao.optim" not in str(error) or importlib.util.find_spec("torchao") is None:
+        return False
+    _torchao_8bit()
+    return True
+
+
+def is_quantized_torchao(numel: int) -> bool:
+    """Whether torchao's 8-bit AdamW keeps a tensor of ``numel`` elements in 8 bits (at least
+    4,096 elements, a whole number of 256-element blocks)."""
+    return numel >= QUANTIZED_MIN_NUMEL and numel % BLOCK_SIZE == 0
+
+
+def adamw_8bit_bf16_state_bytes(numels) -> int:
+    """Bytes of the state ``adamw8bit-bf16`` holds on the parameters' device for bf16 trainable
+    tensors of ``numels`` elements, once every one has stepped: per quantized tensor
+    (:func:`is_quantized_torchao`) two uint8 codes per element, two fp32 scales per 256 elements
+    and two 256-entry fp32 maps (:data:`TORCHAO_QMAP_BYTES` each); two bf16 moments (4 B per
+    element) for the others. The ``step`` counters live on the CPU. Source: torchao 0.18
+    ``_AdamBase._new_buffer`` and ``OptimState8bit.zeros``."""
+    return sum(2 * n + 2 * 4 * (n // BLOCK_SIZE) + 2 * TORCHAO_QMAP_BYTES if is_quantized_torchao(n) else 4 * n
+               for n in numels)
+
+
+def adamw_8bit_bf16(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """torchao's ``AdamW8bit`` with stochastic rounding to bf16 over bf16 ``params`` (trainable;
+    CUDA or CPU), as :func:`_bf16_class` adapts it to tightfit's step guards.
+
+    Raises:
+        TightfitError: torchao is not installed, or a parameter is not bf16 (cast the model first:
+            :func:`cast_weights`; torchao would step fp32 weights without rounding, silently).
+    """
+    params = list(params)
+    wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16})
+    if wrong:
+        raise TightfitError(f"optimizer adamw8bit-bf16 needs bf16 weights, got {', '.join(wrong)} parameters "
+                            "(cast the model to bf16 first)")
+    return _bf16_class()(params, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=True)
+
+
+@functools.cache
+def _bf16_class():
+    """The subclass of ``torchao.optim.AdamW8bit`` that tightfit's step needs (built on first use,
+    so that torchao is imported lazily): ``step`` allocates the state of every parameter that
+    has a gradient and no state yet, as torchao's own step would (a CPU ``step`` counter at 0,
+    then both moments by ``_new_buffer``), before torchao updates any (it allocates and updates
+    one parameter after the other): an out-of-memory error while the first step's state is
+    allocated leaves every weight and moment unwritten, and the runtime drops the new state and
+    redoes the window (DESIGN invariant 10). An error during the updates themselves is seen by the
+    runtime's partial-update check: torchao advances a parameter's ``step`` counter in place before
+    its update, and its compiled update bumps the weight's version counter."""
+    base = _torchao_8bit().AdamW8bit
+
+    class AdamW8bitBf16(base):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state[p]
+                    if p.grad is not None and len(state) == 0:  # torchao's own initialisation
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                        if group["amsgrad"]:
+                            state["max_exp_avg_sq"] = self._new_buffer(p, False)
+            return super().step(closure)
+
+    return AdamW8bitBf16
 
 
 def adamw_offload(params, lr: float, weight_decay: float, accumulating: bool = False) -> torch.optim.Optimizer:

@@ -28,6 +28,7 @@ from ..errors import TightfitError
 from ..plan import Plan
 from ..units import MiB, format_bytes
 from ..levers.blocks import apply_block_policies, find_blocks, parse_checkpointing
+from ..levers.optimizers import cast_weights
 from .cuda_autocast import CudaOnMeta, fused_attention_running
 from ..step import OPTIMIZERS, MetaOptimizer, make_optimizer, training_loss, training_step
 from .allocator import ALLOCATORS, make_allocator
@@ -173,7 +174,7 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         raise TightfitError(f"unknown allocator {allocator!r}: use one of {', '.join(ALLOCATORS)}")
     if plan.optimizer not in OPTIMIZERS:
         raise TightfitError(f"unknown optimizer {plan.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    meta = meta_copy(model)
+    meta = cast_weights(meta_copy(model), plan.optimizer)  # adamw8bit-bf16: the runtime's bf16 weights
     meta.train()
     n_blocks = len(find_blocks(meta))
     if block_policies is None and checkpoint_blocks is None and plan.block_policies is not None:

@@ -20,8 +20,9 @@ autocast keeps the weights, and so the gradients, in fp32):
 - AdamW state in CPU memory (Ren et al. 2021, "ZeRO-Offload"): its 8 B per trainable parameter
   leave the GPU; every optimizer step then sends the fp32 gradients to the host and the updated
   fp32 weights back, 8 B per trainable parameter over the host link.
-- bf16 weights and gradients with no fp32 master copy: 2 B each instead of 4 B (updates smaller
-  than bf16's resolution are lost unless rounded stochastically or Kahan-summed).
+- bf16 weights and gradients with no fp32 master copy (``--optimizer adamw8bit-bf16``, with 8-bit
+  AdamW state): 2 B each instead of 4 B (updates smaller than bf16's resolution would be lost:
+  torchao rounds them stochastically).
 - Freezing the input embeddings: no gradient and no AdamW state for them (8 B per parameter,
   12 B where the gradients are held at the peak).
 """
@@ -36,7 +37,8 @@ WEIGHT_B, GRADIENT_B, ADAMW_STATE_B = 4, 4, 8
 ADAMW_8BIT_STATE_B = 2  # two 1-byte moments (block-wise quantized; the per-block scales are not counted)
 # Optimizer state on the GPU per trainable parameter, bytes, and how to say it.
 STATE_ON_GPU = {"adamw8bit": (ADAMW_8BIT_STATE_B, "8-bit AdamW moments"),
-                "adamw-offload": (0, "AdamW moments in CPU memory")}
+                "adamw-offload": (0, "AdamW moments in CPU memory"),
+                "adamw8bit-bf16": (ADAMW_8BIT_STATE_B, "8-bit AdamW moments")}
 
 
 def _state_on_gpu(optimizer: str) -> tuple[int, str]:
@@ -163,15 +165,19 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
          f"then moves {format_bytes((WEIGHT_B + GRADIENT_B) * trainable)} over the host link, about "
          f"{(WEIGHT_B + GRADIENT_B) * trainable / host_link_bytes_per_s:.2f} s, plus the CPU's AdamW step)",
          state_b * trainable),
-        (f"bf16 weights and gradients with no fp32 master copy ({later}; 2 B less per weight"
-         + (", and half the gradients held" if held else "") + ")",
-         (WEIGHT_B // 2) * params + gradients_at_peak // 2),
+        (f"bf16 weights and gradients with no fp32 master copy (--optimizer adamw8bit-bf16, 8-bit AdamW state "
+         f"and stochastically rounded updates, bf16 autocast only; it changes the numerics; 2 B less per weight"
+         + (", and half the gradients held" if held else "")
+         + (f", {state_b - ADAMW_8BIT_STATE_B} B less state per trainable parameter" if state_b > ADAMW_8BIT_STATE_B
+            else f", {ADAMW_8BIT_STATE_B - state_b} B more state per trainable parameter on the GPU"
+            if state_b < ADAMW_8BIT_STATE_B else "") + ")",
+         (WEIGHT_B // 2) * params + gradients_at_peak // 2 + (state_b - ADAMW_8BIT_STATE_B) * trainable),
     ]
     if emb:
         per = ADAMW_STATE_B + (GRADIENT_B if held else 0)
         levers.append((f"freezing the input embeddings ({later}; {emb:,} parameters: no gradient and no AdamW "
                        f"state, {per} B each)", per * emb))
-    in_use = {"adamw8bit": 1, "adamw-offload": 2}.get(optimizer, 0)  # levers[:in_use] are used already
+    in_use = {"adamw8bit": 1, "adamw-offload": 2, "adamw8bit-bf16": 3}.get(optimizer, 0)  # levers[:in_use] in use
     return [f"{name}: -{format_bytes(saving)}, {verdict(saving)}" for name, saving in levers[in_use:]]
 
 
@@ -231,11 +237,14 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
     peak = estimate.peak_reserved_bytes
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     params = sum(p.numel() for p in model.parameters())
+    from .optimizers import weight_bytes
+
     state_b, words = _state_on_gpu(optimizer)
-    state = WEIGHT_B * params + (GRADIENT_B + state_b) * trainable
+    w = weight_bytes(optimizer)  # 4 (fp32), 2 under adamw8bit-bf16; the gradients as many
+    state = w * params + (w + state_b) * trainable
     gradients = int(estimate.breakdown.get("gradients", 0))
-    lines = [f"model state: {params:,} parameters x {WEIGHT_B + GRADIENT_B + state_b} B (fp32 weights 4 B, "
-             f"gradients 4 B, {words} {state_b} B) "
+    lines = [f"model state: {params:,} parameters x {2 * w + state_b} B ({'fp32' if w == 4 else 'bf16'} weights "
+             f"{w} B, gradients {w} B, {words} {state_b} B) "
              f"= {format_bytes(state)}" + (f"; the rest of that step, {format_bytes(peak - state)}, is activations, "
                                             f"temporaries and allocator overhead" if peak > state else "")]
     if state > limit:

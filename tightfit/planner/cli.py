@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budget", help="memory budget, e.g. 4GiB (default: the card's)")
     p.add_argument("--precision", default="auto", help="auto|fp32|fp16|bf16 (default auto)")
     p.add_argument("--checkpointing", default="auto", help="auto|on|off (default auto: searched per block)")
-    p.add_argument("--optimizer", default="auto", help="auto|adamw|adamw8bit|adamw-offload (default auto: fp32 "
+    p.add_argument("--optimizer", default="auto", help="auto|adamw|adamw8bit|adamw-offload|adamw8bit-bf16 (default auto: fp32 "
                                                        "AdamW state first, then the optimizer levers)")
     p.add_argument("--trainable", default="all", help="all|lora: plan for training every parameter, or LoRA "
                                                       "adapters (peft, rank 8) with the rest frozen (default all)")
@@ -46,6 +46,9 @@ def run(args) -> int:
     from .optimizers import search_optimizers
     from .search import estimator_for
 
+    from ..levers.optimizers import check_precision
+
+    check_precision(args.optimizer, args.precision)  # bf16 weights: bf16 autocast only
     profile, budget, notes = _card_and_budget(args)
     model, make_batch = build_model(args.model)
     if args.trainable == "lora":  # as `tightfit train --trainable lora` wraps it before planning
@@ -111,12 +114,21 @@ def _card_and_budget(args):
     return profile, budget, notes
 
 
+def _gradient_bytes(model, optimizer: str) -> int:
+    """Bytes of every trainable parameter's gradient under ``optimizer`` (bf16 weights: bf16)."""
+    from ..levers.optimizers import cast_weights
+    from ..memory.cli import trainable_gradient_bytes
+    from ..memory.estimate import meta_copy
+
+    return trainable_gradient_bytes(cast_weights(meta_copy(model), optimizer))
+
+
 def _print_json(result, model, notes: list[str]) -> None:
     """The search result as JSON on stdout (notes on stderr)."""
-    from ..memory.cli import gradient_note, trainable_gradient_bytes
+    from ..memory.cli import gradient_note
 
     b = result.best
-    grad_note = gradient_note(b.breakdown.get("gradients", 0), trainable_gradient_bytes(model), b.accumulation_steps)
+    grad_note = gradient_note(b.breakdown.get("gradients", 0), _gradient_bytes(model, b.optimizer), b.accumulation_steps)
     for n in notes:
         print(n, file=sys.stderr)
     d = result.to_dict()
@@ -126,7 +138,7 @@ def _print_json(result, model, notes: list[str]) -> None:
 
 def _print_text(args, result, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:
     """The plan, its predicted speed and memory breakdown and the runners-up, as text."""
-    from ..memory.cli import breakdown_lines, trainable_gradient_bytes
+    from ..memory.cli import breakdown_lines
     from ..units import format_bytes
 
     b = result.best
@@ -151,7 +163,7 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
         reason = "; ".join(filter(None, [reason, f"fused (no temporaries at its step; foreach AdamW would need "
                                                  f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)"]))
     print(f"optimizer: {b.optimizer}" + (f": {reason}" if reason else ""))
-    print("\n".join(breakdown_lines(b.breakdown, trainable_gradient_bytes(model), b.accumulation_steps)))
+    print("\n".join(breakdown_lines(b.breakdown, _gradient_bytes(model, b.optimizer), b.accumulation_steps)))
     print("runners-up:" if result.runners_up else "runners-up: none (the search had no other choice)")
     for c in result.runners_up[:8]:
         print(f"  {c.label():<52} {c.why}")

@@ -23,6 +23,9 @@ The optimizer levers (:mod:`tightfit.levers.optimizers`) cost differently: bitsa
 AdamW streams weights, gradients and 1-byte moments through memory
 (:data:`ADAMW8BIT_BYTES_PER_PARAM`) in one kernel per parameter tensor, each followed by a device
 sync (:data:`OPTIMIZER_CALL_S` each);
+bf16 weights with torchao's 8-bit AdamW (``adamw8bit-bf16``) stream bf16 weights and gradients and
+1-byte moments (:data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`) in one compiled call per tensor
+(:data:`TORCHAO_CALL_S` each);
 CPU offload copies the gradients to the host (once per micro-batch: the accumulated gradient is
 copied again after each) and the new weights back over the host link, and runs AdamW on the CPU at
 :data:`CPU_ADAMW_PARAMS_PER_S`.
@@ -59,6 +62,17 @@ ADAMW8BIT_BYTES_PER_PARAM = 4 + 4 + 2 + 4 + 2
 # 2.11, bitsandbytes 0.50.2; bench/results/optimizer-levers/optimizer_step_time.json); less its
 # bytes at the card's 4.8 TB/s (1.1 ms), 65 us per tensor.
 OPTIMIZER_CALL_S = 65e-6
+# torchao AdamW8bit step over bf16 weights (adamw8bit-bf16): read weight, gradient and two 1-byte
+# moments, write weight and moments (scales left out).
+ADAMW8BIT_BF16_BYTES_PER_PARAM = 2 + 2 + 2 + 2 + 2
+# Per parameter tensor of torchao's 8-bit AdamW step: host time of one call of its compiled
+# ``single_param_adam`` (torch.compile's guards and launch, torchao/optim/adam.py ``_AdamBase.step``).
+# Measured on an NVIDIA H200 host with fp32 weights: 153.4 ms for BERT-large's 393 tensors, 0.39 ms
+# each (torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json, row "torchao
+# AdamW8bit"; 143.8 ms in bench/results/optimizer-levers/). The step is host-bound (the 335.1M
+# parameters' bytes take under 1 ms at 4.8 TB/s), so the same time is assumed with bf16 weights and
+# stochastic rounding (one more fused operation per call): not yet measured alone.
+TORCHAO_CALL_S = 0.39e-3
 # Fused AdamW on the host CPU as ``adamw-offload`` runs it: one fused step over every offloaded
 # tensor (tightfit.levers.host_adamw), parameters per second. Measured on an NVIDIA H200 host (16
 # threads, torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json): the fused CPU
@@ -224,7 +238,8 @@ class TimeModel:
         ``adamw``: the fused step, memory-bound over the trainable parameters
         (:data:`ADAMW_BYTES_PER_PARAM` at the card's memory bandwidth). ``adamw8bit``:
         :data:`ADAMW8BIT_BYTES_PER_PARAM` at the card's memory bandwidth plus
-        :data:`OPTIMIZER_CALL_S` per tensor.
+        :data:`OPTIMIZER_CALL_S` per tensor. ``adamw8bit-bf16``: :data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`
+        at the card's memory bandwidth plus :data:`TORCHAO_CALL_S` per tensor.
         ``adamw-offload``: the offloaded parameters' fp32 gradients to the host after every
         micro-batch and their weights back (4 B each way per parameter over
         ``host_link_bytes_per_s``; the copies overlap the backward only in part, so all are
@@ -234,6 +249,8 @@ class TimeModel:
         c, bw = self.cost, self.profile.memory_bytes_per_s or 500e9
         if self.optimizer == "adamw8bit":
             return c.trainable_params * ADAMW8BIT_BYTES_PER_PARAM / bw + c.trainable_tensors * OPTIMIZER_CALL_S
+        if self.optimizer == "adamw8bit-bf16":
+            return c.trainable_params * ADAMW8BIT_BF16_BYTES_PER_PARAM / bw + c.trainable_tensors * TORCHAO_CALL_S
         if self.optimizer == "adamw-offload":
             n = c.offloaded_params
             link = 4 * n * (micro_batches + 1) / self.profile.host_link_bytes_per_s

@@ -4,10 +4,13 @@ levers of :mod:`tightfit.levers.optimizers` where they can help.
 Order (``optimizer="auto"``): search with fused AdamW (:func:`.search.search`). If its best plan
 needs neither accumulation nor any block recomputed or offloaded, nothing can be faster: it stands. Otherwise (or if
 nothing fits) search with 8-bit AdamW state; then, if that fits nothing or still accumulates or
-checkpoints, with the state offloaded to the CPU (only where the host has the memory for it).
+checkpoints, with the state offloaded to the CPU (only where the host has the memory for it), and
+with bf16 weights and 8-bit state (``adamw8bit-bf16``: bf16 autocast only, so only where the
+precision asked for is ``auto`` or ``bf16`` and the card runs bf16; it changes the numerics: no
+fp32 copy of the weights, updates stochastically rounded).
 The fastest predicted plan of those searched wins, and its reasons say why its optimizer was
 chosen and what it costs (state bytes on the GPU, the optimizer step's predicted time, host
-memory). An explicit optimizer is searched alone.
+memory, bf16 weights). An explicit optimizer is searched alone.
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ import time
 from dataclasses import replace
 
 from ..errors import TightfitError
-from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_state_bytes, available_host_bytes,
-                                 is_offloaded, offload_host_bytes)
+from ..levers.optimizers import check_precision
+from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_bf16_state_bytes, adamw_8bit_state_bytes,
+                                 available_host_bytes, is_offloaded, offload_host_bytes, weights_dtype)
 from ..units import format_bytes
 from ..plan import OPTIMIZER_CHOICES
 from .margins import HEADROOM, planned_limit
 from .search import NothingFitsError, SearchResult, search
 
 _NAMES = {"adamw": "fp32 AdamW state", "adamw8bit": "8-bit AdamW state (bitsandbytes AdamW8bit)",
-          "adamw-offload": "AdamW state and fp32 master weights on the CPU (torchao CPUOffloadOptimizer)"}
+          "adamw-offload": "AdamW state and fp32 master weights on the CPU (torchao CPUOffloadOptimizer)",
+          "adamw8bit-bf16": "bf16 weights, updates stochastically rounded (torchao AdamW8bit), 8-bit AdamW state; "
+                            "this changes the numerics (no fp32 copy of the weights)"}
 
 
 def levers_installed(kind: str | None = None) -> bool:
@@ -71,6 +77,8 @@ def state_bytes(model, kind: str) -> int:
     (:mod:`tightfit.levers.optimizers` for the layouts)."""
     if kind == "adamw8bit":
         return adamw_8bit_state_bytes(p.numel() for p in model.parameters() if p.requires_grad)
+    if kind == "adamw8bit-bf16":
+        return adamw_8bit_bf16_state_bytes(p.numel() for p in model.parameters() if p.requires_grad)
     total = 0
     for p in model.parameters():
         if not p.requires_grad:
@@ -95,15 +103,23 @@ def optimizer_step_seconds(model, kind: str, profile, micro_batches: int) -> flo
     return TimeModel(profile, cost, optimizer=kind).optimizer_seconds(micro_batches)
 
 
+def weight_bytes(kind: str) -> int:
+    """Bytes per weight (and per gradient) under optimizer ``kind``: 2 where it keeps the weights
+    in bf16 (:func:`tightfit.levers.optimizers.weights_dtype`), else 4 (fp32)."""
+    return 2 if weights_dtype(kind) is not None else 4
+
+
 def least_state_bytes(model, optimizer: str = "auto", levers: bool = True) -> tuple[int, str]:
     """The least model state a step can hold on the GPU, bytes, and the optimizer that holds it:
-    fp32 weights (4 B per parameter) plus, per trainable parameter, the gradient (4 B; with CPU
-    offload none is held at once without accumulation) and the optimizer state (:func:`state_bytes`),
-    over ``optimizer`` (``auto``: every optimizer, the levers only if ``levers``)."""
+    the weights (4 B per parameter, 2 B under ``adamw8bit-bf16``: :func:`weight_bytes`) plus, per
+    trainable parameter, the gradient (as many bytes; with CPU offload none is held at once without
+    accumulation) and the optimizer state (:func:`state_bytes`), over ``optimizer`` (``auto``: every
+    optimizer, the levers only if ``levers``)."""
     kinds = [optimizer] if optimizer != "auto" else ["adamw"] + (list(LEVER_OPTIMIZERS) if levers else [])
-    weights = sum(p.numel() * 4 for p in model.parameters())
-    grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
-    need = {k: weights + (0 if k == "adamw-offload" else grads) + state_bytes(model, k) for k in kinds}
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    need = {k: weight_bytes(k) * (params + (0 if k == "adamw-offload" else trainable)) + state_bytes(model, k)
+            for k in kinds}
     kind = min(need, key=need.get)
     return need[kind], kind
 
@@ -116,6 +132,9 @@ def _cost_line(model, result: SearchResult, kind: str, profile) -> str:
     if kind == "adamw-offload":
         host = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
         gpu += f", {format_bytes(host)} of pinned host memory"
+    if weights_dtype(kind) is not None:
+        params = sum(p.numel() for p in model.parameters())
+        gpu += f"; weights in bf16 {format_bytes(2 * params)} (fp32: {format_bytes(4 * params)}), gradients too"
     step = optimizer_step_seconds(model, kind, profile, b.accumulation_steps)
     return f"{gpu}; the optimizer's share of each step predicted at {step * 1000:.0f} ms"
 
@@ -147,6 +166,8 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     """
     if optimizer not in OPTIMIZER_CHOICES:
         raise TightfitError(f"unknown optimizer {optimizer!r}; use {', '.join(OPTIMIZER_CHOICES)}")
+    precision = options.get("precision", "auto")
+    check_precision(optimizer, precision)
     started = time.perf_counter()  # the result's seconds: every optimizer's search, not only the winner's
 
     def run(kind: str) -> SearchResult:
@@ -156,15 +177,18 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                 raise NothingFitsError(f"its model state alone, {format_bytes(need)}, is over the "
                                        f"{format_bytes(limit)} a step may hold")
         at = estimator_at(kind) if estimator_at is not None else None
+        # bf16 weights train under bf16 autocast only: their search is bf16's alone
+        opts = dict(options, precision="bf16") if weights_dtype(kind) is not None else options
         r = search(model, make_batch, size, effective_batch, profile, budget_bytes, estimator(kind),
-                   estimator_at=at, optimizer=kind, **options)
+                   estimator_at=at, optimizer=kind, **opts)
         return replace(r, best=replace(r.best, optimizer=kind),
                        runners_up=[replace(c, optimizer=kind) for c in r.runners_up])
 
     if optimizer != "auto":
         r = run(optimizer)
-        return _explained(r, optimizer, f"optimizer {optimizer}: as asked (--optimizer {optimizer})", model, profile,
-                          started)
+        named = f", {_NAMES[optimizer]}" if weights_dtype(optimizer) is not None else ""  # it changes the numerics
+        return _explained(r, optimizer, f"optimizer {optimizer}{named}: as asked (--optimizer {optimizer})", model,
+                          profile, started)
     if levers is None:
         kinds = [k for k in LEVER_OPTIMIZERS if levers_installed(k)]
         missing = [k for k in LEVER_OPTIMIZERS if k not in kinds]
@@ -186,9 +210,14 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                               "were not searched (pip install 'tightfit[levers]')", model, profile, started)
         raise failures["adamw"]
     for kind in kinds:
+        if kind != "adamw8bit" and "adamw8bit" in results and not _constrained(results["adamw8bit"]):
+            break  # 8-bit state fits without paying: neither offload nor bf16 weights can be faster
+        if weights_dtype(kind) is not None and (precision not in ("auto", "bf16") or not profile.bf16):
+            short[kind] = (f"needs bf16 autocast, --precision {precision} asked for" if precision not in ("auto", "bf16")
+                           else f"needs bf16, which {profile.name} does not run")
+            failures[kind] = NothingFitsError(short[kind])
+            continue
         if kind == "adamw-offload":
-            if "adamw8bit" in results and not _constrained(results["adamw8bit"]):
-                break
             if _several_ranks():  # torchao's CPUOffloadOptimizer offloads one GPU's state
                 continue
             need = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)

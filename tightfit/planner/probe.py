@@ -18,7 +18,7 @@ import torch
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
-from ..levers.optimizers import hold_gradients, release
+from ..levers.optimizers import hold_gradients, release, weights_in
 from ..levers.precision import autocast, check_precision, fallback_precisions, make_grad_scaler, preferred_precision
 from ..plan import Plan, accumulation_steps, balanced_micro_batch
 from ..memory.oom import is_oom, release_memory
@@ -71,18 +71,21 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     oom = False
-    try:
-        seconds, micro_batches = run_probe_steps(workload, micro_batch, precision, optimizer, timed_steps)
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        oom = True
-    release_memory()
+    # the weights in the optimizer's dtype (adamw8bit-bf16: bf16) for the steps, and back after the
+    # failed step's memory is gone and the peaks are read: the restore is no part of the step
+    with weights_in(workload.model, optimizer):
+        try:
+            seconds, micro_batches = run_probe_steps(workload, micro_batch, precision, optimizer, timed_steps)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            oom = True
+        reserved = torch.cuda.max_memory_reserved(device)
+        allocated = torch.cuda.max_memory_allocated(device)
+        release_memory()
     restore_rng(rng)
     if oom:
         return ProbeResult(micro_batch, False, None, None)
-    reserved = torch.cuda.max_memory_reserved(device)
-    allocated = torch.cuda.max_memory_allocated(device)
     return ProbeResult(micro_batch, reserved <= (1 - PROBE_HEADROOM) * budget_bytes, reserved, allocated,
                        seconds, micro_batches)
 
@@ -94,7 +97,10 @@ def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimi
     :func:`tightfit.step.make_optimizer` at lr 0 and no weight decay (the weights stay
     bit-identical), the runtime's loss (``workload.loss_sum`` over ``workload.count``) and
     its autocast and loss scaler for ``precision`` (the scaler starts at scale 1, so that an
-    overflow does not skip the first step, which allocates the optimizer's state).
+    overflow does not skip the first step, which allocates the optimizer's state). An optimizer
+    that keeps bf16 weights (``adamw8bit-bf16``) steps a bf16 copy of them, and the fp32 weights
+    are restored bit for bit afterwards from a host copy (:func:`tightfit.levers.optimizers.weights_in`:
+    the cast drops each fp32 weight's low 16 bits).
 
     With accumulation, every micro-batch after the first runs forward and backward while the
     window's gradients are held: the timed steps do two micro-batches to see that.
@@ -107,6 +113,12 @@ def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimi
         Any error of a step, unchanged (an OOM included); the gradients are freed first and the
         throw-away optimizer dies with the error.
     """
+    with weights_in(workload.model, optimizer):  # a no-op inside probe_step's, which has cast already
+        return _probe_steps(workload, micro_batch, precision, optimizer, timed_steps)
+
+
+def _probe_steps(workload: Workload, micro_batch: int, precision: str, optimizer: str,
+                 timed_steps: int) -> tuple[float, int]:
     model = workload.model
     device = next(model.parameters()).device
     accumulating = micro_batch < workload.effective_batch

@@ -398,11 +398,15 @@ def read_state(path: Path) -> dict:
     Raises:
         CorruptCheckpointError: the file is missing or cannot be loaded (one line).
     """
+    from ..levers.optimizers import allow_state_classes
+
     path = Path(path)
-    try:
-        return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
-    except Exception as e:  # torch.load raises OSError, RuntimeError, UnpicklingError, EOFError, ...
-        raise _fail(path, f"{STATE_FILE}: cannot be loaded: {_first_line(e)}") from None
+    for attempt in range(2):
+        try:
+            return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
+        except Exception as e:  # torch.load raises OSError, RuntimeError, UnpicklingError, EOFError, ...
+            if attempt or not allow_state_classes(e):  # torchao's 8-bit state, before torchao was imported
+                raise _fail(path, f"{STATE_FILE}: cannot be loaded: {_first_line(e)}") from None
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, verified: bool = False, state: dict | None = None) -> dict:

@@ -29,7 +29,7 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
-from ..levers.optimizers import hold_gradients, set_lr
+from ..levers.optimizers import cast_weights, hold_gradients, set_lr
 from ..step import accumulate, changed_since, in_place_versions, make_optimizer, module_mode, training_step
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
@@ -195,7 +195,8 @@ class Trainer:
         self.w, self.plan, self.cfg, self.log, self.profile = workload, plan, config, log, profile
         self.progress = progress
         self.device = torch.device(plan.device)
-        self.model = workload.model.to(self.device)
+        # the plan's optimizer may keep the weights in bf16 (adamw8bit-bf16): cast before the move
+        self.model = cast_weights(workload.model, plan.optimizer).to(self.device)
         self.model.zero_grad(set_to_none=True)  # a stray backward before training must not leak into step 1
         # checkpointing turns the KV cache off; the user's setting comes back when fit() ends
         self._user_use_cache = getattr(getattr(self.model, "config", None), "use_cache", None)

@@ -1,0 +1,421 @@
+"""``adamw8bit-bf16``: bf16 weights with torchao's 8-bit AdamW rounding each update to bf16
+stochastically. Its weights move under updates below half a bf16 ulp; the GPU probe leaves the
+fp32 weights bit-identical; the estimator holds torchao's state to the byte; it runs only under
+bf16 autocast; a resumed run reproduces the uninterrupted one bit for bit (stochastic rounding
+draws from the RNG the checkpoint restores); the planner chooses it only with its reason.
+
+torchao's AdamW8bit compiles its per-tensor update with torch.compile, on the CPU too (a C++
+compiler is needed): the first test in a process compiles it once per parameter shape.
+"""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SyntheticBatches
+from tightfit.errors import TightfitError
+from tightfit.plan import Plan
+from tightfit.runtime.trainer import TrainConfig, Trainer
+from tightfit.step import make_optimizer
+from tightfit.workload import Workload
+
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+KIND = "adamw8bit-bf16"
+
+
+def bert(seed=0, dropout=0.1):
+    """A 2-layer BERT whose embeddings and linear weights have >= 4,096 elements (8-bit in torchao)."""
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=32, num_labels=2, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout))
+
+
+def workload(n=24, effective_batch=8, seed=0):
+    return Workload(bert(seed), SyntheticBatches(n), SyntheticBatches(8, seed=1), effective_batch)
+
+
+def params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@needs_torchao
+def test_weights_are_bf16_and_move_under_updates_below_half_an_ulp():
+    """lr 1e-4: every AdamW update of LayerNorm's weights (1.0, about lr per step) is far below half
+    a bf16 ulp there (2**-8 = 3.9e-3), so rounding to nearest would leave each as it was; rounded
+    stochastically, each moves by one ulp with the probability update / ulp (about 1%)."""
+    w = workload(n=80)
+    t = Trainer(w, Plan("bf16", 8, 8, optimizer=KIND), TrainConfig(epochs=1, lr=1e-4, warmup_ratio=0.0),
+                progress=False)
+    assert {p.dtype for p in w.model.parameters()} == {torch.bfloat16}
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    before = params(w.model)
+    torch.manual_seed(0)
+    t.fit()  # 10 steps, dropout on
+    ln = [k for k in before if k.endswith("LayerNorm.weight")]
+    assert all(torch.equal(before[k], torch.ones_like(before[k])) for k in ln)
+    moved = sum(int((params(w.model)[k] != before[k]).sum()) for k in ln)
+    total = sum(before[k].numel() for k in ln)
+    assert 0 < moved < total / 5  # 320 weights, 10 steps of <= 1e-4 against an ulp of 2**-7: ~20 moves
+    assert any(isinstance(v, OptimState8bit) for s in t.optimizer.state.values() for v in s.values())
+
+
+@needs_torchao
+def test_the_optimizer_refuses_weights_that_are_not_bf16():
+    with pytest.raises(TightfitError, match="needs bf16 weights, got torch.float32"):
+        make_optimizer(bert().parameters(), KIND, "cpu")
+
+
+def _oom_in_new_buffer(trainer, n):
+    """Raise a CUDA-style OOM at the ``n``-th moment torchao creates in the first step."""
+    opt, calls = trainer.optimizer, []
+    real = opt._new_buffer
+
+    def new_buffer(p, signed):
+        calls.append(1)
+        if len(calls) == n:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+        return real(p, signed)
+
+    opt._new_buffer = new_buffer
+
+
+@needs_torchao
+@pytest.mark.parametrize("n", [2, 5])
+def test_oom_while_the_state_is_allocated_redoes_the_step_exactly(n):
+    """2: the first parameter's second moment; 5: the third parameter's first, after which torchao
+    alone would already have updated the first two (tightfit allocates every state before any update)."""
+    cfg = dict(epochs=1, lr=1e-3, seed=3, grow_back_after=0)
+    ref = workload()
+    t_ref = Trainer(ref, Plan("bf16", 4, 8, optimizer=KIND), TrainConfig(**cfg), progress=False)
+    torch.manual_seed(11)
+    t_ref.fit()
+    w = workload()
+    t = Trainer(w, Plan("bf16", 8, 8, optimizer=KIND), TrainConfig(**cfg), progress=False)
+    _oom_in_new_buffer(t, n)
+    torch.manual_seed(11)
+    res = t.fit()
+    assert res.oom_recoveries == 1 and t.micro_batch == 4
+    assert {float(s["step"]) for s in t.optimizer.state.values()} == {3.0}  # no parameter stepped twice
+    assert_same(params(w.model), params(ref.model))
+
+
+@needs_torchao
+def test_oom_inside_the_update_after_a_parameter_was_written_stops_rather_than_apply_it_twice(monkeypatch):
+    from tightfit.runtime.trainer import PartialUpdateError
+
+    t = Trainer(workload(), Plan("bf16", 8, 8, optimizer=KIND), TrainConfig(epochs=1, lr=1e-3), progress=False)
+    real, calls = torch.compile, []
+
+    def compile_then_fail(fn, **kw):  # torchao compiles its update at every call (cached)
+        compiled = real(fn, **kw)
+
+        def update(*a):
+            calls.append(1)
+            if len(calls) == 2:  # the first parameter is updated already
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+            return compiled(*a)
+        return update
+
+    monkeypatch.setattr(torch, "compile", compile_then_fail)
+    with pytest.raises(PartialUpdateError, match="part"):
+        t.train_step(list(range(8)))
+
+
+@needs_torchao
+def test_the_probe_leaves_the_fp32_weights_bit_identical():
+    """The probe steps a bf16 copy (the optimizer refuses fp32) and gives the very same fp32
+    parameter objects and buffers back, bit for bit."""
+    from tightfit.planner.probe import run_probe_steps
+
+    w = workload()
+    model = w.model
+    model.classifier.register_buffer("fp32_buffer", torch.randn(5) / 3)  # BERT's own buffers are integers
+    before, objects = params(model), list(model.parameters())
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
+    run_probe_steps(w, 4, "bf16", KIND, timed_steps=1)
+    assert seen and set(seen) == {torch.bfloat16}  # the steps ran on bf16 weights
+    assert_same(params(model), before)
+    assert all(a is b for a, b in zip(model.parameters(), objects))
+    assert all(torch.equal(b, buffers[k]) and b.dtype == buffers[k].dtype for k, b in model.named_buffers())
+
+
+@needs_torchao
+def test_the_estimators_state_is_torchaos_to_the_byte():
+    """The estimator's stand-in (meta) and the planner's count hold exactly the bytes torchao's
+    AdamW8bit allocates for bf16 weights: 4,096 and 8,192 elements (quantized, each moment with its
+    own map), 6,565 (not a whole number of blocks: bf16 moments), small tensors (bf16 moments)."""
+    import copy
+
+    from tightfit.planner.optimizers import state_bytes
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(65, 101), torch.nn.Linear(101, 3), torch.nn.Linear(64, 64, bias=False),
+                              torch.nn.Linear(64, 128, bias=False)).to(torch.bfloat16)
+    meta = copy.deepcopy(net).to("meta")
+    for model in (net, meta):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+    real = make_optimizer(net.parameters(), KIND, "cpu", lr=1e-3)
+    real.step()
+
+    def leaves(t):  # a tensor subclass holds its bytes in its inner tensors
+        return [x for n in t.__tensor_flatten__()[0] for x in leaves(getattr(t, n))] if hasattr(
+            t, "__tensor_flatten__") else [t]
+
+    real_bytes = sum(x.numel() * x.element_size() for s in real.state.values() for k, t in s.items()
+                     if k != "step" for x in leaves(t))  # the step counters live on the CPU
+    assert all(s["step"].device.type == "cpu" for s in real.state.values())
+    stand_in = make_optimizer(meta.parameters(), KIND, "meta")
+    stand_in.step()
+    assert sum(t.numel() * t.element_size() for t in stand_in.state_tensors()) == real_bytes
+    assert state_bytes(net, KIND) == real_bytes
+
+
+def test_the_estimator_traces_bf16_weights():
+    from tightfit.memory.estimate import estimate
+    from tightfit.planner.optimizers import state_bytes
+
+    m = bert(dropout=0.0)
+    batch = SyntheticBatches(8).worst_case(4)
+    ours = estimate(m, batch, Plan("bf16", 4, 4, optimizer=KIND, device="cuda"))
+    fp32 = estimate(m, batch, Plan("bf16", 4, 4, optimizer="adamw", device="cuda"))
+    n = sum(p.numel() for p in m.parameters())
+    assert ours.breakdown["parameters"] == pytest.approx(2 * n, abs=64 * 1024)
+    assert fp32.breakdown["parameters"] == pytest.approx(4 * n, abs=64 * 1024)
+    assert ours.breakdown["optimizer_state"] == pytest.approx(state_bytes(m, KIND), abs=512 * 6 * len(list(m.parameters())))  # block rounding
+    assert all(p.dtype == torch.float32 for p in m.parameters())  # the user's model is not touched
+
+
+def test_fp16_and_fp32_with_bf16_weights_are_refused_in_one_line(capsys, tmp_path):
+    from tightfit.cli import main
+
+    for precision in ("fp16", "fp32"):
+        with pytest.raises(TightfitError, match=f"keeps the weights in bf16 .* not {precision}"):
+            Plan(precision, 4, 4, optimizer=KIND)
+    args = ["--optimizer", KIND, "--precision", "fp16"]
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--budget", "1GiB",
+                 *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "keeps the weights in bf16" in err and "not fp16" in err
+    out = tmp_path / "run"
+    assert main(["train", "--device", "cpu", "--no-progress", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "keeps the weights in bf16" in err
+    assert not out.exists()  # refused before anything was written
+    assert main(["train", "--device", "cpu", "--no-progress", "--out", str(out), "--optimizer", KIND]) == 2
+    assert "CUDA GPU only" in capsys.readouterr().err and not out.exists()
+
+
+@needs_torchao
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
+    """Dropout on, stochastic rounding at every update: the checkpoint's weights (bf16), 8-bit state
+    (torchao tensor subclasses) and RNG states make the resumed run the uninterrupted one. The state
+    also loads (weights_only) in a process that has not imported torchao."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from tightfit.runtime.checkpoint import list_checkpoints, read_state
+
+    cfg = dict(epochs=2, lr=1e-3, seed=5)  # 24 samples / 8 = 3 steps per epoch, 6 in all
+    full = workload(seed=1)
+    torch.manual_seed(0)
+    Trainer(full, Plan("bf16", 4, 8, optimizer=KIND), TrainConfig(**cfg, checkpoint_every=2, keep_last=3,
+                                                                 checkpoint_dir=str(tmp_path)), progress=False).fit()
+    ckpt = [c for c in list_checkpoints(tmp_path) if c.name == "ckpt-2"][0]  # written mid-run
+    saved = read_state(ckpt)["optimizer"]["state"]
+    assert any(isinstance(v, OptimState8bit) for s in saved.values() for v in s.values())
+    resumed = workload(seed=2)  # other initial weights: all come from the checkpoint
+    t = Trainer(resumed, Plan("bf16", 4, 8, optimizer=KIND), TrainConfig(**cfg), progress=False)
+    t.resume(ckpt)
+    t.fit()
+    assert_same(params(resumed.model), params(full.model))
+    code = ("import sys; from tightfit.runtime.checkpoint import read_state; "
+            "s = read_state(sys.argv[1])['optimizer']['state']; "
+            "assert any(type(v).__name__ == 'OptimState8bit' for x in s.values() for v in x.values())")
+    root = Path(__file__).parents[1]
+    r = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, cwd=root,
+                       env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- the planner (no GPU, no torchao needed)
+
+SEQ, E = 16, 8
+
+
+def planning_model():
+    """2 layers, width 256, vocabulary 1,000: 1.9M parameters, most in tensors that are quantized."""
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
+        max_position_embeddings=64, num_labels=2))
+
+
+def make_batch(micro_batch, size):
+    return {"input_ids": torch.ones(micro_batch, size, dtype=torch.long),
+            "attention_mask": torch.ones(micro_batch, size, dtype=torch.long),
+            "labels": torch.zeros(micro_batch, dtype=torch.long)}
+
+
+@pytest.fixture(scope="module")
+def m():
+    return planning_model()
+
+
+def _plan(m, budget, optimizer="auto", precision="auto", **kw):
+    from tightfit.devices import get_profile
+    from tightfit.planner.optimizers import search_optimizers
+    from tightfit.planner.search import estimator_for
+
+    h200 = get_profile("h200")
+    return search_optimizers(m, make_batch, SEQ, E, h200, budget,
+                             lambda kind: estimator_for(m, make_batch, SEQ, h200, E, optimizer=kind),
+                             optimizer=optimizer, levers=True, precision=precision, host_bytes=1 << 20, **kw)
+
+
+def _least_peak(m, kind):
+    from tightfit.devices import get_profile
+    from tightfit.planner.search import estimator_for
+
+    fn = estimator_for(m, make_batch, SEQ, get_profile("h200"), E, optimizer=kind)
+    return min(fn("bf16", 1, blocks).peak_reserved_bytes for blocks in ((), (0, 1)))
+
+
+def test_the_planner_chooses_bf16_weights_only_where_nothing_else_fits_and_says_why(m):
+    from tightfit.planner.search import NothingFitsError
+
+    eight, ours = _least_peak(m, "adamw8bit"), _least_peak(m, KIND)
+    assert ours < eight - 2 * 2**20
+    budget = int((eight + ours) / 2 / 0.95)  # between the two, with the planner's headroom
+    r = _plan(m, budget)
+    assert r.best.optimizer == KIND and r.best.precision == "bf16" and r.to_plan().optimizer == KIND
+    assert "bf16 weights, updates stochastically rounded (torchao AdamW8bit)" in r.best.why
+    assert "changes the numerics" in r.best.why and "weights in bf16" in r.best.why
+    # asked for fp16 autocast: bf16 weights are not searched, and the reason says why
+    with pytest.raises(NothingFitsError, match=r"--optimizer adamw8bit-bf16\): does not fit either \(needs bf16 autocast, --precision fp16"):
+        _plan(m, budget, precision="fp16")
+    # where 8-bit state fits, the fp32 weights stay
+    roomy = _plan(m, int(eight / 0.95 * 1.5))
+    assert roomy.best.optimizer != KIND and KIND not in roomy.best.why
+
+
+def test_nothing_fits_with_bf16_weights_counts_their_bytes_and_offers_no_optimizer_lever_again(m):
+    from tightfit.planner.search import NothingFitsError
+
+    with pytest.raises(NothingFitsError) as e:
+        _plan(m, 12 * 2**20, optimizer=KIND)
+    text = str(e.value)
+    assert "x 6 B (bf16 weights 2 B, gradients 2 B, 8-bit AdamW moments 2 B)" in text
+    assert "--optimizer" not in text and "freezing the input embeddings" in text
+
+
+def test_an_explicit_bf16_weights_optimizer_says_what_it_changes_and_refuses_another_precision(m):
+    r = _plan(m, 1 << 30, optimizer=KIND)
+    assert r.best.precision == "bf16" and "stochastically rounded" in r.best.why and "as asked" in r.best.why
+    with pytest.raises(TightfitError, match="not fp32"):
+        _plan(m, 1 << 30, optimizer=KIND, precision="fp32")
+
+
+def test_least_state_counts_bf16_weights_and_gradients(m):
+    from tightfit.planner.optimizers import least_state_bytes, state_bytes
+
+    n = sum(p.numel() for p in m.parameters())
+    assert least_state_bytes(m, KIND) == (4 * n + state_bytes(m, KIND), KIND)
+    assert state_bytes(m, KIND) < state_bytes(m, "adamw8bit") + 4 * 2**20
+
+
+def test_the_bf16_weights_step_time_is_the_measured_one():
+    """torchao's AdamW8bit over BERT-large's 393 tensors: 153.4 ms on an NVIDIA H200 host
+    (bench/results/optimizer-levers-3/optimizer_step_time.json, fp32 weights; cost.TORCHAO_CALL_S
+    takes it for bf16 weights too); predicted within 5%."""
+    from tightfit.devices import get_profile
+    from tightfit.planner.cost import ForwardCost, TimeModel
+
+    import json
+
+    rows = json.loads((Path(__file__).parents[1] / "bench/results/optimizer-levers-3/optimizer_step_time.json")
+                      .read_text())["rows"]
+    row = next(r for r in rows if r["engine"] == "torchao AdamW8bit")
+    cost = ForwardCost(1e9, 1000, row["params"], 24, trainable_tensors=row["tensors"])
+    predicted = TimeModel(get_profile("h200"), cost, optimizer=KIND).optimizer_seconds()
+    assert abs(predicted / row["step_s"] - 1) < 0.05
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@needs_torchao
+def test_on_the_gpu_the_state_and_the_step_peak_are_the_estimators():
+    """torchao's state for bf16 BERT weights on CUDA is the stand-in's (to the allocator's 512-byte
+    rounding), and its step allocates little beyond it (the estimator leaves the compiled update's
+    temporaries out)."""
+    from tightfit.planner.optimizers import state_bytes
+
+    model = bert(dropout=0.0).to(torch.bfloat16).cuda()
+    batch = {k: v.cuda() for k, v in SyntheticBatches(8).worst_case(4).items()}
+    opt = make_optimizer(model.parameters(), KIND, "cuda", lr=1e-3)
+    with torch.autocast("cuda", torch.bfloat16):
+        model(**batch).loss.backward()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    torch.cuda.synchronize()
+    rounding = 512 * 6 * len(list(model.parameters()))  # the caching allocator's 512-byte blocks
+    assert 0 <= torch.cuda.memory_allocated() - start - state_bytes(model, KIND) <= rounding
+    assert torch.cuda.max_memory_allocated() - start < state_bytes(model, KIND) + rounding + 4 * 2**20
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_on_the_gpu_the_probe_restores_the_fp32_weights_and_resume_is_exact(tmp_path):
+    from tightfit.planner.probe import probe_step
+    from tightfit.runtime.checkpoint import list_checkpoints
+
+    w = workload()
+    w.model.cuda()
+    before = params(w.model)
+    r = probe_step(w, 4, "bf16", 8 << 30, timed_steps=1, optimizer=KIND)
+    assert r.fits and r.peak_allocated_bytes is not None
+    assert_same(params(w.model), before)
+
+    cfg = dict(epochs=2, lr=1e-3, seed=5)
+    full = workload(seed=1)
+    torch.manual_seed(0)
+    Trainer(full, Plan("bf16", 4, 8, optimizer=KIND, device="cuda"),
+            TrainConfig(**cfg, checkpoint_every=2, keep_last=3, checkpoint_dir=str(tmp_path)), progress=False).fit()
+    resumed = workload(seed=2)
+    t = Trainer(resumed, Plan("bf16", 4, 8, optimizer=KIND, device="cuda"), TrainConfig(**cfg), progress=False)
+    t.resume([c for c in list_checkpoints(tmp_path) if c.name == "ckpt-2"][0])
+    t.fit()
+    assert_same(params(resumed.model), params(full.model))
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_your_own_loop_with_the_plans_bf16_weights_optimizer_casts_the_model():
+    from tightfit.loop import TrainStep
+
+    model = bert().cuda()
+    step = TrainStep(Plan("bf16", 4, 8, optimizer=KIND, device="cuda"), model, lr=1e-3)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    batch = {k: v.cuda() for k, v in SyntheticBatches(8).worst_case(8).items()}
+    before = params(model)
+    out = step(batch)
+    assert out.stepped and out.accumulation_steps == 2
+    assert any(not torch.equal(v, before[k]) for k, v in params(model).items())
