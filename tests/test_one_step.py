@@ -109,8 +109,12 @@ def test_probe_builds_the_plans_optimizer_and_leaves_the_weights_alone(make_work
                                     kind, "cpu"))
     assert [_kind(c["optimizer"]) for c in calls] == [expected, expected]
     assert all(c["optimizer"].param_groups[0]["lr"] == 0.0 for c in calls)
+    # the run's weight decay: an optimizer compiled per tensor (torchao's) is not compiled again for the run
+    from tightfit.runtime.trainer import TrainConfig
+    wd = TrainConfig(epochs=1).weight_decay if kind != "sgd" else 0
+    assert all(float(c["optimizer"].param_groups[0].get("weight_decay", 0)) == wd for c in calls), kind
     for n, p in w.model.named_parameters():
-        assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n  # lr 0, no weight decay: bit-identical
+        assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n  # lr 0 (weight decay scaled by it): bit-identical
         assert p.grad is None
     assert not w.model.training  # the probe ran in train mode and gave the mode back
 

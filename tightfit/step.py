@@ -76,7 +76,7 @@ OPTIMIZERS = ("adamw", "adamw-foreach", "sgd", "adamw8bit", "adamw-offload", "ad
 def make_optimizer(params, kind: str, device_type: str, lr: float = 1e-6, weight_decay: float = 0.01,
                    accumulating: bool = False):
     """The optimizer of a plan (``plan.optimizer``) over the trainable ``params``: the one
-    builder of the runtime, the GPU probe (lr 0, no weight decay) and the estimator (meta).
+    builder of the runtime, the GPU probe (lr 0) and the estimator (meta).
 
     ``adamw``: fused AdamW (one kernel per step, on CUDA and on the CPU); ``adamw-foreach``: the
     multi-tensor AdamW; ``sgd``: SGD with momentum 0.9; ``adamw8bit``: bitsandbytes' AdamW8bit;

@@ -3,8 +3,8 @@ the budget with real probe steps on the GPU (two steps of forward, backward and 
 on a worst-case batch padded to the full sequence length).
 
 A probe runs the runtime's step (:func:`tightfit.step.training_step`) with a throw-away
-optimizer of the plan's kind at lr = 0 and no weight decay, so the weights stay
-bit-identical; the RNG states are restored and the probe's memory released afterwards.
+optimizer of the plan's kind at lr = 0 (the run's weight decay, scaled by lr), so the weights
+stay bit-identical; the RNG states are restored and the probe's memory released afterwards.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimi
                     timed_steps: int = 2) -> tuple[float, int]:
     """The probe's steps, on the model's device (the CPU too): ``1 + timed_steps`` runs of
     :func:`tightfit.step.training_step` in train mode, with the plan's optimizer built by
-    :func:`tightfit.step.make_optimizer` at lr 0 and no weight decay (the weights stay
-    bit-identical), the runtime's loss (``workload.loss_sum`` over ``workload.count``) and
+    :func:`tightfit.step.make_optimizer` at lr 0 with the run's weight decay (the weights
+    stay bit-identical), the runtime's loss (``workload.loss_sum`` over ``workload.count``) and
     its autocast and loss scaler for ``precision`` (the scaler starts at scale 1, so that an
     overflow does not skip the first step, which allocates the optimizer's state). An optimizer
     that keeps bf16 weights (``adamw8bit-bf16``) steps a bf16 copy of them, and the fp32 weights
@@ -122,8 +122,10 @@ def _probe_steps(workload: Workload, micro_batch: int, precision: str, optimizer
     model = workload.model
     device = next(model.parameters()).device
     accumulating = micro_batch < workload.effective_batch
-    opt = make_optimizer(model.parameters(), optimizer, device.type, lr=0.0, weight_decay=0.0,
-                         accumulating=accumulating)
+    # lr 0 leaves the weights bit-identical (AdamW's decoupled decay is scaled by lr too); the
+    # run's weight decay (make_optimizer's default), so that an optimizer compiled per tensor
+    # (torchao's) is compiled here for the run, not again in its first step for another constant
+    opt = make_optimizer(model.parameters(), optimizer, device.type, lr=0.0, accumulating=accumulating)
     scaler = make_grad_scaler(precision, device.type, init_scale=1.0)
     normaliser = workload.count(workload.train.worst_case(micro_batch))  # per worst-case micro-batch
 
