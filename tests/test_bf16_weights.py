@@ -27,13 +27,7 @@ needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, 
 KIND = "adamw8bit-bf16"
 
 
-def bert(seed=0, dropout=0.1):
-    """A 2-layer BERT whose embeddings and linear weights have >= 4,096 elements (8-bit in torchao)."""
-    from transformers import BertConfig, BertForSequenceClassification
-    torch.manual_seed(seed)
-    return BertForSequenceClassification(BertConfig(
-        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=32, num_labels=2, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout))
+from test_optimizer_levers import bert_with_large_tensors as bert  # noqa: E402  (a 2-layer BERT, 8-bit-sized tensors)
 
 
 def workload(n=24, effective_batch=8, seed=0):
@@ -257,19 +251,7 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
 SEQ, E = 16, 8
 
 
-def planning_model():
-    """2 layers, width 256, vocabulary 1,000: 1.9M parameters, most in tensors that are quantized."""
-    from transformers import BertConfig, BertForSequenceClassification
-    torch.manual_seed(0)
-    return BertForSequenceClassification(BertConfig(
-        vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
-        max_position_embeddings=64, num_labels=2))
-
-
-def make_batch(micro_batch, size):
-    return {"input_ids": torch.ones(micro_batch, size, dtype=torch.long),
-            "attention_mask": torch.ones(micro_batch, size, dtype=torch.long),
-            "labels": torch.zeros(micro_batch, dtype=torch.long)}
+from test_optimizer_planning import make_batch, model as planning_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
