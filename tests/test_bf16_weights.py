@@ -416,3 +416,18 @@ def test_your_own_loop_with_the_plans_bf16_weights_optimizer_casts_the_model():
     out = step(batch)
     assert out.stepped and out.accumulation_steps == 2
     assert any(not torch.equal(v, before[k]) for k, v in params(model).items())
+
+
+def test_bf16_weights_on_a_card_without_bf16_are_refused_naming_the_optimizer_and_what_runs_there(capsys):
+    """A card without bf16 (GTX 1650 Ti, compute capability 7.5): the refusal names the optimizer
+    and offers the optimizer levers that run there, not a precision that the optimizer refuses
+    (--precision fp16/fp32) or that the card cannot run (bf16)."""
+    from tightfit.cli import main
+
+    for precision in ("auto", "bf16", "fp16", "fp32"):
+        assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "gtx-1650-ti",
+                     "--optimizer", KIND, "--precision", precision]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0, err
+        assert f"optimizer {KIND}" in err and "GTX 1650 Ti" in err and "7.5" in err, err
+        assert "--optimizer adamw8bit " in err and "adamw-offload" in err and "use fp16" not in err, err

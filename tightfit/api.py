@@ -195,7 +195,7 @@ class TrainRecipe:
             raise TightfitError("--optimizer adamw-offload needs one CUDA GPU (torchao offloads one GPU's state)")
         from .levers.optimizers import LEVER_OPTIMIZERS, check_precision as check_optimizer_precision, weights_dtype
 
-        check_optimizer_precision(p.optimizer, p.precision)  # bf16 weights train under bf16 autocast only
+        check_optimizer_precision(p.optimizer, p.precision, self.profile)  # bf16 weights: bf16 autocast only
         if weights_dtype(p.optimizer) is not None and self.device != "cuda":
             raise TightfitError(f"--optimizer {p.optimizer} trains under bf16 autocast, which tightfit runs on a CUDA GPU "
                                 "only")

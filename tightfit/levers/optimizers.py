@@ -191,15 +191,24 @@ def weights_dtype(kind: str) -> torch.dtype | None:
     return torch.bfloat16 if kind in BF16_WEIGHTS else None
 
 
-def check_precision(kind: str, precision: str) -> None:
+def check_precision(kind: str, precision: str, profile=None) -> None:
     """Refuse a precision that optimizer ``kind`` cannot train with: bf16 weights need bf16
     autocast (fp32 autocast would not run the matrix products in the weights' dtype; fp16's
     loss scaling would unscale bf16 gradients that have no room to spare).
 
+    Args:
+        profile: the card planned for (a :class:`~tightfit.devices.DeviceProfile`), or None
+            (not known yet): bf16 weights are refused first on a card without bf16, whatever
+            the precision, since no precision would do there.
+
     Raises:
-        TightfitError: ``kind`` keeps bf16 weights and ``precision`` is not ``"bf16"`` (``"auto"``
-            passes: the planner then searches bf16 only).
+        TightfitError: ``kind`` keeps bf16 weights and the card does not run bf16, or
+            ``precision`` is not ``"bf16"`` (``"auto"`` passes: the planner then searches bf16 only).
     """
+    if kind in BF16_WEIGHTS and profile is not None and not profile.bf16:
+        cc = profile.compute_capability
+        raise TightfitError(f"optimizer {kind} keeps the weights in bf16, which needs compute capability >= 8.0; "
+                            f"{profile.name} is {cc[0]}.{cc[1]}: use --optimizer adamw8bit or adamw-offload")
     if kind in BF16_WEIGHTS and precision not in ("bf16", "auto"):
         raise TightfitError(f"optimizer {kind} keeps the weights in bf16 and trains under bf16 autocast only, "
                             f"not {precision} (use precision bf16, or auto)")

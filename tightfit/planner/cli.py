@@ -48,8 +48,8 @@ def run(args) -> int:
 
     from ..levers.optimizers import check_precision
 
-    check_precision(args.optimizer, args.precision)  # bf16 weights: bf16 autocast only
     profile, budget, notes = _card_and_budget(args)
+    check_precision(args.optimizer, args.precision, profile)  # bf16 weights: bf16 autocast only
     model, make_batch = build_model(args.model)
     if args.trainable == "lora":  # as `tightfit train --trainable lora` wraps it before planning
         from ..levers.lora import apply_lora, trainable_note

@@ -167,7 +167,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     if optimizer not in OPTIMIZER_CHOICES:
         raise TightfitError(f"unknown optimizer {optimizer!r}; use {', '.join(OPTIMIZER_CHOICES)}")
     precision = options.get("precision", "auto")
-    check_precision(optimizer, precision)
+    check_precision(optimizer, precision, profile)
     started = time.perf_counter()  # the result's seconds: every optimizer's search, not only the winner's
 
     def run(kind: str) -> SearchResult:
