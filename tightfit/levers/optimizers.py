@@ -211,7 +211,7 @@ def check_precision(kind: str, precision: str, profile=None) -> None:
                             f"{profile.name} is {cc[0]}.{cc[1]}: use --optimizer adamw8bit or adamw-offload")
     if kind in BF16_WEIGHTS and precision not in ("bf16", "auto"):
         raise TightfitError(f"optimizer {kind} keeps the weights in bf16 and trains under bf16 autocast only, "
-                            f"not {precision} (use precision bf16, or auto)")
+                            f"not {precision} (use precision bf16)")
 
 
 def cast_weights(model: torch.nn.Module, kind: str) -> torch.nn.Module:

@@ -52,9 +52,15 @@ def breakdown_lines(breakdown: dict, all_gradient_bytes: int, accumulation_steps
     return lines
 
 
-def trainable_gradient_bytes(model) -> int:
-    """Bytes of the gradients of every trainable parameter (same dtype as the parameter)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+def trainable_gradient_bytes(model, optimizer: str = "adamw") -> int:
+    """Bytes of the gradients of every trainable parameter: in the parameter's dtype, or in the
+    dtype ``optimizer`` keeps the floating-point weights in (bf16 under ``adamw8bit-bf16``)."""
+    from ..levers.optimizers import weights_dtype
+
+    dtype = weights_dtype(optimizer)
+    size = None if dtype is None else dtype.itemsize
+    return sum(p.numel() * (size if size and p.is_floating_point() else p.element_size())
+               for p in model.parameters() if p.requires_grad)
 
 
 def add_parser(subparsers) -> None:
@@ -68,7 +74,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpointing", default="none", help="none|all|comma-separated block indices (default none)")
     p.add_argument("--optimizer", default="adamw",
                    help="adamw (fused; default) | adamw-foreach (multi-tensor: one more fp32 copy of the "
-                        "parameters at its step) | sgd (momentum)")
+                        "parameters at its step) | sgd (momentum) | adamw8bit | adamw-offload | adamw8bit-bf16 "
+                        "(bf16 weights: --precision bf16 only); the levers of tightfit plan --optimizer")
     p.add_argument("--attention", default="sdpa", help="Hugging Face attention: sdpa|eager (default sdpa)")
     p.add_argument("--allocator", default="expandable", choices=("expandable", "default"),
                    help="CUDA caching allocator configuration: expandable (expandable_segments:True, what "
@@ -97,6 +104,9 @@ def run(args) -> int:
     profile = get_profile(args.gpu) if args.gpu else None
     if args.precision not in ("fp32", "fp16", "bf16"):
         raise TightfitError(f"unknown --precision {args.precision!r}; use fp32, fp16 or bf16")
+    from ..levers.optimizers import check_precision as check_optimizer_precision
+
+    check_optimizer_precision(args.optimizer, args.precision, profile)  # bf16 weights: bf16 on a bf16 card
     if profile is not None:
         from ..levers.precision import check_precision
 
@@ -117,7 +127,7 @@ def run(args) -> int:
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
     fits = result.peak_reserved_bytes <= profile.budget_bytes() if profile else None
-    grads = trainable_gradient_bytes(model)
+    grads = trainable_gradient_bytes(model, args.optimizer)
     note = gradient_note(result.breakdown.get("gradients", 0), grads)
     if args.json:
         d = result.to_dict()

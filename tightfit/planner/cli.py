@@ -116,11 +116,9 @@ def _card_and_budget(args):
 
 def _gradient_bytes(model, optimizer: str) -> int:
     """Bytes of every trainable parameter's gradient under ``optimizer`` (bf16 weights: bf16)."""
-    from ..levers.optimizers import cast_weights
     from ..memory.cli import trainable_gradient_bytes
-    from ..memory.estimate import meta_copy
 
-    return trainable_gradient_bytes(cast_weights(meta_copy(model), optimizer))
+    return trainable_gradient_bytes(model, optimizer)
 
 
 def _print_json(result, model, notes: list[str]) -> None:
