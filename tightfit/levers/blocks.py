@@ -28,6 +28,17 @@ _POLICY = "_tightfit_block_policy"
 BLOCK_POLICIES = ("none", "selective", "full", "offload")
 
 
+def describe_policies(policies) -> str:
+    """Per-block choices as runs of consecutive blocks, for display: ``("full",) * 23 +
+    ("selective",)`` -> ``"0-22 full, 23 selective"`` (one word per block is unreadable at 24)."""
+    runs, start = [], 0
+    for i in range(1, len(policies) + 1):
+        if i == len(policies) or policies[i] != policies[start]:
+            runs.append(f"{start}{'' if i - 1 == start else f'-{i - 1}'} {policies[start]}")
+            start = i
+    return ", ".join(runs)
+
+
 def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of ``model`` in forward order.
 

@@ -137,6 +137,7 @@ def _print_json(result, model, notes: list[str]) -> None:
 def _print_text(args, result, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:
     """The plan, its predicted speed and memory breakdown and the runners-up, as text."""
     from ..memory.cli import breakdown_lines
+    from ..levers.blocks import describe_policies
     from ..units import format_bytes
 
     b = result.best
@@ -147,7 +148,7 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
     last = args.batch_size - (b.accumulation_steps - 1) * b.micro_batch
     print(f"plan: {b.precision}, micro-batch {b.micro_batch} x {b.accumulation_steps} accumulation steps"
           + (f" (the last {last})" if last != b.micro_batch else "") + ", "
-          + (f"blocks {', '.join(b.block_policies)}" if b.block_policies is not None else
+          + (f"blocks {describe_policies(b.block_policies)}" if b.block_policies is not None else
              f"checkpointing {len(b.checkpoint_blocks)} of {result.n_blocks} blocks"
              + (f" ({', '.join(map(str, b.checkpoint_blocks))})" if 0 < len(b.checkpoint_blocks) < result.n_blocks
                 else "")))

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 def plan_lines(plan: Plan) -> list[str]:
     """The plan as short display lines. A speed says whether it is the search's prediction or,
     for a compiled plan, a measurement (its timing is named by the ``decided by:`` reason)."""
+    from ..levers.blocks import describe_policies
+
     lines = [
         f"device           {plan.device}" + (f", budget {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""),
         f"precision        {plan.precision}" + (" (autocast + dynamic loss scaling)" if plan.precision == "fp16"
@@ -26,7 +28,7 @@ def plan_lines(plan: Plan) -> list[str]:
            if plan.rank_batch % plan.micro_batch else "")
         + (f" x {plan.world_size} ranks ({plan.sharding.upper()})" if plan.world_size > 1 else "")
         + f" = effective batch {plan.effective_batch}",
-        "checkpointing    " + ("per block: " + ", ".join(plan.block_policies) if plan.block_policies is not None
+        "checkpointing    " + ("per block: " + describe_policies(plan.block_policies) if plan.block_policies is not None
                                else ("blocks " + ", ".join(map(str, plan.checkpoint_blocks)) if plan.checkpoint_blocks
                                      else "on (every block)") if plan.activation_checkpointing else "off"),
     ]
