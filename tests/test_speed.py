@@ -456,6 +456,16 @@ def test_steady_state_is_the_median_of_ten_step_windows_and_the_report_shows_all
     json.dumps(speed)
 
 
+def test_a_slow_run_shows_its_whole_run_speed_as_the_summary_does():
+    """A CPU run at 2.5 samples/s: the speed row said "3 whole run" under "samples/s 2.5"."""
+    from tightfit.report.speed import speed_record, speed_rows
+
+    result = SimpleNamespace(step_ends=[(12.7, 32)], samples_per_s=32 / 12.7, eval_seconds=1.0,
+                             checkpoint_seconds=0.0, checkpoint_write_seconds=0.0)
+    text = dict(speed_rows(speed_record(result, 0.0, {})))["samples/s"]
+    assert "predicted - | probed - | delivered - steady" in text and "2.5 whole run" in text, text
+
+
 # ---------------------------------------------------------------- on a GPU
 
 @pytest.mark.gpu

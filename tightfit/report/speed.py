@@ -74,7 +74,8 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
 
 
 def _rate(v) -> str:
-    return f"{v:.0f}" if v else "-"
+    """samples/s for display: whole numbers from 10 up, one decimal below (a CPU run's 2.5 is not 3)."""
+    return "-" if not v else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
 
 
 def speed_rows(speed: dict) -> list[tuple[str, str]]:

@@ -167,7 +167,7 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
         rows.append(("held-out accuracy", f"{result.eval['accuracy']:.4f} on {result.eval['samples']} samples "
                                           f"(majority class {info.majority:.4f})"))
         rows.append(("held-out loss", f"{result.eval['loss']:.4f}"))
-    rows.append(("training", f"{result.steps} steps, {result.samples} samples in {result.train_seconds:.1f} s"))
+    rows.append(("training", f"{result.steps} step{'' if result.steps == 1 else 's'}, {result.samples} samples in {result.train_seconds:.1f} s"))
     rows.append(("samples/s", f"{result.samples_per_s:.1f}"))
     rows.append(("final train loss", f"{result.final_loss:.4f}"))
     if result.peak_reserved_bytes is not None:
