@@ -55,6 +55,17 @@ def test_the_reason_names_selective_and_full_blocks_and_accumulation(monkeypatch
             in plan(model()).best.why)
 
 
+def test_fp32_adamw_that_pays_but_is_fastest_says_what_it_pays_once(monkeypatch):
+    """It read "optimizer adamw, fp32 AdamW state: fp32 AdamW state needs 23 checkpointed blocks",
+    compared its state with itself and counted "1 accumulation steps"."""
+    search_stub(monkeypatch, {"adamw": result(200, ("full", "none")), "adamw8bit": result(150),
+                              "adamw-offload": result(50)})
+    why = plan(model()).best.why
+    assert "optimizer adamw, fp32 AdamW state: needs 1 checkpointed block; predicted fastest" in why, why
+    assert why.count("fp32 AdamW state") == 1 and "(fp32 AdamW: " not in why, why  # not against itself
+    assert "1 accumulation step)" in why, why
+
+
 def test_fp32_adamw_that_pays_nothing_for_memory_stands(monkeypatch):
     search_stub(monkeypatch, {"adamw": result(100, ("none", "none")), "adamw8bit": result(150),
                               "adamw-offload": result(50)})

@@ -127,8 +127,8 @@ def least_state_bytes(model, optimizer: str = "auto", levers: bool = True) -> tu
 def _cost_line(model, result: SearchResult, kind: str, profile) -> str:
     """What the optimizer of ``result`` costs: GPU state bytes, step time, host memory."""
     b = result.best
-    gpu = f"optimizer state on the GPU {format_bytes(state_bytes(model, kind))} " \
-          f"(fp32 AdamW: {format_bytes(state_bytes(model, 'adamw'))})"
+    gpu = f"optimizer state on the GPU {format_bytes(state_bytes(model, kind))}" + (
+        "" if kind == "adamw" else f" (fp32 AdamW: {format_bytes(state_bytes(model, 'adamw'))})")
     if kind == "adamw-offload":
         host = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
         gpu += f", {format_bytes(host)} of pinned host memory"
@@ -238,12 +238,13 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         raise NothingFitsError(first + also)
     kind = max(results, key=lambda k: results[k].best.samples_per_s)
     best = results[kind]
-    compared = "; ".join([f"{k}: {r.best.samples_per_s:.0f} samples/s ({r.best.label()}, "
-                          f"{r.best.accumulation_steps} accumulation steps)" for k, r in results.items() if k != kind]
+    compared = "; ".join([f"{k}: {r.best.samples_per_s:.0f} samples/s ({r.best.label()}, {r.best.accumulation_steps} "
+                          f"accumulation step{'s' if r.best.accumulation_steps != 1 else ''})"
+                          for k, r in results.items() if k != kind]
                          + [f"{k}: {short.get(k, 'fits nothing')}" for k in failures if k != "adamw"]
                          + [f"{k}: not searched ({LEVER_LIBRARY[k]} is not installed)" for k in missing])
     why = ("fp32 AdamW state fits nothing" if "adamw" in failures
-           else f"fp32 AdamW state needs {_what_it_pays(results['adamw'].best)}")
+           else f"{'' if kind == 'adamw' else 'fp32 AdamW state '}needs {_what_it_pays(results['adamw'].best)}")
     why = f"optimizer {kind}, {_NAMES[kind]}: {why}; predicted fastest" + (f" (against {compared})" if compared else "")
     return _explained(best, kind, why, model, profile, started)
 
