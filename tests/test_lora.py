@@ -75,3 +75,14 @@ def test_the_saved_model_is_the_plain_model_with_the_adapters_merged(tmp_path):
     loaded = BertForSequenceClassification.from_pretrained(tmp_path).eval()
     torch.testing.assert_close(loaded(**batch).logits, want, rtol=1e-4, atol=1e-5)
     assert any(k.endswith("lora_B.default.weight") for k, _ in model.named_parameters())  # the copy was merged
+
+
+def test_wrapping_prints_no_deprecation_warning_of_the_libraries():
+    """peft reads ``is_gradient_checkpointing``, which transformers 5 deprecates: `tightfit plan
+    --trainable lora` printed that FutureWarning to the user."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(tiny_bert())
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]

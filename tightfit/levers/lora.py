@@ -12,6 +12,7 @@ projections, GPT-2's ``c_attn``/``c_proj``/``c_fc``, a Llama-style decoder's ``q
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
@@ -51,7 +52,10 @@ def apply_lora(model: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
     except ImportError:
         raise TightfitError("--trainable lora needs peft: pip install 'tightfit[levers]'") from None
     targets = lora_targets(model)
-    wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=ALPHA, lora_dropout=DROPOUT, target_modules=targets))
+    with warnings.catch_warnings():  # peft reads transformers 5's deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=ALPHA, lora_dropout=DROPOUT,
+                                                   target_modules=targets))
     for name, p in wrapped.named_parameters():
         if any(f".{h}." in f".{name}" for h in HEADS):
             p.requires_grad_(True)  # the new head learns in full
