@@ -80,5 +80,7 @@ def _no_kv_cache(model) -> None:
 
 
 def _name(model, new: str, old: str) -> str:
-    # transformers renamed gradient_* to activation_* (the old names warn, and go in v6)
-    return new if hasattr(type(model), new) else old
+    # transformers renamed gradient_* to activation_* (the old names warn, and go in v6); a peft
+    # wrapper forwards both to the model it wraps, whose class says which it has
+    base = model.get_base_model() if hasattr(type(model), "get_base_model") else model
+    return new if hasattr(type(base), new) else old
