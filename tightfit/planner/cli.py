@@ -161,7 +161,8 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
     if b.optimizer == "adamw":
         reason = "; ".join(filter(None, [reason, f"fused (no temporaries at its step; foreach AdamW would need "
                                                  f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)"]))
-    print(f"optimizer: {b.optimizer}" + (f": {reason}" if reason else ""))
+    # "adamw (fused, fp32 state): ...": a parenthesis follows the name, any other reason a colon
+    print(f"optimizer: {b.optimizer}" + ((" " if reason.startswith("(") else ": ") + reason if reason else ""))
     print("\n".join(breakdown_lines(b.breakdown, _gradient_bytes(model, b.optimizer), b.accumulation_steps)))
     print("runners-up:" if result.runners_up else "runners-up: none (the search had no other choice)")
     for c in result.runners_up[:8]:
