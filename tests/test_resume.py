@@ -252,3 +252,21 @@ def test_an_interrupt_before_the_first_checkpoint_leaves_the_folder_reusable(tin
     assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
     monkeypatch.undo()
     assert _short_run(model_dir, data, tmp_path / "run") == 0  # the same --out works again
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_resuming_a_lever_run_without_its_library_names_the_runs_optimizer(tiny_run_inputs, tmp_path, capsys,
+                                                                           monkeypatch):
+    """The user resuming never typed --optimizer: the refusal names the resumed run's optimizer."""
+    import tightfit.planner.optimizers as optimizers
+    from tightfit.cli import main
+
+    model_dir, data = tiny_run_inputs
+    run = tmp_path / "run"
+    assert _short_run(model_dir, data, run, "--optimizer", "adamw8bit") == 0
+    (run / "summary.json").unlink()  # as if stopped before the end
+    monkeypatch.setattr(optimizers, "levers_installed", lambda kind=None: False)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "the resumed run's optimizer adamw8bit needs bitsandbytes" in err and "--optimizer" not in err

@@ -205,7 +205,8 @@ class TrainRecipe:
             if not levers_installed(p.optimizer):
                 from .levers.optimizers import LEVER_LIBRARY
 
-                raise TightfitError(f"--optimizer {p.optimizer} needs {LEVER_LIBRARY[p.optimizer]}: "
+                whose = "the resumed run's optimizer" if self.resume_from is not None else "--optimizer"
+                raise TightfitError(f"{whose} {p.optimizer} needs {LEVER_LIBRARY[p.optimizer]}: "
                                     "pip install 'tightfit[levers]'")
         if p.precision != "auto":
             from .levers.precision import check_precision
