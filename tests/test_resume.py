@@ -103,16 +103,17 @@ def test_ctrl_c_stops_with_a_checkpoint_and_says_how_to_resume(tiny_run_inputs, 
     stopped = tmp_path / "stopped"
     cmd = _cmd(model_dir, data, stopped)
     cmd[cmd.index("--checkpoint-every") + 1] = "100"  # no periodic checkpoint: the stop must write one
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if (stopped / "metrics.jsonl").exists() and max(_losses(stopped) or [0]) >= 4:
             proc.send_signal(signal.SIGINT)
             break
         time.sleep(0.005)
-    err = proc.communicate(timeout=120)[1]
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     (line,) = err.strip().splitlines()  # one line, no traceback
+    assert (out + err).count("stopped after step") == 1  # said once, with the command that resumes
     assert "SIGINT: stopped after step" in line and f"tightfit train --resume {stopped}" in line
     assert (stopped / "checkpoints").is_dir() and not (stopped / "model").exists()
     subprocess.run([sys.executable, "-m", "tightfit", "train", "--resume", str(stopped), "--no-progress"],

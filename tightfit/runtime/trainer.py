@@ -329,8 +329,8 @@ class Trainer:
             if self._stop_signal and self.step < self.total_steps:
                 where = saved or self._checkpoint_at_stop(t0)
                 self.flush_checkpoints()
-                self._event(f"{self._stop_signal}: stopped after step {self.step}"
-                            + (f", checkpoint {where}" if where else ""))
+                self._event(f"{self._stop_signal}: stopped after step {self.step}"  # the error says it on screen
+                            + (f", checkpoint {where}" if where else ""), show=False)
                 raise TrainingInterrupted(f"{self._stop_signal}: stopped after step {self.step} of "
                                           f"{self.total_steps}", self.step, where)
             self._cool_down()
@@ -734,10 +734,11 @@ class Trainer:
         return paused
 
     # ---------------------------------------------------------------- logging
-    def _event(self, message: str) -> None:
+    def _event(self, message: str, show: bool = True) -> None:
         self.result.events.append(message)
         self.log({"type": "event", "step": self.step, "message": message})
-        _log.info("tightfit: %s", message)  # shown by the command line, with or without a progress bar
+        if show:
+            _log.info("tightfit: %s", message)  # shown by the command line, with or without a progress bar
 
     def _train_record(self, epoch: int, loss: float, stepped: bool, elapsed: float, window: list[int]) -> dict:
         rec = {"type": "train", "step": self.step, "epoch": epoch, "loss": loss,
