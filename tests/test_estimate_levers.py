@@ -25,7 +25,7 @@ def test_bf16_weights_report_their_gradients_in_bf16(capsys):
     fp32 gradients' bytes)."""
     import json
 
-    from tightfit.memory.cli import trainable_gradient_bytes
+    from tightfit.levers.optimizers import trainable_gradient_bytes
     from tightfit.models import build_model
     model = build_model("minilm")[0]
     fp32 = trainable_gradient_bytes(model)

@@ -76,6 +76,7 @@ OFFLOAD_MIN_NUMEL = 4096
 # quantize tensors >= 4096 values", and a whole number of blocks; subclass_8bit.py: a 256-entry
 # fp32 map per moment of each quantized tensor).
 TORCHAO_QMAP_BYTES = 256 * 4
+_BF16_NEEDS = "optimizer adamw8bit-bf16 (bf16 weights, 8-bit AdamW state)"  # what a missing torchao stops
 
 
 def _library(module: str, what: str):
@@ -90,14 +91,9 @@ def _library(module: str, what: str):
         raise TightfitError(f"{what} needs {module.split('.')[0]}: pip install 'tightfit[levers]'") from None
 
 
-def _torchao_optim():
-    """``torchao.optim`` (raises TightfitError when torchao is missing)."""
-    return _library("torchao.optim", "CPU-offloaded optimizer state")
-
-
-def _torchao_8bit():
-    """``torchao.optim`` for ``adamw8bit-bf16`` (raises TightfitError when torchao is missing)."""
-    return _library("torchao.optim", "optimizer adamw8bit-bf16 (bf16 weights, 8-bit AdamW state)")
+def _torchao_optim(what: str = "CPU-offloaded optimizer state"):
+    """``torchao.optim`` (raises TightfitError, saying ``what`` needs torchao, when it is missing)."""
+    return _library("torchao.optim", what)
 
 
 def _bnb_optim():
@@ -191,6 +187,14 @@ def weights_dtype(kind: str) -> torch.dtype | None:
     return torch.bfloat16 if kind in BF16_WEIGHTS else None
 
 
+def trainable_gradient_bytes(model: torch.nn.Module, kind: str = "adamw") -> int:
+    """Bytes of the gradients of every trainable parameter: in the parameter's dtype, or in
+    :func:`weights_dtype` of optimizer ``kind`` (bf16 under ``adamw8bit-bf16``)."""
+    dtype = weights_dtype(kind)
+    return sum(p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
+               for p in model.parameters() if p.requires_grad)
+
+
 def check_precision(kind: str, precision: str, profile=None) -> None:
     """Refuse a precision that optimizer ``kind`` cannot train with: bf16 weights need bf16
     autocast (fp32 autocast would not run the matrix products in the weights' dtype; fp16's
@@ -262,7 +266,7 @@ def allow_state_classes(error: Exception) -> bool:
 
     if "torchao.optim" not in str(error) or importlib.util.find_spec("torchao") is None:
         return False
-    _torchao_8bit()
+    _torchao_optim(_BF16_NEEDS)
     return True
 
 
@@ -310,7 +314,7 @@ def _bf16_class():
     redoes the window (DESIGN invariant 10). An error during the updates themselves is seen by the
     runtime's partial-update check: torchao advances a parameter's ``step`` counter in place before
     its update, and its compiled update bumps the weight's version counter."""
-    base = _torchao_8bit().AdamW8bit
+    base = _torchao_optim(_BF16_NEEDS).AdamW8bit
 
     class AdamW8bitBf16(base):
         @torch.no_grad()

@@ -52,17 +52,6 @@ def breakdown_lines(breakdown: dict, all_gradient_bytes: int, accumulation_steps
     return lines
 
 
-def trainable_gradient_bytes(model, optimizer: str = "adamw") -> int:
-    """Bytes of the gradients of every trainable parameter: in the parameter's dtype, or in the
-    dtype ``optimizer`` keeps the floating-point weights in (bf16 under ``adamw8bit-bf16``)."""
-    from ..levers.optimizers import weights_dtype
-
-    dtype = weights_dtype(optimizer)
-    size = None if dtype is None else dtype.itemsize
-    return sum(p.numel() * (size if size and p.is_floating_point() else p.element_size())
-               for p in model.parameters() if p.requires_grad)
-
-
 def add_parser(subparsers) -> None:
     """Add the ``estimate`` sub-command to an argparse ``subparsers`` object."""
     p = subparsers.add_parser("estimate", help="predict a training step's peak GPU memory (no GPU needed)",
@@ -127,6 +116,8 @@ def run(args) -> int:
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
     fits = result.peak_reserved_bytes <= profile.budget_bytes() if profile else None
+    from ..levers.optimizers import trainable_gradient_bytes
+
     grads = trainable_gradient_bytes(model, args.optimizer)
     note = gradient_note(result.breakdown.get("gradients", 0), grads)
     if args.json:

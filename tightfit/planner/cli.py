@@ -114,19 +114,14 @@ def _card_and_budget(args):
     return profile, budget, notes
 
 
-def _gradient_bytes(model, optimizer: str) -> int:
-    """Bytes of every trainable parameter's gradient under ``optimizer`` (bf16 weights: bf16)."""
-    from ..memory.cli import trainable_gradient_bytes
-
-    return trainable_gradient_bytes(model, optimizer)
-
-
 def _print_json(result, model, notes: list[str]) -> None:
     """The search result as JSON on stdout (notes on stderr)."""
+    from ..levers.optimizers import trainable_gradient_bytes
     from ..memory.cli import gradient_note
 
     b = result.best
-    grad_note = gradient_note(b.breakdown.get("gradients", 0), _gradient_bytes(model, b.optimizer), b.accumulation_steps)
+    grad_note = gradient_note(b.breakdown.get("gradients", 0), trainable_gradient_bytes(model, b.optimizer),
+                              b.accumulation_steps)
     for n in notes:
         print(n, file=sys.stderr)
     d = result.to_dict()
@@ -136,6 +131,7 @@ def _print_json(result, model, notes: list[str]) -> None:
 
 def _print_text(args, result, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:
     """The plan, its predicted speed and memory breakdown and the runners-up, as text."""
+    from ..levers.optimizers import trainable_gradient_bytes
     from ..memory.cli import breakdown_lines
     from ..levers.blocks import describe_policies
     from ..units import format_bytes
@@ -163,7 +159,7 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
                                                  f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)"]))
     # "adamw (fused, fp32 state): ...": a parenthesis follows the name, any other reason a colon
     print(f"optimizer: {b.optimizer}" + ((" " if reason.startswith("(") else ": ") + reason if reason else ""))
-    print("\n".join(breakdown_lines(b.breakdown, _gradient_bytes(model, b.optimizer), b.accumulation_steps)))
+    print("\n".join(breakdown_lines(b.breakdown, trainable_gradient_bytes(model, b.optimizer), b.accumulation_steps)))
     print("runners-up:" if result.runners_up else "runners-up: none (the search had no other choice)")
     for c in result.runners_up[:8]:
         print(f"  {c.label():<52} {c.why}")

@@ -301,12 +301,10 @@ def search_space(model, make_batch, size: int, effective_batch: int, profile: De
         TightfitError: an unknown ``checkpointing``, or a ``precision`` the card cannot run.
     """
     from ..levers.blocks import find_blocks
-    from ..levers.optimizers import weights_dtype
+    from ..levers.optimizers import trainable_gradient_bytes
 
     n_blocks = len(find_blocks(model))
-    dtype = weights_dtype(optimizer)  # adamw8bit-bf16: bf16 gradients
-    grad_bytes = sum(p.numel() * (dtype.itemsize if dtype else p.element_size())
-                     for p in model.parameters() if p.requires_grad)
+    grad_bytes = trainable_gradient_bytes(model, optimizer)  # adamw8bit-bf16: bf16 gradients
     tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks), optimizer=optimizer)
     ends = {"auto": (0, n_blocks), "off": (0, 0), "on": (n_blocks, n_blocks)}.get(checkpointing)
     if ends is None:
