@@ -26,16 +26,33 @@ def spawn(spec: dict, world_size: int, out) -> list[dict]:
     port = free_port()
     ctx = mp.spawn(_entry, args=(world_size, port, spec, str(out)), nprocs=world_size, join=False)
     deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1.0):  # a rank left waiting in a collective must fail the test, not hang it
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise AssertionError(f"the ranks did not finish within {DEADLINE_S} s (a rank waits in a collective)")
+    try:
+        while not ctx.join(timeout=1.0):  # a rank left waiting in a collective must fail the test, not hang it
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise AssertionError(f"the ranks did not finish within {DEADLINE_S} s (a rank waits in a collective)")
+    except mp.ProcessExitedException as e:  # killed by a signal: what the ranks' C++ side said before
+        raise AssertionError(f"{e}\n" + _stderr_tails(out, world_size)) from e
     return [torch.load(os.path.join(str(out), f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
+def _stderr_tails(out, world_size: int, lines: int = 30) -> str:
+    tails = []
+    for r in range(world_size):
+        path = os.path.join(str(out), f"rank{r}.stderr")
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                kept = [x for x in f.read().splitlines() if "Failed to load" not in x and "Enum subclass" not in x]
+            tails.append(f"--- rank {r} stderr (last {lines} lines) ---\n" + "\n".join(kept[-lines:]))
+    return "\n".join(tails)
+
+
 def _entry(rank, world_size, port, spec, out):
+    # The rank's stderr (C++ included: a gloo abort prints there) goes to a file the test shows.
+    err = os.open(os.path.join(out, f"rank{rank}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(err, 2)
     torch.set_num_threads(1)
     result = train(rank, world_size, port, spec)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))

@@ -122,11 +122,14 @@ class World:
         return cls(rank, size, local, backend)
 
     def close(self) -> None:
-        """Leave the process group (after the last collective)."""
+        """Leave the process group (after the last collective, on every rank: it waits for all)."""
         if self.distributed:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                # No rank tears its connections down while a peer still uses them: gloo aborts
+                # the process (SIGABRT) when a peer closes a pair it is reading.
+                dist.barrier()
                 dist.destroy_process_group()
 
     def _device(self) -> torch.device:
