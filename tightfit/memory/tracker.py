@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from . import meta_cache
 from .allocator import make_allocator
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
@@ -104,6 +105,15 @@ def reduction_staging_bytes(func, args, sm_count: int = DEFAULT_SM_COUNT,
     return [4 * outputs * ctas * width * vec, 4 * grid_x]
 
 
+def _leaves(out):
+    """What an aten op returned, flat (torch's pytree only for nested results: it is slower)."""
+    if type(out) is torch.Tensor:
+        return (out,)
+    if type(out) in (tuple, list) and not any(type(t) in (tuple, list, dict) for t in out):
+        return out
+    return tree_leaves(out)
+
+
 class AllocationTracker(TorchDispatchMode):
     """Replays a meta-device trace through the allocator model.
 
@@ -134,8 +144,8 @@ class AllocationTracker(TorchDispatchMode):
         self.window_peak = 0  # max allocated bytes since the caller last set it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+        out = meta_cache.call(func, args, kwargs)  # a repeated op's layouts without its meta kernel
+        for t in _leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 self.track(t)
         ws = [n for n in (kernel_workspace_bytes(func, args, out),

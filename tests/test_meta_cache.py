@@ -1,0 +1,77 @@
+"""The estimator's reuse of meta-kernel layouts (tightfit.memory.meta_cache) changes no byte of
+an estimate; it only skips repeated meta kernels."""
+
+import pytest
+import torch
+
+from tightfit.devices import get_profile
+from tightfit.memory import meta_cache
+from tightfit.memory.estimate import estimate
+from tightfit.memory.tracker import AllocationTracker
+from tightfit.models import build_model
+from tightfit.plan import Plan
+
+# Each case: (model, size, plan, estimate keywords); together they cover accumulation, the three
+# precisions, the optimizer levers (8-bit and bf16 weights), per-block policies (selective
+# recompute and offload), a convolution net and a causal LM.
+CASES = [
+    ("bert-base", 128, Plan("fp16", 8, 32), dict(block_policies=["selective"] * 4 + ["offload"] * 4 + ["full"] * 2 + ["none"] * 2)),
+    ("bert-base", 64, Plan("bf16", 4, 4, optimizer="adamw8bit-bf16"), dict(checkpoint_blocks=[0, 1, 2])),
+    ("bert-base", 64, Plan("bf16", 4, 8, optimizer="adamw8bit"), dict(checkpoint_blocks="none")),
+    ("gpt2", 64, Plan("fp32", 2, 2), dict(checkpoint_blocks="all")),
+    ("resnet50", 64, Plan("bf16", 4, 8), dict(checkpoint_blocks="none")),
+]
+
+
+def _everything(e):
+    return e.peak_allocated_bytes, e.peak_reserved_bytes, e.breakdown, e.first_step_peak_reserved_bytes, e.extra
+
+
+@pytest.fixture
+def cache_state():
+    meta_cache.clear()
+    yield
+    meta_cache.enabled = True
+    meta_cache.clear()
+
+
+@pytest.mark.parametrize("name,size,plan,kw", CASES, ids=[c[0] + "-" + c[2].precision for c in CASES])
+def test_estimates_are_the_same_byte_for_byte_with_and_without_the_cache(cache_state, name, size, plan, kw):
+    model, make_batch = build_model(name)
+    batch = make_batch(1, size)
+    meta_cache.enabled = False
+    without = _everything(estimate(model, batch, plan, get_profile("h200"), **kw))
+    assert meta_cache.stats["hits"] == 0
+    meta_cache.enabled = True
+    cold = _everything(estimate(model, batch, plan, get_profile("h200"), **kw))
+    warm = _everything(estimate(model, batch, plan, get_profile("h200"), **kw))  # every op from the cache
+    assert meta_cache.stats["hits"] > 10 * meta_cache.stats["misses"]
+    assert cold == without and warm == without
+
+
+def test_only_fresh_outputs_are_made_from_the_cache(cache_state):
+    # A view and an in-place op give back (the storage of) their input: made afresh they would
+    # count a new allocation. They run their kernels every time; a product comes out new every time.
+    x = torch.empty(256, 256, device="meta")
+    with AllocationTracker() as tracker:
+        tracker.track(x)
+        held = tracker.allocator.allocated
+        for _ in range(3):
+            assert x.view(-1).untyped_storage() is x.untyped_storage()
+            assert x.add_(1) is x
+            assert tracker.allocator.allocated == held
+            a, b = torch.mm(x, x), torch.mm(x, x)
+            assert a.untyped_storage() is not b.untyped_storage() and a.shape == (256, 256)
+            assert tracker.allocator.allocated == held + 2 * 256 * 256 * 4
+            del a, b
+    assert meta_cache.stats["hits"] >= 5  # every mm after the first
+
+
+def test_a_layout_differs_when_only_dtype_or_strides_differ(cache_state):
+    with AllocationTracker():
+        a = torch.empty(4, 8, device="meta")
+        assert torch.mm(a, a.t()).dtype == torch.float32
+        h = a.to(torch.bfloat16)
+        assert torch.mm(h, h.t()).dtype == torch.bfloat16
+        t = torch.empty(8, 4, device="meta").t()  # same shape as a, other strides
+        assert (t + 1).stride() == t.stride() and (a + 1).stride() == a.stride()
