@@ -235,3 +235,44 @@ def test_nothing_fits_with_8bit_state_counts_8bit_state_and_offers_only_the_leve
     text = str(e.value)
     assert "x 10 B (fp32 weights 4 B, gradients 4 B, 8-bit AdamW moments 2 B)" in text
     assert not re.search(r"--optimizer adamw8bit\b(?!-bf16)", text) and "--optimizer adamw-offload" in text
+
+
+def test_a_lever_that_cannot_beat_the_plan_found_is_not_traced(m, monkeypatch):
+    """A lever whose time-model ceiling (whole effective batch in one micro-batch, nothing
+    recomputed) is below the best plan already found gets no trace, and the plan is the one a
+    search of every lever gives."""
+    import tightfit.planner.optimizers as po
+    from tightfit.levers.blocks import find_blocks
+    from tightfit.planner.cost import forward_cost
+
+    traced = {}
+
+    def counting(kind):
+        fn = estimator_for(m, make_batch, SEQ, H200, E, optimizer=kind)
+
+        def f(*a):
+            traced[kind] = traced.get(kind, 0) + 1
+            return fn(*a)
+        return f
+
+    def planned():
+        return search_optimizers(m, make_batch, SEQ, E, H200, 105 * MiB, counting, levers=True, precision="bf16",
+                                 host_bytes=64 << 30)
+
+    pruned = planned()
+    # at 105 MiB fp32 AdamW fits nothing, offload's plan predicts 910 samples/s, bf16 weights at most 334
+    assert pruned.best.optimizer == "adamw-offload" and "adamw8bit-bf16" not in traced
+    assert "adamw8bit-bf16: at most 334 samples/s even without accumulation or recomputation" in pruned.best.why
+    traced.clear()
+    monkeypatch.setattr(po, "unconstrained_samples_per_s", lambda *a: float("inf"))
+    full = planned()
+    assert traced.get("adamw8bit-bf16", 0) > 0
+    assert (full.best.optimizer, full.best.label(), full.best.samples_per_s) == \
+        (pruned.best.optimizer, pruned.best.label(), pruned.best.samples_per_s)
+    # the ceiling bounds every plan of its optimizer
+    monkeypatch.undo()
+    cost = forward_cost(m, make_batch, SEQ, len(find_blocks(m)))
+    for kind in ("adamw", "adamw8bit", "adamw-offload", "adamw8bit-bf16"):
+        r = plan(m, 160 * MiB, optimizer=kind)
+        ceiling = po.unconstrained_samples_per_s(cost, H200, kind, E, "bf16")
+        assert all(c.samples_per_s <= ceiling * (1 + 1e-9) for c in [r.best, *r.runners_up]), kind

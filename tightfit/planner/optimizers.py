@@ -8,7 +8,9 @@ checkpoints, with the state offloaded to the CPU (only where the host has the me
 with bf16 weights and 8-bit state (``adamw8bit-bf16``: bf16 autocast only, so only where the
 precision asked for is ``auto`` or ``bf16`` and the card runs bf16; it changes the numerics: no
 fp32 copy of the weights, updates stochastically rounded).
-The fastest predicted plan of those searched wins, and its reasons say why its optimizer was
+A lever whose time-model ceiling (:func:`unconstrained_samples_per_s`) is no faster than the
+best plan already found is not searched: none of its plans could win. The fastest predicted plan
+of those searched wins, and its reasons say why its optimizer was
 chosen and what it costs (state bytes on the GPU, the optimizer step's predicted time, host
 memory, bf16 weights). An explicit optimizer is searched alone.
 """
@@ -24,6 +26,8 @@ from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_bf1
                                  available_host_bytes, is_offloaded, offload_host_bytes, weights_dtype)
 from ..units import format_bytes
 from ..plan import OPTIMIZER_CHOICES
+from ..levers.blocks import find_blocks
+from .cost import forward_cost
 from .margins import HEADROOM, planned_limit
 from .search import NothingFitsError, SearchResult, search
 
@@ -124,6 +128,26 @@ def least_state_bytes(model, optimizer: str = "auto", levers: bool = True) -> tu
     return need[kind], kind
 
 
+def unconstrained_samples_per_s(cost, profile, kind: str, effective_batch: int, precision: str = "auto") -> float:
+    """The time model's samples/s for optimizer ``kind`` with no memory limit: the whole effective
+    batch in one micro-batch, no block recomputed or offloaded, the fastest precision allowed.
+    No plan with ``kind`` is predicted faster (each of those adds time, :class:`.cost.TimeModel`),
+    so a lever whose ceiling is at most the best already found need not be searched.
+
+    Args:
+        cost: the workload's :class:`.cost.ForwardCost`; ``profile``: the card.
+
+    Raises:
+        TightfitError: a ``precision`` the card cannot run.
+    """
+    from .cost import TimeModel
+    from .search import candidate_precisions
+
+    tm = TimeModel(profile, cost, optimizer=kind)
+    precisions = ["bf16"] if weights_dtype(kind) is not None else candidate_precisions(profile, precision)
+    return max(tm.samples_per_s(p, effective_batch, effective_batch, 0) for p in precisions)
+
+
 def _cost_line(model, result: SearchResult, kind: str, profile) -> str:
     """What the optimizer of ``result`` costs: GPU state bytes, step time, host memory."""
     b = result.best
@@ -196,6 +220,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         kinds, missing = (list(LEVER_OPTIMIZERS) if levers else []), []
     levers = bool(kinds)
     results, failures, short = {}, {}, {}  # short: why a lever was not searched, in a few words
+    forward = {}
     try:
         results["adamw"] = run("adamw")
     except NothingFitsError as e:
@@ -226,6 +251,15 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                 short[kind] = f"needs {format_bytes(need)} of pinned host memory, {format_bytes(have)} available"
                 failures[kind] = NothingFitsError(short[kind])
                 continue
+        found = max((r.best.samples_per_s for r in results.values()), default=0.0)
+        if found and "cost" not in forward:  # one meta forward for every lever's ceiling
+            forward["cost"] = forward_cost(model, make_batch, size, len(find_blocks(model)))
+        ceiling = unconstrained_samples_per_s(forward["cost"], profile, kind, effective_batch, precision) if found else 0
+        if found and ceiling <= found:  # it could not win: no trace spent on it
+            short[kind] = (f"at most {ceiling:.0f} samples/s even without accumulation or recomputation, "
+                           f"below the {found:.0f} already found")
+            failures[kind] = NothingFitsError(short[kind])
+            continue
         try:
             results[kind] = run(kind)
         except NothingFitsError as e:
