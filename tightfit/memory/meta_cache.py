@@ -40,7 +40,7 @@ def _describe(x, parts: list) -> bool:
     (A hand-written walk: torch's pytree costs more than the meta kernels it saves.)"""
     t = type(x)
     if t is torch.Tensor or t is torch.nn.Parameter:
-        if x.device.type != "meta":
+        if x.device.type != "meta" or x.layout != torch.strided:
             return False
         parts.append((tuple(x.shape), x.stride(), x.dtype, x.storage_offset()))
         return True
@@ -64,9 +64,10 @@ def _key(func, args, kwargs):
 
 def _fresh(t, inputs: set, seen: set) -> bool:
     """``t`` is a plain meta tensor of a new storage of its own, exactly its size."""
+    if type(t) is not torch.Tensor or t.device.type != "meta" or t.layout != torch.strided:
+        return False
     st = t.untyped_storage()
-    if (type(t) is not torch.Tensor or t.device.type != "meta" or id(st) in inputs or id(st) in seen
-            or t.storage_offset() != 0 or t.requires_grad):
+    if id(st) in inputs or id(st) in seen or t.storage_offset() != 0 or t.requires_grad:
         return False
     seen.add(id(st))
     return st.nbytes() == torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes()
@@ -75,7 +76,8 @@ def _fresh(t, inputs: set, seen: set) -> bool:
 def _layout(out, args, kwargs):
     """The outputs' layouts -- ``(kind, entries)`` for a tensor or a tuple/list of tensors and
     scalars -- or _UNCACHEABLE when one is not a fresh, whole, plain meta tensor."""
-    inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+              if isinstance(t, torch.Tensor) and t.layout == torch.strided}
     seen: set = set()
     kind, items = (type(out), out) if type(out) in (tuple, list) else (None, [out])
     entries = []
