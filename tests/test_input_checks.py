@@ -293,3 +293,38 @@ def test_a_folder_given_as_data_is_named_a_folder(tmp_path, capsys):
     from tightfit.cli import main
     assert main(["train", "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--device", "cpu"]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_a_model_without_logits_is_named_in_one_line():
+    """A plain nn.Module returning a tensor failed with AttributeError: 'Tensor' object has no attribute 'logits'."""
+    import torch
+
+    from tightfit.errors import TightfitError
+    from tightfit.tasks import ImageClassification
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, pixel_values):
+            return self.fc(pixel_values)
+
+    batch = {"pixel_values": torch.ones(3, 4), "labels": torch.zeros(3, dtype=torch.long)}
+    with pytest.raises(TightfitError, match=r"returned Tensor, not an output with \.logits"):
+        ImageClassification().loss_sum(Plain(), batch)
+
+
+def test_a_run_folder_that_cannot_be_created_is_one_line(tiny, tmp_path, capsys, monkeypatch):
+    """Under /proc the folder check passes for root but mkdir fails: it was a FileNotFoundError traceback."""
+    import pathlib
+
+    real = pathlib.Path.mkdir
+
+    def refuse(self, *a, **k):
+        if self.name == "run":
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", refuse)
+    _refused(capsys, tmp_path, ["--model", str(tiny[0]), "--data", str(tiny[1])], "cannot create the run folder")

@@ -477,7 +477,10 @@ class TrainRecipe:
             return
         out, step = self.out, self.trainer.step
         self.created = [] if out.exists() else [out]  # what interrupted() may remove: only what this run made
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
+            raise TightfitError(f"cannot create the run folder {out}: {e.strerror or e}") from e
         self.created += [out / n for n in ("request.json", "plan.json", "metrics.jsonl", "checkpoints")
                          if self.resume_from is None and not (out / n).exists()]
         if self.resume_from is None or self.changed:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import statistics
 import time
 import warnings
@@ -112,6 +113,9 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
     o = Path(out)
     if o.exists() and (not o.is_dir() or any(o.iterdir())):
         raise TightfitError(f"--out {o} exists and is not an empty folder; choose another")
+    parent = next((p for p in o.parents if p.exists()), Path("."))
+    if not o.exists() and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
+        raise TightfitError(f"cannot create --out {o}: {parent} is not a writable folder")
     return src
 
 

@@ -96,11 +96,25 @@ def count_samples(batch: Batch) -> int:
     return int(batch["labels"].numel())
 
 
+def _logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """``model(**inputs).logits``.
+
+    Raises:
+        TightfitError: the model's output has no ``.logits`` (a plain tensor, say).
+    """
+    out = model(**_inputs(batch))
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise TightfitError(f"the model returned {type(out).__name__}, not an output with .logits: its forward must "
+                            f"return e.g. a transformers ModelOutput (wrap it: return SimpleNamespace(logits=...))")
+    return logits
+
+
 def classification_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Summed (not averaged) cross-entropy of ``logits`` ``[B, C]`` against ``labels`` ``[B]``,
     as a 0-d fp32 tensor, so that dividing by the window's sample count gives the mean over the
     whole accumulation window."""
-    logits = model(**_inputs(batch)).logits
+    logits = _logits(model, batch)
     return F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
 
 
@@ -115,7 +129,7 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     padding; ``logits`` ``[B, T, V]``), as a 0-d fp32 tensor in nats: divided by the window's
     :func:`count_target_tokens`, the accumulated gradient is that of the token-level mean over
     the whole window."""
-    logits = model(**_inputs(batch)).logits[:, :-1].float()
+    logits = _logits(model, batch)[:, :-1].float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
                            ignore_index=-100, reduction="sum")
 
@@ -164,7 +178,7 @@ class SequenceClassification:
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
         """``{"correct", "loss_sum", "samples"}`` of one batch (argmax of fp32 logits)."""
-        logits = model(**_inputs(batch)).logits.float()
+        logits = _logits(model, batch).float()
         loss = F.cross_entropy(logits, batch["labels"], reduction="sum")
         return {"correct": int((logits.argmax(-1) == batch["labels"]).sum()), "loss_sum": float(loss),
                 "samples": count_samples(batch)}

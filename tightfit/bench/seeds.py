@@ -210,7 +210,7 @@ def run_seeds(out: str | Path, cfg: SeedsConfig = SeedsConfig()) -> dict:
         TightfitError: ``cfg.device`` is ``cuda`` and no CUDA GPU is visible.
     """
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise TightfitError("tightfit bench --suite seeds needs a CUDA GPU (the CPU smoke test: --device cpu)")
+        raise TightfitError("tightfit bench --suite seeds needs a CUDA GPU")
     import transformers
 
     out = Path(out)
