@@ -328,3 +328,13 @@ def test_a_run_folder_that_cannot_be_created_is_one_line(tiny, tmp_path, capsys,
 
     monkeypatch.setattr(pathlib.Path, "mkdir", refuse)
     _refused(capsys, tmp_path, ["--model", str(tiny[0]), "--data", str(tiny[1])], "cannot create the run folder")
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--image-size", "64"], r"--image-size does not apply: .* is a text model"),
+    (["--model", "resnet50", "--data", "digits", "--seq-len", "32", "--text-column", "t"],
+     r"--seq-len and --text-column do not apply: resnet50 is an image model"),
+])
+def test_options_of_the_other_kind_of_model_are_refused(args, match, tmp_path, capsys):
+    """`tightfit plan` refused them; `tightfit train` ignored them silently."""
+    _refused(capsys, tmp_path, args, match)

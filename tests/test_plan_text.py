@@ -8,3 +8,27 @@ def test_the_optimizer_line_of_fp32_adamw_that_stands(capsys):
     assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--budget", "1GiB"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("optimizer:"))
     assert line.startswith("optimizer: adamw (fused, fp32 state): the plan fits without accumulation"), line
+
+
+def test_a_checkpointed_plan_shows_the_estimators_margin_on_its_own_line(capsys):
+    """The margin was folded into allocator_overhead, so `tightfit estimate` of the same step
+    showed a smaller overhead with no word why."""
+    import json
+
+    argv = ["plan", "--model", "minilm", "--seq-len", "128", "--batch-size", "256", "--budget", "1GiB",
+            "--checkpointing", "on", "--optimizer", "adamw"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("estimator_margin"))
+    assert "kept free for the estimator's error" in line, line
+    assert main(argv + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["breakdown"]["estimator_margin"] > 0
+    assert sum(d["breakdown"].values()) == d["predicted_peak_bytes"]
+
+
+def test_plan_warns_of_fp16_on_a_card_without_tensor_cores(capsys):
+    """`tightfit train` noted it; `tightfit plan` said nothing while predicting 1/60 of fp32's speed."""
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "gtx-1080-ti",
+                 "--precision", "fp16"]) == 0
+    assert "runs fp16 at 1/64 of its fp32 rate" in capsys.readouterr().out

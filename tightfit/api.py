@@ -309,8 +309,9 @@ class TrainRecipe:
 
         self.device_name = "CPU" if self.device == "cpu" else torch.cuda.get_device_name(0)
         name = self.source.about
-        n_params = sum(p.numel() for p in self.model.parameters()) / 1e6
-        log.info(f"tightfit {__version__}: fine-tuning {name} ({n_params:.1f}M parameters) on {self.data.source}: "
+        n = sum(p.numel() for p in self.model.parameters())
+        count = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"  # a tiny model is not "0.0M"
+        log.info(f"tightfit {__version__}: fine-tuning {name} ({count} parameters) on {self.data.source}: "
                  f"{len(self.train_data)} training / {len(self.eval_data)} held-out samples, "
                  f"classes {self.data.label_names}")
         for n in self.notes:

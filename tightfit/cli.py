@@ -20,7 +20,7 @@ def _train_parser(sub):
     """Add ``tightfit train`` (its options come from :mod:`tightfit.config`) and return its parser."""
     from .config import add_train_arguments
 
-    p = sub.add_parser("train", help="fine-tune a text classifier under a GPU memory budget",
+    p = sub.add_parser("train", help="fine-tune a text or image classifier under a GPU memory budget",
                        description="Fine-tune a Hugging Face model on labelled text under a GPU memory budget. "
                                    "With no arguments: the shipped MiniLM on Rotten Tomatoes fresh/rotten reviews.")
     add_train_arguments(p)

@@ -237,9 +237,9 @@ class TrainOptions(_Options):
 
     def _check_together(self) -> None:
         """The length of training and the learning rate: positive and finite."""
-        if not (math.isfinite(self.epochs) and math.isfinite(self.lr)) or self.epochs <= 0 or self.lr <= 0 \
-                or (self.max_steps is not None and self.max_steps < 1):
-            raise TightfitError("--epochs, --lr and --max-steps must be positive and finite")
+        for flag, v in (("--epochs", self.epochs), ("--lr", self.lr), ("--max-steps", self.max_steps)):
+            if v is not None and not (math.isfinite(v) and v > 0):  # NaN fails too
+                raise TightfitError(f"{flag} must be positive and finite, not {v}")
         for flag, temp in (("--warn-temp", self.warn_temp_c), ("--cooldown-temp", self.cooldown_temp_c)):
             if temp is not None and not 0 < temp < 150:  # NaN fails too
                 raise TightfitError(f"{flag} must be a GPU temperature in deg C between 0 and 150, not {temp}")

@@ -53,7 +53,9 @@ def recipe_class(req: TrainRequest) -> type[TrainRecipe]:
         TightfitError: image data (``digits`` or a folder) with a text model; an unknown model.
     """
     model, data = _model_and_data(req)
-    if is_image_model(resolve(model)):
+    image = is_image_model(resolve(model))
+    _refuse_options_of_the_other_kind(req, model, image)
+    if image:
         return ImageTrainRecipe
     if is_image_data(data):
         what = "digits, images" if data == "digits" else "a folder, read as images (one subfolder per class)"
@@ -61,6 +63,24 @@ def recipe_class(req: TrainRequest) -> type[TrainRecipe]:
                             "image model (--model resnet50, --model vit-b16, or a folder of an image classifier), "
                             "or for text one CSV, TSV or JSONL file")
     return TrainRecipe
+
+
+def _refuse_options_of_the_other_kind(req: TrainRequest, model: str | None, image: bool) -> None:
+    """Text options with an image model, or image options with a text model, are refused (they
+    would be ignored), as ``tightfit plan`` refuses them.
+
+    Raises:
+        TightfitError: such an option differs from its default.
+    """
+    from .config import WorkloadOptions
+
+    w, default = req.workload, WorkloadOptions()
+    other = ("seq_len", "text_column") if image else ("image_size", "image_column")
+    given = [f"--{k.replace('_', '-')}" for k in other if getattr(w, k) != getattr(default, k)]
+    if given and not req.run.resume:
+        kind, takes = ("an image model", "images") if image else ("a text model", "text")
+        raise TightfitError(f"{' and '.join(given)} {'do' if len(given) > 1 else 'does'} not apply: "
+                            f"{model or 'the default model'} is {kind} and takes {takes}")
 
 
 def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size: int | None):

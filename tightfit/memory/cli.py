@@ -42,12 +42,17 @@ def gradient_note(gradients_at_peak: int, all_gradient_bytes: int, accumulation_
     return ""
 
 
+MARGIN_NOTE = ("kept free for the estimator's error on checkpointed steps; not in `tightfit estimate`'s peak; "
+               "on a GPU, real probe steps verify the plan instead")
+
+
 def breakdown_lines(breakdown: dict, all_gradient_bytes: int, accumulation_steps: int = 1) -> list[str]:
     """The per-component bytes at the peak as indented display lines, the gradients with
     :func:`gradient_note`."""
     lines = []
     for k, v in breakdown.items():
-        note = gradient_note(v, all_gradient_bytes, accumulation_steps) if k == "gradients" else ""
+        note = gradient_note(v, all_gradient_bytes, accumulation_steps) if k == "gradients" else \
+            MARGIN_NOTE if k == "estimator_margin" else ""
         lines.append(f"  {k:<20}{format_bytes(v)}" + (f"  ({note})" if note else ""))
     return lines
 

@@ -50,6 +50,10 @@ def run(args) -> int:
 
     profile, budget, notes = _card_and_budget(args)
     check_precision(args.optimizer, args.precision, profile)  # bf16 weights: bf16 autocast only
+    if args.precision != "auto":  # e.g. fp16 on a card without tensor cores: as `tightfit train` notes it
+        from ..levers.precision import check_precision as check_card_precision
+
+        notes += check_card_precision(args.precision, profile)
     model, make_batch = build_model(args.model)
     if args.trainable == "lora":  # as `tightfit train --trainable lora` wraps it before planning
         from ..levers.lora import apply_lora, trainable_note
@@ -98,6 +102,7 @@ def _card_and_budget(args):
     if not args.gpu and not args.budget:
         raise TightfitError("give --gpu PROFILE or --budget SIZE")
     check_option(WorkloadOptions, "batch_size", args.batch_size)  # as `tightfit train` checks them
+    check_option(PlanOptions, "precision", args.precision)
     check_option(PlanOptions, "checkpointing", args.checkpointing)
     check_option(PlanOptions, "optimizer", args.optimizer)
     check_option(WorkloadOptions, "trainable", args.trainable)
