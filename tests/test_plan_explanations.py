@@ -286,3 +286,16 @@ def test_an_optimizer_whose_candidates_do_not_fit_for_real_falls_back_to_the_nex
     assert "optimizer adamw8bit; its state 1 GiB" in plan.reasons and not any("as asked" in r for r in plan.reasons)
     with pytest.raises(gpu.NotFitForReal):  # asked for fp32 AdamW: no fallback
         gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off", optimizer="adamw")
+
+
+def test_a_budget_below_the_model_state_agrees_with_its_offload_line(capsys):
+    """The headline said offload needs at least 418.60 MiB (gradients freed once copied) while
+    offload's own line counted its state alone: "still 535.29 MiB over" for the same 300 MiB."""
+    from tightfit.units import parse_size
+
+    assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "32", "--budget", "300MiB"]) == 2
+    err = capsys.readouterr().err
+    short = re.search(r"optimizer adamw-offload needs at least .*, by ([\d.]+ MiB)", err)
+    line = re.search(r"AdamW state in CPU memory .*: -[\d.]+ GiB, still ([\d.]+ MiB) over", err)
+    assert short and line, err
+    assert abs(parse_size(short.group(1)) - parse_size(line.group(1))) <= 4 * 2**20  # small tensors stay on the GPU

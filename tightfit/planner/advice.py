@@ -138,14 +138,16 @@ def _input_embedding_params(model) -> int:
 
 
 def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float,
-                optimizer: str = "adamw") -> list[str]:
+                optimizer: str = "adamw", accumulating: bool | None = None) -> list[str]:
     """One line per lever (the optimizer levers with their ``--optimizer`` value, the others
     marked not yet available): the bytes it would save at a step whose peak is
     ``peak_bytes`` with ``gradients_at_peak`` bytes of gradients held there, and whether that
     alone brings the step under ``limit`` (all in bytes; the savings are per parameter, so they
     leave out the caching allocator's rounding, a few MiB at most). The embeddings' gradients
     count as held only when all gradients are (accumulation). An optimizer lever already in use
-    (``optimizer``) is not offered again, and offload saves what ``optimizer`` keeps on the GPU."""
+    (``optimizer``) is not offered again, and offload saves what ``optimizer`` keeps on the GPU, and
+    without accumulation (``accumulating``; None: when all gradients are held at the peak) the
+    gradients too, since it frees each once copied to the host."""
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     held = gradients_at_peak >= GRADIENT_B * trainable  # all of them, as when accumulating
@@ -156,6 +158,7 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
 
     later = "not yet available in tightfit"
     state_b = _state_on_gpu(optimizer)[0]
+    freed = 0 if (held if accumulating is None else accumulating) else gradients_at_peak  # offload frees them
     levers = [
         (f"8-bit AdamW state (--optimizer adamw8bit: two 1-byte moments instead of two fp32 ones, "
          f"{ADAMW_STATE_B - ADAMW_8BIT_STATE_B} B x {trainable:,} trainable parameters)",
@@ -163,8 +166,9 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
         (f"AdamW state in CPU memory (--optimizer adamw-offload: {state_b} B x {trainable:,} off the GPU, "
          f"{format_bytes(16 * trainable)} of pinned host memory; each optimizer step "
          f"then moves {format_bytes((WEIGHT_B + GRADIENT_B) * trainable)} over the host link, about "
-         f"{(WEIGHT_B + GRADIENT_B) * trainable / host_link_bytes_per_s:.2f} s, plus the CPU's AdamW step)",
-         state_b * trainable),
+         f"{(WEIGHT_B + GRADIENT_B) * trainable / host_link_bytes_per_s:.2f} s, plus the CPU's AdamW step"
+         + (", and without accumulation each gradient is freed on the GPU once copied" if freed else "") + ")",
+         state_b * trainable + freed),
         (f"bf16 weights and gradients with no fp32 master copy (--optimizer adamw8bit-bf16, 8-bit AdamW state "
          f"and stochastically rounded updates, bf16 autocast only; it changes the numerics; 2 B less per weight"
          + (", and half the gradients held" if held else "")
@@ -203,7 +207,7 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
     params = sum(p.numel() for p in model.parameters())
     state = params * 16
     lines = lever_lines(model, state, budget, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
-                        host_link_bytes_per_s)
+                        host_link_bytes_per_s, accumulating=False)  # the least state: no accumulation
     raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(least)} of model state that "
                         f"optimizer {kind} needs at least (fp32 AdamW: fp32 weights ({format_bytes(4 * params)}), "
                         f"gradients and state, 16 B per parameter, {format_bytes(state)}), by "
