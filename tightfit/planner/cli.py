@@ -165,7 +165,8 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
     # "adamw (fused, fp32 state): ...": a parenthesis follows the name, any other reason a colon
     print(f"optimizer: {b.optimizer}" + ((" " if reason.startswith("(") else ": ") + reason if reason else ""))
     print("\n".join(breakdown_lines(b.breakdown, trainable_gradient_bytes(model, b.optimizer), b.accumulation_steps)))
-    print("runners-up:" if result.runners_up else "runners-up: none (the search had no other choice)")
+    print(f"runners-up with {result.best.optimizer}:" if result.runners_up else
+          f"runners-up with {result.best.optimizer}: none (the search had no other choice; the optimizer line compares the others)")
     for c in result.runners_up[:8]:
         print(f"  {c.label():<52} {c.why}")
     print(f"(planned in {result.seconds:.1f} s, no GPU used)")
