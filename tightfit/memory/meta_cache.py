@@ -28,8 +28,8 @@ enabled = True  # off: every call runs its meta kernel (the tests compare both)
 def _makes_fresh_outputs(func) -> bool:
     fresh = _fresh_ops.get(func)
     if fresh is None:
-        schema = func._schema
-        fresh = (not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+        schema = getattr(func, "_schema", None)  # None: not an aten overload (e.g. a higher-order op)
+        fresh = (schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
                  and all(a.alias_info is None for a in schema.arguments))
         _fresh_ops[func] = fresh
     return fresh
