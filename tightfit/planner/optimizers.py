@@ -27,7 +27,7 @@ from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_bf1
 from ..units import format_bytes
 from ..plan import OPTIMIZER_CHOICES
 from ..levers.blocks import find_blocks
-from .cost import forward_cost
+from .cost import TimeModel, forward_cost
 from .margins import HEADROOM, planned_limit
 from .search import NothingFitsError, SearchResult, search
 
@@ -140,7 +140,6 @@ def unconstrained_samples_per_s(cost, profile, kind: str, effective_batch: int, 
     Raises:
         TightfitError: a ``precision`` the card cannot run.
     """
-    from .cost import TimeModel
     from .search import candidate_precisions
 
     tm = TimeModel(profile, cost, optimizer=kind)
@@ -252,14 +251,15 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                 failures[kind] = NothingFitsError(short[kind])
                 continue
         found = max((r.best.samples_per_s for r in results.values()), default=0.0)
-        if found and "cost" not in forward:  # one meta forward for every lever's ceiling
-            forward["cost"] = forward_cost(model, make_batch, size, len(find_blocks(model)))
-        ceiling = unconstrained_samples_per_s(forward["cost"], profile, kind, effective_batch, precision) if found else 0
-        if found and ceiling <= found:  # it could not win: no trace spent on it
-            short[kind] = (f"at most {ceiling:.0f} samples/s even without accumulation or recomputation, "
-                           f"below the {found:.0f} already found")
-            failures[kind] = NothingFitsError(short[kind])
-            continue
+        if found:  # a lever that could not win gets no trace
+            if "cost" not in forward:  # one meta forward for every lever's ceiling
+                forward["cost"] = forward_cost(model, make_batch, size, len(find_blocks(model)))
+            ceiling = unconstrained_samples_per_s(forward["cost"], profile, kind, effective_batch, precision)
+            if ceiling <= found:
+                short[kind] = (f"at most {ceiling:.0f} samples/s even without accumulation or recomputation, "
+                               f"below the {found:.0f} already found")
+                failures[kind] = NothingFitsError(short[kind])
+                continue
         try:
             results[kind] = run(kind)
         except NothingFitsError as e:
