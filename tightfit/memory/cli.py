@@ -65,7 +65,9 @@ def add_parser(subparsers) -> None:
     add_model_arguments(p)
     p.add_argument("--micro-batch", type=int, required=True, help="samples per forward/backward pass")
     p.add_argument("--precision", default="fp32", help="fp32|fp16|bf16 (autocast; default fp32)")
-    p.add_argument("--checkpointing", default="none", help="none|all|comma-separated block indices (default none)")
+    p.add_argument("--checkpointing", default="none",
+                   help="none|all|comma-separated block indices (default none; off and on, as tightfit plan "
+                        "and train write them, mean none and all)")
     p.add_argument("--optimizer", default="adamw",
                    help="adamw (fused; default) | adamw-foreach (multi-tensor: one more fp32 copy of the "
                         "parameters at its step) | sgd (momentum) | adamw8bit | adamw-offload | adamw8bit-bf16 "
