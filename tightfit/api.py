@@ -32,7 +32,7 @@ from .config import PlanOptions, TrainRequest
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
-from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text
+from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, unwritable_folder
 from .report.summary import RunInfo, RunSummary
 from .rng import seed_everything
 from .units import format_bytes, parse_size
@@ -673,6 +673,6 @@ def _check_out(out: Path, resuming: bool) -> None:
         raise TightfitError(f"--out {out} is a file, not a folder")
     if not resuming and out.exists() and any(out.iterdir()):
         raise TightfitError(f"output folder {out} exists and is not empty; choose another --out")
-    parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise TightfitError(f"cannot create the run folder {out}: {parent} is not a writable folder")
+    blocked = unwritable_folder(out)
+    if blocked is not None:
+        raise TightfitError(f"cannot create the run folder {out}: {blocked} is not a writable folder")

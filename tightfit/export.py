@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import statistics
 import time
 import warnings
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .errors import TightfitError
-from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text
+from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, unwritable_folder
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -113,9 +112,9 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
     o = Path(out)
     if o.exists() and (not o.is_dir() or any(o.iterdir())):
         raise TightfitError(f"--out {o} exists and is not an empty folder; choose another")
-    parent = next((p for p in o.parents if p.exists()), Path("."))
-    if not o.exists() and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
-        raise TightfitError(f"cannot create --out {o}: {parent} is not a writable folder")
+    blocked = unwritable_folder(o)
+    if blocked is not None:
+        raise TightfitError(f"cannot create --out {o}: {blocked} is not a writable folder")
     return src
 
 

@@ -77,3 +77,12 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def unwritable_folder(path: str | Path) -> Path | None:
+    """Where a folder ``path`` could not be written: the folder itself if it exists, else its
+    nearest existing ancestor, when that is not a folder this process may write into; None when
+    it can be created (or written) there."""
+    path = Path(path)
+    where = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
+    return None if where.is_dir() and os.access(where, os.W_OK | os.X_OK) else where
