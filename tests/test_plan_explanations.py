@@ -65,7 +65,7 @@ def test_every_speed_names_its_timing_and_the_deciding_one_is_said(monkeypatch, 
     assert len(decided) == 1, reasons
     for r in reasons:  # every figure says where it comes from
         if "samples/s" in r:
-            assert re.search(r"verification timing|retim|after compilation|predicted", r), r
+            assert re.search(r"verification timing|retim|after compilation|predicted|timed again", r), r
     verified = [(r, float(re.search(r": (\d+) samples/s", r).group(1))) for r in reasons
                 if r.startswith("verification timing")]
     winner = [v for r, v in verified if r.endswith("the fastest verified")]
@@ -84,6 +84,8 @@ def test_every_speed_names_its_timing_and_the_deciding_one_is_said(monkeypatch, 
         assert "compared only within one timing" in decided[0]
     else:
         assert not plan.compile and "verification timing chose" in decided[0]
+        # an eager plan not retimed against a compiled one is timed again for its probed speed
+        assert [r for r in reasons if r.startswith("the plan timed again (5 timed steps, the median)")], reasons
 
 
 # -- fault 8: nothing fits -> the way forward --------------------------------------------------

@@ -124,7 +124,8 @@ def _fake_gpu_plan(monkeypatch, run_samples):
     compiled = []
 
     def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
-        sps = 400.0 if compiled else 240.0
+        # eager: 240 in the verification's 2 timed steps, 220 when timed again with 5 (the steady state)
+        sps = 400.0 if compiled else (220.0 if timed_steps == gpu.RETIMED_STEPS else 240.0)
         return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (sps * math.ceil(E / mb)), 1)
 
     monkeypatch.setattr(gpu, "search_optimizers", lambda *a, **k: result)
@@ -145,7 +146,10 @@ def test_a_run_too_short_to_repay_compilation_is_not_compiled_and_the_reason_say
     short, timings = _fake_gpu_plan(monkeypatch, run_samples=240 * 30)  # 30 s at the eager 240 samples/s
     assert not short.compile
     assert any("torch.compile not tried: the run is predicted to take 30 s" in r for r in short.reasons)
-    assert timings["probed_samples_per_s"] == pytest.approx(240.0) and timings["predicted_samples_per_s"] == 300.0
+    # the probed speed is the chosen plan timed again (5 steps), not the verification's figure
+    assert timings["probed_samples_per_s"] == pytest.approx(220.0) and timings["predicted_samples_per_s"] == 300.0
+    assert any(r.startswith("the plan timed again (5 timed steps, the median)") and "220 samples/s" in r
+               for r in short.reasons)
     assert {"search_s", "verify_s", "compile_s"} <= set(timings)
     long, timings = _fake_gpu_plan(monkeypatch, run_samples=240 * 600)
     assert long.compile and timings["probed_samples_per_s"] == pytest.approx(400.0)
@@ -511,3 +515,22 @@ def test_a_background_checkpoint_from_the_gpu_holds_its_step(tmp_path):
     saved = load_file(path / "model.safetensors")
     assert all(torch.equal(saved[k], expected[k]) for k in saved)
     assert read_state(path)["optimizer"]["state"][0]["exp_avg"].device.type == "cpu"
+
+
+def test_the_probes_step_time_is_the_median_of_its_timed_steps_not_the_fastest(monkeypatch):
+    """A host-bound step's fastest of a few timings over-states the run's steady state: the probe
+    reports the median (the first, untimed step allocates the optimizer's state)."""
+    import tightfit.planner.probe as probe
+    from tightfit.workload import Workload
+
+    durations = iter([9.0, 0.1, 0.5, 0.2])  # the untimed first step, then three timed ones
+    clock = [0.0]
+
+    def step(*args, **kwargs):
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(probe, "training_step", step)
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
+    w = Workload(tiny_bert(), SyntheticBatches(16, seq_len=8), None, 8)
+    seconds, micro_batches = probe.run_probe_steps(w, 8, "fp32", "adamw", timed_steps=3)
+    assert seconds == pytest.approx(0.2) and micro_batches == 1

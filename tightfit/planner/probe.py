@@ -9,7 +9,7 @@ stay bit-identical; the RNG states are restored and the probe's memory released 
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -43,7 +43,7 @@ class ProbeResult:
     fits: bool
     peak_reserved_bytes: int | None
     peak_allocated_bytes: int | None
-    step_seconds: float | None = None  # wall time of a steady-state step (the fastest timed step)
+    step_seconds: float | None = None  # wall time of a steady-state step (the median timed step)
     micro_batches: int = 1  # micro-batches in that step
 
 
@@ -52,7 +52,7 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     """Run ``1 + timed_steps`` full training steps of ``micro_batch`` worst-case samples on the
     model's CUDA device (:func:`run_probe_steps`): the first allocates the optimizer's state;
     the timed ones run two micro-batches when the plan accumulates (so gradients are held), and
-    the fastest of them is the step time (more timed steps give a steadier time).
+    their median is the step time (more timed steps give a steadier time).
 
     Args:
         precision: the plan's precision (autocast, and loss scaling for fp16).
@@ -106,8 +106,11 @@ def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimi
     window's gradients are held: the timed steps do two micro-batches to see that.
 
     Returns:
-        ``(seconds, micro_batches)``: wall time of the fastest timed step (synchronised with
-        the device), and the micro-batches in it.
+        ``(seconds, micro_batches)``: the median wall time of the timed steps (each
+        synchronised with the device), and the micro-batches in each. The median, not the
+        fastest: the probe stands for the run's steady state, and a host-bound step's fastest
+        of a few over-states it (on an NVIDIA H200 the main job's fastest of 30 steps was 8%
+        under their median, bench/results/speed-2).
 
     Raises:
         Any error of a step, unchanged (an OOM included); the gradients are freed first and the
@@ -133,12 +136,12 @@ def _probe_steps(workload: Workload, micro_batch: int, precision: str, optimizer
         for _ in range(n):
             yield {k: v.to(device) for k, v in workload.train.worst_case(micro_batch).items()}
 
-    seconds = math.inf
+    times = []
     try:
         with module_mode(model, True):  # dropout active, as in the run: its masks are saved too
             # The first step allocates the optimizer's state; the later ones run forward and backward
             # with that state held -- the steady state of every later step (one step alone
-            # under-predicts). The fastest timed step is the step time (one alone is noisy).
+            # under-predicts). The median timed step is the step time (one alone is noisy).
             for i, micro_batches in enumerate((1,) + (2 if accumulating else 1,) * max(1, timed_steps)):
                 hold_gradients(opt, micro_batches)
                 t0 = time.perf_counter()
@@ -146,11 +149,11 @@ def _probe_steps(workload: Workload, micro_batch: int, precision: str, optimizer
                               opt, scaler, lambda: autocast(precision, device.type))
                 _synchronize(device)
                 if i:
-                    seconds = min(seconds, time.perf_counter() - t0)
+                    times.append(time.perf_counter() - t0)
     finally:
         opt.zero_grad(set_to_none=True)
         release(opt)  # a throw-away optimizer leaves no hook on the model
-    return seconds, micro_batches
+    return statistics.median(times), micro_batches
 
 
 def _synchronize(device: torch.device) -> None:
