@@ -15,15 +15,13 @@ separate the probe's measurement from the run's:
 - ``Trainer.train_step``: the runtime's step (prefetch on, next window scheduled) on the same
   windows, synchronised after each step, and without it.
 
-and the runtime's step with Python's garbage collector paused (as ``fit`` pauses it) against
-automatic collection, in alternating blocks. Then it trains again (plan from the cache): as
-before, with automatic garbage collection, and without checkpoints, and reports each run's
-steady samples/s (the median of its 10-step windows). Writes ``OUTDIR/step-gap.md`` and ``OUTDIR/step-gap.json``.
+Then it trains again (plan from the cache), and once more without checkpoints, and reports each
+run's steady samples/s (the median of its 10-step windows). (Commit a8b0520's version also timed
+the step with Python's garbage collector paused, as torchtitan does; no gain showed.) Writes ``OUTDIR/step-gap.md`` and ``OUTDIR/step-gap.json``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -56,16 +54,8 @@ def _times(fn, steps: int, sync_each: bool) -> list[float]:
     return out
 
 
-@contextlib.contextmanager
-def _automatic_gc(every: int = 0):
-    from tightfit.runtime.collector import PausedCollector
-
-    yield PausedCollector(2**62)  # the collector left as it is: automatic collection on
-
-
 def experiments(tr) -> dict:
     from tightfit.levers.precision import autocast, make_grad_scaler
-    from tightfit.runtime.collector import collector_paused
     from tightfit.runtime.prefetch import Prefetcher
     from tightfit.step import make_optimizer, module_mode, training_step
 
@@ -109,18 +99,6 @@ def experiments(tr) -> dict:
     for name, sync in (("Trainer.train_step", True), ("Trainer.train_step, no sync", False)):
         t = _times(trainer_step, TIMED, sync)
         rows[name] = {"min_ms": 1e3 * min(t), "median_ms": 1e3 * statistics.median(t)}
-    # Python's GC paused as fit() pauses it, against automatic collection: alternating blocks
-    paused, automatic = [], []
-    for block in range(6):
-        if block % 2 == 0:
-            with collector_paused() as c:
-                paused += _times(lambda i: (trainer_step(i), c.step()), TIMED, True)
-        else:
-            automatic += _times(trainer_step, TIMED, True)
-    for name, t in (("Trainer.train_step, GC paused (3 x 30 steps)", paused),
-                    ("Trainer.train_step, automatic GC (3 x 30 steps)", automatic)):
-        rows[name] = {"min_ms": 1e3 * min(t), "median_ms": 1e3 * statistics.median(t),
-                      "mean_ms": 1e3 * statistics.mean(t)}
     tr.loader.close()
     return {"micro_batch": mb, "rows": rows, "threads_after_fit": threads}
 
@@ -129,8 +107,6 @@ def main(outdir: Path, argv: list[str]) -> None:
     from tightfit import api
     from tightfit.cli import _parser
     from tightfit.config import TrainRequest
-    from tightfit.runtime import trainer as trainer_module
-    from tightfit.runtime.collector import collector_paused
     from tightfit.runtime.trainer import Trainer
 
     results = {"argv": argv, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
@@ -149,13 +125,11 @@ def main(outdir: Path, argv: list[str]) -> None:
 
     Trainer.__init__, Trainer.fit = init, fit
     runs = []
-    variants = [("default", {}, [], False), ("default again (plan from the cache)", {}, [], False),
-                ("automatic Python GC (as before)", {}, [], True),
-                ("no checkpoints", {"checkpoint_dir": None}, [], False)]
-    for i, (name, over, extra, auto_gc) in enumerate(variants):
+    variants = [("default", {}, []), ("default again (plan from the cache)", {}, []),
+                ("no checkpoints", {"checkpoint_dir": None}, [])]
+    for i, (name, over, extra) in enumerate(variants):
         overrides.clear()
         overrides.update(over)
-        trainer_module.collector_paused = _automatic_gc if auto_gc else collector_paused
         req = TrainRequest.from_args(_parser().parse_args(["train", *argv, *extra, "--out", f"/tmp/step-gap-{i}"]))
         t0 = time.perf_counter()
         s = api.train(req)

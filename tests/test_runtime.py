@@ -250,37 +250,3 @@ def test_fp16_unscales_once_before_clipping_and_skipped_step_updates_the_scale(m
     assert t.scaler.get_scale() == 32768.0  # the update ran: backed off by 0.5
     for n, p in w.model.named_parameters():
         assert torch.equal(p, before[n]), n
-
-
-def test_python_gc_is_paused_during_training_collected_every_few_steps_and_restored(make_workload, monkeypatch):
-    """The loop turns automatic garbage collection off (the model and data frozen), collects the
-    young generations every few steps (reference cycles made by the steps do not pile up), and
-    gives the collector back as it was."""
-    import gc
-
-    import tightfit.runtime.collector as collector
-
-    monkeypatch.setattr(collector, "EVERY", 2)
-    monkeypatch.setattr(collector.collector_paused, "__defaults__", (2,))
-    seen, collected = [], []
-    original = Trainer.train_step
-
-    class Cycle:
-        def __init__(self):
-            self.me = self
-
-    def step(self, window):
-        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
-        Cycle()  # garbage only a collection frees
-        return original(self, window)
-
-    monkeypatch.setattr(Trainer, "train_step", step)
-    gc.callbacks.append(lambda phase, info: phase == "stop" and collected.append(info["generation"]))
-    try:
-        assert gc.isenabled()
-        _train(make_workload(n=32), 4)
-    finally:
-        gc.callbacks.pop()
-    assert seen and all(s == (False, True) for s in seen)  # off and frozen during every step
-    assert gc.isenabled() and gc.get_freeze_count() == 0
-    assert collected.count(1) >= len(seen) // 2 - 1  # gc.collect(1) every 2 steps

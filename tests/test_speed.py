@@ -111,8 +111,9 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
     assert calls == [24, 24]  # --replan plans afresh
 
 
-def _fake_gpu_plan(monkeypatch, run_samples):
-    """plan_on_gpu on the CPU with the search's answer and every probe faked (eager 240 samples/s)."""
+def _fake_gpu_plan(monkeypatch, run_samples, compile="auto"):
+    """plan_on_gpu on the CPU with the search's answer and every probe faked (eager 240 samples/s, 220
+    timed again; compiled 400, 380 timed again)."""
     import tightfit.planner.gpu as gpu
     from tightfit.devices import get_profile
     from tightfit.planner.probe import ProbeResult
@@ -125,7 +126,9 @@ def _fake_gpu_plan(monkeypatch, run_samples):
 
     def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
         # eager: 240 in the verification's 2 timed steps, 220 when timed again with 5 (the steady state)
-        sps = 400.0 if compiled else (220.0 if timed_steps == gpu.RETIMED_STEPS else 240.0)
+        # compiled: 400, and 380 when timed again with 5 (compiled plans with --compile on)
+        retimed = timed_steps == gpu.RETIMED_STEPS
+        sps = (380.0 if retimed else 400.0) if compiled else (220.0 if retimed else 240.0)
         return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (sps * math.ceil(E / mb)), 1)
 
     monkeypatch.setattr(gpu, "search_optimizers", lambda *a, **k: result)
@@ -138,7 +141,8 @@ def _fake_gpu_plan(monkeypatch, run_samples):
     monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
     w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)
     timings = {}
-    plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, run_samples=run_samples, timings=timings)
+    plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, run_samples=run_samples, timings=timings,
+                           compile=compile)
     return plan, timings
 
 
@@ -152,7 +156,12 @@ def test_a_run_too_short_to_repay_compilation_is_not_compiled_and_the_reason_say
                for r in short.reasons)
     assert {"search_s", "verify_s", "compile_s"} <= set(timings)
     long, timings = _fake_gpu_plan(monkeypatch, run_samples=240 * 600)
-    assert long.compile and timings["probed_samples_per_s"] == pytest.approx(400.0)
+    # retimed side by side (5 steps each): compiled 380 vs eager 220, compiled kept
+    assert long.compile and timings["probed_samples_per_s"] == pytest.approx(380.0)
+    forced, timings = _fake_gpu_plan(monkeypatch, run_samples=240 * 30, compile="on")
+    # --compile on: no retiming, so the compiled plan is timed again for its probed speed
+    assert forced.compile and timings["probed_samples_per_s"] == pytest.approx(380.0)
+    assert any(r.startswith("the plan timed again (5 timed steps") for r in forced.reasons)
 
 
 # ---------------------------------------------------------------- sequence lengths compiled while planning

@@ -183,11 +183,13 @@ class Retiming:
 @dataclass(frozen=True)
 class CompileOutcome:
     """Stages 4 and 5 together: the compiled variant kept (None: eager), the retiming (None
-    where there was none) and the reason lines."""
+    where there was none), the reason lines, and with ``--compile on`` the variant timed again
+    (:func:`steady_timing`; None otherwise)."""
 
     variant: CompiledVariant | None
     retiming: Retiming | None
     notes: list[str]
+    steady_samples_per_s: float | None = None
 
 
 def _samples_per_s(pr: ProbeResult, effective_batch: int) -> float:
@@ -268,16 +270,18 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
         why_not = too_short_to_compile(run_samples, best.samples_per_s)
     t_compile = time.perf_counter()
     outcome = compile_and_retime(workload, best.candidate, budget_bytes, result.n_blocks, compile, why_not)
-    steady = None
+    steady = outcome.steady_samples_per_s
     if outcome.variant is None and outcome.retiming is None:  # an eager plan timed only in the verification
-        steady = steady_timing(workload, best.candidate, budget_bytes)
+        c = best.candidate
+        steady = steady_timing(workload, c.precision, c.optimizer, c.micro_batch, c.checkpoint_blocks,
+                               c.block_policies, budget_bytes)
     if timings is not None:
-        retimed = steady or (outcome.retiming.eager_samples_per_s if outcome.retiming else 0.0)
+        retimed = outcome.retiming.eager_samples_per_s if outcome.retiming else 0.0
         timings.update(search_s=t_verify - t0, verify_s=t_compile - t_verify,
                        compile_s=time.perf_counter() - t_compile,
                        predicted_samples_per_s=best.candidate.samples_per_s or None,
-                       probed_samples_per_s=outcome.variant.samples_per_s if outcome.variant else
-                       (retimed or best.samples_per_s))
+                       probed_samples_per_s=steady or (outcome.variant.samples_per_s if outcome.variant else
+                                                       (retimed or best.samples_per_s)))
     reasons = _reasons(result, verification, outcome)
     if steady:
         reasons.append(f"the plan timed again ({RETIMED_STEPS} timed steps, the median), the speed the run is "
@@ -429,21 +433,23 @@ def verify_on_gpu(workload: Workload, result: SearchResult, profile: DeviceProfi
 
 # ---------------------------------------------------------------- stages 4 and 5: compile, retime
 
-def steady_timing(workload: Workload, best: Candidate, budget_bytes: int) -> float | None:
-    """The eager winner ``best`` timed again with :data:`RETIMED_STEPS` timed steps (their
-    median): the samples/s the run is expected to deliver. The verification's figure decided
-    among candidates, but it is the largest of a few short timings and so over-states the
-    winner (on an NVIDIA H200 the main job's verification figure ran 8-25% above the run's
-    steady state, bench/results/speed-2). None when the step no longer fits the headroom.
+def steady_timing(workload: Workload, precision: str, optimizer: str, micro_batch: int, blocks: tuple,
+                  policies, budget_bytes: int) -> float | None:
+    """The chosen plan (the model as it is, compiled or not, with ``blocks`` checkpointed under
+    ``policies``) timed again with :data:`RETIMED_STEPS` timed steps (their median): the
+    samples/s the run is expected to deliver, for a plan that no side-by-side retiming timed.
+    The verification's figure (or a compiled variant's first timing) decided among candidates,
+    but it is the largest of a few short timings and so over-states the winner (on an NVIDIA
+    H200 the main job's fastest of 30 steps was 8% under their median, bench/results/speed-2).
+    None when the step no longer fits the headroom.
 
     Raises:
         Any non-OOM error of the step, unchanged.
     """
-    set_activation_checkpointing(workload.model, bool(best.checkpoint_blocks), best.checkpoint_blocks,
-                                 best.block_policies)
+    set_activation_checkpointing(workload.model, bool(blocks), blocks, policies)
     try:
-        pr = probe_step(workload, best.micro_batch, best.precision, budget_bytes, timed_steps=RETIMED_STEPS,
-                        optimizer=best.optimizer)
+        pr = probe_step(workload, micro_batch, precision, budget_bytes, timed_steps=RETIMED_STEPS,
+                        optimizer=optimizer)
     finally:
         set_activation_checkpointing(workload.model, False, ())
     return _samples_per_s(pr, workload.effective_batch) if pr.fits else None
@@ -461,7 +467,7 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
     """
     if compile == "off" or why_not:
         return CompileOutcome(None, None, [f"torch.compile not tried: {why_not}"] if compile == "auto" else [])
-    variant, retiming, notes = None, None, []
+    variant, retiming, notes, steady = None, None, [], None
     try:
         with any_length(workload.train):  # compiled for every sequence length from the first probe
             found = compiled_variant(workload, best, budget_bytes, n_blocks)
@@ -469,6 +475,9 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
             if variant is not None:  # other sequence lengths compile now, not during the run
                 notes = notes + warm_other_lengths(workload, variant.micro_batch, variant.checkpoint_blocks,
                                                    best.precision, budget_bytes, best.optimizer)
+            if variant is not None and compile == "on":  # no retiming: the variant's speed, timed again
+                steady = steady_timing(workload, best.precision, best.optimizer, variant.micro_batch,
+                                       variant.checkpoint_blocks, None, budget_bytes)
             if variant is not None and compile == "auto":
                 retiming = retime(workload, best, variant, budget_bytes)
                 notes = notes + [retiming.note]
@@ -479,12 +488,12 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
             raise
         uncompile_model(workload.model)
         release_memory()
-        variant = None
+        variant, steady = None, None
         notes = [f"torch.compile failed, eager plan kept: {type(e).__name__}: "
                  f"{(str(e).strip().splitlines() or [''])[0][:200]}"]
     if compile == "on" and variant is None:
         notes.append("--compile on: no compiled micro-batch fits, so the plan runs eager")
-    return CompileOutcome(variant, retiming, notes)
+    return CompileOutcome(variant, retiming, notes, steady)
 
 
 def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget_bytes: int) -> Retiming:

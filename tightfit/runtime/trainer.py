@@ -35,7 +35,6 @@ from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
 from .distributed import World
-from .collector import PausedCollector, collector_paused
 from .health import HealthMonitor
 from ..memory.oom import is_oom, release_memory
 from .prefetch import Prefetcher
@@ -265,8 +264,8 @@ class Trainer:
         trained = False
         try:
             self._listed_modules = list(self.model.modules())  # the modules train_step checks (see there)
-            with self._stop_on_signals(), module_mode(self.model, True), collector_paused() as collector:
-                self._train_loop(bar, t0, samples0, collector)  # the caller's modes and GC come back at the end
+            with self._stop_on_signals(), module_mode(self.model, True):  # the caller's modes come back at the end
+                self._train_loop(bar, t0, samples0)
             trained = True
         finally:
             self.loader.close()
@@ -292,9 +291,8 @@ class Trainer:
             self.result.peak_reserved_bytes = max(self._peaks[1], torch.cuda.max_memory_reserved(self.device))
         return self.result
 
-    def _train_loop(self, bar, t0: float, samples0: int, collector: PausedCollector) -> None:
-        """The steps of :meth:`fit`; stops at a step boundary on a signal or a run of non-finite steps.
-        ``collector``: Python's garbage collection, run every few steps (:mod:`.collector`)."""
+    def _train_loop(self, bar, t0: float, samples0: int) -> None:
+        """The steps of :meth:`fit`; stops at a step boundary on a signal or a run of non-finite steps."""
         while self.step < self.total_steps:
             window = self.window_at(self.step)
             if self.step + 1 < self.total_steps:
@@ -310,7 +308,6 @@ class Trainer:
             elapsed = now - t0
             self.result.step_ends.append((now - self._t_fit, self.result.samples - samples0))
             self._record_memory()
-            collector.step()
             if bar is not None:
                 rate = (self.result.samples - samples0) / max(now - self._t_fit, 1e-9)
                 bar.set_postfix(loss=f"{loss:.4f}", mb=self.micro_batch, samples_s=f"{rate:.1f}", refresh=False)
