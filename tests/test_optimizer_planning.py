@@ -276,3 +276,30 @@ def test_a_lever_that_cannot_beat_the_plan_found_is_not_traced(m, monkeypatch):
         r = plan(m, 160 * MiB, optimizer=kind)
         ceiling = po.unconstrained_samples_per_s(cost, H200, kind, E, "bf16")
         assert all(c.samples_per_s <= ceiling * (1 + 1e-9) for c in [r.best, *r.runners_up]), kind
+
+
+def test_a_search_traces_only_candidates_predicted_faster_than_a_plan_found_elsewhere(m):
+    """``beat`` (another optimizer's best, samples/s) bounds the exact traces: the lines'
+    predictions bound every exact one from above, so a candidate predicted at or below it cannot
+    win. Just below the unbounded search's best, the same plan comes out; above every prediction,
+    nothing is traced past the lines and the search says it cannot beat the plan found."""
+    from tightfit.planner.search import CannotBeatError, search
+
+    calls = []
+    fn = estimator_for(m, make_batch, SEQ, H200, E, optimizer="adamw")
+
+    def counting(*a):
+        calls.append(a)
+        return fn(*a)
+
+    def searched(beat):
+        calls.clear()
+        return search(m, make_batch, SEQ, E, H200, 160 * MiB, counting, precision="bf16", beat=beat)
+
+    free = searched(0.0)
+    unbounded = len(calls)
+    same = searched(free.best.samples_per_s * 0.999)
+    assert (same.best.label(), same.best.samples_per_s) == (free.best.label(), free.best.samples_per_s)
+    with pytest.raises(CannotBeatError, match="no plan predicted faster than"):
+        searched(1e12)
+    assert len(calls) < unbounded

@@ -29,7 +29,7 @@ from ..plan import OPTIMIZER_CHOICES
 from ..levers.blocks import find_blocks
 from .cost import TimeModel, forward_cost
 from .margins import HEADROOM, planned_limit
-from .search import NothingFitsError, SearchResult, search
+from .search import CannotBeatError, NothingFitsError, SearchResult, search
 
 _NAMES = {"adamw": "fp32 AdamW state", "adamw8bit": "8-bit AdamW state (bitsandbytes AdamW8bit)",
           "adamw-offload": "AdamW state and fp32 master weights on the CPU (torchao CPUOffloadOptimizer)",
@@ -193,7 +193,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     check_precision(optimizer, precision, profile)
     started = time.perf_counter()  # the result's seconds: every optimizer's search, not only the winner's
 
-    def run(kind: str) -> SearchResult:
+    def run(kind: str, beat: float = 0.0) -> SearchResult:
         if optimizer == "auto":  # no trace where the model state alone is over the limit and another fits
             need, limit = least_state_bytes(model, kind)[0], planned_limit(budget_bytes, options.get("headroom", HEADROOM))
             if need > limit and any(least_state_bytes(model, k)[0] <= limit for k in ["adamw", *kinds]):
@@ -203,7 +203,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         # bf16 weights train under bf16 autocast only: their search is bf16's alone
         opts = dict(options, precision="bf16") if weights_dtype(kind) is not None else options
         r = search(model, make_batch, size, effective_batch, profile, budget_bytes, estimator(kind),
-                   estimator_at=at, optimizer=kind, **opts)
+                   estimator_at=at, optimizer=kind, beat=beat, **opts)
         return replace(r, best=replace(r.best, optimizer=kind),
                        runners_up=[replace(c, optimizer=kind) for c in r.runners_up])
 
@@ -261,9 +261,12 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                 failures[kind] = NothingFitsError(short[kind])
                 continue
         try:
-            results[kind] = run(kind)
+            results[kind] = run(kind, beat=found)  # only plans predicted faster than found are traced
         except NothingFitsError as e:
             failures[kind] = e
+        except CannotBeatError as e:
+            short[kind] = str(e)
+            failures[kind] = NothingFitsError(short[kind])
     if not results:
         first = str(failures["adamw"])
         also = "".join(f"\n  searched {_NAMES[k]} (--optimizer {k}): does not fit either"

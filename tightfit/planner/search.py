@@ -231,10 +231,15 @@ class NothingFitsError(TightfitError):
     """No plan fits the budget (the message says by how much and what would fit)."""
 
 
+class CannotBeatError(TightfitError):
+    """No candidate is predicted faster than the ``beat`` given to :func:`search` (the lines'
+    predictions bound every exact one from above), so none was traced."""
+
+
 def search(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
            estimate_fn: EstimateFn, precision: str = "auto", headroom: float = HEADROOM,
            checkpointing: str = "auto", estimator_at=None, per_block: bool = True,
-           optimizer: str = "adamw") -> SearchResult:
+           optimizer: str = "adamw", beat: float = 0.0) -> SearchResult:
     """Find the fastest plan that fits: :func:`enumerate_candidates`, then :func:`predict`, then
     :func:`rank`.
 
@@ -255,8 +260,11 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             activation offload per block (:func:`_choice_ladders`).
         optimizer: the optimizer ``estimate_fn`` traces (:func:`estimator_for`), for the time
             model; the search over optimizers is :mod:`.optimizers`'.
+        beat: samples/s of a plan found elsewhere (another optimizer's): only candidates
+            predicted faster are traced (the exact traces are the search's cost).
 
     Raises:
+        CannotBeatError: candidates fit by the lines, but none is predicted faster than ``beat``.
         NothingFitsError: nothing fits, even at micro-batch 1 with every block checkpointed (the
             message says by how many bytes, what the model state costs, what fits instead and
             which levers would make it fit); an unknown ``checkpointing``; a ``precision`` the
@@ -266,13 +274,15 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     estimate_fn = _traced_once(estimate_fn)
     space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
                          checkpointing, per_block, optimizer)
-    prediction = predict(space, enumerate_candidates(space, estimate_fn), estimate_fn)
+    prediction = predict(space, enumerate_candidates(space, estimate_fn), estimate_fn, beat)
+    if not prediction.traced and beat > 0 and any(c.samples_per_s > 0 for c in prediction.evaluated):
+        raise CannotBeatError(f"no plan predicted faster than the {beat:.0f} samples/s already found")
     if not prediction.traced:
         skipped = [c.precision for c in prediction.evaluated if c.micro_batch is None]
         if skipped:  # the slow precision is needed for memory after all
             return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
                           precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
-                          estimator_at=estimator_at, per_block=per_block, optimizer=optimizer)
+                          estimator_at=estimator_at, per_block=per_block, optimizer=optimizer, beat=beat)
         _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at,
                             optimizer)
     return rank(space, prediction, time.perf_counter() - t0)
@@ -445,12 +455,12 @@ def _largest_fitting(space: SearchSpace, prec: str, k: int, line, estimate_fn: E
 
 # ---------------------------------------------------------------- stage 2: predict
 
-def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateFn) -> Prediction:
+def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateFn, beat: float = 0.0) -> Prediction:
     """Stage 2: trace the candidates that fit by the lines exactly, fastest predicted first.
     One that does not fit is tried with more blocks checkpointed at its micro-batch
     (:func:`_more_blocks`) and shrunk (:func:`_shrink`); both results compete. A shrunk plan is
     slower, so tracing stops once the next candidate's prediction -- an upper bound -- cannot
-    beat the best traced so far.
+    beat the best traced so far, or ``beat`` (samples/s found elsewhere).
 
     Raises:
         What ``estimate_fn`` raises.
@@ -461,7 +471,7 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
                      key=lambda c: (-round(c.samples_per_s, 6), order.index(c.precision), len(c.checkpoint_blocks)))
     traced: list[Candidate] = []
     for cand in fitting:
-        if traced and cand.samples_per_s <= max(v.samples_per_s for v in traced):
+        if cand.samples_per_s <= max([beat] + [v.samples_per_s for v in traced]):
             break
         more = None if cand.block_policies is not None else \
             _more_blocks(space, cand, enumeration.lines[cand.precision], estimate_fn)
