@@ -110,7 +110,7 @@ def test_nothing_fits_says_what_fits_and_which_levers_would(tmp_path, capsys):
     assert "not yet available in tightfit" in err and "--optimizer adamw8bit" in err
     for lever in ("8-bit AdamW state", "AdamW state in CPU memory", "bf16 weights and gradients",
                   "freezing the input embeddings"):
-        assert re.search(lever + r".*: -\d", err), (lever, err)
+        assert re.search(lever + r".*: saves \d", err), (lever, err)
     batch = re.search(r"--batch-size (\d+)", err)
     seq = re.search(r"fits: --seq-len (\d+)", err)
     assert batch and seq, err
@@ -125,6 +125,26 @@ def test_budget_below_the_model_state_names_the_levers(capsys):
                  "--optimizer", "adamw"]) == 2
     err = capsys.readouterr().err
     assert "below the" in err and "8-bit AdamW state" in err and "not yet available in tightfit" in err
+
+
+def test_a_cpu_run_below_the_model_state_is_offered_only_the_levers_the_cpu_has(tmp_path, capsys):
+    """On the CPU, the refusal offered --optimizer adamw-offload (CUDA only) with "about 0.00 s"
+    of host-link time taken from a GPU's profile."""
+    rows = ["review,sentiment"] + [f"{'good' if i % 2 else 'bad'} film {i},{'pos' if i % 2 else 'neg'}"
+                                   for i in range(40)]
+    (tmp_path / "tiny.csv").write_text("\n".join(rows) + "\n")
+    from conftest import tiny_text_model_folder
+
+    model = tiny_text_model_folder(tmp_path, ["good", "bad", "film"], hidden_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, intermediate_size=128, max_position_embeddings=64)
+    assert main(["train", "--model", str(model), "--data", str(tmp_path / "tiny.csv"),
+                 "--text-column", "review", "--label-column", "sentiment", "--budget", "1MiB", "--device", "cpu",
+                 "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "below the" in err and re.search(r"8-bit AdamW state .*: saves \d", err), err
+    assert "--optimizer adamw-offload:" not in err and "AdamW state in CPU memory" not in err, err
+    assert "bf16 weights and gradients" not in err and "need a CUDA GPU" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 # -- fault 14: gradients at the peak, unsearched runners-up, card rates --------------------------
@@ -298,6 +318,6 @@ def test_a_budget_below_the_model_state_agrees_with_its_offload_line(capsys):
     assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "32", "--budget", "300MiB"]) == 2
     err = capsys.readouterr().err
     short = re.search(r"optimizer adamw-offload needs at least .*, by ([\d.]+ MiB)", err)
-    line = re.search(r"AdamW state in CPU memory .*: -[\d.]+ GiB, still ([\d.]+ MiB) over", err)
+    line = re.search(r"AdamW state in CPU memory .*: saves [\d.]+ GiB, still ([\d.]+ MiB) over", err)
     assert short and line, err
     assert abs(parse_size(short.group(1)) - parse_size(line.group(1))) <= 4 * 2**20  # small tensors stay on the GPU

@@ -226,6 +226,26 @@ def test_resume_refuses_data_that_changed(tiny_run_inputs, tmp_path, capsys):
     assert (run / "metrics.jsonl").read_bytes() == before
 
 
+def test_resume_finds_relative_model_and_data_from_another_working_directory(tiny_run_inputs, tmp_path,
+                                                                             monkeypatch, capsys):
+    import shutil
+
+    from tightfit.cli import main
+
+    model_dir, data = tiny_run_inputs
+    shutil.copytree(model_dir, tmp_path / "model")
+    shutil.copy(data, tmp_path / "data.csv")
+    monkeypatch.chdir(tmp_path)
+    assert _short_run("model", "data.csv", "run") == 0  # paths relative to the working directory
+    (tmp_path / "run" / "summary.json").unlink()  # as if stopped before the end
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "run"), "--no-progress"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
 def test_a_saved_classifier_trains_on_another_number_of_classes(tiny_run_inputs, tmp_path):
     model_dir, data = tiny_run_inputs
     assert _short_run(model_dir, data, tmp_path / "two") == 0  # model/ holds a 2-class head

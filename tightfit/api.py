@@ -297,7 +297,7 @@ class TrainRecipe:
         if self.budget is not None and not self.world.distributed:  # several ranks: planner/sharding.py
             link = (self.profile or get_profile("h200")).host_link_bytes_per_s
             check_model_state(self.model, self.budget, self.req.planning.optimizer,
-                              levers_installed() and self.device == "cuda", link)
+                              levers_installed() and self.device == "cuda", link, cuda=self.device == "cuda")
 
     def input_size(self) -> int:
         """The size a sample's worst case has, for the planner: ``--seq-len`` (tokens)."""
@@ -600,8 +600,17 @@ RESUME_MAY_CHANGE = ("lr", "max_skipped_steps", "log_every", "warn_temp", "coold
 
 def _request_record(req: TrainRequest) -> dict:
     """The request as written to ``request.json`` (what ``--resume`` starts from): the flat
-    ``{option: value}`` dict of :meth:`TrainRequest.to_flat`, less ``progress`` and ``resume``."""
-    return {k: v for k, v in req.to_flat().items() if k not in ("progress", "resume", "given")}
+    ``{option: value}`` dict of :meth:`TrainRequest.to_flat`, less ``progress`` and ``resume``.
+    A ``--model`` folder and a ``--data`` file or folder are written as absolute paths, so that
+    ``--resume`` finds them from any working directory; names (``bert-base``, ``digits``) stay."""
+    from .images import DIGITS
+    from .models import REGISTRY
+
+    record = {k: v for k, v in req.to_flat().items() if k not in ("progress", "resume", "given")}
+    for key, names in (("model", REGISTRY), ("data", (DIGITS,))):
+        if record.get(key) and record[key] not in names and Path(record[key]).exists():
+            record[key] = str(Path(record[key]).resolve())
+    return record
 
 
 class _Discard:

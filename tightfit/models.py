@@ -497,7 +497,8 @@ def _check_seq_len(model, tokenizer, seq_len: int) -> None:
     n_special = len(added)
     if seq_len - n_special < MIN_TEXT_TOKENS:
         names = tokenizer.convert_ids_to_tokens(added)
-        raise TightfitError(f"--seq-len {seq_len} leaves {max(0, seq_len - n_special)} tokens of text after the "
+        raise TightfitError(f"--seq-len {seq_len} leaves {max(0, seq_len - n_special)} "
+                            f"token{'' if seq_len - n_special == 1 else 's'} of text after the "
                             f"{n_special} special tokens{' (' + ', '.join(names) + ')' if names else ''}; "
                             f"use at least {n_special + MIN_TEXT_TOKENS}")
 

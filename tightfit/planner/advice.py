@@ -138,7 +138,7 @@ def _input_embedding_params(model) -> int:
 
 
 def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float,
-                optimizer: str = "adamw", accumulating: bool | None = None) -> list[str]:
+                optimizer: str = "adamw", accumulating: bool | None = None, cuda: bool = True) -> list[str]:
     """One line per lever (the optimizer levers with their ``--optimizer`` value, the others
     marked not yet available): the bytes it would save at a step whose peak is
     ``peak_bytes`` with ``gradients_at_peak`` bytes of gradients held there, and whether that
@@ -147,7 +147,8 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     count as held only when all gradients are (accumulation). An optimizer lever already in use
     (``optimizer``) is not offered again, and offload saves what ``optimizer`` keeps on the GPU, and
     without accumulation (``accumulating``; None: when all gradients are held at the peak) the
-    gradients too, since it frees each once copied to the host."""
+    gradients too, since it frees each once copied to the host. Without ``cuda`` (a CPU run) the
+    two levers that need a CUDA GPU (offload, bf16 weights) are named in one closing line."""
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     held = gradients_at_peak >= GRADIENT_B * trainable  # all of them, as when accumulating
@@ -182,10 +183,15 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
         levers.append((f"freezing the input embeddings ({later}; {emb:,} parameters: no gradient and no AdamW "
                        f"state, {per} B each)", per * emb))
     in_use = {"adamw8bit": 1, "adamw-offload": 2, "adamw8bit-bf16": 3}.get(optimizer, 0)  # levers[:in_use] in use
-    return [f"{name}: -{format_bytes(saving)}, {verdict(saving)}" for name, saving in levers[in_use:]]
+    offered = [(i, lever) for i, lever in enumerate(levers) if i >= in_use and (cuda or i not in (1, 2))]
+    lines = [f"{name}: saves {format_bytes(saving)}, {verdict(saving)}" for _, (name, saving) in offered]
+    if not cuda:
+        lines.append("--optimizer adamw-offload and adamw8bit-bf16 need a CUDA GPU (this run is on the CPU)")
+    return lines
 
 
-def check_model_state(model, budget: int, optimizer: str, levers: bool, host_link_bytes_per_s: float) -> None:
+def check_model_state(model, budget: int, optimizer: str, levers: bool, host_link_bytes_per_s: float,
+                      cuda: bool = True) -> None:
     """Refuse, before any trace, a budget (bytes) below the least model state of the optimizers
     that may be chosen (:func:`.optimizers.least_state_bytes`; fp32 AdamW: weights, gradients and
     state, 16 B per parameter), naming the levers and what each saves (:func:`lever_lines`).
@@ -194,6 +200,7 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
     Args:
         optimizer: ``--optimizer``; levers: whether ``auto`` may choose the optimizer levers.
         host_link_bytes_per_s: the card's host link, for offload's transfer time.
+        cuda: whether the run is on a CUDA GPU (else the CUDA-only levers are not offered).
 
     Raises:
         TightfitError: the budget is below the model state.
@@ -207,7 +214,7 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
     params = sum(p.numel() for p in model.parameters())
     state = params * 16
     lines = lever_lines(model, state, budget, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
-                        host_link_bytes_per_s, accumulating=False)  # the least state: no accumulation
+                        host_link_bytes_per_s, accumulating=False, cuda=cuda)  # the least state: no accumulation
     raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(least)} of model state that "
                         f"optimizer {kind} needs at least (fp32 AdamW: fp32 weights ({format_bytes(4 * params)}), "
                         f"gradients and state, 16 B per parameter, {format_bytes(state)}), by "
