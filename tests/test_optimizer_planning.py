@@ -303,3 +303,19 @@ def test_a_search_traces_only_candidates_predicted_faster_than_a_plan_found_else
     with pytest.raises(CannotBeatError, match="no plan predicted faster than"):
         searched(1e12)
     assert len(calls) < unbounded
+
+
+def test_auto_returns_the_other_optimizers_that_fit_fastest_predicted_first(m):
+    """The GPU planner times the runner-up optimizer too (:func:`tightfit.planner.gpu.challenge_optimizer`):
+    the search hands it every other optimizer whose plan fits, fastest predicted first."""
+    r = plan(m, 132 * MiB, host_bytes=64 << 30, E=64)  # fp32 AdamW fits, but only by paying; 8-bit wins
+    assert r.best.optimizer == "adamw8bit" and "adamw" in [o.best.optimizer for o in r.other_optimizers]
+    assert r.other_optimizers, r.best.why
+    kinds = [o.best.optimizer for o in r.other_optimizers]
+    assert r.best.optimizer not in kinds and len(set(kinds)) == len(kinds)
+    speeds = [o.best.samples_per_s for o in r.other_optimizers]
+    assert speeds == sorted(speeds, reverse=True) and all(0 < s <= r.best.samples_per_s for s in speeds)
+    for o in r.other_optimizers:
+        assert all(c.optimizer == o.best.optimizer for c in o.runners_up)
+        assert f"optimizer {o.best.optimizer}, " in o.best.why and "the runner-up optimizer" in o.best.why
+    assert not plan(m, 4 << 30).other_optimizers  # fp32 AdamW unconstrained: nothing else searched

@@ -310,6 +310,51 @@ def test_an_optimizer_whose_candidates_do_not_fit_for_real_falls_back_to_the_nex
         gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off", optimizer="adamw")
 
 
+@pytest.mark.parametrize("runner_up_faster", [True, False])
+def test_the_runner_up_optimizer_is_timed_and_kept_when_faster_for_real(monkeypatch, runner_up_faster):
+    """The optimizer was chosen on predictions alone: on the H200 BERT-base's 8-bit plan at 4 GiB was
+    predicted at 4,101 samples/s and ran at 1,883, its fp32-state rival never timed. The
+    runner-up optimizer's predicted best is now timed too, and wins if faster for real."""
+    import tightfit.planner.gpu as gpu
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate, SearchResult
+
+    E, n = 64, 4
+    fp32 = SearchResult(Candidate("bf16", 16, (), 4, 900, 900, {}, 300.0,
+                                  "fastest; optimizer adamw, fp32 AdamW state: the runner-up optimizer; its cost",
+                                  optimizer="adamw"), [], 10**9, E, n, 0.1)
+    eight = SearchResult(Candidate("bf16", 32, (), 2, 900, 900, {}, 400.0,
+                                   "fastest; optimizer adamw8bit, 8-bit: predicted fastest; its cost",
+                                   optimizer="adamw8bit"), [], 10**9, E, n, 0.1, other_optimizers=(fp32,))
+    speeds = {"adamw": 250.0 if runner_up_faster else 150.0, "adamw8bit": 200.0}
+    probed = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        probed.append((optimizer, mb))
+        return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (speeds[optimizer] * math.ceil(E / mb)), 1)
+
+    monkeypatch.setattr(gpu, "search_optimizers", lambda *a, **k: eight)
+    monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
+    w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)
+    plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off")
+    assert ("adamw", 16) in probed, probed
+    line = [r for r in plan.reasons if r.startswith("the runner-up optimizer adamw")]
+    assert len(line) == 1, plan.reasons
+    if runner_up_faster:
+        assert plan.optimizer == "adamw" and plan.micro_batch == 16
+        assert line[0].endswith("adamw kept, faster for real than predicted"), line
+        assert plan.reasons[0].startswith("optimizer adamw, fp32 AdamW state: the runner-up optimizer"), plan.reasons
+        decided = [r for r in plan.reasons if r.startswith("decided by:")][0]
+        assert "optimizer adamw at 250 samples/s" in decided and "optimizer adamw8bit, 200" in decided, decided
+    else:
+        assert plan.optimizer == "adamw8bit" and plan.micro_batch == 32
+        assert line[0].endswith("adamw8bit kept"), line
+        assert plan.reasons[0].startswith("optimizer adamw8bit"), plan.reasons
+
+
 def test_a_budget_below_the_model_state_agrees_with_its_offload_line(capsys):
     """The headline said offload needs at least 418.60 MiB (gradients freed once copied) while
     offload's own line counted its state alone: "still 535.29 MiB over" for the same 300 MiB."""

@@ -12,7 +12,10 @@ A lever whose time-model ceiling (:func:`unconstrained_samples_per_s`) is no fas
 best plan already found is not searched: none of its plans could win. The fastest predicted plan
 of those searched wins, and its reasons say why its optimizer was
 chosen and what it costs (state bytes on the GPU, the optimizer step's predicted time, host
-memory, bf16 weights). An explicit optimizer is searched alone.
+memory, bf16 weights). The other optimizers' results that fit come back too (``SearchResult.other_optimizers``): on a
+GPU the planner times the first of them as well (:func:`tightfit.planner.gpu.challenge_optimizer`),
+since a lever's predicted step time can be off on a host-bound card. An explicit optimizer is
+searched alone.
 """
 
 from __future__ import annotations
@@ -283,7 +286,11 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     why = ("fp32 AdamW state fits nothing" if "adamw" in failures
            else f"{'' if kind == 'adamw' else 'fp32 AdamW state '}needs {_what_it_pays(results['adamw'].best)}")
     why = f"optimizer {kind}, {_NAMES[kind]}: {why}; predicted fastest" + (f" (against {compared})" if compared else "")
-    return _explained(best, kind, why, model, profile, started)
+    others = tuple(_explained(r, k, f"optimizer {k}, {_NAMES[k]}: the runner-up optimizer, predicted "
+                                    f"{r.best.samples_per_s:.0f} samples/s against {best.best.samples_per_s:.0f} for "
+                                    f"{kind}", model, profile, started)
+                   for k, r in sorted(results.items(), key=lambda kr: -kr[1].best.samples_per_s) if k != kind)
+    return replace(_explained(best, kind, why, model, profile, started), other_optimizers=others)
 
 
 def _explained(result: SearchResult, kind: str, why: str, model, profile, started: float) -> SearchResult:

@@ -116,6 +116,10 @@ class SearchResult:
         effective_batch: samples per optimizer step.
         n_blocks: the model's repeated blocks.
         seconds: wall time of the search.
+        other_optimizers: with ``optimizer="auto"``, the results of the other optimizers that
+            fit, fastest predicted first (:func:`tightfit.planner.optimizers.search_optimizers`;
+            the GPU planner verifies the first of them too, since the time model of an optimizer
+            lever can be off); empty otherwise.
     """
 
     best: Candidate
@@ -124,6 +128,7 @@ class SearchResult:
     effective_batch: int
     n_blocks: int
     seconds: float
+    other_optimizers: tuple = ()
 
     def to_plan(self, device: str = "cuda") -> Plan:
         """The winner as a :class:`~tightfit.plan.Plan` (checkpointing on if any block is)."""
