@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call: carried wheels and shipped files set up, then the named parts in order.
+# Usage (repository root, CUDA): OUT=folder bench/gpu_session.sh bert-base|gpu-tests|main ...
+#   bert-base: BERT-base seq 128, effective batch 256, 4 GiB, --compile on (as bench/gpu_speed.sh),
+#              instrumented by bench/speed_profile.py -> OUT/bert-base-128.{json,log}, OUT/speed.md
+#   gpu-tests: pytest -m gpu -> OUT/pytest-gpu.txt
+#   main:      the main job at 4 GiB (`tightfit train --full --budget 4GiB`) -> OUT/main.log
+# Carried (ignored by git, .git/info/exclude): .carry/site.tgz (bitsandbytes with only its CUDA 13.0
+# and CPU libraries, torchao), .carry/minilm (the shipped MiniLM, weights rounded to bf16 to fit a
+# call's 64 MiB; tightfit loads them as fp32), .carry/data (the shipped Rotten Tomatoes CSV).
+set -uo pipefail
+OUT=${OUT:-bench-out}; mkdir -p "$OUT"
+if [ -f .carry/site.tgz ]; then tar xzf .carry/site.tgz -C /tmp; export PYTHONPATH=/tmp/site; fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+[ -d .carry/minilm ] && export TIGHTFIT_DEFAULT_MODEL=$PWD/.carry/minilm
+[ -d .carry/data ] && export TIGHTFIT_DEFAULT_DATA=$PWD/.carry/data/rotten_tomatoes_corpus_full.csv.bz2
+export TIGHTFIT_CACHE_DIR=$(mktemp -d /tmp/tightfit-cache.XXXX)  # empty: every run plans
+RUNS=$(mktemp -d /tmp/tightfit-runs.XXXX)
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers, bitsandbytes, torchao; print('torch', torch.__version__, 'transformers', transformers.__version__, 'bitsandbytes', bitsandbytes.__version__, 'torchao', torchao.__version__)"
+  echo "tightfit commit $(git rev-parse HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) uncommitted"; } > "$OUT/env.txt" 2>&1
+for part in "$@"; do
+  case $part in
+    bert-base)
+      python3 bench/make_bert_base.py /tmp/bert-base "${TIGHTFIT_DEFAULT_MODEL:-}" > /dev/null 2>&1
+      timeout 240 python3 bench/speed_profile.py run bert-base-128 "$OUT" -- --model /tmp/bert-base --seq-len 128 \
+        --batch-size 256 --budget 4GiB --compile on --epochs 3 --checkpoint-every 30 --train-samples 8192 \
+        --out "$RUNS/bert-base-128" --no-progress > "$OUT/bert-base-128.log" 2>&1
+      echo "bert-base exit $?" >> "$OUT/env.txt"
+      rm -f "$OUT/bert-base-128-profile.txt"
+      python3 bench/speed_profile.py report "$OUT" >> "$OUT/env.txt" 2>&1 ;;
+    gpu-tests)
+      timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/pytest-gpu.txt" 2>&1
+      echo "gpu-tests exit $?" >> "$OUT/env.txt" ;;
+    main)
+      timeout 200 python3 -m tightfit train --full --budget 4GiB --out "$RUNS/main" --no-progress > "$OUT/main.log" 2>&1
+      echo "main exit $?" >> "$OUT/env.txt"
+      cp "$RUNS/main/summary.json" "$OUT/main-summary.json" 2>/dev/null ;;
+  esac
+done
+tail -3 "$OUT"/pytest-gpu.txt 2>/dev/null; grep -E "planning took|runner-up|decided by" "$OUT"/*.log 2>/dev/null | cut -c1-400
+cat "$OUT/env.txt"
