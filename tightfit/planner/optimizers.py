@@ -159,9 +159,12 @@ def _apart(a: float, b: float) -> tuple[str, str]:
 
 
 def _cost_line(model, result: SearchResult, kind: str, profile) -> str:
-    """What the optimizer of ``result`` costs: GPU state bytes, step time, host memory."""
+    """What the optimizer of ``result`` costs: GPU state bytes (the traced plan's, as its breakdown
+    shows them: with the ``step`` tensors and the allocator's rounding; else :func:`state_bytes`),
+    step time, host memory."""
     b = result.best
-    gpu = f"optimizer state on the GPU {format_bytes(state_bytes(model, kind))}" + (
+    held = b.breakdown.get("optimizer_state", state_bytes(model, kind))
+    gpu = f"optimizer state on the GPU {format_bytes(held)}" + (
         "" if kind == "adamw" else f" (fp32 AdamW: {format_bytes(state_bytes(model, 'adamw'))})")
     if kind == "adamw-offload":
         host = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
