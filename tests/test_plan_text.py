@@ -43,4 +43,7 @@ def test_plan_warns_of_fp16_on_a_card_without_tensor_cores(capsys):
     """`tightfit train` noted it; `tightfit plan` said nothing while predicting 1/60 of fp32's speed."""
     assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "gtx-1080-ti",
                  "--precision", "fp16"]) == 0
-    assert "runs fp16 at 1/64 of its fp32 rate" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "runs fp16 at 1/64 of its fp32 rate" in out
+    # with the prefix every note has, on the command line as in `tightfit train`
+    assert out.splitlines()[0].startswith("note: NVIDIA GeForce GTX 1080 Ti runs fp16 at 1/64"), out
