@@ -110,6 +110,19 @@ def test_profile_file_with_wrong_entries(tmp_path, monkeypatch):
         load_profiles()
 
 
+def test_profile_file_with_missing_fields_is_one_line_naming_them(tmp_path, monkeypatch, capsys):
+    """A missing field raised a KeyError shown as "malformed GPU profile 'my-card': 'total_bytes'"."""
+    import json
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([{"key": "my-card", "name": "My Card", "compute_capability": [7, 5], "bf16": False,
+                              "fp32_tflops": 6.0, "bf16_tflops": 0.0, "host_link_bytes_per_s": 12e9}]))
+    monkeypatch.setenv("TIGHTFIT_GPU_PROFILES", str(f))
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "my-card"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert "malformed GPU profile 'my-card': missing fields total_bytes, fp16_tensor_cores, fp16_tflops" in err, err
+
+
 def test_written_files_get_the_usual_mode(tmp_path):
     import os
     from tightfit.fileio import atomic_write_text

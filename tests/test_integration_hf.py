@@ -60,9 +60,12 @@ def test_training_arguments_take_yours_and_refuse_what_the_plan_sets_otherwise()
     assert kw["output_dir"] == "out" and kw["learning_rate"] == 1e-4 and kw["optim"] == "adamw_torch"
     assert kw["max_grad_norm"] == 0.5 and kw["gradient_accumulation_steps"] == 4
     assert "max_grad_norm" not in hf.training_arguments(plan)  # the Trainer's own clipping, untouched
-    with pytest.raises(TightfitError, match=r"per_device_train_batch_size=16 \(the plan's: 4\), fp16=True \(the "
-                                            r"plan's: False\); delete them"):
+    # the refusal names your value as yours, by its TrainingArguments name, and what the plan chose, in one line
+    with pytest.raises(TightfitError) as e:
         hf.training_arguments(plan, output_dir="out", per_device_train_batch_size=16, fp16=True)
+    assert "your per_device_train_batch_size=16 (the plan chose 4), fp16=True (the plan chose False); " \
+           "the plan sets them: delete them" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert "the plan sets per_device_train_batch_size" not in str(e.value)
     with pytest.raises(TightfitError, match="activation_checkpointing=True"):  # the old name is the same argument
         hf.training_arguments(plan, gradient_checkpointing=True)
 
@@ -72,6 +75,16 @@ def test_uneven_plan_notes_the_trainers_effective_batch(caplog):
         kw = hf.training_arguments(Plan("fp32", 4, 10))
     assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] == 12
     assert "4 x 3 = 12 samples (the plan's: 10)" in caplog.text
+
+
+def test_callback_names_your_training_arguments_and_what_the_plan_chose():
+    cb = hf.TightfitCallback(Plan("bf16", 4, 16, device="cuda"))
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                             report_to=[], use_cpu=True)
+    cb._check_arguments(args, None)
+    assert cb.events == ["your TrainingArguments run per_device_train_batch_size=8, the plan chose 4",
+                         "your TrainingArguments run gradient_accumulation_steps=2, the plan chose 4",
+                         "your TrainingArguments run fp16=False, bf16=False, the plan chose bf16=True"], cb.events
 
 
 def test_real_trainer_runs_the_plan_with_the_callback(tmp_path):

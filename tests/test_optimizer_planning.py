@@ -263,6 +263,17 @@ def test_a_lever_that_cannot_beat_the_plan_found_is_not_traced(m, monkeypatch):
     # at 105 MiB fp32 AdamW fits nothing, offload's plan predicts 910 samples/s, bf16 weights at most 334
     assert pruned.best.optimizer == "adamw-offload" and "adamw8bit-bf16" not in traced
     assert "adamw8bit-bf16: at most 334 samples/s even without accumulation or recomputation" in pruned.best.why
+    # a ceiling just below the plan found, the same whole number: read as below it, not as equal to it
+    found, r = pruned.best.samples_per_s, round(pruned.best.samples_per_s)
+    ceiling = (found + r - 0.49) / 2 if found <= r else (found + r) / 2
+    assert ceiling < found and f"{ceiling:.0f}" == f"{found:.0f}"
+    monkeypatch.setattr(po, "unconstrained_samples_per_s",
+                        lambda cost, profile, kind, *a: ceiling if kind == "adamw8bit-bf16" else float("inf"))
+    why = planned().best.why
+    close = re.search(r"adamw8bit-bf16: at most ([\d.]+) samples/s even without accumulation or recomputation, "
+                      r"below the ([\d.]+) already found", why)
+    assert close and float(close.group(1)) < float(close.group(2)), why
+    monkeypatch.undo()
     traced.clear()
     monkeypatch.setattr(po, "unconstrained_samples_per_s", lambda *a: float("inf"))
     full = planned()

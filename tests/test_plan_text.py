@@ -10,6 +10,18 @@ def test_the_optimizer_line_of_fp32_adamw_that_stands(capsys):
     assert line.startswith("optimizer: adamw (fused, fp32 state): the plan fits without accumulation"), line
 
 
+def test_the_optimizer_line_and_the_breakdown_show_one_optimizer_state(capsys):
+    """The optimizer line priced the state from the parameter count (173.29 MiB) while the
+    breakdown showed the traced state, with its step tensors and block rounding (173.35 MiB)."""
+    import re
+
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--budget", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    line = re.search(r"optimizer state on the GPU ([\d.]+ \w+)", out)
+    row = re.search(r"^  optimizer_state +([\d.]+ \w+)", out, re.M)
+    assert line and row and line.group(1) == row.group(1), out
+
+
 def test_a_checkpointed_plan_shows_the_estimators_margin_on_its_own_line(capsys):
     """The margin was folded into allocator_overhead, so `tightfit estimate` of the same step
     showed a smaller overhead with no word why."""
@@ -31,4 +43,7 @@ def test_plan_warns_of_fp16_on_a_card_without_tensor_cores(capsys):
     """`tightfit train` noted it; `tightfit plan` said nothing while predicting 1/60 of fp32's speed."""
     assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "gtx-1080-ti",
                  "--precision", "fp16"]) == 0
-    assert "runs fp16 at 1/64 of its fp32 rate" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "runs fp16 at 1/64 of its fp32 rate" in out
+    # with the prefix every note has, on the command line as in `tightfit train`
+    assert out.splitlines()[0].startswith("note: NVIDIA GeForce GTX 1080 Ti runs fp16 at 1/64"), out

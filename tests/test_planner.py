@@ -257,3 +257,27 @@ def test_micro_batch_1_is_traced_exactly_before_nothing_fits():
         return Est(peak, peak, {})
     r = _search("gtx-1080-ti", int(107 * MiB / 0.95), fn, E=8, precision="fp32", checkpointing="off")
     assert (r.best.micro_batch, r.best.accumulation_steps) == (1, 8)
+
+
+def test_the_seq_len_ladder_suggests_no_length_too_short_to_train_on():
+    """With the activations of a step growing 1 KiB per token and a limit near 3.5 KiB, the advice
+    said "fits: --seq-len 3": tightfit train refuses lengths that leave no text after the
+    special tokens (models.MIN_TEXT_TOKENS)."""
+    from types import SimpleNamespace
+
+    from tightfit.models import MIN_TEXT_TOKENS
+    from tightfit.planner.advice import nothing_fits_lines
+
+    def estimator_at(size, effective_batch):
+        return lambda precision, micro_batch, blocks: SimpleNamespace(peak_reserved_bytes=1024 * size)
+
+    def lines(limit, size=64):
+        step = SimpleNamespace(peak_reserved_bytes=1024 * size, breakdown={})
+        return [x for x in nothing_fits_lines(torch.nn.Linear(4, 4), step, limit, "fp32", [()], size, 1, "--seq-len",
+                                              12e9, estimator_at=estimator_at) if "--seq-len" in x]
+
+    assert lines(3.5 * 1024) == [f"does not fit either: a shorter --seq-len at effective batch 1 (--seq-len "
+                                 f"{MIN_TEXT_TOKENS} needs {MIN_TEXT_TOKENS}.00 KiB)"]
+    assert lines(24.5 * 1024) == ["fits: --seq-len 24 at effective batch 1 (micro-batch 1 x 1 accumulation steps; "
+                                  "fp32, checkpointing searched as for the plan)"]
+    assert lines(3.5 * 1024, size=MIN_TEXT_TOKENS) == []  # nothing shorter to train on: no line

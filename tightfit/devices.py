@@ -12,7 +12,7 @@ import math
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .errors import TightfitError
@@ -98,12 +98,20 @@ class DeviceProfile:
         """Inverse of :meth:`to_dict`; ``total_bytes`` may be a size string ("6GiB").
 
         Raises:
-            TightfitError: on missing or unknown fields.
+            TightfitError: on missing or unknown fields (one line naming them), or a bad value.
         """
         try:
             if not isinstance(d, dict):
                 raise TypeError("each profile must be a JSON object")
             d = dict(d)
+            known = {f.name: f for f in fields(cls)}
+            missing = [k for k, f in known.items() if k not in d and f.default is MISSING]
+            unknown = [k for k in d if k not in known]
+            if missing or unknown:
+                raise ValueError("; ".join(([f"missing field{'s' if len(missing) > 1 else ''} {', '.join(missing)}"]
+                                            if missing else [])
+                                           + ([f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"]
+                                              if unknown else [])))
             d["total_bytes"] = parse_size(d["total_bytes"])
             d["compute_capability"] = tuple(int(x) for x in d["compute_capability"])
             return cls(**d)

@@ -97,10 +97,11 @@ def training_arguments(plan: Plan, **yours) -> dict:
         planned["optim"] = _OPTIM[plan.optimizer]  # only when the Trainer's default is not the plan's optimizer
     old = "gradient_checkpointing" if name == "activation_checkpointing" else None
     given = {(name + k[len(old):] if old and k.startswith(old) else k): v for k, v in yours.items()}
-    conflicts = [f"{k}={given[k]!r} (the plan's: {v!r})" for k, v in planned.items()
+    conflicts = [f"{k}={given[k]!r} (the plan chose {v!r})" for k, v in planned.items()
                  if k in given and given[k] != v and not (k.endswith("_kwargs") and not ckpt)]
     if conflicts:
-        raise TightfitError(f"training_arguments(plan, ...): the plan sets {', '.join(conflicts)}; delete "
+        raise TightfitError(f"training_arguments(plan, ...): your {', '.join(conflicts)}; the plan sets "
+                            f"{'it' if len(conflicts) == 1 else 'them'}: delete "
                             f"{'it' if len(conflicts) == 1 else 'them'} from your arguments (the plan's effective "
                             f"batch is {plan.micro_batch} x {plan.accumulation_steps}; "
                             f"it sets {', '.join(planned)})")
@@ -154,14 +155,18 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
     def _check_arguments(self, args, loader) -> None:
         p = self.plan
         batch = getattr(loader, "batch_size", None) or args.per_device_train_batch_size
-        want = {"per-device batch": (batch, p.micro_batch),
-                "gradient accumulation steps": (args.gradient_accumulation_steps, p.accumulation_steps),
+        precision = {"fp16": "fp16=True", "bf16": "bf16=True", "fp32": "fp16=False, bf16=False"}
+        want = {"per_device_train_batch_size": (batch, p.micro_batch),
+                "gradient_accumulation_steps": (args.gradient_accumulation_steps, p.accumulation_steps),
                 "precision": ("fp16" if args.fp16 else "bf16" if args.bf16 else "fp32", p.precision)}
         for name, (got, planned) in want.items():
             if got != planned:
-                self._event(f"the Trainer runs {name} {got}, the plan {planned}"
+                yours, chosen = ((precision[got], precision[planned]) if name == "precision" else
+                                 (f"{name}={got}", planned))
+                self._event(f"your TrainingArguments run {yours}, the plan chose {chosen}"
                             + (" (a batch found by auto_find_batch_size: the effective batch is smaller than "
-                               "planned)" if name == "per-device batch" and args.auto_find_batch_size else ""))
+                               "planned)" if name == "per_device_train_batch_size" and args.auto_find_batch_size
+                               else ""))
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         """Skip the step (fp32/bf16: drop the gradients) if a gradient is not finite; stop after too many in a row."""

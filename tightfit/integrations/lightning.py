@@ -96,17 +96,18 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
                "accelerator": "gpu" if plan.device == "cuda" else "cpu"}
     conflicts = []
     if "accumulate_grad_batches" in yours and yours["accumulate_grad_batches"] != plan.accumulation_steps:
-        conflicts.append(f"accumulate_grad_batches={yours['accumulate_grad_batches']!r} (the plan's: "
+        conflicts.append(f"accumulate_grad_batches={yours['accumulate_grad_batches']!r} (the plan chose "
                          f"{plan.accumulation_steps})")
     if "precision" in yours and _unified_precision(yours["precision"]) != planned["precision"]:
-        conflicts.append(f"precision={yours['precision']!r} (the plan's: {planned['precision']!r})")
+        conflicts.append(f"precision={yours['precision']!r} (the plan chose {planned['precision']!r})")
     if "accelerator" in yours:
         if str(yours["accelerator"]) in _ACCELERATORS[plan.device]:
             planned["accelerator"] = yours["accelerator"]
         else:
-            conflicts.append(f"accelerator={yours['accelerator']!r} (the plan's: {planned['accelerator']!r})")
+            conflicts.append(f"accelerator={yours['accelerator']!r} (the plan chose {planned['accelerator']!r})")
     if conflicts:
-        raise TightfitError(f"trainer_arguments(plan, ...): the plan sets {', '.join(conflicts)}; delete "
+        raise TightfitError(f"trainer_arguments(plan, ...): your {', '.join(conflicts)}; the plan sets "
+                            f"{'it' if len(conflicts) == 1 else 'them'}: delete "
                             f"{'it' if len(conflicts) == 1 else 'them'} from your arguments (it sets "
                             f"{', '.join(planned)})")
     note_uneven(plan, "Lightning's")
@@ -159,12 +160,12 @@ class TightfitCallback(Watch, L.Callback):
             set_activation_checkpointing(_checkpointable(pl_module), True, self.plan.checkpoint_blocks,
                                          self.plan.block_policies)
         if trainer.accumulate_grad_batches != self.plan.accumulation_steps:
-            self._event(f"accumulate_grad_batches {trainer.accumulate_grad_batches} -> {self.plan.accumulation_steps} "
-                        f"(the plan's)")
+            self._event(f"your Trainer's accumulate_grad_batches={trainer.accumulate_grad_batches} replaced by the "
+                        f"plan's {self.plan.accumulation_steps}")
             trainer.accumulate_grad_batches = self.plan.accumulation_steps
         want = PRECISION[self.plan.precision]
         if str(trainer.precision) != want:
-            self._event(f"the Trainer runs precision {trainer.precision!r}, the plan {want!r}: "
+            self._event(f"your Trainer runs precision={trainer.precision!r}, the plan chose {want!r}: "
                         f"make the Trainer with trainer_arguments(plan)")
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -172,7 +173,8 @@ class TightfitCallback(Watch, L.Callback):
         batch = getattr(trainer.train_dataloader, "batch_size", None)
         if batch is not None and batch != self.plan.micro_batch:
             acc = trainer.accumulate_grad_batches
-            self._event(f"the training loader's batch_size is {batch}, the plan's micro-batch {self.plan.micro_batch}: "
+            self._event(f"your training loader's batch_size={batch}, the plan chose micro-batch "
+                        f"{self.plan.micro_batch}: "
                         f"each optimizer step trains on {batch} x {acc} = {batch * acc} samples (the plan's effective "
                         f"batch: {self.plan.effective_batch}); make the loader with batch_size=plan.micro_batch")
         if pl_module.device.type == "cuda":

@@ -99,13 +99,13 @@ def largest_effective_batch_without_accumulation(estimator_at, size: int, effect
 
 
 def largest_size(estimator_at, size: int, effective_batch: int, precision: str, block_options,
-                 limit: float) -> tuple[int | None, int | None]:
-    """The largest sequence length / image size below ``size`` at which micro-batch 1 (with
-    ``effective_batch`` accumulation steps and one of ``block_options`` checkpointed) fits
-    ``limit`` (bytes);
+                 limit: float, smallest: int = 1) -> tuple[int | None, int | None]:
+    """The largest sequence length / image size from ``smallest`` to below ``size`` at which
+    micro-batch 1 (with ``effective_batch`` accumulation steps and one of ``block_options``
+    checkpointed) fits ``limit`` (bytes);
     multiples of 8 from 16 up (tensor-core friendly), every size below that. None if none fits.
-    Second: the peak reserved bytes at size 1 (None if it could not be estimated)."""
-    sizes = [s for s in range(1, size) if s < 16 or s % 8 == 0]
+    Second: the peak reserved bytes at ``smallest`` (None if it could not be estimated)."""
+    sizes = [s for s in range(smallest, size) if s < 16 or s % 8 == 0]
     return _largest(sizes, lambda s: _peak(estimator_at(s, effective_batch), precision, 1, block_options, limit),
                     limit)
 
@@ -270,14 +270,20 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
                          f"across micro-batches; {how}): --batch-size {mb}"
                          if mb else f"does not fit either: effective batch 1 (no accumulation) needs "
                                     f"{format_bytes(one)}")
-        if not _resizable(estimator_at, size, effective_batch):
+        from ..models import MIN_TEXT_TOKENS
+
+        # the shortest --seq-len `tightfit train` takes (text after the special tokens); any image size
+        smallest = MIN_TEXT_TOKENS if size_flag == "--seq-len" else 1
+        if size <= smallest:
+            pass  # nothing shorter worth training on
+        elif not _resizable(estimator_at, size, effective_batch):
             lines.append(f"a shorter {size_flag} also needs less activation memory (not estimated here)")
         else:
-            s, one = largest_size(estimator_at, size, effective_batch, precision, block_options, limit)
+            s, one = largest_size(estimator_at, size, effective_batch, precision, block_options, limit, smallest)
             lines.append(f"fits: {size_flag} {s} at effective batch {effective_batch} (micro-batch 1 x "
                          f"{effective_batch} accumulation steps; {how})" if s else
                          f"does not fit either: a shorter {size_flag} at effective batch {effective_batch} "
-                         f"({size_flag} 1 needs {format_bytes(one)})")
+                         f"({size_flag} {smallest} needs {format_bytes(one)})")
     lines.append(f"levers (bytes saved at the peak of that step, {format_bytes(peak - limit)} over):")
     lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s, optimizer)]
     return lines

@@ -113,7 +113,7 @@ def _card_and_budget(args):
                             f"of the {profile.name}" + ("" if args.gpu else " (whose rates are used without --gpu)"))
     notes = []
     if args.gpu and budget > profile.budget_bytes():  # the CUDA context and a margin take the rest
-        notes.append(f"note: budget {format_bytes(budget)} is more than the {format_bytes(profile.budget_bytes())} "
+        notes.append(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.budget_bytes())} "
                      f"usable on the {profile.name}; planning for {format_bytes(profile.budget_bytes())}")
         budget = profile.budget_bytes()
     return profile, budget, notes
@@ -128,7 +128,7 @@ def _print_json(result, model, notes: list[str]) -> None:
     grad_note = gradient_note(b.breakdown.get("gradients", 0), trainable_gradient_bytes(model, b.optimizer),
                               b.accumulation_steps)
     for n in notes:
-        print(n, file=sys.stderr)
+        print(f"note: {n}", file=sys.stderr)  # as `tightfit train` logs its notes
     d = result.to_dict()
     d["breakdown_notes"] = [f"gradients: {grad_note}"] if grad_note else []
     print(json.dumps(d, indent=2))
@@ -143,7 +143,7 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
 
     b = result.best
     for n in notes:
-        print(n)
+        print(f"note: {n}")  # as `tightfit train` logs its notes
     print(f"{args.model}, {'image size' if kind == 'image' else 'sequence length'} {size}, effective batch {args.batch_size}, "
           f"{profile.name} rules, budget {format_bytes(budget)}")
     last = args.batch_size - (b.accumulation_steps - 1) * b.micro_batch

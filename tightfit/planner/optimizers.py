@@ -150,10 +150,24 @@ def unconstrained_samples_per_s(cost, profile, kind: str, effective_batch: int, 
     return max(tm.samples_per_s(p, effective_batch, effective_batch, 0) for p in precisions)
 
 
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` (samples/s) as text, with the fewest decimals (none to two) that tell them
+    apart: 1233.6 and 1234.4 read "1234" and "1234" at none, "1233.6" and "1234.4" here. Equal to
+    two decimals: both with none (the same text)."""
+    for d in range(3):
+        x, y = f"{a:.{d}f}", f"{b:.{d}f}"
+        if x != y:
+            return x, y
+    return f"{a:.0f}", f"{b:.0f}"
+
+
 def _cost_line(model, result: SearchResult, kind: str, profile) -> str:
-    """What the optimizer of ``result`` costs: GPU state bytes, step time, host memory."""
+    """What the optimizer of ``result`` costs: GPU state bytes (the traced plan's, as its breakdown
+    shows them: with the ``step`` tensors and the allocator's rounding; else :func:`state_bytes`),
+    step time, host memory."""
     b = result.best
-    gpu = f"optimizer state on the GPU {format_bytes(state_bytes(model, kind))}" + (
+    held = b.breakdown.get("optimizer_state", state_bytes(model, kind))
+    gpu = f"optimizer state on the GPU {format_bytes(held)}" + (
         "" if kind == "adamw" else f" (fp32 AdamW: {format_bytes(state_bytes(model, 'adamw'))})")
     if kind == "adamw-offload":
         host = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
@@ -259,8 +273,10 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                 forward["cost"] = forward_cost(model, make_batch, size, len(find_blocks(model)))
             ceiling = unconstrained_samples_per_s(forward["cost"], profile, kind, effective_batch, precision)
             if ceiling <= found:
-                short[kind] = (f"at most {ceiling:.0f} samples/s even without accumulation or recomputation, "
-                               f"below the {found:.0f} already found")
+                at_most, best = _apart(ceiling, found)
+                short[kind] = (f"at most {at_most} samples/s even without accumulation or recomputation, "
+                               + (f"below the {best} already found" if at_most != best else
+                                  f"about the same as the {best} already found"))
                 failures[kind] = NothingFitsError(short[kind])
                 continue
         try:
