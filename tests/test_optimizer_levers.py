@@ -6,6 +6,7 @@ CUDA.
 
 import importlib.util
 import math
+import warnings
 
 import pytest
 import torch
@@ -213,6 +214,75 @@ def test_resume_with_a_new_lr_steps_with_the_new_lr(tmp_path):
     t.resume(list_checkpoints(tmp_path)[-1])
     t.fit()
     assert all(isinstance(g["lr"], float) and g["lr"] <= 5e-4 for g in t.optimizer.param_groups)
+
+
+@needs_bnb
+def test_the_8bit_step_leaves_out_the_librarys_sync_after_every_tensor(monkeypatch):
+    """bitsandbytes synchronises the device after each tensor's update (needed for paged state
+    only); tightfit's step does not call it, and updates the same."""
+    import bitsandbytes.optim.optimizer as library
+
+    from tightfit.levers import optimizers as lv
+
+    calls = []
+    real = library.sync_gpu
+
+    def spy(t):
+        calls.append(t)
+        real(t)
+
+    monkeypatch.setattr(library, "sync_gpu", spy)
+    got = {}
+    for skip in (True, False):
+        monkeypatch.setattr(lv, "SKIP_PER_TENSOR_SYNC", skip)
+        calls.clear()
+        model = bert_with_large_tensors(dropout=0.0)
+        opt = make_optimizer(model.parameters(), "adamw8bit", "cpu", lr=1e-3)
+        for step in range(2):
+            torch.manual_seed(step)
+            model(input_ids=torch.randint(1, 50, (2, 8)), labels=torch.tensor([0, 1])).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        got[skip] = (params(model), len(calls))
+    assert got[True][1] == 0 and got[False][1] == 2 * len(list(model.parameters()))
+    assert_same(got[True][0], got[False][0])
+    assert library.sync_gpu is spy  # put back after each step
+
+
+@pytest.mark.gpu
+@needs_bnb
+def test_the_8bit_step_on_cuda_trains_bit_for_bit_as_with_the_librarys_syncs(monkeypatch):
+    """On the GPU, without the per-tensor syncs the kernels stay ordered on the default stream:
+    the same weights and 8-bit state as with them, bit for bit, and no device sync in the step."""
+    from tightfit.levers import optimizers as lv
+
+    got = {}
+    for skip in (True, False):
+        monkeypatch.setattr(lv, "SKIP_PER_TENSOR_SYNC", skip)
+        model = bert_with_large_tensors(dropout=0.1).cuda()
+        opt = make_optimizer(model.parameters(), "adamw8bit", "cuda", lr=1e-3)
+        syncs = []
+        for step in range(4):
+            torch.manual_seed(step)
+            batch = dict(input_ids=torch.randint(1, 50, (16, 16), device="cuda"),
+                         labels=torch.randint(0, 2, (16,), device="cuda"))
+            model(**batch).loss.backward()  # dropout on: the same RNG stream in both runs
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    opt.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs.append(sum("synchroniz" in str(x.message) for x in seen))
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        got[skip] = (params(model), [opt.state[p]["state1"].clone() for p in model.parameters()], syncs)
+    assert_same(got[True][0], got[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1]))
+    assert got[False][2][-1] > 0, "the library's own step syncs (the test would not see a sync otherwise)"
+    assert got[True][2][1:] == [0] * 3, got[True][2]  # the first step also allocates the state
 
 
 # ---------------------------------------------------------------- CPU offload (CUDA)

@@ -147,7 +147,9 @@ def _8bit_class():
       through raw pointers, invisible to autograd), so that the runtime's partial-update check
       (:func:`tightfit.step.changed_since`) sees a step that failed half-way;
     - ``load_state_dict`` shares one copy of each quantization map per device again (a checkpoint
-      holds one per tensor, and the library moves each to the device separately).
+      holds one per tensor, and the library moves each to the device separately);
+    - ``step`` leaves out the library's device synchronisation after every tensor's update
+      (:func:`_stream_ordered`), where the kernels are ordered on the default stream anyway.
     """
     base = _bnb_optim().AdamW8bit
 
@@ -162,7 +164,8 @@ def _8bit_class():
                 for pindex, p in enumerate(group["params"]):
                     if p.grad is not None and len(self.state[p]) == 0:
                         self.init_state(group, p, gindex, pindex)
-            return super().step(closure)
+            with _stream_ordered(self):
+                return super().step(closure)
 
         def update_step(self, group, p, gindex, pindex):
             super().update_step(group, p, gindex, pindex)
@@ -177,6 +180,37 @@ def _8bit_class():
                         s[key] = shared.setdefault((key, s[key].device), s[key])
 
     return AdamW8bit
+
+
+# False restores bitsandbytes' device sync after every tensor's update (bench/optimizer_sync.py
+# times both in one run).
+SKIP_PER_TENSOR_SYNC = True
+
+
+@contextlib.contextmanager
+def _stream_ordered(optimizer):
+    """Within it, bitsandbytes' ``Optimizer8bit.step`` does not call ``torch.cuda.synchronize()``
+    after each tensor's update (``bitsandbytes/optim/optimizer.py``, ``sync_gpu(p)``, 0.48-0.50).
+
+    That sync is there for paged state, whose updates run asynchronously to a prefetch; for state
+    in ordinary device memory it only makes the host wait for the GPU once per tensor (BERT-base:
+    ~200 syncs per step, the host idle while each kernel runs and the queue drains, bench/results/
+    speed-4's profile). The library launches its kernels on the default CUDA stream, so where
+    PyTorch's current stream is the default stream too, every later kernel (the next forward, the
+    checkpoint's copies) is ordered after the update without it. Paged state, or a step run on
+    another stream, keeps the library's syncs. (bitsandbytes PR #2050, open, proposes the same for
+    non-paged CUDA optimizers.)
+    """
+    import bitsandbytes.optim.optimizer as library
+
+    default_stream = not torch.cuda.is_available() or torch.cuda.current_stream() == torch.cuda.default_stream()
+    if not SKIP_PER_TENSOR_SYNC or optimizer.is_paged or not default_stream:
+        yield
+        return
+    from unittest import mock
+
+    with mock.patch.object(library, "sync_gpu", lambda t: None):
+        yield
 
 
 def weights_dtype(kind: str) -> torch.dtype | None:
