@@ -113,6 +113,46 @@ def test_cuda_inference_and_int8_training_are_refused_before_any_work(text_run, 
     assert not (tmp_path / "o").exists() and not (tmp_path / "t").exists()
 
 
+def test_unwritable_out_and_a_folder_without_weights_are_refused_before_any_work(text_run, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """`--out` under /proc passed the folder check (root may write anywhere by the permission bits)
+    and an empty `--out` was checked itself, not its parent, where the export's temporary folder is
+    made: both raised a traceback after the export's work. A model folder with config.json and no
+    weights raised transformers' OSError."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import tightfit.export as export
+
+    def no_work(*a, **k):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(export, "_load_fp32", no_work)
+    _refused(["export", "--int8", str(text_run), "--out", "/proc/tightfit-export/int8"], capsys,
+             "cannot create --out /proc/tightfit-export/int8: /proc is not a writable folder")
+    ro = tmp_path / "read-only"
+    (ro / "empty").mkdir(parents=True)
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*a, dir=None, **k):  # a folder nothing can be created in, as a read-only mount is
+        if dir is not None and Path(dir) == ro:
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    _refused(["export", "--int8", str(text_run), "--out", str(ro / "empty")], capsys,
+             f"{ro} is not a writable folder")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in (text_run / "model").iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, bare / f.name)
+    _refused(["export", "--int8", str(bare), "--out", str(tmp_path / "o")], capsys,
+             "config.json but no weights file")
+    assert not (tmp_path / "o").exists() and not list(ro.parent.glob(".*tmp")) and not list(ro.glob(".*"))
+
+
 def test_a_bare_model_folder_exports_without_accuracy(text_run, tmp_path):
     out = tmp_path / "int8"
     assert main(["export", "--int8", str(text_run / "model"), "--out", str(out)]) == 0

@@ -204,3 +204,31 @@ def test_8bit_state_and_two_ranks_train_an_image_model_and_save_it(models, tmp_p
                for line in (tmp_path / "8bit" / "metrics.jsonl").read_text().splitlines() if '"lr"' in line)
     assert _train(base + ["--gpus", "2"], tmp_path / "ddp") == 0
     assert (tmp_path / "ddp" / "model" / "config.json").exists()
+
+
+_SIZE_ARGS = {"train": ["--data", "digits", "--device", "cpu", "--no-progress"],
+              "plan": ["--batch-size", "8", "--budget", "4GiB", "--json"],
+              "estimate": ["--micro-batch", "2", "--precision", "fp32", "--json"]}
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "estimate"])
+def test_vit_image_size_is_checked_alike_by_train_plan_and_estimate(command, tmp_path, capsys, monkeypatch):
+    """`plan` and `estimate` of vit-b16 refused every --image-size but 224 (the model was built for
+    224, then traced at the size asked), while `train` built it for the size: one check
+    (:meth:`ModelEntry.fit_image_size`) for all three, a whole number of 16 px patches, refused in
+    one line before any image is read."""
+    import tightfit.image_train as image_train
+
+    def no_work(*a, **k):
+        raise AssertionError("images read")
+
+    monkeypatch.setattr(image_train, "load_image_classification", no_work)
+    out = ["--out", str(tmp_path / "run")] if command == "train" else []
+    assert main([command, "--model", "vit-b16", "--image-size", "100", *_SIZE_ARGS[command], *out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tightfit: error: --image-size 100: vit-b16 cuts images into 16 x 16 patches; use a multiple "
+                   "of 16, e.g. 96 or 112"], err
+    assert not (tmp_path / "run").exists()
+    if command != "train":  # train built it for the size asked already; plan and estimate now do
+        assert main([command, "--model", "vit-b16", "--image-size", "160", *_SIZE_ARGS[command]]) == 0
+        assert json.loads(capsys.readouterr().out)

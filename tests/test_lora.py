@@ -89,3 +89,24 @@ def test_wrapping_prints_no_deprecation_warning_of_the_libraries():
         warnings.simplefilter("always")
         assert not hf_hook_active(apply_lora(tiny_bert()))  # the trainer asks this of the peft wrapper
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_plan_json_says_what_the_plan_trains(tmp_path, capsys):
+    """`tightfit plan --trainable lora --json` wrote ``"trainable": "all"`` and no parameter count
+    while its text said LoRA: the plan carries what is trained (the search's result fills it)."""
+    import json
+
+    from conftest import tiny_text_model_folder
+    from tightfit.cli import main
+
+    model = tiny_text_model_folder(tmp_path, ["good", "bad", "film"], hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, intermediate_size=64, max_position_embeddings=32)
+    argv = ["plan", "--model", str(model), "--seq-len", "16", "--batch-size", "4", "--budget", "1GiB", "--json"]
+    assert main(argv + ["--trainable", "lora"]) == 0
+    out = capsys.readouterr()
+    said, total = (int(n.replace(",", "")) for n in re.search(r"--trainable lora: ([\d,]+) of ([\d,]+) ", out.err).groups())
+    plan = json.loads(out.out)["plan"]
+    assert plan["trainable"] == "lora" and plan["trainable_params"] == said, plan
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["trainable"] == "all" and said < plan["trainable_params"] < total, plan  # total: with the adapters

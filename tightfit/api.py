@@ -344,8 +344,9 @@ class TrainRecipe:
                     f"resumed in one process: the same micro-batch {self.plan.micro_batch}, the ranks' "
                     f"effective batch {self.plan.effective_batch} in more accumulation steps",))
         if self.resume_from is None:  # what is trained, in the plan and the report
-            self.plan = replace(self.plan, trainable=self.req.workload.trainable, trainable_params=sum(
-                p.numel() for p in self.model.parameters() if p.requires_grad))
+            from .levers.lora import trainable_fields
+
+            self.plan = replace(self.plan, **trainable_fields(self.model))
         self.planning_s = time.perf_counter() - t_plan
         cached = self.plan_timings.get("cached", False)
         if cached and self.resume_from is None and not self.world.distributed:  # compile now what planning compiled in the first run

@@ -77,11 +77,17 @@ class _Source:
     run: Path | None
 
 
+def _weights_files(model_dir: Path) -> list[Path]:
+    """The fp32 weights files of a model folder: safetensors, or PyTorch's bin files."""
+    return list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
+
+
 def _source(path: str) -> _Source:
     """A run folder (``request.json`` and ``model/``) or a model folder (``config.json``).
 
     Raises:
-        TightfitError: neither; a model that is not a sequence or image classifier.
+        TightfitError: neither; a model that is not a sequence or image classifier; a model
+            folder without a weights file.
     """
     from .models import _folder_config, _task_of_config
 
@@ -97,6 +103,8 @@ def _source(path: str) -> _Source:
     kind = _task_of_config(_folder_config(model_dir)).kind
     if kind not in ("text", "image"):
         raise TightfitError(f"{model_dir}: a {kind} model; tightfit export --int8 takes text or image classifiers")
+    if not _weights_files(model_dir):
+        raise TightfitError(f"{model_dir}: config.json but no weights file (*.safetensors or *.bin) to export")
     return _Source(model_dir, kind, run)
 
 
@@ -104,7 +112,8 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
     """Every check of an export, before any work: CPU only, the source, an empty output folder.
 
     Raises:
-        TightfitError: ``device`` is not ``cpu``; a bad source; ``out`` exists and is not empty.
+        TightfitError: ``device`` is not ``cpu``; a bad source; ``out`` exists and is not empty,
+            or cannot be written where it is.
     """
     if device != "cpu":
         raise TightfitError(CUDA_REFUSAL)
@@ -112,20 +121,29 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
     o = Path(out)
     if o.exists() and (not o.is_dir() or any(o.iterdir())):
         raise TightfitError(f"--out {o} exists and is not an empty folder; choose another")
-    blocked = unwritable_folder(o)
+    # atomic_write_dir fills a temporary sibling of --out and renames it: written in its parent
+    blocked = unwritable_folder(o.absolute().parent)
     if blocked is not None:
         raise TightfitError(f"cannot create --out {o}: {blocked} is not a writable folder")
     return src
 
 
 def _load_fp32(src: _Source) -> torch.nn.Module:
+    """The fp32 model of ``src``, in eval mode.
+
+    Raises:
+        TightfitError: its files cannot be read (e.g. a truncated weights file), in one line.
+    """
     from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
 
-    from .models import _quiet_transformers
+    from .models import _load_errors, _one_line, _quiet_transformers
 
     _quiet_transformers()
     cls = AutoModelForImageClassification if src.kind == "image" else AutoModelForSequenceClassification
-    return cls.from_pretrained(src.model_dir, dtype=torch.float32).eval()
+    try:
+        return cls.from_pretrained(src.model_dir, dtype=torch.float32).eval()
+    except _load_errors() as e:
+        raise TightfitError(f"cannot load the model from {src.model_dir}: {_one_line(e)}") from None
 
 
 def _held_out(src: _Source):
@@ -233,8 +251,7 @@ def load_int8(folder: str | Path) -> torch.nn.Module:
 
 def _fp32_size(model_dir: Path) -> int:
     """Bytes of the fp32 weights files (safetensors, or PyTorch's bin files)."""
-    files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
-    return sum(f.stat().st_size for f in files)
+    return sum(f.stat().st_size for f in _weights_files(model_dir))
 
 
 def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dict:

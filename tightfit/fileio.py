@@ -81,8 +81,16 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None]) -> None:
 
 def unwritable_folder(path: str | Path) -> Path | None:
     """Where a folder ``path`` could not be written: the folder itself if it exists, else its
-    nearest existing ancestor, when that is not a folder this process may write into; None when
-    it can be created (or written) there."""
+    nearest existing ancestor, when that is not a folder this process can create an entry in;
+    None when it can be created (or written) there. The entry is tried for real (an empty
+    temporary folder, removed at once): permission bits do not say it for root, nor for ``/proc``
+    or a read-only mount."""
     path = Path(path)
     where = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
-    return None if where.is_dir() and os.access(where, os.W_OK | os.X_OK) else where
+    if not where.is_dir():
+        return where
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=where, prefix=".tightfit-probe-"))
+    except OSError:
+        return where
+    return None

@@ -21,8 +21,6 @@ from .images import PREPROCESSING_FILE, ImageSamples, is_image_data, load_image_
 from .models import ModelEntry, resolve
 from .rng import seed_everything
 
-DEFAULT_IMAGE_SIZE = 224  # ImageNet's side, for models whose config names none (ResNet)
-
 
 def _model_and_data(req: TrainRequest) -> tuple[str | None, str | None]:
     """``(--model, --data)`` of the run: for ``--resume``, those of the run being resumed (read
@@ -91,11 +89,12 @@ def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size:
     Args:
         entry: an image model of the registry or a folder.
         label_names: the classes (the head's outputs).
-        image_size: ``--image-size`` (None: the config's ``image_size``, else :data:`DEFAULT_IMAGE_SIZE`).
+        image_size: ``--image-size`` (None: the config's ``image_size``, else
+            :data:`tightfit.models.DEFAULT_IMAGE_SIZE`), checked by :meth:`ModelEntry.fit_image_size`.
 
     Raises:
-        TightfitError: the folder cannot be loaded or lacks most of its weights; a ViT folder asked
-            for another image size than the one its position embeddings were made for.
+        TightfitError: the folder cannot be loaded or lacks most of its weights; an image size the
+            model cannot take (:meth:`ModelEntry.fit_image_size`).
     """
     import torch
     from transformers import AutoModelForImageClassification
@@ -104,20 +103,14 @@ def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size:
 
     _quiet_transformers()
     _, config = entry.load_config()
-    made_for = getattr(config, "image_size", None)
-    size = image_size or made_for or DEFAULT_IMAGE_SIZE
+    size = entry.fit_image_size(config, image_size)  # a registry architecture's config: built for this size
     id2label = dict(enumerate(label_names))
     labels = dict(num_labels=len(label_names), id2label=id2label, label2id={v: k for k, v in id2label.items()})
-    if entry.folder is None:  # a registry architecture: random weights, built for this image size
-        if made_for is not None:
-            config.image_size = size
+    if entry.folder is None:  # a registry architecture: random weights
         for k, v in labels.items():
             setattr(config, k, v)
         model = AutoModelForImageClassification.from_config(config).float()
     else:
-        if made_for is not None and size != made_for:
-            raise TightfitError(f"--image-size {size}: the model in {entry.folder} takes {made_for} x {made_for} "
-                                f"images (its position embeddings); leave --image-size out or use {made_for}")
         try:
             model, info = AutoModelForImageClassification.from_pretrained(
                 entry.folder, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True, **labels)
@@ -140,6 +133,7 @@ class ImageTrainRecipe(TrainRecipe):
         if not w.data:
             raise TightfitError(f"{self.source.name} is an image model: give --data (digits, a folder with one "
                                 "subfolder per class, or a CSV of image paths and labels)")
+        self.source.fit_image_size(self.source.load_config()[1], w.image_size)  # before the images are read
         self.data = load_image_classification(w.data, w.label_column, w.image_column)
 
     def _load_model(self) -> None:

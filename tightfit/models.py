@@ -28,6 +28,7 @@ from .errors import TightfitError
 from .tasks import CausalLM, ImageClassification, SequenceClassification, Task
 
 DEFAULT_MODEL_NAME = "minilm"
+DEFAULT_IMAGE_SIZE = 224  # ImageNet's side, for image models whose config names none (ResNet)
 
 
 def default_model_path() -> Path:
@@ -111,13 +112,42 @@ class ModelEntry:
             config.num_labels = 2
         return task, config
 
-    def build(self, device: str | torch.device = "meta", attn_implementation: str = "sdpa") -> tuple[torch.nn.Module, BatchMaker]:
+    def fit_image_size(self, config, image_size: int | None) -> int:
+        """The image side (pixels) this image model takes for ``--image-size`` ``image_size``
+        (None: the config's ``image_size``, else :data:`DEFAULT_IMAGE_SIZE`), checked, with a
+        registry entry's ``config`` set to that side (its random weights are built for it). The
+        one check of ``train``, ``plan`` and ``estimate``.
+
+        Raises:
+            TightfitError: a side that is not a whole number of the model's patches (ViT: a
+                multiple of ``patch_size``); for a folder, another side than the one its position
+                embeddings were made for.
+        """
+        made_for = getattr(config, "image_size", None)
+        size = image_size if image_size is not None else made_for or DEFAULT_IMAGE_SIZE
+        if made_for is None or size == made_for:  # no size of its own (ResNet), or its own
+            return size
+        if self.folder is not None:
+            raise TightfitError(f"--image-size {size}: the model in {self.folder} takes {made_for} x {made_for} "
+                                f"images (its position embeddings); use --image-size {made_for}")
+        patch = getattr(config, "patch_size", None)
+        if isinstance(patch, int) and (size < patch or size % patch):
+            near = f"{patch}" if size < patch else f"{size // patch * patch} or {(size // patch + 1) * patch}"
+            raise TightfitError(f"--image-size {size}: {self.name} cuts images into {patch} x {patch} patches; "
+                                f"use a multiple of {patch}, e.g. {near}")
+        config.image_size = size
+        return size
+
+    def build(self, device: str | torch.device = "meta", attn_implementation: str = "sdpa",
+              image_size: int | None = None) -> tuple[torch.nn.Module, BatchMaker]:
         """Build the architecture with its task's head and random fp32 weights, in training mode.
 
         Args:
             device: where to build (``"meta"``: shapes only, no memory; even BERT-large).
             attn_implementation: Hugging Face attention, ``"sdpa"`` or ``"eager"`` (ignored by
                 models without attention).
+            image_size: for an image model, the side it is built for (:meth:`fit_image_size`;
+                None: the config's); ignored by text models.
 
         Returns:
             ``(model, make_batch)``: ``make_batch(micro_batch, size, device=None)`` gives the
@@ -126,13 +156,16 @@ class ModelEntry:
             ``task`` attributes name the task.
 
         Raises:
-            TightfitError: unknown attention implementation, or a config the head cannot take.
+            TightfitError: unknown attention implementation, a config the head cannot take, or an
+                image size the model cannot take (:meth:`fit_image_size`).
         """
         import transformers
 
         if attn_implementation not in ("sdpa", "eager"):
             raise TightfitError(f"unknown attention implementation {attn_implementation!r}: use sdpa or eager")
         task, config = self.load_config()
+        if task.kind == "image":
+            self.fit_image_size(config, image_size)
         if hasattr(config, "use_cache"):
             config.use_cache = False  # training: no KV cache (it would hold keys/values across blocks)
         head = getattr(transformers, _HEADS[task.kind])
@@ -236,14 +269,15 @@ def resolve_for_training(name_or_path: str | None) -> ModelEntry:
 
 
 def build_model(name_or_path: str, device: str | torch.device = "meta",
-                attn_implementation: str = "sdpa") -> tuple[torch.nn.Module, BatchMaker]:
-    """``resolve(name_or_path).build(device, attn_implementation)``: the architecture with its
-    task's head and random fp32 weights (a folder's config only: its weights are not read).
+                attn_implementation: str = "sdpa", image_size: int | None = None) -> tuple[torch.nn.Module, BatchMaker]:
+    """``resolve(name_or_path).build(device, attn_implementation, image_size)``: the architecture
+    with its task's head and random fp32 weights (a folder's config only: its weights are not read).
 
     Raises:
-        TightfitError: unknown name and no such folder, unreadable config, unknown attention.
+        TightfitError: unknown name and no such folder, unreadable config, unknown attention, an
+            image size the model cannot take.
     """
-    return resolve(name_or_path).build(device, attn_implementation)
+    return resolve(name_or_path).build(device, attn_implementation, image_size)
 
 
 def batch_maker(task: Task, config) -> BatchMaker:

@@ -68,6 +68,18 @@ def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in ps if p.requires_grad), sum(p.numel() for p in ps)
 
 
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is wrapped with LoRA adapters (:func:`apply_lora`: peft's wrapper)."""
+    return hasattr(model, "merge_and_unload")
+
+
+def trainable_fields(model: torch.nn.Module) -> dict:
+    """What ``model`` trains, as the :class:`~tightfit.plan.Plan` fields ``trainable``
+    (``"lora"`` when it has adapters, else ``"all"``) and ``trainable_params`` (the parameters
+    that require grad): the one place a plan learns them, for every face that shows it."""
+    return {"trainable": "lora" if has_adapters(model) else "all", "trainable_params": trainable_count(model)[0]}
+
+
 def trainable_note(model: torch.nn.Module) -> str:
     """The line that says how many parameters of a LoRA-wrapped ``model`` train (plan and train say it)."""
     n, total = trainable_count(model)
@@ -78,6 +90,6 @@ def trainable_note(model: torch.nn.Module) -> str:
 def merged(model: torch.nn.Module) -> torch.nn.Module:
     """A plain model with the LoRA adapters merged into the weights (peft's ``merge_and_unload``
     on a copy), to save in the model's own format; ``model`` itself if it has no adapters."""
-    if not hasattr(model, "merge_and_unload"):
+    if not has_adapters(model):
         return model
     return copy.deepcopy(model).merge_and_unload()

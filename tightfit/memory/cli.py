@@ -107,7 +107,7 @@ def run(args) -> int:
         from ..levers.precision import check_precision
 
         check_precision(args.precision, profile)  # e.g. no bf16 below compute capability 8.0
-    model, make_batch = build_model(args.model, attn_implementation=args.attention)
+    model, make_batch = build_model(args.model, attn_implementation=args.attention, image_size=args.image_size)
     kind = make_batch.kind
     if kind == "image" and args.image_size is None:
         raise TightfitError(f"{args.model} takes images: give --image-size")

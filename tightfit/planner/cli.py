@@ -54,7 +54,7 @@ def run(args) -> int:
         from ..levers.precision import check_precision as check_card_precision
 
         notes += check_card_precision(args.precision, profile)
-    model, make_batch = build_model(args.model)
+    model, make_batch = build_model(args.model, image_size=args.image_size)  # an image model built for that size
     if args.trainable == "lora":  # as `tightfit train --trainable lora` wraps it before planning
         from ..levers.lora import apply_lora, trainable_note
 

@@ -120,6 +120,8 @@ class SearchResult:
             fit, fastest predicted first (:func:`tightfit.planner.optimizers.search_optimizers`;
             the GPU planner verifies the first of them too, since the time model of an optimizer
             lever can be off); empty otherwise.
+        trainable, trainable_params: what the model searched trains (``Plan``'s fields of the
+            same names, :func:`tightfit.levers.lora.trainable_fields`).
     """
 
     best: Candidate
@@ -129,6 +131,8 @@ class SearchResult:
     n_blocks: int
     seconds: float
     other_optimizers: tuple = ()
+    trainable: str = "all"
+    trainable_params: int | None = None
 
     def to_plan(self, device: str = "cuda") -> Plan:
         """The winner as a :class:`~tightfit.plan.Plan` (checkpointing on if any block is)."""
@@ -136,7 +140,8 @@ class SearchResult:
         return plan_with_blocks(b.precision, b.micro_batch, self.effective_batch, b.checkpoint_blocks, self.n_blocks,
                                 device=device, budget_bytes=self.budget_bytes, reasons=(b.why,), optimizer=b.optimizer,
                                 predicted_peak_reserved_bytes=b.peak_reserved_bytes,
-                                predicted_samples_per_s=b.samples_per_s, block_policies=b.block_policies)
+                                predicted_samples_per_s=b.samples_per_s, block_policies=b.block_policies,
+                                trainable=self.trainable, trainable_params=self.trainable_params)
 
     def to_dict(self) -> dict:
         """JSON: ``plan``, ``budget_bytes``, ``predicted_peak_bytes`` (reserved),
@@ -290,7 +295,9 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
                           estimator_at=estimator_at, per_block=per_block, optimizer=optimizer, beat=beat)
         _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at,
                             optimizer)
-    return rank(space, prediction, time.perf_counter() - t0)
+    from ..levers.lora import trainable_fields
+
+    return replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model))
 
 
 def _traced_once(estimate_fn: EstimateFn) -> EstimateFn:
