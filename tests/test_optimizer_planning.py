@@ -330,3 +330,69 @@ def test_auto_returns_the_other_optimizers_that_fit_fastest_predicted_first(m):
         assert all(c.optimizer == o.best.optimizer for c in o.runners_up)
         assert f"optimizer {o.best.optimizer}, " in o.best.why and "the runner-up optimizer" in o.best.why
     assert not plan(m, 4 << 30).other_optimizers  # fp32 AdamW unconstrained: nothing else searched
+
+
+# -- the nothing-fits advice on a card below compute capability 8.0 (a GTX 1650 Ti) ------------
+
+GTX = get_profile("gtx-1650-ti")  # compute capability 7.5: no bf16
+
+
+def gtx_estimator(m):
+    return lambda kind: estimator_for(m, make_batch, SEQ, GTX, E, optimizer=kind)
+
+
+def gtx_advice(m, budget):
+    """The advice a GTX 1650 Ti user is given at ``budget``: the refusal below the model state
+    (as `tightfit plan` checks it, with the planner's estimator), else the nothing-fits error of
+    fp32 AdamW."""
+    from tightfit.errors import TightfitError
+    from tightfit.planner.advice import check_model_state
+
+    with pytest.raises(TightfitError) as e:
+        check_model_state(m, budget, "adamw", True, GTX.host_link_bytes_per_s, profile=GTX,
+                          estimator=gtx_estimator(m))
+        search_optimizers(m, make_batch, SEQ, E, GTX, budget, gtx_estimator(m), optimizer="adamw", levers=True)
+    return str(e.value)
+
+
+def lever_verdicts(text):
+    """``{--optimizer value: "would fit" | shortfall bytes}`` of the advice's lever lines."""
+    from tightfit.units import parse_size
+
+    out = {}
+    for line in text.splitlines():
+        kind = re.search(r"\(--optimizer ([\w-]+)[:,]", line)
+        verdict = re.search(r": saves [\d.]+ \w+, (would fit|still ([\d.]+ \w+) over)", line)
+        if kind and verdict:
+            out[kind.group(1)] = "would fit" if verdict.group(2) is None else parse_size(verdict.group(2))
+    return out
+
+
+# 30 MiB: below fp32 AdamW's 29.3 MiB of model state once the 5% headroom is kept (refused before
+# any search), and the 8-bit state (18.4 MiB) alone was said to "fit" the whole budget, although its
+# smallest step needs 42 MiB; 43.7 MiB: fp32 AdamW's state fits, its smallest step (54 MiB) does not,
+# offload's (38 MiB) does, 8-bit's (42 MiB) does not.
+@pytest.mark.parametrize("budget, fits", [(30 * MiB, set()), (int(43.7 * MiB), {"adamw-offload"})])
+def test_a_lever_the_advice_says_fits_plans_and_one_it_says_does_not_is_short_by_what_it_says(m, budget, fits):
+    text = gtx_advice(m, budget)
+    verdicts = lever_verdicts(text)
+    assert set(verdicts) == {"adamw8bit", "adamw-offload"}, verdicts
+    assert text.count("would fit") == len(fits), text  # nor does a lever tightfit lacks "fit" unestimated
+    assert {k for k, v in verdicts.items() if v == "would fit"} == fits, verdicts
+    for kind, verdict in verdicts.items():  # the planner, asked for that lever, agrees
+        if verdict == "would fit":
+            search_optimizers(m, make_batch, SEQ, E, GTX, budget, gtx_estimator(m), optimizer=kind)
+            continue
+        with pytest.raises(NothingFitsError) as e:
+            search_optimizers(m, make_batch, SEQ, E, GTX, budget, gtx_estimator(m), optimizer=kind)
+        from tightfit.units import parse_size
+        over = parse_size(re.search(r"needs [\d.]+ \w+, ([\d.]+ \w+) over", str(e.value)).group(1))
+        assert abs(over - verdict) <= 0.01 * MiB, (kind, over, verdict)
+
+
+@pytest.mark.parametrize("budget", [30 * MiB, int(43.7 * MiB)])
+def test_the_advice_on_a_card_without_bf16_does_not_offer_bf16_weights_and_says_why(m, budget):
+    text = gtx_advice(m, budget)
+    assert "bf16 weights and gradients" not in text and "(--optimizer adamw8bit-bf16" not in text, text
+    assert re.search(r"--optimizer adamw8bit-bf16 is not offered: .*compute capability >= 8\.0; "
+                     r"NVIDIA GeForce GTX 1650 Ti is 7\.5", text), text

@@ -366,3 +366,35 @@ def test_a_budget_below_the_model_state_agrees_with_its_offload_line(capsys):
     line = re.search(r"AdamW state in CPU memory .*: saves [\d.]+ GiB, still ([\d.]+ MiB) over", err)
     assert short and line, err
     assert abs(parse_size(short.group(1)) - parse_size(line.group(1))) <= 4 * 2**20  # small tensors stay on the GPU
+
+
+# none: the peak under the budget, over the budget less 5%; all: under the budget less 5%, but not
+# with the 5% estimator margin the planner adds to a checkpointed step's prediction
+@pytest.mark.parametrize("checkpointing, budget_per_peak", [("none", 1 / 0.97), ("all", 1.02 / 0.95)])
+def test_estimate_says_fits_only_where_plan_would_plan_the_same_step(tmp_path, capsys, monkeypatch, checkpointing,
+                                                                     budget_per_peak):
+    """`tightfit estimate` said "fits" against the whole budget while `tightfit plan` keeps 5%
+    headroom (and a checkpointed step's estimator margin): a peak between the two fitted for one and
+    not the other."""
+    from tightfit.devices import DeviceProfile
+    from tightfit.models import build_model
+    from tightfit.planner.margins import planned_limit
+    from tightfit.planner.search import estimator_for
+
+    model = _tiny_bert(tmp_path)
+    args = ["estimate", "--model", model, "--seq-len", "32", "--micro-batch", "4", "--gpu", "gtx-1650-ti",
+            "--checkpointing", checkpointing, "--json"]
+    assert main(args) == 0
+    peak = json.loads(capsys.readouterr().out)["peak_reserved_bytes"]
+    budget = int(peak * budget_per_peak)
+    monkeypatch.setattr(DeviceProfile, "budget_bytes", lambda self: budget)
+    net, make_batch = build_model(model)
+    blocks = () if checkpointing == "none" else (0, 1)
+    planned = estimator_for(net, make_batch, 32, get_profile("gtx-1650-ti"), 4)("fp32", 4, blocks)
+    plan_fits = planned.peak_reserved_bytes <= planned_limit(budget)  # the search's own test of this step
+    assert main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] is plan_fits is False and d["planned_limit_bytes"] == int(planned_limit(budget))
+    assert main(args[:-1]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"does NOT fit the planned limit [\d.]+ \w+ of budget [\d.]+ \w+ \(5% headroom", out), out

@@ -297,7 +297,8 @@ class TrainRecipe:
         if self.budget is not None and not self.world.distributed:  # several ranks: planner/sharding.py
             link = (self.profile or get_profile("h200")).host_link_bytes_per_s
             check_model_state(self.model, self.budget, self.req.planning.optimizer,
-                              levers_installed() and self.device == "cuda", link, cuda=self.device == "cuda")
+                              levers_installed() and self.device == "cuda", link, cuda=self.device == "cuda",
+                              profile=self.profile if self.device == "cuda" else None)
 
     def input_size(self) -> int:
         """The size a sample's worst case has, for the planner: ``--seq-len`` (tokens)."""

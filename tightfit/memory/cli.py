@@ -76,7 +76,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--allocator", default="expandable", choices=("expandable", "default"),
                    help="CUDA caching allocator configuration: expandable (expandable_segments:True, what "
                         "tightfit's runtime sets; default) or default (PyTorch's default segments)")
-    p.add_argument("--gpu", help="GPU profile, e.g. gtx-1650-ti (sets workspace sizes and the budget shown)")
+    p.add_argument("--gpu", help="GPU profile, e.g. gtx-1650-ti (sets workspace sizes, and the budget whose "
+                                         "planned limit, as tightfit plan keeps it, the verdict compares with)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -122,7 +123,8 @@ def run(args) -> int:
                           allocator=getattr(args, "allocator", "expandable"))
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
-    fits = result.peak_reserved_bytes <= profile.budget_bytes() if profile else None
+    verdict = fits_verdict(result.peak_reserved_bytes, bool(result.plan["checkpoint_blocks"]),
+                           profile.budget_bytes()) if profile else None
     from ..levers.optimizers import trainable_gradient_bytes
 
     grads = trainable_gradient_bytes(model, args.optimizer)
@@ -130,7 +132,7 @@ def run(args) -> int:
     if args.json:
         d = result.to_dict()
         if profile:
-            d.update(budget_bytes=profile.budget_bytes(), fits=fits)
+            d.update(budget_bytes=profile.budget_bytes(), planned_limit_bytes=verdict[1], fits=verdict[0])
         d["notes"] = [f"gradients: {note}"] if note else []
         print(json.dumps(d, indent=2))
         return 0
@@ -144,5 +146,23 @@ def run(args) -> int:
     print(f"peak allocated  {format_bytes(result.peak_allocated_bytes)}")
     print("\n".join(breakdown_lines(result.breakdown, grads)))
     if profile:
-        print(f"{profile.name}: budget {format_bytes(profile.budget_bytes())} -> {'fits' if fits else 'does NOT fit'}")
+        print(f"{profile.name}: {verdict[2]}")
     return 0
+
+
+def fits_verdict(peak_reserved_bytes: int, checkpointed: bool, budget_bytes: int) -> tuple[bool, int, str]:
+    """Whether a step whose predicted peak is ``peak_reserved_bytes`` fits ``budget_bytes`` as
+    ``tightfit plan`` decides it without a GPU: the peak, plus the estimator's margin where blocks
+    are ``checkpointed`` (:func:`tightfit.planner.margins.estimator_margin_bytes`), against the
+    planned limit (:func:`tightfit.planner.margins.planned_limit`: the budget less the planner's
+    headroom). Returns ``(fits, planned limit in bytes, one display line)``."""
+    from ..planner.margins import HEADROOM, estimator_margin_bytes, planned_limit
+
+    limit = int(planned_limit(budget_bytes))
+    margin = estimator_margin_bytes(peak_reserved_bytes, checkpointed)
+    fits = peak_reserved_bytes + margin <= limit
+    counted = f"peak {format_bytes(peak_reserved_bytes)}" + (
+        f" + {format_bytes(margin)} estimator margin (a checkpointed step's, as tightfit plan adds it)" if margin else "")
+    return fits, limit, (f"{counted} {'fits' if fits else 'does NOT fit'} the planned limit {format_bytes(limit)} "
+                         f"of budget {format_bytes(budget_bytes)} ({int(HEADROOM * 100)}% headroom, as tightfit plan "
+                         f"keeps)")

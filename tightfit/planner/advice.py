@@ -9,8 +9,14 @@ first, then none, whichever fits: a checkpointed step carries the margin for the
 estimator's error on checkpointed steps, :mod:`.margins`).
 
 Each lever below is given with the bytes it would save at the peak of the smallest step tried;
-the first two are tightfit's optimizer levers (``--optimizer``, :mod:`tightfit.levers.optimizers`),
-the others are not available in tightfit yet. The savings follow from the bytes per parameter of fp32
+the first three are tightfit's optimizer levers (``--optimizer``, :mod:`tightfit.levers.optimizers`),
+the last is not available in tightfit yet. Whether an optimizer lever would fit is not read off
+its savings: it is the planner's own answer (:func:`lever_peaks`) -- the exact estimate the
+search makes of that lever's smallest step (micro-batch 1 with the checkpointing the search may
+choose, in the precisions it may choose) against the planned limit, the budget less the
+planner's headroom (:func:`.margins.planned_limit`); a lever whose model state alone is over
+that limit is not traced. Only the levers the device can run are offered: the others are named
+in one line with the reason. The savings follow from the bytes per parameter of fp32
 weights, fp32 gradients and AdamW's two fp32 moments (4 + 4 + 8 = 16 B per trainable parameter;
 autocast keeps the weights, and so the gradients, in fp32):
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 from ..units import format_bytes
 from .bisection import bisect
+from .margins import planned_limit
 
 # Bytes per trainable parameter of fp32 training with AdamW: weight, gradient, two moments.
 WEIGHT_B, GRADIENT_B, ADAMW_STATE_B = 4, 4, 8
@@ -65,6 +72,66 @@ def _peak(estimate_fn, precision: str, micro_batch: int, block_options, limit: f
         if peaks[-1] <= limit:
             break
     return min(peaks, default=None)
+
+
+def smallest_step_peak(estimate_fn, precisions, block_options, limit: float) -> int | None:
+    """Peak reserved bytes of the smallest step the search plans: micro-batch 1 in one of
+    ``precisions`` with one of ``block_options`` checkpointed (:func:`_peak`) -- the first that
+    fits ``limit`` (bytes), else the least; None where none could be traced."""
+    least = None
+    for precision in precisions:
+        got = _peak(estimate_fn, precision, 1, block_options, limit)
+        if got is not None and got <= limit:
+            return got
+        least = got if least is None or (got is not None and got < least) else least
+    return least
+
+
+def lever_peaks(model, estimator, precisions, block_options, limit: float):
+    """``kind -> (bytes, words, estimated)``: what decides whether optimizer lever ``kind`` fits
+    ``limit`` (the planned limit, bytes) when the planner plans it.
+
+    Its model state alone (:func:`.optimizers.least_state_bytes`) when that is over ``limit``
+    (no trace: no step of it can fit); else the exact peak of its smallest step
+    (:func:`smallest_step_peak` with ``estimator(kind)``, the estimate the search makes: bf16
+    alone for the levers that keep bf16 weights, as the search of them), ``estimated`` True; else
+    (no ``estimator``, or nothing could be traced) the model state, ``estimated`` False.
+
+    Args:
+        estimator: ``kind -> estimate_fn`` (as :func:`.optimizers.search_optimizers` takes it), or None.
+        precisions, block_options: what the search of the lever may choose.
+    """
+    from ..levers.optimizers import weights_dtype
+    from .optimizers import least_state_bytes
+
+    def peak(kind: str):
+        state = least_state_bytes(model, kind)[0]
+        if state > limit or estimator is None:
+            return state, "its model state alone", False
+        got = smallest_step_peak(estimator(kind), ["bf16"] if weights_dtype(kind) is not None else precisions,
+                                 block_options, limit)
+        return (state, "its model state alone", False) if got is None else (got, "its smallest step", True)
+
+    return peak
+
+
+def left_out_levers(cuda: bool, profile=None) -> tuple[set[str], str | None]:
+    """The optimizer levers the device cannot run, and one line saying which and why (None if
+    none): on the CPU (not ``cuda``) those that need a CUDA GPU; on a card without bf16
+    (``profile``), bf16 weights (:func:`tightfit.levers.optimizers.check_precision`, the one place
+    of that rule)."""
+    from ..errors import TightfitError
+    from ..levers.optimizers import BF16_WEIGHTS, check_precision
+
+    if not cuda:
+        return {"adamw-offload", *BF16_WEIGHTS}, ("--optimizer adamw-offload and adamw8bit-bf16 need a CUDA GPU "
+                                                  "(this run is on the CPU)")
+    for kind in BF16_WEIGHTS:
+        try:
+            check_precision(kind, "auto", profile)
+        except TightfitError as e:
+            return set(BF16_WEIGHTS), f"--optimizer {kind} is not offered: {e}"
+    return set(), None
 
 
 def _largest(candidates: list[int], peak, limit: float) -> tuple[int | None, int | None]:
@@ -138,7 +205,8 @@ def _input_embedding_params(model) -> int:
 
 
 def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float,
-                optimizer: str = "adamw", accumulating: bool | None = None, cuda: bool = True) -> list[str]:
+                optimizer: str = "adamw", accumulating: bool | None = None, cuda: bool = True, profile=None,
+                lever_peak=None, activations: bool = True) -> list[str]:
     """One line per lever (the optimizer levers with their ``--optimizer`` value, the others
     marked not yet available): the bytes it would save at a step whose peak is
     ``peak_bytes`` with ``gradients_at_peak`` bytes of gradients held there, and whether that
@@ -147,15 +215,31 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     count as held only when all gradients are (accumulation). An optimizer lever already in use
     (``optimizer``) is not offered again, and offload saves what ``optimizer`` keeps on the GPU, and
     without accumulation (``accumulating``; None: when all gradients are held at the peak) the
-    gradients too, since it frees each once copied to the host. Without ``cuda`` (a CPU run) the
-    two levers that need a CUDA GPU (offload, bf16 weights) are named in one closing line."""
+    gradients too, since it frees each once copied to the host. The levers the device cannot run
+    (:func:`left_out_levers`: on the CPU, without ``cuda``, offload and bf16 weights; bf16 weights
+    on a ``profile`` without bf16) are named in one closing line instead.
+
+    Whether an optimizer lever fits is ``lever_peak(kind)``'s answer (:func:`lever_peaks`: the
+    planner's estimate of its smallest step against ``limit``, the planned limit); without it,
+    and for the levers tightfit does not have, the savings are taken off ``peak_bytes`` (a step's
+    peak; without ``activations``, the model state alone: then no lever is said to fit, only its
+    model state)."""
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     held = gradients_at_peak >= GRADIENT_B * trainable  # all of them, as when accumulating
     emb = _input_embedding_params(model)
 
-    def verdict(saving: float) -> str:
-        return "would fit" if peak_bytes - saving <= limit else f"still {format_bytes(peak_bytes - saving - limit)} over"
+    def verdict(kind: str | None, saving: float) -> str:
+        got = lever_peak(kind) if lever_peak is not None and kind is not None else None
+        need, words, estimated = got if got is not None else (peak_bytes - saving, "", activations)
+        if need > limit:
+            return f"still {format_bytes(need - limit)} over" + (f" ({words} needs {format_bytes(need)})"
+                                                                 if words else "")
+        if estimated:
+            return "would fit" + (f" ({words} needs {format_bytes(need)} of the planned limit {format_bytes(limit)})"
+                                  if words else "")
+        return (f"{words or 'its model state'}, {format_bytes(need)}, is under the planned limit "
+                f"{format_bytes(limit)}; its activations were not estimated")
 
     later = "not yet available in tightfit"
     state_b = _state_on_gpu(optimizer)[0]
@@ -182,49 +266,73 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
         per = ADAMW_STATE_B + (GRADIENT_B if held else 0)
         levers.append((f"freezing the input embeddings ({later}; {emb:,} parameters: no gradient and no AdamW "
                        f"state, {per} B each)", per * emb))
+    kinds = ("adamw8bit", "adamw-offload", "adamw8bit-bf16", None)  # the levers' --optimizer, in order
     in_use = {"adamw8bit": 1, "adamw-offload": 2, "adamw8bit-bf16": 3}.get(optimizer, 0)  # levers[:in_use] in use
-    offered = [(i, lever) for i, lever in enumerate(levers) if i >= in_use and (cuda or i not in (1, 2))]
-    lines = [f"{name}: saves {format_bytes(saving)}, {verdict(saving)}" for _, (name, saving) in offered]
-    if not cuda:
-        lines.append("--optimizer adamw-offload and adamw8bit-bf16 need a CUDA GPU (this run is on the CPU)")
+    left_out, why = left_out_levers(cuda, profile)
+    offered = [(kinds[i], lever) for i, lever in enumerate(levers) if i >= in_use and kinds[i] not in left_out]
+    lines = [f"{name}: saves {format_bytes(saving)}, {verdict(kind, saving)}" for kind, (name, saving) in offered]
+    if why and any(k in left_out for k in kinds[in_use:]):
+        lines.append(why)
     return lines
 
 
 def check_model_state(model, budget: int, optimizer: str, levers: bool, host_link_bytes_per_s: float,
-                      cuda: bool = True) -> None:
-    """Refuse, before any trace, a budget (bytes) below the least model state of the optimizers
+                      cuda: bool = True, profile=None, estimator=None, precision: str = "auto",
+                      checkpointing: str = "auto") -> None:
+    """Refuse, before any trace, a budget (bytes) whose planned limit (:func:`.margins.planned_limit`,
+    what the search compares every peak with) is below the least model state of the optimizers
     that may be chosen (:func:`.optimizers.least_state_bytes`; fp32 AdamW: weights, gradients and
     state, 16 B per parameter), naming the levers and what each saves (:func:`lever_lines`).
-    ``tightfit plan`` and ``tightfit train`` both check with it.
+    ``tightfit plan`` and ``tightfit train`` both check with it. Only when refusing, and only with
+    ``estimator``, is each optimizer lever's smallest step traced, to say whether it would fit
+    (:func:`lever_peaks`).
 
     Args:
         optimizer: ``--optimizer``; levers: whether ``auto`` may choose the optimizer levers.
         host_link_bytes_per_s: the card's host link, for offload's transfer time.
         cuda: whether the run is on a CUDA GPU (else the CUDA-only levers are not offered).
+        profile: the card (precisions, and the levers it can run), or None.
+        estimator: ``kind -> estimate_fn`` as the search uses it
+            (:func:`.optimizers.search_optimizers`), or None: the levers' steps are not estimated.
+        precision, checkpointing: ``--precision`` and ``--checkpointing``, what the search of a
+            lever may choose.
 
     Raises:
-        TightfitError: the budget is below the model state.
+        TightfitError: the planned limit is below the model state.
     """
     from ..errors import TightfitError
+    from .margins import HEADROOM
     from .optimizers import least_state_bytes
 
+    limit = planned_limit(budget)
     least, kind = least_state_bytes(model, optimizer, levers=levers)
-    if budget >= least:
+    if least <= limit:
         return
     params = sum(p.numel() for p in model.parameters())
     state = params * 16
-    lines = lever_lines(model, state, budget, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
-                        host_link_bytes_per_s, accumulating=False, cuda=cuda)  # the least state: no accumulation
-    raise TightfitError(f"budget {format_bytes(budget)} is below the {format_bytes(least)} of model state that "
+    precisions, options = (), ()
+    if estimator is not None and profile is not None:  # the search's choices: every block or none checkpointed
+        from ..levers.blocks import find_blocks
+        from .search import candidate_precisions, checkpoint_ends
+
+        first, last = checkpoint_ends(checkpointing, len(find_blocks(model)))
+        precisions = candidate_precisions(profile, precision)
+        options = [tuple(range(k)) for k in dict.fromkeys((last, first))]
+    peaks = lever_peaks(model, estimator if options else None, precisions, options, limit)
+    lines = lever_lines(model, state, limit, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
+                        host_link_bytes_per_s, accumulating=False, cuda=cuda, profile=profile,
+                        lever_peak=peaks, activations=False)  # the least state: no accumulation
+    raise TightfitError(f"budget {format_bytes(budget)} (planned against {format_bytes(limit)}, keeping "
+                        f"{int(HEADROOM * 100)}% headroom) is below the {format_bytes(least)} of model state that "
                         f"optimizer {kind} needs at least (fp32 AdamW: fp32 weights ({format_bytes(4 * params)}), "
                         f"gradients and state, 16 B per parameter, {format_bytes(state)}), by "
-                        f"{format_bytes(least - budget)}; no micro-batch, accumulation or checkpointing changes that. "
+                        f"{format_bytes(least - limit)}; no micro-batch, accumulation or checkpointing changes that. "
                         "Levers (bytes saved against fp32 AdamW):" + "".join("\n  " + x for x in lines))
 
 
 def nothing_fits_lines(model, estimate, limit: float, precision: str, block_options, size: int,
                        effective_batch: int, size_flag: str, host_link_bytes_per_s: float,
-                       estimator_at=None, optimizer: str = "adamw") -> list[str]:
+                       estimator_at=None, optimizer: str = "adamw", profile=None, lever_peak=None) -> list[str]:
     """The way forward when the smallest step tried does not fit: what it costs, what does fit,
     and the levers that would make it fit, with their predicted savings (bytes throughout;
     GiB/MiB only in the text).
@@ -241,6 +349,9 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
         estimator_at: ``(size, effective_batch) -> estimate_fn`` to search what fits; None (or a
             None result for sizes other than ``size``) where it cannot be re-estimated.
         optimizer: the plan's optimizer (:data:`tightfit.step.OPTIMIZERS`): its state's bytes.
+        profile: the card (the levers it can run, :func:`left_out_levers`), or None.
+        lever_peak: whether each optimizer lever fits, as the planner would plan it
+            (:func:`lever_peaks`); None: read off its savings.
 
     Returns:
         Display lines, without indentation.
@@ -285,5 +396,6 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
                          f"does not fit either: a shorter {size_flag} at effective batch {effective_batch} "
                          f"({size_flag} {smallest} needs {format_bytes(one)})")
     lines.append(f"levers (bytes saved at the peak of that step, {format_bytes(peak - limit)} over):")
-    lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s, optimizer)]
+    lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s, optimizer,
+                                            profile=profile, lever_peak=lever_peak)]
     return lines

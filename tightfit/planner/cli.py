@@ -65,16 +65,19 @@ def run(args) -> int:
         raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")
     size = args.image_size or args.seq_len
     make_batch(1, size)  # validates the size against the model
-    check_model_state(model, budget, args.optimizer, True, profile.host_link_bytes_per_s)
+
+    def estimator(kind):  # the planner's estimate with optimizer ``kind``; also says which lever would fit
+        return estimator_for(model, make_batch, size, profile, args.batch_size, optimizer=kind)
 
     def estimator_at(kind):  # what fits instead, when nothing does
         return lambda other_size, effective_batch: estimator_for(model, make_batch, other_size, profile,
                                                                  effective_batch, optimizer=kind)
 
     try:  # planning for a card elsewhere: the levers are searched whether or not their libraries are here
+        check_model_state(model, budget, args.optimizer, True, profile.host_link_bytes_per_s, profile=profile,
+                          estimator=estimator, precision=args.precision, checkpointing=args.checkpointing)
         result = search_optimizers(
-            model, make_batch, size, args.batch_size, profile, budget,
-            lambda kind: estimator_for(model, make_batch, size, profile, args.batch_size, optimizer=kind),
+            model, make_batch, size, args.batch_size, profile, budget, estimator,
             optimizer=args.optimizer, estimator_at=estimator_at, levers=True,
             host_bytes=UNKNOWN_HOST_BYTES,  # the card's machine, not this one: its reason says what offload pins
             precision=args.precision, checkpointing=args.checkpointing)

@@ -219,8 +219,12 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         at = estimator_at(kind) if estimator_at is not None else None
         # bf16 weights train under bf16 autocast only: their search is bf16's alone
         opts = dict(options, precision="bf16") if weights_dtype(kind) is not None else options
+        # the nothing-fits advice traces each lever's smallest step only where it is the last word:
+        # under auto the levers are searched next (and say for themselves whether they fit)
+        levers_next = optimizer == "auto" and bool(kinds)
         r = search(model, make_batch, size, effective_batch, profile, budget_bytes, estimator(kind),
-                   estimator_at=at, optimizer=kind, beat=beat, **opts)
+                   estimator_at=at, optimizer=kind, beat=beat, lever_estimator=None if levers_next else estimator,
+                   **opts)
         return replace(r, best=replace(r.best, optimizer=kind),
                        runners_up=[replace(c, optimizer=kind) for c in r.runners_up])
 

@@ -32,7 +32,7 @@ from ..levers.precision import check_precision, preferred_precision
 from ..memory.fast import BlockLines, MemoryLine
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes
-from .advice import nothing_fits_lines
+from .advice import lever_peaks, nothing_fits_lines
 from .cost import TimeModel, forward_cost
 from .margins import CHECKPOINTED_RESERVED_MARGIN, HEADROOM, estimator_margin_bytes, planned_limit
 
@@ -249,7 +249,8 @@ class CannotBeatError(TightfitError):
 def search(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
            estimate_fn: EstimateFn, precision: str = "auto", headroom: float = HEADROOM,
            checkpointing: str = "auto", estimator_at=None, per_block: bool = True,
-           optimizer: str = "adamw", beat: float = 0.0) -> SearchResult:
+           optimizer: str = "adamw", beat: float = 0.0, lever_estimator=None,
+           _lever_precisions=None) -> SearchResult:
     """Find the fastest plan that fits: :func:`enumerate_candidates`, then :func:`predict`, then
     :func:`rank`.
 
@@ -272,6 +273,11 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             model; the search over optimizers is :mod:`.optimizers`'.
         beat: samples/s of a plan found elsewhere (another optimizer's): only candidates
             predicted faster are traced (the exact traces are the search's cost).
+        lever_estimator: ``kind -> estimate_fn`` of the other optimizers, used only when nothing
+            fits: the advice says which optimizer lever would fit by estimating its smallest
+            step as the search of it would (:func:`.advice.lever_peaks`, in the precisions searched
+            first: a retry of a skipped precision searches it alone, ``_lever_precisions``); None:
+            by its savings.
 
     Raises:
         CannotBeatError: candidates fit by the lines, but none is predicted faster than ``beat``.
@@ -292,9 +298,10 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
         if skipped:  # the slow precision is needed for memory after all
             return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
                           precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
-                          estimator_at=estimator_at, per_block=per_block, optimizer=optimizer, beat=beat)
+                          estimator_at=estimator_at, per_block=per_block, optimizer=optimizer, beat=beat,
+                          lever_estimator=lever_estimator, _lever_precisions=_lever_precisions or space.precisions)
         _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at,
-                            optimizer)
+                            optimizer, lever_estimator, _lever_precisions or space.precisions)
     from ..levers.lora import trainable_fields
 
     return replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model))
@@ -328,12 +335,23 @@ def search_space(model, make_batch, size: int, effective_batch: int, profile: De
     n_blocks = len(find_blocks(model))
     grad_bytes = trainable_gradient_bytes(model, optimizer)  # adamw8bit-bf16: bf16 gradients
     tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks), optimizer=optimizer)
-    ends = {"auto": (0, n_blocks), "off": (0, 0), "on": (n_blocks, n_blocks)}.get(checkpointing)
-    if ends is None:
-        raise TightfitError(f"unknown checkpointing {checkpointing!r}; use auto, on or off")
+    ends = checkpoint_ends(checkpointing, n_blocks)
     ladders = ("selective", "offload") if per_block and checkpointing == "auto" and n_blocks else ()
     return SearchSpace(candidate_precisions(profile, precision), ends[0], ends[1], n_blocks, effective_batch,
                        budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders)
+
+
+def checkpoint_ends(checkpointing: str, n_blocks: int) -> tuple[int, int]:
+    """The fewest and most blocks the search checkpoints under ``checkpointing`` (``"auto"``:
+    0 to all ``n_blocks``; ``"off"``: none; ``"on"``: all).
+
+    Raises:
+        TightfitError: an unknown ``checkpointing``.
+    """
+    ends = {"auto": (0, n_blocks), "off": (0, 0), "on": (n_blocks, n_blocks)}.get(checkpointing)
+    if ends is None:
+        raise TightfitError(f"unknown checkpointing {checkpointing!r}; use auto, on or off")
+    return ends
 
 
 # ---------------------------------------------------------------- stage 1: enumerate
@@ -594,7 +612,7 @@ def _overheads(space: SearchSpace, c: Candidate) -> str:
 
 def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, make_batch, size: int,
                         profile: DeviceProfile, estimate_fn: EstimateFn, estimator_at,
-                        optimizer: str = "adamw") -> None:
+                        optimizer: str = "adamw", lever_estimator=None, lever_precisions=()) -> None:
     """Raise the error that says by how much the smallest step tried misses, what the model
     state costs, what fits instead and which levers would make it fit
     (:func:`.advice.nothing_fits_lines`).
@@ -612,8 +630,10 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
     est, least = ests[i], options[i]
     options.sort(key=lambda o: o != least)
     size_flag = "--image-size" if getattr(make_batch, "kind", "text") == "image" else "--seq-len"
+    # each lever's smallest step as the search of it would trace it (a lever would fit only if it plans)
+    peaks = None if lever_estimator is None else lever_peaks(model, lever_estimator, lever_precisions, options, limit)
     lines = nothing_fits_lines(model, est, limit, smallest.precision, options, size, space.effective_batch,
-                               size_flag, profile.host_link_bytes_per_s, estimator_at, optimizer)
+                               size_flag, profile.host_link_bytes_per_s, estimator_at, optimizer, profile, peaks)
     if space.last_blocks < n_blocks:  # checkpointing was turned off
         every = estimate_fn(smallest.precision, 1, tuple(range(n_blocks))).peak_reserved_bytes
         lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch 1 with all "
