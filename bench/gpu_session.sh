@@ -5,6 +5,7 @@
 #              instrumented by bench/speed_profile.py -> OUT/bert-base-128.{json,log}, OUT/speed.md
 #   gpu-tests: pytest -m gpu -> OUT/pytest-gpu.txt
 #   main:      the main job at 4 GiB (`tightfit train --full --budget 4GiB`) -> OUT/main.log
+#   sync:      bench/optimizer_sync.py (8-bit step with and without the per-tensor syncs) -> OUT/optimizer_sync.*
 # Carried (ignored by git, .git/info/exclude): .carry/site.tgz (bitsandbytes with only its CUDA 13.0
 # and CPU libraries, torchao), .carry/minilm (the shipped MiniLM, weights rounded to bf16 to fit a
 # call's 64 MiB; tightfit loads them as fp32), .carry/data (the shipped Rotten Tomatoes CSV).
@@ -32,6 +33,9 @@ for part in "$@"; do
     gpu-tests)
       timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/pytest-gpu.txt" 2>&1
       echo "gpu-tests exit $?" >> "$OUT/env.txt" ;;
+    sync)
+      timeout 150 python3 bench/optimizer_sync.py > "$OUT/optimizer_sync.md" 2>&1
+      echo "sync exit $?" >> "$OUT/env.txt"; cat "$OUT/optimizer_sync.md" >> "$OUT/env.txt" ;;
     main)
       timeout 200 python3 -m tightfit train --full --budget 4GiB --out "$RUNS/main" --no-progress > "$OUT/main.log" 2>&1
       echo "main exit $?" >> "$OUT/env.txt"
