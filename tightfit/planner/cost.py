@@ -60,7 +60,9 @@ ADAMW8BIT_BYTES_PER_PARAM = 4 + 4 + 2 + 4 + 2
 # ``torch.cuda.synchronize()`` (bitsandbytes/optim/optimizer.py ``step``: ``sync_gpu(p)``). One
 # step over BERT-large's 335.1M parameters in 393 tensors took 26.5 ms on an NVIDIA H200 (torch
 # 2.11, bitsandbytes 0.50.2; bench/results/optimizer-levers/optimizer_step_time.json); less its
-# bytes at the card's 4.8 TB/s (1.1 ms), 65 us per tensor.
+# bytes at the card's 4.8 TB/s (1.1 ms), 65 us per tensor. tightfit's step now leaves the sync out
+# (tightfit.levers.optimizers._stream_ordered): BERT-base's whole training step was ~70 us per tensor
+# faster (bench/results/optimizer-sync/); the constant, measured with the syncs, is not re-fitted.
 OPTIMIZER_CALL_S = 65e-6
 # torchao AdamW8bit step over bf16 weights (adamw8bit-bf16): read weight, gradient and two 1-byte
 # moments, write weight and moments (scales left out).
