@@ -1,6 +1,8 @@
 """``tightfit plan``'s optimizer line reads as a sentence: "optimizer: adamw (fused, fp32 state):
 the plan fits ...", not "optimizer: adamw: (fused, fp32 state): ..."."""
 
+import json
+
 from tightfit.cli import main
 
 
@@ -47,3 +49,12 @@ def test_plan_warns_of_fp16_on_a_card_without_tensor_cores(capsys):
     assert "runs fp16 at 1/64 of its fp32 rate" in out
     # with the prefix every note has, on the command line as in `tightfit train`
     assert out.splitlines()[0].startswith("note: NVIDIA GeForce GTX 1080 Ti runs fp16 at 1/64"), out
+    # `tightfit estimate` of the same step notes it too (it said nothing)
+    assert main(["estimate", "--model", "minilm", "--seq-len", "16", "--micro-batch", "4", "--gpu", "gtx-1080-ti",
+                 "--precision", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("note: NVIDIA GeForce GTX 1080 Ti runs fp16 at 1/64"), out
+    assert main(["estimate", "--model", "minilm", "--seq-len", "16", "--micro-batch", "4", "--gpu", "gtx-1080-ti",
+                 "--precision", "fp16", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["peak_reserved_bytes"] > 0 and "runs fp16 at 1/64" in captured.err

@@ -7,6 +7,7 @@ Wire into ``tightfit/cli.py``: ``add_parser(sub)`` next to the other sub-command
 from __future__ import annotations
 
 import json
+import sys
 
 from ..errors import TightfitError
 from ..units import format_bytes
@@ -104,10 +105,13 @@ def run(args) -> int:
     from ..levers.optimizers import check_precision as check_optimizer_precision
 
     check_optimizer_precision(args.optimizer, args.precision, profile)  # bf16 weights: bf16 on a bf16 card
+    warnings = []
     if profile is not None:
         from ..levers.precision import check_precision
 
-        check_precision(args.precision, profile)  # e.g. no bf16 below compute capability 8.0
+        warnings = check_precision(args.precision, profile)  # raises e.g. for bf16 below compute capability 8.0
+    for w in warnings:  # e.g. fp16 without tensor cores, noted as `tightfit plan` notes it
+        print(f"note: {w}", file=sys.stderr if args.json else sys.stdout)
     model, make_batch = build_model(args.model, attn_implementation=args.attention, image_size=args.image_size)
     kind = make_batch.kind
     if kind == "image" and args.image_size is None:
