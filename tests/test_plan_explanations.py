@@ -310,6 +310,24 @@ def test_an_optimizer_whose_candidates_do_not_fit_for_real_falls_back_to_the_nex
         gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off", optimizer="adamw")
 
 
+def test_when_every_optimizer_fails_each_lever_line_says_what_its_search_found(tmp_path, capsys):
+    """Under --optimizer auto the fp32 advice read each lever off its savings ("still 67.81 MiB
+    over") above that lever's own search ("does not fit either (... 56.20 MiB over)")."""
+    from tightfit.units import parse_size
+
+    model = _gpt2_classifier(tmp_path)
+    assert main(["plan", "--model", model, "--budget", "100MiB", "--seq-len", "512", "--batch-size", "64",
+                 "--gpu", "h200"]) == 2
+    err = capsys.readouterr().err
+    said = {m.group(1): parse_size(m.group(2))
+            for m in re.finditer(r"\(--optimizer ([\w-]+)[:,].*: saves [\d.]+ \w+, still ([\d.]+ \w+) over", err)}
+    searched = {m.group(1): parse_size(m.group(2))
+                for m in re.finditer(r"\(--optimizer ([\w-]+)\): does not fit either .*, ([\d.]+ \w+) over\)", err)}
+    assert set(said) == set(searched) == {"adamw8bit", "adamw-offload", "adamw8bit-bf16"}, err
+    assert said == searched, err
+    assert "would fit" not in err, err
+
+
 @pytest.mark.parametrize("runner_up_faster", [True, False])
 def test_the_runner_up_optimizer_is_timed_and_kept_when_faster_for_real(monkeypatch, runner_up_faster):
     """The optimizer was chosen on predictions alone: on the H200 BERT-base's 8-bit plan at 4 GiB was

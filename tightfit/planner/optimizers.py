@@ -210,7 +210,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     check_precision(optimizer, precision, profile)
     started = time.perf_counter()  # the result's seconds: every optimizer's search, not only the winner's
 
-    def run(kind: str, beat: float = 0.0) -> SearchResult:
+    def run(kind: str, beat: float = 0.0, advise: bool = False) -> SearchResult:
         if optimizer == "auto":  # no trace where the model state alone is over the limit and another fits
             need, limit = least_state_bytes(model, kind)[0], planned_limit(budget_bytes, options.get("headroom", HEADROOM))
             if need > limit and any(least_state_bytes(model, k)[0] <= limit for k in ["adamw", *kinds]):
@@ -219,9 +219,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         at = estimator_at(kind) if estimator_at is not None else None
         # bf16 weights train under bf16 autocast only: their search is bf16's alone
         opts = dict(options, precision="bf16") if weights_dtype(kind) is not None else options
-        # the nothing-fits advice traces each lever's smallest step only where it is the last word:
-        # under auto the levers are searched next (and say for themselves whether they fit)
-        levers_next = optimizer == "auto" and bool(kinds)
+        # the nothing-fits advice traces each lever's smallest step only where it is the last word
+        # (``advise``): under auto the levers are searched next (and say for themselves whether they fit)
+        levers_next = optimizer == "auto" and bool(kinds) and not advise
         r = search(model, make_batch, size, effective_batch, profile, budget_bytes, estimator(kind),
                    estimator_at=at, optimizer=kind, beat=beat, lever_estimator=None if levers_next else estimator,
                    **opts)
@@ -291,7 +291,11 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             short[kind] = str(e)
             failures[kind] = NothingFitsError(short[kind])
     if not results:
-        first = str(failures["adamw"])
+        try:  # fp32 AdamW's advice again, its lever lines now the planner's traces, as the searches found
+            run("adamw", advise=True)
+            first = str(failures["adamw"])
+        except NothingFitsError as e:
+            first = str(e)
         also = "".join(f"\n  searched {_NAMES[k]} (--optimizer {k}): does not fit either"
                        f" ({str(e).splitlines()[0].split(': the smallest step tried ')[-1]})"
                        for k, e in failures.items() if k != "adamw")
