@@ -273,6 +273,19 @@ def test_card_table_matches_the_documented_rates():
         assert got == pytest.approx(want, rel=0.01), (key, rows[key])
 
 
+def _eager_planner_with_fakes(monkeypatch, search_optimizers, probe_step, effective_batch):
+    """:mod:`tightfit.planner.gpu` on the CPU with the search and every probe faked, nothing
+    compiled or checkpointed; returns the workload to plan."""
+    import tightfit.planner.gpu as gpu
+
+    monkeypatch.setattr(gpu, "search_optimizers", search_optimizers)
+    monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "probe_step", probe_step)
+    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
+    return SimpleNamespace(effective_batch=effective_batch, model=torch.nn.Linear(1, 1), train=None)
+
+
 def test_an_optimizer_whose_candidates_do_not_fit_for_real_falls_back_to_the_next_lever(monkeypatch):
     """The prediction put fp32 AdamW within the budget, every probe ran out of memory: the GPU
     planner searches and verifies the 8-bit state next (as BERT-large at 4 GiB needed on the H200)."""
@@ -295,13 +308,8 @@ def test_an_optimizer_whose_candidates_do_not_fit_for_real_falls_back_to_the_nex
             return ProbeResult(mb, False, None, None)  # out of memory at every micro-batch
         return ProbeResult(mb, True, 500 * MiB, 500 * MiB, 0.1, 1)
 
-    monkeypatch.setattr(gpu, "search_optimizers", fake_search)
     monkeypatch.setattr(gpu, "levers_installed", lambda kind=None: True)
-    monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
-    monkeypatch.setattr(gpu, "probe_step", fake_probe)
-    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
-    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
-    w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)
+    w = _eager_planner_with_fakes(monkeypatch, fake_search, fake_probe, E)
     plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off")
     assert plan.optimizer == "adamw8bit" and asked == ["auto", "adamw8bit"]
     assert any("fell back to adamw8bit" in r for r in plan.reasons)
@@ -351,12 +359,7 @@ def test_the_runner_up_optimizer_is_timed_and_kept_when_faster_for_real(monkeypa
         probed.append((optimizer, mb))
         return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (speeds[optimizer] * math.ceil(E / mb)), 1)
 
-    monkeypatch.setattr(gpu, "search_optimizers", lambda *a, **k: eight)
-    monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
-    monkeypatch.setattr(gpu, "probe_step", fake_probe)
-    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
-    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
-    w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)
+    w = _eager_planner_with_fakes(monkeypatch, lambda *a, **k: eight, fake_probe, E)
     plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off")
     assert ("adamw", 16) in probed, probed
     line = [r for r in plan.reasons if r.startswith("the runner-up optimizer adamw")]
