@@ -111,9 +111,9 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
     assert calls == [24, 24]  # --replan plans afresh
 
 
-def _fake_gpu_plan(monkeypatch, run_samples, compile="auto"):
+def _fake_gpu_plan(monkeypatch, run_samples, compile="auto", runners_up=(), probes=None):
     """plan_on_gpu on the CPU with the search's answer and every probe faked (eager 240 samples/s, 220
-    timed again; compiled 400, 380 timed again)."""
+    timed again; compiled 400, 380 timed again); ``probes`` collects the probed micro-batches."""
     import tightfit.planner.gpu as gpu
     from tightfit.devices import get_profile
     from tightfit.planner.probe import ProbeResult
@@ -121,10 +121,12 @@ def _fake_gpu_plan(monkeypatch, run_samples, compile="auto"):
 
     E = 64
     a = Candidate("bf16", 32, (), 2, 900, 900, {}, 300.0, "fastest predicted")
-    result = SearchResult(a, [], 10**9, E, 4, 0.1)
+    result = SearchResult(a, list(runners_up), 10**9, E, 4, 0.1)
     compiled = []
 
     def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        if probes is not None:
+            probes.append(mb)
         # eager: 240 in the verification's 2 timed steps, 220 when timed again with 5 (the steady state)
         # compiled: 400, and 380 when timed again with 5 (compiled plans with --compile on)
         retimed = timed_steps == gpu.RETIMED_STEPS
@@ -162,6 +164,19 @@ def test_a_run_too_short_to_repay_compilation_is_not_compiled_and_the_reason_say
     # --compile on: no retiming, so the compiled plan is timed again for its probed speed
     assert forced.compile and timings["probed_samples_per_s"] == pytest.approx(380.0)
     assert any(r.startswith("the plan timed again (5 timed steps") for r in forced.reasons)
+
+
+def test_a_single_candidate_is_not_calibrated(monkeypatch):
+    from tightfit.planner.search import Candidate
+
+    probes = []
+    plan, _ = _fake_gpu_plan(monkeypatch, run_samples=240 * 30, probes=probes)
+    # its verification and its timing again: no probe at a quarter of its micro-batch, nothing to re-rank
+    assert probes == [32, 32] and not any(r.startswith("calibrated with probes") for r in plan.reasons)
+    probes.clear()
+    other = Candidate("bf16", 64, (0,), 1, 900, 900, {}, 250.0, "slower")
+    plan, _ = _fake_gpu_plan(monkeypatch, run_samples=240 * 30, runners_up=[other], probes=probes)
+    assert probes[:2] == [32, 8] and any(r.startswith("calibrated with probes") for r in plan.reasons)
 
 
 # ---------------------------------------------------------------- sequence lengths compiled while planning

@@ -439,8 +439,8 @@ def calibrate(probe, first: Candidate, n_blocks: int, profile: DeviceProfile) ->
 
 def verify_on_gpu(workload: Workload, result: SearchResult, profile: DeviceProfile,
                   budget_bytes: int) -> Verification:
-    """Stage 3: calibrate (:func:`calibrate`), re-rank the search's fitting candidates by the
-    calibrated line, and probe them in that order until :data:`VERIFIED` fit for real. If none
+    """Stage 3: calibrate (:func:`calibrate`; not for a single candidate), re-rank the search's
+    fitting candidates by the calibrated line, and probe them in that order until :data:`VERIFIED` fit for real. If none
     does (the prediction was short, e.g. memory held elsewhere in the process), halve the
     micro-batch of the candidate that checkpoints the most until a real step fits. Leaves no
     block checkpointed.
@@ -451,7 +451,8 @@ def verify_on_gpu(workload: Workload, result: SearchResult, profile: DeviceProfi
     E, n = workload.effective_batch, result.n_blocks
     ranked = [result.best] + [c for c in result.runners_up if c.samples_per_s > 0]
     probe = _cached_prober(workload, budget_bytes)
-    line = calibrate(probe, ranked[0], n, profile)
+    # a line re-ranks candidates: with one there is nothing to rank, and its second probe is saved
+    line = calibrate(probe, ranked[0], n, profile) if len(ranked) > 1 else None
     if line is not None:
         ranked.sort(key=lambda c: -E / line.step_seconds(c, E, n))
     measured, rejected = [], []

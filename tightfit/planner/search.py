@@ -1,8 +1,11 @@
 """Plan search without a GPU: the fastest plan whose predicted peak memory fits the budget.
 
-The planner is one pipeline of named stages; this module holds the two that need no GPU, and
+The planner is one pipeline of named stages; this module holds those that need no GPU, and
 :mod:`.gpu` the three that do:
 
+0. **unconstrained** (:func:`unconstrained`): the plan none can beat (the whole batch in one
+   micro-batch, nothing recomputed, the preferred precision), traced exactly; where it fits, the
+   search ends there.
 1. **enumerate** (:func:`enumerate_candidates`): for each precision the card allows and each
    number of checkpointed blocks (the first blocks first, since every block of a stack
    recomputes at the same cost and the earliest hold their activations longest), the largest
@@ -17,6 +20,11 @@ The planner is one pipeline of named stages; this module holds the two that need
    predicted order, while the next one could still beat the best traced so far; one that does
    not fit checkpoints more blocks or shrinks. Then :func:`rank` names the winner and says why
    every runner-up lost.
+
+Exact estimates whose keys are known in advance (the lines' ends, the first candidates, a
+bisection's next levels) are traced side by side where the machine has idle cores
+(:mod:`.parallel`); the answers are the same either way.
+
 3. **verify on the GPU**, 4. **compile**, 5. **retime**: :mod:`.gpu`.
 """
 
@@ -29,12 +37,13 @@ from dataclasses import asdict, dataclass, field, replace
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.precision import check_precision, preferred_precision
-from ..memory.fast import BlockLines, MemoryLine
+from ..memory.fast import TRACED_AT, BlockLines, MemoryLine
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes
 from .advice import lever_peaks, nothing_fits_lines
 from .cost import TimeModel, forward_cost
 from .margins import CHECKPOINTED_RESERVED_MARGIN, HEADROOM, estimator_margin_bytes, planned_limit
+from .parallel import plan_workers, trace_all
 
 # ``(precision, micro_batch, checkpoint_blocks) -> MemoryEstimate``: an exact estimate of one step.
 EstimateFn = Callable
@@ -290,7 +299,8 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     estimate_fn = _traced_once(estimate_fn)
     space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
                          checkpointing, per_block, optimizer)
-    prediction = predict(space, enumerate_candidates(space, estimate_fn), estimate_fn, beat)
+    prediction = unconstrained(space, estimate_fn, beat) or \
+        predict(space, enumerate_candidates(space, estimate_fn), estimate_fn, beat)
     if not prediction.traced and beat > 0 and any(c.samples_per_s > 0 for c in prediction.evaluated):
         raise CannotBeatError(f"no plan predicted faster than the {beat:.0f} samples/s already found")
     if not prediction.traced:
@@ -308,7 +318,11 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
 
 
 def _traced_once(estimate_fn: EstimateFn) -> EstimateFn:
-    """``estimate_fn`` remembering its answers: each (precision, micro-batch, blocks) is traced once."""
+    """``estimate_fn`` remembering its answers: each (precision, micro-batch, blocks) is traced once.
+    Its ``prefetch(keys)`` traces the keys not yet known side by side (:func:`.parallel.trace_all`)
+    where there are idle cores, and does nothing otherwise; either way later calls answer the same."""
+    if hasattr(estimate_fn, "prefetch"):  # already remembering (a retry of another precision)
+        return estimate_fn
     traced = {}
 
     def fn(precision, micro_batch, blocks):
@@ -317,7 +331,18 @@ def _traced_once(estimate_fn: EstimateFn) -> EstimateFn:
             traced[key] = estimate_fn(precision, micro_batch, blocks)
         return traced[key]
 
+    def prefetch(keys) -> None:
+        keys = [(p, m, tuple(b)) for p, m, b in keys]
+        traced.update(trace_all(estimate_fn, [k for k in keys if k not in traced]))
+
+    fn.prefetch = prefetch
     return fn
+
+
+def _prefetch(estimate_fn: EstimateFn, keys) -> None:
+    """``estimate_fn.prefetch(keys)`` where it has one (estimate functions of tests need not)."""
+    if hasattr(estimate_fn, "prefetch"):
+        estimate_fn.prefetch(list(keys))
 
 
 def search_space(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
@@ -354,6 +379,40 @@ def checkpoint_ends(checkpointing: str, n_blocks: int) -> tuple[int, int]:
     return ends
 
 
+# ---------------------------------------------------------------- stage 0: the plan none can beat
+
+def unconstrained(space: SearchSpace, estimate_fn: EstimateFn, beat: float = 0.0) -> Prediction | None:
+    """The plan no other in the space can beat, traced first: the whole effective batch in one
+    micro-batch (no accumulation), the fewest blocks checkpointed the space allows, in the
+    card's preferred precision. Where it fits, the search is over in one exact trace (a small
+    job's planning is then in proportion to its run), and the other precisions are "not
+    searched". None (search on) where it does not fit, where another precision is predicted
+    faster at the same plan, or where it is not faster than ``beat``. On a machine with idle
+    cores the memory lines' traces (stage 1) run alongside it (:func:`_line_keys`), so that
+    a plan that does not fit loses no time to it.
+
+    Raises:
+        What ``estimate_fn`` raises.
+    """
+    E, tm, first = space.effective_batch, space.time_model, space.precisions[0]
+    blocks = tuple(range(space.first_blocks))
+    speed = {p: tm.samples_per_s(p, E, E, len(blocks)) for p in space.precisions}
+    if speed[first] < max(speed.values()) or speed[first] <= beat:
+        return None
+    _prefetch(estimate_fn, [(first, E, blocks), *_line_keys(space, first)])
+    est = estimate_fn(first, E, blocks)
+    if est.peak_reserved_bytes > space.limit:
+        return None
+    best = _traced(space, Candidate(first, E, blocks, 1, None, None), E, blocks, est)
+    skipped = [Candidate(p, None, None, None, None, None, why=(
+        f"not searched: {tm.rate(p) / tm.rate(first):.3g}x the {first} rate on this card, and {first} fits"
+        if tm.rate(p) < tm.rate(first) / 2 else
+        f"not searched: {first} fits the whole batch in one micro-batch"
+        + (" without recomputation" if not blocks else "") + ", which no other precision is predicted to beat"))
+        for p in space.precisions[1:]]
+    return Prediction([best], [best, *skipped])
+
+
 # ---------------------------------------------------------------- stage 1: enumerate
 
 def enumerate_candidates(space: SearchSpace, estimate_fn: EstimateFn) -> Enumeration:
@@ -366,6 +425,7 @@ def enumerate_candidates(space: SearchSpace, estimate_fn: EstimateFn) -> Enumera
         What ``estimate_fn`` raises.
     """
     tm, first = space.time_model, space.precisions[0]
+    _prefetch(estimate_fn, _line_keys(space, first))
     candidates: list[Candidate] = []
     lines = {}
     for prec in space.precisions:
@@ -382,6 +442,14 @@ def enumerate_candidates(space: SearchSpace, estimate_fn: EstimateFn) -> Enumera
             candidates += [c for c in _ladder_candidates(space, prec, lines[prec], estimate_fn)
                            if c.samples_per_s > fastest.get(c.accumulation_steps, 0.0)]
     return Enumeration(candidates, lines)
+
+
+def _line_keys(space: SearchSpace, prec: str) -> list[tuple]:
+    """The exact estimates stage 1 traces for ``prec`` whatever they say: the memory lines of
+    the fewest and most checkpointed blocks and of the per-block ladders' ends."""
+    ends = {tuple(range(space.first_blocks)), tuple(range(space.last_blocks))}
+    ends |= {(ladder,) * space.n_blocks for ladder in space.ladders}
+    return [(prec, m, choice) for choice in sorted(ends, key=str) for m in TRACED_AT]
 
 
 def _choice_ladders(space: SearchSpace, prec: str, lines: BlockLines, estimate_fn: EstimateFn):
@@ -500,6 +568,9 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
     fitting = sorted((c for c in evaluated if c.samples_per_s > 0),
                      key=lambda c: (-round(c.samples_per_s, 6), order.index(c.precision), len(c.checkpoint_blocks)))
     traced: list[Candidate] = []
+    # the first traces of the candidates the loop below reaches first, side by side
+    _prefetch(estimate_fn, [(c.precision, c.micro_batch, c.choice) for c in fitting if c.samples_per_s > beat]
+              [:max(1, plan_workers())])
     for cand in fitting:
         if cand.samples_per_s <= max([beat] + [v.samples_per_s for v in traced]):
             break
@@ -551,6 +622,7 @@ def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn) -> Candid
         smaller.append(min(m - 1, micro_batch_for(E, accumulation_steps(E, m) + 1)))  # strictly smaller
     lo, hi, best = 1, len(smaller) - 1, None  # smaller[0] does not fit; find the first index that does
     while lo <= hi:
+        _prefetch(estimate_fn, [(c.precision, smaller[i], c.choice) for i in _bisection_ahead(lo, hi, plan_workers())])
         mid = (lo + hi) // 2
         got = estimate_fn(c.precision, smaller[mid], c.choice)
         if got.peak_reserved_bytes <= space.limit:
@@ -560,6 +632,21 @@ def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn) -> Candid
     if best is None:  # not even micro-batch 1 (the last one traced)
         return est.peak_reserved_bytes
     return _traced(space, c, best[0], c.checkpoint_blocks, best[1])
+
+
+def _bisection_ahead(lo: int, hi: int, n: int) -> list[int]:
+    """The indices a bisection over ``[lo, hi]`` (``mid = (lo + hi) // 2``, then one half) may
+    probe in its next steps, as many whole levels of its tree as ``n`` allows (at least the
+    first): what can be traced side by side before the bisection asks for them one by one."""
+    out, level = [], [(lo, hi)]
+    while level and (not out or len(out) + len(level) <= n):
+        nxt = []
+        for a, b in level:
+            mid = (a + b) // 2
+            out.append(mid)
+            nxt += [(x, y) for x, y in ((a, mid - 1), (mid + 1, b)) if x <= y]
+        level = nxt
+    return out
 
 
 def _traced(space: SearchSpace, c: Candidate, mb: int, blocks: tuple, est) -> Candidate:

@@ -1,0 +1,158 @@
+"""Planning in proportion to the job: the plan none can beat traced first (the search ends in one
+exact trace where it fits), and exact estimates traced side by side in forked workers
+(tightfit/planner/parallel.py): the same plans as the full search traced one by one, fewer traces
+in the planning process."""
+
+import multiprocessing
+import os
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_bert
+from tightfit.devices import get_profile
+from tightfit.errors import TightfitError
+from tightfit.planner import parallel
+from tightfit.planner import search as search_module
+from tightfit.planner.search import _bisection_ahead, estimator_for, search
+
+pytestmark = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+MiB = 2 ** 20
+
+
+def _make_batch(micro_batch, size):
+    return {"input_ids": torch.zeros(micro_batch, size, dtype=torch.long),
+            "attention_mask": torch.ones(micro_batch, size, dtype=torch.long),
+            "labels": torch.zeros(micro_batch, dtype=torch.long)}
+
+
+class Counted:
+    """An exact estimator that counts the traces made in this process (a forked worker's
+    count stays in the worker)."""
+
+    def __init__(self, fn):
+        self.fn, self.pid, self.calls = fn, os.getpid(), []
+
+    def __call__(self, precision, micro_batch, blocks):
+        if os.getpid() == self.pid:
+            self.calls.append((precision, micro_batch, tuple(blocks)))
+        return self.fn(precision, micro_batch, blocks)
+
+
+def _plan(monkeypatch, workers: int, budget: int = 150 * MiB, card: str = "h100"):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    monkeypatch.setenv(parallel.ENV, str(workers))
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=50, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
+        max_position_embeddings=128, num_labels=2))
+    profile = get_profile(card)
+    fn = Counted(estimator_for(model, _make_batch, 128, profile, 64))
+    # 150 MiB needs checkpointing or accumulation (64 samples take 214 MiB without either): lines,
+    # ladders and exact traces of the candidates all run
+    return search(model, _make_batch, 128, 64, profile, budget, fn), fn.calls
+
+
+def _same(a, b) -> bool:
+    key = lambda r: [(c.precision, c.micro_batch, c.checkpoint_blocks, c.block_policies, c.peak_reserved_bytes,
+                      c.peak_allocated_bytes, c.breakdown, c.samples_per_s) for c in [r.best, *r.runners_up]]
+    return key(a) == key(b)
+
+
+@pytest.mark.parametrize("card", ["h100", "gtx-1080-ti"])
+def test_a_job_that_fits_whole_is_planned_in_one_exact_trace(monkeypatch, card):
+    fast, calls = _plan(monkeypatch, 0, budget=1 * 2 ** 30, card=card)
+    assert calls == [(fast.best.precision, 64, ())]
+    assert (fast.best.micro_batch, fast.best.accumulation_steps, fast.best.checkpoint_blocks) == (64, 1, ())
+    # the full search finds the same plan, and no faster runner-up
+    monkeypatch.setattr(search_module, "unconstrained", lambda *a, **k: None)
+    full, full_calls = _plan(monkeypatch, 0, budget=1 * 2 ** 30, card=card)
+    assert len(full_calls) > 4
+    assert (full.best.precision, full.best.micro_batch, full.best.checkpoint_blocks, full.best.peak_reserved_bytes,
+            full.best.samples_per_s) == (fast.best.precision, 64, (), fast.best.peak_reserved_bytes,
+                                         fast.best.samples_per_s)
+    assert all(c.samples_per_s <= fast.best.samples_per_s for c in full.runners_up)
+    assert all(c.status == "not searched" for c in fast.runners_up)
+
+
+def test_a_job_that_does_not_fit_whole_is_searched_as_before(monkeypatch):
+    with_stage_0, _ = _plan(monkeypatch, 0)
+    monkeypatch.setattr(search_module, "unconstrained", lambda *a, **k: None)
+    without, _ = _plan(monkeypatch, 0)
+    assert _same(with_stage_0, without)
+
+
+def test_workers_give_the_same_plan_with_fewer_traces_in_the_planning_process(monkeypatch):
+    alone, calls_alone = _plan(monkeypatch, 0)
+    side_by_side, calls_parallel = _plan(monkeypatch, 3)
+    assert _same(side_by_side, alone)
+    assert alone.best.accumulation_steps > 1  # the budget made the search work
+    # the memory lines' ends were traced by the workers, not here
+    assert len(calls_parallel) <= len(calls_alone) - 4, (calls_alone, calls_parallel)
+
+
+def test_trace_all_returns_each_keys_own_estimate():
+    model = tiny_bert()
+    fn = estimator_for(model, _make_batch, 16, get_profile("h100"), 64)
+    keys = [("bf16", 4, ()), ("bf16", 16, (0,)), ("fp32", 8, (0, 1))]
+    got = parallel.trace_all(fn, keys, workers=3)
+    assert list(got) == keys
+    for k in keys:
+        assert got[k].peak_reserved_bytes == fn(*k).peak_reserved_bytes
+        assert got[k].breakdown == fn(*k).breakdown
+
+
+def test_an_estimate_that_raises_in_a_worker_is_left_to_the_caller():
+    def fn(precision, micro_batch, blocks):
+        if micro_batch == 2:
+            raise TightfitError("bad micro-batch")
+        return micro_batch * 10
+
+    assert parallel.trace_all(fn, [("fp32", 1, ()), ("fp32", 2, ()), ("fp32", 3, ())], workers=2) == {
+        ("fp32", 1, ()): 10, ("fp32", 3, ()): 30}
+
+
+def test_no_pool_for_one_key_or_one_worker():
+    def fn(*key):
+        raise AssertionError("traced in a worker")
+
+    assert parallel.trace_all(fn, [("fp32", 1, ())], workers=4) == {}
+    assert parallel.trace_all(fn, [("fp32", 1, ()), ("fp32", 2, ())], workers=1) == {}
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_a_bad_worker_count_is_one_clear_error(monkeypatch, value):
+    monkeypatch.setenv(parallel.ENV, value)
+    with pytest.raises(TightfitError, match="TIGHTFIT_PLAN_WORKERS"):
+        parallel.plan_workers()
+
+
+def test_default_workers_leave_small_machines_alone(monkeypatch):
+    monkeypatch.delenv(parallel.ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert parallel.plan_workers() == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert parallel.plan_workers() == parallel.MAX_WORKERS
+
+
+def _bisection_paths(lo, hi, depth):
+    """Every index a bisection over [lo, hi] can probe in its first ``depth`` steps."""
+    if lo > hi or depth == 0:
+        return set()
+    mid = (lo + hi) // 2
+    return {mid} | _bisection_paths(lo, mid - 1, depth - 1) | _bisection_paths(mid + 1, hi, depth - 1)
+
+
+def test_bisection_ahead_is_whole_levels_of_the_bisections_tree():
+    rng = random.Random(0)
+    for _ in range(300):
+        lo = rng.randrange(0, 20)
+        hi = lo + rng.randrange(0, 40)
+        n = rng.randrange(0, 16)
+        ahead = _bisection_ahead(lo, hi, n)
+        assert ahead[0] == (lo + hi) // 2 and len(ahead) == len(set(ahead))
+        assert len(ahead) <= max(1, n)
+        depth = next(d for d in range(1, 10) if _bisection_paths(lo, hi, d) >= set(ahead))
+        assert set(ahead) == _bisection_paths(lo, hi, depth)  # whole levels, nothing off the tree
