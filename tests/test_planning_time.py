@@ -129,12 +129,22 @@ def test_a_bad_worker_count_is_one_clear_error(monkeypatch, value):
         parallel.plan_workers()
 
 
-def test_default_workers_leave_small_machines_alone(monkeypatch):
+def test_workers_are_off_unless_asked_for(monkeypatch):
     monkeypatch.delenv(parallel.ENV, raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
     assert parallel.plan_workers() == 0
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv(parallel.ENV, "100")
     assert parallel.plan_workers() == parallel.MAX_WORKERS
+
+
+def test_a_pool_that_breaks_says_so_once_and_leaves_the_traces_to_the_caller(monkeypatch, capsys):
+    def fn(precision, micro_batch, blocks):
+        os._exit(3)  # a worker killed mid-trace
+
+    monkeypatch.setattr(parallel, "_WARNED", False)
+    assert parallel.trace_all(fn, [("fp32", 1, ()), ("fp32", 2, ())], workers=2) == {}
+    assert parallel.trace_all(fn, [("fp32", 1, ()), ("fp32", 2, ())], workers=2) == {}
+    err = capsys.readouterr().err
+    assert err.count("warning: TIGHTFIT_PLAN_WORKERS: worker processes failed (BrokenProcessPool") == 1
 
 
 def _bisection_paths(lo, hi, depth):

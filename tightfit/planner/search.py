@@ -22,8 +22,8 @@ The planner is one pipeline of named stages; this module holds those that need n
    every runner-up lost.
 
 Exact estimates whose keys are known in advance (the lines' ends, the first candidates, a
-bisection's next levels) are traced side by side where the machine has idle cores
-(:mod:`.parallel`); the answers are the same either way.
+bisection's next levels) are traced side by side in worker processes when
+``TIGHTFIT_PLAN_WORKERS`` asks for them (:mod:`.parallel`); the answers are the same either way.
 
 3. **verify on the GPU**, 4. **compile**, 5. **retime**: :mod:`.gpu`.
 """
@@ -387,9 +387,8 @@ def unconstrained(space: SearchSpace, estimate_fn: EstimateFn, beat: float = 0.0
     card's preferred precision. Where it fits, the search is over in one exact trace (a small
     job's planning is then in proportion to its run), and the other precisions are "not
     searched". None (search on) where it does not fit, where another precision is predicted
-    faster at the same plan, or where it is not faster than ``beat``. On a machine with idle
-    cores the memory lines' traces (stage 1) run alongside it (:func:`_line_keys`), so that
-    a plan that does not fit loses no time to it.
+    faster at the same plan, or where it is not faster than ``beat``. With worker processes
+    (:mod:`.parallel`) the memory lines' traces (stage 1, :func:`_line_keys`) run alongside it.
 
     Raises:
         What ``estimate_fn`` raises.
