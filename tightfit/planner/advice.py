@@ -244,18 +244,19 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     later = "not yet available in tightfit"
     state_b = _state_on_gpu(optimizer)[0]
     freed = 0 if (held if accumulating is None else accumulating) else gradients_at_peak  # offload frees them
-    levers = [
-        (f"8-bit AdamW state (--optimizer adamw8bit: two 1-byte moments instead of two fp32 ones, "
+    levers = [  # (--optimizer, what it is, bytes saved), in the order each makes the ones before it moot
+        ("adamw8bit", f"8-bit AdamW state (--optimizer adamw8bit: two 1-byte moments instead of two fp32 ones, "
          f"{ADAMW_STATE_B - ADAMW_8BIT_STATE_B} B x {trainable:,} trainable parameters)",
          int((ADAMW_STATE_B - ADAMW_8BIT_STATE_B - 8 / 256) * trainable)),
-        (f"AdamW state in CPU memory (--optimizer adamw-offload: {state_b} B x {trainable:,} off the GPU, "
-         f"{format_bytes(16 * trainable)} of pinned host memory; each optimizer step "
+        ("adamw-offload", f"AdamW state in CPU memory (--optimizer adamw-offload: {state_b} B x {trainable:,} off "
+         f"the GPU, {format_bytes(16 * trainable)} of pinned host memory; each optimizer step "
          f"then moves {format_bytes((WEIGHT_B + GRADIENT_B) * trainable)} over the host link, about "
          f"{(WEIGHT_B + GRADIENT_B) * trainable / host_link_bytes_per_s:.2f} s, plus the CPU's AdamW step"
          + (", and without accumulation each gradient is freed on the GPU once copied" if freed else "") + ")",
          state_b * trainable + freed),
-        (f"bf16 weights and gradients with no fp32 master copy (--optimizer adamw8bit-bf16, 8-bit AdamW state "
-         f"and stochastically rounded updates, bf16 autocast only; it changes the numerics; 2 B less per weight"
+        ("adamw8bit-bf16", f"bf16 weights and gradients with no fp32 master copy (--optimizer adamw8bit-bf16, "
+         f"8-bit AdamW state and stochastically rounded updates, bf16 autocast only; it changes the numerics; "
+         f"2 B less per weight"
          + (", and half the gradients held" if held else "")
          + (f", {state_b - ADAMW_8BIT_STATE_B} B less state per trainable parameter" if state_b > ADAMW_8BIT_STATE_B
             else f", {ADAMW_8BIT_STATE_B - state_b} B more state per trainable parameter on the GPU"
@@ -264,14 +265,15 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     ]
     if emb:
         per = ADAMW_STATE_B + (GRADIENT_B if held else 0)
-        levers.append((f"freezing the input embeddings ({later}; {emb:,} parameters: no gradient and no AdamW "
+        levers.append((None, f"freezing the input embeddings ({later}; {emb:,} parameters: no gradient and no AdamW "
                        f"state, {per} B each)", per * emb))
-    kinds = ("adamw8bit", "adamw-offload", "adamw8bit-bf16", None)  # the levers' --optimizer, in order
-    in_use = {"adamw8bit": 1, "adamw-offload": 2, "adamw8bit-bf16": 3}.get(optimizer, 0)  # levers[:in_use] in use
+    kinds = [kind for kind, _, _ in levers]
+    # the lever in use, and those before it, save nothing more
+    after = levers[kinds.index(optimizer) + 1:] if optimizer in kinds else levers
     left_out, why = left_out_levers(cuda, profile)
-    offered = [(kinds[i], lever) for i, lever in enumerate(levers) if i >= in_use and kinds[i] not in left_out]
-    lines = [f"{name}: saves {format_bytes(saving)}, {verdict(kind, saving)}" for kind, (name, saving) in offered]
-    if why and any(k in left_out for k in kinds[in_use:]):
+    lines = [f"{name}: saves {format_bytes(saving)}, {verdict(kind, saving)}" for kind, name, saving in after
+             if kind not in left_out]
+    if why and any(kind in left_out for kind, _, _ in after):
         lines.append(why)
     return lines
 
