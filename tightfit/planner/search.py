@@ -22,7 +22,7 @@ The planner is one pipeline of named stages; this module holds those that need n
    every runner-up lost.
 
 Exact estimates whose keys are known in advance (the lines' ends, the first candidates, a
-bisection's next levels) are traced side by side in worker processes when
+shrink's first guess and its neighbours) are traced side by side in worker processes when
 ``TIGHTFIT_PLAN_WORKERS`` asks for them (:mod:`.parallel`); the answers are the same either way.
 
 3. **verify on the GPU**, 4. **compile**, 5. **retime**: :mod:`.gpu`.
@@ -43,6 +43,7 @@ from ..units import format_bytes
 from .advice import lever_peaks, nothing_fits_lines
 from .cost import TimeModel, forward_cost
 from .margins import CHECKPOINTED_RESERVED_MARGIN, HEADROOM, estimator_margin_bytes, planned_limit
+from .bisection import bisect
 from .parallel import plan_workers, trace_all
 
 # ``(precision, micro_batch, checkpoint_blocks) -> MemoryEstimate``: an exact estimate of one step.
@@ -579,7 +580,8 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
             traced.append(more)
             if more.checkpoint_blocks == cand.checkpoint_blocks:
                 continue  # it fit as predicted
-        got = _shrink(space, cand, estimate_fn)
+        got = _shrink(space, cand, estimate_fn, None if cand.block_policies is not None else
+                      enumeration.lines[cand.precision](len(cand.checkpoint_blocks)))
         if isinstance(got, Candidate):
             traced.append(got)
             continue
@@ -605,11 +607,16 @@ def _more_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, estimate_f
     return None
 
 
-def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn) -> Candidate | int:
+def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn, line: MemoryLine | None = None) \
+        -> Candidate | int:
     """Trace the candidate exactly; if it does not fit, the largest smaller balanced micro-batch
-    (more accumulation steps) that does, found by bisection over the balanced micro-batches (the
-    peak grows with the micro-batch): a handful of exact traces instead of one per accumulation
-    step. If even micro-batch 1 does not fit: its exact peak reserved bytes (an int) instead of a
+    (more accumulation steps) that does. The peak grows with the micro-batch, so the answer is
+    one boundary in the list of balanced micro-batches: found from a first guess
+    (:func:`_first_guess`: the candidate's memory ``line`` where given, shifted onto the trace
+    that did not fit), by steps that double away from the
+    guess until the boundary is bracketed, then by bisection (:func:`.bisection.bisect`): two or
+    three exact traces when the guess is close, never more than about twice a plain bisection's.
+    If even micro-batch 1 does not fit: its exact peak reserved bytes (an int) instead of a
     candidate."""
     E, mb = space.effective_batch, c.micro_batch
     est = estimate_fn(c.precision, mb, c.choice)
@@ -619,33 +626,52 @@ def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn) -> Candid
     while smaller[-1] > 1:
         m = smaller[-1]
         smaller.append(min(m - 1, micro_batch_for(E, accumulation_steps(E, m) + 1)))  # strictly smaller
-    lo, hi, best = 1, len(smaller) - 1, None  # smaller[0] does not fit; find the first index that does
-    while lo <= hi:
-        _prefetch(estimate_fn, [(c.precision, smaller[i], c.choice) for i in _bisection_ahead(lo, hi, plan_workers())])
-        mid = (lo + hi) // 2
-        got = estimate_fn(c.precision, smaller[mid], c.choice)
-        if got.peak_reserved_bytes <= space.limit:
-            best, hi = (smaller[mid], got), mid - 1
-        else:
-            lo, est = mid + 1, got
-    if best is None:  # not even micro-batch 1 (the last one traced)
+    last = len(smaller) - 1
+    if last == 0:  # micro-batch 1 did not fit
         return est.peak_reserved_bytes
-    return _traced(space, c, best[0], c.checkpoint_blocks, best[1])
+    peaks = {0: est}
+
+    def fits(i: int) -> bool:
+        peaks[i] = estimate_fn(c.precision, smaller[i], c.choice)
+        return peaks[i].peak_reserved_bytes <= space.limit
+
+    g = _first_guess(smaller, est, space.limit, line)
+    _prefetch(estimate_fn, [(c.precision, smaller[i], c.choice) for i in (g - 1, g, g + 1) if 1 <= i <= last])
+    if fits(g):  # the boundary lies toward larger micro-batches (smaller indices), down to 0, a miss
+        good, bad, step = g, 0, 1
+        while good - step > bad:
+            if not fits(good - step):
+                bad = good - step
+                break
+            good, step = good - step, 2 * step
+    else:  # toward smaller micro-batches
+        good, bad, step = None, g, 1
+        while good is None and bad < last:
+            j = min(bad + step, last)
+            if fits(j):
+                good = j
+            else:
+                bad, step = j, 2 * step
+        if good is None:  # not even micro-batch 1
+            return peaks[last].peak_reserved_bytes
+    good = bisect(good, bad, fits)
+    return _traced(space, c, smaller[good], c.checkpoint_blocks, peaks[good])
 
 
-def _bisection_ahead(lo: int, hi: int, n: int) -> list[int]:
-    """The indices a bisection over ``[lo, hi]`` (``mid = (lo + hi) // 2``, then one half) may
-    probe in its next steps, as many whole levels of its tree as ``n`` allows (at least the
-    first): what can be traced side by side before the bisection asks for them one by one."""
-    out, level = [], [(lo, hi)]
-    while level and (not out or len(out) + len(level) <= n):
-        nxt = []
-        for a, b in level:
-            mid = (a + b) // 2
-            out.append(mid)
-            nxt += [(x, y) for x, y in ((a, mid - 1), (mid + 1, b)) if x <= y]
-        level = nxt
-    return out
+def _first_guess(smaller: list[int], est, limit: float, line: MemoryLine | None = None) -> int:
+    """The index in ``smaller`` (balanced micro-batches, largest first; ``smaller[0]`` traced as
+    ``est``, over ``limit``) of the largest micro-batch predicted to fit: by ``line``'s slope
+    from ``est``'s peak where a line is given, else taking the model state (weights, gradients,
+    optimizer state at the peak) as fixed and the rest of the peak as proportional to the
+    micro-batch. At least 1, at most the last index."""
+    over = est.peak_reserved_bytes - limit
+    if line is not None and line.slope > 0:
+        m = smaller[0] - over / line.slope
+    else:
+        fixed = sum(est.breakdown.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
+        rest = est.peak_reserved_bytes - fixed
+        m = smaller[0] * (limit - fixed) / rest if rest > 0 else 0
+    return next((i for i, v in enumerate(smaller) if i >= 1 and v <= m), len(smaller) - 1)
 
 
 def _traced(space: SearchSpace, c: Candidate, mb: int, blocks: tuple, est) -> Candidate:
