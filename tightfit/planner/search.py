@@ -20,12 +20,11 @@ The planner is one pipeline of named stages; this module holds those that need n
    predicted order, while the next one could still beat the best traced so far; one that does
    not fit checkpoints more blocks or shrinks. Then :func:`rank` names the winner and says why
    every runner-up lost.
+3. **verify on the GPU**, 4. **compile**, 5. **retime**: :mod:`.gpu`.
 
 Exact estimates whose keys are known in advance (the lines' ends, the first candidates, a
 shrink's first guess and its neighbours) are traced side by side in worker processes when
 ``TIGHTFIT_PLAN_WORKERS`` asks for them (:mod:`.parallel`); the answers are the same either way.
-
-3. **verify on the GPU**, 4. **compile**, 5. **retime**: :mod:`.gpu`.
 """
 
 from __future__ import annotations
@@ -41,9 +40,9 @@ from ..memory.fast import TRACED_AT, BlockLines, MemoryLine
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes
 from .advice import lever_peaks, nothing_fits_lines
+from .bisection import bisect
 from .cost import TimeModel, forward_cost
 from .margins import CHECKPOINTED_RESERVED_MARGIN, HEADROOM, estimator_margin_bytes, planned_limit
-from .bisection import bisect
 from .parallel import plan_workers, trace_all
 
 # ``(precision, micro_batch, checkpoint_blocks) -> MemoryEstimate``: an exact estimate of one step.
@@ -321,7 +320,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
 def _traced_once(estimate_fn: EstimateFn) -> EstimateFn:
     """``estimate_fn`` remembering its answers: each (precision, micro-batch, blocks) is traced once.
     Its ``prefetch(keys)`` traces the keys not yet known side by side (:func:`.parallel.trace_all`)
-    where there are idle cores, and does nothing otherwise; either way later calls answer the same."""
+    when worker processes are asked for, and does nothing otherwise; later calls answer the same."""
     if hasattr(estimate_fn, "prefetch"):  # already remembering (a retry of another precision)
         return estimate_fn
     traced = {}
