@@ -116,3 +116,31 @@ def test_the_reason_says_which_levers_fit_nothing_or_were_not_searched(monkeypat
     search_stub(monkeypatch, {"adamw": result(100, accumulation=2), "adamw8bit": result(150, accumulation=2)})
     r = po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=True, host_bytes=1)
     assert r.best.optimizer == "adamw8bit" and "adamw-offload: needs" in r.best.why and "pinned host memory" in r.best.why
+
+
+def test_the_plan_found_reads_the_same_beside_every_levers_ceiling():
+    from tightfit.planner.optimizers import _apart
+
+    found = 20.6713
+    assert {_apart(c, found)[1] for c in (3.1, 15.0, 20.6, 20.7)} == {"20.67"}  # one text for one number
+    assert _apart(909.7, 910.3) == ("909.7", "910.3") and _apart(1233.6, 1834.4) == ("1234", "1834")
+    assert _apart(1233.6, 1234.4) == ("1233.6", "1234.4")  # more decimals only to tell them apart
+    assert _apart(20.671, 20.6713) == ("21", "21")
+
+
+def test_blocks_checkpointed_because_asked_are_not_what_fp32_adamw_pays(monkeypatch):
+    """`tightfit plan --checkpointing on` read "fp32 AdamW state: needs 6 checkpointed blocks" for
+    a job that fits without any: the blocks were the user's choice, not the memory's."""
+    search_stub(monkeypatch, {"adamw": result(100, blocks=(0, 1)), "adamw8bit": result(150),
+                              "adamw-offload": result(50)})
+    forced = po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=True,
+                                  host_bytes=64 << 30, checkpointing="on")
+    assert forced.best.optimizer == "adamw" and "checkpointed block" not in forced.best.why.split(";")[0]
+    assert "fits without accumulation (every block checkpointed, as --checkpointing on asks)" in forced.best.why
+    search_stub(monkeypatch, {"adamw": result(100, blocks=(0, 1), accumulation=2), "adamw8bit": result(150),
+                              "adamw-offload": result(50)})
+    forced = po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=True,
+                                  host_bytes=64 << 30, checkpointing="on")
+    assert "fp32 AdamW state needs 2 accumulation steps;" in forced.best.why, forced.best.why
+    # under auto the same blocks are paid for memory, and said so
+    assert "needs 2 accumulation steps and 2 checkpointed blocks;" in plan(model()).best.why

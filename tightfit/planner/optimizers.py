@@ -54,27 +54,29 @@ def _several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _constrained(result: SearchResult) -> bool:
+def _constrained(result: SearchResult, forced: bool = False) -> bool:
     """Whether the best plan pays for its memory in time: accumulation, or any block recomputed
-    (fully or selectively) or with its activations offloaded."""
+    (fully or selectively) or with its activations offloaded; with ``forced`` (``--checkpointing
+    on``: every block recomputed as asked, whatever the memory) accumulation only."""
     b = result.best
-    return b.accumulation_steps > 1 or bool(b.checkpoint_blocks) or any(
-        p != "none" for p in b.block_policies or ())
+    return b.accumulation_steps > 1 or not forced and (bool(b.checkpoint_blocks) or any(
+        p != "none" for p in b.block_policies or ()))
 
 
 _BLOCK_WORDS = {"selective": "selectively recomputed", "full": "checkpointed", "offload": "offloaded"}
 
 
-def _what_it_pays(b) -> str:
+def _what_it_pays(b, forced: bool = False) -> str:
     """``"7 accumulation steps, 5 selectively recomputed blocks and 1 checkpointed block"``: what
-    candidate ``b`` uses to fit."""
+    candidate ``b`` uses to fit (with ``forced``, ``--checkpointing on``, its blocks are as asked,
+    not paid for memory: accumulation only)."""
     def n(k: int, what: str) -> str:
         return f"{k} {what}{'s' if k != 1 else ''}"
 
     parts = [n(b.accumulation_steps, "accumulation step")] if b.accumulation_steps > 1 else []
-    if b.block_policies is not None:
+    if not forced and b.block_policies is not None:
         parts += [n(b.block_policies.count(p), f"{w} block") for p, w in _BLOCK_WORDS.items() if p in b.block_policies]
-    elif b.checkpoint_blocks:
+    elif not forced and b.checkpoint_blocks:
         parts.append(n(len(b.checkpoint_blocks), "checkpointed block"))
     return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
 
@@ -151,10 +153,11 @@ def unconstrained_samples_per_s(cost, profile, kind: str, effective_batch: int, 
 
 
 def _apart(a: float, b: float) -> tuple[str, str]:
-    """``a`` and ``b`` (samples/s) as text, with the fewest decimals (none to two) that tell them
-    apart: 1233.6 and 1234.4 read "1234" and "1234" at none, "1233.6" and "1234.4" here. Equal to
-    two decimals: both with none (the same text)."""
-    for d in range(3):
+    """``a`` and ``b`` (samples/s) as text, with as many decimals as ``b`` needs for about four
+    significant figures (none from 1000, one from 100, else two), so that ``b`` -- the plan
+    already found, named beside every lever's ceiling -- reads the same in each; more (up to
+    two) only where that does not tell ``a`` from ``b``. Equal to two decimals: both with none."""
+    for d in range(0 if b >= 1000 else 1 if b >= 100 else 2, 3):
         x, y = f"{a:.{d}f}", f"{b:.{d}f}"
         if x != y:
             return x, y
@@ -245,17 +248,19 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         results["adamw"] = run("adamw")
     except NothingFitsError as e:
         failures["adamw"] = e
-    if "adamw" in results and not _constrained(results["adamw"]):
-        return _explained(results["adamw"], "adamw", "optimizer adamw (fused, fp32 state): the plan fits without "
-                          "accumulation, checkpointing or activation offload, so no optimizer lever can make it "
-                          "faster", model, profile, started)
+    forced = options.get("checkpointing") == "on"  # every block recomputed as asked: not paid for memory
+    if "adamw" in results and not _constrained(results["adamw"], forced):
+        without = ("accumulation (every block checkpointed, as --checkpointing on asks)" if forced else
+                   "accumulation, checkpointing or activation offload")
+        return _explained(results["adamw"], "adamw", f"optimizer adamw (fused, fp32 state): the plan fits without "
+                          f"{without}, so no optimizer lever can make it faster", model, profile, started)
     if not levers:
         if "adamw" in results:
             return _explained(results["adamw"], "adamw", "optimizer adamw (fused, fp32 state): the optimizer levers "
                               "were not searched (pip install 'tightfit[levers]')", model, profile, started)
         raise failures["adamw"]
     for kind in kinds:
-        if kind != "adamw8bit" and "adamw8bit" in results and not _constrained(results["adamw8bit"]):
+        if kind != "adamw8bit" and "adamw8bit" in results and not _constrained(results["adamw8bit"], forced):
             break  # 8-bit state fits without paying: neither offload nor bf16 weights can be faster
         if weights_dtype(kind) is not None and (precision not in ("auto", "bf16") or not profile.bf16):
             short[kind] = (f"needs bf16 autocast, --precision {precision} asked for" if precision not in ("auto", "bf16")
@@ -308,7 +313,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                          + [f"{k}: {short.get(k, 'fits nothing')}" for k in failures if k != "adamw"]
                          + [f"{k}: not searched ({LEVER_LIBRARY[k]} is not installed)" for k in missing])
     why = ("fp32 AdamW state fits nothing" if "adamw" in failures
-           else f"{'' if kind == 'adamw' else 'fp32 AdamW state '}needs {_what_it_pays(results['adamw'].best)}")
+           else f"{'' if kind == 'adamw' else 'fp32 AdamW state '}needs {_what_it_pays(results['adamw'].best, forced)}")
     why = f"optimizer {kind}, {_NAMES[kind]}: {why}; predicted fastest" + (f" (against {compared})" if compared else "")
     others = tuple(_explained(r, k, f"optimizer {k}, {_NAMES[k]}: the runner-up optimizer, predicted "
                                     f"{r.best.samples_per_s:.0f} samples/s against {best.best.samples_per_s:.0f} for "
