@@ -324,12 +324,15 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
     lines = lever_lines(model, state, limit, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
                         host_link_bytes_per_s, accumulating=False, cuda=cuda, profile=profile,
                         lever_peak=peaks, activations=False)  # the least state: no accumulation
+    fp32 = (f"fp32 weights ({format_bytes(4 * params)}), gradients and AdamW state, 16 B per parameter, "
+            f"{format_bytes(state)}")
+    who = (f"fp32 AdamW needs ({fp32})" if kind == "adamw" else
+           f"--optimizer {kind} keeps on the GPU" + (", the least of the optimizers tightfit has" if optimizer == "auto"
+                                                     else "") + f" (fp32 AdamW: {fp32})")
     raise TightfitError(f"budget {format_bytes(budget)} (planned against {format_bytes(limit)}, keeping "
                         f"{int(HEADROOM * 100)}% headroom) is below the {format_bytes(least)} of model state that "
-                        f"optimizer {kind} needs at least (fp32 AdamW: fp32 weights ({format_bytes(4 * params)}), "
-                        f"gradients and state, 16 B per parameter, {format_bytes(state)}), by "
-                        f"{format_bytes(least - limit)}; no micro-batch, accumulation or checkpointing changes that. "
-                        "Levers (bytes saved against fp32 AdamW):" + "".join("\n  " + x for x in lines))
+                        f"{who}, by {format_bytes(least - limit)}; no micro-batch, accumulation or checkpointing "
+                        "changes that. Levers (bytes saved against fp32 AdamW):" + "".join("\n  " + x for x in lines))
 
 
 def nothing_fits_lines(model, estimate, limit: float, precision: str, block_options, size: int,
