@@ -628,7 +628,9 @@ class _Discard:
 def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest, Path, dict, str | None]:
     """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
     given now), its newest intact checkpoint, ``{option: [old, new]}`` for what changed, and the
-    fingerprint of the data it started with (None for runs that recorded none).
+    fingerprint of the data it started with (None for runs that recorded none). A run started with
+    both ``--full`` and ``--train-samples`` (before the pair was refused) goes on with ``--train-samples``,
+    which is what it trained on.
     A newer corrupt checkpoint is skipped with a note (checkpoints are verified against their
     checksums here, before anything is written, about 1 to 2 s per GB); temporary folders of a
     killed checkpoint write are then removed.
@@ -655,6 +657,8 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     try:
         saved = json.loads((run / "request.json").read_text())
         fingerprint = saved.pop("data_fingerprint", None)
+        if saved.get("full") and saved.get("train_samples") is not None:  # a run made before the pair was refused
+            saved["full"] = False  # it trained on --train-samples, as it goes on to
         changed = {k: [saved.get(k), v] for k, v in given.items() if k in RESUME_MAY_CHANGE and saved.get(k) != v}
         resumed = TrainRequest(**{**saved, **{k: new for k, (_, new) in changed.items()}, "out": str(run),
                                   "resume": str(run), "progress": req.run.progress,

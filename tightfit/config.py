@@ -18,7 +18,9 @@ refused when the request is made, before anything is loaded or written.
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 import os
 import shlex
 import sys
@@ -77,13 +79,28 @@ def _one_of(choices: tuple[str, ...]) -> str:
     return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
 
 
-def check_value(f: Field, value: Any) -> None:
-    """Check one option's value against its field's ``choices`` and ``minimum``.
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The annotations of dataclass ``cls``, resolved (``int | None``, not the string)."""
+    return typing.get_type_hints(cls)
+
+
+def check_value(f: Field, value: Any, hint: Any = None) -> None:
+    """Check one option's value against its field's type ``hint`` (numeric options: a whole
+    number for ``int``, any real number for ``float``, None only where the hint allows it),
+    ``choices`` and ``minimum``.
 
     Raises:
-        TightfitError: ``unknown --precision 'fp8'; use auto, fp32, fp16 or bf16``,
-            ``--batch-size must be >= 1``.
+        TightfitError: ``--batch-size must be a whole number, not '32' (a str)``,
+            ``unknown --precision 'fp8'; use auto, fp32, fp16 or bf16``, ``--batch-size must be >= 1``.
     """
+    kinds = typing.get_args(hint) or (hint,)
+    if f.metadata and (int in kinds or float in kinds):  # the Python API and request.json are not typed by argparse
+        whole = int in kinds
+        number = isinstance(value, numbers.Integral if whole else numbers.Real) and not isinstance(value, bool)
+        if not number and not (value is None and type(None) in kinds):  # a bool is an int, but True is no size
+            shown = "None" if value is None else f"{value!r} (a {type(value).__name__})"
+            raise TightfitError(f"{option_flag(f)} must be {'a whole number' if whole else 'a number'}, not {shown}")
     choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
     if choices and value not in choices:
         raise TightfitError(f"unknown {option_flag(f)} {value!r}; use {_one_of(choices)}")
@@ -97,7 +114,7 @@ def check_option(group: type, name: str, value: Any) -> None:
     Raises:
         TightfitError: as :func:`check_value`.
     """
-    check_value(next(f for f in fields(group) if f.name == name), value)
+    check_value(next(f for f in fields(group) if f.name == name), value, _hints(group)[name])
 
 
 @dataclass(frozen=True)
@@ -105,8 +122,9 @@ class _Options:
     """Base of the option groups: checks every field on construction."""
 
     def __post_init__(self):
+        hints = _hints(type(self))
         for f in fields(self):
-            check_value(f, getattr(self, f.name))
+            check_value(f, getattr(self, f.name), hints[f.name])
         self._check_together()
 
     def _check_together(self) -> None:
@@ -260,7 +278,7 @@ class RunOptions(_Options):
     Attributes:
         out: the run folder (None: ``runs/<date-time>``).
         resume: a run folder to continue from its newest intact checkpoint.
-        full: on the CPU, train on all training samples (default: a subset).
+        full: on the CPU, train on all training samples (default: a subset); not with ``train_samples``.
         train_samples, eval_samples: use this many training / held-out samples.
         progress: show a progress bar.
         command: the command line recorded in the report.
@@ -270,13 +288,19 @@ class RunOptions(_Options):
     resume: str | None = option(None, "continue the run in DIR from its newest checkpoint (its other options "
                                       "are taken from DIR/request.json)", metavar="DIR")
     full: bool = option(False, "on the CPU, train on all training samples (default: a subset)")
-    train_samples: int | None = option(None, "train on this many training samples (fixed random subset)", minimum=1)
+    train_samples: int | None = option(None, "train on this many training samples (fixed random subset; not with "
+                                             "--full)", minimum=1)
     eval_samples: int | None = option(None, "evaluate on this many held-out samples (default: all)", minimum=1)
     progress: bool = option(True, "no progress bar", flag="--no-progress")
     command: str = option(default_factory=_command_line, cli=False)
     # flat names of the options given on the command line (a resumed run takes these anew even
     # when a value equals the default); empty from the Python API: differing from the default counts
     given: tuple = option((), cli=False)
+
+    def _check_together(self) -> None:
+        """``--full`` and ``--train-samples`` both say how many samples to train on: one of them."""
+        if self.full and self.train_samples is not None:
+            raise TightfitError("--full trains on all training samples; --train-samples N chooses N: give one")
 
 
 # The tree's groups: (attribute of TrainRequest, class, title in --help).

@@ -147,6 +147,12 @@ def _read_rows(path: Path) -> list[dict]:
         csv.field_size_limit(limit)
     if reader.fieldnames is None:
         raise TightfitError(f"{path}: empty file")
+    seen: dict[str, int] = {}
+    for i, name in enumerate(reader.fieldnames, 1):  # DictReader keeps one of a repeated name's fields
+        if name in seen:
+            raise TightfitError(f"{path}: the header repeats the column name {name!r} (columns {seen[name]} and "
+                                f"{i}); give each column its own name")
+        seen[name] = i
     for n, row in enumerate(rows, 2):
         extra = row.pop(None, None)  # DictReader's place for fields beyond the header
         fields = sum(v is not None for v in row.values()) + len(extra or [])
@@ -180,7 +186,8 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     Texts longer than :data:`MAX_TEXT_CHARS` characters are cut to that length.
 
     Raises:
-        TightfitError: missing file, unreadable/malformed content, unknown column, empty text
+        TightfitError: missing file, unreadable/malformed content, a header that repeats a column
+            name, unknown column, a JSONL label or text that is a list or an object, empty text
             column, or fewer than two classes.
     """
     path = Path(path)
@@ -201,6 +208,13 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     for n, r in enumerate(rows, 1):
         if text_column not in r or label_column not in r:
             raise TightfitError(f"{path}: row {n} lacks {text_column!r} or {label_column!r}")
+        for kind, col, rule in (("label", label_column, "labels must be strings or numbers"),
+                                ("text", text_column, "texts must be strings")):
+            if isinstance(r[col], (list, dict)):  # JSONL only; str() would make "['pos']" a class
+                shown = repr(r[col])
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                raise TightfitError(f"{path}: {kind} column {col!r} holds a {type(r[col]).__name__} ({shown}) "
+                                    f"in row {n}; {rule}")
         label = "" if r[label_column] is None else str(r[label_column]).strip()
         text = "" if r[text_column] is None else str(r[text_column])
         if label in drop_labels:
