@@ -3,6 +3,8 @@ padding, checkpointing with dropout and frozen inputs, flat memory over a long l
 thermal cool-down, and health monitoring without NVML."""
 
 import gc
+import os
+import signal
 import warnings
 
 import pytest
@@ -174,3 +176,19 @@ def test_models_without_an_hf_hook_checkpoint_every_block_with_the_same_gradient
     assert len(find_blocks(ResNetForImageClassification(cfg))) == 3
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("sig, again", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_a_stop_signal_is_announced_with_what_a_second_one_does(sig, again):
+    """SIGTERM's note read "(Ctrl-C again to stop at once)", a hint for SIGINT only."""
+    from types import SimpleNamespace
+
+    from tightfit.runtime.trainer import Trainer
+
+    events = []
+    fake = SimpleNamespace(_stop_signal=None, _event=events.append)
+    with Trainer._stop_on_signals(fake):
+        os.kill(os.getpid(), sig)
+    assert fake._stop_signal == sig.name
+    assert events == [f"{sig.name} received: stopping after the current step"
+                      + (" (Ctrl-C again to stop at once)" if again else "")]

@@ -441,7 +441,8 @@ class TrainRecipe:
         summary = self.out / "summary.json"
         if self.resume_from is None or self.trainer.step < self.trainer.total_steps or not summary.is_file():
             return None
-        log.info(f"run {self.out} already finished at step {self.trainer.step}: nothing to resume (nothing written)")
+        log.info(f"run {self.out} had already finished at step {self.trainer.step}: nothing left to train "
+                 f"(nothing written)")
         return RunSummary.from_dict(json.loads(summary.read_text()))
 
     # ---------------------------------------------------------------- from here on the run folder is written

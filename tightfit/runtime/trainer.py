@@ -361,7 +361,8 @@ class Trainer:
                 if self._stop_signal and signum == signal.SIGINT:
                     raise KeyboardInterrupt
                 self._stop_signal = name
-                self._event(f"{name} received: stopping after the current step (Ctrl-C again to stop at once)")
+                again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""  # SIGTERM: none
+                self._event(f"{name} received: stopping after the current step{again}")
 
             old = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGINT, signal.SIGTERM)}
             try:
