@@ -157,3 +157,12 @@ def test_api_batch_size_as_a_string_is_a_tightfit_error(tmp_path):
 def test_numbers_of_the_other_kind_that_fit_are_accepted():
     req = TrainRequest(epochs=2, lr=1, warn_temp=80, max_grad_norm=None, max_steps=None, image_size=None)
     assert (req.training.epochs, req.training.lr, req.training.warn_temp_c) == (2, 1, 80)
+
+
+@pytest.mark.parametrize("options, flag", [({"full": "no"}, "--full"), ({"progress": 0}, "--no-progress"),
+                                           ({"replan": "yes"}, "--replan")])
+def test_switches_of_the_wrong_type_are_named(options, flag):
+    """`TrainRequest(full="no")` trained on all samples: any non-empty string is true."""
+    with pytest.raises(TightfitError, match=f"^{flag} must be True or False, not "):
+        TrainRequest(**options)
+    TrainRequest(**{k: False for k in options})

@@ -87,8 +87,8 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def check_value(f: Field, value: Any, hint: Any = None) -> None:
     """Check one option's value against its field's type ``hint`` (numeric options: a whole
-    number for ``int``, any real number for ``float``, None only where the hint allows it),
-    ``choices`` and ``minimum``.
+    number for ``int``, any real number for ``float``, None only where the hint allows it; a
+    switch: True or False), ``choices`` and ``minimum``.
 
     Raises:
         TightfitError: ``--batch-size must be a whole number, not '32' (a str)``,
@@ -101,6 +101,8 @@ def check_value(f: Field, value: Any, hint: Any = None) -> None:
         if not number and not (value is None and type(None) in kinds):  # a bool is an int, but True is no size
             shown = "None" if value is None else f"{value!r} (a {type(value).__name__})"
             raise TightfitError(f"{option_flag(f)} must be {'a whole number' if whole else 'a number'}, not {shown}")
+    if f.metadata and hint is bool and not isinstance(value, bool):  # TrainRequest(full="no") read as true
+        raise TightfitError(f"{option_flag(f)} must be True or False, not {value!r} (a {type(value).__name__})")
     choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
     if choices and value not in choices:
         raise TightfitError(f"unknown {option_flag(f)} {value!r}; use {_one_of(choices)}")
