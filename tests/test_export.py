@@ -160,3 +160,16 @@ def test_a_bare_model_folder_exports_without_accuracy(text_run, tmp_path):
     assert r["held_out_samples"] == 0 and r["fp32"]["accuracy"] is None and r["int8"]["accuracy"] is None
     assert "not measured" in (out / "report.md").read_text()
     assert (out / "vocab.txt").is_file() or (out / "tokenizer.json").is_file()
+
+
+def test_a_run_saved_with_full_and_train_samples_still_exports(text_run, tmp_path):
+    """Runs saved before --full with --train-samples was refused hold both in request.json: export
+    rebuilds the request as resume does (--train-samples, what the run trained on)."""
+    import shutil
+
+    run = tmp_path / "old-run"
+    shutil.copytree(text_run, run)
+    saved = json.loads((run / "request.json").read_text())
+    (run / "request.json").write_text(json.dumps({**saved, "full": True, "train_samples": 64}))
+    assert main(["export", "--int8", str(run), "--out", str(tmp_path / "int8")]) == 0
+    assert json.loads((tmp_path / "int8" / "export.json").read_text())["held_out_samples"] == 8

@@ -1,7 +1,8 @@
 """The command line: ``tightfit train``, ``estimate``, ``plan``, ``bench``, ``export`` and ``doctor``.
 
 User errors (:class:`TightfitError`) print one line ``tightfit: error: ...`` on stderr and exit with 2.
-The library's messages (``logging.getLogger("tightfit")``) are printed on stdout, one plain line each.
+The library's messages (``logging.getLogger("tightfit")``) are printed on stdout, one plain line each
+(on stderr for a ``--json`` command, whose stdout is the JSON alone).
 """
 
 from __future__ import annotations
@@ -61,24 +62,32 @@ def _given_options(train_parser, argv: list[str]) -> tuple[str, ...]:
 
 class _StdoutHandler(logging.Handler):
     """Prints each of tightfit's log messages as one plain line on the current ``sys.stdout``
-    (looked up at each message, so a redirected stdout is followed), above a running progress
-    bar (``tqdm.write``), flushed. A closed pipe (``BrokenPipeError``) propagates to :func:`main`."""
+    (or ``sys.stderr`` with ``to_stderr``; looked up at each message, so a redirected stream is
+    followed), above a running progress bar (``tqdm.write``), flushed. A closed pipe
+    (``BrokenPipeError``) propagates to :func:`main`."""
+
+    to_stderr = False
 
     def emit(self, record: logging.LogRecord) -> None:
         """Write the record's message and a newline."""
         from tqdm import tqdm
 
-        tqdm.write(self.format(record), file=sys.stdout)
-        sys.stdout.flush()
+        stream = sys.stderr if self.to_stderr else sys.stdout
+        tqdm.write(self.format(record), file=stream)
+        stream.flush()
 
 
-def log_to_stdout() -> None:
+def log_to_stdout(to_stderr: bool = False) -> None:
     """Print the ``tightfit`` logger's messages (INFO and above) on stdout, as the command line
-    does; calling it again adds no second handler."""
+    does, or on stderr with ``to_stderr`` (a ``--json`` command: its stdout is the JSON alone);
+    calling it again adds no second handler."""
     logger = logging.getLogger("tightfit")
     logger.setLevel(logging.INFO)
-    if not any(isinstance(h, _StdoutHandler) for h in logger.handlers):
-        logger.addHandler(_StdoutHandler())
+    handler = next((h for h in logger.handlers if isinstance(h, _StdoutHandler)), None)
+    if handler is None:
+        handler = _StdoutHandler()
+        logger.addHandler(handler)
+    handler.to_stderr = to_stderr
 
 
 # Loggers of libraries imported on the way (transformers imports torchao whenever it is
@@ -112,6 +121,7 @@ def _parser() -> _Parser:
     parser = _Parser(prog="tightfit", description="Train PyTorch models on GPUs with little memory.")
     parser.add_argument("--version", action="version", version=f"tightfit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.subcommands = sub
     parser.train_parser = _train_parser(sub)
     add_estimate_parser(sub)
     add_plan_parser(sub)
@@ -178,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = _parser()
         argv = sys.argv[1:] if argv is None else argv
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # refused by the sub-command, so that its hint names its own --help
+            parser.subcommands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         args.argv = argv
         if args.command == "train":
             args.given_options = _given_options(parser.train_parser, argv)
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_allocator()  # before anything touches CUDA
         quiet_import_warnings()
-        log_to_stdout()
+        log_to_stdout(to_stderr=bool(getattr(args, "json", False)))  # --json: stdout is the JSON alone
         return _run(args)
     except TightfitError as e:
         from .runtime.trainer import TrainingInterrupted

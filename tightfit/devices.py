@@ -3,7 +3,7 @@
 Rates are dense peak TFLOP/s from the vendors' spec sheets (NVIDIA Pascal/Turing/Ampere/Ada/
 Hopper whitepapers and datasheets); tensor-core figures use fp32 accumulation, which is what
 ``torch.autocast`` training runs. A card that cannot hold its peak within its power limit has a
-measured ``sustained_share``. docs/planner.md tabulates every figure with its source. Users can add cards with a small JSON file (:func:`load_profiles`).
+measured ``sustained_share``. docs/planner.md tabulates every figure with its source. Users can add cards, or correct a built-in one, with a small JSON file (:func:`load_profiles`).
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from __future__ import annotations
 import math
 
 import json
+import logging
 import os
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .errors import TightfitError
-from .units import GiB, MiB, parse_size
+from .units import GiB, MiB, format_bytes, parse_size
+
+log = logging.getLogger(__name__)
 
 # Memory the CUDA context, cuBLAS/cuDNN handles and the driver take outside PyTorch's caching
 # allocator on a typical consumer card (measured by users at 300-500 MiB; we keep the upper end).
@@ -112,7 +115,10 @@ class DeviceProfile:
                                             if missing else [])
                                            + ([f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"]
                                               if unknown else [])))
-            d["total_bytes"] = parse_size(d["total_bytes"])
+            try:
+                d["total_bytes"] = parse_size(d["total_bytes"])
+            except TightfitError as e:
+                raise ValueError(f"total_bytes: {e}") from None
             d["compute_capability"] = tuple(int(x) for x in d["compute_capability"])
             return cls(**d)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -150,10 +156,12 @@ _BUILTIN = [
 def load_profiles(extra_file: str | Path | None = None) -> dict[str, DeviceProfile]:
     """All known profiles by key: the built-ins plus those in ``extra_file`` or in the JSON file
     named by the environment variable ``TIGHTFIT_GPU_PROFILES`` (a list of profile dicts, see
-    :meth:`DeviceProfile.from_dict`).
+    :meth:`DeviceProfile.from_dict`). A file's profile with a built-in's key replaces the built-in
+    (e.g. to correct a card's memory; :func:`get_profile` notes it).
 
     Raises:
-        TightfitError: if the extra file is missing or malformed.
+        TightfitError: if the extra file is missing or malformed (naming the file), or lists a key
+            twice.
     """
     profiles = {p.key: p for p in _BUILTIN}
     extra_file = extra_file or os.environ.get("TIGHTFIT_GPU_PROFILES")
@@ -167,22 +175,36 @@ def load_profiles(extra_file: str | Path | None = None) -> dict[str, DeviceProfi
             raise TightfitError(f"GPU profile file {path} is not valid JSON: {e}") from None
         if not isinstance(entries, list):
             raise TightfitError(f"GPU profile file {path} must hold a JSON list of profiles")
+        seen = set()
         for entry in entries:
-            p = DeviceProfile.from_dict(entry)
+            try:
+                p = DeviceProfile.from_dict(entry)
+            except TightfitError as e:
+                raise TightfitError(f"GPU profile file {path}: {e}") from None
+            if p.key in seen:
+                raise TightfitError(f"GPU profile file {path}: key {p.key!r} is listed twice; keep one of them")
+            seen.add(p.key)
             profiles[p.key] = p
     return profiles
 
 
 def get_profile(key: str) -> DeviceProfile:
-    """The profile named ``key`` (case-insensitive; spaces and underscores read as dashes).
+    """The profile named ``key`` (case-insensitive; spaces and underscores read as dashes). A
+    profile of the ``TIGHTFIT_GPU_PROFILES`` file that replaces a built-in one with other facts is
+    noted on the ``tightfit`` logger (``note: ...``).
 
     Raises:
-        TightfitError: if no such profile exists (the message lists the known ones).
+        TightfitError: if no such profile exists (the message lists the known ones), or the
+            profile file is malformed (:func:`load_profiles`).
     """
     profiles = load_profiles()
     norm = key.strip().lower().replace("_", "-").replace(" ", "-")
     if norm not in profiles:
         raise TightfitError(f"unknown GPU profile {key!r}; known: {', '.join(sorted(profiles))}")
+    builtin = next((p for p in _BUILTIN if p.key == norm), None)
+    if builtin is not None and profiles[norm] != builtin:
+        log.warning(f"note: GPU profile {norm!r} in {os.environ.get('TIGHTFIT_GPU_PROFILES')} replaces the built-in "
+                    f"{builtin.name} ({profiles[norm].name}, {format_bytes(profiles[norm].total_bytes)})")
     return profiles[norm]
 
 

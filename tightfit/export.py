@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import shlex
 import statistics
 import time
 import warnings
@@ -86,18 +87,28 @@ def _source(path: str) -> _Source:
     """A run folder (``request.json`` and ``model/``) or a model folder (``config.json``).
 
     Raises:
-        TightfitError: neither; a model that is not a sequence or image classifier; a model
-            folder without a weights file.
+        TightfitError: neither (a file; a run that has not finished: what to run first); a model
+            that is not a sequence or image classifier; a model folder without a weights file.
     """
     from .models import _folder_config, _task_of_config
+    from .runtime.checkpoint import list_checkpoints
 
     p = Path(path)
     if (p / "request.json").is_file() and (p / "model" / "config.json").is_file():
         run, model_dir = p, p / "model"
     elif (p / "config.json").is_file():
         run, model_dir = None, p
+    elif (p / "request.json").is_file():  # a run stopped before it wrote its model
+        if list_checkpoints(p / "checkpoints"):
+            raise TightfitError(f"{p}: the run has not finished (no model/ yet): run tightfit train --resume "
+                                f"{shlex.quote(str(p))} first, then export it")
+        raise TightfitError(f"{p}: the run has not finished (no model/ yet) and has no checkpoint to resume from: "
+                            "train it again, then export the new run")
     elif p.is_dir():
         raise TightfitError(f"{p}: neither a tightfit run folder (request.json, model/) nor a model folder (config.json)")
+    elif p.exists():
+        raise TightfitError(f"{p} is a file, not a run or model folder: give the folder tightfit train wrote "
+                            "(--out), or a model folder")
     else:
         raise TightfitError(f"{p}: no such run or model folder")
     kind = _task_of_config(_folder_config(model_dir)).kind
@@ -112,14 +123,16 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
     """Every check of an export, before any work: CPU only, the source, an empty output folder.
 
     Raises:
-        TightfitError: ``device`` is not ``cpu``; a bad source; ``out`` exists and is not empty,
-            or cannot be written where it is.
+        TightfitError: ``device`` is not ``cpu``; a bad source; ``out`` is a file, or a folder
+            that is not empty, or cannot be written where it is.
     """
     if device != "cpu":
         raise TightfitError(CUDA_REFUSAL)
     src = _source(source)
     o = Path(out)
-    if o.exists() and (not o.is_dir() or any(o.iterdir())):
+    if o.exists() and not o.is_dir():
+        raise TightfitError(f"--out {o} is a file; give a new or empty folder")
+    if o.exists() and any(o.iterdir()):
         raise TightfitError(f"--out {o} exists and is not an empty folder; choose another")
     # atomic_write_dir fills a temporary sibling of --out and renames it: written in its parent
     blocked = unwritable_folder(o.absolute().parent)
@@ -159,6 +172,8 @@ def _held_out(src: _Source):
 
     saved = json.loads((src.run / "request.json").read_text())
     saved.pop("data_fingerprint", None)
+    if saved.get("full") and saved.get("train_samples") is not None:  # saved before the pair was refused
+        saved["full"] = False  # --train-samples is what it trained on
     req = TrainRequest(**{**saved, "out": str(src.run), "progress": False})
     recipe = recipe_class(req)(req)
     recipe._load_data()  # the run's data and its fixed held-out split, as the run made them

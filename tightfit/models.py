@@ -153,7 +153,8 @@ class ModelEntry:
             ``(model, make_batch)``: ``make_batch(micro_batch, size, device=None)`` gives the
             task's example batch (:meth:`tightfit.tasks.Task.example_batch`; ``size`` is the
             sequence length or the image side; ``device`` None: ``meta``); its ``kind`` and
-            ``task`` attributes name the task.
+            ``task`` attributes name the task, its ``notes`` what the build assumed (a padding
+            token, :func:`_fill_pad_token_id`).
 
         Raises:
             TightfitError: unknown attention implementation, a config the head cannot take, or an
@@ -164,8 +165,11 @@ class ModelEntry:
         if attn_implementation not in ("sdpa", "eager"):
             raise TightfitError(f"unknown attention implementation {attn_implementation!r}: use sdpa or eager")
         task, config = self.load_config()
+        notes = []
         if task.kind == "image":
             self.fit_image_size(config, image_size)
+        elif task.kind == "text":
+            notes += _fill_pad_token_id(config)
         if hasattr(config, "use_cache"):
             config.use_cache = False  # training: no KV cache (it would hold keys/values across blocks)
         head = getattr(transformers, _HEADS[task.kind])
@@ -178,7 +182,9 @@ class ModelEntry:
         except (AttributeError, ValueError, KeyError, TypeError) as e:
             raise TightfitError(f"cannot build {self.name!r} as a {task.kind} model: {str(e).splitlines()[0]}") from None
         model.float().train()
-        return model, batch_maker(task, config)
+        make_batch = batch_maker(task, config)
+        make_batch.notes = notes
+        return model, make_batch
 
     def load_classifier(self, label_names: list[str]):
         """``(model, tokenizer)`` for ``tightfit train``: a sequence classifier for
@@ -304,6 +310,27 @@ def _folder_config(path: Path):
         return transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise TightfitError(f"cannot read the model config in {path}: {str(e).splitlines()[0]}") from None
+
+
+#: What a trace that fails for want of a padding token (transformers: "Cannot handle batch sizes > 1
+#: if no padding token is defined") is told, where the config has no end-of-sequence token either.
+NO_PAD_HINT = "config.json sets neither pad_token_id nor eos_token_id: set pad_token_id in config.json"
+
+
+def _fill_pad_token_id(config) -> list[str]:
+    """Give a text classifier's config without ``pad_token_id`` its end-of-sequence token id, if
+    it has one: GPT-style classifiers find each text's end by its padding and cannot take batches
+    of more than one text without (``tightfit train`` pads with the tokenizer's end-of-sequence
+    token the same way, :func:`check_tokenizer`). Returns a note when the id was filled in.
+    """
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):  # several end tokens (e.g. Llama 3): the first pads
+        eos = eos[0] if eos else None
+    if getattr(config, "pad_token_id", None) is not None or eos is None:
+        return []  # neither: an encoder needs none; a GPT-style model fails to trace (see NO_PAD_HINT)
+    config.pad_token_id = eos
+    return [f"config.json sets no pad_token_id: padding with the end-of-sequence token (id {eos}), as tightfit "
+            f"train pads for a tokenizer without a padding token"]
 
 
 def _task_of_config(config) -> Task:

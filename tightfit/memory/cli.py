@@ -113,6 +113,8 @@ def run(args) -> int:
     for w in warnings:  # e.g. fp16 without tensor cores, noted as `tightfit plan` notes it
         print(f"note: {w}", file=sys.stderr if args.json else sys.stdout)
     model, make_batch = build_model(args.model, attn_implementation=args.attention, image_size=args.image_size)
+    for n in make_batch.notes:  # e.g. the padding token a GPT-style classifier's config lacks
+        print(f"note: {n}", file=sys.stderr if args.json else sys.stdout)
     kind = make_batch.kind
     if kind == "image" and args.image_size is None:
         raise TightfitError(f"{args.model} takes images: give --image-size")
@@ -126,7 +128,10 @@ def run(args) -> int:
         result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing,
                           allocator=getattr(args, "allocator", "expandable"))
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
-        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
+        from ..models import NO_PAD_HINT
+
+        hint = f" ({NO_PAD_HINT})" if "no padding token" in str(e) else ""
+        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}{hint}") from None
     verdict = fits_verdict(result.peak_reserved_bytes, bool(result.plan["checkpoint_blocks"]),
                            profile.budget_bytes()) if profile else None
     from ..levers.optimizers import trainable_gradient_bytes

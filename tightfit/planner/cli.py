@@ -55,6 +55,7 @@ def run(args) -> int:
 
         notes += check_card_precision(args.precision, profile)
     model, make_batch = build_model(args.model, image_size=args.image_size)  # an image model built for that size
+    notes += getattr(make_batch, "notes", [])  # e.g. the padding token a GPT-style classifier's config lacks
     if args.trainable == "lora":  # as `tightfit train --trainable lora` wraps it before planning
         from ..levers.lora import apply_lora, trainable_note
 
@@ -82,7 +83,10 @@ def run(args) -> int:
             host_bytes=UNKNOWN_HOST_BYTES,  # the card's machine, not this one: its reason says what offload pins
             precision=args.precision, checkpointing=args.checkpointing)
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
-        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}") from None
+        from ..models import NO_PAD_HINT
+
+        hint = f" ({NO_PAD_HINT})" if "no padding token" in str(e) else ""
+        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}{hint}") from None
     if args.json:
         _print_json(result, model, notes)
     else:

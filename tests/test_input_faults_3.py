@@ -1,0 +1,159 @@
+"""Input faults found by a fresh user: a GPU profile file's bad size, repeated key and built-in
+key; a GPT-2 classifier folder without a padding token; ``tightfit export`` given an unfinished
+run, a file, or a file as ``--out``."""
+
+import json
+
+import pytest
+
+from tightfit.cli import main
+from tightfit.errors import TightfitError
+
+CARD = {"key": "my-card", "name": "My Card", "total_bytes": "6GiB", "compute_capability": [7, 5],
+        "fp16_tensor_cores": True, "bf16": False, "fp32_tflops": 5, "fp16_tflops": 20, "bf16_tflops": 0,
+        "host_link_bytes_per_s": 12e9}
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tightfit: error: "), err
+    return err[0]
+
+
+def _profiles(tmp_path, monkeypatch, *cards):
+    f = tmp_path / "cards.json"
+    f.write_text(json.dumps(list(cards)))
+    monkeypatch.setenv("TIGHTFIT_GPU_PROFILES", str(f))
+    return f
+
+
+# ---- 1a: a bad total_bytes said "memory size must be positive, got '0'": no file, key or field
+
+@pytest.mark.parametrize("size", ["0", -5, "6 parsecs"])
+def test_profile_size_error_names_the_file_the_key_and_the_field(tmp_path, monkeypatch, capsys, size):
+    f = _profiles(tmp_path, monkeypatch, {**CARD, "total_bytes": size})
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "my-card"]) == 2
+    line = _error_line(capsys)
+    assert str(f) in line and "'my-card'" in line and "total_bytes" in line, line
+
+
+# ---- 1b: a key listed twice was accepted (the last one silently won)
+
+def test_profile_file_listing_a_key_twice_is_refused(tmp_path, monkeypatch):
+    from tightfit.devices import load_profiles
+
+    f = _profiles(tmp_path, monkeypatch, CARD, {**CARD, "total_bytes": "8GiB"})
+    with pytest.raises(TightfitError, match=f"GPU profile file {f}: .*'my-card' .*twice"):
+        load_profiles()
+
+
+# ---- 1c: a profile keyed like a built-in replaced it without a word
+
+def test_profile_replacing_a_built_in_is_noted_by_plan_and_train(tmp_path, monkeypatch, capsys):
+    from tightfit.devices import get_profile
+
+    f = _profiles(tmp_path, monkeypatch, {**CARD, "key": "t4", "total_bytes": "16GiB"})
+    assert get_profile("t4").total_bytes == 16 * 2**30  # replacing is allowed: to correct a built-in card
+    note = f"note: GPU profile 't4' in {f} replaces the built-in NVIDIA Tesla T4"
+    # both stop on a later check: the note comes before it
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "t4",
+                 "--budget", "20GiB"]) == 2
+    out, err = capsys.readouterr()
+    assert note in out and "is more than the 16.00 GiB of the My Card" in err, (out, err)
+    assert main(["train", "--gpu", "t4", "--data", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "r")]) == 2
+    out, err = capsys.readouterr()
+    assert note in out and "missing.csv" in err, (out, err)
+    (tmp_path / "same.json").write_text(json.dumps([get_profile("rtx-2060").to_dict()]))
+    monkeypatch.setenv("TIGHTFIT_GPU_PROFILES", str(tmp_path / "same.json"))
+    get_profile("rtx-2060")  # the built-in's own facts: nothing replaced, nothing to say
+    assert "note:" not in capsys.readouterr().out
+
+
+def test_a_json_command_keeps_its_notes_off_stdout(tmp_path, monkeypatch, capsys):
+    """With --json the note of a replaced built-in card came before the JSON on stdout."""
+    f = _profiles(tmp_path, monkeypatch, {**CARD, "key": "t4", "total_bytes": "16GiB"})
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "t4", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["plan"]["micro_batch"] >= 1  # stdout is the JSON alone
+    assert f"note: GPU profile 't4' in {f} replaces the built-in NVIDIA Tesla T4" in err
+
+
+@pytest.mark.parametrize("command", [["estimate", "--model", "minilm", "--seq-len", "16", "--micro-batch", "2"],
+                                     ["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "t4"]])
+def test_an_unknown_option_points_to_the_sub_commands_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--bogus", "4GiB"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"unrecognized arguments: --bogus 4GiB (see tightfit {command[0]} --help)"), err
+
+
+# ---- 2: a GPT-2 classifier folder without pad_token_id could not be traced at micro-batch > 1
+
+def _gpt2_classifier(path, **config):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=500, n_positions=64,
+                                             **config)).save_pretrained(path)
+    return str(path)
+
+
+def test_gpt2_classifier_without_pad_token_is_estimated_and_planned(tmp_path, capsys):
+    from tightfit.models import build_model
+
+    folder = _gpt2_classifier(tmp_path / "gpt2tiny")
+    assert main(["estimate", "--model", folder, "--seq-len", "32", "--micro-batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "note: config.json sets no pad_token_id: padding with the end-of-sequence token (id 50256)" in out
+    assert "peak reserved" in out
+    model, make_batch = build_model(folder)  # what `tightfit plan` traces
+    assert model.config.pad_token_id == 50256 and make_batch.notes
+    assert main(["plan", "--model", folder, "--seq-len", "32", "--batch-size", "4", "--gpu", "t4"]) == 0
+    assert "note: config.json sets no pad_token_id" in capsys.readouterr().out  # plan says so too
+
+
+def test_gpt2_classifier_without_pad_or_eos_token_is_refused_in_one_line(tmp_path, capsys):
+    folder = _gpt2_classifier(tmp_path / "gpt2tiny", bos_token_id=None, eos_token_id=None)
+    capsys.readouterr()
+    assert main(["estimate", "--model", folder, "--seq-len", "32", "--micro-batch", "2"]) == 2
+    line = _error_line(capsys)
+    assert line.endswith("(config.json sets neither pad_token_id nor eos_token_id: set pad_token_id in "
+                         "config.json)"), line
+    assert main(["plan", "--model", folder, "--seq-len", "32", "--batch-size", "4", "--gpu", "t4"]) == 2
+    assert _error_line(capsys).endswith("set pad_token_id in config.json)")
+
+
+# ---- 3: tightfit export's messages for an unfinished run, a file, and a file as --out
+
+def test_export_of_an_unfinished_run_says_to_resume_it(tmp_path, capsys):
+    run = tmp_path / "dbl"
+    (run / "checkpoints" / "ckpt-10").mkdir(parents=True)
+    (run / "request.json").write_text("{}")
+    assert main(["export", "--int8", str(run), "--out", str(tmp_path / "o")]) == 2
+    line = _error_line(capsys)
+    assert f"{run}: the run has not finished (no model/ yet): run tightfit train --resume {run} first" in line, line
+    (run / "checkpoints" / "ckpt-10").rmdir()  # nothing to resume from
+    assert main(["export", "--int8", str(run), "--out", str(tmp_path / "o")]) == 2
+    line = _error_line(capsys)
+    assert "the run has not finished (no model/ yet) and has no checkpoint to resume from" in line, line
+
+
+def test_export_of_a_file_says_it_is_a_file(tmp_path, capsys):
+    f = tmp_path / "reviews.csv"
+    f.write_text("text,label\n")
+    assert main(["export", "--int8", str(f), "--out", str(tmp_path / "o")]) == 2
+    line = _error_line(capsys)
+    assert f"{f} is a file, not a run or model folder" in line, line
+
+
+def test_export_out_that_is_a_file_says_so(tmp_path, capsys):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    model = tmp_path / "model"
+    BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=8)).save_pretrained(model)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    capsys.readouterr()  # transformers' "Writing model shards" progress bar
+    assert main(["export", "--int8", str(model), "--out", str(afile)]) == 2
+    assert f"--out {afile} is a file; give a new or empty folder" in _error_line(capsys)
