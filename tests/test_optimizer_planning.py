@@ -289,15 +289,16 @@ def test_a_lever_that_cannot_beat_the_plan_found_is_not_traced(m, monkeypatch):
         assert all(c.samples_per_s <= ceiling * (1 + 1e-9) for c in [r.best, *r.runners_up]), kind
 
 
-def test_a_search_traces_only_candidates_predicted_faster_than_a_plan_found_elsewhere(m):
+@pytest.mark.parametrize("budget, effective", [(160 * MiB, E), (130 * MiB, 64)])  # the whole batch fits; not
+def test_a_search_traces_only_candidates_predicted_faster_than_a_plan_found_elsewhere(m, budget, effective):
     """``beat`` (another optimizer's best, samples/s) bounds the exact traces: the lines'
     predictions bound every exact one from above, so a candidate predicted at or below it cannot
-    win. Just below the unbounded search's best, the same plan comes out; above every prediction,
-    nothing is traced past the lines and the search says it cannot beat the plan found."""
+    win. Just below the unbounded search's best, the same plan comes out; above every prediction
+    (the space's ceiling), nothing is traced and the search says it cannot beat the plan found."""
     from tightfit.planner.search import CannotBeatError, search
 
     calls = []
-    fn = estimator_for(m, make_batch, SEQ, H200, E, optimizer="adamw")
+    fn = estimator_for(m, make_batch, SEQ, H200, effective, optimizer="adamw")
 
     def counting(*a):
         calls.append(a)
@@ -305,15 +306,17 @@ def test_a_search_traces_only_candidates_predicted_faster_than_a_plan_found_else
 
     def searched(beat):
         calls.clear()
-        return search(m, make_batch, SEQ, E, H200, 160 * MiB, counting, precision="bf16", beat=beat)
+        return search(m, make_batch, SEQ, effective, H200, budget, counting, precision="bf16", beat=beat)
 
     free = searched(0.0)
     unbounded = len(calls)
+    assert (unbounded == 1) == (budget == 160 * MiB)  # stage 0 ends the search, or lines and candidates run
     same = searched(free.best.samples_per_s * 0.999)
     assert (same.best.label(), same.best.samples_per_s) == (free.best.label(), free.best.samples_per_s)
+    assert len(calls) <= unbounded
     with pytest.raises(CannotBeatError, match="no plan predicted faster than"):
         searched(1e12)
-    assert len(calls) < unbounded
+    assert calls == []
 
 
 def test_auto_returns_the_other_optimizers_that_fit_fastest_predicted_first(m):

@@ -289,7 +289,8 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             by its savings.
 
     Raises:
-        CannotBeatError: candidates fit by the lines, but none is predicted faster than ``beat``.
+        CannotBeatError: no plan of the space is predicted faster than ``beat`` (:func:`ceiling`; then
+            nothing is traced), or candidates fit by the lines but none is predicted faster.
         NothingFitsError: nothing fits, even at micro-batch 1 with every block checkpointed (the
             message says by how many bytes, what the model state costs, what fits instead and
             which levers would make it fit); an unknown ``checkpointing``; a ``precision`` the
@@ -299,6 +300,8 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     estimate_fn = _traced_once(estimate_fn)
     space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
                          checkpointing, per_block, optimizer)
+    if beat > 0 and ceiling(space) <= beat:  # no plan in the space is predicted faster: none traced
+        raise CannotBeatError(f"no plan predicted faster than the {beat:.0f} samples/s already found")
     prediction = unconstrained(space, estimate_fn, beat) or \
         predict(space, enumerate_candidates(space, estimate_fn), estimate_fn, beat)
     if not prediction.traced and beat > 0 and any(c.samples_per_s > 0 for c in prediction.evaluated):
@@ -395,8 +398,7 @@ def unconstrained(space: SearchSpace, estimate_fn: EstimateFn, beat: float = 0.0
     """
     E, tm, first = space.effective_batch, space.time_model, space.precisions[0]
     blocks = tuple(range(space.first_blocks))
-    speed = {p: tm.samples_per_s(p, E, E, len(blocks)) for p in space.precisions}
-    if speed[first] < max(speed.values()) or speed[first] <= beat:
+    if _unconstrained_speed(space, first) < ceiling(space) or _unconstrained_speed(space, first) <= beat:
         return None
     _prefetch(estimate_fn, [(first, E, blocks), *_line_keys(space, first)])
     est = estimate_fn(first, E, blocks)
@@ -410,6 +412,19 @@ def unconstrained(space: SearchSpace, estimate_fn: EstimateFn, beat: float = 0.0
         + (" without recomputation" if not blocks else "") + ", which no other precision is predicted to beat"))
         for p in space.precisions[1:]]
     return Prediction([best], [best, *skipped])
+
+
+def _unconstrained_speed(space: SearchSpace, precision: str) -> float:
+    """Predicted samples/s of the whole effective batch in one micro-batch with the fewest blocks
+    checkpointed that the space allows."""
+    E = space.effective_batch
+    return space.time_model.samples_per_s(precision, E, E, space.first_blocks)
+
+
+def ceiling(space: SearchSpace) -> float:
+    """The most samples/s any plan of the space is predicted to reach: the unconstrained plan's
+    in the fastest precision (accumulation, recomputation and host transfers only add time)."""
+    return max(_unconstrained_speed(space, p) for p in space.precisions)
 
 
 # ---------------------------------------------------------------- stage 1: enumerate
