@@ -79,7 +79,8 @@ def test_a_json_command_keeps_its_notes_off_stdout(tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.parametrize("command", [["estimate", "--model", "minilm", "--seq-len", "16", "--micro-batch", "2"],
-                                     ["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "t4"]])
+                                     ["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4",
+                                      "--gpu", "t4"]])
 def test_an_unknown_option_points_to_the_sub_commands_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         main([*command, "--bogus", "4GiB"])
@@ -157,3 +158,17 @@ def test_export_out_that_is_a_file_says_so(tmp_path, capsys):
     capsys.readouterr()  # transformers' "Writing model shards" progress bar
     assert main(["export", "--int8", str(model), "--out", str(afile)]) == 2
     assert f"--out {afile} is a file; give a new or empty folder" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("command", [["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4"],
+                                     ["train", "--data", "missing.csv"]])
+def test_a_budget_without_a_unit_below_a_mebibyte_is_refused(command, capsys):
+    """`--budget 4` planned for 4 bytes and answered with the long below-the-model-state message."""
+    assert main([*command, "--budget", "4"]) == 2
+    assert _error_line(capsys) == "tightfit: error: --budget 4 is 4 bytes: give a unit, e.g. 4GiB or 4GB"
+
+
+def test_a_budget_in_bytes_still_reads_as_bytes():
+    from tightfit.units import GiB, parse_budget
+
+    assert parse_budget(str(4 * GiB)) == parse_budget("4GiB") == parse_budget(4 * GiB) == 4 * GiB

@@ -35,7 +35,7 @@ from .errors import TightfitError
 from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, unwritable_folder
 from .report.summary import RunInfo, RunSummary
 from .rng import seed_everything
-from .units import format_bytes, parse_size
+from .units import format_bytes, parse_budget
 
 __all__ = ["TrainRecipe", "TrainRequest", "RunSummary", "resolve_device", "train"]
 
@@ -105,7 +105,7 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
     p = options.planning if isinstance(options, TrainRequest) else options
     notes = []
     profile = get_profile(p.gpu) if p.gpu else None
-    budget = parse_size(p.budget) if p.budget else None
+    budget = parse_budget(p.budget) if p.budget else None
     if p.device == "cuda" and not torch.cuda.is_available():
         raise TightfitError("--device cuda, but no CUDA GPU is visible")
     if not torch.cuda.is_available() or p.device == "cpu":

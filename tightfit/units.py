@@ -63,6 +63,21 @@ def parse_size(text: str | int | float) -> int:
     return value
 
 
+def parse_budget(text: str | int | float) -> int:
+    """A GPU memory budget in bytes: :func:`parse_size`, except that a number written without a
+    unit below 1 MiB is refused (``--budget 4`` is 4 bytes, where 4 GiB was surely meant).
+
+    Raises:
+        TightfitError: as :func:`parse_size`, or a unit-less number below 1 MiB.
+    """
+    value = parse_size(text)
+    m = _SIZE_RE.match(text) if isinstance(text, str) else None
+    if m is not None and not m.group(2) and value < MiB:
+        raise TightfitError(f"--budget {text.strip()} is {value} byte{'s' if value != 1 else ''}: give a unit, "
+                            f"e.g. {m.group(1)}GiB or {m.group(1)}GB")
+    return value
+
+
 def format_bytes(n: int | float | None) -> str:
     """Format bytes for display: ``format_bytes(3 * 2**30) == "3.00 GiB"``; None gives "-"."""
     if n is None:

@@ -104,7 +104,7 @@ def _card_and_budget(args):
     """
     from ..config import PlanOptions, WorkloadOptions, check_option
     from ..devices import get_profile
-    from ..units import format_bytes, parse_size
+    from ..units import format_bytes, parse_budget
 
     if not args.gpu and not args.budget:
         raise TightfitError("give --gpu PROFILE or --budget SIZE")
@@ -114,7 +114,7 @@ def _card_and_budget(args):
     check_option(PlanOptions, "optimizer", args.optimizer)
     check_option(WorkloadOptions, "trainable", args.trainable)
     profile = get_profile(args.gpu or "h200")
-    budget = parse_size(args.budget) if args.budget else profile.budget_bytes()
+    budget = parse_budget(args.budget) if args.budget else profile.budget_bytes()
     if budget > profile.total_bytes:
         raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
                             f"of the {profile.name}" + ("" if args.gpu else " (whose rates are used without --gpu)"))
