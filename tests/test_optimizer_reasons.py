@@ -123,7 +123,8 @@ def test_the_plan_found_reads_the_same_beside_every_levers_ceiling():
 
     found = 20.6713
     assert {_apart(c, found)[1] for c in (3.1, 15.0, 20.6, 20.7)} == {"20.67"}  # one text for one number
-    assert _apart(909.7, 910.3) == ("909.7", "910.3") and _apart(1233.6, 1834.4) == ("1234", "1834")
+    assert _apart(909.7, 910.3) == ("909.7", "910.3") and _apart(333.8, 910.3) == ("334", "910")
+    assert _apart(1233.6, 1834.4) == ("1234", "1834")
     assert _apart(1233.6, 1234.4) == ("1233.6", "1234.4")  # more decimals only to tell them apart
     assert _apart(20.671, 20.6713) == ("21", "21")
 

@@ -231,7 +231,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         raise TightfitError(f"effective_batch must be a whole number >= 1, got {effective_batch!r}")
     try:
         if budget is not None:
-            budget = str(parse_size(budget))  # bytes as text: the shared options take what the command line does
+            budget = f"{parse_size(budget)}B"  # bytes as text with its unit, as the command line would take it
         options = PlanOptions(budget=budget, gpu=gpu, precision=precision, checkpointing=checkpointing, device=device)
         dev, profile, budget_bytes, notes = resolve_device(options)
         notes = [as_arguments(n) for n in notes]

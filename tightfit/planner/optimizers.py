@@ -153,11 +153,11 @@ def unconstrained_samples_per_s(cost, profile, kind: str, effective_batch: int, 
 
 
 def _apart(a: float, b: float) -> tuple[str, str]:
-    """``a`` and ``b`` (samples/s) as text, with as many decimals as ``b`` needs for about four
-    significant figures (none from 1000, one from 100, else two), so that ``b`` -- the plan
-    already found, named beside every lever's ceiling -- reads the same in each; more (up to
-    two) only where that does not tell ``a`` from ``b``. Equal to two decimals: both with none."""
-    for d in range(0 if b >= 1000 else 1 if b >= 100 else 2, 3):
+    """``a`` and ``b`` (samples/s) as text, with the fewest decimals (up to two) that tell them
+    apart, starting from none for ``b`` >= 100 and from two below it, so that a small ``b`` -- the
+    plan already found, named beside every lever's ceiling -- reads the same in each (it read
+    "20.67" beside one lever and "20.7" beside the next). Equal to two decimals: both with none."""
+    for d in range(0 if b >= 100 else 2, 3):
         x, y = f"{a:.{d}f}", f"{b:.{d}f}"
         if x != y:
             return x, y
