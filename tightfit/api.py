@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
-from .config import PlanOptions, TrainRequest
+from .config import PlanOptions, TrainRequest, saved_options
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
@@ -656,10 +656,8 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
                     f"{', '.join(ignored)} (a resumed run may change only "
                     f"{', '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE)})")
     try:
-        saved = json.loads((run / "request.json").read_text())
+        saved = saved_options(json.loads((run / "request.json").read_text()))
         fingerprint = saved.pop("data_fingerprint", None)
-        if saved.get("full") and saved.get("train_samples") is not None:  # a run made before the pair was refused
-            saved["full"] = False  # it trained on --train-samples, as it goes on to
         changed = {k: [saved.get(k), v] for k, v in given.items() if k in RESUME_MAY_CHANGE and saved.get(k) != v}
         resumed = TrainRequest(**{**saved, **{k: new for k, (_, new) in changed.items()}, "out": str(run),
                                   "resume": str(run), "progress": req.run.progress,

@@ -60,7 +60,7 @@ def _given_options(train_parser, argv: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(given))
 
 
-class _StdoutHandler(logging.Handler):
+class _ConsoleHandler(logging.Handler):
     """Prints each of tightfit's log messages as one plain line on the current ``sys.stdout``
     (or ``sys.stderr`` with ``to_stderr``; looked up at each message, so a redirected stream is
     followed), above a running progress bar (``tqdm.write``), flushed. A closed pipe
@@ -77,15 +77,15 @@ class _StdoutHandler(logging.Handler):
         stream.flush()
 
 
-def log_to_stdout(to_stderr: bool = False) -> None:
+def log_to_console(to_stderr: bool = False) -> None:
     """Print the ``tightfit`` logger's messages (INFO and above) on stdout, as the command line
     does, or on stderr with ``to_stderr`` (a ``--json`` command: its stdout is the JSON alone);
     calling it again adds no second handler."""
     logger = logging.getLogger("tightfit")
     logger.setLevel(logging.INFO)
-    handler = next((h for h in logger.handlers if isinstance(h, _StdoutHandler)), None)
+    handler = next((h for h in logger.handlers if isinstance(h, _ConsoleHandler)), None)
     if handler is None:
-        handler = _StdoutHandler()
+        handler = _ConsoleHandler()
         logger.addHandler(handler)
     handler.to_stderr = to_stderr
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_allocator()  # before anything touches CUDA
         quiet_import_warnings()
-        log_to_stdout(to_stderr=bool(getattr(args, "json", False)))  # --json: stdout is the JSON alone
+        log_to_console(to_stderr=bool(getattr(args, "json", False)))  # --json: stdout is the JSON alone
         return _run(args)
     except TightfitError as e:
         from .runtime.trainer import TrainingInterrupted

@@ -305,6 +305,15 @@ class RunOptions(_Options):
             raise TightfitError("--full trains on all training samples; --train-samples N chooses N: give one")
 
 
+
+def saved_options(saved: dict) -> dict:
+    """A run's ``request.json`` options as this version reads them (``--resume`` and ``export``):
+    a run saved before ``--full`` with ``--train-samples`` was refused holds both, and trained on
+    ``--train-samples``, so ``full`` is dropped. ``saved`` is not modified."""
+    if saved.get("full") and saved.get("train_samples") is not None:
+        return {**saved, "full": False}
+    return saved
+
 # The tree's groups: (attribute of TrainRequest, class, title in --help).
 GROUPS: tuple[tuple[str, type, str], ...] = (
     ("workload", WorkloadOptions, "what to train"),

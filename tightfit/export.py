@@ -167,13 +167,11 @@ def _held_out(src: _Source):
     task = ImageClassification() if src.kind == "image" else SequenceClassification()
     if src.run is None:
         return None, task
-    from .config import TrainRequest
+    from .config import TrainRequest, saved_options
     from .image_train import recipe_class
 
-    saved = json.loads((src.run / "request.json").read_text())
+    saved = saved_options(json.loads((src.run / "request.json").read_text()))
     saved.pop("data_fingerprint", None)
-    if saved.get("full") and saved.get("train_samples") is not None:  # saved before the pair was refused
-        saved["full"] = False  # --train-samples is what it trained on
     req = TrainRequest(**{**saved, "out": str(src.run), "progress": False})
     recipe = recipe_class(req)(req)
     recipe._load_data()  # the run's data and its fixed held-out split, as the run made them

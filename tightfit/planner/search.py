@@ -398,7 +398,8 @@ def unconstrained(space: SearchSpace, estimate_fn: EstimateFn, beat: float = 0.0
     """
     E, tm, first = space.effective_batch, space.time_model, space.precisions[0]
     blocks = tuple(range(space.first_blocks))
-    if _unconstrained_speed(space, first) < ceiling(space) or _unconstrained_speed(space, first) <= beat:
+    speed = _unconstrained_speed(space, first)
+    if speed < ceiling(space) or speed <= beat:
         return None
     _prefetch(estimate_fn, [(first, E, blocks), *_line_keys(space, first)])
     est = estimate_fn(first, E, blocks)
