@@ -34,11 +34,12 @@ def _plan_with_fake_gpu(monkeypatch, compile):
     c = Candidate("bf16", 64, tuple(range(n)), 1, 700, 700, {}, 250.0, "slower")
     result = SearchResult(a, [b, c], 10**9, E, n, 0.1)
     state = SimpleNamespace(compiled=False, blocks=())
+    V, R = gpu.VERIFIED_STEPS, gpu.RETIMED_STEPS
     speeds = {  # (compiled, micro-batch, checkpointed blocks, timed steps) -> samples/s
-        (False, 32, 0, 2): 240.0, (False, 16, 0, 2): 234.0, (False, 64, n, 2): 200.0,
-        (False, 8, 0, 2): 100.0,  # the calibration's quarter micro-batch
-        (True, 64, 0, 2): 230.0,  # the compiled variant's first timing
-        (True, 64, 0, 5): 260.0, (False, 32, 0, 5): 214.0,  # the side-by-side retiming
+        (False, 32, 0, V): 240.0, (False, 16, 0, V): 234.0, (False, 64, n, V): 200.0,
+        (False, 8, 0, V): 100.0,  # the calibration's quarter micro-batch
+        (True, 64, 0, V): 230.0,  # the compiled variant's first timing
+        (True, 64, 0, R): 260.0, (False, 32, 0, R): 214.0,  # the side-by-side retiming
     }
 
     def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):

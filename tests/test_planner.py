@@ -234,6 +234,12 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     assert result.micro_batch == 8 and len(result.checkpoint_blocks) == n
     assert len({mb for mb, _ in probed}) <= 7  # bisection over the 29 distinct counts, not a scan
 
+    # an eager plan with nothing checkpointed and one micro-batch: its compiled variant is probed once
+    probed.clear()
+    limit = 200 + E * 7.0
+    result = gpu.compiled_variant(w, Candidate("bf16", E, (), 1, None, None), 10**9, n).variant
+    assert probed == [(E, 0)] and result.micro_batch == E and result.checkpoint_blocks == ()
+
 
 def test_one_micro_batch_of_the_whole_batch_is_traced_exactly():
     """With accumulation the window's gradients are held between micro-batches; one micro-batch of

@@ -558,3 +558,23 @@ def test_the_probes_step_time_is_the_median_of_its_timed_steps_not_the_fastest(m
     w = Workload(tiny_bert(), SyntheticBatches(16, seq_len=8), None, 8)
     seconds, micro_batches = probe.run_probe_steps(w, 8, "fp32", "adamw", timed_steps=3)
     assert seconds == pytest.approx(0.2) and micro_batches == 1
+
+
+def test_a_cold_first_timed_step_does_not_set_the_verified_speed(make_workload, monkeypatch):
+    """The verification's step time is the median of its timed steps: one slow step (the process's
+    first on a cold GPU, 5x the steady one on an NVIDIA H200) must not decide it, since the verified
+    speed decides whether a short run is compiled."""
+    import tightfit.planner.gpu as gpu
+    import tightfit.planner.probe as probe
+
+    durations = iter([1.0, 0.5] + [0.01] * 10)  # untimed first step, a cold timed one, then steady
+    clock = [0.0]
+
+    def fake_step(*args, **kwargs):
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(probe, "training_step", fake_step)
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
+    w = make_workload(n=16, effective_batch=8)
+    seconds, _ = probe.run_probe_steps(w, 8, "fp32", "adamw", timed_steps=gpu.VERIFIED_STEPS)
+    assert seconds == pytest.approx(0.01)

@@ -36,7 +36,11 @@ from .search import Candidate, SearchResult, estimator_for
 from .warmup import any_length, warm_other_lengths
 
 VERIFIED = 3  # candidates timed for real (each: one probe, probe_step)
-VERIFIED_STEPS = 2  # timed steps of each verification probe (their median is the step time)
+# timed steps of each verification probe; their median is the step time. Three, not two: the
+# median of two is their mean, and the process's first timed step on a cold GPU ran 5x the steady
+# one (the main job's only candidate timed at 245 samples/s against 1,371 steady on an NVIDIA H200),
+# which sent a 25-second run to a 13-second compilation (bench/results/short-run-compile)
+VERIFIED_STEPS = 3
 RETIMED_STEPS = 5  # timed steps of the final eager-vs-compiled comparison, and of the eager plan's last timing
 VERIFICATION = f"verification timing ({VERIFIED_STEPS} timed steps, the median)"
 # A run predicted to take less than this at its eager speed is not compiled: regional compilation
@@ -581,7 +585,9 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     (:func:`~tightfit.levers.compile.compile_scope`), checkpointing other blocks costs no
     compilation, so that ``k`` gets the fewest checkpointed blocks (the first ones first) that
     fit, by bisection over the block count; when it needed checkpointing, the next count is
-    tried too (fewer blocks, one more micro-batch), and the faster is kept. A model compiled
+    tried too (fewer blocks, one more micro-batch), and the faster is kept. An eager plan that
+    already runs the whole batch in one micro-batch with no checkpointing has nothing for
+    compilation to win back in memory: its compiled variant is that plan, probed once. A model compiled
     whole keeps ``best``'s blocks (another set would recompile). One compiled graph (dynamic
     micro-batch dimension) serves all probes. The model is left compiled only if a variant fits.
     """
@@ -600,7 +606,11 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
         return probes[mb, blocks]
 
     most = tuple(range(n_blocks)) if regional else best.checkpoint_blocks
-    found = _compiled_candidates(E, best.micro_batch, n_blocks, most, regional, probe)
+    if best.micro_batch >= E and not best.checkpoint_blocks:  # nothing to win back: one probe
+        found = [CompiledVariant(_samples_per_s(pr, E), best.micro_batch, (), pr)
+                 for pr in [probe(best.micro_batch, ())] if pr.fits]
+    else:
+        found = _compiled_candidates(E, best.micro_batch, n_blocks, most, regional, probe)
     seconds = time.perf_counter() - t0
     scope = "each block" if regional else "whole model"
     if not found:
