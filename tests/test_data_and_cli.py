@@ -4,6 +4,7 @@ import gzip
 import json
 
 import pytest
+import torch
 
 from tightfit.cli import main
 from tightfit.data import held_out_split, load_text_classification
@@ -153,3 +154,47 @@ def test_a_python_api_run_records_no_foreign_command_line(monkeypatch):
     assert TrainRequest().run.command == "tightfit.api.train (Python API)"
     monkeypatch.setattr(sys, "argv", ["/usr/bin/tightfit", "train", "--lr", "1e-4"])
     assert TrainRequest().run.command == "tightfit train --lr 1e-4"
+
+
+def _python_collate(tb, encoded, labels, indices, pad_to=None):
+    """The reference: each sample's token lists padded in Python (the collate before the flat tensors)."""
+    longest = max(len(encoded["input_ids"][i]) for i in indices)
+    length = pad_to or min(tb.seq_len, -(-longest // 8) * 8)
+    out = {}
+    for k in tb.keys:
+        fill = tb.pad_id if k == "input_ids" else 0
+        out[k] = torch.tensor([encoded[k][i][:length] + [fill] * (length - len(encoded[k][i][:length]))
+                               for i in indices], dtype=torch.long)
+    out["labels"] = torch.tensor([labels[i] for i in indices], dtype=torch.long)
+    return out
+
+
+def test_text_batches_collate_exactly_what_padding_each_sample_gives(tmp_path):
+    """TextBatches keeps the tokens in flat tensors; its batches equal the token lists padded one by
+    one (pad id in input_ids, 0 in the mask and token types, cut at pad_to), for text pairs too."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_text_model_folder
+    from tightfit.data import TextClassificationData
+    from tightfit.workload import TextBatches
+
+    words = ["good", "bad", "film", "plot", "long"]
+    tok = AutoTokenizer.from_pretrained(tiny_text_model_folder(tmp_path, words, hidden_size=8, num_hidden_layers=1,
+                                                               num_attention_heads=2, intermediate_size=8))
+    tok.pad_token_id = 3  # not 0: padding must use it
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 40))) for _ in range(60)]
+    labels = [rng.randint(0, 2) for _ in texts]
+    tb = TextBatches(tok, TextClassificationData(texts, labels, ["a", "b", "c"], "test"), 24)
+    encoded = tok(texts, truncation=True, max_length=24)
+    assert tb.keys == ["input_ids", "attention_mask", "token_type_ids"]
+    for indices, pad_to in [([0], None), (list(range(60)), None), ([5, 5, 59, 1], None), ([3, 7, 11], 24),
+                            ([3, 7, 11], 4), (rng.sample(range(60), 17), None)]:
+        got, want = tb.collate(indices, pad_to), _python_collate(tb, encoded, labels, indices, pad_to)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == torch.long and torch.equal(got[k], want[k]), (indices, pad_to, k)
+    assert tb[7] == {**{k: encoded[k][7] for k in tb.keys}, "labels": labels[7]}
+    assert tb.worst_case(3)["input_ids"].shape == (3, 24)

@@ -32,6 +32,12 @@ WORST_CASE_SCAN = 10_000  # samples a dataset without its own worst case is sear
 class TextBatches:
     """Tokenized texts with labels, padded per batch to the longest sequence in it.
 
+    The texts are tokenized once, here; each field's tokens are kept as one flat int32 tensor
+    (with each sample's offset and length), so that collating a batch is a few tensor ops
+    (a gather and a mask) rather than Python lists of ints: the runtime's prefetch thread
+    collates while the main thread launches the step's kernels, and a Python-level collate
+    held the interpreter lock for about 5 ms per 256-sample batch of 128 tokens.
+
     Args:
         tokenizer: a Hugging Face tokenizer.
         data: the samples.
@@ -39,10 +45,21 @@ class TextBatches:
     """
 
     def __init__(self, tokenizer, data: TextClassificationData, seq_len: int):
+        import itertools
+
         enc = tokenizer(data.texts, truncation=True, max_length=seq_len)
         self.keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
-        self.encoded = {k: enc[k] for k in self.keys}
+        lengths = [len(row) for row in enc["input_ids"]]
+        self.lengths = torch.tensor(lengths, dtype=torch.long)  # [N] tokens per sample
+        self.offsets = torch.zeros(len(lengths), dtype=torch.long)  # [N] where each sample starts
+        if lengths:
+            self.offsets[1:] = torch.cumsum(self.lengths, 0)[:-1]
+        # [total + 1] per field: every sample's tokens end to end, then one spare slot that a
+        # padding position reads (masked out after the gather)
+        self.tokens = {k: torch.tensor(list(itertools.chain.from_iterable(enc[k])) + [0], dtype=torch.int32)
+                       for k in self.keys}
         self.labels = list(data.labels)
+        self._labels = torch.tensor(self.labels, dtype=torch.long)
         self.pad_id = tokenizer.pad_token_id or 0
         self.seq_len = seq_len
 
@@ -51,7 +68,8 @@ class TextBatches:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         """Sample ``i``: its token lists (unpadded, at most ``seq_len``) and its label."""
-        return {**{k: self.encoded[k][i] for k in self.keys}, "labels": self.labels[i]}
+        start, n = int(self.offsets[i]), int(self.lengths[i])
+        return {**{k: self.tokens[k][start:start + n].tolist() for k in self.keys}, "labels": self.labels[i]}
 
     def collate(self, indices: Sequence[int], pad_to: int | None = None) -> dict[str, torch.Tensor]:
         """Batch of the given samples on the CPU.
@@ -59,18 +77,24 @@ class TextBatches:
         Returns:
             ``input_ids``, ``attention_mask`` (and ``token_type_ids``): int64 ``[B, T]`` with
             ``T`` the longest sequence among them rounded up to a multiple of 8 (at most
-            ``seq_len``), or ``pad_to``; ``labels``: int64 ``[B]``.
+            ``seq_len``), or ``pad_to``; padding is the tokenizer's pad id in ``input_ids`` and 0
+            elsewhere; ``labels``: int64 ``[B]``.
         """
-        longest = max(len(self.encoded["input_ids"][i]) for i in indices)
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        lengths = self.lengths[idx]  # [B]
+        longest = int(lengths.max())
         # Round up to a multiple of 8 (at most seq_len): fewer distinct shapes fragment the
         # caching allocator less, and tensor cores prefer multiples of 8.
         length = pad_to or min(self.seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+        cols = torch.arange(length)
+        real = cols < lengths[:, None]  # [B, T] True on a sample's own tokens
+        spare = self.tokens[self.keys[0]].numel() - 1
+        where = torch.where(real, self.offsets[idx, None] + cols, spare)  # [B, T] flat positions
         batch = {}
         for k in self.keys:
             fill = self.pad_id if k == "input_ids" else 0
-            rows = [self.encoded[k][i][:length] for i in indices]
-            batch[k] = torch.tensor([r + [fill] * (length - len(r)) for r in rows], dtype=torch.long)
-        batch["labels"] = torch.tensor([self.labels[i] for i in indices], dtype=torch.long)
+            batch[k] = torch.where(real, self.tokens[k][where].long(), fill)
+        batch["labels"] = self._labels[idx]
         return batch
 
     def worst_case(self, n: int) -> dict[str, torch.Tensor]:
