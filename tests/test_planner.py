@@ -234,6 +234,16 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     assert result.micro_batch == 8 and len(result.checkpoint_blocks) == n
     assert len({mb for mb, _ in probed}) <= 7  # bisection over the 29 distinct counts, not a scan
 
+    # the eager plan's micro-batch: its block count first (fits), then one fewer (does not): two probes
+    probed.clear()
+    limit = 200 + E * (1.0 + 0.5 * 1)  # fits with 11 of 12 blocks at micro-batch 256, not with 10
+    result = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(11)), 1, None, None), 10**9, n).variant
+    assert probed == [(E, 11), (E, 10)] and result.checkpoint_blocks == tuple(range(11))
+    probed.clear()  # compiled keeps less: fewer blocks than the eager 11 fit, found by bisection below 11
+    limit = 200 + E * (1.0 + 0.5 * 5)
+    result = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(11)), 1, None, None), 10**9, n).variant
+    assert result.checkpoint_blocks == tuple(range(7)) and len(probed) <= 6 and (E, n) not in probed
+
     # an eager plan with nothing checkpointed and one micro-batch: its compiled variant is probed once
     probed.clear()
     limit = 200 + E * 7.0
