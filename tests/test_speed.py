@@ -578,3 +578,22 @@ def test_a_cold_first_timed_step_does_not_set_the_verified_speed(make_workload, 
     w = make_workload(n=16, effective_batch=8)
     seconds, _ = probe.run_probe_steps(w, 8, "fp32", "adamw", timed_steps=gpu.VERIFIED_STEPS)
     assert seconds == pytest.approx(0.01)
+
+
+def test_compile_on_times_one_eager_candidate_per_precision_and_optimizer(monkeypatch):
+    """With --compile on the compiled stage searches micro-batch and blocks itself and keeps only the
+    eager winner's precision and optimizer: a runner-up differing only in micro-batch or blocks is
+    not timed, and there is no calibration; one of another precision still is."""
+    from tightfit.planner.search import Candidate
+
+    same = Candidate("bf16", 16, (), 4, 800, 800, {}, 280.0, "slower")
+    other = Candidate("fp16", 64, (0,), 1, 700, 700, {}, 250.0, "slower")
+    probes = []
+    plan, _ = _fake_gpu_plan(monkeypatch, run_samples=240 * 600, compile="on", runners_up=[same, other], probes=probes)
+    verified = [r for r in plan.reasons if r.startswith("verification timing")]
+    assert len(verified) == 2 and any("fp16" in r for r in verified), plan.reasons
+    assert 16 not in probes and 8 not in probes, probes  # the same-kind runner-up, the calibration
+    assert not any(r.startswith("calibrated with probes") for r in plan.reasons)
+    probes.clear()  # --compile auto: the eager timings may decide, so every candidate is timed
+    plan, _ = _fake_gpu_plan(monkeypatch, run_samples=240 * 600, compile="auto", runners_up=[same, other], probes=probes)
+    assert 16 in probes and 8 in probes

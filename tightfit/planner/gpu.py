@@ -224,7 +224,9 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     blocks are compiled (:func:`compiled_variant`) and kept if faster when both are retimed side
     by side (:data:`RETIMED_STEPS` timed steps each). Every samples/s figure in the plan's reasons
     names its timing, and one line starting ``decided by:`` names the timing that decided.
-    With ``optimizer="auto"`` the runner-up optimizer's predicted best is timed the same way
+    With ``compile="on"`` only one eager candidate per precision and optimizer is timed, without
+    calibration (:func:`verify_on_gpu`'s ``compiled_next``): the compiled stage picks micro-batch
+    and blocks itself. With ``optimizer="auto"`` the runner-up optimizer's predicted best is timed the same way
     (:func:`challenge_optimizer`) and replaces the winner if faster for real.
     The model must be on the GPU and the caching allocator capped at the budget; it is left
     compiled when the plan says so.
@@ -275,7 +277,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
 
     result = searched(optimizer)
     t_verify = time.perf_counter()
-    result, verification, fallback = _verified(workload, result, profile, budget_bytes, optimizer, searched)
+    result, verification, fallback = _verified(workload, result, profile, budget_bytes, optimizer, searched,
+                                               compiled_next=compile == "on" and not why_not)
     challenge = None
     if fallback is None and result.other_optimizers:  # auto: the runner-up optimizer is timed too
         result, verification, challenge = challenge_optimizer(workload, result, verification, budget_bytes)
@@ -319,12 +322,13 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
 
 
 def _verified(workload: Workload, result: SearchResult, profile: DeviceProfile, budget_bytes: int, optimizer: str,
-              searched) -> tuple[SearchResult, "Verification", str | None]:
+              searched, compiled_next: bool = False) -> tuple[SearchResult, "Verification", str | None]:
     """Verify ``result`` on the GPU; with ``optimizer="auto"``, where none of its candidates fits
     for real, search and verify the optimizer levers after its optimizer in turn
     (:data:`~.optimizers.LEVER_OPTIMIZERS`): the prediction put the optimizer's state within the
     budget, the GPU did not, so the next lever's smaller state is tried rather than giving up.
-    ``searched``: ``kind -> SearchResult``. Returns the result verified, its verification and
+    ``searched``: ``kind -> SearchResult``; ``compiled_next``: as in :func:`verify_on_gpu`.
+    Returns the result verified, its verification and
     the line saying why another optimizer was used (None if none was).
 
     Raises:
@@ -332,7 +336,7 @@ def _verified(workload: Workload, result: SearchResult, profile: DeviceProfile, 
             a line per lever tried).
     """
     try:
-        return result, verify_on_gpu(workload, result, profile, budget_bytes), None
+        return result, verify_on_gpu(workload, result, profile, budget_bytes, compiled_next), None
     except NotFitForReal as first:
         kind = result.best.optimizer or "adamw"
         if optimizer != "auto" or not levers_installed():
@@ -344,7 +348,7 @@ def _verified(workload: Workload, result: SearchResult, profile: DeviceProfile, 
                 continue
             try:
                 other = searched(lever)
-                verification = verify_on_gpu(workload, other, profile, budget_bytes)
+                verification = verify_on_gpu(workload, other, profile, budget_bytes, compiled_next)
             except TightfitError as e:  # predicted not to fit, or not for real either
                 failures.append(f"{lever}: {str(e).splitlines()[0]}")
                 continue
@@ -442,12 +446,18 @@ def calibrate(probe, first: Candidate, n_blocks: int, profile: DeviceProfile) ->
 
 
 def verify_on_gpu(workload: Workload, result: SearchResult, profile: DeviceProfile,
-                  budget_bytes: int) -> Verification:
+                  budget_bytes: int, compiled_next: bool = False) -> Verification:
     """Stage 3: calibrate (:func:`calibrate`; not for a single candidate), re-rank the search's
     fitting candidates by the calibrated line, and probe them in that order until :data:`VERIFIED` fit for real. If none
     does (the prediction was short, e.g. memory held elsewhere in the process), halve the
     micro-batch of the candidate that checkpoints the most until a real step fits. Leaves no
     block checkpointed.
+
+    ``compiled_next``: the plan will be compiled whatever the eager timings say (``--compile on``),
+    and the compiled stage searches micro-batch and checkpointed blocks itself
+    (:func:`compiled_variant`), keeping only the eager winner's precision and optimizer. Then a
+    candidate of the same precision and optimizer as one already verified is not timed (its
+    timing could not change the plan), and there is no calibration (it only re-ranks).
 
     Raises:
         TightfitError: no candidate fits for real, even at micro-batch 1.
@@ -456,7 +466,7 @@ def verify_on_gpu(workload: Workload, result: SearchResult, profile: DeviceProfi
     ranked = [result.best] + [c for c in result.runners_up if c.samples_per_s > 0]
     probe = _cached_prober(workload, budget_bytes)
     # a line re-ranks candidates: with one there is nothing to rank, and its second probe is saved
-    line = calibrate(probe, ranked[0], n, profile) if len(ranked) > 1 else None
+    line = calibrate(probe, ranked[0], n, profile) if len(ranked) > 1 and not compiled_next else None
     if line is not None:
         ranked.sort(key=lambda c: -E / line.step_seconds(c, E, n))
     measured, rejected = [], []
@@ -471,6 +481,9 @@ def verify_on_gpu(workload: Workload, result: SearchResult, profile: DeviceProfi
     for cand in ranked:
         if len(measured) == VERIFIED:
             break
+        if compiled_next and any((m.candidate.precision, m.candidate.optimizer) == (cand.precision, cand.optimizer)
+                                 for m in measured):
+            continue
         verify(cand)
     smallest = max(ranked, key=lambda c: len(c.checkpoint_blocks))
     while not measured and smallest.micro_batch > 1:
