@@ -291,3 +291,17 @@ def test_resuming_a_lever_run_without_its_library_names_the_runs_optimizer(tiny_
     assert main(["train", "--resume", str(run), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "the resumed run's optimizer adamw8bit needs bitsandbytes" in err and "--optimizer" not in err
+
+
+def test_a_run_piped_into_a_reader_that_stops_trains_to_the_end(tiny_run_inputs, full_run, tmp_path):
+    """``tightfit train ... | head -2``: once the reader has gone the output is discarded and the
+    run trains on (it exited 0 having trained nothing, and a closed pipe mid-run would lose the
+    steps since the last checkpoint); it ends as the uninterrupted run does."""
+    model_dir, data = tiny_run_inputs
+    out = tmp_path / "piped"
+    proc = subprocess.Popen(_cmd(model_dir, data, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away after one line, as `head -1` does
+    _, err = proc.communicate(timeout=300)
+    assert first.startswith("tightfit") and proc.returncode == 0, err
+    assert (out / "summary.json").is_file() and _losses(out) == _losses(full_run)

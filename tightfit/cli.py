@@ -63,8 +63,10 @@ def _given_options(train_parser, argv: list[str]) -> tuple[str, ...]:
 class _ConsoleHandler(logging.Handler):
     """Prints each of tightfit's log messages as one plain line on the current ``sys.stdout``
     (or ``sys.stderr`` with ``to_stderr``; looked up at each message, so a redirected stream is
-    followed), above a running progress bar (``tqdm.write``), flushed. A closed pipe
-    (``BrokenPipeError``) propagates to :func:`main`."""
+    followed), above a running progress bar (``tqdm.write``), flushed. Once the reader of a pipe
+    has gone (``tightfit train ... | head -2``), the rest of the messages are discarded and the
+    command carries on: a run keeps training and its folder holds everything, rather than
+    stopping at the next message with the steps since its last checkpoint lost."""
 
     to_stderr = False
 
@@ -73,8 +75,11 @@ class _ConsoleHandler(logging.Handler):
         from tqdm import tqdm
 
         stream = sys.stderr if self.to_stderr else sys.stdout
-        tqdm.write(self.format(record), file=stream)
-        stream.flush()
+        try:
+            tqdm.write(self.format(record), file=stream)
+            stream.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # what is buffered goes there too
 
 
 def log_to_console(to_stderr: bool = False) -> None:
