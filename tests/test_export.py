@@ -173,3 +173,20 @@ def test_a_run_saved_with_full_and_train_samples_still_exports(text_run, tmp_pat
     (run / "request.json").write_text(json.dumps({**saved, "full": True, "train_samples": 64}))
     assert main(["export", "--int8", str(run), "--out", str(tmp_path / "int8")]) == 0
     assert json.loads((tmp_path / "int8" / "export.json").read_text())["held_out_samples"] == 8
+
+
+def test_an_export_interrupted_while_measuring_accuracy_leaves_no_out(text_run, tmp_path, monkeypatch, capsys):
+    """The held-out accuracy is measured after the weights are written; Ctrl-C there left --out with
+    the weights but no report.md or export.json, and the re-run refused the non-empty folder."""
+    import tightfit.export as export
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "int8"
+    monkeypatch.setattr(export, "_accuracy", interrupted)
+    assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 130
+    assert not out.exists() and not list(tmp_path.glob(".*"))
+    monkeypatch.undo()
+    assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 0  # the re-run goes through
+    assert (out / "report.md").is_file() and (out / "export.json").is_file()

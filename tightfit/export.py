@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .errors import TightfitError
-from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, unwritable_folder
+from .fileio import atomic_write_dir, unwritable_folder
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -304,18 +304,18 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
                 (folder / f.name).write_bytes(f.read_bytes())
         with _quiet_quantization():
             torch.save(int8.state_dict(), folder / WEIGHTS_FILE)
+        # accuracy after the weights are written: the int8 figure is that of the model read back;
+        # the report too is written before the folder is renamed into place, so that an
+        # interrupted export leaves no --out at all (a half-written one blocked the re-run)
+        loaded = load_int8(folder)
+        result["fp32"] = {"size_bytes": _fp32_size(src.model_dir), "latency_s": latency["fp32"],
+                          "accuracy": _accuracy(fp32, task, held_out)}
+        result["int8"] = {"size_bytes": (folder / WEIGHTS_FILE).stat().st_size, "latency_s": latency["int8"],
+                          "accuracy": _accuracy(loaded, task, held_out)}
+        (folder / "report.md").write_text(report_markdown(result))
+        (folder / "export.json").write_text(json.dumps(result, indent=2) + "\n")
 
-    # accuracy after the weights are written: the int8 figure is that of the model read back
-    out = Path(out)
-    atomic_write_dir(out, fill)
-    loaded = load_int8(out)
-    result["fp32"] = {"size_bytes": _fp32_size(src.model_dir), "latency_s": latency["fp32"],
-                      "accuracy": _accuracy(fp32, task, held_out)}
-    result["int8"] = {"size_bytes": (out / WEIGHTS_FILE).stat().st_size, "latency_s": latency["int8"],
-                      "accuracy": _accuracy(loaded, task, held_out)}
-    text = report_markdown(result)
-    atomic_write_text(out / "report.md", text)
-    atomic_write_json(out / "export.json", result)
+    atomic_write_dir(Path(out), fill)
     return result
 
 
