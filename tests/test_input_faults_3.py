@@ -3,6 +3,7 @@ key; a GPT-2 classifier folder without a padding token; ``tightfit export`` give
 run, a file, or a file as ``--out``."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -172,3 +173,30 @@ def test_a_budget_in_bytes_still_reads_as_bytes():
     from tightfit.units import GiB, parse_budget
 
     assert parse_budget(str(4 * GiB)) == parse_budget("4GiB") == parse_budget(4 * GiB) == 4 * GiB
+
+
+# ---- fresh-user trial (stop 27): silent caps and an empty --out
+
+def test_caps_of_max_steps_and_sample_counts_are_noted_and_an_empty_out_is_refused(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import tiny_text_model_folder
+    from test_resume import WORDS
+
+    model = tiny_text_model_folder(tmp_path, WORDS, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=16, max_position_embeddings=32)
+    data = tmp_path / "d.csv"
+    data.write_text("text,label\n" + "".join(f"{WORDS[i % 12]} {WORDS[(i * 5) % 12]},{'ab'[i % 2]}\n"
+                                             for i in range(40)))
+    common = ["train", "--model", str(model), "--data", str(data), "--seq-len", "16", "--batch-size", "8",
+              "--device", "cpu", "--no-progress", "--checkpoint-every", "0"]
+    assert main([*common, "--max-steps", "100", "--epochs", "1", "--train-samples", "5000", "--eval-samples", "900",
+                 "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "--max-steps 100 is more than the 5 optimizer steps of 1 epoch(s): training 5" in out, out
+    assert "--train-samples 5000 is more than the 36 training samples of the split: using all 36" in out, out
+    assert "--eval-samples 900 is more than the 4 held-out samples of the split" in out, out
+    before = set((Path.cwd() / "runs").glob("*"))
+    assert main([*common, "--out", ""]) == 2
+    assert "--out is empty" in capsys.readouterr().err and set((Path.cwd() / "runs").glob("*")) == before

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import shlex
@@ -224,6 +225,8 @@ class TrainRecipe:
     def _check_run_folder(self) -> None:
         """The run folder: new or empty (or the run being resumed), and creatable."""
         out = self.req.run.out
+        if out is not None and not str(out).strip():  # "" would silently become runs/<date-time>
+            raise TightfitError("--out is empty: give the run folder, or leave --out out for runs/<date-time>")
         self.out = Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         _check_out(self.out, resuming=self.resume_from is not None)
 
@@ -242,10 +245,20 @@ class TrainRecipe:
         self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
         self.eval_data: TextClassificationData = data.subset(take(eval_idx, run.eval_samples))
         self.notes += check_split(data, self.train_data, self.eval_data)
+        for flag, asked, split, what in (("--train-samples", run.train_samples, train_idx, "training"),
+                                         ("--eval-samples", run.eval_samples, eval_idx, "held-out")):
+            if asked is not None and asked > len(split):
+                self.notes.append(f"{flag} {asked} is more than the {len(split)} {what} samples of the split: "
+                                  f"using all {len(split)}")
         batch = self.req.workload.batch_size
         if batch > len(self.train_data):
             self.notes.append(f"--batch-size {batch} is more than the {len(self.train_data)} training samples: "
                               f"every optimizer step sees all of them (one step per epoch)")
+        training = self.req.training
+        steps = math.ceil(training.epochs * math.ceil(len(self.train_data) / batch)) if self.train_data else 0
+        if training.max_steps and training.max_steps > steps:
+            self.notes.append(f"--max-steps {training.max_steps} is more than the {steps} optimizer steps of "
+                              f"{training.epochs:g} epoch(s): training {steps} (raise --epochs for more)")
         fingerprint = f"{self.train_data.fingerprint()}:{self.eval_data.fingerprint()}"
         if self.resume_from is not None and self.data_fingerprint not in (None, fingerprint):
             raise TightfitError(f"--resume {self.out}: the data differ from those the run started with "

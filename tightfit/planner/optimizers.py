@@ -217,7 +217,10 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         if optimizer == "auto":  # no trace where the model state alone is over the limit and another fits
             need, limit = least_state_bytes(model, kind)[0], planned_limit(budget_bytes, options.get("headroom", HEADROOM))
             if need > limit and any(least_state_bytes(model, k)[0] <= limit for k in ["adamw", *kinds]):
-                raise NothingFitsError(f"its model state alone, {format_bytes(need)}, is over the "
+                # fp32 AdamW's message heads the error, each lever's follows its own name
+                whose = "fp32 AdamW's model state (weights, gradients, optimizer state)" if kind == "adamw" \
+                    else "its model state"
+                raise NothingFitsError(f"{whose} alone, {format_bytes(need)}, is over the "
                                        f"{format_bytes(limit)} a step may hold")
         at = estimator_at(kind) if estimator_at is not None else None
         # bf16 weights train under bf16 autocast only: their search is bf16's alone
