@@ -58,3 +58,17 @@ def test_plan_warns_of_fp16_on_a_card_without_tensor_cores(capsys):
                  "--precision", "fp16", "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["peak_reserved_bytes"] > 0 and "runs fp16 at 1/64" in captured.err
+
+
+def test_the_text_says_how_many_runners_up_it_leaves_to_the_json(capsys):
+    """The text showed 8 runners-up and stopped; --json had 63."""
+    import json
+
+    from tightfit.cli import main
+
+    args = ["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "256", "--gpu", "gtx-1650-ti"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    listed = len(json.loads(capsys.readouterr().out)["runners_up"])
+    assert listed > 8 and f"... {listed - 8} more (--json lists them all)" in text, listed

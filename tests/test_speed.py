@@ -478,8 +478,8 @@ def test_steady_state_is_the_median_of_ten_step_windows_and_the_report_shows_all
                                        "probed_samples_per_s": 100.0, "compile_s": 7.0})
     assert speed["steady_vs_probed"] == pytest.approx(0.8) and speed["plan_cached"]
     text = dict(speed_rows(speed))
-    assert "predicted 90; probed 100; delivered 80 steady" in text["samples/s"]
-    assert "|" not in text["samples/s"]  # a cell of report.md's Markdown table
+    assert "predicted 90; probed 100; delivered 80 steady" in text["speed, samples/s"]
+    assert "|" not in text["speed, samples/s"]  # a cell of report.md's Markdown table
     assert "plan from the cache" in text["time: planning"] and "compilation 7.0 s" in text["time: planning"]
     assert text["time: evaluation"] == "1.5 s" and "0.25 s holding the loop" in text["time: checkpoints"]
     json.dumps(speed)
@@ -491,7 +491,7 @@ def test_a_slow_run_shows_its_whole_run_speed_as_the_summary_does():
 
     result = SimpleNamespace(step_ends=[(12.7, 32)], samples_per_s=32 / 12.7, eval_seconds=1.0,
                              checkpoint_seconds=0.0, checkpoint_write_seconds=0.0)
-    text = dict(speed_rows(speed_record(result, 0.0, {})))["samples/s"]
+    text = dict(speed_rows(speed_record(result, 0.0, {})))["speed, samples/s"]
     assert "predicted -; probed -; delivered - steady" in text and "2.5 whole run" in text, text
 
 

@@ -174,6 +174,9 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
     print("\n".join(breakdown_lines(b.breakdown, trainable_gradient_bytes(model, b.optimizer), b.accumulation_steps)))
     print(f"runners-up with {result.best.optimizer}:" if result.runners_up else
           f"runners-up with {result.best.optimizer}: none (the search had no other choice; the optimizer line compares the others)")
-    for c in result.runners_up[:8]:
+    shown = 8
+    for c in result.runners_up[:shown]:
         print(f"  {c.label():<52} {c.why}")
+    if len(result.runners_up) > shown:
+        print(f"  ... {len(result.runners_up) - shown} more (--json lists them all)")
     print(f"(planned in {result.seconds:.1f} s, no GPU used)")

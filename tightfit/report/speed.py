@@ -81,7 +81,8 @@ def _rate(v) -> str:
 def speed_rows(speed: dict) -> list[tuple[str, str]]:
     """(label, value) rows: the three speeds side by side, then the time breakdown."""
     # "; " between the three, not " | ": report.md puts this value in a Markdown table cell
-    rows = [("samples/s", f"predicted {_rate(speed['predicted_samples_per_s'])}; probed "
+    # "speed", not "samples/s": the summary's own "samples/s" row is the whole run's figure alone
+    rows = [("speed, samples/s", f"predicted {_rate(speed['predicted_samples_per_s'])}; probed "
                           f"{_rate(speed['probed_samples_per_s'])}; delivered {_rate(speed['steady_samples_per_s'])} "
                           f"steady (median of {WINDOW}-step windows), {_rate(speed['whole_run_samples_per_s'])} "
                           f"whole run")]
