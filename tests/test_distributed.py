@@ -317,6 +317,8 @@ def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
     assert done.stdout.count("summary:") == 1  # rank 1 keeps quiet
     plan = json.loads((out / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["sharding"] == "ddp"
+    # micro-batch 4 x 1 per rank: not "the whole effective batch (8) in one micro-batch"
+    assert not any("whole effective batch" in r for r in plan["reasons"]), plan["reasons"]
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["type"] == "train"]
     assert steps == sorted(set(steps)) and len(steps) == 5  # 36 training samples / 8

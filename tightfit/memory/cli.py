@@ -35,9 +35,10 @@ def gradient_note(gradients_at_peak: int, all_gradient_bytes: int, accumulation_
     there. With gradient accumulation they are held across the window's micro-batches.
     """
     if gradients_at_peak < all_gradient_bytes:
+        # not "while the activations are still held": at small micro-batches the peak is a
+        # late backward temporary (the embedding's gradient), after the activations are freed
         return (f"at the peak; all gradients: {format_bytes(all_gradient_bytes)}. The peak comes before backward has "
-                f"produced them all, while the activations are still held; each optimizer step frees them "
-                f"(zero_grad(set_to_none=True))")
+                f"produced them all; each optimizer step frees them (zero_grad(set_to_none=True))")
     if accumulation_steps > 1:
         return f"all of them: held across the {accumulation_steps} micro-batches of each accumulation window"
     return ""

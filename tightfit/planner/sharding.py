@@ -204,8 +204,11 @@ def plan_for_ranks(recipe, single_plan):
             base = single_plan()
         finally:
             recipe.workload, recipe.budget = saved
+        # the single-process plan was made for one rank's share: say so where it speaks of the batch
+        reasons = tuple(r.replace("the whole effective batch in one micro-batch", "each rank's whole share in one "
+                                  "micro-batch") for r in base.reasons)
         return replace(base, effective_batch=E, world_size=world.size, sharding="ddp",
-                       reasons=base.reasons + (choice.reason + f"; {share} samples of each window per rank",))
+                       reasons=reasons + (choice.reason + f"; {share} samples of each window per rank",))
     if not cuda:
         prec = "fp32" if p.precision == "auto" else p.precision
         return Plan(prec, share, E, p.checkpointing == "on", device="cpu", world_size=world.size, sharding="fsdp",
