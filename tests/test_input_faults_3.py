@@ -200,3 +200,13 @@ def test_caps_of_max_steps_and_sample_counts_are_noted_and_an_empty_out_is_refus
     before = set((Path.cwd() / "runs").glob("*"))
     assert main([*common, "--out", ""]) == 2
     assert "--out is empty" in capsys.readouterr().err and set((Path.cwd() / "runs").glob("*")) == before
+
+
+def test_a_negative_value_after_its_option_gets_the_options_own_message(capsys):
+    """``--budget -1GiB`` said "argument --budget: expected one argument" (argparse took the value
+    for an option); ``--budget=-1GiB`` already said what is wrong."""
+    args = ["plan", "--model", "minilm", "--seq-len", "64", "--batch-size", "4"]
+    assert main([*args, "--budget", "-1GiB"]) == 2
+    spaced = capsys.readouterr().err
+    assert main([*args, "--budget=-1GiB"]) == 2
+    assert spaced == capsys.readouterr().err and "must be positive" in spaced, spaced

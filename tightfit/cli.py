@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -183,6 +184,19 @@ def _run(args) -> int:
     return 1
 
 
+def _negative_values_attached(argv: list[str]) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB``: argparse takes a value that starts with ``-``
+    and is not a plain number for an option ("expected one argument"), so that the option's own
+    check, which says what is wrong with the value, never ran."""
+    out = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\d", a):
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -193,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = _parser()
         argv = sys.argv[1:] if argv is None else argv
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(_negative_values_attached(argv))
         if extra:  # refused by the sub-command, so that its hint names its own --help
             parser.subcommands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         args.argv = argv
