@@ -210,3 +210,20 @@ def test_a_negative_value_after_its_option_gets_the_options_own_message(capsys):
     spaced = capsys.readouterr().err
     assert main([*args, "--budget=-1GiB"]) == 2
     assert spaced == capsys.readouterr().err and "must be positive" in spaced, spaced
+
+
+def test_the_levers_in_a_nothing_fits_message_add_up(tmp_path, capsys):
+    """"over by 345.64 MiB", then "saves 129.29 MiB, still 216.53 MiB over": the saving came from the
+    nominal 6 B per parameter and the rest from the lever's traced state. Each line must add up."""
+    import re
+
+    from tightfit.units import parse_size
+
+    assert main(["train", "--budget", "1MiB", "--max-steps", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    over = parse_size(re.search(r", by ([\d.]+ \w+);", err).group(1).replace(" ", ""))
+    lines = re.findall(r"saves ([\d.]+ \w+), still ([\d.]+ \w+) over", err)
+    assert lines, err
+    for saved, still in lines:
+        total = parse_size(saved.replace(" ", "")) + parse_size(still.replace(" ", ""))
+        assert abs(total - over) <= 0.011 * 2**20, (saved, still, err)  # to the shown 0.01 MiB

@@ -229,24 +229,29 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     held = gradients_at_peak >= GRADIENT_B * trainable  # all of them, as when accumulating
     emb = _input_embedding_params(model)
 
-    def verdict(kind: str | None, saving: float) -> str:
+    def verdict(kind: str | None, saving: float) -> tuple[float, str]:
+        """(bytes saved as shown, what is left): where the lever's own peak or state was measured,
+        the saving shown is the difference it makes, so that over = saved + still over, line by line
+        (the nominal bytes per parameter leave out e.g. the 8-bit state's scales)."""
         got = lever_peak(kind) if lever_peak is not None and kind is not None else None
         need, words, estimated = got if got is not None else (peak_bytes - saving, "", activations)
+        if 0 < peak_bytes - need:
+            saving = peak_bytes - need
         if need > limit:
-            return f"still {format_bytes(need - limit)} over" + (f" ({words} needs {format_bytes(need)})"
-                                                                 if words else "")
+            return saving, f"still {format_bytes(need - limit)} over" + (f" ({words} needs {format_bytes(need)})"
+                                                                         if words else "")
         if estimated:
-            return "would fit" + (f" ({words} needs {format_bytes(need)} of the planned limit {format_bytes(limit)})"
-                                  if words else "")
-        return (f"{words or 'its model state'}, {format_bytes(need)}, is under the planned limit "
-                f"{format_bytes(limit)}; its activations were not estimated")
+            return saving, "would fit" + (f" ({words} needs {format_bytes(need)} of the planned limit "
+                                          f"{format_bytes(limit)})" if words else "")
+        return saving, (f"{words or 'its model state'}, {format_bytes(need)}, is under the planned limit "
+                        f"{format_bytes(limit)}; its activations were not estimated")
 
     later = "not yet available in tightfit"
     state_b = _state_on_gpu(optimizer)[0]
     freed = 0 if (held if accumulating is None else accumulating) else gradients_at_peak  # offload frees them
     levers = [  # (--optimizer, what it is, bytes saved), in the order each makes the ones before it moot
         ("adamw8bit", f"8-bit AdamW state (--optimizer adamw8bit: two 1-byte moments instead of two fp32 ones, "
-         f"{ADAMW_STATE_B - ADAMW_8BIT_STATE_B} B x {trainable:,} trainable parameters)",
+         f"about {ADAMW_STATE_B - ADAMW_8BIT_STATE_B} B x {trainable:,} trainable parameters)",
          int((ADAMW_STATE_B - ADAMW_8BIT_STATE_B - 8 / 256) * trainable)),
         ("adamw-offload", f"AdamW state in CPU memory (--optimizer adamw-offload: {state_b} B x {trainable:,} off "
          f"the GPU, {format_bytes(16 * trainable)} of pinned host memory; each optimizer step "
@@ -271,8 +276,8 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     # the lever in use, and those before it, save nothing more
     after = levers[kinds.index(optimizer) + 1:] if optimizer in kinds else levers
     left_out, why = left_out_levers(cuda, profile)
-    lines = [f"{name}: saves {format_bytes(saving)}, {verdict(kind, saving)}" for kind, name, saving in after
-             if kind not in left_out]
+    lines = [f"{name}: saves {format_bytes(shown)}, {left}" for kind, name, saving in after if kind not in left_out
+             for shown, left in [verdict(kind, saving)]]
     if why and any(kind in left_out for kind, _, _ in after):
         lines.append(why)
     return lines
