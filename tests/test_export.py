@@ -190,3 +190,24 @@ def test_an_export_interrupted_while_measuring_accuracy_leaves_no_out(text_run, 
     monkeypatch.undo()
     assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 0  # the re-run goes through
     assert (out / "report.md").is_file() and (out / "export.json").is_file()
+
+
+def test_latency_is_timed_with_the_two_models_taking_turns():
+    """fp32 and int8 timed one after the other let a passing load on the host land on one of them
+    (a contended host showed 128x one run, 0.99x the next): they alternate call by call."""
+    from tightfit.export import LATENCY_REPEATS, cpu_latency
+
+    calls = []
+
+    class Model(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def forward(self, x):
+            calls.append(self.name)
+            return x
+
+    got = cpu_latency({"fp32": Model("fp32"), "int8": Model("int8")}, {"x": torch.zeros(1)})
+    assert set(got) == {"fp32", "int8"} and all(v >= 0 for v in got.values())
+    assert calls == ["fp32", "int8"] * (LATENCY_REPEATS + 2)
