@@ -227,3 +227,10 @@ def test_the_levers_in_a_nothing_fits_message_add_up(tmp_path, capsys):
     for saved, still in lines:
         total = parse_size(saved.replace(" ", "")) + parse_size(still.replace(" ", ""))
         assert abs(total - over) <= 0.011 * 2**20, (saved, still, err)  # to the shown 0.01 MiB
+
+
+@pytest.mark.parametrize("command", [["plan", "--batch-size", "4", "--budget", "4GiB"], ["estimate", "--micro-batch", "4"]])
+def test_plan_and_estimate_refuse_a_sequence_too_short_for_text(capsys, command):
+    """`tightfit plan --seq-len 1` planned normally where `tightfit train` refuses it."""
+    assert main([*command, "--model", "minilm", "--seq-len", "1"]) == 2
+    assert "--seq-len 1 leaves no room for text: use at least 6" in capsys.readouterr().err

@@ -544,6 +544,19 @@ def _unknown_token_notes(tokenizer, path: Path, texts: list[str]) -> list[str]:
     return [what + ": the model does not see those words"] if share >= UNK_NOTE_FRACTION else []
 
 
+def check_planned_seq_len(seq_len: int) -> None:
+    """For ``tightfit plan`` and ``estimate``, which plan a model without its tokenizer: ``seq_len``
+    leaves room for :data:`MIN_TEXT_TOKENS` tokens of text (``tightfit train`` also counts the
+    tokenizer's special tokens, :func:`_check_seq_len`).
+
+    Raises:
+        TightfitError: ``seq_len`` below :data:`MIN_TEXT_TOKENS`.
+    """
+    if seq_len < MIN_TEXT_TOKENS:
+        raise TightfitError(f"--seq-len {seq_len} leaves no room for text: use at least {MIN_TEXT_TOKENS} "
+                            f"(tightfit train adds the tokenizer's special tokens to that, e.g. 8 for BERT)")
+
+
 def _check_seq_len(model, tokenizer, seq_len: int) -> None:
     """``seq_len`` (tokens) is within the model's positions and leaves :data:`MIN_TEXT_TOKENS`
     tokens of text after the special tokens every text gets.

@@ -122,6 +122,10 @@ def run(args) -> int:
     if kind != "image" and args.seq_len is None:
         raise TightfitError(f"{args.model} takes text: give --seq-len")
     size = args.image_size if kind == "image" else args.seq_len
+    if kind != "image":
+        from ..models import check_planned_seq_len
+
+        check_planned_seq_len(size)
     batch = make_batch(1, size)
     plan = Plan(args.precision, args.micro_batch, args.micro_batch, optimizer=args.optimizer, device="cuda",
                 budget_bytes=profile.budget_bytes() if profile else None)

@@ -65,6 +65,10 @@ def run(args) -> int:
     if (kind == "image") != (args.image_size is not None):
         raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")
     size = args.image_size or args.seq_len
+    if kind != "image":
+        from ..models import check_planned_seq_len
+
+        check_planned_seq_len(size)
     make_batch(1, size)  # validates the size against the model
 
     def estimator(kind):  # the planner's estimate with optimizer ``kind``; also says which lever would fit
