@@ -315,6 +315,7 @@ def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
     done, out = _tiny_cli_run(tmp_path, "--gpus", "2")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("summary:") == 1  # rank 1 keeps quiet
+    assert "(host RSS of rank 0, one of 2 processes)" in done.stdout, done.stdout[-1500:]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["sharding"] == "ddp"
     # micro-batch 4 x 1 per rank: not "the whole effective batch (8) in one micro-batch"

@@ -177,7 +177,9 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
                                         + (f" of a {format_bytes(budget)} budget "
                                            f"({100 * result.peak_reserved_bytes / budget:.0f}%)" if budget else "")))
     if info.peak_rss_bytes:
-        rows.append(("peak process memory", format_bytes(info.peak_rss_bytes) + " (host RSS)"))
+        ranks = getattr(result.plan, "world_size", 1) or 1  # each rank is a process: this is rank 0's
+        rows.append(("peak process memory", format_bytes(info.peak_rss_bytes)
+                     + (" (host RSS)" if ranks == 1 else f" (host RSS of rank 0, one of {ranks} processes)")))
     rows.append(("skipped steps", str(result.skipped_steps)))
     rows.append(("OOM recoveries", str(result.oom_recoveries)))
     if info.max_temp_c is not None:
