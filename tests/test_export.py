@@ -211,3 +211,23 @@ def test_latency_is_timed_with_the_two_models_taking_turns():
     got = cpu_latency({"fp32": Model("fp32"), "int8": Model("int8")}, {"x": torch.zeros(1)})
     assert set(got) == {"fp32", "int8"} and all(v >= 0 for v in got.values())
     assert calls == ["fp32", "int8"] * (LATENCY_REPEATS + 2)
+
+
+def test_an_empty_out_is_refused(text_run, capsys):
+    """``--out ""`` exported everything, then crashed on Path('.') ("has an empty name")."""
+    assert main(["export", "--int8", str(text_run), "--out", ""]) == 2
+    assert "--out is empty" in capsys.readouterr().err
+
+
+def test_an_export_stopped_by_sigterm_leaves_no_out_and_no_temporary_folder(text_run, tmp_path, monkeypatch):
+    """SIGTERM (e.g. `timeout`) mid-export left the hidden temporary folder behind (57 MB): only
+    train mapped SIGTERM to the interrupt path that cleans up."""
+    import os
+    import signal
+
+    import tightfit.export as export
+
+    monkeypatch.setattr(export, "_accuracy", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    out = tmp_path / "int8"
+    assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 130
+    assert not out.exists() and not list(tmp_path.glob(".*"))

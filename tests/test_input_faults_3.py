@@ -30,7 +30,7 @@ def _profiles(tmp_path, monkeypatch, *cards):
 
 # ---- 1a: a bad total_bytes said "memory size must be positive, got '0'": no file, key or field
 
-@pytest.mark.parametrize("size", ["0", -5, "6 parsecs", "200MiB"])  # 200 MiB: less than the CUDA context
+@pytest.mark.parametrize("size", ["0", -5, "6 parsecs", "200MiB", "501MiB"])  # under 1 MiB after the CUDA context
 def test_profile_size_error_names_the_file_the_key_and_the_field(tmp_path, monkeypatch, capsys, size):
     f = _profiles(tmp_path, monkeypatch, {**CARD, "total_bytes": size})
     assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "my-card"]) == 2

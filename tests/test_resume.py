@@ -305,3 +305,16 @@ def test_a_run_piped_into_a_reader_that_stops_trains_to_the_end(tiny_run_inputs,
     _, err = proc.communicate(timeout=300)
     assert first.startswith("tightfit") and proc.returncode == 0, err
     assert (out / "summary.json").is_file() and _losses(out) == _losses(full_run)
+
+
+def test_a_run_whose_progress_bar_reader_stops_trains_to_the_end(tiny_run_inputs, full_run, tmp_path):
+    """``tightfit train ... 2>&1 | head -c 10``: the progress bar (stderr) met the closed pipe and the
+    run stopped with nothing trained, exit 0. Its output is discarded now and the run trains on."""
+    model_dir, data = tiny_run_inputs
+    out = tmp_path / "piped"
+    cmd = [a for a in _cmd(model_dir, data, out) if a != "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc.stdout.read(10)
+    proc.stdout.close()
+    proc.wait(timeout=300)
+    assert proc.returncode == 0 and (out / "summary.json").is_file() and _losses(out) == _losses(full_run)

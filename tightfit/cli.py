@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             args.given_options = _given_options(parser.train_parser, argv)
             args.command_line = " ".join(shlex.quote(a) for a in ["tightfit", *argv])
-            # SIGTERM outside the training loop (which stops at a step boundary) stops like Ctrl-C
-            old_sigterm = signal.signal(signal.SIGTERM, _interrupt)
+        # SIGTERM stops like Ctrl-C (outside train's loop, which stops at a step boundary): what a
+        # command was writing is cleaned up (an export's temporary folder), nothing is half-written
+        old_sigterm = signal.signal(signal.SIGTERM, _interrupt)
         from .runtime.allocator import configure_allocator
 
         configure_allocator()  # before anything touches CUDA
@@ -230,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"tightfit: {e}", file=sys.stderr)
             return 130
         if not getattr(e, "every_rank", False) or os.environ.get("RANK", "0") == "0":
-            print(f"tightfit: error: {e}", file=sys.stderr)
+            try:
+                print(f"tightfit: error: {e}", file=sys.stderr)
+            except BrokenPipeError:  # stderr piped into a reader that stopped: still bad input, still 2
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
         return 2
     except KeyboardInterrupt:  # outside the training loop (loading, planning): nothing was half-written
         print("tightfit: interrupted", file=sys.stderr)

@@ -73,9 +73,9 @@ class DeviceProfile:
             raise ValueError(f"sustained_share must be in (0, 1], not {self.sustained_share}")
         if self.total_bytes <= 0 or self.fp32_tflops <= 0 or self.fp16_tflops <= 0 or self.bf16_tflops < 0:
             raise ValueError("total_bytes, fp32_tflops and fp16_tflops must be positive, bf16_tflops not negative")
-        if self.total_bytes <= CUDA_CONTEXT_BYTES:  # else the card's budget (budget_bytes) is not positive
-            raise ValueError(f"total_bytes {format_bytes(self.total_bytes)} is not more than the "
-                             f"{format_bytes(CUDA_CONTEXT_BYTES)} the CUDA context takes")
+        if self.budget_bytes() < MiB:  # the smallest budget --budget takes
+            raise ValueError(f"total_bytes {format_bytes(self.total_bytes)} leaves less than 1 MiB for tensors after "
+                             f"the {format_bytes(CUDA_CONTEXT_BYTES)} the CUDA context takes and the safety margin")
         if self.bf16 and tuple(self.compute_capability) < (8, 0):
             raise ValueError(f"bf16 needs compute capability >= 8.0, not {self.compute_capability}")
         if self.bf16 != (self.bf16_tflops > 0):

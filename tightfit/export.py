@@ -129,6 +129,8 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
     if device != "cpu":
         raise TightfitError(CUDA_REFUSAL)
     src = _source(source)
+    if not str(out).strip():
+        raise TightfitError("--out is empty: give a new or empty folder")
     o = Path(out)
     if o.exists() and not o.is_dir():
         raise TightfitError(f"--out {o} is a file; give a new or empty folder")

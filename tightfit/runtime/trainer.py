@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import re
 import signal
 import threading
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field, fields
@@ -771,4 +773,39 @@ class Trainer:
         if not self.progress:
             return None
         from tqdm import tqdm
-        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                    file=_UntilClosed(sys.stderr))
+
+
+class _UntilClosed:
+    """A text stream that discards what is written once its reader has gone (a closed pipe), so
+    that ``tightfit train ... 2>&1 | head`` trains to the end instead of stopping at the progress
+    bar's next redraw with nothing trained or the steps since the last checkpoint lost."""
+
+    def __init__(self, stream):
+        self.stream, self.closed_reader = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.closed_reader:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._closed()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_reader:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._closed()
+
+    def _closed(self) -> None:
+        self.closed_reader = True
+        try:  # later writes to the stream (an error line, the flush at exit) go nowhere, not to an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass  # a stream without a file descriptor (a test's capture): this wrapper discards alone
+
+    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's own
+        return getattr(self.stream, name)
