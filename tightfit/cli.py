@@ -16,6 +16,7 @@ import signal
 import sys
 
 from .errors import TightfitError
+from .fileio import discard_from_now
 
 
 def _train_parser(sub):
@@ -80,7 +81,7 @@ class _ConsoleHandler(logging.Handler):
             tqdm.write(self.format(record), file=stream)
             stream.flush()
         except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # what is buffered goes there too
+            discard_from_now(stream)
 
 
 def log_to_console(to_stderr: bool = False) -> None:
@@ -234,13 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 print(f"tightfit: error: {e}", file=sys.stderr)
             except BrokenPipeError:  # stderr piped into a reader that stopped: still bad input, still 2
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+                discard_from_now(sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside the training loop (loading, planning): nothing was half-written
         print("tightfit: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        discard_from_now(sys.stdout)  # no second error at exit
         return 0
     finally:
         if old_sigterm is not None:

@@ -94,3 +94,13 @@ def unwritable_folder(path: str | Path) -> Path | None:
     except OSError:
         return where
     return None
+
+
+def discard_from_now(stream) -> None:
+    """Send the rest of what ``stream`` gets (and what it holds buffered) to ``/dev/null``: its
+    reader has gone (a closed pipe, ``tightfit train ... | head``), and the command carries on
+    rather than failing at its next line. A stream without a file descriptor is left as it is."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass

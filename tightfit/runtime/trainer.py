@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import random
 import re
 import signal
@@ -29,6 +28,7 @@ import torch
 from ..config import TrainOptions
 from ..devices import DeviceProfile
 from ..errors import TightfitError
+from ..fileio import discard_from_now
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
@@ -802,10 +802,7 @@ class _UntilClosed:
 
     def _closed(self) -> None:
         self.closed_reader = True
-        try:  # later writes to the stream (an error line, the flush at exit) go nowhere, not to an error
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass  # a stream without a file descriptor (a test's capture): this wrapper discards alone
+        discard_from_now(self.stream)  # later writes (an error line, the flush at exit) too
 
     def __getattr__(self, name):  # isatty, fileno, encoding: the stream's own
         return getattr(self.stream, name)
