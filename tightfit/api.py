@@ -254,8 +254,7 @@ class TrainRecipe:
         if batch > len(self.train_data):
             self.notes.append(f"--batch-size {batch} is more than the {len(self.train_data)} training samples: "
                               f"every optimizer step sees all of them (one step per epoch)")
-        training = self.req.training
-        steps = math.ceil(training.epochs * math.ceil(len(self.train_data) / batch)) if self.train_data else 0
+        training, steps = self.req.training, self._epoch_steps(batch)
         if training.max_steps and training.max_steps > steps:
             self.notes.append(f"--max-steps {training.max_steps} is more than the {steps} optimizer steps of "
                               f"{training.epochs:g} epoch(s): training {steps} (raise --epochs for more)")
@@ -265,6 +264,13 @@ class TrainRecipe:
                                 f"({self.data.source}: other rows, order or labels); resume with the same data, "
                                 "or start a new run")
         self.data_fingerprint = fingerprint
+
+    def _epoch_steps(self, effective_batch: int) -> int:
+        """Optimizer steps of ``--epochs`` over the training split at ``effective_batch`` samples
+        each (before ``--max-steps``), as the trainer counts them."""
+        from .runtime.trainer import steps_per_epoch
+
+        return math.ceil(self.req.training.epochs * steps_per_epoch(len(self.train_data), effective_batch))
 
     def _load_model(self) -> None:
         """The model with a new head (seeded), its tokenizer checked against the data and
@@ -402,7 +408,7 @@ class TrainRecipe:
         from .planner.probe import plan_first
 
         p, w, E = self.req.planning, self.workload, self.workload.effective_batch
-        steps = math.ceil(self.req.training.epochs * math.ceil(len(self.train_data) / E))
+        steps = self._epoch_steps(E)
         run_samples = min(steps, self.req.training.max_steps or steps) * E
         key = plan_key(w.model, w.train.worst_case(1), E,
                        {"precision": p.precision, "checkpointing": p.checkpointing, "compile": p.compile,

@@ -305,7 +305,6 @@ class RunOptions(_Options):
             raise TightfitError("--full trains on all training samples; --train-samples N chooses N: give one")
 
 
-
 def saved_options(saved: dict) -> dict:
     """A run's ``request.json`` options as this version reads them (``--resume`` and ``export``):
     a run saved before ``--full`` with ``--train-samples`` was refused holds both, and trained on

@@ -2,6 +2,7 @@
 
 A reader (or a resumed run) therefore sees either the old file or the whole new one,
 never a half-written one, even if the process is killed mid-write (POSIX ``rename``).
+Also output streams whose reader has gone (a closed pipe): discarded, not failing.
 """
 
 from __future__ import annotations
@@ -104,3 +105,35 @@ def discard_from_now(stream) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
     except (OSError, ValueError, AttributeError):
         pass
+
+
+class UntilClosed:
+    """``stream`` (a text stream), discarding what is written once its reader has gone (a closed
+    pipe, :func:`discard_from_now`): the trainer's progress bar writes through it, so that
+    ``tightfit train ... 2>&1 | head`` trains to the end instead of stopping at the bar's next
+    redraw with nothing trained or the steps since the last checkpoint lost."""
+
+    def __init__(self, stream):
+        self.stream, self.closed_reader = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.closed_reader:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._closed()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_reader:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._closed()
+
+    def _closed(self) -> None:
+        self.closed_reader = True
+        discard_from_now(self.stream)  # later writes (an error line, the flush at exit) too
+
+    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's own
+        return getattr(self.stream, name)

@@ -598,9 +598,9 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     (:func:`~tightfit.levers.compile.compile_scope`), checkpointing other blocks costs no
     compilation, so that ``k`` gets the fewest checkpointed blocks (the first ones first) that
     fit, by bisection over the block count; when it needed checkpointing, the next count is
-    tried too (fewer blocks, one more micro-batch), and the faster is kept. An eager plan that
-    already runs the whole batch in one micro-batch with no checkpointing has nothing for
-    compilation to win back in memory: its compiled variant is that plan, probed once. A model compiled
+    tried too (fewer blocks, one more micro-batch), and the faster is kept. The eager plan's own
+    micro-batch is probed with its blocks first (:func:`_compiled_candidates`): an eager plan of
+    one micro-batch and no checkpointing is probed compiled once. A model compiled
     whole keeps ``best``'s blocks (another set would recompile). One compiled graph (dynamic
     micro-batch dimension) serves all probes. The model is left compiled only if a variant fits.
     """
@@ -619,12 +619,8 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
         return probes[mb, blocks]
 
     most = tuple(range(n_blocks)) if regional else best.checkpoint_blocks
-    if best.micro_batch >= E and not best.checkpoint_blocks:  # nothing to win back: one probe
-        found = [CompiledVariant(_samples_per_s(pr, E), best.micro_batch, (), pr)
-                 for pr in [probe(best.micro_batch, ())] if pr.fits]
-    else:
-        found = _compiled_candidates(E, best.micro_batch, n_blocks, most, regional, probe,
-                                     eager_blocks=len(best.checkpoint_blocks))
+    found = _compiled_candidates(E, best.micro_batch, n_blocks, most, regional, probe,
+                                 eager_blocks=len(best.checkpoint_blocks))
     seconds = time.perf_counter() - t0
     scope = "each block" if regional else "whole model"
     if not found:

@@ -16,8 +16,8 @@ import math
 import random
 import re
 import signal
-import threading
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field, fields
@@ -28,7 +28,7 @@ import torch
 from ..config import TrainOptions
 from ..devices import DeviceProfile
 from ..errors import TightfitError
-from ..fileio import discard_from_now
+from ..fileio import UntilClosed
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
@@ -774,35 +774,5 @@ class Trainer:
             return None
         from tqdm import tqdm
         return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                    file=_UntilClosed(sys.stderr))
+                    file=UntilClosed(sys.stderr))
 
-
-class _UntilClosed:
-    """A text stream that discards what is written once its reader has gone (a closed pipe), so
-    that ``tightfit train ... 2>&1 | head`` trains to the end instead of stopping at the progress
-    bar's next redraw with nothing trained or the steps since the last checkpoint lost."""
-
-    def __init__(self, stream):
-        self.stream, self.closed_reader = stream, False
-
-    def write(self, text: str) -> int:
-        if not self.closed_reader:
-            try:
-                return self.stream.write(text)
-            except BrokenPipeError:
-                self._closed()
-        return len(text)
-
-    def flush(self) -> None:
-        if not self.closed_reader:
-            try:
-                self.stream.flush()
-            except BrokenPipeError:
-                self._closed()
-
-    def _closed(self) -> None:
-        self.closed_reader = True
-        discard_from_now(self.stream)  # later writes (an error line, the flush at exit) too
-
-    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's own
-        return getattr(self.stream, name)
