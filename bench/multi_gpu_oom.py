@@ -72,13 +72,13 @@ def run(world, mode):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank 1)")
         world.unwrap(t.model).bert.encoder.layer[6].register_forward_pre_hook(hook)
     if mode == "switch":
-        step = t.train_step
+        launch = t._launch
 
-        def switched(window):
-            if t.step == K:
+        def switched(window, index):
+            if index == K:
                 t.micro_batch = M // 2
-            return step(window)
-        t.train_step = switched
+            return launch(window, index)
+        t._launch = switched
     res = t.fit()
     weights = torch.cat([p.detach().float().flatten() for p in world.unwrap(t.model).parameters()])
     return {"losses": [r["loss"] for r in records if r["type"] == "train"], "oom_recoveries": res.oom_recoveries,

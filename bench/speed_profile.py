@@ -37,7 +37,7 @@ def run(name: str, outdir: Path, argv: list[str]) -> None:
 
     req = TrainRequest.from_args(_parser().parse_args(["train", *argv]))
     steps, syncs, prof, collate = [], {}, {}, []
-    original, prepare = Trainer.train_step, Prefetcher._prepare
+    original, prepare = Trainer._launch, Prefetcher._prepare  # one step run on the GPU (maybe queued ahead)
 
     def timed_prepare(self, window, micro_batch):  # collation + pinning of one window (background thread)
         t0 = time.perf_counter()
@@ -46,8 +46,8 @@ def run(name: str, outdir: Path, argv: list[str]) -> None:
         finally:
             collate.append(time.perf_counter() - t0)
 
-    def instrumented(self, window):
-        i = self.step
+    def instrumented(self, window, index):
+        i = index
         if i == PROFILED_STEPS.start:
             prof["p"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                            torch.profiler.ProfilerActivity.CUDA])
@@ -60,11 +60,11 @@ def run(name: str, outdir: Path, argv: list[str]) -> None:
             torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                out = original(self, window)
+                out = original(self, window, index)
             torch.cuda.set_sync_debug_mode(0)
             syncs[i] = [str(w.message).splitlines()[0][:120] for w in caught if "synchron" in str(w.message)]
         else:
-            out = original(self, window)
+            out = original(self, window, index)
         host = time.perf_counter() - t0
         end.record()
         steps.append((i, start, end, host, len(window)))
@@ -74,7 +74,7 @@ def run(name: str, outdir: Path, argv: list[str]) -> None:
             prof["p"].__exit__(None, None, None)
         return out
 
-    Trainer.train_step, Prefetcher._prepare = instrumented, timed_prepare
+    Trainer._launch, Prefetcher._prepare = instrumented, timed_prepare
     t_all = time.perf_counter()
     summary = api.train(req)
     wall = time.perf_counter() - t_all

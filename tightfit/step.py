@@ -237,6 +237,53 @@ class StepResult:
     finite: bool
 
 
+class PendingStep:
+    """A training step launched on the GPU whose loss and gradient norm are not yet read.
+
+    :func:`training_step` with ``defer=True`` returns one where the skip of a non-finite step
+    is decided on the device (:func:`skips_on_device`): the two values are copied into pinned
+    host memory behind the step's own kernels, so the host can queue the next step's work
+    before reading them; :meth:`result` then waits for that copy only, not for work queued
+    after it. Elsewhere (the CPU, optimizers that decide on the host) it holds the values
+    already read.
+    """
+
+    def __init__(self, values: torch.Tensor | None = None, result: StepResult | None = None):
+        """``values``: the 2-element float32 device tensor ``[grad norm, loss]``; or ``result``."""
+        self._result, self._host, self._copied = result, values, None
+        if values is not None and values.is_cuda:
+            self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    @property
+    def known(self) -> StepResult | None:
+        """The step's :class:`StepResult` if it is on the host already (None: still on the device)."""
+        return self._result
+
+    def result(self) -> StepResult:
+        """The step's :class:`StepResult` (the first call waits for the device-to-host copy)."""
+        if self._result is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            grad_norm, loss = self._host.tolist()
+            self._result = StepResult(loss, grad_norm, math.isfinite(grad_norm))
+            self._host = self._copied = None
+        return self._result
+
+
+def skips_on_device(optimizer) -> bool:
+    """Whether ``optimizer`` can skip a non-finite update on the device, given the verdict as a
+    tensor (``found_inf``): PyTorch's fused optimizers (fused AdamW, fused SGD) on CUDA, which
+    ``torch.amp.GradScaler`` drives the same way (``_step_supports_amp_scaling``, read by
+    ``GradScaler.step`` in every torch since 2.0). Others (bitsandbytes, torchao, CPU offload,
+    foreach) need the verdict on the host before ``step()``."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return (bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not hasattr(optimizer, "wait_for_gradients")
+            and bool(params) and all(p.is_cuda for p in params) and all(g.get("fused") for g in optimizer.param_groups))
+
+
 def accumulate(model: torch.nn.Module, micro_batches: Iterable[dict], loss_sum: Callable, normaliser: float,
                scaler, autocast_ctx: Callable) -> torch.Tensor:
     """Forward and backward of every micro-batch of one window, adding to ``.grad``.
@@ -276,7 +323,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[dict], loss_sum: 
 
 
 def apply_update(optimizer, scaler, max_grad_norm: float | None,
-                 loss: torch.Tensor | None = None) -> tuple[float | None, bool]:
+                 loss: torch.Tensor | None = None, defer: bool = False):
     """The update of one window: unscale exactly once, clip, step (or skip), update the loss
     scale, zero the gradients (DESIGN invariant 3).
 
@@ -294,10 +341,14 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
         loss: the window's 0-d loss tensor (:func:`accumulate`), read to the host in the same
             sync as the gradient norm (the non-finite guard needs the norm on the host before
             the step; reading the loss separately would cost a second sync per step); None: not read.
+        defer: with ``loss``, where :func:`skips_on_device` holds, read nothing: the fused
+            kernel is handed the verdict ``found_inf = not isfinite(norm)`` as a device tensor
+            (as ``GradScaler.step`` hands it its own) and skips the update itself, with no host
+            sync; the same decision as the host-side guard.
 
     Returns:
         ``(grad_norm, finite)`` as in :class:`StepResult`; with ``loss``, ``(grad_norm, finite,
-        loss as a float)``.
+        loss as a float)``; with ``defer`` and ``loss``, a :class:`PendingStep`.
     """
     if hasattr(optimizer, "wait_for_gradients"):  # CPU offload: the host copies of the gradients are complete
         optimizer.wait_for_gradients()
@@ -308,6 +359,17 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
     norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_grad_norm is None else max_grad_norm)
     if hasattr(norm, "full_tensor"):  # FSDP2's sharded gradients give a DTensor: the global norm, replicated
         norm = norm.full_tensor()
+    if defer and loss is not None and skips_on_device(optimizer):
+        pending = torch.stack([norm.detach().float(), loss.detach().float().to(norm.device)])
+        del norm, loss
+        if scaling:
+            scaler.step(optimizer)  # fused: the scaler hands the kernel its found_inf, no sync
+        else:
+            _step_unless_nonfinite(optimizer, pending[0])
+        if scaler is not None:
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return PendingStep(pending)
     loss_value = None
     if norm.is_meta:
         grad_norm = None
@@ -327,8 +389,20 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
     return (grad_norm, finite) if loss_value is None else (grad_norm, finite, loss_value)
 
 
+def _step_unless_nonfinite(optimizer, grad_norm: torch.Tensor) -> None:
+    """``optimizer.step()`` as a no-op where ``grad_norm`` (0-d, on the device) is not finite:
+    the fused kernel reads ``found_inf`` (1.0: skip) and restores its step counters."""
+    optimizer.grad_scale = None
+    optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+
+
 def training_step(model: torch.nn.Module, micro_batches: Iterable[dict], loss_sum: Callable, normaliser: float,
-                  optimizer, scaler, autocast_ctx: Callable, max_grad_norm: float | None = 1.0) -> StepResult:
+                  optimizer, scaler, autocast_ctx: Callable, max_grad_norm: float | None = 1.0,
+                  defer: bool = False):
     """One optimizer step over one accumulation window: :func:`accumulate`, then
     :func:`apply_update` (see the module doc). The runtime, the GPU probe and the estimator's
     trace all run this function.
@@ -336,9 +410,12 @@ def training_step(model: torch.nn.Module, micro_batches: Iterable[dict], loss_su
     Args:
         model, micro_batches, loss_sum, normaliser, scaler, autocast_ctx: as in :func:`accumulate`.
         optimizer, max_grad_norm: as in :func:`apply_update`.
+        defer: return a :class:`PendingStep` (the values read when asked; with a fused
+            optimizer on CUDA the step ends with no host sync: :func:`apply_update`).
 
     Returns:
-        A :class:`StepResult`; the gradients are zeroed (``None``) after it.
+        A :class:`StepResult` (with ``defer``, a :class:`PendingStep`); the gradients are
+        zeroed (``None``) after it.
 
     Raises:
         ValueError: no micro-batch. Errors of the model or the optimizer (out-of-memory
@@ -349,9 +426,13 @@ def training_step(model: torch.nn.Module, micro_batches: Iterable[dict], loss_su
         del total  # freed before the update, as the estimator traces it
         grad_norm, finite = apply_update(optimizer, scaler, max_grad_norm)
         return StepResult(None, grad_norm, finite)
-    # the loss is read with the gradient norm: one host sync per window (apply_update's)
-    grad_norm, finite, loss = apply_update(optimizer, scaler, max_grad_norm, loss=total)
-    return StepResult(loss, grad_norm, finite)
+    # the loss is read with the gradient norm: one host sync per window (apply_update's), or none
+    done = apply_update(optimizer, scaler, max_grad_norm, loss=total, defer=defer)
+    if isinstance(done, PendingStep):
+        return done
+    grad_norm, finite, loss = done
+    result = StepResult(loss, grad_norm, finite)
+    return PendingStep(result=result) if defer else result
 
 
 def in_place_versions(optimizer: torch.optim.Optimizer) -> dict[int, int]:

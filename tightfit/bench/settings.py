@@ -44,24 +44,16 @@ def clean() -> None:
     torch.cuda.empty_cache()
 
 
-class _TimedTrainer(Trainer):
-    def train_step(self, window):
-        out = super().train_step(window)
-        if torch.cuda.is_available():  # a CPU run (the seeds suite's smoke test) has nothing to wait for
-            torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
-        return out
-
-
 def timed_run(workload, plan: Plan, steps: int, warmup: int) -> dict:
     """Train ``steps`` optimizer steps of ``plan``; speed over the steps after ``warmup``."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    t = _TimedTrainer(workload, plan, TrainConfig(epochs=1, max_steps=steps, lr=1e-5, checkpoint_dir=None,
-                                                  warmup_ratio=0.0), progress=False)
-    t.stamps = []
+    t = Trainer(workload, plan, TrainConfig(epochs=1, max_steps=steps, lr=1e-5, checkpoint_dir=None,
+                                            warmup_ratio=0.0), progress=False)
     res = t.fit()
-    timed = t.stamps[warmup - 1:] if warmup > 0 else t.stamps
+    # each step's end as the trainer read its values (no extra sync: steps may be queued ahead)
+    stamps = [end for end, _ in res.step_ends]
+    timed = stamps[warmup - 1:] if warmup > 0 else stamps
     speed = workload.effective_batch * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else float("nan")
     return {"samples_per_s": speed, "peak_reserved_bytes": res.peak_reserved_bytes,
             "peak_allocated_bytes": res.peak_allocated_bytes, "ooms_after_planning": res.oom_recoveries,

@@ -32,7 +32,8 @@ from ..fileio import UntilClosed
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
-from ..step import accumulate, changed_since, in_place_versions, make_optimizer, module_mode, training_step
+from ..step import (PendingStep, accumulate, changed_since, in_place_versions, make_optimizer, module_mode,
+                    training_step)
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
@@ -172,6 +173,21 @@ def describe_split(window_size: int, micro_batch: int) -> str:
     return "+".join(map(str, sizes)) if len(sizes) <= 6 else f"{micro_batch} x {len(sizes) - 1} + {sizes[-1]}"
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A step run on the GPU (:meth:`Trainer._launch`): its values, possibly still on the
+    device, its window and the micro-batch it ran with."""
+
+    pending: PendingStep
+    window: list[int]
+    micro_batch: int
+
+    @property
+    def deferred(self) -> bool:
+        """Whether its values are still on the device (its skip decided there)."""
+        return self.pending.known is None
+
+
 def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -294,12 +310,24 @@ class Trainer:
         return self.result
 
     def _train_loop(self, bar, t0: float, samples0: int) -> None:
-        """The steps of :meth:`fit`; stops at a step boundary on a signal or a run of non-finite steps."""
+        """The steps of :meth:`fit`; stops at a step boundary on a signal or a run of non-finite steps.
+
+        Where a step boundary needs nothing exact (:meth:`_may_run_ahead`), the next step is
+        queued on the GPU before this one's loss and gradient norm are read, so the host's
+        bookkeeping between steps runs while the GPU computes instead of after it has drained.
+        """
+        ahead = None  # step self.step, queued while the previous one was still running
         while self.step < self.total_steps:
             window = self.window_at(self.step)
             if self.step + 1 < self.total_steps:
                 self.loader.schedule(self.step + 1, self.world.shard(self.window_at(self.step + 1)), self.micro_batch)
-            loss, stepped = self.train_step(window)
+            launched, ahead = ahead or self._launch(window, self.step), None
+            if self._may_run_ahead(launched):
+                nxt = self.step + 1
+                if nxt + 1 < self.total_steps:
+                    self.loader.schedule(nxt + 1, self.world.shard(self.window_at(nxt + 1)), self.micro_batch)
+                ahead = self._launch(self.window_at(nxt), nxt)
+            loss, stepped = self._settle(launched)
             loss, stop = self.world.after_step(loss, self._stop_signal is not None)  # the ranks' mean; any stop
             if stop and not self._stop_signal:
                 self._stop_signal = "a stop on another rank"
@@ -328,7 +356,7 @@ class Trainer:
                 raise NonFiniteTrainingError(
                     f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
                     f"{culprit}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where)
-            if self._stop_signal and self.step < self.total_steps:
+            if self._stop_signal and self.step < self.total_steps and ahead is None:  # else: after the queued step
                 where = saved or self._checkpoint_at_stop(t0)
                 self.flush_checkpoints()
                 self._event(f"{self._stop_signal}: stopped after step {self.step}"  # the error says it on screen
@@ -391,6 +419,20 @@ class Trainer:
         return self._windows[epoch][index]
 
     # ---------------------------------------------------------------- one optimizer step
+    def _may_run_ahead(self, launched: "_Launched") -> bool:
+        """Whether the step after ``launched`` may be queued before ``launched``'s values are
+        read: on one CUDA process, when the boundary after ``launched`` writes no metrics line
+        and no checkpoint, ends no run, cannot stop it (a signal, ``max_skipped_steps``) and
+        cannot change the micro-batch (no grow-back pending). The step's values are then on
+        the device still (:class:`~tightfit.step.PendingStep`), its skip decided there."""
+        boundary = self.step + 1
+        return (launched.deferred and not self.world.distributed and boundary < self.total_steps
+                and boundary % self.cfg.log_every != 0
+                and not (self.cfg.checkpoint_dir and self.cfg.checkpoint_every
+                         and boundary % self.cfg.checkpoint_every == 0)
+                and self._stop_signal is None and self._skipped_in_row + 1 < self.cfg.max_skipped_steps
+                and not (self.cfg.grow_back_after and self.micro_batch < self.plan.micro_batch))
+
     def train_step(self, window: list[int]) -> tuple[float, bool]:
         """One optimizer step over one accumulation window, recovering from out-of-memory errors.
 
@@ -410,17 +452,30 @@ class Trainer:
                 state on the first step, come before any write).
             NonFiniteTrainingError: after ``max_skipped_steps`` non-finite steps in a row.
         """
+        return self._settle(self._launch(window, self.step))
+
+    def _launch(self, window: list[int], index: int) -> "_Launched":
+        """Run step ``index`` (0-based) on ``window`` as :meth:`train_step` does, leaving its
+        values on the device where the step allows (:meth:`_settle` reads them)."""
         if self._listed_modules is None:
             self._listed_modules = list(self.model.modules())
         # Steady state (fit() keeps the model in train mode between steps): a check of the modules
         # seen at the start of fit(), no walk of the module tree; any module out of train mode
         # (flipped by a callback, a step called directly on an eval-mode model) takes the full walk.
         if all(m.training for m in self._listed_modules):
-            return self._train_step(window)
+            return self._launch_step(window, index)
         with module_mode(self.model, True):  # dropout on, whatever mode the caller left the model in
-            return self._train_step(window)
+            return self._launch_step(window, index)
 
-    def _train_step(self, window: list[int]) -> tuple[float, bool]:
+    def _settle(self, launched: "_Launched") -> tuple[float, bool]:
+        """Read a launched step's values (waiting for that step only) and count it:
+        ``(mean loss of the window, whether the update was applied)``."""
+        result = launched.pending.result()
+        self._grad_norm = result.grad_norm
+        self._used_micro_batch = launched.micro_batch  # what this step ran with (before any grow-back)
+        return result.loss, self._after_step(result.finite, launched.window)
+
+    def _launch_step(self, window: list[int], index: int) -> "_Launched":
         rng = capture_rng()
         while True:
             self._guard = None  # several ranks: the loss function that agrees on OOMs (_micro_batches)
@@ -429,10 +484,10 @@ class Trainer:
             before = None if self._fused else in_place_versions(self.optimizer)
             had_state = set(self.optimizer.state)
             try:
-                micro_batches, normaliser = self._micro_batches(window)
-                result = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
-                                       self.optimizer,
-                                       self.scaler, self._autocast, self.cfg.max_grad_norm)
+                micro_batches, normaliser = self._micro_batches(window, index)
+                pending = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
+                                        self.optimizer, self.scaler, self._autocast, self.cfg.max_grad_norm,
+                                        defer=True)
                 break
             except Exception as e:  # only OOMs are handled; anything else propagates unchanged
                 if not is_oom(e):
@@ -441,7 +496,7 @@ class Trainer:
                 self.world.on_oom(e, self._guard)  # the other ranks learn of it (or all stop)
             if before is not None and changed_since(self.optimizer, before):
                 raise PartialUpdateError(
-                    f"out of memory inside the optimizer step of step {self.step + 1} after it had updated part "
+                    f"out of memory inside the optimizer step of step {index + 1} after it had updated part "
                     "of the parameters or their state; redoing it would apply that part twice, so training stops "
                     "(the last checkpoint is intact)")
             for p in [p for p in self.optimizer.state if p not in had_state]:
@@ -451,22 +506,21 @@ class Trainer:
             self._reset_scaler_step()
             release_memory()
             restore_rng(rng)
-            self._on_oom(where)
-        self._grad_norm = result.grad_norm
-        if result.finite:
+            self._on_oom(where, index)
+        known = pending.known  # None: decided on the device, where optimizer.step() ran (a no-op if skipped)
+        if known is None or known.finite:
             self.scheduler.step()  # the schedule follows the data, applied or skipped
         else:
             with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 self.scheduler.step()
-        self._used_micro_batch = self.micro_batch  # what this step ran with (before any grow-back)
-        return result.loss, self._after_step(result.finite, window)
+        return _Launched(pending, window, self.micro_batch)
 
-    def _micro_batches(self, window: list[int]) -> tuple:
-        """``(micro-batches, normaliser)`` of ``window``: an iterator of its micro-batches on the
-        device, each staged one ahead (the next is copied while this one computes), and the
-        samples (or tokens) of the whole window that the loss is divided by."""
-        micro = self.loader.window(self.step, self.world.shard(window), self.micro_batch)
+    def _micro_batches(self, window: list[int], index: int) -> tuple:
+        """``(micro-batches, normaliser)`` of ``window`` (step ``index``): an iterator of its
+        micro-batches on the device, each staged one ahead (the next is copied while this one
+        computes), and the samples (or tokens) of the whole window that the loss is divided by."""
+        micro = self.loader.window(index, self.world.shard(window), self.micro_batch)
         total = sum(self.w.count(b) for b in micro)  # normaliser of the whole window
         if self.world.distributed:  # this rank's share, padded so all ranks run as many passes
             pad = self.world.padding(window, self.micro_batch)
@@ -492,7 +546,7 @@ class Trainer:
     def _forward_backward(self, window: list[int]) -> float:
         """Forward and backward of ``window`` only, as the step does them (no update): returns
         the window's mean loss and leaves the summed gradients in ``.grad``."""
-        micro_batches, normaliser = self._micro_batches(window)
+        micro_batches, normaliser = self._micro_batches(window, self.step)
         return float(accumulate(self.model, micro_batches, self.w.loss_sum, normaliser, self.scaler, self._autocast))
 
     def _reset_scaler_step(self) -> None:
@@ -503,7 +557,7 @@ class Trainer:
             self.scaler = make_grad_scaler(self.plan.precision, self.device.type)
             self.scaler.load_state_dict(state)
 
-    def _on_oom(self, where: str) -> None:
+    def _on_oom(self, where: str, index: int) -> None:
         self.result.oom_recoveries += 1
         self._clean_windows = 0
         if self.micro_batch == 1:
@@ -513,8 +567,8 @@ class Trainer:
                 + ("; fp16/bf16 autocast would use less" if self.plan.precision == "fp32" else "")
                 + "; or raise the budget")
         new = max(1, self.micro_batch // 2)
-        size = len(self.window_at(self.step))
-        msg = (f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {self.step + 1} "
+        size = len(self.window_at(index))
+        msg = (f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {index + 1} "
                f"with micro-batch {new}: {size} samples as {describe_split(size, new)}")
         self._event(msg)
         self.micro_batch = new
