@@ -6,6 +6,7 @@ On CUDA only fused optimizers qualify (:func:`tightfit.step.skips_on_device`); P
 AdamW takes ``found_inf`` on the CPU as well, so these tests run the device-side path on the CPU
 by lifting the CUDA condition (dropout active in every run)."""
 
+import dataclasses
 import math
 import os
 import signal
@@ -181,3 +182,49 @@ def test_on_cuda_steps_queued_ahead_train_as_steps_read_at_once(tmp_path, monkey
     assert queued_records == sync_records
     assert any(r["type"] == "eval" for r in sync_records)
     _assert_same(_params(queued.model), _params(sync.model))
+
+
+def test_an_oom_in_a_step_queued_ahead_backs_off_and_grows_back_as_in_steps_read_at_once(tmp_path, monkeypatch):
+    def run(name):
+        records = []
+        w = _workload()
+        calls = []
+
+        def inject(*a):  # one OOM in the first forward of step 6 (index 5), queued while step 5 is read
+            if torch.is_grad_enabled():
+                calls.append(1)
+                if len(calls) == 11:
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        w.model.bert.encoder.layer[1].register_forward_pre_hook(inject)
+        torch.manual_seed(5)
+        t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=2, lr=1e-3, seed=3, log_every=1, grow_back_after=3,
+                                                       checkpoint_dir=None), log=records.append, progress=False)
+        t.fit()
+        return t, [{k: v for k, v in r.items() if k not in ("samples_per_s",)} for r in records]
+
+    sync, sync_records = run("sync")
+    ahead = []
+    monkeypatch.setattr(step, "skips_on_device", _fused_anywhere)
+    may = Trainer._may_run_ahead
+    monkeypatch.setattr(Trainer, "_may_run_ahead", lambda self, launched: ahead.append(may(self, launched)) or ahead[-1])
+    # log_every=1 would queue nothing ahead: metrics lines only where the sync run also has them
+    monkeypatch.setattr(Trainer, "_may_run_ahead",
+                        lambda self, launched: ahead.append(_ahead_ignoring_logs(may, self, launched)) or ahead[-1])
+    queued, queued_records = run("queued")
+    assert ahead[4]  # step 6 was queued ahead, and ran out of memory there
+    events = lambda rs: [r["message"] for r in rs if r["type"] == "event"]  # noqa: E731
+    assert any("out of memory" in m for m in events(sync_records)) and any("growing" in m for m in events(sync_records))
+    assert events(queued_records) == events(sync_records)
+    # every step's record but the lr, which a metrics line read after the next step's launch (here
+    # forced, where the runtime never queues ahead) takes from the scheduler already stepped again
+    trains = lambda rs: [{k: v for k, v in r.items() if k != "lr"} for r in rs if r["type"] == "train"]  # noqa: E731
+    assert trains(queued_records) == trains(sync_records)
+    _assert_same(_params(queued.model), _params(sync.model))
+
+
+def _ahead_ignoring_logs(may, trainer, launched):
+    cfg, trainer.cfg = trainer.cfg, dataclasses.replace(trainer.cfg, log_every=10 ** 9)
+    try:
+        return may(trainer, launched)
+    finally:
+        trainer.cfg = cfg

@@ -181,6 +181,7 @@ class _Launched:
     pending: PendingStep
     window: list[int]
     micro_batch: int
+    backed_off: bool = False  # it ran out of memory and was redone with a smaller micro-batch
 
     @property
     def deferred(self) -> bool:
@@ -471,12 +472,14 @@ class Trainer:
         """Read a launched step's values (waiting for that step only) and count it:
         ``(mean loss of the window, whether the update was applied)``."""
         result = launched.pending.result()
+        if launched.backed_off:  # its clean-step count starts here, after the step read before it
+            self._clean_windows = 0
         self._grad_norm = result.grad_norm
         self._used_micro_batch = launched.micro_batch  # what this step ran with (before any grow-back)
         return result.loss, self._after_step(result.finite, launched.window)
 
     def _launch_step(self, window: list[int], index: int) -> "_Launched":
-        rng = capture_rng()
+        rng, backed_off = capture_rng(), False
         while True:
             self._guard = None  # several ranks: the loss function that agrees on OOMs (_micro_batches)
             # Fused AdamW allocates only its new state, before any write (see make_optimizer): it
@@ -507,6 +510,7 @@ class Trainer:
             release_memory()
             restore_rng(rng)
             self._on_oom(where, index)
+            backed_off = True
         known = pending.known  # None: decided on the device, where optimizer.step() ran (a no-op if skipped)
         if known is None or known.finite:
             self.scheduler.step()  # the schedule follows the data, applied or skipped
@@ -514,7 +518,7 @@ class Trainer:
             with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 self.scheduler.step()
-        return _Launched(pending, window, self.micro_batch)
+        return _Launched(pending, window, self.micro_batch, backed_off)
 
     def _micro_batches(self, window: list[int], index: int) -> tuple:
         """``(micro-batches, normaliser)`` of ``window`` (step ``index``): an iterator of its
