@@ -332,3 +332,37 @@ def test_gpus_2_an_input_error_found_by_every_rank_is_printed_once(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.count("tightfit: error:") == 1, done.stderr[-2000:]
     assert "stars" in done.stderr and not out.exists()
+
+
+_GLOO_THREADS = """
+import json, os, sys
+import torch
+from tightfit.runtime.distributed import World
+world = World.from_env("cpu")
+from torch.distributed import checkpoint as dcp  # as tightfit's sharded checkpoints import it: late
+dcp.save({"x": torch.ones(2)}, checkpoint_id=os.path.join(sys.argv[1], "ckpt"))
+world.close()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(json.dumps([n for n in names if "gloo" in n]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
+def test_after_close_no_gloo_thread_is_left_to_die_at_interpreter_exit(tmp_path):
+    """A gloo thread still running at interpreter exit aborts the rank ("terminate called without
+    an active exception"): torch.distributed.checkpoint imported after the group exists keeps the
+    group alive past destroy_process_group, so World.from_env imports it first."""
+    import os
+
+    from distributed_worker import free_port
+
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        procs.append(subprocess.Popen([sys.executable, "-c", _GLOO_THREADS, str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert json.loads(out.strip().splitlines()[-1]) == [], "gloo threads alive after World.close"

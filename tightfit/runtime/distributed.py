@@ -115,6 +115,11 @@ class World:
             torch.cuda.set_device(local)
         backend = "nccl" if cuda else "gloo"
         if not dist.is_initialized():
+            # Imported before the group exists: imported after, torch.distributed.checkpoint keeps
+            # references to the default group that outlive destroy_process_group, so gloo's
+            # threads live on into interpreter shutdown, where a still-running C++ thread aborts
+            # the process ("terminate called without an active exception"; pytorch/pytorch#190489)
+            from torch.distributed import checkpoint  # noqa: F401
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30),
                                     device_id=torch.device("cuda", local) if cuda else None)
         if rank != 0:  # rank 0 speaks for the run; the others say only what stops them
