@@ -235,7 +235,7 @@ def test_small_splits_and_missing_classes_are_noted():
     data = TextClassificationData(_texts(40), labels, ["a", "b", "c", "d"], "x")
     train_idx, eval_idx = held_out_split(len(data))
     assert tdata.check_split(data, data.subset(train_idx), data.subset(eval_idx)) == [
-        "accuracy on 4 held-out samples moves in steps of 25% (--eval-samples or more data for a finer measure)"]
+        "accuracy on 4 held-out samples moves in steps of 25% (more data for a finer measure)"]  # all 4 used
     only_a = [i for i in train_idx if labels[i] == 0][:3]
     notes = tdata.check_split(data, data.subset(only_a), data.subset(eval_idx))
     assert any("3 of 4 classes have no training sample" in n for n in notes)

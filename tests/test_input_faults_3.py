@@ -233,4 +233,117 @@ def test_the_levers_in_a_nothing_fits_message_add_up(tmp_path, capsys):
 def test_plan_and_estimate_refuse_a_sequence_too_short_for_text(capsys, command):
     """`tightfit plan --seq-len 1` planned normally where `tightfit train` refuses it."""
     assert main([*command, "--model", "minilm", "--seq-len", "1"]) == 2
+    assert "--seq-len 1 leaves 0 tokens of text after the 2 special tokens ([CLS], [SEP]); use at least 8" \
+        in capsys.readouterr().err
+    assert main([*command, "--model", "gpt2", "--seq-len", "1"]) == 2  # no tokenizer: text after none
     assert "--seq-len 1 leaves no room for text: use at least 6" in capsys.readouterr().err
+
+
+# ---- tester's faults: empty options, negative values argparse took for options, an absurd card,
+# plan/estimate taking a --seq-len train refuses, and a note suggesting --eval-samples in vain
+
+@pytest.mark.parametrize("option,message", [
+    ("--model", "--model is empty: give a model name or folder, or leave --model out for the shipped all-MiniLM-L6-v2"),
+    ("--data", "--data is empty: give the data file, or leave --data out for the shipped Rotten Tomatoes reviews"),
+    ("--resume", "--resume is empty: give the run folder to continue, or leave --resume out for a new run")])
+def test_an_empty_model_data_or_resume_is_refused(tmp_path, monkeypatch, capsys, option, message):
+    """``--model ""`` and ``--data ""`` trained the shipped model and data, ``--resume ""`` started a
+    new run: each silently, as if the option had been left out."""
+    monkeypatch.chdir(tmp_path)
+    quick = ["--device", "cpu", "--max-steps", "1", "--train-samples", "8", "--eval-samples", "8"]  # were it taken
+    assert main(["train", option, "", *quick, "--out", str(tmp_path / "run")]) == 2
+    assert _error_line(capsys) == f"tightfit: error: {message}"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()  # nothing written
+
+
+@pytest.mark.parametrize("command", [["plan", "--seq-len", "16", "--batch-size", "4", "--gpu", "t4"],
+                                     ["estimate", "--seq-len", "16", "--micro-batch", "2"]])
+def test_plan_and_estimate_refuse_an_empty_model(capsys, command):
+    """``tightfit plan --model ""`` planned minilm."""
+    assert main([*command, "--model", ""]) == 2
+    assert _error_line(capsys).startswith("tightfit: error: --model is empty: give one of minilm, bert-base")
+
+
+def test_a_run_saved_with_an_empty_model_or_data_reads_as_the_shipped_ones():
+    """Runs started before ``""`` was refused trained on the shipped model and data: --resume and
+    export read them as None (the shipped ones), not as the now refused ``""``."""
+    from tightfit.config import TrainRequest, saved_options
+
+    saved = saved_options({"model": "", "data": " ", "lr": 1e-4})
+    assert saved == {"model": None, "data": None, "lr": 1e-4}
+    TrainRequest(**saved)  # accepted
+
+
+@pytest.mark.parametrize("command,option,value,message", [
+    (["plan", "--model", "minilm", "--seq-len", "64", "--batch-size", "4"], "--budget", "-.5GiB", "must be positive"),
+    (["train"], "--lr", "-inf", "--lr must be positive and finite, not -inf"),
+    (["train"], "--lr", "-nan", "--lr must be positive and finite, not nan"),
+    (["train"], "--warn-temp", "-Infinity", "--warn-temp must be a GPU temperature")])
+def test_a_negative_fraction_or_infinity_after_its_option_gets_the_options_own_message(
+        capsys, command, option, value, message):
+    """``--budget -.5GiB`` and ``--lr -inf`` still said "expected one argument": only ``-<digit>``
+    was attached to its option."""
+    assert main([*command, option, value]) == 2
+    spaced = _error_line(capsys)
+    assert main([*command, f"{option}={value}"]) == 2
+    assert spaced == _error_line(capsys) and message in spaced, spaced
+
+
+def test_a_value_like_a_negative_number_is_not_attached_to_a_switch_or_taken_from_help(capsys):
+    """Only an option that takes a value takes one: ``--full -inf`` is an unknown argument, not
+    ``--full=-inf``; ``-h`` after a switch is still the help."""
+    from tightfit.cli import _negative_values_attached
+
+    switches = {"--full", "--help"}
+    assert _negative_values_attached(["train", "--full", "-inf", "--lr", "-inf", "--budget", "-.5GiB"], switches) \
+        == ["train", "--full", "-inf", "--lr=-inf", "--budget=-.5GiB"]
+    assert _negative_values_attached(["--lr", "-h", "--", "-1"], switches) == ["--lr", "-h", "--", "-1"]
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--full", "-h"])
+    assert e.value.code == 0 and "usage: tightfit train" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("size", [1e30, "2048TiB"])
+def test_a_profile_with_more_memory_than_any_gpu_is_refused(tmp_path, monkeypatch, capsys, size):
+    """A card of 1e30 bytes was accepted and planned for."""
+    f = _profiles(tmp_path, monkeypatch, {**CARD, "total_bytes": size})
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--gpu", "my-card"]) == 2
+    line = _error_line(capsys)
+    assert str(f) in line and "'my-card'" in line and "is more than 1 PiB, far beyond any GPU's memory" in line, line
+
+
+@pytest.mark.parametrize("model", ["minilm", "bert-base", "bert-large"])
+@pytest.mark.parametrize("seq_len", [6, 7])
+def test_plan_and_estimate_refuse_the_seq_len_train_refuses_for_bert(tmp_path, capsys, model, seq_len):
+    """``--seq-len 6`` or ``7`` was planned for BERT models, which train refuses: [CLS] and [SEP]
+    leave 4 or 5 tokens of text. Both now say what train says."""
+    said = (f"--seq-len {seq_len} leaves {seq_len - 2} tokens of text after the 2 special tokens ([CLS], [SEP]); "
+            "use at least 8")
+    assert main(["plan", "--model", model, "--seq-len", str(seq_len), "--batch-size", "4", "--gpu", "t4"]) == 2
+    assert _error_line(capsys) == f"tightfit: error: {said}"
+    assert main(["estimate", "--model", model, "--seq-len", str(seq_len), "--micro-batch", "2"]) == 2
+    assert _error_line(capsys) == f"tightfit: error: {said}"
+    if model == "minilm":
+        assert main(["train", "--seq-len", str(seq_len), "--device", "cpu", "--out", str(tmp_path / "r")]) == 2
+        assert _error_line(capsys) == f"tightfit: error: {said}"
+
+
+def test_plan_takes_seq_len_8_for_bert_and_6_where_train_adds_no_special_tokens(capsys):
+    assert main(["plan", "--model", "bert-base", "--seq-len", "8", "--batch-size", "4", "--gpu", "t4"]) == 0
+    assert main(["plan", "--model", "gpt2", "--seq-len", "6", "--batch-size", "4", "--gpu", "t4"]) == 0
+
+
+def test_the_held_out_note_suggests_eval_samples_only_when_it_left_some_out():
+    """"accuracy on 4 held-out samples ... (--eval-samples or more data ...)" when all 4 of the
+    split were already used: --eval-samples could give no more."""
+    from tightfit import data as tdata
+    from tightfit.data import TextClassificationData, held_out_split
+
+    data = TextClassificationData([f"text {i}" for i in range(100)], [i % 2 for i in range(100)], ["a", "b"], "x")
+    train_idx, eval_idx = held_out_split(len(data))
+    assert len(eval_idx) == 10
+    every = tdata.check_split(data, data.subset(train_idx), data.subset(eval_idx))
+    assert every == ["accuracy on 10 held-out samples moves in steps of 10% (more data for a finer measure)"]
+    some = tdata.check_split(data, data.subset(train_idx), data.subset(eval_idx[:4]))
+    assert some == ["accuracy on 4 held-out samples moves in steps of 25% (--eval-samples or more data for a "
+                    "finer measure)"]

@@ -185,14 +185,36 @@ def _run(args) -> int:
     return 1
 
 
-def _negative_values_attached(argv: list[str]) -> list[str]:
-    """``--budget -1GiB`` as ``--budget=-1GiB``: argparse takes a value that starts with ``-``
-    and is not a plain number for an option ("expected one argument"), so that the option's own
-    check, which says what is wrong with the value, never ran."""
+# A value after an option that argparse takes for an option (it reads only -1 and -.5 as numbers):
+# -1GiB, -.5GiB, -inf, -nan. No option of tightfit looks like that (its one short option is -h).
+_NEGATIVE_VALUE = re.compile(r"-(\.?\d|inf|nan)", re.IGNORECASE)
+
+
+def _switches(parser: argparse.ArgumentParser) -> set[str]:
+    """The long options of ``parser`` and of its sub-commands, at any depth, that take no value
+    (``--full``, ``--json``, ``--help``)."""
+    found = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _switches(sub)
+        elif action.nargs == 0:
+            found.update(s for s in action.option_strings if s.startswith("--"))
+    return found
+
+
+def _negative_values_attached(argv: list[str], switches: set[str] = frozenset()) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB`` (also ``-.5GiB``, ``-inf``, ``-nan``): argparse takes
+    a value that starts with ``-`` and is not a plain number for an option ("expected one
+    argument"), so that the option's own check, which says what is wrong with the value, never
+    ran. Only after a long option that takes a value: not after ``--``, nor after one of
+    ``switches`` (options that take none) or an abbreviation of one."""
     out = []
     for a in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\d", a):
-            out[-1] = f"{out[-1]}={a}"
+        prev = out[-1] if out else ""
+        takes_value = prev.startswith("--") and "=" not in prev and not any(s.startswith(prev) for s in switches)
+        if takes_value and _NEGATIVE_VALUE.match(a):
+            out[-1] = f"{prev}={a}"
         else:
             out.append(a)
     return out
@@ -208,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = _parser()
         argv = sys.argv[1:] if argv is None else argv
-        args, extra = parser.parse_known_args(_negative_values_attached(argv))
+        args, extra = parser.parse_known_args(_negative_values_attached(argv, _switches(parser)))
         if extra:  # refused by the sub-command, so that its hint names its own --help
             parser.subcommands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         args.argv = argv

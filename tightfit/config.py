@@ -166,7 +166,13 @@ class WorkloadOptions(_Options):
                             choices=("all", "lora"))
 
     def _check_together(self) -> None:
-        """Columns are named only for a data file."""
+        """``--model`` and ``--data``, when given, are not empty (``""`` would silently become the
+        shipped model or data); columns are named only for a data file."""
+        for flag, value, what, default in (
+                ("--model", self.model, "a model name or folder", "the shipped all-MiniLM-L6-v2"),
+                ("--data", self.data, "the data file", "the shipped Rotten Tomatoes reviews")):
+            if value is not None and not str(value).strip():
+                raise TightfitError(f"{flag} is empty: give {what}, or leave {flag} out for {default}")
         if not self.data and (self.text_column, self.label_column, self.image_column) != ("text", "label", "path"):
             raise TightfitError("--text-column, --label-column and --image-column name columns of a --data file; "
                                 "the shipped data has its own")
@@ -300,7 +306,10 @@ class RunOptions(_Options):
     given: tuple = option((), cli=False)
 
     def _check_together(self) -> None:
-        """``--full`` and ``--train-samples`` both say how many samples to train on: one of them."""
+        """``--resume``, when given, is not empty (``""`` would silently start a new run);
+        ``--full`` and ``--train-samples`` both say how many samples to train on: one of them."""
+        if self.resume is not None and not str(self.resume).strip():
+            raise TightfitError("--resume is empty: give the run folder to continue, or leave --resume out for a new run")
         if self.full and self.train_samples is not None:
             raise TightfitError("--full trains on all training samples; --train-samples N chooses N: give one")
 
@@ -308,10 +317,12 @@ class RunOptions(_Options):
 def saved_options(saved: dict) -> dict:
     """A run's ``request.json`` options as this version reads them (``--resume`` and ``export``):
     a run saved before ``--full`` with ``--train-samples`` was refused holds both, and trained on
-    ``--train-samples``, so ``full`` is dropped. ``saved`` is not modified."""
+    ``--train-samples``, so ``full`` is dropped; one saved before an empty ``--model`` or ``--data``
+    was refused trained on the shipped one, which None names. ``saved`` is not modified."""
     if saved.get("full") and saved.get("train_samples") is not None:
-        return {**saved, "full": False}
-    return saved
+        saved = {**saved, "full": False}
+    empty = [k for k in ("model", "data") if isinstance(saved.get(k), str) and not saved[k].strip()]
+    return {**saved, **dict.fromkeys(empty)} if empty else saved
 
 # The tree's groups: (attribute of TrainRequest, class, title in --help).
 GROUPS: tuple[tuple[str, type, str], ...] = (

@@ -267,7 +267,8 @@ def check_split(data: TextClassificationData, train: TextClassificationData,
         eval_data: the held-out samples (after ``--eval-samples``).
 
     Returns:
-        Notes: fewer than :data:`FEW_EVAL` held-out samples (accuracy moves in coarse steps);
+        Notes: fewer than :data:`FEW_EVAL` held-out samples (accuracy moves in coarse steps;
+        ``--eval-samples`` is suggested only when it left some of the split's out);
         classes with no training sample; fewer than :data:`FEW_TRAIN_PER_CLASS` training samples
         per class on average.
 
@@ -286,9 +287,10 @@ def check_split(data: TextClassificationData, train: TextClassificationData,
                             f"few examples to learn a class from; is the label column the label? (need at least "
                             f"{MIN_ROWS_PER_CLASS} rows per class on average)")
     notes = []
-    if len(eval_data) < FEW_EVAL:
+    if len(eval_data) < FEW_EVAL:  # --eval-samples only where it left held-out samples out
+        more = "--eval-samples or more data" if len(eval_data) < len(held_out_split(n)[1]) else "more data"
         notes.append(f"accuracy on {len(eval_data)} held-out samples moves in steps of {1 / len(eval_data):.0%} "
-                     "(--eval-samples or more data for a finer measure)")
+                     f"({more} for a finer measure)")
     absent = classes - len(set(train.labels))
     if absent:
         notes.append(f"{absent} of {classes} classes have no training sample: the model cannot learn them")

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 CUDA_CONTEXT_BYTES = 500 * MiB
 # Share of the remaining memory kept free for fragmentation and other processes (display, etc.).
 SAFETY_MARGIN = 0.05
+# The most memory a profile may give its card: 1 PiB, thousands of times any GPU's; a profile
+# file's total_bytes above it has a wrong number or unit and would plan for memory no card has.
+MAX_TOTAL_BYTES = 2**50
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ class DeviceProfile:
             raise ValueError(f"sustained_share must be in (0, 1], not {self.sustained_share}")
         if self.total_bytes <= 0 or self.fp32_tflops <= 0 or self.fp16_tflops <= 0 or self.bf16_tflops < 0:
             raise ValueError("total_bytes, fp32_tflops and fp16_tflops must be positive, bf16_tflops not negative")
+        if self.total_bytes > MAX_TOTAL_BYTES:
+            raise ValueError(f"total_bytes {self.total_bytes:.4g} bytes is more than 1 PiB, far beyond any GPU's "
+                             "memory: check the number and its unit (e.g. 24GiB)")
         if self.budget_bytes() < MiB:  # the smallest budget --budget takes
             raise ValueError(f"total_bytes {format_bytes(self.total_bytes)} leaves less than 1 MiB for tensors after "
                              f"the {format_bytes(CUDA_CONTEXT_BYTES)} the CUDA context takes and the safety margin")

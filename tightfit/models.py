@@ -81,6 +81,8 @@ class ModelEntry:
         tokenizer: returns the folder of a tokenizer that fits; None: no tokenizer is shipped.
         note: what ``tightfit train`` says about it (e.g. that it starts from random weights).
         refusal: why ``tightfit train`` cannot train it, if no weights and no tokenizer.
+        special_tokens: those its tokenizer adds to every text, for ``plan`` and ``estimate``
+            where the tokenizer is not installed (:func:`training_special_tokens`); None: unknown.
     """
 
     name: str
@@ -93,6 +95,7 @@ class ModelEntry:
     tokenizer: Callable[[], Path] | None = None
     note: str = ""
     refusal: str = ""
+    special_tokens: tuple[str, ...] | None = None
 
     def load_config(self):
         """``(task, config)``: a fresh transformers config; text classifiers get 2 labels.
@@ -218,6 +221,7 @@ def _bert_tokenizer() -> Path:
     return default_model_path()
 
 
+_BERT_SPECIALS = ("[CLS]", "[SEP]")  # what BERT's WordPiece tokenizer adds to every text
 _RANDOM_BERT = ("{name}: no pretrained weights are shipped: training from random weights, with the shipped "
                 "MiniLM's tokenizer (BERT's uncased WordPiece vocabulary of 30,522 tokens, which {name} was made for)")
 _NO_TEXT = ("{name} is an image model: tightfit train trains it on images (--data digits, a folder with one "
@@ -226,11 +230,11 @@ _NO_TEXT = ("{name} is an image model: tightfit train trains it on images (--dat
 #: The built-in architectures (random weights from the config unless ``weights``).
 REGISTRY: dict[str, ModelEntry] = {e.name: e for e in (
     ModelEntry("minilm", "minilm (all-MiniLM-L6-v2)", SequenceClassification(), "BertConfig", _MINILM,
-               weights=default_model_path),
+               weights=default_model_path, special_tokens=_BERT_SPECIALS),
     ModelEntry("bert-base", "bert-base (random weights)", SequenceClassification(), "BertConfig", {},
-               tokenizer=_bert_tokenizer, note=_RANDOM_BERT.format(name="bert-base")),
+               tokenizer=_bert_tokenizer, note=_RANDOM_BERT.format(name="bert-base"), special_tokens=_BERT_SPECIALS),
     ModelEntry("bert-large", "bert-large (random weights)", SequenceClassification(), "BertConfig", _BERT_LARGE,
-               tokenizer=_bert_tokenizer, note=_RANDOM_BERT.format(name="bert-large")),
+               tokenizer=_bert_tokenizer, note=_RANDOM_BERT.format(name="bert-large"), special_tokens=_BERT_SPECIALS),
     ModelEntry("gpt2", "gpt2 (random weights)", CausalLM(), "GPT2Config", {},
                refusal="tightfit train --model gpt2: no GPT-2 tokenizer or weights are shipped, so there is no way "
                        "to read text with it; give a local Hugging Face GPT-2 folder with its tokenizer, or use gpt2 "
@@ -247,8 +251,11 @@ def resolve(name_or_path: str | None) -> ModelEntry:
     first: write ``./bert-base`` for a folder of that name); otherwise a local Hugging Face folder.
 
     Raises:
-        TightfitError: neither a name nor an existing folder with a ``config.json``.
+        TightfitError: an empty name (``--model ""``, which would silently be ``minilm``); neither a
+            name nor an existing folder with a ``config.json``.
     """
+    if name_or_path is not None and not str(name_or_path).strip():
+        raise TightfitError(f"--model is empty: give one of {', '.join(REGISTRY)} or a local Hugging Face model folder")
     name = name_or_path or DEFAULT_MODEL_NAME
     if name in REGISTRY:
         return REGISTRY[name]
@@ -544,17 +551,46 @@ def _unknown_token_notes(tokenizer, path: Path, texts: list[str]) -> list[str]:
     return [what + ": the model does not see those words"] if share >= UNK_NOTE_FRACTION else []
 
 
-def check_planned_seq_len(seq_len: int) -> None:
-    """For ``tightfit plan`` and ``estimate``, which plan a model without its tokenizer: ``seq_len``
-    leaves room for :data:`MIN_TEXT_TOKENS` tokens of text (``tightfit train`` also counts the
-    tokenizer's special tokens, :func:`_check_seq_len`).
+def check_planned_seq_len(seq_len: int, model: str | None = None) -> None:
+    """For ``tightfit plan`` and ``estimate``, which plan a model without loading it for training:
+    ``seq_len`` leaves room for :data:`MIN_TEXT_TOKENS` tokens of text after the special tokens
+    ``tightfit train`` adds to every text of ``model`` (:func:`training_special_tokens`), so that
+    they refuse what train refuses (:func:`_check_seq_len`); where train has no tokenizer of
+    ``model`` to read here, after none.
 
     Raises:
-        TightfitError: ``seq_len`` below :data:`MIN_TEXT_TOKENS`.
+        TightfitError: ``seq_len`` too short (train's message where the special tokens are known).
     """
-    if seq_len < MIN_TEXT_TOKENS:
+    specials = training_special_tokens(model) if model is not None else None
+    if specials is not None:
+        _check_text_room(seq_len, specials)
+    elif seq_len < MIN_TEXT_TOKENS:
         raise TightfitError(f"--seq-len {seq_len} leaves no room for text: use at least {MIN_TEXT_TOKENS} "
                             f"(tightfit train adds the tokenizer's special tokens to that, e.g. 8 for BERT)")
+
+
+def training_special_tokens(name_or_path: str) -> list[str] | None:
+    """The special tokens ``tightfit train`` adds to every text of model ``name_or_path``, read
+    from the tokenizer it trains with (e.g. ``[CLS]``, ``[SEP]``); for a registry entry whose
+    tokenizer is not installed here, the entry's :attr:`ModelEntry.special_tokens`. None where
+    there is no tokenizer to read (``gpt2``, an image model, a folder without tokenizer files)."""
+    entry = resolve(name_or_path)
+    if entry.weights is None and entry.tokenizer is None:  # train refuses it
+        return None
+    try:
+        path = entry.tokenizer_path()
+    except TightfitError:  # the shipped MiniLM (its tokenizer) is not installed
+        return None if entry.special_tokens is None else list(entry.special_tokens)
+    if not _tokenizer_files(path):
+        return None if entry.special_tokens is None else list(entry.special_tokens)
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except _load_errors():  # train says what is wrong with it
+        return None
+    return tokenizer.convert_ids_to_tokens(tokenizer("")["input_ids"])
 
 
 def _check_seq_len(model, tokenizer, seq_len: int) -> None:
@@ -568,12 +604,21 @@ def _check_seq_len(model, tokenizer, seq_len: int) -> None:
     if positions and seq_len > positions:
         raise TightfitError(f"--seq-len {seq_len} exceeds the model's {positions} positions")
     added = tokenizer("")["input_ids"]  # the special tokens every text gets, e.g. [CLS] [SEP]
-    n_special = len(added)
+    _check_text_room(seq_len, tokenizer.convert_ids_to_tokens(added))
+
+
+def _check_text_room(seq_len: int, specials: list[str]) -> None:
+    """``seq_len`` leaves :data:`MIN_TEXT_TOKENS` tokens of text after the special tokens
+    ``specials`` every text gets.
+
+    Raises:
+        TightfitError: otherwise.
+    """
+    n_special = len(specials)
     if seq_len - n_special < MIN_TEXT_TOKENS:
-        names = tokenizer.convert_ids_to_tokens(added)
         raise TightfitError(f"--seq-len {seq_len} leaves {max(0, seq_len - n_special)} "
                             f"token{'' if seq_len - n_special == 1 else 's'} of text after the "
-                            f"{n_special} special tokens{' (' + ', '.join(names) + ')' if names else ''}; "
+                            f"{n_special} special tokens{' (' + ', '.join(specials) + ')' if specials else ''}; "
                             f"use at least {n_special + MIN_TEXT_TOKENS}")
 
 

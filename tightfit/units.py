@@ -17,7 +17,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*([+-]?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([+-]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+))\s*([a-zA-Z]*)\s*$")  # 4, 3.5, .5
 
 GiB = 2**30
 MiB = 2**20
@@ -27,7 +27,7 @@ def parse_size(text: str | int | float) -> int:
     """Parse a memory size into bytes.
 
     Args:
-        text: e.g. ``"4GiB"``, ``"11GB"``, ``"3.5 GiB"``, ``"512MiB"``, ``"2048"`` (bytes),
+        text: e.g. ``"4GiB"``, ``"11GB"``, ``"3.5 GiB"``, ``".5GiB"``, ``"512MiB"``, ``"2048"`` (bytes),
             or a number of bytes (an int, or a float holding a whole number such as ``4e9``).
             Bare ``K/M/G/T`` are binary (as in ``nvidia-smi``'s MiB).
 

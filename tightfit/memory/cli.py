@@ -125,7 +125,7 @@ def run(args) -> int:
     if kind != "image":
         from ..models import check_planned_seq_len
 
-        check_planned_seq_len(size)
+        check_planned_seq_len(size, args.model)
     batch = make_batch(1, size)
     plan = Plan(args.precision, args.micro_batch, args.micro_batch, optimizer=args.optimizer, device="cuda",
                 budget_bytes=profile.budget_bytes() if profile else None)

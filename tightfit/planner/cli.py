@@ -68,7 +68,7 @@ def run(args) -> int:
     if kind != "image":
         from ..models import check_planned_seq_len
 
-        check_planned_seq_len(size)
+        check_planned_seq_len(size, args.model)
     make_batch(1, size)  # validates the size against the model
 
     def estimator(kind):  # the planner's estimate with optimizer ``kind``; also says which lever would fit
