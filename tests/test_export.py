@@ -231,3 +231,23 @@ def test_an_export_stopped_by_sigterm_leaves_no_out_and_no_temporary_folder(text
     out = tmp_path / "int8"
     assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 130
     assert not out.exists() and not list(tmp_path.glob(".*"))
+
+
+def test_a_run_whose_data_changed_is_refused_before_any_work(text_run, tmp_path, capsys):
+    """The held-out samples are rebuilt from the run's data file: if it changed (labels flipped),
+    the accuracy would be measured on other samples than the run's, so export refuses, as --resume
+    does, and writes nothing."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(text_run, run)
+    data = tmp_path / "data.csv"
+    saved = json.loads((run / "request.json").read_text())
+    lines = open(saved["data"]).read().splitlines()
+    data.write_text("\n".join([lines[0]] + [l.replace(",pos", ",XX").replace(",neg", ",pos").replace(",XX", ",neg")
+                                            for l in lines[1:]]) + "\n")
+    (run / "request.json").write_text(json.dumps({**saved, "data": str(data)}))
+    assert main(["export", "--int8", str(run), "--out", str(tmp_path / "int8")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the data differ from those the run trained on" in err[0]
+    assert not (tmp_path / "int8").exists()

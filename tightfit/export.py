@@ -173,12 +173,18 @@ def _held_out(src: _Source):
     from .image_train import recipe_class
 
     saved = saved_options(json.loads((src.run / "request.json").read_text()))
-    saved.pop("data_fingerprint", None)
+    fingerprint = saved.pop("data_fingerprint", None)
     req = TrainRequest(**{**saved, "out": str(src.run), "progress": False})
     recipe = recipe_class(req)(req)
     recipe._load_data()  # the run's data and its fixed held-out split, as the run made them
     recipe._split_data()
     eval_data = recipe.eval_data
+    # the held-out half of "<train>:<held-out>" (as --resume checks both): what export measures on
+    if fingerprint is not None and recipe.eval_data.fingerprint() != fingerprint.rpartition(":")[2]:
+        raise TightfitError(f"export {src.run}: the data differ from those the run trained on "
+                            f"({recipe.data.source}: other rows, order or labels), so its held-out samples "
+                            "cannot be rebuilt; put the run's data back, or export the model folder "
+                            f"({src.model_dir}) without a held-out measure")
     if src.kind == "image":
         from .images import PREPROCESSING_FILE, ImageSamples
         from .workload import DatasetBatches, collate_as
