@@ -321,3 +321,27 @@ def test_cpu_plans_loss_check_leaves_batch_norm_statistics_as_they_were():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tightfit.plan(model, _xy(8), loss=_ce, device="cpu")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and model.training
+
+
+@pytest.mark.parametrize("micro_batch", [4, 2])
+def test_a_token_mean_loss_split_into_micro_batches_keeps_the_whole_batch_gradient(micro_batch):
+    """A causal LM's own loss (``model(**batch).loss``) is a mean over its target tokens; micro-batches
+    with different padding hold different token counts, so weighting them by samples would change
+    the objective (DESIGN invariant 1: normalised by the whole batch's target tokens)."""
+    from conftest import tiny_gpt2
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (8, 32))
+    mask = torch.ones(8, 32, dtype=torch.long)
+    mask[:4, 4:] = 0  # the first half padded after 4 tokens: their micro-batches hold fewer targets
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    results = {}
+    for mb in (8, micro_batch):
+        model = tiny_gpt2(dropout=0.0)
+        step = tightfit.TrainStep(Plan("fp32", mb, 8), model, torch.optim.SGD(model.parameters(), lr=0.1))
+        out = step(batch)
+        results[mb] = (out.loss, out.grad_norm, [p.detach().clone() for p in model.parameters()])
+    (loss, norm, weights), (loss_m, norm_m, weights_m) = results[8], results[micro_batch]
+    assert loss_m == pytest.approx(loss, rel=1e-5) and norm_m == pytest.approx(norm, rel=1e-4)
+    for a, b in zip(weights, weights_m):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

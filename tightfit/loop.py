@@ -81,11 +81,34 @@ class _Batch:
         return values if self.kind is list else tuple(values)
 
 
-def _loss_sum(batch: _Batch, loss: LossFn | None) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
-    """``(model, dict micro-batch) -> loss summed over its samples``: the user's mean loss times the
-    samples in the micro-batch, so that :func:`tightfit.step.accumulate`, which divides by the samples
-    of the whole batch, weights each micro-batch by its share (the gradient of the whole batch's mean
-    loss: exact for losses that are means over samples)."""
+def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
+    """For the model's own loss over integer token labels (``labels`` ``[B, T, ...]``: causal and
+    masked LMs, token classification, seq2seq), which Hugging Face models take as the mean over
+    the targets that are not -100: ``d -> count of those targets`` in a dict micro-batch (a 0-d
+    tensor on the labels' device; a causal LM's are ``labels[:, 1:]``, it predicts the next token).
+    None where the loss is the user's or ``labels`` are per sample (class ids ``[B]``, or float
+    multi-label targets ``[B, C]``, whose mean is over samples times a constant)."""
+    if loss is not None or batch.keys is None or "labels" not in batch.keys:
+        return None
+    labels = batch.values[batch.keys.index("labels")]
+    if labels.dim() < 2 or labels.is_floating_point():
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    shift = 1 if type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) else 0
+    return lambda d: (d["labels"][:, shift:] != -100).sum()
+
+
+def _loss_sum(batch: _Batch, loss: LossFn | None, model: torch.nn.Module | None = None
+              ) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
+    """``(model, dict micro-batch) -> loss summed over what it averages``: the mean loss times the
+    samples in the micro-batch, or, for a model's own mean over target tokens
+    (:func:`_target_tokens`, given ``model``), times the micro-batch's target tokens, so that
+    :func:`tightfit.step.accumulate`, which divides by the samples (tokens) of the whole batch
+    (:func:`_normaliser`), weights each micro-batch by its share: the gradient of the whole
+    batch's mean loss (DESIGN invariant 1)."""
+    tokens = _target_tokens(model, batch, loss) if model is not None else None
+
     def loss_sum(model, d):
         b = batch.restore(d)
         n = next(iter(d.values())).shape[0]
@@ -102,9 +125,16 @@ def _loss_sum(batch: _Batch, loss: LossFn | None) -> Callable[[torch.nn.Module, 
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise TightfitError(f"the loss must be a tensor holding one number (the mean over the batch), "
                                 f"got {type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}")
-        return value.reshape(()) * n
+        return value.reshape(()) * (tokens(d) if tokens is not None else n)
 
     return loss_sum
+
+
+def _normaliser(batch: _Batch, loss: LossFn | None, model: torch.nn.Module) -> int:
+    """What :func:`_loss_sum` sums over in the whole batch: its samples, or its target tokens
+    (at least 1: a batch without targets has a loss of 0/0 either way)."""
+    tokens = _target_tokens(model, batch, loss)
+    return batch.size if tokens is None else max(1, int(tokens(batch.as_dict())))
 
 
 class _SampleBatches:
@@ -383,14 +413,15 @@ class TrainStep:
         from .levers.optimizers import hold_gradients
         from .step import training_step
 
-        d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss), capture_rng()
+        d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss, self.model), capture_rng()
+        normaliser = _normaliser(b, self.loss, self.model)
         while True:
             # fused AdamW allocates only its new state, before any write: no snapshot needed
             before = None if self._fused else in_place_versions(self.optimizer)
             had_state = set(self.optimizer.state)
             hold_gradients(self.optimizer, accumulation_steps(b.size, self.micro_batch))  # CPU offload
             try:
-                result = training_step(self.model, self._micro_batches(d, b.size), loss_sum, b.size, self.optimizer,
+                result = training_step(self.model, self._micro_batches(d, b.size), loss_sum, normaliser, self.optimizer,
                                        self.scaler, lambda: autocast(self.plan.precision, self.device.type),
                                        self.max_grad_norm)
                 self._used_micro_batch = self.micro_batch
