@@ -123,6 +123,23 @@ def test_oom_names_the_micro_batch_that_keeps_the_effective_batch():
                for e in cb.events)
 
 
+def test_oom_advice_keeps_the_plans_effective_batch_when_the_loader_differed():
+    """The loader ran 10 x 2 (effective 20) where the plan says 6 x 2 (12): the advice after an
+    OOM keeps the plan's 12, not the loader's 20."""
+    module = _Classifier()
+
+    def oom(m, args, kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    module.bert.bert.encoder.layer[0].register_forward_pre_hook(oom, with_kwargs=True)
+    cb = tl.TightfitCallback(Plan("fp32", 6, 12))
+    with pytest.raises(torch.OutOfMemoryError):
+        _fit(Plan("fp32", 6, 12), module, callback=cb, micro_batch=10)
+    advice = [e for e in cb.events if "out of memory at micro-batch 10 x 2" in e]
+    assert advice and "batch_size=4" in advice[0] and "accumulate_grad_batches=3" in advice[0]
+    assert "effective batch of 12" in advice[0]
+
+
 @pytest.mark.gpu
 def test_callback_records_each_steps_memory_on_the_gpu():
     module = _Classifier()

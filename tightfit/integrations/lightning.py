@@ -223,19 +223,22 @@ class TightfitCallback(Watch, L.Callback):
                 self._event(reading["warning"])
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        """On an out-of-memory error: say which micro-batch and accumulation keep the effective batch."""
+        """On an out-of-memory error: say which micro-batch and accumulation keep the plan's
+        effective batch (also where the loader's batch size differed from the plan's)."""
         from ..memory.oom import is_oom
-        from . import smaller_micro_batch
 
         if not is_oom(exception):
             return
         mb, acc = getattr(trainer.train_dataloader, "batch_size", None) or self.plan.micro_batch, \
             trainer.accumulate_grad_batches
         if mb > 1:
-            new_mb, new_acc = smaller_micro_batch(mb, acc)
+            # the largest divisor of the plan's effective batch at most half the micro-batch that ran
+            # out of memory: Lightning runs micro-batch x accumulation samples per optimizer step
+            E = self.plan.effective_batch
+            new_mb = next(m for m in range(min(mb // 2, E), 0, -1) if E % m == 0)
             self._event(f"out of memory at micro-batch {mb} x {acc}: Lightning cannot redo the step; fit again with "
-                        f"DataLoader(batch_size={new_mb}) and accumulate_grad_batches={new_acc} (the same effective "
-                        f"batch), or plan for a smaller budget")
+                        f"DataLoader(batch_size={new_mb}) and accumulate_grad_batches={E // new_mb} (the plan's "
+                        f"effective batch of {E}), or plan for a smaller budget")
         else:
             self._event("out of memory at micro-batch 1: plan with activation checkpointing or fp16/bf16, "
                         "or raise the budget")
