@@ -72,3 +72,11 @@ def test_the_text_says_how_many_runners_up_it_leaves_to_the_json(capsys):
     assert main(args + ["--json"]) == 0
     listed = len(json.loads(capsys.readouterr().out)["runners_up"])
     assert listed > 8 and f"... {listed - 8} more (--json lists them all)" in text, listed
+
+
+def test_low_speeds_keep_three_significant_digits():
+    """A 1.3B model's runner-ups at 1.77 and 1.78 samples/s read apart, not both "2"."""
+    from tightfit.units import format_rate
+
+    assert [format_rate(x) for x in (1.774, 1.776, 19.44, 99.94, 100.4, 2153.2)] == \
+        ["1.77", "1.78", "19.4", "99.9", "100", "2153"]

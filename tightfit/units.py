@@ -87,3 +87,9 @@ def format_bytes(n: int | float | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def format_rate(per_s: float) -> str:
+    """A rate (samples/s) for display: whole numbers from 100 up, three significant digits below
+    (a 1.3B model's 1.77 and 1.78 samples/s would both read "2")."""
+    return f"{per_s:.0f}" if abs(per_s) >= 100 else f"{per_s:.3g}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..units import format_rate
 from ..errors import TightfitError
 
 
@@ -166,7 +167,7 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
                 else "")))
     why = b.why.find("; optimizer ")  # why this optimizer and its cost (planner/optimizers.py): its own line
     per_step = b.why[b.why.find("; per step"):why if why >= 0 else None] if "; per step" in b.why else ""
-    print(f"predicted: {b.samples_per_s:.0f} samples/s, peak {format_bytes(b.peak_reserved_bytes)} reserved of "
+    print(f"predicted: {format_rate(b.samples_per_s)} samples/s, peak {format_bytes(b.peak_reserved_bytes)} reserved of "
           f"{format_bytes(budget)}" + per_step)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reason = b.why[why + len("; optimizer ") + len(b.optimizer):].lstrip(",:; ") if why >= 0 else ""

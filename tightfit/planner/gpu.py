@@ -26,7 +26,7 @@ from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_scope, compile_unavailable, uncompile_model
 from ..levers.optimizers import LEVER_OPTIMIZERS
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
-from ..units import format_bytes
+from ..units import format_bytes, format_rate
 from ..workload import Workload
 from .bisection import bisect
 from .cost import peak_flops
@@ -57,7 +57,7 @@ def too_short_to_compile(run_samples: int | None, eager_samples_per_s: float) ->
     if seconds >= COMPILE_MIN_RUN_S:
         return None
     return (f"the run is predicted to take {seconds:.0f} s at the verified eager speed "
-            f"({eager_samples_per_s:.0f} samples/s), less than the {COMPILE_MIN_RUN_S:.0f} s that "
+            f"({format_rate(eager_samples_per_s)} samples/s), less than the {COMPILE_MIN_RUN_S:.0f} s that "
             f"compilation needs to repay its cost")
 
 
@@ -302,7 +302,7 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     reasons = _reasons(result, verification, outcome)
     if steady:
         reasons.append(f"the plan timed again ({RETIMED_STEPS} timed steps, the median), the speed the run is "
-                       f"expected to deliver: {steady:.0f} samples/s")
+                       f"expected to deliver: {format_rate(steady)} samples/s")
     chosen = result.best.why.find("; optimizer ")  # why this optimizer, and its cost (.optimizers)
     if chosen >= 0:
         line = result.best.why[chosen + 2:]
@@ -380,11 +380,11 @@ def challenge_optimizer(workload: Workload, result: SearchResult, verification: 
                         optimizer=c.optimizer)
     finally:
         set_activation_checkpointing(workload.model, False, ())
-    what = f"the runner-up optimizer {c.optimizer} ({c.label()}, predicted {c.samples_per_s:.0f} samples/s)"
+    what = f"the runner-up optimizer {c.optimizer} ({c.label()}, predicted {format_rate(c.samples_per_s)} samples/s)"
     if not pr.fits:
         return result, verification, f"{what}: {_peak(pr)} in its {VERIFICATION}; {won.candidate.optimizer} kept"
     speed = _samples_per_s(pr, workload.effective_batch)
-    line = (f"{what}: {speed:.0f} samples/s in its {VERIFICATION}, against {won.samples_per_s:.0f} for "
+    line = (f"{what}: {format_rate(speed)} samples/s in its {VERIFICATION}, against {won.samples_per_s:.0f} for "
             f"{won.candidate.optimizer} ({won.candidate.label()}, predicted {won.candidate.samples_per_s:.0f})")
     if speed <= won.samples_per_s:
         return result, verification, f"{line}: {won.candidate.optimizer} kept"
@@ -579,7 +579,7 @@ def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget
     uncompile_model(model)
     e_speed = timed(best.micro_batch, best.checkpoint_blocks, best.block_policies)
     note = (f"retimed side by side ({RETIMED_STEPS} timed steps each, the median): compiled {c_speed:.0f} vs "
-            f"eager {e_speed:.0f} samples/s" + (" (no longer within the headroom)" if not (c_speed and e_speed) else ""))
+            f"eager {format_rate(e_speed)} samples/s" + (" (no longer within the headroom)" if not (c_speed and e_speed) else ""))
     retiming = Retiming(c_speed, e_speed, note)
     if not retiming.compiled_kept:
         return replace(retiming, note=note + ": eager kept")
@@ -629,7 +629,7 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
                                     f"(probed {'; '.join(tried)})"])
     v = max(found, key=lambda f: f.samples_per_s)
     return CompileSearch(v, [
-        f"torch.compile ({scope}): {v.samples_per_s:.0f} samples/s in its first timing after compilation "
+        f"torch.compile ({scope}): {format_rate(v.samples_per_s)} samples/s in its first timing after compilation "
         f"({VERIFIED_STEPS} timed steps, the median) at micro-batch {v.micro_batch} with "
         f"{len(v.checkpoint_blocks)} checkpointed blocks ({seconds:.0f} s incl. compilation; probed {'; '.join(tried)})"])
 
@@ -693,7 +693,7 @@ def _reasons(result: SearchResult, verification: Verification, outcome: CompileO
     searched = len(v.ranked) + len([r for r in result.runners_up if r.samples_per_s == 0])
     reasons = [f"searched {searched} plans (precision x checkpointed blocks x micro-batch) in {result.seconds:.1f} s; "
                f"verified {len(measured)} with real steps under the budget ({int(PROBE_HEADROOM * 100)}% headroom)",
-               f"{VERIFICATION}: {v.label(c)}: {best.samples_per_s:.0f} samples/s"
+               f"{VERIFICATION}: {v.label(c)}: {format_rate(best.samples_per_s)} samples/s"
                + (f" (predicted {c.samples_per_s:.0f})" if c.samples_per_s
                   else " (micro-batch halved from the prediction)")
                + f", peak {format_bytes(best.probe.peak_reserved_bytes)} reserved: the fastest verified"]
@@ -701,7 +701,7 @@ def _reasons(result: SearchResult, verification: Verification, outcome: CompileO
         reasons.insert(1, f"calibrated with probes: {v.line.fixed_s * 1e3:.1f} ms per micro-batch + "
                           f"{v.line.per_sample_s * 1e3:.3f} ms per sample ({v.ranked[0].precision}), "
                           f"candidates re-ranked")
-    reasons += [f"{VERIFICATION}: {v.label(m.candidate)}: {m.samples_per_s:.0f} samples/s"
+    reasons += [f"{VERIFICATION}: {v.label(m.candidate)}: {format_rate(m.samples_per_s)} samples/s"
                 + (f" (predicted {m.candidate.samples_per_s:.0f})" if m.candidate.samples_per_s else "")
                 for m in v.others]
     reasons += [f"rejected {r}" for r in v.rejected]
@@ -718,21 +718,21 @@ def _decision(verification: Verification, outcome: CompileOutcome) -> str:
     label, speed = verification.label(best.candidate), best.samples_per_s
     if others:
         o = others[0]
-        eager = (f"the verification timing chose {label} at {speed:.0f} samples/s, "
+        eager = (f"the verification timing chose {label} at {format_rate(speed)} samples/s, "
                  f"{speed / o.samples_per_s:.2f}x the next ({verification.label(o.candidate)}, {o.samples_per_s:.0f})")
     else:
-        eager = f"the verification timing had only {label} at {speed:.0f} samples/s"
+        eager = f"the verification timing had only {label} at {format_rate(speed)} samples/s"
     retimed, compiled = outcome.retiming, outcome.variant
     if retimed is None:
         if compiled is None:
             return f"decided by: {eager}"
-        return (f"decided by: --compile on (the compiled variant, {compiled.samples_per_s:.0f} samples/s in its "
+        return (f"decided by: --compile on (the compiled variant, {format_rate(compiled.samples_per_s)} samples/s in its "
                 f"first timing after compilation, runs whatever its speed); among eager candidates {eager}")
     c_speed, e_speed = retimed.compiled_samples_per_s, retimed.eager_samples_per_s
     kept = "compiled" if compiled is not None else "eager"
     line = (f"decided by: {eager}; then the side-by-side retiming ({RETIMED_STEPS} timed steps each, the "
             f"median) of it against its compiled variant kept {kept}: compiled {c_speed:.0f} vs eager "
-            f"{e_speed:.0f} samples/s")
+            f"{format_rate(e_speed)} samples/s")
     above = [o.samples_per_s for o in others if o.samples_per_s > e_speed] + ([speed] if speed > e_speed else [])
     if above:
         line += (f". The retimed eager figure ({e_speed:.0f}) is below verification figures "

@@ -27,7 +27,7 @@ from ..errors import TightfitError
 from ..levers.optimizers import check_precision
 from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_bf16_state_bytes, adamw_8bit_state_bytes,
                                  available_host_bytes, is_offloaded, offload_host_bytes, weights_dtype)
-from ..units import format_bytes
+from ..units import format_bytes, format_rate
 from ..plan import OPTIMIZER_CHOICES
 from ..levers.blocks import find_blocks
 from .cost import TimeModel, forward_cost
@@ -310,7 +310,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         raise NothingFitsError(first + also)
     kind = max(results, key=lambda k: results[k].best.samples_per_s)
     best = results[kind]
-    compared = "; ".join([f"{k}: {r.best.samples_per_s:.0f} samples/s ({r.best.label()}, {r.best.accumulation_steps} "
+    compared = "; ".join([f"{k}: {format_rate(r.best.samples_per_s)} samples/s ({r.best.label()}, {r.best.accumulation_steps} "
                           f"accumulation step{'s' if r.best.accumulation_steps != 1 else ''})"
                           for k, r in results.items() if k != kind]
                          + [f"{k}: {short.get(k, 'fits nothing')}" for k in failures if k != "adamw"]
@@ -319,7 +319,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
            else f"{'' if kind == 'adamw' else 'fp32 AdamW state '}needs {_what_it_pays(results['adamw'].best, forced)}")
     why = f"optimizer {kind}, {_NAMES[kind]}: {why}; predicted fastest" + (f" (against {compared})" if compared else "")
     others = tuple(_explained(r, k, f"optimizer {k}, {_NAMES[k]}: the runner-up optimizer, predicted "
-                                    f"{r.best.samples_per_s:.0f} samples/s against {best.best.samples_per_s:.0f} for "
+                                    f"{format_rate(r.best.samples_per_s)} samples/s against {best.best.samples_per_s:.0f} for "
                                     f"{kind}", model, profile, started)
                    for k, r in sorted(results.items(), key=lambda kr: -kr[1].best.samples_per_s) if k != kind)
     return replace(_explained(best, kind, why, model, profile, started), other_optimizers=others)

@@ -38,7 +38,7 @@ from ..errors import TightfitError
 from ..levers.precision import check_precision, preferred_precision
 from ..memory.fast import TRACED_AT, BlockLines, MemoryLine
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
-from ..units import format_bytes
+from ..units import format_bytes, format_rate
 from .advice import lever_peaks, nothing_fits_lines
 from .bisection import bisect
 from .cost import TimeModel, forward_cost
@@ -301,11 +301,11 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
                          checkpointing, per_block, optimizer)
     if beat > 0 and ceiling(space) <= beat:  # no plan in the space is predicted faster: none traced
-        raise CannotBeatError(f"no plan predicted faster than the {beat:.0f} samples/s already found")
+        raise CannotBeatError(f"no plan predicted faster than the {format_rate(beat)} samples/s already found")
     prediction = unconstrained(space, estimate_fn, beat) or \
         predict(space, enumerate_candidates(space, estimate_fn), estimate_fn, beat)
     if not prediction.traced and beat > 0 and any(c.samples_per_s > 0 for c in prediction.evaluated):
-        raise CannotBeatError(f"no plan predicted faster than the {beat:.0f} samples/s already found")
+        raise CannotBeatError(f"no plan predicted faster than the {format_rate(beat)} samples/s already found")
     if not prediction.traced:
         skipped = [c.precision for c in prediction.evaluated if c.micro_batch is None]
         if skipped:  # the slow precision is needed for memory after all
@@ -705,7 +705,7 @@ def rank(space: SearchSpace, prediction: Prediction, seconds: float) -> SearchRe
     traced, evaluated = prediction.traced, prediction.evaluated
     order = {id(c): i for i, c in enumerate(traced)}  # ties: the earlier (preferred) one
     best = max(traced, key=lambda c: (round(c.samples_per_s, 6), -order[id(c)]))
-    best = replace(best, why=f"fastest predicted: {best.samples_per_s:.0f} samples/s, peak "
+    best = replace(best, why=f"fastest predicted: {format_rate(best.samples_per_s)} samples/s, peak "
                              f"{format_bytes(best.peak_reserved_bytes)} of {format_bytes(space.budget_bytes)}"
                              + _overheads(space, best))
     done = {_key(v) for v in traced}
@@ -718,7 +718,7 @@ def rank(space: SearchSpace, prediction: Prediction, seconds: float) -> SearchRe
             exact = _key(c) in done
             ratio = c.samples_per_s / best.samples_per_s
             c = replace(c, why=f"{'slower' if ratio < 0.995 else 'as fast, ranked after it'}: predicted "
-                               f"{c.samples_per_s:.0f} samples/s ({ratio:.2f}x)"
+                               f"{format_rate(c.samples_per_s)} samples/s ({ratio:.2f}x)"
                                + ("" if exact else ", memory from the line, not traced exactly"))
         runners.append(c)
     return SearchResult(best, runners, space.budget_bytes, space.effective_batch, space.n_blocks, seconds)
