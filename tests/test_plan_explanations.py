@@ -329,12 +329,15 @@ def test_when_every_optimizer_fails_each_lever_line_says_what_its_search_found(t
                  "--gpu", "h200"]) == 2
     err = capsys.readouterr().err
     said = {m.group(1): parse_size(m.group(2))
-            for m in re.finditer(r"\(--optimizer ([\w-]+)[:,].*: saves [\d.]+ \w+, still ([\d.]+ \w+) over", err)}
+            for m in re.finditer(r"\(--optimizer ([\w-]+)[:,].*: saves [\d.]+ \w+(?: in its traced step \([^)]*\))?, "
+                                 r"still ([\d.]+ \w+) over", err)}
     searched = {m.group(1): parse_size(m.group(2))
                 for m in re.finditer(r"\(--optimizer ([\w-]+)\): does not fit either .*, ([\d.]+ \w+) over\)", err)}
     assert set(said) == set(searched) == {"adamw8bit", "adamw-offload", "adamw8bit-bf16"}, err
     assert said == searched, err
     assert "would fit" not in err, err
+    # a saving measured on the lever's traced step says the nominal bytes per parameter beside it
+    assert re.search(r"saves [\d.]+ \w+ in its traced step \(nominally [\d.]+ \w+", err), err
 
 
 @pytest.mark.parametrize("runner_up_faster", [True, False])

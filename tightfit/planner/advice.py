@@ -276,7 +276,14 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     # the lever in use, and those before it, save nothing more
     after = levers[kinds.index(optimizer) + 1:] if optimizer in kinds else levers
     left_out, why = left_out_levers(cuda, profile)
-    lines = [f"{name}: saves {format_bytes(shown)}, {left}" for kind, name, saving in after if kind not in left_out
+    def saves(shown: float, nominal: float) -> str:  # where the traced step differs from the bytes per parameter
+        if abs(shown - nominal) < 1 << 20:
+            return f"saves {format_bytes(shown)}"
+        return (f"saves {format_bytes(shown)} in its traced step (nominally {format_bytes(nominal)}; the rest goes to "
+                f"what the lever's own step holds)" if shown < nominal else
+                f"saves {format_bytes(shown)} in its traced step (nominally {format_bytes(nominal)})")
+
+    lines = [f"{name}: {saves(shown, saving)}, {left}" for kind, name, saving in after if kind not in left_out
              for shown, left in [verdict(kind, saving)]]
     if why and any(kind in left_out for kind, _, _ in after):
         lines.append(why)
