@@ -41,6 +41,9 @@ def test_cpu_plan_is_the_whole_batch_in_fp32_and_notes_the_budget():
     plan = tightfit.plan(model, _xy(8), effective_batch=32, budget="4GiB", loss=_ce, device="cpu")
     assert (plan.device, plan.precision, plan.micro_batch, plan.effective_batch) == ("cpu", "fp32", 32, 32)
     assert any("no CUDA GPU in use" in r for r in plan.reasons)
+    assert any(r.startswith("budget 4.00 GiB: checked against") for r in plan.reasons), plan.reasons  # its value
+    np = pytest.importorskip("numpy")
+    assert tightfit.plan(model, _xy(8), effective_batch=np.int64(16), loss=_ce, device="cpu").effective_batch == 16
 
 
 def _plain_loop(loss_fn, steps, clip=None, opt=torch.optim.AdamW, lr=1e-2):

@@ -23,6 +23,7 @@ memory timeline and GPU health. Nothing else changes: no gradient clipping unles
 from __future__ import annotations
 
 import logging
+import numbers
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -257,8 +258,9 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
 
     b = _Batch(sample_batch)
     E = b.size if effective_batch is None else effective_batch
-    if isinstance(E, bool) or not isinstance(E, int) or E < 1:
+    if isinstance(E, bool) or not isinstance(E, numbers.Integral) or E < 1:  # numpy's integers too
         raise TightfitError(f"effective_batch must be a whole number >= 1, got {effective_batch!r}")
+    E = int(E)
     try:
         if budget is not None:
             budget = f"{parse_size(budget)}B"  # bytes as text with its unit, as the command line would take it
@@ -273,6 +275,11 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         model.to(dev)
         if dev == "cpu":
             _check_loss_and_budget(model, b, loss, budget_bytes, gpu)
+            if budget_bytes is not None:
+                from .units import format_bytes
+
+                notes.append(f"budget {format_bytes(budget_bytes)}: checked against the model's weights, gradients "
+                             "and AdamW state; host memory is not budgeted")
         chosen = plan_first(workload, dev, profile, budget_bytes, precision, checkpointing)
     except TightfitError as e:
         raise TightfitError(as_arguments(str(e))) from None
@@ -285,7 +292,8 @@ class StepOutcome:
     """What one :class:`TrainStep` call did.
 
     Attributes:
-        loss: the batch's mean loss (a Python float: the samples-weighted mean of the micro-batches' losses).
+        loss: the batch's mean loss (a Python float: the micro-batches' losses weighted by their samples,
+            or by their target tokens for a model's own token-mean loss).
         grad_norm: global L2 norm of the unscaled gradients (before clipping, if ``max_grad_norm`` is set).
         stepped: whether the optimizer step was applied (False: non-finite gradients, skipped).
         micro_batch: samples per forward/backward pass in this step (after any OOM recovery).
