@@ -37,6 +37,11 @@ def _trainer(tmp_path, plan, steps=3, dropout=0.1, callback=None, **extra):
                    callbacks=[callback or hf.TightfitCallback(plan)])
 
 
+# transformers 5.x (5.24 here; not yet 5.17) renamed gradient_checkpointing* to activation_checkpointing*
+_CKPT = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+         else "gradient_checkpointing")
+
+
 def _weights(trainer):
     return [p.detach().clone() for p in trainer.model.parameters()]
 
@@ -44,11 +49,11 @@ def _weights(trainer):
 def test_plan_becomes_training_arguments():
     kw = hf.training_arguments(Plan("fp16", 4, 32, activation_checkpointing=True, device="cuda"))
     assert kw["per_device_train_batch_size"] == 4 and kw["gradient_accumulation_steps"] == 8
-    assert kw["fp16"] and not kw["bf16"] and kw["activation_checkpointing"]
-    assert kw["activation_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert kw["fp16"] and not kw["bf16"] and kw[_CKPT]
+    assert kw[f"{_CKPT}_kwargs"] == {"use_reentrant": False}
     assert "optim" not in kw and not kw["auto_find_batch_size"] and not kw["use_cpu"]
     kw = hf.training_arguments(Plan("bf16", 8, 8, device="cuda"))
-    assert kw["bf16"] and not kw["fp16"] and kw["gradient_accumulation_steps"] == 1 and not kw["activation_checkpointing"]
+    assert kw["bf16"] and not kw["fp16"] and kw["gradient_accumulation_steps"] == 1 and not kw[_CKPT]
     with pytest.raises(TightfitError, match="must be a tightfit.Plan"):
         hf.training_arguments({"micro_batch": 4})
 
@@ -66,7 +71,7 @@ def test_training_arguments_take_yours_and_refuse_what_the_plan_sets_otherwise()
     assert "your per_device_train_batch_size=16 (the plan chose 4), fp16=True (the plan chose False); " \
            "the plan sets them: delete them" in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert "the plan sets per_device_train_batch_size" not in str(e.value)
-    with pytest.raises(TightfitError, match="activation_checkpointing=True"):  # the old name is the same argument
+    with pytest.raises(TightfitError, match=f"{_CKPT}=True"):  # the old name is the same argument
         hf.training_arguments(plan, gradient_checkpointing=True)
 
 
@@ -116,7 +121,7 @@ class _OOMAt:
 
 def test_oom_before_the_first_step_trains_again_at_half_the_micro_batch_same_effective_batch(tmp_path):
     ref = _trainer(tmp_path / "ref", Plan("fp32", 4, 8))
-    ref.train()
+    hf.train(ref)  # the same loss scaling as the redo (see the split test below)
     trainer = _trainer(tmp_path / "oom", Plan("fp32", 8, 8))
     hook = _OOMAt(lambda calls, rows: rows == 8)
     trainer.model.bert.encoder.layer[1].register_forward_pre_hook(hook, with_kwargs=True)
@@ -212,3 +217,89 @@ def test_memory_peaks_reach_the_trainers_log_history_not_only_the_printed_line()
     cb.on_log(None, state, None, logs=logs)
     assert state.log_history[-1]["peak_allocated_bytes"] == 1000
     assert state.log_history[-1]["peak_reserved_bytes"] == 2000
+
+
+def _logged(trainer):
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def test_micro_batch_splits_of_one_effective_batch_log_the_same_loss_and_gradient(tmp_path):
+    """BERT's forward takes ``**kwargs`` but its loss ignores ``num_items_in_batch``: left to itself the
+    Trainer neither passes a count the loss uses nor divides by the accumulation steps, so the loss and
+    gradient grow with them (transformers#37766). Through :func:`hf.train` every split of the effective
+    batch is one batch of it."""
+    logged = {}
+    for mb in (8, 4, 2):
+        trainer = _trainer(tmp_path / str(mb), Plan("fp32", mb, 8), dropout=0.0)
+        hf.train(trainer)
+        logged[mb] = _logged(trainer)
+        assert len(logged[mb]) == 3
+    for mb in (4, 2):
+        torch.testing.assert_close(logged[mb], logged[8], rtol=1e-4, atol=1e-6)
+
+
+def test_oom_redo_keeps_the_loss_scale_of_the_planned_micro_batch(tmp_path):
+    ref = _trainer(tmp_path / "ref", Plan("fp32", 8, 8), dropout=0.0)
+    hf.train(ref)
+    trainer = _trainer(tmp_path / "oom", Plan("fp32", 8, 8), dropout=0.0)
+    hook = _OOMAt(lambda calls, rows: rows == 8)
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(hook, with_kwargs=True)
+    hf.train(trainer)
+    assert hook.fired == 1 and trainer.args.gradient_accumulation_steps == 2
+    torch.testing.assert_close(_logged(trainer), _logged(ref), rtol=1e-4, atol=1e-6)
+
+
+def test_loss_that_uses_the_item_count_keeps_the_trainers_handling(tmp_path):
+    """GPT-2's LM loss divides by ``num_items_in_batch`` (the window's target tokens): kept, so padded
+    samples of different lengths weigh per token across the window, as in tightfit's own runtime."""
+    from conftest import LMBatches, tiny_gpt2
+
+    class _LMRows(_Rows):
+        def __init__(self, n=32):
+            data = LMBatches(n)
+            self.batch = data.collate(range(n), pad_to=data.seq_len)
+
+    logged = {}
+    for mb in (8, 2):
+        plan = Plan("fp32", mb, 8)
+        args = TrainingArguments(output_dir=str(tmp_path / str(mb)), max_steps=2, learning_rate=1e-3, logging_steps=1,
+                                 save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+                                 **hf.training_arguments(plan))
+        trainer = Trainer(model=tiny_gpt2(dropout=0.0), args=args, train_dataset=_LMRows(),
+                          callbacks=[hf.TightfitCallback(plan)])
+        hf.train(trainer)
+        assert trainer.model_accepts_loss_kwargs
+        logged[mb] = _logged(trainer)
+    torch.testing.assert_close(logged[2], logged[8], rtol=1e-4, atol=1e-6)
+
+
+def test_callback_does_not_warn_about_the_oom_redos_own_micro_batch(tmp_path):
+    cb = hf.TightfitCallback(Plan("fp32", 8, 8))
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), callback=cb)
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(_OOMAt(lambda calls, rows: rows == 8),
+                                                                   with_kwargs=True)
+    hf.train(trainer)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
+    assert cb.events == [], cb.events
+    assert (cb.plan.micro_batch, cb.plan.accumulation_steps) == (4, 2)  # the plan in force after the redo
+
+
+def test_which_losses_use_the_trainers_item_count():
+    from conftest import tiny_gpt2
+
+    class Wrapped(type(tiny_bert())):  # a forward of its own that calls BERT's
+        def forward(self, **kw):
+            return super().forward(**kw)
+
+    assert hf.loss_uses_item_count(tiny_bert()) is False  # CrossEntropyLoss(), the count dropped
+    assert hf.loss_uses_item_count(Wrapped(tiny_bert().config)) is False
+    assert hf.loss_uses_item_count(tiny_gpt2()) is True  # self.loss_function(..., **kwargs)
+    assert hf.loss_uses_item_count(torch.nn.Linear(2, 2)) is None  # no **kwargs: the Trainer passes nothing
+
+
+def test_callback_under_a_plain_train_says_the_trainer_scales_the_loss_by_the_accumulation(tmp_path):
+    cb = hf.TightfitCallback(Plan("fp32", 4, 8))
+    trainer = _trainer(tmp_path, Plan("fp32", 4, 8), steps=1, callback=cb)
+    trainer.train()
+    assert len(cb.events) == 1 and "2 (gradient_accumulation_steps) times" in cb.events[0], cb.events
+    assert "hf.train(trainer)" in cb.events[0]

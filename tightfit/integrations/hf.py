@@ -17,7 +17,9 @@ What each part does, and what the Trainer leaves out of reach:
 - :class:`TightfitCallback`: per-step peak allocated/reserved memory and GPU health (NVML) in the
   Trainer's logs; skips an optimizer step whose gradients are not finite in fp32/bf16 (the Trainer
   would apply it; in fp16 its loss scaler already skips it) and stops training after
-  ``max_skipped_steps`` in a row; warns when the arguments differ from the plan.
+  ``max_skipped_steps`` in a row; warns when the arguments differ from the plan (after an OOM redo
+  of :func:`train`: the redo's), and, under a plain ``trainer.train()``, when the Trainer would scale
+  the loss by the accumulation steps (below).
 - :func:`train`: the OOM policy. An out-of-memory error inside the Trainer's step cannot be caught
   inside it, so :func:`train` catches it around ``trainer.train()`` and trains again with half the
   micro-batch and twice the accumulation (the same effective batch): from the start when no
@@ -28,12 +30,25 @@ What each part does, and what the Trainer leaves out of reach:
   per-device batch at the same accumulation -- a smaller effective batch -- and restarts from
   step 0 with the weights the failed attempt had already updated; :func:`training_arguments`
   turns it off.
+
+  It also keeps the gradient of micro-batch x accumulation that of one batch of the effective size
+  where the Trainer alone would not: for a model whose ``forward`` takes ``**kwargs`` the Trainer
+  assumes the loss divides by ``num_items_in_batch`` (the window's count of labels) and skips its
+  own division by the accumulation steps; a loss that ignores the count (BERT's sequence
+  classification head, among others: transformers#37766) then grows with the accumulation steps.
+  :func:`train` sets ``trainer.model_accepts_loss_kwargs = False`` for such a model (read from its
+  ``forward``'s source, see :func:`loss_uses_item_count`), so the Trainer divides by the steps
+  itself; a loss that uses the count (causal LMs) keeps the Trainer's handling. A
+  :class:`TightfitCallback` under a plain ``trainer.train()`` warns when this applies.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import logging
+import textwrap
 
 import torch
 
@@ -44,7 +59,8 @@ from . import Watch, note_uneven, require, smaller_micro_batch
 transformers = require("transformers")
 require("accelerate")  # the Trainer's own dependency
 
-__all__ = ["TightfitCallback", "smaller_micro_batch", "train", "training_arguments"]
+__all__ = ["TightfitCallback", "loss_uses_item_count", "scale_loss_as_one_batch", "smaller_micro_batch", "train",
+           "training_arguments"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +125,97 @@ def training_arguments(plan: Plan, **yours) -> dict:
     return {**given, **planned}
 
 
+def _forward_uses_item_count(fn) -> bool | None:
+    """Whether one ``forward`` passes ``num_items_in_batch`` on to its loss: it names
+    ``num_items_in_batch``, or calls a loss (a callable whose name has "loss") with ``**kwargs``
+    (as ``self.loss_function(logits, labels, vocab_size=..., **kwargs)``). None: no source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "num_items_in_batch" or \
+                isinstance(node, ast.Attribute) and node.attr == "num_items_in_batch" or \
+                isinstance(node, ast.Constant) and node.value == "num_items_in_batch" or \
+                isinstance(node, ast.keyword) and node.arg == "num_items_in_batch":
+            return True
+        if isinstance(node, ast.Call) and any(k.arg is None for k in node.keywords):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if "loss" in name.lower():
+                return True
+    return False
+
+
+def loss_uses_item_count(model) -> bool | None:
+    """Whether ``model``'s own loss divides by the ``num_items_in_batch`` the Hugging Face Trainer
+    passes to a ``forward`` that takes ``**kwargs``: the model's ``accepts_loss_kwargs`` where it sets
+    one (as the Trainer reads it), else whether a ``forward`` of its class or a base class hands the
+    count to its loss (read from their source). None: not known (no ``**kwargs``, or no source).
+
+    A ``forward`` with ``**kwargs`` whose loss ignores the count (``BertForSequenceClassification``'s
+    ``CrossEntropyLoss()``) gives, under the Trainer's gradient accumulation, a loss and gradient
+    ``gradient_accumulation_steps`` times those of one batch (transformers#37766).
+    """
+    if hasattr(model, "get_base_model"):  # PEFT: the Trainer inspects the base model
+        model = model.get_base_model()
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+        return None  # the Trainer passes it nothing
+    seen = []
+    for cls in type(model).__mro__:
+        if cls is torch.nn.Module:
+            break
+        if "forward" in vars(cls):
+            seen.append(_forward_uses_item_count(vars(cls)["forward"]))
+    if any(seen):
+        return True
+    return None if None in seen or not seen else False
+
+
+def _drops_item_count(trainer) -> bool:
+    """Whether ``trainer`` (as built) would skip its division by the accumulation steps for a loss
+    that does not divide by ``num_items_in_batch`` itself."""
+    if not getattr(trainer, "model_accepts_loss_kwargs", False):
+        return False
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return False  # yours gets the count (and the Trainer counts on it)
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
+        return False  # you said how your compute_loss scales (transformers 5.x)
+    smoother = getattr(trainer, "label_smoother", None)
+    if smoother is not None:  # the Trainer's own loss, not the model's
+        try:
+            return "num_items_in_batch" not in inspect.signature(smoother).parameters
+        except (TypeError, ValueError):
+            return False
+    model = trainer.model
+    unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+    if unwrap is not None:
+        model = unwrap(model)
+    return loss_uses_item_count(model) is False
+
+
+def scale_loss_as_one_batch(trainer) -> bool:
+    """Make ``trainer`` divide a loss that ignores ``num_items_in_batch`` by the accumulation steps
+    (``trainer.model_accepts_loss_kwargs = False``; see the module doc). :func:`train` does this.
+
+    Returns:
+        Whether it changed anything.
+    """
+    if not _drops_item_count(trainer):
+        return False
+    trainer.model_accepts_loss_kwargs = False
+    log.info("tightfit: %s's loss ignores num_items_in_batch: the Trainer divides it by the accumulation "
+             "steps (model_accepts_loss_kwargs=False), as one batch of the effective size",
+             type(trainer.model).__name__)
+    return True
+
+
 class TightfitCallback(Watch, transformers.TrainerCallback):
     """Memory and health reporting and the non-finite guard for the Hugging Face ``Trainer``.
 
@@ -140,11 +247,19 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         self.stop_reason: str | None = None
         self.health = None
         self._logged_upto = 0  # memory_timeline entries already in a log record
+        self._redone_at: tuple[int, int] | None = None  # per-device batch x accumulation of train()'s OOM redo
+        self._in_train = False  # run by train(), which fixes the Trainer's loss scaling
 
-    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+    def on_train_begin(self, args, state, control, train_dataloader=None, model=None, **kwargs):
         """Check the arguments against the plan; start the memory peaks and the health monitor."""
         if self.plan is not None:
             self._check_arguments(args, train_dataloader)
+        if not self._in_train and args.gradient_accumulation_steps > 1 and model is not None \
+                and loss_uses_item_count(model) is False:
+            self._event(f"{type(model).__name__}'s forward takes **kwargs but its loss ignores num_items_in_batch: "
+                        f"unless trainer.model_accepts_loss_kwargs is False, the Trainer's loss and gradients are "
+                        f"{args.gradient_accumulation_steps} (gradient_accumulation_steps) times those of one batch "
+                        f"(transformers#37766); hf.train(trainer) sets it")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
             if self.health is None:
@@ -156,8 +271,10 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         p = self.plan
         batch = getattr(loader, "batch_size", None) or args.per_device_train_batch_size
         precision = {"fp16": "fp16=True", "bf16": "bf16=True", "fp32": "fp16=False, bf16=False"}
-        want = {"per_device_train_batch_size": (batch, p.micro_batch),
-                "gradient_accumulation_steps": (args.gradient_accumulation_steps, p.accumulation_steps),
+        # after train()'s OOM redo, the plan in force is the redo's (same effective batch)
+        micro, steps = self._redone_at or (p.micro_batch, p.accumulation_steps)
+        want = {"per_device_train_batch_size": (batch, micro),
+                "gradient_accumulation_steps": (args.gradient_accumulation_steps, steps),
                 "precision": ("fp16" if args.fp16 else "bf16" if args.bf16 else "fp32", p.precision)}
         for name, (got, planned) in want.items():
             if got != planned:
@@ -167,6 +284,12 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
                             + (" (a batch found by auto_find_batch_size: the effective batch is smaller than "
                                "planned)" if name == "per_device_train_batch_size" and args.auto_find_batch_size
                                else ""))
+
+    def _redo(self, micro: int, steps: int, reason: str) -> None:
+        """:func:`train` trains again at ``micro`` x ``steps`` after an OOM: the plan in force from now."""
+        self._redone_at = (micro, steps)
+        if self.plan is not None:
+            self.plan = self.plan.with_micro_batch(micro, reason)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         """Skip the step (fp32/bf16: drop the gradients) if a gradient is not finite; stop after too many in a row."""
@@ -228,7 +351,11 @@ def train(trainer, **train_kwargs):
     """``trainer.train(**train_kwargs)`` with tightfit's OOM policy (see the module doc): after an
     out-of-memory error, train again at a smaller micro-batch with the same effective batch
     (:func:`smaller_micro_batch`), from the start if no optimizer step had been taken, else from the
-    newest checkpoint in ``output_dir``.
+    newest checkpoint in ``output_dir``. Before it, a model whose loss ignores the Trainer's
+    ``num_items_in_batch`` gets the Trainer's division by the accumulation steps
+    (:func:`scale_loss_as_one_batch`), so micro-batch x accumulation trains as one batch of the
+    effective size, in the redo too. Its :class:`TightfitCallback` s check the arguments against the
+    redo's micro-batch and accumulation (their ``plan`` becomes the redo's).
 
     Returns:
         What ``trainer.train`` returns (a ``TrainOutput``).
@@ -246,39 +373,50 @@ def train(trainer, **train_kwargs):
     from ..runtime.trainer import NonFiniteTrainingError
 
     args = trainer.args
+    ours = [c for c in trainer.callback_handler.callbacks if isinstance(c, TightfitCallback)]
+    scale_loss_as_one_batch(trainer)  # before the first attempt: the redo keeps it
+    for c in ours:
+        c._in_train = True
     rng = capture_rng()
-    while True:
-        try:
-            output = trainer.train(**train_kwargs)
-            break
-        except Exception as e:  # only OOMs are handled; anything else propagates unchanged
-            if not is_oom(e):
-                raise
-            where = type(e).__name__
-        step, mb, acc = trainer.state.global_step, args.per_device_train_batch_size, args.gradient_accumulation_steps
-        if mb == 1:
-            raise TightfitError("out of memory in the Trainer with a per-device batch of 1; "
-                                "plan with activation checkpointing or fp16/bf16, or raise the budget")
-        if step > 0:  # the weights have moved: go back to a checkpoint, never redo on top of them
-            last = get_last_checkpoint(args.output_dir) if args.output_dir else None
-            if last is None:
-                raise TightfitError(f"out of memory in the Trainer at step {step + 1} at per-device batch {mb}, with "
-                                    f"no checkpoint in {args.output_dir} to train again from (its weights have "
-                                    f"moved since step 0); set save_steps, or plan for a smaller budget")
-            train_kwargs["resume_from_checkpoint"] = last
-        trainer.model.zero_grad(set_to_none=True)
-        release_memory()  # outside the except block: the failed attempt's frames are gone
-        if step == 0:
-            restore_rng(rng)  # the redo draws the data order and dropout as a run at the smaller batch would
-        args.per_device_train_batch_size, args.gradient_accumulation_steps = smaller_micro_batch(mb, acc)
-        # the Trainer reads its loader's batch from this attribute, set from the arguments at construction
-        # (the one it updates itself for auto_find_batch_size)
-        trainer._train_batch_size = args.train_batch_size
-        log.warning(f"tightfit: out of memory ({where}) at per-device batch {mb} x {acc}: training again with "
-                    f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} (same effective batch) "
-                    + (f"from {train_kwargs['resume_from_checkpoint']}" if step else "from the start"))
-    stopped = [c.stop_reason for c in trainer.callback_handler.callbacks
-               if isinstance(c, TightfitCallback) and c.stop_reason]
+    try:
+        while True:
+            try:
+                output = trainer.train(**train_kwargs)
+                break
+            except Exception as e:  # only OOMs are handled; anything else propagates unchanged
+                if not is_oom(e):
+                    raise
+                where = type(e).__name__
+            step = trainer.state.global_step
+            mb, acc = args.per_device_train_batch_size, args.gradient_accumulation_steps
+            if mb == 1:
+                raise TightfitError("out of memory in the Trainer with a per-device batch of 1; "
+                                    "plan with activation checkpointing or fp16/bf16, or raise the budget")
+            if step > 0:  # the weights have moved: go back to a checkpoint, never redo on top of them
+                last = get_last_checkpoint(args.output_dir) if args.output_dir else None
+                if last is None:
+                    raise TightfitError(f"out of memory in the Trainer at step {step + 1} at per-device batch {mb}, "
+                                        f"with no checkpoint in {args.output_dir} to train again from (its weights "
+                                        f"have moved since step 0); set save_steps, or plan for a smaller budget")
+                train_kwargs["resume_from_checkpoint"] = last
+            trainer.model.zero_grad(set_to_none=True)
+            release_memory()  # outside the except block: the failed attempt's frames are gone
+            if step == 0:
+                restore_rng(rng)  # the redo draws the data order and dropout as a run at the smaller batch would
+            args.per_device_train_batch_size, args.gradient_accumulation_steps = smaller_micro_batch(mb, acc)
+            # the Trainer reads its loader's batch from this attribute, set from the arguments at construction
+            # (the one it updates itself for auto_find_batch_size)
+            trainer._train_batch_size = args.train_batch_size
+            for c in ours:  # their check compares the arguments with the plan in force: the redo's
+                c._redo(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                        f"out of memory in the Trainer at per-device batch {mb} x {acc}")
+            log.warning(f"tightfit: out of memory ({where}) at per-device batch {mb} x {acc}: training again with "
+                        f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} (same effective "
+                        f"batch) " + (f"from {train_kwargs['resume_from_checkpoint']}" if step else "from the start"))
+    finally:
+        for c in ours:
+            c._in_train = False
+    stopped = [c.stop_reason for c in ours if c.stop_reason]
     if stopped:
         raise NonFiniteTrainingError(stopped[0], trainer.state.global_step)
     return output
