@@ -118,3 +118,15 @@ def shipped_model_reviews():
     texts = ["a fine film", "a dull film", "great acting", "poor plot"] * 2
     enc = tok(texts, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
     return path, enc, torch.tensor([i % 2 for i in range(len(texts))])
+
+
+def params_of(model):
+    """Every named parameter of ``model``, detached copies (to compare runs bit for bit)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_params(a, b):
+    """Two :func:`params_of` results are equal, name by name, bit for bit."""
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n

@@ -109,13 +109,17 @@ def test_non_finite_steps_are_skipped_then_fit_stops():
         assert torch.equal(a, b)
 
 
-def test_oom_names_the_micro_batch_that_keeps_the_effective_batch():
-    module = _Classifier()
-
+def _out_of_memory_in_every_forward(module):
     def oom(m, args, kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
     module.bert.bert.encoder.layer[0].register_forward_pre_hook(oom, with_kwargs=True)
+
+
+def test_oom_names_the_micro_batch_that_keeps_the_effective_batch():
+    module = _Classifier()
+
+    _out_of_memory_in_every_forward(module)
     cb = tl.TightfitCallback(Plan("fp32", 8, 16))
     with pytest.raises(torch.OutOfMemoryError):
         _fit(Plan("fp32", 8, 16), module, callback=cb)
@@ -128,10 +132,7 @@ def test_oom_advice_keeps_the_plans_effective_batch_when_the_loader_differed():
     OOM keeps the plan's 12, not the loader's 20."""
     module = _Classifier()
 
-    def oom(m, args, kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-
-    module.bert.bert.encoder.layer[0].register_forward_pre_hook(oom, with_kwargs=True)
+    _out_of_memory_in_every_forward(module)
     cb = tl.TightfitCallback(Plan("fp32", 6, 12))
     with pytest.raises(torch.OutOfMemoryError):
         _fit(Plan("fp32", 6, 12), module, callback=cb, micro_batch=10)

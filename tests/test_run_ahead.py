@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tightfit.step as step
-from conftest import SyntheticBatches, tiny_bert
+from conftest import SyntheticBatches, assert_same_params, params_of, tiny_bert
 from tightfit.plan import Plan
 from tightfit.runtime.checkpoint import list_checkpoints, load_checkpoint
 from tightfit.runtime.trainer import NonFiniteTrainingError, TrainConfig, Trainer, TrainingInterrupted
@@ -46,15 +46,6 @@ def _workload(n=80, effective_batch=8, dropout=0.1):
     return Workload(tiny_bert(dropout, 0), SyntheticBatches(n), SyntheticBatches(8, seed=1), effective_batch)
 
 
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _assert_same(a, b):
-    assert a.keys() == b.keys()
-    for n in a:
-        assert torch.equal(a[n], b[n]), n
-
 
 def _run(tmp_path, name, **cfg):
     records = []
@@ -76,7 +67,7 @@ def test_steps_queued_ahead_train_log_and_checkpoint_as_steps_read_at_once(tmp_p
     queued, queued_records = _run(tmp_path, "queued")
     assert sum(ahead) >= 8  # 20 steps: queued ahead except before logs, checkpoints and the end
     assert queued_records == sync_records  # losses, lr, grad norms, loss scale, micro-batches, eval
-    _assert_same(_params(queued.model), _params(sync.model))
+    assert_same_params(params_of(queued.model), params_of(sync.model))
     kept = [p.name for p in list_checkpoints(tmp_path / "sync")]
     assert kept and kept == [p.name for p in list_checkpoints(tmp_path / "queued")]
     for ckpt in kept:
@@ -84,7 +75,7 @@ def test_steps_queued_ahead_train_log_and_checkpoint_as_steps_read_at_once(tmp_p
         a = load_checkpoint(tmp_path / "sync" / ckpt, ma)
         b = load_checkpoint(tmp_path / "queued" / ckpt, mb)
         assert a["step"] == b["step"] and a["scheduler"] == b["scheduler"]
-        _assert_same(_params(ma), _params(mb))
+        assert_same_params(params_of(ma), params_of(mb))
 
 
 @pytest.mark.parametrize("grad", [1.0, math.inf, math.nan])
@@ -137,19 +128,19 @@ def test_sigint_while_a_step_is_queued_ahead_stops_after_it_with_a_checkpoint_th
     resumed = trainer(tmp_path / "stopped")
     resumed.resume(e.value.checkpoint)
     resumed.fit()
-    _assert_same(_params(resumed.model), _params(full.model))
+    assert_same_params(params_of(resumed.model), params_of(full.model))
 
 
 def test_a_run_of_nonfinite_steps_decided_on_the_device_stops_where_the_host_guard_stops(tmp_path, on_device):
     w = _workload(n=32, dropout=0.0)
     w.model.bert.encoder.layer[1].output.dense.register_forward_hook(lambda m, i, out: out * math.inf)
-    before = _params(w.model)
+    before = params_of(w.model)
     t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=2, lr=1e-3, max_skipped_steps=3,
                                                  checkpoint_dir=str(tmp_path)), progress=False)
     with pytest.raises(NonFiniteTrainingError, match=r"layer\.1\.output\.dense") as e:
         t.fit()
     assert any(on_device) and e.value.step == 3 and t.result.skipped_steps == 3
-    _assert_same(_params(t.model), before)  # every skipped update left the weights alone
+    assert_same_params(params_of(t.model), before)  # every skipped update left the weights alone
     state = load_checkpoint(tmp_path / "ckpt-3", _workload(n=32).model)
     assert state["step"] == 3 and state["scheduler"]["last_epoch"] == 3
 
@@ -181,7 +172,7 @@ def test_on_cuda_steps_queued_ahead_train_as_steps_read_at_once(tmp_path, monkey
     sync, sync_records = run("sync")
     assert queued_records == sync_records
     assert any(r["type"] == "eval" for r in sync_records)
-    _assert_same(_params(queued.model), _params(sync.model))
+    assert_same_params(params_of(queued.model), params_of(sync.model))
 
 
 def test_an_oom_in_a_step_queued_ahead_backs_off_and_grows_back_as_in_steps_read_at_once(tmp_path, monkeypatch):
@@ -219,7 +210,7 @@ def test_an_oom_in_a_step_queued_ahead_backs_off_and_grows_back_as_in_steps_read
     # forced, where the runtime never queues ahead) takes from the scheduler already stepped again
     trains = lambda rs: [{k: v for k, v in r.items() if k != "lr"} for r in rs if r["type"] == "train"]  # noqa: E731
     assert trains(queued_records) == trains(sync_records)
-    _assert_same(_params(queued.model), _params(sync.model))
+    assert_same_params(params_of(queued.model), params_of(sync.model))
 
 
 def _ahead_ignoring_logs(may, trainer, launched):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import SyntheticBatches, tiny_bert
+from conftest import SyntheticBatches, assert_same_params, params_of, tiny_bert
 from tightfit.plan import Plan
 from tightfit.runtime.checkpoint import list_checkpoints, load_checkpoint
 from tightfit.runtime.trainer import (NonFiniteTrainingError, PartialUpdateError, TrainConfig, Trainer,
@@ -22,15 +22,6 @@ from tightfit.workload import Workload
 def _workload(n=24, effective_batch=8, dropout=0.1, seed=0):
     return Workload(tiny_bert(dropout, seed), SyntheticBatches(n), SyntheticBatches(8, seed=1), effective_batch)
 
-
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _assert_same(a, b):
-    assert a.keys() == b.keys()
-    for n in a:
-        assert torch.equal(a[n], b[n]), n
 
 
 def test_every_training_step_runs_in_train_mode_and_evaluation_in_eval_mode():
@@ -84,8 +75,8 @@ def test_gradients_left_on_the_model_do_not_leak_into_the_first_step():
     for w in (clean, dirty):
         t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3), progress=False)
         t.train_step(list(range(8)))
-        results.append(_params(w.model))
-    _assert_same(*results)
+        results.append(params_of(w.model))
+    assert_same_params(*results)
 
 
 def test_use_cache_is_restored_after_training_with_checkpointing():
@@ -177,7 +168,7 @@ def test_oom_while_fused_adamw_allocates_its_state_redoes_the_step_exactly():
     res = t.fit()
     assert res.oom_recoveries == 1 and t.micro_batch == 4
     assert {float(s["step"]) for s in t.optimizer.state.values()} == {3.0}
-    _assert_same(_params(w.model), _params(ref.model))
+    assert_same_params(params_of(w.model), params_of(ref.model))
 
 
 def _oom_once_in_the_first_step(trainer):
@@ -213,7 +204,7 @@ def test_resume_after_an_oom_back_off_grows_back_like_the_uninterrupted_run(tmp_
     resumed = run(tmp_path / "resumed", resume_from=tmp_path / "full" / "ckpt-1")  # at micro-batch 4
     assert any("growing micro-batch back 4 -> 8" in e for e in resumed.result.events)
     assert resumed.micro_batch == full.micro_batch == 8
-    _assert_same(_params(resumed.model), _params(full.model))
+    assert_same_params(params_of(resumed.model), params_of(full.model))
 
 
 def test_a_run_of_nonfinite_steps_stops_with_a_resumable_checkpoint(tmp_path):
@@ -257,7 +248,7 @@ def test_sigint_stops_at_a_step_boundary_with_a_checkpoint_that_resumes_exactly(
     resumed = trainer(tmp_path / "stopped")
     resumed.resume(e.value.checkpoint)
     resumed.fit()
-    _assert_same(_params(resumed.model), _params(full.model))
+    assert_same_params(params_of(resumed.model), params_of(full.model))
 
 
 def test_resume_with_a_new_learning_rate_rescales_the_schedule_from_the_checkpoint(tmp_path):

@@ -279,9 +279,10 @@ def skips_on_device(optimizer) -> bool:
     ``torch.amp.GradScaler`` drives the same way (``_step_supports_amp_scaling``, read by
     ``GradScaler.step`` in every torch since 2.0). Others (bitsandbytes, torchao, CPU offload,
     foreach) need the verdict on the host before ``step()``."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = optimizer.param_groups
+    first = next((p for g in groups for p in g["params"]), None)  # a fused optimizer's are on one device
     return (bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not hasattr(optimizer, "wait_for_gradients")
-            and bool(params) and all(p.is_cuda for p in params) and all(g.get("fused") for g in optimizer.param_groups))
+            and first is not None and first.is_cuda and all(g.get("fused") for g in groups))
 
 
 def accumulate(model: torch.nn.Module, micro_batches: Iterable[dict], loss_sum: Callable, normaliser: float,
