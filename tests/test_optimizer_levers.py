@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from conftest import SyntheticBatches
+from conftest import SyntheticBatches, assert_same_params as assert_same, params_of as params
 from tightfit.errors import TightfitError
 from tightfit.plan import Plan
 from tightfit.runtime.trainer import PartialUpdateError, TrainConfig, Trainer
@@ -32,16 +32,6 @@ def bert_with_large_tensors(seed=0, dropout=0.1):
 
 def workload(n=24, effective_batch=8, seed=0):
     return Workload(bert_with_large_tensors(seed), SyntheticBatches(n), SyntheticBatches(8, seed=1), effective_batch)
-
-
-def params(model):
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def assert_same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 @needs_bnb
