@@ -112,8 +112,9 @@ def training_arguments(plan: Plan, **yours) -> dict:
     if "optim" not in yours and _OPTIM[plan.optimizer] != getattr(default, "value", default):
         planned["optim"] = _OPTIM[plan.optimizer]  # only when the Trainer's default is not the plan's optimizer
     old = "gradient_checkpointing" if name == "activation_checkpointing" else None
-    given = {(name + k[len(old):] if old and k.startswith(old) else k): v for k, v in yours.items()}
-    conflicts = [f"{k}={given[k]!r} (the plan chose {v!r})" for k, v in planned.items()
+    as_yours = {(name + k[len(old):] if old and k.startswith(old) else k): k for k in yours}  # named as you named it
+    given = {k: yours[y] for k, y in as_yours.items()}
+    conflicts = [f"{as_yours[k]}={given[k]!r} (the plan chose {v!r})" for k, v in planned.items()
                  if k in given and given[k] != v and not (k.endswith("_kwargs") and not ckpt)]
     if conflicts:
         raise TightfitError(f"training_arguments(plan, ...): your {', '.join(conflicts)}; the plan sets "
