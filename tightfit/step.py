@@ -360,20 +360,12 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
     norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_grad_norm is None else max_grad_norm)
     if hasattr(norm, "full_tensor"):  # FSDP2's sharded gradients give a DTensor: the global norm, replicated
         norm = norm.full_tensor()
+    pending = None  # [grad norm, loss] left on the device: the skip is decided there
+    loss_value, grad_norm = None, None
     if defer and loss is not None and skips_on_device(optimizer):
         pending = torch.stack([norm.detach().float(), loss.detach().float().to(norm.device)])
-        del norm, loss
-        if scaling:
-            scaler.step(optimizer)  # fused: the scaler hands the kernel its found_inf, no sync
-        else:
-            _step_unless_nonfinite(optimizer, pending[0])
-        if scaler is not None:
-            scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        return PendingStep(pending)
-    loss_value = None
-    if norm.is_meta:
-        grad_norm = None
+    elif norm.is_meta:
+        pass
     elif loss is None:
         grad_norm = float(norm)  # a host sync; the tensor is freed before the step
     else:  # one host sync for both; the 2-element tensor is freed at once
@@ -381,12 +373,16 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
     del norm, loss
     finite = grad_norm is None or math.isfinite(grad_norm)
     if scaling:
-        scaler.step(optimizer)  # skips the update itself if unscale_ found inf/NaN
+        scaler.step(optimizer)  # skips the update itself if unscale_ found inf/NaN (fused: with no sync)
+    elif pending is not None:
+        _step_unless_nonfinite(optimizer, pending[0])
     elif finite:
         optimizer.step()
     if scaler is not None:
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    if pending is not None:
+        return PendingStep(pending)
     return (grad_norm, finite) if loss_value is None else (grad_norm, finite, loss_value)
 
 
