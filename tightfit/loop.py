@@ -100,16 +100,13 @@ def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
     return lambda d: (d["labels"][:, shift:] != -100).sum()
 
 
-def _loss_sum(batch: _Batch, loss: LossFn | None, model: torch.nn.Module | None = None
-              ) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
+def _loss_sum(batch: _Batch, loss: LossFn | None, tokens=None) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
     """``(model, dict micro-batch) -> loss summed over what it averages``: the mean loss times the
     samples in the micro-batch, or, for a model's own mean over target tokens
-    (:func:`_target_tokens`, given ``model``), times the micro-batch's target tokens, so that
+    (``tokens``, from :func:`_target_tokens`), times the micro-batch's target tokens, so that
     :func:`tightfit.step.accumulate`, which divides by the samples (tokens) of the whole batch
     (:func:`_normaliser`), weights each micro-batch by its share: the gradient of the whole
     batch's mean loss (DESIGN invariant 1)."""
-    tokens = _target_tokens(model, batch, loss) if model is not None else None
-
     def loss_sum(model, d):
         b = batch.restore(d)
         n = next(iter(d.values())).shape[0]
@@ -131,10 +128,9 @@ def _loss_sum(batch: _Batch, loss: LossFn | None, model: torch.nn.Module | None 
     return loss_sum
 
 
-def _normaliser(batch: _Batch, loss: LossFn | None, model: torch.nn.Module) -> int:
+def _normaliser(batch: _Batch, tokens) -> int:
     """What :func:`_loss_sum` sums over in the whole batch: its samples, or its target tokens
     (at least 1: a batch without targets has a loss of 0/0 either way)."""
-    tokens = _target_tokens(model, batch, loss)
     return batch.size if tokens is None else max(1, int(tokens(batch.as_dict())))
 
 
@@ -421,8 +417,9 @@ class TrainStep:
         from .levers.optimizers import hold_gradients
         from .step import training_step
 
-        d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss, self.model), capture_rng()
-        normaliser = _normaliser(b, self.loss, self.model)
+        tokens = _target_tokens(self.model, b, self.loss)  # None: the loss is a mean over samples
+        d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss, tokens), capture_rng()
+        normaliser = _normaliser(b, tokens)
         while True:
             # fused AdamW allocates only its new state, before any write: no snapshot needed
             before = None if self._fused else in_place_versions(self.optimizer)
