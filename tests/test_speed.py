@@ -215,12 +215,15 @@ class _Batch:
 
 
 @pytest.mark.parametrize("padded_worst_case", [True, False])
+@pytest.mark.parametrize("mask_4d", [True, False])
 def test_after_the_warm_up_run_batches_of_any_length_with_or_without_padding_do_not_recompile(monkeypatch,
-                                                                                               padded_worst_case):
+                                                                                               padded_worst_case,
+                                                                                               mask_4d):
     """TorchDynamo's guards and automatic dynamic shapes, on the CPU with a backend that runs the
     traced graph as it is: the run's batches reuse what the planner compiled, and the planner
-    compiles each kind of call once. BERT with SDPA gives
-    its layers no mask for a batch without padding, and a mask tensor otherwise."""
+    compiles each kind of call once. BERT with SDPA, handed its 2-D mask, gives its layers no mask
+    for a batch without padding and a mask tensor otherwise (two graphs); handed the 4-D mask
+    (tightfit.masks, ``mask_4d``) it gives them a mask tensor always (one graph)."""
     import functools
 
     import torch._dynamo
@@ -237,14 +240,17 @@ def test_after_the_warm_up_run_batches_of_any_length_with_or_without_padding_do_
                         run_probe_steps(w, mb, precision, optimizer, timed_steps))
     data = SyntheticBatches(64, seq_len=32)
     data.lengths = ([32] * 8 if not padded_worst_case else [5] + [32] * 7) + [24] * 8 + [8] * 8 + [3, 30] * 20
+    if not mask_4d:
+        monkeypatch.setattr("tightfit.masks.ENCODERS", frozenset())
     w = Workload(tiny_bert(dropout=0.1), data, None, 8)
     torch._dynamo.reset()
     try:
         compile_model(w.model)
         with warmup.any_length(data):  # the planner's probes: the worst case, 32 tokens
             run_probe_steps(w, 8, "fp32", "adamw", 1)
-            assert len(warmup.warm_other_lengths(w, 8, (), "fp32", 2**30)) == 1
-        assert len(graphs) == 2  # with a mask and without, each once for every length
+            reason, = warmup.warm_other_lengths(w, 8, (), "fp32", 2**30)
+            assert f"{1 if mask_4d else 2} warm-up step(s)" in reason  # one step per kind of batch
+        assert len(graphs) == (1 if mask_4d else 2)  # with a mask (and without), each once for every length
         batches = [range(8, 16), range(8, 12), range(16, 19), range(15, 19), [24, 26, 28], range(24, 30),
                    range(1, 5)]  # 24 and 8 tokens without padding, then with; 32 with, then without
         with torch._dynamo.config.patch(error_on_recompile=True):

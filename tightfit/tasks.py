@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import TightfitError
+from .masks import model_inputs
 
 Batch = dict[str, torch.Tensor]
 
@@ -86,10 +87,6 @@ def add_sums(totals: dict[str, float], part: dict[str, float]) -> None:
         totals[k] = totals.get(k, 0) + v
 
 
-def _inputs(batch: Batch) -> Batch:
-    return {k: v for k, v in batch.items() if k != "labels"}
-
-
 # ---------------------------------------------------------------- losses (also used on their own)
 def count_samples(batch: Batch) -> int:
     """Samples the classification loss sums over (one per label in ``labels`` ``[B]``)."""
@@ -102,7 +99,7 @@ def _logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     Raises:
         TightfitError: the model's output has no ``.logits`` (a plain tensor, say).
     """
-    out = model(**_inputs(batch))
+    out = model(**model_inputs(model, batch))
     logits = getattr(out, "logits", None)
     if logits is None:
         raise TightfitError(f"the model returned {type(out).__name__}, not an output with .logits: its forward must "

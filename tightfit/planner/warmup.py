@@ -12,7 +12,8 @@ while planning, and the retiming that follows times the dynamic graph that the r
 A run also meets two kinds of batch at every length: with padding, and without (every sample as
 long as the batch). Hugging Face models with SDPA attention drop an all-ones mask (the block
 gets ``attention_mask=None``, so that SDPA may use its flash kernel) and give the blocks a mask
-tensor otherwise: two compiled graphs. The warm-up steps one batch of each kind, with the
+tensor otherwise: two compiled graphs (one for the encoders that tightfit hands a 4-D mask,
+:mod:`tightfit.masks`, whose blocks always get a mask tensor). The warm-up steps one batch of each kind, with the
 length dimension marked dynamic (:func:`~tightfit.levers.compile.length_dynamic`), so that each
 kind is compiled once for every length; the planner's first compiled probes already mark the
 full length dynamic (:func:`any_length`), so the kind they meet is not compiled twice.
@@ -30,6 +31,7 @@ import torch
 
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import length_dynamic
+from ..masks import takes_prepared_mask
 from ..workload import PAD_MULTIPLE, Workload
 from .probe import probe_step
 
@@ -84,11 +86,15 @@ def any_length(data):
     return length_dynamic(length) if length else contextlib.nullcontext()
 
 
-def mask_kinds(data) -> tuple:
+def mask_kinds(data, model: torch.nn.Module) -> tuple:
     """The kinds of batch :func:`warm_other_lengths` steps (``_AtLength``'s ``padded``): with
-    and without padding for data whose batches hold a 2-D ``attention_mask``, else one as is."""
+    and without padding for data whose batches hold a 2-D ``attention_mask``, else one as is.
+    An encoder handed its mask in 4-D (:func:`~tightfit.masks.takes_prepared_mask`) gets a mask
+    tensor either way: one padded batch compiles its one graph."""
     mask = data.worst_case(1).get("attention_mask")
-    return (True, False) if torch.is_tensor(mask) and mask.dim() == 2 else (None,)
+    if not (torch.is_tensor(mask) and mask.dim() == 2):
+        return (None,)
+    return (True,) if takes_prepared_mask(model) else (True, False)
 
 
 def warm_other_lengths(workload: Workload, micro_batch: int, blocks: tuple, precision: str,
@@ -109,7 +115,7 @@ def warm_other_lengths(workload: Workload, micro_batch: int, blocks: tuple, prec
         return []
     t0 = time.perf_counter()
     set_activation_checkpointing(workload.model, bool(blocks), blocks)
-    kinds = mask_kinds(workload.train)
+    kinds = mask_kinds(workload.train, workload.model)
     with length_dynamic(length):
         for padded in kinds:
             probe_step(replace(workload, train=_AtLength(workload.train, length, padded)), micro_batch, precision,

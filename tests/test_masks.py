@@ -1,0 +1,91 @@
+"""The padding mask handed to encoders in 4-D (tightfit.masks): the same logits as the 2-D mask,
+with no host check of the mask in the forward; causal and non-SDPA models keep the 2-D mask."""
+
+import pytest
+import torch
+
+from tightfit.masks import model_inputs, takes_prepared_mask
+from tightfit.tasks import SequenceClassification
+
+from conftest import SyntheticBatches, tiny_bert, tiny_gpt2
+
+
+def _encoder(kind: str, attn: str = "sdpa"):
+    import transformers as tr
+    torch.manual_seed(0)
+    small = dict(vocab_size=50, max_position_embeddings=40, num_labels=2)
+    if kind == "bert":
+        return tiny_bert()
+    if kind == "roberta":
+        cfg = tr.RobertaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                               pad_token_id=1, **small)
+        model = tr.RobertaForSequenceClassification(cfg)
+    else:
+        cfg = tr.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64, **small)
+        model = tr.DistilBertForSequenceClassification(cfg)
+    model.config._attn_implementation = attn
+    return model
+
+
+def _padded_batch():
+    b = SyntheticBatches(8, seq_len=12).collate(range(8))
+    assert (b["attention_mask"] == 0).any() and (b["attention_mask"] == 1).all(dim=1).any()  # padded and not
+    return b
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "distilbert"])
+def test_the_4d_mask_gives_the_logits_of_the_2d_mask(kind):
+    model = _encoder(kind).eval()
+    batch = _padded_batch()
+    inputs = model_inputs(model, batch)
+    assert inputs["attention_mask"].shape == (8, 1, 12, 12) and inputs["attention_mask"].dtype == torch.bool
+    assert "labels" not in inputs and batch["attention_mask"].dim() == 2  # the batch is left as it was
+    with torch.no_grad():
+        ours = model(**inputs).logits
+        theirs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        unmasked = model(input_ids=batch["input_ids"]).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-8)
+    assert (ours - unmasked).abs().max() > 1e-6  # the mask matters in this batch (logits ~1e-2)
+
+
+def test_the_forward_asks_nothing_of_the_mask_on_the_host(monkeypatch):
+    """The host check is transformers' ``_ignore_bidirectional_mask_sdpa``; with the 4-D mask it is
+    never reached (on a GPU it is a device-to-host read)."""
+    import transformers.masking_utils as mu
+
+    def host_check(padding_mask, *args, **kwargs):
+        if padding_mask is not None:
+            raise AssertionError("the padding mask was read on the host")
+        return True
+
+    monkeypatch.setattr(mu, "_ignore_bidirectional_mask_sdpa", host_check)
+    model, batch = tiny_bert().eval(), _padded_batch()
+    with torch.no_grad():
+        model(**model_inputs(model, batch))
+        SequenceClassification().loss_sum(model, batch)
+        with pytest.raises(AssertionError, match="read on the host"):  # the check is the live one
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+
+def test_causal_eager_and_decoder_models_keep_the_2d_mask():
+    bert_decoder = tiny_bert()
+    bert_decoder.config.is_decoder = True
+    for model in (tiny_gpt2(), _encoder("distilbert", attn="eager"), bert_decoder):
+        assert not takes_prepared_mask(model)
+        batch = _padded_batch()
+        assert model_inputs(model, batch)["attention_mask"] is batch["attention_mask"]
+    assert takes_prepared_mask(tiny_bert())
+
+
+@pytest.mark.gpu
+def test_a_padded_training_step_does_not_sync_on_the_gpu():
+    model = tiny_bert(dropout=0.1).cuda().train()
+    batch = {k: v.cuda() for k, v in _padded_batch().items()}
+    task = SequenceClassification()
+    task.loss_sum(model, batch).backward()  # warm up (lazy inits may sync once)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        task.loss_sum(model, batch).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

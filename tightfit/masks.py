@@ -1,0 +1,80 @@
+"""Padding masks handed to Hugging Face encoders in the form that needs no host sync.
+
+A text batch carries a 2-D padding mask ``attention_mask`` ``[B, T]`` (1 on a sample's tokens, 0
+on padding). Given that, a transformers (>= 5) encoder with SDPA attention asks, in Python,
+whether the mask has any 0 (``masking_utils._ignore_bidirectional_mask_sdpa`` runs
+``padding_mask.all()``) so as to drop an all-ones mask and let SDPA use its flash kernel. On a
+GPU that question is a device-to-host read: the host waits at every forward until the GPU has
+finished all the work queued before it (the previous step included), and the GPU then idles while
+the rest of the step is launched — the one sync left in the main job's steady-state step
+(bench/results/run-ahead).
+
+transformers takes a 4-D mask as already prepared and passes it to the attention as is
+(``masking_utils._preprocess_mask_arguments``). :func:`model_inputs` hands such encoders the
+boolean ``[B, 1, T, T]`` view that their own SDPA mask function builds from the 2-D mask
+(``sdpa_mask``: ``padding_mask[b, kv]`` expanded over heads and queries, True = attend), made on
+the device with no read. The attention sees the same mask values; what is given up is the flash
+kernel for a batch without padding, which the 2-D mask would have had.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+_PREPARED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+# Encoder-only families whose forward builds one bidirectional padding mask from ``attention_mask``
+# and uses it for nothing else (checked in their transformers 5 modeling code; tests/test_masks.py
+# compares logits). Not a rule to infer: GPT-2 also imports ``create_bidirectional_mask`` (for
+# cross-attention) and is causal; ModernBERT adds a sliding window to its mask.
+ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "albert"})
+
+
+def _hf_model(model: torch.nn.Module):
+    """The first transformers ``PreTrainedModel`` in ``model`` (itself, or wrapped by DDP, peft,
+    ...), or None (no transformers, or a model of another kind)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # transformers is a dependency; a stripped install still trains plain models
+        return None
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def takes_prepared_mask(model: torch.nn.Module) -> bool:
+    """True when ``model`` is a transformers encoder whose padding mask :func:`model_inputs`
+    should hand over in 4-D: a family in :data:`ENCODERS`, SDPA attention, not configured as a
+    decoder, and modeling code that builds its mask with ``masking_utils.create_bidirectional_mask``
+    (transformers >= 5, whose mask functions take a 4-D mask as prepared). Remembered per model
+    (a weak reference)."""
+    known = _PREPARED.get(model)
+    if known is None:
+        hf = _hf_model(model)
+        config = getattr(hf, "config", None)
+        modeling = sys.modules.get(type(hf).__module__) if hf is not None else None
+        known = bool(config is not None
+                     and getattr(config, "model_type", None) in ENCODERS
+                     and getattr(config, "_attn_implementation", None) == "sdpa"
+                     and not getattr(config, "is_decoder", False)
+                     and not getattr(config, "add_cross_attention", False)
+                     and getattr(modeling, "create_bidirectional_mask", None) is not None)
+        _PREPARED[model] = known
+    return known
+
+
+def model_inputs(model: torch.nn.Module, batch: Batch) -> Batch:
+    """The ``forward`` keyword arguments of ``batch`` for ``model``: every field but ``labels``,
+    and, for an encoder that :func:`takes_prepared_mask`, a 2-D ``attention_mask`` ``[B, T]``
+    replaced by the boolean view ``[B, 1, T, T]`` (True where key position ``t`` of sample ``b``
+    is a token, for every query) — the mask transformers' SDPA path would build, made without
+    reading the mask on the host. The batch itself is not changed."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    mask = inputs.get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 2 and takes_prepared_mask(model):
+        length = mask.shape[1]
+        inputs["attention_mask"] = mask.bool()[:, None, None, :].expand(-1, 1, length, -1)
+    return inputs
