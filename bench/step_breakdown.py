@@ -1,0 +1,141 @@
+"""Where a planned step's time goes, on a CUDA GPU: BERT-large seq 128 at 4 GiB (issue 14) with the
+plan tightfit chose there (bf16 weights, ``adamw8bit-bf16``, micro-batch 86 x 3, every block
+checkpointed), beside the same model with no budget, and the padding mask handed in 4-D or 2-D
+(tightfit.masks) on batches without padding.
+
+    OUT=folder python3 bench/step_breakdown.py [row names...]
+
+Each row trains ``STEPS`` optimizer steps through tightfit's ``Trainer`` with a fixed plan (no
+planning) on the bench's random full-length samples, and reads: the median step time of the
+last steps (the trainer's own step ends), the optimizer step's GPU time (CUDA events around
+``optimizer.step``), the rest of the step (forward, backward, recompute, clipping), peak
+allocated / reserved memory; the plan row also gets the PyTorch profiler's top operators over two
+steps. Writes ``$OUT/step_breakdown.json`` and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tightfit.bench.workloads import BenchWorkload, make_workload  # noqa: E402
+from tightfit.plan import Plan  # noqa: E402
+from tightfit.runtime.trainer import TrainConfig, Trainer  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "bench-out"))
+GiB = 2**30
+STEPS = 8
+
+# name: (arch, seq, budget GiB or None, precision, micro-batch, effective batch, checkpointing, optimizer, mask 4-D)
+ROWS = {
+    "large-plan-4GiB": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True),
+    "large-plan-4GiB-mask2d": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", False),
+    "large-nobudget-ckpt-adamw": ("bert-large", 128, None, "bf16", 86, 256, True, "adamw", True),
+    "large-nobudget-adamw": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True),
+    "large-nobudget-adamw-mb128": ("bert-large", 128, None, "bf16", 128, 256, False, "adamw", True),
+    "large-nobudget-8bitbf16": ("bert-large", 128, None, "bf16", 128, 256, False, "adamw8bit-bf16", True),
+    "base512-mask4d": ("bert-base", 512, None, "bf16", 32, 64, False, "adamw", True),
+    "base512-mask2d": ("bert-base", 512, None, "bf16", 32, 64, False, "adamw", False),
+}
+
+
+def run_row(name: str, profile: bool) -> dict:
+    import tightfit.masks as masks
+
+    arch, seq, budget, precision, mb, eff, ckpt, opt, mask4d = ROWS[name]
+    masks.ENCODERS = masks.ENCODERS if mask4d else frozenset()
+    masks._PREPARED.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(budget * GiB / total if budget else 1.0)
+    w = make_workload(BenchWorkload(name, arch, seq, f"{budget}GiB" if budget else "139GiB", eff), eff, eff * STEPS)
+    plan = Plan(precision, mb, eff, activation_checkpointing=ckpt, optimizer=opt, device="cuda",
+                budget_bytes=budget * GiB if budget else None)
+    t = Trainer(w, plan, TrainConfig(epochs=1, lr=1e-5, log_every=1000, checkpoint_every=10**6), progress=False)
+    events = []
+    step = t.optimizer.step
+
+    def timed_step(*a, **k):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return step(*a, **k)
+        finally:
+            end.record()
+            events.append((start, end))
+
+    t.optimizer.step = timed_step
+    torch.cuda.reset_peak_memory_stats()
+    prof = None
+    if profile:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA],
+                                      schedule=torch.profiler.schedule(wait=4, warmup=1, active=2, repeat=1))
+        prof.__enter__()
+        original = t._launch
+
+        def launch(window, index):
+            try:
+                return original(window, index)
+            finally:
+                prof.step()
+
+        t._launch = launch
+    res = t.fit()
+    torch.cuda.synchronize()
+    if prof is not None:
+        prof.__exit__(None, None, None)
+    ends = [e for e, _ in res.step_ends]
+    steps = [b - a for a, b in zip(ends, ends[1:])][2:]  # the first steps warm up
+    step_s = statistics.median(steps)
+    opt_s = statistics.median([s.elapsed_time(e) / 1e3 for s, e in events[3:]])
+    row = {"row": name, "arch": arch, "seq": seq, "budget_GiB": budget, "precision": precision, "micro_batch": mb,
+           "effective_batch": eff, "checkpointing": ckpt, "optimizer": opt, "mask_4d": mask4d,
+           "step_s": step_s, "optimizer_step_s": opt_s, "rest_s": step_s - opt_s,
+           "samples_per_s": eff / step_s, "peak_allocated_GiB": torch.cuda.max_memory_allocated() / GiB,
+           "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "steps": res.steps,
+           "oom_recoveries": res.oom_recoveries, "final_micro_batch": res.plan.micro_batch}
+    if prof is not None:
+        ka = prof.key_averages()
+        row["top_cuda"] = ka.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        row["top_cpu"] = ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+    t.close() if hasattr(t, "close") else None
+    del t, w
+    return row
+
+
+def main(names) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, name in enumerate(names):
+        try:
+            row = run_row(name, profile=(i == 0))
+        except Exception as e:  # noqa: BLE001 - report the failure, go on with the next row
+            row = {"row": name, "error": repr(e)[:500]}
+        rows.append(row)
+        print({k: v for k, v in row.items() if not k.startswith("top_")}, flush=True)
+        (OUT / "step_breakdown.json").write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
+    print("| row | step ms | optimizer ms | rest ms | samples/s | peak alloc / reserved GiB |\n|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['row']} | error: {r['error'][:100]} | | | | |")
+        else:
+            print(f"| {r['row']} | {r['step_s'] * 1e3:.1f} | {r['optimizer_step_s'] * 1e3:.1f} | "
+                  f"{r['rest_s'] * 1e3:.1f} | {r['samples_per_s']:.0f} | "
+                  f"{r['peak_allocated_GiB']:.2f} / {r['peak_reserved_GiB']:.2f} |")
+    for r in rows:
+        if "top_cuda" in r:
+            print(f"\n## {r['row']}: top operators by CUDA time (2 steps)\n{r['top_cuda']}\n\n## by CPU time\n{r['top_cpu']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(ROWS))
