@@ -3,7 +3,7 @@ plan tightfit chose there (bf16 weights, ``adamw8bit-bf16``, micro-batch 86 x 3,
 checkpointed), beside the same model with no budget, and the padding mask handed in 4-D or 2-D
 (tightfit.masks) on batches without padding.
 
-    OUT=folder python3 bench/step_breakdown.py [row names...]
+    OUT=folder python3 bench/step_breakdown.py [--no-profile] [row names...]
 
 Each row trains ``STEPS`` optimizer steps through tightfit's ``Trainer`` with a fixed plan (no
 planning) on the bench's random full-length samples, and reads: the median step time of the
@@ -34,23 +34,26 @@ OUT = Path(os.environ.get("OUT", "bench-out"))
 GiB = 2**30
 STEPS = 8
 
-# name: (arch, seq, budget GiB or None, precision, micro-batch, effective batch, checkpointing, optimizer, mask 4-D)
+# name: (arch, seq, budget GiB or None, precision, micro-batch, effective batch, checkpointing, optimizer, mask 4-D,
+#        compiled blocks)
 ROWS = {
-    "large-plan-4GiB": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True),
-    "large-plan-4GiB-mask2d": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", False),
-    "large-nobudget-ckpt-adamw": ("bert-large", 128, None, "bf16", 86, 256, True, "adamw", True),
-    "large-nobudget-adamw": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True),
-    "large-nobudget-adamw-mb128": ("bert-large", 128, None, "bf16", 128, 256, False, "adamw", True),
-    "large-nobudget-8bitbf16": ("bert-large", 128, None, "bf16", 128, 256, False, "adamw8bit-bf16", True),
-    "base512-mask4d": ("bert-base", 512, None, "bf16", 32, 64, False, "adamw", True),
-    "base512-mask2d": ("bert-base", 512, None, "bf16", 32, 64, False, "adamw", False),
+    "large-plan-4GiB": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, False),
+    "large-plan-4GiB-mask2d": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", False, False),
+    "large-plan-4GiB-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, True),
+    "large-nobudget-adamw-compiled": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True, True),
+    "large-nobudget-ckpt-adamw": ("bert-large", 128, None, "bf16", 86, 256, True, "adamw", True, False),
+    "large-nobudget-adamw": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True, False),
+    "large-nobudget-adamw-mb128": ("bert-large", 128, None, "bf16", 128, 256, False, "adamw", True, False),
+    "large-nobudget-8bitbf16": ("bert-large", 128, None, "bf16", 128, 256, False, "adamw8bit-bf16", True, False),
+    "base512-mask4d": ("bert-base", 512, None, "bf16", 32, 64, False, "adamw", True, False),
+    "base512-mask2d": ("bert-base", 512, None, "bf16", 32, 64, False, "adamw", False, False),
 }
 
 
 def run_row(name: str, profile: bool) -> dict:
     import tightfit.masks as masks
 
-    arch, seq, budget, precision, mb, eff, ckpt, opt, mask4d = ROWS[name]
+    arch, seq, budget, precision, mb, eff, ckpt, opt, mask4d, compiled = ROWS[name]
     masks.ENCODERS = masks.ENCODERS if mask4d else frozenset()
     masks._PREPARED.clear()
     gc.collect()
@@ -59,7 +62,7 @@ def run_row(name: str, profile: bool) -> dict:
     torch.cuda.set_per_process_memory_fraction(budget * GiB / total if budget else 1.0)
     w = make_workload(BenchWorkload(name, arch, seq, f"{budget}GiB" if budget else "139GiB", eff), eff, eff * STEPS)
     plan = Plan(precision, mb, eff, activation_checkpointing=ckpt, optimizer=opt, device="cuda",
-                budget_bytes=budget * GiB if budget else None)
+                budget_bytes=budget * GiB if budget else None, compile=compiled)
     t = Trainer(w, plan, TrainConfig(epochs=1, lr=1e-5, log_every=1000, checkpoint_every=10**6), progress=False)
     events = []
     step = t.optimizer.step
@@ -99,7 +102,7 @@ def run_row(name: str, profile: bool) -> dict:
     step_s = statistics.median(steps)
     opt_s = statistics.median([s.elapsed_time(e) / 1e3 for s, e in events[3:]])
     row = {"row": name, "arch": arch, "seq": seq, "budget_GiB": budget, "precision": precision, "micro_batch": mb,
-           "effective_batch": eff, "checkpointing": ckpt, "optimizer": opt, "mask_4d": mask4d,
+           "effective_batch": eff, "checkpointing": ckpt, "optimizer": opt, "mask_4d": mask4d, "compiled": compiled,
            "step_s": step_s, "optimizer_step_s": opt_s, "rest_s": step_s - opt_s,
            "samples_per_s": eff / step_s, "peak_allocated_GiB": torch.cuda.max_memory_allocated() / GiB,
            "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "steps": res.steps,
@@ -113,12 +116,12 @@ def run_row(name: str, profile: bool) -> dict:
     return row
 
 
-def main(names) -> None:
+def main(names, profile_first: bool = True) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, name in enumerate(names):
         try:
-            row = run_row(name, profile=(i == 0))
+            row = run_row(name, profile=(i == 0 and profile_first))
         except Exception as e:  # noqa: BLE001 - report the failure, go on with the next row
             row = {"row": name, "error": repr(e)[:500]}
         rows.append(row)
@@ -138,4 +141,5 @@ def main(names) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(ROWS))
+    args = [a for a in sys.argv[1:] if a != "--no-profile"]
+    main(args or list(ROWS), profile_first="--no-profile" not in sys.argv)

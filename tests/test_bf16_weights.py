@@ -111,21 +111,70 @@ def test_oom_inside_the_update_after_a_parameter_was_written_stops_rather_than_a
     from tightfit.runtime.trainer import PartialUpdateError
 
     t = Trainer(workload(), Plan("bf16", 8, 8, optimizer=KIND), TrainConfig(epochs=1, lr=1e-3), progress=False)
-    real, calls = torch.compile, []
+    from tightfit.levers import optimizers
 
-    def compile_then_fail(fn, **kw):  # torchao compiles its update at every call (cached)
-        compiled = real(fn, **kw)
+    compiled, calls = optimizers._compiled_update(), []
 
-        def update(*a):
-            calls.append(1)
-            if len(calls) == 2:  # the first parameter is updated already
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
-            return compiled(*a)
-        return update
+    def update(*a):
+        calls.append(1)
+        if len(calls) == 2:  # the first parameter is updated already
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+        return compiled(*a)
 
-    monkeypatch.setattr(torch, "compile", compile_then_fail)
+    monkeypatch.setattr(optimizers, "_compiled_update", lambda: update)
     with pytest.raises(PartialUpdateError, match="part"):
         t.train_step(list(range(8)))
+
+
+def _three_steps(make, seed=0):
+    """Three steps of optimizer ``make(params)`` over bf16 tensors of a quantized (64 x 64) and
+    an unquantized shape, with bf16 gradients drawn from ``seed``; the weights and the state."""
+    torch.manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((64, 64), (8,), (64, 64))]
+    opt = make(ps)
+    for _ in range(3):
+        for p in ps:
+            p.grad = (torch.randn(p.shape) * 1e-3).bfloat16()
+        opt.step()
+    state = [{k: (v.dequantize() if hasattr(v, "dequantize") else v).clone() for k, v in opt.state[p].items()}
+             for p in ps]
+    return [p.detach().clone() for p in ps], state
+
+
+@needs_torchao
+def test_the_step_is_torchaos_own_step_bit_for_bit():
+    """tightfit's step (state allocated first, one compiled update function) against
+    ``torchao.optim.AdamW8bit`` as shipped: the same weights and moments after 3 steps, the
+    stochastic rounding's draws included (another seed changes the weights: they are live)."""
+    from torchao.optim import AdamW8bit
+
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+
+    ours = _three_steps(lambda ps: adamw_8bit_bf16(ps, 1e-3, 0.01))
+    theirs = _three_steps(lambda ps: AdamW8bit(ps, lr=1e-3, weight_decay=0.01, bf16_stochastic_round=True))
+    for a, b in zip(ours[0], theirs[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(ours[1], theirs[1]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a, b) for a, b in zip(_three_steps_other_draws(), ours[0]))
+
+
+def _three_steps_other_draws():
+    """:func:`_three_steps` of tightfit's step with the same weights and gradients as seed 0 but
+    the random stream moved on before each step (other stochastic-rounding draws)."""
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((64, 64), (8,), (64, 64))]
+    opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
+    for _ in range(3):
+        for p in ps:
+            p.grad = (torch.randn(p.shape) * 1e-3).bfloat16()
+        state = torch.get_rng_state()
+        torch.manual_seed(1234)
+        opt.step()
+        torch.set_rng_state(state)
+    return [p.detach().clone() for p in ps]
 
 
 @needs_torchao
