@@ -75,3 +75,25 @@ def test_a_layout_differs_when_only_dtype_or_strides_differ(cache_state):
         assert torch.mm(h, h.t()).dtype == torch.bfloat16
         t = torch.empty(8, 4, device="meta").t()  # same shape as a, other strides
         assert (t + 1).stride() == t.stride() and (a + 1).stride() == a.stride()
+
+
+def test_the_autocast_argument_walk_casts_what_torchs_pytree_casts():
+    """CudaOnMeta walks a call's arguments by hand where all are tensors or scalars (cheaper than
+    torch's pytree); any container, a namedtuple included, still goes through the pytree."""
+    from collections import namedtuple
+
+    from torch.utils._pytree import tree_map
+
+    from tightfit.memory.cuda_autocast import _map_args
+
+    def cast(x):
+        return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) else x
+
+    t = torch.empty(2, 3, device="meta")
+    pair = namedtuple("Pair", "a b")
+    calls = [((t, t.T, None, 2, 0.5), {"dtype": torch.float32}), ((torch.nn.Parameter(t),), {}),
+             (([t, t], 1), {}), ((pair(t, t),), {"other": (t,)}), ((t,), {"x": {"y": t}})]
+    for args, kwargs in calls:
+        want, got = tree_map(cast, (args, kwargs)), _map_args(cast, args, kwargs)
+        assert str(tree_map(lambda x: (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else x, got)) == \
+            str(tree_map(lambda x: (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else x, want))

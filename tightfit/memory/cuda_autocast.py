@@ -42,6 +42,21 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+# Argument types that are pytree leaves for certain (anything else goes through torch's pytree):
+# the exact types first (a set lookup), then their subclasses.
+_LEAF_TYPES = frozenset((torch.Tensor, torch.nn.Parameter, int, float, bool, type(None)))
+_LEAVES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+           torch.memory_format)
+
+
+def _map_args(fn, args, kwargs):
+    """``tree_map(fn, (args, kwargs))``, without torch's pytree where every argument is a tensor
+    or a scalar (most calls: the pytree walk costs more than the casts it finds)."""
+    if not all(type(x) in _LEAF_TYPES or isinstance(x, _LEAVES) for x in (*args, *kwargs.values())):
+        return tree_map(fn, (args, kwargs))
+    return tuple(fn(x) for x in args), {k: fn(v) for k, v in kwargs.items()}
+
+
 class _FusedAttention(torch.autograd.Function):
     """Memory of the flash / memory-efficient SDPA kernels: q, k, v ``[B, H, T, D]``.
 
@@ -111,9 +126,9 @@ class CudaOnMeta(TorchFunctionMode):
             return True if name == "__bool__" else 1
         if self.dtype is not None:
             if name in LOW:
-                args, kwargs = tree_map(lambda x: self._cast(x, self.dtype), (args, kwargs))
+                args, kwargs = _map_args(lambda x: self._cast(x, self.dtype), args, kwargs)
             elif name in FP32:
-                args, kwargs = tree_map(lambda x: self._cast(x, torch.float32, _LOW_DTYPES), (args, kwargs))
+                args, kwargs = _map_args(lambda x: self._cast(x, torch.float32, _LOW_DTYPES), args, kwargs)
             elif name in FP32_OPT_DTYPE and kwargs.get("dtype") is None and args \
                     and isinstance(args[0], torch.Tensor) and args[0].dtype in _LOW_DTYPES:
                 kwargs = dict(kwargs, dtype=torch.float32)

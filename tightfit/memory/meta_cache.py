@@ -40,7 +40,7 @@ def _describe(x, parts: list) -> bool:
     (A hand-written walk: torch's pytree costs more than the meta kernels it saves.)"""
     t = type(x)
     if t is torch.Tensor or t is torch.nn.Parameter:
-        if x.device.type != "meta" or x.layout != torch.strided:
+        if not x.is_meta or x.layout != torch.strided:  # is_meta: a tenth of device.type's cost
             return False
         parts.append((tuple(x.shape), x.stride(), x.dtype, x.storage_offset()))
         return True

@@ -105,6 +105,18 @@ def reduction_staging_bytes(func, args, sm_count: int = DEFAULT_SM_COUNT,
     return [4 * outputs * ctas * width * vec, 4 * grid_x]
 
 
+# The ops for which kernel_workspace_bytes or reduction_staging_bytes can be non-zero.
+_SCRATCH_OPS = frozenset((torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default,
+                          *_DIM_REDUCTIONS))
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a tracked storage that remembers its key in ``_live`` (cheaper to
+    make than ``weakref.finalize``, and called at the same moment: when the storage dies)."""
+
+    __slots__ = ("key",)
+
+
 def _leaves(out):
     """What an aten op returned, flat (torch's pytree only for nested results: it is slower)."""
     if type(out) is torch.Tensor:
@@ -146,8 +158,10 @@ class AllocationTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = meta_cache.call(func, args, kwargs)  # a repeated op's layouts without its meta kernel
         for t in _leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            if isinstance(t, torch.Tensor) and t.is_meta:  # is_meta: a tenth of device.type's cost
                 self.track(t)
+        if func not in _SCRATCH_OPS:  # most ops: no kernel scratch (skips two calls per op)
+            return out
         ws = [n for n in (kernel_workspace_bytes(func, args, out),
                           *reduction_staging_bytes(func, args, self.sm_count, self.threads_per_sm)) if n]
         if ws:  # held by the kernel beside its outputs, freed (to the cache) when it returns
@@ -175,11 +189,14 @@ class AllocationTracker(TorchDispatchMode):
         key = id(st)
         if key in self._live or st.nbytes() == 0:
             return
-        block = self.allocator.malloc(st.nbytes())
-        entry = [block, label or self.label, [a.malloc(st.nbytes()) for a in self.shadows]]
+        nbytes = st.nbytes()
+        block = self.allocator.malloc(nbytes)
+        ref = _StorageRef(st, self._storage_died)
+        ref.key = key
+        # the reference lives in the entry: the storage's death frees its blocks, as long as it is tracked
+        entry = [block, label or self.label, [a.malloc(nbytes) for a in self.shadows], ref]
         self._live[key] = entry
         self.totals[entry[1]] += block.size
-        weakref.finalize(st, self._free, key)
         self._note_peak()
 
     def relabel(self, t: torch.Tensor, label: str, only_from: tuple[str, ...] | None = None) -> None:
@@ -199,6 +216,9 @@ class AllocationTracker(TorchDispatchMode):
 
     def live_bytes(self) -> int:
         return self.allocator.allocated
+
+    def _storage_died(self, ref: _StorageRef) -> None:
+        self._free(ref.key)
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
