@@ -89,3 +89,24 @@ def test_a_padded_training_step_does_not_sync_on_the_gpu():
         task.loss_sum(model, batch).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_own_loop_and_the_estimator_hand_the_mask_over_in_4d(monkeypatch):
+    """The own-loop step's default loss (the model's own ``.loss``) and the estimator's loss call
+    the model with the 4-D mask too (same check as above)."""
+    import transformers.masking_utils as mu
+
+    import tightfit
+    from tightfit.plan import Plan
+    from tightfit.step import training_loss
+
+    def host_check(padding_mask, *args, **kwargs):
+        if padding_mask is not None:
+            raise AssertionError("the padding mask was read on the host")
+        return True
+
+    monkeypatch.setattr(mu, "_ignore_bidirectional_mask_sdpa", host_check)
+    model, batch = tiny_bert(), _padded_batch()
+    step = tightfit.TrainStep(Plan("fp32", 4, 8), model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert step(batch).stepped
+    training_loss(model, batch)

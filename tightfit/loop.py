@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .errors import TightfitError
+from .masks import with_prepared_mask
 from .plan import Plan, accumulation_steps
 
 __all__ = ["StepOutcome", "TrainStep", "plan"]
@@ -113,7 +114,7 @@ def _loss_sum(batch: _Batch, loss: LossFn | None, tokens=None) -> Callable[[torc
         if loss is not None:
             value = loss(model, b)
         elif isinstance(b, dict):
-            out = model(**b)
+            out = model(**with_prepared_mask(model, b))
             value = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
             if value is None:
                 raise TightfitError("the model's output has no .loss (or \"loss\" key) for this batch: "

@@ -10,11 +10,14 @@ the rest of the step is launched — the one sync left in the main job's steady-
 (bench/results/run-ahead).
 
 transformers takes a 4-D mask as already prepared and passes it to the attention as is
-(``masking_utils._preprocess_mask_arguments``). :func:`model_inputs` hands such encoders the
+(``masking_utils._preprocess_mask_arguments``). :func:`with_prepared_mask` hands such encoders the
 boolean ``[B, 1, T, T]`` view that their own SDPA mask function builds from the 2-D mask
 (``sdpa_mask``: ``padding_mask[b, kv]`` expanded over heads and queries, True = attend), made on
 the device with no read. The attention sees the same mask values; what is given up is the flash
-kernel for a batch without padding, which the 2-D mask would have had.
+kernel for a batch without padding, which the 2-D mask would have had (on BERT-base at 512
+tokens the 4-D mask's step was the faster one: bench/results/step-breakdown). Used wherever
+tightfit calls the model on a batch: the tasks' losses and evaluation, the estimator's loss, the
+own-loop default loss.
 """
 
 from __future__ import annotations
@@ -66,15 +69,20 @@ def takes_prepared_mask(model: torch.nn.Module) -> bool:
     return known
 
 
+def with_prepared_mask(model: torch.nn.Module, batch: Batch) -> Batch:
+    """``batch`` (a new dict, the same tensors) with, for an encoder that
+    :func:`takes_prepared_mask`, its 2-D ``attention_mask`` ``[B, T]`` replaced by the boolean
+    view ``[B, 1, T, T]`` (True where key position ``t`` of sample ``b`` is a token, for every
+    query) — the mask transformers' SDPA path would build, made without reading the mask on the
+    host. Any other batch is returned as is."""
+    mask = batch.get("attention_mask")
+    if not (torch.is_tensor(mask) and mask.dim() == 2 and takes_prepared_mask(model)):
+        return batch
+    length = mask.shape[1]
+    return {**batch, "attention_mask": mask.bool()[:, None, None, :].expand(-1, 1, length, -1)}
+
+
 def model_inputs(model: torch.nn.Module, batch: Batch) -> Batch:
     """The ``forward`` keyword arguments of ``batch`` for ``model``: every field but ``labels``,
-    and, for an encoder that :func:`takes_prepared_mask`, a 2-D ``attention_mask`` ``[B, T]``
-    replaced by the boolean view ``[B, 1, T, T]`` (True where key position ``t`` of sample ``b``
-    is a token, for every query) — the mask transformers' SDPA path would build, made without
-    reading the mask on the host. The batch itself is not changed."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    mask = inputs.get("attention_mask")
-    if torch.is_tensor(mask) and mask.dim() == 2 and takes_prepared_mask(model):
-        length = mask.shape[1]
-        inputs["attention_mask"] = mask.bool()[:, None, None, :].expand(-1, 1, length, -1)
-    return inputs
+    the padding mask as :func:`with_prepared_mask` hands it. The batch itself is not changed."""
+    return {k: v for k, v in with_prepared_mask(model, batch).items() if k != "labels"}

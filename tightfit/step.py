@@ -28,6 +28,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from .masks import model_inputs
+
 
 @contextlib.contextmanager
 def module_mode(model: torch.nn.Module, training: bool):
@@ -57,8 +59,7 @@ def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     labels are next-token targets for ``logits [B, T, V]`` (shifted by one, as causal LMs train).
     Logits are upcast to fp32 first, as tightfit's runtime and Hugging Face's LM loss do.
     """
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
+    logits = model(**model_inputs(model, batch)).logits
     labels = batch["labels"]
     if labels.dim() == 2:
         logits, labels = logits[:, :-1], labels[:, 1:]
