@@ -299,3 +299,24 @@ def test_metrics_cut_back_to_a_checkpoint_drop_later_steps_and_the_evaluation_af
     keep_metrics_until(path, 6)
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert kept == records[:4]
+
+
+@pytest.mark.parametrize("log_every", [1, 3])  # 3: the steps between records are queued ahead
+def test_each_metrics_record_gives_the_learning_rate_its_step_ran_with(log_every):
+    records, used = [], []
+    w = _workload(n=48, effective_batch=4)
+    t = Trainer(w, Plan("fp32", 4, 4), TrainConfig(epochs=1, lr=1e-3, warmup_ratio=0.25, log_every=log_every),
+                log=records.append, progress=False)
+    step = t.optimizer.step
+
+    def recorded_step(*a, **k):
+        used.append(t.optimizer.param_groups[0]["lr"])
+        return step(*a, **k)
+
+    t.optimizer.step = recorded_step
+    t.fit()
+    logged = {r["step"]: r["lr"] for r in records if r["type"] == "train"}
+    assert len(used) == 12 and len(logged) == (12 if log_every == 1 else 4)
+    assert used[0] < used[2] == pytest.approx(1e-3) and used[-1] < used[-2]  # warm-up, then decay
+    for s, lr in logged.items():
+        assert lr == pytest.approx(used[s - 1], rel=1e-12), s

@@ -182,6 +182,7 @@ class _Launched:
     window: list[int]
     micro_batch: int
     backed_off: bool = False  # it ran out of memory and was redone with a smaller micro-batch
+    lr: float = math.nan  # the learning rate its update ran with (the schedule moves on after it)
 
     @property
     def deferred(self) -> bool:
@@ -259,6 +260,7 @@ class Trainer:
         self._windows: dict[int, list[list[int]]] = {}  # epoch -> its accumulation windows
         self.micro_batch = plan.micro_batch
         self._used_micro_batch = plan.micro_batch  # the micro-batch of the last step taken
+        self._step_lr = math.nan  # the learning rate of the last step taken
         self._fused = all(g.get("fused") for g in self.optimizer.param_groups)
         self.step = 0
         self.result = TrainResult(plan=plan)
@@ -476,6 +478,7 @@ class Trainer:
             self._clean_windows = 0
         self._grad_norm = result.grad_norm
         self._used_micro_batch = launched.micro_batch  # what this step ran with (before any grow-back)
+        self._step_lr = launched.lr
         return result.loss, self._after_step(result.finite, launched.window)
 
     def _launch_step(self, window: list[int], index: int) -> "_Launched":
@@ -511,6 +514,7 @@ class Trainer:
             restore_rng(rng)
             self._on_oom(where, index)
             backed_off = True
+        lr = float(self.scheduler.get_last_lr()[0])  # this step's (a tensor under torchao's optimizers)
         known = pending.known  # None: decided on the device, where optimizer.step() ran (a no-op if skipped)
         if known is None or known.finite:
             self.scheduler.step()  # the schedule follows the data, applied or skipped
@@ -518,7 +522,7 @@ class Trainer:
             with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 self.scheduler.step()
-        return _Launched(pending, window, self.micro_batch, backed_off)
+        return _Launched(pending, window, self.micro_batch, backed_off, lr)
 
     def _micro_batches(self, window: list[int], index: int) -> tuple:
         """``(micro-batches, normaliser)`` of ``window`` (step ``index``): an iterator of its
@@ -803,7 +807,7 @@ class Trainer:
 
     def _train_record(self, epoch: int, loss: float, stepped: bool, elapsed: float, window: list[int]) -> dict:
         rec = {"type": "train", "step": self.step, "epoch": epoch, "loss": loss,
-               "lr": float(self.scheduler.get_last_lr()[0]),  # a tensor under torchao's optimizers
+               "lr": self._step_lr,  # the rate this step's update ran with, not the next one's
                "grad_norm": float(self._grad_norm),
                "stepped": stepped, "micro_batch": self._used_micro_batch, "window_samples": len(window),
                # what the window really held (on this rank), e.g. "3+3+1" for 7 samples at micro-batch 3
