@@ -133,11 +133,15 @@ def test_oom_before_the_first_step_trains_again_at_half_the_micro_batch_same_eff
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_oom_after_a_step_resumes_from_the_newest_checkpoint(tmp_path):
+def test_oom_after_a_step_resumes_from_the_newest_checkpoint(tmp_path, caplog):
     trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=3, save_strategy="steps", save_steps=1)
     hook = _OOMAt(lambda calls, rows: calls == 3)  # the third forward: step 3, after two checkpoints
     trainer.model.bert.encoder.layer[1].register_forward_pre_hook(hook, with_kwargs=True)
-    hf.train(trainer)
+    with caplog.at_level("WARNING"):
+        hf.train(trainer)
+    # the returned loss is the resumed run's (step 3 only), and the user is told so
+    assert any("checkpoint-2" in r.message and "training_loss" in r.message and "after that checkpoint" in r.message
+               for r in caplog.records)
     assert hook.fired == 1 and trainer.state.global_step == 3
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
     # 2 steps of 8, the failed forward, then only step 3 again from checkpoint-2, as 2 micro-batches of 4

@@ -359,7 +359,10 @@ def train(trainer, **train_kwargs):
     redo's micro-batch and accumulation (their ``plan`` becomes the redo's).
 
     Returns:
-        What ``trainer.train`` returns (a ``TrainOutput``).
+        What ``trainer.train`` returns (a ``TrainOutput``). After a redo from a checkpoint it is
+        what the Trainer returns for a resumed run: ``training_loss`` is the mean over the steps
+        trained after that checkpoint only (the steps before it are in the checkpoint's
+        ``trainer_state.json`` log history); a warning says so.
 
     Raises:
         TightfitError: out of memory at a per-device batch of 1, or after an optimizer step with no
@@ -378,7 +381,7 @@ def train(trainer, **train_kwargs):
     scale_loss_as_one_batch(trainer)  # before the first attempt: the redo keeps it
     for c in ours:
         c._in_train = True
-    rng = capture_rng()
+    rng, redone_from = capture_rng(), None
     try:
         while True:
             try:
@@ -399,7 +402,7 @@ def train(trainer, **train_kwargs):
                     raise TightfitError(f"out of memory in the Trainer at step {step + 1} at per-device batch {mb}, "
                                         f"with no checkpoint in {args.output_dir} to train again from (its weights "
                                         f"have moved since step 0); set save_steps, or plan for a smaller budget")
-                train_kwargs["resume_from_checkpoint"] = last
+                train_kwargs["resume_from_checkpoint"] = redone_from = last
             trainer.model.zero_grad(set_to_none=True)
             release_memory()  # outside the except block: the failed attempt's frames are gone
             if step == 0:
@@ -420,4 +423,8 @@ def train(trainer, **train_kwargs):
     stopped = [c.stop_reason for c in ours if c.stop_reason]
     if stopped:
         raise NonFiniteTrainingError(stopped[0], trainer.state.global_step)
+    if redone_from is not None:  # the Trainer's own resume semantics: its loss counts from the checkpoint
+        log.warning(f"tightfit: the run was trained again from {redone_from} after an out-of-memory error: its "
+                    f"training_loss ({output.training_loss:.4f}) is the mean over the steps after that checkpoint "
+                    f"only, as for any resumed Trainer run")
     return output
