@@ -186,7 +186,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     Texts longer than :data:`MAX_TEXT_CHARS` characters are cut to that length.
 
     Raises:
-        TightfitError: missing file, unreadable/malformed content, a header that repeats a column
+        TightfitError: missing file or not a regular one, unreadable/malformed content, a header that repeats a column
             name, unknown column, a JSONL label or text that is a list or an object, empty text
             column, or fewer than two classes.
     """
@@ -194,14 +194,18 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     if path.is_dir():
         raise TightfitError(f"{path} is a folder; --data takes one CSV, TSV or JSONL file")
     if not path.is_file():
+        if path.exists():  # /dev/null, a pipe, a socket: there, but nothing tightfit can read twice
+            raise TightfitError(f"{path} is not a regular file; --data takes one CSV, TSV or JSONL file")
         raise TightfitError(f"data file not found: {path}")
     rows = _read_rows(path)
     if not rows:
         raise TightfitError(f"{path}: no rows")
     columns = set().union(*(r.keys() for r in rows[:100]))
-    for col, flag in ((text_column, "--text-column"), (label_column, "--label-column")):
-        if col not in columns:
-            raise TightfitError(f"{path}: no column {col!r} ({flag}); columns are: "
+    from .config import option_name
+
+    for col, option in ((text_column, "text_column"), (label_column, "label_column")):
+        if col not in columns:  # the option as its user named it: --text-column, or text_column= from Python
+            raise TightfitError(f"{path}: no column {col!r} ({option_name(option)}); columns are: "
                                 f"{', '.join(sorted(str(c).replace(chr(9), '<TAB>') for c in columns))}"
                                 f"{_delimiter_hint(path, columns)}")
     texts, raw, blank = [], [], 0

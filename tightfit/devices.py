@@ -110,7 +110,8 @@ class DeviceProfile:
         """Inverse of :meth:`to_dict`; ``total_bytes`` may be a size string ("6GiB").
 
         Raises:
-            TightfitError: on missing or unknown fields (one line naming them), or a bad value.
+            TightfitError: on missing or unknown fields (one line naming them), a field of the wrong
+                type or shape (:func:`_check_field_types`), or a bad value.
         """
         try:
             if not isinstance(d, dict):
@@ -124,15 +125,67 @@ class DeviceProfile:
                                             if missing else [])
                                            + ([f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"]
                                               if unknown else [])))
+            _check_field_types(d)
             try:
                 d["total_bytes"] = parse_size(d["total_bytes"])
             except TightfitError as e:
                 raise ValueError(f"total_bytes: {e}") from None
-            d["compute_capability"] = tuple(int(x) for x in d["compute_capability"])
+            d["compute_capability"] = tuple(d["compute_capability"])
             return cls(**d)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             key = d.get("key", "?") if isinstance(d, dict) else d
             raise TightfitError(f"malformed GPU profile {key!r}: {e}") from None
+
+
+def _shown(value) -> str:
+    """A JSON value as a profile file wrote it, cut short: ``'7.5'``, ``[9]``, ``"no"``."""
+    text = json.dumps(value) if isinstance(value, (list, dict, str, bool)) or value is None else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_field_types(d: dict) -> None:
+    """Check each field of a profile read from a file against its type and shape, in the order
+    :class:`DeviceProfile` declares them, so that a bad one is named before it is used: ``int("7.5")``
+    or a one-item ``compute_capability`` would otherwise fail deep in the planner, and JSON ``"no"``
+    would count as true where a bool is expected. ``total_bytes`` is :func:`parse_size`'s to read.
+
+    Raises:
+        ValueError: the first field of the wrong type or out of range, naming it and its value.
+    """
+    positive = {"fp32_tflops", "fp16_tflops", "host_link_bytes_per_s", "sustained_share"}
+    for name in ("key", "name"):
+        value = d[name]
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{name} must be a non-empty string, not {_shown(value)}")
+    key = d["key"]
+    if key != key.strip().lower().replace("_", "-").replace(" ", "-"):
+        # --gpu names are lower-cased and dashed before the look-up: any other key is never found
+        raise ValueError(f"key must be lower case with dashes, e.g. \"my-card\", not {_shown(key)}")
+    cc = d["compute_capability"]
+    if (not isinstance(cc, (list, tuple)) or len(cc) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                      for x in cc)
+            or cc[0] < 1 or cc[1] < 0):
+        raise ValueError(f"compute_capability must be [major, minor] integers, e.g. [7, 5] for 7.5, not {_shown(cc)}")
+    for name in ("fp16_tensor_cores", "bf16"):
+        if not isinstance(d[name], bool):
+            raise ValueError(f"{name} must be true or false, not {_shown(d[name])}")
+    for name in ("fp32_tflops", "fp16_tflops", "bf16_tflops", "host_link_bytes_per_s", "memory_bytes_per_s",
+                 "sustained_share"):
+        if name not in d:
+            continue  # optional, with a default
+        value = d[name]
+        if not _is_number(value) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, not {_shown(value)}")
+        if value < 0 or (value == 0 and name in positive):
+            raise ValueError(f"{name} must be {'positive' if name in positive else 'zero or more'}, not {value:g}")
+    if "sm_count" in d:
+        sm = d["sm_count"]
+        if not (isinstance(sm, int) and not isinstance(sm, bool)) or sm < 0:
+            raise ValueError(f"sm_count must be a whole number, zero or more (0: unknown), not {_shown(sm)}")
 
 
 PCIE3_X16 = 12e9   # bytes/s, measured pinned H2D on PCIe 3.0 x16 (theoretical 15.75 GB/s)

@@ -252,7 +252,8 @@ def resolve(name_or_path: str | None) -> ModelEntry:
 
     Raises:
         TightfitError: an empty name (``--model ""``, which would silently be ``minilm``); neither a
-            name nor an existing folder with a ``config.json``.
+            name nor an existing folder with a ``config.json`` (a path that exists but is a file is
+            said to be one).
     """
     if name_or_path is not None and not str(name_or_path).strip():
         raise TightfitError(f"--model is empty: give one of {', '.join(REGISTRY)} or a local Hugging Face model folder")
@@ -260,6 +261,9 @@ def resolve(name_or_path: str | None) -> ModelEntry:
     if name in REGISTRY:
         return REGISTRY[name]
     path = Path(name)
+    if path.exists() and not path.is_dir():
+        raise TightfitError(f"{path} is not a folder: --model takes one of {', '.join(REGISTRY)} or a "
+                            "local Hugging Face model folder (with config.json)")
     if not path.is_dir():
         raise TightfitError(f"model folder not found: {path} (not one of {', '.join(REGISTRY)}; "
                             "tightfit loads models offline from a local folder)")

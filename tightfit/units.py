@@ -21,6 +21,8 @@ _SIZE_RE = re.compile(r"^\s*([+-]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+))\s*([a-zA-Z]*
 
 GiB = 2**30
 MiB = 2**20
+# The largest unit-less --budget read as GiB or GB forgotten: 1024 (1 TiB), past any card's memory.
+_MAX_MEANT_GIB = 1024
 
 
 def parse_size(text: str | int | float) -> int:
@@ -73,8 +75,12 @@ def parse_budget(text: str | int | float) -> int:
     value = parse_size(text)
     m = _SIZE_RE.match(text) if isinstance(text, str) else None
     if m is not None and not m.group(2) and value < MiB:
-        raise TightfitError(f"--budget {text.strip()} is {value} byte{'s' if value != 1 else ''}: give a unit, "
-                            f"e.g. {m.group(1)}GiB or {m.group(1)}GB")
+        said = f"--budget {text.strip()} is {value} byte{'s' if value != 1 else ''}"
+        if value <= _MAX_MEANT_GIB:  # a card's memory in GiB or GB, written without its unit
+            raise TightfitError(f"{said}: give a unit, e.g. {m.group(1)}GiB or {m.group(1)}GB")
+        # a number this large was not meant as GiB: suggesting "1048575GiB" would be absurd
+        raise TightfitError(f"{said}, under the smallest budget of 1 MiB ({MiB} bytes): give at least {MiB} bytes, "
+                            "or a unit, e.g. 6GiB or 512MiB")
     return value
 
 
@@ -87,6 +93,16 @@ def format_bytes(n: int | float | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def format_seconds(seconds: float) -> str:
+    """A short duration for display with three significant digits: ``"1.25 s"``, ``"675 ms"``,
+    ``"0.0421 ms"`` (``:.2f`` seconds would print a fraction of a millisecond as "0.00 s")."""
+    if abs(seconds) >= 100:
+        return f"{seconds:.0f} s"
+    if abs(seconds) >= 1:
+        return f"{seconds:.3g} s"
+    return f"{seconds * 1e3:.3g} ms"
 
 
 def format_rate(per_s: float) -> str:

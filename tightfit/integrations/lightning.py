@@ -201,7 +201,8 @@ class TightfitCallback(Watch, L.Callback):
             from ..runtime.trainer import NonFiniteTrainingError
 
             raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients. "
-                                         f"{as_arguments(nonfinite_advice(self.plan.precision))}", trainer.global_step)
+                                         f"{as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))}",
+                                         trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """After each optimizer step: its memory peaks (then reset) and the GPU's health, logged."""

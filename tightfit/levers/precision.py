@@ -79,17 +79,22 @@ def check_precision(precision: str, profile: DeviceProfile | None) -> list[str]:
     return []
 
 
-def nonfinite_advice(precision: str, profile: DeviceProfile | None = None, lr: float | None = None) -> str:
+def nonfinite_advice(precision: str, profile: DeviceProfile | None = None, lr: float | None = None,
+                     own_loop: bool = False) -> str:
     """What to try after training stopped on non-finite gradients in ``precision``.
 
     fp16 overflows first (largest value 65504): bf16 where the card runs it natively, else fp32;
     bf16 has fp32's range but 8 bits of mantissa: fp32. In fp32 the precision is not the cause:
-    the learning rate or the data is (a label or text that makes the loss explode).
+    the learning rate or the data is (a label or text that makes the loss explode), or, in the
+    user's own loop, the batches or the loss function it was given.
 
     Args:
         precision: the precision the run used (``fp32|fp16|bf16``).
         profile: the GPU, or None (unknown: bf16 is then not suggested).
         lr: the run's peak learning rate, to suggest a tenth of it.
+        own_loop: raised from the user's own training loop (:class:`tightfit.TrainStep`, the
+            Lightning callback), whose data and loss tightfit did not make: the fp32 advice then
+            names those, not texts and labels.
 
     Returns:
         One sentence, starting with "Try".
@@ -99,6 +104,9 @@ def nonfinite_advice(precision: str, profile: DeviceProfile | None = None, lr: f
         return f"Try --precision bf16 (fp32's range, no loss scaling) or fp32, or {lower}"
     if precision in ("fp16", "bf16"):
         return f"Try --precision fp32, or {lower}"
+    if own_loop:
+        return (f"Try {lower}: it blew up in fp32, so the precision is not the cause; also check the batches and "
+                "the loss function for inf or nan values")
     return (f"Try {lower}: it blew up in fp32, so the precision is not the cause; also check the data for "
             "broken texts or labels")
 

@@ -35,7 +35,7 @@ autocast keeps the weights, and so the gradients, in fp32):
 
 from __future__ import annotations
 
-from ..units import format_bytes
+from ..units import format_bytes, format_seconds
 from .bisection import bisect
 from .margins import planned_limit
 
@@ -256,7 +256,7 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
         ("adamw-offload", f"AdamW state in CPU memory (--optimizer adamw-offload: {state_b} B x {trainable:,} off "
          f"the GPU, {format_bytes(16 * trainable)} of pinned host memory; each optimizer step "
          f"then moves {format_bytes((WEIGHT_B + GRADIENT_B) * trainable)} over the host link, about "
-         f"{(WEIGHT_B + GRADIENT_B) * trainable / host_link_bytes_per_s:.2f} s, plus the CPU's AdamW step"
+         f"{format_seconds((WEIGHT_B + GRADIENT_B) * trainable / host_link_bytes_per_s)}, plus the CPU's AdamW step"
          + (", and without accumulation each gradient is freed on the GPU once copied" if freed else "") + ")",
          state_b * trainable + freed),
         ("adamw8bit-bf16", f"bf16 weights and gradients with no fp32 master copy (--optimizer adamw8bit-bf16, "
