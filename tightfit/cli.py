@@ -245,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         configure_allocator()  # before anything touches CUDA
         quiet_import_warnings()
         log_to_console(to_stderr=bool(getattr(args, "json", False)))  # --json: stdout is the JSON alone
-        return _run(args)
+        from .config import cli_names
+
+        with cli_names():  # the checks' messages name this command's flags, not the Python API's keywords
+            return _run(args)
     except TightfitError as e:
         from .runtime.trainer import TrainingInterrupted
 

@@ -12,12 +12,15 @@ checks live there and nowhere else. From the tree come
 - the runtime's settings (``tightfit.runtime.trainer.TrainConfig`` extends :class:`TrainOptions`).
 
 Every group checks its values in ``__post_init__`` (like :class:`tightfit.plan.Plan`) and raises
-:class:`TightfitError` with a one-line message naming the option's flag, so a bad value is
-refused when the request is made, before anything is loaded or written.
+:class:`TightfitError` with a one-line message naming the option (:func:`option_name`: its flag,
+``--batch-size``, on the command line; its keyword, ``batch_size``, from the Python API), so a bad
+value is refused when the request is made, before anything is loaded or written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import numbers
@@ -34,7 +37,7 @@ from .plan import OPTIMIZER_CHOICES, PRECISIONS
 
 def option(default: Any = MISSING, help: str = "", *, key: str | None = None, flag: str | None = None,
            metavar: str | None = None, minimum: float | None = None, below: str = "",
-           choices: tuple[str, ...] | None = None, cli: bool = True,
+           choices: tuple[str, ...] | None = None, rule: Any = None, cli: bool = True,
            default_factory: Any = MISSING) -> Any:
     """A dataclass field that is an option.
 
@@ -48,6 +51,8 @@ def option(default: Any = MISSING, help: str = "", *, key: str | None = None, fl
         minimum: the smallest value allowed (None values pass: "not given").
         below: appended to the message of a value below ``minimum``.
         choices: the values allowed; the message lists them.
+        rule: ``value -> None`` (a good value) or the rest of the message after the option's
+            name (``"must be positive and finite, not -1"``); called for numbers only (None passes).
         cli: False for options the Python API takes but the command line does not.
         default_factory: instead of ``default``, for computed defaults.
 
@@ -55,7 +60,7 @@ def option(default: Any = MISSING, help: str = "", *, key: str | None = None, fl
         A :func:`dataclasses.field` carrying this in its metadata.
     """
     meta = {"help": help, "key": key, "flag": flag, "metavar": metavar, "minimum": minimum, "below": below,
-            "choices": choices, "cli": cli}
+            "choices": choices, "rule": rule, "cli": cli}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -74,6 +79,43 @@ def option_flag(f: Field) -> str:
     return f.metadata.get("flag") or "--" + option_key(f).replace("_", "-")
 
 
+# Which names the checks' messages use: the command line's flags (--batch-size) while cli_names()
+# is in force (the tightfit command, TrainRequest.from_args), else the Python API's keywords
+# (batch_size): each user is told the name they typed. A context variable, not an argument,
+# because the checks run deep inside dataclass construction and the run (the data's columns).
+_CLI_NAMES: contextvars.ContextVar[bool] = contextvars.ContextVar("tightfit_cli_names", default=False)
+
+
+@contextlib.contextmanager
+def cli_names():
+    """Within this block, option checks name the command line's flags (``--batch-size``) rather
+    than the Python API's keywords (``batch_size``). Entered by :func:`tightfit.cli.main` and
+    :meth:`TrainRequest.from_args`."""
+    token = _CLI_NAMES.set(True)
+    try:
+        yield
+    finally:
+        _CLI_NAMES.reset(token)
+
+
+def option_name(f: Field | str) -> str:
+    """How a message names option ``f`` (its field, or its flat name such as ``"text_column"``):
+    its flag within :func:`cli_names` (``--text-column``), else its keyword (``text_column``).
+
+    Raises:
+        KeyError: a flat name that is no option of :class:`TrainRequest`.
+    """
+    if isinstance(f, str):
+        f = _FIELD_OF[f]
+    return option_flag(f) if _CLI_NAMES.get() else option_key(f)
+
+
+def option_value(f: Field | str, value: Any) -> str:
+    """An option given a value, as its user wrote it: ``--precision 'fp8'`` within
+    :func:`cli_names`, else ``precision='fp8'``."""
+    return f"{option_name(f)} {value!r}" if _CLI_NAMES.get() else f"{option_name(f)}={value!r}"
+
+
 def _one_of(choices: tuple[str, ...]) -> str:
     """``"auto, on or off"``."""
     return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
@@ -88,11 +130,13 @@ def _hints(cls: type) -> dict[str, Any]:
 def check_value(f: Field, value: Any, hint: Any = None) -> None:
     """Check one option's value against its field's type ``hint`` (numeric options: a whole
     number for ``int``, any real number for ``float``, None only where the hint allows it; a
-    switch: True or False), ``choices`` and ``minimum``.
+    switch: True or False), ``choices``, ``minimum`` and ``rule``. Messages name the option as
+    :func:`option_name` does.
 
     Raises:
         TightfitError: ``--batch-size must be a whole number, not '32' (a str)``,
-            ``unknown --precision 'fp8'; use auto, fp32, fp16 or bf16``, ``--batch-size must be >= 1``.
+            ``unknown --precision 'fp8'; use auto, fp32, fp16 or bf16``, ``--batch-size must be >= 1``
+            (from the Python API: ``batch_size must be >= 1``, ``unknown precision='fp8'; ...``).
     """
     kinds = typing.get_args(hint) or (hint,)
     if f.metadata and (int in kinds or float in kinds):  # the Python API and request.json are not typed by argparse
@@ -100,14 +144,17 @@ def check_value(f: Field, value: Any, hint: Any = None) -> None:
         number = isinstance(value, numbers.Integral if whole else numbers.Real) and not isinstance(value, bool)
         if not number and not (value is None and type(None) in kinds):  # a bool is an int, but True is no size
             shown = "None" if value is None else f"{value!r} (a {type(value).__name__})"
-            raise TightfitError(f"{option_flag(f)} must be {'a whole number' if whole else 'a number'}, not {shown}")
+            raise TightfitError(f"{option_name(f)} must be {'a whole number' if whole else 'a number'}, not {shown}")
     if f.metadata and hint is bool and not isinstance(value, bool):  # TrainRequest(full="no") read as true
-        raise TightfitError(f"{option_flag(f)} must be True or False, not {value!r} (a {type(value).__name__})")
-    choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
+        raise TightfitError(f"{option_name(f)} must be True or False, not {value!r} (a {type(value).__name__})")
+    choices, minimum, rule = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("rule")
     if choices and value not in choices:
-        raise TightfitError(f"unknown {option_flag(f)} {value!r}; use {_one_of(choices)}")
+        raise TightfitError(f"unknown {option_value(f, value)}; use {_one_of(choices)}")
     if minimum is not None and value is not None and value < minimum:
-        raise TightfitError(f"{option_flag(f)} must be >= {minimum}{f.metadata.get('below', '')}")
+        raise TightfitError(f"{option_name(f)} must be >= {minimum}{f.metadata.get('below', '')}")
+    problem = rule(value) if rule is not None and value is not None else None
+    if problem:
+        raise TightfitError(f"{option_name(f)} {problem}")
 
 
 def check_option(group: type, name: str, value: Any) -> None:
@@ -132,6 +179,75 @@ class _Options:
     def _check_together(self) -> None:
         """Checks that involve several options of the group (none by default)."""
 
+    def _name(self, name: str) -> str:
+        """How a message names this group's field ``name`` (:func:`option_name`)."""
+        return option_name(next(f for f in fields(self) if f.name == name))
+
+
+# The largest --image-size: by tightfit's own estimate (`tightfit estimate --model resnet50
+# --image-size 4096 --micro-batch 1`) one sample then needs ~27 GiB of activations (1.6 GiB at
+# 1024, 62 MiB at 224), and the cost grows with the area; image classifiers train at 224-512 px,
+# so a larger side is a typo that would otherwise be found only by the OOM killer mid-run.
+MAX_IMAGE_SIZE = 4096
+# Seeds torch.manual_seed takes (it reads them as int64 or uint64); NumPy's and Python's take any.
+SEED_RANGE = (-2**63, 2**64 - 1)
+# The most epochs: each epoch is at least one optimizer step, and a run of a billion steps would
+# not end (at a millisecond a step, 11 days); --epochs 1e308 overflowed the step count to inf.
+MAX_EPOCHS = 1e9
+
+
+def _finite(value: float) -> bool:
+    """Not inf or NaN; any int is (``math.isfinite`` overflows on ints above 1e308)."""
+    return isinstance(value, numbers.Integral) or math.isfinite(value)
+
+
+def _positive_finite(value: float) -> str | None:
+    """``rule`` of a length or rate: > 0 and finite (NaN fails too)."""
+    return None if _finite(value) and value > 0 else f"must be positive and finite, not {value}"
+
+
+def _epochs(value: float) -> str | None:
+    """``rule`` of ``epochs``: positive, finite and at most :data:`MAX_EPOCHS`."""
+    if _positive_finite(value) or value <= MAX_EPOCHS:
+        return _positive_finite(value)
+    shown = (f"{value:g}" if isinstance(value, float) else str(value) if value < 10**20
+             else f"about 10**{len(str(value)) - 1}")  # not 400 digits of an int on one line
+    return (f"must be at most {_shown(MAX_EPOCHS)}: each epoch is at least one optimizer step, and a run of "
+            f"billions of steps would not end; not {shown}")
+
+
+def _clip_norm(value: float) -> str | None:
+    """``rule`` of ``max_grad_norm``: > 0 and finite; None (no clipping) passes before the rule.
+    A negative norm would flip the gradients (ascent), 0 zero them and NaN poison them."""
+    if _finite(value) and value > 0:
+        return None
+    return f"must be positive and finite, or None for no clipping, not {value}"
+
+
+def _weight_decay(value: float) -> str | None:
+    """``rule`` of ``weight_decay``: finite and >= 0 (negative decay grows the weights)."""
+    return None if _finite(value) and value >= 0 else f"must be finite and >= 0, not {value}"
+
+
+def _ratio(value: float) -> str | None:
+    """``rule`` of ``warmup_ratio``: a share of the steps, in [0, 1] (above 1 the learning rate
+    never reaches its peak)."""
+    return None if 0 <= value <= 1 else f"must be between 0 and 1 (a share of the optimizer steps), not {value}"
+
+
+def _seed(value: int) -> str | None:
+    """``rule`` of ``seed``: within :data:`SEED_RANGE`."""
+    low, high = SEED_RANGE
+    return None if low <= value <= high else f"must be between -2**63 and 2**64-1 (the seeds torch takes), not {value}"
+
+
+def _image_size(value: int) -> str | None:
+    """``rule`` of ``image_size``: at most :data:`MAX_IMAGE_SIZE`."""
+    if value <= MAX_IMAGE_SIZE:
+        return None
+    return (f"must be at most {MAX_IMAGE_SIZE} pixels (one sample of ResNet-50 then needs ~27 GiB of activations), "
+            f"not {value}")
+
 
 @dataclass(frozen=True)
 class WorkloadOptions(_Options):
@@ -144,7 +260,8 @@ class WorkloadOptions(_Options):
         batch_size: the effective batch: samples per optimizer step.
         seq_len: tokens per text; longer texts are truncated.
         image_column: the CSV column of image paths (image models).
-        image_size: image side in pixels (image models; None: the model's).
+        image_size: image side in pixels (image models; None: the model's), at most
+            :data:`MAX_IMAGE_SIZE`.
         trainable: ``all`` parameters, or ``lora``: LoRA adapters on the blocks' linear layers and
             the head, everything else frozen (changes what is learned; never chosen by tightfit).
     """
@@ -160,7 +277,7 @@ class WorkloadOptions(_Options):
     seq_len: int = option(64, "maximum tokens per text (default: {default})", minimum=1)
     image_column: str = option("path", "image models: the CSV column holding image paths (default: {default})")
     image_size: int | None = option(None, "image models: image side in pixels (default: the model's, 224 for "
-                                          "ResNet)", minimum=1)
+                                          f"ResNet; at most {MAX_IMAGE_SIZE})", minimum=1, rule=_image_size)
     trainable: str = option("all", "all|lora: train every parameter, or LoRA adapters (rank 8) on the blocks' "
                                    "linear layers and the head, the rest frozen (default: {default})",
                             choices=("all", "lora"))
@@ -168,13 +285,15 @@ class WorkloadOptions(_Options):
     def _check_together(self) -> None:
         """``--model`` and ``--data``, when given, are not empty (``""`` would silently become the
         shipped model or data); columns are named only for a data file."""
-        for flag, value, what, default in (
-                ("--model", self.model, "a model name or folder", "the shipped all-MiniLM-L6-v2"),
-                ("--data", self.data, "the data file", "the shipped Rotten Tomatoes reviews")):
+        for name, value, what, default in (
+                ("model", self.model, "a model name or folder", "the shipped all-MiniLM-L6-v2"),
+                ("data", self.data, "the data file", "the shipped Rotten Tomatoes reviews")):
             if value is not None and not str(value).strip():
+                flag = self._name(name)
                 raise TightfitError(f"{flag} is empty: give {what}, or leave {flag} out for {default}")
         if not self.data and (self.text_column, self.label_column, self.image_column) != ("text", "label", "path"):
-            raise TightfitError("--text-column, --label-column and --image-column name columns of a --data file; "
+            raise TightfitError(f"{self._name('text_column')}, {self._name('label_column')} and "
+                                f"{self._name('image_column')} name columns of a {self._name('data')} file; "
                                 "the shipped data has its own")
 
 
@@ -224,13 +343,13 @@ class TrainOptions(_Options):
     """How the model is trained: length, optimizer and schedule, logging, checkpoints, guards.
 
     Attributes:
-        epochs: passes over the training samples; fractions allowed.
+        epochs: passes over the training samples; fractions allowed; at most :data:`MAX_EPOCHS`.
         max_steps: stop after this many optimizer steps (None: run all epochs).
         lr: peak learning rate of AdamW (linear warm-up, then linear decay to 0).
-        weight_decay: AdamW's decoupled weight decay.
-        warmup_ratio: share of steps with linear warm-up.
-        max_grad_norm: clip the global gradient norm to this (None: no clipping).
-        seed: seed of the sample order, dropout and the new head.
+        weight_decay: AdamW's decoupled weight decay (finite, >= 0).
+        warmup_ratio: share of steps with linear warm-up, in [0, 1].
+        max_grad_norm: clip the global gradient norm to this, positive and finite (None: no clipping).
+        seed: seed of the sample order, dropout and the new head, in :data:`SEED_RANGE`.
         log_every: write a metrics line every this many optimizer steps.
         checkpoint_every: write a checkpoint every this many steps (and at the end); 0: only at the end.
         keep_last: keep this many newest checkpoints.
@@ -242,13 +361,15 @@ class TrainOptions(_Options):
             it is 5 deg C below (None: never pause); option ``cooldown_temp``.
     """
 
-    epochs: float = option(3.0, "passes over the training data; fractions allowed (default: {default})")
-    max_steps: int | None = option(None, "stop after this many optimizer steps")
-    lr: float = option(5e-5, "peak learning rate, warm-up then linear decay (default: {default})")
-    weight_decay: float = option(0.01, cli=False)
-    warmup_ratio: float = option(0.1, cli=False)
-    max_grad_norm: float | None = option(1.0, cli=False)
-    seed: int = option(0, "seed of sample order, dropout and the new head (default: {default})")
+    epochs: float = option(3.0, "passes over the training data; fractions allowed (default: {default})",
+                           rule=_epochs)
+    max_steps: int | None = option(None, "stop after this many optimizer steps", rule=_positive_finite)
+    lr: float = option(5e-5, "peak learning rate, warm-up then linear decay (default: {default})",
+                       rule=_positive_finite)
+    weight_decay: float = option(0.01, cli=False, rule=_weight_decay)
+    warmup_ratio: float = option(0.1, cli=False, rule=_ratio)
+    max_grad_norm: float | None = option(1.0, cli=False, rule=_clip_norm)
+    seed: int = option(0, "seed of sample order, dropout and the new head (default: {default})", rule=_seed)
     log_every: int = option(10, "optimizer steps between metrics lines (default: {default})", minimum=1)
     checkpoint_every: int = option(100, "write a resumable checkpoint every N optimizer steps and at the end; "
                                         "0: only at the end (default: {default})",
@@ -256,19 +377,17 @@ class TrainOptions(_Options):
     keep_last: int = option(2, "checkpoints to keep (default: {default})", minimum=1)
     max_skipped_steps: int = option(20, "stop after this many non-finite (skipped) steps in a row "
                                         "(default: {default})", minimum=1)
-    grow_back_after: int = option(100, cli=False)
+    grow_back_after: int = option(100, cli=False, minimum=0, below=" (0: never)")
     warn_temp_c: float = option(82.0, "warn at this GPU temperature, deg C (default: {default})", key="warn_temp")
     cooldown_temp_c: float | None = option(None, "pause between steps while the GPU is this hot (deg C)",
                                            key="cooldown_temp")
 
     def _check_together(self) -> None:
-        """The length of training and the learning rate: positive and finite."""
-        for flag, v in (("--epochs", self.epochs), ("--lr", self.lr), ("--max-steps", self.max_steps)):
-            if v is not None and not (math.isfinite(v) and v > 0):  # NaN fails too
-                raise TightfitError(f"{flag} must be positive and finite, not {v}")
-        for flag, temp in (("--warn-temp", self.warn_temp_c), ("--cooldown-temp", self.cooldown_temp_c)):
+        """The temperatures: in deg C, between 0 and 150 (the other options have their ``rule``)."""
+        for name, temp in (("warn_temp_c", self.warn_temp_c), ("cooldown_temp_c", self.cooldown_temp_c)):
             if temp is not None and not 0 < temp < 150:  # NaN fails too
-                raise TightfitError(f"{flag} must be a GPU temperature in deg C between 0 and 150, not {temp}")
+                raise TightfitError(f"{self._name(name)} must be a GPU temperature in deg C between 0 and 150, "
+                                    f"not {temp}")
 
 
 def _command_line() -> str:
@@ -309,9 +428,13 @@ class RunOptions(_Options):
         """``--resume``, when given, is not empty (``""`` would silently start a new run);
         ``--full`` and ``--train-samples`` both say how many samples to train on: one of them."""
         if self.resume is not None and not str(self.resume).strip():
-            raise TightfitError("--resume is empty: give the run folder to continue, or leave --resume out for a new run")
+            flag = self._name("resume")
+            raise TightfitError(f"{flag} is empty: give the run folder to continue, or leave {flag} out for a new run")
         if self.full and self.train_samples is not None:
-            raise TightfitError("--full trains on all training samples; --train-samples N chooses N: give one")
+            n = "N" if _CLI_NAMES.get() else str(self.train_samples)  # the Python API's: the value given
+            given = f"{self._name('train_samples')} N" if _CLI_NAMES.get() else f"train_samples={n}"
+            full = self._name("full") if _CLI_NAMES.get() else "full=True"
+            raise TightfitError(f"{full} trains on all training samples; {given} chooses {n}: give one")
 
 
 def saved_options(saved: dict) -> dict:
@@ -333,6 +456,8 @@ GROUPS: tuple[tuple[str, type, str], ...] = (
 )
 # Flat option name -> (group attribute, field name), e.g. "warn_temp" -> ("training", "warn_temp_c").
 _FLAT: dict[str, tuple[str, str]] = {option_key(f): (attr, f.name) for attr, cls, _ in GROUPS for f in fields(cls)}
+# Flat option name -> its field (option_name("text_column")).
+_FIELD_OF: dict[str, Field] = {option_key(f): f for _, cls, _ in GROUPS for f in fields(cls)}
 
 
 @dataclass(frozen=True, init=False)
@@ -342,7 +467,8 @@ class TrainRequest:
     Made from flat keywords, as on the command line (``TrainRequest(model="m", batch_size=16,
     warn_temp=80)``), or from whole groups (``TrainRequest(training=TrainOptions(lr=1e-4))``),
     or both (flat keywords then change the given groups). Unknown keywords raise ``TypeError``,
-    bad values :class:`TightfitError`.
+    bad values :class:`TightfitError` naming the keyword (``batch_size must be >= 1``; made by
+    :meth:`from_args`, the flag: ``--batch-size must be >= 1``).
 
     Attributes:
         workload: :class:`WorkloadOptions`.
@@ -379,11 +505,16 @@ class TrainRequest:
 
     @classmethod
     def from_args(cls, args) -> "TrainRequest":
-        """The request from an ``argparse`` namespace made by :func:`add_train_arguments`."""
+        """The request from an ``argparse`` namespace made by :func:`add_train_arguments`.
+
+        Raises:
+            TightfitError: a bad value, named by its flag (``--batch-size must be >= 1``).
+        """
         options = {option_key(f): getattr(args, option_key(f))
                    for _, group, _ in GROUPS for f in fields(group) if f.metadata.get("cli", True)}
         extra = {"command": args.command_line} if getattr(args, "command_line", None) else {}
-        return cls(**options, given=tuple(getattr(args, "given_options", ())), **extra)
+        with cli_names():  # the values came from the command line: its messages name flags
+            return cls(**options, given=tuple(getattr(args, "given_options", ())), **extra)
 
 
 def _shown(value: Any) -> str:

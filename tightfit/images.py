@@ -185,9 +185,12 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
     if not rows:
         raise TightfitError(f"{path}: no rows")
     columns = set().union(*(r.keys() for r in rows[:100]))
-    for col, flag in ((image_column, "--image-column"), (label_column, "--label-column")):
-        if col not in columns:
-            raise TightfitError(f"{path}: no column {col!r} ({flag}); columns are: {', '.join(sorted(map(str, columns)))}")
+    from .config import option_name
+
+    for col, option in ((image_column, "image_column"), (label_column, "label_column")):
+        if col not in columns:  # the option as its user named it (--image-column, or image_column=)
+            raise TightfitError(f"{path}: no column {col!r} ({option_name(option)}); columns are: "
+                                f"{', '.join(sorted(map(str, columns)))}")
     paths, labels, blank = [], [], 0
     for n, r in enumerate(rows, 1):
         file, label = str(r.get(image_column) or "").strip(), str(r.get(label_column) or "").strip()

@@ -333,7 +333,8 @@ class TrainStep:
             under ``adamw8bit-bf16`` the model's floating-point weights are first cast to bf16, in place).
         loss: ``(model, batch) -> 0-d mean loss``, as in :func:`plan`; default ``model(**batch).loss``.
         lr: learning rate of the optimizer made when ``optimizer`` is None.
-        max_grad_norm: clip the global gradient norm to this (default None: measure, do not clip).
+        max_grad_norm: clip the global gradient norm to this, positive and finite (default None:
+            measure, do not clip).
         max_skipped_steps: raise after this many non-finite (skipped) steps in a row.
         grow_back_after: after an OOM recovery, double the micro-batch again (up to the plan's)
             after this many clean steps (0: never).
@@ -346,7 +347,9 @@ class TrainStep:
         health: the :class:`tightfit.runtime.health.HealthMonitor` on CUDA (None on the CPU).
 
     Raises:
-        TightfitError: (at construction, before any work) ``plan`` is not a Plan; the model's
+        TightfitError: (at construction, before any work) ``plan`` is not a Plan; ``max_grad_norm``
+            not positive and finite (or None), ``max_skipped_steps`` below 1, ``grow_back_after``
+            below 0, or (without ``optimizer``) ``lr`` not positive and finite; the model's
             parameters are not on ``plan.device``; a CUDA plan without a visible CUDA GPU; an fp16/bf16
             plan on the CPU. (From a call) a malformed or empty batch, or one of more samples than
             the plan's effective batch; out of memory at a micro-batch of 1.
@@ -358,6 +361,7 @@ class TrainStep:
     def __init__(self, plan: Plan, model: torch.nn.Module, optimizer=None, *, loss: LossFn | None = None,
                  lr: float = 5e-5, max_grad_norm: float | None = None, max_skipped_steps: int = 20,
                  grow_back_after: int = 100, warn_temp_c: float = 82.0):
+        from .config import TrainOptions, check_option
         from .levers.checkpointing import set_activation_checkpointing
         from .levers.precision import make_grad_scaler
         from .runtime.health import HealthMonitor
@@ -365,6 +369,12 @@ class TrainStep:
 
         if not isinstance(plan, Plan):
             raise TightfitError(f"TrainStep(plan, model, optimizer): plan must be a tightfit.Plan, got {type(plan).__name__}")
+        # the checks of `tightfit train`'s options of the same name (a negative max_grad_norm would
+        # turn each step into gradient ascent, NaN would write NaN into every weight)
+        checked = {"max_grad_norm": max_grad_norm, "max_skipped_steps": max_skipped_steps,
+                   "grow_back_after": grow_back_after, **({"lr": lr} if optimizer is None else {})}
+        for name, value in checked.items():
+            check_option(TrainOptions, name, value)
         self.device = _check_device(plan, model)
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
@@ -490,7 +500,8 @@ class TrainStep:
             self._event(f"step {self.steps}: non-finite gradients, update skipped", logging.WARNING)
             if self._skipped_in_row >= self.max_skipped_steps:
                 raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients. "
-                                             f"{as_arguments(nonfinite_advice(self.plan.precision))}", self.steps)
+                                             f"{as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))}",
+                                             self.steps)
             return False
         self._skipped_in_row = 0
         self._clean_steps += 1

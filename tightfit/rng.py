@@ -39,7 +39,12 @@ def restore_rng(state: dict) -> None:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and all CUDA devices)."""
+    """Seed Python, NumPy and torch (CPU and all CUDA devices) from any whole number.
+
+    torch takes seeds in [-2**63, 2**64-1] and reads a negative one modulo 2**64, so passing it
+    ``seed % 2**64`` seeds it exactly as ``seed`` would there, and a derived seed beyond that range
+    (a rank's ``seed + 1_000_003 * rank``) does not overflow.
+    """
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed % 2**64)

@@ -118,6 +118,7 @@ def _card_and_budget(args):
     check_option(PlanOptions, "checkpointing", args.checkpointing)
     check_option(PlanOptions, "optimizer", args.optimizer)
     check_option(WorkloadOptions, "trainable", args.trainable)
+    check_option(WorkloadOptions, "image_size", args.image_size)  # train's bound: no plan for a run it refuses
     profile = get_profile(args.gpu or "h200")
     budget = parse_budget(args.budget) if args.budget else profile.budget_bytes()
     if budget > profile.total_bytes:
