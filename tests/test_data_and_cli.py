@@ -152,8 +152,12 @@ def test_a_python_api_run_records_no_foreign_command_line(monkeypatch):
     from tightfit.api import TrainRequest
     monkeypatch.setattr(sys, "argv", ["my_script.py", "--my-flag", "5"])
     assert TrainRequest().run.command == "tightfit.api.train (Python API)"
-    monkeypatch.setattr(sys, "argv", ["/usr/bin/tightfit", "train", "--lr", "1e-4"])
-    assert TrainRequest().run.command == "tightfit train --lr 1e-4"
+    monkeypatch.setattr(sys, "argv", ["/home/me/tightfit_myexp.py", "--my-flag", "7"])  # a user's script
+    assert TrainRequest().run.command == "tightfit.api.train (Python API)"
+    from tightfit.cli import _parser
+    args = _parser().parse_args(["train", "--lr", "1e-4"])
+    args.command_line = "tightfit train --lr 1e-4"  # as the command line's entry point sets it
+    assert TrainRequest.from_args(args).run.command == "tightfit train --lr 1e-4"
 
 
 def _python_collate(tb, encoded, labels, indices, pad_to=None):

@@ -24,9 +24,6 @@ import contextvars
 import functools
 import math
 import numbers
-import os
-import shlex
-import sys
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
@@ -390,12 +387,10 @@ class TrainOptions(_Options):
                                     f"not {temp}")
 
 
-def _command_line() -> str:
-    """The command line of a ``tightfit`` process, quoted for a shell; from the Python API (any
-    other program), a mark saying so rather than that program's own arguments."""
-    if not os.path.basename(sys.argv[0] or "").startswith(("tightfit", "__main__")):
-        return "tightfit.api.train (Python API)"
-    return " ".join(shlex.quote(a) for a in ["tightfit", *sys.argv[1:]])
+# What a request made in Python records as its command: the command line records its own
+# (TrainRequest.from_args), and any other program's arguments are not tightfit's (a script named
+# tightfit_x.py was once recorded as `tightfit <its arguments>`).
+PYTHON_API_COMMAND = "tightfit.api.train (Python API)"
 
 
 @dataclass(frozen=True)
@@ -419,7 +414,7 @@ class RunOptions(_Options):
                                              "--full)", minimum=1)
     eval_samples: int | None = option(None, "evaluate on this many held-out samples (default: all)", minimum=1)
     progress: bool = option(True, "no progress bar", flag="--no-progress")
-    command: str = option(default_factory=_command_line, cli=False)
+    command: str = option(PYTHON_API_COMMAND, cli=False)
     # flat names of the options given on the command line (a resumed run takes these anew even
     # when a value equals the default); empty from the Python API: differing from the default counts
     given: tuple = option((), cli=False)
