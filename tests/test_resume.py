@@ -318,3 +318,22 @@ def test_a_run_whose_progress_bar_reader_stops_trains_to_the_end(tiny_run_inputs
     proc.stdout.close()
     proc.wait(timeout=300)
     assert proc.returncode == 0 and (out / "summary.json").is_file() and _losses(out) == _losses(full_run)
+
+
+def test_resume_refuses_a_new_value_it_cannot_apply_and_takes_a_repeated_one(tiny_run_inputs, tmp_path, capsys):
+    """A resumed run keeps its options: a new --epochs (or --batch-size, --out) would be ignored, so it
+    is refused in one line before anything is read or written; the run's own values may be repeated."""
+    from tightfit.cli import main
+
+    model_dir, data = tiny_run_inputs
+    run = tmp_path / "run"
+    assert _short_run(model_dir, data, run) == 0
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    capsys.readouterr()
+    for extra, named in ((["--epochs", "5"], "--epochs"), (["--batch-size", "2"], "--batch-size"),
+                         (["--out", str(tmp_path / "elsewhere")], "--out")):
+        assert main(["train", "--resume", str(run), "--no-progress", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"cannot change {named}" in err, err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before and not (tmp_path / "elsewhere").exists()
+    assert main(["train", "--resume", str(run), "--no-progress", "--model", str(model_dir), "--data", str(data)]) == 0

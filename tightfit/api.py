@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
-from .config import PlanOptions, TrainRequest, saved_options
+from .config import PlanOptions, TrainRequest, option_name, saved_options
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
@@ -669,14 +669,22 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     written = req.run.given  # the flags on the command line; from the API: what differs from the default
     given = {k: v for k, v in now.items() if k not in ("resume", "progress", "command", "given")
              and (k in written if written else v != default[k])}
-    ignored = [f"--{k.replace('_', '-')}" for k in given if k not in RESUME_MAY_CHANGE]
-    if ignored:
-        log.warning(f"note: --resume takes the run's own options from {run / 'request.json'}; ignoring "
-                    f"{', '.join(ignored)} (a resumed run may change only "
-                    f"{', '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE)})")
     try:
         saved = saved_options(json.loads((run / "request.json").read_text()))
         fingerprint = saved.pop("data_fingerprint", None)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
+    # An option the run was started with may be repeated; a new value of one the resumed run cannot
+    # change is refused (ignored, an asked-for change such as more epochs would never happen).
+    refused = [option_name(k) for k, v in given.items() if k not in RESUME_MAY_CHANGE and saved.get(k) != v
+               and k != "out"] + ([option_name("out")] if "out" in given and Path(now["out"]).resolve() != run.resolve()
+                                else [])
+    if refused:
+        raise TightfitError(f"{option_name('resume')} {run} continues the run with the options it was started with "
+                            f"({run / 'request.json'}); it cannot change {', '.join(refused)} (a resumed run may "
+                            f"change only {', '.join(option_name(k) for k in RESUME_MAY_CHANGE)}): leave "
+                            f"{'it' if len(refused) == 1 else 'them'} out, or start a new run")
+    try:
         changed = {k: [saved.get(k), v] for k, v in given.items() if k in RESUME_MAY_CHANGE and saved.get(k) != v}
         resumed = TrainRequest(**{**saved, **{k: new for k, (_, new) in changed.items()}, "out": str(run),
                                   "resume": str(run), "progress": req.run.progress,
@@ -684,7 +692,7 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
     for k, (old, new) in changed.items():
-        log.warning(f"note: --resume with --{k.replace('_', '-')} {new} (the run had {old})")
+        log.warning(f"note: {option_name('resume')} with {option_name(k)} {new} (the run had {old})")
     try:
         point = latest_intact_checkpoint(run / "checkpoints")
     except TightfitError as e:
