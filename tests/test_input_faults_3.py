@@ -347,3 +347,28 @@ def test_the_held_out_note_suggests_eval_samples_only_when_it_left_some_out():
     some = tdata.check_split(data, data.subset(train_idx), data.subset(eval_idx[:4]))
     assert some == ["accuracy on 4 held-out samples moves in steps of 25% (--eval-samples or more data for a "
                     "finer measure)"]
+
+
+def test_a_batch_size_above_the_training_samples_plans_and_reports_the_batch_it_trains(tmp_path, capsys):
+    """--batch-size 100000 over 36 training samples: every step sees the 36, and the plan block,
+    plan.json and summary.json say 36 (they said 100000)."""
+    import json
+
+    from conftest import tiny_text_model_folder
+    from test_resume import WORDS
+    from tightfit.cli import main
+
+    model = tiny_text_model_folder(tmp_path, WORDS, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=16, max_position_embeddings=32)
+    data = tmp_path / "d.csv"
+    data.write_text("text,label\n" + "".join(f"{WORDS[i % 12]} {WORDS[(i * 5) % 12]},{'ab'[i % 2]}\n"
+                                             for i in range(40)))
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(model), "--data", str(data), "--seq-len", "16", "--batch-size", "100000",
+                 "--device", "cpu", "--no-progress", "--epochs", "2", "--out", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "--batch-size 100000 is more than the 36 training samples: the effective batch is 36" in out, out
+    assert "effective batch 36" in out and "100000 x" not in out, out
+    assert json.loads((run / "plan.json").read_text())["effective_batch"] == 36
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["plan"]["effective_batch"] == 36 and summary["steps"] == 2, summary

@@ -250,10 +250,11 @@ class TrainRecipe:
             if asked is not None and asked > len(split):
                 self.notes.append(f"{flag} {asked} is more than the {len(split)} {what} samples of the split: "
                                   f"using all {len(split)}")
-        batch = self.req.workload.batch_size
-        if batch > len(self.train_data):
-            self.notes.append(f"--batch-size {batch} is more than the {len(self.train_data)} training samples: "
-                              f"every optimizer step sees all of them (one step per epoch)")
+        batch = self.effective_batch()
+        if batch < self.req.workload.batch_size:
+            self.notes.append(f"{option_name('batch_size')} {self.req.workload.batch_size} is more than the "
+                              f"{len(self.train_data)} training samples: the effective batch is {batch} (every "
+                              f"optimizer step sees all of them, one step per epoch)")
         training, steps = self.req.training, self._epoch_steps(batch)
         if training.max_steps and training.max_steps > steps:
             self.notes.append(f"--max-steps {training.max_steps} is more than the {steps} optimizer steps of "
@@ -264,6 +265,12 @@ class TrainRecipe:
                                 f"({self.data.source}: other rows, order or labels); resume with the same data, "
                                 "or start a new run")
         self.data_fingerprint = fingerprint
+
+    def effective_batch(self) -> int:
+        """Samples per optimizer step: ``batch_size``, or all the training samples where there are
+        fewer (what every step then sees: the plan, ``plan.json`` and the summary say that, not
+        the number asked for)."""
+        return max(1, min(self.req.workload.batch_size, len(self.train_data)))
 
     def _epoch_steps(self, effective_batch: int) -> int:
         """Optimizer steps of ``--epochs`` over the training split at ``effective_batch`` samples
@@ -290,7 +297,7 @@ class TrainRecipe:
         self._apply_trainable()
         self._check_budget()
         self.workload = Workload(self.model, TextBatches(self.tokenizer, self.train_data, seq_len),
-                                 TextBatches(self.tokenizer, self.eval_data, seq_len), self.req.workload.batch_size)
+                                 TextBatches(self.tokenizer, self.eval_data, seq_len), self.effective_batch())
 
     def _apply_trainable(self) -> None:
         """``--trainable lora``: wrap the model with LoRA adapters (:mod:`tightfit.levers.lora`),

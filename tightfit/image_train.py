@@ -156,7 +156,7 @@ class ImageTrainRecipe(TrainRecipe):
             return DatasetBatches(samples, collate, worst_case=lambda n: collate([samples[0]] * n))
 
         self.workload = Workload(self.model, batches(self.train_data), batches(self.eval_data),
-                                 self.req.workload.batch_size, task=ImageClassification())
+                                 self.effective_batch(), task=ImageClassification())
 
     def input_size(self) -> int:
         """The image side in pixels (the planner's size of a sample)."""
