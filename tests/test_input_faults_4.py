@@ -169,6 +169,26 @@ def test_an_unknown_column_is_named_as_its_user_gave_it(tmp_path, capsys):
     assert "no column 'nope' (--text-column); columns are" in _error_line(capsys)
 
 
+def test_errors_raised_while_a_run_is_set_up_name_the_python_arguments_too(tmp_path, capsys):
+    """Past the option checks (the run folder, --resume, the device): from Python the argument and
+    its value as written in Python, from the command line the flag."""
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    cases = [(dict(out=str(a_file)), f"out='{a_file}' is a file, not a folder", ["--out", str(a_file)],
+              f"--out {a_file} is a file, not a folder"),
+             (dict(resume=str(tmp_path)), f"resume='{tmp_path}': not a tightfit run folder (no request.json)",
+              ["--resume", str(tmp_path)], f"--resume {tmp_path}: not a tightfit run folder (no request.json)")]
+    if not torch.cuda.is_available():
+        cases.append((dict(device="cuda", out=str(tmp_path / "r")), "device='cuda', but no CUDA GPU is visible",
+                      ["--device", "cuda", "--out", str(tmp_path / "r")], "--device cuda, but no CUDA GPU is visible"))
+    for options, python, argv, cli in cases:
+        with pytest.raises(TightfitError) as e:
+            train(TrainRequest(progress=False, **options))
+        assert str(e.value) == python
+        assert main(["train", "--no-progress", *argv]) == 2
+        assert _error_line(capsys) == f"tightfit: error: {cli}"
+
+
 # ---- 11: no upper bound on --image-size (20000 px: OOM-killed after writing a run folder)
 
 def test_an_image_size_above_the_bound_is_refused_before_any_work(tmp_path, capsys):

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
-from .config import PlanOptions, TrainRequest, option_name, saved_options
+from .config import PlanOptions, TrainRequest, option_given, option_name, saved_options
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
@@ -108,7 +108,7 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
     profile = get_profile(p.gpu) if p.gpu else None
     budget = parse_budget(p.budget) if p.budget else None
     if p.device == "cuda" and not torch.cuda.is_available():
-        raise TightfitError("--device cuda, but no CUDA GPU is visible")
+        raise TightfitError(f"{option_given('device', 'cuda')}, but no CUDA GPU is visible")
     if not torch.cuda.is_available() or p.device == "cpu":
         if profile or budget:
             notes.append("no CUDA GPU in use: --gpu/--budget are checked but training runs on the CPU")
@@ -191,14 +191,14 @@ class TrainRecipe:
         self.device, self.profile, self.budget, notes = resolve_device(p)
         self.notes += notes
         if p.compile == "on" and (self.device != "cuda" or p.planner != "search"):
-            raise TightfitError("--compile on needs a CUDA GPU and the search planner")
+            raise TightfitError(f"{option_given('compile', 'on')} needs a CUDA GPU and the search planner")
         if p.optimizer == "adamw-offload" and (self.device != "cuda" or self.world.distributed):
-            raise TightfitError("--optimizer adamw-offload needs one CUDA GPU (torchao offloads one GPU's state)")
+            raise TightfitError(f"{option_given('optimizer', 'adamw-offload')} needs one CUDA GPU (torchao offloads one GPU's state)")
         from .levers.optimizers import LEVER_OPTIMIZERS, check_precision as check_optimizer_precision, weights_dtype
 
         check_optimizer_precision(p.optimizer, p.precision, self.profile)  # bf16 weights: bf16 autocast only
         if weights_dtype(p.optimizer) is not None and self.device != "cuda":
-            raise TightfitError(f"--optimizer {p.optimizer} trains under bf16 autocast, which tightfit runs on a CUDA GPU "
+            raise TightfitError(f"{option_given('optimizer', p.optimizer)} trains under bf16 autocast, which tightfit runs on a CUDA GPU "
                                 "only")
         if p.optimizer in LEVER_OPTIMIZERS:
             from .planner.optimizers import levers_installed
@@ -206,8 +206,9 @@ class TrainRecipe:
             if not levers_installed(p.optimizer):
                 from .levers.optimizers import LEVER_LIBRARY
 
-                whose = "the resumed run's optimizer" if self.resume_from is not None else "--optimizer"
-                raise TightfitError(f"{whose} {p.optimizer} needs {LEVER_LIBRARY[p.optimizer]}: "
+                whose = (f"the resumed run's optimizer {p.optimizer}" if self.resume_from is not None
+                         else option_given("optimizer", p.optimizer))
+                raise TightfitError(f"{whose} needs {LEVER_LIBRARY[p.optimizer]}: "
                                     "pip install 'tightfit[levers]'")
         if p.precision != "auto":
             from .levers.precision import check_precision
@@ -226,7 +227,8 @@ class TrainRecipe:
         """The run folder: new or empty (or the run being resumed), and creatable."""
         out = self.req.run.out
         if out is not None and not str(out).strip():  # "" would silently become runs/<date-time>
-            raise TightfitError("--out is empty: give the run folder, or leave --out out for runs/<date-time>")
+            raise TightfitError(f"{option_name('out')} is empty: give the run folder, or leave {option_name('out')} out for "
+                                "runs/<date-time>")
         self.out = Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         _check_out(self.out, resuming=self.resume_from is not None)
 
@@ -245,8 +247,8 @@ class TrainRecipe:
         self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
         self.eval_data: TextClassificationData = data.subset(take(eval_idx, run.eval_samples))
         self.notes += check_split(data, self.train_data, self.eval_data)
-        for flag, asked, split, what in (("--train-samples", run.train_samples, train_idx, "training"),
-                                         ("--eval-samples", run.eval_samples, eval_idx, "held-out")):
+        for flag, asked, split, what in ((option_name("train_samples"), run.train_samples, train_idx, "training"),
+                                         (option_name("eval_samples"), run.eval_samples, eval_idx, "held-out")):
             if asked is not None and asked > len(split):
                 self.notes.append(f"{flag} {asked} is more than the {len(split)} {what} samples of the split: "
                                   f"using all {len(split)}")
@@ -257,11 +259,11 @@ class TrainRecipe:
                               f"optimizer step sees all of them, one step per epoch)")
         training, steps = self.req.training, self._epoch_steps(batch)
         if training.max_steps and training.max_steps > steps:
-            self.notes.append(f"--max-steps {training.max_steps} is more than the {steps} optimizer steps of "
+            self.notes.append(f"{option_given('max_steps', training.max_steps)} is more than the {steps} optimizer steps of "
                               f"{training.epochs:g} epoch(s): training {steps} (raise --epochs for more)")
         fingerprint = f"{self.train_data.fingerprint()}:{self.eval_data.fingerprint()}"
         if self.resume_from is not None and self.data_fingerprint not in (None, fingerprint):
-            raise TightfitError(f"--resume {self.out}: the data differ from those the run started with "
+            raise TightfitError(f"{option_given('resume', str(self.out))}: the data differ from those the run started with "
                                 f"({self.data.source}: other rows, order or labels); resume with the same data, "
                                 "or start a new run")
         self.data_fingerprint = fingerprint
@@ -669,9 +671,9 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
 
     run = Path(req.run.resume)
     if not (run / "request.json").is_file():
-        raise TightfitError(f"--resume {run}: not a tightfit run folder (no request.json)")
+        raise TightfitError(f"{option_given('resume', str(run))}: not a tightfit run folder (no request.json)")
     if not list_checkpoints(run / "checkpoints"):
-        raise TightfitError(f"--resume {run}: no checkpoint to resume from")
+        raise TightfitError(f"{option_given('resume', str(run))}: no checkpoint to resume from")
     default, now = TrainRequest().to_flat(), req.to_flat()
     written = req.run.given  # the flags on the command line; from the API: what differs from the default
     given = {k: v for k, v in now.items() if k not in ("resume", "progress", "command", "given")
@@ -680,7 +682,7 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
         saved = saved_options(json.loads((run / "request.json").read_text()))
         fingerprint = saved.pop("data_fingerprint", None)
     except (json.JSONDecodeError, TypeError) as e:
-        raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
+        raise TightfitError(f"{option_given('resume', str(run))}: unreadable request.json ({e})") from None
     # An option the run was started with may be repeated; a new value of one the resumed run cannot
     # change is refused (ignored, an asked-for change such as more epochs would never happen).
     refused = [option_name(k) for k, v in given.items() if k not in RESUME_MAY_CHANGE and saved.get(k) != v
@@ -697,13 +699,13 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
                                   "resume": str(run), "progress": req.run.progress,
                                   "command": saved.get("command", req.run.command)})  # the run's own command
     except (json.JSONDecodeError, TypeError) as e:
-        raise TightfitError(f"--resume {run}: unreadable request.json ({e})") from None
+        raise TightfitError(f"{option_given('resume', str(run))}: unreadable request.json ({e})") from None
     for k, (old, new) in changed.items():
         log.warning(f"note: {option_name('resume')} with {option_name(k)} {new} (the run had {old})")
     try:
         point = latest_intact_checkpoint(run / "checkpoints")
     except TightfitError as e:
-        raise type(e)(f"--resume {run}: {e}") from None
+        raise type(e)(f"{option_given('resume', str(run))}: {e}") from None
     for note in point.notes:
         log.warning(f"note: {note}")
     for name, size in remove_stale_temporaries(run / "checkpoints") if main else ():  # rank 0 cleans up
@@ -718,7 +720,7 @@ def _check_out(out: Path, resuming: bool) -> None:
         TightfitError: it is a file, holds another run, or cannot be created.
     """
     if out.exists() and not out.is_dir():
-        raise TightfitError(f"--out {out} is a file, not a folder")
+        raise TightfitError(f"{option_given('out', str(out))} is a file, not a folder")
     if not resuming and out.exists() and any(out.iterdir()):
         raise TightfitError(f"output folder {out} exists and is not empty; choose another --out")
     blocked = unwritable_folder(out)

@@ -107,6 +107,12 @@ def option_name(f: Field | str) -> str:
     return option_flag(f) if _CLI_NAMES.get() else option_key(f)
 
 
+def option_given(f: Field | str, value: Any) -> str:
+    """An option with the value its user gave, as they would have written it: ``--device cuda``
+    within :func:`cli_names`, else ``device='cuda'``."""
+    return f"{option_name(f)} {value}" if _CLI_NAMES.get() else f"{option_name(f)}={value!r}"
+
+
 def option_value(f: Field | str, value: Any) -> str:
     """An option given a value, as its user wrote it: ``--precision 'fp8'`` within
     :func:`cli_names`, else ``precision='fp8'``."""

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from .api import TrainRecipe
-from .config import TrainRequest
+from .config import TrainRequest, option_given, option_name
 from .errors import TightfitError
 from .fileio import atomic_write_json
 from .images import PREPROCESSING_FILE, ImageSamples, is_image_data, load_image_classification, preprocessing_record
@@ -57,7 +57,8 @@ def recipe_class(req: TrainRequest) -> type[TrainRecipe]:
         return ImageTrainRecipe
     if is_image_data(data):
         what = "digits, images" if data == "digits" else "a folder, read as images (one subfolder per class)"
-        raise TightfitError(f"--data {data} is {what}, but {model or 'the default model'} is a text model: give an "
+        raise TightfitError(f"{option_given('data', data)} is {what}, but {model or 'the default model'} is a text model: "
+                            "give an "
                             "image model (--model resnet50, --model vit-b16, or a folder of an image classifier), "
                             "or for text one CSV, TSV or JSONL file")
     return TrainRecipe
@@ -74,7 +75,7 @@ def _refuse_options_of_the_other_kind(req: TrainRequest, model: str | None, imag
 
     w, default = req.workload, WorkloadOptions()
     other = ("seq_len", "text_column") if image else ("image_size", "image_column")
-    given = [f"--{k.replace('_', '-')}" for k in other if getattr(w, k) != getattr(default, k)]
+    given = [option_name(k) for k in other if getattr(w, k) != getattr(default, k)]
     if given and not req.run.resume:
         kind, takes = ("an image model", "images") if image else ("a text model", "text")
         raise TightfitError(f"{' and '.join(given)} {'do' if len(given) > 1 else 'does'} not apply: "
