@@ -12,23 +12,9 @@ import pytest
 
 from tightfit.cli import main
 
-CARD = {"key": "my-card", "name": "My Card", "total_bytes": "6GiB", "compute_capability": [7, 5],
-        "fp16_tensor_cores": True, "bf16": False, "fp32_tflops": 5, "fp16_tflops": 20, "bf16_tflops": 0,
-        "host_link_bytes_per_s": 12e9}
+from test_input_faults_3 import CARD, _error_line, _profiles  # one copy of the profile helpers
+
 PLAN = ["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4"]
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("tightfit: error: "), err
-    return err[0]
-
-
-def _profiles(tmp_path, monkeypatch, *cards):
-    f = tmp_path / "cards.json"
-    f.write_text(json.dumps(list(cards)))
-    monkeypatch.setenv("TIGHTFIT_GPU_PROFILES", str(f))
-    return f
 
 
 # ---- 6: compute_capability [9] crashed (IndexError in levers/precision.py), "7.5" and 75 gave
