@@ -67,14 +67,15 @@ OPTIMIZER_CALL_S = 65e-6
 # torchao AdamW8bit step over bf16 weights (adamw8bit-bf16): read weight, gradient and two 1-byte
 # moments, write weight and moments (scales left out).
 ADAMW8BIT_BF16_BYTES_PER_PARAM = 2 + 2 + 2 + 2 + 2
-# Per parameter tensor of torchao's 8-bit AdamW step: host time of one call of its compiled
-# ``single_param_adam`` (torch.compile's guards and launch, torchao/optim/adam.py ``_AdamBase.step``).
-# Measured on an NVIDIA H200 host with fp32 weights: 153.4 ms for BERT-large's 393 tensors, 0.39 ms
-# each (torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json, row "torchao
-# AdamW8bit"; 143.8 ms in bench/results/optimizer-levers/). The step is host-bound (the 335.1M
-# parameters' bytes take under 1 ms at 4.8 TB/s), so the same time is assumed with bf16 weights and
-# stochastic rounding (one more fused operation per call): not yet measured alone.
-TORCHAO_CALL_S = 0.39e-3
+# Per parameter tensor of torchao's 8-bit AdamW step over bf16 weights with stochastic rounding:
+# host time of one call of its compiled ``single_param_adam`` (guards, the subclass wrappers, kernel
+# launches), which tightfit calls through one compiled function
+# (tightfit.levers.optimizers._compiled_update). Measured on an NVIDIA H200 host: 139.1 ms for
+# BERT-large's 393 tensors, 0.354 ms each (torch 2.11, torchao 0.18;
+# bench/results/optimizer-dispatch/optimizer_dispatch.json, row "one-wrapper"; torchao's own step,
+# a new torch.compile wrapper per call: 281.4 ms). The step is host-bound (the 335.1M parameters'
+# bytes take under 1 ms at 4.8 TB/s).
+TORCHAO_CALL_S = 0.354e-3
 # Fused AdamW on the host CPU as ``adamw-offload`` runs it: one fused step over every offloaded
 # tensor (tightfit.levers.host_adamw), parameters per second. Measured on an NVIDIA H200 host (16
 # threads, torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json): the fused CPU
