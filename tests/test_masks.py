@@ -110,3 +110,49 @@ def test_the_own_loop_and_the_estimator_hand_the_mask_over_in_4d(monkeypatch):
     step = tightfit.TrainStep(Plan("fp32", 4, 8), model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert step(batch).stepped
     training_loss(model, batch)
+
+
+def test_the_choice_follows_the_model_as_it_is_now():
+    """The attention implementation or the decoder flag changed after a first call: the next call
+    hands the 2-D mask (eager attention adds the mask to the scores: a boolean one would add 0/1)."""
+    model, batch = tiny_bert().eval(), _padded_batch()
+    assert model_inputs(model, batch)["attention_mask"].dim() == 4
+    model.set_attn_implementation("eager")
+    assert model_inputs(model, batch)["attention_mask"].dim() == 2
+    with torch.no_grad():
+        eager = model(**model_inputs(model, batch)).logits
+        model.set_attn_implementation("sdpa")
+        sdpa = model(**model_inputs(model, batch)).logits
+    torch.testing.assert_close(eager, sdpa, rtol=0, atol=1e-6)
+    model.config.is_decoder = True
+    assert model_inputs(model, batch)["attention_mask"].dim() == 2
+
+
+class _MeanPooled(torch.nn.Module):
+    """A user's own module around an encoder that uses the mask itself (mean pooling)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bert = tiny_bert().bert
+        self.head = torch.nn.Linear(32, 2)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask[..., None].float()
+        return self.head((h * m).sum(1) / m.sum(1))
+
+
+def test_only_the_encoder_itself_or_a_pass_through_wrapper_gets_the_4d_mask():
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+
+    batch = _padded_batch()
+    own = _MeanPooled()
+    assert model_inputs(own, batch)["attention_mask"].dim() == 2
+    own(**model_inputs(own, batch))  # runs (a 4-D mask broke its pooling)
+    lora = get_peft_model(tiny_bert(), LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query", "value"]))
+    assert model_inputs(lora, batch)["attention_mask"].dim() == 4
+    prompt = get_peft_model(tiny_bert(), PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=2))
+    assert model_inputs(prompt, batch)["attention_mask"].dim() == 2
+    prompt(**model_inputs(prompt, batch))  # peft joins its prompt positions to the 2-D mask
+    compiled = torch.compile(tiny_bert(), backend="eager")
+    assert model_inputs(compiled, batch)["attention_mask"].dim() == 4

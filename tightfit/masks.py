@@ -23,13 +23,10 @@ own-loop default loss.
 from __future__ import annotations
 
 import sys
-import weakref
 
 import torch
 
 Batch = dict[str, torch.Tensor]
-
-_PREPARED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 # Encoder-only families whose forward builds one bidirectional padding mask from ``attention_mask``
 # and uses it for nothing else (checked in their transformers 5 modeling code; tests/test_masks.py
@@ -39,34 +36,49 @@ ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "distilbert
 
 
 def _hf_model(model: torch.nn.Module):
-    """The first transformers ``PreTrainedModel`` in ``model`` (itself, or wrapped by DDP, peft,
-    ...), or None (no transformers, or a model of another kind)."""
+    """The transformers ``PreTrainedModel`` that ``model`` is, or that it wraps without touching
+    the mask: DDP's or DataParallel's ``.module``, ``torch.compile``'s ``_orig_mod``, a peft model
+    other than prompt learning (its base model; prompt tuning joins its own positions to the mask).
+    None for anything else — a user's own module holding an encoder may use the mask itself (mean
+    pooling, say), so it gets the mask it was given."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # transformers is a dependency; a stripped install still trains plain models
         return None
-    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    for _ in range(8):  # a few layers of wrapping at most
+        if isinstance(model, PreTrainedModel):
+            return model
+        if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+            config = getattr(model, "active_peft_config", None)
+            if config is None or getattr(config, "is_prompt_learning", True):
+                return None
+            model = model.get_base_model()
+        elif isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return None
+    return None
 
 
 def takes_prepared_mask(model: torch.nn.Module) -> bool:
-    """True when ``model`` is a transformers encoder whose padding mask :func:`model_inputs`
-    should hand over in 4-D: a family in :data:`ENCODERS`, SDPA attention, not configured as a
-    decoder, and modeling code that builds its mask with ``masking_utils.create_bidirectional_mask``
-    (transformers >= 5, whose mask functions take a 4-D mask as prepared). Remembered per model
-    (a weak reference)."""
-    known = _PREPARED.get(model)
-    if known is None:
-        hf = _hf_model(model)
-        config = getattr(hf, "config", None)
-        modeling = sys.modules.get(type(hf).__module__) if hf is not None else None
-        known = bool(config is not None
-                     and getattr(config, "model_type", None) in ENCODERS
-                     and getattr(config, "_attn_implementation", None) == "sdpa"
-                     and not getattr(config, "is_decoder", False)
-                     and not getattr(config, "add_cross_attention", False)
-                     and getattr(modeling, "create_bidirectional_mask", None) is not None)
-        _PREPARED[model] = known
-    return known
+    """True when ``model`` is (:func:`_hf_model`) a transformers encoder whose padding mask
+    :func:`with_prepared_mask` should hand over in 4-D: a family in :data:`ENCODERS`, SDPA
+    attention, not configured as a decoder or with cross-attention, and modeling code that builds
+    its mask with ``masking_utils.create_bidirectional_mask`` (transformers >= 5, whose mask
+    functions take a 4-D mask as prepared). Read at every call (a few attribute reads): the
+    attention implementation or the decoder flag may change between calls."""
+    hf = _hf_model(model)
+    config = getattr(hf, "config", None)
+    if config is None:
+        return False
+    modeling = sys.modules.get(type(hf).__module__)
+    return bool(getattr(config, "model_type", None) in ENCODERS
+                and getattr(config, "_attn_implementation", None) == "sdpa"
+                and not getattr(config, "is_decoder", False)
+                and not getattr(config, "add_cross_attention", False)
+                and getattr(modeling, "create_bidirectional_mask", None) is not None)
 
 
 def with_prepared_mask(model: torch.nn.Module, batch: Batch) -> Batch:
