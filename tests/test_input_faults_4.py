@@ -203,3 +203,130 @@ def test_an_image_size_above_the_bound_is_refused_before_any_work(tmp_path, caps
 def test_plan_refuses_the_image_size_train_refuses(capsys):
     assert main(["plan", "--model", "resnet50", "--image-size", "20000", "--batch-size", "4", "--gpu", "t4"]) == 2
     assert _error_line(capsys).startswith("tightfit: error: --image-size must be at most 4096 pixels")
+
+
+# ---- review 5: errors of a run still named the command line's flags from the Python API
+
+def _both_faces(tmp_path, capsys, options, python, argv, cli):
+    """``train(TrainRequest(**options))`` raises ``python``; ``tightfit train ARGV`` says ``cli``."""
+    with pytest.raises(TightfitError) as e:
+        train(TrainRequest(progress=False, device="cpu", **options))
+    assert str(e.value) == python
+    capsys.readouterr()
+    assert main(["train", "--no-progress", "--device", "cpu", *argv]) == 2
+    assert _error_line(capsys) == f"tightfit: error: {cli}"
+
+
+def test_the_run_folder_and_data_errors_name_the_python_arguments(tmp_path, capsys):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    _both_faces(tmp_path, capsys, dict(out=str(full)),
+                f"output folder {full} exists and is not empty; choose another out", ["--out", str(full)],
+                f"output folder {full} exists and is not empty; choose another --out")
+    images = tmp_path / "images"
+    images.mkdir()
+    _both_faces(tmp_path, capsys, dict(data=str(images), out=str(tmp_path / "r1")),
+                f"data='{images}' is a folder, read as images (one subfolder per class), but the default model is "
+                "a text model: give an image model (model='resnet50', model='vit-b16', or a folder of an image "
+                "classifier), or for text one CSV, TSV or JSONL file",
+                ["--data", str(images), "--out", str(tmp_path / "r1")],
+                f"--data {images} is a folder, read as images (one subfolder per class), but the default model is "
+                "a text model: give an image model (--model resnet50, --model vit-b16, or a folder of an image "
+                "classifier), or for text one CSV, TSV or JSONL file")
+    _both_faces(tmp_path, capsys, dict(data="/dev/null", out=str(tmp_path / "r2")),
+                "/dev/null is not a regular file; data takes one CSV, TSV or JSONL file",
+                ["--data", "/dev/null", "--out", str(tmp_path / "r2")],
+                "/dev/null is not a regular file; --data takes one CSV, TSV or JSONL file")
+    _both_faces(tmp_path, capsys, dict(model="resnet50", out=str(tmp_path / "r3")),
+                "resnet50 is an image model: give data (digits, a folder with one subfolder per class, or a CSV "
+                "of image paths and labels)", ["--model", "resnet50", "--out", str(tmp_path / "r3")],
+                "resnet50 is an image model: give --data (digits, a folder with one subfolder per class, or a CSV "
+                "of image paths and labels)")
+
+
+def test_the_seq_len_and_precision_errors_name_the_python_arguments(tmp_path, capsys):
+    from conftest import tiny_text_model_folder
+
+    model = tiny_text_model_folder(tmp_path, ["good", "bad"], hidden_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    data = tmp_path / "d.csv"
+    data.write_text("text,label\n" + "".join(f"{' '.join([('good' if i % 2 else 'bad')] * (1 + i % 7))},{i % 2}\n" for i in range(40)))
+    common = dict(model=str(model), data=str(data))
+    argv = ["--model", str(model), "--data", str(data)]
+    for i, (options, python, flags, cli) in enumerate([
+            (dict(seq_len=100), "seq_len=100 exceeds the model's 64 positions", ["--seq-len", "100"],
+             "--seq-len 100 exceeds the model's 64 positions"),
+            (dict(seq_len=3), "seq_len=3 leaves 1 token of text after the 2 special tokens ([CLS], [SEP]); use at "
+                              "least 8", ["--seq-len", "3"],
+             "--seq-len 3 leaves 1 token of text after the 2 special tokens ([CLS], [SEP]); use at least 8"),
+            (dict(precision="bf16"), "precision='bf16' needs a CUDA GPU; on the CPU use fp32", ["--precision", "bf16"],
+             "--precision bf16 needs a CUDA GPU; on the CPU use fp32")]):
+        out = str(tmp_path / f"r{i}")
+        _both_faces(tmp_path, capsys, {**common, **options, "out": out}, python, [*argv, *flags, "--out", out], cli)
+
+
+def test_the_resume_refusal_and_note_name_the_python_arguments(tmp_path, capsys, caplog):
+    import logging
+
+    from conftest import tiny_text_model_folder
+    from tightfit.api import _resume_request
+
+    model = tiny_text_model_folder(tmp_path, ["good", "bad"], hidden_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    data = tmp_path / "d.csv"
+    data.write_text("text,label\n" + "".join(f"{' '.join([('good' if i % 2 else 'bad')] * (1 + i % 7))},{i % 2}\n" for i in range(40)))
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(model), "--data", str(data), "--batch-size", "4", "--max-steps", "1",
+                 "--lr", "1e-3", "--seq-len", "16", "--out", str(run), "--no-progress", "--device", "cpu"]) == 0
+    with pytest.raises(TightfitError) as e:
+        train(TrainRequest(resume=str(run), epochs=5, progress=False))
+    assert str(e.value).startswith(f"resume='{run}' continues the run with the options it was started with "), e.value
+    assert "cannot change epochs " in str(e.value) and "--" not in str(e.value)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--epochs", "5", "--no-progress"]) == 2
+    assert _error_line(capsys).startswith(f"tightfit: error: --resume {run} continues the run with the options ")
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        _resume_request(TrainRequest(resume=str(run), lr=1e-4))
+    assert "note: resume with lr=0.0001 (the run had 0.001)" in caplog.text, caplog.text
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--lr", "1e-4", "--no-progress"]) == 0
+    assert "note: --resume with --lr 0.0001 (the run had 0.001)" in capsys.readouterr().out
+
+
+# ---- review 6: option checks let ints beyond a float through; TrainStep took any warn_temp_c
+
+@pytest.mark.parametrize("name", ["lr", "max_grad_norm", "max_steps", "weight_decay"])
+def test_an_int_too_large_for_a_float_is_refused_in_one_line(name):
+    from tightfit.runtime.trainer import TrainConfig
+
+    for make in (TrainRequest, TrainConfig):
+        with pytest.raises(TightfitError) as e:
+            make(**{name: 10**400})
+        assert str(e.value).startswith(f"{name} must be "), e.value
+        assert str(e.value).endswith("not about 10**400 (more than a float holds)"), e.value
+    with pytest.raises(TightfitError, match=r"^epochs must be at most 1e9.*not about 10\*\*400$"):
+        TrainRequest(epochs=10**400)
+    assert TrainRequest(**{name: 10**20}).to_flat()[name] == 10**20  # large but a float holds it
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"lr": 10**400}, r"^lr must be positive and finite, not about 10\*\*400 \(more than a float holds\)$"),
+    ({"max_grad_norm": 10**400}, r"^max_grad_norm must be positive and finite, or None for no clipping, not about "
+                                 r"10\*\*400 \(more than a float holds\)$"),
+    ({"warn_temp_c": 500}, r"^warn_temp_c must be a GPU temperature in deg C between 0 and 150, not 500$"),
+    ({"warn_temp_c": math.nan}, r"^warn_temp_c must be a GPU temperature in deg C between 0 and 150, not nan$"),
+])
+def test_train_step_refuses_a_huge_int_and_a_bad_warn_temp(options, message):
+    with pytest.raises(TightfitError, match=message):
+        tightfit.TrainStep(Plan("fp32", 4, 8), torch.nn.Linear(4, 2), **options)
+    tightfit.TrainStep(Plan("fp32", 4, 8), torch.nn.Linear(4, 2), warn_temp_c=90)
+
+
+def test_an_epochs_just_above_the_limit_is_shown_with_its_digits(tmp_path, capsys):
+    line = _refused(tmp_path, capsys, "--epochs", "1000000001")
+    assert line.endswith("would not end; not 1000000001"), line
+    with pytest.raises(TightfitError, match=r"would not end; not 1000000000.5$"):
+        TrainRequest(epochs=1e9 + 0.5)
+    with pytest.raises(TightfitError, match=r"would not end; not 1000000001$"):
+        TrainRequest(epochs=1_000_000_001)

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
-from .config import PlanOptions, TrainRequest, option_given, option_name, saved_options
+from .config import PlanOptions, TrainRequest, names_flags, option_given, option_name, saved_options
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
@@ -111,7 +111,8 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
         raise TightfitError(f"{option_given('device', 'cuda')}, but no CUDA GPU is visible")
     if not torch.cuda.is_available() or p.device == "cpu":
         if profile or budget:
-            notes.append("no CUDA GPU in use: --gpu/--budget are checked but training runs on the CPU")
+            notes.append(f"no CUDA GPU in use: {option_name('gpu')}/{option_name('budget')} are checked but training "
+                         "runs on the CPU")
         return "cpu", None, budget or (profile.budget_bytes() if profile else None), notes
     local = detect()
     if profile is None:
@@ -241,7 +242,8 @@ class TrainRecipe:
         if limit is None and self.device == "cpu" and not run.full and len(train_idx) > CPU_DEFAULT_TRAIN_SAMPLES:
             limit = CPU_DEFAULT_TRAIN_SAMPLES
             self.notes.append(f"CPU run: training on {limit} of {len(train_idx)} training samples "
-                              f"(--full for all, --train-samples N to choose)")
+                              f"({option_name('full') if names_flags() else 'full=True'} for all, "
+                              f"{option_name('train_samples')}{' N' if names_flags() else '=N'} to choose)")
         if data.skipped_blank:
             self.notes.append(f"{data.skipped_blank} rows with a blank text or label were skipped")
         self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
@@ -260,7 +262,7 @@ class TrainRecipe:
         training, steps = self.req.training, self._epoch_steps(batch)
         if training.max_steps and training.max_steps > steps:
             self.notes.append(f"{option_given('max_steps', training.max_steps)} is more than the {steps} optimizer steps of "
-                              f"{training.epochs:g} epoch(s): training {steps} (raise --epochs for more)")
+                              f"{training.epochs:g} epoch(s): training {steps} (raise {option_name('epochs')} for more)")
         fingerprint = f"{self.train_data.fingerprint()}:{self.eval_data.fingerprint()}"
         if self.resume_from is not None and self.data_fingerprint not in (None, fingerprint):
             raise TightfitError(f"{option_given('resume', str(self.out))}: the data differ from those the run started with "
@@ -689,7 +691,7 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
                and k != "out"] + ([option_name("out")] if "out" in given and Path(now["out"]).resolve() != run.resolve()
                                 else [])
     if refused:
-        raise TightfitError(f"{option_name('resume')} {run} continues the run with the options it was started with "
+        raise TightfitError(f"{option_given('resume', str(run))} continues the run with the options it was started with "
                             f"({run / 'request.json'}); it cannot change {', '.join(refused)} (a resumed run may "
                             f"change only {', '.join(option_name(k) for k in RESUME_MAY_CHANGE)}): leave "
                             f"{'it' if len(refused) == 1 else 'them'} out, or start a new run")
@@ -701,7 +703,7 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"{option_given('resume', str(run))}: unreadable request.json ({e})") from None
     for k, (old, new) in changed.items():
-        log.warning(f"note: {option_name('resume')} with {option_name(k)} {new} (the run had {old})")
+        log.warning(f"note: {option_name('resume')} with {option_given(k, new)} (the run had {old})")
     try:
         point = latest_intact_checkpoint(run / "checkpoints")
     except TightfitError as e:
@@ -722,7 +724,7 @@ def _check_out(out: Path, resuming: bool) -> None:
     if out.exists() and not out.is_dir():
         raise TightfitError(f"{option_given('out', str(out))} is a file, not a folder")
     if not resuming and out.exists() and any(out.iterdir()):
-        raise TightfitError(f"output folder {out} exists and is not empty; choose another --out")
+        raise TightfitError(f"output folder {out} exists and is not empty; choose another {option_name('out')}")
     blocked = unwritable_folder(out)
     if blocked is not None:
         raise TightfitError(f"cannot create the run folder {out}: {blocked} is not a writable folder")

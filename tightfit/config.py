@@ -107,6 +107,11 @@ def option_name(f: Field | str) -> str:
     return option_flag(f) if _CLI_NAMES.get() else option_key(f)
 
 
+def names_flags() -> bool:
+    """Whether messages now name the command line's flags (within :func:`cli_names`)."""
+    return _CLI_NAMES.get()
+
+
 def option_given(f: Field | str, value: Any) -> str:
     """An option with the value its user gave, as they would have written it: ``--device cuda``
     within :func:`cli_names`, else ``device='cuda'``."""
@@ -130,11 +135,12 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def check_value(f: Field, value: Any, hint: Any = None) -> None:
+def check_value(f: Field, value: Any, hint: Any = None, called: str | None = None) -> None:
     """Check one option's value against its field's type ``hint`` (numeric options: a whole
     number for ``int``, any real number for ``float``, None only where the hint allows it; a
     switch: True or False), ``choices``, ``minimum`` and ``rule``. Messages name the option as
-    :func:`option_name` does.
+    :func:`option_name` does, or as ``called`` (a keyword of another function, e.g. ``TrainStep``'s
+    ``warn_temp_c``).
 
     Raises:
         TightfitError: ``--batch-size must be a whole number, not '32' (a str)``,
@@ -142,31 +148,34 @@ def check_value(f: Field, value: Any, hint: Any = None) -> None:
             (from the Python API: ``batch_size must be >= 1``, ``unknown precision='fp8'; ...``).
     """
     kinds = typing.get_args(hint) or (hint,)
+    name = called or option_name(f)
     if f.metadata and (int in kinds or float in kinds):  # the Python API and request.json are not typed by argparse
         whole = int in kinds
         number = isinstance(value, numbers.Integral if whole else numbers.Real) and not isinstance(value, bool)
         if not number and not (value is None and type(None) in kinds):  # a bool is an int, but True is no size
             shown = "None" if value is None else f"{value!r} (a {type(value).__name__})"
-            raise TightfitError(f"{option_name(f)} must be {'a whole number' if whole else 'a number'}, not {shown}")
+            raise TightfitError(f"{name} must be {'a whole number' if whole else 'a number'}, not {shown}")
     if f.metadata and hint is bool and not isinstance(value, bool):  # TrainRequest(full="no") read as true
-        raise TightfitError(f"{option_name(f)} must be True or False, not {value!r} (a {type(value).__name__})")
+        raise TightfitError(f"{name} must be True or False, not {value!r} (a {type(value).__name__})")
     choices, minimum, rule = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("rule")
     if choices and value not in choices:
-        raise TightfitError(f"unknown {option_value(f, value)}; use {_one_of(choices)}")
+        given = f"{called}={value!r}" if called else option_value(f, value)
+        raise TightfitError(f"unknown {given}; use {_one_of(choices)}")
     if minimum is not None and value is not None and value < minimum:
-        raise TightfitError(f"{option_name(f)} must be >= {minimum}{f.metadata.get('below', '')}")
+        raise TightfitError(f"{name} must be >= {minimum}{f.metadata.get('below', '')}")
     problem = rule(value) if rule is not None and value is not None else None
     if problem:
-        raise TightfitError(f"{option_name(f)} {problem}")
+        raise TightfitError(f"{name} {problem}")
 
 
-def check_option(group: type, name: str, value: Any) -> None:
-    """Check ``value`` as option ``name`` of ``group`` (for commands that share an option).
+def check_option(group: type, name: str, value: Any, called: str | None = None) -> None:
+    """Check ``value`` as option ``name`` of ``group`` (for commands that share an option); messages
+    name it ``called`` where given (the keyword of the function that takes it).
 
     Raises:
         TightfitError: as :func:`check_value`.
     """
-    check_value(next(f for f in fields(group) if f.name == name), value, _hints(group)[name])
+    check_value(next(f for f in fields(group) if f.name == name), value, _hints(group)[name], called)
 
 
 @dataclass(frozen=True)
@@ -199,24 +208,54 @@ SEED_RANGE = (-2**63, 2**64 - 1)
 MAX_EPOCHS = 1e9
 
 
+def _beyond_float(value: float) -> bool:
+    """An int too large for a float (``float(10**400)`` raises OverflowError, so the run would die
+    at its first use)."""
+    if not isinstance(value, numbers.Integral):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return True
+    return False
+
+
 def _finite(value: float) -> bool:
-    """Not inf or NaN; any int is (``math.isfinite`` overflows on ints above 1e308)."""
-    return isinstance(value, numbers.Integral) or math.isfinite(value)
+    """Not inf or NaN, and (an int) not beyond the range of a float (``math.isfinite`` overflows
+    on ints above 1e308)."""
+    return not _beyond_float(value) if isinstance(value, numbers.Integral) else math.isfinite(value)
+
+
+def _number(value: float) -> str:
+    """``value`` for a message: as written, but an int of 20 digits or more as ``about 10**400``
+    (not 400 digits on one line), with ``(more than a float holds)`` where it is beyond a float."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or abs(value) < 10**20:
+        return str(value)
+    shown = f"about {'-' if value < 0 else ''}10**{int(math.log10(abs(value)))}"
+    return shown + (" (more than a float holds)" if _beyond_float(value) else "")
 
 
 def _positive_finite(value: float) -> str | None:
     """``rule`` of a length or rate: > 0 and finite (NaN fails too)."""
-    return None if _finite(value) and value > 0 else f"must be positive and finite, not {value}"
+    return None if _finite(value) and value > 0 else f"must be positive and finite, not {_number(value)}"
 
 
 def _epochs(value: float) -> str | None:
     """``rule`` of ``epochs``: positive, finite and at most :data:`MAX_EPOCHS`."""
-    if _positive_finite(value) or value <= MAX_EPOCHS:
+    if (_positive_finite(value) and not _beyond_float(value)) or value <= MAX_EPOCHS:
         return _positive_finite(value)
-    shown = (f"{value:g}" if isinstance(value, float) else str(value) if value < 10**20
-             else f"about 10**{len(str(value)) - 1}")  # not 400 digits of an int on one line
     return (f"must be at most {_shown(MAX_EPOCHS)}: each epoch is at least one optimizer step, and a run of "
-            f"billions of steps would not end; not {shown}")
+            f"billions of steps would not end; not {_epochs_shown(value)}")
+
+
+def _epochs_shown(value: float) -> str:
+    """An ``epochs`` above :data:`MAX_EPOCHS` for its message: a float in the fewest digits that
+    give it back (``2e+09``, and ``1000000001``, not ``1e+09``, which reads as the limit), an int
+    as :func:`_number` shows it (``about 10**400``)."""
+    if isinstance(value, float) and math.isfinite(value):
+        return next((f"{value:.{digits}g}" for digits in range(6, 18) if float(f"{value:.{digits}g}") == value),
+                    repr(value))
+    return _number(value).removesuffix(" (more than a float holds)")  # the limit already says why
 
 
 def _clip_norm(value: float) -> str | None:
@@ -224,12 +263,18 @@ def _clip_norm(value: float) -> str | None:
     A negative norm would flip the gradients (ascent), 0 zero them and NaN poison them."""
     if _finite(value) and value > 0:
         return None
-    return f"must be positive and finite, or None for no clipping, not {value}"
+    return f"must be positive and finite, or None for no clipping, not {_number(value)}"
 
 
 def _weight_decay(value: float) -> str | None:
     """``rule`` of ``weight_decay``: finite and >= 0 (negative decay grows the weights)."""
-    return None if _finite(value) and value >= 0 else f"must be finite and >= 0, not {value}"
+    return None if _finite(value) and value >= 0 else f"must be finite and >= 0, not {_number(value)}"
+
+
+def _temperature(value: float) -> str | None:
+    """``rule`` of ``warn_temp`` and ``cooldown_temp``: a GPU temperature in deg C, between 0 and
+    150 (NaN fails too); None (``cooldown_temp``: never pause) passes before the rule."""
+    return None if 0 < value < 150 else f"must be a GPU temperature in deg C between 0 and 150, not {value}"
 
 
 def _ratio(value: float) -> str | None:
@@ -381,16 +426,10 @@ class TrainOptions(_Options):
     max_skipped_steps: int = option(20, "stop after this many non-finite (skipped) steps in a row "
                                         "(default: {default})", minimum=1)
     grow_back_after: int = option(100, cli=False, minimum=0, below=" (0: never)")
-    warn_temp_c: float = option(82.0, "warn at this GPU temperature, deg C (default: {default})", key="warn_temp")
+    warn_temp_c: float = option(82.0, "warn at this GPU temperature, deg C (default: {default})", key="warn_temp",
+                                rule=_temperature)
     cooldown_temp_c: float | None = option(None, "pause between steps while the GPU is this hot (deg C)",
-                                           key="cooldown_temp")
-
-    def _check_together(self) -> None:
-        """The temperatures: in deg C, between 0 and 150 (the other options have their ``rule``)."""
-        for name, temp in (("warn_temp_c", self.warn_temp_c), ("cooldown_temp_c", self.cooldown_temp_c)):
-            if temp is not None and not 0 < temp < 150:  # NaN fails too
-                raise TightfitError(f"{self._name(name)} must be a GPU temperature in deg C between 0 and 150, "
-                                    f"not {temp}")
+                                           key="cooldown_temp", rule=_temperature)
 
 
 # What a request made in Python records as its command: the command line records its own

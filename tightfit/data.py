@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import option_name
 from .errors import TightfitError
 
 DEFAULT_DATA_NAME = "rotten-tomatoes"
@@ -192,17 +193,15 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     """
     path = Path(path)
     if path.is_dir():
-        raise TightfitError(f"{path} is a folder; --data takes one CSV, TSV or JSONL file")
+        raise TightfitError(f"{path} is a folder; {option_name('data')} takes one CSV, TSV or JSONL file")
     if not path.is_file():
         if path.exists():  # /dev/null, a pipe, a socket: there, but nothing tightfit can read twice
-            raise TightfitError(f"{path} is not a regular file; --data takes one CSV, TSV or JSONL file")
+            raise TightfitError(f"{path} is not a regular file; {option_name('data')} takes one CSV, TSV or JSONL file")
         raise TightfitError(f"data file not found: {path}")
     rows = _read_rows(path)
     if not rows:
         raise TightfitError(f"{path}: no rows")
     columns = set().union(*(r.keys() for r in rows[:100]))
-    from .config import option_name
-
     for col, option in ((text_column, "text_column"), (label_column, "label_column")):
         if col not in columns:  # the option as its user named it: --text-column, or text_column= from Python
             raise TightfitError(f"{path}: no column {col!r} ({option_name(option)}); columns are: "

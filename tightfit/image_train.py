@@ -58,8 +58,8 @@ def recipe_class(req: TrainRequest) -> type[TrainRecipe]:
     if is_image_data(data):
         what = "digits, images" if data == "digits" else "a folder, read as images (one subfolder per class)"
         raise TightfitError(f"{option_given('data', data)} is {what}, but {model or 'the default model'} is a text model: "
-                            "give an "
-                            "image model (--model resnet50, --model vit-b16, or a folder of an image classifier), "
+                            f"give an image model ({option_given('model', 'resnet50')}, {option_given('model', 'vit-b16')}, "
+                            "or a folder of an image classifier), "
                             "or for text one CSV, TSV or JSONL file")
     return TrainRecipe
 
@@ -132,7 +132,8 @@ class ImageTrainRecipe(TrainRecipe):
         w = self.req.workload
         self.source = resolve(w.model)
         if not w.data:
-            raise TightfitError(f"{self.source.name} is an image model: give --data (digits, a folder with one "
+            raise TightfitError(f"{self.source.name} is an image model: give {option_name('data')} (digits, a folder "
+                                "with one "
                                 "subfolder per class, or a CSV of image paths and labels)")
         self.source.fit_image_size(self.source.load_config()[1], w.image_size)  # before the images are read
         self.data = load_image_classification(w.data, w.label_column, w.image_column)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .data import _read_rows, majority_fraction
+from .config import option_given
 from .errors import TightfitError
 
 DIGITS = "digits"
@@ -129,7 +130,7 @@ def load_digits() -> ImageClassificationData:
         d = sk_digits()
         pixels, target = d.data, d.target
     else:
-        raise TightfitError("--data digits needs scikit-learn: pip install 'tightfit[images]' "
+        raise TightfitError(f"{option_given('data', 'digits')} needs scikit-learn: pip install 'tightfit[images]' "
                             "(or TIGHTFIT_DIGITS=path/to/digits.csv.gz)")
     images = list(np.rint(pixels.reshape(-1, 8, 8) * (255 / 16)).astype(np.uint8))
     return ImageClassificationData(images, [int(t) for t in target], [str(i) for i in range(10)], DIGITS)

@@ -349,7 +349,8 @@ class TrainStep:
     Raises:
         TightfitError: (at construction, before any work) ``plan`` is not a Plan; ``max_grad_norm``
             not positive and finite (or None), ``max_skipped_steps`` below 1, ``grow_back_after``
-            below 0, or (without ``optimizer``) ``lr`` not positive and finite; the model's
+            below 0, ``warn_temp_c`` not between 0 and 150, or (without ``optimizer``) ``lr`` not
+            positive and finite (an int beyond a float's range is not); the model's
             parameters are not on ``plan.device``; a CUDA plan without a visible CUDA GPU; an fp16/bf16
             plan on the CPU. (From a call) a malformed or empty batch, or one of more samples than
             the plan's effective batch; out of memory at a micro-batch of 1.
@@ -372,9 +373,10 @@ class TrainStep:
         # the checks of `tightfit train`'s options of the same name (a negative max_grad_norm would
         # turn each step into gradient ascent, NaN would write NaN into every weight)
         checked = {"max_grad_norm": max_grad_norm, "max_skipped_steps": max_skipped_steps,
-                   "grow_back_after": grow_back_after, **({"lr": lr} if optimizer is None else {})}
+                   "grow_back_after": grow_back_after, "warn_temp_c": warn_temp_c,
+                   **({"lr": lr} if optimizer is None else {})}
         for name, value in checked.items():
-            check_option(TrainOptions, name, value)
+            check_option(TrainOptions, name, value, called=name)
         self.device = _check_device(plan, model)
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after

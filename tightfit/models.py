@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from .config import option_given, option_name
 from .errors import TightfitError
 from .tasks import CausalLM, ImageClassification, SequenceClassification, Task
 
@@ -131,12 +132,12 @@ class ModelEntry:
         if made_for is None or size == made_for:  # no size of its own (ResNet), or its own
             return size
         if self.folder is not None:
-            raise TightfitError(f"--image-size {size}: the model in {self.folder} takes {made_for} x {made_for} "
-                                f"images (its position embeddings); use --image-size {made_for}")
+            raise TightfitError(f"{option_given('image_size', size)}: the model in {self.folder} takes {made_for} x "
+                                f"{made_for} images (its position embeddings); use {option_given('image_size', made_for)}")
         patch = getattr(config, "patch_size", None)
         if isinstance(patch, int) and (size < patch or size % patch):
             near = f"{patch}" if size < patch else f"{size // patch * patch} or {(size // patch + 1) * patch}"
-            raise TightfitError(f"--image-size {size}: {self.name} cuts images into {patch} x {patch} patches; "
+            raise TightfitError(f"{option_given('image_size', size)}: {self.name} cuts images into {patch} x {patch} patches; "
                                 f"use a multiple of {patch}, e.g. {near}")
         config.image_size = size
         return size
@@ -256,13 +257,13 @@ def resolve(name_or_path: str | None) -> ModelEntry:
             said to be one).
     """
     if name_or_path is not None and not str(name_or_path).strip():
-        raise TightfitError(f"--model is empty: give one of {', '.join(REGISTRY)} or a local Hugging Face model folder")
+        raise TightfitError(f"{option_name('model')} is empty: give one of {', '.join(REGISTRY)} or a local Hugging Face model folder")
     name = name_or_path or DEFAULT_MODEL_NAME
     if name in REGISTRY:
         return REGISTRY[name]
     path = Path(name)
     if path.exists() and not path.is_dir():
-        raise TightfitError(f"{path} is not a folder: --model takes one of {', '.join(REGISTRY)} or a "
+        raise TightfitError(f"{path} is not a folder: {option_name('model')} takes one of {', '.join(REGISTRY)} or a "
                             "local Hugging Face model folder (with config.json)")
     if not path.is_dir():
         raise TightfitError(f"model folder not found: {path} (not one of {', '.join(REGISTRY)}; "
@@ -569,7 +570,7 @@ def check_planned_seq_len(seq_len: int, model: str | None = None) -> None:
     if specials is not None:
         _check_text_room(seq_len, specials)
     elif seq_len < MIN_TEXT_TOKENS:
-        raise TightfitError(f"--seq-len {seq_len} leaves no room for text: use at least {MIN_TEXT_TOKENS} "
+        raise TightfitError(f"{option_given('seq_len', seq_len)} leaves no room for text: use at least {MIN_TEXT_TOKENS} "
                             f"(tightfit train adds the tokenizer's special tokens to that, e.g. 8 for BERT)")
 
 
@@ -606,7 +607,7 @@ def _check_seq_len(model, tokenizer, seq_len: int) -> None:
     """
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions and seq_len > positions:
-        raise TightfitError(f"--seq-len {seq_len} exceeds the model's {positions} positions")
+        raise TightfitError(f"{option_given('seq_len', seq_len)} exceeds the model's {positions} positions")
     added = tokenizer("")["input_ids"]  # the special tokens every text gets, e.g. [CLS] [SEP]
     _check_text_room(seq_len, tokenizer.convert_ids_to_tokens(added))
 
@@ -620,7 +621,7 @@ def _check_text_room(seq_len: int, specials: list[str]) -> None:
     """
     n_special = len(specials)
     if seq_len - n_special < MIN_TEXT_TOKENS:
-        raise TightfitError(f"--seq-len {seq_len} leaves {max(0, seq_len - n_special)} "
+        raise TightfitError(f"{option_given('seq_len', seq_len)} leaves {max(0, seq_len - n_special)} "
                             f"token{'' if seq_len - n_special == 1 else 's'} of text after the "
                             f"{n_special} special tokens{' (' + ', '.join(specials) + ')' if specials else ''}; "
                             f"use at least {n_special + MIN_TEXT_TOKENS}")

@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from ..config import option_given
 from ..errors import TightfitError
 from .blocks import find_blocks
 
@@ -35,7 +36,8 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
     inside = {id(m) for b in find_blocks(model) for m in b.modules()}
     names = [n for n, m in model.named_modules() if id(m) in inside and isinstance(m, (torch.nn.Linear, Conv1D))]
     if not names:
-        raise TightfitError("--trainable lora: the model has no repeated blocks with linear layers to adapt")
+        raise TightfitError(f"{option_given('trainable', 'lora')}: the model has no repeated blocks with linear layers "
+                            "to adapt")
     return names
 
 
@@ -50,7 +52,7 @@ def apply_lora(model: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise TightfitError("--trainable lora needs peft: pip install 'tightfit[levers]'") from None
+        raise TightfitError(f"{option_given('trainable', 'lora')} needs peft: pip install 'tightfit[levers]'") from None
     targets = lora_targets(model)
     with warnings.catch_warnings():  # peft reads transformers 5's deprecated is_gradient_checkpointing
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

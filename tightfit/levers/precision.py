@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from ..config import option_given
 from ..devices import DeviceProfile
 
 
@@ -66,7 +67,7 @@ def check_precision(precision: str, profile: DeviceProfile | None) -> list[str]:
     if precision == "fp32":
         return []
     if profile is None:
-        raise TightfitError(f"--precision {precision} needs a CUDA GPU; on the CPU use fp32")
+        raise TightfitError(f"{option_given('precision', precision)} needs a CUDA GPU; on the CPU use fp32")
     if precision == "bf16" and not profile.bf16:
         cc = profile.compute_capability
         raise TightfitError(f"bf16 needs compute capability >= 8.0; {profile.name} is {cc[0]}.{cc[1]}: use fp16 or fp32")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from ..config import option_given
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..memory.oom import release_memory
@@ -260,7 +261,7 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
         raise TightfitError(f"compile must be auto, on or off; got {compile!r}")
     why_not = compile_unavailable("cuda")
     if compile == "on" and why_not:
-        raise TightfitError(f"--compile on: {why_not}")
+        raise TightfitError(f"{option_given('compile', 'on')}: {why_not}")
     t0 = time.perf_counter()
     make_batch = lambda micro_batch, size: workload.train.worst_case(micro_batch)  # noqa: E731
     model = workload.model
