@@ -337,3 +337,22 @@ def test_resume_refuses_a_new_value_it_cannot_apply_and_takes_a_repeated_one(tin
         assert len(err.splitlines()) == 1 and f"cannot change {named}" in err, err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before and not (tmp_path / "elsewhere").exists()
     assert main(["train", "--resume", str(run), "--no-progress", "--model", str(model_dir), "--data", str(data)]) == 0
+
+
+def test_resume_takes_the_runs_own_command_however_its_values_are_spelled(tiny_run_inputs, tmp_path, monkeypatch):
+    """The original command again with --resume: relative paths (request.json holds absolute ones),
+    a trailing slash, a GPU profile in capitals, a budget in other units are the run's own values."""
+    from tightfit.api import _same_option
+    from tightfit.cli import main
+
+    model_dir, data = tiny_run_inputs
+    monkeypatch.chdir(model_dir.parent)
+    rel_model, rel_data = f"./{model_dir.name}/", data.name
+    run = tmp_path / "run"
+    assert _short_run(rel_model, rel_data, run) == 0
+    assert main(["train", "--model", rel_model, "--data", rel_data, "--batch-size", "8", "--max-steps", "2",
+                 "--lr", "1e-3", "--seq-len", "32", "--checkpoint-every", "1", "--out", str(run), "--no-progress",
+                 "--device", "cpu", "--resume", str(run)]) == 0
+    assert _same_option("budget", "4GiB", "4096MiB") and _same_option("gpu", "h200", "H200")
+    assert _same_option("model", None, "minilm") and not _same_option("model", None, "bert-base")
+    assert not _same_option("budget", "4GiB", "5GiB")

@@ -631,6 +631,30 @@ class TrainRecipe:
 RESUME_MAY_CHANGE = ("lr", "max_skipped_steps", "log_every", "warn_temp", "cooldown_temp")
 
 
+def _same_option(key: str, saved, given) -> bool:
+    """Whether option ``key`` given as ``given`` (as :func:`_request_record` writes it) is the value
+    ``saved`` in a run's ``request.json``, however it was spelled: a budget by its bytes, a GPU
+    profile by its key, the default model by its name or by nothing, numbers by value."""
+    if saved == given:
+        return True
+    if key == "model":
+        from .models import DEFAULT_MODEL_NAME
+
+        return {saved, given} <= {None, DEFAULT_MODEL_NAME}
+    try:
+        if key == "budget" and saved is not None and given is not None:
+            from .units import parse_budget
+
+            return parse_budget(saved) == parse_budget(given)
+        if key == "gpu" and saved is not None and given is not None:
+            from .devices import get_profile
+
+            return get_profile(saved).key == get_profile(given).key
+    except TightfitError:
+        return False
+    return False
+
+
 def _request_record(req: TrainRequest) -> dict:
     """The request as written to ``request.json`` (what ``--resume`` starts from): the flat
     ``{option: value}`` dict of :meth:`TrainRequest.to_flat`, less ``progress`` and ``resume``.
@@ -677,7 +701,9 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     if not list_checkpoints(run / "checkpoints"):
         raise TightfitError(f"{option_given('resume', str(run))}: no checkpoint to resume from")
     default, now = TrainRequest().to_flat(), req.to_flat()
-    written = req.run.given  # the flags on the command line; from the API: what differs from the default
+    # the flags on the command line; from the API, what differs from the default (a value given
+    # equal to its default cannot be told from one not given: it is taken from the run)
+    written = req.run.given
     given = {k: v for k, v in now.items() if k not in ("resume", "progress", "command", "given")
              and (k in written if written else v != default[k])}
     try:
@@ -687,9 +713,11 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
         raise TightfitError(f"{option_given('resume', str(run))}: unreadable request.json ({e})") from None
     # An option the run was started with may be repeated; a new value of one the resumed run cannot
     # change is refused (ignored, an asked-for change such as more epochs would never happen).
-    refused = [option_name(k) for k, v in given.items() if k not in RESUME_MAY_CHANGE and saved.get(k) != v
-               and k != "out"] + ([option_name("out")] if "out" in given and Path(now["out"]).resolve() != run.resolve()
-                                else [])
+    recorded = _request_record(req)  # the given values as request.json holds them (absolute paths)
+    refused = [option_name(k) for k, v in given.items() if k not in RESUME_MAY_CHANGE and k != "out"
+               and not _same_option(k, saved.get(k), recorded.get(k, v))]
+    if "out" in given and Path(now["out"]).resolve() != run.resolve():
+        refused.append(option_name("out"))
     if refused:
         raise TightfitError(f"{option_given('resume', str(run))} continues the run with the options it was started with "
                             f"({run / 'request.json'}); it cannot change {', '.join(refused)} (a resumed run may "
