@@ -242,10 +242,10 @@ def _positive_finite(value: float) -> str | None:
 
 def _epochs(value: float) -> str | None:
     """``rule`` of ``epochs``: positive, finite and at most :data:`MAX_EPOCHS`."""
-    if (_positive_finite(value) and not _beyond_float(value)) or value <= MAX_EPOCHS:
-        return _positive_finite(value)
-    return (f"must be at most {_shown(MAX_EPOCHS)}: each epoch is at least one optimizer step, and a run of "
-            f"billions of steps would not end; not {_epochs_shown(value)}")
+    if value > MAX_EPOCHS and (_finite(value) or _beyond_float(value)):  # inf and NaN: not positive and finite
+        return (f"must be at most {_shown(MAX_EPOCHS)}: each epoch is at least one optimizer step, and a run of "
+                f"billions of steps would not end; not {_epochs_shown(value)}")
+    return _positive_finite(value)
 
 
 def _epochs_shown(value: float) -> str:
