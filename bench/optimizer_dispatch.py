@@ -6,7 +6,7 @@ bench/step_breakdown.py found the step host-bound: ~240 ms of host time per opti
 calls). Variants, each over a fresh copy of the state, the math always torchao's
 ``single_param_adam``:
 - ``shipped``: ``torchao.optim.AdamW8bit(bf16_stochastic_round=True).step()``;
-- ``one-wrapper``: the same loop calling one compiled function made once;
+- ``one-wrapper``: the same loop calling one compiled function made once (tightfit's lever now);
 - ``grouped``: one compiled call per group of parameters of the same shape and state kind
   (a loop over the group inside the compiled function).
 Each: the first step's wall time (compilation), then the median of 10 steps (wall, synced), and
@@ -80,30 +80,12 @@ def grouped_class():
 
 
 def one_wrapper_class():
-    from torchao.optim import AdamW8bit
-    from torchao.optim.adam import single_param_adam
+    """tightfit's ``adamw8bit-bf16`` class: torchao's loop and update, one compiled function
+    (``tightfit.levers.optimizers._compiled_update``). The measured run (code 80a7e70) timed a copy
+    of that loop written here before the lever took it; the lever also allocates every state first."""
+    from tightfit.levers.optimizers import _bf16_class
 
-    compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-
-    class OneWrapper(AdamW8bit):
-        @torch.no_grad()
-        def step(self, closure=None):
-            with torch._dynamo.utils.disable_cache_limit():
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        if p.grad is None:
-                            continue
-                        state = self.state[p]
-                        if len(state) == 0:
-                            state["step"] = torch.tensor(0.0)
-                            state["exp_avg"] = self._new_buffer(p, True)
-                            state["exp_avg_sq"] = self._new_buffer(p, False)
-                        state["step"] += 1
-                        compiled(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
-                                 group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
-                                 group["eps"], True, self.bf16_stochastic_round)
-
-    return OneWrapper
+    return _bf16_class()
 
 
 def run(name, cls, reference=None):

@@ -111,7 +111,6 @@ def run_row(name: str, profile: bool) -> dict:
         ka = prof.key_averages()
         row["top_cuda"] = ka.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
         row["top_cpu"] = ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
-    t.close() if hasattr(t, "close") else None
     del t, w
     return row
 
