@@ -177,10 +177,8 @@ def test_a_budget_in_bytes_still_reads_as_bytes():
 
 # ---- fresh-user trial (stop 27): silent caps and an empty --out
 
-def test_caps_of_max_steps_and_sample_counts_are_noted_and_an_empty_out_is_refused(tmp_path, capsys):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
+def _tiny_model_and_data(tmp_path):
+    """A one-layer BERT folder and a CSV of 40 two-word texts (36 training samples after the split)."""
     from conftest import tiny_text_model_folder
     from test_resume import WORDS
 
@@ -189,6 +187,14 @@ def test_caps_of_max_steps_and_sample_counts_are_noted_and_an_empty_out_is_refus
     data = tmp_path / "d.csv"
     data.write_text("text,label\n" + "".join(f"{WORDS[i % 12]} {WORDS[(i * 5) % 12]},{'ab'[i % 2]}\n"
                                              for i in range(40)))
+    return model, data
+
+
+def test_caps_of_max_steps_and_sample_counts_are_noted_and_an_empty_out_is_refused(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    model, data = _tiny_model_and_data(tmp_path)
     common = ["train", "--model", str(model), "--data", str(data), "--seq-len", "16", "--batch-size", "8",
               "--device", "cpu", "--no-progress", "--checkpoint-every", "0"]
     assert main([*common, "--max-steps", "100", "--epochs", "1", "--train-samples", "5000", "--eval-samples", "900",
@@ -354,15 +360,9 @@ def test_a_batch_size_above_the_training_samples_plans_and_reports_the_batch_it_
     plan.json and summary.json say 36 (they said 100000)."""
     import json
 
-    from conftest import tiny_text_model_folder
-    from test_resume import WORDS
     from tightfit.cli import main
 
-    model = tiny_text_model_folder(tmp_path, WORDS, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                   intermediate_size=16, max_position_embeddings=32)
-    data = tmp_path / "d.csv"
-    data.write_text("text,label\n" + "".join(f"{WORDS[i % 12]} {WORDS[(i * 5) % 12]},{'ab'[i % 2]}\n"
-                                             for i in range(40)))
+    model, data = _tiny_model_and_data(tmp_path)
     run = tmp_path / "run"
     assert main(["train", "--model", str(model), "--data", str(data), "--seq-len", "16", "--batch-size", "100000",
                  "--device", "cpu", "--no-progress", "--epochs", "2", "--out", str(run)]) == 0
