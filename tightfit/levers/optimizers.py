@@ -339,17 +339,39 @@ def adamw_8bit_bf16(params, lr: float, weight_decay: float) -> torch.optim.Optim
 
 @functools.cache
 def _compiled_update():
-    """torchao's per-parameter AdamW update (``torchao.optim.adam.single_param_adam``) compiled
-    once, as torchao's step compiles it (``fullgraph=True, dynamic=False``).
+    """torchao's per-parameter AdamW update (``torchao.optim.adam.single_param_adam``, same
+    arguments) compiled once, as torchao's step compiles it (``fullgraph=True, dynamic=False``).
 
-    torchao's ``step`` calls ``torch.compile(single_param_adam, ...)`` anew for every parameter
-    of every step: a fresh wrapper per call around the same cached code. Over BERT-large's 393
-    bf16 tensors that host work dominated the step (NVIDIA H200, bench/results/optimizer-dispatch:
-    281 ms per step as shipped, 139 ms through one compiled function, the weights bit-identical
-    after 3 steps; the update itself is ~8 ms of GPU time)."""
+    Two host costs of torchao's own step are left out; the math, its order and the stochastic
+    rounding's draws are torchao's (the weights bit-identical, tests/test_bf16_weights.py):
+
+    - torchao calls ``torch.compile(single_param_adam, ...)`` anew for every parameter of every
+      step, a fresh wrapper around the same cached code: here one compiled function serves all;
+    - 8-bit moments are torchao's ``OptimState8bit`` tensor subclass, which every call of a
+      compiled function flattens and rebuilds in Python: here the compiled function takes their
+      plain tensors (codes, block scales, quantization map) and wraps them inside the graph.
+
+    NVIDIA H200 host, BERT-large's 393 bf16 tensors (bench/results/optimizer-dispatch): 281 ms per
+    step as shipped, 139 ms through one compiled function; on another machine
+    (bench/results/optimizer-dispatch-2) 77.9 ms through one function, 44.6 ms with the plain
+    tensors. The update itself is ~8 ms of GPU time."""
     from torchao.optim.adam import single_param_adam
+    from torchao.optim.subclass_8bit import OptimState8bit
 
-    return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+    def plain(p, grad, step, codes1, scale1, qmap1, signed1, codes2, scale2, qmap2, signed2, *rest):
+        single_param_adam(p, grad, step, OptimState8bit(codes1, scale1, qmap1, signed1),
+                          OptimState8bit(codes2, scale2, qmap2, signed2), None, *rest)
+
+    compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+    compiled_plain = torch.compile(plain, fullgraph=True, dynamic=False)
+
+    def update(p, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, *rest):
+        if max_exp_avg_sq is None and type(exp_avg) is OptimState8bit and type(exp_avg_sq) is OptimState8bit:
+            return compiled_plain(p, grad, step, exp_avg.codes, exp_avg.scale, exp_avg.qmap, exp_avg.signed,
+                                  exp_avg_sq.codes, exp_avg_sq.scale, exp_avg_sq.qmap, exp_avg_sq.signed, *rest)
+        return compiled(p, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, *rest)
+
+    return update
 
 
 @functools.cache
@@ -368,7 +390,7 @@ def _bf16_class():
       partial-update check: a parameter's ``step`` counter advances in place before its update,
       and the compiled update bumps the weight's version counter;
     - every update goes through one compiled function (:func:`_compiled_update`), not a new
-      ``torch.compile`` wrapper per parameter and step."""
+      ``torch.compile`` wrapper per parameter and step, and takes the 8-bit moments' plain tensors."""
     base = _torchao_optim(_BF16_NEEDS).AdamW8bit
 
     class AdamW8bitBf16(base):
