@@ -362,23 +362,13 @@ def _compiled_update():
         single_param_adam(p, grad, step, OptimState8bit(codes1, scale1, qmap1, signed1),
                           OptimState8bit(codes2, scale2, qmap2, signed2), None, *rest)
 
-    # Flattened tensors of any size share one graph per state kind (dynamic sizes) where torchao's
-    # dynamic=False compiles one per parameter shape, all inside the first probe of planning; the
-    # update is element-wise and its 256-element blocks are runs of the flattened tensor either way.
-    compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=True)
-    compiled_plain = torch.compile(plain, fullgraph=True, dynamic=True)
+    compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+    compiled_plain = torch.compile(plain, fullgraph=True, dynamic=False)
 
     def update(p, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, *rest):
-        flat = type(p) is torch.Tensor and p.is_contiguous() and grad.is_contiguous()  # not a DTensor
-        if not flat:
-            return compiled(p, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, *rest)
         if max_exp_avg_sq is None and type(exp_avg) is OptimState8bit and type(exp_avg_sq) is OptimState8bit:
-            return compiled_plain(p.view(-1), grad.view(-1), step,
-                                  exp_avg.codes.view(-1), exp_avg.scale, exp_avg.qmap, exp_avg.signed,
-                                  exp_avg_sq.codes.view(-1), exp_avg_sq.scale, exp_avg_sq.qmap, exp_avg_sq.signed,
-                                  *rest)
-        if all(type(t) is torch.Tensor and t.is_contiguous() for t in (exp_avg, exp_avg_sq)) and max_exp_avg_sq is None:
-            return compiled(p.view(-1), grad.view(-1), step, exp_avg.view(-1), exp_avg_sq.view(-1), None, *rest)
+            return compiled_plain(p, grad, step, exp_avg.codes, exp_avg.scale, exp_avg.qmap, exp_avg.signed,
+                                  exp_avg_sq.codes, exp_avg_sq.scale, exp_avg_sq.qmap, exp_avg_sq.signed, *rest)
         return compiled(p, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, *rest)
 
     return update
