@@ -3,14 +3,14 @@ plan tightfit chose there (bf16 weights, ``adamw8bit-bf16``, micro-batch 86 x 3,
 checkpointed), beside the same model with no budget, and the padding mask handed in 4-D or 2-D
 (tightfit.masks) on batches without padding.
 
-    OUT=folder python3 bench/step_breakdown.py [--no-profile] [row names...]
+    OUT=folder python3 bench/step_breakdown.py [--no-profile | --profile-all] [row names...]
 
 Each row trains ``STEPS`` optimizer steps through tightfit's ``Trainer`` with a fixed plan (no
 planning) on the bench's random full-length samples, and reads: the median step time of the
 last steps (the trainer's own step ends), the optimizer step's GPU time (CUDA events around
 ``optimizer.step``), the rest of the step (forward, backward, recompute, clipping), peak
-allocated / reserved memory; the plan row also gets the PyTorch profiler's top operators over two
-steps. Writes ``$OUT/step_breakdown.json`` and prints a Markdown table.
+allocated / reserved memory; the first row (every row with ``--profile-all``) also gets the
+PyTorch profiler's top operators over two steps and its kernels' GPU time per step. Writes ``$OUT/step_breakdown.json`` and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ ROWS = {
     "large-plan-4GiB-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, True),
     "large-nobudget-adamw-compiled": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True, True),
     "large-nobudget-ckpt-adamw": ("bert-large", 128, None, "bf16", 86, 256, True, "adamw", True, False),
+    "large-nobudget-ckpt-adamw-compiled": ("bert-large", 128, None, "bf16", 86, 256, True, "adamw", True, True),
     "large-nobudget-adamw": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True, False),
     "large-nobudget-adamw-mb128": ("bert-large", 128, None, "bf16", 128, 256, False, "adamw", True, False),
     "large-nobudget-8bitbf16": ("bert-large", 128, None, "bf16", 128, 256, False, "adamw8bit-bf16", True, False),
@@ -109,6 +110,8 @@ def run_row(name: str, profile: bool) -> dict:
            "oom_recoveries": res.oom_recoveries, "final_micro_batch": res.plan.micro_batch}
     if prof is not None:
         ka = prof.key_averages()
+        # GPU time of the 2 profiled steps' kernels, per step: against step_s, how busy the GPU was
+        row["gpu_busy_s_per_step"] = sum(e.self_device_time_total for e in ka) / 1e6 / 2
         row["top_cuda"] = ka.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
         row["top_cpu"] = ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
     del t, w
@@ -120,19 +123,21 @@ def main(names, profile_first: bool = True) -> None:
     rows = []
     for i, name in enumerate(names):
         try:
-            row = run_row(name, profile=(i == 0 and profile_first))
+            row = run_row(name, profile=(i == 0 and profile_first) or "--profile-all" in sys.argv)
         except Exception as e:  # noqa: BLE001 - report the failure, go on with the next row
             row = {"row": name, "error": repr(e)[:500]}
         rows.append(row)
         print({k: v for k, v in row.items() if not k.startswith("top_")}, flush=True)
         (OUT / "step_breakdown.json").write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
-    print("| row | step ms | optimizer ms | rest ms | samples/s | peak alloc / reserved GiB |\n|---|---|---|---|---|---|")
+    print("| row | step ms | optimizer ms | rest ms | GPU busy ms | samples/s | peak alloc / reserved GiB |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['row']} | error: {r['error'][:100]} | | | | |")
+            print(f"| {r['row']} | error: {r['error'][:100]} | | | | | |")
         else:
             print(f"| {r['row']} | {r['step_s'] * 1e3:.1f} | {r['optimizer_step_s'] * 1e3:.1f} | "
-                  f"{r['rest_s'] * 1e3:.1f} | {r['samples_per_s']:.0f} | "
+                  f"{r['rest_s'] * 1e3:.1f} | {r.get('gpu_busy_s_per_step', float('nan')) * 1e3:.1f} | "
+                  f"{r['samples_per_s']:.0f} | "
                   f"{r['peak_allocated_GiB']:.2f} / {r['peak_reserved_GiB']:.2f} |")
     for r in rows:
         if "top_cuda" in r:
@@ -140,5 +145,5 @@ def main(names, profile_first: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--no-profile"]
+    args = [a for a in sys.argv[1:] if a not in ("--no-profile", "--profile-all")]
     main(args or list(ROWS), profile_first="--no-profile" not in sys.argv)
