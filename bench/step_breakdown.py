@@ -32,15 +32,19 @@ from tightfit.runtime.trainer import TrainConfig, Trainer  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "bench-out"))
 ALL_ENCODERS = __import__("tightfit.masks", fromlist=["ENCODERS"]).ENCODERS
+SCOPE = __import__("tightfit.levers.compile", fromlist=["compile_scope"]).compile_scope
 GiB = 2**30
 STEPS = 8
 
 # name: (arch, seq, budget GiB or None, precision, micro-batch, effective batch, checkpointing, optimizer, mask 4-D,
-#        compiled blocks)
+#        compiled: True for blocks, "model" for the whole model)
 ROWS = {
     "large-plan-4GiB": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, False),
     "large-plan-4GiB-mask2d": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", False, False),
     "large-plan-4GiB-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, True),
+    # the whole model compiled as one graph (tightfit.levers.compile.compile_scope forced to "model"),
+    # checkpointing inside it: one compiled call per micro-batch instead of 24 blocks x 3
+    "large-plan-4GiB-model-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, "model"),
     "large-nobudget-adamw-compiled": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True, True),
     "large-nobudget-ckpt-adamw": ("bert-large", 128, None, "bf16", 86, 256, True, "adamw", True, False),
     "large-nobudget-ckpt-adamw-compiled": ("bert-large", 128, None, "bf16", 86, 256, True, "adamw", True, True),
@@ -57,13 +61,15 @@ def run_row(name: str, profile: bool) -> dict:
 
     arch, seq, budget, precision, mb, eff, ckpt, opt, mask4d, compiled = ROWS[name]
     masks.ENCODERS = ALL_ENCODERS if mask4d else frozenset()  # each row sets its own (2-D: none)
+    import tightfit.levers.compile as compile_lever
+    compile_lever.compile_scope = (lambda model: "model") if compiled == "model" else SCOPE
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(budget * GiB / total if budget else 1.0)
     w = make_workload(BenchWorkload(name, arch, seq, f"{budget}GiB" if budget else "139GiB", eff), eff, eff * STEPS)
     plan = Plan(precision, mb, eff, activation_checkpointing=ckpt, optimizer=opt, device="cuda",
-                budget_bytes=budget * GiB if budget else None, compile=compiled)
+                budget_bytes=budget * GiB if budget else None, compile=bool(compiled))
     t = Trainer(w, plan, TrainConfig(epochs=1, lr=1e-5, log_every=1000, checkpoint_every=10**6), progress=False)
     events = []
     step = t.optimizer.step
