@@ -1,6 +1,8 @@
 """Exact estimates per plan: how many traces `tightfit plan` makes for each bench workload, and
 the plan it prints (`--json`), in one process, so that two code versions can be compared plan for
 plan (the count is the search's cost; seconds depend on the host and are kept only as a hint).
+Estimates answered by replaying earlier traces (:mod:`tightfit.memory.replay`, where the code has
+it) are counted apart as ``replayed``.
 
 Usage (repository root, any machine): ``python bench/plan_traces.py OUT.json [WORKLOAD ...]``
 (default: every bench and lever workload, as ``bench/plan_time.py``). Run it at two commits with
@@ -32,6 +34,15 @@ def _counted(*args, **kwargs):
     return _estimate(*args, **kwargs)
 
 
+def _replayed() -> int | None:
+    """Estimates replayed so far in this process (None: code without replays)."""
+    try:
+        from tightfit.memory.replay import stats
+    except ImportError:
+        return None
+    return stats["replayed"]
+
+
 def main(out_path: str, only: list[str]) -> None:
     from tightfit.cli import main as cli
 
@@ -45,13 +56,16 @@ def main(out_path: str, only: list[str]) -> None:
             argv = ["plan", "--model", model, "--image-size" if image else "--seq-len", str(size),
                     "--batch-size", str(batch), "--budget", budget, "--json"]
             _calls[0], buf, t = 0, io.StringIO(), time.perf_counter()
+            replayed = _replayed()
             with contextlib.redirect_stdout(buf):
                 code = cli(argv)
             plan = json.loads(buf.getvalue()) if code == 0 else None
             if plan:
                 plan.pop("planning_seconds", None)
             out[name] = {"exit": code, "traces": _calls[0], "seconds": round(time.perf_counter() - t, 1), "plan": plan}
-            print(name, code, _calls[0], flush=True)
+            if replayed is not None:
+                out[name]["replayed"] = _replayed() - replayed
+            print(name, code, _calls[0], out[name].get("replayed", ""), flush=True)
     Path(out_path).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
 
 

@@ -7,6 +7,8 @@
 - :mod:`tightfit.step` is the one training step that the estimate traces, the GPU measurement
   runs and the runtime trains with.
 - :mod:`.fast` is the planner's memory-growth model: peak reserved bytes on lines in the micro-batch.
+- :mod:`.ledger` keeps a trace's accounting as events; :mod:`.replay` answers the exact estimate
+  at another micro-batch from such events where that is proven to give what a trace would.
 """
 
 def __getattr__(name):  # lazy: importing this package needs no estimator

@@ -32,6 +32,7 @@ from ..levers.optimizers import cast_weights
 from .cuda_autocast import CudaOnMeta, fused_attention_running
 from ..step import OPTIMIZERS, MetaOptimizer, make_optimizer, training_loss, training_step
 from .allocator import ALLOCATORS, make_allocator
+from .ledger import Ledger
 from .tracker import COMPONENTS, AllocationTracker
 
 STEPS = 2
@@ -139,7 +140,8 @@ def _meta_batch(batch: dict, micro_batch: int) -> dict:
 
 
 def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: DeviceProfile | None = None,
-             checkpoint_blocks=None, allocator: str = "expandable", block_policies=None) -> MemoryEstimate:
+             checkpoint_blocks=None, allocator: str = "expandable", block_policies=None,
+             log: list | None = None) -> MemoryEstimate:
     """Predict peak allocated/reserved GPU memory of a training step, on any machine.
 
     Args:
@@ -161,6 +163,9 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
             the plan; recomputed blocks replay what they keep exactly (selective: the outputs of
             the matrix products and the attention kernel), offloaded blocks drop their saved
             tensors after the forward and allocate them again in backward.
+        log: a list the trace's accounting is appended to (:data:`.ledger.EVENTS`): replayed by
+            :func:`from_ledger`, it gives this estimate again (:mod:`.replay` answers other
+            micro-batches from it). None: not recorded.
 
     Returns:
         A :class:`MemoryEstimate` (peak over two steps; see the module doc).
@@ -186,13 +191,12 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
             else tuple(sorted(set(checkpoint_blocks)))
         block_policies = ["full" if i in indices else "none" for i in range(n_blocks)]
     block_policies = tuple(block_policies)
-    indices = tuple(i for i, p in enumerate(block_policies) if p in ("full", "selective"))
     blocks = apply_block_policies(meta, block_policies, recompute_context=lambda: CudaOnMeta(plan.precision),
                                   also_saved=fused_attention_running)
     batch = _meta_batch(example_batch, plan.micro_batch)
 
     others = [k for k in ALLOCATORS if k != allocator]
-    tracker = AllocationTracker(make_allocator(allocator), [make_allocator(k) for k in others], device)
+    tracker = AllocationTracker(make_allocator(allocator), [make_allocator(k) for k in others], device, log)
     emulation = CudaOnMeta(plan.precision)
     params = [p for p in _apply_order(meta, set()) if isinstance(p, torch.nn.Parameter)]
     with tracker, emulation:
@@ -204,37 +208,53 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
             tracker.track(t, "parameters")
         for v in batch.values():
             tracker.track(v, "activations")
-        start = {k: {"allocated_bytes": a.allocated, "reserved_bytes": a.reserved}
-                 for k, a in zip([allocator] + others, [tracker.allocator] + tracker.shadows)}
+        tracker.note("start")
         hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.relabel(p.grad, "gradients"))
                  for p in params if p.requires_grad]
-        marks = [0] * (len(blocks) + 1)  # allocated bytes entering each block, and leaving the last
+        # allocated bytes entering each block, and leaving the last: notes ("block", i)
         for i, block in enumerate(blocks):
-            hooks.append(block.register_forward_pre_hook(functools.partial(_mark, marks, i, tracker)))
+            hooks.append(block.register_forward_pre_hook(functools.partial(_mark, i, tracker)))
         if blocks:
-            hooks.append(blocks[-1].register_forward_hook(
-                lambda *a: marks.__setitem__(len(blocks), tracker.allocator.allocated)))
+            hooks.append(blocks[-1].register_forward_hook(functools.partial(_mark, len(blocks), tracker)))
         optimizer = make_optimizer(params, plan.optimizer, "meta",  # a MetaOptimizer of the plan's kind
                                    accumulating=plan.accumulation_steps > 1)
-        first_step_reserved = 0
-        phases = {}
         for step in range(STEPS):
-            tracker.window_peak = tracker.allocator.allocated
+            tracker.restart_window()
             # unpadded micro-batches: their mean loss is the runtime's loss_sum / count; no loss
             # scaling is traced (its few 0-d tensors are left out). With accumulation the last step
             # runs two: the second's forward and backward run with the window's gradients held,
             # as every later micro-batch of a window does
             n = 2 if plan.accumulation_steps > 1 and step == STEPS - 1 else 1
-            training_step(meta, [batch] * n, training_loss, n, _LabelledOptimizer(optimizer, tracker, phases), None,
+            training_step(meta, [batch] * n, training_loss, n, _LabelledOptimizer(optimizer, tracker), None,
                           lambda: _forward_region(emulation, tracker), max_grad_norm=1.0)
             if step == 0:
-                first_step_reserved = tracker.allocator.peak_reserved
-                first_step_allocated = tracker.allocator.peak_allocated
-        phases["optimizer"] = tracker.window_peak  # the last step's optimizer step and zero_grad
+                tracker.note("first_step")
+        tracker.note("optimizer")  # the last step's optimizer step and zero_grad
         for h in hooks:
             h.remove()
-    alloc = tracker.allocator
-    peak = dict(tracker.peak_breakdown)
+    return from_ledger(tracker, plan, block_policies, allocator)
+
+
+def from_ledger(ledger: Ledger, plan: Plan, block_policies: tuple[str, ...], allocator: str = "expandable") \
+        -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of a traced step from its accounting: the tracker after the
+    trace, or a :class:`~.ledger.Ledger` that replayed its log (:func:`.ledger.replay`).
+
+    Args:
+        ledger: fed every event of the step, with the notes :func:`estimate` takes.
+        plan: the plan traced (``to_dict()`` goes into the estimate).
+        block_policies: the policy of every block, as traced.
+        allocator: the configuration of ``ledger.allocator`` (the shadows are the others, in
+            :data:`~.allocator.ALLOCATORS` order).
+
+    Raises:
+        KeyError: a ledger without the notes of a whole step.
+    """
+    others = [k for k in ALLOCATORS if k != allocator]
+    notes = ledger.notes
+    indices = tuple(i for i, p in enumerate(block_policies) if p in ("full", "selective"))
+    alloc = ledger.allocator
+    peak = dict(ledger.peak_breakdown)
     peak["activations"] = peak.get("activations", 0) + peak.pop("forward", 0)  # peak inside a forward
     breakdown = {k: int(peak.get(k, 0)) for k in COMPONENTS}
     breakdown["allocator_overhead"] = alloc.peak_reserved - alloc.peak_allocated
@@ -243,17 +263,22 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     plan_dict["activation_checkpointing"] = bool(indices)  # what was traced, whatever the plan said
     plan_dict["block_policies"] = list(block_policies) if set(block_policies) - {"none", "full"} else None
     by_allocator = {k: {"peak_allocated_bytes": a.peak_allocated, "peak_reserved_bytes": a.peak_reserved}
-                    for k, a in zip([allocator] + others, [alloc] + tracker.shadows)}
-    return MemoryEstimate(alloc.peak_allocated, alloc.peak_reserved, breakdown, plan_dict, first_step_reserved,
-                          allocator, {"first_step_peak_allocated_bytes": first_step_allocated,
+                    for k, a in zip([allocator] + others, [alloc] + ledger.shadows)}
+    start = {k: {"allocated_bytes": m[0], "reserved_bytes": m[1]}
+             for k, m in zip([allocator] + others, notes["start"][2])}
+    first = notes["first_step"][2][0]
+    blocks = len(block_policies)
+    marks = [notes[("block", i)][0] if ("block", i) in notes else 0 for i in range(blocks + 1)]
+    return MemoryEstimate(alloc.peak_allocated, alloc.peak_reserved, breakdown, plan_dict, first[3],
+                          allocator, {"first_step_peak_allocated_bytes": first[2],
                                       "by_allocator": by_allocator, "start": start,
                                       "block_forward_bytes": [b - a for a, b in zip(marks, marks[1:])],
-                                      "forward_backward_peak_bytes": phases["forward_backward"],
-                                      "optimizer_step_peak_bytes": phases["optimizer"]})
+                                      "forward_backward_peak_bytes": notes["forward_backward"][1],
+                                      "optimizer_step_peak_bytes": notes["optimizer"][1]})
 
 
-def _mark(marks: list, i: int, tracker: AllocationTracker, *args) -> None:
-    marks[i] = tracker.allocator.allocated
+def _mark(i: int, tracker: AllocationTracker, *args) -> None:
+    tracker.note(("block", i))
 
 
 class _forward_region:
@@ -277,8 +302,8 @@ class _forward_region:
 class _LabelledOptimizer:
     """Wraps :class:`MetaOptimizer` so that its allocations are labelled optimizer state."""
 
-    def __init__(self, optimizer: MetaOptimizer, tracker: AllocationTracker, phases: dict):
-        self.optimizer, self.tracker, self.phases = optimizer, tracker, phases
+    def __init__(self, optimizer: MetaOptimizer, tracker: AllocationTracker):
+        self.optimizer, self.tracker = optimizer, tracker
         self.param_groups = optimizer.param_groups
         optimizer.temporaries_context = self._temporaries
 
@@ -291,8 +316,8 @@ class _LabelledOptimizer:
             self.tracker.label = label
 
     def step(self):
-        self.phases["forward_backward"] = self.tracker.window_peak  # of the step now running
-        self.tracker.window_peak = self.tracker.allocator.allocated
+        self.tracker.note("forward_backward")  # the peak of the step now running, before its optimizer step
+        self.tracker.restart_window()
         self.tracker.label = "optimizer_state"
         try:
             self.optimizer.step()

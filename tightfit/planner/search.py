@@ -776,10 +776,10 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
 
 def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effective_batch: int,
                   checkpointed_margin: float = CHECKPOINTED_RESERVED_MARGIN, optimizer: str = "adamw") -> EstimateFn:
-    """``estimate_fn`` backed by :func:`tightfit.memory.estimate`: with accumulation the estimate
-    traces a micro-batch run with the window's gradients held (as every micro-batch after a
-    window's first runs); checkpointed plans carry
-    the estimator's margin on reserved (:func:`.margins.estimator_margin_bytes`;
+    """``estimate_fn`` backed by :func:`tightfit.memory.estimate` (through a
+    :class:`~tightfit.memory.replay.Replayer`: the same estimates, fewer traces): with accumulation
+    the estimate traces a micro-batch run with the window's gradients held (as every micro-batch
+    after a window's first runs); checkpointed plans carry the estimator's margin on reserved (:func:`.margins.estimator_margin_bytes`;
     ``checkpointed_margin`` 0 when real probe steps verify the plan).
 
     Args:
@@ -790,9 +790,11 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
     Raises:
         What :func:`tightfit.memory.estimate` raises, when the returned function is called.
     """
-    from ..memory.estimate import MemoryEstimate, estimate
+    from ..memory.estimate import MemoryEstimate
+    from ..memory.replay import Replayer
 
-    example = make_batch(1, size)
+    # the same answers as tracing each estimate, some replayed from earlier traces of the same blocks
+    replayer = Replayer(model, make_batch(1, size), profile)
 
     def fn(precision: str, micro_batch: int, blocks) -> MemoryEstimate:
         # the window's effective batch: with accumulation the estimate traces a micro-batch run
@@ -800,10 +802,10 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
         plan = Plan(precision, micro_batch, max(micro_batch, effective_batch), optimizer=optimizer, device="cuda")
         blocks = tuple(blocks)
         if blocks and isinstance(blocks[0], str):  # one policy per block
-            est = estimate(model, example, plan, device=profile, block_policies=blocks)
+            est = replayer.estimate(plan, block_policies=blocks)
             checkpointed = any(p != "none" for p in blocks)
         else:
-            est = estimate(model, example, plan, device=profile, checkpoint_blocks=blocks)
+            est = replayer.estimate(plan, checkpoint_blocks=blocks)
             checkpointed = bool(blocks)
         margin = estimator_margin_bytes(est.peak_reserved_bytes, checkpointed, checkpointed_margin)
         if not margin:
