@@ -145,6 +145,33 @@ def test_compiled_training_matches_eager():
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=1e-4)
 
 
+def test_a_whole_model_graph_with_every_block_checkpointed_trains_as_eager_does():
+    """``Plan(compile=True, compile_scope="model")`` with every block checkpointed: one compiled
+    graph with the model's own checkpointing inside (no block compiled alone), the same losses as
+    the eager run of the same plan (fp32; no dropout: compiled dropout draws from the compiler's
+    own random stream, so no eager run could match it)."""
+    from conftest import tiny_bert
+    from tightfit.levers.blocks import find_blocks
+    from tightfit.levers.checkpointing import hf_hook_active
+    from tightfit.levers.compile import compiled_call
+    losses = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = tiny_bert(seed=0).cuda()
+        w = Workload(model, SyntheticBatches(72, seq_len=16), None, 16)
+        log = []
+        t = Trainer(w, Plan("fp32", 4, 16, True, device="cuda", compile=compiled,
+                            compile_scope="model" if compiled else None),
+                    TrainConfig(epochs=2, lr=1e-3, log_every=1, seed=3), log=log.append, progress=False)
+        if compiled:
+            assert compiled_call(model) is not None and hf_hook_active(model)
+            assert all(compiled_call(b) is None for b in find_blocks(model))
+        t.fit()
+        losses[compiled] = [r["loss"] for r in log if r["type"] == "train"]
+    assert len(losses[True]) == 10
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=1e-4)
+
+
 def test_planner_compiles_and_the_compiled_plan_fits(capped):
     from tightfit.devices import detect
     from tightfit.planner.gpu import plan_on_gpu

@@ -51,7 +51,7 @@ def _plan_with_fake_gpu(monkeypatch, compile):
     monkeypatch.setattr(gpu, "probe_step", fake_probe)
     monkeypatch.setattr(gpu, "compile_unavailable", lambda device: None)
     monkeypatch.setattr(gpu, "compile_scope", lambda m: "model")
-    monkeypatch.setattr(gpu, "compile_model", lambda m: setattr(state, "compiled", True))
+    monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: setattr(state, "compiled", True))
     monkeypatch.setattr(gpu, "uncompile_model", lambda m: setattr(state, "compiled", False))
     monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks=(), policies=None: setattr(state, "blocks", tuple(blocks)))
     w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)

@@ -214,7 +214,7 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
 
     w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), blocks=())
     monkeypatch.setattr(gpu, "probe_step", fake_probe)
-    monkeypatch.setattr(gpu, "compile_model", lambda m: None)
+    monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: None)
     monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
     monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
     monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks, policies=None: setattr(w, "blocks", tuple(blocks)))
@@ -297,3 +297,72 @@ def test_the_seq_len_ladder_suggests_no_length_too_short_to_train_on():
     assert lines(24.5 * 1024) == ["fits: --seq-len 24 at effective batch 1 (micro-batch 1 x 1 accumulation steps; "
                                   "fp32, checkpointing searched as for the plan)"]
     assert lines(3.5 * 1024, size=MIN_TEXT_TOKENS) == []  # nothing shorter to train on: no line
+
+
+@pytest.mark.parametrize("whole", ["faster", "slower", "fails"])
+def test_every_block_checkpointed_compiled_is_tried_as_one_whole_model_graph(monkeypatch, whole):
+    """When the compiled stage needs every block checkpointed, it times the same micro-batch once
+    more with the whole model as one graph and the model's own checkpointing inside (no GPU:
+    probes answered by a fake that fits only with every block checkpointed): kept only if faster,
+    the model left compiled as the variant says; a compiler error keeps the blocks."""
+    from types import SimpleNamespace
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.levers.blocks import block_policy, find_blocks
+    from tightfit.levers.checkpointing import hf_hook_active
+    from tightfit.levers.compile import compiled_call
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate
+
+    model, E = tiny_bert(), 16
+    blocks = find_blocks(model)
+    probed = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        one_graph = compiled_call(model) is not None
+        probed.append("whole" if one_graph else "blocks")
+        if one_graph and whole == "fails":
+            raise RuntimeError("inductor lowering failed\ntraceback ...")
+        every = hf_hook_active(model) or all(block_policy(b) == "full" for b in blocks)
+        seconds = {"faster": 0.01, "slower": 0.03}.get(whole, 0.02) if one_graph else 0.02
+        return ProbeResult(mb, every, 100, 100, seconds, 1)
+
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    w = SimpleNamespace(effective_batch=E, model=model)
+    found = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(len(blocks))), 1, None, None), 10**9,
+                                 len(blocks))
+    v, note = found.variant, found.notes[-1]
+    assert probed.count("whole") == 1 and "whole-model graph" in note
+    if whole == "faster":
+        assert v.scope == "model" and v.samples_per_s == E / 0.01 and note.endswith("kept")
+        assert compiled_call(model) is not None and hf_hook_active(model)
+        plan = gpu._gpu_plan(SimpleNamespace(candidate=Candidate("bf16", E, (), 1, None, None)), v, E, 10**9,
+                             len(blocks), [])
+        assert plan.compile and plan.compile_scope == "model" and plan.activation_checkpointing
+    else:
+        assert v.scope is None and v.samples_per_s == E / 0.02 and note.endswith("each block kept")
+        assert compiled_call(model) is None and all(compiled_call(b) is not None for b in blocks)
+        assert ("failed (RuntimeError: inductor lowering failed)" in note) == (whole == "fails")
+
+
+def test_a_compiled_plan_that_checkpoints_some_blocks_is_not_tried_whole(monkeypatch):
+    from types import SimpleNamespace
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.levers.blocks import find_blocks
+    from tightfit.levers.compile import compiled_call
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate
+
+    model, E = tiny_bert(), 16
+    wholes = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        wholes.append(compiled_call(model) is not None)
+        return ProbeResult(mb, True, 100, 100, 0.02, 1)  # fits with any blocks
+
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    n = len(find_blocks(model))
+    found = gpu.compiled_variant(SimpleNamespace(effective_batch=E, model=model),
+                                 Candidate("bf16", E, tuple(range(n)), 1, None, None), 10**9, n)
+    assert len(found.variant.checkpoint_blocks) < n and not any(wholes) and found.variant.scope is None

@@ -138,7 +138,7 @@ def _fake_gpu_plan(monkeypatch, run_samples, compile="auto", runners_up=(), prob
     monkeypatch.setattr(gpu, "probe_step", fake_probe)
     monkeypatch.setattr(gpu, "compile_unavailable", lambda device: None)
     monkeypatch.setattr(gpu, "compile_scope", lambda m: "model")
-    monkeypatch.setattr(gpu, "compile_model", lambda m: compiled.append(1))
+    monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: compiled.append(1))
     monkeypatch.setattr(gpu, "uncompile_model", lambda m: compiled.clear())
     monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
     w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)

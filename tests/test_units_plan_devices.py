@@ -111,6 +111,26 @@ def test_compile_is_offered_on_cuda_only_and_survives_the_plan_round_trip():
     assert not is_compiled(m) and m(torch.ones(1, 2)).shape == (1, 2)
 
 
+def test_the_whole_model_scope_compiles_one_graph_and_survives_the_plan_round_trip():
+    from conftest import tiny_bert
+    from tightfit.levers.blocks import find_blocks
+    from tightfit.levers.compile import WHOLE_MODEL, compile_model, compiled_call, is_compiled, uncompile_model
+    bert = tiny_bert()
+    compile_model(bert, WHOLE_MODEL)  # identical blocks, compiled whole all the same
+    assert is_compiled(bert) and compiled_call(bert) is not None
+    assert all(compiled_call(b) is None for b in find_blocks(bert))
+    uncompile_model(bert)
+    assert not is_compiled(bert) and compiled_call(bert) is None
+    with pytest.raises(ValueError, match="scope"):
+        compile_model(bert, "layers")
+    plan = Plan("bf16", 64, 256, True, device="cuda", compile=True, compile_scope="model")
+    assert Plan.from_dict(plan.to_dict()) == plan
+    older = {k: v for k, v in plan.to_dict().items() if k != "compile_scope"}  # a plan written before the field
+    assert Plan.from_dict(older).compile_scope is None
+    with pytest.raises(TightfitError, match="compile scope"):
+        Plan("bf16", 64, 256, compile=True, compile_scope="blocks")
+
+
 def test_identical_blocks_are_compiled_one_by_one_and_other_models_whole():
     from conftest import tiny_bert
     from tightfit.levers.blocks import find_blocks

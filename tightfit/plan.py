@@ -70,6 +70,9 @@ class Plan:
         predicted_peak_reserved_bytes, predicted_samples_per_s: the planner's predictions.
         compile: run the model's forward (and its backward) compiled by ``torch.compile``
             (:mod:`tightfit.levers.compile`); CUDA only.
+        compile_scope: with ``compile``, ``"model"`` compiles the whole model as one graph
+            (:data:`tightfit.levers.compile.WHOLE_MODEL`); None: repeated blocks one by one where
+            they are identical (:func:`tightfit.levers.compile.compile_scope`).
         block_policies: what each repeated block keeps for backward, one of ``none``,
             ``selective`` (recompute only the cheap ops), ``full`` (recompute the block) or
             ``offload`` (saved tensors in pinned host memory) per block
@@ -105,6 +108,7 @@ class Plan:
     sharding: str = "none"
     trainable: str = "all"
     trainable_params: int | None = None
+    compile_scope: str | None = None
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -113,6 +117,8 @@ class Plan:
             raise TightfitError("micro-batch and effective batch must be >= 1")
         if self.world_size < 1 or self.sharding not in SHARDINGS:
             raise TightfitError(f"world size must be >= 1 and sharding one of {', '.join(SHARDINGS)}")
+        if self.compile_scope not in (None, "model"):
+            raise TightfitError(f"unknown compile scope {self.compile_scope!r}; use \"model\" or none")
         from .levers.optimizers import check_precision
 
         check_precision(self.optimizer, self.precision)  # bf16 weights: bf16 autocast only

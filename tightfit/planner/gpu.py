@@ -24,7 +24,7 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..memory.oom import release_memory
 from ..levers.checkpointing import set_activation_checkpointing
-from ..levers.compile import compile_model, compile_scope, compile_unavailable, uncompile_model
+from ..levers.compile import WHOLE_MODEL, compile_model, compile_scope, compile_unavailable, uncompile_model
 from ..levers.optimizers import LEVER_OPTIMIZERS
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes, format_rate
@@ -166,6 +166,7 @@ class CompiledVariant:
     micro_batch: int
     checkpoint_blocks: tuple[int, ...]
     probe: ProbeResult
+    scope: str | None = None  # compile_model's scope (None: blocks one by one where identical)
 
 
 @dataclass(frozen=True)
@@ -407,7 +408,7 @@ def _gpu_plan(best: Measured, variant: CompiledVariant | None, effective_batch: 
                                 optimizer=c.optimizer,
                                 probe_peak_reserved_bytes=variant.probe.peak_reserved_bytes,
                                 predicted_peak_reserved_bytes=None, predicted_samples_per_s=variant.samples_per_s,
-                                compile=True)
+                                compile=True, compile_scope=variant.scope)
     return plan_with_blocks(c.precision, c.micro_batch, effective_batch, c.checkpoint_blocks, n_blocks,
                             device="cuda", budget_bytes=budget_bytes, reasons=tuple(reasons), optimizer=c.optimizer,
                             probe_peak_reserved_bytes=best.probe.peak_reserved_bytes,
@@ -584,7 +585,7 @@ def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget
     retiming = Retiming(c_speed, e_speed, note)
     if not retiming.compiled_kept:
         return replace(retiming, note=note + ": eager kept")
-    compile_model(model)
+    compile_model(model, variant.scope)
     return replace(retiming, note=note + ": compiled kept")
 
 
@@ -629,10 +630,58 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
         return CompileSearch(None, [f"torch.compile ({scope}, {seconds:.0f} s incl. compilation): nothing fits "
                                     f"(probed {'; '.join(tried)})"])
     v = max(found, key=lambda f: f.samples_per_s)
-    return CompileSearch(v, [
-        f"torch.compile ({scope}): {format_rate(v.samples_per_s)} samples/s in its first timing after compilation "
-        f"({VERIFIED_STEPS} timed steps, the median) at micro-batch {v.micro_batch} with "
-        f"{len(v.checkpoint_blocks)} checkpointed blocks ({seconds:.0f} s incl. compilation; probed {'; '.join(tried)})"])
+    notes = [f"torch.compile ({scope}): {format_rate(v.samples_per_s)} samples/s in its first timing after compilation "
+             f"({VERIFIED_STEPS} timed steps, the median) at micro-batch {v.micro_batch} with "
+             f"{len(v.checkpoint_blocks)} checkpointed blocks ({seconds:.0f} s incl. compilation; probed {'; '.join(tried)})"]
+    # every block checkpointed: one whole-model graph may beat the blocks (the model's own hook,
+    # a Hugging Face model's, checkpoints inside the graph; tightfit's wrappers cannot)
+    if regional and n_blocks and len(v.checkpoint_blocks) == n_blocks and \
+            getattr(model, "supports_gradient_checkpointing", False):
+        whole, note = whole_model_variant(workload, best, v, budget_bytes)
+        return CompileSearch(whole or v, notes + [note])
+    return CompileSearch(v, notes)
+
+
+def whole_model_variant(workload: Workload, best: Candidate, regional: CompiledVariant,
+                        budget_bytes: int) -> tuple[CompiledVariant | None, str]:
+    """Stage 4, last: ``regional`` (blocks compiled one by one, every block checkpointed) tried
+    again as one whole-model graph with the model's own checkpointing inside it
+    (:data:`~tightfit.levers.compile.WHOLE_MODEL`), at the same micro-batch. Blocks compiled one
+    by one and checkpointed around their compiled call make three compiled calls per block and
+    micro-batch (forward, recomputation, backward), and such a step is bound by the host that
+    launches them (BERT-large at 4 GiB, NVIDIA H200: 620 samples/s, as one graph 782;
+    bench/results/step-breakdown-2).
+
+    Returns:
+        The whole-model variant when it fits and its timing beats ``regional``'s (the model is
+        left compiled whole), else None (the model is compiled block by block again), and the
+        reason line. A compiler error counts as not kept, with its first line in the reason.
+    """
+    model, E = workload.model, workload.effective_batch
+    t0 = time.perf_counter()
+    uncompile_model(model)
+    try:
+        compile_model(model, WHOLE_MODEL)
+        set_activation_checkpointing(model, True, None)  # the model's own hook: inside the graph
+        pr = probe_step(workload, regional.micro_batch, best.precision, budget_bytes, optimizer=best.optimizer,
+                        timed_steps=VERIFIED_STEPS)
+        failed = None
+    except Exception as e:  # noqa: BLE001 - a compiler failure keeps the blocks compiled one by one
+        pr, failed = None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        release_memory()
+    seconds = time.perf_counter() - t0
+    line = f"as one whole-model graph, checkpointing inside ({seconds:.0f} s incl. compilation): "
+    if pr is not None and pr.fits and _samples_per_s(pr, E) > regional.samples_per_s:
+        rate = _samples_per_s(pr, E)
+        return (CompiledVariant(rate, regional.micro_batch, regional.checkpoint_blocks, pr, WHOLE_MODEL),
+                line + f"{format_rate(rate)} samples/s, kept")
+    uncompile_model(model)
+    compile_model(model)
+    set_activation_checkpointing(model, True, regional.checkpoint_blocks)
+    if failed:
+        return None, line + f"failed ({failed}), each block kept"
+    return None, line + (f"{format_rate(_samples_per_s(pr, E))} samples/s, each block kept" if pr.fits
+                         else f"{_peak(pr)}, each block kept")
 
 
 def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tuple, regional: bool,

@@ -143,7 +143,7 @@ def warm_compiled_plan(workload: Workload, plan, budget_bytes: int) -> float:
     model = workload.model
     blocks = plan.checkpoint_blocks if plan.checkpoint_blocks is not None else (
         tuple(range(_n_blocks(model))) if plan.activation_checkpointing else ())
-    compile_model(model)
+    compile_model(model, plan.compile_scope)
     set_activation_checkpointing(model, bool(blocks), blocks)
     with any_length(workload.train):
         probe_step(workload, plan.micro_batch, plan.precision, budget_bytes, timed_steps=1, optimizer=plan.optimizer)

@@ -37,8 +37,9 @@ def plan_lines(plan: Plan) -> list[str]:
     if plan.trainable_params is not None:
         lines.append(f"trainable        {plan.trainable}: {plan.trainable_params:,} parameters")
     if plan.predicted_samples_per_s and plan.compile:  # no prediction for compiled steps: a timing decided
-        lines.append(f"measured         {plan.predicted_samples_per_s:.0f} samples/s, compiled (the timing is "
-                     f"named in 'decided by' below)")
+        lines.append(f"measured         {plan.predicted_samples_per_s:.0f} samples/s, compiled"
+                     + (" as one whole-model graph" if plan.compile_scope == "model" else "")
+                     + " (the timing is named in 'decided by' below)")
     elif plan.predicted_samples_per_s:
         lines.append(f"predicted        {plan.predicted_samples_per_s:.0f} samples/s"
                      + (f", peak {format_bytes(plan.predicted_peak_reserved_bytes)} reserved"
