@@ -345,6 +345,37 @@ def test_every_block_checkpointed_compiled_is_tried_as_one_whole_model_graph(mon
         assert ("failed (RuntimeError: inductor lowering failed)" in note) == (whole == "fails")
 
 
+def test_a_compiled_plan_one_block_short_of_all_of_eight_is_tried_whole_with_every_block(monkeypatch):
+    """At most an eighth of the blocks left out: the whole-model graph is timed with every block
+    checkpointed, and kept with all of them when faster."""
+    from types import SimpleNamespace
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.levers.blocks import block_policy, find_blocks
+    from tightfit.levers.checkpointing import hf_hook_active
+    from tightfit.levers.compile import compiled_call
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=8,
+                                                     num_attention_heads=2, intermediate_size=32,
+                                                     max_position_embeddings=32))
+    blocks, E = find_blocks(model), 16
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        one_graph = compiled_call(model) is not None
+        checkpointed = len(blocks) if hf_hook_active(model) else sum(block_policy(b) == "full" for b in blocks)
+        return ProbeResult(mb, checkpointed >= 7, 100, 100, 0.01 if one_graph else 0.02, 1)
+
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    found = gpu.compiled_variant(SimpleNamespace(effective_batch=E, model=model),
+                                 Candidate("bf16", E, tuple(range(8)), 1, None, None), 10**9, 8)
+    assert found.variant.scope == "model" and found.variant.checkpoint_blocks == tuple(range(8))
+    assert "whole-model graph" in found.notes[-1] and "with every block checkpointed, kept" in found.notes[-1]
+
+
 def test_a_compiled_plan_that_checkpoints_some_blocks_is_not_tried_whole(monkeypatch):
     from types import SimpleNamespace
 
