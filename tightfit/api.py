@@ -700,12 +700,11 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
         raise TightfitError(f"{option_given('resume', str(run))}: not a tightfit run folder (no request.json)")
     if not list_checkpoints(run / "checkpoints"):
         raise TightfitError(f"{option_given('resume', str(run))}: no checkpoint to resume from")
-    default, now = TrainRequest().to_flat(), req.to_flat()
-    # the flags on the command line; from the API, what differs from the default (a value given
-    # equal to its default cannot be told from one not given: it is taken from the run)
-    written = req.run.given
+    # the flags on the command line, or the keywords of TrainRequest: both recorded in run.given,
+    # so a value given equal to its default counts, on either face, as a value given
+    now = req.to_flat()
     given = {k: v for k, v in now.items() if k not in ("resume", "progress", "command", "given")
-             and (k in written if written else v != default[k])}
+             and k in req.run.given}
     try:
         saved = saved_options(json.loads((run / "request.json").read_text()))
         fingerprint = saved.pop("data_fingerprint", None)

@@ -460,8 +460,8 @@ class RunOptions(_Options):
     eval_samples: int | None = option(None, "evaluate on this many held-out samples (default: all)", minimum=1)
     progress: bool = option(True, "no progress bar", flag="--no-progress")
     command: str = option(PYTHON_API_COMMAND, cli=False)
-    # flat names of the options given on the command line (a resumed run takes these anew even
-    # when a value equals the default); empty from the Python API: differing from the default counts
+    # flat names of the options given: the command line's flags, or TrainRequest's keywords (a
+    # resumed run takes these anew even when a value equals the default; see TrainRequest)
     given: tuple = option((), cli=False)
 
     def _check_together(self) -> None:
@@ -510,6 +510,13 @@ class TrainRequest:
     bad values :class:`TightfitError` naming the keyword (``batch_size must be >= 1``; made by
     :meth:`from_args`, the flag: ``--batch-size must be >= 1``).
 
+    The request records which options were given in ``run.given`` (flat names), for ``resume``:
+    every flat keyword passed, even at its default value; of a group passed whole, the ``given``
+    of a :class:`RunOptions` and the options that differ from their defaults (a group's own
+    constructor cannot tell a default passed from one left out). ``given=`` passed explicitly
+    (:meth:`from_args`: the flags on the command line) is taken as is. Copies keep it
+    (``dataclasses.replace`` passes the run group whole; :meth:`with_options` adds its keywords).
+
     Attributes:
         workload: :class:`WorkloadOptions`.
         planning: :class:`PlanOptions`.
@@ -530,6 +537,8 @@ class TrainRequest:
                 raise TypeError(f"TrainRequest() got an unexpected keyword argument {key!r}")
             attr, name = _FLAT[key]
             flat[attr][name] = value
+        if "given" not in options:  # recorded here: a value equal to its default was given all the same
+            flat["run"]["given"] = _given(options, groups)
         for attr, cls, _ in GROUPS:
             group = groups.get(attr)
             group = cls(**flat[attr]) if group is None else replace(group, **flat[attr])
@@ -540,8 +549,9 @@ class TrainRequest:
         return {option_key(f): getattr(getattr(self, attr), f.name) for attr, cls, _ in GROUPS for f in fields(cls)}
 
     def with_options(self, **options: Any) -> "TrainRequest":
-        """A copy with some options (flat names) changed."""
-        return TrainRequest(**{**self.to_flat(), **options})
+        """A copy with some options (flat names) changed; those count as given (``run.given``)."""
+        given = (*self.run.given, *(k for k in options if k not in self.run.given))
+        return TrainRequest(**{**self.to_flat(), "given": given, **options})
 
     @classmethod
     def from_args(cls, args) -> "TrainRequest":
@@ -555,6 +565,19 @@ class TrainRequest:
         extra = {"command": args.command_line} if getattr(args, "command_line", None) else {}
         with cli_names():  # the values came from the command line: its messages name flags
             return cls(**options, given=tuple(getattr(args, "given_options", ())), **extra)
+
+
+def _given(options: dict[str, Any], groups: dict[str, Any]) -> tuple[str, ...]:
+    """The flat names of the options a :class:`TrainRequest` is given: the flat keywords
+    ``options``, and of each group in ``groups`` (``{"training": TrainOptions(...)}``) a run
+    group's ``given`` and the options that differ from their defaults; in the order of the tree."""
+    named = set(options)
+    for group in groups.values():
+        default = type(group)()
+        named.update(getattr(group, "given", ()))
+        named.update(option_key(f) for f in fields(group) if f.name != "given"
+                     and getattr(group, f.name) != getattr(default, f.name))
+    return tuple(k for k in _FLAT if k in named)
 
 
 def _shown(value: Any) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .errors import TightfitError
-from .masks import with_prepared_mask
+from .masks import hf_model, with_prepared_mask
 from .plan import Plan, accumulation_steps
 
 __all__ = ["StepOutcome", "TrainStep", "plan"]
@@ -87,7 +87,10 @@ def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
     """For the model's own loss over integer token labels (``labels`` ``[B, T, ...]``: causal and
     masked LMs, token classification, seq2seq), which Hugging Face models take as the mean over
     the targets that are not -100: ``d -> count of those targets`` in a dict micro-batch (a 0-d
-    tensor on the labels' device; a causal LM's are ``labels[:, 1:]``, it predicts the next token).
+    tensor on the labels' device; a causal LM's are ``labels[:, 1:]``, it predicts the next token,
+    also wrapped by DDP, ``torch.compile`` or peft: :func:`tightfit.masks.hf_model`). A peft
+    prompt-learning model is not unwrapped: prompt tuning prepends a -100 label per virtual
+    token, so every given label is a target (its shift is 0; prefix tuning's would be 1).
     None where the loss is the user's or ``labels`` are per sample (class ids ``[B]``, or float
     multi-label targets ``[B, C]``, whose mean is over samples times a constant)."""
     if loss is not None or batch.keys is None or "labels" not in batch.keys:
@@ -97,14 +100,16 @@ def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
         return None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    shift = 1 if type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) else 0
+    # the wrapped model's class: a peft or compiled GPT-2 is named PeftModelForCausalLM, OptimizedModule
+    shift = 1 if type(hf_model(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) else 0
     return lambda d: (d["labels"][:, shift:] != -100).sum()
 
 
 def _loss_sum(batch: _Batch, loss: LossFn | None, tokens=None) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
     """``(model, dict micro-batch) -> loss summed over what it averages``: the mean loss times the
     samples in the micro-batch, or, for a model's own mean over target tokens
-    (``tokens``, from :func:`_target_tokens`), times the micro-batch's target tokens, so that
+    (``tokens``, from :func:`_target_tokens`), times the micro-batch's target tokens (0 for one
+    without targets, whose mean is NaN), so that
     :func:`tightfit.step.accumulate`, which divides by the samples (tokens) of the whole batch
     (:func:`_normaliser`), weights each micro-batch by its share: the gradient of the whole
     batch's mean loss (DESIGN invariant 1)."""
@@ -124,7 +129,12 @@ def _loss_sum(batch: _Batch, loss: LossFn | None, tokens=None) -> Callable[[torc
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise TightfitError(f"the loss must be a tensor holding one number (the mean over the batch), "
                                 f"got {type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}")
-        return value.reshape(()) * (tokens(d) if tokens is not None else n)
+        if tokens is None:
+            return value.reshape(()) * n
+        count = tokens(d)
+        # no targets: HF's mean is 0/0 = NaN, and NaN * 0 is NaN; such a micro-batch adds 0 (and no
+        # gradient). torch.where, not `if count == 0`: that would read the count on the host
+        return torch.where(count > 0, value.reshape(()) * count, value.new_zeros(()))
 
     return loss_sum
 
@@ -203,6 +213,21 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
         restore_rng(rng)  # the probe draws no dropout mask the run would have drawn
 
 
+def _check_checkpointing(model: torch.nn.Module, checkpointing: str) -> None:
+    """``checkpointing="on"`` needs something to checkpoint; refused here, before any probe, on the
+    CPU and the GPU alike (the GPU's probe and :class:`TrainStep` would fail with a ValueError).
+
+    Raises:
+        TightfitError: ``"on"`` for a model without repeated blocks or Hugging Face's hook.
+    """
+    from .levers.checkpointing import can_checkpoint
+
+    if checkpointing == "on" and not can_checkpoint(model):
+        raise TightfitError(f"checkpointing='on': {type(model).__name__} has no repeated blocks to checkpoint "
+                            "(children of an nn.ModuleList or nn.Sequential of one class) and no Hugging Face "
+                            "gradient checkpointing; use checkpointing='off' or 'auto'")
+
+
 def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = None, budget: str | int | None = None,
          *, loss: LossFn | None = None, gpu: str | None = None, precision: str = "auto",
          checkpointing: str = "auto", device: str = "auto") -> Plan:
@@ -244,7 +269,8 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
     Raises:
         TightfitError: a malformed or empty batch or option, a budget that cannot be read, is not
             positive, exceeds the card or cannot hold the model state, a loss that is not one number,
-            fp16/bf16 without a GPU, or nothing fits the budget (before any training). The message
+            fp16/bf16 without a GPU, ``checkpointing="on"`` for a model with nothing to checkpoint
+            (no repeated blocks or Hugging Face hook), or nothing fits the budget (before any training). The message
             names this function's arguments.
     """
     from .api import resolve_device
@@ -262,6 +288,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         if budget is not None:
             budget = f"{parse_size(budget)}B"  # bytes as text with its unit, as the command line would take it
         options = PlanOptions(budget=budget, gpu=gpu, precision=precision, checkpointing=checkpointing, device=device)
+        _check_checkpointing(model, checkpointing)
         dev, profile, budget_bytes, notes = resolve_device(options)
         notes = [as_arguments(n) for n in notes]
         workload = Workload(model, _SampleBatches(b), None, E, loss_sum=_loss_sum(b, loss),
@@ -320,7 +347,8 @@ class TrainStep:
     non-finite step (a WARNING on the ``tightfit`` logger, shown with no logging set up), updates the
     loss scale and zeroes the gradients (:func:`tightfit.step.training_step`). An out-of-memory error
     anywhere in the step redoes the batch from scratch with half the micro-batch -- the same samples,
-    the same effective batch, the RNG states restored, so the losses and weights are those of a run
+    the same effective batch, the RNG states and buffers (BatchNorm's running statistics, up to
+    :data:`tightfit.step.BUFFER_SNAPSHOT_BYTES`) restored, so the losses, weights and buffers are those of a run
     that had used the smaller micro-batch from the start -- and the micro-batch grows back after
     ``grow_back_after`` clean steps. The model is in train mode during the call (dropout on) and gets
     its own mode back after.
@@ -421,17 +449,20 @@ class TrainStep:
 
     def _step_with_recovery(self, b: _Batch):
         """:func:`tightfit.step.training_step` on ``b``, redone with half the micro-batch after each
-        OOM, as the ``tightfit train`` runtime redoes a window (:meth:`tightfit.runtime.trainer.Trainer.train_step`)."""
+        OOM, as the ``tightfit train`` runtime redoes a window (:meth:`tightfit.runtime.trainer.Trainer.train_step`):
+        the RNG states, the optimizer's state and the model's buffers (:func:`tightfit.step.buffer_snapshot`)
+        as the failed attempt found them."""
         from .levers.precision import autocast
         from .memory.oom import is_oom, release_memory
         from .rng import capture_rng, restore_rng
         from .runtime.trainer import PartialUpdateError
-        from .step import changed_since, in_place_versions
+        from .step import buffer_snapshot, changed_since, in_place_versions, restore_buffers
         from .levers.optimizers import hold_gradients
         from .step import training_step
 
         tokens = _target_tokens(self.model, b, self.loss)  # None: the loss is a mean over samples
         d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss, tokens), capture_rng()
+        buffers = buffer_snapshot(self.model.modules())  # BatchNorm's statistics: a redo starts from these
         normaliser = _normaliser(b, tokens)
         while True:
             # fused AdamW allocates only its new state, before any write: no snapshot needed
@@ -459,6 +490,7 @@ class TrainStep:
             self._reset_scaler_step()
             release_memory()
             restore_rng(rng)
+            restore_buffers(buffers)
             self._on_oom(where, b.size)
 
     def _micro_batches(self, d: dict, n: int):

@@ -36,12 +36,13 @@ Batch = dict[str, torch.Tensor]
 ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "albert"})
 
 
-def _hf_model(model: torch.nn.Module):
+def hf_model(model: torch.nn.Module):
     """The transformers ``PreTrainedModel`` that ``model`` is, or that it wraps without touching
     the mask: DDP's or DataParallel's ``.module``, ``torch.compile``'s ``_orig_mod``, a peft model
     other than prompt learning (its base model; prompt tuning joins its own positions to the mask).
     None for anything else — a user's own module holding an encoder may use the mask itself (mean
-    pooling, say), so it gets the mask it was given."""
+    pooling, say), so it gets the mask it was given. Also what the own loop's label shift reads
+    (:func:`tightfit.loop._target_tokens`)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # transformers is a dependency; a stripped install still trains plain models
@@ -64,13 +65,13 @@ def _hf_model(model: torch.nn.Module):
 
 
 def takes_prepared_mask(model: torch.nn.Module) -> bool:
-    """True when ``model`` is (:func:`_hf_model`) a transformers encoder whose padding mask
+    """True when ``model`` is (:func:`hf_model`) a transformers encoder whose padding mask
     :func:`with_prepared_mask` should hand over in 4-D: a family in :data:`ENCODERS`, SDPA
     attention, not configured as a decoder or with cross-attention, and modeling code that builds
     its mask with ``masking_utils.create_bidirectional_mask`` (transformers >= 5, whose mask
     functions take a 4-D mask as prepared). Read at every call (a few attribute reads): the
     attention implementation or the decoder flag may change between calls."""
-    hf = _hf_model(model)
+    hf = hf_model(model)
     config = getattr(hf, "config", None)
     if config is None:
         return False

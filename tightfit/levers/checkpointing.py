@@ -28,7 +28,8 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
             (a plan's ``block_policies``); None: ``enabled`` and ``blocks`` decide.
 
     Raises:
-        ValueError: if ``enabled`` and the model does not support gradient checkpointing.
+        ValueError: if ``enabled`` and the model does not support gradient checkpointing
+            (:func:`can_checkpoint`; the planners refuse such a request first).
         TightfitError: ``policies`` not one known policy per block.
     """
     from .blocks import apply_block_policies, apply_checkpointing, find_blocks
@@ -62,6 +63,14 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     _no_kv_cache(model)
+
+
+def can_checkpoint(model: torch.nn.Module) -> bool:
+    """Whether :func:`set_activation_checkpointing` can turn checkpointing on for ``model``: it has
+    repeated blocks (:func:`tightfit.levers.blocks.find_blocks`) or Hugging Face's own hook."""
+    from .blocks import find_blocks
+
+    return bool(find_blocks(model)) or bool(getattr(model, "supports_gradient_checkpointing", False))
 
 
 def hf_hook_active(model: torch.nn.Module) -> bool:

@@ -32,8 +32,8 @@ from ..fileio import UntilClosed
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
-from ..step import (PendingStep, accumulate, changed_since, in_place_versions, make_optimizer, module_mode,
-                    training_step)
+from ..step import (PendingStep, accumulate, buffer_snapshot, changed_since, in_place_versions, make_optimizer,
+                    module_mode, restore_buffers, training_step)
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
@@ -141,10 +141,18 @@ class PartialUpdateError(TightfitError):
     redoing the step would apply part of the update twice (DESIGN invariant 10)."""
 
 
+# Added to the key of a negative seed: Python seeds random.Random from abs(key), so seed -5 shuffled
+# epoch 0 as seed 5 did; 2**128 lies beyond every non-negative seed's key (seeds < 2**64), whose
+# orders stay as they were.
+_NEGATIVE_SEED_KEYS = 2**128
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """Sample order of one epoch: a permutation of ``range(n)`` fixed by ``(seed, epoch)``."""
+    """Sample order of one epoch: a permutation of ``range(n)`` fixed by ``(seed, epoch)``; each
+    seed of :data:`tightfit.config.SEED_RANGE` has its own (a negative one too)."""
     order = list(range(n))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    key = seed * 1_000_003 + epoch if seed >= 0 else _NEGATIVE_SEED_KEYS - seed * 1_000_003 + epoch
+    random.Random(key).shuffle(order)
     return order
 
 
@@ -207,11 +215,19 @@ class Trainer:
             where it runs natively); None: unknown or the CPU.
         world: the ranks training together under torchrun (:mod:`tightfit.runtime.distributed`);
             None: this process alone.
+
+    Raises:
+        TightfitError: a plan of another effective batch than the workload's; a compiling plan
+            where compilation is unavailable; an optimizer other than AdamW.
     """
 
     def __init__(self, workload: Workload, plan: Plan, config: TrainConfig,
                  log: Callable[[dict], None] = lambda record: None, progress: bool = True,
                  profile: DeviceProfile | None = None, world: World | None = None):
+        if plan.effective_batch != workload.effective_batch:  # else: the workload's windows, the plan's numbers
+            raise TightfitError(f"the plan's effective_batch {plan.effective_batch} differs from the workload's "
+                                f"{workload.effective_batch}: plan for this workload, or give both the same "
+                                "effective_batch")
         self.w, self.plan, self.cfg, self.log, self.profile = workload, plan, config, log, profile
         self.progress = progress
         self.device = torch.device(plan.device)
@@ -226,7 +242,7 @@ class Trainer:
             why = compile_unavailable(self.device.type)
             if why:
                 raise TightfitError(f"the plan compiles the model, but {why}")
-            compile_model(self.model)
+            compile_model(self.model, plan.compile_scope)
         else:
             uncompile_model(self.model)
         # several ranks: DDP or FSDP2 as the plan says, before the optimizer sees the parameters
@@ -441,9 +457,11 @@ class Trainer:
 
         An OOM in forward, backward or the optimizer step redoes the window from scratch with
         half the micro-batch (twice the accumulation): gradients are zeroed, the failed
-        attempt's memory released, the loss scaler's per-step state reset and the RNG states
-        restored, so the redo draws the same dropout masks as a run that used the smaller
-        micro-batch from the start (DESIGN invariant 2). Anything but an OOM propagates.
+        attempt's memory released, the loss scaler's per-step state reset, and the RNG states and
+        the model's buffers restored (:func:`tightfit.step.buffer_snapshot`: BatchNorm's running
+        statistics, up to :data:`tightfit.step.BUFFER_SNAPSHOT_BYTES`), so the redo draws the same
+        dropout masks and ends with the same state as a run that used the smaller micro-batch from
+        the start (DESIGN invariant 2). Anything but an OOM propagates.
 
         Returns:
             ``(mean loss of the window, whether the update was applied)``.
@@ -483,6 +501,9 @@ class Trainer:
 
     def _launch_step(self, window: list[int], index: int) -> "_Launched":
         rng, backed_off = capture_rng(), False
+        # BatchNorm's running statistics as the window found them: a forward that then ran out of
+        # memory has updated them once already (one clone per buffer; none above BUFFER_SNAPSHOT_BYTES)
+        buffers = buffer_snapshot(self._listed_modules if self._listed_modules is not None else self.model.modules())
         while True:
             self._guard = None  # several ranks: the loss function that agrees on OOMs (_micro_batches)
             # Fused AdamW allocates only its new state, before any write (see make_optimizer): it
@@ -512,6 +533,7 @@ class Trainer:
             self._reset_scaler_step()
             release_memory()
             restore_rng(rng)
+            restore_buffers(buffers)
             self._on_oom(where, index)
             backed_off = True
         lr = float(self.scheduler.get_last_lr()[0])  # this step's (a tensor under torchao's optimizers)
