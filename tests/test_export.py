@@ -251,3 +251,41 @@ def test_a_run_whose_data_changed_is_refused_before_any_work(text_run, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the data differ from those the run trained on" in err[0]
     assert not (tmp_path / "int8").exists()
+
+
+def test_a_bare_image_model_folder_is_timed_at_its_trained_image_size(tmp_path, monkeypatch):
+    """A bare image model folder was timed at 224 x 224 whatever its ``tightfit_images.json`` said
+    (ResNet's config has no ``image_size``): the latency was that of inputs it never takes. The
+    preprocessing file's size is used."""
+    import tightfit.export as export
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from tightfit.images import PREPROCESSING_FILE, preprocessing_record
+
+    torch.manual_seed(0)
+    folder = tmp_path / "resnet"
+    ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                              layer_type="basic", num_labels=2)).save_pretrained(folder)
+    (folder / PREPROCESSING_FILE).write_text(json.dumps(preprocessing_record(20, 1, ["a", "b"])))
+    shapes, real = [], export.cpu_latency
+
+    def spy(models, inputs, *a, **k):
+        shapes.append(tuple(inputs["pixel_values"].shape))
+        return real(models, inputs, *a, **k)
+
+    monkeypatch.setattr(export, "cpu_latency", spy)
+    assert main(["export", "--int8", str(folder), "--out", str(tmp_path / "int8")]) == 0
+    assert shapes == [(1, 1, 20, 20), (32, 1, 20, 20)], shapes
+
+
+def test_an_image_run_saved_with_list_column_options_still_exports(image_run, tmp_path):
+    """``--image-column``/``--label-column`` with digits or a class folder are now refused by ``train``;
+    a run saved before that carries them (they were ignored) and still exports."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(image_run, run)
+    request = json.loads((run / "request.json").read_text())
+    (run / "request.json").write_text(json.dumps({**request, "label_column": "digit", "image_column": "file"}))
+    assert main(["export", "--int8", str(run), "--out", str(tmp_path / "int8")]) == 0
+    assert json.loads((tmp_path / "int8" / "export.json").read_text())["held_out_samples"] == 180

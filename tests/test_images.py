@@ -232,3 +232,89 @@ def test_vit_image_size_is_checked_alike_by_train_plan_and_estimate(command, tmp
     if command != "train":  # train built it for the size asked already; plan and estimate now do
         assert main([command, "--model", "vit-b16", "--image-size", "160", *_SIZE_ARGS[command]]) == 0
         assert json.loads(capsys.readouterr().out)
+
+
+def _wide_grey(mode, value):
+    """A 6 x 6 PIL image of one ``value`` in a wide grey ``mode`` (16-bit integer, 32-bit integer or float)."""
+    from PIL import Image
+
+    if mode == "F":
+        return Image.fromarray(np.full((6, 6), value, np.float32))
+    if mode == "I":
+        return Image.fromarray(np.full((6, 6), value, np.int32))
+    dtype = {"I;16": "<u2", "I;16L": "<u2", "I;16B": ">u2"}[mode]
+    return Image.frombytes(mode, (6, 6), np.full((6, 6), value, dtype).tobytes())
+
+
+@pytest.mark.parametrize("mode,dark,bright", [("I;16", 10000, 50000), ("I;16L", 10000, 50000),
+                                              ("I;16B", 10000, 50000), ("I", 10000, 50000), ("F", 0.15, 0.75)])
+def test_16_bit_and_float_grey_images_keep_their_levels(mode, dark, bright, tmp_path):
+    """16-bit (and 32-bit integer, and float) grey images went through PIL's ``convert("L")``, which
+    clips: every pixel became 255 and a dark class could not be told from a bright one. They are
+    scaled to 0-255 from their own range (16-bit: / 257; float: x 255)."""
+    root = tmp_path / "wide"
+    for cls, value in (("dark", dark), ("bright", bright)):
+        (root / cls).mkdir(parents=True)
+        for n in range(3):
+            _wide_grey(mode, value).save(root / cls / f"{n}.{'png' if mode == 'I;16' else 'tif'}")
+    from PIL import Image
+
+    with Image.open(next((root / "dark").iterdir())) as im:  # the file really is a wide grey image
+        assert im.mode in ("I;16", "I;16L", "I;16B", "I", "F"), im.mode
+    data = load_image_classification(str(root))
+    samples = ImageSamples(data, 6, 1)
+    means = {data.label_names[int(y)]: float(x.mean()) for x, y in (samples[i] for i in range(len(data)))}
+    expect = {"dark": dark / 65535 if mode != "F" else dark, "bright": bright / 65535 if mode != "F" else bright}
+    for cls, level in expect.items():  # pixel_values is (x / 255 - 0.5) / 0.5
+        assert means[cls] == pytest.approx(2 * level - 1, abs=0.01), (cls, means)
+
+
+def test_float_image_outside_0_1_is_refused_before_any_work(models, tmp_path, capsys):
+    root = tmp_path / "float"
+    for cls, value in (("a", 0.2), ("b", 0.6)):
+        (root / cls).mkdir(parents=True)
+        for n in range(12):  # enough rows to train on
+            _wide_grey("F", value).save(root / cls / f"{n}.tif")
+    _wide_grey("F", 200.0).save(root / "b" / "3.tif")
+    _bad(["--data", str(root), "--model", str(models / "resnet")], tmp_path, capsys,
+         "3.tif: a float image with values outside [0, 1]")
+
+
+def test_jsonl_list_with_integer_label_0_keeps_those_rows(image_folder, tmp_path):
+    """``str(0 or "")`` made every JSONL row of label 0 (a JSON number) blank: those rows were dropped,
+    leaving one class. Only a missing, null or empty value is blank."""
+    rows = [{"path": str(p), "label": int(p.parent.name == "1")} for p in sorted(image_folder.rglob("*.png"))
+            if p.parent.name in ("0", "1")]
+    rows.append({"path": str(rows[0]["path"]), "label": None})  # blank: skipped
+    rows.append({"path": "", "label": 1})  # blank: skipped
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_image_classification(str(tmp_path / "l.jsonl"))
+    assert data.label_names == ["0", "1"] and len(data) == 24 and data.skipped_blank == 2
+    assert sorted(data.labels) == [0] * 12 + [1] * 12
+
+
+def test_truncated_jpeg_is_refused_before_any_work(models, tmp_path, capsys):
+    """``Image.verify()`` does not decode JPEG data: a JPEG cut short passed the up-front check and
+    crashed training with a traceback, after the run folder was started. Every image is decoded."""
+    from PIL import Image
+
+    root, rng = tmp_path / "trunc", np.random.default_rng(0)
+    for cls in "ab":
+        (root / cls).mkdir(parents=True)
+        for n in range(12):  # enough rows to train on
+            Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(root / cls / f"{n}.jpg", quality=90)
+    whole = (root / "a" / "0.jpg").read_bytes()
+    (root / "a" / "0.jpg").write_bytes(whole[:len(whole) // 2])
+    _bad(["--data", str(root), "--model", str(models / "resnet"), "--max-steps", "2"], tmp_path, capsys,
+         "0.jpg: not a readable image")
+
+
+@pytest.mark.parametrize("option", [["--image-column", "file"], ["--label-column", "digit"]])
+@pytest.mark.parametrize("data", ["digits", "folder"])
+def test_list_column_options_with_digits_or_a_class_folder_are_refused(option, data, models, image_folder, tmp_path,
+                                                                       capsys):
+    """``--image-column`` and ``--label-column`` name columns of a CSV/JSONL list: with digits or a
+    class folder they were silently ignored."""
+    spec = "digits" if data == "digits" else str(image_folder)
+    _bad(["--data", spec, "--model", str(models / "resnet"), *option], tmp_path, capsys,
+         f"{option[0]} does not apply")

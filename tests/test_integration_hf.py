@@ -28,12 +28,12 @@ class _Rows(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.batch.items()}
 
 
-def _trainer(tmp_path, plan, steps=3, dropout=0.1, callback=None, **extra):
+def _trainer(tmp_path, plan, steps=3, dropout=0.1, callback=None, eval_dataset=None, **extra):
     model = tiny_bert(dropout=dropout)
     args = TrainingArguments(**{"output_dir": str(tmp_path / "out"), "max_steps": steps, "learning_rate": 1e-3,
                                 "logging_steps": 1, "save_strategy": "no", "report_to": [], "disable_tqdm": True,
                                 "seed": 0, **hf.training_arguments(plan), **extra})
-    return Trainer(model=model, args=args, train_dataset=_Rows(),
+    return Trainer(model=model, args=args, train_dataset=_Rows(), eval_dataset=eval_dataset,
                    callbacks=[callback or hf.TightfitCallback(plan)])
 
 
@@ -309,3 +309,49 @@ def test_callback_under_a_plain_train_says_the_trainer_scales_the_loss_by_the_ac
     assert len(cb.events) == 1 and "2 (gradient_accumulation_steps) times" in cb.events[0], cb.events
     assert "hf.train(trainer)" in cb.events[0]
 
+
+
+def test_oom_in_evaluation_is_not_redone_as_a_training_oom(tmp_path):
+    """An OOM raised by evaluation inside ``trainer.train()`` was taken for a training OOM: the training
+    micro-batch was halved again and again (retrained from checkpoints), ending in a wrong diagnosis with
+    ``trainer.args`` changed. It is refused in one line naming evaluation and its batch size; the
+    arguments and the callbacks' plan are the user's."""
+    plan = Plan("fp32", 8, 8)
+    cb = hf.TightfitCallback(plan)
+    trainer = _trainer(tmp_path, plan, steps=6, callback=cb, save_strategy="steps", save_steps=1,
+                       eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=16, eval_dataset=_Rows(16))
+    rows = []
+
+    def evaluation_oom(module, args, kwargs):  # evaluation's batch of 16 does not fit; training's 8 does
+        rows.append((module.training, args[0].shape[0] if args else kwargs["hidden_states"].shape[0]))
+        if not module.training and rows[-1][1] > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected, evaluation)")
+
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(evaluation_oom, with_kwargs=True)
+    with pytest.raises(TightfitError) as e:
+        hf.train(trainer)
+    msg = str(e.value)
+    assert "out of memory in evaluation" in msg and "per_device_eval_batch_size=16" in msg and "\n" not in msg, msg
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+    assert [r for training, r in rows if training] == [8, 8]  # two steps at the planned batch, never redone
+    assert trainer.state.global_step == 2
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (8, 1)
+    assert trainer.args.per_device_eval_batch_size == 16
+    assert cb.plan is plan and "evaluate" not in vars(trainer)  # nothing of hf.train's left on the trainer
+
+
+def test_failed_oom_redo_leaves_the_users_arguments(tmp_path):
+    """A redo that fails (out of memory down to a per-device batch of 1) leaves ``trainer.args`` and the
+    callbacks' plan as the user gave them, not at the last batch tried."""
+    plan = Plan("fp32", 4, 4)
+    cb = hf.TightfitCallback(plan)
+    trainer = _trainer(tmp_path, plan, callback=cb)
+
+    def always_oom(module, args, kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. (injected)")
+
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(always_oom, with_kwargs=True)
+    with pytest.raises(TightfitError, match="per-device batch of 1"):
+        hf.train(trainer)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 1)
+    assert trainer._train_batch_size == 4 and cb.plan is plan

@@ -75,6 +75,17 @@ def test_trainer_arguments_take_yours_and_refuse_what_the_plan_sets_otherwise(ca
     assert kw["accumulate_grad_batches"] == 4 and "12 x 4 = 48 samples (the plan's: 40)" in caplog.text
 
 
+def test_auto_accelerator_runs_a_cpu_plan_on_the_cpu():
+    """``accelerator="auto"`` was kept for a CUDA plan but refused for a CPU plan ("the plan chose
+    'cpu'"): "auto" leaves the choice to the plan, so a CPU plan runs on the CPU (``"cpu"``: Lightning's
+    own "auto" would take a GPU where one is visible). A GPU accelerator stays refused."""
+    plan = Plan("fp32", 4, 8, device="cpu")
+    assert tl.trainer_arguments(plan, accelerator="auto")["accelerator"] == "cpu"
+    assert tl.trainer_arguments(plan, accelerator="cpu")["accelerator"] == "cpu"
+    with pytest.raises(TightfitError, match="accelerator='gpu' \\(the plan chose 'cpu'\\)"):
+        tl.trainer_arguments(plan, accelerator="gpu")
+
+
 def test_real_fit_runs_the_plans_accumulation():
     module = _Classifier()
     plan = tightfit.plan(module.bert, SyntheticBatches(8).worst_case(8), effective_batch=8, device="cpu")

@@ -171,9 +171,15 @@ def _held_out(src: _Source):
         return None, task
     from .config import TrainRequest, saved_options
     from .image_train import recipe_class
+    from .images import is_image_data
 
     saved = saved_options(json.loads((src.run / "request.json").read_text()))
     fingerprint = saved.pop("data_fingerprint", None)
+    if src.kind == "image" and is_image_data(saved.get("data")):
+        # columns of a list file: ignored for digits or a folder, and a run saved before train refused
+        # them there may hold them (recipe_class refuses them now)
+        for k in ("image_column", "label_column"):
+            saved.pop(k, None)
     req = TrainRequest(**{**saved, "out": str(src.run), "progress": False})
     recipe = recipe_class(req)(req)
     recipe._load_data()  # the run's data and its fixed held-out split, as the run made them
@@ -199,9 +205,22 @@ def _held_out(src: _Source):
     return TextBatches(AutoTokenizer.from_pretrained(src.model_dir), eval_data, req.workload.seq_len), task
 
 
+def _trained_image_size(model_dir: Path) -> int | None:
+    """The image side (pixels) ``tightfit train`` recorded in the folder's preprocessing file; None
+    without one (or with one that does not say: it is only read to time the model)."""
+    from .images import PREPROCESSING_FILE
+
+    try:
+        size = json.loads((model_dir / PREPROCESSING_FILE).read_text()).get("image_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> dict:
     """``n`` held-out samples (cycled), or random inputs for a bare folder: token ids ``[n, 128]``
-    (at most the model's positions) or images at the config's ``image_size`` (224 without one)."""
+    (at most the model's positions) or images of the side the folder's preprocessing file records
+    (as trained), else the config's ``image_size``, else 224 (ResNet's config has none)."""
     if held_out is not None:
         batch = held_out.collate([i % len(held_out) for i in range(n)])
     else:
@@ -209,7 +228,8 @@ def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> di
         from .tasks import ImageClassification, SequenceClassification
 
         task = ImageClassification() if src.kind == "image" else SequenceClassification()
-        size = getattr(model.config, "image_size", 224) if src.kind == "image" else \
+        size = (_trained_image_size(src.model_dir) or getattr(model.config, "image_size", None) or 224) \
+            if src.kind == "image" else \
             min(BARE_SEQ_LEN, getattr(model.config, "max_position_embeddings", None) or BARE_SEQ_LEN)
         torch.manual_seed(0)
         batch = batch_maker(task, model.config)(n, size, device="cpu")

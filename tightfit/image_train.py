@@ -48,12 +48,14 @@ def recipe_class(req: TrainRequest) -> type[TrainRecipe]:
     """:class:`ImageTrainRecipe` for an image model, :class:`tightfit.api.TrainRecipe` otherwise.
 
     Raises:
-        TightfitError: image data (``digits`` or a folder) with a text model; an unknown model.
+        TightfitError: image data (``digits`` or a folder) with a text model; ``--image-column`` or
+            ``--label-column`` with ``digits`` or a folder; an unknown model.
     """
     model, data = _model_and_data(req)
     image = is_image_model(resolve(model))
     _refuse_options_of_the_other_kind(req, model, image)
     if image:
+        _refuse_list_columns_without_a_list(req, data)
         return ImageTrainRecipe
     if is_image_data(data):
         what = "digits, images" if data == "digits" else "a folder, read as images (one subfolder per class)"
@@ -80,6 +82,25 @@ def _refuse_options_of_the_other_kind(req: TrainRequest, model: str | None, imag
         kind, takes = ("an image model", "images") if image else ("a text model", "text")
         raise TightfitError(f"{' and '.join(given)} {'do' if len(given) > 1 else 'does'} not apply: "
                             f"{model or 'the default model'} is {kind} and takes {takes}")
+
+
+def _refuse_list_columns_without_a_list(req: TrainRequest, data: str | None) -> None:
+    """``--image-column`` and ``--label-column`` name columns of a CSV/TSV/JSONL list of images:
+    with ``digits`` or a class folder they would be ignored, so they are refused.
+
+    Raises:
+        TightfitError: such an option differs from its default and ``--data`` is not a list file.
+    """
+    from .config import WorkloadOptions
+
+    w, default = req.workload, WorkloadOptions()
+    given = [option_name(k) for k in ("image_column", "label_column") if getattr(w, k) != getattr(default, k)]
+    if given and is_image_data(data) and not req.run.resume:
+        what = "digits" if data == "digits" else "a folder of class folders"
+        raise TightfitError(f"{' and '.join(given)} {'do' if len(given) > 1 else 'does'} not apply: "
+                            f"{option_given('data', data)} is {what}, not a CSV/TSV/JSONL list of image paths and "
+                            "labels (the classes are its " + ("digits" if data == "digits" else "subfolders' names")
+                            + ")")
 
 
 def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size: int | None):

@@ -7,14 +7,17 @@
   ``digits.csv.gz`` named by ``TIGHTFIT_DIGITS``);
 - a folder with one subfolder per class, each holding that class's images (PNG, JPEG, BMP, GIF,
   WebP, TIFF; nested folders included);
-- a CSV/TSV file with a column of image paths (``--image-column``, default ``path``; relative to
-  the file's folder) and a column of labels (``--label-column``).
+- a CSV/TSV/JSONL file with a column of image paths (``--image-column``, default ``path``; relative
+  to the file's folder) and a column of labels (``--label-column``); these two options apply to
+  such a list only (given with ``digits`` or a folder they are refused).
 
-Every image is opened and checked here, before any model is built or anything written, so that an
-unreadable file stops the run with one line. Images become ``pixel_values`` by
-:func:`pixel_values`: grey or RGB as the model's ``num_channels`` wants, resized (bilinear,
-antialiased) to ``size x size`` and scaled to ``[-1, 1]`` (mean 0.5, std 0.5 per channel); the
-same preprocessing is recorded beside a trained model (:func:`preprocessing_record`).
+Every image is opened and decoded here (:func:`_check_image`: one full decode per image), before
+any model is built or anything written, so that an unreadable or truncated file stops the run with
+one line. Grey images of 16 bits (or float, in [0, 1]) are scaled to 0-255 (:func:`load_image`).
+Images become ``pixel_values`` by :func:`pixel_values`: grey or RGB as the model's
+``num_channels`` wants, resized (bilinear, antialiased) to ``size x size`` and scaled to
+``[-1, 1]`` (mean 0.5, std 0.5 per channel); the same preprocessing is recorded beside a trained
+model (:func:`preprocessing_record`).
 """
 
 from __future__ import annotations
@@ -137,16 +140,19 @@ def load_digits() -> ImageClassificationData:
 
 
 def _check_image(path: Path) -> None:
-    """Open and verify one image file (header and data, without decoding it all).
+    """Open and decode one image file whole, as training will (:func:`load_image`), so that a file
+    cut short or corrupt stops the run here, not mid-training. ``Image.verify()`` alone does not
+    decode JPEG data: a truncated JPEG passes it. The cost is one full decode per image up front
+    (about a millisecond for a small PNG/JPEG, tens of milliseconds for a large photo: seconds for
+    thousands of images); the decoded pixels are not kept.
 
     Raises:
-        TightfitError: PIL cannot read it.
+        TightfitError: PIL cannot read or decode it; a float image with values outside [0, 1].
     """
-    from PIL import Image
-
     try:
-        with Image.open(path) as im:
-            im.verify()
+        load_image(str(path))
+    except TightfitError:
+        raise
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, OSError, ...)
         raise TightfitError(f"{path}: not a readable image ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") \
             from None
@@ -180,6 +186,22 @@ def _load_folder(root: Path) -> ImageClassificationData:
     return _finish(paths, labels, str(root))
 
 
+def _cell(path: Path, n: int, row: dict, column: str) -> str:
+    """Row ``n``'s value of ``column`` as text: "" (blank) only when missing, null (JSONL) or empty --
+    a JSONL number 0 is the label (or path) ``"0"``.
+
+    Raises:
+        TightfitError: a JSONL list or object (``str()`` would make ``"['a']"`` a class or a path).
+    """
+    value = row.get(column)
+    if value is None:
+        return ""
+    if isinstance(value, (list, dict)):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise TightfitError(f"{path}: row {n}: {column!r} is {shown}; paths and labels must be strings or numbers")
+    return str(value).strip()
+
+
 def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassificationData:
     """A CSV/TSV of image paths (relative to the file's folder) and labels."""
     rows = _read_rows(path)
@@ -194,7 +216,7 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
                                 f"{', '.join(sorted(map(str, columns)))}")
     paths, labels, blank = [], [], 0
     for n, r in enumerate(rows, 1):
-        file, label = str(r.get(image_column) or "").strip(), str(r.get(label_column) or "").strip()
+        file, label = _cell(path, n, r, image_column), _cell(path, n, r, label_column)
         if not file or not label:
             blank += 1
             continue
@@ -206,14 +228,42 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
     return _finish(paths, labels, str(path), blank)
 
 
+# PIL modes of one grey channel wider than 8 bits, and the value that becomes 255: PIL's
+# convert("L") clips them (every 16-bit level above 255 became white). "I" (32-bit integer) is
+# how Pillow before 10 opened 16-bit PNGs, so it is read as 16-bit too.
+_WIDE_GREY = {"I;16": 65535, "I;16B": 65535, "I;16L": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
+
+
 def load_image(image) -> np.ndarray:
-    """One sample's pixels: uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB; other modes converted)."""
+    """One sample's pixels: uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB; other modes converted).
+
+    Grey images wider than 8 bits are scaled to 0-255 from their own range, rounded: 16-bit
+    integers (PIL modes ``I;16``, ``I;16B``, ``I;16L``, and ``I``) as ``v / 257`` (65535 -> 255);
+    float images (``F``) as ``v * 255``, for values in [0, 1] only.
+
+    Raises:
+        TightfitError: a float image with a value outside [0, 1] (or not a number), or a 32-bit
+            integer image with a value outside 0-65535: no one scale is right for them.
+        Exception: whatever PIL raises for a file it cannot open or decode (:func:`_check_image`
+            turns it into a TightfitError before any work).
+    """
     if not isinstance(image, str):
         return image
     from PIL import Image
 
     with Image.open(image) as im:
-        return np.array(im.convert("L" if im.mode in ("1", "L", "I", "I;16", "F") else "RGB"))
+        top = _WIDE_GREY.get(im.mode)
+        if top is None:
+            return np.array(im.convert("L" if im.mode in ("1", "L") else "RGB"))
+        x = np.asarray(im).astype(np.float64)  # any byte order (I;16B) to native
+    if x.ndim != 2:
+        raise TightfitError(f"{image}: a {im.mode} image of shape {x.shape}: expected one grey channel")
+    if not (np.isfinite(x).all() and x.min(initial=0) >= 0 and x.max(initial=0) <= top):
+        what = "a float image with values outside [0, 1]" if im.mode == "F" else \
+            "a 32-bit integer image with values outside 0-65535"
+        raise TightfitError(f"{image}: {what} (min {x.min():g}, max {x.max():g}); tightfit reads float images as "
+                            "0-1 and integer ones as 16-bit: convert it to 8- or 16-bit")
+    return np.rint(x * (255 / top)).astype(np.uint8)
 
 
 def pixel_values(image: np.ndarray, size: int, channels: int) -> torch.Tensor:

@@ -26,6 +26,8 @@ What each part does, and what the Trainer leaves out of reach:
   optimizer step had been taken (the weights are untouched; the RNG states are restored), else
   from the newest checkpoint in ``output_dir`` (the Trainer restores weights, optimizer, schedule,
   RNG and data position); with no checkpoint to go back to, it stops with a message saying so.
+  An OOM raised by evaluation during ``trainer.train()`` is not redone (a smaller training
+  micro-batch would not help it): it is refused naming ``per_device_eval_batch_size``.
   The Trainer's own ``auto_find_batch_size`` also restarts after an OOM, but shrinks the
   per-device batch at the same accumulation -- a smaller effective batch -- and restarts from
   step 0 with the weights the failed attempt had already updated; :func:`training_arguments`
@@ -348,6 +350,41 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
 _ADDED_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "gpu_temp_c", "gpu_power_w")
 
 
+def _watch_evaluation(trainer):
+    """Record an exception that leaves ``trainer.evaluate`` or ``trainer.predict`` (the Trainer's
+    evaluation during ``train()`` goes through ``evaluate``), by wrapping them on this instance: an
+    OOM there is evaluation's, not the training step's.
+
+    Returns:
+        ``(failed, undo)``: the list the exceptions are appended to, and a function that removes
+        the wrappers (leaving any instance attribute of the user's as it was).
+    """
+    failed: list[BaseException] = []
+    missing = object()
+    saved = {}
+    for name in ("evaluate", "predict"):
+        saved[name] = vars(trainer).get(name, missing)
+        method = getattr(trainer, name)
+
+        def watched(*a, _method=method, **k):
+            try:
+                return _method(*a, **k)
+            except Exception as e:
+                failed.append(e)
+                raise
+
+        setattr(trainer, name, watched)
+
+    def undo():
+        for name, own in saved.items():
+            if own is missing:
+                vars(trainer).pop(name, None)
+            else:
+                setattr(trainer, name, own)
+
+    return failed, undo
+
+
 def train(trainer, **train_kwargs):
     """``trainer.train(**train_kwargs)`` with tightfit's OOM policy (see the module doc): after an
     out-of-memory error, train again at a smaller micro-batch with the same effective batch
@@ -364,9 +401,15 @@ def train(trainer, **train_kwargs):
         trained after that checkpoint only (the steps before it are in the checkpoint's
         ``trainer_state.json`` log history); a warning says so.
 
+    Only an OOM of training is redone: one raised by evaluation inside ``trainer.train()`` (the
+    Trainer's ``evaluate``) is refused as evaluation's -- a smaller training micro-batch would not
+    help it. When no attempt finishes, ``trainer.args``' batch and accumulation and the callbacks'
+    ``plan`` are left as they were before the call, not at the last redo's.
+
     Raises:
         TightfitError: out of memory at a per-device batch of 1, or after an optimizer step with no
-            checkpoint to go back to.
+            checkpoint to go back to; out of memory in evaluation (naming
+            ``per_device_eval_batch_size``; the OOM is its ``__cause__``).
         NonFiniteTrainingError: a :class:`TightfitCallback` stopped training on non-finite steps.
         Anything else ``trainer.train`` raises, unchanged.
     """
@@ -378,18 +421,30 @@ def train(trainer, **train_kwargs):
 
     args = trainer.args
     ours = [c for c in trainer.callback_handler.callbacks if isinstance(c, TightfitCallback)]
+    # the user's, put back if no attempt finishes (a redo's smaller batch is no use to a failed run)
+    users = (args.per_device_train_batch_size, args.gradient_accumulation_steps, vars(trainer).get("_train_batch_size"),
+             [(c, c.plan, c._redone_at) for c in ours])
     scale_loss_as_one_batch(trainer)  # before the first attempt: the redo keeps it
     for c in ours:
         c._in_train = True
-    rng, redone_from = capture_rng(), None
+    rng, redone_from, finished = capture_rng(), None, False
+    evaluation_failed, unwrap = _watch_evaluation(trainer)
     try:
         while True:
+            evaluation_failed.clear()
             try:
                 output = trainer.train(**train_kwargs)
+                finished = True
                 break
             except Exception as e:  # only OOMs are handled; anything else propagates unchanged
                 if not is_oom(e):
                     raise
+                if evaluation_failed:  # a smaller training micro-batch would not help it
+                    raise TightfitError(
+                        f"out of memory in evaluation (inside trainer.train(), after step "
+                        f"{trainer.state.global_step}) with per_device_eval_batch_size="
+                        f"{args.per_device_eval_batch_size}: lower per_device_eval_batch_size (the plan sizes the "
+                        f"training micro-batch only; an OOM in evaluation is not redone)") from e
                 where = type(e).__name__
             step = trainer.state.global_step
             mb, acc = args.per_device_train_batch_size, args.gradient_accumulation_steps
@@ -418,8 +473,15 @@ def train(trainer, **train_kwargs):
                         f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} (same effective "
                         f"batch) " + (f"from {train_kwargs['resume_from_checkpoint']}" if step else "from the start"))
     finally:
+        unwrap()
         for c in ours:
             c._in_train = False
+        if not finished:
+            args.per_device_train_batch_size, args.gradient_accumulation_steps = users[0], users[1]
+            if users[2] is not None:
+                trainer._train_batch_size = users[2]
+            for c, plan, redone_at in users[3]:
+                c.plan, c._redone_at = plan, redone_at
     stopped = [c.stop_reason for c in ours if c.stop_reason]
     if stopped:
         raise NonFiniteTrainingError(stopped[0], trainer.state.global_step)

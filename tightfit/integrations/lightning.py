@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
 
 
-# accelerators that run a plan made for each device ("auto" finds the GPU the plan was made on)
-_ACCELERATORS = {"cuda": ("gpu", "cuda", "auto"), "cpu": ("cpu",)}
+# accelerators that run a plan made for each device ("auto" finds the GPU the plan was made on;
+# for a CPU plan it becomes "cpu": Lightning's "auto" would take a GPU wherever one is visible)
+_ACCELERATORS = {"cuda": ("gpu", "cuda", "auto"), "cpu": ("cpu", "auto")}
 
 
 def _unified_precision(value):
@@ -75,11 +76,13 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
 
     The plan sets ``accumulate_grad_batches`` (its accumulation steps), ``precision`` (autocast;
     fp16 with dynamic loss scaling) and ``accelerator`` (``"gpu"`` or ``"cpu"``; yours is kept when
-    it runs the plan's device). Everything else is yours or Lightning's: ``devices``, gradient
-    clipping (``gradient_clip_val``; none unless you give it). The loader's ``batch_size`` is the
-    plan's micro-batch (``plan.micro_batch``). Lightning's effective batch is micro-batch x
-    accumulation steps, which is the plan's unless its last micro-batch is short (e.g. 40 samples
-    as 12+12+12+4: Lightning runs 12 x 4 = 48); a note is logged then.
+    it runs the plan's device; ``"auto"`` is kept for a CUDA plan and becomes ``"cpu"`` for a CPU
+    plan, where Lightning's own choice would be a visible GPU the plan was not made for).
+    Everything else is yours or Lightning's: ``devices``, gradient clipping (``gradient_clip_val``;
+    none unless you give it). The loader's ``batch_size`` is the plan's micro-batch
+    (``plan.micro_batch``). Lightning's effective batch is micro-batch x accumulation steps, which
+    is the plan's unless its last micro-batch is short (e.g. 40 samples as 12+12+12+4: Lightning
+    runs 12 x 4 = 48); a note is logged then.
 
     Args:
         plan: from :func:`tightfit.plan`.
@@ -102,7 +105,8 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
         conflicts.append(f"precision={yours['precision']!r} (the plan chose {planned['precision']!r})")
     if "accelerator" in yours:
         if str(yours["accelerator"]) in _ACCELERATORS[plan.device]:
-            planned["accelerator"] = yours["accelerator"]
+            if not (plan.device == "cpu" and yours["accelerator"] == "auto"):  # auto: the plan's CPU (above)
+                planned["accelerator"] = yours["accelerator"]
         else:
             conflicts.append(f"accelerator={yours['accelerator']!r} (the plan chose {planned['accelerator']!r})")
     if conflicts:
