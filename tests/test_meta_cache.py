@@ -97,3 +97,79 @@ def test_the_autocast_argument_walk_casts_what_torchs_pytree_casts():
         want, got = tree_map(cast, (args, kwargs)), _map_args(cast, args, kwargs)
         assert str(tree_map(lambda x: (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else x, got)) == \
             str(tree_map(lambda x: (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else x, want))
+
+
+def _layouts(out):
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [(tuple(t.shape), t.stride(), t.dtype, t.storage_offset()) if isinstance(t, torch.Tensor) else t
+            for t in outs]
+
+
+def test_calls_that_differ_in_one_argument_get_their_own_layouts(cache_state):
+    """The key tells apart every argument a fresh op's layouts depend on: each pair differs in one
+    thing only (dtype, strides, shape, a scalar's type, a list item, a keyword,
+    the number of arguments, the default dtype), and the second call of each pair must get what
+    its own kernel gives, not the first call's layouts."""
+    aten = torch.ops.aten
+    a, b = torch.empty(4, 8, device="meta"), torch.empty(4, 5, 6, device="meta")
+    pairs = [
+        (aten.add.Tensor, (a, a), {}, (a.to(torch.bfloat16), a.to(torch.bfloat16)), {}),  # dtype
+        (aten.add.Tensor, (a, a), {}, (torch.empty(8, 4, device="meta").t(), a), {}),  # strides
+        (aten.mm.default, (a, a.t()), {}, (a[:2], a.t()), {}),  # shape
+        (aten.add.Tensor, (a.to(torch.int32), 1), {}, (a.to(torch.int32), 1.0), {}),  # 1 against 1.0
+        (aten.add.Tensor, (a.to(torch.int32), 1), {}, (a.to(torch.int32), True), {}),  # 1 against True
+        (aten.sum.dim_IntList, (a, [0]), {}, (a, [1]), {}),  # a list item
+        (aten.sum.dim_IntList, (a, [1]), {}, (a, [1], True), {}),  # one more argument
+        (aten.sum.dim_IntList, (a, [1]), {"dtype": torch.float64}, (a, [1]), {"dtype": torch.float16}),
+        (aten.sum.dim_IntList, (a, [1]), {"keepdim": True}, (a, [1]), {}),  # a keyword
+        (aten.zeros.default, ([2, 3],), {"device": "meta"}, ([3, 2],), {"device": "meta"}),
+        (aten.diagonal_copy.default, (b,), {"offset": 2}, (b,), {"dim2": 2}),  # a keyword's name
+        (aten.native_layer_norm.default, (a, [8], None, None, 1e-5), {},
+         (a, [8], torch.empty(8, device="meta"), None, 1e-5), {}),  # None against a tensor
+    ]
+    for op, args1, kw1, args2, kw2 in pairs:
+        meta_cache.clear()
+        want = _layouts(op(*args2, **kw2))  # the kernel's own answer
+        meta_cache.call(op, args1, kw1)  # stored first
+        assert _layouts(meta_cache.call(op, args2, kw2)) == want, (op, args1, args2)
+    meta_cache.clear()  # the default dtype: a factory call without a dtype; an integer tensor plus a float
+    i = a.to(torch.int32)
+    meta_cache.call(aten.zeros.default, ([2],), {"device": "meta"})
+    meta_cache.call(aten.add.Tensor, (i, 0.5), {})
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert meta_cache.call(aten.zeros.default, ([2],), {"device": "meta"}).dtype == torch.float64
+        assert meta_cache.call(aten.add.Tensor, (i, 0.5), {}).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_in_place_ops_are_skipped_only_where_they_change_nothing(cache_state):
+    """An in-place op on meta tensors returns its first argument unchanged: repeated, it is
+    answered with that argument. One that changes its argument's layout (resize_, an in-place
+    view op) runs its kernel every time; so does an in-place op whose arguments differ."""
+    x, s = torch.empty(64, 64, device="meta"), torch.empty((), device="meta")
+    with AllocationTracker() as tracker:
+        tracker.track(x)
+        hits = meta_cache.stats["hits"]
+        for _ in range(3):
+            assert x.mul_(s) is x and x.add_(x, alpha=2) is x and x.shape == (64, 64)
+        assert meta_cache.stats["hits"] >= hits + 4  # the second and third of each
+        y = torch.empty(4, 4, device="meta")
+        for n in (4, 8, 8, 4):
+            assert y.resize_(n, n).shape == (n, n)  # layout changed: never skipped
+        resize = torch.ops.aten._resize_output_.default  # in place, and no view op: checked on its first call
+        for n in (4, 8, 4, 8):
+            w = torch.empty(4, 4, device="meta")
+            assert meta_cache.call(resize, (w, [n, n], torch.device("meta")), {}).shape == (n, n)
+        z = torch.empty(4, 6, device="meta")
+        for _ in range(2):
+            assert z.t_().shape == (6, 4)
+            assert z.t_().shape == (4, 6)
+        with pytest.raises(RuntimeError):  # the same op whose other argument no longer broadcasts
+            x.mul_(torch.empty(3, device="meta"))
+        i = torch.empty(8, dtype=torch.int64, device="meta")
+        i.add_(1)
+        with pytest.raises(RuntimeError):  # an integer self cannot take a float result: checked again
+            i.add_(1.5)
+        assert x._version > 0  # autograd's version counter still moves (above this level)

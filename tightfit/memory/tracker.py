@@ -26,6 +26,7 @@ from .scratch import (DEFAULT_SM_COUNT, DEFAULT_THREADS_PER_SM, SCRATCH_OPS,  # 
                       reduction_staging_bytes)
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+_SCRATCH_IDS = frozenset(id(op) for op in SCRATCH_OPS)  # an OpOverload's hash is a Python call
 
 
 class _StorageRef(weakref.ref):
@@ -62,6 +63,12 @@ class AllocationTracker(Ledger, TorchDispatchMode):
         window_peak: the most allocated bytes since :meth:`~.ledger.Ledger.restart_window`.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # False: torch wraps a mode's __torch_dispatch__ in a dynamo-disabling frame (for
+        # torch.compile inside a mode) at ~10 us an op, a tenth of a trace; a meta trace compiles nothing
+        return False
+
     def __init__(self, allocator=None, shadows=(), device=None, log: list | None = None):
         TorchDispatchMode.__init__(self)
         Ledger.__init__(self, allocator, shadows, device, log)
@@ -70,10 +77,14 @@ class AllocationTracker(Ledger, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = meta_cache.call(func, args, kwargs)  # a repeated op's layouts without its meta kernel
-        for t in _leaves(out):
-            if isinstance(t, torch.Tensor) and t.is_meta:  # is_meta: a tenth of device.type's cost
-                self.track(t)
-        if func not in SCRATCH_OPS:  # most ops: no kernel scratch (skips two calls per op)
+        if type(out) is torch.Tensor:  # most ops: one tensor (no walk over the outputs)
+            if out.is_meta:
+                self.track(out)
+        else:
+            for t in _leaves(out):
+                if isinstance(t, torch.Tensor) and t.is_meta:  # is_meta: a tenth of device.type's cost
+                    self.track(t)
+        if id(func) not in _SCRATCH_IDS:  # most ops: no kernel scratch (skips two calls per op)
             return out
         conv, reduction = convolution_operands(func, args, out), reduction_operands(func, args)
         if conv or reduction:  # held by the kernel beside its outputs, freed (to the cache) when it returns
@@ -84,12 +95,15 @@ class AllocationTracker(Ledger, TorchDispatchMode):
         """Account ``t``'s storage once (no-op if already live or empty)."""
         st = t.untyped_storage()
         key = id(st)
-        if key in self._storages or st.nbytes() == 0:
+        if key in self._storages:
+            return
+        nbytes = st.nbytes()
+        if nbytes == 0:
             return
         ref = _StorageRef(st, self._storage_died)
         ref.key = key
         # the reference lives in the entry: the storage's death frees its blocks, as long as it is tracked
-        self._storages[key] = [self.malloc(st.nbytes(), label or self.label), ref]
+        self._storages[key] = [self.malloc(nbytes, label or self.label), ref]
 
     def relabel(self, t: torch.Tensor, label: str, only_from: tuple[str, ...] | None = None) -> None:
         """Give ``t``'s live storage the component ``label``."""
