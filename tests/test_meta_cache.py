@@ -173,3 +173,17 @@ def test_in_place_ops_are_skipped_only_where_they_change_nothing(cache_state):
         with pytest.raises(RuntimeError):  # an integer self cannot take a float result: checked again
             i.add_(1.5)
         assert x._version > 0  # autograd's version counter still moves (above this level)
+
+
+def test_in_place_ops_are_told_by_their_schema_where_torch_has_no_inplace_tag(monkeypatch):
+    """torch.Tag.inplace may be missing from an older supported torch: the schema alone must then
+    tell an in-place op from an in-place view op or an out= op."""
+    import tightfit.memory.meta_cache as mc
+
+    aten = torch.ops.aten
+    kinds = {}
+    for tag in (getattr(torch.Tag, "inplace", None), None):
+        monkeypatch.setattr(mc, "_INPLACE_TAG", tag)
+        kinds[tag is None] = [mc._kind(op) for op in (aten.mul_.Tensor, aten.add_.Tensor, aten.transpose_.default,
+                                                      aten.add.out, aten.add.Tensor, aten.view.default)]
+    assert kinds[True] == kinds[False] == [mc._INPLACE, mc._INPLACE, mc._PLAIN, mc._PLAIN, mc._FRESH, mc._PLAIN]

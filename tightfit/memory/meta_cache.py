@@ -34,6 +34,10 @@ _EXACT_SCALARS = frozenset((float, bool, str, type(None), torch.dtype, torch.dev
 _TENSOR, _PARAMETER, _STRIDED, _META = torch.Tensor, torch.nn.Parameter, torch.strided, torch.device("meta")
 _empty_strided, _default_dtype = torch.empty_strided, torch.get_default_dtype
 _UNCACHEABLE = object()
+# torch.Tag.inplace may be missing from an older supported torch (the suspected cause of the GPU
+# planner tests' AttributeError on torch 2.11); without it the schema alone says "writes self,
+# returns self, aliases nothing else"
+_INPLACE_TAG = getattr(torch.Tag, "inplace", None)
 _SAME_SELF = object()  # an in-place call's entry: it returns its first argument, unchanged
 _PLAIN = "plain"  # an op's kind: always run its kernel (views, out= variants, anything else)
 _FRESH, _INPLACE = "fresh", "inplace"
@@ -54,7 +58,8 @@ def _kind(func) -> str:
         return _FRESH
     tags = getattr(func, "tags", ())
     self_info = args[0].alias_info if args and args[0].name == "self" else None
-    if torch.Tag.inplace in tags and torch.Tag.inplace_view not in tags and self_info is not None and self_info.is_write and all(a.alias_info is None for a in args[1:]) \
+    if (_INPLACE_TAG is None or _INPLACE_TAG in tags) and torch.Tag.inplace_view not in tags \
+            and self_info is not None and self_info.is_write and all(a.alias_info is None for a in args[1:]) \
             and len(returns) == 1 and returns[0].alias_info is not None \
             and returns[0].alias_info.before_set == self_info.before_set:
         return _INPLACE  # writes self only, returns self (checked again on the first call)
