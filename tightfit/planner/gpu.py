@@ -210,6 +210,11 @@ def _samples_per_s(pr: ProbeResult, effective_batch: int) -> float:
                               / pr.micro_batches)
 
 
+def _error_line(e: Exception) -> str:
+    """A compiler error in one reason line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
 def _peak(pr: ProbeResult) -> str:
     return f"{format_bytes(pr.peak_reserved_bytes)} peak" if pr.peak_reserved_bytes else "out of memory"
 
@@ -558,8 +563,7 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
         uncompile_model(workload.model)
         release_memory()
         variant, steady = None, None
-        notes = [f"torch.compile failed, eager plan kept: {type(e).__name__}: "
-                 f"{(str(e).strip().splitlines() or [''])[0][:200]}"]
+        notes = [f"torch.compile failed, eager plan kept: {_error_line(e)}"]
     if compile == "on" and variant is None:
         notes.append("--compile on: no compiled micro-batch fits, so the plan runs eager")
     return CompileOutcome(variant, retiming, notes, steady)
@@ -670,7 +674,7 @@ def whole_model_variant(workload: Workload, best: Candidate, regional: CompiledV
                         timed_steps=VERIFIED_STEPS)
         failed = None
     except Exception as e:  # noqa: BLE001 - a compiler failure keeps the blocks compiled one by one
-        pr, failed = None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        pr, failed = None, _error_line(e)
         release_memory()
     seconds = time.perf_counter() - t0
     line = f"as one whole-model graph, checkpointing inside ({seconds:.0f} s incl. compilation): "
