@@ -17,7 +17,7 @@ import torch
 
 from ..devices import DeviceProfile
 from ..errors import TightfitError
-from ..levers.checkpointing import set_activation_checkpointing
+from ..levers.checkpointing import can_checkpoint, set_activation_checkpointing
 from ..levers.optimizers import hold_gradients, release, weights_in
 from ..levers.precision import autocast, check_precision, fallback_precisions, make_grad_scaler, preferred_precision
 from ..plan import Plan, accumulation_steps, balanced_micro_batch
@@ -221,6 +221,8 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
         check_precision(precision, profile)
         first, why, candidates = precision, f"{precision} (asked for)", [precision]
     ckpt_options = {"auto": [False, True], "on": [True], "off": [False]}[checkpointing]
+    if checkpointing == "auto" and not can_checkpoint(workload.model):
+        ckpt_options = [False]  # nothing to checkpoint: "nothing fits" rather than a ValueError
     tried = []
     for prec in candidates:
         for ckpt in ckpt_options:
