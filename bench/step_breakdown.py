@@ -47,6 +47,8 @@ ROWS = {
     # checkpointing inside it: one compiled call per micro-batch instead of 24 blocks x 3
     "large-plan-4GiB-model-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, "model"),
     "large-nobudget-adamw-compiled": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True, True),
+    "large-nobudget-adamw-mb256-model-compiled": ("bert-large", 128, None, "bf16", 256, 256, False, "adamw", True,
+                                                  "model"),
     "large-nobudget-ckpt-adamw": ("bert-large", 128, None, "bf16", 86, 256, True, "adamw", True, False),
     "large-nobudget-ckpt-adamw-compiled": ("bert-large", 128, None, "bf16", 86, 256, True, "adamw", True, True),
     "large-nobudget-adamw": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True, False),
