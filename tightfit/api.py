@@ -78,7 +78,11 @@ def train(req: TrainRequest) -> RunSummary:
     if finished is not None:
         return finished
     try:
-        recipe.open_run_folder()
+        try:
+            recipe.open_run_folder()
+        except BaseException:
+            recipe.remove_created()  # a run folder left half-made (e.g. request.json not written) would block --out
+            raise
         result = recipe.train()
     except KeyboardInterrupt:  # stopped at once (a second Ctrl-C, or before training began)
         recipe.interrupted()
@@ -263,8 +267,11 @@ class TrainRecipe:
         if training.max_steps and training.max_steps > steps:
             self.notes.append(f"{option_given('max_steps', training.max_steps)} is more than the {steps} optimizer steps of "
                               f"{training.epochs:g} epoch(s): training {steps} (raise {option_name('epochs')} for more)")
+        from .images import legacy_fingerprints
+
         fingerprint = f"{self.train_data.fingerprint()}:{self.eval_data.fingerprint()}"
-        if self.resume_from is not None and self.data_fingerprint not in (None, fingerprint):
+        if self.resume_from is not None and self.data_fingerprint not in (None, fingerprint, *legacy_fingerprints(
+                self.train_data, self.eval_data)):
             raise TightfitError(f"{option_given('resume', str(self.out))}: the data differ from those the run started with "
                                 f"({self.data.source}: other rows, order or labels); resume with the same data, "
                                 "or start a new run")
@@ -489,6 +496,13 @@ class TrainRecipe:
 
             log.warning(f"note: continue with: tightfit train --resume {shlex.quote(str(self.out))}"
                         + resume_processes(self.world.size))
+            return
+        self.remove_created()
+
+    def remove_created(self) -> None:
+        """Remove what this run made in its folder, files first, then the folder if the run made it
+        (nothing of a resumed run's, nothing before :meth:`open_run_folder`); the metrics file is closed first."""
+        if getattr(self, "created", None) is None:
             return
         if self.metrics is not None:
             self.metrics.close()
@@ -729,6 +743,7 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
                                   "command": saved.get("command", req.run.command)})  # the run's own command
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"{option_given('resume', str(run))}: unreadable request.json ({e})") from None
+    resumed.workload.check_columns()  # with the run's own --data, now known
     for k, (old, new) in changed.items():
         log.warning(f"note: {option_name('resume')} with {option_given(k, new)} (the run had {old})")
     try:

@@ -24,6 +24,7 @@ import contextvars
 import functools
 import math
 import numbers
+import os
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
@@ -135,6 +136,23 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def plain_value(value: Any) -> Any:
+    """``value`` as the plain Python type ``request.json`` and the messages take: a path object
+    (``os.PathLike``, e.g. ``pathlib.Path``) as its ``str``; a NumPy (or other non-builtin) integer
+    as ``int`` and real number as ``float`` (``np.int64(8)`` -> ``8``); ``bool``, ``None`` and
+    everything else unchanged (the checks then judge it)."""
+    if isinstance(value, os.PathLike):
+        path = os.fspath(value)
+        return path if isinstance(path, str) else value
+    if value is None or isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def check_value(f: Field, value: Any, hint: Any = None, called: str | None = None) -> None:
     """Check one option's value against its field's type ``hint`` (numeric options: a whole
     number for ``int``, any real number for ``float``, None only where the hint allows it; a
@@ -180,12 +198,17 @@ def check_option(group: type, name: str, value: Any, called: str | None = None) 
 
 @dataclass(frozen=True)
 class _Options:
-    """Base of the option groups: checks every field on construction."""
+    """Base of the option groups: makes every field a plain value (:func:`plain_value`) and checks
+    it on construction."""
 
     def __post_init__(self):
         hints = _hints(type(self))
         for f in fields(self):
-            check_value(f, getattr(self, f.name), hints[f.name])
+            value = getattr(self, f.name)
+            plain = plain_value(value)
+            if plain is not value:
+                object.__setattr__(self, f.name, plain)  # frozen: set once, here
+            check_value(f, plain, hints[f.name])
         self._check_together()
 
     def _check_together(self) -> None:
@@ -332,13 +355,24 @@ class WorkloadOptions(_Options):
 
     def _check_together(self) -> None:
         """``--model`` and ``--data``, when given, are not empty (``""`` would silently become the
-        shipped model or data); columns are named only for a data file."""
+        shipped model or data). (That columns are named only for a data file is checked by
+        :meth:`check_columns`, once a resumed run's own ``--data`` is known.)"""
         for name, value, what, default in (
                 ("model", self.model, "a model name or folder", "the shipped all-MiniLM-L6-v2"),
                 ("data", self.data, "the data file", "the shipped Rotten Tomatoes reviews")):
             if value is not None and not str(value).strip():
                 flag = self._name(name)
                 raise TightfitError(f"{flag} is empty: give {what}, or leave {flag} out for {default}")
+
+    def check_columns(self) -> None:
+        """Columns are named only for a ``--data`` file: :class:`TrainRequest` checks this for a new
+        run, ``--resume`` after taking the run's own options from its ``request.json`` (the run's
+        ``--data``, not given again, is the file they name).
+
+        Raises:
+            TightfitError: ``--text-column``, ``--label-column`` or ``--image-column`` other than
+                the default without ``--data``.
+        """
         if not self.data and (self.text_column, self.label_column, self.image_column) != ("text", "label", "path"):
             raise TightfitError(f"{self._name('text_column')}, {self._name('label_column')} and "
                                 f"{self._name('image_column')} name columns of a {self._name('data')} file; "
@@ -506,7 +540,8 @@ class TrainRequest:
 
     Made from flat keywords, as on the command line (``TrainRequest(model="m", batch_size=16,
     warn_temp=80)``), or from whole groups (``TrainRequest(training=TrainOptions(lr=1e-4))``),
-    or both (flat keywords then change the given groups). Unknown keywords raise ``TypeError``,
+    or both (flat keywords then change the given groups). Path objects and NumPy numbers are taken
+    as ``str``, ``int`` and ``float`` (:func:`plain_value`). Unknown keywords raise ``TypeError``,
     bad values :class:`TightfitError` naming the keyword (``batch_size must be >= 1``; made by
     :meth:`from_args`, the flag: ``--batch-size must be >= 1``).
 
@@ -543,6 +578,8 @@ class TrainRequest:
             group = groups.get(attr)
             group = cls(**flat[attr]) if group is None else replace(group, **flat[attr])
             object.__setattr__(self, attr, group)
+        if self.run.resume is None:  # a resumed run's --data comes from its request.json: checked there
+            self.workload.check_columns()
 
     def to_flat(self) -> dict[str, Any]:
         """``{option: value}`` with the flat names (the keywords of the constructor)."""

@@ -171,7 +171,7 @@ def _held_out(src: _Source):
         return None, task
     from .config import TrainRequest, saved_options
     from .image_train import recipe_class
-    from .images import is_image_data
+    from .images import is_image_data, legacy_fingerprints
 
     saved = saved_options(json.loads((src.run / "request.json").read_text()))
     fingerprint = saved.pop("data_fingerprint", None)
@@ -186,7 +186,9 @@ def _held_out(src: _Source):
     recipe._split_data()
     eval_data = recipe.eval_data
     # the held-out half of "<train>:<held-out>" (as --resume checks both): what export measures on
-    if fingerprint is not None and recipe.eval_data.fingerprint() != fingerprint.rpartition(":")[2]:
+    held_out = fingerprint.rpartition(":")[2] if fingerprint is not None else None
+    if held_out is not None and held_out not in (recipe.eval_data.fingerprint(),
+                                                 *legacy_fingerprints(eval_data)):
         raise TightfitError(f"export {src.run}: the data differ from those the run trained on "
                             f"({recipe.data.source}: other rows, order or labels), so its held-out samples "
                             "cannot be rebuilt; put the run's data back, or export the model folder "
@@ -265,13 +267,56 @@ def _accuracy(model, task, held_out) -> float | None:
         return evaluate_batches(task, model, batches)["accuracy"]
 
 
+def _weights_record(path: Path) -> dict:
+    """What :func:`export_int8` records of the weights file in ``export.json``: ``{"file", "bytes",
+    "sha256"}``."""
+    from .runtime.checkpoint import sha256_file
+
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _check_weights(folder: Path) -> None:
+    """Check ``folder``'s weights file against ``export.json``: its size and SHA-256 (exports
+    before the hash was recorded: the size of the int8 model there only; no ``export.json``:
+    nothing to check against).
+
+    Raises:
+        TightfitError: ``export.json`` unreadable; the weights file's size or hash differ (naming
+            the file: truncated, or changed since the export).
+    """
+    record_file, weights = folder / "export.json", folder / WEIGHTS_FILE
+    if not record_file.is_file():
+        return
+    try:
+        record = json.loads(record_file.read_text())
+        expected = record.get("weights") or {"bytes": record["int8"]["size_bytes"]}
+        size, digest = int(expected["bytes"]), expected.get("sha256")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise TightfitError(f"{record_file}: unreadable ({type(e).__name__}: {e}); it records the size and "
+                            f"SHA-256 of {WEIGHTS_FILE}") from None
+    actual = weights.stat().st_size
+    if actual != size:
+        raise TightfitError(f"{weights}: {actual:,} bytes, but the export wrote {size:,} (export.json): the file is "
+                            f"truncated or changed; export again")
+    if digest is not None:
+        from .runtime.checkpoint import sha256_file
+
+        if sha256_file(weights) != digest:
+            raise TightfitError(f"{weights}: SHA-256 differs from the one the export recorded (export.json): the "
+                                f"file is corrupt or changed; export again")
+
+
 def load_int8(folder: str | Path) -> torch.nn.Module:
     """The int8 model saved by :func:`export_int8`: the architecture of ``folder/config.json``,
     quantized as at export, with the weights of ``model_int8.pt`` read by
-    ``torch.load(weights_only=True)``; in eval mode, on the CPU.
+    ``torch.load(weights_only=True)``; in eval mode, on the CPU. The weights file is first checked
+    against the size and SHA-256 that ``export.json`` records (an export made before the hash was
+    recorded: against its size only).
 
     Raises:
-        TightfitError: not an export folder, or weights that do not match the config.
+        TightfitError: not an export folder; a weights file whose size or SHA-256 differ from
+            ``export.json``'s, or that ``torch.load`` cannot read (truncated, corrupt), naming it;
+            weights that do not match the config.
     """
     from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification
 
@@ -284,9 +329,14 @@ def load_int8(folder: str | Path) -> torch.nn.Module:
     config = AutoConfig.from_pretrained(folder)
     cls = AutoModelForImageClassification if _task_of_config(config).kind == "image" else \
         AutoModelForSequenceClassification
+    _check_weights(folder)
     model = quantize(cls.from_config(config))
     with _quiet_quantization():
-        state = torch.load(folder / WEIGHTS_FILE, weights_only=True, map_location="cpu")
+        try:
+            state = torch.load(folder / WEIGHTS_FILE, weights_only=True, map_location="cpu")
+        except Exception as e:  # a file cut short or corrupt: OSError, RuntimeError, UnpicklingError, ...
+            raise TightfitError(f"{folder / WEIGHTS_FILE}: cannot be read ({type(e).__name__}: "
+                                f"{(str(e).splitlines() or [''])[0]}); export again") from None
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
@@ -338,6 +388,7 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
                 (folder / f.name).write_bytes(f.read_bytes())
         with _quiet_quantization():
             torch.save(int8.state_dict(), folder / WEIGHTS_FILE)
+        result["weights"] = _weights_record(folder / WEIGHTS_FILE)  # export.json's: load_int8 checks the file
         # accuracy after the weights are written: the int8 figure is that of the model read back;
         # the report too is written before the folder is renamed into place, so that an
         # interrupted export leaves no --out at all (a half-written one blocked the re-run)

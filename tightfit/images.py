@@ -54,6 +54,8 @@ class ImageClassificationData:
         label_names: class names, index = label id.
         source: where the data came from (for reports).
         skipped_blank: rows of a CSV dropped for a blank path or label.
+        root: the folder image paths are taken relative to in :meth:`fingerprint` (the class
+            folders' folder, or a CSV's folder); None for pixels in memory (digits).
     """
 
     images: list
@@ -61,6 +63,7 @@ class ImageClassificationData:
     label_names: list[str]
     source: str
     skipped_blank: int = 0
+    root: str | None = None
 
     def __len__(self) -> int:
         return len(self.images)
@@ -68,16 +71,25 @@ class ImageClassificationData:
     def subset(self, indices) -> "ImageClassificationData":
         idx = list(indices)
         return ImageClassificationData([self.images[i] for i in idx], [self.labels[i] for i in idx],
-                                       self.label_names, self.source)
+                                       self.label_names, self.source, root=self.root)
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, legacy: bool = False) -> str:
         """SHA-256 (hex) of the class names, labels and images (pixels, or paths and file sizes), in
-        order: a resumed run checks that it continues on the samples it started with."""
+        order: a resumed run checks that it continues on the samples it started with. A path is
+        taken relative to :attr:`root` (one outside it, such as an absolute path in a CSV, as
+        written), so that ``--data`` given relative, absolute or through a symlink gives one
+        fingerprint.
+
+        Args:
+            legacy: the form runs recorded before (paths as loaded, not relative to the root), to
+                accept their fingerprint when they are resumed or exported.
+        """
         h = hashlib.sha256(repr(self.label_names).encode())
         for image, label in zip(self.images, self.labels):
             h.update(f"{label}\t".encode())
             if isinstance(image, str):
-                h.update(f"{image}\t{os.path.getsize(image)}\n".encode())
+                name = image if legacy else _under(image, self.root)
+                h.update(f"{name}\t{os.path.getsize(image)}\n".encode())
             else:
                 h.update(np.ascontiguousarray(image).tobytes())
         return h.hexdigest()
@@ -85,6 +97,27 @@ class ImageClassificationData:
     def majority_fraction(self) -> float:
         """Share of the most frequent class (the accuracy of always guessing it)."""
         return majority_fraction(self.labels, len(self.label_names))
+
+
+def _under(path: str, root: str | None) -> str:
+    """``path`` relative to ``root`` (normalised, "/"-separated) when it lies under it as written, else as written."""
+    if root is None:
+        return path
+    try:
+        if os.path.commonpath([path, root]) != os.path.normpath(root):
+            return path
+    except ValueError:  # one absolute, one relative (or other drives)
+        return path
+    return Path(os.path.relpath(path, root)).as_posix()
+
+
+def legacy_fingerprints(*parts) -> list[str]:
+    """The fingerprint runs recorded before paths were taken relative to the data root, of ``parts``
+    (e.g. the training and the held-out split) joined by ":" as the run records them: a list of one
+    for image data of files, else empty (text data and digits did not change)."""
+    if not parts or not all(isinstance(p, ImageClassificationData) and p.root is not None for p in parts):
+        return []
+    return [":".join(p.fingerprint(legacy=True) for p in parts)]
 
 
 def is_image_data(spec: str | None) -> bool:
@@ -158,8 +191,10 @@ def _check_image(path: Path) -> None:
             from None
 
 
-def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int = 0) -> ImageClassificationData:
-    """Check every image, number the classes (numerically when all are integers)."""
+def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int = 0,
+            root: str | None = None) -> ImageClassificationData:
+    """Check every image, number the classes (numerically when all are integers); ``root``: see
+    :class:`ImageClassificationData`."""
     if not paths:
         raise TightfitError(f"{source}: no images")
     names = sorted(set(raw_labels))
@@ -170,7 +205,7 @@ def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int =
     for p in paths:
         _check_image(Path(p))
     index = {n: i for i, n in enumerate(names)}
-    return ImageClassificationData(paths, [index[x] for x in raw_labels], names, source, skipped)
+    return ImageClassificationData(paths, [index[x] for x in raw_labels], names, source, skipped, root)
 
 
 def _load_folder(root: Path) -> ImageClassificationData:
@@ -183,7 +218,7 @@ def _load_folder(root: Path) -> ImageClassificationData:
         files = sorted(f for f in c.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
         paths += [str(f) for f in files]
         labels += [c.name] * len(files)
-    return _finish(paths, labels, str(root))
+    return _finish(paths, labels, str(root), root=str(root))
 
 
 def _cell(path: Path, n: int, row: dict, column: str) -> str:
@@ -225,7 +260,7 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
             raise TightfitError(f"{path}: row {n}: image not found: {p}")
         paths.append(str(p))
         labels.append(label)
-    return _finish(paths, labels, str(path), blank)
+    return _finish(paths, labels, str(path), blank, root=str(path.parent))
 
 
 # PIL modes of one grey channel wider than 8 bits, and the value that becomes 255: PIL's

@@ -350,8 +350,10 @@ class TrainStep:
     the same effective batch, the RNG states and buffers (BatchNorm's running statistics, up to
     :data:`tightfit.step.BUFFER_SNAPSHOT_BYTES`) restored, so the losses, weights and buffers are those of a run
     that had used the smaller micro-batch from the start -- and the micro-batch grows back after
-    ``grow_back_after`` clean steps. The model is in train mode during the call (dropout on) and gets
-    its own mode back after.
+    ``grow_back_after`` clean steps. The model is in train mode during the call and its modules get
+    their own modes back after: a model in eval mode (as ``from_pretrained`` returns it) trains with
+    every module in train mode (dropout on); a model in train mode keeps the modes you gave its parts
+    (a backbone in eval mode keeps its BatchNorm statistics frozen, :func:`tightfit.step.training_modes`).
 
     Args:
         plan: from :func:`plan` (or any :class:`tightfit.Plan`).
@@ -431,7 +433,7 @@ class TrainStep:
         """One optimizer step on ``batch`` (a dict or tuple of tensors, samples along dim 0, on any
         device: micro-batches are copied to the plan's device one at a time). Returns a
         :class:`StepOutcome`; see the class for the errors."""
-        from .step import module_mode
+        from .step import train_mode
 
         b = _Batch(batch)
         if b.size > self.plan.effective_batch:  # one optimizer step over more samples than planned
@@ -439,7 +441,7 @@ class TrainStep:
                                 f"{self.plan.effective_batch}: give each step at most {self.plan.effective_batch} "
                                 f"samples (the loader's batch_size), or plan(effective_batch={b.size})")
         recoveries = self.oom_recoveries
-        with module_mode(self.model, True):  # dropout on, whatever mode the model was left in
+        with train_mode(self.model):  # dropout on; a train-mode model's eval-mode parts stay in eval mode
             result = self._step_with_recovery(b)
         self.steps += 1
         stepped = self._after_step(result.finite)

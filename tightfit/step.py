@@ -50,6 +50,51 @@ def module_mode(model: torch.nn.Module, training: bool):
             m.training = not training
 
 
+def _owners_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model its owner made, inside the wrappers that are made in train mode whatever the mode
+    of what they wrap: DDP's or DataParallel's ``.module``, ``torch.compile``'s ``_orig_mod``, a
+    peft model's base model."""
+    for _ in range(8):  # a few layers of wrapping at most
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        elif type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        else:
+            break
+    return model
+
+
+def training_modes(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """The mode each submodule of ``model`` trains in, as ``(module, training)`` pairs (DESIGN
+    invariant 9). A model whose root is in train mode keeps the modes its owner gave its parts
+    (a backbone put in eval mode to freeze its BatchNorm statistics stays in eval mode, as in a
+    plain PyTorch loop); a model whose root is in eval mode -- as Hugging Face's
+    ``from_pretrained`` returns it -- trains with every module in train mode (dropout on). The root
+    is the owner's model inside DDP, ``torch.compile`` or peft (:func:`_owners_model`): those
+    wrappers are made in train mode around a model in any mode.
+    """
+    if _owners_model(model).training:
+        return [(m, m.training) for m in model.modules()]
+    return [(m, True) for m in model.modules()]
+
+
+@contextlib.contextmanager
+def train_mode(model: torch.nn.Module, modes: list[tuple[torch.nn.Module, bool]] | None = None):
+    """Put the submodules of ``model`` in the modes a training step runs with -- ``modes`` (from
+    :func:`training_modes`), by default :func:`training_modes` of the model as it is now -- for
+    the ``with`` block, then give each module back the mode it had."""
+    changed = [(m, mode) for m, mode in (training_modes(model) if modes is None else modes) if m.training != mode]
+    for m, mode in changed:
+        m.training = mode
+    try:
+        yield model
+    finally:
+        for m, mode in changed:
+            m.training = not mode
+
+
 def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Mean cross-entropy of ``model`` on ``batch`` as a 0-d fp32 tensor (the estimator's loss,
     which knows no workload: for one unpadded micro-batch it equals a workload's

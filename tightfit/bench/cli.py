@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..errors import TightfitError
-from ..fileio import atomic_write_json
+from ..fileio import atomic_write_json, unwritable_folder
 
 
 def add_parser(subparsers) -> None:
@@ -35,11 +35,29 @@ def add_parser(subparsers) -> None:
     g.add_argument("folder")
 
 
+def _check_out(out: str) -> None:
+    """``--out``, a results folder (new, or one holding other results), can be written, before any work.
+
+    Raises:
+        TightfitError: empty; an existing file; a folder this process cannot create or write in
+            (tried for real: :func:`tightfit.fileio.unwritable_folder`).
+    """
+    if not str(out).strip():
+        raise TightfitError("--out is empty: give a results folder")
+    o = Path(out)
+    if o.exists() and not o.is_dir():
+        raise TightfitError(f"--out {o} is a file; give a results folder")
+    blocked = unwritable_folder(o)
+    if blocked is not None:
+        raise TightfitError(f"cannot write --out {o}: {blocked} is not a writable folder")
+
+
 def _checked_settings(args) -> list[str]:
     """The settings ``tightfit bench run`` compares, after checking the run's options.
 
     Raises:
-        TightfitError: unknown settings, too few steps, no CUDA GPU, or a CPU run of other settings.
+        TightfitError: unknown settings, a negative ``--warmup``, too few steps, an unusable
+            ``--out`` (:func:`_check_out`), no CUDA GPU, or a CPU run of other settings.
     """
     import torch
 
@@ -47,8 +65,11 @@ def _checked_settings(args) -> list[str]:
     unknown = set(settings) - {"no-budget", "compiled-no-budget", "plain", "hf", "tightfit"}
     if unknown:
         raise TightfitError(f"unknown settings: {', '.join(sorted(unknown))}")
+    if args.warmup < 0:
+        raise TightfitError(f"--warmup must be >= 0 (steps left out of samples/s), not {args.warmup}")
     if min(args.steps, args.tightfit_steps) <= args.warmup:
         raise TightfitError("--steps and --tightfit-steps must be larger than --warmup")
+    _check_out(args.out)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise TightfitError("tightfit bench run needs a CUDA GPU (--device cpu runs the HF Trainer smoke test)")
     if args.device == "cpu" and settings != ["hf"]:
@@ -65,6 +86,7 @@ def run(args) -> int:
     if args.bench_command is None:
         if not args.suite or not args.out:
             raise TightfitError("tightfit bench: give run, report, or --suite seeds --out DIR")
+        _check_out(args.out)
         from .seeds import run_seeds
 
         res = run_seeds(args.out)

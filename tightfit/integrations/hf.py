@@ -24,8 +24,10 @@ What each part does, and what the Trainer leaves out of reach:
   inside it, so :func:`train` catches it around ``trainer.train()`` and trains again with half the
   micro-batch and twice the accumulation (the same effective batch): from the start when no
   optimizer step had been taken (the weights are untouched; the RNG states are restored), else
-  from the newest checkpoint in ``output_dir`` (the Trainer restores weights, optimizer, schedule,
-  RNG and data position); with no checkpoint to go back to, it stops with a message saying so.
+  from the newest checkpoint this call wrote at or before the failed step (or the one it was asked
+  to resume from; never another run's folder left in ``output_dir``: the Trainer restores weights,
+  optimizer, schedule, RNG and data position); with no such checkpoint to go back to, it stops with
+  a message saying so.
   An OOM raised by evaluation during ``trainer.train()`` is not redone (a smaller training
   micro-batch would not help it): it is refused naming ``per_device_eval_batch_size``.
   The Trainer's own ``auto_find_batch_size`` also restarts after an OOM, but shrinks the
@@ -34,14 +36,17 @@ What each part does, and what the Trainer leaves out of reach:
   turns it off.
 
   It also keeps the gradient of micro-batch x accumulation that of one batch of the effective size
-  where the Trainer alone would not: for a model whose ``forward`` takes ``**kwargs`` the Trainer
-  assumes the loss divides by ``num_items_in_batch`` (the window's count of labels) and skips its
-  own division by the accumulation steps; a loss that ignores the count (BERT's sequence
-  classification head, among others: transformers#37766) then grows with the accumulation steps.
-  :func:`train` sets ``trainer.model_accepts_loss_kwargs = False`` for such a model (read from its
-  ``forward``'s source, see :func:`loss_uses_item_count`), so the Trainer divides by the steps
-  itself; a loss that uses the count (causal LMs) keeps the Trainer's handling. A
-  :class:`TightfitCallback` under a plain ``trainer.train()`` warns when this applies.
+  -- the mean over the window's labelled items (samples; target tokens for a causal LM), also in a
+  short last window of an epoch -- where the Trainer alone would not: for a model whose ``forward``
+  takes ``**kwargs`` the Trainer assumes the loss divides by ``num_items_in_batch`` (the window's
+  count of labels) and skips its own division by the accumulation steps; a loss that ignores the
+  count (BERT's sequence classification head, among others: transformers#37766) then grows with the
+  accumulation steps; and without ``**kwargs`` it divides each micro-batch's mean by the number of
+  micro-batches, which weighs the samples of a short last micro-batch more. :func:`train` has each
+  micro-batch's own mean loss weighed by its share of the window's items
+  (:func:`scale_loss_as_one_batch`); a loss that already divides by the count (causal LMs) keeps the
+  Trainer's handling. A :class:`TightfitCallback` under a plain ``trainer.train()`` warns when the
+  Trainer would scale a loss by the accumulation steps.
 """
 
 from __future__ import annotations
@@ -50,7 +55,9 @@ import ast
 import dataclasses
 import inspect
 import logging
+import os
 import textwrap
+from collections.abc import Mapping
 
 import torch
 
@@ -203,19 +210,101 @@ def _drops_item_count(trainer) -> bool:
     return loss_uses_item_count(model) is False
 
 
+def _label_items(trainer, batch):
+    """The labelled items of one micro-batch as the Trainer counts ``num_items_in_batch`` (labels not
+    -100; a causal LM's from the second position on, as its loss shifts them): a 0-d tensor, or None
+    when the batch has no ``labels`` tensor."""
+    labels = batch.get("shift_labels", batch.get("labels")) if isinstance(batch, Mapping) else None
+    if not torch.is_tensor(labels):
+        return None
+    if "shift_labels" not in batch:
+        shifts = getattr(trainer, "_loss_shifts_labels", None)
+        if shifts is None:  # a transformers without that attribute: the causal LM classes shift
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            from ..masks import hf_model
+
+            shifts = type(hf_model(trainer.model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        if shifts:
+            labels = labels[..., 1:]
+    return labels.ne(-100).sum()
+
+
+def _can_weigh_items(trainer) -> bool:
+    """Whether :func:`scale_loss_as_one_batch` can weigh each micro-batch's loss itself: the Trainer's
+    own ``compute_loss`` on the model's own loss (no ``compute_loss_func``, label smoother, or
+    ``loss_is_scaled_for_ga`` of yours), one process, and a Trainer with ``get_batch_samples``."""
+    args = trainer.args
+    return (type(trainer).compute_loss is transformers.Trainer.compute_loss
+            and callable(getattr(trainer, "get_batch_samples", None))
+            and getattr(trainer, "compute_loss_func", None) is None
+            and getattr(trainer, "label_smoother", None) is None
+            and getattr(trainer, "loss_is_scaled_for_ga", None) is None
+            and args.world_size == 1 and args.n_gpu <= 1)
+
+
 def scale_loss_as_one_batch(trainer) -> bool:
-    """Make ``trainer`` divide a loss that ignores ``num_items_in_batch`` by the accumulation steps
-    (``trainer.model_accepts_loss_kwargs = False``; see the module doc). :func:`train` does this.
+    """Make ``trainer``'s gradient of each accumulation window that of one batch of the window's
+    samples, however the window is split into micro-batches (see the module doc). :func:`train` does
+    this; it stays in force for the Trainer's later ``train()`` calls.
+
+    Where the model's loss does not itself divide by ``num_items_in_batch`` (:func:`loss_uses_item_count`
+    not True), each micro-batch's loss -- the model's own mean over its labelled items -- is multiplied
+    by its share of the window's labelled items (counted as the Trainer counts ``num_items_in_batch``)
+    and the Trainer's division by the accumulation steps is turned off (``loss_is_scaled_for_ga``);
+    the model is then given no count (``model_accepts_loss_kwargs = False``). A window whose batches
+    have no ``labels`` falls back to the Trainer's division by its number of micro-batches. With your
+    own ``compute_loss``, ``compute_loss_func`` or label smoothing, or several processes, the Trainer
+    only divides a loss that ignores the count by the accumulation steps (``model_accepts_loss_kwargs
+    = False``), which is exact when all micro-batches of a window hold as many items.
 
     Returns:
         Whether it changed anything.
     """
-    if not _drops_item_count(trainer):
-        return False
-    trainer.model_accepts_loss_kwargs = False
-    log.info("tightfit: %s's loss ignores num_items_in_batch: the Trainer divides it by the accumulation "
-             "steps (model_accepts_loss_kwargs=False), as one batch of the effective size",
-             type(trainer.model).__name__)
+    if getattr(trainer, "_tightfit_weighs_items", False):
+        return False  # done by an earlier call
+    model = trainer.model
+    unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+    if unwrap is not None:
+        model = unwrap(model)
+    if trainer.model_accepts_loss_kwargs and loss_uses_item_count(model) is True:
+        return False  # the model divides by the window's count itself (causal LMs): exact already
+    if not _can_weigh_items(trainer):
+        if not _drops_item_count(trainer):
+            return False
+        trainer.model_accepts_loss_kwargs = False
+        log.info("tightfit: %s's loss ignores num_items_in_batch: the Trainer divides it by the accumulation "
+                 "steps (model_accepts_loss_kwargs=False), as one batch of the effective size",
+                 type(trainer.model).__name__)
+        return True
+
+    window = {"items": None}  # the labelled items of the accumulation window being trained
+    get_batch_samples, compute_loss = trainer.get_batch_samples, trainer.compute_loss
+
+    def counted_batch_samples(epoch_iterator, num_batches, device):
+        batches, count = get_batch_samples(epoch_iterator, num_batches, device)
+        items = [_label_items(trainer, b) for b in batches]
+        window["items"] = None if not items or any(n is None for n in items) else sum(items)
+        return batches, count
+
+    def weighed_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        items = _label_items(trainer, inputs) if model.training else None  # before compute_loss takes labels
+        out = compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not model.training:  # evaluation: the loss as the model gives it
+            return out
+        loss = out[0] if return_outputs else out
+        if items is not None and window["items"] is not None:
+            loss = loss * (items.to(loss.device) / window["items"].to(loss.device))
+        else:  # no labels to count: the Trainer's own division by the window's micro-batches
+            loss = loss / trainer.current_gradient_accumulation_steps
+        return (loss, *out[1:]) if return_outputs else loss
+
+    trainer.get_batch_samples, trainer.compute_loss = counted_batch_samples, weighed_loss
+    trainer.model_accepts_loss_kwargs = False  # the model's own mean over each micro-batch, no count passed
+    trainer.loss_is_scaled_for_ga = True  # weighed above: the Trainer divides no further
+    trainer._tightfit_weighs_items = True
+    log.info("tightfit: %s's loss is weighed by each micro-batch's share of its accumulation window's labelled "
+             "items, as one batch of the window", type(trainer.model).__name__)
     return True
 
 
@@ -262,7 +351,7 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
             self._event(f"{type(model).__name__}'s forward takes **kwargs but its loss ignores num_items_in_batch: "
                         f"unless trainer.model_accepts_loss_kwargs is False, the Trainer's loss and gradients are "
                         f"{args.gradient_accumulation_steps} (gradient_accumulation_steps) times those of one batch "
-                        f"(transformers#37766); hf.train(trainer) sets it")
+                        f"(transformers#37766); hf.train(trainer) weighs each micro-batch as one batch of the window")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
             if self.health is None:
@@ -350,6 +439,29 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
 _ADDED_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "gpu_temp_c", "gpu_power_w")
 
 
+class _SavedCheckpoints(transformers.TrainerCallback):
+    """The checkpoint folders the Trainer saves while :func:`train` runs, as ``(global step, path)``:
+    the only ones (with the checkpoint it resumed from) an OOM redo may go back to."""
+
+    def __init__(self):
+        self.saved: list[tuple[int, str]] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        self.saved.append((state.global_step, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")))
+
+
+def _redo_checkpoint(saved: list[tuple[int, str]], failed_step: int, started_from) -> str | None:
+    """The newest checkpoint of ``saved`` (written by this :func:`train` call) at a step <= ``failed_step``
+    that is still there (``save_total_limit`` deletes old ones), else ``started_from`` (the checkpoint
+    the call resumed from) if it is still there, else None."""
+    for step, path in sorted(saved, reverse=True):
+        if step <= failed_step and os.path.isdir(path):
+            return path
+    return str(started_from) if started_from and os.path.isdir(started_from) else None
+
+
 def _watch_evaluation(trainer):
     """Record an exception that leaves ``trainer.evaluate`` or ``trainer.predict`` (the Trainer's
     evaluation during ``train()`` goes through ``evaluate``), by wrapping them on this instance: an
@@ -389,10 +501,12 @@ def train(trainer, **train_kwargs):
     """``trainer.train(**train_kwargs)`` with tightfit's OOM policy (see the module doc): after an
     out-of-memory error, train again at a smaller micro-batch with the same effective batch
     (:func:`smaller_micro_batch`), from the start if no optimizer step had been taken, else from the
-    newest checkpoint in ``output_dir``. Before it, a model whose loss ignores the Trainer's
-    ``num_items_in_batch`` gets the Trainer's division by the accumulation steps
-    (:func:`scale_loss_as_one_batch`), so micro-batch x accumulation trains as one batch of the
-    effective size, in the redo too. Its :class:`TightfitCallback` s check the arguments against the
+    newest checkpoint this call wrote at a step <= the failed step (or, with none, the checkpoint
+    ``resume_from_checkpoint`` named; a checkpoint folder in ``output_dir`` from an earlier run is
+    never used). Before it, unless the model's loss divides by the Trainer's ``num_items_in_batch``
+    itself, each micro-batch's loss is weighed by its share of its window's labelled items
+    (:func:`scale_loss_as_one_batch`), so every window -- also an epoch's short last one -- trains as
+    one batch of its samples however it is split, in the redo too. Its :class:`TightfitCallback` s check the arguments against the
     redo's micro-batch and accumulation (their ``plan`` becomes the redo's).
 
     Returns:
@@ -408,7 +522,7 @@ def train(trainer, **train_kwargs):
 
     Raises:
         TightfitError: out of memory at a per-device batch of 1, or after an optimizer step with no
-            checkpoint to go back to; out of memory in evaluation (naming
+            checkpoint of this call to go back to; out of memory in evaluation (naming
             ``per_device_eval_batch_size``; the OOM is its ``__cause__``).
         NonFiniteTrainingError: a :class:`TightfitCallback` stopped training on non-finite steps.
         Anything else ``trainer.train`` raises, unchanged.
@@ -427,6 +541,11 @@ def train(trainer, **train_kwargs):
     scale_loss_as_one_batch(trainer)  # before the first attempt: the redo keeps it
     for c in ours:
         c._in_train = True
+    started_from = train_kwargs.get("resume_from_checkpoint")
+    if started_from is True:  # as the Trainer resolves it, before this call writes any checkpoint
+        started_from = get_last_checkpoint(args.output_dir) if args.output_dir and os.path.isdir(args.output_dir) else None
+    saves = _SavedCheckpoints()
+    trainer.add_callback(saves)
     rng, redone_from, finished = capture_rng(), None, False
     evaluation_failed, unwrap = _watch_evaluation(trainer)
     try:
@@ -452,11 +571,12 @@ def train(trainer, **train_kwargs):
                 raise TightfitError("out of memory in the Trainer with a per-device batch of 1; "
                                     "plan with activation checkpointing or fp16/bf16, or raise the budget")
             if step > 0:  # the weights have moved: go back to a checkpoint, never redo on top of them
-                last = get_last_checkpoint(args.output_dir) if args.output_dir else None
+                last = _redo_checkpoint(saves.saved, step, started_from)
                 if last is None:
                     raise TightfitError(f"out of memory in the Trainer at step {step + 1} at per-device batch {mb}, "
-                                        f"with no checkpoint in {args.output_dir} to train again from (its weights "
-                                        f"have moved since step 0); set save_steps, or plan for a smaller budget")
+                                        f"with no checkpoint in {args.output_dir} written by this run to train again "
+                                        f"from (its weights have moved since step 0); set save_steps, or plan for a "
+                                        f"smaller budget")
                 train_kwargs["resume_from_checkpoint"] = redone_from = last
             trainer.model.zero_grad(set_to_none=True)
             release_memory()  # outside the except block: the failed attempt's frames are gone
@@ -474,6 +594,7 @@ def train(trainer, **train_kwargs):
                         f"batch) " + (f"from {train_kwargs['resume_from_checkpoint']}" if step else "from the start"))
     finally:
         unwrap()
+        trainer.remove_callback(saves)
         for c in ours:
             c._in_train = False
         if not finished:

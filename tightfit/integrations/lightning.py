@@ -23,6 +23,15 @@ What each part does, and what Lightning leaves out of reach:
   by dropping the gradients, so that the optimizer leaves every parameter and its state as they
   were; in ``16-mixed`` the loss scaler skips it -- and stops ``fit`` after ``max_skipped_steps``
   in a row.
+- Exact accumulation: Lightning divides every micro-batch's loss by ``accumulate_grad_batches``, also
+  in an epoch's last window, which may hold fewer samples (or a short last micro-batch). With
+  accumulation, the callback weighs each micro-batch by the samples it holds (a short one's loss is
+  scaled by its share of a full micro-batch before its backward) and, before the optimizer step,
+  scales the window's gradient to the mean over the samples the window really held, so that the
+  step is that of one batch of the same samples however they are split. It takes ``training_step``'s
+  loss to be a mean over the micro-batch's samples (their count: Lightning's ``extract_batch_size``;
+  a batch without one is left as Lightning scales it, with a warning) and acts under automatic
+  optimization only.
 - Out of memory: Lightning has no hook that can redo a step with smaller micro-batches (the
   loader's batch is fixed; ``Tuner.scale_batch_size`` searches before training and keeps no
   effective batch). The callback names the micro-batch and accumulation that keep the effective
@@ -153,6 +162,9 @@ class TightfitCallback(Watch, L.Callback):
         self.events: list[str] = []
         self.health = None
         self._last_step = 0
+        self._unit: int | None = None  # samples in a full micro-batch (the loader's batch_size)
+        self._sample_count: int | None = None  # samples of the micro-batch about to run backward
+        self._window_samples: int | None = 0  # samples whose backward ran in this window (None: unknown)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Before ``fit``: checkpointing as planned, the plan's accumulation, checks of precision."""
@@ -181,18 +193,65 @@ class TightfitCallback(Watch, L.Callback):
                         f"{self.plan.micro_batch}: "
                         f"each optimizer step trains on {batch} x {acc} = {batch * acc} samples (the plan's effective "
                         f"batch: {self.plan.effective_batch}); make the loader with batch_size=plan.micro_batch")
+        self._unit = batch or self.plan.micro_batch
+        self._window_samples = 0
         if pl_module.device.type == "cuda":
             from ..runtime.health import HealthMonitor
 
             torch.cuda.reset_peak_memory_stats(pl_module.device)
             self.health = HealthMonitor(pl_module.device.index or 0, self.warn_temp_c)
 
+    def _weighing(self, trainer, pl_module) -> bool:
+        return pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1 and self._unit is not None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """Count the micro-batch's samples (for the exact accumulation, see the module doc)."""
+        if not self._weighing(trainer, pl_module):
+            return
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+        try:
+            self._sample_count = extract_batch_size(batch)
+        except Exception:  # no tensor to count: this window is left as Lightning scales it
+            self._sample_count = None
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        """Weigh a micro-batch that holds other than a full micro-batch's samples by its share of one."""
+        if not self._weighing(trainer, pl_module) or self._window_samples is None:
+            return
+        n = self._sample_count
+        if n is None:
+            self._window_samples = None
+            if not any("cannot be counted" in e for e in self.events):  # said once
+                self._event("a training batch whose samples cannot be counted: its accumulation window is scaled as "
+                            "Lightning scales it (by accumulate_grad_batches), not by the samples it holds")
+            return
+        self._window_samples += n
+        if n != self._unit:
+            share = n / self._unit
+            loss.register_hook(lambda g: g * share)  # this micro-batch's backward only
+
+    def _to_window_mean(self, trainer, pl_module) -> None:
+        """Scale the window's gradient, ``sum of (share of a full micro-batch x mean loss) / accumulate_grad_batches``
+        as Lightning left it, to the mean over the samples the window held."""
+        samples, self._window_samples = self._window_samples, 0
+        if not self._weighing(trainer, pl_module) or not samples:
+            return
+        factor = trainer.accumulate_grad_batches * self._unit / samples
+        if factor != 1:  # a short window: the last of an epoch
+            for p in pl_module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        """Skip the step (32-true/bf16-mixed: drop the gradients) if a gradient is not finite; raise after too many."""
+        """Scale a short window's gradient to its samples' mean (see the module doc); skip the step
+        (32-true/bf16-mixed: drop the gradients) if a gradient is not finite; raise after too many."""
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         if all(bool(torch.isfinite(g).all()) for g in grads):  # what unscale_ checks, per tensor
             self._skipped_in_row = 0
+            self._to_window_mean(trainer, pl_module)
             return
+        self._window_samples = 0
         self.skipped_steps += 1
         self._skipped_in_row += 1
         if self.plan.precision != "fp16":  # no loss scaler would skip it

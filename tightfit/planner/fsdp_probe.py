@@ -22,7 +22,7 @@ import torch
 from ..errors import TightfitError
 from ..memory.oom import is_oom, release_memory
 from ..rng import capture_rng, restore_rng
-from ..step import module_mode, training_step
+from ..step import train_mode, training_step
 from .margins import planned_limit
 
 
@@ -48,7 +48,7 @@ def _attempt(trainer, micro_batch: int) -> bool:
     if cuda:
         torch.cuda.reset_peak_memory_stats(trainer.device)
     try:
-        with module_mode(trainer.model, True):  # as the training steps run (dropout on)
+        with train_mode(trainer.model):  # as the training steps run (dropout on)
             for _ in range(PROBE_STEPS):
                 training_step(trainer.model, [batch], trainer.w.loss_sum, float(trainer.w.count(batch)),
                               trainer.optimizer, trainer.scaler, trainer._autocast, trainer.cfg.max_grad_norm)

@@ -22,7 +22,7 @@ from ..levers.optimizers import hold_gradients, release, weights_in
 from ..levers.precision import autocast, check_precision, fallback_precisions, make_grad_scaler, preferred_precision
 from ..plan import Plan, accumulation_steps, balanced_micro_batch
 from ..memory.oom import is_oom, release_memory
-from ..step import make_optimizer, module_mode, training_step
+from ..step import make_optimizer, train_mode, training_step
 from ..rng import capture_rng, restore_rng
 from ..units import format_bytes
 from ..workload import Workload
@@ -138,7 +138,7 @@ def _probe_steps(workload: Workload, micro_batch: int, precision: str, optimizer
 
     times = []
     try:
-        with module_mode(model, True):  # dropout active, as in the run: its masks are saved too
+        with train_mode(model):  # the run's training modes (dropout active): its masks are saved too
             # The first step allocates the optimizer's state; the later ones run forward and backward
             # with that state held -- the steady state of every later step (one step alone
             # under-predicts). The median timed step is the step time (one alone is noisy).

@@ -33,7 +33,7 @@ from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, uncompile_model
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
 from ..step import (PendingStep, accumulate, buffer_snapshot, changed_since, in_place_versions, make_optimizer,
-                    module_mode, restore_buffers, training_step)
+                    module_mode, restore_buffers, train_mode, training_modes, training_step)
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
@@ -285,6 +285,7 @@ class Trainer:
         self._stop_signal: str | None = None
         self._writer = None  # the CheckpointWriter, made at the first checkpoint
         self._listed_modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
+        self._train_modes: list[tuple[torch.nn.Module, bool]] | None = None  # their training modes, set by fit()
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
@@ -300,11 +301,16 @@ class Trainer:
         self._t_fit = time.perf_counter()  # the progress bar's rate counts this process's steps only
         trained = False
         try:
-            self._listed_modules = list(self.model.modules())  # the modules train_step checks (see there)
-            with self._stop_on_signals(), module_mode(self.model, True):  # the caller's modes come back at the end
+            # the modes the steps train in (tightfit.step.training_modes): all train for a model in
+            # eval mode (from_pretrained), the caller's own for one in train mode (a frozen backbone's
+            # BatchNorm left in eval mode stays so); the caller's modes come back at the end
+            self._train_modes = training_modes(self.model)
+            self._listed_modules = [m for m, _ in self._train_modes]  # the modules train_step checks (see there)
+            with self._stop_on_signals(), train_mode(self.model, self._train_modes):
                 self._train_loop(bar, t0, samples0)
             trained = True
         finally:
+            self._train_modes = None  # a later train_step takes the model's modes as it then finds them
             self.loader.close()
             if bar is not None:
                 bar.close()
@@ -480,12 +486,13 @@ class Trainer:
         values on the device where the step allows (:meth:`_settle` reads them)."""
         if self._listed_modules is None:
             self._listed_modules = list(self.model.modules())
-        # Steady state (fit() keeps the model in train mode between steps): a check of the modules
-        # seen at the start of fit(), no walk of the module tree; any module out of train mode
-        # (flipped by a callback, a step called directly on an eval-mode model) takes the full walk.
-        if all(m.training for m in self._listed_modules):
+        # Steady state (fit() keeps the model in its training modes between steps): a check of the
+        # modules seen at the start of fit(), no walk of the module tree; any module out of its
+        # training mode (flipped by a callback, a step called directly on an eval-mode model) is set.
+        modes = self._train_modes if self._train_modes is not None else training_modes(self.model)
+        if all(m.training == mode for m, mode in modes):
             return self._launch_step(window, index)
-        with module_mode(self.model, True):  # dropout on, whatever mode the caller left the model in
+        with train_mode(self.model, modes):  # dropout on; a train-mode model's eval-mode parts stay so
             return self._launch_step(window, index)
 
     def _settle(self, launched: "_Launched") -> tuple[float, bool]:
@@ -629,7 +636,7 @@ class Trainer:
             return f"the output of module {name!r}"
         # The forward is finite: run one unscaled backward of that micro-batch (the step's own
         # gradients were zeroed) and name the first parameter whose gradient is not finite.
-        with module_mode(self.model, True), autocast(self.plan.precision, self.device.type):
+        with train_mode(self.model, self._train_modes), autocast(self.plan.precision, self.device.type):
             loss = self.w.loss_sum(self.model, batch)
         loss.backward()
         bad = next((n for n, p in self.model.named_parameters()
