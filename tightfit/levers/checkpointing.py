@@ -57,11 +57,7 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
         return
     if not own_hook:
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
-    kwargs = {"use_reentrant": False}
-    if hasattr(type(model), "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    _enable_hf_hook(model)
     _no_kv_cache(model)
 
 
@@ -78,9 +74,43 @@ def hf_hook_active(model: torch.nn.Module) -> bool:
     return bool(getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False))
 
 
+def _enable_hf_hook(model) -> None:
+    # Hugging Face's enable also hooks the input embeddings (outputs made to require grad) and
+    # its disable leaves that hook: each enable would add one more, and a model compiled with n
+    # hooks recompiles at n + 1 (a planner trying several plans paid minutes of recompilation).
+    # One hook is enough: a second enable keeps the first's, and disable removes the ones it added.
+    base = _base(model)
+    before = list(getattr(base, "_require_grads_hooks", None) or [])
+    kwargs = {"use_reentrant": False}
+    if hasattr(type(model), "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    after = list(getattr(base, "_require_grads_hooks", None) or [])
+    added = [h for h in after if h not in before]
+    if before and added:  # the inputs already require grad (the user's hook, or an earlier enable's)
+        for h in added:
+            h.remove()
+        base._require_grads_hooks = before
+    elif added:
+        base.__dict__["_tightfit_input_grad_hooks"] = added
+
+
 def _disable_hf_hook(model) -> None:
     if hf_hook_active(model):
         getattr(model, _name(model, "activation_checkpointing_disable", "gradient_checkpointing_disable"))()
+    base = _base(model)
+    ours = base.__dict__.pop("_tightfit_input_grad_hooks", None)
+    if ours:  # the input-embedding hooks our enable added (HF's disable leaves them)
+        for h in ours:
+            h.remove()
+        if list(getattr(base, "_require_grads_hooks", None) or []) == ours:
+            base._require_grads_hooks = []
+
+
+def _base(model) -> torch.nn.Module:
+    # a peft wrapper's hooks live on the model it wraps
+    return model.get_base_model() if hasattr(type(model), "get_base_model") else model
 
 
 def _no_kv_cache(model) -> None:
@@ -91,5 +121,4 @@ def _no_kv_cache(model) -> None:
 def _name(model, new: str, old: str) -> str:
     # transformers renamed gradient_* to activation_* (the old names warn, and go in v6); a peft
     # wrapper forwards both to the model it wraps, whose class says which it has
-    base = model.get_base_model() if hasattr(type(model), "get_base_model") else model
-    return new if hasattr(type(base), new) else old
+    return new if hasattr(type(_base(model)), new) else old
