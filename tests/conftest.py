@@ -29,20 +29,24 @@ def _own_plan_cache(tmp_path, monkeypatch):
 
 class SyntheticBatches:
     """``n`` samples of random token ids with lengths 3..``seq_len`` (padded per batch) and
-    random binary labels; same interface as :class:`tightfit.workload.TextBatches`."""
+    random binary labels; same interface as :class:`tightfit.workload.TextBatches`.
+    ``pad_multiple``: batches padded to a multiple of it (at most ``seq_len``), as tightfit's text
+    data pads them to 8; None pads to the longest sample."""
 
-    def __init__(self, n=24, seq_len=12, vocab=50, seed=0):
+    def __init__(self, n=24, seq_len=12, vocab=50, seed=0, pad_multiple=None):
         g = torch.Generator().manual_seed(seed)
         self.lengths = torch.randint(3, seq_len + 1, (n,), generator=g).tolist()
         self.ids = torch.randint(1, vocab, (n, seq_len), generator=g)
         self.labels = torch.randint(0, 2, (n,), generator=g)
-        self.seq_len = seq_len
+        self.seq_len, self.pad_multiple = seq_len, pad_multiple
 
     def __len__(self):
         return len(self.lengths)
 
     def collate(self, indices, pad_to=None):
         T = pad_to or max(self.lengths[i] for i in indices)
+        if self.pad_multiple and not pad_to:
+            T = min(self.seq_len, -(-T // self.pad_multiple) * self.pad_multiple)
         ids = torch.zeros(len(indices), T, dtype=torch.long)
         mask = torch.zeros(len(indices), T, dtype=torch.long)
         for r, i in enumerate(indices):

@@ -194,6 +194,10 @@ def test_the_warm_up_length_is_another_padded_length_of_text_data():
         assert {k: v.dtype for k, v in warm.items()} == {k: v.dtype for k, v in run.items()}
         assert bool((warm["attention_mask"] == 0).any()) == padded  # with padding, or none at all
     assert other_length(SyntheticBatches(24, seq_len=8)) is None  # half of 8 rounds to nothing
+    # TorchInductor guards some kernels on a length's alignment to 8: data padded otherwise is
+    # warmed up at an unaligned length too
+    from tightfit.planner.warmup import pads_to_multiple
+    assert not pads_to_multiple(data) and pads_to_multiple(SyntheticBatches(24, seq_len=32, pad_multiple=8))
     assert other_length(DatasetBatches([(torch.zeros(3), 0)] * 4)) is None  # fixed-size samples
 
 
@@ -249,7 +253,8 @@ def test_after_the_warm_up_run_batches_of_any_length_with_or_without_padding_do_
         with warmup.any_length(data):  # the planner's probes: the worst case, 32 tokens
             run_probe_steps(w, 8, "fp32", "adamw", 1)
             reason, = warmup.warm_other_lengths(w, 8, (), "fp32", 2**30)
-            assert f"{1 if mask_4d else 2} warm-up step(s)" in reason  # one step per kind of batch
+            # one step per kind of batch, at 16 tokens and (the data not padded to 8) at 17
+            assert f"{2 if mask_4d else 4} warm-up step(s) at 16 and 17 tokens" in reason
         assert len(graphs) == (1 if mask_4d else 2)  # with a mask (and without), each once for every length
         batches = [range(8, 16), range(8, 12), range(16, 19), range(15, 19), [24, 26, 28], range(24, 30),
                    range(1, 5)]  # 24 and 8 tokens without padding, then with; 32 with, then without
@@ -519,7 +524,8 @@ def test_after_the_planning_warm_up_other_lengths_do_not_recompile():
         assert probe_step(w, 8, "bf16", budget, timed_steps=1).fits  # compiled at the worst case (32 tokens)
         assert warm_other_lengths(w, 8, (), "bf16", budget)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for length, mb in ((24, 8), (8, 3), (32, 5)):  # other lengths, a short last micro-batch
+        # other lengths (17: not a multiple of 8, as this data pads), a short last micro-batch
+        for length, mb in ((24, 8), (8, 3), (17, 8), (32, 5)):
             for padded in (True, False, None):  # with padding, without, as collated
                 assert probe_step(replace(w, train=_AtLength(w.train, length, padded)), mb, "bf16", budget,
                                   timed_steps=1).fits

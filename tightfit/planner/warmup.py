@@ -76,6 +76,20 @@ def other_length(data) -> int | None:
     return length if 2 <= length < seq_len else None
 
 
+def pads_to_multiple(data, samples: int = 32) -> bool:
+    """Whether ``data``'s own collate pads every batch to a multiple of
+    :data:`~tightfit.workload.PAD_MULTIPLE` tokens (tightfit's text data does), judged from up
+    to ``samples`` samples collated one at a time. TorchInductor guards some kernels on that
+    alignment (a length not a multiple of 8 compiles a second graph), so data of other lengths
+    needs a second warm-up length."""
+    n = len(data)
+    for i in sorted({k * n // samples for k in range(min(samples, n))}):
+        ids = data.collate([i]).get("input_ids")
+        if torch.is_tensor(ids) and ids.dim() == 2 and ids.shape[1] % PAD_MULTIPLE:
+            return False
+    return True
+
+
 def any_length(data):
     """A context in which compiled calls mark the full sequence length of text data of several
     lengths (:func:`other_length`) dynamic (:func:`~tightfit.levers.compile.length_dynamic`), so
@@ -116,13 +130,18 @@ def warm_other_lengths(workload: Workload, micro_batch: int, blocks: tuple, prec
     t0 = time.perf_counter()
     set_activation_checkpointing(workload.model, bool(blocks), blocks)
     kinds = mask_kinds(workload.train, workload.model)
-    with length_dynamic(length):
-        for padded in kinds:
-            probe_step(replace(workload, train=_AtLength(workload.train, length, padded)), micro_batch, precision,
-                       budget_bytes, timed_steps=1, optimizer=optimizer)
-    return [f"compiled for any sequence length at planning time: {len(kinds)} warm-up step(s) at {length} tokens"
-            f"{', with and without padding' if len(kinds) > 1 else ''} ({time.perf_counter() - t0:.1f} s), "
-            f"so the run does not recompile"]
+    # data not padded to a multiple of 8 also meets the graph for unaligned lengths (one more)
+    lengths = (length,) if pads_to_multiple(workload.train) else (length, length + 1)
+    for at in lengths:
+        with length_dynamic(at):
+            for padded in kinds:
+                probe_step(replace(workload, train=_AtLength(workload.train, at, padded)), micro_batch, precision,
+                           budget_bytes, timed_steps=1, optimizer=optimizer)
+    shown = " and ".join(str(at) for at in lengths)
+    return [f"compiled for any sequence length at planning time: {len(kinds) * len(lengths)} warm-up step(s) at "
+            f"{shown} tokens{', with and without padding' if len(kinds) > 1 else ''}"
+            f"{' (the data is not padded to a multiple of 8)' if len(lengths) > 1 else ''} "
+            f"({time.perf_counter() - t0:.1f} s), so the run does not recompile"]
 
 
 def warm_compiled_plan(workload: Workload, plan, budget_bytes: int) -> float:
