@@ -283,6 +283,7 @@ class Trainer:
         self._skipped_in_row = 0
         self._clean_windows = 0
         self._stop_signal: str | None = None
+        self._stop_note: str | None = None  # a stop signal's note, not yet in the metrics
         self._writer = None  # the CheckpointWriter, made at the first checkpoint
         self._listed_modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
         self._train_modes: list[tuple[torch.nn.Module, bool]] | None = None  # their training modes, set by fit()
@@ -356,6 +357,9 @@ class Trainer:
             loss, stop = self.world.after_step(loss, self._stop_signal is not None)  # the ranks' mean; any stop
             if stop and not self._stop_signal:
                 self._stop_signal = "a stop on another rank"
+            if self._stop_note:  # a signal's note (see _stop_on_signals), logged outside its handler
+                self._event(self._stop_note)
+                self._stop_note = None
             self.step += 1
             self.result.samples += len(window)
             self.result.final_loss = loss
@@ -415,9 +419,14 @@ class Trainer:
                 name = signal.Signals(signum).name
                 if self._stop_signal and signum == signal.SIGINT:
                     raise KeyboardInterrupt
+                if self._stop_signal:  # a repeated SIGTERM (e.g. from a supervisor and its child): stopping already
+                    return
                 self._stop_signal = name
                 again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""  # SIGTERM: none
-                self._event(f"{name} received: stopping after the current step{again}")
+                self._stop_note = f"{name} received: stopping after the current step{again}"
+                # The handler runs between two bytecodes of the main thread, which may be inside a
+                # write to metrics.jsonl or the log stream: a write here raised "reentrant call".
+                # The loop logs and shows the note at the step's end.
 
             old = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGINT, signal.SIGTERM)}
             try:
