@@ -519,7 +519,7 @@ class Trainer:
         rng, backed_off = capture_rng(), False
         # BatchNorm's running statistics as the window found them: a forward that then ran out of
         # memory has updated them once already (one clone per buffer; none above BUFFER_SNAPSHOT_BYTES)
-        buffers = buffer_snapshot(self._listed_modules if self._listed_modules is not None else self.model.modules())
+        buffers = buffer_snapshot(self._listed_modules)  # listed by _launch
         while True:
             self._guard = None  # several ranks: the loss function that agrees on OOMs (_micro_batches)
             # Fused AdamW allocates only its new state, before any write (see make_optimizer): it
