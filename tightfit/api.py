@@ -387,7 +387,10 @@ class TrainRecipe:
             self.plan = replace(self.plan, **trainable_fields(self.model))
         self.planning_s = time.perf_counter() - t_plan
         cached = self.plan_timings.get("cached", False)
-        if cached and self.resume_from is None and not self.world.distributed:  # compile now what planning compiled in the first run
+        # a plan from the cache or the checkpoint compiled nothing in this process: compile now, at
+        # the worst case and another length, what the first run's planning compiled, so that the
+        # run's first batches do not recompile the model (a resumed BERT-large spent 273 s there)
+        if (cached or self.resume_from is not None) and not self.world.distributed:
             from .planner.warmup import warm_compiled_plan
 
             self.plan_timings["compile_s"] = warm_compiled_plan(self.workload, self.plan, self.budget)
