@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SyntheticBatches, tiny_bert, tiny_text_model_folder
+from tightfit.levers.blocks import find_blocks
 from tightfit.plan import Plan
 
 MiB = 2**20
@@ -261,6 +262,49 @@ def test_after_the_warm_up_run_batches_of_any_length_with_or_without_padding_do_
         with torch._dynamo.config.patch(error_on_recompile=True):
             for indices in batches:
                 run_probe_steps(replace(w, train=_Batch(data, list(indices))), len(indices), "fp32", "adamw", 1)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("scope", [None, "model"])
+def test_the_evaluation_after_a_compiled_run_compiles_nothing(monkeypatch, scope):
+    """The graphs compiled for training are guarded on grad mode: the evaluation's no_grad forward
+    compiled the model again at the run's end (a block, or the whole model), and again at each
+    evaluation length. It runs eagerly, and the model is left compiled. On the CPU with a backend
+    that runs the traced graph as it is; dropout on, so that eval mode is seen to hold."""
+    import functools
+
+    import torch._dynamo
+
+    import tightfit.planner.warmup as warmup
+    import tightfit.runtime.trainer as trainer_mod
+    from tightfit.levers.compile import compiled_call
+    from tightfit.planner.probe import run_probe_steps
+    from tightfit.runtime.trainer import Trainer, TrainConfig
+    from tightfit.workload import Workload
+
+    graphs = []
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=lambda gm, inputs: graphs.append(
+        gm) or gm.forward))
+    monkeypatch.setattr(warmup, "probe_step", lambda w, mb, precision, budget, timed_steps=2, optimizer="adamw":
+                        run_probe_steps(w, mb, precision, optimizer, timed_steps))
+    monkeypatch.setattr(trainer_mod, "compile_unavailable", lambda device: None)
+    data = SyntheticBatches(32, seq_len=32, pad_multiple=8)
+    w = Workload(tiny_bert(dropout=0.1), data, SyntheticBatches(12, seq_len=32, seed=1), 8)
+    plan = Plan("fp32", 8, 8, activation_checkpointing=scope == "model", compile=True, compile_scope=scope)
+    eager = Trainer(replace(w, model=tiny_bert(dropout=0.1)), replace(plan, compile=False),
+                    TrainConfig(max_steps=2, checkpoint_dir=None), progress=False).fit().eval
+    torch._dynamo.reset()
+    try:
+        warmup.warm_compiled_plan(w, plan, 2**30)  # what planning compiles
+        compiled = len(graphs)
+        trainer = Trainer(w, plan, TrainConfig(max_steps=2, checkpoint_dir=None), progress=False)
+        result = trainer.fit()
+        assert len(graphs) == compiled, "the run compiled again"
+        assert result.eval["samples"] == 12 and result.eval["accuracy"] == eager["accuracy"]
+        assert result.eval["loss"] == pytest.approx(eager["loss"], rel=1e-4)  # the weights trained eagerly, in eval mode
+        modules = find_blocks(w.model) if scope is None else [w.model]
+        assert all(compiled_call(m) is not None for m in modules)  # still compiled for training
     finally:
         torch._dynamo.reset()
 

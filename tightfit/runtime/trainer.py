@@ -30,7 +30,7 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..fileio import UntilClosed
 from ..levers.checkpointing import set_activation_checkpointing
-from ..levers.compile import compile_model, compile_unavailable, uncompile_model
+from ..levers.compile import compile_model, compile_unavailable, eager_calls, uncompile_model
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
 from ..step import (PendingStep, accumulate, buffer_snapshot, changed_since, in_place_versions, make_optimizer,
                     module_mode, restore_buffers, train_mode, training_modes, training_step)
@@ -757,8 +757,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict:
-        """Evaluate on the held-out samples with the workload's task, in eval mode; the evaluation
-        batch halves on OOM independently of the training micro-batch.
+        """Evaluate on the held-out samples with the workload's task, in eval mode and eagerly (a
+        compiled model's compiled calls are set aside, :func:`~tightfit.levers.compile.eager_calls`);
+        the evaluation batch halves on OOM independently of the training micro-batch.
 
         Returns:
             The task's metrics (:meth:`tightfit.tasks.Task.summarize`) plus ``"samples"`` (held-out
@@ -770,7 +771,9 @@ class Trainer:
         Raises:
             TightfitError: an evaluation batch of 1 runs out of memory.
         """
-        with module_mode(self.model, False):
+        # eagerly: the graphs compiled for training do not serve no_grad, and compiling them
+        # anew would cost more than the evaluation
+        with module_mode(self.model, False), eager_calls(self.world.unwrap(self.model)):
             return self._evaluate(self.w.eval)
 
     def _evaluate(self, data) -> dict:
