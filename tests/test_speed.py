@@ -541,6 +541,36 @@ def test_a_resumed_run_compiles_its_plan_before_training(tmp_path, monkeypatch):
     assert recipe.plan_timings["compile_s"] == 2.5  # and its time shown as compilation
 
 
+def test_a_resumed_run_reports_against_the_first_runs_predicted_and_probed_speeds(tmp_path, monkeypatch):
+    """The resumed run's plan is the checkpoint's, not timed again: its summary showed "predicted -;
+    probed -". The first run's plan record carries them, and the resume reads them from there."""
+    import tightfit.api as api
+
+    words = ["good", "bad", "great", "awful", "fine", "film", "plot"]
+    model_dir = tiny_text_model_folder(tmp_path, words, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64)
+    rng = random.Random(0)
+    rows = ["text,label"] + [f"{' '.join(rng.choices(words, k=5))},{rng.choice(['pos', 'neg'])}" for _ in range(60)]
+    (tmp_path / "data.csv").write_text("\n".join(rows) + "\n")
+    run = tmp_path / "run"
+    common = dict(model=str(model_dir), data=str(tmp_path / "data.csv"), batch_size=8, seq_len=16, device="cpu",
+                  progress=False)
+    plan = api.TrainRecipe._plan
+
+    def planned(self):  # as the GPU planner fills its timings
+        plan(self)
+        if self.resume_from is None:
+            self.plan_timings.update(predicted_samples_per_s=450.0, probed_samples_per_s=400.0)
+
+    monkeypatch.setattr(api.TrainRecipe, "_plan", planned)
+    api.train(api.TrainRequest(**common, max_steps=4, checkpoint_every=2, out=str(run)))
+    (run / "summary.json").unlink()  # as if stopped before the end
+    summary = api.train(api.TrainRequest(**common, resume=str(run)))
+    speed = json.loads((run / "summary.json").read_text())["speed"]
+    assert speed["predicted_samples_per_s"] == 450.0 and speed["probed_samples_per_s"] == 400.0
+    assert summary is not None
+
+
 # ---------------------------------------------------------------- delivered against predicted
 
 def test_steady_state_is_the_median_of_ten_step_windows_and_the_report_shows_all_speeds():

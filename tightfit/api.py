@@ -390,6 +390,10 @@ class TrainRecipe:
         # a plan from the cache or the checkpoint compiled nothing in this process: compile now, at
         # the worst case and another length, what the first run's planning compiled, so that the
         # run's first batches do not recompile the model (a resumed BERT-large spent 273 s there)
+        if self.resume_from is not None:  # the first run's predicted and probed speeds, for the summary
+            from .report.metrics import planned_speeds
+
+            self.plan_timings.update(planned_speeds(self.out / "metrics.jsonl"))
         if (cached or self.resume_from is not None) and not self.world.distributed:
             from .planner.warmup import warm_compiled_plan
 
@@ -519,7 +523,7 @@ class TrainRecipe:
         """Create the run folder; write ``request.json`` (new runs, and resumed runs with changed
         options) and ``plan.json``; open ``metrics.jsonl`` (on resume: cut back to the
         checkpoint's step) with the plan record and what the trainer logged so far."""
-        from .report.metrics import MetricsWriter, keep_metrics_until
+        from .report.metrics import PLANNED_SPEEDS, MetricsWriter, keep_metrics_until
 
         if not self.world.is_main:  # only rank 0 writes the run folder
             self.metrics = _Discard()
@@ -542,6 +546,7 @@ class TrainRecipe:
         atomic_write_json(out / "plan.json", self.plan.to_dict())
         self.metrics = MetricsWriter(out / "metrics.jsonl")
         self.metrics({"type": "plan", "step": step, "planning_seconds": self.planning_s,
+                      "planned_speeds": {k: self.plan_timings[k] for k in PLANNED_SPEEDS if self.plan_timings.get(k)},
                       "resumed_from": str(self.resume_from) if self.resume_from else None,
                       **({"changed_options": self.changed} if self.changed else {}), **self.plan.to_dict()})
         for record in self.records:

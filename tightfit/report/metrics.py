@@ -70,3 +70,28 @@ def read_metrics(path: str | Path) -> list[dict]:
     """All records of a ``metrics.jsonl`` file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+# the planner's speeds, written into the plan record (its "planned_speeds") so that a resumed
+# run can report against them
+PLANNED_SPEEDS = ("predicted_samples_per_s", "probed_samples_per_s")
+
+
+def planned_speeds(path: str | Path) -> dict:
+    """The planner's speeds (:data:`PLANNED_SPEEDS`, samples/s) from the ``planned_speeds`` of the
+    first run's plan record in ``metrics.jsonl`` (the record without ``resumed_from``), for a resumed run's summary: its
+    plan comes from the checkpoint and is not timed again. Empty when the file, the record or the
+    figures are missing (an older run, or a CPU run); unreadable lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("type") == "plan" and not record.get("resumed_from"):
+            speeds = record.get("planned_speeds")
+            speeds = speeds if isinstance(speeds, dict) else {}
+            return {k: speeds[k] for k in PLANNED_SPEEDS if isinstance(speeds.get(k), (int, float))}
+    return {}
