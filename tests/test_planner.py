@@ -345,6 +345,46 @@ def test_every_block_checkpointed_compiled_is_tried_as_one_whole_model_graph(mon
         assert ("failed (RuntimeError: inductor lowering failed)" in note) == (whole == "fails")
 
 
+@pytest.mark.parametrize("run_seconds", [None, 100.0, 400.0])
+def test_a_whole_model_graph_is_tried_only_for_a_run_long_enough_to_repay_its_compilation(monkeypatch,
+                                                                                         run_seconds):
+    """One whole-model graph compiled in 50-80 s on an NVIDIA H200 for ~25% more speed: a run
+    predicted shorter than WHOLE_MODEL_MIN_RUN_S at the compiled blocks' speed keeps the blocks,
+    and the reasons say why; a longer one, or one of unknown length, tries the whole graph."""
+    from types import SimpleNamespace
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.levers.blocks import block_policy, find_blocks
+    from tightfit.levers.checkpointing import hf_hook_active
+    from tightfit.levers.compile import compiled_call
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate
+
+    model, E = tiny_bert(), 16
+    blocks = find_blocks(model)
+    probed = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        one_graph = compiled_call(model) is not None
+        probed.append("whole" if one_graph else "blocks")
+        every = hf_hook_active(model) or all(block_policy(b) == "full" for b in blocks)
+        return ProbeResult(mb, every, 100, 100, 0.01 if one_graph else 0.02, 1)  # blocks: 800 samples/s
+
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    run_samples = None if run_seconds is None else int(run_seconds * E / 0.02)
+    found = gpu.compiled_variant(SimpleNamespace(effective_batch=E, model=model),
+                                 Candidate("bf16", E, tuple(range(len(blocks))), 1, None, None), 10**9,
+                                 len(blocks), run_samples)
+    if run_seconds is not None and run_seconds < gpu.WHOLE_MODEL_MIN_RUN_S:
+        assert "whole" not in probed and found.variant.scope is None
+        assert found.notes[-1] == ("one whole-model graph not tried: the run is predicted to take 100 s at the "
+                                   "compiled blocks' speed, less than the 300 s that its compilation needs to "
+                                   "repay it")
+        assert all(compiled_call(b) is not None for b in blocks)
+    else:
+        assert probed.count("whole") == 1 and found.variant.scope == "model"
+
+
 def test_a_compiled_plan_one_block_short_of_all_of_eight_is_tried_whole_with_every_block(monkeypatch):
     """At most an eighth of the blocks left out: the whole-model graph is timed with every block
     checkpointed, and kept with all of them when faster."""

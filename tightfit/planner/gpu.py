@@ -63,6 +63,26 @@ def too_short_to_compile(run_samples: int | None, eager_samples_per_s: float) ->
             f"compilation needs to repay its cost")
 
 
+# A compiled plan that checkpoints (nearly) every block is tried as one whole-model graph only for
+# a run predicted to take at least this long at the blocks' compiled speed: on an NVIDIA H200 the
+# whole graph ran ~25% faster (BERT-large at 4 GiB 782 vs 620 samples/s, bench/results/step-breakdown-2;
+# BERT-base 3,527 vs 2,819, bench/results/resume-compile) but compiled in 50-80 s, which ~25% of a
+# run repays from about 250 s on.
+WHOLE_MODEL_MIN_RUN_S = 300.0
+
+
+def too_short_for_whole_model(run_samples: int | None, blocks_samples_per_s: float) -> str | None:
+    """Why one whole-model graph is not tried for a run of ``run_samples`` samples at the compiled
+    blocks' ``blocks_samples_per_s`` (None: it may be; also when the run's length is unknown)."""
+    if not run_samples or blocks_samples_per_s <= 0:
+        return None
+    seconds = run_samples / blocks_samples_per_s
+    if seconds >= WHOLE_MODEL_MIN_RUN_S:
+        return None
+    return (f"one whole-model graph not tried: the run is predicted to take {seconds:.0f} s at the compiled "
+            f"blocks' speed, less than the {WHOLE_MODEL_MIN_RUN_S:.0f} s that its compilation needs to repay it")
+
+
 class NotFitForReal(TightfitError):
     """No planned candidate fit the budget when probed on the GPU (its message lists them)."""
 
@@ -245,7 +265,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
 
     Planning is kept in proportion to the run: with ``compile="auto"`` a run predicted to take
     less than :data:`COMPILE_MIN_RUN_S` at the verified eager speed is not compiled (compilation
-    and its retiming could not repay their cost), and the reasons say so.
+    and its retiming could not repay their cost), and the reasons say so; nor is one whole-model
+    graph tried for a run shorter than :data:`WHOLE_MODEL_MIN_RUN_S` at the compiled blocks' speed.
 
     Args:
         budget_bytes: what the step may hold, bytes (the allocator's cap); ``seq_len``: tokens.
@@ -294,7 +315,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     if compile == "auto" and not why_not:
         why_not = too_short_to_compile(run_samples, best.samples_per_s)
     t_compile = time.perf_counter()
-    outcome = compile_and_retime(workload, best.candidate, budget_bytes, result.n_blocks, compile, why_not)
+    outcome = compile_and_retime(workload, best.candidate, budget_bytes, result.n_blocks, compile, why_not,
+                                 run_samples)
     steady = outcome.steady_samples_per_s
     if outcome.variant is None and outcome.retiming is None:  # an eager plan timed only in the verification
         c = best.candidate
@@ -530,7 +552,7 @@ def steady_timing(workload: Workload, precision: str, optimizer: str, micro_batc
 
 
 def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n_blocks: int, compile: str,
-                       why_not: str | None) -> CompileOutcome:
+                       why_not: str | None, run_samples: int | None = None) -> CompileOutcome:
     """Stages 4 and 5 for the eager winner ``best``: its compiled variant
     (:func:`compiled_variant`), retimed against it with ``compile="auto"`` (:func:`retime`).
     ``why_not``: why ``torch.compile`` cannot run here (None: it can). A compiler failure with
@@ -544,7 +566,7 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
     variant, retiming, notes, steady = None, None, [], None
     try:
         with any_length(workload.train):  # compiled for every sequence length from the first probe
-            found = compiled_variant(workload, best, budget_bytes, n_blocks)
+            found = compiled_variant(workload, best, budget_bytes, n_blocks, run_samples)
             variant, notes = found.variant, found.notes
             if variant is not None:  # other sequence lengths compile now, not during the run
                 notes = notes + warm_other_lengths(workload, variant.micro_batch, variant.checkpoint_blocks,
@@ -594,7 +616,8 @@ def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget
     return replace(retiming, note=note + ": compiled kept")
 
 
-def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_blocks: int) -> CompileSearch:
+def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_blocks: int,
+                     run_samples: int | None = None) -> CompileSearch:
     """Stage 4: try ``best`` (a verified eager candidate) compiled, with as few micro-batches as
     fit (compiled steps keep fewer intermediates, so a larger micro-batch may fit than in eager
     mode).
@@ -610,6 +633,9 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     one micro-batch and no checkpointing is probed compiled once. A model compiled
     whole keeps ``best``'s blocks (another set would recompile). One compiled graph (dynamic
     micro-batch dimension) serves all probes. The model is left compiled only if a variant fits.
+    Blocks compiled one by one with (nearly) every block checkpointed are then tried as one
+    whole-model graph (:func:`whole_model_variant`), unless a run of ``run_samples`` samples is
+    too short to repay that compilation (:func:`too_short_for_whole_model`; None: unknown length).
     """
     E, model = workload.effective_batch, workload.model
     regional = compile_scope(model) == "blocks"
@@ -644,6 +670,9 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     # work) against three compiled calls per block saved: worth one more timing.
     if regional and n_blocks and n_blocks - len(v.checkpoint_blocks) <= n_blocks // 8 and \
             getattr(model, "supports_gradient_checkpointing", False):
+        short = too_short_for_whole_model(run_samples, v.samples_per_s)
+        if short:
+            return CompileSearch(v, notes + [short])
         whole, note = whole_model_variant(workload, best, v, budget_bytes)
         return CompileSearch(whole or v, notes + [note])
     return CompileSearch(v, notes)
