@@ -414,6 +414,53 @@ def test_a_run_resumed_from_a_background_checkpoint_reproduces_the_uninterrupted
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resumed_whole_model_compiled_run_reproduces_the_uninterrupted_one(tmp_path, monkeypatch):
+    """A plan compiled as one whole-model graph with Hugging Face's checkpointing inside, dropout
+    on: resumed from its step-2 checkpoint in a new trainer (the resume compiles first, as
+    ``tightfit train --resume`` does), the losses of steps 3-6 are the uninterrupted run's, bit for
+    bit. On the CPU with AOTAutograd's eager backend (the partitioner, the recomputation and the
+    random ops as compiled; TorchInductor's CPU code gave the same in a 2-minute check)."""
+    import functools
+
+    import torch._dynamo
+
+    import tightfit.planner.warmup as warmup
+    import tightfit.runtime.trainer as trainer_mod
+    from tightfit.planner.probe import run_probe_steps
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setattr(warmup, "probe_step", lambda w, mb, precision, budget, timed_steps=2, optimizer="adamw":
+                        run_probe_steps(w, mb, precision, optimizer, timed_steps))
+    monkeypatch.setattr(trainer_mod, "compile_unavailable", lambda device: None)
+    plan = Plan("fp32", 4, 8, activation_checkpointing=True, compile=True, compile_scope="model")
+
+    def fit(folder, resume=None):
+        w = Workload(tiny_bert(dropout=0.1), SyntheticBatches(48, seq_len=16, pad_multiple=8), None, 8)
+        warmup.warm_compiled_plan(w, plan, 2**30)
+        cfg = TrainConfig(checkpoint_dir=str(folder), checkpoint_every=2, max_steps=6, keep_last=10, lr=1e-3, seed=3,
+                          log_every=1, prefetch=False)
+        losses = {}
+        trainer = Trainer(w, plan, cfg, progress=False,
+                          log=lambda r: losses.update({r["step"]: r["loss"]}) if r["type"] == "train" else None)
+        if resume:
+            trainer.resume(resume)
+        trainer.fit()
+        return trainer, losses
+
+    torch._dynamo.reset()
+    try:
+        full, full_losses = fit(tmp_path / "full")
+        torch._dynamo.reset()  # a new process: nothing compiled
+        resumed, rest = fit(tmp_path / "resumed", resume=tmp_path / "full" / "ckpt-2")
+    finally:
+        torch._dynamo.reset()
+    assert rest == {k: v for k, v in full_losses.items() if k > 2}
+    a, b = full.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_training_returns_only_once_its_last_checkpoint_is_in_place(make_workload, tmp_path, monkeypatch):
     import time as clock
 
