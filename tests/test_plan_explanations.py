@@ -380,6 +380,42 @@ def test_the_runner_up_optimizer_is_timed_and_kept_when_faster_for_real(monkeypa
         assert plan.reasons[0].startswith("optimizer adamw8bit"), plan.reasons
 
 
+def test_candidates_predicted_too_slow_to_win_are_not_timed(monkeypatch):
+    """BERT-large at 4 GiB on an NVIDIA H200: CPU offload candidates predicted at 0.26 of the winner
+    were verified anyway, and the runner-up optimizer's too (~15 s of probes). Predictions err by at
+    most 2.8x relative to each other in bench/results: a candidate, or the runner-up optimizer's
+    best, predicted below VERIFY_MIN_SHARE of the fastest measured one's prediction is not timed,
+    and the reasons say so; one just above it is timed."""
+    import tightfit.planner.gpu as gpu
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate, SearchResult
+
+    E, n = 64, 4
+    share = gpu.VERIFY_MIN_SHARE
+    slow = share * 1000.0 - 1  # just below the share: not timed
+    fp32 = SearchResult(Candidate("bf16", 8, (), 8, 900, 900, {}, slow, "its; optimizer adamw, fp32 state",
+                                  optimizer="adamw"), [], 10**9, E, n, 0.1)
+    best = Candidate("bf16", 64, (), 1, 900, 900, {}, 1000.0, "fastest; optimizer adamw8bit, 8-bit",
+                     optimizer="adamw8bit")
+    near = Candidate("bf16", 32, (), 2, 900, 900, {}, share * 1000.0 + 1, "slower", optimizer="adamw8bit")
+    far = Candidate("bf16", 22, (0, 1), 3, 900, 900, {}, slow, "far slower", optimizer="adamw8bit")
+    result = SearchResult(best, [near, far], 10**9, E, n, 0.1, other_optimizers=(fp32,))
+    probed = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        probed.append((optimizer, mb))
+        return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (800.0 * math.ceil(E / mb)), 1)
+
+    w = _eager_planner_with_fakes(monkeypatch, lambda *a, **k: result, fake_probe, E)
+    plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="off")
+    assert ("adamw8bit", 32) in probed  # near: timed
+    assert ("adamw8bit", 22) not in probed and ("adamw", 8) not in probed, probed  # far and the runner-up: not
+    assert f"not timed, predicted below {share:.2f} of the fastest verified candidate's prediction: {far.label()}" \
+        in plan.reasons, plan.reasons
+    line = [r for r in plan.reasons if r.startswith("the runner-up optimizer adamw")]
+    assert len(line) == 1 and "not timed" in line[0] and line[0].endswith("adamw8bit kept"), plan.reasons
+
+
 def test_a_budget_below_the_model_state_agrees_with_its_offload_line(capsys):
     """The headline said offload needs at least 418.60 MiB (gradients freed once copied) while
     offload's own line counted its state alone: "still 535.29 MiB over" for the same 300 MiB.
