@@ -4,12 +4,17 @@ CUDA machine with bitsandbytes, torchao and peft importable:
 
     OUT=/some/folder python bench/optimizer_levers.py            # all three workloads
     OUT=... BENCH_WORKLOADS=bert-large-128@4GiB python bench/optimizer_levers.py
+    OUT=... TF_COMPILE=auto TF_STEPS=300 BENCH_SETTINGS=tightfit,no-budget python bench/optimizer_levers.py
+
+``TF_COMPILE``: the tightfit row's ``--compile`` (default ``off``, to keep the bench short; ``auto``
+plans as ``tightfit train`` does); ``TF_STEPS``: its timed steps (default 30); ``BENCH_SETTINGS``:
+the rows to run, of ``tightfit, bnb, torchao, offload, no-budget`` (default: all).
 
 Per workload (memory capped with ``torch.cuda.set_per_process_memory_fraction``), rows of
 ``tightfit bench``'s shape (:mod:`tightfit.bench.settings`):
 
 - ``tightfit``: :func:`tightfit.planner.gpu.plan_on_gpu` (``--optimizer auto``, compilation off
-  to keep the bench short), then ``TF_STEPS`` timed steps;
+  by default, ``TF_COMPILE``), then ``TF_STEPS`` timed steps;
 - ``by hand``: bitsandbytes' AdamW8bit, torchao's AdamW8bit and torchao's CPUOffloadOptimizer, each
   as the library ships it (:data:`BY_HAND_8BIT` swaps the 8-bit one into the runtime), bf16 with
   every block checkpointed at the largest batch whose probe step fits, no accumulation (what a user
@@ -56,7 +61,9 @@ from tightfit.planner.gpu import plan_on_gpu  # noqa: E402
 from tightfit.planner.probe import probe_step  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "bench-out"))
-STEPS, TF_STEPS, WARMUP = 10, 30, 3
+STEPS, WARMUP = 10, 3
+TF_STEPS = int(os.environ.get("TF_STEPS", "30"))
+TF_COMPILE = os.environ.get("TF_COMPILE", "off")
 
 
 def decoder_folder(root: Path, name: str, width: int, lm: bool, vocab: int = 50257) -> str:
@@ -147,7 +154,8 @@ def tightfit(w: BenchWorkload) -> dict:
     st.cap_memory(w.budget_bytes)
     wl = make_workload(w, w.effective_batch, w.effective_batch * TF_STEPS)
     t0 = time.perf_counter()
-    plan = plan_on_gpu(wl, detect(), w.budget_bytes, w.size, compile="off")
+    plan = plan_on_gpu(wl, detect(), w.budget_bytes, w.size, compile=TF_COMPILE,
+                       run_samples=w.effective_batch * TF_STEPS)
     planning = time.perf_counter() - t0
     row = {"setting": "tightfit", "optimizer": plan.optimizer, "planning_seconds": planning,
            "reasons": list(plan.reasons), "predicted_samples_per_s": plan.predicted_samples_per_s,
@@ -231,10 +239,17 @@ def write(results: dict) -> None:
     (OUT / "optimizer_levers.md").write_text("\n".join(lines) + "\n")
 
 
+SETTINGS = ("tightfit", "bnb", "torchao", "offload", "no-budget")  # the rows, in the order they run
+
+
 def main() -> None:
     t_start = time.perf_counter()
     root = Path(tempfile.mkdtemp())
     chosen = os.environ.get("BENCH_WORKLOADS")
+    wanted = os.environ.get("BENCH_SETTINGS")
+    unknown = set(wanted.split(",")) - set(SETTINGS) if wanted else set()
+    if unknown:
+        raise SystemExit(f"BENCH_SETTINGS: unknown {', '.join(sorted(unknown))} (of {', '.join(SETTINGS)})")
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "workloads": {}}
     try:
         results["rates"] = machine_rates()
@@ -245,9 +260,13 @@ def main() -> None:
         if chosen and w.name not in chosen.split(","):
             continue
         rows = results["workloads"].setdefault(w.name, [])
-        for run in (lambda: [tightfit(w)], lambda: [by_hand(w, "adamw8bit", "bitsandbytes")],
-                    lambda: [by_hand(w, "adamw8bit", "torchao")], lambda: [by_hand(w, "adamw-offload", "torchao")],
-                    lambda: st.no_budget(w, STEPS, WARMUP, precisions=("bf16",))):
+        settings = {"tightfit": lambda: [tightfit(w)], "bnb": lambda: [by_hand(w, "adamw8bit", "bitsandbytes")],
+                    "torchao": lambda: [by_hand(w, "adamw8bit", "torchao")],
+                    "offload": lambda: [by_hand(w, "adamw-offload", "torchao")],
+                    "no-budget": lambda: st.no_budget(w, STEPS, WARMUP, precisions=("bf16",))}
+        for name, run in settings.items():
+            if wanted and name not in wanted.split(","):
+                continue
             try:
                 rows += run()
             except Exception as e:  # keep going: one setting's failure is a result too
