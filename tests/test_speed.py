@@ -577,11 +577,18 @@ def test_a_resumed_run_compiles_its_plan_before_training(tmp_path, monkeypatch):
     warmed = []
     monkeypatch.setattr(warmup, "warm_compiled_plan", lambda w, plan, budget: warmed.append(plan) or 2.5)
     api.train(api.TrainRequest(**common, max_steps=4, checkpoint_every=2, out=str(run)))
-    assert warmed == []  # a fresh plan: the planner compiled what it compiled
     recipe = api.TrainRecipe(api.TrainRequest(**common, resume=str(run)))
     recipe.setup()
+    assert warmed == []  # on the CPU nothing is compiled
+    recipe.device = "cuda"  # as on a GPU (the CPU cannot run the rest of _plan)
+    recipe._compile_before_training()
     assert [p.to_dict() for p in warmed] == [recipe.plan.to_dict()]  # the checkpoint's plan, warmed once
     assert recipe.plan_timings["compile_s"] == 2.5  # and its time shown as compilation
+    fresh = api.TrainRecipe(api.TrainRequest(**common, max_steps=4, out=str(tmp_path / "fresh")))
+    fresh.setup()
+    fresh.device = "cuda"
+    fresh._compile_before_training()
+    assert len(warmed) == 1  # a fresh plan: the planner compiled what it compiled
 
 
 def test_a_resumed_run_reports_against_the_first_runs_predicted_and_probed_speeds(tmp_path, monkeypatch):

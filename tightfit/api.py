@@ -387,21 +387,27 @@ class TrainRecipe:
             self.plan = replace(self.plan, **trainable_fields(self.model))
         self.planning_s = time.perf_counter() - t_plan
         cached = self.plan_timings.get("cached", False)
-        # a plan from the cache or the checkpoint compiled nothing in this process: compile now, at
-        # the worst case and another length, what the first run's planning compiled, so that the
-        # run's first batches do not recompile the model (a resumed BERT-large spent 273 s there)
         if self.resume_from is not None:  # the first run's predicted and probed speeds, for the summary
             from .report.metrics import planned_speeds
 
             self.plan_timings.update(planned_speeds(self.out / "metrics.jsonl"))
-        if (cached or self.resume_from is not None) and not self.world.distributed:
-            from .planner.warmup import warm_compiled_plan
-
-            self.plan_timings["compile_s"] = warm_compiled_plan(self.workload, self.plan, self.budget)
+        self._compile_before_training()
         log.info("plan:" + (" (from the checkpoint)" if self.resume_from else " (from the plan cache)" if cached
                             else "") + f" planning took {self.planning_s:.1f} s")
         for line in plan_lines(self.plan):
             log.info(f"  {line}")
+
+    def _compile_before_training(self) -> None:
+        """A plan from the plan cache or from the checkpoint compiled nothing in this process:
+        compile now, at the worst case and another length, what the first run's planning
+        compiled, so that the run's first batches do not compile the model (a resumed BERT-large
+        spent 273 s there). On one GPU only: compilation runs on CUDA, and several ranks would
+        each compile alone. Sets ``plan_timings["compile_s"]``."""
+        cached = self.plan_timings.get("cached", False)
+        if (cached or self.resume_from is not None) and self.device == "cuda" and not self.world.distributed:
+            from .planner.warmup import warm_compiled_plan
+
+            self.plan_timings["compile_s"] = warm_compiled_plan(self.workload, self.plan, self.budget)
 
     def _choose_plan(self):
         """The planner's plan: the search on a GPU (``--planner search``), the first prober
