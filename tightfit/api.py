@@ -103,7 +103,7 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
 
     Raises:
         TightfitError: unknown profile, unreadable budget, no GPU for ``--device cuda``, or a
-            budget larger than the card.
+            budget larger than the card (the ``--gpu`` card's, or the local one).
     """
     import torch
 
@@ -111,6 +111,9 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
     notes = []
     profile = get_profile(p.gpu) if p.gpu else None
     budget = parse_budget(p.budget) if p.budget else None
+    if profile and budget and budget > profile.total_bytes:  # as `tightfit plan` refuses it, GPU or not
+        raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
+                            f"of the {profile.name}")
     if p.device == "cuda" and not torch.cuda.is_available():
         raise TightfitError(f"{option_given('device', 'cuda')}, but no CUDA GPU is visible")
     if not torch.cuda.is_available() or p.device == "cpu":

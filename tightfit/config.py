@@ -355,7 +355,7 @@ class WorkloadOptions(_Options):
 
     def _check_together(self) -> None:
         """``--model`` and ``--data``, when given, are not empty (``""`` would silently become the
-        shipped model or data). (That columns are named only for a data file is checked by
+        shipped model or data); the label column is not also the text or image column. (That columns are named only for a data file is checked by
         :meth:`check_columns`, once a resumed run's own ``--data`` is known.)"""
         for name, value, what, default in (
                 ("model", self.model, "a model name or folder", "the shipped all-MiniLM-L6-v2"),
@@ -363,6 +363,11 @@ class WorkloadOptions(_Options):
             if value is not None and not str(value).strip():
                 flag = self._name(name)
                 raise TightfitError(f"{flag} is empty: give {what}, or leave {flag} out for {default}")
+        for other in ("text_column", "image_column"):  # the label would be the input: a model that learns nothing
+            if getattr(self, other) == self.label_column:
+                raise TightfitError(f"{self._name(other)} and {self._name('label_column')} name the same column "
+                                    f"{self.label_column!r}: the label would be the input; name the column "
+                                    f"that holds the {other.split('_')[0]}")
 
     def check_columns(self) -> None:
         """Columns are named only for a ``--data`` file: :class:`TrainRequest` checks this for a new
@@ -418,6 +423,20 @@ class PlanOptions(_Options):
                                     "8-bit state, state on the CPU, or bf16 weights with 8-bit state and stochastically "
                                     "rounded updates (bitsandbytes, torchao; default: {default}, the levers only where fp32 "
                                     "state fits nothing or they are predicted faster)", choices=OPTIMIZER_CHOICES)
+
+    def _check_together(self) -> None:
+        """``budget``, when given, reads as a memory size (:func:`~tightfit.units.parse_budget`): the
+        Python API refuses a bad one when the request is made, naming its keyword."""
+        if self.budget is None:
+            return
+        from .units import parse_budget
+
+        try:
+            parse_budget(self.budget)
+        except TightfitError as e:
+            flag, message = self._name("budget"), str(e)
+            raise TightfitError(message.replace("--budget", flag, 1) if "--budget" in message
+                                else f"{option_given('budget', self.budget)}: {message}") from None
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,9 @@ def run(args) -> int:
         warnings = check_precision(args.precision, profile)  # raises e.g. for bf16 below compute capability 8.0
     for w in warnings:  # e.g. fp16 without tensor cores, noted as `tightfit plan` notes it
         print(f"note: {w}", file=sys.stderr if args.json else sys.stdout)
+    from ..config import WorkloadOptions, check_option
+
+    check_option(WorkloadOptions, "image_size", args.image_size)  # train's bound: 0 is no multiple of a patch
     model, make_batch = build_model(args.model, attn_implementation=args.attention, image_size=args.image_size)
     for n in make_batch.notes:  # e.g. the padding token a GPT-style classifier's config lacks
         print(f"note: {n}", file=sys.stderr if args.json else sys.stdout)

@@ -1,0 +1,57 @@
+"""Faults a fresh user found (session 33): a budget over the --gpu card's memory, a bad budget
+in the Python API, the label column given as the text column, an image size of 0 in `estimate`."""
+
+import pytest
+
+from tightfit.cli import main
+from tightfit.errors import TightfitError
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_train_refuses_a_budget_over_the_gpu_cards_memory_as_plan_does(tmp_path, capsys):
+    """`plan --gpu t4 --budget 100GiB` was refused; `train` with the same options trained on the CPU."""
+    out = tmp_path / "run"
+    assert main(["train", "--gpu", "t4", "--budget", "100GiB", "--max-steps", "1", "--out", str(out),
+                 "--no-progress"]) == 2
+    assert _error(capsys) == "tightfit: error: budget 100.00 GiB is more than the 15.00 GiB of the NVIDIA Tesla T4"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("budget, message", [
+    ("4XB", "budget='4XB': cannot read memory size '4XB'"),
+    (-5, "budget=-5: memory size must be positive"),
+])
+def test_the_python_api_refuses_a_bad_budget_when_the_request_is_made(budget, message):
+    from tightfit.api import TrainRequest
+
+    with pytest.raises(TightfitError, match=message.replace("(", r"\(")):
+        TrainRequest(budget=budget)
+    TrainRequest(budget="4GiB")  # a good one passes
+
+
+def test_the_command_line_names_the_budget_it_cannot_read(capsys):
+    assert main(["train", "--budget", "4XB", "--no-progress"]) == 2
+    assert _error(capsys).startswith("tightfit: error: --budget 4XB: cannot read memory size '4XB'")
+
+
+@pytest.mark.parametrize("flags", [["--text-column", "label"], ["--text-column", "y", "--label-column", "y"]])
+def test_the_label_column_cannot_also_be_the_text_column(tmp_path, capsys, flags):
+    """The label trained as its own text: a complete leak, with no note."""
+    data = tmp_path / "d.csv"
+    data.write_text("text,label\n" + "".join(f"word {i},{i % 2}\n" for i in range(40)))
+    assert main(["train", "--data", str(data), *flags, "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    col = flags[-1]
+    assert _error(capsys) == (f"tightfit: error: --text-column and --label-column name the same column {col!r}: "
+                              "the label would be the input; name the column that holds the text")
+    assert not (tmp_path / "run").exists()
+
+
+def test_estimate_refuses_an_image_size_of_0_as_train_does(capsys):
+    """`estimate --image-size 0` said "use a multiple of 16, e.g. 16" (0 is one)."""
+    assert main(["estimate", "--model", "vit-b16", "--image-size", "0", "--micro-batch", "2"]) == 2
+    assert "--image-size" in (line := _error(capsys)) and "multiple" not in line, line
