@@ -6,6 +6,7 @@ delivered-against-predicted report."""
 import json
 import math
 import random
+import shutil
 import threading
 from dataclasses import replace
 from types import SimpleNamespace
@@ -589,6 +590,30 @@ def test_a_resumed_run_compiles_its_plan_before_training(tmp_path, monkeypatch):
     fresh.device = "cuda"
     fresh._compile_before_training()
     assert len(warmed) == 1  # a fresh plan: the planner compiled what it compiled
+
+
+def test_a_resumed_runs_times_are_the_whole_runs(tmp_path):
+    """After a resume, summary.json mixed whole-run figures (steps, train_seconds) with the resumed
+    session's alone (wall_seconds under train_seconds, checkpoint times of the last session only,
+    planning the read-back of the plan). The checkpoint carries the earlier sessions' wall and
+    checkpoint times, and the first run's planning time is reported, said to be the first run's."""
+    import tightfit.api as api
+
+    run, common = tmp_path / "run", _tiny_cpu_job(tmp_path)
+    api.train(api.TrainRequest(**common, max_steps=4, checkpoint_every=2, out=str(run)))
+    first = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()  # as if stopped after step 2's checkpoint
+    shutil.rmtree(run / "checkpoints" / "ckpt-4")
+    state = torch.load(run / "checkpoints" / "ckpt-2" / "state.pt", weights_only=True)
+    carried = state["counters"]
+    assert carried["wall_seconds"] >= carried["train_seconds"] > 0 and carried["checkpoint_seconds"] >= 0
+    api.train(api.TrainRequest(**common, resume=str(run)))
+    second = json.loads((run / "summary.json").read_text())
+    assert second["wall_seconds"] >= second["train_seconds"] + carried["wall_seconds"] - carried["train_seconds"]
+    assert second["speed"]["checkpoint_write_seconds"] >= carried["checkpoint_write_seconds"]
+    assert second["speed"]["planning_seconds"] == first["speed"]["planning_seconds"]
+    assert second["speed"]["plan_from_checkpoint"] and not first["speed"]["plan_from_checkpoint"]
+    assert "(the first run's; this run took its plan from the checkpoint)" in (run / "report.md").read_text()
 
 
 def test_a_resumed_run_reports_against_the_first_runs_predicted_and_probed_speeds(tmp_path, monkeypatch):

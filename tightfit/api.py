@@ -476,6 +476,7 @@ class TrainRecipe:
         self.trainer = Trainer(self.workload, self.plan, cfg, log=self.records.append,
                                progress=self.req.run.progress and self.world.is_main,
                                profile=self.profile if self.device == "cuda" else None, world=self.world)
+        self.trainer.wall_start = self.t_start  # the run's wall time, which checkpoints carry, counts planning
         if self.resume_from is not None:  # verified by _resume_request, its state read by _choose_plan (on rank 0)
             self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
         elif self.device == "cuda" and self.plan.sharding == "fsdp":  # the estimator's micro-batch, run once
@@ -598,16 +599,16 @@ class TrainRecipe:
         out, health = self.out, self.trainer.health
         self._weights = self._gathered_weights()  # a collective under FSDP2: every rank takes part
         if not self.world.is_main:  # rank 0 writes the model, the report and the summary
-            return RunSummary.of_run(result, self._run_info(), self.planning_s, time.perf_counter() - self.t_start,
+            return RunSummary.of_run(result, self._run_info(), self._planning_seconds(), self._wall_seconds(),
                                      health.status if health else None)
         atomic_write_dir(out / "model", self._save_model)
         info = self._run_info()
         if result.plan != self.plan:
             atomic_write_json(out / "plan.json", result.plan.to_dict())
-        speed = speed_record(result, self.planning_s, self.plan_timings)
+        speed = speed_record(result, self._planning_seconds(), self.plan_timings)
         atomic_write_text(out / "report.md", report_markdown(result.plan, result, info, speed))
         plot_run(out, self.trainer.memory_timeline, self.budget if self.device == "cuda" else None)
-        summary = RunSummary.of_run(result, info, self.planning_s, time.perf_counter() - self.t_start,
+        summary = RunSummary.of_run(result, info, self._planning_seconds(), self._wall_seconds(),
                                     health.status if health else None, speed)
         atomic_write_json(out / "summary.json", summary.to_dict())
         log.info("summary:")
@@ -616,6 +617,16 @@ class TrainRecipe:
         files = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
         log.info(f"run folder: {out} ({', '.join(files)})")
         return summary
+
+    def _wall_seconds(self) -> float:
+        """The whole run's wall time: this process's, plus, on resume, the earlier sessions' up to
+        the checkpoint resumed (the checkpoint carries it, as it carries ``train_seconds``)."""
+        return time.perf_counter() - self.t_start + self.trainer.resumed_wall_seconds
+
+    def _planning_seconds(self) -> float:
+        """The planning the run's plan took: this process's, or on resume the first run's (its
+        plan record in ``metrics.jsonl``; this process only read the plan back)."""
+        return self.plan_timings.get("first_planning_s", self.planning_s)
 
     def _save_model(self, folder: Path) -> None:
         """Write the trained weights (:meth:`_save_weights`) and the tokenizer into ``folder``."""

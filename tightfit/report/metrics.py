@@ -79,7 +79,8 @@ PLANNED_SPEEDS = ("predicted_samples_per_s", "probed_samples_per_s")
 
 def planned_speeds(path: str | Path) -> dict:
     """The planner's speeds (:data:`PLANNED_SPEEDS`, samples/s) from the ``planned_speeds`` of the
-    first run's plan record in ``metrics.jsonl`` (the record without ``resumed_from``), for a resumed run's summary: its
+    first run's plan record in ``metrics.jsonl`` (the record without ``resumed_from``), and its
+    ``planning_seconds`` as ``first_planning_s``, for a resumed run's summary: its
     plan comes from the checkpoint and is not timed again. Empty when the file, the record or the
     figures are missing (an older run, or a CPU run); unreadable lines are skipped."""
     path = Path(path)
@@ -93,5 +94,8 @@ def planned_speeds(path: str | Path) -> dict:
         if isinstance(record, dict) and record.get("type") == "plan" and not record.get("resumed_from"):
             speeds = record.get("planned_speeds")
             speeds = speeds if isinstance(speeds, dict) else {}
-            return {k: speeds[k] for k in PLANNED_SPEEDS if isinstance(speeds.get(k), (int, float))}
+            found = {k: speeds[k] for k in PLANNED_SPEEDS if isinstance(speeds.get(k), (int, float))}
+            if isinstance(record.get("planning_seconds"), (int, float)):
+                found["first_planning_s"] = record["planning_seconds"]
+            return found
     return {}

@@ -45,14 +45,14 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
 
     Args:
         result: the trainer's :class:`~tightfit.runtime.trainer.TrainResult`.
-        planning_seconds: wall time of planning in this process (seconds).
+        planning_seconds: wall time of the planning of the run's plan (seconds; on resume the first run's).
         timings: the planner's record (:func:`tightfit.planner.gpu.plan_on_gpu`'s ``timings``,
             or the plan cache's: ``cached``, ``predicted_samples_per_s``, ``probed_samples_per_s``,
             ``compile_s``, ...).
 
     Returns:
         ``{"predicted_samples_per_s", "probed_samples_per_s", "steady_samples_per_s",
-        "whole_run_samples_per_s", "steady_vs_probed", "planning_seconds", "plan_cached",
+        "whole_run_samples_per_s", "steady_vs_probed", "planning_seconds", "plan_cached", "plan_from_checkpoint",
         "compile_seconds", "eval_seconds", "checkpoint_seconds", "checkpoint_write_seconds"}``
         (figures not known are None; samples/s, seconds).
     """
@@ -66,6 +66,7 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
         "steady_vs_probed": steady / probed if steady and probed else None,
         "planning_seconds": planning_seconds,
         "plan_cached": bool(timings.get("cached")),
+        "plan_from_checkpoint": "first_planning_s" in timings,
         "compile_seconds": timings.get("compile_s"),
         "eval_seconds": result.eval_seconds,
         "checkpoint_seconds": result.checkpoint_seconds,
@@ -88,7 +89,9 @@ def speed_rows(speed: dict) -> list[tuple[str, str]]:
                           f"whole run")]
     if speed.get("steady_vs_probed"):
         rows.append(("steady / probed", f"{speed['steady_vs_probed']:.2f}"))
-    plan = f"{speed['planning_seconds']:.1f} s" + (" (plan from the cache)" if speed["plan_cached"] else "")
+    plan = f"{speed['planning_seconds']:.1f} s" + (" (plan from the cache)" if speed["plan_cached"] else
+                                                   " (the first run's; this run took its plan from the checkpoint)"
+                                                   if speed.get("plan_from_checkpoint") else "")
     if speed.get("compile_seconds"):
         plan += f", compilation {speed['compile_seconds']:.1f} s"
     rows.append(("time: planning", plan))

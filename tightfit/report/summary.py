@@ -92,7 +92,8 @@ class RunSummary:
         accuracy, eval_loss: the last held-out evaluation (None: none ran).
         majority_accuracy: held-out accuracy of the most common class.
         samples_per_s, steps, train_samples, train_seconds: the training loop's pace and length.
-        planning_seconds: time spent planning; wall_seconds: the whole run's time.
+        planning_seconds: time spent planning (on resume: the first run's); wall_seconds: the whole run's
+            time (on resume: every session's up to the checkpoint resumed, then this one's).
         peak_allocated_bytes, peak_reserved_bytes: CUDA peaks (None on the CPU).
         peak_rss_bytes: peak host memory (CPU runs).
         budget_bytes: the memory budget.

@@ -286,6 +286,12 @@ class Trainer:
         self._stop_note: str | None = None  # a stop signal's note, not yet in the metrics
         self._writer = None  # the CheckpointWriter, made at the first checkpoint
         self._listed_modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
+        # whole-run times a checkpoint carries over a resume (train_seconds is in the result):
+        # the process's start (the caller may set it earlier, to count planning), the earlier
+        # sessions' wall time, and the checkpoint times they counted (held, writing), seconds
+        self.wall_start = time.perf_counter()
+        self.resumed_wall_seconds = 0.0
+        self._checkpoint_base = (0.0, 0.0)
         self._train_modes: list[tuple[torch.nn.Module, bool]] | None = None  # their training modes, set by fit()
 
     # ---------------------------------------------------------------- the loop
@@ -675,7 +681,9 @@ class Trainer:
             "scaler": self.scaler.state_dict(), "rng": capture_rng(),
             "counters": {"samples": r.samples, "skipped_steps": r.skipped_steps, "oom_recoveries": r.oom_recoveries,
                          "train_seconds": r.train_seconds, "final_loss": r.final_loss,
-                         "skipped_in_row": self._skipped_in_row, "clean_windows": self._clean_windows},
+                         "skipped_in_row": self._skipped_in_row, "clean_windows": self._clean_windows,
+                         **dict(zip(("checkpoint_seconds", "checkpoint_write_seconds"), self._checkpoint_times())),
+                         "wall_seconds": self.resumed_wall_seconds + time.perf_counter() - self.wall_start},
         }
 
     def save_checkpoint(self, background: bool = False) -> str:
@@ -717,8 +725,15 @@ class Trainer:
             try:
                 self._writer.flush()
             finally:
-                self.result.checkpoint_seconds = self._writer.blocked_seconds
-                self.result.checkpoint_write_seconds = self._writer.write_seconds
+                self.result.checkpoint_seconds, self.result.checkpoint_write_seconds = self._checkpoint_times()
+
+    def _checkpoint_times(self) -> tuple[float, float]:
+        """Seconds checkpoints held the loop and spent writing, over the whole run so far (the
+        earlier sessions' from the checkpoint resumed, plus this process's writer's)."""
+        if self._writer is None:  # none written here yet (or written by several ranks, counted as they went)
+            return self.result.checkpoint_seconds, self.result.checkpoint_write_seconds
+        held, writing = self._checkpoint_base
+        return held + self._writer.blocked_seconds, writing + self._writer.write_seconds
 
     def resume(self, path, state: dict | None = None, verified: bool = False) -> None:
         """Load a checkpoint written by :meth:`save_checkpoint`: weights, optimizer, loss scaler,
@@ -750,6 +765,10 @@ class Trainer:
         self.result.oom_recoveries, self.result.train_seconds = c["oom_recoveries"], c["train_seconds"]
         self.result.final_loss = c["final_loss"]
         self._skipped_in_row, self._clean_windows = c["skipped_in_row"], c["clean_windows"]
+        # the earlier sessions' times (absent from checkpoints of older versions: 0)
+        self._checkpoint_base = (c.get("checkpoint_seconds", 0.0), c.get("checkpoint_write_seconds", 0.0))
+        self.result.checkpoint_seconds, self.result.checkpoint_write_seconds = self._checkpoint_base
+        self.resumed_wall_seconds = c.get("wall_seconds", 0.0)
         if lr_changed:  # the run of non-finite steps belonged to the old learning rate
             self._skipped_in_row = 0
         restore_rng(state["rng"])
