@@ -1,6 +1,10 @@
 """Faults a fresh user found (session 33): a budget over the --gpu card's memory, a bad budget
 in the Python API, the label column given as the text column, an image size of 0 in `estimate`."""
 
+import json
+import random
+import shutil
+
 import pytest
 
 from tightfit.cli import main
@@ -55,3 +59,27 @@ def test_estimate_refuses_an_image_size_of_0_as_train_does(capsys):
     """`estimate --image-size 0` said "use a multiple of 16, e.g. 16" (0 is one)."""
     assert main(["estimate", "--model", "vit-b16", "--image-size", "0", "--micro-batch", "2"]) == 2
     assert "--image-size" in (line := _error(capsys)) and "multiple" not in line, line
+
+
+def test_an_option_given_anew_on_resume_is_in_the_reports_events(tmp_path):
+    """A new --lr on resume was used, but report.md and summary.json showed only the first
+    command (lr 5e-5) and request.json was overwritten: nothing said step 1 ran at another rate."""
+    from conftest import tiny_text_model_folder
+
+    words = ["good", "bad", "great", "awful", "fine", "film", "plot"]
+    model = tiny_text_model_folder(tmp_path, words, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=64)
+    rng = random.Random(0)
+    rows = ["text,label"] + [f"{' '.join(rng.choices(words, k=5))},{rng.choice(['pos', 'neg'])}" for _ in range(60)]
+    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(model), "--data", str(tmp_path / "d.csv"), "--batch-size", "8",
+                 "--max-steps", "4", "--checkpoint-every", "2", "--seq-len", "16", "--device", "cpu",
+                 "--out", str(run), "--no-progress"]) == 0
+    (run / "summary.json").unlink()  # as if stopped after step 2's checkpoint
+    shutil.rmtree(run / "checkpoints" / "ckpt-4")
+    assert main(["train", "--resume", str(run), "--lr", "0.001", "--no-progress"]) == 0
+    line = "options given anew: --lr 0.001 (was 5e-05)"
+    assert f"- {line}" in (run / "report.md").read_text()
+    events = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["type"] == "event" and r["message"] == line for r in events)

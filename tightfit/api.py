@@ -479,6 +479,9 @@ class TrainRecipe:
         self.trainer.wall_start = self.t_start  # the run's wall time, which checkpoints carry, counts planning
         if self.resume_from is not None:  # verified by _resume_request, its state read by _choose_plan (on rank 0)
             self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
+            if self.changed:  # in the report's events: request.json now holds only the new values
+                self.trainer.event("options given anew: " + ", ".join(
+                    f"{option_given(k, new)} (was {old})" for k, (old, new) in self.changed.items()))
         elif self.device == "cuda" and self.plan.sharding == "fsdp":  # the estimator's micro-batch, run once
             from .planner.fsdp_probe import verify_micro_batch
 

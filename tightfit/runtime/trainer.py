@@ -859,6 +859,10 @@ class Trainer:
         return paused
 
     # ---------------------------------------------------------------- logging
+    def event(self, message: str) -> None:
+        """Record ``message`` as one of the run's events (``metrics.jsonl``, the report), and show it."""
+        self._event(message)
+
     def _event(self, message: str, show: bool = True) -> None:
         self.result.events.append(message)
         self.log({"type": "event", "step": self.step, "message": message})
