@@ -1,6 +1,8 @@
 """Shared test helpers: a tiny random BERT and synthetic token batches, so unit tests run in
 seconds on a CPU; the end-to-end tests use the real shipped model and data."""
 
+import random
+
 import pytest
 
 from tightfit.runtime.allocator import configure_allocator
@@ -104,6 +106,19 @@ def tiny_text_model_folder(root, words, **config):
     BertForSequenceClassification(BertConfig(vocab_size=len(vocab), **config)).save_pretrained(model_dir)
     BertTokenizerFast(vocab=str(root / "vocab.txt")).save_pretrained(model_dir)  # transformers 5 ignores vocab_file=
     return model_dir
+
+
+def tiny_cpu_job(tmp_path) -> dict:
+    """TrainRequest fields of a small CPU job: a 2-layer BERT folder (``tmp_path/model``) and 60
+    labelled texts (``tmp_path/data.csv``)."""
+    words = ["good", "bad", "great", "awful", "fine", "film", "plot"]
+    model_dir = tiny_text_model_folder(tmp_path, words, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64)
+    rng = random.Random(0)
+    rows = ["text,label"] + [f"{' '.join(rng.choices(words, k=5))},{rng.choice(['pos', 'neg'])}" for _ in range(60)]
+    (tmp_path / "data.csv").write_text("\n".join(rows) + "\n")
+    return dict(model=str(model_dir), data=str(tmp_path / "data.csv"), batch_size=8, seq_len=16, device="cpu",
+                progress=False)
 
 
 def shipped_model_reviews():

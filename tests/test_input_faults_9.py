@@ -2,7 +2,6 @@
 in the Python API, the label column given as the text column, an image size of 0 in `estimate`."""
 
 import json
-import random
 import shutil
 
 import pytest
@@ -64,16 +63,11 @@ def test_estimate_refuses_an_image_size_of_0_as_train_does(capsys):
 def test_an_option_given_anew_on_resume_is_in_the_reports_events(tmp_path):
     """A new --lr on resume was used, but report.md and summary.json showed only the first
     command (lr 5e-5) and request.json was overwritten: nothing said step 1 ran at another rate."""
-    from conftest import tiny_text_model_folder
+    from conftest import tiny_cpu_job
 
-    words = ["good", "bad", "great", "awful", "fine", "film", "plot"]
-    model = tiny_text_model_folder(tmp_path, words, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                   intermediate_size=64, max_position_embeddings=64)
-    rng = random.Random(0)
-    rows = ["text,label"] + [f"{' '.join(rng.choices(words, k=5))},{rng.choice(['pos', 'neg'])}" for _ in range(60)]
-    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    job = tiny_cpu_job(tmp_path)
     run = tmp_path / "run"
-    assert main(["train", "--model", str(model), "--data", str(tmp_path / "d.csv"), "--batch-size", "8",
+    assert main(["train", "--model", job["model"], "--data", job["data"], "--batch-size", "8",
                  "--max-steps", "4", "--checkpoint-every", "2", "--seq-len", "16", "--device", "cpu",
                  "--out", str(run), "--no-progress"]) == 0
     (run / "summary.json").unlink()  # as if stopped after step 2's checkpoint

@@ -5,7 +5,6 @@ delivered-against-predicted report."""
 
 import json
 import math
-import random
 import shutil
 import threading
 from dataclasses import replace
@@ -15,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SyntheticBatches, tiny_bert, tiny_text_model_folder
+from conftest import SyntheticBatches, tiny_bert, tiny_cpu_job, tiny_text_model_folder
 from tightfit.levers.blocks import find_blocks
 from tightfit.plan import Plan
 
@@ -538,23 +537,11 @@ def test_checkpoints_reuse_one_set_of_host_buffers(tmp_path):
     assert writer.host_bytes == sum(t.numel() * t.element_size() for t in tensors)  # one copy of everything
 
 
-def _tiny_cpu_job(tmp_path) -> dict:
-    """TrainRequest fields of a small CPU job: a 2-layer BERT folder and 60 labelled texts."""
-    words = ["good", "bad", "great", "awful", "fine", "film", "plot"]
-    model_dir = tiny_text_model_folder(tmp_path, words, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                       intermediate_size=64, max_position_embeddings=64)
-    rng = random.Random(0)
-    rows = ["text,label"] + [f"{' '.join(rng.choices(words, k=5))},{rng.choice(['pos', 'neg'])}" for _ in range(60)]
-    (tmp_path / "data.csv").write_text("\n".join(rows) + "\n")
-    return dict(model=str(model_dir), data=str(tmp_path / "data.csv"), batch_size=8, seq_len=16, device="cpu",
-                progress=False)
-
-
 def test_resume_reads_and_hashes_the_checkpoint_once(tmp_path, monkeypatch):
     import tightfit.api as api
     import tightfit.runtime.checkpoint as ckpt
 
-    run, common = tmp_path / "run", _tiny_cpu_job(tmp_path)
+    run, common = tmp_path / "run", tiny_cpu_job(tmp_path)
     api.train(api.TrainRequest(**common, max_steps=4, checkpoint_every=2, out=str(run)))
     hashed, loaded = [], []
     sha, load = ckpt.sha256_file, torch.load
@@ -574,7 +561,7 @@ def test_a_resumed_run_compiles_its_plan_before_training(tmp_path, monkeypatch):
     import tightfit.api as api
     import tightfit.planner.warmup as warmup
 
-    run, common = tmp_path / "run", _tiny_cpu_job(tmp_path)
+    run, common = tmp_path / "run", tiny_cpu_job(tmp_path)
     warmed = []
     monkeypatch.setattr(warmup, "warm_compiled_plan", lambda w, plan, budget: warmed.append(plan) or 2.5)
     api.train(api.TrainRequest(**common, max_steps=4, checkpoint_every=2, out=str(run)))
@@ -599,7 +586,7 @@ def test_a_resumed_runs_times_are_the_whole_runs(tmp_path):
     checkpoint times, and the first run's planning time is reported, said to be the first run's."""
     import tightfit.api as api
 
-    run, common = tmp_path / "run", _tiny_cpu_job(tmp_path)
+    run, common = tmp_path / "run", tiny_cpu_job(tmp_path)
     api.train(api.TrainRequest(**common, max_steps=4, checkpoint_every=2, out=str(run)))
     first = json.loads((run / "summary.json").read_text())
     (run / "summary.json").unlink()  # as if stopped after step 2's checkpoint
@@ -621,7 +608,7 @@ def test_a_resumed_run_reports_against_the_first_runs_predicted_and_probed_speed
     probed -". The first run's plan record carries them, and the resume reads them from there."""
     import tightfit.api as api
 
-    run, common = tmp_path / "run", _tiny_cpu_job(tmp_path)
+    run, common = tmp_path / "run", tiny_cpu_job(tmp_path)
     plan = api.TrainRecipe._plan
 
     def planned(self):  # as the GPU planner fills its timings
