@@ -58,13 +58,20 @@ VERIFY_MIN_SHARE = 0.35
 COMPILE_MIN_RUN_S = 60.0
 
 
+def _run_seconds_under(run_samples: int | None, samples_per_s: float, minimum_s: float) -> float | None:
+    """The predicted seconds of a run of ``run_samples`` samples at ``samples_per_s`` when under
+    ``minimum_s``; None when not, or when the run's length or speed is unknown."""
+    if not run_samples or samples_per_s <= 0:
+        return None
+    seconds = run_samples / samples_per_s
+    return seconds if seconds < minimum_s else None
+
+
 def too_short_to_compile(run_samples: int | None, eager_samples_per_s: float) -> str | None:
     """Why compiling does not pay for a run of ``run_samples`` samples at the verified eager
     ``eager_samples_per_s`` (None: it may; also when the run's length is unknown)."""
-    if not run_samples or eager_samples_per_s <= 0:
-        return None
-    seconds = run_samples / eager_samples_per_s
-    if seconds >= COMPILE_MIN_RUN_S:
+    seconds = _run_seconds_under(run_samples, eager_samples_per_s, COMPILE_MIN_RUN_S)
+    if seconds is None:
         return None
     return (f"the run is predicted to take {seconds:.0f} s at the verified eager speed "
             f"({format_rate(eager_samples_per_s)} samples/s), less than the {COMPILE_MIN_RUN_S:.0f} s that "
@@ -82,10 +89,8 @@ WHOLE_MODEL_MIN_RUN_S = 300.0
 def too_short_for_whole_model(run_samples: int | None, blocks_samples_per_s: float) -> str | None:
     """Why one whole-model graph is not tried for a run of ``run_samples`` samples at the compiled
     blocks' ``blocks_samples_per_s`` (None: it may be; also when the run's length is unknown)."""
-    if not run_samples or blocks_samples_per_s <= 0:
-        return None
-    seconds = run_samples / blocks_samples_per_s
-    if seconds >= WHOLE_MODEL_MIN_RUN_S:
+    seconds = _run_seconds_under(run_samples, blocks_samples_per_s, WHOLE_MODEL_MIN_RUN_S)
+    if seconds is None:
         return None
     return (f"one whole-model graph not tried: the run is predicted to take {seconds:.0f} s at the compiled "
             f"blocks' speed, less than the {WHOLE_MODEL_MIN_RUN_S:.0f} s that its compilation needs to repay it")

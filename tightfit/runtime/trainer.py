@@ -286,13 +286,13 @@ class Trainer:
         self._stop_note: str | None = None  # a stop signal's note, not yet in the metrics
         self._writer = None  # the CheckpointWriter, made at the first checkpoint
         self._listed_modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
+        self._train_modes: list[tuple[torch.nn.Module, bool]] | None = None  # their training modes, set by fit()
         # whole-run times a checkpoint carries over a resume (train_seconds is in the result):
         # the process's start (the caller may set it earlier, to count planning), the earlier
         # sessions' wall time, and the checkpoint times they counted (held, writing), seconds
         self.wall_start = time.perf_counter()
         self.resumed_wall_seconds = 0.0
         self._checkpoint_base = (0.0, 0.0)
-        self._train_modes: list[tuple[torch.nn.Module, bool]] | None = None  # their training modes, set by fit()
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
