@@ -178,6 +178,18 @@ def test_non_finite_step_is_skipped_then_a_run_of_them_stops_training(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_clean_train_after_a_stopped_one_does_not_raise_the_old_stop(tmp_path):
+    # the advice after a stop ("try a lower learning rate") invites a second train() on the same Trainer
+    cb = hf.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=2)
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=4, callback=cb)
+    nan = trainer.model.classifier.weight.register_hook(lambda g: g * float("nan"))
+    with pytest.raises(NonFiniteTrainingError):
+        hf.train(trainer)
+    nan.remove()  # the cause is fixed: the next train has finite steps only
+    hf.train(trainer)
+    assert cb.stop_reason is None and cb.skipped_steps == 2 and trainer.state.global_step == 4
+
+
 def test_shipped_model_trains_with_the_trainer(tmp_path):
     from transformers import AutoModelForSequenceClassification
 

@@ -120,6 +120,16 @@ def test_non_finite_steps_are_skipped_then_fit_stops():
         assert torch.equal(a, b)
 
 
+def test_a_second_fit_counts_its_own_non_finite_steps_in_a_row():
+    module = _Classifier()
+    module.bert.classifier.weight.register_hook(lambda g: g * float("nan"))
+    cb = tl.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=2)
+    for fits in (1, 2):  # the same callback in a second Trainer: again 2 skipped steps before it stops
+        with pytest.raises(NonFiniteTrainingError, match="2 steps in a row"):
+            _fit(Plan("fp32", 8, 8), module, steps=5, callback=cb)
+        assert cb.skipped_steps == 2 * fits
+
+
 def _out_of_memory_in_every_forward(module):
     def oom(m, args, kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")

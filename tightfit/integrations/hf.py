@@ -343,7 +343,9 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         self._in_train = False  # run by train(), which fixes the Trainer's loss scaling
 
     def on_train_begin(self, args, state, control, train_dataloader=None, model=None, **kwargs):
-        """Check the arguments against the plan; start the memory peaks and the health monitor."""
+        """Check the arguments against the plan; start the memory peaks and the health monitor.
+        A new ``train`` starts its own count of non-finite steps in a row, without the last one's stop."""
+        self.stop_reason, self._skipped_in_row = None, 0
         if self.plan is not None:
             self._check_arguments(args, train_dataloader)
         if not self._in_train and args.gradient_accumulation_steps > 1 and model is not None \

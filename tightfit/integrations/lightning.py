@@ -185,7 +185,9 @@ class TightfitCallback(Watch, L.Callback):
                         f"make the Trainer with trainer_arguments(plan)")
 
     def on_train_start(self, trainer, pl_module) -> None:
-        """Check the loader's batch against the plan's micro-batch; start the peaks and the health monitor."""
+        """Check the loader's batch against the plan's micro-batch; start the peaks and the health monitor.
+        A new ``fit`` starts its own count of non-finite steps in a row and of optimizer steps."""
+        self._skipped_in_row, self._last_step = 0, trainer.global_step
         batch = getattr(trainer.train_dataloader, "batch_size", None)
         if batch is not None and batch != self.plan.micro_batch:
             acc = trainer.accumulate_grad_batches
