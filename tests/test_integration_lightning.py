@@ -108,6 +108,13 @@ def test_callback_sets_accumulation_and_checkpointing_and_warns_on_precision_and
     assert "tightfit: your Trainer's accumulate_grad_batches" in caplog.text
 
 
+def test_a_fit_with_a_plan_without_checkpointing_turns_an_earlier_plans_off():
+    _, module, _ = _fit(Plan("fp32", 4, 4, activation_checkpointing=True), steps=1)
+    assert hf_hook_active(module.bert)
+    _fit(Plan("fp32", 4, 4), module, steps=1)
+    assert not hf_hook_active(module.bert)
+
+
 def test_non_finite_steps_are_skipped_then_fit_stops():
     module = _Classifier()
     start = [p.detach().clone() for p in module.parameters()]

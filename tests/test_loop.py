@@ -348,3 +348,18 @@ def test_a_token_mean_loss_split_into_micro_batches_keeps_the_whole_batch_gradie
     assert loss_m == pytest.approx(loss, rel=1e-5) and norm_m == pytest.approx(norm, rel=1e-4)
     for a, b in zip(weights, weights_m):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_plan_without_checkpointing_turns_the_first_plans_off():
+    # one model, two plans in turn (e.g. after a budget change): the step runs the plan it is given
+    from tightfit.levers.blocks import find_blocks
+    from tightfit.levers.checkpointing import hf_hook_active
+
+    model, batch = tiny_bert(), SyntheticBatches(8).worst_case(8)
+    tightfit.TrainStep(tightfit.plan(model, batch, checkpointing="on"), model)
+    assert hf_hook_active(model)
+    off = tightfit.plan(model, batch, checkpointing="off")
+    assert not off.activation_checkpointing
+    step = tightfit.TrainStep(off, model)
+    assert not hf_hook_active(model) and not any(hasattr(b, "_tightfit_forward") for b in find_blocks(model))
+    assert math.isfinite(step(batch).loss)

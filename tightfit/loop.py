@@ -411,8 +411,8 @@ class TrainStep:
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
         self.model = model
-        if plan.activation_checkpointing or plan.block_policies is not None:
-            set_activation_checkpointing(model, True, plan.checkpoint_blocks, plan.block_policies)
+        # on or off as planned: an earlier plan's checkpointing of the same model must not stay on
+        set_activation_checkpointing(model, plan.activation_checkpointing, plan.checkpoint_blocks, plan.block_policies)
         if optimizer is None:  # the plan's; adamw8bit-bf16 needs the model's weights in bf16 first
             from .levers.optimizers import cast_weights
 

@@ -170,11 +170,11 @@ class TightfitCallback(Watch, L.Callback):
         """Before ``fit``: checkpointing as planned, the plan's accumulation, checks of precision."""
         if stage != "fit":
             return
-        if self.plan.activation_checkpointing or self.plan.block_policies is not None:
-            from ..levers.checkpointing import set_activation_checkpointing
+        from ..levers.checkpointing import set_activation_checkpointing
 
-            set_activation_checkpointing(_checkpointable(pl_module), True, self.plan.checkpoint_blocks,
-                                         self.plan.block_policies)
+        # on or off as planned: an earlier plan's checkpointing of the same module must not stay on
+        set_activation_checkpointing(_checkpointable(pl_module), self.plan.activation_checkpointing,
+                                     self.plan.checkpoint_blocks, self.plan.block_policies)
         if trainer.accumulate_grad_batches != self.plan.accumulation_steps:
             self._event(f"your Trainer's accumulate_grad_batches={trainer.accumulate_grad_batches} replaced by the "
                         f"plan's {self.plan.accumulation_steps}")
