@@ -66,6 +66,10 @@ def add_parser(subparsers) -> None:
                                           "(forward, backward, optimizer step) by tracing it on meta tensors.")
     add_model_arguments(p)
     p.add_argument("--micro-batch", type=int, required=True, help="samples per forward/backward pass")
+    p.add_argument("--batch-size", type=int,
+                   help="effective batch: samples per optimizer step (default: the micro-batch); above it the "
+                        "step accumulates gradients over micro-batches, holding every gradient, as tightfit plan "
+                        "traces it")
     p.add_argument("--precision", default="fp32", help="fp32|fp16|bf16 (autocast; default fp32)")
     p.add_argument("--checkpointing", default="none",
                    help="none|all|comma-separated block indices (default none; off and on, as tightfit plan "
@@ -96,6 +100,10 @@ def run(args) -> int:
 
     if args.micro_batch is None or args.micro_batch < 1:
         raise TightfitError("--micro-batch must be >= 1")
+    effective_batch = args.micro_batch if args.batch_size is None else args.batch_size
+    if effective_batch < args.micro_batch:
+        raise TightfitError(f"--batch-size {args.batch_size} is below --micro-batch {args.micro_batch}: the effective "
+                            f"batch is the samples of one optimizer step, one or more micro-batches")
     from ..step import OPTIMIZERS
 
     if args.optimizer not in OPTIMIZERS:
@@ -130,7 +138,7 @@ def run(args) -> int:
 
         check_planned_seq_len(size, args.model)
     batch = make_batch(1, size)
-    plan = Plan(args.precision, args.micro_batch, args.micro_batch, optimizer=args.optimizer, device="cuda",
+    plan = Plan(args.precision, args.micro_batch, effective_batch, optimizer=args.optimizer, device="cuda",
                 budget_bytes=profile.budget_bytes() if profile else None)
     try:
         result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing,
@@ -145,7 +153,8 @@ def run(args) -> int:
     from ..levers.optimizers import trainable_gradient_bytes
 
     grads = trainable_gradient_bytes(model, args.optimizer)
-    note = gradient_note(result.breakdown.get("gradients", 0), grads)
+    steps = plan.accumulation_steps
+    note = gradient_note(result.breakdown.get("gradients", 0), grads, steps)
     if args.json:
         d = result.to_dict()
         if profile:
@@ -157,11 +166,12 @@ def run(args) -> int:
 
     n, blocks = len(find_blocks(model)), result.plan["checkpoint_blocks"]  # what was traced
     ck = "none" if not blocks else f"all {n} blocks" if len(blocks) == n else "blocks " + ",".join(map(str, blocks))
-    print(f"{args.model}, micro-batch {args.micro_batch}, {args.precision}, checkpointing {ck}, "
-          f"{args.optimizer}, {result.allocator} allocator")
+    batch = f"micro-batch {args.micro_batch}" + (
+        f" x {steps} accumulation steps (effective batch {effective_batch})" if steps > 1 else "")
+    print(f"{args.model}, {batch}, {args.precision}, checkpointing {ck}, {args.optimizer}, {result.allocator} allocator")
     print(f"peak reserved   {format_bytes(result.peak_reserved_bytes)}")
     print(f"peak allocated  {format_bytes(result.peak_allocated_bytes)}")
-    print("\n".join(breakdown_lines(result.breakdown, grads)))
+    print("\n".join(breakdown_lines(result.breakdown, grads, steps)))
     if profile:
         print(f"{profile.name}: {verdict[2]}")
     return 0
