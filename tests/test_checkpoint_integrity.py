@@ -147,7 +147,7 @@ def test_unloadable_state_is_one_line_error(tmp_path):
 
 def test_weights_of_another_model_are_one_line_error(tmp_path):
     _save(tmp_path, [2])
-    with pytest.raises(TightfitError, match="does not fit the model") as info:
+    with pytest.raises(TightfitError, match="holds another model's weights") as info:
         load_checkpoint(tmp_path / "ckpt-2", torch.nn.Linear(3, 2))
     assert "\n" not in str(info.value)
 

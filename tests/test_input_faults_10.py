@@ -39,3 +39,41 @@ def test_estimate_refuses_an_effective_batch_below_the_micro_batch(capsys):
     assert main([*ARGS, "--batch-size", "1"]) == 2
     assert _error(capsys) == ("tightfit: error: --batch-size 1 is below --micro-batch 2: the effective batch is "
                               "the samples of one optimizer step, one or more micro-batches")
+
+
+def test_resume_with_another_models_checkpoint_is_one_line_before_any_plan(tmp_path, capsys):
+    """A checkpoint copied from a run of another model: the error was torch's first line, ending in
+    a colon, after the plan of the other model had been printed."""
+    import shutil
+
+    from conftest import tiny_cpu_job, tiny_text_model_folder
+
+    job = tiny_cpu_job(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    other_model = tiny_text_model_folder(other, ["good", "bad", "great", "awful", "fine", "film", "plot"], hidden_size=48, num_hidden_layers=3,
+                                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    runs = {}
+    for name, model in (("mine", job["model"]), ("theirs", str(other_model))):
+        runs[name] = tmp_path / name
+        assert main(["train", "--model", model, "--data", job["data"], "--batch-size", "8", "--max-steps", "2",
+                     "--checkpoint-every", "2", "--seq-len", "16", "--device", "cpu", "--out", str(runs[name]),
+                     "--no-progress"]) == 0
+    (runs["mine"] / "summary.json").unlink()  # as if stopped after its checkpoint
+    mine = runs["mine"] / "checkpoints" / "ckpt-2"
+    shutil.rmtree(mine)
+    shutil.copytree(runs["theirs"] / "checkpoints" / "ckpt-2", mine)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(runs["mine"]), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert "plan:" not in captured.out + captured.err
+    err = _error_of(captured.err)
+    assert err.startswith("tightfit: error: checkpoint ckpt-2 holds another model's weights: "), err
+    assert "bert.embeddings.word_embeddings.weight" in err and "[12, 48] saved, [12, 32] here" in err, err
+    assert not err.endswith(":")
+
+
+def _error_of(err: str) -> str:
+    lines = [x for x in err.strip().splitlines() if not x.startswith("note:")]
+    assert len(lines) == 1, lines
+    return lines[0]

@@ -419,9 +419,12 @@ class TrainRecipe:
         p = self.req.planning
         if self.resume_from is not None:
             from .plan import Plan
-            from .runtime.checkpoint import read_state
+            from .runtime.checkpoint import check_weights_fit, read_state
+            from .runtime.sharded_checkpoint import is_sharded
 
             self.resume_state = read_state(self.resume_from)  # read once: the trainer's resume takes it
+            if not is_sharded(self.resume_from):  # another model's weights: refused before its plan is shown
+                check_weights_fit(self.resume_from, self.world.unwrap(self.model))
             return Plan.from_dict(self.resume_state["plan"])
         if self.device == "cuda":
             return self._cached_gpu_plan()

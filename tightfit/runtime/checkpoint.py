@@ -409,6 +409,51 @@ def read_state(path: Path) -> dict:
                 raise _fail(path, f"{STATE_FILE}: cannot be loaded: {_first_line(e)}") from None
 
 
+def weights_mismatch(path: Path, model: torch.nn.Module) -> str | None:
+    """How the weights in checkpoint folder ``path`` differ from ``model``'s state dict, in one
+    line (names and shapes only, from the safetensors header: no tensor is read), or None when
+    every name and shape agrees. Tied weights, written once, are known by the file's metadata.
+
+    Raises:
+        CorruptCheckpointError: the weights file's header cannot be read.
+    """
+    try:
+        with safe_open(str(Path(path) / MODEL_FILE), framework="pt") as f:
+            saved = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+            tied = f.metadata() or {}
+    except Exception as e:  # SafetensorError, OSError
+        raise _fail(Path(path), f"{MODEL_FILE}: cannot be read: {_first_line(e)}") from None
+    ours = {k: list(v.shape) for k, v in model.state_dict().items()}
+    shapes = [k for k in ours if k in saved and saved[k] != ours[k]]
+    missing = [k for k in ours if k not in saved and k not in tied]
+    unknown = [k for k in saved if k not in ours]
+    if not (shapes or missing or unknown):
+        return None
+    parts = []
+    if shapes:
+        k = shapes[0]
+        parts.append(f"{len(shapes)} of its {len(saved)} tensors have other shapes (first: {k}: {saved[k]} saved, "
+                     f"{ours[k]} here)")
+    if unknown:
+        parts.append(f"{len(unknown)} are not in this model (first: {unknown[0]})")
+    if missing:
+        parts.append(f"{len(missing)} of this model's are missing (first: {missing[0]})")
+    return "; ".join(parts)
+
+
+def check_weights_fit(path: Path, model: torch.nn.Module) -> None:
+    """Refuse checkpoint ``path`` for ``model`` when its weights are another model's
+    (:func:`weights_mismatch`), before any of them is loaded.
+
+    Raises:
+        TightfitError: one line naming the first difference.
+        CorruptCheckpointError: the weights file's header cannot be read.
+    """
+    why = weights_mismatch(path, model)
+    if why:
+        raise TightfitError(f"checkpoint {Path(path).name} holds another model's weights: {why}")
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, verified: bool = False, state: dict | None = None) -> dict:
     """Verify checkpoint ``path`` (:func:`verify_checkpoint`, about 1 to 2 s per GB), load its
     weights into ``model`` (in place) and return the saved state dict.
@@ -421,13 +466,14 @@ def load_checkpoint(path: Path, model: torch.nn.Module, verified: bool = False, 
     Raises:
         CorruptCheckpointError: verification fails, or safetensors / ``torch.load`` cannot read a
             file (one line naming the file).
-        TightfitError: the weights do not fit ``model`` (another architecture).
+        TightfitError: the weights do not fit ``model`` (another architecture: :func:`check_weights_fit`).
         torch.OutOfMemoryError: (and the other errors :func:`~tightfit.memory.oom.is_oom`
             recognises) loading the weights ran out of memory; propagated unchanged.
     """
     path = Path(path)
     if not verified:
         verify_checkpoint(path)
+    check_weights_fit(path, model)
     try:
         load_model(model, str(path / MODEL_FILE), device=str(next(model.parameters()).device))
     except Exception as e:
