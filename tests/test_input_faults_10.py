@@ -77,3 +77,52 @@ def _error_of(err: str) -> str:
     lines = [x for x in err.strip().splitlines() if not x.startswith("note:")]
     assert len(lines) == 1, lines
     return lines[0]
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(device="gpu"), "device 'gpu'"),
+    (dict(optimizer="sgdx"), "optimizer 'sgdx'"),
+    (dict(trainable="half"), "trainable 'half'"),
+    (dict(micro_batch=True), "micro_batch True"),
+    (dict(micro_batch=4.5), "micro_batch 4.5"),
+    (dict(effective_batch="16"), "effective_batch '16'"),
+    (dict(checkpoint_blocks="01"), "checkpoint_blocks '01'"),
+    (dict(checkpoint_blocks=(0, -1)), "checkpoint_blocks (0, -1)"),
+    (dict(block_policies=("none", "some")), "block_policies ('none', 'some')"),
+    (dict(activation_checkpointing="yes"), "activation_checkpointing 'yes'"),
+    (dict(compile=1), "compile 1"),
+])
+def test_a_plan_with_a_field_of_the_wrong_kind_is_refused(fields, says):
+    """These were accepted; micro_batch 4.5 made accumulation_steps the float 8.0."""
+    from tightfit import Plan, TightfitError
+
+    with pytest.raises(TightfitError, match="^Plan: ") as e:
+        Plan(**{"precision": "fp32", "micro_batch": 4, "effective_batch": 16, **fields})
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "3", '"plan"'])
+def test_plan_json_that_is_not_an_object_is_a_malformed_plan(text):
+    from tightfit import Plan, TightfitError
+
+    with pytest.raises(TightfitError, match="malformed plan: expected a JSON object"):
+        Plan.from_json(text)
+
+
+def test_numpy_integers_are_whole_numbers_for_a_plan():
+    import numpy as np
+
+    from tightfit import Plan
+
+    p = Plan("fp32", np.int64(4), np.int64(16))
+    assert p.accumulation_steps == 4 and type(p.micro_batch) is int
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf")])
+def test_a_budget_of_nan_or_inf_bytes_is_refused_without_suggesting_nangib(budget):
+    from tightfit.errors import TightfitError
+    from tightfit.units import parse_budget
+
+    with pytest.raises(TightfitError, match="memory size must be a finite number of bytes") as e:
+        parse_budget(budget)
+    assert "GiB" not in str(e.value)

@@ -7,6 +7,7 @@ terms: micro-batch x gradient accumulation steps (x world size) = effective batc
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -88,6 +89,11 @@ class Plan:
         trainable: what is trained: ``"all"`` parameters or ``"lora"`` adapters and the head
             (:mod:`tightfit.levers.lora`).
         trainable_params: parameters the optimizer updates (None: not counted).
+
+    Raises:
+        TightfitError: (at construction, one line) a field of the wrong kind or value: an unknown
+            precision, device, optimizer, trainable or sharding; a batch size or world size that is
+            not a whole number >= 1; block indices or policies that are not a tuple of them.
     """
 
     precision: str
@@ -111,6 +117,7 @@ class Plan:
     compile_scope: str | None = None
 
     def __post_init__(self):
+        self._check_kinds()
         if self.precision not in PRECISIONS:
             raise TightfitError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.micro_batch < 1 or self.effective_batch < 1:
@@ -124,6 +131,35 @@ class Plan:
         check_precision(self.optimizer, self.precision)  # bf16 weights: bf16 autocast only
         if self.micro_batch > self.rank_batch:
             object.__setattr__(self, "micro_batch", self.rank_batch)
+
+    def _check_kinds(self) -> None:
+        """Refuse fields of the wrong kind (a hand-made plan, or a plan.json edited by hand), one
+        line naming the field; whole numbers of another integer type (numpy's) become ints."""
+        from .levers.blocks import BLOCK_POLICIES
+        from .step import OPTIMIZERS
+
+        def bad(name: str, want: str):
+            return TightfitError(f"Plan: {name} {getattr(self, name)!r} is not {want}")
+
+        for name in ("micro_batch", "effective_batch", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise bad(name, "a whole number")
+            object.__setattr__(self, name, operator.index(value))
+        for name in ("activation_checkpointing", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
+        choices = {"device": ("cpu", "cuda"), "optimizer": OPTIMIZERS, "trainable": ("all", "lora")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise bad(name, "one of " + ", ".join(allowed))
+        blocks = self.checkpoint_blocks
+        if blocks is not None and not (isinstance(blocks, tuple) and all(
+                not isinstance(b, bool) and isinstance(b, int) and b >= 0 for b in blocks)):
+            raise bad("checkpoint_blocks", "a tuple of block indices (whole numbers >= 0)")
+        policies = self.block_policies
+        if policies is not None and not (isinstance(policies, tuple) and all(p in BLOCK_POLICIES for p in policies)):
+            raise bad("block_policies", "a tuple of " + "|".join(BLOCK_POLICIES) + ", one per block")
 
     @property
     def rank_batch(self) -> int:
@@ -161,6 +197,8 @@ class Plan:
         Raises:
             TightfitError: on missing or unknown keys.
         """
+        if not isinstance(d, dict):
+            raise TightfitError(f"malformed plan: expected a JSON object, got {type(d).__name__}")
         d = {k: v for k, v in d.items() if k != "accumulation_steps"}
         d["reasons"] = tuple(d.get("reasons", ()))
         if d.get("checkpoint_blocks") is not None:

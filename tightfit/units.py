@@ -5,6 +5,8 @@ Inside tightfit every size is an ``int`` of bytes; GiB appear only when displayi
 
 from __future__ import annotations
 
+import math
+
 import re
 
 from .errors import TightfitError
@@ -37,12 +39,14 @@ def parse_size(text: str | int | float) -> int:
         The size in bytes (int; a fraction of a unit is rounded down to whole bytes).
 
     Raises:
-        TightfitError: not a number followed by a known unit; zero or negative; a fraction of a
+        TightfitError: not a number followed by a known unit; zero, negative, inf or NaN; a fraction of a
             byte (``4.5`` or ``"4.5"`` without a unit).
     """
     if isinstance(text, bool):
         raise TightfitError(f"cannot read memory size {text!r}: write a number and a unit, e.g. 4GiB, 11GB, 512MiB")
     if isinstance(text, (int, float)):
+        if isinstance(text, float) and not math.isfinite(text):
+            raise TightfitError(f"memory size must be a finite number of bytes, got {text!r}")
         if text <= 0:
             raise TightfitError(f"memory size must be positive, got {text!r}")
         if isinstance(text, float) and not text.is_integer():
