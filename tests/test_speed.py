@@ -600,7 +600,25 @@ def test_a_resumed_runs_times_are_the_whole_runs(tmp_path):
     assert second["speed"]["checkpoint_write_seconds"] >= carried["checkpoint_write_seconds"]
     assert second["speed"]["planning_seconds"] == first["speed"]["planning_seconds"]
     assert second["speed"]["plan_from_checkpoint"] and not first["speed"]["plan_from_checkpoint"]
+    assert second["speed"]["planning_of_first_run"] and not first["speed"]["planning_of_first_run"]
     assert "(the first run's; this run took its plan from the checkpoint)" in (run / "report.md").read_text()
+
+
+def test_a_resume_without_the_first_runs_metrics_still_says_its_plan_is_the_checkpoints(tmp_path):
+    """With metrics.jsonl gone the first run's planning time is unknown: the summary said
+    plan_from_checkpoint false, and the report showed the read-back of the plan as planning."""
+    import tightfit.api as api
+
+    run, common = tmp_path / "run", tiny_cpu_job(tmp_path)
+    api.train(api.TrainRequest(**common, max_steps=4, checkpoint_every=2, out=str(run)))
+    (run / "summary.json").unlink()  # as if stopped after step 2's checkpoint
+    shutil.rmtree(run / "checkpoints" / "ckpt-4")
+    (run / "metrics.jsonl").unlink()
+    api.train(api.TrainRequest(**common, resume=str(run)))
+    speed = json.loads((run / "summary.json").read_text())["speed"]
+    assert speed["plan_from_checkpoint"] and not speed["planning_of_first_run"]
+    assert "(this run read its plan from the checkpoint; the first run's planning time is not in metrics.jsonl)" \
+        in (run / "report.md").read_text()
 
 
 def test_a_resumed_run_reports_against_the_first_runs_predicted_and_probed_speeds(tmp_path, monkeypatch):

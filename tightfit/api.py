@@ -393,7 +393,7 @@ class TrainRecipe:
         if self.resume_from is not None:  # the first run's predicted and probed speeds, for the summary
             from .report.metrics import planned_speeds
 
-            self.plan_timings.update(planned_speeds(self.out / "metrics.jsonl"))
+            self.plan_timings.update(planned_speeds(self.out / "metrics.jsonl"), from_checkpoint=True)
         self._compile_before_training()
         log.info("plan:" + (" (from the checkpoint)" if self.resume_from else " (from the plan cache)" if cached
                             else "") + f" planning took {self.planning_s:.1f} s")

@@ -45,7 +45,7 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
 
     Args:
         result: the trainer's :class:`~tightfit.runtime.trainer.TrainResult`.
-        planning_seconds: wall time of the planning of the run's plan (seconds; on resume the first run's).
+        planning_seconds: wall time of the planning of the run's plan (seconds; on resume the first run's where its metrics.jsonl has it).
         timings: the planner's record (:func:`tightfit.planner.gpu.plan_on_gpu`'s ``timings``,
             or the plan cache's: ``cached``, ``predicted_samples_per_s``, ``probed_samples_per_s``,
             ``compile_s``, ...).
@@ -53,6 +53,7 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
     Returns:
         ``{"predicted_samples_per_s", "probed_samples_per_s", "steady_samples_per_s",
         "whole_run_samples_per_s", "steady_vs_probed", "planning_seconds", "plan_cached", "plan_from_checkpoint",
+        "planning_of_first_run" (on resume: planning_seconds is the first run's, from its metrics.jsonl),
         "compile_seconds", "eval_seconds", "checkpoint_seconds", "checkpoint_write_seconds"}``
         (figures not known are None; samples/s, seconds).
     """
@@ -66,7 +67,8 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
         "steady_vs_probed": steady / probed if steady and probed else None,
         "planning_seconds": planning_seconds,
         "plan_cached": bool(timings.get("cached")),
-        "plan_from_checkpoint": "first_planning_s" in timings,
+        "plan_from_checkpoint": bool(timings.get("from_checkpoint")),
+        "planning_of_first_run": "first_planning_s" in timings,
         "compile_seconds": timings.get("compile_s"),
         "eval_seconds": result.eval_seconds,
         "checkpoint_seconds": result.checkpoint_seconds,
@@ -89,9 +91,11 @@ def speed_rows(speed: dict) -> list[tuple[str, str]]:
                           f"whole run")]
     if speed.get("steady_vs_probed"):
         rows.append(("steady / probed", f"{speed['steady_vs_probed']:.2f}"))
-    plan = f"{speed['planning_seconds']:.1f} s" + (" (plan from the cache)" if speed["plan_cached"] else
-                                                   " (the first run's; this run took its plan from the checkpoint)"
-                                                   if speed.get("plan_from_checkpoint") else "")
+    plan = f"{speed['planning_seconds']:.1f} s" + (
+        " (plan from the cache)" if speed["plan_cached"] else
+        " (the first run's; this run took its plan from the checkpoint)" if speed.get("planning_of_first_run") else
+        " (this run read its plan from the checkpoint; the first run's planning time is not in metrics.jsonl)"
+        if speed.get("plan_from_checkpoint") else "")
     if speed.get("compile_seconds"):
         plan += f", compilation {speed['compile_seconds']:.1f} s"
     rows.append(("time: planning", plan))
