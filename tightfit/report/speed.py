@@ -45,7 +45,8 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
 
     Args:
         result: the trainer's :class:`~tightfit.runtime.trainer.TrainResult`.
-        planning_seconds: wall time of the planning of the run's plan (seconds; on resume the first run's where its metrics.jsonl has it).
+        planning_seconds: wall time of the planning of the run's plan (seconds; on resume the first
+            run's, where its metrics.jsonl has it).
         timings: the planner's record (:func:`tightfit.planner.gpu.plan_on_gpu`'s ``timings``,
             or the plan cache's: ``cached``, ``predicted_samples_per_s``, ``probed_samples_per_s``,
             ``compile_s``, ...).
