@@ -126,3 +126,48 @@ def test_a_budget_of_nan_or_inf_bytes_is_refused_without_suggesting_nangib(budge
     with pytest.raises(TightfitError, match="memory size must be a finite number of bytes") as e:
         parse_budget(budget)
     assert "GiB" not in str(e.value)
+
+
+# ---- session 34, second fresh user: data files
+
+
+def _labelled(n: int, sep: str) -> list[str]:
+    return [f"text{sep}label"] + [f"review number {i} was fine{sep}{'pos' if i % 2 else 'neg'}" for i in range(n)]
+
+
+@pytest.mark.parametrize("name, sep", [("merge.csv", ","), ("merge.tsv", "\t")])
+def test_an_unbalanced_quote_does_not_merge_rows_silently(tmp_path, name, sep):
+    """A text opening a quote it never closes swallowed the next rows, labels and all, into one
+    sample (100 rows read as 65), without a word."""
+    from tightfit.data import load_text_classification
+    from tightfit.errors import TightfitError
+
+    rows = _labelled(100, sep)
+    rows[10] = f'"Wow boring from the start{sep}neg'
+    rows[45] = f'the end"{sep}pos'
+    (tmp_path / name).write_text("\n".join(rows) + "\n")
+    if sep == "\t":  # TSV has no quoting: the quotes are the texts' own characters
+        data = load_text_classification(tmp_path / name)
+        assert len(data.texts) == 100 and data.texts[9] == '"Wow boring from the start'
+        return
+    with pytest.raises(TightfitError, match=r"record 10 .*unbalanced"):
+        load_text_classification(tmp_path / name)
+
+
+def test_a_csv_text_with_real_line_breaks_still_loads(tmp_path):
+    from tightfit.data import load_text_classification
+
+    rows = _labelled(20, ",")
+    rows[5] = '"a review\nover two lines, with a comma",pos'
+    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    assert load_text_classification(tmp_path / "d.csv").texts[4] == "a review\nover two lines, with a comma"
+
+
+def test_upper_case_compressed_suffixes_are_decompressed(tmp_path):
+    import gzip
+
+    from tightfit.data import load_text_classification
+
+    with gzip.open(tmp_path / "D.CSV.GZ", "wt") as f:
+        f.write("\n".join(_labelled(20, ",")) + "\n")
+    assert len(load_text_classification(tmp_path / "D.CSV.GZ").texts) == 20

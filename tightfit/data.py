@@ -109,7 +109,7 @@ def default_data_path() -> Path:
 
 
 def _open_text(path: Path):
-    opener = {".bz2": bz2.open, ".gz": gzip.open}.get(path.suffix, open)
+    opener = {".bz2": bz2.open, ".gz": gzip.open}.get(path.suffix.lower(), open)
     return opener(path, "rt", encoding="utf-8-sig", newline="")  # -sig: spreadsheet BOMs
 
 
@@ -140,10 +140,12 @@ def _read_rows(path: Path) -> list[dict]:
     limit = csv.field_size_limit()
     try:
         csv.field_size_limit(max(limit, 2**31 - 1))  # huge fields load; texts are cut to MAX_TEXT_CHARS
-        reader = csv.DictReader(io.StringIO(text), delimiter=delimiter, strict=True)
+        # TSV has no quoting: a quote is the text's own character (else an unpaired one merges rows)
+        quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+        reader = csv.DictReader(io.StringIO(text), delimiter=delimiter, strict=True, quoting=quoting)
         rows = list(reader)
     except csv.Error as e:
-        raise TightfitError(f"{path}: malformed CSV ({e})") from None
+        raise TightfitError(f"{path}: malformed {'TSV' if delimiter == chr(9) else 'CSV'} ({e})") from None
     finally:
         csv.field_size_limit(limit)
     if reader.fieldnames is None:
@@ -159,7 +161,32 @@ def _read_rows(path: Path) -> list[dict]:
         fields = sum(v is not None for v in row.values()) + len(extra or [])
         if fields != len(reader.fieldnames):
             raise TightfitError(f"{path}: record {n - 1} has {fields} fields, the header has {len(reader.fieldnames)}")
+    _check_merged_records(path, rows, reader.fieldnames, delimiter)
     return rows
+
+
+def _check_merged_records(path: Path, rows: list[dict], columns: list[str], delimiter: str) -> None:
+    """Refuse a file where a quote opened and never closed swallowed the next records into one
+    field: a field holding a line that splits into a whole record, whose fields other than one
+    (the text) are values those columns hold elsewhere in the file (e.g. a label). Line breaks
+    inside a quoted text are kept (real multi-line texts do not end in another record's label).
+
+    Raises:
+        TightfitError: one line naming the record.
+    """
+    if len(columns) < 2:
+        return
+    seen = {c: {r[c] for r in rows if r.get(c) is not None} for c in columns}
+    for n, row in enumerate(rows, 1):
+        for value in row.values():
+            if not isinstance(value, str) or "\n" not in value:
+                continue
+            for line in value.splitlines()[1:]:
+                fields = line.split(delimiter)
+                if len(fields) == len(columns) and sum(f in seen[c] for f, c in zip(fields, columns)) >= len(columns) - 1:
+                    raise TightfitError(f"{path}: record {n} holds a line break followed by what reads as another "
+                                        f"record ({line[:60]!r}): an unbalanced \" quote merged the records after it "
+                                        f"into one text; close or remove the quote")
 
 
 def _delimiter_hint(path: Path, columns: set) -> str:
