@@ -171,3 +171,15 @@ def test_upper_case_compressed_suffixes_are_decompressed(tmp_path):
     with gzip.open(tmp_path / "D.CSV.GZ", "wt") as f:
         f.write("\n".join(_labelled(20, ",")) + "\n")
     assert len(load_text_classification(tmp_path / "D.CSV.GZ").texts) == 20
+
+
+@pytest.mark.parametrize("labels, named", [(["0", "1", "01"], "'01' and '1'"), (["0", "1", "1.0"], "'1' and '1.0'")])
+def test_one_number_written_two_ways_is_not_two_classes_silently(tmp_path, labels, named):
+    """Labels 1 and 01 (or 1 and 1.0) became separate classes, and the model a third output."""
+    from tightfit.data import load_text_classification
+    from tightfit.errors import TightfitError
+
+    rows = ["text,label"] + [f"review {i},{labels[i % 3]}" for i in range(30)]
+    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(TightfitError, match=f"labels {named} are the same number written two ways"):
+        load_text_classification(tmp_path / "d.csv")

@@ -216,7 +216,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     Raises:
         TightfitError: missing file or not a regular one, unreadable/malformed content, a header that repeats a column
             name, unknown column, a JSONL label or text that is a list or an object, empty text
-            column, or fewer than two classes.
+            column, labels that are one number written two ways (1 and 01), or fewer than two classes.
     """
     path = Path(path)
     if path.is_dir():
@@ -257,12 +257,32 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     if not texts:
         raise TightfitError(f"{path}: no row has both a text ({text_column!r}) and a label ({label_column!r})")
     names = sorted(set(raw))
+    _check_numbers_written_once(path, label_column, names)
     if all(_is_int(x) for x in names):
         names = sorted(names, key=int)
     if len(names) < 2:
         raise TightfitError(f"{path}: column {label_column!r} has {len(names)} class(es); need at least 2")
     index = {name: i for i, name in enumerate(names)}
     return TextClassificationData(texts, [index[x] for x in raw], names, str(path), skipped_blank=blank)
+
+
+def _check_numbers_written_once(path: Path, column: str, names: list[str]) -> None:
+    """Refuse labels that are one number written two ways (``1`` and ``01``, ``1`` and ``1.0``):
+    as strings they would be two classes, the model one output too many.
+
+    Raises:
+        TightfitError: one line naming the first such pair.
+    """
+    by_value: dict[float, str] = {}
+    for name in names:
+        try:
+            value = float(name)
+        except ValueError:
+            continue
+        if value in by_value:
+            raise TightfitError(f"{path}: labels {by_value[value]!r} and {name!r} are the same number written two ways "
+                                f"in column {column!r}; as classes they would be apart: write each class one way")
+        by_value[value] = name
 
 
 def _is_int(s: str) -> bool:
