@@ -1,7 +1,10 @@
-"""Faults a fresh user found (session 34): `tightfit estimate` judged a micro-batch without the
-plan's gradient accumulation, so it said "fits" for steps the plan could not run."""
+"""Faults two fresh users found (session 34): `tightfit estimate` without the plan's gradient
+accumulation, resume with another model's checkpoint, Plan fields of the wrong kind, NaN budgets,
+resumed reports without metrics.jsonl, data files (an open CSV quote, TSV quoting, upper-case
+suffixes, one number written two ways as labels), a checkpoint left only as ``.ckpt-N.old``."""
 
 import json
+import logging
 
 import pytest
 
@@ -183,3 +186,26 @@ def test_one_number_written_two_ways_is_not_two_classes_silently(tmp_path, label
     (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
     with pytest.raises(TightfitError, match=f"labels {named} are the same number written two ways"):
         load_text_classification(tmp_path / "d.csv")
+
+
+def test_a_resume_puts_back_a_checkpoint_a_cut_short_replacement_left_as_old(tmp_path, caplog):
+    """Killed between atomic_write_dir's two renames, ckpt-N exists only as .ckpt-N.old: the
+    resume deleted it as stale and went back to an older checkpoint."""
+    import shutil
+
+    from conftest import tiny_cpu_job
+
+    job = tiny_cpu_job(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", "--model", job["model"], "--data", job["data"], "--batch-size", "8", "--max-steps", "4",
+                 "--checkpoint-every", "2", "--seq-len", "16", "--device", "cpu", "--out", str(run),
+                 "--no-progress"]) == 0
+    (run / "summary.json").unlink()
+    ckpts = run / "checkpoints"
+    shutil.move(ckpts / "ckpt-4", ckpts / ".ckpt-4.old")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert "note: put back ckpt-4, displaced by a checkpoint write that was cut short" in caplog.text
+    assert "checkpoints/ckpt-4 at step 4" in caplog.text  # not back at step 2
+    assert (ckpts / "ckpt-4").is_dir() and not (ckpts / ".ckpt-4.old").exists()

@@ -741,7 +741,8 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     Raises:
         TightfitError: not a tightfit run folder, or no intact checkpoint in it.
     """
-    from .runtime.checkpoint import latest_intact_checkpoint, list_checkpoints, remove_stale_temporaries
+    from .runtime.checkpoint import (latest_intact_checkpoint, list_checkpoints, remove_stale_temporaries,
+                                      restore_displaced)
 
     run = Path(req.run.resume)
     if not (run / "request.json").is_file():
@@ -780,6 +781,8 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     resumed.workload.check_columns()  # with the run's own --data, now known
     for k, (old, new) in changed.items():
         log.warning(f"note: {option_name('resume')} with {option_given(k, new)} (the run had {old})")
+    for name in restore_displaced(run / "checkpoints") if main else ():  # rank 0 writes the folder
+        log.warning(f"note: put back {name}, displaced by a checkpoint write that was cut short")
     try:
         point = latest_intact_checkpoint(run / "checkpoints")
     except TightfitError as e:

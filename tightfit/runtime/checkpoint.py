@@ -258,6 +258,25 @@ def list_checkpoints(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def restore_displaced(folder: Path) -> list[str]:
+    """Put back a checkpoint that a replacement cut short left only as ``.ckpt-<step>.old``
+    (:func:`tightfit.fileio.atomic_write_dir` renames the old folder away, then the new one in:
+    a kill between the two leaves no ``ckpt-<step>``), so that it is not removed as stale.
+    Call it before choosing a checkpoint, where no other process writes into ``folder``.
+
+    Returns:
+        The names of the checkpoints put back.
+    """
+    folder = Path(folder)
+    restored = []
+    for p in sorted(folder.iterdir()) if folder.is_dir() else ():
+        m = re.match(r"^\.(ckpt-\d+)\.old$", p.name)
+        if m and p.is_dir() and not p.is_symlink() and not (folder / m.group(1)).exists():
+            os.replace(p, folder / m.group(1))
+            restored.append(m.group(1))
+    return restored
+
+
 def remove_stale_temporaries(folder: Path) -> list[tuple[str, int]]:
     """Delete the temporary folders that a killed checkpoint write left in ``folder``
     (``.ckpt-<step>.<random>.tmp``, and ``.ckpt-<step>.old`` from a replacement cut short).
