@@ -209,3 +209,19 @@ def test_a_resume_puts_back_a_checkpoint_a_cut_short_replacement_left_as_old(tmp
     assert "note: put back ckpt-4, displaced by a checkpoint write that was cut short" in caplog.text
     assert "checkpoints/ckpt-4 at step 4" in caplog.text  # not back at step 2
     assert (ckpts / "ckpt-4").is_dir() and not (ckpts / ".ckpt-4.old").exists()
+
+
+def test_a_jsonl_row_without_a_key_names_the_key(tmp_path):
+    from tightfit.data import load_text_classification
+    from tightfit.errors import TightfitError
+
+    rows = [json.dumps({"text": f"review {i}", "label": i % 2}) for i in range(10)] + [json.dumps({"text": "no label"})]
+    (tmp_path / "d.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(TightfitError, match=r"row 11 has no 'label' key$"):
+        load_text_classification(tmp_path / "d.jsonl")
+
+
+def test_counts_of_one_are_singular():
+    from tightfit.units import count_of
+
+    assert count_of(1, "held-out sample") == "1 held-out sample" and count_of(2, "row") == "2 rows"

@@ -36,7 +36,7 @@ from .errors import TightfitError
 from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, unwritable_folder
 from .report.summary import RunInfo, RunSummary
 from .rng import seed_everything
-from .units import format_bytes, parse_budget
+from .units import count_of, format_bytes, parse_budget
 
 __all__ = ["TrainRecipe", "TrainRequest", "RunSummary", "resolve_device", "train"]
 
@@ -252,7 +252,8 @@ class TrainRecipe:
                               f"({option_name('full') if names_flags() else 'full=True'} for all, "
                               f"{option_name('train_samples')}{' N' if names_flags() else '=N'} to choose)")
         if data.skipped_blank:
-            self.notes.append(f"{data.skipped_blank} rows with a blank text or label were skipped")
+            self.notes.append(f"{count_of(data.skipped_blank, 'row')} with a blank text or label "
+                              f"{'was' if data.skipped_blank == 1 else 'were'} skipped")
         self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
         self.eval_data: TextClassificationData = data.subset(take(eval_idx, run.eval_samples))
         self.notes += check_split(data, self.train_data, self.eval_data)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .config import option_name
 from .errors import TightfitError
+from .units import count_of
 
 DEFAULT_DATA_NAME = "rotten-tomatoes"
 _DEFAULT_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
@@ -236,8 +237,9 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
                                 f"{_delimiter_hint(path, columns)}")
     texts, raw, blank = [], [], 0
     for n, r in enumerate(rows, 1):
-        if text_column not in r or label_column not in r:
-            raise TightfitError(f"{path}: row {n} lacks {text_column!r} or {label_column!r}")
+        lacking = [c for c in (text_column, label_column) if c not in r]
+        if lacking:  # JSONL only: a CSV record has every column of its header
+            raise TightfitError(f"{path}: row {n} has no {' and no '.join(map(repr, lacking))} key")
         for kind, col, rule in (("label", label_column, "labels must be strings or numbers"),
                                 ("text", text_column, "texts must be strings")):
             if isinstance(r[col], (list, dict)):  # JSONL only; str() would make "['pos']" a class
@@ -339,7 +341,7 @@ def check_split(data: TextClassificationData, train: TextClassificationData,
     notes = []
     if len(eval_data) < FEW_EVAL:  # --eval-samples only where it left held-out samples out
         more = "--eval-samples or more data" if len(eval_data) < len(held_out_split(n)[1]) else "more data"
-        notes.append(f"accuracy on {len(eval_data)} held-out samples moves in steps of {1 / len(eval_data):.0%} "
+        notes.append(f"accuracy on {count_of(len(eval_data), 'held-out sample')} moves in steps of {1 / len(eval_data):.0%} "
                      f"({more} for a finer measure)")
     absent = classes - len(set(train.labels))
     if absent:

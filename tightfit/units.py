@@ -113,3 +113,9 @@ def format_rate(per_s: float) -> str:
     """A rate (samples/s) for display: whole numbers from 100 up, three significant digits below
     (a 1.3B model's 1.77 and 1.78 samples/s would both read "2")."""
     return f"{per_s:.0f}" if abs(per_s) >= 100 else f"{per_s:.3g}"
+
+
+def count_of(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` in the number that agrees with it: ``count_of(1, "row") == "1 row"``,
+    ``count_of(3, "row") == "3 rows"`` (``plural``: where adding ``s`` is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
