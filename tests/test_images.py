@@ -131,6 +131,22 @@ def test_one_class_is_refused(models, tmp_path, capsys, image_folder):
     _bad(["--data", str(root), "--model", str(models / "resnet")], tmp_path, capsys, "need at least 2")
 
 
+def test_a_class_folder_without_images_is_refused_not_dropped(tmp_path, image_folder):
+    """A class folder holding no image (here a text file) was left out of the classes without a word."""
+    import shutil
+
+    from tightfit.errors import TightfitError
+    from tightfit.images import load_image_classification
+
+    root = tmp_path / "three"
+    shutil.copytree(image_folder, root)
+    (root / "green").mkdir()
+    (root / "green" / "readme.txt").write_text("no images here")
+    with pytest.raises(TightfitError, match=r"class folder 'green' holds no image \(") as e:
+        load_image_classification(str(root))
+    assert "\n" not in str(e.value)
+
+
 def test_unreadable_image_is_refused(models, tmp_path, capsys, image_folder):
     import shutil
     root = tmp_path / "broken"

@@ -129,7 +129,8 @@ def load_image_classification(spec: str, label_column: str = "label", image_colu
     """The labelled images ``--data`` names (see the module docstring), every image checked.
 
     Raises:
-        TightfitError: missing path; an empty folder or one without class folders; fewer than two
+        TightfitError: missing path; an empty folder or one without class folders; a class folder
+            without images; fewer than two
             classes; a file that is not a readable image; a CSV without the columns or with a
             path that does not exist.
     """
@@ -216,6 +217,9 @@ def _load_folder(root: Path) -> ImageClassificationData:
     paths, labels = [], []
     for c in classes:
         files = sorted(f for f in c.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:  # dropping it would train on the other classes without a word
+            raise TightfitError(f"{root}: class folder {c.name!r} holds no image ({', '.join(sorted(IMAGE_SUFFIXES))}); "
+                                f"add its images or move the folder out")
         paths += [str(f) for f in files]
         labels += [c.name] * len(files)
     return _finish(paths, labels, str(root), root=str(root))
