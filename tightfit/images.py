@@ -130,9 +130,8 @@ def load_image_classification(spec: str, label_column: str = "label", image_colu
 
     Raises:
         TightfitError: missing path; an empty folder or one without class folders; a class folder
-            without images; fewer than two
-            classes; a file that is not a readable image; a CSV without the columns or with a
-            path that does not exist.
+            without images; fewer than two classes; a file that is not a readable image; a CSV
+            without the columns or with a path that does not exist.
     """
     if spec == DIGITS:
         return load_digits()
