@@ -225,3 +225,27 @@ def test_counts_of_one_are_singular():
     from tightfit.units import count_of
 
     assert count_of(1, "held-out sample") == "1 held-out sample" and count_of(2, "row") == "2 rows"
+
+
+def test_the_report_of_a_twice_resumed_run_keeps_the_earlier_sessions_events(tmp_path):
+    """report.md listed only the last session's events: how the run was stopped and resumed
+    before (in metrics.jsonl) was missing from it."""
+    import shutil
+
+    from conftest import tiny_cpu_job
+
+    job = tiny_cpu_job(tmp_path)
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    assert main(["train", "--model", job["model"], "--data", job["data"], "--batch-size", "8", "--max-steps", "6",
+                 "--checkpoint-every", "2", "--keep-last", "5", "--seq-len", "16", "--device", "cpu", "--out", str(run),
+                 "--no-progress"]) == 0
+    for kept, lr in ((2, ["--lr", "0.001"]), (4, [])):  # stopped after step `kept`'s checkpoint, twice
+        (run / "summary.json").unlink()
+        for later in range(kept + 2, 7, 2):
+            shutil.rmtree(ckpts / f"ckpt-{later}")
+        assert main(["train", "--resume", str(run), *lr, "--no-progress"]) == 0
+    report = (run / "report.md").read_text()
+    assert "- options given anew: --lr 0.001 (was 5e-05)" in report  # the second session's
+    assert report.count("- resumed from ") == 2, report
+    events = json.loads((run / "summary.json").read_text()).get("events")
+    assert events is None or sum(e.startswith("resumed from ") for e in events) == 2

@@ -483,6 +483,10 @@ class TrainRecipe:
         self.trainer.wall_start = self.t_start  # the run's wall time, which checkpoints carry, counts planning
         if self.resume_from is not None:  # verified by _resume_request, its state read by _choose_plan (on rank 0)
             self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
+            if self.world.is_main:  # the report's events are the whole run's: the earlier sessions' first
+                from .report.metrics import earlier_events
+
+                self.trainer.result.events[:0] = earlier_events(self.out / "metrics.jsonl", self.trainer.step)
             if self.changed:  # in the report's events: request.json now holds only the new values
                 self.trainer.event("options given anew: " + ", ".join(
                     f"{option_given(k, new)} (was {old})" for k, (old, new) in self.changed.items()))

@@ -72,6 +72,26 @@ def read_metrics(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def earlier_events(path: str | Path, step: int) -> list[str]:
+    """The event messages of the sessions before a resume at ``step``: the ``event`` records of
+    ``metrics.jsonl`` up to that step, in order (its later records belong to the stopped session's
+    steps after its checkpoint, which the resume runs again). Empty when the file is missing;
+    unreadable lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("type") == "event" and isinstance(record.get("message"), str) \
+                and isinstance(record.get("step"), int) and record["step"] <= step:
+            events.append(record["message"])
+    return events
+
+
 # the planner's speeds, written into the plan record (its "planned_speeds") so that a resumed
 # run can report against them
 PLANNED_SPEEDS = ("predicted_samples_per_s", "probed_samples_per_s")
