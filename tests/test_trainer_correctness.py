@@ -320,3 +320,22 @@ def test_each_metrics_record_gives_the_learning_rate_its_step_ran_with(log_every
     assert used[0] < used[2] == pytest.approx(1e-3) and used[-1] < used[-2]  # warm-up, then decay
     for s, lr in logged.items():
         assert lr == pytest.approx(used[s - 1], rel=1e-12), s
+
+
+def test_a_signal_during_a_checkpoint_write_is_announced_in_the_events(tmp_path):
+    """SIGINT during step 2's checkpoint stopped the run after step 2, but its note ("SIGINT
+    received: ...") was logged only at a next step's end, which never came."""
+    t = Trainer(_workload(n=48), Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3, seed=3,
+                checkpoint_dir=str(tmp_path), checkpoint_every=2), progress=False)
+    save = t.save_checkpoint
+
+    def save_then_ctrl_c(*a, **k):
+        where = save(*a, **k)
+        os.kill(os.getpid(), signal.SIGINT)
+        return where
+    t.save_checkpoint = save_then_ctrl_c
+    with pytest.raises(TrainingInterrupted, match="SIGINT: stopped after step 2"):
+        t.fit()
+    said = [e for e in t.result.events if e.startswith("SIGINT")]
+    assert said[0].startswith("SIGINT received: stopping after the current step") and \
+        said[1].startswith("SIGINT: stopped after step 2"), said

@@ -392,6 +392,9 @@ class Trainer:
                     f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
                     f"{culprit}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where)
             if self._stop_signal and self.step < self.total_steps and ahead is None:  # else: after the queued step
+                if self._stop_note:  # the signal came after this step's note point (e.g. in its checkpoint)
+                    self._event(self._stop_note)
+                    self._stop_note = None
                 where = saved or self._checkpoint_at_stop(t0)
                 self.flush_checkpoints()
                 self._event(f"{self._stop_signal}: stopped after step {self.step}"  # the error says it on screen
