@@ -249,3 +249,21 @@ def test_the_report_of_a_twice_resumed_run_keeps_the_earlier_sessions_events(tmp
     assert report.count("- resumed from ") == 2, report
     events = json.loads((run / "summary.json").read_text()).get("events")
     assert events is None or sum(e.startswith("resumed from ") for e in events) == 2
+
+
+def test_a_column_name_with_a_leading_space_is_shown_quoted(tmp_path):
+    from tightfit.data import load_text_classification
+    from tightfit.errors import TightfitError
+
+    (tmp_path / "d.csv").write_text("text, label\n" + "".join(f"review {i},{i % 2}\n" for i in range(10)))
+    with pytest.raises(TightfitError, match=r"columns are: ' label', text$"):
+        load_text_classification(tmp_path / "d.csv")
+
+
+def test_a_json_array_file_is_told_to_be_json_lines(tmp_path):
+    from tightfit.data import load_text_classification
+    from tightfit.errors import TightfitError
+
+    (tmp_path / "d.json").write_text(json.dumps([{"text": "a", "label": 0}, {"text": "b", "label": 1}]))
+    with pytest.raises(TightfitError, match=r"line 1 is not a JSON object \(JSON Lines: one object per line"):
+        load_text_classification(tmp_path / "d.json")

@@ -131,7 +131,8 @@ def _read_rows(path: Path) -> list[dict]:
                     except json.JSONDecodeError as e:
                         raise TightfitError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
                     if not isinstance(row, dict):
-                        raise TightfitError(f"{path}: line {n} is not a JSON object")
+                        raise TightfitError(f"{path}: line {n} is not a JSON object (JSON Lines: one object per "
+                                            f"line, e.g. {{\"text\": \"...\", \"label\": \"pos\"}})")
                     rows.append(row)
                 return rows
             text = f.read()
@@ -190,6 +191,14 @@ def _check_merged_records(path: Path, rows: list[dict], columns: list[str], deli
                                         f"into one text; close or remove the quote")
 
 
+def _shown_column(name) -> str:
+    """A column name for a list of them: quoted when spaces begin or end it (``' label'`` is not
+    ``label``), a tab shown as ``<TAB>``."""
+    name = str(name)
+    shown = name.replace("\t", "<TAB>")
+    return repr(shown) if name != name.strip() else shown
+
+
 def _delimiter_hint(path: Path, columns: set) -> str:
     """A hint when a .csv's header is one column that holds a tab or a semicolon: the file is
     separated by something else than commas (the columns are not guessed: texts hold every
@@ -233,7 +242,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     for col, option in ((text_column, "text_column"), (label_column, "label_column")):
         if col not in columns:  # the option as its user named it: --text-column, or text_column= from Python
             raise TightfitError(f"{path}: no column {col!r} ({option_name(option)}); columns are: "
-                                f"{', '.join(sorted(str(c).replace(chr(9), '<TAB>') for c in columns))}"
+                                f"{', '.join(sorted(_shown_column(c) for c in columns))}"
                                 f"{_delimiter_hint(path, columns)}")
     texts, raw, blank = [], [], 0
     for n, r in enumerate(rows, 1):
