@@ -77,19 +77,25 @@ def earlier_events(path: str | Path, step: int) -> list[str]:
     ``metrics.jsonl`` up to that step, in order (its later records belong to the stopped session's
     steps after its checkpoint, which the resume runs again). Empty when the file is missing;
     unreadable lines are skipped."""
+    return [r["message"] for r in _readable_records(path) if r.get("type") == "event"
+            and isinstance(r.get("message"), str) and isinstance(r.get("step"), int) and r["step"] <= step]
+
+
+def _readable_records(path: str | Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file that read as JSON objects ([] when it is missing):
+    what a resume reads back of the earlier sessions, skipping a line a kill cut short."""
     path = Path(path)
     if not path.is_file():
         return []
-    events = []
+    records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and record.get("type") == "event" and isinstance(record.get("message"), str) \
-                and isinstance(record.get("step"), int) and record["step"] <= step:
-            events.append(record["message"])
-    return events
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 # the planner's speeds, written into the plan record (its "planned_speeds") so that a resumed
@@ -103,15 +109,8 @@ def planned_speeds(path: str | Path) -> dict:
     ``planning_seconds`` as ``first_planning_s``, for a resumed run's summary: its
     plan comes from the checkpoint and is not timed again. Empty when the file, the record or the
     figures are missing (an older run, or a CPU run); unreadable lines are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        return {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("type") == "plan" and not record.get("resumed_from"):
+    for record in _readable_records(path):
+        if record.get("type") == "plan" and not record.get("resumed_from"):
             speeds = record.get("planned_speeds")
             speeds = speeds if isinstance(speeds, dict) else {}
             found = {k: speeds[k] for k in PLANNED_SPEEDS if isinstance(speeds.get(k), (int, float))}

@@ -363,9 +363,7 @@ class Trainer:
             loss, stop = self.world.after_step(loss, self._stop_signal is not None)  # the ranks' mean; any stop
             if stop and not self._stop_signal:
                 self._stop_signal = "a stop on another rank"
-            if self._stop_note:  # a signal's note (see _stop_on_signals), logged outside its handler
-                self._event(self._stop_note)
-                self._stop_note = None
+            self._log_stop_note()
             self.step += 1
             self.result.samples += len(window)
             self.result.final_loss = loss
@@ -392,9 +390,7 @@ class Trainer:
                     f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
                     f"{culprit}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where)
             if self._stop_signal and self.step < self.total_steps and ahead is None:  # else: after the queued step
-                if self._stop_note:  # the signal came after this step's note point (e.g. in its checkpoint)
-                    self._event(self._stop_note)
-                    self._stop_note = None
+                self._log_stop_note()  # a signal after this step's note point (e.g. in its checkpoint)
                 where = saved or self._checkpoint_at_stop(t0)
                 self.flush_checkpoints()
                 self._event(f"{self._stop_signal}: stopped after step {self.step}"  # the error says it on screen
@@ -402,6 +398,13 @@ class Trainer:
                 raise TrainingInterrupted(f"{self._stop_signal}: stopped after step {self.step} of "
                                           f"{self.total_steps}", self.step, where)
             self._cool_down()
+
+    def _log_stop_note(self) -> None:
+        """Log a stop signal's note, if one is waiting (see :meth:`_stop_on_signals`: the handler
+        logs nothing itself)."""
+        if self._stop_note:
+            self._event(self._stop_note)
+            self._stop_note = None
 
     def _checkpoint_at_stop(self, t0: float) -> str | None:
         """Write a checkpoint of the state now; None when the run writes no checkpoints or the
