@@ -4,6 +4,8 @@
 #   bert-base: BERT-base seq 128, effective batch 256, 4 GiB, --compile on (as bench/gpu_speed.sh),
 #              instrumented by bench/speed_profile.py -> OUT/bert-base-128.{json,log}, OUT/speed.md
 #   gpu-tests: pytest -m gpu -> OUT/pytest-gpu.txt
+#   recompute: issue 17's side-by-side bench (tightfit, eager and compiled no-budget) on BERT-base seq 128
+#              and ResNet-50 at 4 GiB -> OUT/recompute/{*.json,results.md}
 #   main:      the main job at 4 GiB (`tightfit train --full --budget 4GiB`) -> OUT/main.log
 #   sync:      bench/optimizer_sync.py (8-bit step with and without the per-tensor syncs) -> OUT/optimizer_sync.*
 #   plan-time: bench/plan_time.py on three workloads (`tightfit plan`, no GPU: exact estimates traced one
@@ -33,7 +35,7 @@ for part in "$@"; do
       rm -f "$OUT/bert-base-128-profile.txt"
       python3 bench/speed_profile.py report "$OUT" >> "$OUT/env.txt" 2>&1 ;;
     gpu-tests)
-      timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/pytest-gpu.txt" 2>&1
+      timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/pytest-gpu.txt" 2>&1
       echo "gpu-tests exit $?" >> "$OUT/env.txt" ;;
     sync)
       timeout 150 python3 bench/optimizer_sync.py > "$OUT/optimizer_sync.md" 2>&1
@@ -41,6 +43,15 @@ for part in "$@"; do
     plan-time)
       timeout 420 python3 bench/plan_time.py "$OUT/plan-time" bert-base-128@4GiB bert-large-128@4GiB resnet50-224@4GiB > "$OUT/plan-time.log" 2>&1
       echo "plan-time exit $?" >> "$OUT/env.txt"; cat "$OUT/plan-time/plan-time.md" >> "$OUT/env.txt" 2>/dev/null ;;
+    recompute)
+      for w in bert-base-128@4GiB resnet50-224@4GiB; do
+        timeout 280 python3 -m tightfit bench run --workload "$w" --settings tightfit,no-budget,compiled-no-budget \
+          --out "$OUT/recompute" > "$OUT/recompute-${w//@/-at-}.log" 2>&1
+        echo "recompute $w exit $?" >> "$OUT/env.txt"
+      done
+      python3 -m tightfit bench report "$OUT/recompute" >> "$OUT/env.txt" 2>&1
+      for f in "$OUT"/recompute/*@*; do mv "$f" "${f//@/-at-}"; done  # '@' does not travel back
+      cat "$OUT/recompute/results.md" >> "$OUT/env.txt" 2>/dev/null ;;
     main)
       timeout 200 python3 -m tightfit train --full --budget 4GiB --out "$RUNS/main" --no-progress > "$OUT/main.log" 2>&1
       echo "main exit $?" >> "$OUT/env.txt"

@@ -34,6 +34,7 @@ from .data import TextClassificationData, check_split, held_out_split, load_defa
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
 from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, unwritable_folder
+from .levers.layout import use_channels_last
 from .report.summary import RunInfo, RunSummary
 from .rng import seed_everything
 from .units import count_of, format_bytes, parse_budget
@@ -372,6 +373,10 @@ class TrainRecipe:
             log.info(f"device: {self.device_name}, memory capped at {format_bytes(self.budget)}"
                      + (f" (the {self.profile.name} profile)" if self.req.planning.gpu else ""))
             self.model.to(self.device)
+            if not self.world.distributed:  # planned and run in the layout it trains in
+                layout = use_channels_last(self.model, self.device)
+                if layout:
+                    log.info(layout)
         from .planner import probe  # noqa: F401  (imported before the clock: planning_s times the planning)
 
         t_plan = time.perf_counter()

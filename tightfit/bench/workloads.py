@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TightfitError
+from ..levers.layout import use_channels_last
 from ..models import build_model
 from ..units import parse_size
 from ..workload import Workload
@@ -92,5 +93,7 @@ def make_workload(w: BenchWorkload, effective_batch: int, samples: int, device: 
     with the registry's task for the architecture (e.g. token-level loss for a causal LM)."""
     torch.manual_seed(0)
     model, make_batch = build_model(w.arch, device="cpu")
-    return Workload(model.to(device), ZooSamples(make_batch, w.size, samples), None, effective_batch,
+    model.to(device)
+    use_channels_last(model, device)  # as tightfit train does: every setting in the layout it trains in
+    return Workload(model, ZooSamples(make_batch, w.size, samples), None, effective_batch,
                     task=make_batch.task)

@@ -31,6 +31,7 @@ from ..errors import TightfitError
 from ..fileio import UntilClosed
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, eager_calls, uncompile_model
+from ..levers.layout import match_parameter_strides, use_channels_last
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
 from ..step import (PendingStep, accumulate, buffer_snapshot, changed_since, in_place_versions, make_optimizer,
                     module_mode, restore_buffers, train_mode, training_modes, training_step)
@@ -233,6 +234,11 @@ class Trainer:
         self.device = torch.device(plan.device)
         # the plan's optimizer may keep the weights in bf16 (adamw8bit-bf16): cast before the move
         self.model = cast_weights(workload.model, plan.optimizer).to(self.device)
+        self.world = world or World()
+        if not self.world.distributed:  # before compilation, which specialises on strides
+            layout = use_channels_last(self.model, self.device.type)
+            if layout:
+                _log.info("tightfit: %s", layout)
         self.model.zero_grad(set_to_none=True)  # a stray backward before training must not leak into step 1
         # checkpointing turns the KV cache off; the user's setting comes back when fit() ends
         self._user_use_cache = getattr(getattr(self.model, "config", None), "use_cache", None)
@@ -246,7 +252,6 @@ class Trainer:
         else:
             uncompile_model(self.model)
         # several ranks: DDP or FSDP2 as the plan says, before the optimizer sees the parameters
-        self.world = world or World()
         self.model = self.world.wrap(self.model, plan.sharding)
         self.world.seed_rank(config.seed)
         params = [p for p in self.model.parameters() if p.requires_grad]  # frozen: no state
@@ -755,6 +760,7 @@ class Trainer:
         else:
             state = load_checkpoint(path, self.world.unwrap(self.model), verified=verified, state=state)
             self.optimizer.load_state_dict(state["optimizer"])
+            match_parameter_strides(self.optimizer)  # channels-last parameters: state saved contiguous
         self.scheduler.load_state_dict(state["scheduler"])
         lr_changed = self.scheduler.base_lrs != [self.cfg.lr] * len(self.scheduler.base_lrs)
         if lr_changed:  # resumed with a new --lr
