@@ -172,6 +172,9 @@ def _check_merged_records(path: Path, rows: list[dict], columns: list[str], deli
     field: a field holding a line that splits into a whole record, whose fields other than one
     (the text) are values those columns hold elsewhere in the file (e.g. a label). Line breaks
     inside a quoted text are kept (real multi-line texts do not end in another record's label).
+    With two columns, one such line is only a text line with one delimiter that ends in a label
+    ("Rating 4,5" where 5 is a label), so there two lines of the field must read as records (a
+    merge's first line is the open record's own text and label, its next the next record).
 
     Raises:
         TightfitError: one line naming the record.
@@ -179,16 +182,23 @@ def _check_merged_records(path: Path, rows: list[dict], columns: list[str], deli
     if len(columns) < 2:
         return
     seen = {c: {r[c] for r in rows if r.get(c) is not None} for c in columns}
+
+    def reads_as_record(line: str) -> bool:
+        fields = line.split(delimiter)
+        return len(fields) == len(columns) and sum(f in seen[c] for f, c in zip(fields, columns)) >= len(columns) - 1
+
     for n, row in enumerate(rows, 1):
         for value in row.values():
             if not isinstance(value, str) or "\n" not in value:
                 continue
-            for line in value.splitlines()[1:]:
-                fields = line.split(delimiter)
-                if len(fields) == len(columns) and sum(f in seen[c] for f, c in zip(fields, columns)) >= len(columns) - 1:
-                    raise TightfitError(f"{path}: record {n} holds a line break followed by what reads as another "
-                                        f"record ({line[:60]!r}): an unbalanced \" quote merged the records after it "
-                                        f"into one text; close or remove the quote")
+            lines = value.splitlines()
+            records = [line for line in lines[1:] if reads_as_record(line)]
+            if len(columns) == 2 and len(records) + reads_as_record(lines[0]) < 2:
+                continue
+            if records:
+                raise TightfitError(f"{path}: record {n} holds a line break followed by what reads as another "
+                                    f"record ({records[0][:60]!r}): an unbalanced \" quote merged the records after "
+                                    f"it into one text; close or remove the quote")
 
 
 def _shown_column(name) -> str:
