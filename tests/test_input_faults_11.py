@@ -38,3 +38,76 @@ def test_a_quote_left_open_over_one_whole_record_is_still_refused(tmp_path):
     (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
     with pytest.raises(TightfitError, match=r"record 10 .*unbalanced"):
         load_text_classification(tmp_path / "d.csv", label_column="stars")
+
+
+# ---- resume of a damaged run folder
+
+
+def _short_run(tmp_path, steps=6, every=2, keep=5):
+    from conftest import tiny_cpu_job
+
+    from tightfit.cli import main
+
+    job = tiny_cpu_job(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", "--model", job["model"], "--data", job["data"], "--batch-size", "8", "--max-steps", str(steps),
+                 "--checkpoint-every", str(every), "--keep-last", str(keep), "--seq-len", "16", "--device", "cpu",
+                 "--out", str(run), "--no-progress"]) == 0
+    (run / "summary.json").unlink()  # as if stopped after its last checkpoint
+    return run, run / "checkpoints"
+
+
+def test_a_checkpoint_folder_named_for_another_step_is_skipped_not_trusted(tmp_path, caplog):
+    """ckpt-50 holding step 6 was resumed from (at step 6), and its first checkpoint then deleted
+    the run's intact checkpoints of later steps, and metrics.jsonl was cut back to step 6."""
+    import logging
+
+    from tightfit.cli import main
+
+    run, ckpts = _short_run(tmp_path)
+    shutil.copytree(ckpts / "ckpt-2", ckpts / "ckpt-50")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert "checkpoint ckpt-50 holds step 2, not 50 (renamed or copied from elsewhere); resuming from ckpt-6" \
+        in caplog.text
+    assert "checkpoints/ckpt-6 at step 6" in caplog.text
+    assert (ckpts / "ckpt-6").is_dir() and (ckpts / "ckpt-4").is_dir()
+    steps = [json.loads(line).get("step") for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert 4 in steps  # the history up to the checkpoint resumed from is kept
+
+
+def test_a_run_whose_only_checkpoint_was_displaced_resumes(tmp_path, caplog):
+    """The early "no checkpoint to resume from" looked only at ckpt-N folders, before the
+    displaced .ckpt-N.old was put back."""
+    import logging
+
+    from tightfit.cli import main
+
+    run, ckpts = _short_run(tmp_path, steps=4, every=2, keep=1)
+    assert [p.name for p in ckpts.iterdir()] == ["ckpt-4"]
+    shutil.move(ckpts / "ckpt-4", ckpts / ".ckpt-4.old")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert "note: put back ckpt-4" in caplog.text and "checkpoints/ckpt-4 at step 4" in caplog.text
+
+
+def test_a_resume_past_a_corrupt_checkpoint_keeps_how_the_session_ended_and_the_fault(tmp_path):
+    """The stop events after the checkpoint resumed from were cut from metrics.jsonl and the
+    report, and the corrupt checkpoint skipped was only printed."""
+    from tightfit.cli import main
+
+    run, ckpts = _short_run(tmp_path)
+    with open(run / "metrics.jsonl", "a") as f:  # how the first session ended, after its step-6 checkpoint
+        f.write(json.dumps({"type": "event", "step": 6, "message": "stopped by SIGTERM after step 6"}) + "\n")
+    with open(ckpts / "ckpt-6" / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    report = (run / "report.md").read_text()
+    assert "- stopped by SIGTERM after step 6" in report, report
+    assert "checkpoint ckpt-6 is corrupt (model.safetensors: truncated" in report
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    messages = [r["message"] for r in events if r.get("type") == "event"]
+    assert any(m.startswith("checkpoint ckpt-6 is corrupt") for m in messages)
+    assert messages.count("stopped by SIGTERM after step 6") == 1

@@ -121,7 +121,7 @@ def test_resume_of_a_run_started_with_full_and_train_samples(tmp_path, monkeypat
     (run / "request.json").write_text(json.dumps({**record, "data_fingerprint": "x"}))
     monkeypatch.setattr(checkpoint, "latest_intact_checkpoint",
                         lambda folder: checkpoint.ResumePoint(folder / "ckpt-2"))
-    resumed, point, changed, fingerprint = _resume_request(TrainRequest(resume=str(run)))
+    resumed, point, changed, fingerprint, _ = _resume_request(TrainRequest(resume=str(run)))
     assert (resumed.run.full, resumed.run.train_samples, changed, fingerprint) == (False, 200, {}, "x")
 
 

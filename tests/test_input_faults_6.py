@@ -42,15 +42,15 @@ def short_run(tmp_path_factory):
 def test_the_python_resume_takes_a_new_value_equal_to_its_default_as_the_command_line_does(short_run, caplog):
     run = str(short_run)
     with caplog.at_level(logging.WARNING, logger="tightfit"):
-        req, _, changed, _ = _resume_request(TrainRequest(resume=run, lr=5e-5))
+        req, _, changed, _, _ = _resume_request(TrainRequest(resume=run, lr=5e-5))
     assert changed == {"lr": [1e-3, 5e-5]} and req.training.lr == 5e-5
     assert "note: resume with lr=5e-05 (the run had 0.001)" in caplog.text, caplog.text
     with pytest.raises(TightfitError) as e:
         _resume_request(TrainRequest(resume=run, batch_size=32))  # the default; the run trained at 4
     assert "cannot change batch_size " in str(e.value) and "\n" not in str(e.value) and "--" not in str(e.value)
-    _, _, changed, _ = _resume_request(TrainRequest(resume=run, batch_size=4, lr=1e-3))  # the run's own values
+    _, _, changed, _, _ = _resume_request(TrainRequest(resume=run, batch_size=4, lr=1e-3))  # the run's own values
     assert changed == {}
-    _, _, changed, _ = _resume_request(TrainRequest(resume=run, progress=False))  # only what was given counts
+    _, _, changed, _, _ = _resume_request(TrainRequest(resume=run, progress=False))  # only what was given counts
     assert changed == {}
 
 

@@ -203,7 +203,7 @@ def test_resume_takes_options_written_anew_even_at_their_default(tiny_run_inputs
     argv = ["train", "--resume", str(tmp_path / "run"), "--lr", "5e-5", "--max-skipped-steps", "20"]
     args = parser.parse_args(argv)
     args.given_options = _given_options(parser.train_parser, argv)
-    req, _, changed, _ = _resume_request(TrainRequest.from_args(args))
+    req, _, changed, _, _ = _resume_request(TrainRequest.from_args(args))
     assert changed == {"lr": [1e-3, 5e-5], "max_skipped_steps": [5, 20]}  # both are the defaults
     assert req.training.lr == 5e-5 and req.training.max_skipped_steps == 20
 

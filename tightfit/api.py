@@ -166,6 +166,7 @@ class TrainRecipe:
         self.t_start = time.perf_counter()
         self.notes: list[str] = []  # printed after the banner, as "note: ..."
         self.resume_from: Path | None = None  # the checkpoint a resumed run continues from
+        self.resume_notes: list[str] = []  # what the resume found and did in the run folder (events)
         self.changed: dict = {}  # {option: [old, new]} given anew on resume
         self.resume_state: dict | None = None  # the checkpoint's state once read (rank 0 plans: others read it anew)
         self.device, self.profile, self.budget = "cpu", None, None
@@ -183,8 +184,8 @@ class TrainRecipe:
             TightfitError: bad input or a request that cannot be met; nothing is written.
         """
         if self.req.run.resume:
-            self.req, self.resume_from, self.changed, self.data_fingerprint = _resume_request(self.req,
-                                                                                              self.world.is_main)
+            self.req, self.resume_from, self.changed, self.data_fingerprint, self.resume_notes = \
+                _resume_request(self.req, self.world.is_main)
         self._resolve_device()
         self._load_data()
         self._check_run_folder()
@@ -491,7 +492,9 @@ class TrainRecipe:
             if self.world.is_main:  # the report's events are the whole run's: the earlier sessions' first
                 from .report.metrics import earlier_events
 
-                self.trainer.result.events[:0] = earlier_events(self.out / "metrics.jsonl", self.trainer.step)
+                self.trainer.result.events[:0] = earlier_events(self.out / "metrics.jsonl")
+                for note in self.resume_notes:  # shown when found; kept for the report
+                    self.trainer.event(note, show=False)
             if self.changed:  # in the report's events: request.json now holds only the new values
                 self.trainer.event("options given anew: " + ", ".join(
                     f"{option_given(k, new)} (was {old})" for k, (old, new) in self.changed.items()))
@@ -520,11 +523,11 @@ class TrainRecipe:
         """After an interrupt that stopped at once: a new run with no checkpoint yet is removed
         (what it wrote and, if it made it, the folder), so that the same ``--out`` can be used
         again; otherwise say how to continue."""
-        from .runtime.checkpoint import list_checkpoints
+        from .runtime.checkpoint import has_checkpoint
 
         if getattr(self, "created", None) is None:
             return
-        if list_checkpoints(self.out / "checkpoints"):
+        if has_checkpoint(self.out / "checkpoints"):
             from .runtime.launch import resume_processes
 
             log.warning(f"note: continue with: tightfit train --resume {shlex.quote(str(self.out))}"
@@ -738,7 +741,7 @@ class _Discard:
         pass
 
 
-def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest, Path, dict, str | None]:
+def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest, Path, dict, str | None, list[str]]:
     """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
     given now), its newest intact checkpoint, ``{option: [old, new]}`` for what changed, and the
     fingerprint of the data it started with (None for runs that recorded none). A run started with
@@ -751,13 +754,13 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     Raises:
         TightfitError: not a tightfit run folder, or no intact checkpoint in it.
     """
-    from .runtime.checkpoint import (latest_intact_checkpoint, list_checkpoints, remove_stale_temporaries,
+    from .runtime.checkpoint import (has_checkpoint, latest_intact_checkpoint, remove_stale_temporaries,
                                       restore_displaced)
 
     run = Path(req.run.resume)
     if not (run / "request.json").is_file():
         raise TightfitError(f"{option_given('resume', str(run))}: not a tightfit run folder (no request.json)")
-    if not list_checkpoints(run / "checkpoints"):
+    if not has_checkpoint(run / "checkpoints"):
         raise TightfitError(f"{option_given('resume', str(run))}: no checkpoint to resume from")
     # the flags on the command line, or the keywords of TrainRequest: both recorded in run.given,
     # so a value given equal to its default counts, on either face, as a value given
@@ -791,17 +794,18 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     resumed.workload.check_columns()  # with the run's own --data, now known
     for k, (old, new) in changed.items():
         log.warning(f"note: {option_name('resume')} with {option_given(k, new)} (the run had {old})")
-    for name in restore_displaced(run / "checkpoints") if main else ():  # rank 0 writes the folder
-        log.warning(f"note: put back {name}, displaced by a checkpoint write that was cut short")
+    notes = [f"put back {name}, displaced by a checkpoint write that was cut short"
+             for name in (restore_displaced(run / "checkpoints") if main else ())]  # rank 0 writes the folder
     try:
         point = latest_intact_checkpoint(run / "checkpoints")
     except TightfitError as e:
         raise type(e)(f"{option_given('resume', str(run))}: {e}") from None
-    for note in point.notes:
+    notes += point.notes
+    notes += [f"removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short"
+              for name, size in (remove_stale_temporaries(run / "checkpoints") if main else ())]  # rank 0 cleans up
+    for note in notes:
         log.warning(f"note: {note}")
-    for name, size in remove_stale_temporaries(run / "checkpoints") if main else ():  # rank 0 cleans up
-        log.warning(f"note: removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short")
-    return resumed, point.path, changed, fingerprint
+    return resumed, point.path, changed, fingerprint, notes
 
 
 def _check_out(out: Path, resuming: bool) -> None:

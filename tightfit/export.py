@@ -91,7 +91,7 @@ def _source(path: str) -> _Source:
             that is not a sequence or image classifier; a model folder without a weights file.
     """
     from .models import _folder_config, _task_of_config
-    from .runtime.checkpoint import list_checkpoints
+    from .runtime.checkpoint import has_checkpoint
 
     p = Path(path)
     if (p / "request.json").is_file() and (p / "model" / "config.json").is_file():
@@ -99,7 +99,7 @@ def _source(path: str) -> _Source:
     elif (p / "config.json").is_file():
         run, model_dir = None, p
     elif (p / "request.json").is_file():  # a run stopped before it wrote its model
-        if list_checkpoints(p / "checkpoints"):
+        if has_checkpoint(p / "checkpoints"):
             raise TightfitError(f"{p}: the run has not finished (no model/ yet): run tightfit train --resume "
                                 f"{shlex.quote(str(p))} first, then export it")
         raise TightfitError(f"{p}: the run has not finished (no model/ yet) and has no checkpoint to resume from: "

@@ -43,8 +43,9 @@ def _clean(v):
 def keep_metrics_until(path: str | Path, step: int) -> int:
     """Rewrite ``metrics.jsonl`` atomically without the records of steps after ``step`` (those a
     stopped run wrote after its last checkpoint, which the resumed run writes again) and without
-    an evaluation at ``step`` (it followed the checkpoint). Records without a step are kept.
-    Returns the number of records dropped."""
+    an evaluation at ``step`` (it followed the checkpoint). Records without a step are kept, and
+    events of any step: how a session ended (a signal at step 45 when the resume goes back to a
+    checkpoint of step 40) stays in the run's history. Returns the number of records dropped."""
     from ..fileio import atomic_write_text
 
     path = Path(path)
@@ -59,7 +60,8 @@ def keep_metrics_until(path: str | Path, step: int) -> int:
             continue
         at = record.get("step")
         # an evaluation at the checkpoint's step came after it: the resumed run evaluates again
-        if not isinstance(at, int) or at < step or (at == step and record.get("type") != "eval"):
+        if not isinstance(at, int) or at < step or record.get("type") == "event" \
+                or (at == step and record.get("type") != "eval"):
             kept.append(line)
     if len(kept) != len(lines):
         atomic_write_text(path, "".join(line + "\n" for line in kept))
@@ -72,13 +74,13 @@ def read_metrics(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def earlier_events(path: str | Path, step: int) -> list[str]:
-    """The event messages of the sessions before a resume at ``step``: the ``event`` records of
-    ``metrics.jsonl`` up to that step, in order (its later records belong to the stopped session's
-    steps after its checkpoint, which the resume runs again). Empty when the file is missing;
+def earlier_events(path: str | Path) -> list[str]:
+    """The event messages of the sessions before a resume: the ``event`` records of
+    ``metrics.jsonl``, in order, also those of steps after the checkpoint resumed from (how the
+    stopped session ended: :func:`keep_metrics_until` keeps them). Empty when the file is missing;
     unreadable lines are skipped."""
     return [r["message"] for r in _readable_records(path) if r.get("type") == "event"
-            and isinstance(r.get("message"), str) and isinstance(r.get("step"), int) and r["step"] <= step]
+            and isinstance(r.get("message"), str)]
 
 
 def _readable_records(path: str | Path) -> list[dict]:

@@ -248,6 +248,12 @@ def _step(path: Path) -> int:
     return int(_NAME.match(path.name).group(1))
 
 
+def has_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a checkpoint to resume from: a ``ckpt-<step>`` folder, or one
+    displaced by a write cut short (:func:`displaced_checkpoints`); none is verified."""
+    return bool(list_checkpoints(folder) or displaced_checkpoints(folder))
+
+
 def list_checkpoints(folder: Path) -> list[Path]:
     """Checkpoint folders in ``folder``, oldest first (temporary folders are ignored; nothing is
     verified: see :func:`latest_intact_checkpoint`)."""
@@ -258,22 +264,32 @@ def list_checkpoints(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def restore_displaced(folder: Path) -> list[str]:
-    """Put back a checkpoint that a replacement cut short left only as ``.ckpt-<step>.old``
+def displaced_checkpoints(folder: Path) -> list[tuple[Path, str]]:
+    """Checkpoints that a replacement cut short left only as ``.ckpt-<step>.old``
     (:func:`tightfit.fileio.atomic_write_dir` renames the old folder away, then the new one in:
-    a kill between the two leaves no ``ckpt-<step>``), so that it is not removed as stale.
-    Call it before choosing a checkpoint, where no other process writes into ``folder``.
+    a kill between the two leaves no ``ckpt-<step>``): ``(folder found, name to put back)``.
+    A run with only those still has a checkpoint to resume from (:func:`restore_displaced`)."""
+    folder = Path(folder)
+    found = []
+    for p in sorted(folder.iterdir()) if folder.is_dir() else ():
+        m = re.match(r"^\.(ckpt-\d+)\.old$", p.name)
+        if m and p.is_dir() and not p.is_symlink() and not (folder / m.group(1)).exists():
+            found.append((p, m.group(1)))
+    return found
+
+
+def restore_displaced(folder: Path) -> list[str]:
+    """Put back the :func:`displaced_checkpoints` of ``folder`` under their names, so that they
+    are not removed as stale. Call it before choosing a checkpoint, where no other process writes
+    into ``folder``.
 
     Returns:
         The names of the checkpoints put back.
     """
-    folder = Path(folder)
     restored = []
-    for p in sorted(folder.iterdir()) if folder.is_dir() else ():
-        m = re.match(r"^\.(ckpt-\d+)\.old$", p.name)
-        if m and p.is_dir() and not p.is_symlink() and not (folder / m.group(1)).exists():
-            os.replace(p, folder / m.group(1))
-            restored.append(m.group(1))
+    for p, name in displaced_checkpoints(folder):
+        os.replace(p, Path(folder) / name)
+        restored.append(name)
     return restored
 
 
@@ -323,6 +339,8 @@ def verify_checkpoint(path: Path) -> bool:
     Raises:
         CorruptCheckpointError: a file is missing, truncated, of the wrong size, fails its
             checksum, or the manifest is unreadable; the message names the file and the fault.
+            Also a manifest whose step is not the folder's (``ckpt-50`` holding step 6: a resume
+            from it would go back to step 6 and delete the run's checkpoints of later steps).
     """
     path = Path(path)
     if not path.is_dir():
@@ -338,6 +356,10 @@ def verify_checkpoint(path: Path) -> bool:
         expected = {name: (int(v["bytes"]), str(v["sha256"])) for name, v in files.items()}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise _fail(path, f"{MANIFEST}: unreadable: {_first_line(e)}") from None
+    named = _NAME.match(path.name)
+    if named and manifest.get("step") != int(named.group(1)):  # copied or renamed: not this step's state
+        raise CorruptCheckpointError(f"checkpoint {path.name} holds step {manifest.get('step')!r}, not "
+                                     f"{named.group(1)} (renamed or copied from elsewhere)")
     sharded = manifest.get("layout") == "dcp"  # written by runtime/sharded_checkpoint.py: dcp/ for the weights
     for name in (STATE_FILE,) if sharded else (MODEL_FILE, STATE_FILE):
         if name not in expected:

@@ -871,9 +871,10 @@ class Trainer:
         return paused
 
     # ---------------------------------------------------------------- logging
-    def event(self, message: str) -> None:
-        """Record ``message`` as one of the run's events (``metrics.jsonl``, the report), and show it."""
-        self._event(message)
+    def event(self, message: str, show: bool = True) -> None:
+        """Record ``message`` as one of the run's events (``metrics.jsonl``, the report), and show it
+        (``show`` False: it was shown already)."""
+        self._event(message, show)
 
     def _event(self, message: str, show: bool = True) -> None:
         self.result.events.append(message)
