@@ -111,3 +111,54 @@ def test_a_resume_past_a_corrupt_checkpoint_keeps_how_the_session_ended_and_the_
     messages = [r["message"] for r in events if r.get("type") == "event"]
     assert any(m.startswith("checkpoint ckpt-6 is corrupt") for m in messages)
     assert messages.count("stopped by SIGTERM after step 6") == 1
+
+
+# ---- plans made or edited by hand
+
+_PLAN = {"precision": "fp32", "micro_batch": 4, "effective_batch": 8}
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"reasons": None}, "reasons None is not a tuple of lines"),
+    ({"reasons": 3}, "reasons 3 is not a list"),
+    ({"reasons": "hello"}, "reasons 'hello' is not a list"),
+    ({"checkpoint_blocks": 5}, "checkpoint_blocks 5 is not a list"),
+    ({"block_policies": "full"}, "block_policies 'full' is not a list"),
+    ({"checkpoint_blocks": [0, 0]}, "checkpoint_blocks (0, 0) is not a tuple of distinct block indices"),
+    ({"budget_bytes": "4GiB"}, "budget_bytes '4GiB' is not None or a whole number >= 1"),
+    ({"budget_bytes": -5}, "budget_bytes -5 is not"),
+    ({"budget_bytes": 1.5}, "budget_bytes 1.5 is not"),
+    ({"trainable_params": "many"}, "trainable_params 'many' is not"),
+    ({"predicted_samples_per_s": "fast"}, "predicted_samples_per_s 'fast' is not None or a number >= 0"),
+])
+def test_a_plan_field_of_the_wrong_kind_is_one_clear_line(fields, says):
+    """reasons None or 3 raised a bare TypeError, "hello" became five reasons, and budgets of
+    "4GiB", -5 or 1.5 bytes were taken."""
+    from tightfit.plan import Plan
+
+    with pytest.raises(TightfitError) as e:
+        Plan.from_dict({**_PLAN, **fields})
+    assert says in str(e.value)
+
+
+def test_a_plan_checkpointing_blocks_the_model_has_not_is_refused():
+    """checkpoint_blocks [7, 99] on a 2-block model checkpointed every block; [5] none."""
+    from conftest import tiny_bert
+
+    from tightfit.levers.checkpointing import set_activation_checkpointing
+
+    model = tiny_bert(0.1, 0)  # two blocks
+    for blocks in ((7, 99), (5,)):
+        with pytest.raises(TightfitError, match=r"checkpoints block indices \[.*\] but the model has 2 blocks \(0-1\)"):
+            set_activation_checkpointing(model, True, blocks)
+
+
+def test_a_lora_plan_for_a_model_without_adapters_is_refused():
+    """trainable "lora" on a plain model trained every weight, with the memory of a LoRA plan."""
+    from conftest import tiny_bert
+
+    from tightfit.loop import TrainStep
+    from tightfit.plan import Plan
+
+    with pytest.raises(TightfitError, match="trains LoRA adapters .* but the model has none"):
+        TrainStep(Plan("fp32", 4, 8, trainable="lora"), tiny_bert(0.1, 0))

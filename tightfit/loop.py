@@ -394,6 +394,7 @@ class TrainStep:
                  grow_back_after: int = 100, warn_temp_c: float = 82.0):
         from .config import TrainOptions, check_option
         from .levers.checkpointing import set_activation_checkpointing
+        from .levers.lora import check_adapters
         from .levers.precision import make_grad_scaler
         from .runtime.health import HealthMonitor
         from .step import make_optimizer
@@ -408,6 +409,7 @@ class TrainStep:
         for name, value in checked.items():
             check_option(TrainOptions, name, value, called=name)
         self.device = _check_device(plan, model)
+        check_adapters(plan.trainable, model)
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
         self.model = model

@@ -7,6 +7,8 @@ terms: micro-batch x gradient accumulation steps (x world size) = effective batc
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -155,8 +157,24 @@ class Plan:
                 raise bad(name, "one of " + ", ".join(allowed))
         blocks = self.checkpoint_blocks
         if blocks is not None and not (isinstance(blocks, tuple) and all(
-                not isinstance(b, bool) and isinstance(b, int) and b >= 0 for b in blocks)):
-            raise bad("checkpoint_blocks", "a tuple of block indices (whole numbers >= 0)")
+                not isinstance(b, bool) and isinstance(b, int) and b >= 0 for b in blocks)
+                and len(set(blocks)) == len(blocks)):
+            raise bad("checkpoint_blocks", "a tuple of distinct block indices (whole numbers >= 0)")
+        if not (isinstance(self.reasons, tuple) and all(isinstance(r, str) for r in self.reasons)):
+            raise bad("reasons", "a tuple of lines (strings)")
+        for name, least in (("budget_bytes", 1), ("probe_peak_reserved_bytes", 0),
+                            ("predicted_peak_reserved_bytes", 0), ("trainable_params", 0)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
+                raise bad(name, f"None or a whole number >= {least}")
+            object.__setattr__(self, name, operator.index(value))
+        speed = self.predicted_samples_per_s
+        if speed is not None:
+            if isinstance(speed, bool) or not isinstance(speed, numbers.Real) or not math.isfinite(speed) or speed < 0:
+                raise bad("predicted_samples_per_s", "None or a number >= 0")
+            object.__setattr__(self, "predicted_samples_per_s", float(speed))
         policies = self.block_policies
         if policies is not None and not (isinstance(policies, tuple) and all(p in BLOCK_POLICIES for p in policies)):
             raise bad("block_policies", "a tuple of " + "|".join(BLOCK_POLICIES) + ", one per block")
@@ -200,11 +218,12 @@ class Plan:
         if not isinstance(d, dict):
             raise TightfitError(f"malformed plan: expected a JSON object, got {type(d).__name__}")
         d = {k: v for k, v in d.items() if k != "accumulation_steps"}
-        d["reasons"] = tuple(d.get("reasons", ()))
-        if d.get("checkpoint_blocks") is not None:
-            d["checkpoint_blocks"] = tuple(d["checkpoint_blocks"])
-        if d.get("block_policies") is not None:
-            d["block_policies"] = tuple(d["block_policies"])
+        for name in ("reasons", "checkpoint_blocks", "block_policies"):  # JSON lists, read as tuples
+            value = d.get(name, () if name == "reasons" else None)
+            if value is not None and not isinstance(value, (list, tuple)):  # a string would split into letters
+                raise TightfitError(f"malformed plan: {name} {value!r} is not a list")
+            if value is not None:
+                d[name] = tuple(value)
         try:
             return cls(**d)
         except TypeError as e:

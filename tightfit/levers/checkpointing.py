@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TightfitError
 from .blocks import compiled_by_blocks
 
 
@@ -30,11 +31,15 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
     Raises:
         ValueError: if ``enabled`` and the model does not support gradient checkpointing
             (:func:`can_checkpoint`; the planners refuse such a request first).
-        TightfitError: ``policies`` not one known policy per block.
+        TightfitError: ``policies`` not one known policy per block; ``blocks`` outside the model's.
     """
     from .blocks import apply_block_policies, apply_checkpointing, find_blocks
 
     n = len(find_blocks(model))
+    outside = sorted(b for b in (blocks or ()) if not 0 <= b < n)
+    if enabled and policies is None and outside:  # a plan of another model, or edited by hand
+        raise TightfitError(f"the plan checkpoints block indices {outside} but the model has {n} blocks"
+                            + (f" (0-{n - 1})" if n else ""))
     if n:
         apply_checkpointing(model, ())  # unwrap tightfit's block wrappers from an earlier choice
     if policies is not None:

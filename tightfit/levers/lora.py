@@ -75,6 +75,18 @@ def has_adapters(model: torch.nn.Module) -> bool:
     return hasattr(model, "merge_and_unload")
 
 
+def check_adapters(trainable: str, model: torch.nn.Module) -> None:
+    """Refuse a plan that trains LoRA adapters (``Plan.trainable`` ``"lora"``) for a model that
+    has none: every weight would train, with the gradients and state a LoRA plan left out.
+
+    Raises:
+        TightfitError: one line saying what to do.
+    """
+    if trainable == "lora" and not has_adapters(model):
+        raise TightfitError("the plan trains LoRA adapters (trainable lora), but the model has none: wrap it "
+                            "with tightfit.levers.lora.apply_lora first, or plan it with trainable all")
+
+
 def trainable_fields(model: torch.nn.Module) -> dict:
     """What ``model`` trains, as the :class:`~tightfit.plan.Plan` fields ``trainable``
     (``"lora"`` when it has adapters, else ``"all"``) and ``trainable_params`` (the parameters
