@@ -162,3 +162,42 @@ def test_a_lora_plan_for_a_model_without_adapters_is_refused():
 
     with pytest.raises(TightfitError, match="trains LoRA adapters .* but the model has none"):
         TrainStep(Plan("fp32", 4, 8, trainable="lora"), tiny_bert(0.1, 0))
+
+
+# ---- data, second part
+
+
+def test_a_csv_with_classic_mac_line_ends_loads(tmp_path):
+    """Excel's "CSV (Macintosh)" (lines ended by a CR alone) was 'malformed CSV (... open the file
+    in universal-newline mode?)', which a user cannot do."""
+    from tightfit.data import load_text_classification
+
+    (tmp_path / "mac.csv").write_bytes("\r".join(_stars(12)).encode() + b"\r")
+    assert len(load_text_classification(tmp_path / "mac.csv", label_column="stars").texts) == 12
+
+
+def test_a_jsonl_label_nan_is_blank_and_a_repeated_key_is_refused(tmp_path):
+    """NaN became a class 'nan' (null is skipped as blank); {"label": "pos", "label": "neg"} kept
+    the last without a word."""
+    from tightfit.data import load_text_classification
+
+    rows = [json.dumps({"text": f"review {i}", "label": ["pos", "neg"][i % 2]}) for i in range(10)]
+    (tmp_path / "nan.jsonl").write_text("\n".join(rows + ['{"text": "odd", "label": NaN}']) + "\n")
+    data = load_text_classification(tmp_path / "nan.jsonl")
+    assert data.label_names == ["neg", "pos"] and data.skipped_blank == 1
+    (tmp_path / "twice.jsonl").write_text("\n".join(rows + ['{"text": "odd", "label": "pos", "label": "neg"}']) + "\n")
+    with pytest.raises(TightfitError, match=r"line 11 gives the key 'label' twice"):
+        load_text_classification(tmp_path / "twice.jsonl")
+
+
+def test_labels_differing_only_in_case_are_noted(tmp_path, caplog):
+    import logging
+
+    from tightfit.data import load_text_classification
+
+    rows = ["text,label"] + [f"review {i},{['pos', 'POS', 'neg'][i % 3]}" for i in range(12)]
+    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    with caplog.at_level(logging.WARNING):
+        data = load_text_classification(tmp_path / "d.csv")
+    assert data.label_names == ["POS", "neg", "pos"]
+    assert "labels of column 'label' that differ only in case are separate classes: 'POS' and 'pos'" in caplog.text

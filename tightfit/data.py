@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import bz2
 import csv
+import functools
 import gzip
 import importlib.util
 import io
 import json
+import logging
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -20,6 +23,8 @@ from pathlib import Path
 from .config import option_name
 from .errors import TightfitError
 from .units import count_of
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DATA_NAME = "rotten-tomatoes"
 _DEFAULT_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
@@ -127,7 +132,7 @@ def _read_rows(path: Path) -> list[dict]:
                     if not line.strip():
                         continue
                     try:
-                        row = json.loads(line)
+                        row = json.loads(line, object_pairs_hook=functools.partial(_one_value_per_key, path, n))
                     except json.JSONDecodeError as e:
                         raise TightfitError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
                     if not isinstance(row, dict):
@@ -138,6 +143,8 @@ def _read_rows(path: Path) -> list[dict]:
             text = f.read()
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise TightfitError(f"{path}: cannot read ({e})") from None
+    if "\r" in text and "\n" not in text:  # classic Mac line ends (Excel's "CSV (Macintosh)")
+        text = text.replace("\r", "\n")
     delimiter = "\t" if ".tsv" in suffixes else ","
     limit = csv.field_size_limit()
     try:
@@ -165,6 +172,21 @@ def _read_rows(path: Path) -> list[dict]:
             raise TightfitError(f"{path}: record {n - 1} has {fields} fields, the header has {len(reader.fieldnames)}")
     _check_merged_records(path, rows, reader.fieldnames, delimiter)
     return rows
+
+
+def _one_value_per_key(path: Path, line: int, pairs: list) -> dict:
+    """A JSON object of JSON Lines whose keys are each given once (``json.loads`` keeps the last of
+    a repeated key without a word; a CSV header that repeats a column is refused alike).
+
+    Raises:
+        TightfitError: a key given twice, naming it and the line.
+    """
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise TightfitError(f"{path}: line {line} gives the key {key!r} twice; give each key once")
+        out[key] = value
+    return out
 
 
 def _check_merged_records(path: Path, rows: list[dict], columns: list[str], delimiter: str) -> None:
@@ -266,7 +288,9 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
                 shown = shown if len(shown) <= 60 else shown[:57] + "..."
                 raise TightfitError(f"{path}: {kind} column {col!r} holds a {type(r[col]).__name__} ({shown}) "
                                     f"in row {n}; {rule}")
-        label = "" if r[label_column] is None else str(r[label_column]).strip()
+        value = r[label_column]
+        not_a_number = isinstance(value, float) and math.isnan(value)  # JSON's NaN: no class, as null
+        label = "" if value is None or not_a_number else str(value).strip()
         text = "" if r[text_column] is None else str(r[text_column])
         if label in drop_labels:
             continue
@@ -279,12 +303,26 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         raise TightfitError(f"{path}: no row has both a text ({text_column!r}) and a label ({label_column!r})")
     names = sorted(set(raw))
     _check_numbers_written_once(path, label_column, names)
+    _note_labels_in_two_cases(path, label_column, names)
     if all(_is_int(x) for x in names):
         names = sorted(names, key=int)
     if len(names) < 2:
         raise TightfitError(f"{path}: column {label_column!r} has {len(names)} class(es); need at least 2")
     index = {name: i for i, name in enumerate(names)}
     return TextClassificationData(texts, [index[x] for x in raw], names, str(path), skipped_blank=blank)
+
+
+def _note_labels_in_two_cases(path: Path, column: str, names: list[str]) -> None:
+    """Warn (they stay separate classes: case can be meaningful) about labels that differ only in
+    case, e.g. ``pos`` and ``POS``: likely one class written two ways."""
+    by_folded: dict[str, list[str]] = {}
+    for name in names:
+        by_folded.setdefault(name.casefold(), []).append(name)
+    twins = [group for group in by_folded.values() if len(group) > 1]
+    if twins:
+        shown = "; ".join(" and ".join(repr(n) for n in group) for group in twins[:3])
+        log.warning(f"note: {path}: labels of column {column!r} that differ only in case are separate classes: "
+                    f"{shown}{' ...' if len(twins) > 3 else ''}")
 
 
 def _check_numbers_written_once(path: Path, column: str, names: list[str]) -> None:
