@@ -1,6 +1,6 @@
 # The two commands of the README: `make train` and `make test`.
-# Both create .venv on first use with the CPU build of torch (on a machine with a GPU,
-# `make TORCH=torch train` installs the default CUDA build instead).
+# Both create .venv on first use with torch 2.13.0 as pip finds it (the CPU build where pip is pointed
+# at one; PyPI's Linux wheel is built with CUDA); `make TORCH=torch train` installs the newest torch.
 PY ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv

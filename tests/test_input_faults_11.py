@@ -201,3 +201,31 @@ def test_labels_differing_only_in_case_are_noted(tmp_path, caplog):
         data = load_text_classification(tmp_path / "d.csv")
     assert data.label_names == ["POS", "neg", "pos"]
     assert "labels of column 'label' that differ only in case are separate classes: 'POS' and 'pos'" in caplog.text
+
+
+# ---- second fresh user (docs against behaviour)
+
+
+def test_bench_refuses_steps_that_leave_no_timed_interval(tmp_path, capsys):
+    """--steps 4 with --warmup 3 passed the check and wrote samples/s NaN (not valid JSON)."""
+    from tightfit.cli import main
+
+    assert main(["bench", "run", "--workload", "minilm-32@smoke", "--out", str(tmp_path / "o"), "--device", "cpu",
+                 "--settings", "hf", "--steps", "4"]) == 2
+    assert "--steps and --tightfit-steps must be at least --warmup + 2 (5)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_int8_speed_up_is_shown_with_its_spread_between_rounds():
+    """A single median on a busy host printed "4.40x" for a ResNet whose int8 gains nothing."""
+    from tightfit.export import report_markdown, speedup_spread
+
+    rounds = [{"fp32": f, "int8": i} for f, i in [(10, 12), (10, 9), (50, 10), (10, 11), (12, 10), (10, 10)]]
+    low, high = speedup_spread(rounds)
+    assert low < 1 < high
+    side = {"size_bytes": 1000, "accuracy": None}
+    r = {"source": "m", "kind": "image", "torch": "x", "quantized_engine": "x86", "threads": 2, "held_out_samples": 0,
+         "fp32": {**side, "latency_s": {1: 0.0867, 32: 0.0693}}, "int8": {**side, "latency_s": {1: 0.092, 32: 0.0158}},
+         "speedup_middle_half": {1: (0.9, 1.1), 32: (0.95, 5.1)}}
+    text = report_markdown(r)
+    assert "15.8 ms (4.39x; 0.95-5.10x in the middle half of the rounds: no clear difference on this host)" in text

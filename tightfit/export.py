@@ -238,13 +238,14 @@ def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> di
     return {k: v for k, v in batch.items() if k != "labels"}
 
 
-def cpu_latency(models: dict, inputs: dict, repeats: int = LATENCY_REPEATS) -> dict:
+def cpu_latency(models: dict, inputs: dict, repeats: int = LATENCY_REPEATS, rounds: list | None = None) -> dict:
     """Median wall time (seconds) of ``model(**inputs)`` for each of ``models`` (name -> module)
     on the CPU under ``torch.inference_mode``, over ``repeats`` calls each after 2 warm-up calls.
 
     The models take turns call by call, so that a load on the host that comes and goes slows
     both alike: timed one after the other, a fresh user's contended 2-core host showed an int8
-    ResNet head 128x "faster" than fp32 one run and 0.99x the next."""
+    ResNet head 128x "faster" than fp32 one run and 0.99x the next. ``rounds``: a list that gets
+    each round's times (``{name: seconds}``), for the spread of a ratio between the models."""
     times = {name: [] for name in models}
     with torch.inference_mode(), _quiet_quantization():
         for i in range(repeats + 2):
@@ -253,7 +254,19 @@ def cpu_latency(models: dict, inputs: dict, repeats: int = LATENCY_REPEATS) -> d
                 model(**inputs)
                 if i >= 2:
                     times[name].append(time.perf_counter() - t)
+    if rounds is not None:
+        rounds += [dict(zip(times, ts)) for ts in zip(*times.values())]
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def speedup_spread(rounds: list[dict], base: str = "fp32", other: str = "int8") -> tuple[float, float]:
+    """The middle half (first and third quartiles) of ``base / other`` over the rounds of
+    :func:`cpu_latency`: how far one timing's speed-up can be trusted on a busy host."""
+    ratios = sorted(r[base] / r[other] for r in rounds)
+    if len(ratios) < 4:
+        return ratios[0], ratios[-1]
+    q = statistics.quantiles(ratios, n=4)
+    return q[0], q[2]
 
 
 def _accuracy(model, task, held_out) -> float | None:
@@ -375,10 +388,14 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
     result = {"source": str(source), "kind": src.kind, "held_out_samples": len(held_out) if held_out else 0,
               "torch": torch.__version__, "quantized_engine": torch.backends.quantized.engine,
               "threads": torch.get_num_threads()}
-    latency = {"fp32": {}, "int8": {}}
+    latency, spread = {"fp32": {}, "int8": {}}, {}
     for b in LATENCY_BATCHES:  # side by side, call by call (cpu_latency)
-        for name, seconds in cpu_latency({"fp32": fp32, "int8": int8}, _example_batch(src, fp32, held_out, b)).items():
+        rounds = []
+        for name, seconds in cpu_latency({"fp32": fp32, "int8": int8}, _example_batch(src, fp32, held_out, b),
+                                         rounds=rounds).items():
             latency[name][b] = seconds
+        spread[b] = speedup_spread(rounds)
+    result["speedup_middle_half"] = spread
 
     def fill(folder: Path) -> None:
         fp32.config.save_pretrained(folder)
@@ -412,7 +429,10 @@ def report_markdown(r: dict) -> str:
     rows = [("saved size", format_bytes(r["fp32"]["size_bytes"]), format_bytes(r["int8"]["size_bytes"]))]
     for b in LATENCY_BATCHES:
         f, i = r["fp32"]["latency_s"][b], r["int8"]["latency_s"][b]
-        rows.append((f"CPU latency, batch {b}", f"{f * 1e3:.1f} ms", f"{i * 1e3:.1f} ms ({f / i:.2f}x)"))
+        low, high = (r.get("speedup_middle_half") or {}).get(b, (None, None))
+        spread = "" if low is None else (f"; {low:.2f}-{high:.2f}x in the middle half of the rounds"
+                                         + (": no clear difference on this host" if low <= 1 <= high else ""))
+        rows.append((f"CPU latency, batch {b}", f"{f * 1e3:.1f} ms", f"{i * 1e3:.1f} ms ({f / i:.2f}x{spread})"))
     rows.append((f"held-out accuracy ({r['held_out_samples']} samples)", acc(r["fp32"]["accuracy"]),
                  acc(r["int8"]["accuracy"])))
     lines = ["# tightfit export --int8", "",

@@ -67,8 +67,9 @@ def _checked_settings(args) -> list[str]:
         raise TightfitError(f"unknown settings: {', '.join(sorted(unknown))}")
     if args.warmup < 0:
         raise TightfitError(f"--warmup must be >= 0 (steps left out of samples/s), not {args.warmup}")
-    if min(args.steps, args.tightfit_steps) <= args.warmup:
-        raise TightfitError("--steps and --tightfit-steps must be larger than --warmup")
+    if min(args.steps, args.tightfit_steps) < args.warmup + 2:  # samples/s spans two steps' ends at least
+        raise TightfitError(f"--steps and --tightfit-steps must be at least --warmup + 2 ({args.warmup + 2}): "
+                            "samples/s is timed between the ends of the steps after the warm-up")
     _check_out(args.out)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise TightfitError("tightfit bench run needs a CUDA GPU (--device cpu runs the HF Trainer smoke test)")
