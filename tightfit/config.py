@@ -416,7 +416,7 @@ class PlanOptions(_Options):
     sharding: str = option("auto", "on several GPUs (torchrun / --gpus): auto|ddp|fsdp (default: {default}: DDP "
                                    "when the replicated state fits, else FSDP2)", choices=("auto", "ddp", "fsdp"))
     planner: str = option("search", "on a GPU: search (predict, then verify the best with real steps) or probe "
-                                    "(largest micro-batch by probing)", choices=("search", "probe"))
+                                    "(largest micro-batch by probing; default: search)", choices=("search", "probe"))
     replan: bool = option(False, "plan afresh even if this job's plan is in the plan cache "
                                  "($TIGHTFIT_CACHE_DIR or ~/.cache/tightfit)")
     optimizer: str = option("auto", "auto|adamw|adamw8bit|adamw-offload|adamw8bit-bf16: AdamW with fp32 state, "
