@@ -17,9 +17,9 @@ from tightfit.runtime.trainer import TrainConfig, Trainer
 from tightfit.workload import Workload
 
 
-def _resnet(seed=0):
+def _resnet(seed=0, widths=(16, 32)):
     torch.manual_seed(seed)
-    return ResNetForImageClassification(ResNetConfig(depths=[1, 1], hidden_sizes=[16, 32], embedding_size=8,
+    return ResNetForImageClassification(ResNetConfig(depths=[1, 1], hidden_sizes=list(widths), embedding_size=8,
                                                      layer_type="basic", num_labels=3))
 
 
@@ -86,5 +86,28 @@ def test_a_resumed_channels_last_run_reproduces_the_uninterrupted_one(tmp_path, 
     full = run(tmp_path / "full")
     saved = load_checkpoint(tmp_path / "full" / "ckpt-4", _resnet())  # weights written contiguous, loadable
     assert saved["step"] == 4
+    resumed = run(tmp_path / "resumed", resume_from=tmp_path / "full" / "ckpt-1")
+    assert_same_params(params_of(resumed.model), params_of(full.model))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_on_the_gpu_a_conv_model_trains_channels_last_and_resumes_exactly(tmp_path, optimizer):
+    """The fused AdamW and bitsandbytes' 8-bit kernels walk memory order: a resumed run's state
+    must take the channels-last strides of its parameters (64x64x3x3 weights: 8-bit state)."""
+    if optimizer == "adamw8bit":
+        pytest.importorskip("bitsandbytes")
+
+    def run(folder, resume_from=None):
+        w = Workload(_resnet(widths=(32, 64)), _Images(32), None, 8, collate_fn=_collate)
+        cfg = TrainConfig(epochs=1, lr=1e-2, seed=3, checkpoint_dir=str(folder), checkpoint_every=1, keep_last=10)
+        t = Trainer(w, Plan("bf16", 4, 8, optimizer=optimizer, device="cuda"), cfg, progress=False)
+        assert all(p.is_contiguous(memory_format=torch.channels_last) for p in t.model.parameters() if p.dim() == 4)
+        if resume_from is not None:
+            t.resume(resume_from)
+        t.fit()
+        return t
+
+    full = run(tmp_path / "full")
     resumed = run(tmp_path / "resumed", resume_from=tmp_path / "full" / "ckpt-1")
     assert_same_params(params_of(resumed.model), params_of(full.model))
