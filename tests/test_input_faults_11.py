@@ -229,3 +229,27 @@ def test_the_int8_speed_up_is_shown_with_its_spread_between_rounds():
          "speedup_middle_half": {1: (0.9, 1.1), 32: (0.95, 5.1)}}
     text = report_markdown(r)
     assert "15.8 ms (4.39x; 0.95-5.10x in the middle half of the rounds: no clear difference on this host)" in text
+
+
+def test_a_checkpoint_of_a_run_with_another_batch_is_one_line_before_the_plan(tmp_path, capsys):
+    """It ended, after the other run's plan was shown, with the trainer's own 'the plan's
+    effective_batch 16 differs from the workload's 8: plan for this workload, ...'."""
+    from conftest import tiny_cpu_job
+
+    from tightfit.cli import main
+
+    job = tiny_cpu_job(tmp_path)
+    common = ["--model", job["model"], "--data", job["data"], "--max-steps", "2", "--checkpoint-every", "2",
+              "--seq-len", "16", "--device", "cpu", "--no-progress"]
+    assert main(["train", *common, "--batch-size", "8", "--out", str(tmp_path / "run")]) == 0
+    assert main(["train", *common, "--batch-size", "4", "--out", str(tmp_path / "other")]) == 0
+    (tmp_path / "run" / "summary.json").unlink()
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "ckpt-2", tmp_path / "run" / "checkpoints" / "ckpt-9",
+                    ignore=shutil.ignore_patterns("manifest.json"))  # an older checkpoint: no step to compare
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "run"), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint ckpt-9 was written by a run of effective batch 4, and this run's is 8" \
+        in err[0], err
+    assert "plan:" not in captured.out + captured.err
