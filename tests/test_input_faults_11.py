@@ -253,3 +253,29 @@ def test_a_checkpoint_of_a_run_with_another_batch_is_one_line_before_the_plan(tm
     assert len(err) == 1 and "checkpoint ckpt-9 was written by a run of effective batch 4, and this run's is 8" \
         in err[0], err
     assert "plan:" not in captured.out + captured.err
+
+
+def test_a_resume_says_when_metrics_are_missing_or_a_line_inside_is_damaged(tmp_path, caplog):
+    """A deleted metrics.jsonl, or a line damaged in the middle (not cut by a kill at the end),
+    lost records without a word."""
+    import logging
+
+    from tightfit.cli import main
+
+    run, ckpts = _short_run(tmp_path)
+    shutil.rmtree(ckpts / "ckpt-6")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[2] = lines[2][:10]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert "note: metrics.jsonl: 1 damaged line (not JSON) dropped: line 3" in caplog.text
+    assert "metrics.jsonl: 1 damaged line" in (run / "report.md").read_text()
+    (run / "summary.json").unlink()
+    shutil.rmtree(ckpts / "ckpt-6")
+    (run / "metrics.jsonl").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert "note: metrics.jsonl was missing" in caplog.text

@@ -576,7 +576,16 @@ class TrainRecipe:
             atomic_write_json(out / "request.json", {**_request_record(self.req),
                                                      "data_fingerprint": self.data_fingerprint})
         if self.resume_from is not None:  # drop the records the stopped run wrote after its checkpoint
-            keep_metrics_until(out / "metrics.jsonl", step)
+            notes = [] if (out / "metrics.jsonl").is_file() else [
+                "metrics.jsonl was missing: the earlier sessions' losses and events are not in this run's records"]
+            damaged = keep_metrics_until(out / "metrics.jsonl", step)
+            if damaged:
+                notes.append(f"metrics.jsonl: {count_of(len(damaged), 'damaged line')} (not JSON) dropped: "
+                             f"line{'s' if len(damaged) > 1 else ''} {', '.join(map(str, damaged[:5]))}"
+                             f"{' ...' if len(damaged) > 5 else ''}")
+            for note in notes:
+                log.warning(f"note: {note}")
+                self.trainer.event(note, show=False)
         atomic_write_json(out / "plan.json", self.plan.to_dict())
         self.metrics = MetricsWriter(out / "metrics.jsonl")
         self.metrics({"type": "plan", "step": step, "planning_seconds": self.planning_s,

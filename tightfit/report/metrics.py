@@ -40,32 +40,40 @@ def _clean(v):
     return v
 
 
-def keep_metrics_until(path: str | Path, step: int) -> int:
+def keep_metrics_until(path: str | Path, step: int) -> list[int]:
     """Rewrite ``metrics.jsonl`` atomically without the records of steps after ``step`` (those a
     stopped run wrote after its last checkpoint, which the resumed run writes again) and without
     an evaluation at ``step`` (it followed the checkpoint). Records without a step are kept, and
     events of any step: how a session ended (a signal at step 45 when the resume goes back to a
-    checkpoint of step 40) stays in the run's history. Returns the number of records dropped."""
+    checkpoint of step 40) stays in the run's history. A line that is not JSON is dropped (the
+    last line: cut by a kill).
+
+    Returns:
+        The numbers (from 1) of the lines dropped as not JSON before the last line: damaged, not
+        cut by a kill, for the resume to say so.
+    """
     from ..fileio import atomic_write_text
 
     path = Path(path)
     if not path.is_file():
-        return 0
+        return []
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept = []
-    for line in lines:
+    kept, damaged = [], []
+    for n, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill: never written whole
+        except json.JSONDecodeError:
+            if n < len(lines):
+                damaged.append(n)
             continue
-        at = record.get("step")
+        at = record.get("step") if isinstance(record, dict) else None
         # an evaluation at the checkpoint's step came after it: the resumed run evaluates again
         if not isinstance(at, int) or at < step or record.get("type") == "event" \
                 or (at == step and record.get("type") != "eval"):
             kept.append(line)
     if len(kept) != len(lines):
         atomic_write_text(path, "".join(line + "\n" for line in kept))
-    return len(lines) - len(kept)
+    return damaged
 
 
 def read_metrics(path: str | Path) -> list[dict]:
