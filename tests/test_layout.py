@@ -40,6 +40,16 @@ def _collate(items):
             "labels": torch.stack([d["labels"] for d in items])}
 
 
+def test_an_optimizer_that_updates_contiguous_weights_only_gets_them_contiguous():
+    """bitsandbytes' update made each weight contiguous while its state, made like the
+    channels-last weight, stayed channels-last: every weight paired with another's moments."""
+    model = _resnet().to(memory_format=torch.channels_last)
+    line = use_channels_last(model, "cuda", "adamw8bit")
+    assert line and "contiguous (NCHW)" in line and "adamw8bit" in line
+    assert all(p.is_contiguous() for p in model.parameters())
+    assert use_channels_last(model, "cuda", "adamw8bit") is None
+
+
 def test_only_convolutional_models_on_cuda_become_channels_last():
     model = _resnet()
     assert use_channels_last(model, "cpu") is None
@@ -68,23 +78,32 @@ def test_restored_optimizer_state_takes_its_parameters_strides():
                 assert v.stride() == p.stride()
 
 
-def test_a_resumed_channels_last_run_reproduces_the_uninterrupted_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_a_resumed_channels_last_run_reproduces_the_uninterrupted_one(tmp_path, monkeypatch, optimizer):
     # the CUDA rule on the CPU: the run trains channels-last, as it would on a GPU
-    monkeypatch.setattr(trainer_module, "use_channels_last", lambda model, device_type: use_channels_last(model, "cuda"))
+    monkeypatch.setattr(trainer_module, "use_channels_last",
+                        lambda model, device_type, optimizer: use_channels_last(model, "cuda", optimizer))
 
     def run(folder, resume_from=None):
-        w = Workload(_resnet(), _Images(32), None, 8, collate_fn=_collate)
+        w = Workload(_resnet(widths=(32, 64)), _Images(32), None, 8, collate_fn=_collate)
         cfg = TrainConfig(epochs=1, lr=1e-2, seed=3, checkpoint_dir=str(folder), checkpoint_every=1, keep_last=10)
-        plan = Plan("fp32", 4, 8)
+        plan = Plan("fp32", 4, 8, optimizer=optimizer)
+        w.model.to(memory_format=torch.channels_last)  # as the planning left it
         t = Trainer(w, plan, cfg, progress=False)
-        assert next(p for p in t.model.parameters() if p.dim() == 4).is_contiguous(memory_format=torch.channels_last)
+        weights = [p for p in t.model.parameters() if p.dim() == 4]
+        if optimizer == "adamw":
+            assert all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+        else:  # bitsandbytes updates contiguous weights only: put back
+            assert all(p.is_contiguous() for p in weights)
         if resume_from is not None:
             t.resume(resume_from)
         t.fit()
         return t
 
+    if optimizer == "adamw8bit":
+        pytest.importorskip("bitsandbytes")
     full = run(tmp_path / "full")
-    saved = load_checkpoint(tmp_path / "full" / "ckpt-4", _resnet())  # weights written contiguous, loadable
+    saved = load_checkpoint(tmp_path / "full" / "ckpt-4", _resnet(widths=(32, 64)))  # weights written contiguous, loadable
     assert saved["step"] == 4
     resumed = run(tmp_path / "resumed", resume_from=tmp_path / "full" / "ckpt-1")
     assert_same_params(params_of(resumed.model), params_of(full.model))
@@ -93,8 +112,9 @@ def test_a_resumed_channels_last_run_reproduces_the_uninterrupted_one(tmp_path, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
 def test_on_the_gpu_a_conv_model_trains_channels_last_and_resumes_exactly(tmp_path, optimizer):
-    """The fused AdamW and bitsandbytes' 8-bit kernels walk memory order: a resumed run's state
-    must take the channels-last strides of its parameters (64x64x3x3 weights: 8-bit state)."""
+    """The fused AdamW walks memory order: a resumed run's state must take the channels-last
+    strides of its parameters. bitsandbytes' 8-bit AdamW trains contiguous weights (64x64x3x3:
+    8-bit state)."""
     if optimizer == "adamw8bit":
         pytest.importorskip("bitsandbytes")
 
@@ -102,7 +122,8 @@ def test_on_the_gpu_a_conv_model_trains_channels_last_and_resumes_exactly(tmp_pa
         w = Workload(_resnet(widths=(32, 64)), _Images(32), None, 8, collate_fn=_collate)
         cfg = TrainConfig(epochs=1, lr=1e-2, seed=3, checkpoint_dir=str(folder), checkpoint_every=1, keep_last=10)
         t = Trainer(w, Plan("bf16", 4, 8, optimizer=optimizer, device="cuda"), cfg, progress=False)
-        assert all(p.is_contiguous(memory_format=torch.channels_last) for p in t.model.parameters() if p.dim() == 4)
+        layout = torch.channels_last if optimizer == "adamw" else torch.contiguous_format
+        assert all(p.is_contiguous(memory_format=layout) for p in t.model.parameters() if p.dim() == 4)
         if resume_from is not None:
             t.resume(resume_from)
         t.fit()

@@ -25,24 +25,42 @@ def convolutions(model: torch.nn.Module) -> int:
     return sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
 
 
-def use_channels_last(model: torch.nn.Module, device_type: str) -> str | None:
+# Optimizers whose update keeps a channels-last parameter's layout and pairs it with state of the
+# same strides (torch's AdamW). bitsandbytes' 8-bit AdamW makes each parameter contiguous in its
+# update (``p.data = p.data.contiguous()``, 0.50) while its state, made like the parameter before,
+# stays channels-last: its kernels would pair every weight with another element's moments. The
+# torchao levers are not verified with channels-last weights.
+CHANNELS_LAST_OPTIMIZERS = ("adamw", "adamw-foreach")
+
+
+def use_channels_last(model: torch.nn.Module, device_type: str, optimizer: str | None = None) -> str | None:
     """Store ``model``'s 4-D parameters and buffers channels-last, in place, where it pays: on a
-    CUDA device, for a model with 2-D convolutions. Inputs need no change (a convolution whose
-    weight is channels-last returns channels-last output).
+    CUDA device, for a model with 2-D convolutions, trained by an optimizer of
+    :data:`CHANNELS_LAST_OPTIMIZERS`. Inputs need no change (a convolution whose weight is
+    channels-last returns channels-last output). With another optimizer a channels-last model is
+    put back in the default (contiguous) format.
 
     Args:
         model: the model, already on its device.
         device_type: ``"cuda"`` or ``"cpu"`` (the CPU is left as it is: its convolutions gain
             little and the CPU runs are the reference).
+        optimizer: the plan's optimizer (:data:`tightfit.step.OPTIMIZERS`); None: not chosen yet
+            (before planning, whose probes then time the layout that the fused AdamW trains in).
 
     Returns:
         A line for the log saying what was done, or None when nothing was (also when the model
-        is channels-last already).
+        is in that format already).
     """
     n = convolutions(model)
     if device_type != "cuda" or n == 0:
         return None
     four_d = [t for t in list(model.parameters()) + list(model.buffers()) if t.dim() == 4]
+    if optimizer is not None and optimizer not in CHANNELS_LAST_OPTIMIZERS:
+        if all(t.is_contiguous() for t in four_d):
+            return None
+        model.to(memory_format=torch.contiguous_format)
+        return (f"memory format: contiguous (NCHW) for the model's {n} convolutions: optimizer {optimizer} "
+                f"updates contiguous weights only")
     if all(t.is_contiguous(memory_format=torch.channels_last) for t in four_d):
         return None
     model.to(memory_format=torch.channels_last)

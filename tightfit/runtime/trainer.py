@@ -238,7 +238,7 @@ class Trainer:
         self.model = cast_weights(workload.model, plan.optimizer).to(self.device)
         self.world = world or World()
         if not self.world.distributed:  # before compilation, which specialises on strides
-            layout = use_channels_last(self.model, self.device.type)
+            layout = use_channels_last(self.model, self.device.type, plan.optimizer)
             if layout:
                 _log.info("tightfit: %s", layout)
         self.model.zero_grad(set_to_none=True)  # a stray backward before training must not leak into step 1
