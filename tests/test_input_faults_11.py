@@ -279,3 +279,35 @@ def test_a_resume_says_when_metrics_are_missing_or_a_line_inside_is_damaged(tmp_
     with caplog.at_level(logging.INFO, logger="tightfit"):
         assert main(["train", "--resume", str(run), "--no-progress"]) == 0
     assert "note: metrics.jsonl was missing" in caplog.text
+
+
+def test_estimate_batch_size_checks_and_title_say_what_plan_says(capsys):
+    from tightfit.cli import main
+
+    args = ["estimate", "--model", "minilm", "--seq-len", "16", "--micro-batch", "8"]
+    assert main([*args, "--batch-size", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "tightfit: error: --batch-size must be >= 1"
+    assert main([*args, "--batch-size", "30"]) == 0
+    assert "micro-batch 8 x 4 accumulation steps (the last 6) (effective batch 30)" in capsys.readouterr().out
+
+
+def test_a_size_in_bits_is_refused():
+    from tightfit.units import parse_size
+
+    with pytest.raises(TightfitError, match="a lower-case b is bits; write bytes, e.g. 4GB or 4GiB"):
+        parse_size("4Gb")
+    assert parse_size("4gb") == parse_size("4GB") == 4 * 10**9
+
+
+def test_an_edited_request_json_is_named_when_its_value_is_refused(tmp_path, capsys):
+    """It read '--batch-size must be a whole number, not '8' (a str)', a flag the user never gave."""
+    from tightfit.cli import main
+
+    run, _ = _short_run(tmp_path)
+    request = json.loads((run / "request.json").read_text())
+    request["batch_size"] = "8"
+    (run / "request.json").write_text(json.dumps(request))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "request.json holds a value tightfit cannot take (edited by hand?)" in err[0], err

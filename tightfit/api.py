@@ -805,6 +805,9 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
                                   "command": saved.get("command", req.run.command)})  # the run's own command
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"{option_given('resume', str(run))}: unreadable request.json ({e})") from None
+    except TightfitError as e:  # the options were checked when given: a value of the file is at fault
+        raise TightfitError(f"{option_given('resume', str(run))}: {run / 'request.json'} holds a value tightfit "
+                            f"cannot take (edited by hand?): {e}") from None
     resumed.workload.check_columns()  # with the run's own --data, now known
     for k, (old, new) in changed.items():
         log.warning(f"note: {option_name('resume')} with {option_given(k, new)} (the run had {old})")

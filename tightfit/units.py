@@ -54,6 +54,9 @@ def parse_size(text: str | int | float) -> int:
                                 f"or a string with a unit, e.g. \"{text:g}GiB\"")
         return int(text)
     m = _SIZE_RE.match(str(text))
+    if m and len(m.group(2)) == 2 and m.group(2)[0].isupper() and m.group(2)[1] == "b":  # 4Gb, 512Mb: bits
+        raise TightfitError(f"cannot read memory size {text!r}: a lower-case b is bits; write bytes, e.g. "
+                            f"{m.group(1)}{m.group(2)[:-1].upper()}B or {m.group(1)}{m.group(2)[:-1].upper()}iB")
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise TightfitError(

@@ -100,6 +100,8 @@ def run(args) -> int:
 
     if args.micro_batch is None or args.micro_batch < 1:
         raise TightfitError("--micro-batch must be >= 1")
+    if args.batch_size is not None and args.batch_size < 1:  # as `tightfit plan` says it
+        raise TightfitError("--batch-size must be >= 1")
     effective_batch = args.micro_batch if args.batch_size is None else args.batch_size
     if effective_batch < args.micro_batch:
         raise TightfitError(f"--batch-size {args.batch_size} is below --micro-batch {args.micro_batch}: the effective "
@@ -166,8 +168,10 @@ def run(args) -> int:
 
     n, blocks = len(find_blocks(model)), result.plan["checkpoint_blocks"]  # what was traced
     ck = "none" if not blocks else f"all {n} blocks" if len(blocks) == n else "blocks " + ",".join(map(str, blocks))
+    last = effective_batch - (steps - 1) * args.micro_batch  # the window's short last micro-batch
     batch = f"micro-batch {args.micro_batch}" + (
-        f" x {steps} accumulation steps (effective batch {effective_batch})" if steps > 1 else "")
+        f" x {steps} accumulation steps" + (f" (the last {last})" if last != args.micro_batch else "")
+        + f" (effective batch {effective_batch})" if steps > 1 else "")
     print(f"{args.model}, {batch}, {args.precision}, checkpointing {ck}, {args.optimizer}, {result.allocator} allocator")
     print(f"peak reserved   {format_bytes(result.peak_reserved_bytes)}")
     print(f"peak allocated  {format_bytes(result.peak_allocated_bytes)}")
