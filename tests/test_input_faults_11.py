@@ -311,3 +311,20 @@ def test_an_edited_request_json_is_named_when_its_value_is_refused(tmp_path, cap
     assert main(["train", "--resume", str(run), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "request.json holds a value tightfit cannot take (edited by hand?)" in err[0], err
+
+
+@pytest.mark.parametrize("option, says", [(["--planner", "probe"], "--planner probe applies on a GPU"),
+                                          (["--sharding", "fsdp"], "--sharding fsdp applies to several processes")])
+def test_an_option_without_effect_on_one_cpu_process_gets_a_note(option, says, tmp_path, caplog):
+    """--sharding fsdp and --planner probe on a one-process CPU run were taken without a word."""
+    import logging
+
+    from conftest import tiny_cpu_job
+
+    from tightfit.cli import main
+
+    job = tiny_cpu_job(tmp_path)
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--model", job["model"], "--data", job["data"], "--max-steps", "1", "--seq-len", "16",
+                     "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress", *option]) == 0
+    assert says in caplog.text and "note: " in caplog.text

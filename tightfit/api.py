@@ -121,6 +121,9 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
         if profile or budget:
             notes.append(f"no CUDA GPU in use: {option_name('gpu')}/{option_name('budget')} are checked but training "
                          "runs on the CPU")
+        if getattr(p, "planner", "search") != "search":
+            notes.append(f"no CUDA GPU in use: {option_given('planner', p.planner)} applies on a GPU; the CPU takes "
+                         "the first plan that fits")
         return "cpu", None, budget or (profile.budget_bytes() if profile else None), notes
     local = detect()
     if profile is None:
@@ -200,6 +203,9 @@ class TrainRecipe:
         p = self.req.planning
         self.device, self.profile, self.budget, notes = resolve_device(p)
         self.notes += notes
+        if p.sharding != "auto" and not self.world.distributed:
+            self.notes.append(f"{option_given('sharding', p.sharding)} applies to several processes (--gpus N); "
+                              "this run has one")
         if p.compile == "on" and (self.device != "cuda" or p.planner != "search"):
             raise TightfitError(f"{option_given('compile', 'on')} needs a CUDA GPU and the search planner")
         if p.optimizer == "adamw-offload" and (self.device != "cuda" or self.world.distributed):
