@@ -328,3 +328,39 @@ def test_an_option_without_effect_on_one_cpu_process_gets_a_note(option, says, t
         assert main(["train", "--model", job["model"], "--data", job["data"], "--max-steps", "1", "--seq-len", "16",
                      "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress", *option]) == 0
     assert says in caplog.text and "note: " in caplog.text
+
+
+def test_an_image_csv_row_naming_a_folder_says_so(tmp_path):
+    """A path that is a folder read 'image not found'."""
+    from tightfit.images import load_image_classification
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "l.csv").write_text("path,label\nsub,1\n")
+    with pytest.raises(TightfitError, match=r"row 1: .*sub is a folder, not an image file"):
+        load_image_classification(str(tmp_path / "l.csv"))
+
+
+def test_skipped_rows_of_an_image_csv_are_named_as_image_paths(tmp_path, caplog):
+    import logging
+
+    import numpy as np
+    from PIL import Image
+
+    from tightfit.cli import main
+
+    rows = ["path,label"]
+    for i in range(24):
+        Image.fromarray((np.arange(64).reshape(8, 8) * (i + 1) % 256).astype("uint8")).save(tmp_path / f"{i}.png")
+        rows.append(f"{i}.png,{i % 2}")
+    rows.append(",1")
+    (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1],
+                                              layer_type="basic")).save_pretrained(tmp_path / "m")
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "l.csv"), "--image-size", "8",
+                     "--max-steps", "1", "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert "1 row with a blank image path or label was skipped" in caplog.text

@@ -260,7 +260,8 @@ class TrainRecipe:
                               f"({option_name('full') if names_flags() else 'full=True'} for all, "
                               f"{option_name('train_samples')}{' N' if names_flags() else '=N'} to choose)")
         if data.skipped_blank:
-            self.notes.append(f"{count_of(data.skipped_blank, 'row')} with a blank text or label "
+            what = "image path" if hasattr(data, "images") else "text"  # a CSV of image paths
+            self.notes.append(f"{count_of(data.skipped_blank, 'row')} with a blank {what} or label "
                               f"{'was' if data.skipped_blank == 1 else 'were'} skipped")
         self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
         self.eval_data: TextClassificationData = data.subset(take(eval_idx, run.eval_samples))

@@ -259,6 +259,8 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
             blank += 1
             continue
         p = Path(file) if Path(file).is_absolute() else path.parent / file
+        if p.is_dir():
+            raise TightfitError(f"{path}: row {n}: {p} is a folder, not an image file")
         if not p.is_file():
             raise TightfitError(f"{path}: row {n}: image not found: {p}")
         paths.append(str(p))
