@@ -364,3 +364,15 @@ def test_skipped_rows_of_an_image_csv_are_named_as_image_paths(tmp_path, caplog)
         assert main(["train", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "l.csv"), "--image-size", "8",
                      "--max-steps", "1", "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     assert "1 row with a blank image path or label was skipped" in caplog.text
+
+
+def test_a_note_to_python_callers_names_the_keyword_not_the_flag(tmp_path):
+    """From api.train(TrainRequest(eval_samples=20)) the note said '--eval-samples'."""
+    from tightfit.data import check_split, held_out_split, load_text_classification
+
+    rows = ["text,label"] + [f"review {i},{i % 2}" for i in range(400)]
+    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    data = load_text_classification(tmp_path / "d.csv")
+    train_idx, eval_idx = held_out_split(len(data))
+    notes = check_split(data, data.subset(train_idx), data.subset(eval_idx[:20]))
+    assert any("(eval_samples or more data for a finer measure)" in n for n in notes), notes

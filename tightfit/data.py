@@ -397,7 +397,7 @@ def check_split(data: TextClassificationData, train: TextClassificationData,
                             f"{MIN_ROWS_PER_CLASS} rows per class on average)")
     notes = []
     if len(eval_data) < FEW_EVAL:  # --eval-samples only where it left held-out samples out
-        more = "--eval-samples or more data" if len(eval_data) < len(held_out_split(n)[1]) else "more data"
+        more = f"{option_name('eval_samples')} or more data" if len(eval_data) < len(held_out_split(n)[1]) else "more data"
         notes.append(f"accuracy on {count_of(len(eval_data), 'held-out sample')} moves in steps of {1 / len(eval_data):.0%} "
                      f"({more} for a finer measure)")
     absent = classes - len(set(train.labels))
