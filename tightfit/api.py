@@ -260,8 +260,7 @@ class TrainRecipe:
                               f"({option_name('full') if names_flags() else 'full=True'} for all, "
                               f"{option_name('train_samples')}{' N' if names_flags() else '=N'} to choose)")
         if data.skipped_blank:
-            what = "image path" if hasattr(data, "images") else "text"  # a CSV of image paths
-            self.notes.append(f"{count_of(data.skipped_blank, 'row')} with a blank {what} or label "
+            self.notes.append(f"{count_of(data.skipped_blank, 'row')} with a blank {data.SAMPLE_FIELD} or label "
                               f"{'was' if data.skipped_blank == 1 else 'were'} skipped")
         self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
         self.eval_data: TextClassificationData = data.subset(take(eval_idx, run.eval_samples))
@@ -764,8 +763,10 @@ class _Discard:
 
 def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest, Path, dict, str | None, list[str]]:
     """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
-    given now), its newest intact checkpoint, ``{option: [old, new]}`` for what changed, and the
-    fingerprint of the data it started with (None for runs that recorded none). A run started with
+    given now), its newest intact checkpoint, ``{option: [old, new]}`` for what changed, the
+    fingerprint of the data it started with (None for runs that recorded none), and the notes of
+    what the resume found and did in the folder (a corrupt checkpoint skipped, one put back,
+    leftovers removed: shown, and events of the resumed run). A run started with
     both ``--full`` and ``--train-samples`` (before the pair was refused) goes on with ``--train-samples``,
     which is what it trained on.
     A newer corrupt checkpoint is skipped with a note (checkpoints are verified against their

@@ -53,6 +53,8 @@ class TextClassificationData:
         skipped_blank: rows dropped for a blank text or label.
     """
 
+    SAMPLE_FIELD = "text"  # what a skipped row lacked, in the note that counts them
+
     texts: list[str]
     labels: list[int]
     label_names: list[str]

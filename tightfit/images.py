@@ -58,6 +58,8 @@ class ImageClassificationData:
             folders' folder, or a CSV's folder); None for pixels in memory (digits).
     """
 
+    SAMPLE_FIELD = "image path"  # what a skipped row lacked, in the note that counts them
+
     images: list
     labels: list[int]
     label_names: list[str]
