@@ -381,7 +381,8 @@ class TrainRecipe:
                      + (f" (the {self.profile.name} profile)" if self.req.planning.gpu else ""))
             self.model.to(self.device)
             if not self.world.distributed:  # planned and run in the layout it trains in
-                layout = use_channels_last(self.model, self.device)
+                chosen = self.req.planning.optimizer
+                layout = use_channels_last(self.model, self.device, None if chosen == "auto" else chosen)
                 if layout:
                     log.info(layout)
         from .planner import probe  # noqa: F401  (imported before the clock: planning_s times the planning)
