@@ -376,3 +376,67 @@ def test_a_note_to_python_callers_names_the_keyword_not_the_flag(tmp_path):
     train_idx, eval_idx = held_out_split(len(data))
     notes = check_split(data, data.subset(train_idx), data.subset(eval_idx[:20]))
     assert any("(eval_samples or more data for a finer measure)" in n for n in notes), notes
+
+
+# ---- third fresh user (the Python API)
+
+
+class _Augmented(__import__("torch").utils.data.Dataset):
+    """Samples with noise drawn from torch's global generator, as a random augmentation does."""
+
+    def __init__(self):
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 16, generator=g), torch.randint(0, 2, (64,), generator=g)
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        import torch
+
+        return {"pixel_values": self.x[i] + 0.1 * torch.randn(16), "labels": self.y[i]}
+
+
+def _augmented_run(folder=None, resume_from=None, max_steps=None):
+    import torch
+
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import Workload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, pixel_values):
+            from types import SimpleNamespace
+
+            return SimpleNamespace(logits=self.net(pixel_values))
+
+    records = []
+    w = Workload(Wrapped(), _Augmented(), None, 8, task=ImageClassification())
+    cfg = TrainConfig(epochs=1, lr=1e-2, seed=3, log_every=1, checkpoint_dir=None if folder is None else str(folder),
+                      checkpoint_every=3, keep_last=10, prefetch=True)
+    t = Trainer(w, Plan("fp32", 4, 8), cfg, log=records.append, progress=False)
+    if resume_from is not None:
+        t.resume(resume_from)
+    t.fit()
+    return {r["step"]: r["loss"] for r in records if r.get("type") == "train"}, t
+
+
+def test_a_collation_drawing_random_numbers_repeats_and_resumes_exactly_with_prefetch(tmp_path):
+    """With prefetch on, the background collation's draws interleaved with the training thread's:
+    two identical runs differed in every step, and a resume drifted from the uninterrupted run."""
+    first, t = _augmented_run(tmp_path / "a")
+    again, _ = _augmented_run()
+    assert first == again
+    assert any("prefetch off: the data's collation draws random numbers" in e for e in t.result.events)
+    resumed, _ = _augmented_run(tmp_path / "b", resume_from=tmp_path / "a" / "ckpt-3")
+    assert {s: l for s, l in first.items() if s > 3} == resumed

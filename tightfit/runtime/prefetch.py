@@ -27,8 +27,30 @@ def split_window(collate: Callable[[Sequence[int]], Batch], window: Sequence[int
     return [collate(window[i:i + micro_batch]) for i in range(0, len(window), micro_batch)]
 
 
+def _random_states() -> tuple:
+    """The host's global random states that a data pipeline may draw from: torch's CPU
+    generator, Python's ``random`` and NumPy's legacy global state (where NumPy is loaded)."""
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    state = numpy.random.get_state() if numpy is not None else None
+    return (torch.random.get_rng_state(), random.getstate(),
+            None if state is None else (state[0], state[1].tobytes(), *state[2:]))
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
 class Prefetcher:
     """Collates upcoming windows in the background and stages micro-batches on the GPU.
+
+    The first window is collated on the calling thread, watching the host's global random
+    states (:func:`_random_states`): a collation that draws from them (random augmentation)
+    turns the background thread off for the run, since draws on two threads interleave in an
+    order that changes from run to run and across a resume (``random_collation`` then says so).
+    A pipeline that draws only in later windows is not seen: give it its own generator.
 
     Args:
         collate: ``indices -> batch`` of CPU tensors.
@@ -40,6 +62,8 @@ class Prefetcher:
         self.collate, self.device = collate, device
         self.cuda = device.type == "cuda"
         self.enabled = enabled
+        self.random_collation = False  # the first window's collation drew random numbers
+        self._checked = not enabled  # the first window is collated on this thread, watched
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tightfit-prefetch") if enabled else None
         self._ahead: dict[int, tuple[int, Future]] = {}
         self._stream = torch.cuda.Stream(device) if (enabled and self.cuda) else None
@@ -53,7 +77,7 @@ class Prefetcher:
 
     def schedule(self, key: int, window: Sequence[int], micro_batch: int) -> None:
         """Start collating ``window`` (identified by ``key``, e.g. its global step) in the background."""
-        if self._pool is not None and key not in self._ahead:
+        if self._pool is not None and self._checked and key not in self._ahead:
             self._ahead[key] = (micro_batch, self._pool.submit(self._prepare, list(window), micro_batch))
 
     def window(self, key: int, window: Sequence[int], micro_batch: int) -> list[Batch]:
@@ -64,7 +88,16 @@ class Prefetcher:
             self._ahead.pop(k)
         if ahead is not None and ahead[0] == micro_batch:
             return ahead[1].result()
-        return self._prepare(window, micro_batch)
+        if self._checked:
+            return self._prepare(window, micro_batch)
+        before = _random_states()
+        micro = self._prepare(window, micro_batch)
+        self._checked = True
+        if not _same_states(before, _random_states()):  # random collation: on this thread from now on
+            self.random_collation = True
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        return micro
 
     def stage(self, batch: Batch):
         """Start the host-to-device copy of ``batch``; returns a handle for :meth:`ready`."""

@@ -280,6 +280,7 @@ class Trainer:
         self._peaks = (0, 0)
         self._current_bytes = (0, 0)  # allocated, reserved bytes at the last _record_memory
         self.loader = Prefetcher(workload.train.collate, self.device, enabled=config.prefetch)
+        self._random_collation_noted = False
         self._windows: dict[int, list[list[int]]] = {}  # epoch -> its accumulation windows
         self.micro_batch = plan.micro_batch
         self._used_micro_batch = plan.micro_batch  # the micro-batch of the last step taken
@@ -586,6 +587,10 @@ class Trainer:
         micro-batches on the device, each staged one ahead (the next is copied while this one
         computes), and the samples (or tokens) of the whole window that the loss is divided by."""
         micro = self.loader.window(index, self.world.shard(window), self.micro_batch)
+        if self.loader.random_collation and not self._random_collation_noted:
+            self._random_collation_noted = True
+            self._event("prefetch off: the data's collation draws random numbers (augmentation); it runs on the "
+                        "training thread, so that runs repeat and resume exactly")
         total = sum(self.w.count(b) for b in micro)  # normaliser of the whole window
         if self.world.distributed:  # this rank's share, padded so all ranks run as many passes
             pad = self.world.padding(window, self.micro_batch)
