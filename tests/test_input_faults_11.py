@@ -440,3 +440,23 @@ def test_a_collation_drawing_random_numbers_repeats_and_resumes_exactly_with_pre
     assert any("prefetch off: the data's collation draws random numbers" in e for e in t.result.events)
     resumed, _ = _augmented_run(tmp_path / "b", resume_from=tmp_path / "a" / "ckpt-3")
     assert {s: l for s, l in first.items() if s > 3} == resumed
+
+
+def test_a_users_batch_type_reaches_their_loss_function():
+    """A BatchEncoding or a named tuple reached the loss as a plain dict or tuple:
+    'dict' object has no attribute 'input_ids'."""
+    from collections import namedtuple
+
+    import torch
+    from transformers import BatchEncoding
+
+    from tightfit.loop import _Batch
+
+    ids = torch.zeros(4, 3, dtype=torch.long)
+    b = _Batch(BatchEncoding({"input_ids": ids, "labels": ids[:, 0]}))
+    part = b.restore({k: v[:2] for k, v in b.as_dict().items()})
+    assert isinstance(part, BatchEncoding) and part.input_ids.shape == (2, 3)
+    NT = namedtuple("NT", "x y")
+    b = _Batch(NT(ids, ids[:, 0]))
+    part = b.restore({k: v[:2] for k, v in b.as_dict().items()})
+    assert isinstance(part, NT) and part.x.shape == (2, 3)

@@ -76,11 +76,22 @@ class _Batch:
         return dict(zip(keys, self.values))
 
     def restore(self, d: dict[str, torch.Tensor]):
-        """``d`` (a slice of :meth:`as_dict`) in the user's form: a dict, or a tuple/list in order."""
+        """``d`` (a slice of :meth:`as_dict`) in the user's form: a dict, or a tuple/list in order,
+        of the batch's own type where it can be rebuilt from those (a tokenizer's ``BatchEncoding``,
+        a named tuple), so that a loss reading ``batch.input_ids`` or ``batch.x`` works."""
         if self.keys is not None:
-            return d
+            if self.kind is dict:
+                return d
+            try:
+                return self.kind(d)  # BatchEncoding(dict), OrderedDict, ...
+            except Exception:  # a Mapping type that cannot be built from a dict: the plain dict
+                return d
         values = [d[str(i)] for i in range(len(self.values))]
-        return values if self.kind is list else tuple(values)
+        if self.kind is list:
+            return values
+        if self.kind is not tuple and hasattr(self.kind, "_fields"):  # a named tuple
+            return self.kind(*values)
+        return tuple(values)
 
 
 def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
