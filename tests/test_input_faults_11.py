@@ -460,3 +460,26 @@ def test_a_users_batch_type_reaches_their_loss_function():
     b = _Batch(NT(ids, ids[:, 0]))
     part = b.restore({k: v[:2] for k, v in b.as_dict().items()})
     assert isinstance(part, NT) and part.x.shape == (2, 3)
+
+
+def test_trainer_resume_refuses_another_effective_batch_and_takes_a_smaller_planned_micro_batch(tmp_path):
+    """From Python, a checkpoint of effective batch 16 resumed at 8 trained samples twice; a plan
+    of micro-batch 4 resumed at the checkpoint's 8, reported as an OOM recovery."""
+    from conftest import SyntheticBatches, tiny_bert
+
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    def trainer(E, mb, folder=None):
+        w = Workload(tiny_bert(0.1, 0), SyntheticBatches(64), None, E)
+        cfg = TrainConfig(epochs=1, lr=1e-3, seed=3, checkpoint_dir=None if folder is None else str(folder),
+                          checkpoint_every=2, keep_last=10)
+        return Trainer(w, Plan("fp32", mb, E), cfg, progress=False)
+
+    trainer(16, 8, tmp_path / "a").fit()
+    with pytest.raises(TightfitError, match="ckpt-2 was written by a run of effective batch 16, and this run's is 8"):
+        trainer(8, 8).resume(tmp_path / "a" / "ckpt-2")
+    t = trainer(16, 4)
+    t.resume(tmp_path / "a" / "ckpt-2")
+    assert t.micro_batch == 4 and t.plan_in_force() == t.plan

@@ -435,16 +435,13 @@ class TrainRecipe:
             from .plan import Plan
             from .runtime.checkpoint import check_weights_fit, read_state
             from .runtime.sharded_checkpoint import is_sharded
+            from .runtime.trainer import check_same_windows
 
             self.resume_state = read_state(self.resume_from)  # read once: the trainer's resume takes it
             if not is_sharded(self.resume_from):  # another model's weights: refused before its plan is shown
                 check_weights_fit(self.resume_from, self.world.unwrap(self.model))
-            plan = Plan.from_dict(self.resume_state["plan"])
-            if plan.effective_batch != self.workload.effective_batch:  # another run's checkpoint
-                raise TightfitError(f"checkpoint {self.resume_from.name} was written by a run of effective batch "
-                                    f"{plan.effective_batch}, and this run's is {self.workload.effective_batch} "
-                                    f"({self.out / 'request.json'}): it is not this run's checkpoint")
-            return plan
+            check_same_windows(self.resume_from, self.resume_state, self.workload.effective_batch)  # before its plan
+            return Plan.from_dict(self.resume_state["plan"])
         if self.device == "cuda":
             return self._cached_gpu_plan()
         from .planner.probe import plan_first

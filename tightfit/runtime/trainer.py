@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import re
 import signal
@@ -766,6 +767,7 @@ class Trainer:
             state = load_sharded(path, self.model, self.optimizer, self.world, verified=verified)
         else:
             state = load_checkpoint(path, self.world.unwrap(self.model), verified=verified, state=state)
+            check_same_windows(path, state, self.w.effective_batch)
             self.optimizer.load_state_dict(state["optimizer"])
             match_parameter_strides(self.optimizer)  # channels-last parameters: state saved contiguous
         self.scheduler.load_state_dict(state["scheduler"])
@@ -778,7 +780,9 @@ class Trainer:
             self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
-        self.step, self.micro_batch = state["step"], state["micro_batch"]
+        # the checkpoint's micro-batch (smaller after an OOM back-off), unless this plan's is smaller
+        # (planned again for less memory): then the plan's
+        self.step, self.micro_batch = state["step"], min(state["micro_batch"], self.plan.micro_batch)
         c = state["counters"]
         self.result.samples, self.result.skipped_steps = c["samples"], c["skipped_steps"]
         self.result.oom_recoveries, self.result.train_seconds = c["oom_recoveries"], c["train_seconds"]
@@ -922,3 +926,15 @@ class Trainer:
         return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                     file=UntilClosed(sys.stderr))
 
+
+def check_same_windows(path, state: dict, effective_batch: int) -> None:
+    """Refuse a checkpoint of a run with another effective batch: its data position counts
+    windows of that size, so the resumed run would train samples twice (or skip them).
+
+    Raises:
+        TightfitError: one line naming both effective batches.
+    """
+    saved = (state.get("plan") or {}).get("effective_batch")
+    if saved is not None and saved != effective_batch:
+        raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} was written by a run of effective batch {saved}, and "
+                            f"this run's is {effective_batch}: it is not this run's checkpoint")
