@@ -483,3 +483,13 @@ def test_trainer_resume_refuses_another_effective_batch_and_takes_a_smaller_plan
     t = trainer(16, 4)
     t.resume(tmp_path / "a" / "ckpt-2")
     assert t.micro_batch == 4 and t.plan_in_force() == t.plan
+
+
+def test_nothing_fits_advice_on_image_size_has_no_placeholder(capsys):
+    """'--image-size 1 needs -': ResNet-50 cannot be traced at 1 pixel, and the figure was missing."""
+    from tightfit.cli import main
+
+    assert main(["plan", "--model", "resnet50", "--image-size", "224", "--batch-size", "64", "--budget", "520MiB",
+                 "--optimizer", "adamw"]) == 2
+    err = capsys.readouterr().err
+    assert "a shorter --image-size at effective batch 64" in err and " needs -" not in err

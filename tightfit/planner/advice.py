@@ -411,7 +411,9 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
             lines.append(f"fits: {size_flag} {s} at effective batch {effective_batch} (micro-batch 1 x "
                          f"{effective_batch} accumulation steps; {how})" if s else
                          f"does not fit either: a shorter {size_flag} at effective batch {effective_batch} "
-                         f"({size_flag} {smallest} needs {format_bytes(one)})")
+                         f"({size_flag} {smallest} needs {format_bytes(one)})" if one else
+                         f"does not fit either: a shorter {size_flag} at effective batch {effective_batch} (the "
+                         f"sizes down to where the model can still be traced were tried)")
     lines.append(f"levers (bytes saved at the peak of that step, {format_bytes(peak - limit)} over):")
     lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s, optimizer,
                                             profile=profile, lever_peak=lever_peak)]
