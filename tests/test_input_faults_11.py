@@ -493,3 +493,24 @@ def test_nothing_fits_advice_on_image_size_has_no_placeholder(capsys):
                  "--optimizer", "adamw"]) == 2
     err = capsys.readouterr().err
     assert "a shorter --image-size at effective batch 64" in err and " needs -" not in err
+
+
+def test_trainer_inputs_that_cannot_train_are_one_line():
+    """effective_batch 2.5 was taken, 0 read 'the plan's effective_batch 1 differs from the
+    workload's 0'; an empty training set trained 0 steps without a word; a frozen model raised
+    torch's 'optimizer got an empty parameter list'."""
+    from conftest import SyntheticBatches, tiny_bert
+
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    for E in (2.5, 0):
+        with pytest.raises(TightfitError, match=f"effective_batch {E!r} is not a whole number >= 1"):
+            Workload(tiny_bert(), SyntheticBatches(8), None, E)
+    with pytest.raises(TightfitError, match=r"the training data is empty \(0 samples\)"):
+        Trainer(Workload(tiny_bert(), SyntheticBatches(0), None, 8), Plan("fp32", 4, 8), TrainConfig(), progress=False)
+    frozen = tiny_bert()
+    frozen.requires_grad_(False)
+    with pytest.raises(TightfitError, match="no parameter of the model requires grad"):
+        Trainer(Workload(frozen, SyntheticBatches(8), None, 8), Plan("fp32", 4, 8), TrainConfig(), progress=False)

@@ -11,6 +11,7 @@ tokens for token-level losses).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -239,6 +240,10 @@ class Workload:
     collate_fn: Callable[[list], dict] | None = None
 
     def __post_init__(self):
+        E = self.effective_batch
+        if isinstance(E, bool) or not hasattr(E, "__index__") or operator.index(E) < 1:
+            raise TightfitError(f"Workload: effective_batch {E!r} is not a whole number >= 1")
+        self.effective_batch = operator.index(E)  # numpy's integers too
         if self.task is None:
             self.task = task_for(self.loss_sum, self.count)
         if self.loss_sum is None:

@@ -258,6 +258,10 @@ class Trainer:
         self.model = self.world.wrap(self.model, plan.sharding)
         self.world.seed_rank(config.seed)
         params = [p for p in self.model.parameters() if p.requires_grad]  # frozen: no state
+        if not params:
+            raise TightfitError("no parameter of the model requires grad: there is nothing to train")
+        if len(workload.train) == 0:
+            raise TightfitError("the training data is empty (0 samples)")
         # fused AdamW on CUDA (plan.optimizer "adamw"): one kernel, no large temporaries, so an
         # OOM cannot leave a half-applied update behind; "adamw-foreach" allocates per-step temporaries.
         if not plan.optimizer.startswith("adamw"):
