@@ -514,3 +514,15 @@ def test_trainer_inputs_that_cannot_train_are_one_line():
     frozen.requires_grad_(False)
     with pytest.raises(TightfitError, match="no parameter of the model requires grad"):
         Trainer(Workload(frozen, SyntheticBatches(8), None, 8), Plan("fp32", 4, 8), TrainConfig(), progress=False)
+
+
+def test_a_bf16_card_plans_fp32_where_bf16_fits_nothing(capsys):
+    """'nothing fits' on a bf16 card although fp32 fits: autocast saves a 16-bit copy of every
+    weight for backward, which at micro-batch 1 costs more than fp32's activations save."""
+    from tightfit.cli import main
+
+    assert main(["plan", "--model", "minilm", "--seq-len", "128", "--batch-size", "64", "--budget", "540MiB",
+                 "--optimizer", "adamw", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: fp32, micro-batch 1 x 64 accumulation steps" in out
+    assert "precision: fp32: bf16 fits nothing in this budget, fp32 does" in out

@@ -177,6 +177,8 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
                                                  f"{format_bytes(4 * trainable)} more there, one fp32 copy of the parameters)"]))
     # "adamw (fused, fp32 state): ...": a parenthesis follows the name, any other reason a colon
     print(f"optimizer: {b.optimizer}" + ((" " if reason.startswith("(") else ": ") + reason if reason else ""))
+    if "; precision " in b.why:  # not the card's preferred precision (search.py): why, on its own line
+        print("precision: " + b.why.split("; precision ", 1)[1].split("; optimizer ", 1)[0])
     print("\n".join(breakdown_lines(b.breakdown, trainable_gradient_bytes(model, b.optimizer), b.accumulation_steps)))
     print(f"runners-up with {result.best.optimizer}:" if result.runners_up else
           f"runners-up with {result.best.optimizer}: none (the search had no other choice; the optimizer line compares the others)")

@@ -313,6 +313,20 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
                           precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
                           estimator_at=estimator_at, per_block=per_block, optimizer=optimizer, beat=beat,
                           lever_estimator=lever_estimator, _lever_precisions=_lever_precisions or space.precisions)
+        if precision == "auto" and "fp32" not in space.precisions:
+            # autocast saves a 16-bit copy of each weight for backward: at micro-batch 1 fp32 can
+            # need less (BERT-base at 2 GiB: 1.84 GiB in fp32, 1.93 GiB in bf16)
+            try:
+                found = search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
+                               precision="fp32", headroom=headroom, checkpointing=checkpointing,
+                               estimator_at=estimator_at, per_block=per_block, optimizer=optimizer, beat=beat,
+                               lever_estimator=lever_estimator, _lever_precisions=space.precisions)
+            except NothingFitsError:
+                pass
+            else:
+                b = found.best
+                why = f"{b.why}; precision fp32: {', '.join(space.precisions)} fits nothing in this budget, fp32 does"
+                return replace(found, best=replace(b, why=why))
         _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at,
                             optimizer, lever_estimator, _lever_precisions or space.precisions)
     from ..levers.lora import trainable_fields
