@@ -350,7 +350,10 @@ def test_the_held_out_note_suggests_eval_samples_only_when_it_left_some_out():
     assert len(eval_idx) == 10
     every = tdata.check_split(data, data.subset(train_idx), data.subset(eval_idx))
     assert every == ["accuracy on 10 held-out samples moves in steps of 10% (more data for a finer measure)"]
-    some = tdata.check_split(data, data.subset(train_idx), data.subset(eval_idx[:4]))
+    from tightfit.config import cli_names
+
+    with cli_names():  # as the command line says it (Python callers read eval_samples)
+        some = tdata.check_split(data, data.subset(train_idx), data.subset(eval_idx[:4]))
     assert some == ["accuracy on 4 held-out samples moves in steps of 25% (--eval-samples or more data for a "
                     "finer measure)"]
 
