@@ -99,9 +99,10 @@ def log_to_console(to_stderr: bool = False) -> None:
 
 # Loggers of libraries imported on the way (transformers imports torchao whenever it is
 # installed, peft imports bitsandbytes) that warn at import time about their own build (e.g.
-# bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community", a logging warning):
+# bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community", a logging warning; transformers
+# 5.25 imports the kernels package, which warns "Skipping publisher trust check ..." offline):
 # noise on the command line's stderr, where an error is one line. Their errors still show.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels")
 
 
 def quiet_import_warnings() -> None:
