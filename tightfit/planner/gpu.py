@@ -3,7 +3,8 @@ that need the card, each a function with a typed result:
 
 3. **verify** (:func:`verify_on_gpu` -> :class:`Verification`): calibrate the time per
    micro-batch with two probes (:class:`MicroBatchLine`), re-rank, and run the best candidates
-   for real under the budget; the fastest that fits wins among eager plans.
+   for real under the budget; the fastest that fits wins among eager plans. On a bf16 card, a
+   model with convolutions has its winner timed in fp16 too (:func:`challenge_precision`).
 4. **compile** (:func:`compiled_variant` -> :class:`CompileSearch`): the winner compiled, with
    as few micro-batches and checkpointed blocks as fit.
 5. **retime** (:func:`retime` -> :class:`Retiming`): the eager winner and its compiled variant
@@ -26,7 +27,8 @@ from ..memory.oom import release_memory
 from ..levers.blocks import find_blocks
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import WHOLE_MODEL, compile_model, compile_scope, compile_unavailable, uncompile_model
-from ..levers.optimizers import LEVER_OPTIMIZERS
+from ..levers.layout import convolutions
+from ..levers.optimizers import BF16_WEIGHTS, LEVER_OPTIMIZERS
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes, format_rate
 from ..workload import Workload
@@ -53,6 +55,9 @@ VERIFICATION = f"verification timing ({VERIFIED_STEPS} timed steps, the median)"
 # `--gpu`, are scaled alike: the ratio is what counts.) BERT-large at 4 GiB: the CPU offload
 # candidates predicted at 0.26-0.27 of the winner took ~15 s of probes.
 VERIFY_MIN_SHARE = 0.35
+# fp16 replaces bf16 only when it times at least this much faster side by side: bf16 needs no
+# loss scaling (no skipped steps) and has fp32's range, which is worth a few percent.
+FP16_MIN_GAIN = 1.05
 # A run predicted to take less than this at its eager speed is not compiled: regional compilation
 # and the retiming cost 15-40 s on an H200 (bench/results), which a short run cannot win back.
 COMPILE_MIN_RUN_S = 60.0
@@ -326,6 +331,9 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     challenge = None
     if fallback is None and result.other_optimizers:  # auto: the runner-up optimizer is timed too
         result, verification, challenge = challenge_optimizer(workload, result, verification, budget_bytes)
+    fp16 = None
+    if precision == "auto":  # fp16's convolutions may beat bf16's (cuDNN), which the time model does not see
+        verification, fp16 = challenge_precision(workload, verification, profile, budget_bytes)
     best = verification.best
     if compile == "auto" and not why_not:
         why_not = too_short_to_compile(run_samples, best.samples_per_s)
@@ -358,6 +366,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
         reasons.insert(0, fallback)
     if challenge:
         reasons.insert(1, challenge)
+    if fp16:
+        reasons.insert(0, fp16)
     variant = outcome.variant
     if variant is None:
         uncompile_model(workload.model)
@@ -440,6 +450,52 @@ def challenge_optimizer(workload: Workload, result: SearchResult, verification: 
     mine = Measured(speed, c, pr)
     kept = replace(verification, ranked=verification.ranked + [c], measured=[mine] + verification.measured)
     return other, kept, f"{line}: {c.optimizer} kept, faster for real than predicted"
+
+
+def challenge_precision(workload: Workload, verification: Verification, profile: DeviceProfile,
+                        budget_bytes: int) -> tuple[Verification, str | None]:
+    """On a card with bf16 and fp16 tensor cores, time the verified bf16 winner in fp16 too, for a
+    model with convolutions, side by side with bf16 again (:data:`VERIFICATION` each), and keep
+    fp16 (autocast with dynamic loss scaling) where it is at least :data:`FP16_MIN_GAIN` times
+    faster. Both keep 2-byte activations, so the winner's micro-batch and blocks fit alike (the
+    probe checks it).
+
+    The time model gives both precisions the card's one 16-bit tensor rate, which holds for
+    matrix products; cuDNN's convolution kernels differ: on an NVIDIA H200 ResNet-50
+    (channels-last, micro-batch 256) trained at 5,996 samples/s in fp16 against 4,639 in bf16
+    (bench/results/recompute-1/conv_layout.md). Models without convolutions, and optimizers
+    keeping bf16 weights (:data:`~tightfit.levers.optimizers.BF16_WEIGHTS`), are not timed.
+
+    Returns:
+        The verification (with both side-by-side timings in place of the bf16 winner's when
+        fp16 was timed) and a reason line (None when nothing was timed).
+    """
+    won = verification.best
+    c = won.candidate
+    if c.precision != "bf16" or not profile.fp16_tensor_cores or c.optimizer in BF16_WEIGHTS \
+            or not convolutions(workload.model):
+        return verification, None
+    E, model = workload.effective_batch, workload.model
+    set_activation_checkpointing(model, bool(c.checkpoint_blocks), c.checkpoint_blocks, c.block_policies)
+    try:
+        timed = {p: probe_step(workload, c.micro_batch, p, budget_bytes, timed_steps=VERIFIED_STEPS,
+                               optimizer=c.optimizer) for p in ("bf16", "fp16")}
+    finally:
+        set_activation_checkpointing(model, False, ())
+    speed = {p: _samples_per_s(pr, E) if pr.fits else 0.0 for p, pr in timed.items()}
+    what = (f"precision: {c.label()} timed in bf16 and fp16 side by side ({VERIFICATION} each; the model has "
+            f"convolutions, whose fp16 kernels may be faster)")
+    if not (timed["fp16"].fits and timed["bf16"].fits):
+        return verification, f"{what}: " + "; ".join(f"{p} {_peak(pr)}" for p, pr in timed.items()) + "; bf16 kept"
+    if speed["fp16"] < FP16_MIN_GAIN * speed["bf16"]:
+        return verification, (f"{what}: fp16 {format_rate(speed['fp16'])} vs bf16 {format_rate(speed['bf16'])} "
+                               f"samples/s, under the {FP16_MIN_GAIN:.2f}x that fp16's loss scaling must repay; bf16 kept")
+    bf16 = Measured(speed["bf16"], c, timed["bf16"])
+    mine = Measured(speed["fp16"], replace(c, precision="fp16"), timed["fp16"])
+    measured = [mine, bf16] + [m for m in verification.measured if m is not won]
+    return (replace(verification, ranked=verification.ranked + [mine.candidate], measured=measured),
+            f"{what}: fp16 {format_rate(speed['fp16'])} vs bf16 {format_rate(speed['bf16'])} samples/s "
+            f"({speed['fp16'] / speed['bf16']:.2f}x): fp16 autocast with dynamic loss scaling kept")
 
 
 def _gpu_plan(best: Measured, variant: CompiledVariant | None, effective_batch: int, budget_bytes: int,
