@@ -307,20 +307,20 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     if not prediction.traced and beat > 0 and any(c.samples_per_s > 0 for c in prediction.evaluated):
         raise CannotBeatError(f"no plan predicted faster than the {format_rate(beat)} samples/s already found")
     if not prediction.traced:
+        def retry(other: str, lever_precisions) -> SearchResult:  # the same search in one other precision
+            return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
+                          precision=other, headroom=headroom, checkpointing=checkpointing, estimator_at=estimator_at,
+                          per_block=per_block, optimizer=optimizer, beat=beat, lever_estimator=lever_estimator,
+                          _lever_precisions=lever_precisions)
+
         skipped = [c.precision for c in prediction.evaluated if c.micro_batch is None]
         if skipped:  # the slow precision is needed for memory after all
-            return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
-                          precision=skipped[0], headroom=headroom, checkpointing=checkpointing,
-                          estimator_at=estimator_at, per_block=per_block, optimizer=optimizer, beat=beat,
-                          lever_estimator=lever_estimator, _lever_precisions=_lever_precisions or space.precisions)
+            return retry(skipped[0], _lever_precisions or space.precisions)
         if precision == "auto" and "fp32" not in space.precisions:
             # autocast saves a 16-bit copy of each weight for backward: at micro-batch 1 fp32 can
             # need less (BERT-base at 2 GiB: 1.84 GiB in fp32, 1.93 GiB in bf16)
             try:
-                found = search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
-                               precision="fp32", headroom=headroom, checkpointing=checkpointing,
-                               estimator_at=estimator_at, per_block=per_block, optimizer=optimizer, beat=beat,
-                               lever_estimator=lever_estimator, _lever_precisions=space.precisions)
+                found = retry("fp32", space.precisions)
             except NothingFitsError:
                 pass
             else:
