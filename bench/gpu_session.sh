@@ -5,7 +5,8 @@
 #              instrumented by bench/speed_profile.py -> OUT/bert-base-128.{json,log}, OUT/speed.md
 #   gpu-tests: pytest -m gpu -> OUT/pytest-gpu.txt
 #   recompute: issue 17's side-by-side bench (tightfit, eager and compiled no-budget) on BERT-base seq 128
-#              and ResNet-50 at 4 GiB -> OUT/recompute/{*.json,results.md}
+#              and ResNet-50 at 4 GiB -> OUT/recompute/{*.json,results.md}; env BENCH_WORKLOADS (space-
+#              separated), BENCH_SETTINGS and BENCH_TIMEOUT (s per workload) change what and how long
 #   main:      the main job at 4 GiB (`tightfit train --full --budget 4GiB`) -> OUT/main.log
 #   sync:      bench/optimizer_sync.py (8-bit step with and without the per-tensor syncs) -> OUT/optimizer_sync.*
 #   plan-time: bench/plan_time.py on three workloads (`tightfit plan`, no GPU: exact estimates traced one
@@ -44,8 +45,9 @@ for part in "$@"; do
       timeout 420 python3 bench/plan_time.py "$OUT/plan-time" bert-base-128@4GiB bert-large-128@4GiB resnet50-224@4GiB > "$OUT/plan-time.log" 2>&1
       echo "plan-time exit $?" >> "$OUT/env.txt"; cat "$OUT/plan-time/plan-time.md" >> "$OUT/env.txt" 2>/dev/null ;;
     recompute)
-      for w in bert-base-128@4GiB resnet50-224@4GiB; do
-        timeout 280 python3 -m tightfit bench run --workload "$w" --settings tightfit,no-budget,compiled-no-budget \
+      for w in ${BENCH_WORKLOADS:-bert-base-128@4GiB resnet50-224@4GiB}; do
+        timeout ${BENCH_TIMEOUT:-280} python3 -m tightfit bench run --workload "$w" \
+          --settings "${BENCH_SETTINGS:-tightfit,no-budget,compiled-no-budget}" \
           --out "$OUT/recompute" > "$OUT/recompute-${w//@/-at-}.log" 2>&1
         echo "recompute $w exit $?" >> "$OUT/env.txt"
       done
