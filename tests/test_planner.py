@@ -180,6 +180,27 @@ def test_more_blocks_at_the_same_number_of_micro_batches_beat_shrinking():
     assert r.best.samples_per_s >= on.best.samples_per_s
 
 
+def test_fewer_blocks_are_traced_where_the_line_over_states_the_winner():
+    # Peaks grow slower than the lines (traced at micro-batch 4 and 16) above 16 samples: 96 MiB
+    # less at 64. The lines say 1 x 64 needs both blocks; traced, one block fits too and wins
+    # (one block's recomputation less). Red when the exact trace that fits ends the search
+    # (ResNet-50 at 4 GiB was planned with 11 of 16 blocks where 7 fit).
+    line = memory(100 * MiB, 10 * MiB, saving_per_block=0.2, fp16_factor=1.0)
+
+    def exact(precision, micro_batch, blocks):
+        est = line(precision, micro_batch, blocks)
+        less = 2 * MiB * max(0, micro_batch - 16)
+        return Est(est.peak_reserved_bytes - less, est.peak_allocated_bytes - less, est.breakdown)
+
+    r = _search("gtx-1080-ti", int(600 * MiB / 0.95), exact, E=64, precision="fp32")
+    assert (r.best.micro_batch, r.best.checkpoint_blocks) == (64, (0,))
+    assert r.best.peak_reserved_bytes == exact("fp32", 64, (0,)).peak_reserved_bytes <= 600 * MiB
+    # the runners-up that only the lines say fit are not called plain "fits" in --json
+    line_only = [c for c in r.runners_up if "not traced exactly" in c.why]
+    assert line_only and all(c.to_dict()["status"] == "fits by the memory line, not traced" for c in line_only)
+    assert all(c.to_dict()["status"] in ("fits", "does not fit") for c in r.runners_up if c not in line_only)
+
+
 @pytest.mark.parametrize("args", [["--model", "vit-b16", "--image-size", "224", "--budget", "10GiB", "--batch-size", "128"],
                                   ["--model", "bert-base", "--seq-len", "128", "--budget", "4GiB", "--batch-size", "256"]])
 def test_searching_blocks_is_never_slower_than_all_or_none(capsys, args):

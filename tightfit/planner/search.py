@@ -66,6 +66,8 @@ class Candidate:
             fully. None: ``checkpoint_blocks`` recompute fully, the others keep everything.
         optimizer: the optimizer searched with (``Plan.optimizer``; set by
             :func:`tightfit.planner.optimizers.search_optimizers`).
+        traced: False for a runner-up whose fit comes from the memory line alone (never traced
+            exactly: it may miss the limit by the line's error, a few percent).
     """
 
     precision: str
@@ -79,6 +81,7 @@ class Candidate:
     why: str = ""
     block_policies: tuple[str, ...] | None = None
     optimizer: str = "adamw"
+    traced: bool = True
 
     @property
     def choice(self) -> tuple:
@@ -87,10 +90,12 @@ class Candidate:
 
     @property
     def status(self) -> str:
-        """``"fits"``, ``"does not fit"`` or ``"not searched"``."""
+        """``"fits"``, ``"fits by the memory line, not traced"``, ``"does not fit"`` or ``"not searched"``."""
         if self.micro_batch is None:
             return "not searched"
-        return "fits" if self.samples_per_s > 0 else "does not fit"
+        if self.samples_per_s <= 0:
+            return "does not fit"
+        return "fits" if self.traced else "fits by the memory line, not traced"
 
     def to_dict(self) -> dict:
         """JSON-ready: the fields plus ``status``; no figure that was not computed (None instead
@@ -607,8 +612,8 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
             _more_blocks(space, cand, enumeration.lines[cand.precision], estimate_fn)
         if more is not None:  # the same micro-batches with more blocks checkpointed: may beat shrinking
             traced.append(more)
-            if more.checkpoint_blocks == cand.checkpoint_blocks:
-                continue  # it fit as predicted
+            if len(more.checkpoint_blocks) <= len(cand.checkpoint_blocks):
+                continue  # it fit as predicted (or with fewer blocks)
         got = _shrink(space, cand, estimate_fn, None if cand.block_policies is not None else
                       enumeration.lines[cand.precision](len(cand.checkpoint_blocks)))
         if isinstance(got, Candidate):
@@ -628,12 +633,31 @@ def _more_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, estimate_f
     while len(blocks) <= n_max:
         est = estimate_fn(c.precision, c.micro_batch, blocks)
         if est.peak_reserved_bytes <= limit:
-            return _traced(space, c, c.micro_batch, blocks, est)
+            return _fewer_blocks(space, c, lines, blocks, est, estimate_fn)
         error = est.peak_reserved_bytes - lines(len(blocks)).reserved(c.micro_batch)
         k = next((j for j in range(len(blocks) + 1, n_max + 1)
                   if lines(j).reserved(c.micro_batch) + error <= limit), n_max + 1)
         blocks = tuple(range(k))
     return None
+
+
+def _fewer_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, blocks: tuple, est,
+                  estimate_fn: EstimateFn) -> Candidate:
+    """``c`` at its micro-batch with ``blocks`` checkpointed, traced as ``est`` and fitting, or
+    with fewer blocks where the memory line, shifted onto that trace, says fewer fit and a trace
+    agrees (each block fewer is one block's recomputation saved). The lines are fit on traces
+    at other micro-batches and may over-state this one: BERT-base (seq 128, micro-batch 256,
+    4 GiB) was planned with 11 blocks checkpointed where 10 fit."""
+    limit = space.limit
+    error = est.peak_reserved_bytes - lines(len(blocks)).reserved(c.micro_batch)
+    while len(blocks) > space.first_blocks and lines(len(blocks) - 1).reserved(c.micro_batch) + error <= limit:
+        fewer = tuple(range(len(blocks) - 1))
+        other = estimate_fn(c.precision, c.micro_batch, fewer)
+        if other.peak_reserved_bytes > limit:
+            break
+        blocks, est = fewer, other
+        error = est.peak_reserved_bytes - lines(len(blocks)).reserved(c.micro_batch)
+    return _traced(space, c, c.micro_batch, blocks, est)
 
 
 def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn, line: MemoryLine | None = None) \
@@ -733,7 +757,7 @@ def rank(space: SearchSpace, prediction: Prediction, seconds: float) -> SearchRe
             ratio = c.samples_per_s / best.samples_per_s
             c = replace(c, why=f"{'slower' if ratio < 0.995 else 'as fast, ranked after it'}: predicted "
                                f"{format_rate(c.samples_per_s)} samples/s ({ratio:.2f}x)"
-                               + ("" if exact else ", memory from the line, not traced exactly"))
+                               + ("" if exact else ", memory from the line, not traced exactly"), traced=exact)
         runners.append(c)
     return SearchResult(best, runners, space.budget_bytes, space.effective_batch, space.n_blocks, seconds)
 
