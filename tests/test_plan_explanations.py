@@ -381,6 +381,51 @@ def test_the_runner_up_optimizer_is_timed_and_kept_when_faster_for_real(monkeypa
         assert plan.reasons[0].startswith("optimizer adamw8bit"), plan.reasons
 
 
+@pytest.mark.parametrize("fp32_fits_compiled", [True, False])
+def test_the_runner_up_optimizer_is_timed_with_the_compiled_plan_too(monkeypatch, fp32_fits_compiled):
+    """BERT-base at 4 GiB on an NVIDIA H200: the eager timings chose 8-bit AdamW (a larger eager
+    micro-batch), and the compiled plan ran at 3,172 samples/s, while fp32 AdamW compiled at the same
+    micro-batch had run at 3,788. The runner-up optimizer that fit its verification is timed with the
+    compiled plan, side by side, and kept when faster (it compiles nothing: the optimizer is outside
+    the graph). Red when the compiled stage keeps the eager winner's optimizer without timing."""
+    import tightfit.planner.gpu as gpu
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate, SearchResult
+
+    E, n = 64, 4
+    fp32 = SearchResult(Candidate("bf16", 16, (), 4, 900, 900, {}, 300.0, "fastest; optimizer adamw, fp32",
+                                  optimizer="adamw"), [], 10**9, E, n, 0.1)
+    eight = SearchResult(Candidate("bf16", 32, (), 2, 900, 900, {}, 400.0, "fastest; optimizer adamw8bit, 8-bit",
+                                   optimizer="adamw8bit"), [], 10**9, E, n, 0.1, other_optimizers=(fp32,))
+    state = SimpleNamespace(compiled=False)
+    eager = {"adamw": 150.0, "adamw8bit": 200.0}  # 8-bit wins the eager timings
+    compiled = {"adamw": 360.0, "adamw8bit": 300.0}
+    probed = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        probed.append((state.compiled, optimizer, mb))
+        if state.compiled and (mb == 64 or (optimizer == "adamw" and not fp32_fits_compiled)):
+            return ProbeResult(mb, False, None, None)
+        sps = (compiled if state.compiled else eager)[optimizer]
+        return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (sps * math.ceil(E / mb)), 1)
+
+    w = _eager_planner_with_fakes(monkeypatch, lambda *a, **k: eight, fake_probe, E)
+    monkeypatch.setattr(gpu, "compile_unavailable", lambda device: None)
+    monkeypatch.setattr(gpu, "compile_scope", lambda m: "model")
+    monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: setattr(state, "compiled", True))
+    monkeypatch.setattr(gpu, "uncompile_model", lambda m: setattr(state, "compiled", False))
+    plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, compile="auto")
+    assert plan.compile and plan.micro_batch == 32
+    assert (True, "adamw", 32) in probed, probed
+    line, = [r for r in plan.reasons if r.startswith("optimizer compiled:")]
+    if fp32_fits_compiled:
+        assert plan.optimizer == "adamw" and plan.predicted_samples_per_s == pytest.approx(360.0)
+        assert plan.reasons[0] == line and line.endswith("adamw8bit 300 samples/s, adamw 360 samples/s: adamw kept"), line
+    else:
+        assert plan.optimizer == "adamw8bit" and plan.predicted_samples_per_s == pytest.approx(300.0)
+        assert "adamw out of memory" in line and line.endswith("adamw8bit kept"), line
+
+
 def test_candidates_predicted_too_slow_to_win_are_not_timed(monkeypatch):
     """BERT-large at 4 GiB on an NVIDIA H200: CPU offload candidates predicted at 0.26 of the winner
     were verified anyway, and the runner-up optimizer's too (~15 s of probes). Predictions err by at

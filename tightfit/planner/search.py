@@ -610,9 +610,9 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
             break
         more = None if cand.block_policies is not None else \
             _more_blocks(space, cand, enumeration.lines[cand.precision], estimate_fn)
-        if more is not None:  # the same micro-batches with more blocks checkpointed: may beat shrinking
-            traced.append(more)
-            if len(more.checkpoint_blocks) <= len(cand.checkpoint_blocks):
+        if more:  # the same micro-batches with more blocks checkpointed: may beat shrinking
+            traced += more
+            if len(more[0].checkpoint_blocks) <= len(cand.checkpoint_blocks):
                 continue  # it fit as predicted (or with fewer blocks)
         got = _shrink(space, cand, estimate_fn, None if cand.block_policies is not None else
                       enumeration.lines[cand.precision](len(cand.checkpoint_blocks)))
@@ -625,10 +625,11 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
     return Prediction(traced, evaluated)
 
 
-def _more_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, estimate_fn: EstimateFn) -> Candidate | None:
+def _more_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, estimate_fn: EstimateFn) -> list[Candidate]:
     """Trace the candidate exactly at its micro-batch; if it does not fit, checkpoint more blocks
     (the fewest the memory line, shifted by the exact trace's error, says could fit; traced again
-    each time) up to the most searched. None if no block count fits at this micro-batch."""
+    each time) up to the most searched; then fewer where they fit (:func:`_fewer_blocks`).
+    Empty if no block count fits at this micro-batch."""
     blocks, n_max, limit = c.checkpoint_blocks, space.last_blocks, space.limit
     while len(blocks) <= n_max:
         est = estimate_fn(c.precision, c.micro_batch, blocks)
@@ -638,17 +639,18 @@ def _more_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, estimate_f
         k = next((j for j in range(len(blocks) + 1, n_max + 1)
                   if lines(j).reserved(c.micro_batch) + error <= limit), n_max + 1)
         blocks = tuple(range(k))
-    return None
+    return []
 
 
 def _fewer_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, blocks: tuple, est,
-                  estimate_fn: EstimateFn) -> Candidate:
-    """``c`` at its micro-batch with ``blocks`` checkpointed, traced as ``est`` and fitting, or
-    with fewer blocks where the memory line, shifted onto that trace, says fewer fit and a trace
-    agrees (each block fewer is one block's recomputation saved). The lines are fit on traces
-    at other micro-batches and may over-state this one: BERT-base (seq 128, micro-batch 256,
-    4 GiB) was planned with 11 blocks checkpointed where 10 fit."""
-    limit = space.limit
+                  estimate_fn: EstimateFn) -> list[Candidate]:
+    """``c`` at its micro-batch with ``blocks`` checkpointed, traced as ``est`` and fitting, and
+    first the fewest blocks where the memory line, shifted onto that trace, says fewer fit and
+    traces agree (each block fewer is one block's recomputation saved). The lines are fit on
+    traces at other micro-batches and may over-state this one: ResNet-50 (micro-batch 128,
+    4 GiB) was planned with 11 of 16 blocks checkpointed where 7 fit. The first count traced
+    stays a candidate: the verification falls back to it if the fewest miss for real."""
+    limit, first = space.limit, _traced(space, c, c.micro_batch, blocks, est)
     error = est.peak_reserved_bytes - lines(len(blocks)).reserved(c.micro_batch)
     while len(blocks) > space.first_blocks and lines(len(blocks) - 1).reserved(c.micro_batch) + error <= limit:
         fewer = tuple(range(len(blocks) - 1))
@@ -657,7 +659,7 @@ def _fewer_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, blocks: t
             break
         blocks, est = fewer, other
         error = est.peak_reserved_bytes - lines(len(blocks)).reserved(c.micro_batch)
-    return _traced(space, c, c.micro_batch, blocks, est)
+    return [first] if blocks == first.checkpoint_blocks else [_traced(space, c, c.micro_batch, blocks, est), first]
 
 
 def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn, line: MemoryLine | None = None) \
