@@ -492,6 +492,8 @@ class TrainRecipe:
         from .runtime.trainer import TrainConfig, Trainer
 
         cfg = TrainConfig.from_options(self.req.training, checkpoint_dir=str(self.out / "checkpoints"))
+        if cfg.max_steps and cfg.max_steps > self._epoch_steps(self.workload.effective_batch):
+            cfg = replace(cfg, max_steps=None)  # the epochs end the run first: noted already (_split_data)
         self.trainer = Trainer(self.workload, self.plan, cfg, log=self.records.append,
                                progress=self.req.run.progress and self.world.is_main,
                                profile=self.profile if self.device == "cuda" else None, world=self.world)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ..config import TrainOptions
+from ..config import TrainOptions, _positive_finite, option
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..fileio import UntilClosed
@@ -49,6 +49,12 @@ from ..rng import capture_rng, restore_rng
 _log = logging.getLogger(__name__)
 
 
+def _folder_path(value) -> str | None:
+    """``rule`` of ``checkpoint_dir``: a path (a str or an ``os.PathLike``)."""
+    return None if isinstance(value, (str, os.PathLike)) else \
+        f"must be a folder path (str or os.PathLike), not {value!r} (a {type(value).__name__})"
+
+
 @dataclass(frozen=True)
 class TrainConfig(TrainOptions):
     """Settings of a run that are not memory/speed choices (those are in the Plan): the training
@@ -64,10 +70,10 @@ class TrainConfig(TrainOptions):
             (:mod:`tightfit.runtime.async_checkpoint`); False: on the loop's thread.
     """
 
-    checkpoint_dir: str | None = None
-    cooldown_max_s: float = 300.0
-    prefetch: bool = True
-    background_checkpoints: bool = True
+    checkpoint_dir: str | None = option(None, cli=False, rule=_folder_path)
+    cooldown_max_s: float = option(300.0, cli=False, rule=_positive_finite)
+    prefetch: bool = option(True, cli=False)
+    background_checkpoints: bool = option(True, cli=False)
 
     @classmethod
     def from_options(cls, options: TrainOptions, **runtime) -> "TrainConfig":
@@ -271,6 +277,9 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
         total = math.ceil(config.epochs * self.steps_per_epoch)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
+        if config.max_steps and config.max_steps > total:  # said once, where it was asked for
+            warnings.warn(f"max_steps={config.max_steps} is more than the {total} optimizer steps of "
+                          f"{config.epochs:g} epoch(s): training {total} (raise epochs for more)", stacklevel=2)
         steps, warmup = self.total_steps, int(config.warmup_ratio * self.total_steps)
         # Linear warm-up then linear decay to 0; the closure holds numbers only, not self.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
