@@ -5,6 +5,7 @@ import re
 import warnings
 
 import pytest
+import torch
 
 from conftest import SyntheticBatches, tiny_bert
 from tightfit.errors import TightfitError
@@ -36,3 +37,42 @@ def test_a_max_steps_beyond_the_epochs_is_said_to_a_python_caller():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # within the epochs: no warning
         Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, max_steps=2), progress=False)
+
+
+def _bn_workload(n, effective_batch):
+    """Linear, BatchNorm, ReLU, Linear over ``n`` 8-feature samples (an image task, flattened)."""
+    from torch.utils.data import TensorDataset
+
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import collate_as
+    from test_input_faults_6 import _BN
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 1, 2, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return Workload(_BN(image=True), TensorDataset(x, y), None, effective_batch, task=ImageClassification(),
+                    collate_fn=collate_as("pixel_values", "labels"))
+
+
+@pytest.mark.parametrize("n, effective_batch, micro_batch, says", [
+    (25, 8, 8, "the last window of each epoch holds 1 sample (25 training samples, effective batch 8)"),
+    (30, 10, 3, "micro-batch 3 splits each window of 10 samples as 3+3+3+1"),
+    (29, 8, 4, "micro-batch 4 splits the last window of 5 samples as 4+1"),
+])
+def test_a_run_that_would_give_batchnorm_one_sample_is_refused_before_training(n, effective_batch, micro_batch, says):
+    """BatchNorm cannot train on one sample: the run died at that micro-batch, mid-epoch or at the
+    epoch's last window, with torch's 'Expected more than 1 value per channel when training'."""
+    w = _bn_workload(n, effective_batch)
+    with pytest.raises(TightfitError, match=re.escape(says)):
+        Trainer(w, Plan("fp32", micro_batch, effective_batch), TrainConfig(epochs=1), progress=False)
+    w.model.seq[1].eval()  # BatchNorm frozen (in eval mode, the model in train mode): it trains
+    assert Trainer(w, Plan("fp32", micro_batch, effective_batch), TrainConfig(epochs=1), progress=False).fit().steps
+
+
+def test_a_batchnorm_run_of_no_one_sample_micro_batch_trains():
+    w = _bn_workload(26, 8)  # 8, 8, 8, then 2
+    assert Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1), progress=False).fit().steps == 4
+
+
+def test_an_epochs_last_window_of_one_sample_is_no_fault_where_the_run_stops_before_it():
+    w = _bn_workload(25, 8)  # 3 windows of 8, then 1
+    assert Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, max_steps=3), progress=False).fit().steps == 3

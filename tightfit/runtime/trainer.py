@@ -175,6 +175,31 @@ def steps_per_epoch(n: int, effective_batch: int) -> int:
     return math.ceil(n / effective_batch)
 
 
+def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: int, micro_batch: int,
+                              steps: int) -> str | None:
+    """Why ``steps`` optimizer steps over ``n`` training samples would give the model's BatchNorm
+    layers a micro-batch of one sample (None: they would not). BatchNorm in train mode cannot
+    normalise one sample (``ValueError: Expected more than 1 value per channel when training``): a
+    window split as 4+4+1, or an epoch's last window of one sample (when the run gets there), would
+    stop the run there. Counted are BatchNorm layers in train mode, and all of them in a model in
+    eval mode (the runtime trains such a model in train mode)."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not any(m.training or not model.training for m in norms):
+        return None
+    full, last = divmod(n, effective_batch)
+    reached_last = last and steps > full  # the epoch's last (short) window is step full + 1
+    for window in ([effective_batch] if full else []) + ([last] if reached_last else []):
+        sizes = micro_batch_sizes(window, micro_batch)
+        if 1 in sizes:
+            where = (f"the last window of each epoch holds 1 sample ({n} training samples, effective batch "
+                     f"{effective_batch})" if window == 1 else
+                     f"micro-batch {micro_batch} splits {'each' if window == effective_batch else 'the last'} "
+                     f"window of {window} samples as {'+'.join(map(str, sizes))}")
+            return (f"the model's BatchNorm layers cannot train on a micro-batch of 1 sample, and {where}; choose "
+                    "another effective batch (or micro-batch), or put BatchNorm in eval mode")
+    return None
+
+
 def micro_batch_sizes(window_size: int, micro_batch: int) -> list[int]:
     """Sizes of the micro-batches a window of ``window_size`` samples is split into: full
     micro-batches, then the remainder (e.g. 7 samples at micro-batch 3: ``[3, 3, 1]``)."""
@@ -277,6 +302,10 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
         total = math.ceil(config.epochs * self.steps_per_epoch)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
+        one = None if self.world.distributed else batchnorm_sees_one_sample(
+            self.model, len(workload.train), workload.effective_batch, plan.micro_batch, self.total_steps)
+        if one:
+            raise TightfitError(one)
         if config.max_steps and config.max_steps > total:  # said once, where it was asked for
             warnings.warn(f"max_steps={config.max_steps} is more than the {total} optimizer steps of "
                           f"{config.epochs:g} epoch(s): training {total} (raise epochs for more)", stacklevel=2)
