@@ -92,6 +92,36 @@ def test_a_wrapped_causal_lm_counts_the_shifted_targets():
         assert int(_target_tokens(model, _Batch(b), None)(b)) == expected, type(model).__name__
 
 
+class _Holder(torch.nn.Module):
+    """A user's own module around a causal LM, returning its output (loss included)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, **batch):
+        return self.lm(**batch)
+
+
+def test_a_causal_lm_held_by_the_users_own_module_steps_the_same_at_every_micro_batch():
+    """Weighted by unshifted target counts (sample 0: 2 labels, 1 target), the micro-batches of a
+    causal LM inside the user's own module gave another gradient at micro-batch 1 than at 4."""
+    from tightfit.loop import _Batch, _target_tokens
+
+    b = _lm_batch()
+    assert int(_target_tokens(_Holder(tiny_gpt2()), _Batch(b), None)(b)) == int((b["labels"][:, 1:] != -100).sum())
+
+    def run(micro_batch):
+        model = _Holder(tiny_gpt2(dropout=0.0))
+        out = tightfit.TrainStep(Plan("fp32", micro_batch, 4), model, lr=1e-2)(_lm_batch())
+        return out, params_of(model)
+
+    (o4, w4), (o1, w1) = run(4), run(1)
+    assert o1.loss == pytest.approx(o4.loss, rel=1e-5) and o1.grad_norm == pytest.approx(o4.grad_norm, rel=1e-5)
+    for n in w4:
+        torch.testing.assert_close(w1[n], w4[n], rtol=1e-4, atol=2e-5)
+
+
 def test_a_peft_causal_lm_steps_the_same_at_every_micro_batch():
     peft = pytest.importorskip("peft")
 

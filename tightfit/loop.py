@@ -99,7 +99,8 @@ def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
     masked LMs, token classification, seq2seq), which Hugging Face models take as the mean over
     the targets that are not -100: ``d -> count of those targets`` in a dict micro-batch (a 0-d
     tensor on the labels' device; a causal LM's are ``labels[:, 1:]``, it predicts the next token,
-    also wrapped by DDP, ``torch.compile`` or peft: :func:`tightfit.masks.hf_model`). A peft
+    also wrapped by DDP, ``torch.compile`` or peft: :func:`tightfit.masks.hf_model`, or held by the
+    user's own module, whose loss is taken to be that model's). A peft
     prompt-learning model is not unwrapped: prompt tuning prepends a -100 label per virtual
     token, so every given label is a target (its shift is 0; prefix tuning's would be 1).
     None where the loss is the user's or ``labels`` are per sample (class ids ``[B]``, or float
@@ -111,8 +112,13 @@ def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
         return None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    # the wrapped model's class: a peft or compiled GPT-2 is named PeftModelForCausalLM, OptimizedModule
-    shift = 1 if type(hf_model(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) else 0
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    inner = hf_model(model)  # the wrapped model's class: a peft or compiled GPT-2 is named PeftModelForCausalLM
+    if inner is not None:
+        shift = int(type(inner).__name__ in causal)
+    else:  # the user's own module holding a causal LM, whose loss it returns (not peft's prompt learning, above)
+        shift = int(not type(model).__module__.startswith("peft.")
+                    and any(type(m).__name__ in causal for m in model.modules()))
     return lambda d: (d["labels"][:, shift:] != -100).sum()
 
 
