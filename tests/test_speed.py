@@ -49,6 +49,23 @@ def test_plan_key_depends_on_what_decides_the_plan_and_not_on_the_weights():
         assert _key(**change) != base, change
 
 
+def test_plan_key_depends_on_the_profiles_rates_and_the_installed_levers(monkeypatch):
+    """A custom profile's speeds change the time model, and a lever library installed since the
+    plan was cached adds choices: both replan (the key had the card's name alone, and no libraries)."""
+    import dataclasses
+
+    import tightfit.planner.cache as cache
+    from tightfit.devices import get_profile
+
+    h200 = dataclasses.asdict(get_profile("h200"))
+    base = _key(profile=h200)
+    assert _key(profile=dict(h200, bf16_tflops=h200["bf16_tflops"] / 2)) != base
+    monkeypatch.setattr(cache, "lever_libraries", lambda: {"bitsandbytes": "0.50.2", "torchao": None})
+    with_bnb = _key(profile=h200)
+    monkeypatch.setattr(cache, "lever_libraries", lambda: {"bitsandbytes": None, "torchao": None})
+    assert _key(profile=h200) != with_bnb
+
+
 def test_plan_cache_round_trip_is_atomic_and_ignores_damaged_entries(tmp_path, monkeypatch):
     from tightfit.planner.cache import cache_dir, load_plan, store_plan
 

@@ -17,6 +17,7 @@ and silences them with ``logging.getLogger("tightfit").setLevel(logging.ERROR)``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -467,7 +468,7 @@ class TrainRecipe:
                        {"precision": p.precision, "checkpointing": p.checkpointing, "compile": p.compile,
                         "planner": p.planner, "optimizer": p.optimizer, "trainable": self.req.workload.trainable},
                        self.profile.name, torch.cuda.get_device_properties(0).total_memory,
-                       self.budget, run_samples)
+                       self.budget, run_samples, profile=dataclasses.asdict(self.profile))
         cached = None if p.replan else load_plan(key)
         if cached is not None:
             plan, record = cached

@@ -4,8 +4,9 @@ A plan depends only on what the planner saw: the model's structure (its config a
 parameters' names, shapes, dtypes and ``requires_grad``; not the weights' values), the shapes of
 a worst-case batch (the sequence length or the image size), the effective batch, the run's
 length in samples (it decides whether compilation can repay its cost), the planning options
-(precision, checkpointing, compile, planner), the card (name and total memory) and the budget,
-and the versions of torch and tightfit. :func:`plan_key` hashes exactly those with SHA-256;
+(precision, checkpointing, compile, planner), the card (name and total memory, and the profile's
+rates: a custom profile's speeds change the time model) and the budget, the versions of torch and
+tightfit, and which optimizer-lever libraries are installed (a lever installed later is searched). :func:`plan_key` hashes exactly those with SHA-256;
 :func:`load_plan` and :func:`store_plan` read and write ``<cache>/plans/<key>.json``
 atomically (:mod:`tightfit.fileio`), where ``<cache>`` is ``$TIGHTFIT_CACHE_DIR`` or
 ``~/.cache/tightfit``. A cache entry that cannot be read is ignored (and replanned), never an
@@ -60,7 +61,7 @@ def batch_shapes(batch: dict) -> dict:
 
 
 def plan_key(model: torch.nn.Module, worst_case: dict, effective_batch: int, options: dict, card: str,
-             total_bytes: int, budget_bytes: int, run_samples: int | None) -> str:
+             total_bytes: int, budget_bytes: int, run_samples: int | None, profile: dict | None = None) -> str:
     """SHA-256 (hex) of everything the plan depends on (see the module doc).
 
     Args:
@@ -70,12 +71,30 @@ def plan_key(model: torch.nn.Module, worst_case: dict, effective_batch: int, opt
         options: the planning options that change the plan (precision, checkpointing, compile, planner).
         card: the card's name; ``total_bytes``: its memory; ``budget_bytes``: the budget, bytes.
         run_samples: samples the run will train on (None: unknown).
+        profile: the card profile's fields (``dataclasses.asdict`` of a
+            :class:`~tightfit.devices.DeviceProfile`; None: the name alone).
     """
     key = {"format": CACHE_FORMAT, "model": model_structure(model), "batch": batch_shapes(worst_case),
            "effective_batch": effective_batch, "options": dict(sorted(options.items())), "card": card,
            "total_bytes": total_bytes, "budget_bytes": budget_bytes, "run_samples": run_samples,
-           "torch": torch.__version__, "tightfit": __version__}
+           "torch": torch.__version__, "tightfit": __version__, "profile": profile, "levers": lever_libraries()}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def lever_libraries() -> dict[str, str | None]:
+    """``{distribution: version or None}`` of the optimizer levers' libraries (bitsandbytes,
+    torchao): which the planner can choose from."""
+    from importlib import metadata
+
+    from ..levers.optimizers import LEVER_LIBRARY
+
+    versions = {}
+    for name in sorted(set(LEVER_LIBRARY.values())):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def _path(key: str, folder: Path | None) -> Path:
