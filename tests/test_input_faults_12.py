@@ -76,3 +76,30 @@ def test_a_batchnorm_run_of_no_one_sample_micro_batch_trains():
 def test_an_epochs_last_window_of_one_sample_is_no_fault_where_the_run_stops_before_it():
     w = _bn_workload(25, 8)  # 3 windows of 8, then 1
     assert Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, max_steps=3), progress=False).fit().steps == 3
+
+
+def test_estimate_checks_a_plan_of_any_budget_and_of_lora_as_plan_does(tmp_path, capsys):
+    """`tightfit estimate` had no --budget (its verdict only against a --gpu card's whole memory)
+    and no --trainable: a plan of `tightfit plan --budget 4GiB --trainable lora` could not be
+    checked. Its verdict and peak now agree with the plan's own trace of the same step."""
+    import json
+
+    from tightfit.cli import main
+
+    base = ["estimate", "--model", "minilm", "--seq-len", "32", "--micro-batch", "8", "--batch-size", "16",
+            "--precision", "bf16", "--json"]
+    assert main(["plan", "--model", "minilm", "--seq-len", "32", "--batch-size", "16", "--budget", "300MiB",
+                 "--precision", "bf16", "--trainable", "lora", "--optimizer", "adamw", "--checkpointing", "off",
+                 "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    mb = planned["plan"]["micro_batch"]
+    args = base[:6] + [str(mb)] + base[7:] + ["--budget", "300MiB"]
+    assert main(args + ["--trainable", "lora"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert lora["peak_reserved_bytes"] == planned["predicted_peak_bytes"]
+    assert lora["budget_bytes"] == 300 * 2**20 and lora["fits"] is True
+    assert main(args) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert full["peak_reserved_bytes"] > lora["peak_reserved_bytes"]  # every gradient and AdamW state
+    assert main(args[:-2] + ["--budget", "99TiB"]) == 2
+    assert "is more than the" in capsys.readouterr().err

@@ -84,6 +84,11 @@ def add_parser(subparsers) -> None:
                         "tightfit's runtime sets; default) or default (PyTorch's default segments)")
     p.add_argument("--gpu", help="GPU profile, e.g. gtx-1650-ti (sets workspace sizes, and the budget whose "
                                          "planned limit, as tightfit plan keeps it, the verdict compares with)")
+    p.add_argument("--budget", help="memory budget for the verdict, e.g. 4GiB (default: the --gpu card's; "
+                                    "without --gpu the h200's rules apply, as in tightfit plan)")
+    p.add_argument("--trainable", default="all", help="all|lora: every parameter trained, or LoRA adapters "
+                                                      "(peft, rank 8) with the rest frozen, as tightfit plan and "
+                                                      "train --trainable lora (default all)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -93,7 +98,6 @@ def run(args) -> int:
     Raises:
         TightfitError: bad arguments (unknown model/profile/precision/allocator, sizes < 1, bad blocks).
     """
-    from ..devices import get_profile
     from ..plan import Plan
     from .estimate import estimate
     from ..models import build_model
@@ -110,7 +114,14 @@ def run(args) -> int:
 
     if args.optimizer not in OPTIMIZERS:
         raise TightfitError(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    profile = get_profile(args.gpu) if args.gpu else None
+    profile, budget, card_notes = None, None, []
+    if args.gpu or args.budget:
+        from ..planner.cli import card_budget
+
+        profile, budget, card_notes = card_budget(args.gpu, args.budget)
+    from ..config import WorkloadOptions, check_option
+
+    check_option(WorkloadOptions, "trainable", args.trainable)
     if args.precision not in ("fp32", "fp16", "bf16"):
         raise TightfitError(f"unknown --precision {args.precision!r}; use fp32, fp16 or bf16")
     from ..levers.optimizers import check_precision as check_optimizer_precision
@@ -121,13 +132,17 @@ def run(args) -> int:
         from ..levers.precision import check_precision
 
         warnings = check_precision(args.precision, profile)  # raises e.g. for bf16 below compute capability 8.0
-    for w in warnings:  # e.g. fp16 without tensor cores, noted as `tightfit plan` notes it
+    for w in card_notes + warnings:  # e.g. fp16 without tensor cores, noted as `tightfit plan` notes it
         print(f"note: {w}", file=sys.stderr if args.json else sys.stdout)
-    from ..config import WorkloadOptions, check_option
-
     check_option(WorkloadOptions, "image_size", args.image_size)  # train's bound: 0 is no multiple of a patch
     model, make_batch = build_model(args.model, attn_implementation=args.attention, image_size=args.image_size)
-    for n in make_batch.notes:  # e.g. the padding token a GPT-style classifier's config lacks
+    notes = list(make_batch.notes)  # e.g. the padding token a GPT-style classifier's config lacks
+    if args.trainable == "lora":  # as `tightfit plan` and `train --trainable lora` wrap it
+        from ..levers.lora import apply_lora, trainable_note
+
+        model = apply_lora(model)
+        notes.append(trainable_note(model))
+    for n in notes:
         print(f"note: {n}", file=sys.stderr if args.json else sys.stdout)
     kind = make_batch.kind
     if kind == "image" and args.image_size is None:
@@ -141,7 +156,7 @@ def run(args) -> int:
         check_planned_seq_len(size, args.model)
     batch = make_batch(1, size)
     plan = Plan(args.precision, args.micro_batch, effective_batch, optimizer=args.optimizer, device="cuda",
-                budget_bytes=profile.budget_bytes() if profile else None)
+                budget_bytes=budget)
     try:
         result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing,
                           allocator=getattr(args, "allocator", "expandable"))
@@ -151,7 +166,7 @@ def run(args) -> int:
         hint = f" ({NO_PAD_HINT})" if "no padding token" in str(e) else ""
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}{hint}") from None
     verdict = fits_verdict(result.peak_reserved_bytes, bool(result.plan["checkpoint_blocks"]),
-                           profile.budget_bytes()) if profile else None
+                           budget) if budget else None
     from ..levers.optimizers import trainable_gradient_bytes
 
     grads = trainable_gradient_bytes(model, args.optimizer)
@@ -160,7 +175,7 @@ def run(args) -> int:
     if args.json:
         d = result.to_dict()
         if profile:
-            d.update(budget_bytes=profile.budget_bytes(), planned_limit_bytes=verdict[1], fits=verdict[0])
+            d.update(budget_bytes=budget, planned_limit_bytes=verdict[1], fits=verdict[0])
         d["notes"] = [f"gradients: {note}"] if note else []
         print(json.dumps(d, indent=2))
         return 0

@@ -108,8 +108,6 @@ def _card_and_budget(args):
         TightfitError: neither ``--gpu`` nor ``--budget``, a bad option, or a budget above the card.
     """
     from ..config import PlanOptions, WorkloadOptions, check_option
-    from ..devices import get_profile
-    from ..units import format_bytes, parse_budget
 
     if not args.gpu and not args.budget:
         raise TightfitError("give --gpu PROFILE or --budget SIZE")
@@ -119,13 +117,28 @@ def _card_and_budget(args):
     check_option(PlanOptions, "optimizer", args.optimizer)
     check_option(WorkloadOptions, "trainable", args.trainable)
     check_option(WorkloadOptions, "image_size", args.image_size)  # train's bound: no plan for a run it refuses
-    profile = get_profile(args.gpu or "h200")
-    budget = parse_budget(args.budget) if args.budget else profile.budget_bytes()
+    return card_budget(args.gpu, args.budget)
+
+
+def card_budget(gpu: str | None, budget_text: str | None):
+    """The card profile (``gpu``, else the H200's rates), the budget in bytes (``budget_text``,
+    e.g. ``"4GiB"``, else the card's usable memory) and notes: a budget above what the ``gpu``
+    card can give its tensors is lowered to that (:meth:`~tightfit.devices.DeviceProfile.budget_bytes`).
+    ``tightfit plan`` and ``tightfit estimate`` read ``--gpu`` and ``--budget`` alike.
+
+    Raises:
+        TightfitError: an unknown profile, a bad size, or a budget above the card's memory.
+    """
+    from ..devices import get_profile
+    from ..units import format_bytes, parse_budget
+
+    profile = get_profile(gpu or "h200")
+    budget = parse_budget(budget_text) if budget_text else profile.budget_bytes()
     if budget > profile.total_bytes:
         raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
-                            f"of the {profile.name}" + ("" if args.gpu else " (whose rates are used without --gpu)"))
+                            f"of the {profile.name}" + ("" if gpu else " (whose rates are used without --gpu)"))
     notes = []
-    if args.gpu and budget > profile.budget_bytes():  # the CUDA context and a margin take the rest
+    if gpu and budget > profile.budget_bytes():  # the CUDA context and a margin take the rest
         notes.append(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.budget_bytes())} "
                      f"usable on the {profile.name}; planning for {format_bytes(profile.budget_bytes())}")
         budget = profile.budget_bytes()
