@@ -265,11 +265,12 @@ class World:
             model.require_backward_grad_sync = sync
 
     def seed_rank(self, seed: int) -> None:
-        """Give each rank its own dropout stream (the same weights come from rank 0)."""
-        if self.distributed:
-            from ..rng import seed_everything
+        """Seed the run's random streams (dropout, augmentation) from ``seed``: each rank its own
+        (the same weights come from rank 0); one process by ``seed`` itself, so that a ``Trainer``
+        made by hand trains alike at each run of the same ``TrainConfig(seed=...)``."""
+        from ..rng import seed_everything
 
-            seed_everything(seed + 1_000_003 * self.rank)
+        seed_everything(seed + 1_000_003 * self.rank if self.distributed else seed)
 
     def _agree_after_forward(self, module, args, output):
         guard, self._armed = self._armed, None
