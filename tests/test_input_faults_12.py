@@ -118,3 +118,42 @@ def test_a_trainer_made_by_hand_trains_alike_at_each_run_of_one_seed():
     a, b, c = run(0, 1), run(0, 2), run(1, 1)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+# ---- resume of a checkpoint that is not this run's (fresh user 61)
+
+def _dropout_run(tmp_path, resume=None, **config):
+    w = Workload(tiny_bert(dropout=0.1), SyntheticBatches(40), None, 8)
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2,
+                                                   **config), progress=False)
+    if resume is not None:
+        t.resume(resume)
+    return t
+
+
+def test_a_resume_past_the_runs_end_or_of_another_order_is_refused(tmp_path):
+    """A checkpoint at step 10 resumed by a run of 5 steps trained nothing and reported 10 steps;
+    one of another seed or sample count trained part of an epoch in another order (samples twice,
+    others never). Each is one line now; the run's own checkpoint resumes."""
+    _dropout_run(tmp_path, epochs=2, keep_last=10).fit()  # 5 steps an epoch: ckpt-2 ... ckpt-10
+    ck = tmp_path / "ck"
+    with pytest.raises(TightfitError, match="ckpt-10 is at step 10, past this run's 5 steps"):
+        _dropout_run(tmp_path / "b", resume=ck / "ckpt-10", epochs=1)
+    with pytest.raises(TightfitError, match="written by a run of seed 0, and this run's is 7"):
+        _dropout_run(tmp_path / "c", resume=ck / "ckpt-6", epochs=2, seed=7)
+    w = Workload(tiny_bert(dropout=0.1), SyntheticBatches(48), None, 8)
+    with pytest.raises(TightfitError, match="written by a run of training samples 40, and this run's is 48"):
+        Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=2), progress=False).resume(ck / "ckpt-6")
+    assert _dropout_run(tmp_path / "d", resume=ck / "ckpt-6", epochs=2).fit().steps == 10
+
+
+def test_resuming_from_the_checkpoints_folder_or_a_missing_one_says_so(tmp_path):
+    """The run's checkpoints folder was called a corrupt checkpoint ('model.safetensors: missing'),
+    and a mistyped ckpt-99 'not a folder'."""
+    _dropout_run(tmp_path, epochs=1).fit()
+    ck = tmp_path / "ck"
+    with pytest.raises(TightfitError, match=re.escape(f"{ck} is a folder of checkpoints, not one: give one of them, "
+                                                      f"e.g. the newest, {ck / 'ckpt-5'}")):
+        _dropout_run(tmp_path / "b", resume=ck, epochs=1)
+    with pytest.raises(TightfitError, match=re.escape(f"checkpoint {ck / 'ckpt-99'} does not exist")):
+        _dropout_run(tmp_path / "c", resume=ck / "ckpt-99", epochs=1)

@@ -337,14 +337,21 @@ def verify_checkpoint(path: Path) -> bool:
         one (only truncation and damage inside ``state.pt`` can be found then).
 
     Raises:
+        TightfitError: ``path`` does not exist, or is a folder of checkpoints (``ckpt-N`` inside).
         CorruptCheckpointError: a file is missing, truncated, of the wrong size, fails its
             checksum, or the manifest is unreadable; the message names the file and the fault.
             Also a manifest whose step is not the folder's (``ckpt-50`` holding step 6: a resume
             from it would go back to step 6 and delete the run's checkpoints of later steps).
     """
     path = Path(path)
+    if not path.exists():  # a typo, not damage
+        raise TightfitError(f"checkpoint {path} does not exist")
     if not path.is_dir():
         raise CorruptCheckpointError(f"checkpoint {path} is not a folder")
+    inside = list_checkpoints(path)
+    if inside and not (path / MODEL_FILE).exists():  # the run's checkpoints folder, not one checkpoint
+        raise TightfitError(f"{path} is a folder of checkpoints, not one: give one of them, e.g. the newest, "
+                            f"{inside[-1]}")
     if not (path / MANIFEST).exists():
         _verify_structure(path)
         return False

@@ -738,6 +738,9 @@ class Trainer:
             # the plan as chosen (not the backed-off one), so that a resumed run grows the
             # micro-batch back exactly when the uninterrupted run would
             "step": self.step, "micro_batch": self.micro_batch, "plan": self.plan.to_dict(),
+            # what fixes the sample order: a resume of another seed or data size would train some
+            # samples of the epoch twice and skip others
+            "order": {"seed": self.cfg.seed, "train_samples": len(self.w.train)},
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(), "rng": capture_rng(),
             "counters": {"samples": r.samples, "skipped_steps": r.skipped_steps, "oom_recoveries": r.oom_recoveries,
@@ -807,9 +810,10 @@ class Trainer:
 
         if is_sharded(path):  # written by several ranks: DCP reshards to this world size
             state = load_sharded(path, self.model, self.optimizer, self.world, verified=verified)
+            check_same_windows(path, state, self.w.effective_batch, self.cfg.seed, len(self.w.train))
         else:
             state = load_checkpoint(path, self.world.unwrap(self.model), verified=verified, state=state)
-            check_same_windows(path, state, self.w.effective_batch)
+            check_same_windows(path, state, self.w.effective_batch, self.cfg.seed, len(self.w.train))
             self.optimizer.load_state_dict(state["optimizer"])
             match_parameter_strides(self.optimizer)  # channels-last parameters: state saved contiguous
         self.scheduler.load_state_dict(state["scheduler"])
@@ -824,6 +828,9 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         # the checkpoint's micro-batch (smaller after an OOM back-off), unless this plan's is smaller
         # (planned again for less memory): then the plan's
+        if state["step"] > self.total_steps:  # fit() would train nothing and report the checkpoint's steps
+            raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} is at step {state['step']}, past this "
+                                f"run's {self.total_steps} steps: give a checkpoint of this run, or more epochs")
         self.step, self.micro_batch = state["step"], min(state["micro_batch"], self.plan.micro_batch)
         c = state["counters"]
         self.result.samples, self.result.skipped_steps = c["samples"], c["skipped_steps"]
@@ -969,14 +976,26 @@ class Trainer:
                     file=UntilClosed(sys.stderr))
 
 
-def check_same_windows(path, state: dict, effective_batch: int) -> None:
-    """Refuse a checkpoint of a run with another effective batch: its data position counts
-    windows of that size, so the resumed run would train samples twice (or skip them).
+def check_same_windows(path, state: dict, effective_batch: int, seed: int | None = None,
+                       train_samples: int | None = None) -> None:
+    """Refuse a checkpoint of a run with another effective batch, seed or number of training
+    samples: its data position counts windows of that size in that epoch's order (fixed by the
+    seed and the sample count), so the resumed run would train samples twice (or skip them).
+    A checkpoint of an older version without the order's record is checked on the batch alone;
+    ``seed`` / ``train_samples`` None: not checked.
 
     Raises:
-        TightfitError: one line naming both effective batches.
+        TightfitError: one line naming what differs, both ways.
     """
+    name = os.path.basename(os.fspath(path))
     saved = (state.get("plan") or {}).get("effective_batch")
     if saved is not None and saved != effective_batch:
-        raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} was written by a run of effective batch {saved}, and "
+        raise TightfitError(f"checkpoint {name} was written by a run of effective batch {saved}, and "
                             f"this run's is {effective_batch}: it is not this run's checkpoint")
+    order = state.get("order") or {}
+    for what, mine in (("seed", seed), ("train_samples", train_samples)):
+        if mine is not None and order.get(what) is not None and order[what] != mine:
+            said = "seed" if what == "seed" else "training samples"
+            raise TightfitError(f"checkpoint {name} was written by a run of {said} {order[what]}, and this run's "
+                                f"is {mine}: its epoch's sample order is another, so the resumed run would train "
+                                f"some samples twice and skip others")
