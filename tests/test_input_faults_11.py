@@ -228,7 +228,11 @@ def test_the_int8_speed_up_is_shown_with_its_spread_between_rounds():
          "fp32": {**side, "latency_s": {1: 0.0867, 32: 0.0693}}, "int8": {**side, "latency_s": {1: 0.092, 32: 0.0158}},
          "speedup_middle_half": {1: (0.9, 1.1), 32: (0.95, 5.1)}}
     text = report_markdown(r)
-    assert "15.8 ms (4.39x; 0.95-5.10x in the middle half of the rounds: no clear difference on this host)" in text
+    assert "15.8 ms (4.39x, the median round; 0.95-5.10x in the middle half of the rounds: no clear difference" in text
+    # the headline is the median round's speed-up, inside the middle half: the ratio of the two median
+    # latencies (1.38x) was shown beside a middle half of 0.88-1.34x (fresh user 62)
+    r = dict(r, speedup_middle_half={1: (0.9, 1.1), 32: (0.88, 1.34)}, speedup_median={1: 1.0, 32: 1.12})
+    assert "15.8 ms (1.12x, the median round; 0.88-1.34x in the middle half" in report_markdown(r)
 
 
 def test_a_checkpoint_of_a_run_with_another_batch_is_one_line_before_the_plan(tmp_path, capsys):
