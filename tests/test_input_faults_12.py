@@ -157,3 +157,14 @@ def test_resuming_from_the_checkpoints_folder_or_a_missing_one_says_so(tmp_path)
         _dropout_run(tmp_path / "b", resume=ck, epochs=1)
     with pytest.raises(TightfitError, match=re.escape(f"checkpoint {ck / 'ckpt-99'} does not exist")):
         _dropout_run(tmp_path / "c", resume=ck / "ckpt-99", epochs=1)
+
+
+@pytest.mark.parametrize("budget", ["1KiB", "0.5MiB", "1000000B"])
+def test_a_budget_under_1_mib_is_refused_whatever_its_unit(capsys, budget):
+    """`--budget 1048575` was refused as under the smallest budget of 1 MiB, but `--budget 1KiB`
+    went on to the planner and a long 'below the model state' message (fresh user 62)."""
+    from tightfit.cli import main
+
+    assert main(["plan", "--model", "minilm", "--seq-len", "32", "--batch-size", "32", "--budget", budget]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "under the smallest budget of 1 MiB" in err, err

@@ -275,7 +275,7 @@ def test_batch_larger_than_the_effective_batch_is_refused_a_smaller_last_one_run
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"loss": lambda m, b: m(b[0])}, "one number"),
-    ({"loss": _ce, "budget": "1KiB"}, r"budget=1.00 KiB cannot hold the model's weights"),
+    ({"loss": _ce, "budget": "1KiB"}, r"budget 1.00 KiB is under the smallest budget of 1 MiB"),
     ({"loss": _ce, "budget": "64GiB", "gpu": "gtx-1650-ti"}, "more than the"),
     ({"loss": _ce, "budget": -1}, "must be positive"),
     ({"loss": _ce, "budget": "-1"}, "must be positive"),

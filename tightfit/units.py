@@ -77,7 +77,8 @@ def parse_budget(text: str | int | float) -> int:
     unit below 1 MiB is refused (``--budget 4`` is 4 bytes, where 4 GiB was surely meant).
 
     Raises:
-        TightfitError: as :func:`parse_size`, or a unit-less number below 1 MiB.
+        TightfitError: as :func:`parse_size`, or a budget below 1 MiB (a unit-less number is told to
+            give a unit).
     """
     value = parse_size(text)
     m = _SIZE_RE.match(text) if isinstance(text, str) else None
@@ -88,6 +89,8 @@ def parse_budget(text: str | int | float) -> int:
         # a number this large was not meant as GiB: suggesting "1048575GiB" would be absurd
         raise TightfitError(f"{said}, under the smallest budget of 1 MiB ({MiB} bytes): give at least {MiB} bytes, "
                             "or a unit, e.g. 6GiB or 512MiB")
+    if value < MiB:  # 1KiB: the same floor whatever the unit
+        raise TightfitError(f"--budget {format_bytes(value)} is under the smallest budget of 1 MiB: e.g. 6GiB or 512MiB")
     return value
 
 
