@@ -168,3 +168,35 @@ def test_a_budget_under_1_mib_is_refused_whatever_its_unit(capsys, budget):
     assert main(["plan", "--model", "minilm", "--seq-len", "32", "--batch-size", "32", "--budget", budget]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "under the smallest budget of 1 MiB" in err, err
+
+
+def test_labels_written_differently_but_read_as_one_class_are_noted(tmp_path, caplog):
+    """' pos', 'pos ' and 'pos' trained as one class, and JSON 1 and "1" too, without a word, while
+    1 and 1.0 are refused (fresh user 62). They stay one class, and the note says which."""
+    import json
+    import logging
+
+    from tightfit.data import load_text_classification
+
+    rows = ["text,label"] + [f"review {i},{['pos', ' pos', 'pos ', 'neg'][i % 4]}" for i in range(12)]
+    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    with caplog.at_level(logging.WARNING):
+        data = load_text_classification(tmp_path / "d.csv")
+    assert data.label_names == ["neg", "pos"]
+    assert "read as one class (spaces around a label dropped, a number and its string one label): " \
+           "' pos', 'pos ', 'pos' as 'pos'" in caplog.text, caplog.text
+    caplog.clear()
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"t {i}", "label": [1, "1", 0][i % 3]}) + "\n"
+                                              for i in range(9)))
+    with caplog.at_level(logging.WARNING):
+        assert load_text_classification(tmp_path / "d.jsonl").label_names == ["0", "1"]
+    assert "'1', 1 as '1'" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_text_classification(_plain(tmp_path))
+    assert "read as one class" not in caplog.text
+
+
+def _plain(tmp_path):
+    (tmp_path / "p.csv").write_text("text,label\n" + "".join(f"r {i},{['a', 'b'][i % 2]}\n" for i in range(6)))
+    return tmp_path / "p.csv"

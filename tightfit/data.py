@@ -278,7 +278,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
             raise TightfitError(f"{path}: no column {col!r} ({option_name(option)}); columns are: "
                                 f"{', '.join(sorted(_shown_column(c) for c in columns))}"
                                 f"{_delimiter_hint(path, columns)}")
-    texts, raw, blank = [], [], 0
+    texts, raw, blank, spellings = [], [], 0, {}
     for n, r in enumerate(rows, 1):
         lacking = [c for c in (text_column, label_column) if c not in r]
         if lacking:  # JSONL only: a CSV record has every column of its header
@@ -301,11 +301,13 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
             continue
         texts.append(text[:MAX_TEXT_CHARS])
         raw.append(label)
+        spellings.setdefault(label, set()).add(repr(value))
     if not texts:
         raise TightfitError(f"{path}: no row has both a text ({text_column!r}) and a label ({label_column!r})")
     names = sorted(set(raw))
     _check_numbers_written_once(path, label_column, names)
     _note_labels_in_two_cases(path, label_column, names)
+    _note_labels_read_as_one(path, label_column, spellings)
     if all(_is_int(x) for x in names):
         names = sorted(names, key=int)
     if len(names) < 2:
@@ -325,6 +327,18 @@ def _note_labels_in_two_cases(path: Path, column: str, names: list[str]) -> None
         shown = "; ".join(" and ".join(repr(n) for n in group) for group in twins[:3])
         log.warning(f"note: {path}: labels of column {column!r} that differ only in case are separate classes: "
                     f"{shown}{' ...' if len(twins) > 3 else ''}")
+
+
+def _note_labels_read_as_one(path: Path, column: str, spellings: dict[str, set[str]]) -> None:
+    """Warn about labels written differently that were read as one class: spaces around them
+    (``' pos'``, ``'pos '``) are dropped, and a JSON number and a string of it (``1``, ``"1"``) are
+    one label. Likely meant, but said: the classes are not what the file shows at a glance."""
+    merged = [(label, sorted(seen)) for label, seen in sorted(spellings.items()) if len(seen) > 1]
+    if merged:
+        shown = "; ".join(f"{', '.join(seen)} as {label!r}" for label, seen in merged[:3])
+        log.warning(f"note: {path}: labels of column {column!r} written differently are read as one class "
+                    f"(spaces around a label dropped, a number and its string one label): {shown}"
+                    f"{' ...' if len(merged) > 3 else ''}")
 
 
 def _check_numbers_written_once(path: Path, column: str, names: list[str]) -> None:
