@@ -246,6 +246,12 @@ def test_the_report_of_a_twice_resumed_run_keeps_the_earlier_sessions_events(tmp
         assert main(["train", "--resume", str(run), *lr, "--no-progress"]) == 0
     report = (run / "report.md").read_text()
     assert "- options given anew: --lr 0.001 (was 5e-05)" in report  # the second session's
+    # the recorded command names the resume that changed --lr (it had the first session's alone,
+    # while request.json held the new --lr: fresh user 62)
+    request = json.loads((run / "request.json").read_text())
+    assert request["lr"] == 0.001 and request["command"].endswith("--no-progress (resumed as: tightfit train --resume "
+                                                                  f"{run} --lr 0.001 --no-progress)"), request["command"]
+    assert request["command"] in report
     assert report.count("- resumed from ") == 2, report
     events = json.loads((run / "summary.json").read_text()).get("events")
     assert events is None or sum(e.startswith("resumed from ") for e in events) == 2

@@ -809,9 +809,11 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
                             f"{'it' if len(refused) == 1 else 'them'} out, or start a new run")
     try:
         changed = {k: [saved.get(k), v] for k, v in given.items() if k in RESUME_MAY_CHANGE and saved.get(k) != v}
+        command = saved.get("command", req.run.command)  # the run's own command,
+        if changed:  # and the resume that changed its options: both make the run (--lr 1e-3, then 1e-4)
+            command = f"{command} (resumed as: {req.run.command})"
         resumed = TrainRequest(**{**saved, **{k: new for k, (_, new) in changed.items()}, "out": str(run),
-                                  "resume": str(run), "progress": req.run.progress,
-                                  "command": saved.get("command", req.run.command)})  # the run's own command
+                                  "resume": str(run), "progress": req.run.progress, "command": command})
     except (json.JSONDecodeError, TypeError) as e:
         raise TightfitError(f"{option_given('resume', str(run))}: unreadable request.json ({e})") from None
     except TightfitError as e:  # the options were checked when given: a value of the file is at fault
