@@ -227,7 +227,7 @@ def test_counts_of_one_are_singular():
     assert count_of(1, "held-out sample") == "1 held-out sample" and count_of(2, "row") == "2 rows"
 
 
-def test_the_report_of_a_twice_resumed_run_keeps_the_earlier_sessions_events(tmp_path):
+def test_the_report_of_a_twice_resumed_run_keeps_the_earlier_sessions_events(tmp_path, capsys):
     """report.md listed only the last session's events: how the run was stopped and resumed
     before (in metrics.jsonl) was missing from it."""
     import shutil
@@ -243,7 +243,11 @@ def test_the_report_of_a_twice_resumed_run_keeps_the_earlier_sessions_events(tmp
         (run / "summary.json").unlink()
         for later in range(kept + 2, 7, 2):
             shutil.rmtree(ckpts / f"ckpt-{later}")
+        capsys.readouterr()
         assert main(["train", "--resume", str(run), *lr, "--no-progress"]) == 0
+        if lr:  # the changed option is said once on screen (it was said twice: fresh user 62)
+            shown = "".join(capsys.readouterr())
+            assert shown.count("--lr 0.001") == 1, shown
     report = (run / "report.md").read_text()
     assert "- options given anew: --lr 0.001 (was 5e-05)" in report  # the second session's
     # the recorded command names the resume that changed --lr (it had the first session's alone,

@@ -509,7 +509,8 @@ class TrainRecipe:
                     self.trainer.event(note, show=False)
             if self.changed:  # in the report's events: request.json now holds only the new values
                 self.trainer.event("options given anew: " + ", ".join(
-                    f"{option_given(k, new)} (was {old})" for k, (old, new) in self.changed.items()))
+                    f"{option_given(k, new)} (was {old})" for k, (old, new) in self.changed.items()),
+                    show=False)  # shown already, as each option's note when the resume read them
         elif self.device == "cuda" and self.plan.sharding == "fsdp":  # the estimator's micro-batch, run once
             from .planner.fsdp_probe import verify_micro_batch
 
