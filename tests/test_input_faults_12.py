@@ -200,3 +200,14 @@ def test_labels_written_differently_but_read_as_one_class_are_noted(tmp_path, ca
 def _plain(tmp_path):
     (tmp_path / "p.csv").write_text("text,label\n" + "".join(f"r {i},{['a', 'b'][i % 2]}\n" for i in range(6)))
     return tmp_path / "p.csv"
+
+
+def test_train_step_refuses_an_lr_that_your_own_optimizer_would_ignore():
+    """TrainStep(plan, model, SGD(lr=0), lr=1.0) trained at SGD's lr 0 without a word (fresh user 61)."""
+    import tightfit
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(TightfitError, match=r"lr=1.0 is for the optimizer TrainStep makes; yours keeps its own"):
+        tightfit.TrainStep(Plan("fp32", 4, 4), model, torch.optim.SGD(model.parameters(), lr=0.0), lr=1.0)
+    step = tightfit.TrainStep(Plan("fp32", 4, 4), model)  # its own AdamW at tightfit train's default
+    assert step.optimizer.param_groups[0]["lr"] == 5e-5

@@ -379,7 +379,8 @@ class TrainStep:
         optimizer: your optimizer over the model's parameters; None: the plan's (fused AdamW, ``lr``;
             under ``adamw8bit-bf16`` the model's floating-point weights are first cast to bf16, in place).
         loss: ``(model, batch) -> 0-d mean loss``, as in :func:`plan`; default ``model(**batch).loss``.
-        lr: learning rate of the optimizer made when ``optimizer`` is None.
+        lr: learning rate of the optimizer made when ``optimizer`` is None (default: ``tightfit
+            train --lr``'s, 5e-5); refused with your own optimizer, which keeps its own.
         max_grad_norm: clip the global gradient norm to this, positive and finite (default None:
             measure, do not clip).
         max_skipped_steps: raise after this many non-finite (skipped) steps in a row.
@@ -407,7 +408,7 @@ class TrainStep:
     """
 
     def __init__(self, plan: Plan, model: torch.nn.Module, optimizer=None, *, loss: LossFn | None = None,
-                 lr: float = 5e-5, max_grad_norm: float | None = None, max_skipped_steps: int = 20,
+                 lr: float | None = None, max_grad_norm: float | None = None, max_skipped_steps: int = 20,
                  grow_back_after: int = 100, warn_temp_c: float = 82.0):
         from .config import TrainOptions, check_option
         from .levers.checkpointing import set_activation_checkpointing
@@ -420,6 +421,10 @@ class TrainStep:
             raise TightfitError(f"TrainStep(plan, model, optimizer): plan must be a tightfit.Plan, got {type(plan).__name__}")
         # the checks of `tightfit train`'s options of the same name (a negative max_grad_norm would
         # turn each step into gradient ascent, NaN would write NaN into every weight)
+        if optimizer is not None and lr is not None:  # it would be dropped without a word
+            raise TightfitError(f"TrainStep: lr={lr!r} is for the optimizer TrainStep makes; yours keeps its own "
+                                "learning rate (set it on your optimizer, or leave lr out)")
+        lr = TrainOptions.lr if lr is None else lr  # `tightfit train --lr`'s default
         checked = {"max_grad_norm": max_grad_norm, "max_skipped_steps": max_skipped_steps,
                    "grow_back_after": grow_back_after, "warn_temp_c": warn_temp_c,
                    **({"lr": lr} if optimizer is None else {})}
