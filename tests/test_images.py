@@ -334,3 +334,14 @@ def test_list_column_options_with_digits_or_a_class_folder_are_refused(option, d
     spec = "digits" if data == "digits" else str(image_folder)
     _bad(["--data", spec, "--model", str(models / "resnet"), *option], tmp_path, capsys,
          f"{option[0]} does not apply")
+
+
+def test_an_epoch_ending_in_a_one_sample_window_of_a_batchnorm_model_is_refused_before_planning(models, tmp_path,
+                                                                                                   capsys):
+    """1,617 training digits at batch 16: each epoch's last window holds one sample, which the
+    ResNet's BatchNorm cannot train on. The run died there (torch's 'Expected more than 1 value per
+    channel'), after planning and a whole epoch; it is one line before planning now, nothing written."""
+    _bad(["--data", "digits", "--model", str(models / "resnet"), "--image-size", "8", "--batch-size", "16",
+          "--epochs", "1"], tmp_path, capsys,
+         "BatchNorm layers cannot train on a micro-batch of 1 sample, and the last window of each epoch holds 1 "
+         "sample (1617 training samples, effective batch 16); choose another --batch-size (or drop a sample)")

@@ -195,6 +195,7 @@ class TrainRecipe:
         self._check_run_folder()
         self._split_data()
         self._load_model()
+        self._check_batchnorm()
         self._announce()
         self._plan()
         self._make_trainer()
@@ -353,6 +354,25 @@ class TrainRecipe:
     def input_size(self) -> int:
         """The size a sample's worst case has, for the planner: ``--seq-len`` (tokens)."""
         return self.req.workload.seq_len
+
+    def _check_batchnorm(self) -> None:
+        """Before planning: an epoch's last window of one sample that the run reaches, which
+        BatchNorm cannot train on (:func:`~tightfit.runtime.trainer.batchnorm_sees_one_sample`
+        at micro-batch = effective batch; a split that leaves one sample depends on the plan's
+        micro-batch and is refused when the trainer is made).
+
+        Raises:
+            TightfitError: one line saying which window and what to change.
+        """
+        from .runtime.trainer import batchnorm_sees_one_sample
+
+        E = self.workload.effective_batch
+        steps = min(self._epoch_steps(E), self.req.training.max_steps or self._epoch_steps(E))
+        one = None if self.world.distributed else batchnorm_sees_one_sample(self.model, len(self.train_data), E, E,
+                                                                            steps)
+        if one:
+            raise TightfitError(one.replace("choose another effective batch (or micro-batch), or put BatchNorm in eval "
+                                            "mode", f"choose another {option_name('batch_size')} (or drop a sample)"))
 
     def _announce(self) -> None:
         """Log what is trained on what, and the notes so far."""
