@@ -211,3 +211,23 @@ def test_train_step_refuses_an_lr_that_your_own_optimizer_would_ignore():
         tightfit.TrainStep(Plan("fp32", 4, 4), model, torch.optim.SGD(model.parameters(), lr=0.0), lr=1.0)
     step = tightfit.TrainStep(Plan("fp32", 4, 4), model)  # its own AdamW at tightfit train's default
     assert step.optimizer.param_groups[0]["lr"] == 5e-5
+
+
+@pytest.mark.parametrize("labels, says", [
+    (lambda y: y.float(), "labels must be class ids, int64 [B]; the batches' are float32 [1] (e.g. labels.long()"),
+    (lambda y: y[:, None], "the batches' are int64 [1, 1] (e.g. labels.squeeze(1)"),
+])
+def test_labels_that_are_no_class_ids_are_refused_when_the_workload_is_made(labels, says):
+    """Float or [B, 1] labels for ImageClassification failed in cross-entropy at the first step of
+    fit(), as torch's RuntimeError (fresh user 61)."""
+    from torch.utils.data import TensorDataset
+
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import collate_as
+
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    with pytest.raises(TightfitError, match=re.escape(says)):
+        Workload(torch.nn.Linear(8, 3), TensorDataset(x, labels(y)), None, 2, task=ImageClassification(),
+                 collate_fn=collate_as("pixel_values", "labels"))
+    Workload(torch.nn.Linear(8, 3), TensorDataset(x, y), None, 2, task=ImageClassification(),
+             collate_fn=collate_as("pixel_values", "labels"))  # class ids: made

@@ -173,6 +173,22 @@ class SequenceClassification:
     def count(self, batch: Batch) -> int:
         return count_samples(batch)
 
+    def check_batch(self, batch: Batch) -> None:
+        """Refuse a batch whose ``labels`` are not class ids ``[B]`` of an integer type (float or
+        ``[B, 1]`` labels failed in cross-entropy at the run's first step).
+
+        Raises:
+            TightfitError: one line with the labels' dtype and shape and the fix.
+        """
+        labels = batch.get("labels") if isinstance(batch, dict) else None
+        if not torch.is_tensor(labels):
+            raise TightfitError(f"{type(self).__name__}: the batches have no 'labels' tensor (class ids, int64 [B])")
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool or labels.dim() != 1:
+            fix = "labels.squeeze(1)" if labels.dim() == 2 and labels.shape[1] == 1 else "labels.long()"
+            raise TightfitError(f"{type(self).__name__}: labels must be class ids, int64 [B]; the batches' are "
+                                f"{str(labels.dtype).removeprefix('torch.')} {list(labels.shape)} (e.g. {fix} in the "
+                                "collate function)")
+
     def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
         """``{"correct", "loss_sum", "samples"}`` of one batch (argmax of fp32 logits)."""
         logits = _logits(model, batch).float()

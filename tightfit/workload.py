@@ -252,3 +252,6 @@ class Workload:
             self.count = self.task.count
         self.train = as_batches(self.train, self.collate_fn)
         self.eval = as_batches(self.eval, self.collate_fn)
+        check = getattr(self.task, "check_batch", None)  # the task's own loss: its labels, checked once
+        if check is not None and self.loss_sum == self.task.loss_sum and self.train is not None and len(self.train):
+            check(self.train.collate([0]))
