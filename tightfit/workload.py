@@ -252,6 +252,10 @@ class Workload:
             self.count = self.task.count
         self.train = as_batches(self.train, self.collate_fn)
         self.eval = as_batches(self.eval, self.collate_fn)
-        check = getattr(self.task, "check_batch", None)  # the task's own loss: its labels, checked once
-        if check is not None and self.loss_sum == self.task.loss_sum and self.train is not None and len(self.train):
+        # the task's own loss: the labels of a dataset given as such (checked, as DatasetBatches.check
+        # collates its first sample already); tightfit's own batches, and those that collate index
+        # lists themselves, are not collated here
+        check = getattr(self.task, "check_batch", None)
+        if check is not None and self.loss_sum == self.task.loss_sum and isinstance(self.train, DatasetBatches) \
+                and len(self.train):
             check(self.train.collate([0]))
