@@ -826,11 +826,11 @@ class Trainer:
             self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
-        # the checkpoint's micro-batch (smaller after an OOM back-off), unless this plan's is smaller
-        # (planned again for less memory): then the plan's
         if state["step"] > self.total_steps:  # fit() would train nothing and report the checkpoint's steps
             raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} is at step {state['step']}, past this "
                                 f"run's {self.total_steps} steps: give a checkpoint of this run, or more epochs")
+        # the checkpoint's micro-batch (smaller after an OOM back-off), unless this plan's is smaller
+        # (planned again for less memory): then the plan's
         self.step, self.micro_batch = state["step"], min(state["micro_batch"], self.plan.micro_batch)
         c = state["counters"]
         self.result.samples, self.result.skipped_steps = c["samples"], c["skipped_steps"]
