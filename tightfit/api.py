@@ -304,6 +304,11 @@ class TrainRecipe:
 
         return math.ceil(self.req.training.epochs * steps_per_epoch(len(self.train_data), effective_batch))
 
+    def _run_steps(self, effective_batch: int) -> int:
+        """Optimizer steps the run takes: the epochs' (:meth:`_epoch_steps`), at most ``--max-steps``."""
+        steps = self._epoch_steps(effective_batch)
+        return min(steps, self.req.training.max_steps or steps)
+
     def _load_model(self) -> None:
         """The model with a new head (seeded), its tokenizer checked against the data and
         ``--seq-len``, the budget checked against its state, and the workload.
@@ -367,12 +372,11 @@ class TrainRecipe:
         from .runtime.trainer import batchnorm_sees_one_sample
 
         E = self.workload.effective_batch
-        steps = min(self._epoch_steps(E), self.req.training.max_steps or self._epoch_steps(E))
-        one = None if self.world.distributed else batchnorm_sees_one_sample(self.model, len(self.train_data), E, E,
-                                                                            steps)
+        one = None if self.world.distributed else batchnorm_sees_one_sample(
+            self.model, len(self.train_data), E, E, self._run_steps(E),
+            fix=f"choose another {option_name('batch_size')} (or drop a sample)")
         if one:
-            raise TightfitError(one.replace("choose another effective batch (or micro-batch), or put BatchNorm in eval "
-                                            "mode", f"choose another {option_name('batch_size')} (or drop a sample)"))
+            raise TightfitError(one)
 
     def _announce(self) -> None:
         """Log what is trained on what, and the notes so far."""
@@ -482,8 +486,7 @@ class TrainRecipe:
         from .planner.probe import plan_first
 
         p, w, E = self.req.planning, self.workload, self.workload.effective_batch
-        steps = self._epoch_steps(E)
-        run_samples = min(steps, self.req.training.max_steps or steps) * E
+        run_samples = self._run_steps(E) * E
         key = plan_key(w.model, w.train.worst_case(1), E,
                        {"precision": p.precision, "checkpointing": p.checkpointing, "compile": p.compile,
                         "planner": p.planner, "optimizer": p.optimizer, "trainable": self.req.workload.trainable},

@@ -176,13 +176,14 @@ def steps_per_epoch(n: int, effective_batch: int) -> int:
 
 
 def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: int, micro_batch: int,
-                              steps: int) -> str | None:
+                              steps: int, fix: str = "choose another effective batch (or micro-batch), or put "
+                                                     "BatchNorm in eval mode") -> str | None:
     """Why ``steps`` optimizer steps over ``n`` training samples would give the model's BatchNorm
     layers a micro-batch of one sample (None: they would not). BatchNorm in train mode cannot
     normalise one sample (``ValueError: Expected more than 1 value per channel when training``): a
     window split as 4+4+1, or an epoch's last window of one sample (when the run gets there), would
     stop the run there. Counted are BatchNorm layers in train mode, and all of them in a model in
-    eval mode (the runtime trains such a model in train mode)."""
+    eval mode (the runtime trains such a model in train mode). ``fix``: what the message advises."""
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     if not any(m.training or not model.training for m in norms):
         return None
@@ -195,8 +196,7 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
                      f"{effective_batch})" if window == 1 else
                      f"micro-batch {micro_batch} splits {'each' if window == effective_batch else 'the last'} "
                      f"window of {window} samples as {'+'.join(map(str, sizes))}")
-            return (f"the model's BatchNorm layers cannot train on a micro-batch of 1 sample, and {where}; choose "
-                    "another effective batch (or micro-batch), or put BatchNorm in eval mode")
+            return f"the model's BatchNorm layers cannot train on a micro-batch of 1 sample, and {where}; {fix}"
     return None
 
 
