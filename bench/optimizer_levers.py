@@ -8,7 +8,7 @@ CUDA machine with bitsandbytes, torchao and peft importable:
 
 ``TF_COMPILE``: the tightfit row's ``--compile`` (default ``off``, to keep the bench short; ``auto``
 plans as ``tightfit train`` does); ``TF_STEPS``: its timed steps (default 30); ``BENCH_SETTINGS``:
-the rows to run, of ``tightfit, bnb, torchao, offload, no-budget`` (default: all).
+the rows to run, in that order, of ``tightfit, bnb, torchao, offload, no-budget`` (default: all).
 
 Per workload (memory capped with ``torch.cuda.set_per_process_memory_fraction``), rows of
 ``tightfit bench``'s shape (:mod:`tightfit.bench.settings`):
@@ -264,9 +264,8 @@ def main() -> None:
                     "torchao": lambda: [by_hand(w, "adamw8bit", "torchao")],
                     "offload": lambda: [by_hand(w, "adamw-offload", "torchao")],
                     "no-budget": lambda: st.no_budget(w, STEPS, WARMUP, precisions=("bf16",))}
-        for name, run in settings.items():
-            if wanted and name not in wanted.split(","):
-                continue
+        for name in wanted.split(",") if wanted else SETTINGS:  # in the order asked
+            run = settings[name]
             try:
                 rows += run()
             except Exception as e:  # keep going: one setting's failure is a result too
