@@ -242,9 +242,26 @@ def write(results: dict) -> None:
 SETTINGS = ("tightfit", "bnb", "torchao", "offload", "no-budget")  # the rows, in the order they run
 
 
+def run_row(workload: str, setting: str, out: Path) -> None:
+    """One row in this process; its rows (a list) written as JSON to ``out``."""
+    w = next(w for w in workloads(Path(tempfile.mkdtemp())) if w.name == workload)
+    settings = {"tightfit": lambda: [tightfit(w)], "bnb": lambda: [by_hand(w, "adamw8bit", "bitsandbytes")],
+                "torchao": lambda: [by_hand(w, "adamw8bit", "torchao")],
+                "offload": lambda: [by_hand(w, "adamw-offload", "torchao")],
+                "no-budget": lambda: st.no_budget(w, STEPS, WARMUP, precisions=("bf16",))}
+    try:
+        rows = settings[setting]()
+    except Exception as e:  # keep going: one setting's failure is a result too
+        rows = [{"setting": f"error ({setting})", "error": repr(e)[:2000]}]
+    out.write_text(json.dumps(rows, default=str))
+
+
 def main() -> None:
+    """Every (workload, setting) row in a process of its own: a setting that leaves memory held
+    (a failed plan, a library's hooks) would otherwise shrink the next one's budget."""
+    import subprocess
+
     t_start = time.perf_counter()
-    root = Path(tempfile.mkdtemp())
     chosen = os.environ.get("BENCH_WORKLOADS")
     wanted = os.environ.get("BENCH_SETTINGS")
     unknown = set(wanted.split(",")) - set(SETTINGS) if wanted else set()
@@ -256,20 +273,15 @@ def main() -> None:
     except Exception as e:  # the rows matter more than the rates
         results["rates"] = {"error": repr(e)}
     write(results)
-    for w in workloads(root):
+    for w in workloads(Path(tempfile.mkdtemp())):
         if chosen and w.name not in chosen.split(","):
             continue
         rows = results["workloads"].setdefault(w.name, [])
-        settings = {"tightfit": lambda: [tightfit(w)], "bnb": lambda: [by_hand(w, "adamw8bit", "bitsandbytes")],
-                    "torchao": lambda: [by_hand(w, "adamw8bit", "torchao")],
-                    "offload": lambda: [by_hand(w, "adamw-offload", "torchao")],
-                    "no-budget": lambda: st.no_budget(w, STEPS, WARMUP, precisions=("bf16",))}
         for name in wanted.split(",") if wanted else SETTINGS:  # in the order asked
-            run = settings[name]
-            try:
-                rows += run()
-            except Exception as e:  # keep going: one setting's failure is a result too
-                rows.append({"setting": "error", "error": repr(e)[:2000]})
+            out = Path(tempfile.mkdtemp()) / "rows.json"
+            done = subprocess.run([sys.executable, __file__, "--row", w.name, name, str(out)])
+            rows += json.loads(out.read_text()) if out.exists() else [
+                {"setting": f"error ({name})", "error": f"row process exited {done.returncode}"}]
             write(results)
             print(f"{w.name}: {rows[-1].get('setting')} {rows[-1].get('samples_per_s')} "
                   f"({time.perf_counter() - t_start:.0f} s)", flush=True)
@@ -278,4 +290,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--row"]:
+        run_row(sys.argv[2], sys.argv[3], Path(sys.argv[4]))
+    else:
+        main()
