@@ -28,7 +28,7 @@ from ..levers.blocks import find_blocks
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import WHOLE_MODEL, compile_model, compile_scope, compile_unavailable, uncompile_model
 from ..levers.layout import CHANNELS_LAST_OPTIMIZERS, convolutions
-from ..levers.optimizers import BF16_WEIGHTS, LEVER_OPTIMIZERS
+from ..levers.optimizers import BF16_WEIGHTS, LEVER_OPTIMIZERS, weights_dtype
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes, format_rate
 from ..workload import Workload
@@ -673,7 +673,12 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
                 variant = replace(variant, samples_per_s=retiming.compiled_samples_per_s) \
                     if retiming.compiled_kept else None
             if variant is not None and other_optimizer is not None:
-                variant, note = challenge_compiled_optimizer(workload, best, variant, other_optimizer, budget_bytes)
+                try:
+                    variant, note = challenge_compiled_optimizer(workload, best, variant, other_optimizer, budget_bytes)
+                except Exception as e:  # noqa: BLE001 - the runner-up's failure leaves the compiled plan won
+                    release_memory()
+                    note = (f"optimizer compiled: the runner-up optimizer {other_optimizer} failed with the "
+                            f"compiled plan ({_error_line(e)}); {best.optimizer} kept")
                 notes = notes + [note]
             if variant is not None and compile == "on":  # no retiming: the variant's speed, timed again
                 steady = steady_timing(workload, best.precision, variant.optimizer or best.optimizer,
@@ -703,14 +708,19 @@ def challenge_compiled_optimizer(workload: Workload, best: Candidate, variant: C
     at 4 GiB (NVIDIA H200) trained at 3,788 samples/s compiled with fp32 AdamW, and at 3,172 to
     3,282 with the 8-bit AdamW that its eager timing chose (bench/results/recompute-1, recompute-2).
     A convolutional model (stored channels-last) is not timed with an optimizer that makes its
-    weights contiguous (:data:`~tightfit.levers.layout.CHANNELS_LAST_OPTIMIZERS`): its compiled
-    graph would compile again for those strides.
+    weights contiguous (:data:`~tightfit.levers.layout.CHANNELS_LAST_OPTIMIZERS`), nor any model
+    with an optimizer that keeps its weights in another dtype
+    (:func:`~tightfit.levers.optimizers.weights_dtype`): the graph would compile again for those
+    strides or dtypes (BERT-large at 4 GiB, NVIDIA H200: bf16 weights compiled, the runner-up's
+    fp32 weights failed in the graph's matmul, bench/results/past-the-card).
 
     Returns:
         The variant (with ``optimizer=other`` where that was faster) and a reason line.
     """
     mine = best.optimizer
     what = f"optimizer compiled: the runner-up optimizer {other} timed with the compiled plan"
+    if weights_dtype(other) != weights_dtype(mine):
+        return variant, f"{what}: not timed ({other} keeps the weights in another dtype than the graph's); {mine} kept"
     if convolutions(workload.model) and other not in CHANNELS_LAST_OPTIMIZERS:
         return variant, f"{what}: not timed ({other} stores the weights contiguous, the graph is channels-last); {mine} kept"
     E, model = workload.effective_batch, workload.model
