@@ -371,3 +371,31 @@ def test_offload_keeps_the_last_saved_tensors_until_backward_and_the_trace_count
         assert len(stashed) == stash and stashed[-1][0] is y
         y.sum().backward()
         assert not stashed
+
+
+def test_offloaded_activations_are_held_to_the_hosts_pinned_memory(monkeypatch):
+    """An offloading plan holds one micro-batch's offloaded activations in pinned host memory: a
+    host with less gets a smaller micro-batch (or another choice), and the plan says what it pins
+    (BERT-large at 4 GiB: 23 blocks offloaded at micro-batch 128 was verified on the GPU, ~10 GiB
+    pinned, which a 16 GiB laptop cannot give)."""
+    from test_planner import MiB, _search
+
+    from tightfit.planner import search as search_module
+    from tightfit.planner.cost import ForwardCost
+
+    # recomputing a block costs more than copying its activations out and back
+    monkeypatch.setattr(search_module, "forward_cost", lambda *a: ForwardCost(
+        flops_per_sample=2e10, ops=1000, trainable_params=1000, n_blocks=2, selective_ops_per_block=40,
+        selective_bytes_per_sample=1e5))
+    budget = int(150 * MiB / 0.95)  # both blocks offloaded fit 64 samples (132 MiB); both recomputed do not (164)
+
+    def pinned(c):
+        return sum(p == "offload" for p in c.block_policies or ()) * c.micro_batch * 4.5 * MiB  # 4.5 MiB/sample/block
+
+    free = _search("h100", budget, _policy_memory, E=64, precision="fp32", per_block=True)
+    assert free.best.block_policies == ("offload", "offload") and free.best.micro_batch == 64
+    assert "(576.00 MiB of pinned host memory)" in free.best.why, free.best.why
+    small = _search("h100", budget, _policy_memory, E=64, precision="fp32", per_block=True, host_bytes=200 * MiB)
+    offloading = [c for c in [small.best, *small.runners_up] if c.block_policies and "offload" in c.block_policies]
+    assert offloading and all(pinned(c) <= 200 * MiB for c in offloading), [(c.label(), pinned(c)) for c in offloading]
+    assert small.best.micro_batch < 64

@@ -403,3 +403,26 @@ def test_the_advice_on_a_card_without_bf16_does_not_offer_bf16_weights_and_says_
     assert "bf16 weights and gradients" not in text and "(--optimizer adamw8bit-bf16" not in text, text
     assert re.search(r"--optimizer adamw8bit-bf16 is not offered: .*compute capability >= 8\.0; "
                      r"NVIDIA GeForce GTX 1650 Ti is 7\.5", text), text
+
+
+def test_offloaded_activations_get_the_hosts_memory_less_offloaded_optimizer_state(m, monkeypatch):
+    """Each optimizer's search is told the pinned host memory its offloaded activations may hold:
+    90% of what the host has, less ``adamw-offload``'s own pinned state; not limited where the
+    host is another machine's (``tightfit plan``)."""
+    from tightfit.levers.optimizers import offload_host_bytes
+    from tightfit.planner import optimizers as po
+
+    told = {}
+    real = po.search
+
+    def spy(*a, optimizer="adamw", host_bytes=None, **kw):
+        told[optimizer] = host_bytes
+        return real(*a, optimizer=optimizer, host_bytes=host_bytes, **kw)
+
+    monkeypatch.setattr(po, "search", spy)
+    state = offload_host_bytes(p.numel() for p in m.parameters() if p.requires_grad)
+    plan(m, 512 * MiB, optimizer="adamw-offload", host_bytes=1000 * MiB)
+    plan(m, 512 * MiB, optimizer="adamw", host_bytes=1000 * MiB)
+    assert told == {"adamw-offload": pytest.approx(900 * MiB - state), "adamw": pytest.approx(900 * MiB)}
+    plan(m, 512 * MiB, optimizer="adamw", host_bytes=po.UNKNOWN_HOST_BYTES)
+    assert told["adamw"] is None

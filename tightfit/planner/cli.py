@@ -9,10 +9,6 @@ from ..units import format_rate
 from ..errors import TightfitError
 
 
-# `tightfit plan` plans for a card elsewhere, whose host memory it cannot see: offload is not
-# ruled out by this machine's free memory (the plan's reason says how much pinned memory it needs).
-UNKNOWN_HOST_BYTES = 2**62
-
 
 def add_parser(subparsers) -> None:
     """Add the ``plan`` sub-command to an argparse ``subparsers`` object."""
@@ -44,7 +40,7 @@ def run(args) -> int:
     """
     from ..models import build_model
     from .advice import check_model_state
-    from .optimizers import search_optimizers
+    from .optimizers import UNKNOWN_HOST_BYTES, search_optimizers
     from .search import estimator_for
 
     from ..levers.optimizers import check_precision

@@ -34,6 +34,10 @@ from .cost import TimeModel, forward_cost
 from .margins import HEADROOM, planned_limit
 from .search import CannotBeatError, NothingFitsError, SearchResult, search
 
+# `tightfit plan` plans for a card elsewhere, whose host memory it cannot see: offload is not
+# ruled out by this machine's free memory (the plan's reason says how much pinned memory it needs).
+UNKNOWN_HOST_BYTES = 2**62
+
 _NAMES = {"adamw": "fp32 AdamW state", "adamw8bit": "8-bit AdamW state (bitsandbytes AdamW8bit)",
           "adamw-offload": "AdamW state and fp32 master weights on the CPU (torchao CPUOffloadOptimizer)",
           "adamw8bit-bf16": "bf16 weights, updates stochastically rounded (torchao AdamW8bit), 8-bit AdamW state; "
@@ -195,7 +199,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         estimator_at: ``kind -> (size, effective_batch) -> estimate_fn`` for the nothing-fits
             advice, or None.
         levers: whether ``auto`` may choose the levers (None: those whose library is installed).
-        host_bytes: host memory available for offloaded state (None: :func:`available_host_bytes`).
+        host_bytes: host memory available for offloaded optimizer state and activations (None:
+            :func:`available_host_bytes`; :data:`UNKNOWN_HOST_BYTES` or more: another machine's,
+            not limited).
         options: ``precision``, ``checkpointing``, ``headroom`` of :func:`.search.search`.
 
     Returns:
@@ -212,6 +218,17 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     precision = options.get("precision", "auto")
     check_precision(optimizer, precision, profile)
     started = time.perf_counter()  # the result's seconds: every optimizer's search, not only the winner's
+    have = available_host_bytes() if host_bytes is None else host_bytes
+
+    def activation_host_bytes(kind: str) -> float | None:
+        # pinned host memory left to offloaded activations: 90% of what is available (the rest is the
+        # process's own), less adamw-offload's pinned state; None where the host is not this one
+        if host_bytes is not None and host_bytes >= UNKNOWN_HOST_BYTES:
+            return None
+        state = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad) \
+            if kind == "adamw-offload" else 0
+        return max(0.0, 0.9 * have - state)
+
 
     def run(kind: str, beat: float = 0.0, advise: bool = False) -> SearchResult:
         if optimizer == "auto":  # no trace where the model state alone is over the limit and another fits
@@ -230,7 +247,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         levers_next = optimizer == "auto" and bool(kinds) and not advise
         r = search(model, make_batch, size, effective_batch, profile, budget_bytes, estimator(kind),
                    estimator_at=at, optimizer=kind, beat=beat, lever_estimator=None if levers_next else estimator,
-                   **opts)
+                   host_bytes=activation_host_bytes(kind), **opts)
         return replace(r, best=replace(r.best, optimizer=kind),
                        runners_up=[replace(c, optimizer=kind) for c in r.runners_up])
 
@@ -274,7 +291,6 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             if _several_ranks():  # torchao's CPUOffloadOptimizer offloads one GPU's state
                 continue
             need = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
-            have = available_host_bytes() if host_bytes is None else host_bytes
             if need > 0.9 * have:
                 short[kind] = f"needs {format_bytes(need)} of pinned host memory, {format_bytes(have)} available"
                 failures[kind] = NothingFitsError(short[kind])

@@ -187,6 +187,7 @@ class SearchSpace:
         time_model: predicts samples/s.
         ladders: the per-block choices searched past whole-block recomputation
             (``"selective"``, ``"offload"``; :func:`_choice_ladders`).
+        host_bytes: pinned host memory offloaded activations may hold, bytes (None: not limited).
     """
 
     precisions: list[str]
@@ -200,6 +201,7 @@ class SearchSpace:
     grad_bytes: int
     time_model: TimeModel
     ladders: tuple[str, ...] = ()
+    host_bytes: float | None = None
 
     def is_end(self, k: int) -> bool:
         """Whether ``k`` checkpointed blocks is an end of the range (where lines are traced)."""
@@ -264,7 +266,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
            estimate_fn: EstimateFn, precision: str = "auto", headroom: float = HEADROOM,
            checkpointing: str = "auto", estimator_at=None, per_block: bool = True,
            optimizer: str = "adamw", beat: float = 0.0, lever_estimator=None,
-           _lever_precisions=None) -> SearchResult:
+           host_bytes: float | None = None, _lever_precisions=None) -> SearchResult:
     """Find the fastest plan that fits: :func:`enumerate_candidates`, then :func:`predict`, then
     :func:`rank`.
 
@@ -292,6 +294,9 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             step as the search of it would (:func:`.advice.lever_peaks`, in the precisions searched
             first: a retry of a skipped precision searches it alone, ``_lever_precisions``); None:
             by its savings.
+        host_bytes: pinned host memory the offloaded activations of one micro-batch may hold,
+            bytes (None: not limited, e.g. planning for another machine): an offloading choice
+            gets at most the micro-batch whose offloaded activations fit it.
 
     Raises:
         CannotBeatError: no plan of the space is predicted faster than ``beat`` (:func:`ceiling`; then
@@ -304,7 +309,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     t0 = time.perf_counter()
     estimate_fn = _traced_once(estimate_fn)
     space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
-                         checkpointing, per_block, optimizer)
+                         checkpointing, per_block, optimizer, host_bytes)
     if beat > 0 and ceiling(space) <= beat:  # no plan in the space is predicted faster: none traced
         raise CannotBeatError(f"no plan predicted faster than the {format_rate(beat)} samples/s already found")
     prediction = unconstrained(space, estimate_fn, beat) or \
@@ -316,7 +321,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             return search(model, make_batch, size, effective_batch, profile, budget_bytes, estimate_fn,
                           precision=other, headroom=headroom, checkpointing=checkpointing, estimator_at=estimator_at,
                           per_block=per_block, optimizer=optimizer, beat=beat, lever_estimator=lever_estimator,
-                          _lever_precisions=lever_precisions)
+                          host_bytes=host_bytes, _lever_precisions=lever_precisions)
 
         skipped = [c.precision for c in prediction.evaluated if c.micro_batch is None]
         if skipped:  # the slow precision is needed for memory after all
@@ -369,7 +374,7 @@ def _prefetch(estimate_fn: EstimateFn, keys) -> None:
 
 def search_space(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
                  precision: str = "auto", headroom: float = HEADROOM, checkpointing: str = "auto",
-                 per_block: bool = True, optimizer: str = "adamw") -> SearchSpace:
+                 per_block: bool = True, optimizer: str = "adamw", host_bytes: float | None = None) -> SearchSpace:
     """The :class:`SearchSpace` of a workload on a card (one meta trace of the forward for the
     time model). Arguments as :func:`search`.
 
@@ -385,7 +390,7 @@ def search_space(model, make_batch, size: int, effective_batch: int, profile: De
     ends = checkpoint_ends(checkpointing, n_blocks)
     ladders = ("selective", "offload") if per_block and checkpointing == "auto" and n_blocks else ()
     return SearchSpace(candidate_precisions(profile, precision), ends[0], ends[1], n_blocks, effective_batch,
-                       budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders)
+                       budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders, host_bytes)
 
 
 def checkpoint_ends(checkpointing: str, n_blocks: int) -> tuple[int, int]:
@@ -510,11 +515,15 @@ def _choice_ladders(space: SearchSpace, prec: str, lines: BlockLines, estimate_f
 
 def _ladder_candidates(space: SearchSpace, prec: str, lines: BlockLines, estimate_fn: EstimateFn) -> list[Candidate]:
     """Per ladder of :func:`_choice_ladders` and number of micro-batches, the fastest choice
-    that fits by its memory line (traced exactly in stage 2 when it could win)."""
+    that fits by its memory line (traced exactly in stage 2 when it could win) and, where it
+    offloads, whose offloaded activations fit the host's pinned memory (``space.host_bytes``)."""
     E, tm = space.effective_batch, space.time_model
     best: dict[tuple, Candidate] = {}
     for policies, line in _choice_ladders(space, prec, lines, estimate_fn):
         m = line.largest_fitting(space.limit, E)
+        on_host = sum(p == "offload" for p in policies) * tm.offload_bytes.get(prec, 0.0)  # bytes per sample
+        if on_host and space.host_bytes is not None:  # one micro-batch's offloaded activations at a time
+            m = min(m, int(space.host_bytes // on_host))
         if m == 0:
             continue
         steps = accumulation_steps(E, m)
@@ -769,11 +778,16 @@ def _key(c: Candidate) -> tuple:
 
 
 def _overheads(space: SearchSpace, c: Candidate) -> str:
-    """``"; per step: recomputation 12 ms, host transfers 3 ms"`` (the parts paid, predicted)."""
-    _, recompute, transfer = space.time_model.step_parts(c.precision, c.micro_batch, space.effective_batch,
-                                                         len(c.checkpoint_blocks), c.block_policies)
+    """``"; per step: recomputation 12 ms, host transfers 3 ms (1.50 GiB of pinned host memory)"``
+    (the parts paid, predicted; the pinned memory: one micro-batch's offloaded activations)."""
+    tm = space.time_model
+    _, recompute, transfer = tm.step_parts(c.precision, c.micro_batch, space.effective_batch,
+                                           len(c.checkpoint_blocks), c.block_policies)
     parts = [f"{name} {t * 1e3:.0f} ms" for name, t in (("recomputation", recompute), ("host transfers", transfer))
              if t > 0]
+    pinned = sum(p == "offload" for p in c.block_policies or ()) * c.micro_batch * tm.offload_bytes.get(c.precision, 0.0)
+    if pinned and parts:
+        parts[-1] += f" ({format_bytes(pinned)} of pinned host memory)"
     return f"; per step: {', '.join(parts)}" if parts else ""
 
 
