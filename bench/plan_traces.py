@@ -12,6 +12,7 @@ Usage (repository root, any machine): ``python bench/plan_traces.py OUT.json [WO
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-import tightfit.memory.estimate as estimate_module  # noqa: E402
+estimate_module = importlib.import_module("tightfit.memory.estimate")  # the package's name is the function
 from plan_time import workloads  # noqa: E402
 
 _calls = [0]

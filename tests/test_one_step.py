@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -135,3 +137,14 @@ def test_probe_and_runtime_run_the_plans_precision(make_workload, monkeypatch, p
 
     want = (torch.float16 if precision == "fp16" else False, precision == "fp16")
     assert {seen(c) for cs in calls.values() for c in cs} == {want}
+
+
+def test_the_documented_estimator_names_are_the_function_and_its_result():
+    """docs/memory-estimator.md: ``tightfit.memory.estimate(model, example_batch, plan, ...)``; the
+    lazy package attribute had recursed (its submodule has the same name)."""
+    code = ("import tightfit.memory as m; from tightfit.memory import estimate, MemoryEstimate; "
+            "import tightfit.memory.estimate as again; "
+            "assert callable(estimate) and estimate is m.estimate is again and isinstance(MemoryEstimate, type); "
+            "assert estimate.__module__ == 'tightfit.memory.estimate'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

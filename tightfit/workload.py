@@ -174,11 +174,13 @@ class DatasetBatches:
             self._largest = max(range(0, len(self), step), key=lambda i: _sample_size(self.dataset[i]))
         return self.collate([self._largest] * n)
 
-    def check(self) -> None:
-        """Collate the first sample and check that it gives a dict of tensors.
+    def check(self, check_batch: Callable[[dict], None] | None = None) -> None:
+        """Collate the first sample and check that it gives a dict of tensors, then pass that
+        batch to ``check_batch`` (e.g. a task's label check; None: none).
 
         Raises:
-            TightfitError: it does not (one line saying what it gave).
+            TightfitError: it does not (one line saying what it gave); whatever ``check_batch``
+                raises.
         """
         if len(self) == 0:
             return
@@ -189,22 +191,31 @@ class DatasetBatches:
             raise TightfitError(f"the collate function must give a dict of tensors keyed by the model's inputs and "
                                 f"'labels' (got {got}); for tuple samples use collate_as('input_ids', 'labels') or "
                                 f"collate_as('pixel_values', 'labels')")
+        if check_batch is not None:
+            check_batch(batch)
 
 
-def as_batches(data, collate_fn: Callable[[list], dict] | None = None):
+def as_batches(data, collate_fn: Callable[[list], dict] | None = None,
+               check_batch: Callable[[dict], None] | None = None):
     """``data`` itself if it collates index lists (``collate`` and ``worst_case``, e.g.
     :class:`TextBatches`) and no ``collate_fn`` is given; otherwise a checked
-    :class:`DatasetBatches` of it; None stays None.
+    :class:`DatasetBatches` of it (:meth:`DatasetBatches.check` with ``check_batch``, which a
+    :class:`DatasetBatches` given as such gets too); None stays None.
 
     Raises:
-        TightfitError: the collate function does not give a dict of tensors.
+        TightfitError: the collate function does not give a dict of tensors; whatever
+            ``check_batch`` raises.
     """
-    if data is None or isinstance(data, DatasetBatches):
+    if data is None:
+        return data
+    if isinstance(data, DatasetBatches):
+        if check_batch is not None:
+            data.check(check_batch)
         return data
     if collate_fn is None and hasattr(data, "collate") and hasattr(data, "worst_case"):
         return data
     batches = DatasetBatches(data, collate_fn)
-    batches.check()
+    batches.check(check_batch)
     return batches
 
 
@@ -250,12 +261,9 @@ class Workload:
             self.loss_sum = self.task.loss_sum
         if self.count is None:
             self.count = self.task.count
-        self.train = as_batches(self.train, self.collate_fn)
-        self.eval = as_batches(self.eval, self.collate_fn)
-        # the task's own loss: the labels of a dataset given as such (checked, as DatasetBatches.check
-        # collates its first sample already); tightfit's own batches, and those that collate index
+        # the task's own loss: the labels of a dataset given as such are checked on the first sample
+        # that DatasetBatches.check collates; tightfit's own batches, and those that collate index
         # lists themselves, are not collated here
-        check = getattr(self.task, "check_batch", None)
-        if check is not None and self.loss_sum == self.task.loss_sum and isinstance(self.train, DatasetBatches) \
-                and len(self.train):
-            check(self.train.collate([0]))
+        check = getattr(self.task, "check_batch", None) if self.loss_sum == self.task.loss_sum else None
+        self.train = as_batches(self.train, self.collate_fn, check)
+        self.eval = as_batches(self.eval, self.collate_fn)

@@ -13,9 +13,12 @@
 
 def __getattr__(name):  # lazy: importing this package needs no estimator
     if name in ("MemoryEstimate", "estimate"):
-        from . import estimate as _e
+        import importlib
 
-        return getattr(_e, name)
-    raise AttributeError(name)
+        module = importlib.import_module(f"{__name__}.estimate")
+        # importing the submodule binds its name here to the module: the documented name is the function
+        globals().update(estimate=module.estimate, MemoryEstimate=module.MemoryEstimate)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["MemoryEstimate", "estimate"]
