@@ -367,7 +367,11 @@ class TrainStep:
     the same effective batch, the RNG states and buffers (BatchNorm's running statistics, up to
     :data:`tightfit.step.BUFFER_SNAPSHOT_BYTES`) restored, so the losses, weights and buffers are those of a run
     that had used the smaller micro-batch from the start -- and the micro-batch grows back after
-    ``grow_back_after`` clean steps. The model is in train mode during the call and its modules get
+    ``grow_back_after`` clean steps. Any other error in a call (a bad label, your loss raising)
+    propagates after the attempt is undone in the same way (gradients dropped, RNG states and
+    buffers restored), so a loop that catches it and skips the batch goes on as if it had not been
+    given; an error from inside your optimizer's step after it wrote part of the update leaves
+    that part written. The model is in train mode during the call and its modules get
     their own modes back after: a model in eval mode (as ``from_pretrained`` returns it) trains with
     every module in train mode (dropout on); a model in train mode keeps the modes you gave its parts
     (a backbone in eval mode keeps its BatchNorm statistics frozen, :func:`tightfit.step.training_modes`).
@@ -401,7 +405,10 @@ class TrainStep:
             positive and finite (an int beyond a float's range is not); the model's
             parameters are not on ``plan.device``; a CUDA plan without a visible CUDA GPU; an fp16/bf16
             plan on the CPU. (From a call) a malformed or empty batch, or one of more samples than
-            the plan's effective batch; out of memory at a micro-batch of 1.
+            the plan's effective batch, or one that would leave the model's BatchNorm layers a
+            one-sample micro-batch; out of memory at a micro-batch of 1. (At construction) an
+            ``optimizer`` that is not one or updates none of the model's trainable parameters, a
+            ``loss`` that is not callable.
         NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
         PartialUpdateError: out of memory inside an optimizer step that had already written part of
             the update (not possible with fused AdamW).
@@ -432,6 +439,10 @@ class TrainStep:
             check_option(TrainOptions, name, value, called=name)
         self.device = _check_device(plan, model)
         check_adapters(plan.trainable, model)
+        if loss is not None and not callable(loss):
+            raise TightfitError(f"TrainStep: loss must be a function (model, batch) -> 0-d mean loss, got {type(loss).__name__}")
+        if optimizer is not None:
+            _check_optimizer(optimizer, model)
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
         self.model = model
@@ -464,6 +475,14 @@ class TrainStep:
             raise TightfitError(f"a batch of {b.size} samples is more than the plan's effective batch of "
                                 f"{self.plan.effective_batch}: give each step at most {self.plan.effective_batch} "
                                 f"samples (the loader's batch_size), or plan(effective_batch={b.size})")
+        if b.size % self.micro_batch == 1 or b.size == 1:  # a one-sample micro-batch: BatchNorm cannot train on it
+            from .runtime.trainer import batchnorm_sees_one_sample
+
+            why = batchnorm_sees_one_sample(self.model, b.size, b.size, self.micro_batch, 1,
+                                            fix="give the step batches that leave no one-sample micro-batch (e.g. "
+                                                "drop_last=True on the loader), or put BatchNorm in eval mode")
+            if why:
+                raise TightfitError(f"a batch of {b.size} samples: {why}")
         recoveries = self.oom_recoveries
         with train_mode(self.model):  # dropout on; a train-mode model's eval-mode parts stay in eval mode
             result = self._step_with_recovery(b)
@@ -480,9 +499,9 @@ class TrainStep:
         as the failed attempt found them."""
         from .levers.precision import autocast
         from .memory.oom import is_oom, release_memory
-        from .rng import capture_rng, restore_rng
+        from .rng import capture_rng
         from .runtime.trainer import PartialUpdateError
-        from .step import buffer_snapshot, changed_since, in_place_versions, restore_buffers
+        from .step import buffer_snapshot, changed_since, in_place_versions
         from .levers.optimizers import hold_gradients
         from .step import training_step
 
@@ -501,23 +520,35 @@ class TrainStep:
                                        self.max_grad_norm)
                 self._used_micro_batch = self.micro_batch
                 return result
-            except Exception as e:  # only OOMs are handled; anything else propagates unchanged
+            except Exception as e:  # OOMs are redone; anything else propagates, the attempt undone
+                written = before is not None and changed_since(self.optimizer, before)
                 if not is_oom(e):
+                    self._undo_attempt(had_state, written, rng, buffers)  # a caller that skips the batch goes on clean
                     raise
                 where = type(e).__name__
-            if before is not None and changed_since(self.optimizer, before):
+            if written:
                 raise PartialUpdateError(f"out of memory inside the optimizer step of step {self.steps + 1} after it had "
                                          "updated part of the parameters or their state; redoing it would apply that "
                                          "part twice (use fused AdamW, the plan's optimizer, to rule this out)")
+            # outside the except block: the traceback and the tensors its frames held are gone
+            self._undo_attempt(had_state, written, rng, buffers)
+            release_memory()
+            self._on_oom(where, b.size)
+
+    def _undo_attempt(self, had_state: set, written: bool, rng, buffers) -> None:
+        """Undo a failed attempt at a step: its gradients, the loss scaler's step, the RNG states
+        and the model's buffers as the attempt found them, and (unless the optimizer had written
+        part of an update, ``written``) the optimizer state it allocated."""
+        from .rng import restore_rng
+        from .step import restore_buffers
+
+        if not written:
             for p in [p for p in self.optimizer.state if p not in had_state]:
                 del self.optimizer.state[p]  # state the failed attempt allocated but never wrote
-            # outside the except block: the traceback and the tensors its frames held are gone
-            self.optimizer.zero_grad(set_to_none=True)
-            self._reset_scaler_step()
-            release_memory()
-            restore_rng(rng)
-            restore_buffers(buffers)
-            self._on_oom(where, b.size)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_scaler_step()
+        restore_rng(rng)
+        restore_buffers(buffers)
 
     def _micro_batches(self, d: dict, n: int):
         """The micro-batches of ``d`` on the plan's device, made one at a time (each dropped before the next)."""
@@ -606,6 +637,24 @@ class TrainStep:
     def _event(self, message: str, level: int = logging.INFO) -> None:
         self.events.append(message)
         log.log(level, "tightfit: %s", message)
+
+
+def _check_optimizer(optimizer, model: torch.nn.Module) -> None:
+    """Refuse an optimizer that is not one (no ``param_groups``) or updates none of ``model``'s
+    trainable parameters (e.g. one built over another model object): every step would report a
+    step and change nothing.
+
+    Raises:
+        TightfitError: either case, in one line.
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not callable(getattr(optimizer, "step", None)):
+        raise TightfitError(f"TrainStep(plan, model, optimizer): optimizer must be a torch.optim.Optimizer over the "
+                            f"model's parameters (or None: the plan's), got {type(optimizer).__name__}")
+    mine = {id(p) for p in model.parameters() if p.requires_grad}
+    if mine and not any(id(p) in mine for g in groups for p in g.get("params", ())):
+        raise TightfitError("TrainStep: the optimizer updates none of the model's trainable parameters (was it built "
+                            "over another model object?)")
 
 
 def _check_device(plan: Plan, model: torch.nn.Module) -> torch.device:

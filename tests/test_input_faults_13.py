@@ -1,0 +1,78 @@
+"""Faults a careful user of the Python API finds (session 37): a TrainStep call that fails for
+another reason than memory is undone before the error propagates, BatchNorm's one-sample
+micro-batch is refused before any work, and an optimizer or loss that cannot work is refused
+when the step is made."""
+
+import pytest
+import torch
+
+from tightfit import TrainStep
+from tightfit.errors import TightfitError
+from tightfit.plan import Plan
+
+
+def _bn_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.2),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _data(n=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def test_a_step_that_fails_mid_window_is_undone_so_a_loop_that_skips_the_batch_goes_on_clean():
+    """A bad label in the second micro-batch: the first one's gradient, BatchNorm statistics and
+    random numbers had stayed, and the next step applied them on top of its own."""
+    x, y = _data()
+    bad = y.clone()
+    bad[20] = 7  # no such class: cross-entropy raises in the second micro-batch of 16
+
+    def run(with_failure: bool):
+        m = _bn_model()
+        s = TrainStep(Plan("fp32", 16, 32), m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), loss=_loss)
+        torch.manual_seed(5)  # dropout's stream
+        if with_failure:
+            with pytest.raises(IndexError):
+                s((x, bad))
+            assert all(p.grad is None for p in m.parameters())
+        outs = [s((x, y)).loss for _ in range(2)]
+        return outs, [p.detach().clone() for p in m.parameters()], m[1].running_mean.clone(), \
+            int(m[1].num_batches_tracked)
+
+    clean, failed = run(False), run(True)
+    assert clean[0] == failed[0]
+    assert all(torch.equal(a, b) for a, b in zip(clean[1], failed[1]))
+    assert torch.equal(clean[2], failed[2]) and clean[3] == failed[3] == 4
+
+
+def test_a_batch_that_leaves_batchnorm_one_sample_is_refused_before_any_work():
+    m = _bn_model()
+    s = TrainStep(Plan("fp32", 16, 32), m, torch.optim.SGD(m.parameters(), lr=0.1), loss=_loss)
+    before = [p.detach().clone() for p in m.parameters()]
+    x, y = _data(17)  # an epoch's last batch of 17: 16 + 1
+    with pytest.raises(TightfitError, match=r"a batch of 17 samples: the model's BatchNorm layers cannot train on a "
+                                            r"micro-batch of 1 sample.*16\+1.*drop_last=True"):
+        s((x, y))
+    assert int(m[1].num_batches_tracked) == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    s(_data(18))  # 16 + 2 trains
+    m[1].eval()  # BatchNorm frozen by the caller (a train-mode model keeps its parts' modes)
+    s(_data(17))
+
+
+def test_an_optimizer_that_is_none_or_over_another_model_and_a_loss_that_is_none_are_refused():
+    m, other = _bn_model(), _bn_model(1)
+    plan = Plan("fp32", 16, 32)
+    with pytest.raises(TightfitError, match="optimizer must be a torch.optim.Optimizer over the model's parameters"):
+        TrainStep(plan, m, "adamw", loss=_loss)
+    with pytest.raises(TightfitError, match="the optimizer updates none of the model's trainable parameters"):
+        TrainStep(plan, m, torch.optim.AdamW(other.parameters()), loss=_loss)
+    with pytest.raises(TightfitError, match="loss must be a function"):
+        TrainStep(plan, m, torch.optim.AdamW(m.parameters()), loss="x")
+    TrainStep(plan, m, torch.optim.AdamW(m[4].parameters()), loss=_loss)  # a part of the model: yours to choose
