@@ -76,3 +76,27 @@ def test_an_optimizer_that_is_none_or_over_another_model_and_a_loss_that_is_none
     with pytest.raises(TightfitError, match="loss must be a function"):
         TrainStep(plan, m, torch.optim.AdamW(m.parameters()), loss="x")
     TrainStep(plan, m, torch.optim.AdamW(m[4].parameters()), loss=_loss)  # a part of the model: yours to choose
+
+
+def test_plan_and_train_refuse_checkpointing_on_for_a_model_with_nothing_to_checkpoint(tmp_path, capsys):
+    """`tightfit plan --checkpointing on` printed "checkpointing 0 of 0 blocks" for a model that
+    has no repeated blocks (ALBERT shares one layer), where `estimate` and `tightfit.plan` refuse."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification, BertTokenizerFast
+
+    from tightfit.cli import main
+
+    folder = tmp_path / "albert"
+    AlbertForSequenceClassification(AlbertConfig(
+        vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, num_labels=2)).save_pretrained(folder)
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad"]) + "\n")
+    BertTokenizerFast(vocab=str(tmp_path / "vocab.txt")).save_pretrained(folder)
+    (tmp_path / "data.csv").write_text("text,label\n" + "good,pos\nbad,neg\n" * 12)
+    for command in (["plan", "--model", str(folder), "--seq-len", "32", "--batch-size", "8", "--gpu", "t4"],
+                    ["train", "--model", str(folder), "--data", str(tmp_path / "data.csv"), "--seq-len", "32",
+                     "--batch-size", "8", "--device", "cpu",
+                     "--train-samples", "16", "--out", str(tmp_path / "run")]):
+        assert main(command + ["--checkpointing", "on"]) == 2
+        err = capsys.readouterr().err
+        assert "--checkpointing on: AlbertForSequenceClassification has no repeated blocks to checkpoint" in err, err
+    assert not (tmp_path / "run").exists()

@@ -35,6 +35,7 @@ from .data import TextClassificationData, check_split, held_out_split, load_defa
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
 from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, unwritable_folder
+from .levers.checkpointing import check_checkpointing
 from .levers.layout import use_channels_last
 from .report.summary import RunInfo, RunSummary
 from .rng import seed_everything
@@ -195,6 +196,7 @@ class TrainRecipe:
         self._check_run_folder()
         self._split_data()
         self._load_model()
+        check_checkpointing(self.model, self.req.planning.checkpointing)
         self._check_batchnorm()
         self._announce()
         self._plan()

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .errors import TightfitError
+from .levers.checkpointing import check_checkpointing
 from .masks import hf_model, with_prepared_mask
 from .plan import Plan, accumulation_steps
 
@@ -230,21 +231,6 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
         restore_rng(rng)  # the probe draws no dropout mask the run would have drawn
 
 
-def _check_checkpointing(model: torch.nn.Module, checkpointing: str) -> None:
-    """``checkpointing="on"`` needs something to checkpoint; refused here, before any probe, on the
-    CPU and the GPU alike (the GPU's probe and :class:`TrainStep` would fail with a ValueError).
-
-    Raises:
-        TightfitError: ``"on"`` for a model without repeated blocks or Hugging Face's hook.
-    """
-    from .levers.checkpointing import can_checkpoint
-
-    if checkpointing == "on" and not can_checkpoint(model):
-        raise TightfitError(f"checkpointing='on': {type(model).__name__} has no repeated blocks to checkpoint "
-                            "(children of an nn.ModuleList or nn.Sequential of one class) and no Hugging Face "
-                            "gradient checkpointing; use checkpointing='off' or 'auto'")
-
-
 def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = None, budget: str | int | None = None,
          *, loss: LossFn | None = None, gpu: str | None = None, precision: str = "auto",
          checkpointing: str = "auto", device: str = "auto") -> Plan:
@@ -305,7 +291,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         if budget is not None:
             budget = f"{parse_size(budget)}B"  # bytes as text with its unit, as the command line would take it
         options = PlanOptions(budget=budget, gpu=gpu, precision=precision, checkpointing=checkpointing, device=device)
-        _check_checkpointing(model, checkpointing)
+        check_checkpointing(model, checkpointing)
         dev, profile, budget_bytes, notes = resolve_device(options)
         notes = [as_arguments(n) for n in notes]
         workload = Workload(model, _SampleBatches(b), None, E, loss_sum=_loss_sum(b, loss),

@@ -74,6 +74,24 @@ def can_checkpoint(model: torch.nn.Module) -> bool:
     return bool(find_blocks(model)) or bool(getattr(model, "supports_gradient_checkpointing", False))
 
 
+def check_checkpointing(model: torch.nn.Module, checkpointing: str) -> None:
+    """``checkpointing="on"`` needs something to checkpoint: refused before any planning or probe
+    (the search would plan "every block" of none, and a probe or step fail with a ValueError).
+    The message names the command line's option (:func:`tightfit.loop.as_arguments` says it as
+    the Python argument).
+
+    Raises:
+        TightfitError: ``"on"`` for a model without repeated blocks or Hugging Face's hook
+            (:func:`can_checkpoint`).
+    """
+    if checkpointing == "on" and not can_checkpoint(model):
+        from ..errors import TightfitError
+
+        raise TightfitError(f"--checkpointing on: {type(model).__name__} has no repeated blocks to checkpoint (children "
+                            "of an nn.ModuleList or nn.Sequential of one class) and no Hugging Face gradient "
+                            "checkpointing; use --checkpointing off or auto")
+
+
 def hf_hook_active(model: torch.nn.Module) -> bool:
     """Whether the model's own Hugging Face checkpointing hook is on."""
     return bool(getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False))

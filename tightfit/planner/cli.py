@@ -38,6 +38,7 @@ def run(args) -> int:
         TightfitError: bad arguments, a budget below the model state, a model that cannot be
             traced at the size asked, or nothing fits.
     """
+    from ..levers.checkpointing import check_checkpointing
     from ..models import build_model
     from .advice import check_model_state
     from .optimizers import UNKNOWN_HOST_BYTES, search_optimizers
@@ -75,6 +76,7 @@ def run(args) -> int:
         return lambda other_size, effective_batch: estimator_for(model, make_batch, other_size, profile,
                                                                  effective_batch, optimizer=kind)
 
+    check_checkpointing(model, args.checkpointing)
     try:  # planning for a card elsewhere: the levers are searched whether or not their libraries are here
         check_model_state(model, budget, args.optimizer, True, profile.host_link_bytes_per_s, profile=profile,
                           estimator=estimator, precision=args.precision, checkpointing=args.checkpointing)
