@@ -3,6 +3,8 @@ another reason than memory is undone before the error propagates, BatchNorm's on
 micro-batch is refused before any work, and an optimizer or loss that cannot work is refused
 when the step is made."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -52,20 +54,53 @@ def test_a_step_that_fails_mid_window_is_undone_so_a_loop_that_skips_the_batch_g
     assert torch.equal(clean[2], failed[2]) and clean[3] == failed[3] == 4
 
 
-def test_a_batch_that_leaves_batchnorm_one_sample_is_refused_before_any_work():
+def test_a_one_sample_micro_batch_that_batchnorm_cannot_train_on_is_said_and_undone():
     m = _bn_model()
     s = TrainStep(Plan("fp32", 16, 32), m, torch.optim.SGD(m.parameters(), lr=0.1), loss=_loss)
     before = [p.detach().clone() for p in m.parameters()]
     x, y = _data(17)  # an epoch's last batch of 17: 16 + 1
-    with pytest.raises(TightfitError, match=r"a batch of 17 samples: the model's BatchNorm layers cannot train on a "
-                                            r"micro-batch of 1 sample.*16\+1.*drop_last=True"):
+    with pytest.raises(TightfitError, match=r"a batch of 17 samples, split as 16\+1, gives the model's BatchNorm "
+                                            r"layers a micro-batch of 1 sample.*drop_last=True"):
         s((x, y))
     assert int(m[1].num_batches_tracked) == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    assert all(p.grad is None for p in m.parameters())
     s(_data(18))  # 16 + 2 trains
     m[1].eval()  # BatchNorm frozen by the caller (a train-mode model keeps its parts' modes)
     s(_data(17))
 
 
+def _conv_bn(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+
+
+def test_batchnorm_over_feature_maps_trains_on_one_sample_in_the_step_and_the_trainer():
+    """BatchNorm2d normalises one image over its H x W values: an epoch's last batch of 17 at
+    micro-batch 16 trains (the one-sample refusal had counted every BatchNorm layer)."""
+    from torch.utils.data import TensorDataset
+
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import Workload, collate_as
+
+    m = _conv_bn()
+    s = TrainStep(Plan("fp32", 16, 32), m, torch.optim.SGD(m.parameters(), lr=0.1),
+                  loss=lambda mm, b: torch.nn.functional.cross_entropy(mm(b[0]), b[1]))
+    assert s((torch.randn(17, 3, 8, 8), torch.randint(0, 3, (17,)))).accumulation_steps == 2
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(30, 3, 8, 8, generator=g), torch.randint(0, 3, (30,), generator=g))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _conv_bn()
+
+        def forward(self, pixel_values, labels=None):
+            return SimpleNamespace(logits=self.net(pixel_values))
+
+    w = Workload(Net(), data, None, 10, task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
+    assert Trainer(w, Plan("fp32", 3, 10), TrainConfig(epochs=1), progress=False).fit().steps == 3  # 3+3+3+1
 def test_an_optimizer_that_is_none_or_over_another_model_and_a_loss_that_is_none_are_refused():
     m, other = _bn_model(), _bn_model(1)
     plan = Plan("fp32", 16, 32)

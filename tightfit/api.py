@@ -376,7 +376,8 @@ class TrainRecipe:
         E = self.workload.effective_batch
         one = None if self.world.distributed else batchnorm_sees_one_sample(
             self.model, len(self.train_data), E, E, self._run_steps(E),
-            fix=f"choose another {option_name('batch_size')} (or drop a sample)")
+            fix=f"choose another {option_name('batch_size')} (or drop a sample)",
+            forward=lambda: self.workload.loss_sum(self.model, self.workload.train.collate([0])))
         if one:
             raise TightfitError(one)
 

@@ -391,8 +391,9 @@ class TrainStep:
             positive and finite (an int beyond a float's range is not); the model's
             parameters are not on ``plan.device``; a CUDA plan without a visible CUDA GPU; an fp16/bf16
             plan on the CPU. (From a call) a malformed or empty batch, or one of more samples than
-            the plan's effective batch, or one that would leave the model's BatchNorm layers a
-            one-sample micro-batch; out of memory at a micro-batch of 1. (At construction) an
+            the plan's effective batch, or one whose one-sample micro-batch the model's BatchNorm
+            layers cannot train on (raised after the attempt is undone); out of memory at a
+            micro-batch of 1. (At construction) an
             ``optimizer`` that is not one or updates none of the model's trainable parameters, a
             ``loss`` that is not callable.
         NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
@@ -461,14 +462,6 @@ class TrainStep:
             raise TightfitError(f"a batch of {b.size} samples is more than the plan's effective batch of "
                                 f"{self.plan.effective_batch}: give each step at most {self.plan.effective_batch} "
                                 f"samples (the loader's batch_size), or plan(effective_batch={b.size})")
-        if b.size % self.micro_batch == 1 or b.size == 1:  # a one-sample micro-batch: BatchNorm cannot train on it
-            from .runtime.trainer import batchnorm_sees_one_sample
-
-            why = batchnorm_sees_one_sample(self.model, b.size, b.size, self.micro_batch, 1,
-                                            fix="give the step batches that leave no one-sample micro-batch (e.g. "
-                                                "drop_last=True on the loader), or put BatchNorm in eval mode")
-            if why:
-                raise TightfitError(f"a batch of {b.size} samples: {why}")
         recoveries = self.oom_recoveries
         with train_mode(self.model):  # dropout on; a train-mode model's eval-mode parts stay in eval mode
             result = self._step_with_recovery(b)
@@ -510,6 +503,14 @@ class TrainStep:
                 written = before is not None and changed_since(self.optimizer, before)
                 if not is_oom(e):
                     self._undo_attempt(had_state, written, rng, buffers)  # a caller that skips the batch goes on clean
+                    if isinstance(e, ValueError) and "Expected more than 1 value per channel" in str(e):
+                        from .runtime.trainer import describe_split
+
+                        raise TightfitError(
+                            f"a batch of {b.size} samples, split as {describe_split(b.size, self.micro_batch)}, gives "
+                            "the model's BatchNorm layers a micro-batch of 1 sample, which they cannot train on; give "
+                            "the step batches that leave no one-sample micro-batch (e.g. drop_last=True on the "
+                            "loader), or put BatchNorm in eval mode") from e
                     raise
                 where = type(e).__name__
             if written:

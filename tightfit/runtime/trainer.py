@@ -177,27 +177,62 @@ def steps_per_epoch(n: int, effective_batch: int) -> int:
 
 def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: int, micro_batch: int,
                               steps: int, fix: str = "choose another effective batch (or micro-batch), or put "
-                                                     "BatchNorm in eval mode") -> str | None:
+                                                     "BatchNorm in eval mode", forward=None) -> str | None:
     """Why ``steps`` optimizer steps over ``n`` training samples would give the model's BatchNorm
-    layers a micro-batch of one sample (None: they would not). BatchNorm in train mode cannot
-    normalise one sample (``ValueError: Expected more than 1 value per channel when training``): a
-    window split as 4+4+1, or an epoch's last window of one sample (when the run gets there), would
-    stop the run there. Counted are BatchNorm layers in train mode, and all of them in a model in
-    eval mode (the runtime trains such a model in train mode). ``fix``: what the message advises."""
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    if not any(m.training or not model.training for m in norms):
+    layers a micro-batch of one sample they cannot train on (None: they would not). BatchNorm in
+    train mode cannot normalise a single value per channel (``ValueError: Expected more than 1
+    value per channel when training``): with one sample, a layer over ``[1, C]`` features, or over
+    feature maps pooled to 1 x 1; a window split as 4+4+1, or an epoch's last window of one sample
+    (when the run gets there), would stop the run there. ``forward``: runs the model on one
+    sample (:func:`starves_batchnorm`: only a layer that then sees one value per channel counts;
+    ResNet-50 at 224 pixels normalises one image over 7 x 7 values and trains); None, or a forward
+    that fails: every BatchNorm layer in train mode counts, and all of them in a model in eval
+    mode (the runtime trains such a model in train mode). ``fix``: what the message advises."""
+    from ..step import training_modes
+
+    norms = [m for m, training in training_modes(model) if training and isinstance(m, _BATCH_NORMS)]
+    if not norms:
         return None
     full, last = divmod(n, effective_batch)
     reached_last = last and steps > full  # the epoch's last (short) window is step full + 1
     for window in ([effective_batch] if full else []) + ([last] if reached_last else []):
         sizes = micro_batch_sizes(window, micro_batch)
         if 1 in sizes:
+            if forward is not None and not starves_batchnorm(model, norms, forward):
+                return None
             where = (f"the last window of each epoch holds 1 sample ({n} training samples, effective batch "
                      f"{effective_batch})" if window == 1 else
                      f"micro-batch {micro_batch} splits {'each' if window == effective_batch else 'the last'} "
                      f"window of {window} samples as {'+'.join(map(str, sizes))}")
             return f"the model's BatchNorm layers cannot train on a micro-batch of 1 sample, and {where}; {fix}"
     return None
+
+
+_BATCH_NORMS = (torch.nn.modules.batchnorm._BatchNorm,)
+
+
+def starves_batchnorm(model: torch.nn.Module, norms: list, forward) -> bool:
+    """Whether ``forward()`` (the model on one sample) gives one of ``norms`` (BatchNorm layers
+    that train) a single value per channel (``input.numel() / channels``), which training
+    refuses. The forward runs under ``no_grad`` with every module in eval mode (no running
+    statistics updated; the shapes are those of training), the modes given back after; a
+    forward that fails answers True (cannot tell: every layer counts)."""
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[0].numel() // max(1, args[0].shape[1])))
+             for m in norms]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            forward()
+    except Exception:  # noqa: BLE001 - an unusual batch or model: the cautious answer
+        return True
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in modes:
+            m.training = mode
+    return any(values <= 1 for values in seen)
 
 
 def micro_batch_sizes(window_size: int, micro_batch: int) -> list[int]:
@@ -278,6 +313,18 @@ class Trainer:
         self._user_use_cache = getattr(getattr(self.model, "config", None), "use_cache", None)
         set_activation_checkpointing(self.model, plan.activation_checkpointing, plan.checkpoint_blocks,
                                      plan.block_policies)
+        self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
+        total = math.ceil(config.epochs * self.steps_per_epoch)
+        self.total_steps = min(total, config.max_steps) if config.max_steps else total
+        def one_sample():  # before compilation: one eager forward, as the step runs it
+            with autocast(plan.precision, self.device.type):
+                workload.loss_sum(self.model, {k: v.to(self.device) for k, v in workload.train.collate([0]).items()})
+
+        one = None if self.world.distributed else batchnorm_sees_one_sample(
+            self.model, len(workload.train), workload.effective_batch, plan.micro_batch, self.total_steps,
+            forward=one_sample)
+        if one:
+            raise TightfitError(one)
         if plan.compile:
             why = compile_unavailable(self.device.type)
             if why:
@@ -299,13 +346,6 @@ class Trainer:
             raise TightfitError(f"the runtime trains with AdamW; got optimizer {plan.optimizer!r}")
         self.optimizer = make_optimizer(params, plan.optimizer, self.device.type, config.lr, config.weight_decay,
                                         accumulating=plan.accumulation_steps > 1)
-        self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
-        total = math.ceil(config.epochs * self.steps_per_epoch)
-        self.total_steps = min(total, config.max_steps) if config.max_steps else total
-        one = None if self.world.distributed else batchnorm_sees_one_sample(
-            self.model, len(workload.train), workload.effective_batch, plan.micro_batch, self.total_steps)
-        if one:
-            raise TightfitError(one)
         if config.max_steps and config.max_steps > total:  # said once, where it was asked for
             warnings.warn(f"max_steps={config.max_steps} is more than the {total} optimizer steps of "
                           f"{config.epochs:g} epoch(s): training {total} (raise epochs for more)", stacklevel=2)
