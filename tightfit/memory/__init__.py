@@ -11,14 +11,31 @@
   at another micro-batch from such events where that is proven to give what a trace would.
 """
 
+import sys as _sys
+import types as _types
+
+
+class _Package(_types.ModuleType):
+    """This package: its ``estimate`` is the function (as documented), not the submodule of that
+    name, which the import system binds here whenever the submodule is imported."""
+
+    def __setattr__(self, name, value):
+        if name == "estimate" and isinstance(value, _types.ModuleType):
+            return  # the submodule stays reachable as sys.modules["tightfit.memory.estimate"]
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
+
 def __getattr__(name):  # lazy: importing this package needs no estimator
     if name in ("MemoryEstimate", "estimate"):
         import importlib
 
         module = importlib.import_module(f"{__name__}.estimate")
-        # importing the submodule binds its name here to the module: the documented name is the function
         globals().update(estimate=module.estimate, MemoryEstimate=module.MemoryEstimate)
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["MemoryEstimate", "estimate"]
