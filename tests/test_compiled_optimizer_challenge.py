@@ -54,9 +54,10 @@ def test_an_optimizer_with_weights_of_another_dtype_is_not_timed_with_the_compil
 def test_a_runner_up_that_fails_compiled_keeps_the_compiled_plan(monkeypatch):
     outcome, timed = _outcome(monkeypatch, "adamw8bit", "adamw", other_raises=True)
     assert outcome.variant is not None and outcome.variant.optimizer is None
-    assert math.isclose(outcome.variant.samples_per_s, 752.0)
+    assert math.isclose(outcome.variant.samples_per_s, 750.0)  # its own optimizer's timing beside the failure
     line = outcome.notes[-1]
-    assert "adamw failed with the compiled plan (RuntimeError: mat1 and mat2" in line and line.endswith("adamw8bit kept"), line
+    assert "the runner-up optimizer adamw timed with the compiled plan: failed (RuntimeError: mat1 and mat2" in line \
+        and line.endswith("adamw8bit kept"), line
     assert not any("torch.compile failed" in n for n in outcome.notes), outcome.notes
 
 

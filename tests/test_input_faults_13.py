@@ -135,3 +135,22 @@ def test_plan_and_train_refuse_checkpointing_on_for_a_model_with_nothing_to_chec
         err = capsys.readouterr().err
         assert "--checkpointing on: AlbertForSequenceClassification has no repeated blocks to checkpoint" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_error_after_a_fused_optimizers_step_keeps_the_state_that_step_wrote():
+    """A step post-hook raising after fused AdamW wrote the update: the moments and step count
+    it wrote stay beside the weights it changed (review: they had been deleted)."""
+    m = _bn_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)  # no snapshot taken: the step's writes are not seen
+    raised = []
+
+    def once(optimizer, args, kwargs):
+        if not raised:
+            raised.append(1)
+            raise RuntimeError("a hook of yours")
+
+    opt.register_step_post_hook(once)
+    s = TrainStep(Plan("fp32", 16, 32), m, opt, loss=_loss)
+    with pytest.raises(RuntimeError, match="a hook of yours"):
+        s(_data())
+    assert len(opt.state) == len(list(m.parameters())) and all(int(st["step"]) == 1 for st in opt.state.values())

@@ -353,11 +353,11 @@ class TrainStep:
     the same effective batch, the RNG states and buffers (BatchNorm's running statistics, up to
     :data:`tightfit.step.BUFFER_SNAPSHOT_BYTES`) restored, so the losses, weights and buffers are those of a run
     that had used the smaller micro-batch from the start -- and the micro-batch grows back after
-    ``grow_back_after`` clean steps. Any other error in a call (a bad label, your loss raising)
-    propagates after the attempt is undone in the same way (gradients dropped, RNG states and
-    buffers restored), so a loop that catches it and skips the batch goes on as if it had not been
-    given; an error from inside your optimizer's step after it wrote part of the update leaves
-    that part written. The model is in train mode during the call and its modules get
+    ``grow_back_after`` clean steps. Any other error in a call (your loss raising on a bad
+    sample) propagates after the attempt is undone in the same way (gradients dropped, RNG states
+    and buffers restored), so a loop that catches it and skips the batch goes on as if it had not
+    been given; an error from inside or after your optimizer's step leaves what the step wrote
+    (weights and state), and a CUDA device-side assert leaves the GPU unusable. The model is in train mode during the call and its modules get
     their own modes back after: a model in eval mode (as ``from_pretrained`` returns it) trains with
     every module in train mode (dropout on); a model in train mode keeps the modes you gave its parts
     (a backbone in eval mode keeps its BatchNorm statistics frozen, :func:`tightfit.step.training_modes`).
@@ -502,7 +502,9 @@ class TrainStep:
             except Exception as e:  # OOMs are redone; anything else propagates, the attempt undone
                 written = before is not None and changed_since(self.optimizer, before)
                 if not is_oom(e):
-                    self._undo_attempt(had_state, written, rng, buffers)  # a caller that skips the batch goes on clean
+                    # a caller that skips the batch goes on clean; the optimizer's state is kept: only its
+                    # step allocates state, and one that failed inside or after its step may have written it
+                    self._undo_attempt(had_state, False, rng, buffers)
                     if isinstance(e, ValueError) and "Expected more than 1 value per channel" in str(e):
                         from .runtime.trainer import describe_split
 
@@ -518,18 +520,18 @@ class TrainStep:
                                          "updated part of the parameters or their state; redoing it would apply that "
                                          "part twice (use fused AdamW, the plan's optimizer, to rule this out)")
             # outside the except block: the traceback and the tensors its frames held are gone
-            self._undo_attempt(had_state, written, rng, buffers)
+            self._undo_attempt(had_state, True, rng, buffers)
             release_memory()
             self._on_oom(where, b.size)
 
-    def _undo_attempt(self, had_state: set, written: bool, rng, buffers) -> None:
+    def _undo_attempt(self, had_state: set, drop_new_state: bool, rng, buffers) -> None:
         """Undo a failed attempt at a step: its gradients, the loss scaler's step, the RNG states
-        and the model's buffers as the attempt found them, and (unless the optimizer had written
-        part of an update, ``written``) the optimizer state it allocated."""
+        and the model's buffers as the attempt found them, and with ``drop_new_state`` the
+        optimizer state it allocated (an OOM's redo: allocated, never written)."""
         from .rng import restore_rng
         from .step import restore_buffers
 
-        if not written:
+        if drop_new_state:
             for p in [p for p in self.optimizer.state if p not in had_state]:
                 del self.optimizer.state[p]  # state the failed attempt allocated but never wrote
         self.optimizer.zero_grad(set_to_none=True)

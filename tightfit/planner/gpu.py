@@ -673,12 +673,7 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
                 variant = replace(variant, samples_per_s=retiming.compiled_samples_per_s) \
                     if retiming.compiled_kept else None
             if variant is not None and other_optimizer is not None:
-                try:
-                    variant, note = challenge_compiled_optimizer(workload, best, variant, other_optimizer, budget_bytes)
-                except Exception as e:  # noqa: BLE001 - the runner-up's failure leaves the compiled plan won
-                    release_memory()
-                    note = (f"optimizer compiled: the runner-up optimizer {other_optimizer} failed with the "
-                            f"compiled plan ({_error_line(e)}); {best.optimizer} kept")
+                variant, note = challenge_compiled_optimizer(workload, best, variant, other_optimizer, budget_bytes)
                 notes = notes + [note]
             if variant is not None and compile == "on":  # no retiming: the variant's speed, timed again
                 steady = steady_timing(workload, best.precision, variant.optimizer or best.optimizer,
@@ -724,18 +719,31 @@ def challenge_compiled_optimizer(workload: Workload, best: Candidate, variant: C
     if convolutions(workload.model) and other not in CHANNELS_LAST_OPTIMIZERS:
         return variant, f"{what}: not timed ({other} stores the weights contiguous, the graph is channels-last); {mine} kept"
     E, model = workload.effective_batch, workload.model
+
+    def timed(o: str) -> ProbeResult:
+        return probe_step(workload, variant.micro_batch, best.precision, budget_bytes, timed_steps=RETIMED_STEPS,
+                          optimizer=o)
+
     set_activation_checkpointing(model, bool(variant.checkpoint_blocks), variant.checkpoint_blocks)
+    failed = None
     try:
-        timed = {o: probe_step(workload, variant.micro_batch, best.precision, budget_bytes, timed_steps=RETIMED_STEPS,
-                               optimizer=o) for o in (mine, other)}
+        probes = {mine: timed(mine)}  # the plan's own optimizer failing is the compiled plan failing: raised
+        try:
+            probes[other] = timed(other)
+        except Exception as e:  # noqa: BLE001 - the runner-up's failure leaves the compiled plan won
+            failed = _error_line(e)
     finally:
         set_activation_checkpointing(model, False, ())
-    speed = {o: _samples_per_s(pr, E) if pr.fits else 0.0 for o, pr in timed.items()}
+    speed = {o: _samples_per_s(pr, E) if pr.fits else 0.0 for o, pr in probes.items()}
+    if failed:
+        release_memory()  # outside the except block: the failed probe's frames are gone
+        return (replace(variant, samples_per_s=speed[mine]) if speed[mine] else variant), \
+            f"{what}: failed ({failed}); {mine} kept"
     line = (f"{what} ({variant.micro_batch} x {accumulation_steps(E, variant.micro_batch)}, side by side, "
             f"{RETIMED_STEPS} timed steps each, the median): " +
-            ", ".join(f"{o} {format_rate(v)} samples/s" if v else f"{o} {_peak(timed[o])}" for o, v in speed.items()))
+            ", ".join(f"{o} {format_rate(v)} samples/s" if v else f"{o} {_peak(probes[o])}" for o, v in speed.items()))
     if speed[other] > speed[mine]:
-        return replace(variant, samples_per_s=speed[other], optimizer=other, probe=timed[other]), line + f": {other} kept"
+        return replace(variant, samples_per_s=speed[other], optimizer=other, probe=probes[other]), line + f": {other} kept"
     return (replace(variant, samples_per_s=speed[mine]) if speed[mine] else variant), line + f": {mine} kept"
 
 

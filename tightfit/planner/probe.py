@@ -73,17 +73,19 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     oom = False
     # the weights in the optimizer's dtype (adamw8bit-bf16: bf16) for the steps, and back after the
     # failed step's memory is gone and the peaks are read: the restore is no part of the step
-    with weights_in(workload.model, optimizer):
-        try:
-            seconds, micro_batches = run_probe_steps(workload, micro_batch, precision, optimizer, timed_steps)
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            oom = True
-        reserved = torch.cuda.max_memory_reserved(device)
-        allocated = torch.cuda.max_memory_allocated(device)
-        release_memory()
-    restore_rng(rng)
+    try:
+        with weights_in(workload.model, optimizer):
+            try:
+                seconds, micro_batches = run_probe_steps(workload, micro_batch, precision, optimizer, timed_steps)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                oom = True
+            reserved = torch.cuda.max_memory_reserved(device)
+            allocated = torch.cuda.max_memory_allocated(device)
+            release_memory()
+    finally:  # a failed probe too leaves the random streams as it found them
+        restore_rng(rng)
     if oom:
         return ProbeResult(micro_batch, False, None, None)
     return ProbeResult(micro_batch, reserved <= (1 - PROBE_HEADROOM) * budget_bytes, reserved, allocated,
