@@ -426,3 +426,6 @@ def test_offloaded_activations_get_the_hosts_memory_less_offloaded_optimizer_sta
     assert told == {"adamw-offload": pytest.approx(900 * MiB - state), "adamw": pytest.approx(900 * MiB)}
     plan(m, 512 * MiB, optimizer="adamw", host_bytes=po.UNKNOWN_HOST_BYTES)
     assert told["adamw"] is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's ranks on this host each pin their own
+    plan(m, 512 * MiB, optimizer="adamw", host_bytes=1000 * MiB)
+    assert told["adamw"] == pytest.approx(225 * MiB)

@@ -64,6 +64,12 @@ def test_plan_key_depends_on_the_profiles_rates_and_the_installed_levers(monkeyp
     with_bnb = _key(profile=h200)
     monkeypatch.setattr(cache, "lever_libraries", lambda: {"bitsandbytes": None, "torchao": None})
     assert _key(profile=h200) != with_bnb
+    import tightfit.levers.optimizers as lv  # another host's memory: offloaded state and activations fit otherwise
+
+    monkeypatch.setattr(lv, "total_host_bytes", lambda: 16 * 2**30)
+    laptop = _key(profile=h200)
+    monkeypatch.setattr(lv, "total_host_bytes", lambda: 128 * 2**30)
+    assert _key(profile=h200) != laptop
 
 
 def test_plan_cache_round_trip_is_atomic_and_ignores_damaged_entries(tmp_path, monkeypatch):

@@ -609,14 +609,24 @@ def set_lr(group: dict, lr: float) -> None:
 def available_host_bytes() -> int:
     """Host memory available to a new allocation, bytes: ``MemAvailable`` of ``/proc/meminfo``
     (Linux), else free physical pages (``os.sysconf``)."""
+    return _meminfo("MemAvailable:", "SC_AVPHYS_PAGES")
+
+
+def total_host_bytes() -> int:
+    """The host's physical memory, bytes: ``MemTotal`` of ``/proc/meminfo`` (Linux), else
+    ``os.sysconf``'s physical pages."""
+    return _meminfo("MemTotal:", "SC_PHYS_PAGES")
+
+
+def _meminfo(field: str, pages: str) -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
 
 
 def offload_host_bytes(numels) -> int:

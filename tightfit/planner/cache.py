@@ -6,7 +6,8 @@ a worst-case batch (the sequence length or the image size), the effective batch,
 length in samples (it decides whether compilation can repay its cost), the planning options
 (precision, checkpointing, compile, planner), the card (name and total memory, and the profile's
 rates: a custom profile's speeds change the time model) and the budget, the versions of torch and
-tightfit, and which optimizer-lever libraries are installed (a lever installed later is searched). :func:`plan_key` hashes exactly those with SHA-256;
+tightfit, which optimizer-lever libraries are installed (a lever installed later is searched) and the
+host's memory in GiB (offloaded state and activations are held to it). :func:`plan_key` hashes exactly those with SHA-256;
 :func:`load_plan` and :func:`store_plan` read and write ``<cache>/plans/<key>.json``
 atomically (:mod:`tightfit.fileio`), where ``<cache>`` is ``$TIGHTFIT_CACHE_DIR`` or
 ``~/.cache/tightfit``. A cache entry that cannot be read is ignored (and replanned), never an
@@ -74,10 +75,13 @@ def plan_key(model: torch.nn.Module, worst_case: dict, effective_batch: int, opt
         profile: the card profile's fields (``dataclasses.asdict`` of a
             :class:`~tightfit.devices.DeviceProfile`; None: the name alone).
     """
+    from ..levers.optimizers import total_host_bytes
+
     key = {"format": CACHE_FORMAT, "model": model_structure(model), "batch": batch_shapes(worst_case),
            "effective_batch": effective_batch, "options": dict(sorted(options.items())), "card": card,
            "total_bytes": total_bytes, "budget_bytes": budget_bytes, "run_samples": run_samples,
-           "torch": torch.__version__, "tightfit": __version__, "profile": profile, "levers": lever_libraries()}
+           "torch": torch.__version__, "tightfit": __version__, "profile": profile, "levers": lever_libraries(),
+           "host_gib": round(total_host_bytes() / 2**30)}  # offloaded state and activations are held to it
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 

@@ -58,6 +58,17 @@ def _several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _ranks_on_this_host() -> int:
+    """Processes of this run on this machine (torchrun's ``LOCAL_WORLD_SIZE``; 1 alone): each
+    pins its own offloaded activations."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def _constrained(result: SearchResult, forced: bool = False) -> bool:
     """Whether the best plan pays for its memory in time: accumulation, or any block recomputed
     (fully or selectively) or with its activations offloaded; with ``forced`` (``--checkpointing
@@ -222,12 +233,13 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
 
     def activation_host_bytes(kind: str) -> float | None:
         # pinned host memory left to offloaded activations: 90% of what is available (the rest is the
-        # process's own), less adamw-offload's pinned state; None where the host is not this one
+        # process's own), shared by the ranks on this host, less adamw-offload's pinned state; None
+        # where the host is not this one
         if host_bytes is not None and host_bytes >= UNKNOWN_HOST_BYTES:
             return None
         state = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad) \
             if kind == "adamw-offload" else 0
-        return max(0.0, 0.9 * have - state)
+        return max(0.0, 0.9 * have / _ranks_on_this_host() - state)
 
 
     def run(kind: str, beat: float = 0.0, advise: bool = False) -> SearchResult:
