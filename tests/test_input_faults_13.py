@@ -111,6 +111,10 @@ def test_an_optimizer_that_is_none_or_over_another_model_and_a_loss_that_is_none
     with pytest.raises(TightfitError, match="loss must be a function"):
         TrainStep(plan, m, torch.optim.AdamW(m.parameters()), loss="x")
     TrainStep(plan, m, torch.optim.AdamW(m[4].parameters()), loss=_loss)  # a part of the model: yours to choose
+    # state offloaded to the host: host copies in the groups, the model's parameters as param_d2h_map's keys
+    offloaded = SimpleNamespace(param_groups=[{"params": [p.detach().clone() for p in m.parameters()]}],
+                                param_d2h_map={p: None for p in m.parameters()}, step=lambda: None)
+    TrainStep(plan, m, offloaded, loss=_loss)
 
 
 def test_plan_and_train_refuse_checkpointing_on_for_a_model_with_nothing_to_checkpoint(tmp_path, capsys):

@@ -641,7 +641,10 @@ def _check_optimizer(optimizer, model: torch.nn.Module) -> None:
         raise TightfitError(f"TrainStep(plan, model, optimizer): optimizer must be a torch.optim.Optimizer over the "
                             f"model's parameters (or None: the plan's), got {type(optimizer).__name__}")
     mine = {id(p) for p in model.parameters() if p.requires_grad}
-    if mine and not any(id(p) in mine for g in groups for p in g.get("params", ())):
+    # an optimizer offloading state to the host (torchao's CPUOffloadOptimizer, adamw-offload) keeps
+    # host copies in its groups, and the model's parameters as the keys of param_d2h_map
+    updated = {id(p) for g in groups for p in g.get("params", ())} | {id(p) for p in getattr(optimizer, "param_d2h_map", ())}
+    if mine and not mine & updated:
         raise TightfitError("TrainStep: the optimizer updates none of the model's trainable parameters (was it built "
                             "over another model object?)")
 
