@@ -158,3 +158,29 @@ def test_an_error_after_a_fused_optimizers_step_keeps_the_state_that_step_wrote(
     with pytest.raises(RuntimeError, match="a hook of yours"):
         s(_data())
     assert len(opt.state) == len(list(m.parameters())) and all(int(st["step"]) == 1 for st in opt.state.values())
+
+
+@pytest.mark.parametrize("make", ["xz", "latin-1"])
+def test_data_in_another_encoding_or_compression_is_said_as_such(tmp_path, capsys, make):
+    """An .xz file and a Latin-1 CSV gave "cannot read ('utf-8' codec can't decode byte 0xfd ...)"."""
+    import lzma
+
+    from tightfit.cli import main
+
+    text = "text,label\nbon café,pos\nmauvais,neg\n" * 4
+    path = tmp_path / ("d.csv.xz" if make == "xz" else "d.csv")
+    path.write_bytes(lzma.compress(text.encode()) if make == "xz" else text.encode("latin-1"))
+    assert main(["train", "--data", str(path), "--max-steps", "1", "--device", "cpu", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read as UTF-8 text" in err and "save it as UTF-8 .csv, .tsv or .jsonl" in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_peft_s_conv1d_note_is_not_printed_by_the_command_line():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tightfit", "plan", "--model", "gpt2", "--seq-len", "16", "--batch-size",
+                           "2", "--budget", "4GiB", "--trainable", "lora"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fan_in_fan_out" not in done.stderr, done.stderr[-2000:]

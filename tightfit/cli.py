@@ -14,6 +14,7 @@ import re
 import shlex
 import signal
 import sys
+import warnings
 
 from .errors import TightfitError
 from .fileio import discard_from_now
@@ -106,9 +107,12 @@ QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels")
 
 
 def quiet_import_warnings() -> None:
-    """Raise :data:`QUIET_LOGGERS` to ERROR (called by the command line, not by the library)."""
+    """Raise :data:`QUIET_LOGGERS` to ERROR and ignore peft's Conv1D note (called by the command
+    line, not by the library)."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    # peft's note on GPT-2's Conv1D layers, which it handles itself (--trainable lora)
+    warnings.filterwarnings("ignore", message=".*fan_in_fan_out is set to False.*", category=UserWarning)
 
 
 class _Parser(argparse.ArgumentParser):

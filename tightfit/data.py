@@ -143,7 +143,10 @@ def _read_rows(path: Path) -> list[dict]:
                     rows.append(row)
                 return rows
             text = f.read()
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:  # another encoding, or a compression this reader does not open (.xz, .zip)
+        raise TightfitError(f"{path}: cannot read as UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8 "
+                            ".csv, .tsv or .jsonl, uncompressed or as .gz/.bz2 (the file name's ending says which)") from None
+    except (OSError, EOFError) as e:
         raise TightfitError(f"{path}: cannot read ({e})") from None
     if "\r" in text and "\n" not in text:  # classic Mac line ends (Excel's "CSV (Macintosh)")
         text = text.replace("\r", "\n")
