@@ -233,7 +233,7 @@ def test_runners_up_of_precisions_not_searched_carry_no_made_up_numbers():
     r = _search("gtx-1080-ti", 1000 * MiB, memory(100 * MiB, 10 * MiB))
     fp16 = [c for c in r.to_dict()["runners_up"] if c["precision"] == "fp16"]
     assert fp16 == [{**fp16[0], "micro_batch": None, "accumulation_steps": None, "checkpoint_blocks": None,
-                     "peak_reserved_bytes": None, "samples_per_s": None, "status": "not searched"}]
+                     "peak_reserved_bytes": None, "samples_per_s": None, "status": "not searched", "traced": None}]
     assert fp16[0]["why"].startswith("not searched:")
 
 

@@ -99,12 +99,15 @@ class Candidate:
 
     def to_dict(self) -> dict:
         """JSON-ready: the fields plus ``status``; no figure that was not computed (None instead
-        of 0 for an unsearched micro-batch or for the samples/s of a plan that does not fit)."""
+        of 0 for an unsearched micro-batch or for the samples/s of a plan that does not fit, and
+        for ``traced`` where nothing was searched)."""
         d = asdict(self)
         d["checkpoint_blocks"] = None if self.checkpoint_blocks is None else list(self.checkpoint_blocks)
         d["block_policies"] = None if self.block_policies is None else list(self.block_policies)
         d["samples_per_s"] = self.samples_per_s or None
         d["status"] = self.status
+        if self.micro_batch is None:  # nothing was traced for a precision not searched
+            d["traced"] = None
         return d
 
     def label(self) -> str:
