@@ -184,3 +184,21 @@ def test_peft_s_conv1d_note_is_not_printed_by_the_command_line():
                            "2", "--budget", "4GiB", "--trainable", "lora"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "fan_in_fan_out" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_resume_may_repeat_what_the_runs_auto_options_became(tmp_path, capsys):
+    """A run started with --device and --precision auto used cpu and fp32 (plan.json): repeating
+    those on --resume was refused as a change, while a spelled-out default was accepted."""
+    from conftest import tiny_cpu_job
+
+    from tightfit.cli import main
+
+    job = tiny_cpu_job(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", "--model", job["model"], "--data", job["data"], "--batch-size", "8", "--max-steps", "4",
+                 "--checkpoint-every", "2", "--seq-len", "16", "--out", str(run), "--no-progress"]) == 0
+    (run / "summary.json").unlink()  # as if stopped after its last checkpoint
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--precision", "fp16", "--no-progress"]) == 2
+    assert "it cannot change --precision" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--device", "cpu", "--precision", "fp32", "--no-progress"]) == 0

@@ -740,11 +740,14 @@ class TrainRecipe:
 RESUME_MAY_CHANGE = ("lr", "max_skipped_steps", "log_every", "warn_temp", "cooldown_temp")
 
 
-def _same_option(key: str, saved, given) -> bool:
+def _same_option(key: str, saved, given, resolved: dict | None = None) -> bool:
     """Whether option ``key`` given as ``given`` (as :func:`_request_record` writes it) is the value
     ``saved`` in a run's ``request.json``, however it was spelled: a budget by its bytes, a GPU
-    profile by its key, the default model by its name or by nothing, numbers by value."""
+    profile by its key, the default model by its name or by nothing, numbers by value, and an
+    ``auto`` by what it resolved to (``resolved``: :func:`_resolved_options` of the run's plan)."""
     if saved == given:
+        return True
+    if saved == "auto" and given is not None and (resolved or {}).get(key) == given:
         return True
     if key == "model":
         from .models import DEFAULT_MODEL_NAME
@@ -762,6 +765,17 @@ def _same_option(key: str, saved, given) -> bool:
     except TightfitError:
         return False
     return False
+
+
+def _resolved_options(run: Path) -> dict:
+    """What the run's ``auto`` options resolved to, from its ``plan.json`` (empty where unreadable):
+    ``device``, ``precision``, ``optimizer`` and ``compile`` (``on``/``off``)."""
+    try:
+        plan = json.loads((run / "plan.json").read_text())
+        return {"device": plan.get("device"), "precision": plan.get("precision"), "optimizer": plan.get("optimizer"),
+                "compile": {True: "on", False: "off"}.get(plan.get("compile"))}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def _request_record(req: TrainRequest) -> dict:
@@ -825,8 +839,9 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     # An option the run was started with may be repeated; a new value of one the resumed run cannot
     # change is refused (ignored, an asked-for change such as more epochs would never happen).
     recorded = _request_record(req)  # the given values as request.json holds them (absolute paths)
+    resolved = _resolved_options(run)  # repeating what an `auto` became is repeating the run's own
     refused = [option_name(k) for k, v in given.items() if k not in RESUME_MAY_CHANGE and k != "out"
-               and not _same_option(k, saved.get(k), recorded.get(k, v))]
+               and not _same_option(k, saved.get(k), recorded.get(k, v), resolved)]
     if "out" in given and Path(now["out"]).resolve() != run.resolve():
         refused.append(option_name("out"))
     if refused:
