@@ -3,6 +3,7 @@ another reason than memory is undone before the error propagates, BatchNorm's on
 micro-batch is refused before any work, and an optimizer or loss that cannot work is refused
 when the step is made."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -202,3 +203,19 @@ def test_a_resume_may_repeat_what_the_runs_auto_options_became(tmp_path, capsys)
     assert main(["train", "--resume", str(run), "--precision", "fp16", "--no-progress"]) == 2
     assert "it cannot change --precision" in capsys.readouterr().err
     assert main(["train", "--resume", str(run), "--device", "cpu", "--precision", "fp32", "--no-progress"]) == 0
+
+
+def test_nothing_fits_names_lora_where_its_model_state_would_fit(capsys):
+    """LoRA is never chosen for you, but where nothing fits and it would, the error says so: minilm
+    at 200 MiB was refused with every optimizer lever, and planned with --trainable lora."""
+    from tightfit.cli import main
+
+    args = ["plan", "--model", "minilm", "--seq-len", "64", "--batch-size", "32", "--budget", "200MiB"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"not searched: LoRA \(--trainable lora: .*\): its model state with fp32 AdamW, [\d.]+ MiB, is under "
+                     r"the 190.00 MiB a step may hold; plan it with --trainable lora", err), err
+    assert main(args + ["--trainable", "lora"]) == 0
+    assert main(args[:-1] + ["60MiB"]) == 2  # below even LoRA's model state: refused before any search, said so
+    err = capsys.readouterr().err
+    assert re.search(r"LoRA .*, is over the 57.00 MiB a step may hold$", err.strip()), err

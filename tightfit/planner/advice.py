@@ -204,6 +204,44 @@ def _input_embedding_params(model) -> int:
     return sum(p.numel() for p in emb.parameters() if p.requires_grad) if emb is not None else 0
 
 
+def _lora_parameters(model) -> int | None:
+    """Parameters LoRA (:func:`tightfit.levers.lora.apply_lora`) would leave to train: the adapters
+    (rank r: ``r x (in + out)`` per adapted layer) and the classification head; None where LoRA
+    does not apply (no repeated blocks with linear layers) or is applied already."""
+    from ..errors import TightfitError
+    from ..levers.lora import RANK, has_adapters, lora_targets
+
+    if has_adapters(model):
+        return None
+    try:
+        names = lora_targets(model)
+    except TightfitError:
+        return None
+    layers = dict(model.named_modules())
+    adapters = 0
+    for n in names:
+        w = layers[n].weight  # Linear [out, in]; transformers' Conv1D [in, out]
+        adapters += RANK * (w.shape[0] + w.shape[1])
+    head = sum(p.numel() for n, m in model.named_children() if n in ("classifier", "score") for p in m.parameters())
+    return adapters + head
+
+
+def lora_line(model, limit: float) -> str | None:
+    """The nothing-fits line for LoRA, which the planner never chooses by itself (it changes what is
+    trained): its model state with fp32 AdamW (4 B per weight, 12 B more per parameter left to
+    train: :func:`_lora_parameters`) against ``limit`` (bytes); None where LoRA does not apply or
+    is in use."""
+    left = _lora_parameters(model)
+    if left is None:
+        return None
+    need = 4 * sum(p.numel() for p in model.parameters()) + 12 * left
+    verdict = "under" if need <= limit else "over"
+    return (f"not searched: LoRA (--trainable lora: peft adapters of rank 8, the other weights frozen; it changes what "
+            f"is trained, {left:,} parameters left to train): its model state with fp32 AdamW, {format_bytes(need)}, "
+            f"is {verdict} the {format_bytes(limit)} a step may hold" + ("; plan it with --trainable lora"
+                                                                            if verdict == "under" else ""))
+
+
 def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float,
                 optimizer: str = "adamw", accumulating: bool | None = None, cuda: bool = True, profile=None,
                 lever_peak=None, activations: bool = True) -> list[str]:
@@ -341,6 +379,8 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
     who = (f"fp32 AdamW needs ({fp32})" if kind == "adamw" else
            f"--optimizer {kind} keeps on the GPU" + (", the least of the optimizers tightfit has" if optimizer == "auto"
                                                      else "") + f" (fp32 AdamW: {fp32})")
+    lora = lora_line(model, limit)  # never chosen for you: named where it would change the answer
+    lines += [lora] if lora else []
     raise TightfitError(f"budget {format_bytes(budget)} (planned against {format_bytes(limit)}, keeping "
                         f"{int(HEADROOM * 100)}% headroom) is below the {format_bytes(least)} of model state that "
                         f"{who}, by {format_bytes(least - limit)}; no micro-batch, accumulation or checkpointing "

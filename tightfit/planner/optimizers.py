@@ -335,7 +335,10 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         also = "".join(f"\n  searched {_NAMES[k]} (--optimizer {k}): does not fit either"
                        f" ({str(e).splitlines()[0].split(': the smallest step tried ')[-1]})"
                        for k, e in failures.items() if k != "adamw")
-        raise NothingFitsError(first + also)
+        from .advice import lora_line
+
+        lora = lora_line(model, planned_limit(budget_bytes, options.get("headroom", HEADROOM)))
+        raise NothingFitsError(first + also + (f"\n  {lora}" if lora else ""))
     kind = max(results, key=lambda k: results[k].best.samples_per_s)
     best = results[kind]
     compared = "; ".join([f"{k}: {format_rate(r.best.samples_per_s)} samples/s ({r.best.label()}, {r.best.accumulation_steps} "
