@@ -357,8 +357,8 @@ class TrainStep:
     sample) propagates after the attempt is undone in the same way (gradients dropped, RNG states
     and buffers restored), so a loop that catches it and skips the batch goes on as if it had not
     been given; an error from inside or after your optimizer's step leaves what the step wrote
-    (weights and state), and a CUDA device-side assert leaves the GPU unusable. The model is in train mode during the call and its modules get
-    their own modes back after: a model in eval mode (as ``from_pretrained`` returns it) trains with
+    (weights and state), and a CUDA device-side assert leaves the GPU unusable. The model is in
+    train mode during the call and its modules get their own modes back after: a model in eval mode (as ``from_pretrained`` returns it) trains with
     every module in train mode (dropout on); a model in train mode keeps the modes you gave its parts
     (a backbone in eval mode keeps its BatchNorm statistics frozen, :func:`tightfit.step.training_modes`).
 
@@ -393,9 +393,8 @@ class TrainStep:
             plan on the CPU. (From a call) a malformed or empty batch, or one of more samples than
             the plan's effective batch, or one whose one-sample micro-batch the model's BatchNorm
             layers cannot train on (raised after the attempt is undone); out of memory at a
-            micro-batch of 1. (At construction) an
-            ``optimizer`` that is not one or updates none of the model's trainable parameters, a
-            ``loss`` that is not callable.
+            micro-batch of 1. (At construction) an ``optimizer`` that is not one or updates none
+            of the model's trainable parameters, a ``loss`` that is not callable.
         NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
         PartialUpdateError: out of memory inside an optimizer step that had already written part of
             the update (not possible with fused AdamW).
@@ -504,7 +503,10 @@ class TrainStep:
                 if not is_oom(e):
                     # a caller that skips the batch goes on clean; the optimizer's state is kept: only its
                     # step allocates state, and one that failed inside or after its step may have written it
-                    self._undo_attempt(had_state, False, rng, buffers)
+                    try:
+                        self._undo_attempt(had_state, False, rng, buffers)
+                    except Exception:  # noqa: BLE001 - a device left unusable (a device-side assert): e says why
+                        pass
                     if isinstance(e, ValueError) and "Expected more than 1 value per channel" in str(e):
                         from .runtime.trainer import describe_split
 
