@@ -219,3 +219,66 @@ def test_nothing_fits_names_lora_where_its_model_state_would_fit(capsys):
     assert main(args[:-1] + ["60MiB"]) == 2  # below even LoRA's model state: refused before any search, said so
     err = capsys.readouterr().err
     assert re.search(r"LoRA .*, is over the 57.00 MiB a step may hold$", err.strip()), err
+
+
+class _AuxNet(torch.nn.Module):
+    """Conv, BatchNorm2d over 4 x 4 maps, a head; in training only, an auxiliary head that pools
+    to 1 x 1 before its BatchNorm (torchvision's Inception3 has one); ``keyword``: the main
+    BatchNorm called as ``bn(input=x)``."""
+
+    def __init__(self, aux: bool, keyword: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.bn, self.head = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.Linear(8, 3)
+        self.aux = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.BatchNorm2d(8), torch.nn.Flatten(),
+                                       torch.nn.Linear(8, 3)) if aux else None
+        self.keyword = keyword
+
+    def forward(self, pixel_values, labels=None):
+        h = self.conv(pixel_values)
+        h = self.bn(input=h) if self.keyword else self.bn(h)
+        logits = self.head(h.mean((2, 3)))
+        if self.training and self.aux is not None:
+            logits = logits + 0.3 * self.aux(h)
+        return SimpleNamespace(logits=logits)
+
+
+@pytest.mark.parametrize("aux, keyword, refused", [(True, False, True), (False, True, False)])
+def test_the_trainers_batchnorm_check_runs_the_training_forward(aux, keyword, refused):
+    """The one-sample check ran its forward in eval mode: an auxiliary head that runs only in
+    training went unseen (the run died at the epoch's 1-sample window), and a BatchNorm called by
+    keyword was refused (its hook read the positional input)."""
+    from torch.utils.data import TensorDataset
+
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import Workload, collate_as
+
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(9, 3, 4, 4, generator=g), torch.randint(0, 3, (9,), generator=g))
+    w = Workload(_AuxNet(aux, keyword), data, None, 4, task=ImageClassification(),
+                 collate_fn=collate_as("pixel_values", "labels"))
+    before = [b.clone() for b in w.model.buffers()]
+    if refused:
+        with pytest.raises(TightfitError, match="the last window of each epoch holds 1 sample"):
+            Trainer(w, Plan("fp32", 4, 4), TrainConfig(epochs=1), progress=False)
+        assert all(torch.equal(a, b) for a, b in zip(before, w.model.buffers()))  # the check's forward left no trace
+    else:
+        assert Trainer(w, Plan("fp32", 4, 4), TrainConfig(epochs=1), progress=False).fit().steps == 3
+
+
+def test_trainstep_says_batchnorms_one_sample_error_whatever_wraps_it_and_advises_by_the_batch():
+    """torch.compile raises BatchNorm's ValueError as its own RuntimeError; a full batch split
+    4+4+1 cannot be helped by drop_last."""
+    m = _bn_model()
+
+    def loss(model, batch):
+        if batch[0].shape[0] == 1:
+            raise RuntimeError("TorchRuntimeError: ... Expected more than 1 value per channel when training ...")
+        return _loss(model, batch)
+
+    s = TrainStep(Plan("fp32", 4, 9), m, torch.optim.SGD(m.parameters(), lr=0.1), loss=loss)
+    with pytest.raises(TightfitError, match=r"split as 4\+4\+1.*plan another effective batch"):
+        s(_data(9))
+    with pytest.raises(TightfitError, match=r"split as 4\+1.*drop_last=True"):
+        s(_data(5))

@@ -507,14 +507,17 @@ class TrainStep:
                         self._undo_attempt(had_state, False, rng, buffers)
                     except Exception:  # noqa: BLE001 - a device left unusable (a device-side assert): e says why
                         pass
-                    if isinstance(e, ValueError) and "Expected more than 1 value per channel" in str(e):
+                    if "Expected more than 1 value per channel" in str(e):  # torch's, or torch.compile's around it
                         from .runtime.trainer import describe_split
 
+                        fix = ("plan another effective batch, so that its micro-batches leave no sample alone"
+                               if b.size == self.plan.effective_batch else
+                               "give the step batches that leave no one-sample micro-batch (e.g. drop_last=True "
+                               "on the loader)")
                         raise TightfitError(
                             f"a batch of {b.size} samples, split as {describe_split(b.size, self.micro_batch)}, gives "
-                            "the model's BatchNorm layers a micro-batch of 1 sample, which they cannot train on; give "
-                            "the step batches that leave no one-sample micro-batch (e.g. drop_last=True on the "
-                            "loader), or put BatchNorm in eval mode") from e
+                            "the model's BatchNorm layers a micro-batch of 1 sample, which they cannot train on; "
+                            f"{fix}, or put BatchNorm in eval mode") from e
                     raise
                 where = type(e).__name__
             if written:

@@ -212,27 +212,28 @@ _BATCH_NORMS = (torch.nn.modules.batchnorm._BatchNorm,)
 
 
 def starves_batchnorm(model: torch.nn.Module, norms: list, forward) -> bool:
-    """Whether ``forward()`` (the model on one sample) gives one of ``norms`` (BatchNorm layers
-    that train) a single value per channel (``input.numel() / channels``), which training
-    refuses. The forward runs under ``no_grad`` with every module in eval mode (no running
-    statistics updated; the shapes are those of training), the modes given back after; a
-    forward that fails answers True (cannot tell: every layer counts)."""
-    seen = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[0].numel() // max(1, args[0].shape[1])))
-             for m in norms]
-    modes = [(m, m.training) for m in model.modules()]
+    """Whether ``forward()`` (the model on one sample) fails in training modes
+    (:func:`tightfit.step.train_mode`), as BatchNorm does where it gets a single value per
+    channel (``ValueError: Expected more than 1 value per channel when training``). It runs under
+    ``no_grad`` with the modes training uses (a branch that runs only in training, such as an
+    auxiliary head, is reached), and the running statistics of ``norms`` (BatchNorm layers; the
+    model's other buffers too, up to :data:`tightfit.step.BUFFER_SNAPSHOT_BYTES`) and the random
+    streams are put back after. A forward failing for another reason also answers True (cannot
+    tell: every layer counts)."""
+    from ..rng import capture_rng, restore_rng
+    from ..step import buffer_snapshot, restore_buffers, train_mode
+
+    buffers = buffer_snapshot(model.modules()) or buffer_snapshot(norms)
+    rng = capture_rng()
     try:
-        model.eval()
-        with torch.no_grad():
+        with train_mode(model), torch.no_grad():
             forward()
-    except Exception:  # noqa: BLE001 - an unusual batch or model: the cautious answer
+    except Exception:  # noqa: BLE001 - BatchNorm's refusal, or an unusual batch or model: the cautious answer
         return True
     finally:
-        for h in hooks:
-            h.remove()
-        for m, mode in modes:
-            m.training = mode
-    return any(values <= 1 for values in seen)
+        restore_buffers(buffers)
+        restore_rng(rng)
+    return False
 
 
 def micro_batch_sizes(window_size: int, micro_batch: int) -> list[int]:
