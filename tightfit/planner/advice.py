@@ -204,10 +204,11 @@ def _input_embedding_params(model) -> int:
     return sum(p.numel() for p in emb.parameters() if p.requires_grad) if emb is not None else 0
 
 
-def _lora_parameters(model) -> int | None:
-    """Parameters LoRA (:func:`tightfit.levers.lora.apply_lora`) would leave to train: the adapters
-    (rank r: ``r x (in + out)`` per adapted layer) and the classification head; None where LoRA
-    does not apply (no repeated blocks with linear layers) or is applied already."""
+def _lora_parameters(model) -> tuple[int, int] | None:
+    """The parameters LoRA (:func:`tightfit.levers.lora.apply_lora`) would leave to train: its
+    adapters' (new weights; rank r: ``r x (in + out)`` per adapted layer) and the classification
+    head's; None where LoRA does not apply (no repeated blocks with linear layers) or is applied
+    already."""
     from ..errors import TightfitError
     from ..levers.lora import RANK, has_adapters, lora_targets
 
@@ -223,7 +224,7 @@ def _lora_parameters(model) -> int | None:
         w = layers[n].weight  # Linear [out, in]; transformers' Conv1D [in, out]
         adapters += RANK * (w.shape[0] + w.shape[1])
     head = sum(p.numel() for n, m in model.named_children() if n in ("classifier", "score") for p in m.parameters())
-    return adapters + head
+    return adapters, head
 
 
 def lora_line(model, limit: float) -> str | None:
@@ -231,10 +232,12 @@ def lora_line(model, limit: float) -> str | None:
     trained): its model state with fp32 AdamW (4 B per weight, 12 B more per parameter left to
     train: :func:`_lora_parameters`) against ``limit`` (bytes); None where LoRA does not apply or
     is in use."""
-    left = _lora_parameters(model)
-    if left is None:
+    found = _lora_parameters(model)
+    if found is None:
         return None
-    need = 4 * sum(p.numel() for p in model.parameters()) + 12 * left
+    adapters, head = found
+    left = adapters + head
+    need = 4 * (sum(p.numel() for p in model.parameters()) + adapters) + 12 * left  # the adapters are new weights
     verdict = "under" if need <= limit else "over"
     return (f"not searched: LoRA (--trainable lora: peft adapters of rank 8, the other weights frozen; it changes what "
             f"is trained, {left:,} parameters left to train): its model state with fp32 AdamW, {format_bytes(need)}, "
@@ -361,7 +364,8 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
     if least <= limit:
         return
     params = sum(p.numel() for p in model.parameters())
-    state = params * 16
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = params * 4 + trainable * 12  # frozen weights (LoRA's base) hold no gradient or AdamW state
     precisions, options = (), ()
     if estimator is not None and profile is not None:  # the search's choices: every block or none checkpointed
         from ..levers.blocks import find_blocks
@@ -375,7 +379,9 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
                         host_link_bytes_per_s, accumulating=False, cuda=cuda, profile=profile,
                         lever_peak=peaks, activations=False)  # the least state: no accumulation
     fp32 = (f"fp32 weights ({format_bytes(4 * params)}), gradients and AdamW state, 16 B per parameter, "
-            f"{format_bytes(state)}")
+            f"{format_bytes(state)}" if trainable == params else
+            f"fp32 weights ({format_bytes(4 * params)}), and gradients and AdamW state of the {trainable:,} trained "
+            f"parameters (12 B each), {format_bytes(state)}")
     who = (f"fp32 AdamW needs ({fp32})" if kind == "adamw" else
            f"--optimizer {kind} keeps on the GPU" + (", the least of the optimizers tightfit has" if optimizer == "auto"
                                                      else "") + f" (fp32 AdamW: {fp32})")
