@@ -202,7 +202,10 @@ def test_a_resume_may_repeat_what_the_runs_auto_options_became(tmp_path, capsys)
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--precision", "fp16", "--no-progress"]) == 2
     assert "it cannot change --precision" in capsys.readouterr().err
-    assert main(["train", "--resume", str(run), "--device", "cpu", "--precision", "fp32", "--no-progress"]) == 0
+    assert main(["train", "--resume", str(run), "--checkpointing", "on", "--no-progress"]) == 2  # it ran with none
+    assert "it cannot change --checkpointing" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--device", "cpu", "--precision", "fp32", "--checkpointing", "off",
+                 "--no-progress"]) == 0
 
 
 def test_nothing_fits_names_lora_where_its_model_state_would_fit(capsys):

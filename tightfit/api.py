@@ -769,11 +769,14 @@ def _same_option(key: str, saved, given, resolved: dict | None = None) -> bool:
 
 def _resolved_options(run: Path) -> dict:
     """What the run's ``auto`` options resolved to, from its ``plan.json`` (empty where unreadable):
-    ``device``, ``precision``, ``optimizer`` and ``compile`` (``on``/``off``)."""
+    ``device``, ``precision``, ``optimizer``, ``compile`` (``on``/``off``) and ``checkpointing``
+    (``off``, or ``on`` where every block is: some blocks are neither)."""
     try:
         plan = json.loads((run / "plan.json").read_text())
+        every_block = plan.get("checkpoint_blocks") is None and plan.get("block_policies") is None
+        checkpointing = {False: "off", True: "on" if every_block else None}.get(plan.get("activation_checkpointing"))
         return {"device": plan.get("device"), "precision": plan.get("precision"), "optimizer": plan.get("optimizer"),
-                "compile": {True: "on", False: "off"}.get(plan.get("compile"))}
+                "compile": {True: "on", False: "off"}.get(plan.get("compile")), "checkpointing": checkpointing}
     except (OSError, ValueError, AttributeError):
         return {}
 
