@@ -371,13 +371,15 @@ class TrainRecipe:
         Raises:
             TightfitError: one line saying which window and what to change.
         """
-        from .runtime.trainer import batchnorm_sees_one_sample
+        import torch
+
+        from .runtime.trainer import batchnorm_sees_one_sample, one_sample_forward
 
         E = self.workload.effective_batch
-        one = None if self.world.distributed else batchnorm_sees_one_sample(
+        one = None if self.world.distributed else batchnorm_sees_one_sample(  # the model is still on the CPU
             self.model, len(self.train_data), E, E, self._run_steps(E),
-            fix=f"choose another {option_name('batch_size')} (or drop a sample)",
-            forward=lambda: self.workload.loss_sum(self.model, self.workload.train.collate([0])))
+            one_sample_forward(self.workload, self.model, torch.device("cpu")),
+            fix=f"choose another {option_name('batch_size')} (or drop a sample)")
         if one:
             raise TightfitError(one)
 

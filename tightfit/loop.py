@@ -358,8 +358,8 @@ class TrainStep:
     and buffers restored), so a loop that catches it and skips the batch goes on as if it had not
     been given; an error from inside or after your optimizer's step leaves what the step wrote
     (weights and state), and a CUDA device-side assert leaves the GPU unusable. The model is in
-    train mode during the call and its modules get their own modes back after: a model in eval mode (as ``from_pretrained`` returns it) trains with
-    every module in train mode (dropout on); a model in train mode keeps the modes you gave its parts
+    train mode during the call and its modules get their own modes back after: a model in eval
+    mode (as ``from_pretrained`` returns it) trains with every module in train mode (dropout on); a model in train mode keeps the modes you gave its parts
     (a backbone in eval mode keeps its BatchNorm statistics frozen, :func:`tightfit.step.training_modes`).
 
     Args:

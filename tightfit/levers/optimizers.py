@@ -606,6 +606,11 @@ def set_lr(group: dict, lr: float) -> None:
         group["lr"] = lr
 
 
+# The share of the host's available memory that pinned memory (offloaded optimizer state and
+# activations) may take: the rest is the process's own (its model copy, data, Python).
+PINNED_HOST_SHARE = 0.9
+
+
 def available_host_bytes() -> int:
     """Host memory available to a new allocation, bytes: ``MemAvailable`` of ``/proc/meminfo``
     (Linux), else free physical pages (``os.sysconf``)."""
@@ -646,6 +651,6 @@ def check_host_memory(numels, available: int | None = None) -> None:
 
     need = offload_host_bytes(numels)
     available = available_host_bytes() if available is None else available
-    if need > 0.9 * available:
+    if need > PINNED_HOST_SHARE * available:
         raise TightfitError(f"optimizer adamw-offload needs {format_bytes(need)} of pinned host memory "
                             f"(fp32 weights, gradients and AdamW state), but {format_bytes(available)} is available")

@@ -214,7 +214,6 @@ class TimeModel:
         n = c.n_blocks or 1
         full = checkpointed if policies is None else sum(p == "full" for p in policies)
         selective = 0 if policies is None else sum(p == "selective" for p in policies)
-        offloaded = 0 if policies is None else sum(p == "offload" for p in policies)
         flops = micro_batch * c.flops_per_sample
         launches = c.ops * self.launch_s
         base = max(3 * flops / self.rate(precision), 3 * launches)
@@ -222,11 +221,18 @@ class TimeModel:
         rerun = selective * micro_batch * c.selective_bytes_per_sample * 2 / bw  # read + write, memory-bound
         total = max((3 + full / n) * flops / self.rate(precision) + rerun,
                     (3 + full / n) * launches + selective * self._selective_launches() * self.launch_s)
-        moved = offloaded * micro_batch * self.offload_bytes.get(precision, 0.0)
+        moved = self.offloaded_bytes(precision, micro_batch, policies)
         bw = self.profile.host_link_bytes_per_s or 12e9  # built-in cards: PCIe, devices.py
         # device-to-host beside the forward (a third of the compute), host-to-device waited for
         transfer = max(0.0, moved / bw - total / 3) + moved / bw if moved else 0.0
         return base, total - base, transfer
+
+    def offloaded_bytes(self, precision: str, micro_batch: int, policies=None) -> float:
+        """Bytes the offloaded blocks of ``policies`` (one choice per block; None: none) save for
+        backward in one micro-batch: what goes to pinned host memory and back (``offload_bytes``
+        per offloaded block and sample)."""
+        offloaded = sum(p == "offload" for p in policies or ())
+        return offloaded * micro_batch * self.offload_bytes.get(precision, 0.0)
 
     def _selective_launches(self) -> float:
         """Kernel-launch equivalents a selective block adds: its recomputed ops, and each of its

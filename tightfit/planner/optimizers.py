@@ -26,7 +26,8 @@ from dataclasses import replace
 from ..errors import TightfitError
 from ..levers.optimizers import check_precision
 from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_bf16_state_bytes, adamw_8bit_state_bytes,
-                                 available_host_bytes, is_offloaded, offload_host_bytes, weights_dtype)
+                                 PINNED_HOST_SHARE, available_host_bytes, is_offloaded, offload_host_bytes,
+                                 weights_dtype)
 from ..units import format_bytes, format_rate
 from ..plan import OPTIMIZER_CHOICES
 from ..levers.blocks import find_blocks
@@ -230,17 +231,16 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     check_precision(optimizer, precision, profile)
     started = time.perf_counter()  # the result's seconds: every optimizer's search, not only the winner's
     have = available_host_bytes() if host_bytes is None else host_bytes
+    pinned_state = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)  # adamw-offload's
 
     def activation_host_bytes(kind: str) -> float | None:
-        # pinned host memory left to offloaded activations: 90% of what is available (the rest is the
-        # process's own), shared by the ranks on this host, less adamw-offload's pinned state; None
-        # where the host is not this one
+        # pinned host memory left to offloaded activations: the pinned share of what is available,
+        # shared by the ranks on this host, less adamw-offload's pinned state; None where the host
+        # is not this one
         if host_bytes is not None and host_bytes >= UNKNOWN_HOST_BYTES:
             return None
-        state = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad) \
-            if kind == "adamw-offload" else 0
-        return max(0.0, 0.9 * have / _ranks_on_this_host() - state)
-
+        state = pinned_state if kind == "adamw-offload" else 0
+        return max(0.0, PINNED_HOST_SHARE * have / _ranks_on_this_host() - state)
 
     def run(kind: str, beat: float = 0.0, advise: bool = False) -> SearchResult:
         if optimizer == "auto":  # no trace where the model state alone is over the limit and another fits
@@ -302,9 +302,8 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         if kind == "adamw-offload":
             if _several_ranks():  # torchao's CPUOffloadOptimizer offloads one GPU's state
                 continue
-            need = offload_host_bytes(p.numel() for p in model.parameters() if p.requires_grad)
-            if need > 0.9 * have:
-                short[kind] = f"needs {format_bytes(need)} of pinned host memory, {format_bytes(have)} available"
+            if pinned_state > PINNED_HOST_SHARE * have:
+                short[kind] = f"needs {format_bytes(pinned_state)} of pinned host memory, {format_bytes(have)} available"
                 failures[kind] = NothingFitsError(short[kind])
                 continue
         found = max((r.best.samples_per_s for r in results.values()), default=0.0)

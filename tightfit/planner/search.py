@@ -524,7 +524,7 @@ def _ladder_candidates(space: SearchSpace, prec: str, lines: BlockLines, estimat
     best: dict[tuple, Candidate] = {}
     for policies, line in _choice_ladders(space, prec, lines, estimate_fn):
         m = line.largest_fitting(space.limit, E)
-        on_host = sum(p == "offload" for p in policies) * tm.offload_bytes.get(prec, 0.0)  # bytes per sample
+        on_host = tm.offloaded_bytes(prec, 1, policies)  # per sample
         if on_host and space.host_bytes is not None:  # one micro-batch's offloaded activations at a time
             m = min(m, int(space.host_bytes // on_host))
         if m == 0:
@@ -788,7 +788,7 @@ def _overheads(space: SearchSpace, c: Candidate) -> str:
                                            len(c.checkpoint_blocks), c.block_policies)
     parts = [f"{name} {t * 1e3:.0f} ms" for name, t in (("recomputation", recompute), ("host transfers", transfer))
              if t > 0]
-    pinned = sum(p == "offload" for p in c.block_policies or ()) * c.micro_batch * tm.offload_bytes.get(c.precision, 0.0)
+    pinned = tm.offloaded_bytes(c.precision, c.micro_batch, c.block_policies)
     if pinned and parts:
         parts[-1] += f" ({format_bytes(pinned)} of pinned host memory)"
     return f"; per step: {', '.join(parts)}" if parts else ""

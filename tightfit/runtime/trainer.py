@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..config import TrainOptions, _positive_finite, option
 from ..devices import DeviceProfile
@@ -176,21 +177,22 @@ def steps_per_epoch(n: int, effective_batch: int) -> int:
 
 
 def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: int, micro_batch: int,
-                              steps: int, fix: str = "choose another effective batch (or micro-batch), or put "
-                                                     "BatchNorm in eval mode", forward=None) -> str | None:
+                              steps: int, forward: Callable[[], object],
+                              fix: str = "choose another effective batch (or micro-batch), or put "
+                                         "BatchNorm in eval mode") -> str | None:
     """Why ``steps`` optimizer steps over ``n`` training samples would give the model's BatchNorm
     layers a micro-batch of one sample they cannot train on (None: they would not). BatchNorm in
     train mode cannot normalise a single value per channel (``ValueError: Expected more than 1
     value per channel when training``): with one sample, a layer over ``[1, C]`` features, or over
     feature maps pooled to 1 x 1; a window split as 4+4+1, or an epoch's last window of one sample
-    (when the run gets there), would stop the run there. ``forward``: runs the model on one
-    sample (:func:`starves_batchnorm`: only a layer that then sees one value per channel counts;
-    ResNet-50 at 224 pixels normalises one image over 7 x 7 values and trains); None, or a forward
-    that fails: every BatchNorm layer in train mode counts, and all of them in a model in eval
-    mode (the runtime trains such a model in train mode). ``fix``: what the message advises."""
+    (when the run gets there), would stop the run there. Counted are BatchNorm layers that train
+    (those in train mode, and all of them in a model in eval mode, which the runtime trains in
+    train mode), and only where ``forward`` (the model on one sample, :func:`one_sample_forward`)
+    fails in training modes (:func:`starves_batchnorm`: ResNet-50 at 224 pixels normalises one
+    image over 7 x 7 values and trains). ``fix``: what the message advises."""
     from ..step import training_modes
 
-    norms = [m for m, training in training_modes(model) if training and isinstance(m, _BATCH_NORMS)]
+    norms = [m for m, training in training_modes(model) if training and isinstance(m, _BatchNorm)]
     if not norms:
         return None
     full, last = divmod(n, effective_batch)
@@ -198,7 +200,7 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
     for window in ([effective_batch] if full else []) + ([last] if reached_last else []):
         sizes = micro_batch_sizes(window, micro_batch)
         if 1 in sizes:
-            if forward is not None and not starves_batchnorm(model, norms, forward):
+            if not starves_batchnorm(model, norms, forward):
                 return None
             where = (f"the last window of each epoch holds 1 sample ({n} training samples, effective batch "
                      f"{effective_batch})" if window == 1 else
@@ -208,7 +210,15 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
     return None
 
 
-_BATCH_NORMS = (torch.nn.modules.batchnorm._BatchNorm,)
+def one_sample_forward(workload: Workload, model: torch.nn.Module, device: torch.device,
+                       precision: str = "fp32") -> Callable[[], object]:
+    """A function running ``workload``'s loss on its first training sample (``collate([0])``,
+    moved to ``device``) with ``model`` under ``precision``'s autocast, as a step does: the
+    ``forward`` of :func:`batchnorm_sees_one_sample`."""
+    def forward():
+        with autocast(precision, device.type):
+            return workload.loss_sum(model, {k: v.to(device) for k, v in workload.train.collate([0]).items()})
+    return forward
 
 
 def starves_batchnorm(model: torch.nn.Module, norms: list, forward) -> bool:
@@ -317,13 +327,9 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
         total = math.ceil(config.epochs * self.steps_per_epoch)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
-        def one_sample():  # before compilation: one eager forward, as the step runs it
-            with autocast(plan.precision, self.device.type):
-                workload.loss_sum(self.model, {k: v.to(self.device) for k, v in workload.train.collate([0]).items()})
-
-        one = None if self.world.distributed else batchnorm_sees_one_sample(
+        one = None if self.world.distributed else batchnorm_sees_one_sample(  # before compilation: an eager forward
             self.model, len(workload.train), workload.effective_batch, plan.micro_batch, self.total_steps,
-            forward=one_sample)
+            one_sample_forward(workload, self.model, self.device, plan.precision))
         if one:
             raise TightfitError(one)
         if plan.compile:
