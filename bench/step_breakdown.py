@@ -35,7 +35,7 @@ OUT = Path(os.environ.get("OUT", "bench-out"))
 ALL_ENCODERS = __import__("tightfit.masks", fromlist=["ENCODERS"]).ENCODERS
 SCOPE = __import__("tightfit.levers.compile", fromlist=["compile_scope"]).compile_scope
 GiB = 2**30
-STEPS = 8
+STEPS = int(os.environ.get("STEPS", "8"))
 
 # name: (arch, seq, budget GiB or None, precision, micro-batch, effective batch, checkpointing, optimizer, mask 4-D,
 #        compiled: True for blocks, "model" for the whole model)
@@ -45,6 +45,11 @@ ROWS = {
     "large-plan-4GiB-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, True),
     # the whole model compiled as one graph (tightfit.levers.compile.compile_scope forced to "model"),
     # checkpointing inside it: one compiled call per micro-batch instead of 24 blocks x 3
+    # the plan of bench/results/past-the-card call 3 (128 x 1; all 24 blocks here, 23 there)
+    "large-plan-4GiB-128-compiled": ("bert-large", 128, 4, "bf16", 128, 128, True, "adamw8bit-bf16", True, True),
+    # the same, the whole model as one graph
+    "large-plan-4GiB-128-model-compiled": ("bert-large", 128, 4, "bf16", 128, 128, True, "adamw8bit-bf16", True,
+                                           "model"),
     "large-plan-4GiB-model-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, "model"),
     "large-nobudget-adamw-compiled": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True, True),
     "large-nobudget-adamw-mb256-model-compiled": ("bert-large", 128, None, "bf16", 256, 256, False, "adamw", True,
@@ -103,8 +108,10 @@ def run_row(name: str, profile: bool) -> dict:
                 prof.step()
 
         t._launch = launch
+    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     res = t.fit()
     torch.cuda.synchronize()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
     if prof is not None:
         prof.__exit__(None, None, None)
     ends = [e for e, _ in res.step_ends]
@@ -116,7 +123,20 @@ def run_row(name: str, profile: bool) -> dict:
            "step_s": step_s, "optimizer_step_s": opt_s, "rest_s": step_s - opt_s,
            "samples_per_s": eff / step_s, "peak_allocated_GiB": torch.cuda.max_memory_allocated() / GiB,
            "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "steps": res.steps,
-           "oom_recoveries": res.oom_recoveries, "final_micro_batch": res.plan.micro_batch}
+           "oom_recoveries": res.oom_recoveries, "final_micro_batch": res.plan.micro_batch,
+           # the allocator's cache flushes (freeing cached blocks and retrying a cudaMalloc: a device
+           # sync each) during the run, and every step's seconds: a steady or a spiky step
+           "alloc_retries": retries, "step_seconds": steps,
+           "step_p10_s": statistics.quantiles(steps, n=10)[0] if len(steps) > 1 else step_s,
+           "step_p90_s": statistics.quantiles(steps, n=10)[-1] if len(steps) > 1 else step_s}
+    if os.environ.get("PROBE_AFTER"):  # the planner's probe loop on the same model, compiled and checkpointed
+        from tightfit.planner.probe import probe_step
+        try:
+            t.model.train()
+            pr = probe_step(w, mb, precision, budget * GiB if budget else 10**13, timed_steps=10, optimizer=opt)
+            row["probe_step_s"] = pr.step_seconds if pr.fits else None
+        except Exception as e:  # noqa: BLE001 - a diagnostic
+            row["probe_error"] = repr(e)[:300]
     if prof is not None:
         ka = prof.key_averages()
         row["top_cuda"] = ka.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
