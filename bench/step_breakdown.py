@@ -43,13 +43,12 @@ ROWS = {
     "large-plan-4GiB": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, False),
     "large-plan-4GiB-mask2d": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", False, False),
     "large-plan-4GiB-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, True),
-    # the whole model compiled as one graph (tightfit.levers.compile.compile_scope forced to "model"),
-    # checkpointing inside it: one compiled call per micro-batch instead of 24 blocks x 3
-    # the plan of bench/results/past-the-card call 3 (128 x 1; all 24 blocks here, 23 there)
+    # the plan of bench/results/past-the-card call 3 (128 x 1; all 24 blocks here, 23 there), and as one graph
     "large-plan-4GiB-128-compiled": ("bert-large", 128, 4, "bf16", 128, 128, True, "adamw8bit-bf16", True, True),
-    # the same, the whole model as one graph
     "large-plan-4GiB-128-model-compiled": ("bert-large", 128, 4, "bf16", 128, 128, True, "adamw8bit-bf16", True,
                                            "model"),
+    # the whole model compiled as one graph (tightfit.levers.compile.compile_scope forced to "model"),
+    # checkpointing inside it: one compiled call per micro-batch instead of 24 blocks x 3
     "large-plan-4GiB-model-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, "model"),
     "large-nobudget-adamw-compiled": ("bert-large", 128, None, "bf16", 86, 256, False, "adamw", True, True),
     "large-nobudget-adamw-mb256-model-compiled": ("bert-large", 128, None, "bf16", 256, 256, False, "adamw", True,
@@ -126,17 +125,9 @@ def run_row(name: str, profile: bool) -> dict:
            "oom_recoveries": res.oom_recoveries, "final_micro_batch": res.plan.micro_batch,
            # the allocator's cache flushes (freeing cached blocks and retrying a cudaMalloc: a device
            # sync each) during the run, and every step's seconds: a steady or a spiky step
-           "alloc_retries": retries, "step_seconds": steps,
-           "step_p10_s": statistics.quantiles(steps, n=10)[0] if len(steps) > 1 else step_s,
-           "step_p90_s": statistics.quantiles(steps, n=10)[-1] if len(steps) > 1 else step_s}
-    if os.environ.get("PROBE_AFTER"):  # the planner's probe loop on the same model, compiled and checkpointed
-        from tightfit.planner.probe import probe_step
-        try:
-            t.model.train()
-            pr = probe_step(w, mb, precision, budget * GiB if budget else 10**13, timed_steps=10, optimizer=opt)
-            row["probe_step_s"] = pr.step_seconds if pr.fits else None
-        except Exception as e:  # noqa: BLE001 - a diagnostic
-            row["probe_error"] = repr(e)[:300]
+           "alloc_retries": retries, "step_seconds": steps}
+    deciles = statistics.quantiles(steps, n=10) if len(steps) > 1 else [step_s]
+    row["step_p10_s"], row["step_p90_s"] = deciles[0], deciles[-1]
     if prof is not None:
         ka = prof.key_averages()
         row["top_cuda"] = ka.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)

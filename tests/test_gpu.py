@@ -176,10 +176,10 @@ def test_a_whole_model_graph_with_every_block_checkpointed_trains_as_eager_does(
 def test_a_compiled_checkpointed_block_recomputes_with_the_dropout_mask_of_its_forward():
     """Blocks compiled one by one and every one checkpointed, dropout 0.5 on: the last block's
     output is ``dropout(sin(h)) * w``, so its weight's gradient is ``out.sum(0) / w`` exactly
-    when the recomputation draws the forward's mask, and far from it otherwise (seen: error 11
-    with ``preserve_rng_state=False`` in eager checkpointing). Checkpointing wraps each compiled
-    block's call (checkpointing inside the compiled function failed in torch 2.11's partitioner,
-    bench/results/checkpoint-inside)."""
+    when the recomputation draws the forward's mask, and far from it otherwise (this body on the
+    CPU's Inductor: error 11 with ``preserve_rng_state=False`` in ``run_block``, 1e-6 as shipped).
+    Checkpointing wraps each compiled block's call (checkpointing inside the compiled function
+    failed in torch 2.11's partitioner, bench/results/checkpoint-inside)."""
     import torch.nn.functional as F
 
     import tightfit.levers.compile as compile_lever
