@@ -8,7 +8,8 @@ CUDA machine with bitsandbytes, torchao and peft importable:
 
 ``TF_COMPILE``: the tightfit row's ``--compile`` (default ``off``, to keep the bench short; ``auto``
 plans as ``tightfit train`` does); ``TF_STEPS``: its timed steps (default 30); ``BENCH_SETTINGS``:
-the rows to run, in that order, of ``tightfit, bnb, torchao, offload, no-budget`` (default: all).
+the rows to run, in that order, of ``tightfit, bnb, torchao, offload, no-budget, compiled-no-budget``
+(default: all).
 
 Per workload (memory capped with ``torch.cuda.set_per_process_memory_fraction``), rows of
 ``tightfit bench``'s shape (:mod:`tightfit.bench.settings`):
@@ -19,7 +20,8 @@ Per workload (memory capped with ``torch.cuda.set_per_process_memory_fraction``)
   as the library ships it (:data:`BY_HAND_8BIT` swaps the 8-bit one into the runtime), bf16 with
   every block checkpointed at the largest batch whose probe step fits, no accumulation (what a user
   tuning by hand runs), ``STEPS`` timed steps;
-- ``no budget``: the effective batch in one bf16 micro-batch (checkpointing none and all), no cap.
+- ``no budget``: the effective batch in one bf16 micro-batch (checkpointing none and all), no cap;
+  ``compiled no budget``: the same compiled, without checkpointing.
 
 Effective batches: 128 (BERT-large), 64 (the 334M decoder classifier), 4 (the 1.3B decoder LM: with
 CPU offload its gradients are freed on the GPU only without accumulation, and 4 x 512 tokens is
@@ -224,7 +226,8 @@ def write(results: dict) -> None:
     lines = ["| workload | setting | optimizer | batch (micro x accum) | ckpt blocks | samples/s | vs no-budget best "
              "| peak reserved GiB | OOMs after planning | planning s |", "|" + "---|" * 10]
     for name, rows in results["workloads"].items():
-        best = max((r.get("samples_per_s") or 0 for r in rows if r["setting"] == "no budget"), default=0)
+        best = max((r.get("samples_per_s") or 0 for r in rows if r["setting"] in ("no budget", "compiled no budget")),
+                   default=0)
         for r in rows:
             sps = r.get("samples_per_s")
             head = f"| {name} | {r['setting']} | {r.get('optimizer', 'adamw')} |"
@@ -239,7 +242,7 @@ def write(results: dict) -> None:
     (OUT / "optimizer_levers.md").write_text("\n".join(lines) + "\n")
 
 
-SETTINGS = ("tightfit", "bnb", "torchao", "offload", "no-budget")  # the rows, in the order they run
+SETTINGS = ("tightfit", "bnb", "torchao", "offload", "no-budget", "compiled-no-budget")  # the rows, in the order they run
 
 
 def run_row(workload: str, setting: str, out: Path) -> None:
@@ -248,7 +251,8 @@ def run_row(workload: str, setting: str, out: Path) -> None:
     settings = {"tightfit": lambda: [tightfit(w)], "bnb": lambda: [by_hand(w, "adamw8bit", "bitsandbytes")],
                 "torchao": lambda: [by_hand(w, "adamw8bit", "torchao")],
                 "offload": lambda: [by_hand(w, "adamw-offload", "torchao")],
-                "no-budget": lambda: st.no_budget(w, STEPS, WARMUP, precisions=("bf16",))}
+                "no-budget": lambda: st.no_budget(w, STEPS, WARMUP, precisions=("bf16",)),
+                "compiled-no-budget": lambda: [st.compiled_no_budget(w, STEPS, WARMUP)]}
     try:
         rows = settings[setting]()
     except Exception as e:  # keep going: one setting's failure is a result too

@@ -34,6 +34,7 @@ from tightfit.runtime.trainer import TrainConfig, Trainer  # noqa: E402
 OUT = Path(os.environ.get("OUT", "bench-out"))
 ALL_ENCODERS = __import__("tightfit.masks", fromlist=["ENCODERS"]).ENCODERS
 SCOPE = __import__("tightfit.levers.compile", fromlist=["compile_scope"]).compile_scope
+SKIPS_ON_DEVICE = __import__("tightfit.step", fromlist=["skips_on_device"]).skips_on_device
 GiB = 2**30
 STEPS = int(os.environ.get("STEPS", "8"))
 
@@ -47,6 +48,14 @@ ROWS = {
     "large-plan-4GiB-128-compiled": ("bert-large", 128, 4, "bf16", 128, 128, True, "adamw8bit-bf16", True, True),
     "large-plan-4GiB-128-model-compiled": ("bert-large", 128, 4, "bf16", 128, 128, True, "adamw8bit-bf16", True,
                                            "model"),
+    # the same two with every step's values read on the host before its update (as before the
+    # 8-bit bf16 update took its verdict on the device): the host waits for the GPU at every step
+    "large-plan-4GiB-128-compiled-sync": ("bert-large", 128, 4, "bf16", 128, 128, True, "adamw8bit-bf16", True, True),
+    "large-plan-4GiB-128-model-compiled-sync": ("bert-large", 128, 4, "bf16", 128, 128, True, "adamw8bit-bf16", True,
+                                                "model"),
+    # issue 14's reference: the effective batch in one micro-batch, no budget, fp32 AdamW state
+    "large-nobudget-128-adamw": ("bert-large", 128, None, "bf16", 128, 128, False, "adamw", True, False),
+    "large-nobudget-128-adamw-compiled": ("bert-large", 128, None, "bf16", 128, 128, False, "adamw", True, True),
     # the whole model compiled as one graph (tightfit.levers.compile.compile_scope forced to "model"),
     # checkpointing inside it: one compiled call per micro-batch instead of 24 blocks x 3
     "large-plan-4GiB-model-compiled": ("bert-large", 128, 4, "bf16", 86, 256, True, "adamw8bit-bf16", True, "model"),
@@ -69,7 +78,9 @@ def run_row(name: str, profile: bool) -> dict:
     arch, seq, budget, precision, mb, eff, ckpt, opt, mask4d, compiled = ROWS[name]
     masks.ENCODERS = ALL_ENCODERS if mask4d else frozenset()  # each row sets its own (2-D: none)
     import tightfit.levers.compile as compile_lever
+    import tightfit.step as step_module
     compile_lever.compile_scope = (lambda model: "model") if compiled == "model" else SCOPE
+    step_module.skips_on_device = (lambda optimizer: False) if name.endswith("-sync") else SKIPS_ON_DEVICE
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory

@@ -9,6 +9,7 @@ compiler is needed): the first test in a process compiles it once per parameter 
 """
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,101 @@ def _three_steps_other_draws():
     return [p.detach().clone() for p in ps]
 
 
+def _verdict_step(found_inf):
+    """:func:`_three_steps`' tensors after two steps, then a third step handed ``found_inf`` (a
+    0-d device tensor, as :func:`tightfit.step.apply_update` hands it; None: no verdict) with
+    gradients that are not finite where ``found_inf`` says so; the weights and every state
+    tensor (8-bit codes and scales, bf16 moments, step counters) before and after it."""
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((64, 64), (8,), (64, 64))]
+    opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
+
+    def tensors():
+        return [p.detach().clone() for p in ps] + [x.clone() for p in ps for k, t in opt.state[p].items()
+                                                   for x in ((t.codes, t.scale) if hasattr(t, "codes") else (t,))]
+    for i in range(3):
+        for p in ps:
+            p.grad = (torch.randn(p.shape) * 1e-3).bfloat16()
+        if i == 2:
+            before = tensors()
+            if found_inf is not None and found_inf.item() == 1.0:
+                ps[1].grad[0] = math.nan
+            opt.found_inf = found_inf
+        opt.step()
+    return before, tensors()
+
+
+@needs_torchao
+def test_a_nonfinite_verdict_on_the_device_leaves_every_tensor_as_it_was():
+    """The skip decided on the device (no host sync): handed ``found_inf`` 1.0 the step writes
+    nothing, weights, 8-bit codes and scales, bf16 moments and step counters alike; handed 0.0 it
+    is the step without a verdict, bit for bit, stochastic rounding's draws included."""
+    before, skipped = _verdict_step(torch.ones(()))
+    assert all(torch.equal(a, b) for a, b in zip(before, skipped))
+    _, none = _verdict_step(None)
+    _, finite = _verdict_step(torch.zeros(()))
+    assert all(torch.equal(a, b) for a, b in zip(none, finite))
+    assert not all(torch.equal(a, b) for a, b in zip(before, finite))  # an applied step writes
+
+
+def _queued_and_read(monkeypatch, device):
+    """Two runs of ``adamw8bit-bf16`` on ``device``, dropout on, the third window's forward not
+    finite: the trainer's run-ahead (the skip decided on the device), then every step read on the
+    host before its update. Returns both runs' weights and records, and how many steps were queued
+    ahead and skipped in the first."""
+    import tightfit.step as step
+
+    real, may = step.skips_on_device, Trainer._may_run_ahead
+    runs = []
+    for ahead in (True, False):
+        w = workload(n=48)
+        w.model.to(device)
+        calls = []
+
+        def poison(module, args, out):
+            if torch.is_grad_enabled():
+                calls.append(1)
+                return out * math.inf if len(calls) == 3 else out
+        w.model.bert.encoder.layer[0].output.dense.register_forward_hook(poison)
+        records, queued = [], []
+        torch.manual_seed(5)
+        t = Trainer(w, Plan("bf16", 8, 8, optimizer=KIND, device=device),
+                    TrainConfig(epochs=1, lr=1e-3, seed=3, log_every=2), log=records.append, progress=False)
+        monkeypatch.setattr(Trainer, "_may_run_ahead", lambda self, launched: queued.append(may(self, launched))
+                            or queued[-1])
+        # on the CPU the CUDA condition is lifted, as tests/test_run_ahead.py does for fused AdamW
+        monkeypatch.setattr(step, "skips_on_device", (lambda o: False) if not ahead else real if device == "cuda"
+                            else (lambda o: getattr(o, "skips_nonfinite_on_device", False)))
+        t.fit()
+        kept = ("type", "step", "epoch", "loss", "lr", "grad_norm", "stepped", "micro_batch", "accuracy", "eval_loss")
+        runs.append((params(w.model), [{k: v for k, v in r.items() if k in kept} for r in records],
+                     sum(queued), t.result.skipped_steps))
+    return runs
+
+
+@needs_torchao
+def test_steps_queued_ahead_with_the_device_side_skip_train_as_steps_read_at_once(monkeypatch):
+    """The trainer's run-ahead with ``adamw8bit-bf16``, dropout on and one step whose gradients are
+    not finite: the same records and weights as every step read on the host before the update
+    (both hand the update the verdict, so both draw the same stochastic-rounding numbers)."""
+    (weights, records, queued, skipped), (sync_weights, sync_records, _, _) = _queued_and_read(monkeypatch, "cpu")
+    assert queued >= 2 and skipped == 1
+    assert records == sync_records
+    assert_same(weights, sync_weights)
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_on_the_gpu_steps_queued_ahead_with_the_device_side_skip_train_as_steps_read_at_once(monkeypatch):
+    """The real path: on CUDA ``skips_on_device`` holds for ``adamw8bit-bf16`` as shipped."""
+    (weights, records, queued, skipped), (sync_weights, sync_records, _, _) = _queued_and_read(monkeypatch, "cuda")
+    assert queued >= 2 and skipped == 1
+    assert records == sync_records
+    assert_same(weights, sync_weights)
+
+
 @needs_torchao
 def test_the_probe_leaves_the_fp32_weights_bit_identical():
     """The probe steps a bf16 copy (the optimizer refuses fp32) and gives the very same fp32
@@ -220,9 +316,9 @@ def test_the_estimators_state_is_torchaos_to_the_byte():
         return [x for n in t.__tensor_flatten__()[0] for x in leaves(getattr(t, n))] if hasattr(
             t, "__tensor_flatten__") else [t]
 
-    real_bytes = sum(x.numel() * x.element_size() for s in real.state.values() for k, t in s.items()
-                     if k != "step" for x in leaves(t))  # the step counters live on the CPU
-    assert all(s["step"].device.type == "cpu" for s in real.state.values())
+    real_bytes = sum(x.numel() * x.element_size() for s in real.state.values() for t in s.values()
+                     for x in leaves(t))  # the step counters included: they live on the weights' device
+    assert all(s["step"].device == p.device for p, s in real.state.items())
     stand_in = make_optimizer(meta.parameters(), KIND, "meta")
     stand_in.step()
     assert sum(t.numel() * t.element_size() for t in stand_in.state_tensors()) == real_bytes

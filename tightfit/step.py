@@ -194,7 +194,7 @@ class MetaOptimizer:
     update; the parameters are bf16): per quantized tensor
     (:func:`tightfit.levers.optimizers.is_quantized_torchao`), for each moment in turn, uint8 codes
     of its shape, an fp32 scale per 256 elements and its own 256-entry fp32 map; bf16 ``zeros_like``
-    twice for the others; the ``step`` counters are on the CPU. Its compiled update
+    twice for the others; a 0-d fp32 ``step`` counter per tensor, first. Its compiled update
     (``single_param_adam``) holds no tensor-sized temporary on CUDA: torchao's AdamW8bit over
     BERT-large on an NVIDIA H200 peaked 30 MB above its state
     (bench/results/optimizer-levers-3/optimizer_step_time.json, fp32 weights), left out.
@@ -221,10 +221,11 @@ class MetaOptimizer:
             if p.grad is None or p in self.state:
                 continue
             if self.kind == "adamw8bit-bf16":
+                counter = (torch.zeros((), device=p.device),)  # the step counter, on the weight's device
                 if not is_quantized_torchao(p.numel()):
-                    self.state[p] = (torch.zeros_like(p), torch.zeros_like(p))
+                    self.state[p] = counter + (torch.zeros_like(p), torch.zeros_like(p))
                     continue
-                self.state[p] = tuple(
+                self.state[p] = counter + tuple(
                     t for _ in range(2) for t in (torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
                                                   torch.zeros(p.numel() // BLOCK_SIZE, device=p.device),
                                                   torch.zeros(TORCHAO_QMAP_BYTES // 4, device=p.device)))
@@ -323,12 +324,16 @@ def skips_on_device(optimizer) -> bool:
     """Whether ``optimizer`` can skip a non-finite update on the device, given the verdict as a
     tensor (``found_inf``): PyTorch's fused optimizers (fused AdamW, fused SGD) on CUDA, which
     ``torch.amp.GradScaler`` drives the same way (``_step_supports_amp_scaling``, read by
-    ``GradScaler.step`` in every torch since 2.0). Others (bitsandbytes, torchao, CPU offload,
-    foreach) need the verdict on the host before ``step()``."""
+    ``GradScaler.step`` in every torch since 2.0), and optimizers that say so with
+    ``skips_nonfinite_on_device`` (``adamw8bit-bf16``: :func:`tightfit.levers.optimizers._bf16_class`).
+    Others (bitsandbytes, CPU offload, foreach) need the verdict on the host before ``step()``."""
     groups = optimizer.param_groups
     first = next((p for g in groups for p in g["params"]), None)  # a fused optimizer's are on one device
-    return (bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not hasattr(optimizer, "wait_for_gradients")
-            and first is not None and first.is_cuda and all(g.get("fused") for g in groups))
+    if first is None or not first.is_cuda or hasattr(optimizer, "wait_for_gradients"):
+        return False
+    if getattr(optimizer, "skips_nonfinite_on_device", False):  # tightfit's adamw8bit-bf16
+        return True
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(g.get("fused") for g in groups)
 
 
 def accumulate(model: torch.nn.Module, micro_batches: Iterable[dict], loss_sum: Callable, normaliser: float,
@@ -376,7 +381,9 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
 
     Clipping runs on every parameter of ``optimizer.param_groups`` (``max_grad_norm`` None:
     norm measured, nothing clipped). Without an enabled scaler a non-finite norm skips
-    ``optimizer.step()``; with one, ``scaler.step`` skips it when ``unscale_`` found inf/NaN.
+    ``optimizer.step()`` (an optimizer with ``skips_nonfinite_on_device`` is stepped with the
+    verdict as a device tensor instead, read or not, and skips the update itself); with one,
+    ``scaler.step`` skips it when ``unscale_`` found inf/NaN.
     ``scaler.update()`` runs also after a skipped step (the loss scale backs off).
 
     Args:
@@ -408,8 +415,13 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
         norm = norm.full_tensor()
     pending = None  # [grad norm, loss] left on the device: the skip is decided there
     loss_value, grad_norm = None, None
+    # An optimizer that takes the verdict on the device is handed it even where the host reads the
+    # norm: its skipped step then does what the deferred one does (adamw8bit-bf16 draws its
+    # stochastic rounding's random numbers, applied or not), so both paths leave the same RNG state.
+    verdict = norm.detach() if getattr(optimizer, "skips_nonfinite_on_device", False) and not norm.is_meta else None
     if defer and loss is not None and skips_on_device(optimizer):
         pending = torch.stack([norm.detach().float(), loss.detach().float().to(norm.device)])
+        verdict = pending[0]
     elif norm.is_meta:
         pass
     elif loss is None:
@@ -420,8 +432,8 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
     finite = grad_norm is None or math.isfinite(grad_norm)
     if scaling:
         scaler.step(optimizer)  # skips the update itself if unscale_ found inf/NaN (fused: with no sync)
-    elif pending is not None:
-        _step_unless_nonfinite(optimizer, pending[0])
+    elif verdict is not None:
+        _step_unless_nonfinite(optimizer, verdict)
     elif finite:
         optimizer.step()
     if scaler is not None:
@@ -434,7 +446,8 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
 
 def _step_unless_nonfinite(optimizer, grad_norm: torch.Tensor) -> None:
     """``optimizer.step()`` as a no-op where ``grad_norm`` (0-d, on the device) is not finite:
-    the fused kernel reads ``found_inf`` (1.0: skip) and restores its step counters."""
+    the fused kernel (or ``adamw8bit-bf16``'s compiled update) reads ``found_inf`` (1.0: skip)
+    and leaves its step counters as they were."""
     optimizer.grad_scale = None
     optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
     try:

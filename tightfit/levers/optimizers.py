@@ -43,8 +43,9 @@ offload (torchao), and bf16 weights with 8-bit moments (torchao), all from
   ``_new_buffer``, subclass_8bit.py ``OptimState8bit.zeros``, 0.18): tensors of at least 4,096
   elements whose size is a multiple of 256 keep each moment as uint8 codes of the parameter's
   shape, one fp32 scale per 256 elements and their own 256-entry fp32 look-up table; the others
-  two bf16 moments (``zeros_like``); the ``step`` counters and the learning rate are fp32 0-d
-  tensors on the CPU. (bitsandbytes' AdamW8bit has no stochastic rounding: a bf16 weight of 1.0
+  two bf16 moments (``zeros_like``); the learning rate is an fp32 0-d tensor on the CPU, the
+  ``step`` counters fp32 0-d tensors (on the CPU in torchao; on the weights' device in tightfit,
+  :func:`_bf16_class`). (bitsandbytes' AdamW8bit has no stochastic rounding: a bf16 weight of 1.0
   stays exactly 1.0 under 50 steps of lr 1e-4.)
 """
 
@@ -315,9 +316,10 @@ def adamw_8bit_bf16_state_bytes(numels) -> int:
     tensors of ``numels`` elements, once every one has stepped: per quantized tensor
     (:func:`is_quantized_torchao`) two uint8 codes per element, two fp32 scales per 256 elements
     and two 256-entry fp32 maps (:data:`TORCHAO_QMAP_BYTES` each); two bf16 moments (4 B per
-    element) for the others. The ``step`` counters live on the CPU. Source: torchao 0.18
-    ``_AdamBase._new_buffer`` and ``OptimState8bit.zeros``."""
-    return sum(2 * n + 2 * 4 * (n // BLOCK_SIZE) + 2 * TORCHAO_QMAP_BYTES if is_quantized_torchao(n) else 4 * n
+    element) for the others; a 0-d fp32 ``step`` counter per tensor (4 B; the CUDA allocator
+    rounds each to 512 B, as every small tensor). Source: torchao 0.18 ``_AdamBase._new_buffer``
+    and ``OptimState8bit.zeros``; the counters' device: :func:`_bf16_class`."""
+    return sum(4 + (2 * n + 2 * 4 * (n // BLOCK_SIZE) + 2 * TORCHAO_QMAP_BYTES if is_quantized_torchao(n) else 4 * n)
                for n in numels)
 
 
@@ -339,11 +341,22 @@ def adamw_8bit_bf16(params, lr: float, weight_decay: float) -> torch.optim.Optim
 
 @functools.cache
 def _compiled_update():
-    """torchao's per-parameter AdamW update (``torchao.optim.adam.single_param_adam``, same
-    arguments) compiled once, as torchao's step compiles it (``fullgraph=True, dynamic=False``).
+    """torchao's per-parameter AdamW update (``torchao.optim.adam.single_param_adam``) compiled
+    once, as torchao's step compiles it (``fullgraph=True, dynamic=False``), made skippable on
+    the device. Called as ``update(p, grad, step, exp_avg, exp_avg_sq, found_inf, lr, beta1,
+    beta2, weight_decay, eps, is_adamw, stochastic_round)``: ``step`` is the parameter's 0-d
+    fp32 counter on ``p``'s device, ``found_inf`` a 0-d fp32 tensor on that device (1.0: a
+    gradient was not finite).
 
-    Two host costs of torchao's own step are left out; the math, its order and the stochastic
-    rounding's draws are torchao's (the weights bit-identical, tests/test_bf16_weights.py):
+    With ``found_inf`` 0 it is torchao's update with torchao's math, order and stochastic-rounding
+    draws (``single_param_adam`` at ``step + 1``, then the counter advanced; the weights
+    bit-identical to torchao's own step, tests/test_bf16_weights.py); with 1 nothing is written,
+    the counter included: the update is computed on copies and each written tensor is selected
+    back with ``torch.where``, so the verdict never goes to the host and the step needs no
+    sync (:func:`tightfit.step.skips_on_device`). Inductor fuses the copies into the update's
+    kernels: no tensor-sized temporary is kept.
+
+    Two host costs of torchao's own step are left out:
 
     - torchao calls ``torch.compile(single_param_adam, ...)`` anew for every parameter of every
       step, a fresh wrapper around the same cached code: here one compiled function serves all;
@@ -354,22 +367,37 @@ def _compiled_update():
     NVIDIA H200 host, BERT-large's 393 bf16 tensors (bench/results/optimizer-dispatch): 281 ms per
     step as shipped, 139 ms through one compiled function; on another machine
     (bench/results/optimizer-dispatch-2) 77.9 ms through one function, 44.6 ms with the plain
-    tensors. The update itself is ~8 ms of GPU time."""
+    tensors. The update itself is ~8 ms of GPU time.
+
+    Raises:
+        TightfitError: an AMSGrad state (``max_exp_avg_sq``; tightfit never builds one).
+    """
     from torchao.optim.adam import single_param_adam
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    def plain(p, grad, step, codes1, scale1, qmap1, signed1, codes2, scale2, qmap2, signed2, *rest):
-        single_param_adam(p, grad, step, OptimState8bit(codes1, scale1, qmap1, signed1),
-                          OptimState8bit(codes2, scale2, qmap2, signed2), None, *rest)
+    def moment(parts, signed):  # (codes, block scales, map) of an 8-bit moment, or (a plain moment,)
+        return OptimState8bit(*parts, signed) if len(parts) == 3 else parts[0]
 
-    compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-    compiled_plain = torch.compile(plain, fullgraph=True, dynamic=False)
+    def skippable(p, grad, step, found_inf, m1, m2, signed1, signed2, *rest):
+        apply = found_inf == 0
+        new_p = p.clone()
+        new1 = tuple(t.clone() for t in m1[:2]) + tuple(m1[2:])  # the map is only read
+        new2 = tuple(t.clone() for t in m2[:2]) + tuple(m2[2:])
+        single_param_adam(new_p, grad, step + 1, moment(new1, signed1), moment(new2, signed2), None, *rest)
+        for old, new in zip((p, *m1[:2], *m2[:2]), (new_p, *new1[:2], *new2[:2])):
+            old.copy_(torch.where(apply, new, old))
+        step.add_(apply.to(step.dtype))
 
-    def update(p, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, *rest):
-        if max_exp_avg_sq is None and type(exp_avg) is OptimState8bit and type(exp_avg_sq) is OptimState8bit:
-            return compiled_plain(p, grad, step, exp_avg.codes, exp_avg.scale, exp_avg.qmap, exp_avg.signed,
-                                  exp_avg_sq.codes, exp_avg_sq.scale, exp_avg_sq.qmap, exp_avg_sq.signed, *rest)
-        return compiled(p, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, *rest)
+    compiled = torch.compile(skippable, fullgraph=True, dynamic=False)
+
+    def parts(state):
+        if type(state) is OptimState8bit:
+            return (state.codes, state.scale, state.qmap), state.signed
+        return (state,), False
+
+    def update(p, grad, step, exp_avg, exp_avg_sq, found_inf, *rest):
+        (m1, signed1), (m2, signed2) = parts(exp_avg), parts(exp_avg_sq)
+        return compiled(p, grad, step, found_inf, m1, m2, signed1, signed2, *rest)
 
     return update
 
@@ -379,21 +407,30 @@ def _bf16_class():
     """The subclass of ``torchao.optim.AdamW8bit`` that tightfit's step needs (built on first use,
     so that torchao is imported lazily). Its ``step`` is torchao's (0.18, ``_AdamBase.step``:
     the same state, the same update function and order of updates, so the same stochastic
-    rounding draws), with two changes:
+    rounding draws), with three changes:
 
     - it allocates the state of every parameter that has a gradient and no state yet, as
-      torchao's own step would (a CPU ``step`` counter at 0, then both moments by
-      ``_new_buffer``), before it updates any (torchao allocates and updates one parameter after
-      the other): an out-of-memory error while the first step's state is allocated leaves every
-      weight and moment unwritten, and the runtime drops the new state and redoes the window
-      (DESIGN invariant 10). An error during the updates themselves is seen by the runtime's
-      partial-update check: a parameter's ``step`` counter advances in place before its update,
-      and the compiled update bumps the weight's version counter;
+      torchao's own step would (a ``step`` counter at 0, then both moments by ``_new_buffer``),
+      before it updates any (torchao allocates and updates one parameter after the other): an
+      out-of-memory error while the first step's state is allocated leaves every weight and
+      moment unwritten, and the runtime drops the new state and redoes the window (DESIGN
+      invariant 10). An error during the updates themselves is seen by the runtime's
+      partial-update check: each compiled update bumps the version counters of the weight, its
+      moments and its step counter;
     - every update goes through one compiled function (:func:`_compiled_update`), not a new
-      ``torch.compile`` wrapper per parameter and step, and takes the 8-bit moments' plain tensors."""
+      ``torch.compile`` wrapper per parameter and step, and takes the 8-bit moments' plain tensors;
+    - it skips a non-finite update on the device, as PyTorch's fused optimizers do
+      (``skips_nonfinite_on_device``): :func:`tightfit.step.apply_update` sets ``found_inf``
+      (a 0-d fp32 device tensor, 1.0 where the gradient norm is not finite) and every update
+      leaves its tensors as they were where it is 1.0, the counters included, so the step ends
+      without a host sync and the trainer can queue the next one before reading this one's
+      values. To that end the ``step`` counters live on the weights' device (torchao keeps them
+      on the CPU; a CPU counter of a torchao checkpoint is moved there at the next step)."""
     base = _torchao_optim(_BF16_NEEDS).AdamW8bit
 
     class AdamW8bitBf16(base):
+        skips_nonfinite_on_device = True  # read by tightfit.step.skips_on_device
+
         @torch.no_grad()
         def step(self, closure=None):
             loss = None
@@ -404,27 +441,33 @@ def _bf16_class():
             for group, p in stepped:
                 if p.grad.is_sparse:
                     raise RuntimeError("Sparse gradient is not supported")
+                if group["amsgrad"]:
+                    raise TightfitError("optimizer adamw8bit-bf16 has no AMSGrad variant")
                 state = self.state[p]
-                if len(state) == 0:  # torchao's own initialisation
-                    state["step"] = torch.tensor(0.0)
+                if len(state) == 0:  # torchao's own initialisation, the counter on the weight's device
+                    state["step"] = torch.zeros((), device=p.device)
                     state["exp_avg"] = self._new_buffer(p, True)
                     state["exp_avg_sq"] = self._new_buffer(p, False)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                elif state["step"].device != p.device:  # torchao's CPU counter (its checkpoints)
+                    state["step"] = state["step"].to(p.device)
+            if getattr(self, "grad_scale", None) is not None:
+                raise RuntimeError("adamw8bit-bf16 takes no loss scale (bf16 autocast only)")
+            found_inf = getattr(self, "found_inf", None)  # the device's verdict (tightfit.step), or none
+            finite = {}  # a 0.0 per device where there is no verdict
             update = _compiled_update()
             # one compiled entry per distinct shape and state kind (torchao lifts the cache limit too)
             with torch._dynamo.utils.disable_cache_limit():
                 for group, p in stepped:
                     state = self.state[p]
-                    state["step"] += 1
                     if not isinstance(group["lr"], torch.Tensor):
                         raise RuntimeError("lr was changed to a non-Tensor object; set it with "
                                            "optim.param_groups[0]['lr'].fill_(new_lr)")
+                    verdict = found_inf if found_inf is not None else finite.setdefault(
+                        p.device, torch.zeros((), device=p.device))
                     # p.detach(): torchao's workaround for FSDP2 (the gradient is passed on its own)
-                    update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
-                           state.get("max_exp_avg_sq", None), group["lr"], group["betas"][0], group["betas"][1],
-                           group["weight_decay"], group["eps"], self.is_adamw,
-                           self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+                    update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], verdict,
+                           group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],
+                           self.is_adamw, self.bf16_stochastic_round and p.dtype is torch.bfloat16)
             return loss
 
     return AdamW8bitBf16
