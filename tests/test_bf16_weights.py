@@ -248,7 +248,7 @@ def _queued_and_read(monkeypatch, device):
         t.fit()
         kept = ("type", "step", "epoch", "loss", "lr", "grad_norm", "stepped", "micro_batch", "accuracy", "eval_loss")
         runs.append((params(w.model), [{k: v for k, v in r.items() if k in kept} for r in records],
-                     sum(queued), t.result.skipped_steps))
+                     sum(queued), t.result.skipped_steps, {s["step"].device.type for s in t.optimizer.state.values()}))
     return runs
 
 
@@ -257,7 +257,7 @@ def test_steps_queued_ahead_with_the_device_side_skip_train_as_steps_read_at_onc
     """The trainer's run-ahead with ``adamw8bit-bf16``, dropout on and one step whose gradients are
     not finite: the same records and weights as every step read on the host before the update
     (both hand the update the verdict, so both draw the same stochastic-rounding numbers)."""
-    (weights, records, queued, skipped), (sync_weights, sync_records, _, _) = _queued_and_read(monkeypatch, "cpu")
+    (weights, records, queued, skipped, _), (sync_weights, sync_records, *_) = _queued_and_read(monkeypatch, "cpu")
     assert queued >= 2 and skipped == 1
     assert records == sync_records
     assert_same(weights, sync_weights)
@@ -267,8 +267,9 @@ def test_steps_queued_ahead_with_the_device_side_skip_train_as_steps_read_at_onc
 @needs_torchao
 def test_on_the_gpu_steps_queued_ahead_with_the_device_side_skip_train_as_steps_read_at_once(monkeypatch):
     """The real path: on CUDA ``skips_on_device`` holds for ``adamw8bit-bf16`` as shipped."""
-    (weights, records, queued, skipped), (sync_weights, sync_records, _, _) = _queued_and_read(monkeypatch, "cuda")
-    assert queued >= 2 and skipped == 1
+    (weights, records, queued, skipped, counters), (sync_weights, sync_records, *_) = _queued_and_read(monkeypatch,
+                                                                                                       "cuda")
+    assert queued >= 2 and skipped == 1 and counters == {"cuda"}  # the step counters beside the weights
     assert records == sync_records
     assert_same(weights, sync_weights)
 

@@ -194,10 +194,11 @@ class MetaOptimizer:
     update; the parameters are bf16): per quantized tensor
     (:func:`tightfit.levers.optimizers.is_quantized_torchao`), for each moment in turn, uint8 codes
     of its shape, an fp32 scale per 256 elements and its own 256-entry fp32 map; bf16 ``zeros_like``
-    twice for the others; a 0-d fp32 ``step`` counter per tensor, first. Its compiled update
-    (``single_param_adam``) holds no tensor-sized temporary on CUDA: torchao's AdamW8bit over
-    BERT-large on an NVIDIA H200 peaked 30 MB above its state
-    (bench/results/optimizer-levers-3/optimizer_step_time.json, fp32 weights), left out.
+    twice for the others; a 0-d fp32 ``step`` counter per tensor, first. Its compiled update's
+    temporaries are left out: torchao's AdamW8bit over BERT-large with fp32 weights on an NVIDIA
+    H200 peaked 30 MB above its state (bench/results/optimizer-levers-3/optimizer_step_time.json),
+    but with bf16 weights the update of one 8192 x 8192 8-bit tensor peaked 514 MiB (8 B per
+    element) above it (a review's measurement, 2026-12-04): not yet counted here.
     Parameters without a gradient get no state.
     """
 
@@ -396,7 +397,7 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
             sync as the gradient norm (the non-finite guard needs the norm on the host before
             the step; reading the loss separately would cost a second sync per step); None: not read.
         defer: with ``loss``, where :func:`skips_on_device` holds, read nothing: the fused
-            kernel is handed the verdict ``found_inf = not isfinite(norm)`` as a device tensor
+            kernel (or ``adamw8bit-bf16``'s compiled update) is handed the verdict ``found_inf = not isfinite(norm)`` as a device tensor
             (as ``GradScaler.step`` hands it its own) and skips the update itself, with no host
             sync; the same decision as the host-side guard.
 
@@ -467,7 +468,8 @@ def training_step(model: torch.nn.Module, micro_batches: Iterable[dict], loss_su
         model, micro_batches, loss_sum, normaliser, scaler, autocast_ctx: as in :func:`accumulate`.
         optimizer, max_grad_norm: as in :func:`apply_update`.
         defer: return a :class:`PendingStep` (the values read when asked; with a fused
-            optimizer on CUDA the step ends with no host sync: :func:`apply_update`).
+            optimizer or ``adamw8bit-bf16`` on CUDA the step ends with no host sync:
+            :func:`apply_update`).
 
     Returns:
         A :class:`StepResult` (with ``defer``, a :class:`PendingStep`); the gradients are
@@ -497,7 +499,11 @@ def in_place_versions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     saved tensors; ``Tensor._version``, present in every torch release tightfit supports), so
     comparing two snapshots tells whether a step that failed part-way changed anything. Every
     AdamW implementation advances the per-parameter ``step`` counters before its first other
-    write (the fused kernel itself bumps no version), so a started AdamW update always shows."""
+    write (the fused kernel itself bumps no version), so a started AdamW update always shows.
+    ``adamw8bit-bf16``'s compiled update advances its counter last, but a compiled function
+    bumps the versions of the inputs it mutates before its kernels run, so a started update
+    shows there too (also one that was skipped on the device: an OOM inside it stops training,
+    where a redo would have been safe)."""
     tensors = [p for g in optimizer.param_groups for p in g["params"]]
     tensors += [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     return {id(t): t._version for t in tensors}
