@@ -242,7 +242,8 @@ def write(results: dict) -> None:
     (OUT / "optimizer_levers.md").write_text("\n".join(lines) + "\n")
 
 
-SETTINGS = ("tightfit", "bnb", "torchao", "offload", "no-budget", "compiled-no-budget")  # the rows, in the order they run
+# the rows, in the order they run
+SETTINGS = ("tightfit", "bnb", "torchao", "offload", "no-budget", "compiled-no-budget")
 
 
 def run_row(workload: str, setting: str, out: Path) -> None:

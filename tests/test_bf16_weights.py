@@ -127,11 +127,16 @@ def test_oom_inside_the_update_after_a_parameter_was_written_stops_rather_than_a
         t.train_step(list(range(8)))
 
 
+def _bf16_params():
+    """bf16 parameters of a quantized (64 x 64) and an unquantized shape, drawn from the RNG."""
+    return [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((64, 64), (8,), (64, 64))]
+
+
 def _three_steps(make, seed=0):
     """Three steps of optimizer ``make(params)`` over bf16 tensors of a quantized (64 x 64) and
     an unquantized shape, with bf16 gradients drawn from ``seed``; the weights and the state."""
     torch.manual_seed(seed)
-    ps = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((64, 64), (8,), (64, 64))]
+    ps = _bf16_params()
     opt = make(ps)
     for _ in range(3):
         for p in ps:
@@ -166,7 +171,7 @@ def _three_steps_other_draws():
     from tightfit.levers.optimizers import adamw_8bit_bf16
 
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((64, 64), (8,), (64, 64))]
+    ps = _bf16_params()
     opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
     for _ in range(3):
         for p in ps:
@@ -186,7 +191,7 @@ def _verdict_step(found_inf):
     from tightfit.levers.optimizers import adamw_8bit_bf16
 
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((64, 64), (8,), (64, 64))]
+    ps = _bf16_params()
     opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
 
     def tensors():
@@ -243,8 +248,8 @@ def _queued_and_read(monkeypatch, device):
         monkeypatch.setattr(Trainer, "_may_run_ahead", lambda self, launched: queued.append(may(self, launched))
                             or queued[-1])
         # on the CPU the CUDA condition is lifted, as tests/test_run_ahead.py does for fused AdamW
-        monkeypatch.setattr(step, "skips_on_device", (lambda o: False) if not ahead else real if device == "cuda"
-                            else (lambda o: getattr(o, "skips_nonfinite_on_device", False)))
+        on_device = real if device == "cuda" else (lambda o: getattr(o, "skips_nonfinite_on_device", False))
+        monkeypatch.setattr(step, "skips_on_device", on_device if ahead else (lambda o: False))
         t.fit()
         kept = ("type", "step", "epoch", "loss", "lr", "grad_norm", "stepped", "micro_batch", "accuracy", "eval_loss")
         runs.append((params(w.model), [{k: v for k, v in r.items() if k in kept} for r in records],

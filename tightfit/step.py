@@ -397,9 +397,10 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
             sync as the gradient norm (the non-finite guard needs the norm on the host before
             the step; reading the loss separately would cost a second sync per step); None: not read.
         defer: with ``loss``, where :func:`skips_on_device` holds, read nothing: the fused
-            kernel (or ``adamw8bit-bf16``'s compiled update) is handed the verdict ``found_inf = not isfinite(norm)`` as a device tensor
-            (as ``GradScaler.step`` hands it its own) and skips the update itself, with no host
-            sync; the same decision as the host-side guard.
+            kernel (or ``adamw8bit-bf16``'s compiled update) is handed the verdict
+            ``found_inf = not isfinite(norm)`` as a device tensor (as ``GradScaler.step`` hands
+            it its own) and skips the update itself, with no host sync; the same decision as
+            the host-side guard.
 
     Returns:
         ``(grad_norm, finite)`` as in :class:`StepResult`; with ``loss``, ``(grad_norm, finite,

@@ -438,12 +438,12 @@ def _bf16_class():
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            if any(group["amsgrad"] for group in self.param_groups):
+                raise TightfitError("optimizer adamw8bit-bf16 has no AMSGrad variant")
             stepped = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
             for group, p in stepped:
                 if p.grad.is_sparse:
                     raise RuntimeError("Sparse gradient is not supported")
-                if group["amsgrad"]:
-                    raise TightfitError("optimizer adamw8bit-bf16 has no AMSGrad variant")
                 state = self.state[p]
                 if len(state) == 0:  # torchao's own initialisation, the counter on the weight's device
                     state["step"] = torch.zeros((), device=p.device)
