@@ -640,6 +640,7 @@ class TrainRecipe:
         """
         import torch
 
+        from .runtime.checkpoint import clean_checkpoint_before
         from .runtime.trainer import NonFiniteTrainingError, StoppedError
 
         if self.device == "cuda":
@@ -649,11 +650,18 @@ class TrainRecipe:
         except StoppedError as e:
             from .runtime.launch import resume_processes
 
-            resume = f"tightfit train --resume {shlex.quote(str(self.out))}" + resume_processes(self.world.size)
-            if isinstance(e, NonFiniteTrainingError):
-                resume += " --lr <lower>"
-            raise type(e)(f"{e}; " + (f"checkpoint {e.checkpoint} written; continue with: {resume}" if e.checkpoint
-                                      else "no checkpoint could be written"), e.step, e.checkpoint) from None
+            lower = " --lr <lower>" if isinstance(e, NonFiniteTrainingError) else ""
+
+            def resume(target: Path) -> str:
+                return f"tightfit train --resume {shlex.quote(str(target))}{resume_processes(self.world.size)}{lower}"
+
+            said = (f"checkpoint {e.checkpoint} written; continue with: {resume(self.out)}" if e.checkpoint
+                    else "no checkpoint could be written")
+            before = clean_checkpoint_before(self.out / "checkpoints", e.step) if isinstance(
+                e, NonFiniteTrainingError) else None
+            if before is not None:  # kept by the pruning while the trouble lasts: see prune_checkpoints
+                said += f"; or go back to {before.name}, the last checkpoint before the non-finite steps: {resume(before)}"
+            raise type(e)(f"{e}; {said}", e.step, e.checkpoint) from None
         finally:
             self.metrics.close()
 
@@ -823,10 +831,10 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     Raises:
         TightfitError: not a tightfit run folder, or no intact checkpoint in it.
     """
-    from .runtime.checkpoint import (has_checkpoint, latest_intact_checkpoint, remove_stale_temporaries,
-                                      restore_displaced)
+    from .runtime.checkpoint import (checkpoint_step, has_checkpoint, latest_intact_checkpoint, list_checkpoints,
+                                      remove_stale_temporaries, restore_displaced, resume_point)
 
-    run = Path(req.run.resume)
+    run, chosen = _resume_target(Path(req.run.resume))
     if not (run / "request.json").is_file():
         raise TightfitError(f"{option_given('resume', str(run))}: not a tightfit run folder (no request.json)")
     if not has_checkpoint(run / "checkpoints"):
@@ -872,15 +880,31 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     notes = [f"put back {name}, displaced by a checkpoint write that was cut short"
              for name in (restore_displaced(run / "checkpoints") if main else ())]  # rank 0 writes the folder
     try:
-        point = latest_intact_checkpoint(run / "checkpoints")
+        point = resume_point(chosen) if chosen else latest_intact_checkpoint(run / "checkpoints")
     except TightfitError as e:
-        raise type(e)(f"{option_given('resume', str(run))}: {e}") from None
+        raise type(e)(f"{option_given('resume', req.run.resume)}: {e}") from None
+    later = [p.name for p in list_checkpoints(run / "checkpoints")
+             if chosen and checkpoint_step(p) > checkpoint_step(chosen)]
+    if later:
+        notes.append(f"resuming from {chosen.name}: the later {', '.join(later)} will be deleted when the resumed run "
+                     f"writes its first checkpoint")
     notes += point.notes
     notes += [f"removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short"
               for name, size in (remove_stale_temporaries(run / "checkpoints") if main else ())]  # rank 0 cleans up
     for note in notes:
         log.warning(f"note: {note}")
     return resumed, point.path, changed, fingerprint, notes
+
+
+def _resume_target(path: Path) -> tuple[Path, Path | None]:
+    """What ``--resume PATH`` names: ``(run folder, None)`` for a run folder (its newest intact
+    checkpoint is taken), ``(run folder, checkpoint)`` for one of its checkpoints,
+    ``RUN/checkpoints/ckpt-<step>`` (e.g. the last one written before a run of non-finite steps)."""
+    from .runtime.checkpoint import is_checkpoint_name
+
+    if is_checkpoint_name(path.name) and path.parent.name == "checkpoints":
+        return path.parent.parent, path
+    return path, None
 
 
 def _check_out(out: Path, resuming: bool) -> None:

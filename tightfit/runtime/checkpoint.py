@@ -217,17 +217,65 @@ def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2) 
             torch.save(snap.state, tmp / STATE_FILE)
             files = {STATE_FILE: record(tmp / STATE_FILE)}
             files = {MODEL_FILE: weights.result(), **files}
-        manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
+        manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files, **streak_record(snap.state)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         _fsync(tmp / MANIFEST)
 
     atomic_write_dir(target, fill)
-    ckpts = list_checkpoints(folder)
-    later = [p for p in ckpts if _step(p) > step]
-    kept = [p for p in ckpts if _step(p) <= step]
-    for old in later + (kept[:-keep_last] if keep_last > 0 else []):
-        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(folder, step, keep_last)
     return target
+
+
+def streak_record(state: dict) -> dict:
+    """The manifest's ``skipped_in_row``: how many optimizer steps in a row had been skipped as
+    non-finite when the checkpoint was taken (from the trainer's ``state["counters"]``; ``{}`` for
+    a state without counters). :func:`prune_checkpoints` keeps checkpoints taken with none."""
+    counters = state.get("counters") if isinstance(state, dict) else None
+    if not isinstance(counters, dict) or "skipped_in_row" not in counters:
+        return {}
+    return {"skipped_in_row": int(counters["skipped_in_row"])}
+
+
+def skipped_in_row(path: Path) -> int:
+    """The ``skipped_in_row`` of checkpoint ``path``'s manifest: 0 where it records none (an older
+    tightfit's checkpoint, or no readable manifest: pruning then treats it as it always did)."""
+    try:
+        return int(json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8")).get("skipped_in_row", 0))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def prune_checkpoints(folder: Path, step: int, keep_last: int) -> list[Path]:
+    """Delete the checkpoints of ``folder`` that the run no longer needs after writing ``ckpt-<step>``.
+
+    Kept: the newest ``keep_last`` *clean* checkpoints (taken with no non-finite step pending,
+    :func:`skipped_in_row` 0), and any checkpoint newer than the newest clean one (those a run of
+    non-finite steps wrote, e.g. at its stop). So a run that stops on non-finite gradients, and
+    resumes that fail the same way, never delete the last checkpoints written before the trouble
+    began: ``--resume RUN/checkpoints/ckpt-N`` can go back to them. Deleted: the other
+    checkpoints up to ``step``, and every checkpoint of a later step (only a resume from an
+    earlier checkpoint leaves those: they belong to the abandoned stretch of the run).
+
+    Returns:
+        The folders deleted.
+    """
+    ckpts = list_checkpoints(folder)
+    upto = [p for p in ckpts if checkpoint_step(p) <= step]
+    clean = [p for p in upto if skipped_in_row(p) == 0]
+    kept = set(clean[-keep_last:]) if keep_last > 0 else set(clean)
+    newest_clean = checkpoint_step(clean[-1]) if clean else -1
+    kept |= {p for p in upto if checkpoint_step(p) > newest_clean}
+    gone = [p for p in ckpts if p not in kept]
+    for old in gone:
+        shutil.rmtree(old, ignore_errors=True)
+    return gone
+
+
+def clean_checkpoint_before(folder: Path, step: int) -> Path | None:
+    """The newest checkpoint of ``folder`` before ``step`` taken with no non-finite step pending
+    (see :func:`prune_checkpoints`), or None; not verified."""
+    clean = [p for p in list_checkpoints(folder) if checkpoint_step(p) < step and skipped_in_row(p) == 0]
+    return clean[-1] if clean else None
 
 
 def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, state: dict, keep_last: int = 2) -> Path:
@@ -244,8 +292,14 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, state: dict
     return write_snapshot(folder, step, take_snapshot(model, state), keep_last)
 
 
-def _step(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))
+def checkpoint_step(path: Path) -> int:
+    """The step of checkpoint folder ``path`` (``ckpt-<step>``), from its name."""
+    return int(_NAME.match(Path(path).name).group(1))
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint folder's name, ``ckpt-<step>``."""
+    return bool(_NAME.match(name))
 
 
 def has_checkpoint(folder: Path) -> bool:
@@ -428,16 +482,25 @@ def latest_intact_checkpoint(folder: Path) -> ResumePoint:
     faults = []
     for path in reversed(ckpts):
         try:
-            checksummed = verify_checkpoint(path)
+            point = resume_point(path)
         except CorruptCheckpointError as e:
             faults.append(str(e))
             continue
-        notes = [f"{fault}; resuming from {path.name}" for fault in faults]
-        if not checksummed:
-            notes.append(f"checkpoint {path.name} has no {MANIFEST} (written by an older tightfit): checked for "
-                         f"truncation only, its weights carry no checksum")
-        return ResumePoint(path, tuple(notes))
+        return ResumePoint(path, tuple(f"{fault}; resuming from {path.name}" for fault in faults) + point.notes)
     raise CorruptCheckpointError("no intact checkpoint to resume from: " + "; ".join(faults))
+
+
+def resume_point(path: Path) -> ResumePoint:
+    """Checkpoint ``path`` after :func:`verify_checkpoint`, with a note if it has no manifest.
+
+    Raises:
+        TightfitError: ``path`` does not exist.
+        CorruptCheckpointError: it is not intact (one line naming the fault).
+    """
+    if verify_checkpoint(path):
+        return ResumePoint(Path(path), ())
+    return ResumePoint(Path(path), (f"checkpoint {Path(path).name} has no {MANIFEST} (written by an older tightfit): "
+                                    f"checked for truncation only, its weights carry no checksum",))
 
 
 def read_state(path: Path) -> dict:

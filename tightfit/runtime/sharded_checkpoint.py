@@ -21,7 +21,6 @@ folder must be on a file system all of them see.
 from __future__ import annotations
 
 import json
-import shutil
 import warnings
 from pathlib import Path
 
@@ -29,8 +28,8 @@ import torch
 
 from ..errors import TightfitError
 from ..fileio import atomic_write_dir
-from .checkpoint import (MANIFEST, MANIFEST_FORMAT, STATE_FILE, NonFiniteCheckpointError, _fsync, list_checkpoints,
-                         read_state, remove_stale_temporaries, sha256_file, verify_checkpoint)
+from .checkpoint import (MANIFEST, MANIFEST_FORMAT, STATE_FILE, NonFiniteCheckpointError, _fsync, prune_checkpoints,
+                         read_state, remove_stale_temporaries, sha256_file, streak_record, verify_checkpoint)
 from .distributed import World
 
 DCP_DIR = "dcp"
@@ -86,15 +85,12 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, sta
         for f in sorted([tmp / STATE_FILE, *(tmp / DCP_DIR).iterdir()]):
             _fsync(f)
             files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-        manifest = {"format": MANIFEST_FORMAT, "layout": "dcp", "step": step, "files": files}
+        manifest = {"format": MANIFEST_FORMAT, "layout": "dcp", "step": step, "files": files, **streak_record(state)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         _fsync(tmp / MANIFEST)
 
     atomic_write_dir(target, fill)
-    ckpts = list_checkpoints(folder)
-    kept = [p for p in ckpts if int(p.name.split("-")[1]) <= step]
-    for old in [p for p in ckpts if p not in kept] + (kept[:-keep_last] if keep_last > 0 else []):
-        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(folder, step, keep_last)
     world.barrier()
     return target
 
