@@ -595,3 +595,15 @@ def test_bf16_weights_on_a_card_without_bf16_are_refused_naming_the_optimizer_an
         assert err.count("\n") == 0, err
         assert f"optimizer {KIND}" in err and "GTX 1650 Ti" in err and "7.5" in err, err
         assert "--optimizer adamw8bit " in err and "adamw-offload" in err and "use fp16" not in err, err
+
+
+def test_a_request_for_bf16_weights_in_another_precision_is_refused_when_made():
+    import pytest
+
+    from tightfit.api import TrainRequest
+    from tightfit.errors import TightfitError
+
+    with pytest.raises(TightfitError, match="adamw8bit-bf16 keeps the weights in bf16 .* not fp16"):
+        TrainRequest(optimizer="adamw8bit-bf16", precision="fp16")
+    for precision in ("bf16", "auto"):
+        TrainRequest(optimizer="adamw8bit-bf16", precision=precision)

@@ -100,3 +100,4 @@ def test_failed_resumes_keep_the_checkpoint_from_before_the_nonfinite_steps(tmp_
     assert "resuming from ckpt-4: the later ckpt-6, ckpt-8 will be deleted" in said.out + said.err
     assert _names(run / "checkpoints") == ["ckpt-18"]  # 2 epochs of 9 steps
     assert (run / "summary.json").is_file()
+

@@ -426,7 +426,11 @@ class PlanOptions(_Options):
 
     def _check_together(self) -> None:
         """``budget``, when given, reads as a memory size (:func:`~tightfit.units.parse_budget`): the
-        Python API refuses a bad one when the request is made, naming its keyword."""
+        Python API refuses a bad one when the request is made, naming its keyword; an optimizer
+        keeping bf16 weights (``adamw8bit-bf16``) goes with precision ``bf16`` or ``auto`` only."""
+        from .levers.optimizers import check_precision
+
+        check_precision(self.optimizer, self.precision)  # the same line as the planner's
         if self.budget is None:
             return
         from .units import parse_budget
@@ -497,7 +501,8 @@ class RunOptions(_Options):
 
     Attributes:
         out: the run folder (None: ``runs/<date-time>``).
-        resume: a run folder to continue from its newest intact checkpoint.
+        resume: a run folder to continue from its newest intact checkpoint, or one of its
+            checkpoints (``RUN/checkpoints/ckpt-<step>``) to continue from.
         full: on the CPU, train on all training samples (default: a subset); not with ``train_samples``.
         train_samples, eval_samples: use this many training / held-out samples.
         progress: show a progress bar.
@@ -505,8 +510,9 @@ class RunOptions(_Options):
     """
 
     out: str | None = option(None, "run folder (default: runs/<date-time>); must not exist or be empty")
-    resume: str | None = option(None, "continue the run in DIR from its newest checkpoint (its other options "
-                                      "are taken from DIR/request.json)", metavar="DIR")
+    resume: str | None = option(None, "continue the run in DIR from its newest checkpoint, or from the checkpoint "
+                                      "DIR/checkpoints/ckpt-N given (its other options are taken from "
+                                      "DIR/request.json)", metavar="DIR")
     full: bool = option(False, "on the CPU, train on all training samples (default: a subset)")
     train_samples: int | None = option(None, "train on this many training samples (fixed random subset; not with "
                                              "--full)", minimum=1)
