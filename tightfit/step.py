@@ -194,12 +194,14 @@ class MetaOptimizer:
     update; the parameters are bf16): per quantized tensor
     (:func:`tightfit.levers.optimizers.is_quantized_torchao`), for each moment in turn, uint8 codes
     of its shape, an fp32 scale per 256 elements and its own 256-entry fp32 map; bf16 ``zeros_like``
-    twice for the others; a 0-d fp32 ``step`` counter per tensor, first. Its compiled update's
-    temporaries are left out: torchao's AdamW8bit over BERT-large with fp32 weights on an NVIDIA
-    H200 peaked 30 MB above its state (bench/results/optimizer-levers-3/optimizer_step_time.json),
-    but with bf16 weights the update of one 8192 x 8192 8-bit tensor peaked 514 MiB (8 B per
-    element) above it (a review's measurement, 2026-12-04): not yet counted here.
-    Parameters without a gradient get no state.
+    twice for the others; a 0-d fp32 ``step`` counter per tensor, first. At every step its
+    compiled update (:func:`tightfit.levers.optimizers._compiled_update`) runs one tensor at a
+    time and holds, while it updates an 8-bit tensor of ``n`` elements, fp32 temporaries of
+    :data:`~tightfit.levers.optimizers.BF16_UPDATE_TEMPORARY_BYTES` (8) x ``n`` bytes (its two
+    moments dequantized): counted here as one temporary for the largest 8-bit tensor, after the
+    state. Measured on an NVIDIA H200, torch 2.11, the second step of one tensor: 8.03 to 8.08 B
+    per element for 1M to 67M elements (bench/results/optimizer-temporaries); the bf16 moments
+    of the small tensors left in bf16 were not measured. Parameters without a gradient get no state.
     """
 
     def __init__(self, params, kind: str, accumulating: bool = False):
@@ -250,10 +252,25 @@ class MetaOptimizer:
                 self.state[p] = (torch.clone(p.grad).detach(),)
         if self.kind == "adamw-foreach":
             self._temporaries([s[2] for p, s in self.state.items() if p.grad is not None])
+        if self.kind == "adamw8bit-bf16":
+            self._dequantized_moments()
 
     def _temporaries(self, exp_avg_sqs: list) -> None:
         with self.temporaries_context():
             sqrt = torch._foreach_sqrt(exp_avg_sqs)  # noqa: F841 -- alive until the step returns
+
+    def _dequantized_moments(self) -> None:
+        """The largest fp32 temporaries of the 8-bit bf16 update: those of its largest 8-bit tensor
+        (the update runs one tensor at a time, so the largest one's are the step's peak)."""
+        from .levers.optimizers import BF16_UPDATE_TEMPORARY_BYTES, is_quantized_torchao
+
+        stepped = [p for p in self.params if p.grad is not None and is_quantized_torchao(p.numel())]
+        if not stepped:
+            return
+        largest = max(stepped, key=lambda p: p.numel())
+        with self.temporaries_context():
+            held = torch.empty(BF16_UPDATE_TEMPORARY_BYTES * largest.numel(), dtype=torch.uint8,  # noqa: F841
+                               device=largest.device)
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:

@@ -305,6 +305,12 @@ def allow_state_classes(error: Exception) -> bool:
     return True
 
 
+# fp32 bytes per element that torchao's 8-bit update (as _compiled_update runs it) holds above
+# the state while it updates one 8-bit tensor: its two moments dequantized. NVIDIA H200, torch
+# 2.11: 8.03-8.08 B per element for 1M-67M elements (bench/results/optimizer-temporaries).
+BF16_UPDATE_TEMPORARY_BYTES = 8
+
+
 def is_quantized_torchao(numel: int) -> bool:
     """Whether torchao's 8-bit AdamW keeps a tensor of ``numel`` elements in 8 bits (at least
     4,096 elements, a whole number of 256-element blocks)."""
@@ -355,9 +361,9 @@ def _compiled_update():
     back with ``torch.where``, so the verdict never goes to the host and the step needs no
     sync (:func:`tightfit.step.skips_on_device`). Inductor fuses the copies into the update's
     kernels (an NVIDIA H200's step time unchanged, 1.25 vs 1.22 ms on an 8192 x 8192 tensor). The
-    update of an 8-bit tensor still holds fp32 temporaries of about 8 B per element while it runs,
-    as torchao's own did (514 MiB above the state for that tensor), which the estimator's
-    :class:`tightfit.step.MetaOptimizer` does not count yet.
+    update of an 8-bit tensor still holds fp32 temporaries of :data:`BF16_UPDATE_TEMPORARY_BYTES`
+    per element while it runs, as torchao's own did (514 MiB above the state for that tensor),
+    which the estimator's :class:`tightfit.step.MetaOptimizer` counts.
 
     Two host costs of torchao's own step are left out:
 
