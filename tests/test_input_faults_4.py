@@ -270,7 +270,7 @@ def test_the_resume_refusal_and_note_name_the_python_arguments(tmp_path, capsys,
     import logging
 
     from conftest import tiny_text_model_folder
-    from tightfit.api import _resume_request
+    from tightfit.api import TrainRecipe, _resume_request
 
     model = tiny_text_model_folder(tmp_path, ["good", "bad"], hidden_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
@@ -286,8 +286,11 @@ def test_the_resume_refusal_and_note_name_the_python_arguments(tmp_path, capsys,
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--epochs", "5", "--no-progress"]) == 2
     assert _error_line(capsys).startswith(f"tightfit: error: --resume {run} continues the run with the options ")
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tightfit"):
         _resume_request(TrainRequest(resume=str(run), lr=1e-4))
+        assert "note:" not in caplog.text  # shown once the run's checks have passed (setup), not before
+        TrainRecipe(TrainRequest(resume=str(run), lr=1e-4, progress=False)).setup()  # checks and plans; writes nothing
     assert "note: resume with lr=0.0001 (the run had 0.001)" in caplog.text, caplog.text
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--lr", "1e-4", "--no-progress"]) == 0

@@ -15,7 +15,7 @@ import torch
 import tightfit
 from conftest import assert_same_params, params_of, tiny_bert, tiny_gpt2, tiny_text_model_folder
 from tightfit import Plan
-from tightfit.api import TrainRequest, _resume_request
+from tightfit.api import TrainRecipe, TrainRequest, _resume_request
 from tightfit.cli import main
 from tightfit.errors import TightfitError
 from tightfit.runtime.trainer import TrainConfig, Trainer, epoch_order
@@ -41,9 +41,10 @@ def short_run(tmp_path_factory):
 
 def test_the_python_resume_takes_a_new_value_equal_to_its_default_as_the_command_line_does(short_run, caplog):
     run = str(short_run)
-    with caplog.at_level(logging.WARNING, logger="tightfit"):
-        req, _, changed, _, _ = _resume_request(TrainRequest(resume=run, lr=5e-5))
+    req, _, changed, _, _ = _resume_request(TrainRequest(resume=run, lr=5e-5))
     assert changed == {"lr": [1e-3, 5e-5]} and req.training.lr == 5e-5
+    with caplog.at_level(logging.WARNING, logger="tightfit"):  # the note: once setup's checks have passed
+        TrainRecipe(TrainRequest(resume=run, lr=5e-5, progress=False)).setup()
     assert "note: resume with lr=5e-05 (the run had 0.001)" in caplog.text, caplog.text
     with pytest.raises(TightfitError) as e:
         _resume_request(TrainRequest(resume=run, batch_size=32))  # the default; the run trained at 4

@@ -2,6 +2,7 @@
 resumes that fail the same way do not prune them away, and ``--resume RUN/checkpoints/ckpt-N``
 goes back to one of them."""
 
+import json
 import math
 import random
 
@@ -25,15 +26,38 @@ def test_pruning_keeps_the_clean_checkpoints_while_nonfinite_steps_go_on(tmp_pat
     for step in (2, 4):
         save_checkpoint(tmp_path, step, model, _state(step, 0), keep_last=1)
     assert _names(tmp_path) == ["ckpt-4"]
-    save_checkpoint(tmp_path, 6, model, _state(6, 2), keep_last=1)  # the stop after two skipped steps
-    save_checkpoint(tmp_path, 8, model, _state(8, 2), keep_last=1)  # a resume that failed again
-    assert _names(tmp_path) == ["ckpt-4", "ckpt-6", "ckpt-8"]
-    assert [skipped_in_row(p) for p in list_checkpoints(tmp_path)] == [0, 2, 2]
-    assert clean_checkpoint_before(tmp_path, 8).name == "ckpt-4"
-    save_checkpoint(tmp_path, 10, model, _state(10, 0), keep_last=1)  # a resume that trains on: all behind it goes
-    assert _names(tmp_path) == ["ckpt-10"]
+    save_checkpoint(tmp_path, 7, model, _state(7, 2), keep_last=1)  # a stop after steps 6-7 skipped: 5 applied
+    assert _names(tmp_path) == ["ckpt-4", "ckpt-7"]
+    assert [skipped_in_row(p) for p in list_checkpoints(tmp_path)] == [0, 2]
+    assert clean_checkpoint_before(tmp_path, 5).name == "ckpt-4"
+    save_checkpoint(tmp_path, 9, model, _state(9, 2), keep_last=1)  # a resume that failed again
+    save_checkpoint(tmp_path, 11, model, _state(11, 2), keep_last=1)  # and again: only the newest such is kept
+    assert _names(tmp_path) == ["ckpt-4", "ckpt-11"]
+    save_checkpoint(tmp_path, 12, model, _state(12, 0), keep_last=1)  # a resume that trains on: all behind it goes
+    assert _names(tmp_path) == ["ckpt-12"]
     save_checkpoint(tmp_path, 4, model, _state(4, 0), keep_last=1)  # a resume from an earlier one: later ones go
     assert _names(tmp_path) == ["ckpt-4"]
+
+
+def test_a_checkpoint_holding_the_weights_a_stop_holds_is_not_clean(tmp_path):
+    """ckpt-4 holds step 4's update, after which steps 5-7 were skipped: the stop's weights, and
+    possibly what spoiled them. It is not kept as the one to go back to; ckpt-2 is."""
+    model = torch.nn.Linear(3, 2)
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, model, _state(step, 0), keep_last=2)
+    save_checkpoint(tmp_path, 6, model, _state(6, 2), keep_last=2)  # a scheduled one inside the run of skips
+    save_checkpoint(tmp_path, 7, model, _state(7, 3), keep_last=2)  # the stop
+    assert _names(tmp_path) == ["ckpt-2", "ckpt-7"]
+    assert clean_checkpoint_before(tmp_path, 4).name == "ckpt-2"
+    assert clean_checkpoint_before(tmp_path, 2) is None
+
+
+def test_a_resume_from_an_earlier_checkpoint_abandons_the_later_ones_at_its_first_write(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    for step in (2, 3, 5):
+        save_checkpoint(tmp_path, step, model, _state(step, 0), keep_last=5)
+    save_checkpoint(tmp_path, 4, model, _state(4, 0), keep_last=5, abandoned={3, 4, 5})  # resumed from ckpt-2
+    assert _names(tmp_path) == ["ckpt-2", "ckpt-4"]
 
 
 def test_a_checkpoint_without_the_count_is_pruned_as_before(tmp_path):
@@ -85,19 +109,77 @@ def test_failed_resumes_keep_the_checkpoint_from_before_the_nonfinite_steps(tmp_
     with monkeypatch.context() as m:
         _blow_up_from(m, 5)  # steps 1-4 train (micro-batch 16 = batch: one forward a step), then inf
         assert main(["train", "--model", str(model_dir), "--data", str(data), "--batch-size", "16", "--epochs", "2",
-                     "--lr", "1e-3", "--seq-len", "16", "--checkpoint-every", "2", "--keep-last", "1",
+                     "--lr", "1e-3", "--seq-len", "16", "--checkpoint-every", "2", "--keep-last", "2",
                      "--max-skipped-steps", "2", "--out", str(run), *base]) == 2
         err = capsys.readouterr().err
-        assert _names(run / "checkpoints") == ["ckpt-4", "ckpt-6"]
-        assert f"go back to ckpt-4, the last checkpoint before the non-finite steps: tightfit train --resume " \
-               f"{run / 'checkpoints' / 'ckpt-4'}" in err
+        # ckpt-4 holds step 4's update, the last applied: the stop's weights; ckpt-2 is the one before
+        assert _names(run / "checkpoints") == ["ckpt-2", "ckpt-6"]
+        assert f"go back to ckpt-2, the last checkpoint before step 4's update (the last one applied): tightfit " \
+               f"train --resume {run / 'checkpoints' / 'ckpt-2'} --lr <lower>" in err
         _blow_up_from(m, 1)
-        assert main(["train", "--resume", str(run), "--lr", "1e-4", *base]) == 2  # fails again
-        assert _names(run / "checkpoints") == ["ckpt-4", "ckpt-6", "ckpt-8"]  # keep-last 1 kept ckpt-4
-    capsys.readouterr()
-    assert main(["train", "--resume", str(run / "checkpoints" / "ckpt-4"), "--lr", "1e-4", *base]) == 0
+        assert main(["train", "--resume", str(run), "--lr", "1e-4", "--max-skipped-steps", "3", *base]) == 2
+        assert _names(run / "checkpoints") == ["ckpt-2", "ckpt-9"]  # ckpt-8 (inside the skips) and ckpt-6 gone
+        assert "go back to ckpt-2, the last checkpoint before step 4's update" in capsys.readouterr().err
+    events = [json.loads(line)["message"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line)["type"] == "event"]
+    assert any(e.startswith("3 steps in a row had non-finite gradients") and e.endswith("ckpt-9") for e in events)
+    assert main(["train", "--resume", str(run / "checkpoints" / "ckpt-2"), "--lr", "1e-4", *base]) == 0
     said = capsys.readouterr()
-    assert "resuming from ckpt-4: the later ckpt-6, ckpt-8 will be deleted" in said.out + said.err
-    assert _names(run / "checkpoints") == ["ckpt-18"]  # 2 epochs of 9 steps
+    assert "resuming from ckpt-2: the later ckpt-9 will be deleted" in said.out + said.err
+    assert _names(run / "checkpoints") == ["ckpt-16", "ckpt-18"]  # 2 epochs of 9 steps
     assert (run / "summary.json").is_file()
 
+
+def test_bad_resume_paths_get_one_line_and_nothing_before_it(tmp_path, capsys):
+    import shutil
+
+    from tightfit.cli import main
+
+    model_dir, data = _inputs(tmp_path)
+
+    def run(out, batch, *extra):
+        return main(["train", "--model", str(model_dir), "--data", str(data), "--batch-size", str(batch),
+                     "--max-steps", "2", "--lr", "1e-3", "--seq-len", "16", "--checkpoint-every", "1",
+                     "--out", str(out), "--no-progress", "--device", "cpu", *extra])
+
+    assert run(tmp_path / "r", 8) == 0 and run(tmp_path / "other", 16) == 0
+    (tmp_path / "r" / "summary.json").unlink()  # as if stopped before the end
+    shutil.rmtree(tmp_path / "r" / "checkpoints" / "ckpt-1")  # another run's in its place, ckpt-2 after it
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "ckpt-1", tmp_path / "r" / "checkpoints" / "ckpt-1")
+    before = sorted(str(p) for p in (tmp_path / "r").rglob("*"))
+    cases = {
+        str(tmp_path / "r" / "checkpoints"): "is the run's checkpoints folder: give the run folder",
+        str(tmp_path / "nowhere"): f"--resume {tmp_path / 'nowhere'}: does not exist",
+        str(tmp_path / "nowhere" / "checkpoints" / "ckpt-3"): "does not exist",
+        str(tmp_path / "r" / "checkpoints" / "ckpt-9"): "does not exist",
+        str(tmp_path / "r" / "checkpoints" / "ckpt-1"): "written by a run of effective batch 16",
+    }
+    capsys.readouterr()
+    for path, message in cases.items():
+        assert main(["train", "--resume", path, "--lr", "1e-4", "--no-progress"]) == 2, path
+        said = capsys.readouterr()
+        assert "note:" not in said.out + said.err, (path, said)  # nothing said before the refusal
+        assert said.err.count("\n") == 1 and message in said.err, (path, said.err)
+    assert sorted(str(p) for p in (tmp_path / "r").rglob("*")) == before
+
+
+def test_the_trainer_resumed_from_an_earlier_checkpoint_deletes_the_abandoned_ones_at_its_first_write(tmp_path):
+    """Checkpoints 1-4, resumed from ckpt-1 with a checkpoint every 3 steps: ckpt-2 and ckpt-4
+    (the abandoned stretch) go at the first write, ckpt-3, though one of a step before it too."""
+    from conftest import SyntheticBatches, tiny_bert
+
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    def trainer(every):
+        w = Workload(tiny_bert(0.1, 0), SyntheticBatches(32), SyntheticBatches(8, seed=1), 8)
+        return Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3, checkpoint_dir=str(tmp_path),
+                                                          checkpoint_every=every, keep_last=5), progress=False)
+
+    trainer(1).fit()
+    assert _names(tmp_path) == ["ckpt-1", "ckpt-2", "ckpt-3", "ckpt-4"]
+    resumed = trainer(3)
+    resumed.resume(tmp_path / "ckpt-1")
+    resumed.fit()
+    assert _names(tmp_path) == ["ckpt-1", "ckpt-3", "ckpt-4"]

@@ -173,7 +173,7 @@ class TrainRecipe:
         self.resume_from: Path | None = None  # the checkpoint a resumed run continues from
         self.resume_notes: list[str] = []  # what the resume found and did in the run folder (events)
         self.changed: dict = {}  # {option: [old, new]} given anew on resume
-        self.resume_state: dict | None = None  # the checkpoint's state once read (rank 0 plans: others read it anew)
+        self.resume_state: dict | None = None  # the checkpoint's state once read (_check_resume_point)
         self.device, self.profile, self.budget = "cpu", None, None
         self.records: list[dict] = []  # what the trainer logs before the metrics file is open
         self.data_fingerprint: str | None = None  # of the samples trained on and held out
@@ -191,6 +191,8 @@ class TrainRecipe:
         if self.req.run.resume:
             self.req, self.resume_from, self.changed, self.data_fingerprint, self.resume_notes = \
                 _resume_request(self.req, self.world.is_main)
+            self.notes += [f"{option_name('resume')} with {option_given(k, new)} (the run had {old})"
+                           for k, (old, new) in self.changed.items()] + self.resume_notes
         self._resolve_device()
         self._load_data()
         self._check_run_folder()
@@ -198,7 +200,8 @@ class TrainRecipe:
         self._load_model()
         check_checkpointing(self.model, self.req.planning.checkpointing)
         self._check_batchnorm()
-        self._announce()
+        self._check_resume_point()
+        self._announce()  # the notes, the resume's too, once every check has passed
         self._plan()
         self._make_trainer()
 
@@ -383,6 +386,20 @@ class TrainRecipe:
         if one:
             raise TightfitError(one)
 
+    def _check_resume_point(self) -> None:
+        """On resume: read the checkpoint's state (once: the plan and the trainer's resume take it)
+        and refuse another model's weights or another run's data order, before anything is shown."""
+        if self.resume_from is None:
+            return
+        from .runtime.checkpoint import check_weights_fit, read_state
+        from .runtime.sharded_checkpoint import is_sharded
+        from .runtime.trainer import check_same_windows
+
+        self.resume_state = read_state(self.resume_from)
+        if not is_sharded(self.resume_from):
+            check_weights_fit(self.resume_from, self.world.unwrap(self.model))
+        check_same_windows(self.resume_from, self.resume_state, self.workload.effective_batch)
+
     def _announce(self) -> None:
         """Log what is trained on what, and the notes so far."""
         import torch
@@ -463,15 +480,8 @@ class TrainRecipe:
         p = self.req.planning
         if self.resume_from is not None:
             from .plan import Plan
-            from .runtime.checkpoint import check_weights_fit, read_state
-            from .runtime.sharded_checkpoint import is_sharded
-            from .runtime.trainer import check_same_windows
 
-            self.resume_state = read_state(self.resume_from)  # read once: the trainer's resume takes it
-            if not is_sharded(self.resume_from):  # another model's weights: refused before its plan is shown
-                check_weights_fit(self.resume_from, self.world.unwrap(self.model))
-            check_same_windows(self.resume_from, self.resume_state, self.workload.effective_batch)  # before its plan
-            return Plan.from_dict(self.resume_state["plan"])
+            return Plan.from_dict(self.resume_state["plan"])  # read and checked by _check_resume_point
         if self.device == "cuda":
             return self._cached_gpu_plan()
         from .planner.probe import plan_first
@@ -527,7 +537,7 @@ class TrainRecipe:
                                progress=self.req.run.progress and self.world.is_main,
                                profile=self.profile if self.device == "cuda" else None, world=self.world)
         self.trainer.wall_start = self.t_start  # the run's wall time, which checkpoints carry, counts planning
-        if self.resume_from is not None:  # verified by _resume_request, its state read by _choose_plan (on rank 0)
+        if self.resume_from is not None:  # verified by _resume_request, its state read by _check_resume_point
             self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
             if self.world.is_main:  # the report's events are the whole run's: the earlier sessions' first
                 from .report.metrics import earlier_events
@@ -657,11 +667,15 @@ class TrainRecipe:
 
             said = (f"checkpoint {e.checkpoint} written; continue with: {resume(self.out)}" if e.checkpoint
                     else "no checkpoint could be written")
-            before = clean_checkpoint_before(self.out / "checkpoints", e.step) if isinstance(
-                e, NonFiniteTrainingError) else None
-            if before is not None:  # kept by the pruning while the trouble lasts: see prune_checkpoints
-                said += f"; or go back to {before.name}, the last checkpoint before the non-finite steps: {resume(before)}"
-            raise type(e)(f"{e}; {said}", e.step, e.checkpoint) from None
+            if not isinstance(e, NonFiniteTrainingError):
+                raise type(e)(f"{e}; {said}", e.step, e.checkpoint) from None
+            if e.last_update and self.req.training.checkpoint_every:
+                # the weights at the stop are step last_update's: only an earlier checkpoint is another start
+                before = clean_checkpoint_before(self.out / "checkpoints", e.last_update)
+                said += (f"; or go back to {before.name}, the last checkpoint before step {e.last_update}'s update "
+                         f"(the last one applied): {resume(before)}" if before is not None else
+                         f"; no checkpoint from before step {e.last_update}'s update (the last one applied) is left")
+            raise NonFiniteTrainingError(f"{e}; {said}", e.step, e.checkpoint, e.last_update) from None
         finally:
             self.metrics.close()
 
@@ -835,6 +849,13 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
                                       remove_stale_temporaries, restore_displaced, resume_point)
 
     run, chosen = _resume_target(Path(req.run.resume))
+    if not Path(req.run.resume).exists():
+        raise TightfitError(f"{option_given('resume', req.run.resume)}: does not exist")
+    if Path(req.run.resume).name == "checkpoints" and (run.parent / "request.json").is_file():
+        newest = list_checkpoints(run)
+        raise TightfitError(f"{option_given('resume', req.run.resume)} is the run's checkpoints folder: give the run "
+                            f"folder {run.parent} (its newest intact checkpoint)"
+                            + (f" or one checkpoint, e.g. {newest[-1]}" if newest else ""))
     if not (run / "request.json").is_file():
         raise TightfitError(f"{option_given('resume', str(run))}: not a tightfit run folder (no request.json)")
     if not has_checkpoint(run / "checkpoints"):
@@ -875,8 +896,6 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
         raise TightfitError(f"{option_given('resume', str(run))}: {run / 'request.json'} holds a value tightfit "
                             f"cannot take (edited by hand?): {e}") from None
     resumed.workload.check_columns()  # with the run's own --data, now known
-    for k, (old, new) in changed.items():
-        log.warning(f"note: {option_name('resume')} with {option_given(k, new)} (the run had {old})")
     notes = [f"put back {name}, displaced by a checkpoint write that was cut short"
              for name in (restore_displaced(run / "checkpoints") if main else ())]  # rank 0 writes the folder
     try:
@@ -891,8 +910,6 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     notes += point.notes
     notes += [f"removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short"
               for name, size in (remove_stale_temporaries(run / "checkpoints") if main else ())]  # rank 0 cleans up
-    for note in notes:
-        log.warning(f"note: {note}")
     return resumed, point.path, changed, fingerprint, notes
 
 

@@ -45,9 +45,11 @@ class CheckpointWriter:
         self.blocked_seconds = self.write_seconds = 0.0
         self.host_bytes = 0
 
-    def save(self, step: int, model: torch.nn.Module, state: dict) -> Path:
+    def save(self, step: int, model: torch.nn.Module, state: dict, abandoned=()) -> Path:
         """Snapshot ``model`` and ``state`` now and write them as ``ckpt-<step>`` (in the
-        background unless built otherwise). Returns the folder the checkpoint will have.
+        background unless built otherwise), then prune (``abandoned``: as
+        :func:`~tightfit.runtime.checkpoint.prune_checkpoints` takes it). Returns the folder the
+        checkpoint will have.
 
         Raises:
             NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is written).
@@ -59,17 +61,17 @@ class CheckpointWriter:
             snap = take_snapshot(model, state, self._buffers)
             self.host_bytes = max(self.host_bytes, snap.nbytes)
             if self._pool is None:
-                self._write(step, snap)
+                self._write(step, snap, abandoned)
             else:
-                self._pending = self._pool.submit(self._write, step, snap)
+                self._pending = self._pool.submit(self._write, step, snap, frozenset(abandoned))
         finally:
             self.blocked_seconds += time.perf_counter() - t0
         return self.folder / f"ckpt-{step}"
 
-    def _write(self, step: int, snap) -> Path:
+    def _write(self, step: int, snap, abandoned=()) -> Path:
         t0 = time.perf_counter()
         try:
-            return write_snapshot(self.folder, step, snap, self.keep_last)
+            return write_snapshot(self.folder, step, snap, self.keep_last, abandoned)
         finally:
             self.write_seconds += time.perf_counter() - t0
 

@@ -186,12 +186,10 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
     return Snapshot(weights, shared, host_state, ready, nbytes)
 
 
-def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2) -> Path:
+def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2, abandoned=()) -> Path:
     """Write ``snap`` as ``folder/ckpt-<step>`` atomically with its manifest (written last), then
-    delete older checkpoints beyond the newest ``keep_last`` and any checkpoint of a later step
-    (only a resume that fell back past a corrupt checkpoint leaves those: they belong to the
-    abandoned stretch of the run). Temporary folders of an earlier, killed write are removed
-    first. Safe to run on a background thread; hashing costs about 1 to 2 s per GB
+    delete the checkpoints the run no longer needs (:func:`prune_checkpoints`, with ``keep_last``
+    and ``abandoned``). Temporary folders of an earlier, killed write are removed first. Safe to run on a background thread; hashing costs about 1 to 2 s per GB
     (:func:`sha256_file`); the weights are hashed on a second thread while ``state.pt`` is written.
 
     Returns:
@@ -222,49 +220,72 @@ def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2) 
         _fsync(tmp / MANIFEST)
 
     atomic_write_dir(target, fill)
-    prune_checkpoints(folder, step, keep_last)
+    prune_checkpoints(folder, step, keep_last, abandoned)
     return target
 
 
 def streak_record(state: dict) -> dict:
-    """The manifest's ``skipped_in_row``: how many optimizer steps in a row had been skipped as
-    non-finite when the checkpoint was taken (from the trainer's ``state["counters"]``; ``{}`` for
-    a state without counters). :func:`prune_checkpoints` keeps checkpoints taken with none."""
+    """The manifest's ``skipped_in_row`` (optimizer steps skipped as non-finite in a row when
+    the checkpoint was taken) and ``last_update`` (the step whose update was the last applied),
+    from the trainer's ``state["counters"]``; ``{}`` for a state without them.
+    :func:`clean_checkpoints` reads them."""
     counters = state.get("counters") if isinstance(state, dict) else None
-    if not isinstance(counters, dict) or "skipped_in_row" not in counters:
+    if not isinstance(counters, dict):
         return {}
-    return {"skipped_in_row": int(counters["skipped_in_row"])}
+    return {k: int(counters[k]) for k in ("skipped_in_row", "last_update") if k in counters}
+
+
+def _streak(path: Path) -> tuple[int, int]:
+    """``(skipped_in_row, last_update)`` of checkpoint ``path``'s manifest: ``(0, step)`` where it
+    records none (an older tightfit's checkpoint, or no readable manifest: pruned as before)."""
+    step = checkpoint_step(path)
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8"))
+        n = int(manifest.get("skipped_in_row", 0))
+        return n, int(manifest.get("last_update", step - n))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
+        return 0, step
 
 
 def skipped_in_row(path: Path) -> int:
-    """The ``skipped_in_row`` of checkpoint ``path``'s manifest: 0 where it records none (an older
-    tightfit's checkpoint, or no readable manifest: pruning then treats it as it always did)."""
-    try:
-        return int(json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8")).get("skipped_in_row", 0))
-    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
-        return 0
+    """The ``skipped_in_row`` of checkpoint ``path``'s manifest (0 where it records none)."""
+    return _streak(path)[0]
 
 
-def prune_checkpoints(folder: Path, step: int, keep_last: int) -> list[Path]:
+def clean_checkpoints(paths: list[Path]) -> list[Path]:
+    """The *clean* ones of checkpoint folders ``paths`` (oldest first): taken with no non-finite
+    step pending (:func:`skipped_in_row` 0) and not holding the weights of an update that a run
+    of non-finite steps followed. A checkpoint ``ckpt-S`` taken after skipped steps holds the
+    weights of the last update applied, of step ``last_update``; every checkpoint from that step
+    to ``S`` holds them too (a skipped step changes no weight), and that update may be what
+    spoiled them, so none of those is clean."""
+    records = [(p, checkpoint_step(p), *_streak(p)) for p in paths]
+    suspect = [(last, s) for _, s, n, last in records if n > 0]
+    return [p for p, s, n, _ in records if n == 0 and not any(lo <= s <= hi for lo, hi in suspect)]
+
+
+def prune_checkpoints(folder: Path, step: int, keep_last: int, abandoned=()) -> list[Path]:
     """Delete the checkpoints of ``folder`` that the run no longer needs after writing ``ckpt-<step>``.
 
-    Kept: the newest ``keep_last`` *clean* checkpoints (taken with no non-finite step pending,
-    :func:`skipped_in_row` 0), and any checkpoint newer than the newest clean one (those a run of
-    non-finite steps wrote, e.g. at its stop). So a run that stops on non-finite gradients, and
-    resumes that fail the same way, never delete the last checkpoints written before the trouble
-    began: ``--resume RUN/checkpoints/ckpt-N`` can go back to them. Deleted: the other
-    checkpoints up to ``step``, and every checkpoint of a later step (only a resume from an
-    earlier checkpoint leaves those: they belong to the abandoned stretch of the run).
+    Kept: the newest ``keep_last`` clean checkpoints (:func:`clean_checkpoints`), and the newest
+    other one if it is newer than them (e.g. the one a stop on non-finite gradients wrote). So a
+    run that stops on non-finite gradients, and resumes that fail the same way, keep the last
+    checkpoints taken before the trouble (``--resume RUN/checkpoints/ckpt-N`` goes back to one)
+    and hold at most ``keep_last + 1`` checkpoints. Deleted: the others up to ``step``, every
+    checkpoint of a later step, and those of steps in ``abandoned`` other than ``step`` (a resume
+    from an earlier checkpoint passes the later ones it found: the abandoned stretch of the run).
 
     Returns:
         The folders deleted.
     """
     ckpts = list_checkpoints(folder)
-    upto = [p for p in ckpts if checkpoint_step(p) <= step]
-    clean = [p for p in upto if skipped_in_row(p) == 0]
+    upto = [p for p in ckpts if checkpoint_step(p) == step or (
+        checkpoint_step(p) < step and checkpoint_step(p) not in abandoned)]
+    clean = clean_checkpoints(upto)
     kept = set(clean[-keep_last:]) if keep_last > 0 else set(clean)
     newest_clean = checkpoint_step(clean[-1]) if clean else -1
-    kept |= {p for p in upto if checkpoint_step(p) > newest_clean}
+    others = [p for p in upto if p not in clean and checkpoint_step(p) > newest_clean]
+    kept |= set(others[-1:])
     gone = [p for p in ckpts if p not in kept]
     for old in gone:
         shutil.rmtree(old, ignore_errors=True)
@@ -272,13 +293,14 @@ def prune_checkpoints(folder: Path, step: int, keep_last: int) -> list[Path]:
 
 
 def clean_checkpoint_before(folder: Path, step: int) -> Path | None:
-    """The newest checkpoint of ``folder`` before ``step`` taken with no non-finite step pending
-    (see :func:`prune_checkpoints`), or None; not verified."""
-    clean = [p for p in list_checkpoints(folder) if checkpoint_step(p) < step and skipped_in_row(p) == 0]
+    """The newest clean checkpoint of ``folder`` (:func:`clean_checkpoints`) of a step before
+    ``step``, or None; not verified."""
+    clean = clean_checkpoints([p for p in list_checkpoints(folder) if checkpoint_step(p) < step])
     return clean[-1] if clean else None
 
 
-def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, state: dict, keep_last: int = 2) -> Path:
+def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, state: dict, keep_last: int = 2,
+                    abandoned=()) -> Path:
     """Write ``folder/ckpt-<step>`` now: :func:`take_snapshot` then :func:`write_snapshot` on
     this thread (:class:`tightfit.runtime.async_checkpoint.CheckpointWriter` writes in the
     background instead).
@@ -289,7 +311,7 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, state: dict
     Raises:
         NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is written).
     """
-    return write_snapshot(folder, step, take_snapshot(model, state), keep_last)
+    return write_snapshot(folder, step, take_snapshot(model, state), keep_last, abandoned)
 
 
 def checkpoint_step(path: Path) -> int:

@@ -47,13 +47,14 @@ def _finite_everywhere(model: torch.nn.Module, world: World) -> bool:
 
 
 def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, state: dict, world: World,
-                 keep_last: int = 2) -> Path:
+                 keep_last: int = 2, abandoned=()) -> Path:
     """Write ``folder/ckpt-<step>`` from every rank (a collective: all ranks call it at the same step).
 
     Args:
         model, optimizer: the wrapped model (DDP or FSDP2) and its optimizer.
         state: this rank's trainer state without model and optimizer (tensors and plain values);
             rank 0's is saved, with the ``rng`` of every rank as ``rng_by_rank``.
+        keep_last, abandoned: what pruning keeps (:func:`~.checkpoint.prune_checkpoints`).
 
     Returns:
         The checkpoint folder.
@@ -90,7 +91,7 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, sta
         _fsync(tmp / MANIFEST)
 
     atomic_write_dir(target, fill)
-    prune_checkpoints(folder, step, keep_last)
+    prune_checkpoints(folder, step, keep_last, abandoned)
     world.barrier()
     return target
 

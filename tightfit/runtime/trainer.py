@@ -139,7 +139,16 @@ class StoppedError(TightfitError):
 
 class NonFiniteTrainingError(StoppedError):
     """Too many optimizer steps in a row had non-finite (inf/NaN) gradients. The weights are
-    finite (skipped steps are not applied), so a checkpoint is written at the stop."""
+    finite (skipped steps are not applied), so a checkpoint is written at the stop.
+
+    Attributes:
+        last_update: the step whose update was the last applied (the weights at the stop are its
+            weights; that update may be what spoiled them); None where not known.
+    """
+
+    def __init__(self, message: str, step: int = 0, checkpoint: str | None = None, last_update: int | None = None):
+        super().__init__(message, step, checkpoint)
+        self.last_update = last_update
 
 
 class TrainingInterrupted(StoppedError):
@@ -383,6 +392,8 @@ class Trainer:
         self._stop_signal: str | None = None
         self._stop_note: str | None = None  # a stop signal's note, not yet in the metrics
         self._writer = None  # the CheckpointWriter, made at the first checkpoint
+        self._abandoned: set[int] = set()  # steps of checkpoints a resume left behind (see resume)
+        self._last_update = 0  # the step whose update was the last applied (0: none yet)
         self._listed_modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
         self._train_modes: list[tuple[torch.nn.Module, bool]] | None = None  # their training modes, set by fit()
         # whole-run times a checkpoint carries over a resume (train_seconds is in the result):
@@ -463,6 +474,8 @@ class Trainer:
                 self._stop_signal = "a stop on another rank"
             self._log_stop_note()
             self.step += 1
+            if stepped:
+                self._last_update = self.step
             self.result.samples += len(window)
             self.result.final_loss = loss
             now = time.perf_counter()
@@ -484,9 +497,13 @@ class Trainer:
                 where = saved or self._checkpoint_at_stop(t0)  # skipped steps left the weights finite
                 self.flush_checkpoints()
                 culprit = self._first_nonfinite(window)  # after the checkpoint: it draws random numbers
+                self._event(f"{self._skipped_in_row} steps in a row had non-finite gradients (first non-finite "
+                            f"values in {culprit}): stopped after step {self.step}"  # the error says it on screen
+                            + (f", checkpoint {where}" if where else ""), show=False)
                 raise NonFiniteTrainingError(
                     f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
-                    f"{culprit}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where)
+                    f"{culprit}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where,
+                    last_update=self._last_update)
             if self._stop_signal and self.step < self.total_steps and ahead is None:  # else: after the queued step
                 self._log_stop_note()  # a signal after this step's note point (e.g. in its checkpoint)
                 where = saved or self._checkpoint_at_stop(t0)
@@ -793,6 +810,7 @@ class Trainer:
             "counters": {"samples": r.samples, "skipped_steps": r.skipped_steps, "oom_recoveries": r.oom_recoveries,
                          "train_seconds": r.train_seconds, "final_loss": r.final_loss,
                          "skipped_in_row": self._skipped_in_row, "clean_windows": self._clean_windows,
+                         "last_update": self._last_update,
                          **dict(zip(("checkpoint_seconds", "checkpoint_write_seconds"), self._checkpoint_times())),
                          "wall_seconds": self.resumed_wall_seconds + time.perf_counter() - self.wall_start},
         }
@@ -808,13 +826,14 @@ class Trainer:
         """
         from .async_checkpoint import CheckpointWriter
 
+        self._abandoned.discard(self.step)  # written anew by this run
         if self.world.distributed:  # every rank writes its part with torch.distributed.checkpoint
             from .sharded_checkpoint import save_sharded
 
             state = {k: v for k, v in self.state_dict().items() if k != "optimizer"}
             t0 = time.perf_counter()
             path = save_sharded(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, state, self.world,
-                                self.cfg.keep_last)
+                                self.cfg.keep_last, frozenset(self._abandoned))
             held = time.perf_counter() - t0  # written in the loop's time: it holds the loop as long as it writes
             self.result.checkpoint_seconds += held
             self.result.checkpoint_write_seconds += held
@@ -823,7 +842,7 @@ class Trainer:
         if self._writer is None:
             self._writer = CheckpointWriter(self.cfg.checkpoint_dir, self.cfg.keep_last,
                                             background=self.cfg.background_checkpoints)
-        path = self._writer.save(self.step, self.model, self.state_dict())
+        path = self._writer.save(self.step, self.model, self.state_dict(), self._abandoned)
         if not background:
             self.flush_checkpoints()
         self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
@@ -851,7 +870,7 @@ class Trainer:
         scheduler, RNG states, data position and micro-batch; :meth:`fit` then continues.
         ``state`` and ``verified``: as :func:`~tightfit.runtime.checkpoint.load_checkpoint` (a
         caller that verified and read the checkpoint already passes them: read and hashed once)."""
-        from .checkpoint import load_checkpoint
+        from .checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
 
         from .sharded_checkpoint import is_sharded, load_sharded
 
@@ -884,6 +903,7 @@ class Trainer:
         self.result.oom_recoveries, self.result.train_seconds = c["oom_recoveries"], c["train_seconds"]
         self.result.final_loss = c["final_loss"]
         self._skipped_in_row, self._clean_windows = c["skipped_in_row"], c["clean_windows"]
+        self._last_update = c.get("last_update", self.step - self._skipped_in_row)  # (older checkpoints: derived)
         # the earlier sessions' times (absent from checkpoints of older versions: 0)
         self._checkpoint_base = (c.get("checkpoint_seconds", 0.0), c.get("checkpoint_write_seconds", 0.0))
         self.result.checkpoint_seconds, self.result.checkpoint_write_seconds = self._checkpoint_base
@@ -891,6 +911,9 @@ class Trainer:
         if lr_changed:  # the run of non-finite steps belonged to the old learning rate
             self._skipped_in_row = 0
         restore_rng(state["rng"])
+        if self.cfg.checkpoint_dir:  # the later checkpoints belong to the stretch this resume abandons
+            self._abandoned = {checkpoint_step(p) for p in list_checkpoints(self.cfg.checkpoint_dir)
+                               if checkpoint_step(p) > self.step}
         self._event(f"resumed from {path} at step {self.step} with micro-batch {self.micro_batch}")
 
     # ---------------------------------------------------------------- evaluation
