@@ -380,13 +380,13 @@ def test_fp16_and_fp32_with_bf16_weights_are_refused_in_one_line(capsys, tmp_pat
     from tightfit.cli import main
 
     for precision in ("fp16", "fp32"):
-        with pytest.raises(TightfitError, match=f"keeps the weights in bf16 .* not {precision}"):
+        with pytest.raises(TightfitError, match=f"keeps the weights in bf16 .* not precision='{precision}'"):
             Plan(precision, 4, 4, optimizer=KIND)
     args = ["--optimizer", KIND, "--precision", "fp16"]
     assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--budget", "1GiB",
                  *args]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "keeps the weights in bf16" in err and "not fp16" in err
+    assert err.count("\n") == 0 and "keeps the weights in bf16" in err and "not --precision fp16" in err
     out = tmp_path / "run"
     assert main(["train", "--device", "cpu", "--no-progress", "--out", str(out), *args]) == 2
     err = capsys.readouterr().err.strip()
@@ -490,7 +490,7 @@ def test_nothing_fits_with_bf16_weights_counts_their_bytes_and_offers_no_optimiz
 def test_an_explicit_bf16_weights_optimizer_says_what_it_changes_and_refuses_another_precision(m):
     r = _plan(m, 1 << 30, optimizer=KIND)
     assert r.best.precision == "bf16" and "stochastically rounded" in r.best.why and "as asked" in r.best.why
-    with pytest.raises(TightfitError, match="not fp32"):
+    with pytest.raises(TightfitError, match="not precision='fp32'"):
         _plan(m, 1 << 30, optimizer=KIND, precision="fp32")
 
 
@@ -660,7 +660,7 @@ def test_a_request_for_bf16_weights_in_another_precision_is_refused_when_made():
     from tightfit.api import TrainRequest
     from tightfit.errors import TightfitError
 
-    with pytest.raises(TightfitError, match="adamw8bit-bf16 keeps the weights in bf16 .* not fp16"):
+    with pytest.raises(TightfitError, match="^optimizer='adamw8bit-bf16' keeps the weights in bf16 .* not precision='fp16': use precision='bf16'$"):
         TrainRequest(optimizer="adamw8bit-bf16", precision="fp16")
     for precision in ("bf16", "auto"):
         TrainRequest(optimizer="adamw8bit-bf16", precision=precision)

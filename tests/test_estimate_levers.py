@@ -36,7 +36,7 @@ def test_bf16_weights_report_their_gradients_in_bf16(capsys):
 
 
 @pytest.mark.parametrize("extra, says", [
-    ([], "use precision bf16"),  # estimate's default precision is fp32; it has no "auto"
+    ([], "not --precision fp32: use --precision bf16"),  # estimate's default precision is fp32; it has no "auto"
     (["--precision", "bf16", "--gpu", "gtx-1650-ti"], "use --optimizer adamw8bit or adamw-offload"),
 ])
 def test_bf16_weights_refused_with_advice_the_command_accepts(capsys, extra, says):

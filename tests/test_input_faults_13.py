@@ -291,3 +291,21 @@ def test_trainstep_says_batchnorms_one_sample_error_whatever_wraps_it_and_advise
         s(_data(9))
     with pytest.raises(TightfitError, match=r"split as 4\+1.*drop_last=True"):
         s(_data(5))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"optimizer": "adamw8bit-bf16"}, r"^optimizer='adamw8bit-bf16' trains under bf16 autocast, which tightfit runs on a "
+                                      r"CUDA GPU only$"),
+    ({"optimizer": "adamw-offload"}, r"^optimizer='adamw-offload' needs one CUDA GPU"),
+    ({"precision": "fp16"}, r"^precision='fp16' needs a CUDA GPU; on the CPU use fp32$"),
+    ({"compile": "on"}, r"^compile='on' needs a CUDA GPU and the search planner$"),
+])
+def test_a_request_for_the_cpu_refuses_gpu_only_choices_when_made(options, message):
+    """device="cpu" is known when the request is made: what it cannot run is refused then, as the
+    command line refuses it before loading anything."""
+    from tightfit.api import TrainRequest
+    from tightfit.errors import TightfitError
+
+    with pytest.raises(TightfitError, match=message):
+        TrainRequest(device="cpu", **options)
+    TrainRequest(**options)  # device auto: decided once the machine is known

@@ -183,3 +183,23 @@ def test_the_trainer_resumed_from_an_earlier_checkpoint_deletes_the_abandoned_on
     resumed.resume(tmp_path / "ckpt-1")
     resumed.fit()
     assert _names(tmp_path) == ["ckpt-1", "ckpt-3", "ckpt-4"]
+
+
+def test_the_python_api_says_how_to_resume_in_its_own_terms(tmp_path, monkeypatch):
+    import pytest
+
+    import tightfit
+    from tightfit.api import TrainRequest, train
+
+    model_dir, data = _inputs(tmp_path)
+    _blow_up_from(monkeypatch, 5)
+    run = tmp_path / "run"
+    with pytest.raises(tightfit.NonFiniteTrainingError) as e:
+        train(TrainRequest(model=str(model_dir), data=str(data), batch_size=16, epochs=2, lr=1e-3, seq_len=16,
+                                    checkpoint_every=2, max_skipped_steps=2, out=str(run), progress=False,
+                                    device="cpu"))
+    said = str(e.value)
+    assert "--" not in said and "Try a lower lr (e.g. lr=1e-04)" in said, said
+    assert f"continue with: tightfit.api.train(TrainRequest(resume={str(run)!r}, lr=<lower>))" in said
+    assert f"tightfit.api.train(TrainRequest(resume={str(run / 'checkpoints' / 'ckpt-2')!r}, lr=<lower>))" in said
+    assert e.value.last_update == 4 and e.value.step == 6

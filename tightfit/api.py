@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -213,16 +214,10 @@ class TrainRecipe:
         if p.sharding != "auto" and not self.world.distributed:
             self.notes.append(f"{option_given('sharding', p.sharding)} applies to several processes (--gpus N); "
                               "this run has one")
-        if p.compile == "on" and (self.device != "cuda" or p.planner != "search"):
-            raise TightfitError(f"{option_given('compile', 'on')} needs a CUDA GPU and the search planner")
-        if p.optimizer == "adamw-offload" and (self.device != "cuda" or self.world.distributed):
-            raise TightfitError(f"{option_given('optimizer', 'adamw-offload')} needs one CUDA GPU (torchao offloads one GPU's state)")
-        from .levers.optimizers import LEVER_OPTIMIZERS, check_precision as check_optimizer_precision, weights_dtype
+        p.check_for_device(self.device, self.world.distributed)
+        from .levers.optimizers import LEVER_OPTIMIZERS, check_precision as check_optimizer_precision
 
-        check_optimizer_precision(p.optimizer, p.precision, self.profile)  # bf16 weights: bf16 autocast only
-        if weights_dtype(p.optimizer) is not None and self.device != "cuda":
-            raise TightfitError(f"{option_given('optimizer', p.optimizer)} trains under bf16 autocast, which tightfit runs on a CUDA GPU "
-                                "only")
+        check_optimizer_precision(p.optimizer, p.precision, self.profile)  # bf16 weights: a card with bf16
         if p.optimizer in LEVER_OPTIMIZERS:
             from .planner.optimizers import levers_installed
 
@@ -660,22 +655,31 @@ class TrainRecipe:
         except StoppedError as e:
             from .runtime.launch import resume_processes
 
-            lower = " --lr <lower>" if isinstance(e, NonFiniteTrainingError) else ""
+            nonfinite = isinstance(e, NonFiniteTrainingError)
 
-            def resume(target: Path) -> str:
-                return f"tightfit train --resume {shlex.quote(str(target))}{resume_processes(self.world.size)}{lower}"
+            def resume(target: Path) -> str:  # as this face takes it: the command line, or the Python API
+                if names_flags():
+                    return (f"tightfit train --resume {shlex.quote(str(target))}{resume_processes(self.world.size)}"
+                            + (" --lr <lower>" if nonfinite else ""))
+                return f"tightfit.api.train(TrainRequest(resume={str(target)!r}" + (", lr=<lower>))" if nonfinite else "))")
 
             said = (f"checkpoint {e.checkpoint} written; continue with: {resume(self.out)}" if e.checkpoint
                     else "no checkpoint could be written")
-            if not isinstance(e, NonFiniteTrainingError):
-                raise type(e)(f"{e}; {said}", e.step, e.checkpoint) from None
+            text = str(e)
+            if not names_flags():  # the advice's flags as TrainRequest's keywords: "e.g. lr=1e-04"
+                from .loop import as_arguments
+
+                text = as_arguments(re.sub(r"--lr(?: ([0-9][^)\s:;,]*))?", lambda m: f"lr={m.group(1)}" if m.group(1)
+                                           else "lr", text))
+            if not nonfinite:
+                raise type(e)(f"{text}; {said}", e.step, e.checkpoint) from None
             if e.last_update and self.req.training.checkpoint_every:
                 # the weights at the stop are step last_update's: only an earlier checkpoint is another start
                 before = clean_checkpoint_before(self.out / "checkpoints", e.last_update)
                 said += (f"; or go back to {before.name}, the last checkpoint before step {e.last_update}'s update "
                          f"(the last one applied): {resume(before)}" if before is not None else
                          f"; no checkpoint from before step {e.last_update}'s update (the last one applied) is left")
-            raise NonFiniteTrainingError(f"{e}; {said}", e.step, e.checkpoint, e.last_update) from None
+            raise NonFiniteTrainingError(f"{text}; {said}", e.step, e.checkpoint, e.last_update) from None
         finally:
             self.metrics.close()
 

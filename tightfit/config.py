@@ -424,13 +424,36 @@ class PlanOptions(_Options):
                                     "rounded updates (bitsandbytes, torchao; default: {default}, the levers only where fp32 "
                                     "state fits nothing or they are predicted faster)", choices=OPTIMIZER_CHOICES)
 
+    def check_for_device(self, device: str, distributed: bool = False) -> None:
+        """Refuse the choices that ``device`` (``"cpu"`` or ``"cuda"``, as resolved) cannot run:
+        on the CPU fp16/bf16, ``compile on``, CPU offload and bf16 weights; offload on several
+        processes too.
+
+        Raises:
+            TightfitError: one line naming the option as its user gave it.
+        """
+        if self.compile == "on" and (device != "cuda" or self.planner != "search"):
+            raise TightfitError(f"{option_given('compile', 'on')} needs a CUDA GPU and the search planner")
+        if self.optimizer == "adamw-offload" and (device != "cuda" or distributed):
+            raise TightfitError(f"{option_given('optimizer', 'adamw-offload')} needs one CUDA GPU (torchao offloads "
+                                "one GPU's state)")
+        from .levers.optimizers import BF16_WEIGHTS
+
+        if self.optimizer in BF16_WEIGHTS and device != "cuda":
+            raise TightfitError(f"{option_given('optimizer', self.optimizer)} trains under bf16 autocast, which "
+                                "tightfit runs on a CUDA GPU only")
+        if self.precision in ("fp16", "bf16") and device != "cuda":
+            raise TightfitError(f"{option_given('precision', self.precision)} needs a CUDA GPU; on the CPU use fp32")
+
     def _check_together(self) -> None:
         """``budget``, when given, reads as a memory size (:func:`~tightfit.units.parse_budget`): the
         Python API refuses a bad one when the request is made, naming its keyword; an optimizer
         keeping bf16 weights (``adamw8bit-bf16``) goes with precision ``bf16`` or ``auto`` only."""
         from .levers.optimizers import check_precision
 
-        check_precision(self.optimizer, self.precision)  # the same line as the planner's
+        check_precision(self.optimizer, self.precision)  # the planner's own check
+        if self.device == "cpu":  # asked for: refused now, as a GPU-only choice is on a machine without one
+            self.check_for_device("cpu")
         if self.budget is None:
             return
         from .units import parse_budget

@@ -244,13 +244,17 @@ def check_precision(kind: str, precision: str, profile=None) -> None:
         TightfitError: ``kind`` keeps bf16 weights and the card does not run bf16, or
             ``precision`` is not ``"bf16"`` (``"auto"`` passes: the planner then searches bf16 only).
     """
+    from ..config import option_given  # the options as this face names them (--optimizer, optimizer=)
+
     if kind in BF16_WEIGHTS and profile is not None and not profile.bf16:
         cc = profile.compute_capability
-        raise TightfitError(f"optimizer {kind} keeps the weights in bf16, which needs compute capability >= 8.0; "
-                            f"{profile.name} is {cc[0]}.{cc[1]}: use --optimizer adamw8bit or adamw-offload")
+        raise TightfitError(f"{option_given('optimizer', kind)} keeps the weights in bf16, which needs compute "
+                            f"capability >= 8.0; {profile.name} is {cc[0]}.{cc[1]}: use "
+                            f"{option_given('optimizer', 'adamw8bit')} or adamw-offload")
     if kind in BF16_WEIGHTS and precision not in ("bf16", "auto"):
-        raise TightfitError(f"optimizer {kind} keeps the weights in bf16 and trains under bf16 autocast only, "
-                            f"not {precision} (use precision bf16)")
+        raise TightfitError(f"{option_given('optimizer', kind)} keeps the weights in bf16 and trains under bf16 "
+                            f"autocast only, not {option_given('precision', precision)}: use "
+                            f"{option_given('precision', 'bf16')}")
 
 
 def cast_weights(model: torch.nn.Module, kind: str) -> torch.nn.Module:
