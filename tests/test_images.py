@@ -193,6 +193,16 @@ def test_resume_of_an_image_run_finds_its_recipe_and_data(models, tmp_path, caps
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "--no-progress"]) == 0
     assert "already finished at step 2" in capsys.readouterr().out
+    # one of its checkpoints named (as a stop on non-finite gradients advises): the same recipe and
+    # device, from the run folder above it
+    from tightfit.cli import _parser
+    from tightfit.runtime.launch import device_of
+
+    (out / "summary.json").unlink()  # as if stopped before the end
+    ckpt = out / "checkpoints" / "ckpt-2"  # the last: the resumed run evaluates and finishes
+    assert device_of(_parser().parse_args(["train", "--resume", str(ckpt)])) == "cpu"
+    assert main(["train", "--resume", str(ckpt), "--no-progress"]) == 0
+    assert (out / "summary.json").is_file()
 
 
 @pytest.mark.gpu

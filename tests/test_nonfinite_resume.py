@@ -164,25 +164,26 @@ def test_bad_resume_paths_get_one_line_and_nothing_before_it(tmp_path, capsys):
 
 
 def test_the_trainer_resumed_from_an_earlier_checkpoint_deletes_the_abandoned_ones_at_its_first_write(tmp_path):
-    """Checkpoints 1-4, resumed from ckpt-1 with a checkpoint every 3 steps: ckpt-2 and ckpt-4
-    (the abandoned stretch) go at the first write, ckpt-3, though one of a step before it too."""
+    """Checkpoints 1-4, resumed from ckpt-1 for 3 steps with a checkpoint every 3: its one write
+    deletes ckpt-2 and ckpt-4 (the abandoned stretch), ckpt-2 though of a step before it."""
     from conftest import SyntheticBatches, tiny_bert
 
     from tightfit.plan import Plan
     from tightfit.runtime.trainer import TrainConfig, Trainer
     from tightfit.workload import Workload
 
-    def trainer(every):
+    def trainer(every, steps=None):
         w = Workload(tiny_bert(0.1, 0), SyntheticBatches(32), SyntheticBatches(8, seed=1), 8)
-        return Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3, checkpoint_dir=str(tmp_path),
-                                                          checkpoint_every=every, keep_last=5), progress=False)
+        return Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, max_steps=steps, lr=1e-3, keep_last=5,
+                                                          checkpoint_dir=str(tmp_path), checkpoint_every=every),
+                       progress=False)
 
     trainer(1).fit()
     assert _names(tmp_path) == ["ckpt-1", "ckpt-2", "ckpt-3", "ckpt-4"]
-    resumed = trainer(3)
+    resumed = trainer(3, steps=3)  # one write, at step 3
     resumed.resume(tmp_path / "ckpt-1")
     resumed.fit()
-    assert _names(tmp_path) == ["ckpt-1", "ckpt-3", "ckpt-4"]
+    assert _names(tmp_path) == ["ckpt-1", "ckpt-3"]
 
 
 def test_the_python_api_says_how_to_resume_in_its_own_terms(tmp_path, monkeypatch):

@@ -545,7 +545,7 @@ def test_checkpoints_reuse_one_set_of_host_buffers(tmp_path):
     writer = CheckpointWriter(tmp_path)
     snaps = []
     original = writer._write
-    writer._write = lambda step, snap: snaps.append(snap) or original(step, snap)
+    writer._write = lambda step, snap, abandoned=(): snaps.append(snap) or original(step, snap, abandoned)
     for step in (1, 2):
         writer.save(step, model, state)
     writer.close()

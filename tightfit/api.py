@@ -193,7 +193,8 @@ class TrainRecipe:
             self.req, self.resume_from, self.changed, self.data_fingerprint, self.resume_notes = \
                 _resume_request(self.req, self.world.is_main)
             self.notes += [f"{option_name('resume')} with {option_given(k, new)} (the run had {old})"
-                           for k, (old, new) in self.changed.items()] + self.resume_notes
+                           for k, (old, new) in self.changed.items()]
+            self.notes += [n for n in self.resume_notes if not n.startswith(_DONE_TO_THE_FOLDER)]  # said already
         self._resolve_device()
         self._load_data()
         self._check_run_folder()
@@ -834,6 +835,10 @@ class _Discard:
         pass
 
 
+# the beginnings of _resume_request's notes of what it did to the run folder (shown at once)
+_DONE_TO_THE_FOLDER = ("put back ", "removed ")
+
+
 def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest, Path, dict, str | None, list[str]]:
     """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
     given now), its newest intact checkpoint, ``{option: [old, new]}`` for what changed, the
@@ -850,9 +855,9 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
         TightfitError: not a tightfit run folder, or no intact checkpoint in it.
     """
     from .runtime.checkpoint import (checkpoint_step, has_checkpoint, latest_intact_checkpoint, list_checkpoints,
-                                      remove_stale_temporaries, restore_displaced, resume_point)
+                                      remove_stale_temporaries, restore_displaced, resume_point, resume_target)
 
-    run, chosen = _resume_target(Path(req.run.resume))
+    run, chosen = resume_target(req.run.resume)
     if not Path(req.run.resume).exists():
         raise TightfitError(f"{option_given('resume', req.run.resume)}: does not exist")
     if Path(req.run.resume).name == "checkpoints" and (run.parent / "request.json").is_file():
@@ -900,8 +905,11 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
         raise TightfitError(f"{option_given('resume', str(run))}: {run / 'request.json'} holds a value tightfit "
                             f"cannot take (edited by hand?): {e}") from None
     resumed.workload.check_columns()  # with the run's own --data, now known
-    notes = [f"put back {name}, displaced by a checkpoint write that was cut short"
-             for name in (restore_displaced(run / "checkpoints") if main else ())]  # rank 0 writes the folder
+    done = [f"put back {name}, displaced by a checkpoint write that was cut short"
+            for name in (restore_displaced(run / "checkpoints") if main else ())]  # rank 0 writes the folder
+    for note in done:  # done to the folder: said now, whatever a later check decides
+        log.warning(f"note: {note}")
+    notes = list(done)
     try:
         point = resume_point(chosen) if chosen else latest_intact_checkpoint(run / "checkpoints")
     except TightfitError as e:
@@ -912,20 +920,11 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
         notes.append(f"resuming from {chosen.name}: the later {', '.join(later)} will be deleted when the resumed run "
                      f"writes its first checkpoint")
     notes += point.notes
-    notes += [f"removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short"
-              for name, size in (remove_stale_temporaries(run / "checkpoints") if main else ())]  # rank 0 cleans up
-    return resumed, point.path, changed, fingerprint, notes
-
-
-def _resume_target(path: Path) -> tuple[Path, Path | None]:
-    """What ``--resume PATH`` names: ``(run folder, None)`` for a run folder (its newest intact
-    checkpoint is taken), ``(run folder, checkpoint)`` for one of its checkpoints,
-    ``RUN/checkpoints/ckpt-<step>`` (e.g. the last one written before a run of non-finite steps)."""
-    from .runtime.checkpoint import is_checkpoint_name
-
-    if is_checkpoint_name(path.name) and path.parent.name == "checkpoints":
-        return path.parent.parent, path
-    return path, None
+    removed = [f"removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short"
+               for name, size in (remove_stale_temporaries(run / "checkpoints") if main else ())]  # rank 0 cleans up
+    for note in removed:
+        log.warning(f"note: {note}")
+    return resumed, point.path, changed, fingerprint, notes + removed
 
 
 def _check_out(out: Path, resuming: bool) -> None:

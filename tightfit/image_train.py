@@ -28,7 +28,9 @@ def _model_and_data(req: TrainRequest) -> tuple[str | None, str | None]:
     model, data = req.workload.model, req.workload.data
     if req.run.resume:
         try:
-            saved = json.loads((Path(req.run.resume) / "request.json").read_text())
+            from .runtime.checkpoint import resume_target
+
+            saved = json.loads((resume_target(req.run.resume)[0] / "request.json").read_text())
             model, data = saved.get("model"), saved.get("data")
         except (OSError, ValueError, AttributeError):
             pass

@@ -324,6 +324,16 @@ def is_checkpoint_name(name: str) -> bool:
     return bool(_NAME.match(name))
 
 
+def resume_target(path) -> tuple[Path, Path | None]:
+    """What ``--resume PATH`` names: ``(run folder, None)`` for a run folder (its newest intact
+    checkpoint is taken), ``(run folder, checkpoint)`` for one of its checkpoints,
+    ``RUN/checkpoints/ckpt-<step>``."""
+    path = Path(path)
+    if is_checkpoint_name(path.name) and path.parent.name == "checkpoints":
+        return path.parent.parent, path
+    return path, None
+
+
 def has_checkpoint(folder: Path) -> bool:
     """Whether ``folder`` holds a checkpoint to resume from: a ``ckpt-<step>`` folder, or one
     displaced by a write cut short (:func:`displaced_checkpoints`); none is verified."""

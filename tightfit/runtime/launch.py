@@ -33,10 +33,11 @@ def device_of(args) -> str:
     """The ``--device`` of a ``train`` command line; for ``--resume DIR``, the run's own."""
     if getattr(args, "resume", None):
         import json
-        from pathlib import Path
 
-        try:
-            return json.loads((Path(args.resume) / "request.json").read_text()).get("device", "auto")
+        from .checkpoint import resume_target
+
+        try:  # the run folder, also of a checkpoint given (RUN/checkpoints/ckpt-N)
+            return json.loads((resume_target(args.resume)[0] / "request.json").read_text()).get("device", "auto")
         except (OSError, ValueError):
             return args.device  # the resume itself reports the unreadable folder
     return args.device
