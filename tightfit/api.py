@@ -662,7 +662,8 @@ class TrainRecipe:
                 if names_flags():
                     return (f"tightfit train --resume {shlex.quote(str(target))}{resume_processes(self.world.size)}"
                             + (" --lr <lower>" if nonfinite else ""))
-                return f"tightfit.api.train(TrainRequest(resume={str(target)!r}" + (", lr=<lower>))" if nonfinite else "))")
+                lower = ", lr=<lower>" if nonfinite else ""
+                return f"tightfit.api.train(TrainRequest(resume={str(target)!r}{lower}))"
 
             said = (f"checkpoint {e.checkpoint} written; continue with: {resume(self.out)}" if e.checkpoint
                     else "no checkpoint could be written")

@@ -189,8 +189,9 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
 def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2, abandoned=()) -> Path:
     """Write ``snap`` as ``folder/ckpt-<step>`` atomically with its manifest (written last), then
     delete the checkpoints the run no longer needs (:func:`prune_checkpoints`, with ``keep_last``
-    and ``abandoned``). Temporary folders of an earlier, killed write are removed first. Safe to run on a background thread; hashing costs about 1 to 2 s per GB
-    (:func:`sha256_file`); the weights are hashed on a second thread while ``state.pt`` is written.
+    and ``abandoned``). Temporary folders of an earlier, killed write are removed first. Safe to
+    run on a background thread; hashing costs about 1 to 2 s per GB (:func:`sha256_file`); the
+    weights are hashed on a second thread while ``state.pt`` is written.
 
     Returns:
         The checkpoint's folder.
