@@ -309,3 +309,32 @@ def test_a_request_for_the_cpu_refuses_gpu_only_choices_when_made(options, messa
     with pytest.raises(TightfitError, match=message):
         TrainRequest(device="cpu", **options)
     TrainRequest(**options)  # device auto: decided once the machine is known
+
+
+def test_the_default_seq_len_too_long_for_the_model_is_said_as_the_default_with_what_fits(tmp_path, capsys):
+    from conftest import tiny_text_model_folder
+
+    from tightfit.cli import main
+
+    model = tiny_text_model_folder(tmp_path, ["good", "bad"], hidden_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, intermediate_size=64, max_position_embeddings=16)
+    data = tmp_path / "d.csv"
+    data.write_text("text,label\n" + "".join(f"{'good' if i % 2 else 'bad'},{i % 2}\n" for i in range(40)))
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--model", str(model), "--data", str(data), "--out", str(out), "--device", "cpu",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: the default --seq-len \d+ exceeds the model's 16 positions: give --seq-len 16 or "
+                     r"less\n$", err), err
+    assert not out.exists()
+
+
+def test_gpus_on_the_cpu_beyond_its_cores_is_refused_before_any_process_starts():
+    import os
+
+    from tightfit.runtime.launch import launch
+
+    with pytest.raises(TightfitError, match=rf"^--gpus {10**6} with --device cpu starts {10**6} processes, more than "
+                                            rf"this machine's {os.cpu_count()} CPU cores$"):
+        launch(10**6, "cpu", ["train", "--device", "cpu"])

@@ -255,8 +255,8 @@ def test_the_seq_len_and_precision_errors_name_the_python_arguments(tmp_path, ca
     common = dict(model=str(model), data=str(data))
     argv = ["--model", str(model), "--data", str(data)]
     for i, (options, python, flags, cli) in enumerate([
-            (dict(seq_len=100), "seq_len=100 exceeds the model's 64 positions", ["--seq-len", "100"],
-             "--seq-len 100 exceeds the model's 64 positions"),
+            (dict(seq_len=100), "seq_len=100 exceeds the model's 64 positions: give seq_len=64 or less",
+             ["--seq-len", "100"], "--seq-len 100 exceeds the model's 64 positions: give --seq-len 64 or less"),
             (dict(seq_len=3), "seq_len=3 leaves 1 token of text after the 2 special tokens ([CLS], [SEP]); use at "
                               "least 8", ["--seq-len", "3"],
              "--seq-len 3 leaves 1 token of text after the 2 special tokens ([CLS], [SEP]); use at least 8"),

@@ -77,3 +77,28 @@ def test_an_option_given_anew_on_resume_is_in_the_reports_events(tmp_path):
     assert f"- {line}" in (run / "report.md").read_text()
     events = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r["type"] == "event" and r["message"] == line for r in events)
+
+
+@pytest.mark.parametrize("command", [["plan", "--batch-size", "8"], ["estimate", "--micro-batch", "8"]])
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "0"], "--budget 0: memory size must be positive, got '0'"),
+    (["--budget", "4XB"], "--budget 4XB: cannot read memory size '4XB': write a number and a unit, e.g. 4GiB, 11GB, "
+                          "512MiB"),
+    (["--budget", ""], "--budget is empty: give a value, or leave --budget out"),
+    (["--gpu", ""], "--gpu is empty: give a value, or leave --gpu out"),
+])
+def test_plan_and_estimate_name_the_budget_and_card_they_refuse_as_train_does(command, flags, message, capsys):
+    """`plan --budget 0` said "memory size must be positive" without naming --budget; an empty
+    --budget or --gpu was taken as not given (the H200's, silently)."""
+    assert main([command[0], "--model", "minilm", "--seq-len", "32", *command[1:], *flags]) == 2
+    assert _error(capsys) == f"tightfit: error: {message}"
+
+
+def test_tightfit_plan_names_the_budget_it_cannot_read():
+    import torch
+
+    import tightfit
+
+    with pytest.raises(TightfitError, match=r"^budget='0': memory size must be positive"):
+        tightfit.plan(torch.nn.Linear(4, 2), (torch.zeros(2, 4), torch.zeros(2, dtype=torch.long)), budget="0",
+                      loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))

@@ -324,7 +324,8 @@ class TrainRecipe:
         seed_everything(self.req.training.seed)  # before the new head is initialised
         self.model, self.tokenizer = self.source.load_classifier(self.data.label_names)
         self.notes += self.source.training_notes()
-        self.notes += check_tokenizer(self.model, self.tokenizer, self.source.tokenizer_path(), self.data.texts, seq_len)
+        self.notes += check_tokenizer(self.model, self.tokenizer, self.source.tokenizer_path(), self.data.texts, seq_len,
+                                      "seq_len" in self.req.run.given)
         self._apply_trainable()
         self._check_budget()
         self.workload = Workload(self.model, TextBatches(self.tokenizer, self.train_data, seq_len),

@@ -289,7 +289,10 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
     E = int(E)
     try:
         if budget is not None:
-            budget = f"{parse_size(budget)}B"  # bytes as text with its unit, as the command line would take it
+            try:
+                budget = f"{parse_size(budget)}B"  # bytes as text with its unit, as the command line would take it
+            except TightfitError as e:
+                raise TightfitError(f"budget={budget!r}: {e}") from None
         options = PlanOptions(budget=budget, gpu=gpu, precision=precision, checkpointing=checkpointing, device=device)
         check_checkpointing(model, checkpointing)
         dev, profile, budget_bytes, notes = resolve_device(options)

@@ -474,7 +474,8 @@ def _tokenizer_files(path: Path) -> list[str]:
     return sorted({f.name for pattern in TOKENIZER_FILES for f in Path(path).glob(pattern)})
 
 
-def check_tokenizer(model, tokenizer, path: Path, texts: list[str], seq_len: int) -> list[str]:
+def check_tokenizer(model, tokenizer, path: Path, texts: list[str], seq_len: int,
+                    seq_len_given: bool = True) -> list[str]:
     """Check that ``tokenizer`` fits ``model`` and the data before any training, and give a
     tokenizer without a padding token the end-of-sequence token as its padding token (also set as
     ``model.config.pad_token_id``, which GPT-style classifiers need to find each text's end).
@@ -485,7 +486,8 @@ def check_tokenizer(model, tokenizer, path: Path, texts: list[str], seq_len: int
         path: the tokenizer's folder (for messages).
         texts: the data's texts; up to :data:`PROBE_TEXTS` of them, spread over the list, are
             tokenized to measure how many tokens the tokenizer does not know.
-        seq_len: ``--seq-len``.
+        seq_len: ``--seq-len``; ``seq_len_given``: whether the user gave it (else it is the default,
+            and a refusal says so).
 
     Returns:
         Notes for accepted but dubious input (some unknown tokens, a borrowed padding token).
@@ -500,7 +502,7 @@ def check_tokenizer(model, tokenizer, path: Path, texts: list[str], seq_len: int
     """
     _check_vocabulary(model, tokenizer, path)
     notes = _unknown_token_notes(tokenizer, path, texts)
-    _check_seq_len(model, tokenizer, seq_len)
+    _check_seq_len(model, tokenizer, seq_len, seq_len_given)
     notes += _ensure_pad_token(model, tokenizer, path)
     return notes
 
@@ -598,7 +600,7 @@ def training_special_tokens(name_or_path: str) -> list[str] | None:
     return tokenizer.convert_ids_to_tokens(tokenizer("")["input_ids"])
 
 
-def _check_seq_len(model, tokenizer, seq_len: int) -> None:
+def _check_seq_len(model, tokenizer, seq_len: int, given: bool = True) -> None:
     """``seq_len`` (tokens) is within the model's positions and leaves :data:`MIN_TEXT_TOKENS`
     tokens of text after the special tokens every text gets.
 
@@ -607,7 +609,8 @@ def _check_seq_len(model, tokenizer, seq_len: int) -> None:
     """
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions and seq_len > positions:
-        raise TightfitError(f"{option_given('seq_len', seq_len)} exceeds the model's {positions} positions")
+        raise TightfitError(("" if given else "the default ") + f"{option_given('seq_len', seq_len)} exceeds the "
+                            f"model's {positions} positions: give {option_given('seq_len', positions)} or less")
     added = tokenizer("")["input_ids"]  # the special tokens every text gets, e.g. [CLS] [SEP]
     _check_text_room(seq_len, tokenizer.convert_ids_to_tokens(added))
 

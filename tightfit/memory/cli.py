@@ -115,7 +115,7 @@ def run(args) -> int:
     if args.optimizer not in OPTIMIZERS:
         raise TightfitError(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     profile, budget, card_notes = None, None, []
-    if args.gpu or args.budget:
+    if args.gpu is not None or args.budget is not None:
         from ..planner.cli import card_budget
 
         profile, budget, card_notes = card_budget(args.gpu, args.budget)

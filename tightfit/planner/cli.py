@@ -107,7 +107,7 @@ def _card_and_budget(args):
     """
     from ..config import PlanOptions, WorkloadOptions, check_option
 
-    if not args.gpu and not args.budget:
+    if args.gpu is None and args.budget is None:
         raise TightfitError("give --gpu PROFILE or --budget SIZE")
     check_option(WorkloadOptions, "batch_size", args.batch_size)  # as `tightfit train` checks them
     check_option(PlanOptions, "precision", args.precision)
@@ -130,8 +130,14 @@ def card_budget(gpu: str | None, budget_text: str | None):
     from ..devices import get_profile
     from ..units import format_bytes, parse_budget
 
+    for flag, given in (("--gpu", gpu), ("--budget", budget_text)):
+        if given is not None and not given.strip():  # "" would silently mean the default
+            raise TightfitError(f"{flag} is empty: give a value, or leave {flag} out")
     profile = get_profile(gpu or "h200")
-    budget = parse_budget(budget_text) if budget_text else profile.budget_bytes()
+    try:
+        budget = parse_budget(budget_text) if budget_text is not None else profile.budget_bytes()
+    except TightfitError as e:  # named as the command line gave it, as `tightfit train` names it
+        raise TightfitError(str(e) if "--budget" in str(e) else f"--budget {budget_text}: {e}") from None
     if budget > profile.total_bytes:
         raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
                             f"of the {profile.name}" + ("" if gpu else " (whose rates are used without --gpu)"))

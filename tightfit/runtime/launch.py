@@ -54,7 +54,8 @@ def launch(n: int, device: str, argv: list[str]) -> int:
         boundary, write a checkpoint and say how to resume) and then raises ``SignalException``.
 
     Raises:
-        TightfitError: ``n`` below 1, or more than the visible GPUs (before anything starts).
+        TightfitError: ``n`` below 1, or more than the visible GPUs (on the CPU: than its cores),
+            before anything starts.
     """
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -68,6 +69,9 @@ def launch(n: int, device: str, argv: list[str]) -> int:
         if n > visible:
             raise TightfitError(f"--gpus {n}, but {visible} GPU{'s' if visible != 1 else ''} visible "
                                 "(--device cpu runs the processes on the CPU)")
+    elif n > (os.cpu_count() or 1):  # each process a whole copy of the model: more than the cores only thrashes
+        raise TightfitError(f"--gpus {n} with --device cpu starts {n} processes, more than this machine's "
+                            f"{os.cpu_count() or 1} CPU cores")
     os.environ.update(NO_MULTICAST_ENV)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several processes, said once
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={n}", "--module", "tightfit",
