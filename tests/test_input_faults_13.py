@@ -338,3 +338,11 @@ def test_gpus_on_the_cpu_beyond_its_cores_is_refused_before_any_process_starts()
     with pytest.raises(TightfitError, match=rf"^--gpus {10**6} with --device cpu starts {10**6} processes, more than "
                                             rf"this machine's {os.cpu_count()} CPU cores$"):
         launch(10**6, "cpu", ["train", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("model", [None, "bert", object()])
+def test_train_step_refuses_a_model_that_is_not_a_module_in_one_line(model):
+    """`TrainStep(plan, None)` raised AttributeError ('NoneType' object has no attribute 'parameters')."""
+    with pytest.raises(TightfitError, match=r"^TrainStep\(plan, model, optimizer\): model must be a torch.nn.Module, "
+                                            rf"got {type(model).__name__}$"):
+        TrainStep(Plan("fp32", 4, 8), model)

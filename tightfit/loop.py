@@ -415,6 +415,9 @@ class TrainStep:
 
         if not isinstance(plan, Plan):
             raise TightfitError(f"TrainStep(plan, model, optimizer): plan must be a tightfit.Plan, got {type(plan).__name__}")
+        if not isinstance(model, torch.nn.Module):
+            raise TightfitError(f"TrainStep(plan, model, optimizer): model must be a torch.nn.Module, got "
+                                f"{type(model).__name__}")
         # the checks of `tightfit train`'s options of the same name (a negative max_grad_norm would
         # turn each step into gradient ascent, NaN would write NaN into every weight)
         if optimizer is not None and lr is not None:  # it would be dropped without a word
