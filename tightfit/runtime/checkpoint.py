@@ -296,7 +296,7 @@ def prune_checkpoints(folder: Path, step: int, keep_last: int, abandoned=()) -> 
 def clean_checkpoint_before(folder: Path, step: int) -> Path | None:
     """The newest clean checkpoint of ``folder`` (:func:`clean_checkpoints`) of a step before
     ``step``, or None; not verified."""
-    clean = clean_checkpoints([p for p in list_checkpoints(folder) if checkpoint_step(p) < step])
+    clean = [p for p in clean_checkpoints(list_checkpoints(folder)) if checkpoint_step(p) < step]  # judged by all
     return clean[-1] if clean else None
 
 

@@ -497,12 +497,12 @@ class Trainer:
                 where = saved or self._checkpoint_at_stop(t0)  # skipped steps left the weights finite
                 self.flush_checkpoints()
                 culprit = self._first_nonfinite(window)  # after the checkpoint: it draws random numbers
-                self._event(f"{self._skipped_in_row} steps in a row had non-finite gradients (first non-finite "
-                            f"values in {culprit}): stopped after step {self.step}"  # the error says it on screen
-                            + (f", checkpoint {where}" if where else ""), show=False)
+                what = f"{self._skipped_in_row} steps in a row had non-finite gradients"
+                self._event(f"{what} (first non-finite values in {culprit}): stopped after step {self.step}"
+                            + (f", checkpoint {where}" if where else ""), show=False)  # the error says it on screen
                 raise NonFiniteTrainingError(
-                    f"{self._skipped_in_row} steps in a row had non-finite gradients; first non-finite values in "
-                    f"{culprit}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where,
+                    f"{what}; first non-finite values in {culprit}. "
+                    f"{nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where,
                     last_update=self._last_update)
             if self._stop_signal and self.step < self.total_steps and ahead is None:  # else: after the queued step
                 self._log_stop_note()  # a signal after this step's note point (e.g. in its checkpoint)
