@@ -9,6 +9,8 @@
 #              separated), BENCH_SETTINGS and BENCH_TIMEOUT (s per workload) change what and how long
 #   main:      the main job at 4 GiB (`tightfit train --full --budget 4GiB`) -> OUT/main.log
 #   sync:      bench/optimizer_sync.py (8-bit step with and without the per-tensor syncs) -> OUT/optimizer_sync.*
+#   plan-breakdown: bench/plan_breakdown.py (the GPU planner's stages and probe steps timed) on BERT-large
+#              and BERT-base seq 128 at 4 GiB -> OUT/plan-breakdown/plan-breakdown.{json,md}
 #   plan-time: bench/plan_time.py on three workloads (`tightfit plan`, no GPU: exact estimates traced one
 #              by one and in worker processes) -> OUT/plan-time/plan-time.{json,md}
 # Carried (ignored by git, .git/info/exclude): .carry/site.tgz (bitsandbytes with only its CUDA 13.0
@@ -41,6 +43,9 @@ for part in "$@"; do
     sync)
       timeout 150 python3 bench/optimizer_sync.py > "$OUT/optimizer_sync.md" 2>&1
       echo "sync exit $?" >> "$OUT/env.txt"; cat "$OUT/optimizer_sync.md" >> "$OUT/env.txt" ;;
+    plan-breakdown)
+      timeout ${BREAKDOWN_TIMEOUT:-420} python3 bench/plan_breakdown.py "$OUT/plan-breakdown" ${BREAKDOWN_WORKLOADS:-} > "$OUT/plan-breakdown.log" 2>&1
+      echo "plan-breakdown exit $?" >> "$OUT/env.txt"; grep -E "^## |^\| [a-z_(]" "$OUT/plan-breakdown/plan-breakdown.md" >> "$OUT/env.txt" 2>/dev/null ;;
     plan-time)
       timeout 420 python3 bench/plan_time.py "$OUT/plan-time" bert-base-128@4GiB bert-large-128@4GiB resnet50-224@4GiB > "$OUT/plan-time.log" 2>&1
       echo "plan-time exit $?" >> "$OUT/env.txt"; cat "$OUT/plan-time/plan-time.md" >> "$OUT/env.txt" 2>/dev/null ;;
