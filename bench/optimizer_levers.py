@@ -7,7 +7,9 @@ CUDA machine with bitsandbytes, torchao and peft importable:
     OUT=... TF_COMPILE=auto TF_STEPS=300 BENCH_SETTINGS=tightfit,no-budget python bench/optimizer_levers.py
 
 ``TF_COMPILE``: the tightfit row's ``--compile`` (default ``off``, to keep the bench short; ``auto``
-plans as ``tightfit train`` does); ``TF_STEPS``: its timed steps (default 30); ``BENCH_SETTINGS``:
+plans as ``tightfit train`` does); ``TF_STEPS``: its timed steps (default 30); ``TF_PLAN_STEPS``: the
+run length, in steps, it is planned for (default ``TF_STEPS``: a longer run may repay more
+compilation, e.g. one whole-model graph, while ``TF_STEPS`` of it are timed); ``BENCH_SETTINGS``:
 the rows to run, in that order, of ``tightfit, bnb, torchao, offload, no-budget, compiled-no-budget``
 (default: all).
 
@@ -65,6 +67,7 @@ from tightfit.planner.probe import probe_step  # noqa: E402
 OUT = Path(os.environ.get("OUT", "bench-out"))
 STEPS, WARMUP = 10, 3
 TF_STEPS = int(os.environ.get("TF_STEPS", "30"))
+TF_PLAN_STEPS = int(os.environ.get("TF_PLAN_STEPS", str(TF_STEPS)))
 TF_COMPILE = os.environ.get("TF_COMPILE", "off")
 
 
@@ -157,9 +160,10 @@ def tightfit(w: BenchWorkload) -> dict:
     wl = make_workload(w, w.effective_batch, w.effective_batch * TF_STEPS)
     t0 = time.perf_counter()
     plan = plan_on_gpu(wl, detect(), w.budget_bytes, w.size, compile=TF_COMPILE,
-                       run_samples=w.effective_batch * TF_STEPS)
+                       run_samples=w.effective_batch * TF_PLAN_STEPS)
     planning = time.perf_counter() - t0
     row = {"setting": "tightfit", "optimizer": plan.optimizer, "planning_seconds": planning,
+           "planned_for_steps": TF_PLAN_STEPS, "compile_scope": plan.compile_scope,
            "reasons": list(plan.reasons), "predicted_samples_per_s": plan.predicted_samples_per_s,
            **st.timed_run(wl, plan, TF_STEPS, WARMUP), "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     del wl
