@@ -788,7 +788,7 @@ def test_a_cold_first_timed_step_does_not_set_the_verified_speed(make_workload, 
 
 
 def test_compile_on_times_one_eager_candidate_per_precision_and_optimizer(monkeypatch):
-    """With --compile on the compiled stage searches micro-batch and blocks itself and keeps only the
+    """With --compile on (or auto, for a run long enough by the search's prediction) the compiled stage searches micro-batch and blocks itself and keeps only the
     eager winner's precision and optimizer: a runner-up differing only in micro-batch or blocks is
     not timed, and there is no calibration; one of another precision still is."""
     from tightfit.planner.search import Candidate
@@ -801,6 +801,9 @@ def test_compile_on_times_one_eager_candidate_per_precision_and_optimizer(monkey
     assert len(verified) == 2 and any("fp16" in r for r in verified), plan.reasons
     assert 16 not in probes and 8 not in probes, probes  # the same-kind runner-up, the calibration
     assert not any(r.startswith("calibrated with probes") for r in plan.reasons)
-    probes.clear()  # --compile auto: the eager timings may decide, so every candidate is timed
-    plan, _ = _fake_gpu_plan(monkeypatch, run_samples=240 * 600, compile="auto", runners_up=[same, other], probes=probes)
-    assert 16 in probes and 8 in probes
+    probes.clear()  # --compile auto, a run long enough to compile even at the predicted 300 samples/s: the same
+    plan, _ = _fake_gpu_plan(monkeypatch, run_samples=300 * 61, compile="auto", runners_up=[same, other], probes=probes)
+    assert plan.compile and 16 not in probes and 8 not in probes, probes
+    probes.clear()  # shorter by the prediction (59 s), long enough at the measured 240: the eager timings may decide
+    plan, _ = _fake_gpu_plan(monkeypatch, run_samples=300 * 59, compile="auto", runners_up=[same, other], probes=probes)
+    assert plan.compile and 16 in probes and 8 in probes, probes

@@ -101,6 +101,21 @@ def too_short_for_whole_model(run_samples: int | None, blocks_samples_per_s: flo
             f"blocks' speed, less than the {WHOLE_MODEL_MIN_RUN_S:.0f} s that its compilation needs to repay it")
 
 
+def compiled_next(compile: str, why_not: str | None, run_samples: int | None, result: SearchResult) -> bool:
+    """Whether the plan will be compiled whatever the eager timings say: ``compile="on"``, or
+    ``"auto"`` for a run long enough to repay compilation even at the search's predicted speed
+    (:func:`too_short_to_compile`; the time model over-states the eager speed: measured /
+    predicted 0.46-1.3 across bench/results). Then the compiled stage picks micro-batch and
+    blocks itself, and the eager verification times one candidate per precision and optimizer,
+    uncalibrated (:func:`verify_on_gpu`): on BERT-large at 4 GiB (NVIDIA H200,
+    bench/results/plan-breakdown) the calibration and two more candidates took 9 s of probes. Where
+    the compiled variant then loses its retiming, the eager plan is the best of those timed.
+    ``why_not``: why ``torch.compile`` cannot run here (None: it can)."""
+    if why_not or compile == "off":
+        return False
+    return compile == "on" or too_short_to_compile(run_samples, result.best.samples_per_s) is None
+
+
 class NotFitForReal(TightfitError):
     """No planned candidate fit the budget when probed on the GPU (its message lists them)."""
 
@@ -273,9 +288,9 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     blocks are compiled (:func:`compiled_variant`) and kept if faster when both are retimed side
     by side (:data:`RETIMED_STEPS` timed steps each). Every samples/s figure in the plan's reasons
     names its timing, and one line starting ``decided by:`` names the timing that decided.
-    With ``compile="on"`` only one eager candidate per precision and optimizer is timed, without
-    calibration (:func:`verify_on_gpu`'s ``compiled_next``): the compiled stage picks micro-batch
-    and blocks itself. With ``optimizer="auto"`` the runner-up optimizer's predicted best is timed the same way
+    Where the plan will be compiled anyway (``compile="on"``, or a run long enough by the search's
+    prediction: :func:`compiled_next`) only one eager candidate per precision and optimizer is
+    timed, without calibration: the compiled stage picks micro-batch and blocks itself. With ``optimizer="auto"`` the runner-up optimizer's predicted best is timed the same way
     (:func:`challenge_optimizer`) and replaces the winner if faster for real.
     The model must be on the GPU and the caching allocator capped at the budget; it is left
     compiled when the plan says so.
@@ -328,7 +343,7 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     result = searched(optimizer)
     t_verify = time.perf_counter()
     result, verification, fallback = _verified(workload, result, profile, budget_bytes, optimizer, searched,
-                                               compiled_next=compile == "on" and not why_not)
+                                               compiled_next=compiled_next(compile, why_not, run_samples, result))
     challenge = None
     if fallback is None and result.other_optimizers:  # auto: the runner-up optimizer is timed too
         result, verification, challenge = challenge_optimizer(workload, result, verification, budget_bytes)
@@ -565,7 +580,7 @@ def verify_on_gpu(workload: Workload, result: SearchResult, profile: DeviceProfi
     micro-batch of the candidate that checkpoints the most until a real step fits. Leaves no
     block checkpointed.
 
-    ``compiled_next``: the plan will be compiled whatever the eager timings say (``--compile on``),
+    ``compiled_next``: the plan will be compiled whatever the eager timings say (:func:`compiled_next`),
     and the compiled stage searches micro-batch and checkpointed blocks itself
     (:func:`compiled_variant`), keeping only the eager winner's precision and optimizer. Then a
     candidate of the same precision and optimizer as one already verified is not timed (its

@@ -310,7 +310,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
             card cannot run.
     """
     t0 = time.perf_counter()
-    estimate_fn = _traced_once(estimate_fn)
+    estimate_fn = remembering(estimate_fn)
     space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
                          checkpointing, per_block, optimizer, host_bytes)
     if beat > 0 and ceiling(space) <= beat:  # no plan in the space is predicted faster: none traced
@@ -347,8 +347,35 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     return replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model))
 
 
-def _traced_once(estimate_fn: EstimateFn) -> EstimateFn:
-    """``estimate_fn`` remembering its answers: each (precision, micro-batch, blocks) is traced once.
+def predicted_bound(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
+                    estimate_fn: EstimateFn, precision: str = "auto", headroom: float = HEADROOM,
+                    checkpointing: str = "auto", per_block: bool = True, optimizer: str = "adamw",
+                    host_bytes: float | None = None) -> tuple[float, bool]:
+    """What :func:`search` with the same arguments can find at most, from stages 0 and 1 alone:
+    the plan none can beat where it fits (traced exactly), else the fastest candidate the memory
+    lines say fits, in samples/s (0.0 where the lines fit nothing in the precisions searched
+    first). Stage 2 only checkpoints more or shrinks, so the result is an upper bound; it costs
+    the traces :func:`search` makes first anyway, and ``estimate_fn`` made by
+    :func:`remembering` keeps them for it. Arguments as :func:`search`.
+
+    Returns:
+        ``(samples_per_s, unconstrained)``: the bound, and whether the plan none can beat fits.
+
+    Raises:
+        What :func:`search_space` and ``estimate_fn`` raise.
+    """
+    estimate_fn = remembering(estimate_fn)
+    space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
+                         checkpointing, per_block, optimizer, host_bytes)
+    whole = unconstrained(space, estimate_fn)
+    if whole is not None:
+        return whole.traced[0].samples_per_s, True
+    return max((c.samples_per_s for c in enumerate_candidates(space, estimate_fn).candidates), default=0.0), False
+
+
+def remembering(estimate_fn: EstimateFn) -> EstimateFn:
+    """``estimate_fn`` remembering its answers: each (precision, micro-batch, blocks) is traced once,
+    across the :func:`predicted_bound` and :func:`search` calls given the returned function.
     Its ``prefetch(keys)`` traces the keys not yet known side by side (:func:`.parallel.trace_all`)
     when worker processes are asked for, and does nothing otherwise; later calls answer the same."""
     if hasattr(estimate_fn, "prefetch"):  # already remembering (a retry of another precision)
