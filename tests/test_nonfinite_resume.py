@@ -60,6 +60,17 @@ def test_a_resume_from_an_earlier_checkpoint_abandons_the_later_ones_at_its_firs
     assert _names(tmp_path) == ["ckpt-2", "ckpt-4"]
 
 
+def test_a_checkpoint_whose_manifest_cannot_be_read_is_not_kept_as_the_one_to_go_back_to(tmp_path):
+    """It would not load: counted clean, it pushed out ckpt-2, the last one that does."""
+    model = torch.nn.Linear(3, 2)
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, model, _state(step, 0), keep_last=2)
+    (tmp_path / "ckpt-4" / "manifest.json").write_text("{not json")
+    save_checkpoint(tmp_path, 7, model, _state(7, 2), keep_last=1)  # a stop after steps 6-7 skipped
+    assert _names(tmp_path) == ["ckpt-2", "ckpt-7"] and skipped_in_row(tmp_path / "ckpt-2") == 0
+    assert clean_checkpoint_before(tmp_path, 5).name == "ckpt-2"
+
+
 def test_a_checkpoint_without_the_count_is_pruned_as_before(tmp_path):
     model = torch.nn.Linear(3, 2)
     for step in (2, 4, 6):

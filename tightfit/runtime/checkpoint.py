@@ -236,21 +236,27 @@ def streak_record(state: dict) -> dict:
     return {k: int(counters[k]) for k in ("skipped_in_row", "last_update") if k in counters}
 
 
-def _streak(path: Path) -> tuple[int, int]:
+def _streak(path: Path) -> tuple[int, int] | None:
     """``(skipped_in_row, last_update)`` of checkpoint ``path``'s manifest: ``(0, step)`` where it
-    records none (an older tightfit's checkpoint, or no readable manifest: pruned as before)."""
+    records none (an older tightfit's checkpoint, with or without a manifest: pruned as before);
+    None where its manifest is there but cannot be read (the checkpoint would not load either)."""
     step = checkpoint_step(path)
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.exists():
+        return 0, step
     try:
-        manifest = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8"))
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         n = int(manifest.get("skipped_in_row", 0))
         return n, int(manifest.get("last_update", step - n))
     except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
-        return 0, step
+        return None
 
 
-def skipped_in_row(path: Path) -> int:
-    """The ``skipped_in_row`` of checkpoint ``path``'s manifest (0 where it records none)."""
-    return _streak(path)[0]
+def skipped_in_row(path: Path) -> int | None:
+    """The ``skipped_in_row`` of checkpoint ``path``'s manifest (0 where it records none; None
+    where the manifest cannot be read)."""
+    streak = _streak(path)
+    return streak[0] if streak else None
 
 
 def clean_checkpoints(paths: list[Path]) -> list[Path]:
@@ -259,9 +265,10 @@ def clean_checkpoints(paths: list[Path]) -> list[Path]:
     of non-finite steps followed. A checkpoint ``ckpt-S`` taken after skipped steps holds the
     weights of the last update applied, of step ``last_update``; every checkpoint from that step
     to ``S`` holds them too (a skipped step changes no weight), and that update may be what
-    spoiled them, so none of those is clean."""
-    records = [(p, checkpoint_step(p), *_streak(p)) for p in paths]
-    suspect = [(last, s) for _, s, n, last in records if n > 0]
+    spoiled them, so none of those is clean. Nor is one whose manifest cannot be read: pruning
+    must not keep it in place of one that loads."""
+    records = [(p, checkpoint_step(p), *(_streak(p) or (None, None))) for p in paths]
+    suspect = [(last, s) for _, s, n, last in records if n]
     return [p for p, s, n, _ in records if n == 0 and not any(lo <= s <= hi for lo, hi in suspect)]
 
 
