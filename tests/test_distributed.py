@@ -63,7 +63,7 @@ def test_sharding_choice_ddp_when_replicated_state_fits_else_fsdp():
     assert choose_sharding(model, 2, 10 * replicated).sharding == "ddp"
     fsdp = choose_sharding(model, 4, int(1.2 * sharded))
     assert fsdp.sharding == "fsdp" and fsdp.saved_bytes == replicated - sharded and "FSDP2" in fsdp.reason
-    with pytest.raises(TightfitError, match="even sharded over 4 GPUs"):
+    with pytest.raises(TightfitError, match="even sharded over 4 ranks"):
         choose_sharding(model, 4, sharded // 2)
 
 

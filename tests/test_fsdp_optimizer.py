@@ -43,3 +43,17 @@ def test_fsdp_plans_fp32_adamw(optimizer):
 def test_ddp_keeps_the_8bit_optimizer():
     plan = plan_for_ranks(recipe("ddp", "adamw8bit"), single("adamw8bit"))
     assert plan.sharding == "ddp" and plan.optimizer == "adamw8bit"
+
+
+def test_a_budget_on_the_cpu_is_checked_on_several_ranks_as_on_one():
+    """`tightfit train --gpus 2 --device cpu --budget 1MiB` trained, while one process refuses the
+    same budget for the model state: the ranks' plan now checks it as a GPU's would be."""
+    r = replace_budget(recipe("auto", "auto"), 64)  # bytes: below even the sharded state
+    with pytest.raises(TightfitError, match="per rank even sharded over 2 ranks, more than the 64 B budget"):
+        plan_for_ranks(r, single("adamw"))
+    assert plan_for_ranks(replace_budget(recipe("auto", "auto"), 1 << 30), single("adamw")).sharding == "ddp"
+
+
+def replace_budget(r, budget):
+    r.budget = budget
+    return r

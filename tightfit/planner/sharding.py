@@ -95,7 +95,7 @@ def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int |
         state = replicated if asked == "ddp" else sharded
         return ShardingChoice(asked, state, 0 if asked == "ddp" else replicated - sharded, f"{asked} (asked for)")
     if budget_bytes is None or replicated <= STATE_SHARE * budget_bytes:
-        where = "no budget (CPU)" if budget_bytes is None else \
+        where = "no budget" if budget_bytes is None else \
             f"{format_bytes(replicated)} of replicated state fits {int(STATE_SHARE * 100)}% of {format_bytes(budget_bytes)}"
         return ShardingChoice("ddp", replicated, 0, f"DDP on {world_size} ranks: {where}")
     if sharded <= (1 - HEADROOM) * budget_bytes:  # whether activations fit too: fsdp_micro_batch
@@ -103,9 +103,9 @@ def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int |
                               f"FSDP2 on {world_size} ranks: the replicated state ({format_bytes(replicated)}) "
                               f"exceeds {int(STATE_SHARE * 100)}% of {format_bytes(budget_bytes)}; sharded it is "
                               f"{format_bytes(sharded)} per rank (state / {world_size} + all-gathered blocks)")
-    raise TightfitError(f"the training state needs {format_bytes(sharded)} per GPU even sharded over {world_size} "
-                        f"GPUs, more than the {format_bytes(budget_bytes)} budget allows: "
-                        "use more GPUs or a larger budget")
+    raise TightfitError(f"the training state needs {format_bytes(sharded)} per rank even sharded over {world_size} "
+                        f"ranks, more than the {format_bytes(budget_bytes)} budget allows: "
+                        "use more ranks (--gpus N) or a larger budget")
 
 
 def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, precision: str,
@@ -182,7 +182,9 @@ def plan_for_ranks(recipe, single_plan):
 
     world, p = recipe.world, recipe.req.planning
     cuda = recipe.device == "cuda"
-    choice = choose_sharding(recipe.model, world.size, recipe.budget if cuda else None, p.sharding)
+    # on the CPU too: a budget given there is checked as a GPU's would be (one process checks it
+    # against the model state, api.TrainRecipe._check_budget)
+    choice = choose_sharding(recipe.model, world.size, recipe.budget, p.sharding)
     if recipe.resume_from is not None:
         plan = single_plan()
         if plan.world_size == world.size:
