@@ -362,10 +362,11 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
         c = best.candidate
         steady = steady_timing(workload, c.precision, c.optimizer, c.micro_batch, c.checkpoint_blocks,
                                c.block_policies, budget_bytes)
+    t_end = time.perf_counter()
     if timings is not None:
         retimed = outcome.retiming.eager_samples_per_s if outcome.retiming else 0.0
         timings.update(search_s=t_verify - t0, verify_s=t_compile - t_verify,
-                       compile_s=time.perf_counter() - t_compile,
+                       compile_s=t_end - t_compile,
                        predicted_samples_per_s=best.candidate.samples_per_s or None,
                        probed_samples_per_s=steady or (outcome.variant.samples_per_s if outcome.variant else
                                                        (retimed or best.samples_per_s)))
@@ -393,7 +394,10 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     if variant is None:
         uncompile_model(workload.model)
     set_activation_checkpointing(workload.model, False, ())
-    reasons.append(f"planning took {time.perf_counter() - t0:.1f} s")
+    # where the planner's own time went (bench/plan_breakdown.py times each probe step)
+    reasons.append(f"planning took {time.perf_counter() - t0:.1f} s: search {t_verify - t0:.1f} s (exact "
+                   f"estimates, no GPU), verification on the GPU {t_compile - t_verify:.1f} s, compilation and "
+                   f"timing of the chosen plan {t_end - t_compile:.1f} s")
     return _gpu_plan(best, variant, workload.effective_batch, budget_bytes, result.n_blocks, reasons)
 
 
