@@ -262,10 +262,18 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     limit = 200 + E * (1.0 + 0.5 * 1)  # fits with 11 of 12 blocks at micro-batch 256, not with 10
     result = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(11)), 1, None, None), 10**9, n).variant
     assert probed == [(E, 11), (E, 10)] and result.checkpoint_blocks == tuple(range(11))
-    probed.clear()  # compiled keeps less: fewer blocks than the eager 11 fit, found by bisection below 11
-    limit = 200 + E * (1.0 + 0.5 * 5)
+    probed.clear()  # compiled keeps less: fewer blocks than the eager 11 fit, stepped down to below 11
+    limit = 200 + E * (1.0 + 0.5 * 5)  # (4 fewer: one probe more than a bisection; BERT-large's 1 fewer: 3 less)
     result = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(11)), 1, None, None), 10**9, n).variant
-    assert result.checkpoint_blocks == tuple(range(7)) and len(probed) <= 6 and (E, n) not in probed
+    assert result.checkpoint_blocks == tuple(range(7)) and len(probed) <= 7 and (E, n) not in probed
+
+    # the fewest blocks one short of the most (BERT-large at 4 GiB: 23 of 24): stepped down to from
+    # the most, 12 -> 11 -> 9 -> 10, not bisected from the middle (12 -> 6 -> 9 -> 11 -> 10)
+    probed.clear()
+    limit = 200 + 256 * 1.5  # micro-batch 256 fits with 11 of 12 blocks, not with 10
+    result = gpu.compiled_variant(w, eager, 10**9, n).variant
+    assert [c for mb, c in probed if mb == 256] == [12, 11, 9, 10], probed
+    assert result.micro_batch == 256 and result.checkpoint_blocks == tuple(range(11))
 
     # an eager plan with nothing checkpointed and one micro-batch: its compiled variant is probed once
     probed.clear()
@@ -460,3 +468,16 @@ def test_a_compiled_plan_that_checkpoints_some_blocks_is_not_tried_whole(monkeyp
     found = gpu.compiled_variant(SimpleNamespace(effective_batch=E, model=model),
                                  Candidate("bf16", E, tuple(range(n)), 1, None, None), 10**9, n)
     assert len(found.variant.checkpoint_blocks) < n and not any(wholes) and found.variant.scope is None
+
+
+def test_gallop_finds_what_bisection_finds_stepping_from_the_known_fit():
+    from tightfit.planner.bisection import bisect, gallop
+
+    for good, bad in ((24, -1), (0, 30), (5, 4), (7, 9)):
+        for boundary in range(min(good, bad) + 1, max(good, bad)):
+            ok = (lambda x, b=boundary: x >= b) if bad < good else (lambda x, b=boundary: x <= b)
+            seen = []
+            got = gallop(good, bad, lambda x: (seen.append(x), ok(x))[1])
+            assert got == bisect(good, bad, ok) and all(min(good, bad) < x < max(good, bad) for x in seen)
+    seen = []
+    assert gallop(24, -1, lambda x: (seen.append(x), x >= 23)[1]) == 23 and seen == [23, 21, 22]

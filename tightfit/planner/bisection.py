@@ -34,3 +34,22 @@ def bisect(good: int, bad: int, ok: Callable[[int], bool]) -> int:
         else:
             bad = mid
     return good
+
+
+def gallop(good: int, bad: int, ok: Callable[[int], bool]) -> int:
+    """:func:`bisect`'s answer, found by steps of 1, 2, 4, ... from ``good`` toward ``bad`` until
+    ``ok`` fails (or ``bad`` is reached), then by bisection of the last step: ``2 log2(d) + 1``
+    evaluations or fewer for a boundary ``d`` steps from ``good``, against ``log2(|bad - good|)``.
+    For a boundary expected near ``good``: the fewest blocks a compiled step needs at 4 GiB lie a
+    block or two under the most (BERT-large, NVIDIA H200: 23 and 21 of 24, where bisection from
+    all 24 probed 5 and 4 counts that did not fit; bench/results/plan-breakdown).
+
+    Args: as :func:`bisect` (``ok`` evaluated only strictly between ``good`` and ``bad``).
+    """
+    direction, step = (1 if bad > good else -1), 1
+    while abs(bad - good) > 1:
+        probe = good + direction * min(step, abs(bad - good) - 1)
+        if not ok(probe):
+            return bisect(good, probe, ok)
+        good, step = probe, step * 2
+    return good

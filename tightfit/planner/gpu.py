@@ -32,7 +32,7 @@ from ..levers.optimizers import BF16_WEIGHTS, LEVER_OPTIMIZERS, weights_dtype
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
 from ..units import format_bytes, format_rate
 from ..workload import Workload
-from .bisection import bisect
+from .bisection import bisect, gallop
 from .cost import peak_flops
 from .probe import PROBE_HEADROOM, ProbeResult, probe_step
 from .optimizers import levers_installed, search_optimizers
@@ -802,7 +802,7 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     then bisection over the counts). When the blocks are compiled one by one
     (:func:`~tightfit.levers.compile.compile_scope`), checkpointing other blocks costs no
     compilation, so that ``k`` gets the fewest checkpointed blocks (the first ones first) that
-    fit, by bisection over the block count; when it needed checkpointing, the next count is
+    fit, stepping down from the most (:func:`~.bisection.gallop`); when it needed checkpointing, the next count is
     tried too (fewer blocks, one more micro-batch), and the faster is kept. The eager plan's own
     micro-batch is probed with its blocks first (:func:`_compiled_candidates`): an eager plan of
     one micro-batch and no checkpointing is probed compiled once. A model compiled
@@ -922,12 +922,12 @@ def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tu
         if hinted and mb == eager_micro_batch and fits_at(eager_blocks):
             if eager_blocks == 0 or not fits_at(eager_blocks - 1):
                 return tuple(range(eager_blocks))
-            return tuple(range(bisect(eager_blocks - 1, -1, fits_at)))
+            return tuple(range(gallop(eager_blocks - 1, -1, fits_at)))
         if not probe(mb, most).fits:
             return None
         if not regional:
             return most
-        return tuple(range(bisect(n_blocks, -1, fits_at)))
+        return tuple(range(gallop(n_blocks, -1, fits_at)))  # the fewest that fit lie near the most
 
     # the first count that fits: k = 1, else bisection (each miss is an out-of-memory probe)
     first = 0 if fits(0) else bisect(len(counts) - 1, 0, fits)
