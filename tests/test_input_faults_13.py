@@ -346,3 +346,26 @@ def test_train_step_refuses_a_model_that_is_not_a_module_in_one_line(model):
     with pytest.raises(TightfitError, match=r"^TrainStep\(plan, model, optimizer\): model must be a torch.nn.Module, "
                                             rf"got {type(model).__name__}$"):
         TrainStep(Plan("fp32", 4, 8), model)
+
+
+def test_the_python_api_names_the_levers_of_a_budget_too_small_as_its_own_arguments(tmp_path):
+    """`tightfit.api.train(TrainRequest(budget="1MiB"))` said "--optimizer adamw8bit" and
+    "--trainable lora", flags of the command line, where the request takes optimizer= and trainable=."""
+    import random
+
+    from conftest import tiny_text_model_folder
+    from tightfit.api import TrainRequest, train
+
+    words = "film plot actor scene great dull awful superb".split()
+    model = tiny_text_model_folder(tmp_path, words, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=256, max_position_embeddings=64)  # 4 MiB of model state
+    rng = random.Random(0)
+    (tmp_path / "d.csv").write_text("text,label\n" + "".join(f"{' '.join(rng.choices(words, k=5))},{i % 2}\n"
+                                                             for i in range(40)))
+    with pytest.raises(TightfitError) as e:
+        train(TrainRequest(model=str(model), data=str(tmp_path / "d.csv"), budget="1MiB", device="cpu",
+                           out=str(tmp_path / "run"), max_steps=1))
+    text = str(e.value)
+    assert "optimizer='adamw8bit'" in text and "trainable='lora'" in text, text
+    assert "--optimizer" not in text and "--trainable" not in text, text
+    assert not (tmp_path / "run").exists()

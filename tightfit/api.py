@@ -77,6 +77,10 @@ def train(req: TrainRequest) -> RunSummary:
         recipe.setup()  # checks, loads and plans; writes nothing
     except TightfitError as e:
         e.every_rank = world.distributed  # each rank checked the same input: rank 0 alone says so
+        if not names_flags() and len(e.args) == 1 and isinstance(e.args[0], str):
+            from .loop import as_arguments  # the advice's flags as TrainRequest's keywords: optimizer='adamw8bit'
+
+            e.args = (as_arguments(e.args[0]),)
         raise
     finished = recipe.finished_summary()
     if finished is not None:

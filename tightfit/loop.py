@@ -182,12 +182,13 @@ class _SampleBatches:
 
 
 # ---------------------------------------------------------------- planning
-_FLAG_VALUE = re.compile(r"--(precision|checkpointing|device) (?:'([^']*)'|(\w+))")
+_FLAG_VALUE = re.compile(r"--(precision|checkpointing|device|optimizer|trainable|sharding|compile) (?:'([^']*)'|(\w[\w-]*))")
 
 
 def as_arguments(message: str) -> str:
     """A message of the shared checks (written for the command line), with its flags as the Python
-    API's arguments: ``unknown --precision 'fp8'`` -> ``unknown precision='fp8'``, ``--lr`` -> learning rate."""
+    API's arguments: ``unknown --precision 'fp8'`` -> ``unknown precision='fp8'``, ``--optimizer
+    adamw8bit`` -> ``optimizer='adamw8bit'``, ``--lr`` -> learning rate."""
     message = _FLAG_VALUE.sub(lambda m: f"{m.group(1)}={(m.group(2) if m.group(2) is not None else m.group(3))!r}",
                               message)
     for flag, arg in (("--gpu/--budget", "gpu=/budget="), ("--budget", "budget="), ("--gpu", "gpu="),
