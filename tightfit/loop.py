@@ -244,7 +244,8 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
     forward, backward and a fused AdamW step find the largest micro-batch that fits with the
     planner's headroom (:func:`tightfit.planner.probe.plan_first`; the weights are left
     bit-identical). Without a GPU, or with ``device="cpu"``: fp32 (unless asked), the whole
-    effective batch in one micro-batch, no budget (host memory is not budgeted); a ``budget`` or
+    effective batch in one micro-batch unless its estimated step would hold more than half the host's
+    available memory (:func:`tightfit.planner.host.host_micro_batch`), no budget; a ``budget`` or
     ``gpu`` is checked (it must hold the weights, gradients and AdamW state, and fit the card) and
     noted in the plan's reasons, and one forward and loss on two samples checks the loss (the RNG
     states given back). To predict a GPU's plan on a machine without one, use
@@ -310,7 +311,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
                 from .units import format_bytes
 
                 notes.append(f"budget {format_bytes(budget_bytes)}: checked against the model's weights, gradients "
-                             "and AdamW state; host memory is not budgeted")
+                             "and AdamW state (on the CPU it applies to no allocation)")
         chosen = plan_first(workload, dev, profile, budget_bytes, precision, checkpointing)
     except TightfitError as e:
         raise TightfitError(as_arguments(str(e))) from None

@@ -204,7 +204,8 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
                precision: str = "auto", checkpointing: str = "auto") -> Plan:
     """Choose the plan for ``workload``.
 
-    On the CPU: fp32, the whole effective batch in one micro-batch (host memory is not budgeted).
+    On the CPU: fp32, the whole effective batch in one micro-batch, or with accumulation where
+    that would not fit half the host's available memory (:func:`.host.host_micro_batch`).
     On a GPU: precision from the card (:func:`preferred_precision`); the largest micro-batch that
     a probe step fits in ``budget_bytes``, without activation checkpointing if any fits, else
     with it; if nothing fits in fp32, fp16/bf16 are tried for their smaller activations.
@@ -219,11 +220,15 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
     """
     E = workload.effective_batch
     if device == "cpu":
+        from .host import host_micro_batch
+
         prec = "fp32" if precision == "auto" else precision
         check_precision(prec, None)
         ckpt = checkpointing == "on"
-        return Plan(prec, E, E, ckpt, device="cpu", budget_bytes=None,
-                    reasons=("CPU: fp32, the whole effective batch in one micro-batch (host memory is not budgeted)",)
+        mb, why = host_micro_batch(workload, prec, ckpt)
+        return Plan(prec, mb, E, ckpt, device="cpu", budget_bytes=None,
+                    reasons=(why or "CPU: fp32, the whole effective batch in one micro-batch (it fits the host's "
+                             "memory; no GPU budget applies)",)
                     + (("activation checkpointing on (asked for)",) if ckpt else ()))
     if precision == "auto":
         first, why = preferred_precision(profile)

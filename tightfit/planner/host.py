@@ -1,0 +1,69 @@
+"""Training on the CPU: the micro-batch that fits the host's memory.
+
+A CPU run has no budget to plan against, but a whole effective batch in one micro-batch can ask
+for more memory than the machine has: `tightfit train --batch-size 2000` of the shipped MiniLM
+held 24 GB and was killed by the kernel, with no message. So a large effective batch is split
+into micro-batches whose predicted peak fits a share of the memory available now, with gradient
+accumulation (the same samples per optimizer step, the same result up to summation order).
+"""
+
+from __future__ import annotations
+
+from ..devices import get_profile
+from ..memory.fast import TRACED_AT
+from ..plan import balanced_micro_batch
+from ..units import format_bytes
+
+# The share of the host memory available at planning time that one step may hold: the rest is
+# for the data, the evaluation, a checkpoint's copy and whatever else runs on the machine.
+HOST_SHARE = 0.5
+
+
+def host_micro_batch(workload, precision: str, checkpointing: bool,
+                     available_bytes: int | None = None) -> tuple[int, str | None]:
+    """The micro-batch of a CPU run: the whole effective batch where its predicted peak fits
+    :data:`HOST_SHARE` of the available host memory, else the largest that does (balanced over
+    the accumulation steps, at least 1), and the reason (None when the whole batch fits).
+
+    The peak is the memory estimator's allocated bytes (:func:`tightfit.memory.estimate`: two
+    training steps traced on meta tensors, AdamW's state included) at micro-batches 4 and 16
+    (:data:`~tightfit.memory.fast.TRACED_AT`), extended as a line; an effective batch up to 16
+    is not traced (no such batch of the models tightfit trains needs gigabytes).
+
+    Args:
+        workload: the :class:`~tightfit.workload.Workload` (its ``train.worst_case(n)`` batches).
+        precision: the run's precision (``fp32`` on the CPU unless asked).
+        checkpointing: every block checkpointed (``--checkpointing on``) or none.
+        available_bytes: host memory available, bytes (None: ``MemAvailable`` now).
+
+    Returns:
+        ``(micro_batch, reason)``; a model whose step the estimator cannot trace keeps the whole
+        batch, and the reason says so.
+    """
+    from ..levers.blocks import find_blocks
+    from ..levers.optimizers import available_host_bytes
+    from .search import estimator_for
+
+    E = workload.effective_batch
+    if E <= max(TRACED_AT):
+        return E, None
+    have = available_host_bytes() if available_bytes is None else available_bytes
+    limit = HOST_SHARE * have
+    blocks = tuple(range(len(find_blocks(workload.model)))) if checkpointing else ()
+    estimate = estimator_for(workload.model, lambda n, size: workload.train.worst_case(n), 0, get_profile("h200"),
+                             E, checkpointed_margin=0.0)
+    try:
+        small, large = (estimate(precision, m, blocks).peak_allocated_bytes for m in TRACED_AT)
+    except Exception as e:  # noqa: BLE001 - a model the meta-tensor tracer cannot run: the whole batch, as asked
+        return E, (f"CPU: the whole effective batch in one micro-batch; its host memory could not be estimated "
+                   f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+    per_sample = max(1.0, (large - small) / (TRACED_AT[1] - TRACED_AT[0]))
+    fixed = small - per_sample * TRACED_AT[0]
+    whole = fixed + per_sample * E
+    if whole <= limit:
+        return E, None
+    m = max(1, min(E, int((limit - fixed) // per_sample)))
+    mb = balanced_micro_batch(E, m)
+    return mb, (f"CPU: micro-batch {mb} with gradient accumulation: the whole batch of {E} in one would need about "
+                f"{format_bytes(whole)} of host memory, more than {int(HOST_SHARE * 100)}% of the "
+                f"{format_bytes(have)} available")
