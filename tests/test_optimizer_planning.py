@@ -429,3 +429,16 @@ def test_offloaded_activations_get_the_hosts_memory_less_offloaded_optimizer_sta
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's ranks on this host each pin their own
     plan(m, 512 * MiB, optimizer="adamw", host_bytes=1000 * MiB)
     assert told["adamw"] == pytest.approx(225 * MiB)
+
+
+def test_a_levers_bound_that_cannot_beat_the_plan_found_traces_nothing(m):
+    """With --checkpointing on the levers' bounds traced the plan none can beat and the memory lines
+    of a lever whose every plan was slower than the one found, where its search traced nothing."""
+    from tightfit.planner.search import predicted_bound
+
+    def never(*a):
+        raise AssertionError(f"traced {a}")
+
+    bound, whole = predicted_bound(m, make_batch, SEQ, E, H200, 105 * MiB, never, optimizer="adamw8bit",
+                                   checkpointing="on", beat=1e12)
+    assert not whole and 0 < bound < 1e12

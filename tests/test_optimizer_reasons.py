@@ -181,3 +181,17 @@ def test_the_lever_with_the_highest_bound_is_searched_first_and_sets_the_bar_for
     r = plan(model())
     assert r.best.optimizer == "adamw8bit-bf16"
     assert calls == [("adamw", 0.0), ("adamw8bit-bf16", 100.0), ("adamw-offload", 480.0), ("adamw8bit", 480.0)]
+
+
+def test_nothing_fits_names_the_levers_in_their_order_however_they_were_searched(monkeypatch):
+    """bf16 weights ruled out by --precision fp32 before any search came first in the message."""
+    from tightfit.planner.search import NothingFitsError
+
+    search_stub(monkeypatch, {})  # every optimizer fits nothing
+    monkeypatch.setattr(po, "lora_line", lambda *a: None, raising=False)
+    with pytest.raises(NothingFitsError) as e:
+        po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=True,
+                             host_bytes=64 << 30, precision="fp32")
+    text = str(e.value)
+    named = [text.index(f"(--optimizer {k})") for k in ("adamw8bit", "adamw-offload", "adamw8bit-bf16")]
+    assert named == sorted(named), text

@@ -809,3 +809,36 @@ def test_compile_on_times_one_eager_candidate_per_precision_and_optimizer(monkey
     probes.clear()  # shorter by the prediction (59 s), long enough at the measured 240: the eager timings may decide
     plan, _ = _fake_gpu_plan(monkeypatch, run_samples=300 * 59, compile="auto", runners_up=[same, other], probes=probes)
     assert plan.compile and 16 in probes and 8 in probes, probes
+
+
+def test_a_thin_verification_that_ends_eager_times_every_candidate_after_all(monkeypatch):
+    """Predicted 200 samples/s, a run of 200 x 61 samples: long enough to compile by the prediction,
+    so one candidate of a kind was timed (240); at that speed the run is too short to compile, and
+    the plan would have stayed at 240 while a runner-up of the same kind runs 360 (review of the
+    thin verification). Eager after all, every candidate is timed."""
+    import tightfit.planner.gpu as gpu
+    from tightfit.devices import get_profile
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate, SearchResult
+
+    E = 64
+    a = Candidate("bf16", 32, (), 2, 900, 900, {}, 200.0, "fastest predicted")
+    b = Candidate("bf16", 16, (), 4, 800, 800, {}, 190.0, "slower")
+    result = SearchResult(a, [b], 10**9, E, 4, 0.1)
+    speeds = {32: 240.0, 16: 360.0, 8: 300.0}  # samples/s by micro-batch (8: the calibration's quarter)
+    probed = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        probed.append(mb)
+        return ProbeResult(mb, True, 500 * MiB, 500 * MiB, E / (speeds[mb] * math.ceil(E / mb)), 1)
+
+    monkeypatch.setattr(gpu, "search_optimizers", lambda *a, **k: result)
+    monkeypatch.setattr(gpu, "estimator_for", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    monkeypatch.setattr(gpu, "compile_unavailable", lambda device: None)
+    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda *a, **k: None)
+    w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), train=None)
+    plan = gpu.plan_on_gpu(w, get_profile("h200"), 10**9, 16, run_samples=200 * 61, compile="auto")
+    assert probed[0] == 32 and 16 in probed, probed  # thin first, then every candidate
+    assert not plan.compile and plan.micro_batch == 16, (plan.micro_batch, plan.reasons)
+    assert any(r.startswith("the plan runs eager: every eager candidate timed") for r in plan.reasons)

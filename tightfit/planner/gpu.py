@@ -104,12 +104,13 @@ def too_short_for_whole_model(run_samples: int | None, blocks_samples_per_s: flo
 def compiled_next(compile: str, why_not: str | None, run_samples: int | None, result: SearchResult) -> bool:
     """Whether the plan will be compiled whatever the eager timings say: ``compile="on"``, or
     ``"auto"`` for a run long enough to repay compilation even at the search's predicted speed
-    (:func:`too_short_to_compile`; the time model over-states the eager speed: measured /
+    (:func:`too_short_to_compile`; the time model mostly over-states the eager speed: measured /
     predicted 0.46-1.3 across bench/results). Then the compiled stage picks micro-batch and
     blocks itself, and the eager verification times one candidate per precision and optimizer,
     uncalibrated (:func:`verify_on_gpu`): on BERT-large at 4 GiB (NVIDIA H200,
     bench/results/plan-breakdown) the calibration and two more candidates took 9 s of probes. Where
-    the compiled variant then loses its retiming, the eager plan is the best of those timed.
+    the plan then runs eager after all under ``"auto"`` (the run too short at the measured speed,
+    the compiled variant slower or failing), :func:`plan_on_gpu` times every eager candidate then.
     ``why_not``: why ``torch.compile`` cannot run here (None: it can)."""
     if why_not or compile == "off":
         return False
@@ -340,16 +341,20 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                 model, make_batch, seq_len, profile, effective_batch, checkpointed_margin=0.0, optimizer=kind),
             per_block=per_block)
 
-    result = searched(optimizer)
+    searched_first = searched(optimizer)
     t_verify = time.perf_counter()
-    result, verification, fallback = _verified(workload, result, profile, budget_bytes, optimizer, searched,
-                                               compiled_next=compiled_next(compile, why_not, run_samples, result))
-    challenge = None
-    if fallback is None and result.other_optimizers:  # auto: the runner-up optimizer is timed too
-        result, verification, challenge = challenge_optimizer(workload, result, verification, budget_bytes)
-    fp16 = None
-    if precision == "auto":  # fp16's convolutions may beat bf16's (cuDNN), which the time model does not see
-        verification, fp16 = challenge_precision(workload, verification, profile, budget_bytes)
+
+    def verified(thin: bool):  # stage 3 and the challenges of its winner (thin: see compiled_next)
+        r, v, fb = _verified(workload, searched_first, profile, budget_bytes, optimizer, searched, compiled_next=thin)
+        ch = f16 = None
+        if fb is None and r.other_optimizers:  # auto: the runner-up optimizer is timed too
+            r, v, ch = challenge_optimizer(workload, r, v, budget_bytes)
+        if precision == "auto":  # fp16's convolutions may beat bf16's (cuDNN), which the time model does not see
+            v, f16 = challenge_precision(workload, v, profile, budget_bytes)
+        return r, v, fb, ch, f16
+
+    thin = compiled_next(compile, why_not, run_samples, searched_first)
+    result, verification, fallback, challenge, fp16 = verified(thin)
     best = verification.best
     if compile == "auto" and not why_not:
         why_not = too_short_to_compile(run_samples, best.samples_per_s)
@@ -357,6 +362,15 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     others = [m.candidate.optimizer for m in verification.measured if m.candidate.optimizer != best.candidate.optimizer]
     outcome = compile_and_retime(workload, best.candidate, budget_bytes, result.n_blocks, compile, why_not,
                                  run_samples, others[0] if others else None)
+    if thin and compile == "auto" and outcome.variant is None:
+        # eager after all (too short at the measured speed, slower compiled, or a compiler error): the
+        # candidates and calibration left to the compiled stage are timed now, as for an eager plan
+        first = best.candidate
+        result, verification, fallback, challenge, fp16 = verified(False)
+        best = verification.best
+        if best.candidate != first:  # the retiming compared another candidate: the new one is timed again below
+            outcome = replace(outcome, retiming=None, notes=outcome.notes + [
+                f"the plan runs eager: every eager candidate timed, as for an eager plan ({VERIFICATION})"])
     steady = outcome.steady_samples_per_s
     if outcome.variant is None and outcome.retiming is None:  # an eager plan timed only in the verification
         c = best.candidate

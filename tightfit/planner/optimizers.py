@@ -3,19 +3,26 @@ levers of :mod:`tightfit.levers.optimizers` where they can help.
 
 Order (``optimizer="auto"``): search with fused AdamW (:func:`.search.search`). If its best plan
 needs neither accumulation nor any block recomputed or offloaded, nothing can be faster: it stands. Otherwise (or if
-nothing fits) search with 8-bit AdamW state; then, if that fits nothing or still accumulates or
-checkpoints, with the state offloaded to the CPU (only where the host has the memory for it), and
-with bf16 weights and 8-bit state (``adamw8bit-bf16``: bf16 autocast only, so only where the
-precision asked for is ``auto`` or ``bf16`` and the card runs bf16; it changes the numerics: no
-fp32 copy of the weights, updates stochastically rounded).
+nothing fits) the levers may help: 8-bit AdamW state; the state offloaded to the CPU (only where
+the host has the memory for it); bf16 weights and 8-bit state (``adamw8bit-bf16``: bf16 autocast
+only, so only where the precision asked for is ``auto`` or ``bf16`` and the card runs bf16; it
+changes the numerics: no fp32 copy of the weights, updates stochastically rounded). Where 8-bit
+state fits without accumulation or recomputation, the other two are not searched. The levers are
+searched in the order of their bounds (:func:`.search.predicted_bound`: the fastest plan their
+memory lines say fits, from the traces their searches begin with), each with the best plan found
+so far to beat (``beat``: only plans its lines predict faster are traced). The lines' predictions
+are not a strict bound (a candidate traced exactly may fit with fewer blocks than its line said,
+and run faster), so which lever goes first can change the plan in a close call: on the bench
+workloads the plans are those of the fixed order, with fewer traces (BERT-large at 4 GiB: 45 -> 35).
 A lever whose time-model ceiling (:func:`unconstrained_samples_per_s`) is no faster than the
 best plan already found is not searched: none of its plans could win. The fastest predicted plan
 of those searched wins, and its reasons say why its optimizer was
 chosen and what it costs (state bytes on the GPU, the optimizer step's predicted time, host
-memory, bf16 weights). The other optimizers' results that fit come back too (``SearchResult.other_optimizers``): on a
-GPU the planner times the first of them as well (:func:`tightfit.planner.gpu.challenge_optimizer`),
-since a lever's predicted step time can be off on a host-bound card. An explicit optimizer is
-searched alone.
+memory, bf16 weights). The other optimizers' results that fit come back too
+(``SearchResult.other_optimizers``), those that a search returned: a lever that could not beat the
+plan found returns none. On a GPU the planner times the first of them as well
+(:func:`tightfit.planner.gpu.challenge_optimizer`), since a lever's predicted step time can be
+off on a host-bound card. An explicit optimizer is searched alone.
 """
 
 from __future__ import annotations
@@ -347,8 +354,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         if bounds and ceiling(kind) <= max(bounds.values()):
             bounds[kind] = ceiling(kind)
             continue
+        found = max((r.best.samples_per_s for r in results.values()), default=0.0)
         bounds[kind], whole = predicted_bound(model, make_batch, size, effective_batch, profile, budget_bytes,
-                                              estimate_fn(kind), optimizer=kind,
+                                              estimate_fn(kind), optimizer=kind, beat=found,
                                               host_bytes=activation_host_bytes(kind), **opts_for(kind))
         if kind == "adamw8bit" and whole:
             break  # 8-bit state fits without paying: neither offload nor bf16 weights can be faster
@@ -373,7 +381,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             first = str(e)
         also = "".join(f"\n  searched {_NAMES[k]} (--optimizer {k}): does not fit either"
                        f" ({str(e).splitlines()[0].split(': the smallest step tried ')[-1]})"
-                       for k, e in failures.items() if k != "adamw")
+                       for k, e in _in_lever_order(failures) if k != "adamw")
         from .advice import lora_line
 
         lora = lora_line(model, planned_limit(budget_bytes, options.get("headroom", HEADROOM)))
@@ -383,7 +391,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     compared = "; ".join([f"{k}: {format_rate(r.best.samples_per_s)} samples/s ({r.best.label()}, {r.best.accumulation_steps} "
                           f"accumulation step{'s' if r.best.accumulation_steps != 1 else ''})"
                           for k, r in results.items() if k != kind]
-                         + [f"{k}: {short.get(k, 'fits nothing')}" for k in failures if k != "adamw"]
+                         + [f"{k}: {short.get(k, 'fits nothing')}" for k, _ in _in_lever_order(failures) if k != "adamw"]
                          + [f"{k}: not searched ({LEVER_LIBRARY[k]} is not installed)" for k in missing])
     why = ("fp32 AdamW state fits nothing" if "adamw" in failures
            else f"{'' if kind == 'adamw' else 'fp32 AdamW state '}needs {_what_it_pays(results['adamw'].best, forced)}")
@@ -393,6 +401,13 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                                     f"{kind}", model, profile, started)
                    for k, r in sorted(results.items(), key=lambda kr: -kr[1].best.samples_per_s) if k != kind)
     return replace(_explained(best, kind, why, model, profile, started), other_optimizers=others)
+
+
+def _in_lever_order(failures: dict) -> list:
+    """``failures``' items in the levers' order (:data:`LEVER_OPTIMIZERS`), however they were
+    searched: the messages name them in one order."""
+    order = ["adamw", *LEVER_OPTIMIZERS]
+    return sorted(failures.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
 
 
 def _explained(result: SearchResult, kind: str, why: str, model, profile, started: float) -> SearchResult:

@@ -134,7 +134,8 @@ class SearchResult:
         n_blocks: the model's repeated blocks.
         seconds: wall time of the search.
         other_optimizers: with ``optimizer="auto"``, the results of the other optimizers that
-            fit, fastest predicted first (:func:`tightfit.planner.optimizers.search_optimizers`;
+            fit and whose searches returned one (a lever that could not beat the plan found
+            returns none), fastest predicted first (:func:`tightfit.planner.optimizers.search_optimizers`;
             the GPU planner verifies the first of them too, since the time model of an optimizer
             lever can be off); empty otherwise.
         trainable, trainable_params: what the model searched trains (``Plan``'s fields of the
@@ -350,13 +351,17 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
 def predicted_bound(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
                     estimate_fn: EstimateFn, precision: str = "auto", headroom: float = HEADROOM,
                     checkpointing: str = "auto", per_block: bool = True, optimizer: str = "adamw",
-                    host_bytes: float | None = None) -> tuple[float, bool]:
-    """What :func:`search` with the same arguments can find at most, from stages 0 and 1 alone:
-    the plan none can beat where it fits (traced exactly), else the fastest candidate the memory
-    lines say fits, in samples/s (0.0 where the lines fit nothing in the precisions searched
-    first). Stage 2 only checkpoints more or shrinks, so the result is an upper bound; it costs
-    the traces :func:`search` makes first anyway, and ``estimate_fn`` made by
-    :func:`remembering` keeps them for it. Arguments as :func:`search`.
+                    host_bytes: float | None = None, beat: float = 0.0) -> tuple[float, bool]:
+    """What :func:`search` with the same arguments is predicted to find at most, from stages 0 and
+    1 alone: the plan none can beat where it fits (traced exactly), else the fastest candidate the
+    memory lines say fits, in samples/s (0.0 where the lines fit nothing in the precisions searched
+    first). Stage 2 checkpoints more or shrinks a candidate that does not fit when traced, and
+    may take fewer blocks where one fits better than its line said (a few percent faster): a
+    bound of the lines' predictions, as :func:`search`'s ``beat`` compares. It costs the traces
+    :func:`search` makes first anyway, and ``estimate_fn`` made by :func:`remembering` keeps them
+    for it. Where no plan of the space can beat ``beat`` (:func:`ceiling`) nothing is traced and
+    the ceiling is the bound, as :func:`search` would raise :class:`CannotBeatError` untraced.
+    Arguments as :func:`search`.
 
     Returns:
         ``(samples_per_s, unconstrained)``: the bound, and whether the plan none can beat fits.
@@ -367,6 +372,8 @@ def predicted_bound(model, make_batch, size: int, effective_batch: int, profile:
     estimate_fn = remembering(estimate_fn)
     space = search_space(model, make_batch, size, effective_batch, profile, budget_bytes, precision, headroom,
                          checkpointing, per_block, optimizer, host_bytes)
+    if beat > 0 and ceiling(space) <= beat:
+        return ceiling(space), False
     whole = unconstrained(space, estimate_fn)
     if whole is not None:
         return whole.traced[0].samples_per_s, True
