@@ -215,3 +215,21 @@ def test_the_python_api_says_how_to_resume_in_its_own_terms(tmp_path, monkeypatc
     assert f"continue with: tightfit.api.train(TrainRequest(resume={str(run)!r}, lr=<lower>))" in said
     assert f"tightfit.api.train(TrainRequest(resume={str(run / 'checkpoints' / 'ckpt-2')!r}, lr=<lower>))" in said
     assert e.value.last_update == 4 and e.value.step == 6
+
+
+def test_a_run_killed_before_its_first_checkpoint_says_how_to_start_again(tmp_path, capsys):
+    """A CPU run killed by the kernel left request.json, plan.json and metrics.jsonl: --resume said
+    only "no checkpoint to resume from" and --out only "exists and is not empty"."""
+    from tightfit.cli import main
+
+    model_dir, data = _inputs(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("request.json", "plan.json", "metrics.jsonl"):
+        (run / name).write_text("{}\n")
+    assert main(["train", "--resume", str(run)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no checkpoint to resume from (the run stopped before its first)" in line and f"delete {run}" in line
+    assert main(["train", "--model", str(model_dir), "--data", str(data), "--device", "cpu", "--out", str(run)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "holds a run that stopped before its first checkpoint" in line, line

@@ -874,7 +874,8 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     if not (run / "request.json").is_file():
         raise TightfitError(f"{option_given('resume', str(run))}: not a tightfit run folder (no request.json)")
     if not has_checkpoint(run / "checkpoints"):
-        raise TightfitError(f"{option_given('resume', str(run))}: no checkpoint to resume from")
+        raise TightfitError(f"{option_given('resume', str(run))}: no checkpoint to resume from (the run stopped "
+                            f"before its first); start it again: delete {run} or choose another {option_name('out')}")
     # the flags on the command line, or the keywords of TrainRequest: both recorded in run.given,
     # so a value given equal to its default counts, on either face, as a value given
     now = req.to_flat()
@@ -939,9 +940,15 @@ def _check_out(out: Path, resuming: bool) -> None:
     Raises:
         TightfitError: it is a file, holds another run, or cannot be created.
     """
+    from .runtime.checkpoint import has_checkpoint
+
     if out.exists() and not out.is_dir():
         raise TightfitError(f"{option_given('out', str(out))} is a file, not a folder")
     if not resuming and out.exists() and any(out.iterdir()):
+        if (out / "request.json").is_file() and not has_checkpoint(out / "checkpoints") and \
+                not (out / "summary.json").exists():  # e.g. a process killed before its first checkpoint
+            raise TightfitError(f"output folder {out} holds a run that stopped before its first checkpoint (nothing "
+                                f"to resume): delete it or choose another {option_name('out')}")
         raise TightfitError(f"output folder {out} exists and is not empty; choose another {option_name('out')}")
     blocked = unwritable_folder(out)
     if blocked is not None:
