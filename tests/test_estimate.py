@@ -328,3 +328,20 @@ def test_foreach_adamw_adds_one_fp32_copy_of_the_parameters_at_its_step():
     assert est["adamw-foreach"].breakdown["optimizer_state"] == est["adamw"].breakdown["optimizer_state"]
     with pytest.raises(TightfitError):
         estimate(model, make_batch(1, 32), Plan("fp32", 4, 4, optimizer="lion"), get_profile("h200"))
+
+
+def test_the_estimate_sets_train_mode_without_calling_the_models_own_train(monkeypatch):
+    """transformers' train() kernelizes the model when the `kernels` package is installed, and that
+    refuses the meta device: every CPU run of a loaded Hugging Face model failed to estimate its
+    host memory ("Unsupported device type 'meta'"). The estimate sets the modules' flags itself."""
+    model, make_batch = build_model("minilm")
+    model.eval()
+
+    def refuses_meta(self, mode=True):
+        if any(p.device.type == "meta" for p in self.parameters()):
+            raise ValueError("Unsupported device type 'meta'")
+        return torch.nn.Module.train(self, mode)
+
+    monkeypatch.setattr(type(model), "train", refuses_meta)
+    e = estimate(model, make_batch(1, 16), Plan("fp32", 4, 4), get_profile("h200"))
+    assert e.peak_reserved_bytes > 0 and not model.training  # the model itself is left as it was

@@ -180,7 +180,8 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
     if plan.optimizer not in OPTIMIZERS:
         raise TightfitError(f"unknown optimizer {plan.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     meta = cast_weights(meta_copy(model), plan.optimizer)  # adamw8bit-bf16: the runtime's bf16 weights
-    meta.train()
+    for m in meta.modules():  # train mode, as meta.train() sets it without a model's own train(): transformers'
+        m.training = True      # (with the `kernels` package installed) kernelizes there, refusing the meta device
     n_blocks = len(find_blocks(meta))
     if block_policies is None and checkpoint_blocks is None and plan.block_policies is not None:
         block_policies = plan.block_policies
