@@ -369,3 +369,18 @@ def test_the_python_api_names_the_levers_of_a_budget_too_small_as_its_own_argume
     assert "optimizer='adamw8bit'" in text and "trainable='lora'" in text, text
     assert "--optimizer" not in text and "--trainable" not in text, text
     assert not (tmp_path / "run").exists()
+
+
+def test_wrong_types_at_the_python_entry_points_get_one_line():
+    """A fresh user's tries: train() of a dict, plan() of a model name, a loss that is a number
+    raised AttributeError and TypeError from inside."""
+    import tightfit
+    from tightfit.api import train
+
+    with pytest.raises(TightfitError, match="takes a TrainRequest.*got dict"):
+        train({"batch_size": 32})
+    batch = {"x": torch.ones(4, 3), "labels": torch.zeros(4, dtype=torch.long)}
+    with pytest.raises(TightfitError, match="model must be a torch.nn.Module.*got str"):
+        tightfit.plan("bert", batch, 4, device="cpu")
+    with pytest.raises(TightfitError, match="loss must be a function.*got int"):
+        tightfit.plan(torch.nn.Linear(3, 2), batch, 4, loss=3, device="cpu")

@@ -60,13 +60,17 @@ def train(req: TrainRequest) -> RunSummary:
         finished: the summary it wrote then).
 
     Raises:
-        TightfitError: bad input (before anything is written), a run that cannot fit, or a
+        TightfitError: ``req`` not a :class:`TrainRequest`; bad input (before anything is written), a run that cannot fit, or a
             run stopped early (:class:`tightfit.runtime.trainer.StoppedError`, with the command
             that continues it).
     """
     from .runtime.allocator import configure_allocator
 
     from .runtime.distributed import World
+
+    if not isinstance(req, TrainRequest):
+        raise TightfitError(f"tightfit.api.train takes a TrainRequest, e.g. train(TrainRequest(batch_size=32)), "
+                            f"got {type(req).__name__}")
 
     configure_allocator()  # effective only if CUDA has not started yet in this process
     from .image_train import recipe_class

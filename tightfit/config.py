@@ -584,7 +584,9 @@ _FIELD_OF: dict[str, Field] = {option_key(f): f for _, cls, _ in GROUPS for f in
 
 @dataclass(frozen=True, init=False)
 class TrainRequest:
-    """Everything ``tightfit train`` accepts (see ``tightfit train --help``), as a tree of groups.
+    """Everything ``tightfit train`` accepts (see ``tightfit train --help``) but ``--gpus``, which
+    starts processes (in Python: ``torchrun --nproc-per-node N your_script.py``, each calling
+    :func:`tightfit.api.train`; docs/distributed.md), as a tree of groups.
 
     Made from flat keywords, as on the command line (``TrainRequest(model="m", batch_size=16,
     warn_temp=80)``), or from whole groups (``TrainRequest(training=TrainOptions(lr=1e-4))``),

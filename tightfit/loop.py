@@ -272,7 +272,8 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         A :class:`tightfit.Plan` (``plan.reasons`` says why each choice was made).
 
     Raises:
-        TightfitError: a malformed or empty batch or option, a budget that cannot be read, is not
+        TightfitError: a model that is not a ``torch.nn.Module``, a loss that is not a function,
+            a malformed or empty batch or option, a budget that cannot be read, is not
             positive, exceeds the card or cannot hold the model state, a loss that is not one number,
             fp16/bf16 without a GPU, ``checkpointing="on"`` for a model with nothing to checkpoint
             (no repeated blocks or Hugging Face hook), or nothing fits the budget (before any training). The message
@@ -284,6 +285,11 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
     from .units import parse_size
     from .workload import Workload
 
+    if not isinstance(model, torch.nn.Module):
+        raise TightfitError(f"model must be a torch.nn.Module (e.g. AutoModelForSequenceClassification.from_pretrained"
+                            f"(...)), got {type(model).__name__}")
+    if loss is not None and not callable(loss):
+        raise TightfitError(f"loss must be a function (model, batch) -> scalar loss, got {type(loss).__name__}")
     b = _Batch(sample_batch)
     E = b.size if effective_batch is None else effective_batch
     if isinstance(E, bool) or not isinstance(E, numbers.Integral) or E < 1:  # numpy's integers too
