@@ -345,3 +345,14 @@ def test_the_estimate_sets_train_mode_without_calling_the_models_own_train(monke
     monkeypatch.setattr(type(model), "train", refuses_meta)
     e = estimate(model, make_batch(1, 16), Plan("fp32", 4, 4), get_profile("h200"))
     assert e.peak_reserved_bytes > 0 and not model.training  # the model itself is left as it was
+
+
+def test_the_estimates_header_names_the_card_whose_rules_it_used(capsys):
+    """Without --gpu it printed no card, and the step's temporaries differ by card (cuBLAS
+    workspaces: a T4's 43.5 MiB against the default's 91 MiB for the same MiniLM step)."""
+    from tightfit.cli import main
+
+    assert main(["estimate", "--model", "minilm", "--seq-len", "16", "--micro-batch", "2"]) == 0
+    assert "for a Hopper GPU such as the H200 (the default; --gpu NAME for another card)" in capsys.readouterr().out
+    assert main(["estimate", "--model", "minilm", "--seq-len", "16", "--micro-batch", "2", "--gpu", "t4"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("for NVIDIA Tesla T4")

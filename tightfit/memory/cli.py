@@ -187,7 +187,9 @@ def run(args) -> int:
     batch = f"micro-batch {args.micro_batch}" + (
         f" x {steps} accumulation steps" + (f" (the last {last})" if last != args.micro_batch else "")
         + f" (effective batch {effective_batch})" if steps > 1 else "")
-    print(f"{args.model}, {batch}, {args.precision}, checkpointing {ck}, {args.optimizer}, {result.allocator} allocator")
+    card = profile.name if profile else "a Hopper GPU such as the H200 (the default; --gpu NAME for another card)"
+    print(f"{args.model}, {batch}, {args.precision}, checkpointing {ck}, {args.optimizer}, {result.allocator} allocator, "
+          f"for {card}")
     print(f"peak reserved   {format_bytes(result.peak_reserved_bytes)}")
     print(f"peak allocated  {format_bytes(result.peak_allocated_bytes)}")
     print("\n".join(breakdown_lines(result.breakdown, grads, steps)))
