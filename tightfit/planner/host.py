@@ -10,7 +10,7 @@ accumulation (the same samples per optimizer step, the same result up to summati
 from __future__ import annotations
 
 from ..devices import get_profile
-from ..memory.fast import TRACED_AT
+from ..memory.fast import TRACED_AT, MemoryLine
 from ..plan import balanced_micro_batch
 from ..units import format_bytes
 
@@ -57,13 +57,12 @@ def host_micro_batch(workload, precision: str, checkpointing: bool,
     except Exception as e:  # noqa: BLE001 - a model the meta-tensor tracer cannot run: the whole batch, as asked
         return E, (f"CPU: the whole effective batch in one micro-batch; its host memory could not be estimated "
                    f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
-    per_sample = max(1.0, (large - small) / (TRACED_AT[1] - TRACED_AT[0]))
-    fixed = small - per_sample * TRACED_AT[0]
-    whole = fixed + per_sample * E
+    slope = (large - small) / (TRACED_AT[1] - TRACED_AT[0])
+    line = MemoryLine(small - slope * TRACED_AT[0], slope)  # of allocated bytes: a host holds no cache
+    whole = line.reserved(E)
     if whole <= limit:
         return E, None
-    m = max(1, min(E, int((limit - fixed) // per_sample)))
-    mb = balanced_micro_batch(E, m)
+    mb = balanced_micro_batch(E, max(1, line.largest_fitting(limit, E)))
     return mb, (f"CPU: micro-batch {mb} with gradient accumulation: the whole batch of {E} in one would need about "
                 f"{format_bytes(whole)} of host memory, more than {int(HOST_SHARE * 100)}% of the "
                 f"{format_bytes(have)} available")

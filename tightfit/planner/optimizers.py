@@ -256,8 +256,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             estimates[kind] = remembering(estimator(kind))
         return estimates[kind]
 
+    limit = planned_limit(budget_bytes, options.get("headroom", HEADROOM))
+
     def state_over_limit(kind: str) -> bool:  # the model state alone over the limit, and another's fits
-        limit = planned_limit(budget_bytes, options.get("headroom", HEADROOM))
         return optimizer == "auto" and least_state_bytes(model, kind)[0] > limit and \
             any(least_state_bytes(model, k)[0] <= limit for k in ["adamw", *kinds])
 
@@ -266,7 +267,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
 
     def run(kind: str, beat: float = 0.0, advise: bool = False) -> SearchResult:
         if state_over_limit(kind):  # no trace
-            need, limit = least_state_bytes(model, kind)[0], planned_limit(budget_bytes, options.get("headroom", HEADROOM))
+            need = least_state_bytes(model, kind)[0]
             # fp32 AdamW's message heads the error, each lever's follows its own name
             whose = "fp32 AdamW's model state (weights, gradients, optimizer state)" if kind == "adamw" \
                 else "its model state"
@@ -384,7 +385,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                        for k, e in _in_lever_order(failures) if k != "adamw")
         from .advice import lora_line
 
-        lora = lora_line(model, planned_limit(budget_bytes, options.get("headroom", HEADROOM)))
+        lora = lora_line(model, limit)
         raise NothingFitsError(first + also + (f"\n  {lora}" if lora else ""))
     kind = max(results, key=lambda k: results[k].best.samples_per_s)
     best = results[kind]
