@@ -69,6 +69,10 @@ ROWS = {
 # 8-bit bf16 update took its verdict on the device): the host waits for the GPU at every step
 ROWS.update({f"{name}-sync": ROWS[name]
              for name in ("large-plan-4GiB-128-compiled", "large-plan-4GiB-128-model-compiled")})
+# adamw8bit-bf16's update one compiled call per tensor (before update groups), not per layer
+ROWS.update({f"{name}-per-tensor": ROWS[name]
+             for name in ("large-plan-4GiB-128-compiled", "large-plan-4GiB-128-model-compiled")})
+UPDATE_GROUPS = __import__("tightfit.levers.optimizers", fromlist=["update_groups"]).update_groups
 
 
 def run_row(name: str, profile: bool) -> dict:
@@ -80,6 +84,9 @@ def run_row(name: str, profile: bool) -> dict:
     import tightfit.step as step_module
     compile_lever.compile_scope = (lambda model: "model") if compiled == "model" else SCOPE
     step_module.skips_on_device = (lambda optimizer: False) if name.endswith("-sync") else SKIPS_ON_DEVICE
+    import tightfit.levers.optimizers as optimizers
+    optimizers.update_groups = ((lambda sig: [range(i, i + 1) for i in range(len(sig))])
+                                if name.endswith("-per-tensor") else UPDATE_GROUPS)
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory

@@ -114,22 +114,32 @@ def test_oom_inside_the_update_after_a_parameter_was_written_stops_rather_than_a
     t = Trainer(workload(), Plan("bf16", 8, 8, optimizer=KIND), TrainConfig(epochs=1, lr=1e-3), progress=False)
     from tightfit.levers import optimizers
 
-    compiled, calls = optimizers._compiled_update(), []
+    calls = []
 
-    def update(*a):
-        calls.append(1)
-        if len(calls) == 2:  # the first parameter is updated already
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
-        return compiled(*a)
+    def failing_second(compiled):  # the second call of either update fails, the first went through
+        def update(*a):
+            calls.append(1)
+            if len(calls) == 2:  # a parameter (or a group of them) is updated already
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+            return compiled(*a)
+        return update
 
-    monkeypatch.setattr(optimizers, "_compiled_update", lambda: update)
+    single, group = failing_second(optimizers._compiled_update()), failing_second(optimizers._compiled_group_update())
+    monkeypatch.setattr(optimizers, "_compiled_update", lambda: single)
+    monkeypatch.setattr(optimizers, "_compiled_group_update", lambda: group)
     with pytest.raises(PartialUpdateError, match="part"):
         t.train_step(list(range(8)))
 
 
-def _bf16_params():
-    """bf16 parameters of a quantized (64 x 64) and an unquantized shape, drawn from the RNG."""
-    return [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((64, 64), (8,), (64, 64))]
+# Shapes of :func:`_bf16_params`: no repeat (one compiled call per tensor), and a repeated
+# (quantized, unquantized) pair after a lone tensor (grouped calls, levers.optimizers.update_groups)
+LONE = ((64, 64), (8,), (64, 64))
+REPEATED = ((8, 8),) + ((64, 64), (8,)) * 3
+
+
+def _bf16_params(shapes=LONE):
+    """bf16 parameters of quantized (64 x 64) and unquantized shapes, drawn from the RNG."""
+    return [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in shapes]
 
 
 def _three_steps(make, seed=0):
@@ -183,7 +193,7 @@ def _three_steps_other_draws():
     return [p.detach().clone() for p in ps]
 
 
-def _verdict_step(found_inf):
+def _verdict_step(found_inf, shapes=LONE):
     """:func:`_three_steps`' tensors after two steps, then a third step handed ``found_inf`` (a
     0-d device tensor, as :func:`tightfit.step.apply_update` hands it; None: no verdict) with
     gradients that are not finite where ``found_inf`` says so; the weights and every state
@@ -191,7 +201,7 @@ def _verdict_step(found_inf):
     from tightfit.levers.optimizers import adamw_8bit_bf16
 
     torch.manual_seed(0)
-    ps = _bf16_params()
+    ps = _bf16_params(shapes)
     opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
 
     def tensors():
@@ -210,16 +220,75 @@ def _verdict_step(found_inf):
 
 
 @needs_torchao
-def test_a_nonfinite_verdict_on_the_device_leaves_every_tensor_as_it_was():
+@pytest.mark.parametrize("shapes", [LONE, REPEATED], ids=["per-tensor", "grouped"])
+def test_a_nonfinite_verdict_on_the_device_leaves_every_tensor_as_it_was(shapes):
     """The skip decided on the device (no host sync): handed ``found_inf`` 1.0 the step writes
     nothing, weights, 8-bit codes and scales, bf16 moments and step counters alike; handed 0.0 it
-    is the step without a verdict, bit for bit, stochastic rounding's draws included."""
-    before, skipped = _verdict_step(torch.ones(()))
+    is the step without a verdict, bit for bit, stochastic rounding's draws included; through
+    one compiled call per tensor and through grouped calls."""
+    before, skipped = _verdict_step(torch.ones(()), shapes)
     assert all(torch.equal(a, b) for a, b in zip(before, skipped))
-    _, none = _verdict_step(None)
-    _, finite = _verdict_step(torch.zeros(()))
+    _, none = _verdict_step(None, shapes)
+    _, finite = _verdict_step(torch.zeros(()), shapes)
     assert all(torch.equal(a, b) for a, b in zip(none, finite))
     assert not all(torch.equal(a, b) for a, b in zip(before, finite))  # an applied step writes
+
+
+def test_update_groups_cut_a_repeated_sequence_into_equal_groups():
+    """BERT's order: 5 embedding tensors (the last two as a layer's last two), 16 per layer, the
+    pooler and head: one group per layer, all alike, the rest before and after; no repeat: one
+    tensor per group; a run of one kind: groups of GROUP_TENSORS."""
+    from tightfit.levers.optimizers import GROUP_TENSORS, update_groups
+
+    layer = ["A", "a"] * 4 + ["l", "l", "F", "f", "G", "l", "l", "l"]
+    sig = ["W", "P", "t", "l", "l"] + layer * 24 + ["A", "a", "c", "c"]
+    groups = update_groups(sig)
+    assert [i for r in groups for i in r] == list(range(len(sig)))  # every tensor once, in order
+    assert groups[0] == range(0, 3) and len(groups) == 1 + 24 + 1
+    assert all(len(r) == 16 and [sig[i] for i in r] == [sig[i] for i in groups[1]] for r in groups[1:-1])
+    assert update_groups(["q", "n", "q"]) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert update_groups(["q"] * 40) == [range(0, 16), range(16, 32), range(32, 40)] and GROUP_TENSORS == 16
+    assert update_groups([]) == []
+
+
+def _steps_grouped_or_not(monkeypatch, grouped: bool, stochastic_round: bool, steps: int):
+    """``steps`` steps of ``adamw8bit-bf16`` over REPEATED's tensors, through grouped calls or one
+    call per tensor (update_groups patched to singles); the weights and dequantized moments."""
+    from tightfit.levers import optimizers
+
+    if not grouped:
+        monkeypatch.setattr(optimizers, "update_groups", lambda sig: [range(i, i + 1) for i in range(len(sig))])
+    calls = []
+    group_update = optimizers._compiled_group_update()
+    monkeypatch.setattr(optimizers, "_compiled_group_update", lambda: lambda *a: calls.append(1) or group_update(*a))
+    torch.manual_seed(0)
+    ps = _bf16_params(REPEATED)
+    opt = optimizers.adamw_8bit_bf16(ps, 1e-3, 0.01)
+    opt.bf16_stochastic_round = stochastic_round
+    for _ in range(steps):
+        for p in ps:
+            p.grad = (torch.randn(p.shape) * 1e-3).bfloat16()
+        opt.step()
+    monkeypatch.undo()
+    assert bool(calls) == grouped
+    moments = [(v.dequantize() if hasattr(v, "dequantize") else v).clone()
+               for p in ps for k, v in opt.state[p].items()]
+    return [p.detach().clone() for p in ps], moments
+
+
+@needs_torchao
+def test_grouped_calls_update_as_one_call_per_tensor(monkeypatch):
+    """The grouped update is the per-tensor update: bit for bit without stochastic rounding;
+    with it, the same moments after three steps and, after one, each weight one of the two bf16
+    neighbours of the per-tensor result (other draws, same rounding)."""
+    for a, b in zip(*(_steps_grouped_or_not(monkeypatch, g, False, 3) for g in (True, False))):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    grouped, single = (_steps_grouped_or_not(monkeypatch, g, True, 3) for g in (True, False))
+    assert all(torch.equal(x, y) for x, y in zip(grouped[1], single[1]))
+    (w_grouped, _), (w_single, _) = (_steps_grouped_or_not(monkeypatch, g, True, 1) for g in (True, False))
+    for a, b in zip(w_grouped, w_single):
+        ulp = torch.finfo(torch.bfloat16).eps * b.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+        assert ((a.float() - b.float()).abs() <= ulp).all()
 
 
 def _queued_and_read(monkeypatch, device):

@@ -1,0 +1,75 @@
+"""``adamw8bit-bf16``'s update over BERT-large's bf16 parameters: one compiled call per tensor
+against one per group of tensors (``tightfit.levers.optimizers.update_groups``: a layer's 16
+tensors per call), on a CUDA GPU.
+
+For the variant named on the command line, in a process of its own (so that neither reuses the
+other's compiled kernels; run with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` for cold compilation):
+the first step's wall time (compilation included), then over 10 steps the median of the host
+time of ``step()`` (until it returns, the GPU's work queued) and of the wall time with the GPU
+synchronised, and the memory the step allocated above what was allocated before it (its
+temporaries: the peak of ``max_memory_allocated`` less the allocated bytes at its start).
+
+    OUT=folder python3 bench/update_groups.py grouped|per-tensor   -> OUT/update_groups-<variant>.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "bench-out"))
+
+
+def main(variant: str) -> None:
+    from tightfit.levers import optimizers
+    from tightfit.models import build_model
+
+    if variant == "per-tensor":
+        optimizers.update_groups = lambda sig: [range(i, i + 1) for i in range(len(sig))]
+    elif variant != "grouped":
+        raise SystemExit(f"unknown variant {variant!r}")
+    torch.manual_seed(0)
+    model, _ = build_model("bert-large", device="cpu")
+    ps = [torch.nn.Parameter(p.detach().to("cuda", torch.bfloat16)) for p in model.parameters()]
+    del model
+    g = torch.Generator(device="cuda").manual_seed(1)
+    grads = [torch.randn(p.shape, device="cuda", generator=g).mul_(1e-3).bfloat16() for p in ps]
+    opt = optimizers.adamw_8bit_bf16(ps, 1e-4, 0.01)
+    for p, gr in zip(ps, grads):
+        p.grad = gr
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    opt.step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t
+    calls = len(opt._groups([(opt.param_groups[0], p) for p in ps]))
+    host, wall, extra = [], [], []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        opt.step()
+        host.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - t)
+        extra.append(torch.cuda.max_memory_allocated() - before)
+    row = {"variant": variant, "tensors": len(ps), "compiled_calls_per_step": calls, "first_step_s": first,
+           "host_ms": statistics.median(host) * 1e3, "step_ms": statistics.median(wall) * 1e3,
+           "temporaries_MiB": max(extra) / 2**20, "torch": torch.__version__,
+           "inductor_caches": "off" if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1" else "on"}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"update_groups-{variant}.json").write_text(json.dumps(row, indent=1))
+    print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "grouped")
