@@ -260,9 +260,12 @@ def test_a_lever_that_cannot_beat_the_plan_found_is_not_traced(m, monkeypatch):
                                  host_bytes=64 << 30)
 
     pruned = planned()
-    # at 105 MiB fp32 AdamW fits nothing, offload's plan predicts 910 samples/s, bf16 weights at most 635 (cost.TORCHAO_CALL_S)
+    # at 105 MiB fp32 AdamW fits nothing, offload's plan predicts 910 samples/s, bf16 weights at most
+    # ~650 (the host time of its update per tensor, cost.TORCHAO_CALL_S)
     assert pruned.best.optimizer == "adamw-offload" and "adamw8bit-bf16" not in traced
-    assert "adamw8bit-bf16: at most 635 samples/s even without accumulation or recomputation" in pruned.best.why
+    below = re.search(r"adamw8bit-bf16: at most (\d+) samples/s even without accumulation or recomputation",
+                      pruned.best.why)
+    assert below and 600 < int(below.group(1)) < pruned.best.samples_per_s, pruned.best.why
     # a ceiling just below the plan found, the same whole number: read as below it, not as equal to it
     found, r = pruned.best.samples_per_s, round(pruned.best.samples_per_s)
     ceiling = (found + r - 0.49) / 2 if found <= r else (found + r) / 2

@@ -195,8 +195,10 @@ class MetaOptimizer:
     (:func:`tightfit.levers.optimizers.is_quantized_torchao`), for each moment in turn, uint8 codes
     of its shape, an fp32 scale per 256 elements and its own 256-entry fp32 map; bf16 ``zeros_like``
     twice for the others; a 0-d fp32 ``step`` counter per tensor, first. At every step its
-    compiled update (:func:`tightfit.levers.optimizers._compiled_update`) runs one tensor at a
-    time and holds, while it updates an 8-bit tensor of ``n`` elements, fp32 temporaries of
+    compiled update (:func:`tightfit.levers.optimizers._compiled_update`, or a repeated layer's
+    tensors in one call, :func:`~tightfit.levers.optimizers._compiled_group_update`) updates one
+    tensor after the other (BERT-large's peak: 241 MiB either way, bench/results/update-groups)
+    and holds, while it updates an 8-bit tensor of ``n`` elements, fp32 temporaries of
     :data:`~tightfit.levers.optimizers.BF16_UPDATE_TEMPORARY_BYTES` (8) x ``n`` bytes (its two
     moments dequantized): counted here as one temporary for the largest 8-bit tensor, after the
     state. Measured on an NVIDIA H200, torch 2.11, the second step of one tensor: 8.03 to 8.08 B

@@ -68,14 +68,14 @@ OPTIMIZER_CALL_S = 65e-6
 # moments, write weight and moments (scales left out).
 ADAMW8BIT_BF16_BYTES_PER_PARAM = 2 + 2 + 2 + 2 + 2
 # Per parameter tensor of torchao's 8-bit AdamW step over bf16 weights with stochastic rounding:
-# host time of one call of tightfit's compiled update (guards, kernel launches; the 8-bit moments
-# passed as plain tensors: tightfit.levers.optimizers._compiled_update). Measured on an NVIDIA H200
-# host: 44.6 ms for BERT-large's 393 tensors, 0.113 ms each (torch 2.11, torchao 0.18;
-# bench/results/optimizer-dispatch-2/optimizer_dispatch.json, row "plain-inputs"; the same run's
-# update with the moments as torchao's tensor subclass: 77.9 ms; torchao's own step, a new
-# torch.compile wrapper per call, 281.4 ms on a slower host, bench/results/optimizer-dispatch/).
-# The step is host-bound (8.4 ms of GPU time).
-TORCHAO_CALL_S = 0.1134e-3
+# host time of tightfit's compiled update (guards, kernel launches; the 8-bit moments passed as
+# plain tensors, a model's repeated layers one compiled call each: tightfit.levers.optimizers
+# .update_groups). Measured on an NVIDIA H200 host: 41.5 ms for BERT-large's 393 tensors in 26
+# calls, 0.105 ms per tensor (torch 2.11, torchao 0.18; bench/results/update-groups/
+# update_groups-grouped.json); one call per tensor took 81.1 ms on that host and 44.6 ms on a
+# faster one (bench/results/optimizer-dispatch-2/). The step is host-bound (8.4 ms of GPU time);
+# in training most of it hides behind the GPU's backward (BERT-large's 4 GiB plan: 12.6 ms).
+TORCHAO_CALL_S = 41.46e-3 / 393
 # Fused AdamW on the host CPU as ``adamw-offload`` runs it: one fused step over every offloaded
 # tensor (tightfit.levers.host_adamw), parameters per second. Measured on an NVIDIA H200 host (16
 # threads, torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json): the fused CPU
