@@ -447,6 +447,39 @@ def test_a_compiled_plan_one_block_short_of_all_of_eight_is_tried_whole_with_eve
     assert "whole-model graph" in found.notes[-1] and "with every block checkpointed, kept" in found.notes[-1]
 
 
+def test_a_whole_model_graph_over_the_budget_is_probed_at_one_more_micro_batch(monkeypatch):
+    """The whole-model graph misses the budget at the blocks' micro-batch (16 x 1): it is probed
+    at 8 x 2 with the same graph (nothing recompiled) and kept there when faster than the blocks."""
+    from types import SimpleNamespace
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.levers.blocks import block_policy, find_blocks
+    from tightfit.levers.compile import compiled_call
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate
+
+    model, E = tiny_bert(), 16
+    blocks, probed = find_blocks(model), []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        one_graph = compiled_call(model) is not None
+        probed.append((one_graph, mb))
+        if one_graph:  # the whole graph: over the budget at 16, at 8 x 2 faster than the blocks' 16 x 1
+            return ProbeResult(mb, mb < E, 100 if mb < E else None, 100 if mb < E else None,
+                               0.015 if mb < E else None, 2 if mb < E else 1)
+        every = all(block_policy(b) == "full" for b in blocks)  # the blocks fit only all checkpointed
+        return ProbeResult(mb, every, 100 if every else None, 100 if every else None, 0.02 if every else None, 1)
+
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    found = gpu.compiled_variant(SimpleNamespace(effective_batch=E, model=model),
+                                 Candidate("bf16", E, tuple(range(len(blocks))), 1, None, None), 10**9,
+                                 len(blocks))
+    v, note = found.variant, found.notes[-1]
+    assert [p for p in probed if p[0]] == [(True, 16), (True, 8)]
+    assert v.scope == "model" and v.micro_batch == 8 and v.samples_per_s == E / 0.015
+    assert "16 x 1: out of memory; 8 x 2: " in note and note.endswith("kept"), note
+
+
 def test_a_compiled_plan_that_checkpoints_some_blocks_is_not_tried_whole(monkeypatch):
     from types import SimpleNamespace
 

@@ -877,6 +877,12 @@ def whole_model_variant(workload: Workload, best: Candidate, regional: CompiledV
     launches them (BERT-large at 4 GiB, NVIDIA H200: 620 samples/s, as one graph 782;
     bench/results/step-breakdown-2).
 
+    When the graph does not fit at that micro-batch, it is probed once more with one micro-batch
+    more per step (``micro_batch_for(E, k + 1)``): the batch dimension is dynamic, so this
+    compiles nothing, and one graph's step at half the micro-batch can still beat the blocks'
+    (BERT-large at 4 GiB, NVIDIA H200: 3.84 GiB at 128 x 1 against a 3.8 GiB limit,
+    bench/results/update-groups).
+
     Returns:
         The whole-model variant when it fits and its timing beats ``regional``'s (the model is
         left compiled whole), else None (the model is compiled block by block again), and the
@@ -885,21 +891,33 @@ def whole_model_variant(workload: Workload, best: Candidate, regional: CompiledV
     model, E = workload.model, workload.effective_batch
     t0 = time.perf_counter()
     uncompile_model(model)
+    tried = []  # (micro-batch, probe) in order
     try:
         compile_model(model, WHOLE_MODEL)
         set_activation_checkpointing(model, True, None)  # the model's own hook: inside the graph
-        pr = probe_step(workload, regional.micro_batch, best.precision, budget_bytes, optimizer=best.optimizer,
-                        timed_steps=VERIFIED_STEPS)
+        mb = regional.micro_batch
+        while True:
+            tried.append((mb, probe_step(workload, mb, best.precision, budget_bytes, optimizer=best.optimizer,
+                                         timed_steps=VERIFIED_STEPS)))
+            smaller = micro_batch_for(E, accumulation_steps(E, mb) + 1)
+            if tried[-1][1].fits or len(tried) == 2 or smaller == mb:
+                break
+            mb = smaller
         failed = None
     except Exception as e:  # noqa: BLE001 - a compiler failure keeps the blocks compiled one by one
-        pr, failed = None, _error_line(e)
+        failed = _error_line(e)
         release_memory()
+    mb, pr = tried[-1] if tried else (regional.micro_batch, None)
     seconds = time.perf_counter() - t0
     line = f"as one whole-model graph, checkpointing inside ({seconds:.0f} s incl. compilation): "
-    if pr is not None and pr.fits and _samples_per_s(pr, E) > regional.samples_per_s:
+    if len(tried) == 2:  # the regional micro-batch did not fit: say so, then what the next one did
+        first = tried[0][0]
+        line += (f"{first} x {accumulation_steps(E, first)}: {_peak(tried[0][1])}; "
+                 f"{mb} x {accumulation_steps(E, mb)}: ")
+    if failed is None and pr.fits and _samples_per_s(pr, E) > regional.samples_per_s:
         rate = _samples_per_s(pr, E)
         every = tuple(range(len(find_blocks(model))))
-        return (CompiledVariant(rate, regional.micro_batch, every, pr, WHOLE_MODEL),
+        return (CompiledVariant(rate, mb, every, pr, WHOLE_MODEL),
                 line + f"{format_rate(rate)} samples/s with every block checkpointed, kept")
     uncompile_model(model)
     compile_model(model)
