@@ -247,6 +247,8 @@ def test_update_groups_cut_a_repeated_sequence_into_equal_groups():
     assert groups[0] == range(0, 3) and len(groups) == 1 + 24 + 1
     assert all(len(r) == 16 and [sig[i] for i in r] == [sig[i] for i in groups[1]] for r in groups[1:-1])
     assert update_groups(["q", "n", "q"]) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert update_groups(["q", "n", "q", "c"]) == [range(i, i + 1) for i in range(4)]  # one repeat only
+    assert update_groups(["c", "q", "n", "q", "n"]) == [range(0, 1), range(1, 3), range(3, 5)]
     assert update_groups(["q"] * 40) == [range(0, 16), range(16, 32), range(32, 40)] and GROUP_TENSORS == 16
     assert update_groups([]) == []
 

@@ -484,7 +484,7 @@ def update_groups(signatures: list) -> list[range]:
         for i in range(n - p):
             run = run + 1 if signatures[i] == signatures[i + p] else 0
             covered = (run + p) // p * p
-            if run and (covered, -p) > best[:2]:
+            if run >= p and (covered, -p) > best[:2]:  # at least two whole repeats
                 best = (covered, -p, i - run + 1)
     covered, p, start = best[0], -best[1], best[2]
     if not covered:
