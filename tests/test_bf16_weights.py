@@ -236,21 +236,40 @@ def test_a_nonfinite_verdict_on_the_device_leaves_every_tensor_as_it_was(shapes)
 
 def test_update_groups_cut_a_repeated_sequence_into_equal_groups():
     """BERT's order: 5 embedding tensors (the last two as a layer's last two), 16 per layer, the
-    pooler and head: one group per layer, all alike, the rest before and after; no repeat: one
-    tensor per group; a run of one kind: groups of GROUP_TENSORS."""
+    pooler and head: one group per layer, all alike, every other tensor alone; no repeat, or a
+    single one: one tensor per group; a run of one kind: groups of GROUP_TENSORS."""
     from tightfit.levers.optimizers import GROUP_TENSORS, update_groups
 
     layer = ["A", "a"] * 4 + ["l", "l", "F", "f", "G", "l", "l", "l"]
     sig = ["W", "P", "t", "l", "l"] + layer * 24 + ["A", "a", "c", "c"]
     groups = update_groups(sig)
     assert [i for r in groups for i in r] == list(range(len(sig)))  # every tensor once, in order
-    assert groups[0] == range(0, 3) and len(groups) == 1 + 24 + 1
-    assert all(len(r) == 16 and [sig[i] for i in r] == [sig[i] for i in groups[1]] for r in groups[1:-1])
-    assert update_groups(["q", "n", "q"]) == [range(0, 1), range(1, 2), range(2, 3)]
+    multi = [r for r in groups if len(r) > 1]
+    assert len(multi) == 24 and multi[0] == range(3, 19) and len(groups) == 3 + 24 + 6
+    assert all(len(r) == 16 and [sig[i] for i in r] == [sig[i] for i in multi[0]] for r in multi)
+    assert update_groups(["q", "n", "q"]) == [range(i, i + 1) for i in range(3)]
     assert update_groups(["q", "n", "q", "c"]) == [range(i, i + 1) for i in range(4)]  # one repeat only
     assert update_groups(["c", "q", "n", "q", "n"]) == [range(0, 1), range(1, 3), range(3, 5)]
-    assert update_groups(["q"] * 40) == [range(0, 16), range(16, 32), range(32, 40)] and GROUP_TENSORS == 16
-    assert update_groups([]) == []
+    assert update_groups(["q"] * 40) == [range(0, 16), range(16, 32)] + [range(i, i + 1) for i in range(32, 40)]
+    assert GROUP_TENSORS == 16 and update_groups([]) == []
+
+
+@needs_torchao
+def test_a_group_never_mixes_param_groups(monkeypatch):
+    """Two param groups (one at lr 0) whose tensors would repeat across the boundary: the tensors
+    of the lr-0 group do not move, grouped or not."""
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+
+    torch.manual_seed(0)
+    a, b = _bf16_params(((8, 8),)), _bf16_params(((4,),) + ((64, 64), (8,)) * 3)
+    opt = adamw_8bit_bf16(a, 1e-2, 0.01)
+    opt.add_param_group({"params": b, "lr": torch.tensor(0.0)})
+    before = [p.detach().clone() for p in b]
+    for p in a + b:
+        p.grad = (torch.randn(p.shape) * 1e-3).bfloat16()
+    opt.step()
+    assert all(torch.equal(x, p) for x, p in zip(before, b))
+    assert len(opt._groups([(g, p) for g in opt.param_groups for p in g["params"]])) < len(a + b)  # some grouped
 
 
 def _steps_grouped_or_not(monkeypatch, grouped: bool, stochastic_round: bool, steps: int):
@@ -432,7 +451,7 @@ def _wide_bert(vocab=4096, hidden=1024):
 
 def test_the_estimator_counts_the_8bit_updates_fp32_temporaries(monkeypatch):
     """The optimizer step's predicted peak holds 8 B per element of the largest 8-bit tensor above
-    the state (the update dequantizes its two moments, one tensor at a time)."""
+    the state (the update dequantizes its two moments; one layer here: each tensor its own call)."""
     from tightfit.levers import optimizers as lv
     from tightfit.memory.estimate import estimate
 
@@ -445,6 +464,29 @@ def test_the_estimator_counts_the_8bit_updates_fp32_temporaries(monkeypatch):
     largest = max(p.numel() for p in m.parameters() if lv.is_quantized_torchao(p.numel()))
     assert largest == 4096 * 1024
     assert with_temporaries - without == pytest.approx(8 * largest, abs=2 * 2**20)  # 2 MiB: the allocator's rounding
+
+
+def test_the_estimator_counts_a_layers_call_as_one_temporary(monkeypatch):
+    """A repeated layer's tensors are updated in one compiled call, where the compiler may fuse
+    same-sized tensors and hold their temporaries together (3 x 4096 x 4096 on a CPU: 384 MiB
+    against 128 MiB one by one): with 3 layers whose 8-bit tensors together outweigh the largest
+    one, the predicted step holds 8 B per element of a layer's 8-bit tensors."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from tightfit.levers import optimizers as lv
+    from tightfit.memory.estimate import estimate
+
+    torch.manual_seed(0)
+    m = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=256, num_hidden_layers=3,
+                                                 num_attention_heads=4, intermediate_size=1024))
+    batch = {"input_ids": torch.randint(1, 64, (4, 16)), "labels": torch.tensor([0, 1, 0, 1])}
+    plan = Plan("bf16", 4, 4, optimizer=KIND, device="cuda")
+    with_temporaries = estimate(m, batch, plan).extra["optimizer_step_peak_bytes"]
+    monkeypatch.setattr(lv, "BF16_UPDATE_TEMPORARY_BYTES", 0)
+    without = estimate(m, batch, plan).extra["optimizer_step_peak_bytes"]
+    layer = 4 * 256 * 256 + 2 * 256 * 1024  # q, k, v, o and the two feed-forward weights: the 8-bit ones
+    assert max(p.numel() for p in m.parameters()) < layer
+    assert with_temporaries - without == pytest.approx(8 * layer, abs=2 * 2**20)
 
 
 def test_fp16_and_fp32_with_bf16_weights_are_refused_in_one_line(capsys, tmp_path):
@@ -585,7 +627,8 @@ def test_the_bf16_weights_step_time_is_the_measured_one():
     row = json.loads((Path(__file__).parents[1] / "bench/results/update-groups/update_groups-grouped.json")
                      .read_text())
     assert row["variant"] == "grouped" and row["compiled_calls_per_step"] < row["tensors"]
-    cost = ForwardCost(1e9, 1000, 335_143_938, 24, trainable_tensors=row["tensors"])
+    # BERT-large's 393 tensors: 24 layers of 16 in one call each, the 9 others one by one (update_groups)
+    cost = ForwardCost(1e9, 1000, 335_143_938, 24, trainable_tensors=row["tensors"], grouped_tensors=384)
     predicted = TimeModel(get_profile("h200"), cost, optimizer=KIND).optimizer_seconds()
     assert abs(predicted / (row["step_ms"] / 1e3) - 1) < 0.05
 

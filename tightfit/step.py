@@ -196,12 +196,13 @@ class MetaOptimizer:
     of its shape, an fp32 scale per 256 elements and its own 256-entry fp32 map; bf16 ``zeros_like``
     twice for the others; a 0-d fp32 ``step`` counter per tensor, first. At every step its
     compiled update (:func:`tightfit.levers.optimizers._compiled_update`, or a repeated layer's
-    tensors in one call, :func:`~tightfit.levers.optimizers._compiled_group_update`) updates one
-    tensor after the other (BERT-large's peak: 241 MiB either way, bench/results/update-groups)
-    and holds, while it updates an 8-bit tensor of ``n`` elements, fp32 temporaries of
+    tensors in one call, :func:`~tightfit.levers.optimizers._compiled_group_update`) holds, while
+    it updates an 8-bit tensor of ``n`` elements, fp32 temporaries of
     :data:`~tightfit.levers.optimizers.BF16_UPDATE_TEMPORARY_BYTES` (8) x ``n`` bytes (its two
-    moments dequantized): counted here as one temporary for the largest 8-bit tensor, after the
-    state. Measured on an NVIDIA H200, torch 2.11, the second step of one tensor: 8.03 to 8.08 B
+    moments dequantized); a call's updates of same-sized tensors may be fused and hold theirs
+    together (3 x 4096 x 4096 in one call on a CPU: 384 MiB, one by one 128 MiB): counted here
+    as one temporary, the largest call's sum over its 8-bit tensors, after the state (BERT-large:
+    its word embeddings, updated alone; 241 MiB measured either way, bench/results/update-groups). Measured on an NVIDIA H200, torch 2.11, the second step of one tensor: 8.03 to 8.08 B
     per element for 1M to 67M elements (bench/results/optimizer-temporaries); the bf16 moments
     of the small tensors left in bf16 were not measured. Parameters without a gradient get no state.
     """
@@ -262,17 +263,23 @@ class MetaOptimizer:
             sqrt = torch._foreach_sqrt(exp_avg_sqs)  # noqa: F841 -- alive until the step returns
 
     def _dequantized_moments(self) -> None:
-        """The largest fp32 temporaries of the 8-bit bf16 update: those of its largest 8-bit tensor
-        (the update runs one tensor at a time, so the largest one's are the step's peak)."""
-        from .levers.optimizers import BF16_UPDATE_TEMPORARY_BYTES, is_quantized_torchao
+        """The largest fp32 temporaries of the 8-bit bf16 update: those of the compiled call whose
+        8-bit tensors hold the most (:func:`~tightfit.levers.optimizers.bf16_update_groups`; the
+        calls run one after the other, and within a call the compiler may fuse the updates of
+        same-sized tensors into one kernel that holds all their temporaries at once, so a call's
+        are counted as the sum over its 8-bit tensors)."""
+        from .levers.optimizers import BF16_UPDATE_TEMPORARY_BYTES, bf16_update_groups, is_quantized_torchao
 
-        stepped = [p for p in self.params if p.grad is not None and is_quantized_torchao(p.numel())]
-        if not stepped:
+        stepped = [p for p in self.params if p.grad is not None]
+        calls = [[stepped[i] for i in r if is_quantized_torchao(stepped[i].numel())]
+                 for r in bf16_update_groups(p.shape for p in stepped)]
+        calls = [c for c in calls if c]
+        if not calls:
             return
-        largest = max(stepped, key=lambda p: p.numel())
+        largest = max(calls, key=lambda c: sum(p.numel() for p in c))
         with self.temporaries_context():
-            held = torch.empty(BF16_UPDATE_TEMPORARY_BYTES * largest.numel(), dtype=torch.uint8,  # noqa: F841
-                               device=largest.device)
+            held = torch.empty(BF16_UPDATE_TEMPORARY_BYTES * sum(p.numel() for p in largest),  # noqa: F841
+                               dtype=torch.uint8, device=largest[0].device)
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:

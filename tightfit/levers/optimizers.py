@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 
 import torch
@@ -470,13 +471,16 @@ GROUP_TENSORS = 16
 
 def update_groups(signatures: list) -> list[range]:
     """Consecutive index ranges covering ``signatures`` (one hashable per tensor, in update order:
-    shape, dtype, state kind) so that most ranges have the same signatures: the stretch where
-    the sequence repeats with a period ``p`` (the ``p`` <= :data:`GROUP_TENSORS` whose repeats
-    cover the most tensors, the smallest on a tie) is cut into ranges of ``p`` times
-    ``GROUP_TENSORS // p`` repeats (at most as many as leave two ranges), and what precedes and
-    follows it is one range each. No repeat (fewer than two ranges of a period): one range per
-    tensor. BERT's 16 tensors per layer: one range per layer (shifted by the tensors that match
-    across a layer's end), the embeddings before, the pooler and head after."""
+    param group, device, dtype, shape, state kind), each updated by one compiled call: the
+    stretch where the sequence repeats at least twice with a period ``p`` (the ``p`` <=
+    :data:`GROUP_TENSORS` whose repeats cover the most tensors, the smallest on a tie) is cut into
+    ranges of ``p`` times ``GROUP_TENSORS // p`` repeats (at most as many as leave two ranges), all
+    with the same signatures, so one compilation serves them; every other tensor is a range of
+    its own. BERT's 16 tensors per layer: one range per layer (shifted by the tensors that match
+    across a layer's end); the embeddings, pooler and head one by one. Tensors outside the
+    stretch are not grouped: a range of unlike tensors would compile a graph of its own for a
+    single call (a BART decoder's 161 tensors in one range did not finish compiling in 15
+    minutes on a CPU), and its tensors could belong to other param groups or devices."""
     n = len(signatures)
     best = (0, 0, 0)  # (tensors covered by whole repeats, -p, where the periodic stretch starts)
     for p in range(1, min(GROUP_TENSORS, n // 2) + 1):
@@ -491,17 +495,24 @@ def update_groups(signatures: list) -> list[range]:
         return [range(i, i + 1) for i in range(n)]
     size = p * max(1, min(GROUP_TENSORS // p, covered // p // 2))
     end = start + covered // size * size
-    groups = [range(0, start)] if start else []
-    groups += [range(a, a + size) for a in range(start, end, size)]
-    return groups + ([range(end, n)] if end < n else [])
+    return ([range(i, i + 1) for i in range(start)] + [range(a, a + size) for a in range(start, end, size)]
+            + [range(i, i + 1) for i in range(end, n)])
+
+
+def bf16_update_groups(shapes) -> list[range]:
+    """:func:`update_groups` of ``adamw8bit-bf16``'s step over trainable tensors of ``shapes`` (in
+    the order of ``model.parameters()``, one param group, one device), for the estimator and the
+    time model: the step's signatures reduce to the shape and whether the state is 8-bit."""
+    shapes = [tuple(s) for s in shapes]
+    return update_groups([(s, is_quantized_torchao(math.prod(s))) for s in shapes])
 
 
 @functools.cache
 def _bf16_class():
     """The subclass of ``torchao.optim.AdamW8bit`` that tightfit's step needs (built on first use,
     so that torchao is imported lazily). Its ``step`` is torchao's (0.18, ``_AdamBase.step``:
-    the same state, the same update function and order of updates, so the same stochastic
-    rounding draws), with three changes:
+    the same state, the same update function and order of updates; the same stochastic rounding
+    draws for tensors updated one call each), with three changes:
 
     - it allocates the state of every parameter that has a gradient and no state yet, as
       torchao's own step would (a ``step`` counter at 0, then both moments by ``_new_buffer``),
@@ -513,6 +524,8 @@ def _bf16_class():
       moments and its step counter;
     - every update goes through one compiled function (:func:`_compiled_update`), not a new
       ``torch.compile`` wrapper per parameter and step, and takes the 8-bit moments' plain tensors;
+      the repeats of a model's layers go a group per call (:func:`update_groups`,
+      :func:`_compiled_group_update`: other stochastic-rounding draws);
     - it skips a non-finite update on the device, as PyTorch's fused optimizers do
       (``skips_nonfinite_on_device``): :func:`tightfit.step.apply_update` sets ``found_inf``
       (a 0-d fp32 device tensor, 1.0 where the gradient norm is not finite) and every update
@@ -573,7 +586,8 @@ def _bf16_class():
         def _groups(self, stepped: list) -> list[list]:
             """``stepped`` ((param group, parameter) pairs, in update order) cut into the groups one
             compiled call updates (:func:`update_groups`; cached per list of parameters). Tensors
-            of one group share a param group and a device; sharded (DTensor) weights go one by one."""
+            of one group share a param group and a device (both are in the signatures that must
+            repeat); sharded (DTensor) weights go one by one."""
             key = tuple(id(p) for _, p in stepped)
             cache = self.__dict__.setdefault("_group_cache", {})
             if key not in cache:

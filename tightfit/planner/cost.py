@@ -24,8 +24,8 @@ AdamW streams weights, gradients and 1-byte moments through memory
 (:data:`ADAMW8BIT_BYTES_PER_PARAM`) in one kernel per parameter tensor, each followed by a device
 sync (:data:`OPTIMIZER_CALL_S` each);
 bf16 weights with torchao's 8-bit AdamW (``adamw8bit-bf16``) stream bf16 weights and gradients and
-1-byte moments (:data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`) in one compiled call per tensor
-(:data:`TORCHAO_CALL_S` each);
+1-byte moments (:data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`) in one compiled call per repeated layer
+(:data:`TORCHAO_GROUPED_CALL_S` per tensor) or per other tensor (:data:`TORCHAO_CALL_S`);
 CPU offload copies the gradients to the host (once per micro-batch: the accumulated gradient is
 copied again after each) and the new weights back over the host link, and runs AdamW on the CPU at
 :data:`CPU_ADAMW_PARAMS_PER_S`.
@@ -67,15 +67,16 @@ OPTIMIZER_CALL_S = 65e-6
 # torchao AdamW8bit step over bf16 weights (adamw8bit-bf16): read weight, gradient and two 1-byte
 # moments, write weight and moments (scales left out).
 ADAMW8BIT_BF16_BYTES_PER_PARAM = 2 + 2 + 2 + 2 + 2
-# Per parameter tensor of torchao's 8-bit AdamW step over bf16 weights with stochastic rounding:
-# host time of tightfit's compiled update (guards, kernel launches; the 8-bit moments passed as
-# plain tensors, a model's repeated layers one compiled call each: tightfit.levers.optimizers
-# .update_groups). Measured on an NVIDIA H200 host: 41.5 ms for BERT-large's 393 tensors in 26
-# calls, 0.105 ms per tensor (torch 2.11, torchao 0.18; bench/results/update-groups/
-# update_groups-grouped.json); one call per tensor took 81.1 ms on that host and 44.6 ms on a
-# faster one (bench/results/optimizer-dispatch-2/). The step is host-bound (8.4 ms of GPU time);
-# in training most of it hides behind the GPU's backward (BERT-large's 4 GiB plan: 12.6 ms).
-TORCHAO_CALL_S = 41.46e-3 / 393
+# Host time per parameter tensor of torchao's 8-bit AdamW step over bf16 weights with stochastic
+# rounding as tightfit runs it (guards, Python, kernel launches; the 8-bit moments passed as plain
+# tensors). Measured on one NVIDIA H200 host, BERT-large's 393 tensors (torch 2.11, torchao 0.18;
+# bench/results/update-groups/update_groups-*.json): one compiled call per tensor, 81.1 ms per
+# step; the tensors in calls of a layer each (tightfit.levers.optimizers.update_groups), 41.5 ms.
+# (One call per tensor took 44.6 ms on a faster host, bench/results/optimizer-dispatch-2/.) The
+# step is host-bound (8.4 ms of GPU time); in training much of it hides behind the GPU's backward
+# (BERT-large's 4 GiB plan: 12.6 ms grouped, 68.8 ms one call per tensor).
+TORCHAO_CALL_S = 81.13e-3 / 393
+TORCHAO_GROUPED_CALL_S = 41.46e-3 / 393
 # Fused AdamW on the host CPU as ``adamw-offload`` runs it: one fused step over every offloaded
 # tensor (tightfit.levers.host_adamw), parameters per second. Measured on an NVIDIA H200 host (16
 # threads, torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json): the fused CPU
@@ -136,6 +137,8 @@ class ForwardCost:
         trainable_tensors: parameter tensors the optimizer updates.
         offloaded_params: trainable parameters in tensors that CPU offload moves to the host
             (:func:`tightfit.levers.optimizers.is_offloaded`).
+        grouped_tensors: trainable tensors that ``adamw8bit-bf16`` updates in a repeated layer's
+            call (:func:`tightfit.levers.optimizers.bf16_update_groups`).
     """
 
     flops_per_sample: float
@@ -146,6 +149,7 @@ class ForwardCost:
     selective_bytes_per_sample: float = 0.0
     trainable_tensors: int = 0
     offloaded_params: int = 0
+    grouped_tensors: int = 0
 
 
 def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -> ForwardCost:
@@ -168,11 +172,15 @@ def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -
         h.remove()
     from ..levers.optimizers import is_offloaded
 
-    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+    from ..levers.optimizers import bf16_update_groups
+
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    trainable = [math.prod(s) for s in shapes]
     per_block = 1 / n_blocks if n_blocks else 0.0
     return ForwardCost(flops.get_total_flops() / 2, counter.ops, sum(trainable), n_blocks,
                        counter.recomputed_ops * per_block, counter.recomputed_bytes * per_block / 2,
-                       trainable_tensors=len(trainable), offloaded_params=sum(n for n in trainable if is_offloaded(n)))
+                       trainable_tensors=len(trainable), offloaded_params=sum(n for n in trainable if is_offloaded(n)),
+                       grouped_tensors=sum(len(r) for r in bf16_update_groups(shapes) if len(r) > 1))
 
 
 @dataclass(frozen=True)
@@ -248,7 +256,8 @@ class TimeModel:
         (:data:`ADAMW_BYTES_PER_PARAM` at the card's memory bandwidth). ``adamw8bit``:
         :data:`ADAMW8BIT_BYTES_PER_PARAM` at the card's memory bandwidth plus
         :data:`OPTIMIZER_CALL_S` per tensor. ``adamw8bit-bf16``: :data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`
-        at the card's memory bandwidth plus :data:`TORCHAO_CALL_S` per tensor.
+        at the card's memory bandwidth plus :data:`TORCHAO_GROUPED_CALL_S` per tensor in a repeated
+        layer's call and :data:`TORCHAO_CALL_S` per other tensor.
         ``adamw-offload``: the offloaded parameters' fp32 gradients to the host after every
         micro-batch and their weights back (4 B each way per parameter over
         ``host_link_bytes_per_s``; the copies overlap the backward only in part, so all are
@@ -259,7 +268,8 @@ class TimeModel:
         if self.optimizer == "adamw8bit":
             return c.trainable_params * ADAMW8BIT_BYTES_PER_PARAM / bw + c.trainable_tensors * OPTIMIZER_CALL_S
         if self.optimizer == "adamw8bit-bf16":
-            return c.trainable_params * ADAMW8BIT_BF16_BYTES_PER_PARAM / bw + c.trainable_tensors * TORCHAO_CALL_S
+            return (c.trainable_params * ADAMW8BIT_BF16_BYTES_PER_PARAM / bw + c.grouped_tensors * TORCHAO_GROUPED_CALL_S
+                    + (c.trainable_tensors - c.grouped_tensors) * TORCHAO_CALL_S)
         if self.optimizer == "adamw-offload":
             n = c.offloaded_params
             link = 4 * n * (micro_batches + 1) / self.profile.host_link_bytes_per_s
