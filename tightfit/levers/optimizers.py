@@ -585,18 +585,19 @@ def _bf16_class():
 
         def _groups(self, stepped: list) -> list[list]:
             """``stepped`` ((param group, parameter) pairs, in update order) cut into the groups one
-            compiled call updates (:func:`update_groups`; cached per list of parameters). Tensors
+            compiled call updates (:func:`update_groups`; kept for the last list of parameters). Tensors
             of one group share a param group and a device (both are in the signatures that must
             repeat); sharded (DTensor) weights go one by one."""
             key = tuple(id(p) for _, p in stepped)
-            cache = self.__dict__.setdefault("_group_cache", {})
-            if key not in cache:
+            cached = self.__dict__.get("_group_cache")  # (key, ranges) of the last list seen
+            if cached is None or cached[0] != key:
                 if any(type(p.detach()) is not torch.Tensor for _, p in stepped):
-                    cache[key] = [range(i, i + 1) for i in range(len(stepped))]
+                    ranges = [range(i, i + 1) for i in range(len(stepped))]
                 else:
-                    cache[key] = update_groups([(id(g), p.device, p.dtype, tuple(p.shape),
-                                                 type(self.state[p]["exp_avg"])) for g, p in stepped])
-            return [[stepped[i] for i in r] for r in cache[key]]
+                    ranges = update_groups([(id(g), p.device, p.dtype, tuple(p.shape),
+                                             type(self.state[p]["exp_avg"])) for g, p in stepped])
+                cached = self.__dict__["_group_cache"] = (key, ranges)
+            return [[stepped[i] for i in r] for r in cached[1]]
 
     return AdamW8bitBf16
 
