@@ -170,9 +170,7 @@ def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -
         meta(**batch)
     for h in hooks:
         h.remove()
-    from ..levers.optimizers import is_offloaded
-
-    from ..levers.optimizers import bf16_update_groups
+    from ..levers.optimizers import bf16_update_groups, is_offloaded
 
     shapes = [p.shape for p in model.parameters() if p.requires_grad]
     trainable = [math.prod(s) for s in shapes]

@@ -896,13 +896,12 @@ def whole_model_variant(workload: Workload, best: Candidate, regional: CompiledV
         compile_model(model, WHOLE_MODEL)
         set_activation_checkpointing(model, True, None)  # the model's own hook: inside the graph
         mb = regional.micro_batch
-        while True:
-            tried.append((mb, probe_step(workload, mb, best.precision, budget_bytes, optimizer=best.optimizer,
-                                         timed_steps=VERIFIED_STEPS)))
-            smaller = micro_batch_for(E, accumulation_steps(E, mb) + 1)
-            if tried[-1][1].fits or len(tried) == 2 or smaller == mb:
+        smaller = micro_batch_for(E, accumulation_steps(E, mb) + 1)
+        for size in (mb, smaller):
+            tried.append((size, probe_step(workload, size, best.precision, budget_bytes, optimizer=best.optimizer,
+                                           timed_steps=VERIFIED_STEPS)))
+            if tried[-1][1].fits or smaller == mb:
                 break
-            mb = smaller
         failed = None
     except Exception as e:  # noqa: BLE001 - a compiler failure keeps the blocks compiled one by one
         failed = _error_line(e)
