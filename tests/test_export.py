@@ -107,6 +107,10 @@ def test_cuda_inference_and_int8_training_are_refused_before_any_work(text_run, 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     _refused(["export", "--int8", str(text_run), "--out", str(tmp_path / "full")], capsys, "not an empty folder")
+    # through a folder that does not exist yet: the OS resolves "new/.." only once "new" exists
+    _refused(["export", "--int8", str(text_run), "--out", str(tmp_path / "new" / ".." / "full")], capsys,
+             "not an empty folder")
+    assert (tmp_path / "full" / "x").read_text() == "x" and not (tmp_path / "new").exists()
     (tmp_path / "afile").write_text("x")  # a folder under a file: FileExistsError's traceback before
     _refused(["export", "--int8", str(text_run), "--out", str(tmp_path / "afile" / "sub")], capsys,
              "is not a writable folder")

@@ -224,6 +224,12 @@ def test_the_run_folder_and_data_errors_name_the_python_arguments(tmp_path, caps
     _both_faces(tmp_path, capsys, dict(out=str(full)),
                 f"output folder {full} exists and is not empty; choose another out", ["--out", str(full)],
                 f"output folder {full} exists and is not empty; choose another --out")
+    # through a folder that does not exist yet ("new/.." resolves only once "new" exists): refused too
+    through = str(tmp_path / "new" / ".." / "full")
+    _both_faces(tmp_path, capsys, dict(out=through),
+                f"output folder {full} exists and is not empty; choose another out", ["--out", through],
+                f"output folder {full} exists and is not empty; choose another --out")
+    assert (full / "x").read_text() == "x" and not (tmp_path / "new").exists()
     images = tmp_path / "images"
     images.mkdir()
     _both_faces(tmp_path, capsys, dict(data=str(images), out=str(tmp_path / "r1")),

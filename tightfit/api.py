@@ -35,7 +35,7 @@ from .config import PlanOptions, TrainRequest, names_flags, option_given, option
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, detect, get_profile
 from .errors import TightfitError
-from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, unwritable_folder
+from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, output_folder, unwritable_folder
 from .levers.checkpointing import check_checkpointing
 from .levers.layout import use_channels_last
 from .report.summary import RunInfo, RunSummary
@@ -256,7 +256,7 @@ class TrainRecipe:
         if out is not None and not str(out).strip():  # "" would silently become runs/<date-time>
             raise TightfitError(f"{option_name('out')} is empty: give the run folder, or leave {option_name('out')} out for "
                                 "runs/<date-time>")
-        self.out = Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        self.out = output_folder(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         _check_out(self.out, resuming=self.resume_from is not None)
 
     def _split_data(self) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .errors import TightfitError
-from .fileio import atomic_write_dir, unwritable_folder
+from .fileio import atomic_write_dir, output_folder, unwritable_folder
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
     src = _source(source)
     if not str(out).strip():
         raise TightfitError("--out is empty: give a new or empty folder")
-    o = Path(out)
+    o = output_folder(out)
     if o.exists() and not o.is_dir():
         raise TightfitError(f"--out {o} is a file; give a new or empty folder")
     if o.exists() and any(o.iterdir()):
@@ -418,7 +418,7 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
         (folder / "report.md").write_text(report_markdown(result))
         (folder / "export.json").write_text(json.dumps(result, indent=2) + "\n")
 
-    atomic_write_dir(Path(out), fill)
+    atomic_write_dir(output_folder(out), fill)
     return result
 
 

@@ -80,6 +80,16 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None]) -> None:
         raise
 
 
+def output_folder(out: str | Path) -> Path:
+    """The folder an ``--out`` path names, as the checks must see it. A path with ``..`` is
+    resolved (``os.path.realpath``) first: the OS resolves ``runs/new/../full`` only once
+    ``runs/new`` exists, so before the run folder is created ``Path("runs/new/../full").exists()``
+    is False even when ``runs/full`` holds a run, and a new run or an export would have been
+    written into it. Other paths are returned as given (messages keep the user's spelling)."""
+    path = Path(out)
+    return Path(os.path.realpath(path)) if ".." in path.parts else path
+
+
 def unwritable_folder(path: str | Path) -> Path | None:
     """Where a folder ``path`` could not be written: the folder itself if it exists, else its
     nearest existing ancestor, when that is not a folder this process can create an entry in;
