@@ -50,3 +50,20 @@ def test_a_small_batch_is_not_traced_and_an_untraceable_model_keeps_the_whole_ba
                         train=SimpleNamespace(worst_case=lambda n: {"x": torch.ones(n, 4), "labels": torch.zeros(n)}))
     mb, why = host_micro_batch(w, "fp32", False, available_bytes=1)
     assert mb == 64 and "could not be estimated" in why
+
+
+def test_a_loss_of_ones_own_is_not_estimated_and_says_so_in_plain_words():
+    """tightfit.plan(..., loss=...) on the CPU with a tuple batch (the README's own loop): the host
+    estimate is not made (the estimator traces logits with the task's loss), and the reason says
+    so instead of the tracer's TypeError."""
+    import tightfit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    batch = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    plan = tightfit.plan(model, batch, effective_batch=64, device="cpu",
+                         loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+    assert plan.micro_batch == 64
+    assert plan.reasons[0].startswith("CPU: the whole effective batch in one micro-batch; its host memory is not "
+                                      "estimated"), plan.reasons
+    assert "Error" not in plan.reasons[0]

@@ -37,16 +37,22 @@ def host_micro_batch(workload, precision: str, checkpointing: bool,
         available_bytes: host memory available, bytes (None: ``MemAvailable`` now).
 
     Returns:
-        ``(micro_batch, reason)``; a model whose step the estimator cannot trace keeps the whole
-        batch, and the reason says so.
+        ``(micro_batch, reason)``; a model whose step the estimator cannot trace, or that trains
+        with a loss function of the user's own (a :class:`~tightfit.tasks.LossOnly` task, which
+        the estimator does not model), keeps the whole batch, and the reason says so.
     """
     from ..levers.blocks import find_blocks
     from ..levers.optimizers import available_host_bytes
     from .search import estimator_for
 
+    from ..tasks import LossOnly
+
     E = workload.effective_batch
     if E <= max(TRACED_AT):
         return E, None
+    if isinstance(getattr(workload, "task", None), LossOnly):  # a loss of the user's own (tightfit.plan(loss=...))
+        return E, ("CPU: the whole effective batch in one micro-batch; its host memory is not estimated: the "
+                   "estimator traces a model's logits with its task's loss, not a loss function of your own")
     have = available_host_bytes() if available_bytes is None else available_bytes
     limit = HOST_SHARE * have
     blocks = tuple(range(len(find_blocks(workload.model)))) if checkpointing else ()
