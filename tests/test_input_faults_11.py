@@ -514,6 +514,10 @@ def test_trainer_inputs_that_cannot_train_are_one_line():
             Workload(tiny_bert(), SyntheticBatches(8), None, E)
     with pytest.raises(TightfitError, match=r"the training data is empty \(0 samples\)"):
         Trainer(Workload(tiny_bert(), SyntheticBatches(0), None, 8), Plan("fp32", 4, 8), TrainConfig(), progress=False)
+    # an empty held-out set: its accuracy and loss were NaN, with no word
+    with pytest.raises(TightfitError, match=r"the evaluation data is empty \(0 samples\)"):
+        Trainer(Workload(tiny_bert(), SyntheticBatches(8), SyntheticBatches(0), 8), Plan("fp32", 4, 8), TrainConfig(),
+                progress=False)
     frozen = tiny_bert()
     frozen.requires_grad_(False)
     with pytest.raises(TightfitError, match="no parameter of the model requires grad"):

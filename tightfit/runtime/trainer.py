@@ -356,6 +356,9 @@ class Trainer:
             raise TightfitError("no parameter of the model requires grad: there is nothing to train")
         if len(workload.train) == 0:
             raise TightfitError("the training data is empty (0 samples)")
+        if workload.eval is not None and len(workload.eval) == 0:  # its metrics would be NaN, silently
+            raise TightfitError("the evaluation data is empty (0 samples): give held-out samples, or eval=None "
+                                "to evaluate nothing")
         # fused AdamW on CUDA (plan.optimizer "adamw"): one kernel, no large temporaries, so an
         # OOM cannot leave a half-applied update behind; "adamw-foreach" allocates per-step temporaries.
         if not plan.optimizer.startswith("adamw"):
