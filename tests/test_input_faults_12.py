@@ -214,8 +214,8 @@ def test_train_step_refuses_an_lr_that_your_own_optimizer_would_ignore():
 
 
 @pytest.mark.parametrize("labels, says", [
-    (lambda y: y.float(), "labels must be class ids, int64 [B]; the batches' are float32 [1] (e.g. labels.long()"),
-    (lambda y: y[:, None], "the batches' are int64 [1, 1] (e.g. labels.squeeze(1)"),
+    (lambda y: y.float(), "labels must be class ids, int64 [B]; the batches' are float32 [B] (e.g. labels.long()"),
+    (lambda y: y[:, None], "the batches' are int64 [B, 1] (e.g. labels.squeeze(1)"),
 ])
 def test_labels_that_are_no_class_ids_are_refused_when_the_workload_is_made(labels, says):
     """Float or [B, 1] labels for ImageClassification failed in cross-entropy at the first step of

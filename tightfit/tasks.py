@@ -185,8 +185,9 @@ class SequenceClassification:
             raise TightfitError(f"{type(self).__name__}: the batches have no 'labels' tensor (class ids, int64 [B])")
         if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool or labels.dim() != 1:
             fix = "labels.squeeze(1)" if labels.dim() == 2 and labels.shape[1] == 1 else "labels.long()"
+            shape = ", ".join(["B", *map(str, labels.shape[1:])]) if labels.dim() else ""  # checked on a sample or two
             raise TightfitError(f"{type(self).__name__}: labels must be class ids, int64 [B]; the batches' are "
-                                f"{str(labels.dtype).removeprefix('torch.')} {list(labels.shape)} (e.g. {fix} in the "
+                                f"{str(labels.dtype).removeprefix('torch.')} [{shape}] (e.g. {fix} in the "
                                 "collate function)")
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
