@@ -499,12 +499,18 @@ def update_groups(signatures: list) -> list[range]:
             + [range(i, i + 1) for i in range(end, n)])
 
 
+def update_signature(shape) -> tuple:
+    """What two tensors of one param group and device must share to be updated by one compiled
+    graph: the shape, and whether the state is 8-bit (:func:`is_quantized_torchao`)."""
+    shape = tuple(shape)
+    return shape, is_quantized_torchao(math.prod(shape))
+
+
 def bf16_update_groups(shapes) -> list[range]:
     """:func:`update_groups` of ``adamw8bit-bf16``'s step over trainable tensors of ``shapes`` (in
     the order of ``model.parameters()``, one param group, one device), for the estimator and the
-    time model: the step's signatures reduce to the shape and whether the state is 8-bit."""
-    shapes = [tuple(s) for s in shapes]
-    return update_groups([(s, is_quantized_torchao(math.prod(s))) for s in shapes])
+    time model: the groups the step makes (:func:`update_signature`)."""
+    return update_groups([update_signature(s) for s in shapes])
 
 
 @functools.cache
@@ -594,8 +600,8 @@ def _bf16_class():
                 if any(type(p.detach()) is not torch.Tensor for _, p in stepped):
                     ranges = [range(i, i + 1) for i in range(len(stepped))]
                 else:
-                    ranges = update_groups([(id(g), p.device, p.dtype, tuple(p.shape),
-                                             type(self.state[p]["exp_avg"])) for g, p in stepped])
+                    ranges = update_groups([(id(g), p.device, p.dtype, update_signature(p.shape))
+                                            for g, p in stepped])
                 cached = self.__dict__["_group_cache"] = (key, ranges)
             return [[stepped[i] for i in r] for r in cached[1]]
 

@@ -43,9 +43,8 @@ def host_micro_batch(workload, precision: str, checkpointing: bool,
     """
     from ..levers.blocks import find_blocks
     from ..levers.optimizers import available_host_bytes
-    from .search import estimator_for
-
     from ..tasks import LossOnly
+    from .search import estimator_for
 
     E = workload.effective_batch
     if E <= max(TRACED_AT):
