@@ -72,6 +72,13 @@ ROWS.update({f"{name}-sync": ROWS[name]
 # adamw8bit-bf16's update one compiled call per tensor (before update groups), not per layer
 ROWS.update({f"{name}-per-tensor": ROWS[name]
              for name in ("large-plan-4GiB-128-compiled", "large-plan-4GiB-128-model-compiled")})
+# issue 17: BERT-base seq 128 at 4 GiB (effective batch 256, bitsandbytes' 8-bit AdamW): the planned
+# 256 x 1 with every block recomputed, one graph, against more micro-batches recomputing nothing
+ROWS.update({f"base-4GiB-{mb}{'-ckpt' if mb == 256 else ''}-{scope}": (
+    "bert-base", 128, 4, "bf16", mb, 256, mb == 256, "adamw8bit", True, "model" if scope == "model" else True)
+    for mb in (256, 64, 52, 43, 37, 32) for scope in ("model", "blocks")})
+ROWS.update({"base-nobudget-256-adamw-model": ("bert-base", 128, None, "bf16", 256, 256, False, "adamw", True, "model"),
+             "base-nobudget-256-adamw": ("bert-base", 128, None, "bf16", 256, 256, False, "adamw", True, False)})
 UPDATE_GROUPS = __import__("tightfit.levers.optimizers", fromlist=["update_groups"]).update_groups
 
 
