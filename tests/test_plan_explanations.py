@@ -111,9 +111,9 @@ def test_nothing_fits_says_what_fits_and_which_levers_would(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nothing fits" in err and "over" in err
     assert re.search(r"model state: [\d,]+ parameters x 16 B", err), err
-    assert "not yet available in tightfit" in err and "--optimizer adamw8bit" in err
+    assert "--trainable frozen-embeddings" in err and "--optimizer adamw8bit" in err
     for lever in ("8-bit AdamW state", "AdamW state in CPU memory", "bf16 weights and gradients",
-                  "freezing the input embeddings"):
+                  "freezing the input layers"):
         assert re.search(lever + r".*: saves \d", err), (lever, err)
     batch = re.search(r"--batch-size (\d+)", err)
     seq = re.search(r"fits: --seq-len (\d+)", err)
@@ -128,7 +128,7 @@ def test_budget_below_the_model_state_names_the_levers(capsys):
     assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "1GiB",
                  "--optimizer", "adamw"]) == 2
     err = capsys.readouterr().err
-    assert "below the" in err and "8-bit AdamW state" in err and "not yet available in tightfit" in err
+    assert "below the" in err and "8-bit AdamW state" in err and "--trainable frozen-embeddings" in err
 
 
 def test_a_cpu_run_below_the_model_state_is_offered_only_the_levers_the_cpu_has(tmp_path, capsys):

@@ -340,13 +340,13 @@ class TrainRecipe:
                                  TextBatches(self.tokenizer, self.eval_data, seq_len), self.effective_batch())
 
     def _apply_trainable(self) -> None:
-        """``--trainable lora``: wrap the model with LoRA adapters (:mod:`tightfit.levers.lora`),
-        the rest frozen, and say how many parameters train."""
-        if self.req.workload.trainable == "lora":
-            from .levers.lora import apply_lora, trainable_note
+        """``--trainable``: wrap the model with LoRA adapters or freeze its lower layers
+        (:mod:`tightfit.levers.trainable`), and say how many parameters train."""
+        from .levers.trainable import apply_trainable
 
-            self.model = apply_lora(self.model)
-            self.notes.append(trainable_note(self.model))
+        self.model, note = apply_trainable(self.model, self.req.workload.trainable)
+        if note:
+            self.notes.append(note)
 
     def _check_budget(self) -> None:
         """The budget holds the least model state of the optimizers that may be chosen
@@ -451,7 +451,7 @@ class TrainRecipe:
                     f"resumed in one process: the same micro-batch {self.plan.micro_batch}, the ranks' "
                     f"effective batch {self.plan.effective_batch} in more accumulation steps",))
         if self.resume_from is None:  # what is trained, in the plan and the report
-            from .levers.lora import trainable_fields
+            from .levers.trainable import trainable_fields
 
             self.plan = replace(self.plan, **trainable_fields(self.model))
         self.planning_s = time.perf_counter() - t_plan

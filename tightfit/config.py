@@ -281,6 +281,20 @@ def _epochs_shown(value: float) -> str:
     return _number(value).removesuffix(" (more than a float holds)")  # the limit already says why
 
 
+# ``--trainable`` (tightfit.levers.trainable): what the run trains; never chosen by tightfit
+_TRAINABLE_HELP = ("all|lora|frozen-embeddings|frozen-N: train every parameter; LoRA adapters (rank 8) on the blocks' "
+                   "linear layers and the head, the rest frozen; every parameter but the input layers (embeddings); "
+                   "or but the input layers and the first N blocks")
+
+
+def _trainable_rule(value) -> str | None:
+    """``rule`` of ``trainable``: :func:`tightfit.levers.trainable.trainable_rule` (imported on
+    use: the levers import this module)."""
+    from .levers.trainable import trainable_rule
+
+    return trainable_rule(value)
+
+
 def _clip_norm(value: float) -> str | None:
     """``rule`` of ``max_grad_norm``: > 0 and finite; None (no clipping) passes before the rule.
     A negative norm would flip the gradients (ascent), 0 zero them and NaN poison them."""
@@ -333,8 +347,10 @@ class WorkloadOptions(_Options):
         image_column: the CSV column of image paths (image models).
         image_size: image side in pixels (image models; None: the model's), at most
             :data:`MAX_IMAGE_SIZE`.
-        trainable: ``all`` parameters, or ``lora``: LoRA adapters on the blocks' linear layers and
-            the head, everything else frozen (changes what is learned; never chosen by tightfit).
+        trainable: ``all`` parameters; ``lora``: LoRA adapters on the blocks' linear layers and
+            the head, everything else frozen; ``frozen-embeddings``: all but the input layers;
+            ``frozen-N``: all but the input layers and the first N blocks
+            (:mod:`tightfit.levers.trainable`; each changes what is learned, never chosen by tightfit).
     """
 
     model: str | None = option(None, "minilm, bert-base, bert-large (random weights, MiniLM's tokenizer), the image "
@@ -349,9 +365,7 @@ class WorkloadOptions(_Options):
     image_column: str = option("path", "image models: the CSV column holding image paths (default: {default})")
     image_size: int | None = option(None, "image models: image side in pixels (default: the model's, 224 for "
                                           f"ResNet; at most {MAX_IMAGE_SIZE})", minimum=1, rule=_image_size)
-    trainable: str = option("all", "all|lora: train every parameter, or LoRA adapters (rank 8) on the blocks' "
-                                   "linear layers and the head, the rest frozen (default: {default})",
-                            choices=("all", "lora"))
+    trainable: str = option("all", _TRAINABLE_HELP + " (default: {default})", rule=_trainable_rule)
 
     def _check_together(self) -> None:
         """``--model`` and ``--data``, when given, are not empty (``""`` would silently become the

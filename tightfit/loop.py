@@ -416,7 +416,7 @@ class TrainStep:
                  grow_back_after: int = 100, warn_temp_c: float = 82.0):
         from .config import TrainOptions, check_option
         from .levers.checkpointing import set_activation_checkpointing
-        from .levers.lora import check_adapters
+        from .levers.trainable import check_trainable
         from .levers.precision import make_grad_scaler
         from .runtime.health import HealthMonitor
         from .step import make_optimizer
@@ -438,7 +438,7 @@ class TrainStep:
         for name, value in checked.items():
             check_option(TrainOptions, name, value, called=name)
         self.device = _check_device(plan, model)
-        check_adapters(plan.trainable, model)
+        check_trainable(plan.trainable, model)
         if loss is not None and not callable(loss):
             raise TightfitError(f"TrainStep: loss must be a function (model, batch) -> 0-d mean loss, got {type(loss).__name__}")
         if optimizer is not None:

@@ -88,8 +88,8 @@ class Plan:
         sharding: ``"none"`` (one process), ``"ddp"`` (replicated state, gradients all-reduced) or
             ``"fsdp"`` (parameters, gradients and optimizer state sharded by FSDP2); see
             :mod:`tightfit.planner.sharding`.
-        trainable: what is trained: ``"all"`` parameters or ``"lora"`` adapters and the head
-            (:mod:`tightfit.levers.lora`).
+        trainable: what is trained: ``"all"`` parameters, ``"lora"`` adapters and the head, or all
+            but frozen layers (``"frozen-embeddings"``, ``"frozen-N"``; :mod:`tightfit.levers.trainable`).
         trainable_params: parameters the optimizer updates (None: not counted).
 
     Raises:
@@ -151,10 +151,14 @@ class Plan:
         for name in ("activation_checkpointing", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")
-        choices = {"device": ("cpu", "cuda"), "optimizer": OPTIMIZERS, "trainable": ("all", "lora")}
+        choices = {"device": ("cpu", "cuda"), "optimizer": OPTIMIZERS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, "one of " + ", ".join(allowed))
+        from .levers.trainable import VALUES, trainable_rule
+
+        if trainable_rule(self.trainable):
+            raise bad("trainable", VALUES)
         blocks = self.checkpoint_blocks
         if blocks is not None and not (isinstance(blocks, tuple) and all(
                 not isinstance(b, bool) and isinstance(b, int) and b >= 0 for b in blocks)

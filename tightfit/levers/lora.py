@@ -19,8 +19,7 @@ import torch
 from ..config import option_given
 from ..errors import TightfitError
 from .blocks import find_blocks
-
-TRAINABLE = ("all", "lora")
+from .trainable import trainable_count
 RANK, ALPHA, DROPOUT = 8, 16, 0.1  # the LoRA paper's and peft's usual settings for fine-tuning
 HEADS = ("classifier", "score")  # Hugging Face's sequence-classification heads (BERT, decoders)
 
@@ -64,12 +63,6 @@ def apply_lora(model: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
     return wrapped
 
 
-def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
-    """``(trainable, total)`` parameters of ``model``."""
-    ps = list(model.parameters())
-    return sum(p.numel() for p in ps if p.requires_grad), sum(p.numel() for p in ps)
-
-
 def has_adapters(model: torch.nn.Module) -> bool:
     """Whether ``model`` is wrapped with LoRA adapters (:func:`apply_lora`: peft's wrapper)."""
     return hasattr(model, "merge_and_unload")
@@ -85,13 +78,6 @@ def check_adapters(trainable: str, model: torch.nn.Module) -> None:
     if trainable == "lora" and not has_adapters(model):
         raise TightfitError("the plan trains LoRA adapters (trainable lora), but the model has none: wrap it "
                             "with tightfit.levers.lora.apply_lora first, or plan it with trainable all")
-
-
-def trainable_fields(model: torch.nn.Module) -> dict:
-    """What ``model`` trains, as the :class:`~tightfit.plan.Plan` fields ``trainable``
-    (``"lora"`` when it has adapters, else ``"all"``) and ``trainable_params`` (the parameters
-    that require grad): the one place a plan learns them, for every face that shows it."""
-    return {"trainable": "lora" if has_adapters(model) else "all", "trainable_params": trainable_count(model)[0]}
 
 
 def trainable_note(model: torch.nn.Module) -> str:

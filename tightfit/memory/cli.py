@@ -86,9 +86,8 @@ def add_parser(subparsers) -> None:
                                          "planned limit, as tightfit plan keeps it, the verdict compares with)")
     p.add_argument("--budget", help="memory budget for the verdict, e.g. 4GiB (default: the --gpu card's; "
                                     "without --gpu the h200's rules apply, as in tightfit plan)")
-    p.add_argument("--trainable", default="all", help="all|lora: every parameter trained, or LoRA adapters "
-                                                      "(peft, rank 8) with the rest frozen, as tightfit plan and "
-                                                      "train --trainable lora (default all)")
+    p.add_argument("--trainable", default="all", help="all|lora|frozen-embeddings|frozen-N: what is trained, as "
+                                                      "tightfit plan and train --trainable take it (default all)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -137,11 +136,10 @@ def run(args) -> int:
     check_option(WorkloadOptions, "image_size", args.image_size)  # train's bound: 0 is no multiple of a patch
     model, make_batch = build_model(args.model, attn_implementation=args.attention, image_size=args.image_size)
     notes = list(make_batch.notes)  # e.g. the padding token a GPT-style classifier's config lacks
-    if args.trainable == "lora":  # as `tightfit plan` and `train --trainable lora` wrap it
-        from ..levers.lora import apply_lora, trainable_note
+    from ..levers.trainable import apply_trainable
 
-        model = apply_lora(model)
-        notes.append(trainable_note(model))
+    model, note = apply_trainable(model, args.trainable)  # as `tightfit plan` and `train --trainable` do
+    notes += [note] if note else []
     for n in notes:
         print(f"note: {n}", file=sys.stderr if args.json else sys.stdout)
     kind = make_batch.kind

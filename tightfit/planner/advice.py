@@ -29,8 +29,9 @@ autocast keeps the weights, and so the gradients, in fp32):
 - bf16 weights and gradients with no fp32 master copy (``--optimizer adamw8bit-bf16``, with 8-bit
   AdamW state): 2 B each instead of 4 B (updates smaller than bf16's resolution would be lost:
   torchao rounds them stochastically).
-- Freezing the input embeddings: no gradient and no AdamW state for them (8 B per parameter,
-  12 B where the gradients are held at the peak).
+- Freezing the input layers (``--trainable frozen-embeddings``, :mod:`tightfit.levers.freezing`):
+  no gradient and no AdamW state for them (8 B per parameter, 12 B where the gradients are held
+  at the peak).
 """
 
 from __future__ import annotations
@@ -188,20 +189,11 @@ def _resizable(estimator_at, size: int, effective_batch: int) -> bool:
 
 
 def _input_embedding_params(model) -> int:
-    """Trainable parameters of the model's input embeddings (Hugging Face
-    ``get_input_embeddings``; else the largest ``nn.Embedding``); 0 if none."""
-    import torch
+    """Trainable parameters of the model's input layers, those ``--trainable frozen-embeddings``
+    freezes (:func:`tightfit.levers.freezing.input_parameters`); 0 if none."""
+    from ..levers.freezing import input_parameters
 
-    emb = None
-    if hasattr(model, "get_input_embeddings"):
-        try:
-            emb = model.get_input_embeddings()
-        except (NotImplementedError, AttributeError):
-            emb = None
-    if emb is None:
-        embs = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-        emb = max(embs, key=lambda m: m.weight.numel(), default=None)
-    return sum(p.numel() for p in emb.parameters() if p.requires_grad) if emb is not None else 0
+    return sum(p.numel() for _, p in input_parameters(model) if p.requires_grad)
 
 
 def _lora_parameters(model) -> tuple[int, int] | None:
@@ -248,8 +240,8 @@ def lora_line(model, limit: float) -> str | None:
 def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float,
                 optimizer: str = "adamw", accumulating: bool | None = None, cuda: bool = True, profile=None,
                 lever_peak=None, activations: bool = True) -> list[str]:
-    """One line per lever (the optimizer levers with their ``--optimizer`` value, the others
-    marked not yet available): the bytes it would save at a step whose peak is
+    """One line per lever (the optimizer levers with their ``--optimizer`` value, freezing with
+    its ``--trainable`` value): the bytes it would save at a step whose peak is
     ``peak_bytes`` with ``gradients_at_peak`` bytes of gradients held there, and whether that
     alone brings the step under ``limit`` (all in bytes; the savings are per parameter, so they
     leave out the caching allocator's rounding, a few MiB at most). The embeddings' gradients
@@ -262,7 +254,7 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
 
     Whether an optimizer lever fits is ``lever_peak(kind)``'s answer (:func:`lever_peaks`: the
     planner's estimate of its smallest step against ``limit``, the planned limit); without it,
-    and for the levers tightfit does not have, the savings are taken off ``peak_bytes`` (a step's
+    and for freezing, the savings are taken off ``peak_bytes`` (a step's
     peak; without ``activations``, the model state alone: then no lever is said to fit, only its
     model state)."""
     params = sum(p.numel() for p in model.parameters())
@@ -287,7 +279,6 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
         return saving, (f"{words or 'its model state'}, {format_bytes(need)}, is under the planned limit "
                         f"{format_bytes(limit)}; its activations were not estimated")
 
-    later = "not yet available in tightfit"
     state_b = _state_on_gpu(optimizer)[0]
     freed = 0 if (held if accumulating is None else accumulating) else gradients_at_peak  # offload frees them
     levers = [  # (--optimizer, what it is, bytes saved), in the order each makes the ones before it moot
@@ -311,8 +302,8 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     ]
     if emb:
         per = ADAMW_STATE_B + (GRADIENT_B if held else 0)
-        levers.append((None, f"freezing the input embeddings ({later}; {emb:,} parameters: no gradient and no AdamW "
-                       f"state, {per} B each)", per * emb))
+        levers.append((None, f"freezing the input layers (--trainable frozen-embeddings: it changes what is trained; "
+                       f"{emb:,} parameters: no gradient and no AdamW state, {per} B each)", per * emb))
     kinds = [kind for kind, _, _ in levers]
     # the lever in use, and those before it, save nothing more
     after = levers[kinds.index(optimizer) + 1:] if optimizer in kinds else levers

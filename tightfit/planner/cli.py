@@ -25,8 +25,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpointing", default="auto", help="auto|on|off (default auto: searched per block)")
     p.add_argument("--optimizer", default="auto", help="auto|adamw|adamw8bit|adamw-offload|adamw8bit-bf16 (default auto: fp32 "
                                                        "AdamW state first, then the optimizer levers)")
-    p.add_argument("--trainable", default="all", help="all|lora: plan for training every parameter, or LoRA "
-                                                      "adapters (peft, rank 8) with the rest frozen (default all)")
+    p.add_argument("--trainable", default="all", help="all|lora|frozen-embeddings|frozen-N: plan for training every "
+                                                      "parameter; LoRA adapters (peft, rank 8) with the rest frozen; "
+                                                      "all but the input layers; or all but the input layers and the "
+                                                      "first N blocks (default all)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -54,11 +56,10 @@ def run(args) -> int:
         notes += check_card_precision(args.precision, profile)
     model, make_batch = build_model(args.model, image_size=args.image_size)  # an image model built for that size
     notes += getattr(make_batch, "notes", [])  # e.g. the padding token a GPT-style classifier's config lacks
-    if args.trainable == "lora":  # as `tightfit train --trainable lora` wraps it before planning
-        from ..levers.lora import apply_lora, trainable_note
+    from ..levers.trainable import apply_trainable
 
-        model = apply_lora(model)
-        notes.append(trainable_note(model))
+    model, note = apply_trainable(model, args.trainable)  # as `tightfit train --trainable` does before planning
+    notes += [note] if note else []
     kind = make_batch.kind
     if (kind == "image") != (args.image_size is not None):
         raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")

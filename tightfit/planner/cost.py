@@ -139,6 +139,9 @@ class ForwardCost:
             (:func:`tightfit.levers.optimizers.is_offloaded`).
         grouped_tensors: trainable tensors that ``adamw8bit-bf16`` updates in a repeated layer's
             call (:func:`tightfit.levers.optimizers.bf16_update_groups`).
+        free_blocks: leading blocks that run no backward (frozen, nothing trained before them:
+            :func:`tightfit.levers.freezing.frozen_prefix_blocks`): no backward compute, and
+            checkpointing them recomputes nothing.
     """
 
     flops_per_sample: float
@@ -150,6 +153,7 @@ class ForwardCost:
     trainable_tensors: int = 0
     offloaded_params: int = 0
     grouped_tensors: int = 0
+    free_blocks: int = 0
 
 
 def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -> ForwardCost:
@@ -170,6 +174,7 @@ def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -
         meta(**batch)
     for h in hooks:
         h.remove()
+    from ..levers.freezing import frozen_prefix_blocks
     from ..levers.optimizers import bf16_update_groups, is_offloaded
 
     shapes = [p.shape for p in model.parameters() if p.requires_grad]
@@ -178,7 +183,8 @@ def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -
     return ForwardCost(flops.get_total_flops() / 2, counter.ops, sum(trainable), n_blocks,
                        counter.recomputed_ops * per_block, counter.recomputed_bytes * per_block / 2,
                        trainable_tensors=len(trainable), offloaded_params=sum(n for n in trainable if is_offloaded(n)),
-                       grouped_tensors=sum(len(r) for r in bf16_update_groups(shapes) if len(r) > 1))
+                       grouped_tensors=sum(len(r) for r in bf16_update_groups(shapes) if len(r) > 1),
+                       free_blocks=frozen_prefix_blocks(model))
 
 
 @dataclass(frozen=True)
@@ -217,16 +223,20 @@ class TimeModel:
         """``(without recomputation, recomputation, transfer)`` seconds of one micro-batch (see
         :meth:`micro_batch_seconds`)."""
         c = self.cost
-        n = c.n_blocks or 1
-        full = checkpointed if policies is None else sum(p == "full" for p in policies)
-        selective = 0 if policies is None else sum(p == "selective" for p in policies)
+        n, free = c.n_blocks or 1, c.free_blocks
+        if policies is None:  # the first blocks: those that run no backward recompute nothing
+            full = max(0, checkpointed - free)
+        else:
+            full = sum(p == "full" for p in policies[free:])
+        selective = 0 if policies is None else sum(p == "selective" for p in policies[free:])
         flops = micro_batch * c.flops_per_sample
         launches = c.ops * self.launch_s
-        base = max(3 * flops / self.rate(precision), 3 * launches)
+        passes = 3 - 2 * min(free, n) / n  # forward, and backward (twice the forward) where it runs
+        base = max(passes * flops / self.rate(precision), passes * launches)
         bw = self.profile.memory_bytes_per_s or 500e9
         rerun = selective * micro_batch * c.selective_bytes_per_sample * 2 / bw  # read + write, memory-bound
-        total = max((3 + full / n) * flops / self.rate(precision) + rerun,
-                    (3 + full / n) * launches + selective * self._selective_launches() * self.launch_s)
+        total = max((passes + full / n) * flops / self.rate(precision) + rerun,
+                    (passes + full / n) * launches + selective * self._selective_launches() * self.launch_s)
         moved = self.offloaded_bytes(precision, micro_batch, policies)
         bw = self.profile.host_link_bytes_per_s or 12e9  # built-in cards: PCIe, devices.py
         # device-to-host beside the forward (a third of the compute), host-to-device waited for

@@ -139,7 +139,7 @@ class SearchResult:
             the GPU planner verifies the first of them too, since the time model of an optimizer
             lever can be off); empty otherwise.
         trainable, trainable_params: what the model searched trains (``Plan``'s fields of the
-            same names, :func:`tightfit.levers.lora.trainable_fields`).
+            same names, :func:`tightfit.levers.trainable.trainable_fields`).
     """
 
     best: Candidate
@@ -343,9 +343,16 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
                 return replace(found, best=replace(b, why=why))
         _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at,
                             optimizer, lever_estimator, _lever_precisions or space.precisions)
-    from ..levers.lora import trainable_fields
+    from ..levers.trainable import trainable_fields
 
-    return replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model))
+    result = replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model))
+    free = space.time_model.cost.free_blocks
+    if free and set(result.best.checkpoint_blocks) & set(range(free)):
+        frozen = "block 0 is" if free == 1 else f"blocks 0-{free - 1} are"
+        why = (f"{result.best.why}; {frozen} frozen with nothing trained before them: they keep no activations "
+               "for backward, so checkpointing them recomputes nothing")
+        result = replace(result, best=replace(result.best, why=why))
+    return result
 
 
 def predicted_bound(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
@@ -424,8 +431,12 @@ def search_space(model, make_batch, size: int, effective_batch: int, profile: De
     n_blocks = len(find_blocks(model))
     grad_bytes = trainable_gradient_bytes(model, optimizer)  # adamw8bit-bf16: bf16 gradients
     tm = TimeModel(profile, forward_cost(model, make_batch, size, n_blocks), optimizer=optimizer)
+    free = tm.cost.free_blocks  # frozen first blocks: checkpointing them changes nothing
     ends = checkpoint_ends(checkpointing, n_blocks)
-    ladders = ("selective", "offload") if per_block and checkpointing == "auto" and n_blocks else ()
+    if checkpointing == "auto":  # the memory lines run from the first block that keeps activations
+        ends = (min(free, n_blocks), n_blocks)
+    # per-block choices blend their lines over every block: not where the first ones keep nothing
+    ladders = ("selective", "offload") if per_block and checkpointing == "auto" and n_blocks and not free else ()
     return SearchSpace(candidate_precisions(profile, precision), ends[0], ends[1], n_blocks, effective_batch,
                        budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders, host_bytes)
 

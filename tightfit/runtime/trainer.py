@@ -34,7 +34,7 @@ from ..fileio import UntilClosed
 from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, eager_calls, uncompile_model
 from ..levers.layout import match_parameter_strides, use_channels_last
-from ..levers.lora import check_adapters
+from ..levers.trainable import check_trainable
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
 from ..step import (PendingStep, accumulate, buffer_snapshot, changed_since, in_place_versions, make_optimizer,
                     module_mode, restore_buffers, train_mode, training_modes, training_step)
@@ -321,7 +321,7 @@ class Trainer:
         self.progress = progress
         self.device = torch.device(plan.device)
         # the plan's optimizer may keep the weights in bf16 (adamw8bit-bf16): cast before the move
-        check_adapters(plan.trainable, workload.model)
+        check_trainable(plan.trainable, workload.model)
         self.model = cast_weights(workload.model, plan.optimizer).to(self.device)
         self.world = world or World()
         if not self.world.distributed:  # before compilation, which specialises on strides

@@ -1,0 +1,136 @@
+"""Selective freezing (``--trainable frozen-embeddings`` / ``frozen-N``): what is frozen, that it
+stays bit-identical while the rest trains with dropout on, that the estimator and the time model
+see what freezing saves, and that bad values and mismatched plans are refused in one line."""
+
+import pytest
+import torch
+
+from conftest import SyntheticBatches, tiny_bert
+from tightfit.cli import main
+from tightfit.errors import TightfitError
+from tightfit.levers.freezing import frozen_prefix_blocks, input_parameters
+from tightfit.levers.trainable import apply_trainable, trainable_fields
+from tightfit.memory.estimate import estimate
+from tightfit.plan import Plan
+from tightfit.runtime.trainer import TrainConfig, Trainer
+from tightfit.workload import Workload
+
+
+def frozen_names(model):
+    return {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def test_frozen_embeddings_freezes_the_layers_before_the_first_block():
+    model, note = apply_trainable(tiny_bert(), "frozen-embeddings")
+    assert frozen_names(model) == {n for n, _ in tiny_bert().named_parameters() if n.startswith("bert.embeddings.")}
+    assert "input layers frozen" in note and "parameters trainable" in note
+    assert trainable_fields(model)["trainable"] == "frozen-embeddings"
+    assert frozen_prefix_blocks(model) == 0  # block 0 trains: it keeps its activations
+
+
+def test_frozen_n_freezes_the_first_n_blocks_too():
+    model, _ = apply_trainable(tiny_bert(), "frozen-1")
+    names = frozen_names(model)
+    assert any(n.startswith("bert.encoder.layer.0.") for n in names)
+    assert not any(n.startswith("bert.encoder.layer.1.") for n in names)
+    assert not any(n.startswith(("bert.pooler.", "classifier.")) for n in names)
+    assert frozen_prefix_blocks(model) == 1
+    assert frozen_prefix_blocks(apply_trainable(tiny_bert(), "frozen-2")[0]) == 2
+    assert frozen_prefix_blocks(tiny_bert()) == 0
+
+
+def test_a_tied_output_layer_is_named_in_the_note():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2))
+    model, note = apply_trainable(model, "frozen-embeddings")
+    assert {n for n, _ in input_parameters(model)} == {"transformer.wte.weight", "transformer.wpe.weight"}
+    assert "lm_head.weight" in note and not model.lm_head.weight.requires_grad
+
+
+@pytest.mark.parametrize("value, words", [
+    ("frozen-3", "has 2 repeated blocks; freeze at most 2"),
+    ("frozen-0", "must be all, lora, frozen-embeddings or frozen-N"),
+    ("frozen", "must be all, lora, frozen-embeddings or frozen-N"),
+    ("Frozen-1", "must be all, lora, frozen-embeddings or frozen-N"),
+])
+def test_bad_values_are_refused_in_one_line(value, words):
+    with pytest.raises(TightfitError, match=words) as e:
+        apply_trainable(tiny_bert(), value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_model_without_blocks_cannot_freeze_its_input_layers():
+    with pytest.raises(TightfitError, match="no repeated blocks"):
+        apply_trainable(torch.nn.Sequential(torch.nn.Linear(2, 2)), "frozen-embeddings")
+
+
+def test_plan_takes_the_freezing_values_and_refuses_others():
+    assert Plan("fp32", 4, 8, trainable="frozen-2").trainable == "frozen-2"
+    with pytest.raises(TightfitError, match="trainable"):
+        Plan("fp32", 4, 8, trainable="frozen-x")
+
+
+def test_frozen_weights_stay_bit_identical_while_the_rest_trains_with_dropout_on():
+    model, _ = apply_trainable(tiny_bert(dropout=0.1), "frozen-1")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    w = Workload(model, SyntheticBatches(16), SyntheticBatches(8, seed=1), 8)
+    t = Trainer(w, Plan("fp32", 4, 8, trainable="frozen-1"), TrainConfig(epochs=1, lr=1e-2), progress=False)
+    seen = []
+    model.bert.encoder.layer[1].register_forward_hook(lambda m, a, o: seen.append(m.training))
+    t.fit()
+    assert seen[:4] == [True] * 4  # 2 steps x 2 micro-batches in train mode (dropout on); then evaluation
+    assert len(t.optimizer.state) == sum(p.requires_grad for p in model.parameters())
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        assert torch.equal(p, before[n]), n
+    assert not torch.equal(model.classifier.weight, before["classifier.weight"])
+    assert not torch.equal(model.bert.encoder.layer[1].output.dense.weight,
+                           before["bert.encoder.layer.1.output.dense.weight"])
+
+
+def test_a_plan_for_a_freezing_is_refused_for_a_model_that_is_not_frozen():
+    w = Workload(tiny_bert(), SyntheticBatches(16), SyntheticBatches(8, seed=1), 8)
+    with pytest.raises(TightfitError, match="freeze them first"):
+        Trainer(w, Plan("fp32", 4, 8, trainable="frozen-1"), TrainConfig(epochs=1), progress=False)
+
+
+def test_the_estimator_holds_no_gradients_state_or_activations_for_frozen_blocks():
+    batch = SyntheticBatches(8).worst_case(2)
+    full = estimate(tiny_bert(), batch, Plan("fp32", 8, 8))
+    model, _ = apply_trainable(tiny_bert(), "frozen-2")
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    est = estimate(model, batch, Plan("fp32", 8, 8))
+    # fp32 AdamW: 8 B of moments per trainable parameter (the moments are allocated per tensor, rounded)
+    assert full.breakdown["optimizer_state"] - est.breakdown["optimizer_state"] >= 8 * frozen * 0.95
+    # the blocks keep nothing for backward: what is left is the hidden state they hand on
+    kept, trained = est.extra["block_forward_bytes"], full.extra["block_forward_bytes"]
+    assert max(kept) < min(trained) / 4, (kept, trained)
+
+
+def test_the_time_model_leaves_out_the_backward_and_recomputation_of_frozen_blocks():
+    from tightfit.devices import get_profile
+    from tightfit.planner.cost import TimeModel, forward_cost
+
+    batches = SyntheticBatches(8)
+    make = lambda mb, size: batches.worst_case(mb)  # noqa: E731
+    profile = get_profile("h200")
+    model, _ = apply_trainable(tiny_bert(), "frozen-1")
+    frozen, free = TimeModel(profile, forward_cost(model, make, 8, 2)), TimeModel(profile, forward_cost(tiny_bert(), make, 8, 2))
+    assert frozen.cost.free_blocks == 1
+    # checkpointing the frozen block recomputes nothing; the trained one costs a recomputation
+    assert frozen.step_seconds("bf16", 8, 8, 1) == frozen.step_seconds("bf16", 8, 8, 0)
+    assert frozen.step_seconds("bf16", 8, 8, 2) > frozen.step_seconds("bf16", 8, 8, 1)
+    assert frozen.micro_batch_parts("bf16", 8, 0)[0] < free.micro_batch_parts("bf16", 8, 0)[0]
+
+
+def test_tightfit_plan_with_a_freezing_says_what_trains(capsys):
+    assert main(["plan", "--model", "minilm", "--seq-len", "32", "--batch-size", "8", "--budget", "2GiB",
+                 "--trainable", "frozen-3", "--json"]) == 0
+    out = capsys.readouterr()
+    assert '"trainable": "frozen-3"' in out.out and "first 3 of 6 blocks frozen" in out.err
+    assert main(["plan", "--model", "minilm", "--seq-len", "32", "--batch-size", "8", "--budget", "2GiB",
+                 "--trainable", "frozen-9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "freeze at most 6" in err[0]

@@ -1,0 +1,142 @@
+"""Selective freezing: train every parameter but the model's input layers (``--trainable
+frozen-embeddings``), or but the input layers and the first ``N`` repeated blocks
+(``--trainable frozen-N``), as fine-tuning freezes the lower layers (Howard & Ruder 2018,
+"Universal Language Model Fine-tuning", gradual unfreezing; the articles' "selective freezing").
+
+The input layers are every parameter registered before the first repeated block
+(:func:`tightfit.levers.blocks.find_blocks`): a transformer's embeddings (BERT's word, position
+and token-type embeddings and their LayerNorm; GPT-2's ``wte``/``wpe``), a CNN's stem. A
+parameter tied to them (GPT-2's output layer shares ``wte``) is frozen with them, and the note
+says so.
+
+What freezing saves: a frozen parameter gets no gradient and no optimizer state (DESIGN
+invariant 6: 12 B per parameter with fp32 AdamW), and stays bit-identical. Below the first trained
+parameter autograd records nothing, so the frozen blocks keep no activations for backward and
+run no backward: memory and compute both, which the estimator's trace sees by itself (its meta
+copy keeps ``requires_grad``). Chosen only when asked: it changes what is learned.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..config import option_given
+from ..errors import TightfitError
+from .blocks import find_blocks
+
+FROZEN_EMBEDDINGS = "frozen-embeddings"
+_FROZEN_BLOCKS = re.compile(r"frozen-([1-9][0-9]*)")
+MARK = "_tightfit_trainable"  # the model's attribute naming the freezing applied (read by trainable_fields)
+
+
+def frozen_blocks(trainable: str) -> int | None:
+    """Repeated blocks a ``--trainable`` value freezes besides the input layers: 0 for
+    ``frozen-embeddings``, ``N`` for ``frozen-N``, None for a value that freezes nothing this way
+    (``all``, ``lora``, or not a freezing value)."""
+    if trainable == FROZEN_EMBEDDINGS:
+        return 0
+    m = _FROZEN_BLOCKS.fullmatch(trainable) if isinstance(trainable, str) else None
+    return int(m.group(1)) if m else None
+
+
+def input_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, parameter)`` of every parameter registered before the first repeated block of
+    ``model`` (its input layers); empty for a model without repeated blocks."""
+    blocks = find_blocks(model)
+    if not blocks:
+        return []
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    out = []
+    for name, p in model.named_parameters():
+        if id(p) in inside:
+            break
+        out.append((name, p))
+    return out
+
+
+def frozen_prefix_blocks(model: torch.nn.Module) -> int:
+    """Leading repeated blocks of ``model`` with no trainable parameter in them or before them:
+    autograd records nothing there, so they keep no activations for backward and run no backward,
+    and checkpointing them recomputes nothing (0 when the first parameter trains)."""
+    blocks = find_blocks(model)
+    if not any(p.requires_grad for _, p in input_parameters(model)):
+        for i, b in enumerate(blocks):
+            if any(p.requires_grad for p in b.parameters()):
+                return i
+        return len(blocks) if blocks else 0
+    return 0
+
+
+def frozen_parameters(model: torch.nn.Module, trainable: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters ``trainable`` (a freezing value, :func:`frozen_blocks`) freezes in ``model``:
+    its input layers, then the parameters of its first ``N`` repeated blocks.
+
+    Raises:
+        TightfitError: not a freezing value; the model has no repeated blocks, fewer than ``N``, or
+            nothing before its first block to freeze (``frozen-embeddings``).
+    """
+    n = frozen_blocks(trainable)
+    given = option_given("trainable", trainable)
+    if n is None:
+        raise TightfitError(f"{given} freezes nothing: use frozen-embeddings or frozen-N")
+    blocks = find_blocks(model)
+    if not blocks:
+        raise TightfitError(f"{given}: the model has no repeated blocks (transformer layers, residual blocks) "
+                            "after which its input layers end")
+    if n > len(blocks):
+        raise TightfitError(f"{given}: the model has {len(blocks)} repeated blocks; freeze at most {len(blocks)} "
+                            f"(frozen-{len(blocks)} trains only what comes after them, e.g. the head)")
+    frozen = input_parameters(model)
+    if not frozen and n == 0:
+        raise TightfitError(f"{given}: the model has no parameters before its first repeated block; "
+                            "freeze blocks with frozen-N")
+    names = {id(b): i for i, b in enumerate(blocks[:n])}
+    prefixes = [name + "." for name, m in model.named_modules() if id(m) in names]
+    seen = {id(p) for _, p in frozen}
+    for name, p in model.named_parameters():
+        if id(p) not in seen and any(name.startswith(pre) for pre in prefixes):
+            seen.add(id(p))
+            frozen.append((name, p))
+    return frozen
+
+
+def apply_freezing(model: torch.nn.Module, trainable: str) -> str:
+    """Freeze what ``trainable`` says in ``model`` (in place: ``requires_grad`` off) and mark the
+    model with it (:func:`tightfit.levers.trainable.trainable_fields` reads the mark); returns
+    the line that says what trains.
+
+    Raises:
+        TightfitError: as :func:`frozen_parameters`.
+    """
+    frozen = frozen_parameters(model, trainable)
+    for _, p in frozen:
+        p.requires_grad_(False)
+    setattr(model, MARK, trainable)
+    ids = {id(p) for _, p in frozen}
+    named = {n for n, _ in frozen}
+    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids and n not in named]
+    n = frozen_blocks(trainable)
+    ps = list(model.parameters())
+    left, total = sum(p.numel() for p in ps if p.requires_grad), sum(p.numel() for p in ps)
+    what = "the input layers" + (f" and the first {n} of {len(find_blocks(model))} blocks" if n else "")
+    return (f"{option_given('trainable', trainable)}: {what} frozen ({total - left:,} parameters"
+            + (f", tied to {', '.join(tied)}, frozen with them" if tied else "")
+            + f"); {left:,} of {total:,} parameters trainable ({100 * left / total:.2f}%)")
+
+
+def check_frozen(trainable: str, model: torch.nn.Module) -> None:
+    """Refuse a plan made for ``trainable`` (a freezing value) for a model where what it freezes
+    still requires grad: the step would hold gradients and state the plan left out.
+
+    Raises:
+        TightfitError: one line saying what to do.
+    """
+    if frozen_blocks(trainable) is None:
+        return
+    live = [n for n, p in frozen_parameters(model, trainable) if p.requires_grad]
+    if live:
+        raise TightfitError(f"the plan trains with trainable {trainable}, but {len(live)} of the parameters it "
+                            f"freezes require grad ({live[0]}, ...): freeze them first "
+                            "(tightfit.levers.trainable.apply_trainable), or plan with trainable all")
