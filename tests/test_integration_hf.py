@@ -367,3 +367,94 @@ def test_failed_oom_redo_leaves_the_users_arguments(tmp_path):
         hf.train(trainer)
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 1)
     assert trainer._train_batch_size == 4 and cb.plan is plan
+
+
+def test_your_compute_loss_that_divides_by_the_item_count_is_left_to_do_so(tmp_path):
+    """transformers' documented custom loss: ``compute_loss(..., num_items_in_batch)`` sums and
+    divides by the window's count. hf.train took the count away from it (a TypeError, or a mean
+    weighed wrongly on a short last window)."""
+    import torch.nn.functional as F
+
+    class Yours(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            out = model(**inputs)
+            loss = F.cross_entropy(out.logits, labels, reduction="sum") / num_items_in_batch
+            return (loss, out) if return_outputs else loss
+
+    weights = {}
+    for mb in (8, 4):
+        plan = Plan("fp32", mb, 8)
+        args = TrainingArguments(output_dir=str(tmp_path / str(mb)), num_train_epochs=1, learning_rate=1e-2,
+                                 save_strategy="no", report_to=[], disable_tqdm=True, seed=0, optim="sgd",
+                                 **hf.training_arguments(plan))
+        t = Yours(model=tiny_bert(), args=args, train_dataset=_Rows(22), callbacks=[hf.TightfitCallback(plan)])
+        hf.train(t)  # 22 samples: a short last window of 6 (4 + 2 at micro-batch 4)
+        weights[mb] = _weights(t)
+    for a, b in zip(weights[4], weights[8]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_oom_inside_the_first_optimizer_step_after_it_wrote_stops_instead_of_redoing(tmp_path):
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), dropout=0.0)
+    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    real, fired = torch._foreach_sqrt, []
+
+    def sqrt_once(*a, **k):  # AdamW has applied weight decay and moved its moments by now
+        if not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+        return real(*a, **k)
+
+    torch._foreach_sqrt = sqrt_once
+    try:
+        with pytest.raises(TightfitError, match="first optimizer step after it had updated"):
+            hf.train(trainer)
+    finally:
+        torch._foreach_sqrt = real
+    assert fired
+
+
+def test_oom_before_the_first_step_redoes_with_a_fresh_optimizer(tmp_path):
+    """The Trainer keeps the optimizer it made for its next train(): the redo must not inherit
+    what the failed attempt's optimizer holds."""
+    from transformers import TrainerCallback
+
+    class OOMBeforeTheFirstUpdate(TrainerCallback):
+        failed = None
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            if self.failed is None:
+                self.failed = getattr(optimizer, "optimizer", optimizer)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8))
+    cb = OOMBeforeTheFirstUpdate()
+    trainer.add_callback(cb)
+    hf.train(trainer)
+    assert cb.failed is not None and getattr(trainer.optimizer, "optimizer", trainer.optimizer) is not cb.failed
+    steps = {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()}
+    assert steps == {3} and trainer.state.global_step == 3
+
+
+def test_oom_with_drop_last_is_not_redone_on_other_samples(tmp_path):
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), dataloader_drop_last=True)
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(_OOMAt(lambda calls, rows: rows == 8),
+                                                                   with_kwargs=True)
+    with pytest.raises(TightfitError, match="dataloader_drop_last=True"):
+        hf.train(trainer)
+    assert trainer.args.per_device_train_batch_size == 8  # yours, as before the call
+
+
+@pytest.mark.parametrize("bad, words", [({"micro_batch": 4}, "plan must be a tightfit.Plan"),
+                                        (dict(max_skipped_steps=0), "max_skipped_steps must be >= 1"),
+                                        (dict(max_skipped_steps="20"), "max_skipped_steps must be a whole number"),
+                                        (dict(warn_temp_c="hot"), "warn_temp_c must be a number")])
+def test_the_callback_refuses_bad_arguments_in_one_line(bad, words):
+    with pytest.raises(TightfitError, match=words):
+        if "micro_batch" in bad:
+            hf.TightfitCallback(bad)
+        else:
+            hf.TightfitCallback(Plan("fp32", 8, 8), **bad)
+    with pytest.raises(TightfitError, match="trainer must be a transformers.Trainer"):
+        hf.train(object())

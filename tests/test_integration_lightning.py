@@ -169,6 +169,31 @@ def test_oom_advice_keeps_the_plans_effective_batch_when_the_loader_differed():
     assert "effective batch of 12" in advice[0]
 
 
+class _OOMInValidation(_Classifier):
+    def validation_step(self, batch, batch_idx):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB (injected, in validation)")
+
+
+@pytest.mark.parametrize("sanity", [2, 0])
+def test_oom_in_validation_names_the_validation_loader_not_the_training_batch(sanity):
+    cb = tl.TightfitCallback(Plan("fp32", 8, 16))
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer = L.Trainer(**{**tl.trainer_arguments(Plan("fp32", 8, 16)), "max_steps": 2, "logger": False,
+                               "enable_checkpointing": False, "enable_progress_bar": False,
+                               "enable_model_summary": False, "callbacks": [cb], "num_sanity_val_steps": sanity,
+                               "val_check_interval": 2})
+        trainer.fit(_OOMInValidation(), _loader(8), _loader(32))
+    assert len(cb.events) == 1 and "validation, not in a training step" in cb.events[0], cb.events
+    assert ("sanity check" in cb.events[0]) == bool(sanity)
+
+
+@pytest.mark.parametrize("bad, words", [(dict(max_skipped_steps=0), "max_skipped_steps must be >= 1"),
+                                        (dict(max_skipped_steps=2.5), "max_skipped_steps must be a whole number")])
+def test_the_callback_refuses_bad_guard_options(bad, words):
+    with pytest.raises(TightfitError, match=words):
+        tl.TightfitCallback(Plan("fp32", 8, 8), **bad)
+
+
 @pytest.mark.gpu
 def test_callback_records_each_steps_memory_on_the_gpu():
     module = _Classifier()

@@ -186,6 +186,18 @@ def check_value(f: Field, value: Any, hint: Any = None, called: str | None = Non
         raise TightfitError(f"{name} {problem}")
 
 
+def check_guard_options(max_skipped_steps: Any, warn_temp_c: Any) -> None:
+    """Check the guards' two options as ``tightfit train`` checks them (``max_skipped_steps`` a
+    whole number >= 1, ``warn_temp_c`` a number), named as the keywords of the callbacks and
+    ``TrainStep`` that take them.
+
+    Raises:
+        TightfitError: one line naming the keyword.
+    """
+    check_option(TrainOptions, "max_skipped_steps", max_skipped_steps, called="max_skipped_steps")
+    check_option(TrainOptions, "warn_temp_c", warn_temp_c, called="warn_temp_c")
+
+
 def check_option(group: type, name: str, value: Any, called: str | None = None) -> None:
     """Check ``value`` as option ``name`` of ``group`` (for commands that share an option); messages
     name it ``called`` where given (the keyword of the function that takes it).

@@ -61,6 +61,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..config import check_guard_options
 from ..errors import TightfitError
 from ..plan import Plan
 from . import Watch, note_uneven, require, smaller_micro_batch
@@ -188,6 +189,18 @@ def loss_uses_item_count(model) -> bool | None:
     return None if None in seen or not seen else False
 
 
+def _own_compute_loss_takes_count(trainer) -> bool:
+    """Whether ``trainer``'s class overrides ``compute_loss`` with one that takes
+    ``num_items_in_batch``: the Trainer hands it the window's count, and it is that loss's to use."""
+    own = type(trainer).compute_loss
+    if own is transformers.Trainer.compute_loss:
+        return False
+    try:
+        return "num_items_in_batch" in inspect.signature(own).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _drops_item_count(trainer) -> bool:
     """Whether ``trainer`` (as built) would skip its division by the accumulation steps for a loss
     that does not divide by ``num_items_in_batch`` itself."""
@@ -195,6 +208,8 @@ def _drops_item_count(trainer) -> bool:
         return False
     if getattr(trainer, "compute_loss_func", None) is not None:
         return False  # yours gets the count (and the Trainer counts on it)
+    if _own_compute_loss_takes_count(trainer):
+        return False  # the same: your compute_loss divides by the count (transformers' documented pattern)
     if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
         return False  # you said how your compute_loss scales (transformers 5.x)
     smoother = getattr(trainer, "label_smoother", None)
@@ -332,6 +347,9 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
     """
 
     def __init__(self, plan: Plan | None = None, max_skipped_steps: int = 20, warn_temp_c: float = 82.0):
+        if plan is not None and not isinstance(plan, Plan):
+            raise TightfitError(f"TightfitCallback(plan): plan must be a tightfit.Plan or None, got {type(plan).__name__}")
+        check_guard_options(max_skipped_steps, warn_temp_c)
         self.plan, self.max_skipped_steps, self.warn_temp_c = plan, max_skipped_steps, warn_temp_c
         self.memory_timeline: list[tuple[int, int, int]] = []
         self.skipped_steps, self._skipped_in_row = 0, 0
@@ -454,6 +472,22 @@ class _SavedCheckpoints(transformers.TrainerCallback):
         self.saved.append((state.global_step, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")))
 
 
+class _FirstOptimizerStep(transformers.TrainerCallback):
+    """What the optimizer held as the first optimizer step of a :func:`train` attempt began
+    (``started``: the optimizer, :func:`tightfit.step.in_place_versions` of its weights and state,
+    the parameters with state), so that an OOM inside that step can tell whether it wrote anything."""
+
+    def __init__(self):
+        self.started = None
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        from ..step import in_place_versions
+
+        if state.global_step == 0 and optimizer is not None:
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+            self.started = (inner, in_place_versions(inner), set(inner.state))
+
+
 def _redo_checkpoint(saved: list[tuple[int, str]], failed_step: int, started_from) -> str | None:
     """The newest checkpoint of ``saved`` (written by this :func:`train` call) at a step <= ``failed_step``
     that is still there (``save_total_limit`` deletes old ones), else ``started_from`` (the checkpoint
@@ -522,19 +556,29 @@ def train(trainer, **train_kwargs):
     help it. When no attempt finishes, ``trainer.args``' batch and accumulation and the callbacks'
     ``plan`` are left as they were before the call, not at the last redo's.
 
+    An OOM inside the first optimizer step is redone only if that step wrote nothing (weights,
+    moments, step counters: :func:`tightfit.step.in_place_versions`); the state it allocated is
+    dropped, and an optimizer the Trainer made is made afresh. With ``dataloader_drop_last`` no
+    OOM is redone: a smaller per-device batch would drop other samples.
+
     Raises:
-        TightfitError: out of memory at a per-device batch of 1, or after an optimizer step with no
-            checkpoint of this call to go back to; out of memory in evaluation (naming
-            ``per_device_eval_batch_size``; the OOM is its ``__cause__``).
+        TightfitError: ``trainer`` is not a ``transformers.Trainer``; out of memory at a per-device
+            batch of 1, with ``dataloader_drop_last``, inside a first optimizer step that had written
+            part of its update, or after an optimizer step with no checkpoint of this call to go back
+            to; out of memory in evaluation (naming ``per_device_eval_batch_size``; the OOM is its
+            ``__cause__``).
         NonFiniteTrainingError: a :class:`TightfitCallback` stopped training on non-finite steps.
         Anything else ``trainer.train`` raises, unchanged.
     """
     from transformers.trainer_utils import get_last_checkpoint
 
     from ..memory.oom import is_oom, release_memory
+    from ..step import changed_since
     from ..rng import capture_rng, restore_rng
     from ..runtime.trainer import NonFiniteTrainingError
 
+    if not isinstance(trainer, transformers.Trainer):
+        raise TightfitError(f"hf.train(trainer): trainer must be a transformers.Trainer, got {type(trainer).__name__}")
     args = trainer.args
     ours = [c for c in trainer.callback_handler.callbacks if isinstance(c, TightfitCallback)]
     # the user's, put back if no attempt finishes (a redo's smaller batch is no use to a failed run)
@@ -546,8 +590,10 @@ def train(trainer, **train_kwargs):
     started_from = train_kwargs.get("resume_from_checkpoint")
     if started_from is True:  # as the Trainer resolves it, before this call writes any checkpoint
         started_from = get_last_checkpoint(args.output_dir) if args.output_dir and os.path.isdir(args.output_dir) else None
-    saves = _SavedCheckpoints()
+    saves, first_step = _SavedCheckpoints(), _FirstOptimizerStep()
     trainer.add_callback(saves)
+    trainer.add_callback(first_step)
+    made_here = trainer.optimizer is None  # the Trainer makes it in train() and keeps it for the next call
     rng, redone_from, finished = capture_rng(), None, False
     evaluation_failed, unwrap = _watch_evaluation(trainer)
     try:
@@ -572,6 +618,23 @@ def train(trainer, **train_kwargs):
             if mb == 1:
                 raise TightfitError("out of memory in the Trainer with a per-device batch of 1; "
                                     "plan with activation checkpointing or fp16/bf16, or raise the budget")
+            if args.dataloader_drop_last:  # the windows of a smaller batch would drop other samples
+                raise TightfitError(f"out of memory in the Trainer at per-device batch {mb} x {acc} with "
+                                    "dataloader_drop_last=True: a smaller per-device batch would drop other samples "
+                                    "than the planned one (its last windows differ), so it is not redone; set "
+                                    "dataloader_drop_last=False, or plan for a smaller budget")
+            if step == 0 and first_step.started is not None:  # inside the first optimizer step
+                optimizer, before, had_state = first_step.started
+                if changed_since(optimizer, before):
+                    raise TightfitError("out of memory inside the Trainer's first optimizer step after it had updated "
+                                        "part of the weights or the optimizer's state: training again would apply that "
+                                        "part twice, so it stops; start again from your initial weights with a "
+                                        "smaller per-device batch, or plan for a smaller budget")
+                for p in [p for p in optimizer.state if p not in had_state]:
+                    del optimizer.state[p]  # allocated by the failed step, never written
+            first_step.started = None
+            if step == 0 and made_here:  # the redo makes its optimizer and schedule afresh, as a new run would
+                trainer.optimizer = trainer.lr_scheduler = None
             if step > 0:  # the weights have moved: go back to a checkpoint, never redo on top of them
                 last = _redo_checkpoint(saves.saved, step, started_from)
                 if last is None:
@@ -597,6 +660,7 @@ def train(trainer, **train_kwargs):
     finally:
         unwrap()
         trainer.remove_callback(saves)
+        trainer.remove_callback(first_step)
         for c in ours:
             c._in_train = False
         if not finished:

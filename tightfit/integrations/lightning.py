@@ -156,6 +156,9 @@ class TightfitCallback(Watch, L.Callback):
     def __init__(self, plan: Plan, max_skipped_steps: int = 20, warn_temp_c: float = 82.0):
         if not isinstance(plan, Plan):
             raise TightfitError(f"TightfitCallback(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
+        from ..config import check_guard_options
+
+        check_guard_options(max_skipped_steps, warn_temp_c)
         self.plan, self.max_skipped_steps, self.warn_temp_c = plan, max_skipped_steps, warn_temp_c
         self.memory_timeline: list[tuple[int, int, int]] = []
         self.skipped_steps, self._skipped_in_row = 0, 0
@@ -294,6 +297,13 @@ class TightfitCallback(Watch, L.Callback):
         from ..memory.oom import is_oom
 
         if not is_oom(exception):
+            return
+        if not getattr(trainer, "training", True):  # validation (the sanity check too), test or predict
+            stage = "the sanity check's validation" if getattr(trainer, "sanity_checking", False) else "validation"
+            if getattr(trainer, "testing", False) or getattr(trainer, "predicting", False):
+                stage = "testing" if getattr(trainer, "testing", False) else "prediction"
+            self._event(f"out of memory in {stage}, not in a training step: give its DataLoader a smaller batch_size "
+                        "(the plan sizes the training micro-batch only)")
             return
         mb, acc = getattr(trainer.train_dataloader, "batch_size", None) or self.plan.micro_batch, \
             trainer.accumulate_grad_batches
