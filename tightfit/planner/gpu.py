@@ -412,7 +412,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     reasons.append(f"planning took {time.perf_counter() - t0:.1f} s: search {t_verify - t0:.1f} s (exact "
                    f"estimates, no GPU), verification on the GPU {t_compile - t_verify:.1f} s, compilation and "
                    f"timing of the chosen plan {t_end - t_compile:.1f} s")
-    return _gpu_plan(best, variant, workload.effective_batch, budget_bytes, result.n_blocks, reasons)
+    plan = _gpu_plan(best, variant, workload.effective_batch, budget_bytes, result.n_blocks, reasons)
+    return replace(plan, trainable=result.trainable, trainable_params=result.trainable_params)
 
 
 def _verified(workload: Workload, result: SearchResult, profile: DeviceProfile, budget_bytes: int, optimizer: str,
