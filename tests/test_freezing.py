@@ -136,6 +136,21 @@ def test_tightfit_plan_with_a_freezing_says_what_trains(capsys):
     assert len(err) == 1 and "freeze at most 6" in err[0]
 
 
+def test_a_plan_does_not_checkpoint_frozen_first_blocks(capsys):
+    """Checkpointing a block that keeps nothing recomputes nothing: the plan leaves those blocks
+    out, and a plan that fits otherwise is not taken for one that pays for memory."""
+    from tightfit.plan import without_free_blocks
+
+    plan = Plan("bf16", 8, 8, activation_checkpointing=True)  # every block of 6
+    assert without_free_blocks(plan, 2, 6).checkpoint_blocks == (2, 3, 4, 5)
+    assert not without_free_blocks(Plan("bf16", 8, 8, activation_checkpointing=True, checkpoint_blocks=(0, 1)),
+                                   2, 6).activation_checkpointing
+    assert main(["plan", "--model", "minilm", "--seq-len", "64", "--batch-size", "32", "--budget", "4GiB",
+                 "--trainable", "frozen-3"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpointing 0 of 6 blocks" in out and "fits without accumulation, checkpointing" in out, out
+
+
 def _bert_base(dropout=0.1):
     from transformers import BertConfig, BertForSequenceClassification
 

@@ -241,6 +241,19 @@ class Plan:
             raise TightfitError(f"malformed plan JSON: {e}") from None
 
 
+def without_free_blocks(plan: Plan, free: int, n_blocks: int) -> Plan:
+    """``plan`` without checkpointing its first ``free`` blocks, which keep no activations for
+    backward (frozen, nothing trained before them: checkpointing them recomputes and saves
+    nothing); unchanged for a whole-model compiled plan (its graph checkpoints every block) or a
+    plan of per-block policies."""
+    if not free or not plan.activation_checkpointing or plan.compile_scope == "model" or plan.block_policies:
+        return plan
+    blocks = plan.checkpoint_blocks if plan.checkpoint_blocks is not None else range(n_blocks)
+    kept = tuple(i for i in blocks if i >= free)
+    return replace(plan, activation_checkpointing=bool(kept),
+                   checkpoint_blocks=kept if 0 < len(kept) < n_blocks else None)
+
+
 def plan_with_blocks(precision: str, micro_batch: int, effective_batch: int, blocks: Sequence[int], n_blocks: int,
                      **fields) -> Plan:
     """The plan that checkpoints ``blocks`` (indices) of the model's ``n_blocks`` repeated blocks:

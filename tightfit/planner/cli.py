@@ -178,12 +178,14 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
     print(f"{args.model}, {'image size' if kind == 'image' else 'sequence length'} {size}, effective batch {args.batch_size}, "
           f"{profile.name} rules, budget {format_bytes(budget)}")
     last = args.batch_size - (b.accumulation_steps - 1) * b.micro_batch
+    plan = result.to_plan()  # the blocks it checkpoints (not frozen first blocks, which keep nothing)
+    blocks = plan.checkpoint_blocks if plan.checkpoint_blocks is not None else \
+        tuple(range(result.n_blocks)) if plan.activation_checkpointing else ()
     print(f"plan: {b.precision}, micro-batch {b.micro_batch} x {b.accumulation_steps} accumulation steps"
           + (f" (the last {last})" if last != b.micro_batch else "") + ", "
           + (f"blocks {describe_policies(b.block_policies)}" if b.block_policies is not None else
-             f"checkpointing {len(b.checkpoint_blocks)} of {result.n_blocks} blocks"
-             + (f" ({', '.join(map(str, b.checkpoint_blocks))})" if 0 < len(b.checkpoint_blocks) < result.n_blocks
-                else "")))
+             f"checkpointing {len(blocks)} of {result.n_blocks} blocks"
+             + (f" ({', '.join(map(str, blocks))})" if 0 < len(blocks) < result.n_blocks else "")))
     why = b.why.find("; optimizer ")  # why this optimizer and its cost (planner/optimizers.py): its own line
     per_step = b.why[b.why.find("; per step"):why if why >= 0 else None] if "; per step" in b.why else ""
     print(f"predicted: {format_rate(b.samples_per_s)} samples/s, peak {format_bytes(b.peak_reserved_bytes)} reserved of "

@@ -29,7 +29,7 @@ from ..levers.checkpointing import set_activation_checkpointing
 from ..levers.compile import WHOLE_MODEL, compile_model, compile_scope, compile_unavailable, uncompile_model
 from ..levers.layout import CHANNELS_LAST_OPTIMIZERS, convolutions
 from ..levers.optimizers import BF16_WEIGHTS, LEVER_OPTIMIZERS, weights_dtype
-from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
+from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks, without_free_blocks
 from ..units import format_bytes, format_rate
 from ..workload import Workload
 from .bisection import bisect, gallop
@@ -413,6 +413,7 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                    f"estimates, no GPU), verification on the GPU {t_compile - t_verify:.1f} s, compilation and "
                    f"timing of the chosen plan {t_end - t_compile:.1f} s")
     plan = _gpu_plan(best, variant, workload.effective_batch, budget_bytes, result.n_blocks, reasons)
+    plan = without_free_blocks(plan, result.free_blocks, result.n_blocks)  # frozen first blocks: nothing to recompute
     return replace(plan, trainable=result.trainable, trainable_params=result.trainable_params)
 
 

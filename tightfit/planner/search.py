@@ -37,7 +37,7 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..levers.precision import check_precision, preferred_precision
 from ..memory.fast import TRACED_AT, BlockLines, MemoryLine
-from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks
+from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks, without_free_blocks
 from ..units import format_bytes, format_rate
 from .advice import lever_peaks, nothing_fits_lines
 from .bisection import bisect
@@ -140,6 +140,8 @@ class SearchResult:
             lever can be off); empty otherwise.
         trainable, trainable_params: what the model searched trains (``Plan``'s fields of the
             same names, :func:`tightfit.levers.trainable.trainable_fields`).
+        free_blocks: the model's first blocks that keep no activations (frozen, nothing trained
+            before them): checkpointing them recomputes and saves nothing.
     """
 
     best: Candidate
@@ -151,15 +153,18 @@ class SearchResult:
     other_optimizers: tuple = ()
     trainable: str = "all"
     trainable_params: int | None = None
+    free_blocks: int = 0
 
     def to_plan(self, device: str = "cuda") -> Plan:
-        """The winner as a :class:`~tightfit.plan.Plan` (checkpointing on if any block is)."""
+        """The winner as a :class:`~tightfit.plan.Plan` (checkpointing on if any block is; not
+        the first blocks that keep no activations, :func:`~tightfit.plan.without_free_blocks`)."""
         b = self.best
-        return plan_with_blocks(b.precision, b.micro_batch, self.effective_batch, b.checkpoint_blocks, self.n_blocks,
+        plan = plan_with_blocks(b.precision, b.micro_batch, self.effective_batch, b.checkpoint_blocks, self.n_blocks,
                                 device=device, budget_bytes=self.budget_bytes, reasons=(b.why,), optimizer=b.optimizer,
                                 predicted_peak_reserved_bytes=b.peak_reserved_bytes,
                                 predicted_samples_per_s=b.samples_per_s, block_policies=b.block_policies,
                                 trainable=self.trainable, trainable_params=self.trainable_params)
+        return without_free_blocks(plan, self.free_blocks, self.n_blocks)
 
     def to_dict(self) -> dict:
         """JSON: ``plan``, ``budget_bytes``, ``predicted_peak_bytes`` (reserved),
@@ -167,7 +172,10 @@ class SearchResult:
         ``checkpoint_blocks``, ``runners_up`` (:meth:`Candidate.to_dict`: each with a ``status``
         and a ``why``), ``planning_seconds``."""
         b = self.best
-        return {"plan": self.to_plan().to_dict(), "checkpoint_blocks": list(b.checkpoint_blocks),
+        plan = self.to_plan()
+        blocks = plan.checkpoint_blocks if plan.checkpoint_blocks is not None else \
+            range(self.n_blocks) if plan.activation_checkpointing else ()
+        return {"plan": plan.to_dict(), "checkpoint_blocks": list(blocks),
                 "block_policies": None if b.block_policies is None else list(b.block_policies),
                 "budget_bytes": self.budget_bytes, "predicted_peak_bytes": b.peak_reserved_bytes,
                 "predicted_peak_allocated_bytes": b.peak_allocated_bytes, "breakdown": b.breakdown,
@@ -345,13 +353,8 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
                             optimizer, lever_estimator, _lever_precisions or space.precisions)
     from ..levers.trainable import trainable_fields
 
-    result = replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model))
     free = space.time_model.cost.free_blocks
-    if free and set(result.best.checkpoint_blocks) & set(range(free)):
-        frozen = "block 0 is" if free == 1 else f"blocks 0-{free - 1} are"
-        why = (f"{result.best.why}; {frozen} frozen with nothing trained before them: they keep no activations "
-               "for backward, so checkpointing them recomputes nothing")
-        result = replace(result, best=replace(result.best, why=why))
+    result = replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model), free_blocks=free)
     return result
 
 
