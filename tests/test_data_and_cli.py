@@ -202,3 +202,22 @@ def test_text_batches_collate_exactly_what_padding_each_sample_gives(tmp_path):
             assert got[k].dtype == torch.long and torch.equal(got[k], want[k]), (indices, pad_to, k)
     assert tb[7] == {**{k: encoded[k][7] for k in tb.keys}, "labels": labels[7]}
     assert tb.worst_case(3)["input_ids"].shape == (3, 24)
+
+
+def test_a_quote_left_open_is_named_by_its_record_and_line(tmp_path):
+    from tightfit.data import _read_rows as load_rows
+
+    rows = ["review,sentiment"] + [f"text {i},{'pos' if i % 2 else 'neg'}" for i in range(20)]
+    rows += ['"open quote,pos'] + [f"more {i},neg" for i in range(20)]
+    path = tmp_path / "quote.csv"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(TightfitError, match=r"at record 21, from line 22 \(a quote opened there and never closed\)"):
+        load_rows(path)
+
+
+def test_a_bad_default_data_file_is_named_by_its_variable(tmp_path, monkeypatch):
+    from tightfit.data import load_default
+
+    monkeypatch.setenv("TIGHTFIT_DEFAULT_DATA", str(tmp_path / "none.csv"))
+    with pytest.raises(TightfitError, match=r"^TIGHTFIT_DEFAULT_DATA=.*none.csv .*give other data with --data\): "):
+        load_default()

@@ -257,6 +257,19 @@ def test_a_run_whose_data_changed_is_refused_before_any_work(text_run, tmp_path,
     assert not (tmp_path / "int8").exists()
 
 
+def test_a_run_whose_data_moved_says_how_to_export_it_anyway(text_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(text_run, run)
+    saved = json.loads((run / "request.json").read_text())
+    (run / "request.json").write_text(json.dumps({**saved, "data": str(tmp_path / "moved.csv")}))
+    assert main(["export", "--int8", str(run), "--out", str(tmp_path / "int8")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data cannot be read" in err[0] and "export the model folder" in err[0], err
+    assert not (tmp_path / "int8").exists()
+
+
 def test_a_bare_image_model_folder_is_timed_at_its_trained_image_size(tmp_path, monkeypatch):
     """A bare image model folder was timed at 224 x 224 whatever its ``tightfit_images.json`` said
     (ResNet's config has no ``image_size``): the latency was that of inputs it never takes. The

@@ -157,9 +157,14 @@ def _read_rows(path: Path) -> list[dict]:
         # TSV has no quoting: a quote is the text's own character (else an unpaired one merges rows)
         quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
         reader = csv.DictReader(io.StringIO(text), delimiter=delimiter, strict=True, quoting=quoting)
-        rows = list(reader)
+        rows, start = [], 2  # the line where the record being read starts (the header is line 1)
+        for row in reader:
+            rows.append(row)
+            start = reader.line_num + 1
     except csv.Error as e:
-        raise TightfitError(f"{path}: malformed {'TSV' if delimiter == chr(9) else 'CSV'} ({e})") from None
+        opened = " (a quote opened there and never closed)" if "end of data" in str(e) else ""
+        raise TightfitError(f"{path}: malformed {'TSV' if delimiter == chr(9) else 'CSV'} at record {len(rows) + 1}, "
+                            f"from line {start}{opened}: {e}") from None
     finally:
         csv.field_size_limit(limit)
     if reader.fieldnames is None:
@@ -372,8 +377,20 @@ def _is_int(s: str) -> bool:
 
 
 def load_default() -> TextClassificationData:
-    """The shipped default: Rotten Tomatoes reviews, ``fresh`` vs ``rotten`` (``plot`` rows dropped)."""
-    data = load_text_classification(default_data_path(), "text", "category", drop_labels=("plot",))
+    """The shipped default: Rotten Tomatoes reviews, ``fresh`` vs ``rotten`` (``plot`` rows dropped).
+
+    Raises:
+        TightfitError: the file ``TIGHTFIT_DEFAULT_DATA`` names cannot be read or is not laid out as
+            the shipped data (the message names the variable; other data goes through ``--data``).
+    """
+    env = os.environ.get("TIGHTFIT_DEFAULT_DATA")
+    try:
+        data = load_text_classification(default_data_path(), "text", "category", drop_labels=("plot",))
+    except TightfitError as e:
+        if not env:
+            raise
+        raise TightfitError(f"TIGHTFIT_DEFAULT_DATA={env} (it replaces the shipped data, whose columns are text "
+                            f"and category; give other data with --data): {e}") from None
     return TextClassificationData(data.texts, data.labels, data.label_names, DEFAULT_DATA_NAME)
 
 
@@ -417,7 +434,7 @@ def check_split(data: TextClassificationData, train: TextClassificationData,
     notes = []
     if len(eval_data) < FEW_EVAL:  # --eval-samples only where it left held-out samples out
         more = f"{option_name('eval_samples')} or more data" if len(eval_data) < len(held_out_split(n)[1]) else "more data"
-        notes.append(f"accuracy on {count_of(len(eval_data), 'held-out sample')} moves in steps of {1 / len(eval_data):.0%} "
+        notes.append(f"accuracy on {count_of(len(eval_data), 'held-out sample')} moves in steps of {100 / len(eval_data):.3g}% "
                      f"({more} for a finer measure)")
     absent = classes - len(set(train.labels))
     if absent:

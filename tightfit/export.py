@@ -182,7 +182,12 @@ def _held_out(src: _Source):
             saved.pop(k, None)
     req = TrainRequest(**{**saved, "out": str(src.run), "progress": False})
     recipe = recipe_class(req)(req)
-    recipe._load_data()  # the run's data and its fixed held-out split, as the run made them
+    try:
+        recipe._load_data()  # the run's data and its fixed held-out split, as the run made them
+    except TightfitError as e:  # moved or deleted since the run
+        raise TightfitError(f"export {src.run}: the run's data cannot be read ({e}), so its held-out samples cannot "
+                            f"be rebuilt; put the run's data back, or export the model folder ({src.model_dir}) "
+                            "without a held-out measure") from None
     recipe._split_data()
     eval_data = recipe.eval_data
     # the held-out half of "<train>:<held-out>" (as --resume checks both): what export measures on
