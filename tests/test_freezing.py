@@ -149,6 +149,14 @@ def test_a_plan_does_not_checkpoint_frozen_first_blocks(capsys):
                  "--trainable", "frozen-3"]) == 0
     out = capsys.readouterr().out
     assert "checkpointing 0 of 6 blocks" in out and "fits without accumulation, checkpointing" in out, out
+    # nor does a runner-up's reason count them (BERT-base with 6 of 12 frozen: 6 recomputable)
+    assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "256", "--budget", "4GiB",
+                 "--trainable", "frozen-6", "--json"]) == 0
+    import json
+    d = json.loads(capsys.readouterr().out)
+    counts = [int(n) for c in d["runners_up"] for n in __import__("re").findall(r"checkpointing (\d+) block", c["why"])]
+    assert all(n <= 6 for n in counts) and all(i >= 6 for c in d["runners_up"] for i in c["checkpoint_blocks"] or ())
+    assert all(i >= 6 for i in d["checkpoint_blocks"])
 
 
 def _bert_base(dropout=0.1):

@@ -68,6 +68,9 @@ class Candidate:
             :func:`tightfit.planner.optimizers.search_optimizers`).
         traced: False for a runner-up whose fit comes from the memory line alone (never traced
             exactly: it may miss the limit by the line's error, a few percent).
+        free_blocks: the model's first blocks that keep no activations (frozen, nothing trained
+            before them): in ``checkpoint_blocks`` for the search's arithmetic, never said to be
+            checkpointed (:meth:`label`, :meth:`to_dict`).
     """
 
     precision: str
@@ -82,6 +85,7 @@ class Candidate:
     block_policies: tuple[str, ...] | None = None
     optimizer: str = "adamw"
     traced: bool = True
+    free_blocks: int = 0
 
     @property
     def choice(self) -> tuple:
@@ -102,7 +106,9 @@ class Candidate:
         of 0 for an unsearched micro-batch or for the samples/s of a plan that does not fit, and
         for ``traced`` where nothing was searched)."""
         d = asdict(self)
-        d["checkpoint_blocks"] = None if self.checkpoint_blocks is None else list(self.checkpoint_blocks)
+        d.pop("free_blocks")
+        d["checkpoint_blocks"] = None if self.checkpoint_blocks is None else \
+            [i for i in self.checkpoint_blocks if i >= self.free_blocks]
         d["block_policies"] = None if self.block_policies is None else list(self.block_policies)
         d["samples_per_s"] = self.samples_per_s or None
         d["status"] = self.status
@@ -118,7 +124,7 @@ class Candidate:
             kinds = [f"{self.block_policies.count(p)} {p}" for p in ("selective", "full", "offload")
                      if p in self.block_policies]
             return f"{self.precision}, blocks {' + '.join(kinds)}, micro-batch {self.micro_batch}"
-        ck = len(self.checkpoint_blocks)
+        ck = sum(i >= self.free_blocks for i in self.checkpoint_blocks)  # frozen first blocks keep nothing
         return f"{self.precision}, checkpointing {ck} block{'s' if ck != 1 else ''}, micro-batch {self.micro_batch}"
 
 
@@ -354,6 +360,9 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     from ..levers.trainable import trainable_fields
 
     free = space.time_model.cost.free_blocks
+    if free:  # said of every candidate, so that none is said to checkpoint frozen first blocks
+        mark = {id(c): replace(c, free_blocks=free) for c in prediction.traced + prediction.evaluated}
+        prediction = Prediction([mark[id(c)] for c in prediction.traced], [mark[id(c)] for c in prediction.evaluated])
     result = replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model), free_blocks=free)
     return result
 
