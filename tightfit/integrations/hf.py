@@ -369,7 +369,8 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         if not self._in_train and args.gradient_accumulation_steps > 1 and model is not None \
                 and loss_uses_item_count(model) is False:
             self._event(f"{type(model).__name__}'s forward takes **kwargs but its loss ignores num_items_in_batch: "
-                        f"unless trainer.model_accepts_loss_kwargs is False, the Trainer's loss and gradients are "
+                        f"unless your compute_loss divides by num_items_in_batch or trainer.model_accepts_loss_kwargs "
+                        f"is False, the Trainer's loss and gradients are "
                         f"{args.gradient_accumulation_steps} (gradient_accumulation_steps) times those of one batch "
                         f"(transformers#37766); hf.train(trainer) weighs each micro-batch as one batch of the window")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
