@@ -159,6 +159,17 @@ def test_a_plan_does_not_checkpoint_frozen_first_blocks(capsys):
     assert all(i >= 6 for i in d["checkpoint_blocks"])
 
 
+def test_no_estimator_margin_for_checkpointing_only_frozen_first_blocks(capsys):
+    """The planner keeps a margin for the estimator's error on checkpointed steps: checkpointing
+    only frozen first blocks (which recompute nothing) is no such step. It was kept, and the plan
+    split a batch that fits whole (16 x 2 where 32 x 1 fits)."""
+    args = ["plan", "--model", "bert-base", "--batch-size", "32", "--seq-len", "128", "--gpu", "t4",
+            "--budget", "2.38GiB", "--trainable", "frozen-3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 32 x 1" in out and "estimator_margin" not in out, out
+
+
 def _bert_base(dropout=0.1):
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -211,3 +222,60 @@ def test_on_the_gpu_the_planner_plans_and_trains_a_frozen_model():
     for n, p in model.named_parameters():
         if n in before:
             assert torch.equal(p, before[n]), n
+
+
+def test_frozen_batchnorm_layers_keep_their_running_statistics():
+    """A frozen stem or block computes the same function after training: its BatchNorm layers
+    stay in eval mode (their running statistics were updated by every training forward), while
+    the trained blocks' BatchNorm layers learn theirs."""
+    import torch.nn.functional as F
+
+    from tightfit import TrainStep
+
+    class Block(torch.nn.Module):  # a residual block, as a CNN's stages repeat them
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            return torch.relu(self.bn(self.conv(x))) + x
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+            self.layers, self.fc = torch.nn.Sequential(*[Block() for _ in range(3)]), torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(self.layers(torch.relu(self.bn1(self.conv1(x)))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = Net().eval()  # as a loaded model comes: the root in eval mode
+    model, note = apply_trainable(model, "frozen-1")
+    assert "2 BatchNorm layers keep their running statistics" in note
+    frozen_bn = {n: b.clone() for n, b in model.named_buffers() if n.startswith(("bn1.", "layers.0."))}
+    trained_bn = {n: b.clone() for n, b in model.named_buffers() if n.startswith("layers.2.")}
+    step = TrainStep(Plan("fp32", 4, 4, trainable="frozen-1"), model, lr=1e-3,
+                     loss=lambda m, b: F.cross_entropy(m(b["x"]), b["y"]))
+    for _ in range(2):
+        step({"x": torch.randn(4, 3, 32, 32), "y": torch.randint(0, 3, (4,))})
+    buffers = dict(model.named_buffers())
+    for n, b in frozen_bn.items():
+        assert torch.equal(buffers[n], b), n
+    assert any(not torch.equal(buffers[n], b) for n, b in trained_bn.items())
+
+
+def test_freezing_that_leaves_nothing_to_train_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.raises(TightfitError, match="leaves no parameter to train"):
+        apply_trainable(model, "frozen-2")
+
+
+def test_the_python_plan_says_what_a_frozen_model_trains():
+    import tightfit
+
+    model, _ = apply_trainable(tiny_bert(), "frozen-1")
+    batch = {k: v for k, v in SyntheticBatches(8).worst_case(4).items()}
+    plan = tightfit.plan(model, batch, effective_batch=8, device="cpu")
+    assert plan.trainable == "frozen-1"
+    assert plan.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -321,6 +321,9 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         chosen = plan_first(workload, dev, profile, budget_bytes, precision, checkpointing)
     except TightfitError as e:
         raise TightfitError(as_arguments(str(e))) from None
+    from .levers.trainable import trainable_fields
+
+    chosen = replace(chosen, **trainable_fields(model))  # what is trained, as the other faces' plans say it
     return replace(chosen, reasons=chosen.reasons + tuple(notes)) if notes else chosen
 
 

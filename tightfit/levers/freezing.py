@@ -111,19 +111,41 @@ def apply_freezing(model: torch.nn.Module, trainable: str) -> str:
         TightfitError: as :func:`frozen_parameters`.
     """
     frozen = frozen_parameters(model, trainable)
+    ids = {id(p) for _, p in frozen}
+    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
+    if not left:
+        raise TightfitError(f"{option_given('trainable', trainable)} leaves no parameter to train: freeze fewer blocks")
     for _, p in frozen:
         p.requires_grad_(False)
+    norms = _freeze_running_statistics(model, ids)
     setattr(model, MARK, trainable)
-    ids = {id(p) for _, p in frozen}
     named = {n for n, _ in frozen}
     tied = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids and n not in named]
     n = frozen_blocks(trainable)
     ps = list(model.parameters())
-    left, total = sum(p.numel() for p in ps if p.requires_grad), sum(p.numel() for p in ps)
-    what = "the input layers" + (f" and the first {n} of {len(find_blocks(model))} blocks" if n else "")
-    return (f"{option_given('trainable', trainable)}: {what} frozen ({total - left:,} parameters"
+    trained, total = sum(p.numel() for p in ps if p.requires_grad), sum(p.numel() for p in ps)
+    parts = (["the input layers"] if input_parameters(model) else []) + \
+        ([f"the first {n} of {len(find_blocks(model))} blocks"] if n else [])
+    return (f"{option_given('trainable', trainable)}: {' and '.join(parts)} frozen ({total - trained:,} parameters"
             + (f", tied to {', '.join(tied)}, frozen with them" if tied else "")
-            + f"); {left:,} of {total:,} parameters trainable ({100 * left / total:.2f}%)")
+            + (f"; their {norms} BatchNorm layers keep their running statistics (eval mode)" if norms else "")
+            + f"); {trained:,} of {total:,} parameters trainable ({100 * trained / total:.2f}%)")
+
+
+def _freeze_running_statistics(model: torch.nn.Module, frozen: set[int]) -> int:
+    """Put the BatchNorm layers whose parameters are all frozen (``frozen``: their ids) in eval
+    mode, so that training leaves their running statistics as they are and a frozen part computes
+    the same function after training (a frozen backbone's usual treatment). The model's root is
+    put in train mode first where it was in eval mode (as ``from_pretrained`` returns it): the
+    runtime then keeps the modes of its parts (:func:`tightfit.step.training_modes`); in eval mode
+    it would train every part in train mode. Returns how many layers were set so."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             and m.track_running_stats and all(id(p) in frozen for p in m.parameters(recurse=False))]
+    if norms and not model.training:
+        model.train()
+    for m in norms:
+        m.eval()
+    return len(norms)
 
 
 def check_frozen(trainable: str, model: torch.nn.Module) -> None:

@@ -163,7 +163,10 @@ def run(args) -> int:
 
         hint = f" ({NO_PAD_HINT})" if "no padding token" in str(e) else ""
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}{hint}") from None
-    verdict = fits_verdict(result.peak_reserved_bytes, bool(result.plan["checkpoint_blocks"]),
+    from ..levers.freezing import frozen_prefix_blocks
+
+    free = frozen_prefix_blocks(model)  # frozen first blocks: checkpointed, they recompute nothing
+    verdict = fits_verdict(result.peak_reserved_bytes, any(i >= free for i in result.plan["checkpoint_blocks"]),
                            budget) if budget else None
     from ..levers.optimizers import trainable_gradient_bytes
 

@@ -907,8 +907,11 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
     from ..memory.estimate import MemoryEstimate
     from ..memory.replay import Replayer
 
+    from ..levers.freezing import frozen_prefix_blocks
+
     # the same answers as tracing each estimate, some replayed from earlier traces of the same blocks
     replayer = Replayer(model, make_batch(1, size), profile)
+    free = frozen_prefix_blocks(model)  # frozen first blocks: checkpointed, they recompute nothing
 
     def fn(precision: str, micro_batch: int, blocks) -> MemoryEstimate:
         # the window's effective batch: with accumulation the estimate traces a micro-batch run
@@ -920,7 +923,7 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
             checkpointed = any(p != "none" for p in blocks)
         else:
             est = replayer.estimate(plan, checkpoint_blocks=blocks)
-            checkpointed = bool(blocks)
+            checkpointed = any(i >= free for i in blocks)
         margin = estimator_margin_bytes(est.peak_reserved_bytes, checkpointed, checkpointed_margin)
         if not margin:
             return est
