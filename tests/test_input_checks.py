@@ -338,3 +338,12 @@ def test_a_run_folder_that_cannot_be_created_is_one_line(tiny, tmp_path, capsys,
 def test_options_of_the_other_kind_of_model_are_refused(args, match, tmp_path, capsys):
     """`tightfit plan` refused them; `tightfit train` ignored them silently."""
     _refused(capsys, tmp_path, args, match)
+
+
+def test_an_unknown_card_is_refused_when_the_request_is_made():
+    """TrainRequest(gpu="gtx1080") was accepted and refused only inside train()."""
+    from tightfit.config import TrainRequest
+
+    with pytest.raises(TightfitError, match=r"^gpu names no known card: unknown GPU profile 'gtx1080'; known: .*gtx-1080-ti"):
+        TrainRequest(gpu="gtx1080")
+    assert TrainRequest(gpu="GTX 1080 Ti").planning.gpu == "GTX 1080 Ti"  # as get_profile reads it

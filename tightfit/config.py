@@ -307,6 +307,20 @@ def _trainable_rule(value) -> str | None:
     return trainable_rule(value)
 
 
+def _known_card(value) -> str | None:
+    """``rule`` of ``gpu``: a card profile :func:`tightfit.devices.get_profile` knows (the built-in
+    ones and ``TIGHTFIT_GPU_PROFILES``'), checked when the request is made, not at training."""
+    from .devices import get_profile
+
+    if not isinstance(value, str):
+        return f"must be a card profile's name, not {value!r}"
+    try:
+        get_profile(value)
+    except TightfitError as e:
+        return f"names no known card: {e}"
+    return None
+
+
 def _clip_norm(value: float) -> str | None:
     """``rule`` of ``max_grad_norm``: > 0 and finite; None (no clipping) passes before the rule.
     A negative norm would flip the gradients (ascent), 0 zero them and NaN poison them."""
@@ -430,7 +444,7 @@ class PlanOptions(_Options):
 
     budget: str | None = option(None, "GPU memory the run may use, e.g. 4GiB, 11GB (default: the card's)")
     gpu: str | None = option(None, "plan for a known card, e.g. gtx-1650-ti, gtx-1080-ti, rtx-3060 "
-                                   "(its budget and precision rules)")
+                                   "(its budget and precision rules)", rule=_known_card)
     precision: str = option("auto", "auto|fp32|fp16|bf16 (default: {default}, from the card)",
                             choices=("auto", *PRECISIONS))
     checkpointing: str = option("auto", "activation checkpointing: auto|on|off (default: {default})",
