@@ -534,3 +534,23 @@ def test_a_bf16_card_plans_fp32_where_bf16_fits_nothing(capsys):
     out = capsys.readouterr().out
     assert "plan: fp32, micro-batch 1 x 64 accumulation steps" in out
     assert "precision: fp32: bf16 fits nothing in this budget, fp32 does" in out
+
+
+def test_a_text_column_of_numbers_is_noted(tmp_path, caplog):
+    """A JSON Lines file whose text field is a number trained without a word (the number's text)."""
+    import json
+    import logging
+
+    from tightfit.data import load_text_classification
+
+    lines = [json.dumps({"text": i * 1.5, "label": ["pos", "neg"][i % 2]}) for i in range(12)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING):
+        load_text_classification(tmp_path / "d.jsonl")
+    assert "12 of 12 texts of column 'text' are numbers (e.g. '0.0')" in caplog.text
+    caplog.clear()
+    rows = ["text,label"] + [f"review {i},{['pos', 'neg'][i % 2]}" for i in range(12)]  # words: no note
+    (tmp_path / "w.csv").write_text("\n".join(rows) + "\n")
+    with caplog.at_level(logging.WARNING):
+        load_text_classification(tmp_path / "w.csv")
+    assert "are numbers" not in caplog.text

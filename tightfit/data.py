@@ -314,6 +314,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         raise TightfitError(f"{path}: no row has both a text ({text_column!r}) and a label ({label_column!r})")
     names = sorted(set(raw))
     _check_numbers_written_once(path, label_column, names)
+    _note_texts_that_are_numbers(path, text_column, texts)
     _note_labels_in_two_cases(path, label_column, names)
     _note_labels_read_as_one(path, label_column, spellings)
     if all(_is_int(x) for x in names):
@@ -322,6 +323,24 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         raise TightfitError(f"{path}: column {label_column!r} has {len(names)} class(es); need at least 2")
     index = {name: i for i, name in enumerate(names)}
     return TextClassificationData(texts, [index[x] for x in raw], names, str(path), skipped_blank=blank)
+
+
+def _note_texts_that_are_numbers(path: Path, column: str, texts: list[str]) -> None:
+    """Warn where most texts of ``column`` are numbers (a JSON number, or a CSV field such as
+    ``3.5``): they are learned from as the text of the number, which is seldom what is meant
+    (the label column given as the text one, or ids)."""
+    def number(t: str) -> bool:
+        try:
+            return math.isfinite(float(t))
+        except ValueError:
+            return False
+
+    count = sum(number(t) for t in texts)
+    if count and count >= len(texts) / 2:
+        example = next(t for t in texts if number(t))
+        log.warning(f"note: {path}: {count} of {len(texts)} texts of column {column!r} are numbers (e.g. "
+                    f"{example.strip()!r}): they train as the text of the number; is {column!r} the text column "
+                    f"({option_name('text_column')})?")
 
 
 def _note_labels_in_two_cases(path: Path, column: str, names: list[str]) -> None:
