@@ -189,16 +189,14 @@ def loss_uses_item_count(model) -> bool | None:
     return None if None in seen or not seen else False
 
 
-def _own_compute_loss_takes_count(trainer) -> bool:
-    """Whether ``trainer``'s class overrides ``compute_loss`` with one that takes
-    ``num_items_in_batch``: the Trainer hands it the window's count, and it is that loss's to use."""
+def _own_compute_loss_uses_count(trainer) -> bool:
+    """Whether ``trainer``'s class overrides ``compute_loss`` with one whose body uses
+    ``num_items_in_batch`` (read from its source, as :func:`_forward_uses_item_count` reads a
+    forward): the Trainer hands it the window's count, and it is that loss's to use. Taking the
+    keyword is not enough: the Trainer passes it to every override (transformers 5), and one that
+    ignores it returns a mean the Trainer must divide by the accumulation steps."""
     own = type(trainer).compute_loss
-    if own is transformers.Trainer.compute_loss:
-        return False
-    try:
-        return "num_items_in_batch" in inspect.signature(own).parameters
-    except (TypeError, ValueError):
-        return False
+    return own is not transformers.Trainer.compute_loss and _forward_uses_item_count(own) is True
 
 
 def _drops_item_count(trainer) -> bool:
@@ -208,7 +206,7 @@ def _drops_item_count(trainer) -> bool:
         return False
     if getattr(trainer, "compute_loss_func", None) is not None:
         return False  # yours gets the count (and the Trainer counts on it)
-    if _own_compute_loss_takes_count(trainer):
+    if _own_compute_loss_uses_count(trainer):
         return False  # the same: your compute_loss divides by the count (transformers' documented pattern)
     if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
         return False  # you said how your compute_loss scales (transformers 5.x)
