@@ -236,9 +236,10 @@ def test_frozen_batchnorm_layers_keep_their_running_statistics():
         def __init__(self):
             super().__init__()
             self.conv, self.bn = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+            self.plain = torch.nn.BatchNorm2d(8, affine=False)  # no parameter to tell where it is
 
         def forward(self, x):
-            return torch.relu(self.bn(self.conv(x))) + x
+            return self.plain(torch.relu(self.bn(self.conv(x)))) + x
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -252,7 +253,8 @@ def test_frozen_batchnorm_layers_keep_their_running_statistics():
     torch.manual_seed(0)
     model = Net().eval()  # as a loaded model comes: the root in eval mode
     model, note = apply_trainable(model, "frozen-1")
-    assert "2 BatchNorm layers keep their running statistics" in note
+    assert "3 BatchNorm layers keep their running statistics" in note  # the stem's, block 0's two
+    assert model.layers[2].plain.training and not model.layers[0].plain.training
     frozen_bn = {n: b.clone() for n, b in model.named_buffers() if n.startswith(("bn1.", "layers.0."))}
     trained_bn = {n: b.clone() for n, b in model.named_buffers() if n.startswith("layers.2.")}
     step = TrainStep(Plan("fp32", 4, 4, trainable="frozen-1"), model, lr=1e-3,

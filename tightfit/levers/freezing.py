@@ -117,7 +117,7 @@ def apply_freezing(model: torch.nn.Module, trainable: str) -> str:
         raise TightfitError(f"{option_given('trainable', trainable)} leaves no parameter to train: freeze fewer blocks")
     for _, p in frozen:
         p.requires_grad_(False)
-    norms = _freeze_running_statistics(model, ids)
+    norms = _freeze_running_statistics(model, frozen_blocks(trainable))
     setattr(model, MARK, trainable)
     named = {n for n, _ in frozen}
     tied = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids and n not in named]
@@ -132,15 +132,25 @@ def apply_freezing(model: torch.nn.Module, trainable: str) -> str:
             + f"); {trained:,} of {total:,} parameters trainable ({100 * trained / total:.2f}%)")
 
 
-def _freeze_running_statistics(model: torch.nn.Module, frozen: set[int]) -> int:
-    """Put the BatchNorm layers whose parameters are all frozen (``frozen``: their ids) in eval
-    mode, so that training leaves their running statistics as they are and a frozen part computes
-    the same function after training (a frozen backbone's usual treatment). The model's root is
-    put in train mode first where it was in eval mode (as ``from_pretrained`` returns it): the
-    runtime then keeps the modes of its parts (:func:`tightfit.step.training_modes`); in eval mode
-    it would train every part in train mode. Returns how many layers were set so."""
+def _freeze_running_statistics(model: torch.nn.Module, n_blocks: int) -> int:
+    """Put the BatchNorm layers of the frozen part (the input layers and the first ``n_blocks``
+    repeated blocks, by position, as :func:`frozen_parameters` takes them; an ``affine=False``
+    layer has no parameter to tell) in eval mode, so that training leaves their running
+    statistics as they are and a frozen part computes the same function after training (a frozen
+    backbone's usual treatment). The model's root is put in train mode first where it was in eval
+    mode (as ``from_pretrained`` returns it): the runtime then keeps the modes of its parts
+    (:func:`tightfit.step.training_modes`); in eval mode it would train every part in train mode.
+    With the Hugging Face Trainer or Lightning, whose ``train()`` call puts every module in train
+    mode, the statistics adapt. Returns how many layers were set so."""
+    blocks = find_blocks(model)
+    starts = {id(b) for b in blocks}
+    region = {id(m) for b in blocks[:n_blocks] for m in b.modules()}
+    for m in model.modules():  # registration order: what comes before the first block is input layers
+        if id(m) in starts:
+            break
+        region.add(id(m))
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-             and m.track_running_stats and all(id(p) in frozen for p in m.parameters(recurse=False))]
+             and m.track_running_stats and id(m) in region]
     if norms and not model.training:
         model.train()
     for m in norms:
