@@ -16,6 +16,10 @@ from tightfit.runtime.trainer import TrainConfig, Trainer
 from tightfit.workload import Workload
 
 
+def prefix(model):
+    return frozen_prefix_blocks(model, SyntheticBatches(8).worst_case(2))
+
+
 def frozen_names(model):
     return {n for n, p in model.named_parameters() if not p.requires_grad}
 
@@ -25,7 +29,7 @@ def test_frozen_embeddings_freezes_the_layers_before_the_first_block():
     assert frozen_names(model) == {n for n, _ in tiny_bert().named_parameters() if n.startswith("bert.embeddings.")}
     assert "input layers frozen" in note and "parameters trainable" in note
     assert trainable_fields(model)["trainable"] == "frozen-embeddings"
-    assert frozen_prefix_blocks(model) == 0  # block 0 trains: it keeps its activations
+    assert prefix(model) == 0  # block 0 trains: it keeps its activations
 
 
 def test_frozen_n_freezes_the_first_n_blocks_too():
@@ -34,9 +38,9 @@ def test_frozen_n_freezes_the_first_n_blocks_too():
     assert any(n.startswith("bert.encoder.layer.0.") for n in names)
     assert not any(n.startswith("bert.encoder.layer.1.") for n in names)
     assert not any(n.startswith(("bert.pooler.", "classifier.")) for n in names)
-    assert frozen_prefix_blocks(model) == 1
-    assert frozen_prefix_blocks(apply_trainable(tiny_bert(), "frozen-2")[0]) == 2
-    assert frozen_prefix_blocks(tiny_bert()) == 0
+    assert prefix(model) == 1
+    assert prefix(apply_trainable(tiny_bert(), "frozen-2")[0]) == 2
+    assert prefix(tiny_bert()) == 0
 
 
 def test_a_tied_output_layer_is_named_in_the_note():
@@ -281,3 +285,37 @@ def test_the_python_plan_says_what_a_frozen_model_trains():
     plan = tightfit.plan(model, batch, effective_batch=8, device="cpu")
     assert plan.trainable == "frozen-1"
     assert plan.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_blocks_that_run_no_backward_are_read_from_the_data_flow():
+    """A trainable layer registered after the blocks but run before them (or between two blocks)
+    sends a gradient through the frozen blocks: they keep activations. Counting by registration
+    order took them for free, and the plan left them out of its checkpointing and time model."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    class Late(torch.nn.Module):  # the embedding registered last, run first
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+            self.head = torch.nn.Linear(8, 2)
+            self.emb = torch.nn.Embedding(10, 8)
+
+        def forward(self, input_ids):
+            x = self.emb(input_ids)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x.mean(1))
+
+    batch = {"input_ids": torch.randint(0, 10, (2, 4))}
+    model = Late()
+    for b in model.blocks[:2]:
+        b.requires_grad_(False)
+    assert frozen_prefix_blocks(model, batch) == 0
+    model.emb.requires_grad_(False)
+    assert frozen_prefix_blocks(model, batch) == 2

@@ -18,6 +18,7 @@ copy keeps ``requires_grad``). Chosen only when asked: it changes what is learne
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -56,17 +57,43 @@ def input_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     return out
 
 
-def frozen_prefix_blocks(model: torch.nn.Module) -> int:
-    """Leading repeated blocks of ``model`` with no trainable parameter in them or before them:
-    autograd records nothing there, so they keep no activations for backward and run no backward,
-    and checkpointing them recomputes nothing (0 when the first parameter trains)."""
+def frozen_prefix_blocks(model: torch.nn.Module, batch: dict) -> int:
+    """Leading repeated blocks of ``model`` that run no backward: no trainable parameter in them,
+    and an input that needs no gradient, as one forward of ``batch`` (a dict of tensors, any
+    micro-batch; traced on a meta copy, so on any machine) shows it. Autograd records nothing
+    there, so they keep no activations for backward, and checkpointing them recomputes nothing.
+    Read from the data flow, not from the order the parameters are registered in: a trainable
+    layer registered after the blocks but run before them, or one between two blocks, sends a
+    gradient through the blocks before it. 0 when the first block trains (no trace then)."""
     blocks = find_blocks(model)
-    if not any(p.requires_grad for _, p in input_parameters(model)):
-        for i, b in enumerate(blocks):
-            if any(p.requires_grad for p in b.parameters()):
-                return i
-        return len(blocks) if blocks else 0
-    return 0
+    if not blocks or any(p.requires_grad for p in blocks[0].parameters()) \
+            or all(p.requires_grad for p in model.parameters()):
+        return 0
+    from torch.utils._pytree import tree_leaves
+
+    from ..memory.cuda_autocast import CudaOnMeta
+    from ..memory.estimate import meta_copy
+
+    meta = meta_copy(model)
+    needs = {}  # block index -> whether its input needs a gradient
+
+    def seen(i, module, args, kwargs):
+        needs.setdefault(i, any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))))
+
+    hooks = [b.register_forward_pre_hook(functools.partial(seen, i), with_kwargs=True)
+             for i, b in enumerate(find_blocks(meta))]
+    try:
+        with torch.enable_grad(), CudaOnMeta("fp32"):
+            meta(**{k: v.to("meta") for k, v in batch.items() if k != "labels"})
+    finally:
+        for h in hooks:
+            h.remove()
+    free = 0
+    for i, b in enumerate(blocks):
+        if needs.get(i, True) or any(p.requires_grad for p in b.parameters()):
+            break
+        free += 1
+    return free
 
 
 def frozen_parameters(model: torch.nn.Module, trainable: str) -> list[tuple[str, torch.nn.Parameter]]:

@@ -165,7 +165,7 @@ def run(args) -> int:
         raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}{hint}") from None
     from ..levers.freezing import frozen_prefix_blocks
 
-    free = frozen_prefix_blocks(model)  # frozen first blocks: checkpointed, they recompute nothing
+    free = frozen_prefix_blocks(model, batch)  # frozen first blocks: checkpointed, they recompute nothing
     verdict = fits_verdict(result.peak_reserved_bytes, any(i >= free for i in result.plan["checkpoint_blocks"]),
                            budget) if budget else None
     from ..levers.optimizers import trainable_gradient_bytes

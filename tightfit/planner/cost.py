@@ -184,7 +184,7 @@ def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -
                        counter.recomputed_ops * per_block, counter.recomputed_bytes * per_block / 2,
                        trainable_tensors=len(trainable), offloaded_params=sum(n for n in trainable if is_offloaded(n)),
                        grouped_tensors=sum(len(r) for r in bf16_update_groups(shapes) if len(r) > 1),
-                       free_blocks=frozen_prefix_blocks(model))
+                       free_blocks=frozen_prefix_blocks(model, make_batch(1, size)))
 
 
 @dataclass(frozen=True)

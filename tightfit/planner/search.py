@@ -911,7 +911,7 @@ def estimator_for(model, make_batch, size: int, profile: DeviceProfile, effectiv
 
     # the same answers as tracing each estimate, some replayed from earlier traces of the same blocks
     replayer = Replayer(model, make_batch(1, size), profile)
-    free = frozen_prefix_blocks(model)  # frozen first blocks: checkpointed, they recompute nothing
+    free = frozen_prefix_blocks(model, make_batch(1, size))  # frozen first blocks: checkpointed, they recompute nothing
 
     def fn(precision: str, micro_batch: int, blocks) -> MemoryEstimate:
         # the window's effective batch: with accumulation the estimate traces a micro-batch run
