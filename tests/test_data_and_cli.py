@@ -221,3 +221,12 @@ def test_a_bad_default_data_file_is_named_by_its_variable(tmp_path, monkeypatch)
     monkeypatch.setenv("TIGHTFIT_DEFAULT_DATA", str(tmp_path / "none.csv"))
     with pytest.raises(TightfitError, match=r"^TIGHTFIT_DEFAULT_DATA=.*none.csv .*give other data with --data\): "):
         load_default()
+
+
+def test_a_quote_left_open_in_the_header_is_named_as_the_header(tmp_path):
+    from tightfit.data import _read_rows
+
+    path = tmp_path / "h.csv"
+    path.write_text('"text,label\nsome text,pos\n')
+    with pytest.raises(TightfitError, match=r"at the header, from line 1 \(a quote opened there"):
+        _read_rows(path)

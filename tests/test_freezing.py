@@ -319,3 +319,20 @@ def test_blocks_that_run_no_backward_are_read_from_the_data_flow():
     assert frozen_prefix_blocks(model, batch) == 0
     model.emb.requires_grad_(False)
     assert frozen_prefix_blocks(model, batch) == 2
+
+
+def test_the_gpu_planners_calibrated_line_counts_passes_as_the_time_model_does():
+    """The GPU planner's measured micro-batch line scaled candidates by 3 + checkpointed share,
+    frozen first blocks included: it under-priced recomputation against the time model."""
+    from types import SimpleNamespace
+
+    from tightfit.devices import get_profile
+    from tightfit.planner.cost import passes
+    from tightfit.planner.gpu import MicroBatchLine
+
+    assert passes(12, 6, 6) == 2.0 and passes(12, 6, 12) == 2.5 and passes(12, 0, 0) == 3.0
+    step = lambda mb: SimpleNamespace(step_seconds=0.1 * mb, micro_batches=1, micro_batch=mb)  # noqa: E731
+    none = SimpleNamespace(precision="bf16", checkpoint_blocks=tuple(range(6)), free_blocks=6, micro_batch=8)
+    line = MicroBatchLine.fit(none, step(8), step(4), 12, get_profile("h200"))
+    trained = SimpleNamespace(precision="bf16", checkpoint_blocks=tuple(range(12)), free_blocks=6, micro_batch=8)
+    assert line.step_seconds(trained, 8, 12) / line.step_seconds(none, 8, 12) == pytest.approx(1.25)

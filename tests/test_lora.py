@@ -14,7 +14,8 @@ from tightfit.runtime.trainer import TrainConfig, Trainer
 from tightfit.workload import Workload
 
 pytest.importorskip("peft")
-from tightfit.levers.lora import apply_lora, lora_targets, merged, trainable_count  # noqa: E402
+from tightfit.levers.lora import apply_lora, lora_targets, merged  # noqa: E402
+from tightfit.levers.trainable import trainable_count  # noqa: E402
 
 
 def tiny_gpt2_classifier():

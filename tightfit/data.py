@@ -157,14 +157,16 @@ def _read_rows(path: Path) -> list[dict]:
         # TSV has no quoting: a quote is the text's own character (else an unpaired one merges rows)
         quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
         reader = csv.DictReader(io.StringIO(text), delimiter=delimiter, strict=True, quoting=quoting)
-        rows, start = [], 2  # the line where the record being read starts (the header is line 1)
+        rows, start = [], 1  # the line where the record being read starts (1: the header)
+        reader.fieldnames  # noqa: B018 - reads the header, which may itself be malformed
+        start = reader.line_num + 1
         for row in reader:
             rows.append(row)
             start = reader.line_num + 1
     except csv.Error as e:
         opened = " (a quote opened there and never closed)" if "end of data" in str(e) else ""
-        raise TightfitError(f"{path}: malformed {'TSV' if delimiter == chr(9) else 'CSV'} at record {len(rows) + 1}, "
-                            f"from line {start}{opened}: {e}") from None
+        at = f"record {len(rows) + 1}, from line {start}" if start > 1 else "the header, from line 1"
+        raise TightfitError(f"{path}: malformed {'TSV' if delimiter == chr(9) else 'CSV'} at {at}{opened}: {e}") from None
     finally:
         csv.field_size_limit(limit)
     if reader.fieldnames is None:

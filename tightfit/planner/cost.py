@@ -187,6 +187,17 @@ def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -
                        free_blocks=frozen_prefix_blocks(model, make_batch(1, size)))
 
 
+def passes(n_blocks: int, free_blocks: int, checkpointed: int) -> float:
+    """Passes over the model's forward that one micro-batch costs: the forward, the backward
+    (twice the forward, Kaplan et al. 2020's 6N FLOPs per token against the forward's 2N) where
+    it runs, and the recomputation of the ``checkpointed`` first blocks less the
+    ``free_blocks`` first ones, which run no backward and recompute nothing
+    (:func:`tightfit.levers.freezing.frozen_prefix_blocks`)."""
+    n = n_blocks or 1
+    free = min(free_blocks, n)
+    return 3 - 2 * free / n + max(0, checkpointed - free) / n
+
+
 @dataclass(frozen=True)
 class TimeModel:
     """Predicts seconds per optimizer step.
@@ -224,19 +235,17 @@ class TimeModel:
         :meth:`micro_batch_seconds`)."""
         c = self.cost
         n, free = c.n_blocks or 1, c.free_blocks
-        if policies is None:  # the first blocks: those that run no backward recompute nothing
-            full = max(0, checkpointed - free)
-        else:
-            full = sum(p == "full" for p in policies[free:])
+        # the first blocks: those that run no backward recompute nothing
+        full = checkpointed if policies is None else free + sum(p == "full" for p in policies[free:])
         selective = 0 if policies is None else sum(p == "selective" for p in policies[free:])
         flops = micro_batch * c.flops_per_sample
         launches = c.ops * self.launch_s
-        passes = 3 - 2 * min(free, n) / n  # forward, and backward (twice the forward) where it runs
-        base = max(passes * flops / self.rate(precision), passes * launches)
+        bare, paid = passes(n, free, 0), passes(n, free, full)
+        base = max(bare * flops / self.rate(precision), bare * launches)
         bw = self.profile.memory_bytes_per_s or 500e9
         rerun = selective * micro_batch * c.selective_bytes_per_sample * 2 / bw  # read + write, memory-bound
-        total = max((passes + full / n) * flops / self.rate(precision) + rerun,
-                    (passes + full / n) * launches + selective * self._selective_launches() * self.launch_s)
+        total = max(paid * flops / self.rate(precision) + rerun,
+                    paid * launches + selective * self._selective_launches() * self.launch_s)
         moved = self.offloaded_bytes(precision, micro_batch, policies)
         bw = self.profile.host_link_bytes_per_s or 12e9  # built-in cards: PCIe, devices.py
         # device-to-host beside the forward (a third of the compute), host-to-device waited for

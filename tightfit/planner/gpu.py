@@ -33,7 +33,7 @@ from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks, 
 from ..units import format_bytes, format_rate
 from ..workload import Workload
 from .bisection import bisect, gallop
-from .cost import peak_flops
+from .cost import passes, peak_flops
 from .probe import PROBE_HEADROOM, ProbeResult, probe_step
 from .optimizers import levers_installed, search_optimizers
 from .search import Candidate, SearchResult, estimator_for
@@ -128,12 +128,12 @@ class MicroBatchLine:
     On a fast GPU a micro-batch costs a fixed CPU time (Python, autograd, kernel launches) that
     does not shrink with its size, so accumulation steps cost nearly a whole micro-batch each;
     on a slow card the per-sample term dominates. Both terms scale with the passes over the
-    model (``3 + checkpointed share``: forward, backward = 2 forwards, recomputation); the
+    model (:func:`~.cost.passes`: forward, backward = 2 forwards where it runs, recomputation); the
     per-sample term also with the precision's rate relative to the calibrated one.
 
     Attributes:
         precision: the calibrated candidate's precision.
-        passes: ``3 +`` the calibrated candidate's checkpointed share of blocks.
+        passes: the calibrated candidate's passes over the model (:func:`~.cost.passes`).
         fixed_s, per_sample_s: seconds per micro-batch and per sample.
         rates: precision -> rate relative to the calibrated precision (1.0 for it).
     """
@@ -157,11 +157,12 @@ class MicroBatchLine:
         fixed = max(0.0, u_big - per_sample * big.micro_batch)
         ref = peak_flops(profile, cand.precision)
         rates = {p: peak_flops(profile, p) / ref for p in ("fp32", "fp16", "bf16") if peak_flops(profile, p)}
-        return cls(cand.precision, 3 + len(cand.checkpoint_blocks) / max(n_blocks, 1), fixed, per_sample, rates)
+        return cls(cand.precision, passes(n_blocks, cand.free_blocks, len(cand.checkpoint_blocks)), fixed, per_sample,
+                   rates)
 
     def step_seconds(self, cand, effective_batch: int, n_blocks: int) -> float:
         """Predicted forward + backward time of one optimizer step of ``cand``, seconds."""
-        scale = (3 + len(cand.checkpoint_blocks) / max(n_blocks, 1)) / self.passes
+        scale = passes(n_blocks, cand.free_blocks, len(cand.checkpoint_blocks)) / self.passes
         rate = self.rates.get(cand.precision, 1.0) or 1.0
         full, rest = divmod(effective_batch, cand.micro_batch)
         t = full * (self.fixed_s + self.per_sample_s * cand.micro_batch / rate) * scale
@@ -859,7 +860,10 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     # beat the blocks (the model's own hook, a Hugging Face model's, checkpoints inside the graph;
     # tightfit's wrappers cannot). At most an eighth of the blocks more to recompute (~4% more GPU
     # work) against three compiled calls per block saved: worth one more timing.
-    if regional and n_blocks and n_blocks - len(v.checkpoint_blocks) <= n_blocks // 8 and \
+    # (Frozen first blocks recompute nothing either way: only the blocks that keep activations count.)
+    kept = n_blocks - best.free_blocks
+    paid = sum(i >= best.free_blocks for i in v.checkpoint_blocks)
+    if regional and kept > 0 and paid and kept - paid <= kept // 8 and \
             getattr(model, "supports_gradient_checkpointing", False):
         short = too_short_for_whole_model(run_samples, v.samples_per_s)
         if short:

@@ -363,8 +363,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     if free:  # said of every candidate, so that none is said to checkpoint frozen first blocks
         mark = {id(c): replace(c, free_blocks=free) for c in prediction.traced + prediction.evaluated}
         prediction = Prediction([mark[id(c)] for c in prediction.traced], [mark[id(c)] for c in prediction.evaluated])
-    result = replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model), free_blocks=free)
-    return result
+    return replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model), free_blocks=free)
 
 
 def predicted_bound(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,
