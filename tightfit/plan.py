@@ -193,6 +193,13 @@ class Plan:
         """Micro-batches per full window on each process: ``ceil(rank_batch / micro_batch)``."""
         return accumulation_steps(self.rank_batch, self.micro_batch)
 
+    def checkpointed_blocks(self, n_blocks: int) -> tuple[int, ...]:
+        """The indices of the blocks the plan checkpoints, of the model's ``n_blocks`` repeated
+        blocks (``checkpoint_blocks`` None with checkpointing on: every block)."""
+        if self.checkpoint_blocks is not None:
+            return tuple(self.checkpoint_blocks)
+        return tuple(range(n_blocks)) if self.activation_checkpointing else ()
+
     def with_micro_batch(self, micro_batch: int, reason: str | None = None) -> "Plan":
         """A copy with another micro-batch (the effective batch is unchanged)."""
         reasons = self.reasons + ((reason,) if reason else ())
@@ -248,8 +255,7 @@ def without_free_blocks(plan: Plan, free: int, n_blocks: int) -> Plan:
     plan of per-block policies."""
     if not free or not plan.activation_checkpointing or plan.compile_scope == "model" or plan.block_policies:
         return plan
-    blocks = plan.checkpoint_blocks if plan.checkpoint_blocks is not None else range(n_blocks)
-    kept = tuple(i for i in blocks if i >= free)
+    kept = tuple(i for i in plan.checkpointed_blocks(n_blocks) if i >= free)
     return replace(plan, activation_checkpointing=bool(kept),
                    checkpoint_blocks=kept if 0 < len(kept) < n_blocks else None)
 

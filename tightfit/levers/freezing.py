@@ -137,21 +137,20 @@ def apply_freezing(model: torch.nn.Module, trainable: str) -> str:
     Raises:
         TightfitError: as :func:`frozen_parameters`.
     """
-    frozen = frozen_parameters(model, trainable)
+    frozen, n = frozen_parameters(model, trainable), frozen_blocks(trainable)
     ids = {id(p) for _, p in frozen}
-    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
-    if not left:
+    if not any(p.requires_grad and id(p) not in ids for p in model.parameters()):
         raise TightfitError(f"{option_given('trainable', trainable)} leaves no parameter to train: freeze fewer blocks")
+    inputs = bool(input_parameters(model))
     for _, p in frozen:
         p.requires_grad_(False)
-    norms = _freeze_running_statistics(model, frozen_blocks(trainable))
+    norms = _freeze_running_statistics(model, n)
     setattr(model, MARK, trainable)
-    named = {n for n, _ in frozen}
-    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids and n not in named]
-    n = frozen_blocks(trainable)
+    named = {name for name, _ in frozen}
+    tied = [name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in ids and name not in named]
     ps = list(model.parameters())
     trained, total = sum(p.numel() for p in ps if p.requires_grad), sum(p.numel() for p in ps)
-    parts = (["the input layers"] if input_parameters(model) else []) + \
+    parts = (["the input layers"] if inputs else []) + \
         ([f"the first {n} of {len(find_blocks(model))} blocks"] if n else [])
     return (f"{option_given('trainable', trainable)}: {' and '.join(parts)} frozen ({total - trained:,} parameters"
             + (f", tied to {', '.join(tied)}, frozen with them" if tied else "")

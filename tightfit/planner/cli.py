@@ -179,8 +179,7 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
           f"{profile.name} rules, budget {format_bytes(budget)}")
     last = args.batch_size - (b.accumulation_steps - 1) * b.micro_batch
     plan = result.to_plan()  # the blocks it checkpoints (not frozen first blocks, which keep nothing)
-    blocks = plan.checkpoint_blocks if plan.checkpoint_blocks is not None else \
-        tuple(range(result.n_blocks)) if plan.activation_checkpointing else ()
+    blocks = plan.checkpointed_blocks(result.n_blocks)
     print(f"plan: {b.precision}, micro-batch {b.micro_batch} x {b.accumulation_steps} accumulation steps"
           + (f" (the last {last})" if last != b.micro_batch else "") + ", "
           + (f"blocks {describe_policies(b.block_policies)}" if b.block_policies is not None else

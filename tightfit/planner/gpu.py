@@ -414,7 +414,7 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                    f"estimates, no GPU), verification on the GPU {t_compile - t_verify:.1f} s, compilation and "
                    f"timing of the chosen plan {t_end - t_compile:.1f} s")
     plan = _gpu_plan(best, variant, workload.effective_batch, budget_bytes, result.n_blocks, reasons)
-    plan = without_free_blocks(plan, result.free_blocks, result.n_blocks)  # frozen first blocks: nothing to recompute
+    plan = without_free_blocks(plan, best.candidate.free_blocks, result.n_blocks)  # frozen first blocks: nothing to recompute
     return replace(plan, trainable=result.trainable, trainable_params=result.trainable_params)
 
 

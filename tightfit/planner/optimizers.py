@@ -82,15 +82,14 @@ def _constrained(result: SearchResult, forced: bool = False) -> bool:
     (fully or selectively) or with its activations offloaded; with ``forced`` (``--checkpointing
     on``: every block recomputed as asked, whatever the memory) accumulation only."""
     b = result.best
-    paid = set(b.checkpoint_blocks) - set(range(result.free_blocks))  # frozen first blocks recompute nothing
-    return b.accumulation_steps > 1 or not forced and (bool(paid) or any(
+    return b.accumulation_steps > 1 or not forced and (bool(b.paid_blocks) or any(
         p != "none" for p in b.block_policies or ()))
 
 
 _BLOCK_WORDS = {"selective": "selectively recomputed", "full": "checkpointed", "offload": "offloaded"}
 
 
-def _what_it_pays(b, forced: bool = False, free_blocks: int = 0) -> str:
+def _what_it_pays(b, forced: bool = False) -> str:
     """``"7 accumulation steps, 5 selectively recomputed blocks and 1 checkpointed block"``: what
     candidate ``b`` uses to fit (with ``forced``, ``--checkpointing on``, its blocks are as asked,
     not paid for memory: accumulation only)."""
@@ -100,8 +99,8 @@ def _what_it_pays(b, forced: bool = False, free_blocks: int = 0) -> str:
     parts = [n(b.accumulation_steps, "accumulation step")] if b.accumulation_steps > 1 else []
     if not forced and b.block_policies is not None:
         parts += [n(b.block_policies.count(p), f"{w} block") for p, w in _BLOCK_WORDS.items() if p in b.block_policies]
-    elif not forced and set(b.checkpoint_blocks) - set(range(free_blocks)):  # frozen first blocks: free
-        parts.append(n(len(set(b.checkpoint_blocks) - set(range(free_blocks))), "checkpointed block"))
+    elif not forced and b.paid_blocks:  # frozen first blocks recompute nothing
+        parts.append(n(len(b.paid_blocks), "checkpointed block"))
     return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
 
 
@@ -396,7 +395,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                          + [f"{k}: {short.get(k, 'fits nothing')}" for k, _ in _in_lever_order(failures) if k != "adamw"]
                          + [f"{k}: not searched ({LEVER_LIBRARY[k]} is not installed)" for k in missing])
     why = ("fp32 AdamW state fits nothing" if "adamw" in failures
-           else f"{'' if kind == 'adamw' else 'fp32 AdamW state '}needs {_what_it_pays(results['adamw'].best, forced, results['adamw'].free_blocks)}")
+           else f"{'' if kind == 'adamw' else 'fp32 AdamW state '}needs {_what_it_pays(results['adamw'].best, forced)}")
     why = f"optimizer {kind}, {_NAMES[kind]}: {why}; predicted fastest" + (f" (against {compared})" if compared else "")
     others = tuple(_explained(r, k, f"optimizer {k}, {_NAMES[k]}: the runner-up optimizer, predicted "
                                     f"{format_rate(r.best.samples_per_s)} samples/s against {best.best.samples_per_s:.0f} for "

@@ -88,6 +88,12 @@ class Candidate:
     free_blocks: int = 0
 
     @property
+    def paid_blocks(self) -> tuple[int, ...]:
+        """The checkpointed blocks that keep activations, and so cost recomputation (not the
+        frozen first ``free_blocks``)."""
+        return tuple(i for i in self.checkpoint_blocks or () if i >= self.free_blocks)
+
+    @property
     def choice(self) -> tuple:
         """What the estimator traces: the block policies, or the checkpointed blocks' indices."""
         return self.block_policies if self.block_policies is not None else self.checkpoint_blocks
@@ -107,8 +113,7 @@ class Candidate:
         for ``traced`` where nothing was searched)."""
         d = asdict(self)
         d.pop("free_blocks")
-        d["checkpoint_blocks"] = None if self.checkpoint_blocks is None else \
-            [i for i in self.checkpoint_blocks if i >= self.free_blocks]
+        d["checkpoint_blocks"] = None if self.checkpoint_blocks is None else list(self.paid_blocks)
         d["block_policies"] = None if self.block_policies is None else list(self.block_policies)
         d["samples_per_s"] = self.samples_per_s or None
         d["status"] = self.status
@@ -124,7 +129,7 @@ class Candidate:
             kinds = [f"{self.block_policies.count(p)} {p}" for p in ("selective", "full", "offload")
                      if p in self.block_policies]
             return f"{self.precision}, blocks {' + '.join(kinds)}, micro-batch {self.micro_batch}"
-        ck = sum(i >= self.free_blocks for i in self.checkpoint_blocks)  # frozen first blocks keep nothing
+        ck = len(self.paid_blocks)
         return f"{self.precision}, checkpointing {ck} block{'s' if ck != 1 else ''}, micro-batch {self.micro_batch}"
 
 
@@ -146,8 +151,6 @@ class SearchResult:
             lever can be off); empty otherwise.
         trainable, trainable_params: what the model searched trains (``Plan``'s fields of the
             same names, :func:`tightfit.levers.trainable.trainable_fields`).
-        free_blocks: the model's first blocks that keep no activations (frozen, nothing trained
-            before them): checkpointing them recomputes and saves nothing.
     """
 
     best: Candidate
@@ -159,7 +162,6 @@ class SearchResult:
     other_optimizers: tuple = ()
     trainable: str = "all"
     trainable_params: int | None = None
-    free_blocks: int = 0
 
     def to_plan(self, device: str = "cuda") -> Plan:
         """The winner as a :class:`~tightfit.plan.Plan` (checkpointing on if any block is; not
@@ -170,7 +172,7 @@ class SearchResult:
                                 predicted_peak_reserved_bytes=b.peak_reserved_bytes,
                                 predicted_samples_per_s=b.samples_per_s, block_policies=b.block_policies,
                                 trainable=self.trainable, trainable_params=self.trainable_params)
-        return without_free_blocks(plan, self.free_blocks, self.n_blocks)
+        return without_free_blocks(plan, b.free_blocks, self.n_blocks)
 
     def to_dict(self) -> dict:
         """JSON: ``plan``, ``budget_bytes``, ``predicted_peak_bytes`` (reserved),
@@ -179,9 +181,7 @@ class SearchResult:
         and a ``why``), ``planning_seconds``."""
         b = self.best
         plan = self.to_plan()
-        blocks = plan.checkpoint_blocks if plan.checkpoint_blocks is not None else \
-            range(self.n_blocks) if plan.activation_checkpointing else ()
-        return {"plan": plan.to_dict(), "checkpoint_blocks": list(blocks),
+        return {"plan": plan.to_dict(), "checkpoint_blocks": list(plan.checkpointed_blocks(self.n_blocks)),
                 "block_policies": None if b.block_policies is None else list(b.block_policies),
                 "budget_bytes": self.budget_bytes, "predicted_peak_bytes": b.peak_reserved_bytes,
                 "predicted_peak_allocated_bytes": b.peak_allocated_bytes, "breakdown": b.breakdown,
@@ -363,7 +363,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
     if free:  # said of every candidate, so that none is said to checkpoint frozen first blocks
         mark = {id(c): replace(c, free_blocks=free) for c in prediction.traced + prediction.evaluated}
         prediction = Prediction([mark[id(c)] for c in prediction.traced], [mark[id(c)] for c in prediction.evaluated])
-    return replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model), free_blocks=free)
+    return replace(rank(space, prediction, time.perf_counter() - t0), **trainable_fields(model))
 
 
 def predicted_bound(model, make_batch, size: int, effective_batch: int, profile: DeviceProfile, budget_bytes: int,

@@ -160,8 +160,7 @@ def warm_compiled_plan(workload: Workload, plan, budget_bytes: int) -> float:
         return 0.0
     t0 = time.perf_counter()
     model = workload.model
-    blocks = plan.checkpoint_blocks if plan.checkpoint_blocks is not None else (
-        tuple(range(_n_blocks(model))) if plan.activation_checkpointing else ())
+    blocks = plan.checkpointed_blocks(_n_blocks(model))
     compile_model(model, plan.compile_scope)
     set_activation_checkpointing(model, bool(blocks), blocks)
     with any_length(workload.train):
