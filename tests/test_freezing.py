@@ -336,3 +336,12 @@ def test_the_gpu_planners_calibrated_line_counts_passes_as_the_time_model_does()
     line = MicroBatchLine.fit(none, step(8), step(4), 12, get_profile("h200"))
     trained = SimpleNamespace(precision="bf16", checkpoint_blocks=tuple(range(12)), free_blocks=6, micro_batch=8)
     assert line.step_seconds(trained, 8, 12) / line.step_seconds(none, 8, 12) == pytest.approx(1.25)
+
+
+def test_estimate_json_says_what_is_trained(capsys):
+    import json
+
+    assert main(["estimate", "--model", "minilm", "--seq-len", "32", "--micro-batch", "4", "--trainable", "frozen-2",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["trainable"] == "frozen-2" and plan["trainable_params"] > 0

@@ -153,8 +153,10 @@ def run(args) -> int:
 
         check_planned_seq_len(size, args.model)
     batch = make_batch(1, size)
+    from ..levers.trainable import trainable_fields
+
     plan = Plan(args.precision, args.micro_batch, effective_batch, optimizer=args.optimizer, device="cuda",
-                budget_bytes=budget)
+                budget_bytes=budget, **trainable_fields(model))  # what is trained, as plan --json says it
     try:
         result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing,
                           allocator=getattr(args, "allocator", "expandable"))
