@@ -92,7 +92,8 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
     data.collate = logged
     w = Workload(tiny_bert(spec.get("dropout", 0.0), 0), data, None, spec.get("effective_batch", 8))
     plan = Plan("fp32", spec.get("micro_batch", 4), w.effective_batch, world_size=world_size,
-                sharding=spec.get("sharding", "ddp") if world_size > 1 else "none")
+                sharding=spec.get("sharding", "ddp") if world_size > 1 or spec.get("sharding") == "fsdp-offload"
+                else "none")
     cfg = TrainConfig(epochs=spec.get("epochs", 1), max_steps=spec.get("max_steps"), lr=1e-3, seed=3, log_every=1,
                       grow_back_after=0, prefetch=False, checkpoint_dir=spec.get("checkpoint_dir"),
                       checkpoint_every=spec.get("checkpoint_every", 0), keep_last=spec.get("keep_last", 3))
@@ -125,7 +126,7 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
         probed = verify_micro_batch(t)
         hook.remove()
     res = t.fit()
-    if world.sharding == "fsdp":
+    if world.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         weights = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:

@@ -188,6 +188,7 @@ class TrainRecipe:
         self.data_fingerprint: str | None = None  # of the samples trained on and held out
         self.metrics = None
         self.plan_timings: dict = {}  # the planner's stage times (seconds), or {"cached": True, ...}
+        self.offload_reason: str | None = None  # one process offloading its parameters: why (_check_budget)
 
     # ---------------------------------------------------------------- setup: writes nothing
     def setup(self) -> None:
@@ -220,7 +221,7 @@ class TrainRecipe:
         p = self.req.planning
         self.device, self.profile, self.budget, notes = resolve_device(p)
         self.notes += notes
-        if p.sharding != "auto" and not self.world.distributed:
+        if p.sharding not in ("auto", "fsdp-offload") and not self.world.distributed:
             self.notes.append(f"{option_given('sharding', p.sharding)} applies to several processes (--gpus N); "
                               "this run has one")
         p.check_for_device(self.device, self.world.distributed)
@@ -360,11 +361,52 @@ class TrainRecipe:
         from .planner.advice import check_model_state
         from .planner.optimizers import levers_installed
 
-        if self.budget is not None and not self.world.distributed:  # several ranks: planner/sharding.py
-            link = (self.profile or get_profile("h200")).host_link_bytes_per_s
-            check_model_state(self.model, self.budget, self.req.planning.optimizer,
-                              levers_installed() and self.device == "cuda", link, cuda=self.device == "cuda",
-                              profile=self.profile if self.device == "cuda" else None)
+        p = self.req.planning
+        if self.budget is None or self.world.distributed:  # several ranks: planner/sharding.py
+            return
+        if p.sharding == "fsdp-offload":
+            self._check_host_for_offload()
+            self.offload_reason = f"{option_given('sharding', 'fsdp-offload')} (asked for)"
+            return
+        link = (self.profile or get_profile("h200")).host_link_bytes_per_s
+        try:
+            check_model_state(self.model, self.budget, p.optimizer, levers_installed() and self.device == "cuda",
+                              link, cuda=self.device == "cuda", profile=self.profile if self.device == "cuda" else None)
+        except TightfitError as e:
+            if not self._may_offload():
+                raise
+            self._check_host_for_offload(refused=str(e).split(";")[0])
+            self.offload_reason = f"no single-GPU plan holds the training state: {str(e).split(';')[0]}"
+
+    def _may_offload(self) -> bool:
+        """Whether ``auto`` may offload the parameters of a model whose state fits no single-GPU
+        plan: on a CUDA GPU, a model of repeated blocks, with the AdamW and precision it can run."""
+        from .levers.blocks import find_blocks
+
+        p = self.req.planning
+        return (self.device == "cuda" and p.sharding == "auto" and p.optimizer in ("auto", "adamw")
+                and p.precision != "fp16" and bool(find_blocks(self.model)))
+
+    def _check_host_for_offload(self, refused: str | None = None) -> None:
+        """Parameter offload keeps 16 B per parameter in host memory
+        (:func:`tightfit.planner.sharding.host_state_bytes`): refuse it where the host has less
+        available than that and the model's own copy.
+
+        Raises:
+            TightfitError: too little host memory (after ``refused``, the single-GPU refusal, if any).
+        """
+        from .levers.blocks import find_blocks
+        from .levers.optimizers import available_host_bytes
+        from .planner.sharding import host_state_bytes
+
+        if not find_blocks(self.model):
+            raise TightfitError("parameter offload (--sharding fsdp-offload) needs a model of repeated blocks "
+                                "(transformer layers): FSDP2 gathers one block at a time")
+        need, have = host_state_bytes(self.model), available_host_bytes()
+        if have is not None and need > have:
+            raise TightfitError((refused + "; and p" if refused else "P") +
+                                f"arameter offload needs {format_bytes(need)} of host memory (fp32 weights, "
+                                f"gradients and AdamW state, 16 B per parameter), {format_bytes(have)} available")
 
     def input_size(self) -> int:
         """The size a sample's worst case has, for the planner: ``--seq-len`` (tokens)."""
@@ -431,8 +473,9 @@ class TrainRecipe:
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total))
             log.info(f"device: {self.device_name}, memory capped at {format_bytes(self.budget)}"
                      + (f" (the {self.profile.name} profile)" if self.req.planning.gpu else ""))
-            self.model.to(self.device)
-            if not self.world.distributed:  # planned and run in the layout it trains in
+            if not self._offloads():  # parameter offload: FSDP2 moves the model block by block
+                self.model.to(self.device)
+            if not (self.world.distributed or self._offloads()):  # planned and run in the layout it trains in
                 chosen = self.req.planning.optimizer
                 layout = use_channels_last(self.model, self.device, None if chosen == "auto" else chosen)
                 if layout:
@@ -466,6 +509,12 @@ class TrainRecipe:
         for line in plan_lines(self.plan):
             log.info(f"  {line}")
 
+    def _offloads(self) -> bool:
+        """This one-process run offloads its parameters (planned so, or resumed from such a plan)."""
+        if self.resume_state is not None:
+            return self.resume_state["plan"].get("sharding") == "fsdp-offload"
+        return self.offload_reason is not None
+
     def _compile_before_training(self) -> None:
         """A plan from the plan cache or from the checkpoint compiled nothing in this process:
         compile now, at the worst case and another length, what the first run's planning
@@ -487,6 +536,12 @@ class TrainRecipe:
             from .plan import Plan
 
             return Plan.from_dict(self.resume_state["plan"])  # read and checked by _check_resume_point
+        if self.offload_reason is not None:  # FSDP2 alone: its own planner, fast (two traces per choice)
+            from .planner.sharding import choose_sharding, fsdp_plan, offload_precision
+
+            prec = offload_precision(self.profile, p.precision)[0]
+            plan = fsdp_plan(self, choose_sharding(self.model, 1, self.budget, "fsdp-offload", prec), 1)
+            return replace(plan, reasons=(self.offload_reason,) + plan.reasons)
         if self.device == "cuda":
             return self._cached_gpu_plan()
         from .planner.probe import plan_first
@@ -554,7 +609,7 @@ class TrainRecipe:
                 self.trainer.event("options given anew: " + ", ".join(
                     f"{option_given(k, new)} (was {old})" for k, (old, new) in self.changed.items()),
                     show=False)  # shown already, as each option's note when the resume read them
-        elif self.device == "cuda" and self.plan.sharding == "fsdp":  # the estimator's micro-batch, run once
+        elif self.device == "cuda" and self.plan.sharding in ("fsdp", "fsdp-offload"):  # the estimator's, run once
             from .planner.fsdp_probe import verify_micro_batch
 
             planned, mb = self.plan.micro_batch, verify_micro_batch(self.trainer)
@@ -752,7 +807,7 @@ class TrainRecipe:
 
     def _gathered_weights(self) -> dict | None:
         """Under FSDP2, the full weights on the CPU (gathered from every rank: call on all); else None."""
-        if self.trainer.world.sharding != "fsdp":
+        if not self.trainer.world.sharded:
             return None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -437,7 +437,9 @@ class PlanOptions(_Options):
         device: ``auto`` (the GPU if there is one), ``cpu`` or ``cuda``.
         planner: on a GPU, ``search`` or ``probe``.
         replan: ignore a cached plan of the same job (:mod:`tightfit.planner.cache`).
-        sharding: on several ranks, ``auto``, ``ddp`` or ``fsdp`` (:mod:`tightfit.planner.sharding`).
+        sharding: on several ranks, ``auto``, ``ddp`` or ``fsdp``; on one or several,
+            ``fsdp-offload``: parameters, gradients and AdamW state in host memory
+            (:mod:`tightfit.planner.sharding`).
         optimizer: ``auto`` (fp32 AdamW state first, then 8-bit or CPU-offloaded state where
             that fits or is faster), ``adamw``, ``adamw8bit``, ``adamw-offload`` or ``adamw8bit-bf16``.
     """
@@ -453,8 +455,11 @@ class PlanOptions(_Options):
                                   "planner's compiled probe steps are faster)", choices=("auto", "on", "off"))
     device: str = option("auto", "auto|cuda|cpu (default: {default}: the GPU if there is one)",
                          choices=("auto", "cpu", "cuda"))
-    sharding: str = option("auto", "on several GPUs (torchrun / --gpus): auto|ddp|fsdp (default: {default}: DDP "
-                                   "when the replicated state fits, else FSDP2)", choices=("auto", "ddp", "fsdp"))
+    sharding: str = option("auto", "auto|ddp|fsdp on several GPUs (torchrun / --gpus); fsdp-offload on one or "
+                                   "several: parameters, gradients and AdamW state in host memory (default: "
+                                   "{default}: one GPU alone, offloading parameters only when nothing else fits; "
+                                   "several: DDP when the replicated state fits, else FSDP2)",
+                           choices=("auto", "ddp", "fsdp", "fsdp-offload"))
     planner: str = option("search", "on a GPU: search (predict, then verify the best with real steps) or probe "
                                     "(largest micro-batch by probing; default: search)", choices=("search", "probe"))
     replan: bool = option(False, "plan afresh even if this job's plan is in the plan cache "
@@ -482,6 +487,16 @@ class PlanOptions(_Options):
         if self.optimizer in BF16_WEIGHTS and device != "cuda":
             raise TightfitError(f"{option_given('optimizer', self.optimizer)} trains under bf16 autocast, which "
                                 "tightfit runs on a CUDA GPU only")
+        if self.sharding == "fsdp-offload" and device != "cuda":
+            raise TightfitError(f"{option_given('sharding', 'fsdp-offload')} needs a CUDA GPU (it streams the "
+                                "parameters from host memory to the GPU)")
+        if self.sharding == "fsdp-offload" and self.optimizer not in ("auto", "adamw"):
+            raise TightfitError(f"{option_given('sharding', 'fsdp-offload')} keeps fp32 AdamW state in host memory: "
+                                f"{option_given('optimizer', self.optimizer)} does not go with it")
+        if self.sharding == "fsdp-offload" and self.precision == "fp16":
+            raise TightfitError(f"{option_given('sharding', 'fsdp-offload')} trains in bf16 or fp32: the loss "
+                                f"scaler of {option_given('precision', 'fp16')} does not unscale gradients in host "
+                                "memory")
         if self.precision in ("fp16", "bf16") and device != "cuda":
             raise TightfitError(f"{option_given('precision', self.precision)} needs a CUDA GPU; on the CPU use fp32")
 

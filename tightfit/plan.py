@@ -20,7 +20,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 # (tightfit.levers.optimizers: bitsandbytes' 8-bit AdamW, torchao's AdamW offloaded to the CPU,
 # bf16 weights with torchao's 8-bit AdamW rounding them stochastically).
 OPTIMIZER_CHOICES = ("auto", "adamw", "adamw8bit", "adamw-offload", "adamw8bit-bf16")
-SHARDINGS = ("none", "ddp", "fsdp")
+SHARDINGS = ("none", "ddp", "fsdp", "fsdp-offload")
 
 
 def rank_batch(effective_batch: int, world_size: int) -> int:
@@ -86,8 +86,9 @@ class Plan:
             ``micro_batch`` samples per pass, so micro-batch x accumulation steps x world size
             = effective batch (:func:`rank_batch`).
         sharding: ``"none"`` (one process), ``"ddp"`` (replicated state, gradients all-reduced) or
-            ``"fsdp"`` (parameters, gradients and optimizer state sharded by FSDP2); see
-            :mod:`tightfit.planner.sharding`.
+            ``"fsdp"`` (parameters, gradients and optimizer state sharded by FSDP2) or
+            ``"fsdp-offload"`` (FSDP2 with its shards in host memory, on one process or several:
+            parameter offload); see :mod:`tightfit.planner.sharding`.
         trainable: what is trained: ``"all"`` parameters, ``"lora"`` adapters and the head, or all
             but frozen layers (``"frozen-embeddings"``, ``"frozen-N"``; :mod:`tightfit.levers.trainable`).
         trainable_params: parameters the optimizer updates (None: not counted).

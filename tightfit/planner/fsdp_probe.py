@@ -26,13 +26,6 @@ from ..step import train_mode, training_step
 from .margins import planned_limit
 
 
-def _reshard(model: torch.nn.Module) -> None:
-    """Free the parameters an interrupted FSDP2 pass left all-gathered."""
-    for m in model.modules():
-        if hasattr(m, "reshard") and type(m).__name__.startswith("FSDP"):
-            m.reshard()
-
-
 PROBE_STEPS = 2  # the second runs its forward and backward with AdamW's moments in place, as every later step
 
 
@@ -90,7 +83,7 @@ def verify_micro_batch(trainer) -> int:
                 trainer.scaler.load_state_dict(scaler)
             restore_rng(rng)
         if failed:
-            _reshard(trainer.model)
+            world.reshard(trainer.model)
             release_memory()
         if world.all_sum([float(failed)])[0] == 0:
             break

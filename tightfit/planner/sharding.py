@@ -78,16 +78,46 @@ def sharded_state_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, i
     return total, -(-total // world_size) + ROOT_COPIES * root + GATHERED_BLOCKS * block
 
 
+def offloaded_state_bytes(model: torch.nn.Module, precision: str) -> int:
+    """Training-state bytes on the GPU under parameter offload (``fsdp-offload``: FSDP2 with its
+    shards, gradients and AdamW state in host memory): what FSDP2 holds gathered while it
+    computes (see the module doc), in the dtype it gathers (2 B under ``bf16``, else 4 B), with
+    the gradients of those parameters in fp32 before they go to the host."""
+    from ..levers.blocks import find_blocks
+
+    blocks = find_blocks(model)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    block = max((count(b) for b in blocks), default=count(model))
+    root = count(model) - sum(count(b) for b in blocks)
+    gathered = 2 if precision == "bf16" else 4
+    return root * (gathered + 4) + 2 * block * (gathered + 4)
+
+
+def host_state_bytes(model: torch.nn.Module) -> int:
+    """Host memory parameter offload holds (bytes): fp32 weights and gradients (pinned) and
+    AdamW's two fp32 moments, 16 B per parameter (Rajbhandari et al. 2021, "ZeRO-Infinity")."""
+    return 16 * sum(p.numel() for p in model.parameters())
+
+
 def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int | None,
-                    asked: str = "auto") -> ShardingChoice:
+                    asked: str = "auto", precision: str = "bf16") -> ShardingChoice:
     """DDP or FSDP2 for ``model`` on ``world_size`` ranks of ``budget_bytes`` each.
 
     Args:
-        asked: ``"auto"``, ``"ddp"`` or ``"fsdp"`` (the latter two are taken as given).
+        asked: ``"auto"``, ``"ddp"``, ``"fsdp"`` or ``"fsdp-offload"`` (the last three are taken
+            as given; ``fsdp-offload`` on one process too).
+        precision: the run's, for what ``fsdp-offload`` gathers.
 
     Raises:
         TightfitError: not even the sharded state fits the budget.
     """
+    if asked == "fsdp-offload":
+        replicated = sharded_state_bytes(model, world_size)[0]
+        state = offloaded_state_bytes(model, precision)
+        return ShardingChoice("fsdp-offload", state, replicated - state,
+                              f"parameter offload (FSDP2): weights, gradients and AdamW state in host "
+                              f"memory ({format_bytes(host_state_bytes(model))}), the GPU holding "
+                              f"{format_bytes(state)} of them while it computes")
     if world_size <= 1:
         return ShardingChoice("none", 0, 0, "one process")
     replicated, sharded = sharded_state_bytes(model, world_size)
@@ -109,7 +139,7 @@ def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int |
 
 
 def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, precision: str,
-                     checkpointing: bool) -> tuple[int, int] | None:
+                     checkpointing: bool, state_bytes: int | None = None) -> tuple[int, int] | None:
     """The largest micro-batch (up to each rank's share of the window) whose predicted per-rank
     peak fits ``budget_bytes`` under FSDP2, and that peak (bytes); None if micro-batch 1 does not.
 
@@ -117,7 +147,9 @@ def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, prec
     bytes per sample x micro-batch + what its line holds at micro-batch 0 beyond the replicated
     state (fixed temporaries); the estimate (:func:`tightfit.memory.estimate.estimate`) is traced
     on meta tensors at micro-batches 4 and 16 and fitted to a line
-    (:class:`tightfit.memory.fast.MemoryLine`). Held to the planner's headroom. (Subtracting the
+    (:class:`tightfit.memory.fast.MemoryLine`). ``state_bytes``: the GPU's share of the state
+    when it is not the sharded one (parameter offload: :func:`offloaded_state_bytes`). Held to
+    the planner's headroom. (Subtracting the
     replicated state from the single-GPU peak instead under-counts: that peak need not hold every
     state byte at once, e.g. AdamW's moments before the first step.)
     """
@@ -133,7 +165,7 @@ def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, prec
         return estimate(workload.model, example, Plan(prec, mb, mb, checkpointing), profile)
 
     line = MemoryLine.traced(fn, precision, (), TRACED_AT)
-    fixed = sharded + max(0.0, line.intercept - replicated)
+    fixed = (sharded if state_bytes is None else state_bytes) + max(0.0, line.intercept - replicated)
     rank_line = MemoryLine(fixed, line.slope)
     mb = rank_line.largest_fitting(budget_bytes * (1 - HEADROOM), upper)
     return (mb, int(rank_line.reserved(mb))) if mb >= 1 else None
@@ -184,16 +216,17 @@ def plan_for_ranks(recipe, single_plan):
     cuda = recipe.device == "cuda"
     # on the CPU too: a budget given there is checked as a GPU's would be (one process checks it
     # against the model state, api.TrainRecipe._check_budget)
-    choice = choose_sharding(recipe.model, world.size, recipe.budget, p.sharding)
+    choice = choose_sharding(recipe.model, world.size, recipe.budget, p.sharding,
+                             offload_precision(recipe.profile, p.precision)[0] if p.sharding == "fsdp-offload" else "bf16")
     if recipe.resume_from is not None:
         plan = single_plan()
         if plan.world_size == world.size:
             return plan
         return replace(plan, world_size=world.size, sharding=choice.sharding,
                        reasons=plan.reasons + (f"resumed on {world.size} ranks: {choice.reason}",))
-    if choice.sharding == "fsdp" and p.optimizer not in ("auto", "adamw"):  # the FSDP2 plan holds fp32 AdamW state
+    if choice.sharding != "ddp" and p.optimizer not in ("auto", "adamw"):  # the FSDP2 plan holds fp32 AdamW state
         raise TightfitError(f"--optimizer {p.optimizer} is not available under FSDP2 "
-                            f"({'--sharding fsdp' if p.sharding == 'fsdp' else choice.reason}): its plan "
+                            f"({'--sharding ' + p.sharding if p.sharding != 'auto' else choice.reason}): its plan "
                             "shards fp32 AdamW state; use --sharding ddp, or --optimizer adamw")
     E = recipe.workload.effective_batch
     share = rank_batch(E, world.size)
@@ -213,25 +246,64 @@ def plan_for_ranks(recipe, single_plan):
                        reasons=reasons + (choice.reason + f"; {share} samples of each window per rank",))
     if not cuda:
         prec = "fp32" if p.precision == "auto" else p.precision
-        return Plan(prec, share, E, p.checkpointing == "on", device="cpu", world_size=world.size, sharding="fsdp",
-                    reasons=(choice.reason, "CPU: each rank's whole share in one micro-batch"))
-    if p.precision == "auto":
+        return Plan(prec, share, E, p.checkpointing == "on", device="cpu", world_size=world.size,
+                    sharding=choice.sharding, reasons=(choice.reason, "CPU: each rank's whole share in one micro-batch"))
+    return fsdp_plan(recipe, choice, world.size)
+
+
+def offload_precision(profile, asked: str) -> tuple[str, str]:
+    """The precision of a parameter-offload plan and why: bf16 where the card runs it, else fp32
+    (fp16's loss scaler does not unscale gradients in host memory: refused by the options)."""
+    from ..levers.precision import check_precision
+
+    if asked != "auto":
+        check_precision(asked, profile)
+        return asked, f"{asked} (asked for)"
+    if profile is not None and profile.bf16:
+        return "bf16", "bf16: the card runs it; parameters gathered in bf16, gradients reduced in fp32"
+    return "fp32", "fp32: the card has no bf16, and fp16's loss scaler does not reach gradients in host memory"
+
+
+def fsdp_plan(recipe, choice: ShardingChoice, world_size: int):
+    """The FSDP2 plan (``fsdp`` on several ranks, ``fsdp-offload`` on one or several) on CUDA:
+    precision from the card, the micro-batch from :func:`fsdp_micro_batch`, checkpointing as
+    :func:`choose_checkpointing` decides. The trainer then verifies the micro-batch with real
+    steps (:func:`tightfit.planner.fsdp_probe.verify_micro_batch`).
+
+    Raises:
+        TightfitError: micro-batch 1 does not fit, with checkpointing or without.
+    """
+    from ..levers.precision import check_precision, preferred_precision
+    from ..plan import Plan, balanced_micro_batch, rank_batch
+
+    p = recipe.req.planning
+    E = recipe.workload.effective_batch
+    share = rank_batch(E, world_size)
+    offload = choice.sharding == "fsdp-offload"
+    if offload:
+        prec, why = offload_precision(recipe.profile, p.precision)
+    elif p.precision == "auto":
         prec, why = preferred_precision(recipe.profile)
     else:
         check_precision(p.precision, recipe.profile)
         prec, why = p.precision, f"{p.precision} (asked for)"
+    state = offloaded_state_bytes(recipe.model, prec) if offload else None
     fits, tried = {}, []
     for ckpt in {"auto": [False, True], "on": [True], "off": [False]}[p.checkpointing]:
-        fits[ckpt] = fsdp_micro_batch(recipe.workload, recipe.profile, recipe.budget, world.size, prec, ckpt)
+        fits[ckpt] = fsdp_micro_batch(recipe.workload, recipe.profile, recipe.budget, world_size, prec, ckpt,
+                                      state_bytes=state)
         tried.append(f"checkpointing {'on' if ckpt else 'off'}: "
                      + (f"micro-batch {fits[ckpt][0]}" if fits[ckpt] else "none fits"))
+    per_rank = " per rank" if world_size > 1 else ""
+    held = "the GPU's share of the state under parameter offload" if offload else "the sharded state"
     for ckpt in choose_checkpointing(fits, share):
         fit = fits[ckpt]
         mb = balanced_micro_batch(share, fit[0])
-        return Plan(prec, mb, E, ckpt, device="cuda", budget_bytes=recipe.budget, world_size=world.size,
-                    sharding="fsdp", predicted_peak_reserved_bytes=fit[1],
-                    reasons=(why, choice.reason, f"micro-batch {mb} per rank: the largest whose predicted peak "
-                             f"(the estimator's, less the sharded state) fits {format_bytes(recipe.budget)}",
+        return Plan(prec, mb, E, ckpt, device="cuda", budget_bytes=recipe.budget, world_size=world_size,
+                    sharding=choice.sharding, predicted_peak_reserved_bytes=fit[1],
+                    reasons=(why, choice.reason, f"micro-batch {mb}{per_rank}: the largest whose predicted peak "
+                             f"(the estimator's activations, with {held}) fits {format_bytes(recipe.budget)}",
                              f"activation checkpointing {'on' if ckpt else 'off'} ({'; '.join(tried)})"))
-    raise TightfitError(f"nothing fits {format_bytes(recipe.budget)} per GPU under FSDP2 on {world.size} GPUs: "
-                        + "; ".join(tried))
+    where = "with parameter offload" if offload else "under FSDP2"
+    raise TightfitError(f"nothing fits {format_bytes(recipe.budget)} per GPU {where} on {world_size} GPU"
+                        f"{'s' if world_size > 1 else ''}: " + "; ".join(tried))

@@ -70,7 +70,8 @@ class World:
     Attributes:
         rank, size, local_rank: from torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``.
         backend: ``"nccl"``, ``"gloo"`` or None (one process).
-        sharding: ``"none"``, ``"ddp"`` or ``"fsdp"``, set by :meth:`wrap`.
+        sharding: ``"none"``, ``"ddp"``, ``"fsdp"`` or ``"fsdp-offload"``, set by :meth:`wrap`
+            (one process may run ``"fsdp-offload"``: FSDP2 over a process group of one).
     """
 
     rank: int = 0
@@ -79,6 +80,7 @@ class World:
     backend: str | None = None
     sharding: str = "none"
     _armed: "WindowGuard | None" = None  # the guard whose agreement the next forward ends with
+    _own_group: bool = False  # a one-process group made by wrap() for parameter offload
 
     @property
     def is_main(self) -> bool:
@@ -88,6 +90,17 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 holds the model (``fsdp`` or ``fsdp-offload``): its state is DTensors, written
+        and read with torch.distributed.checkpoint."""
+        return self.sharding in ("fsdp", "fsdp-offload")
+
+    @property
+    def writes_dcp(self) -> bool:
+        """Checkpoints go through :mod:`.sharded_checkpoint` (several processes, or FSDP2 alone)."""
+        return self.distributed or self.sharded
 
     # ---------------------------------------------------------------- the process group
     @classmethod
@@ -126,8 +139,31 @@ class World:
             logging.getLogger("tightfit").setLevel(logging.ERROR)
         return cls(rank, size, local, backend)
 
+    def _one_process_group(self, cuda: bool) -> None:
+        """A process group of this process alone, which FSDP2 needs even on one GPU (an in-memory
+        store: no port, no rendezvous); NCCL for the GPU, gloo for host tensors (gloo alone on
+        the CPU, where the runtime's path is tested without the offload itself)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        from torch.distributed import checkpoint  # noqa: F401  (before the group: see from_env)
+
+        if cuda:
+            dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                    device_id=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self._own_group = True
+
     def close(self) -> None:
         """Leave the process group (after the last collective, on every rank: it waits for all)."""
+        if self._own_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._own_group = False
         if self.distributed:
             import torch.distributed as dist
 
@@ -214,15 +250,26 @@ class World:
         return self.all_sum([local_count])[0] / self.size
 
     # ---------------------------------------------------------------- the model
-    def wrap(self, model: torch.nn.Module, sharding: str) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, sharding: str, precision: str = "fp32",
+             device: torch.device | None = None) -> torch.nn.Module:
         """``model`` under DDP or FSDP2 (``fully_shard`` on each repeated block, then on the
-        whole), as ``sharding`` says; unchanged for one process. Call it before the optimizer is
-        made (FSDP2 replaces the parameters by sharded ones).
+        whole), as ``sharding`` says; unchanged for one process unless ``fsdp-offload``. Call it
+        before the optimizer is made (FSDP2 replaces the parameters by sharded ones).
+
+        ``fsdp-offload`` (parameter offload): FSDP2's ``CPUOffloadPolicy``, the fp32 shards of the
+        parameters and their gradients in pinned host memory (AdamW's state follows them there:
+        the optimizer steps on the CPU), each block's parameters copied to the GPU for its
+        forward and again for its backward. Under ``bf16`` they are gathered in bf16 and their
+        gradients reduced in fp32 (``MixedPrecisionPolicy``): a block on the GPU costs half.
+        ``model`` may be on the CPU: ``fully_shard`` moves each block to the GPU, then its shard
+        to the host, so the whole model is never on the GPU. On a CPU ``device`` (tests) the
+        same FSDP2 path runs without the policy: the shards are in host memory already.
 
         Raises:
             TightfitError: FSDP2 asked for a model without repeated blocks.
         """
-        self.sharding = sharding if self.distributed else "none"
+        offload = sharding == "fsdp-offload"
+        self.sharding = sharding if self.distributed or offload else "none"
         if self.sharding == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -239,18 +286,38 @@ class World:
             model.register_forward_hook(self._agree_after_forward)
             return DDP(model, device_ids=[self.local_rank] if cuda else None, gradient_as_bucket_view=True,
                        **{sync: False})
-        if self.sharding == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+        if self.sharded:
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
             from ..levers.blocks import find_blocks
 
             blocks = find_blocks(model)
             if not blocks:
                 raise TightfitError("FSDP2 sharding needs a model with repeated blocks (transformer layers)")
+            options = {}
+            cuda = (device.type == "cuda") if device is not None else self.backend == "nccl"
+            if offload and not self.distributed:
+                self._one_process_group(cuda)
+                if not cuda:
+                    from torch.distributed.device_mesh import init_device_mesh
+
+                    options["mesh"] = init_device_mesh("cpu", (1,))
+            if offload and cuda:  # on the CPU the parameters are in host memory already
+                options["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+                if precision == "bf16":
+                    options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for block in blocks:
-                fully_shard(block)
-            fully_shard(model)
+                fully_shard(block, **options)
+            fully_shard(model, **options)
         return model
+
+    def reshard(self, model: torch.nn.Module) -> None:
+        """Under FSDP2: free the parameters an interrupted pass (an OOM) left all-gathered, so that
+        the redo starts as a fresh pass does."""
+        if self.sharded:
+            for m in model.modules():
+                if hasattr(m, "reshard") and type(m).__name__.startswith("FSDP"):
+                    m.reshard()
 
     @staticmethod
     def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -290,10 +357,10 @@ class World:
         Raises:
             TightfitError: the OOM cannot be recovered from together.
         """
-        if not self.distributed or isinstance(exc, PeerOutOfMemory):
-            return
-        if self.sharding == "fsdp" or guard is None or guard.agreed:
-            where = "under FSDP2 (its collectives run in every pass)" if self.sharding == "fsdp" else \
+        if isinstance(exc, PeerOutOfMemory) or not self.distributed:
+            return  # one process (parameter offload too): the trainer redoes the window (reshard first)
+        if self.sharded or guard is None or guard.agreed:
+            where = "under FSDP2 (its collectives run in every pass)" if self.sharded else \
                 "after the ranks had agreed to synchronise the gradients"
             raise TightfitError(f"out of memory on rank {self.rank} {where}: every rank stops; continue with "
                                 "--resume (from the last checkpoint) and a smaller --budget share or checkpointing")

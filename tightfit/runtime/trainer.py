@@ -322,9 +322,12 @@ class Trainer:
         self.device = torch.device(plan.device)
         # the plan's optimizer may keep the weights in bf16 (adamw8bit-bf16): cast before the move
         check_trainable(plan.trainable, workload.model)
-        self.model = cast_weights(workload.model, plan.optimizer).to(self.device)
+        # parameter offload: the model stays where it is (the host); FSDP2 moves it block by block
+        offload = plan.sharding == "fsdp-offload"
+        self.model = cast_weights(workload.model, plan.optimizer)
+        self.model = self.model if offload else self.model.to(self.device)
         self.world = world or World()
-        if not self.world.distributed:  # before compilation, which specialises on strides
+        if not (self.world.distributed or offload):  # before compilation, which specialises on strides
             layout = use_channels_last(self.model, self.device.type, plan.optimizer)
             if layout:
                 _log.info("tightfit: %s", layout)
@@ -336,7 +339,7 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
         total = math.ceil(config.epochs * self.steps_per_epoch)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
-        one = None if self.world.distributed else batchnorm_sees_one_sample(  # before compilation: an eager forward
+        one = None if self.world.distributed or offload else batchnorm_sees_one_sample(  # before compilation
             self.model, len(workload.train), workload.effective_batch, plan.micro_batch, self.total_steps,
             one_sample_forward(workload, self.model, self.device, plan.precision))
         if one:
@@ -348,8 +351,9 @@ class Trainer:
             compile_model(self.model, plan.compile_scope)
         else:
             uncompile_model(self.model)
-        # several ranks: DDP or FSDP2 as the plan says, before the optimizer sees the parameters
-        self.model = self.world.wrap(self.model, plan.sharding)
+        # several ranks (or parameter offload): DDP or FSDP2 as the plan says, before the optimizer
+        # sees the parameters
+        self.model = self.world.wrap(self.model, plan.sharding, plan.precision, self.device)
         self.world.seed_rank(config.seed)
         params = [p for p in self.model.parameters() if p.requires_grad]  # frozen: no state
         if not params:
@@ -667,6 +671,7 @@ class Trainer:
                     raise
                 where = type(e).__name__
                 self.world.on_oom(e, self._guard)  # the other ranks learn of it (or all stop)
+                self.world.reshard(self.model)  # FSDP2 alone: the blocks the failed pass left gathered
             if before is not None and changed_since(self.optimizer, before):
                 raise PartialUpdateError(
                     f"out of memory inside the optimizer step of step {index + 1} after it had updated part "
@@ -830,7 +835,7 @@ class Trainer:
         from .async_checkpoint import CheckpointWriter
 
         self._abandoned.discard(self.step)  # written anew by this run
-        if self.world.distributed:  # every rank writes its part with torch.distributed.checkpoint
+        if self.world.writes_dcp:  # every rank writes its part with torch.distributed.checkpoint
             from .sharded_checkpoint import save_sharded
 
             state = {k: v for k, v in self.state_dict().items() if k != "optimizer"}

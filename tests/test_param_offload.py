@@ -1,0 +1,175 @@
+"""Parameter offload (``--sharding fsdp-offload``): FSDP2 over a process group of one.
+
+On the CPU the runtime's whole path runs (the one-process group, FSDP2's DTensor parameters,
+AdamW over them, DCP checkpoints and resume, the OOM redo) without FSDP2's CPUOffloadPolicy
+itself, which needs a GPU (the GPU tests below)."""
+
+import math
+
+import pytest
+import torch
+
+from distributed_worker import spawn
+
+BASE = {"n": 24, "effective_batch": 8, "micro_batch": 4, "dropout": 0.1}  # dropout on: masks must match
+
+
+def _losses(result):
+    return [r["loss"] for r in result["records"] if r["type"] == "train"]
+
+
+def _same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].cpu(), b[k].cpu()), k
+
+
+def test_one_process_fsdp_trains_as_the_plain_run(tmp_path):
+    plain = spawn(BASE, 1, tmp_path)[0]
+    off = spawn({**BASE, "sharding": "fsdp-offload"}, 1, tmp_path)[0]
+    assert off["steps"] == plain["steps"] == 3
+    assert _losses(off) == _losses(plain)  # one rank: the all-gather and reduce-scatter are copies
+    _same_weights(off["weights"], plain["weights"])
+
+
+def test_checkpoint_is_dcp_and_resume_is_exact(tmp_path):
+    spec = {**BASE, "sharding": "fsdp-offload"}
+    full = spawn({**spec, "checkpoint_dir": str(tmp_path / "full"), "checkpoint_every": 1}, 1, tmp_path)[0]
+    ckpt = tmp_path / "full" / "ckpt-1"
+    assert (ckpt / "dcp").is_dir() and not (ckpt / "model.safetensors").exists()
+    resumed = spawn({**spec, "resume": str(ckpt)}, 1, tmp_path)[0]
+    assert _losses(resumed) == _losses(full)[1:]  # dropout on, bit for bit
+    _same_weights(resumed["weights"], full["weights"])
+
+
+def test_oom_redoes_the_window_with_a_smaller_micro_batch(tmp_path):
+    # An OOM in the second step's forward, once: the window is redone at micro-batch 2 exactly as
+    # the plain one-process runtime redoes it (FSDP2 first frees what the failed pass gathered).
+    plain = spawn({**BASE, "oom": (0, 1)}, 1, tmp_path)[0]
+    hit = spawn({**BASE, "sharding": "fsdp-offload", "oom": (0, 1)}, 1, tmp_path)[0]
+    assert hit["oom_recoveries"] == plain["oom_recoveries"] == 1
+    assert hit["micro_batch"] == 2 and hit["steps"] == 3
+    assert _losses(hit) == _losses(plain)
+    _same_weights(hit["weights"], plain["weights"])
+    assert not torch.distributed.is_initialized()  # the trainer's one-process group was left
+
+
+def test_the_offload_plan_holds_blocks_not_the_model_on_the_gpu():
+    """The planner's arithmetic on the CPU: the GPU's share under parameter offload is the root's
+    parameters and two blocks' (gathered in bf16, their gradients in fp32), far below the
+    replicated state; the plan's micro-batch fits the budget where the model state would not."""
+    from types import SimpleNamespace
+
+    from conftest import SyntheticBatches, tiny_bert
+
+    from tightfit.config import PlanOptions
+    from tightfit.devices import get_profile
+    from tightfit.planner.sharding import choose_sharding, fsdp_plan, host_state_bytes, offloaded_state_bytes
+    from tightfit.workload import Workload
+
+    model = tiny_bert()
+    n = sum(p.numel() for p in model.parameters())
+    blocks = model.bert.encoder.layer
+    block = sum(p.numel() for p in blocks[0].parameters())
+    root = n - len(blocks) * block
+    assert offloaded_state_bytes(model, "bf16") == root * 6 + 2 * block * 6
+    assert offloaded_state_bytes(model, "fp32") == root * 8 + 2 * block * 8
+    assert host_state_bytes(model) == 16 * n
+    w = Workload(model, SyntheticBatches(64), None, 32)
+    budget = 256 << 20  # a tiny model: the fixed temporaries (82 MiB, cuBLAS workspaces) dominate
+    recipe = SimpleNamespace(req=SimpleNamespace(planning=PlanOptions()), workload=w, budget=budget,
+                             profile=get_profile("h200"), model=model)
+    plan = fsdp_plan(recipe, choose_sharding(model, 1, budget, "fsdp-offload", "bf16"), 1)
+    assert plan.sharding == "fsdp-offload" and plan.world_size == 1 and plan.precision == "bf16"
+    assert 1 <= plan.micro_batch and plan.predicted_peak_reserved_bytes <= budget
+    assert any("parameter offload" in r for r in plan.reasons)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--sharding", "fsdp-offload", "--device", "cpu"], "needs a CUDA GPU"),
+    (["--sharding", "fsdp-offload", "--optimizer", "adamw8bit"], "does not go with it"),
+    (["--sharding", "fsdp-offload", "--precision", "fp16"], "bf16 or fp32"),
+])
+def test_options_parameter_offload_cannot_run_are_refused_in_one_line(argv, says):
+    from tightfit.config import PlanOptions
+    from tightfit.errors import TightfitError
+
+    kw = {"sharding": "fsdp-offload"}
+    for k, v in zip(argv[2::2], argv[3::2]):
+        kw[k.lstrip("-")] = v
+    device = kw.pop("device", "cuda")
+    with pytest.raises(TightfitError, match=says):
+        PlanOptions(**kw).check_for_device(device)
+
+
+def _bert_base(dropout=0.1):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(num_labels=2, hidden_dropout_prob=dropout,
+                                                    attention_probs_dropout_prob=dropout))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_parameter_offload_trains_where_no_single_gpu_plan_fits(tmp_path):
+    """BERT-base at 400 MiB: every single-GPU optimizer's state is over the budget; parameter
+    offload plans a micro-batch, verifies it with real steps, keeps the parameters in host
+    memory, trains within the budget with dropout on, and resumes exactly from its DCP checkpoint."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import gc
+    from types import SimpleNamespace
+
+    from conftest import SyntheticBatches
+
+    from tightfit.config import PlanOptions
+    from tightfit.devices import detect
+    from tightfit.errors import TightfitError
+    from tightfit.planner.advice import check_model_state
+    from tightfit.planner.fsdp_probe import verify_micro_batch
+    from tightfit.planner.sharding import choose_sharding, fsdp_plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    budget, profile = 400 << 20, detect()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+
+    def run(resume=None, steps=4):
+        w = Workload(_bert_base(), SyntheticBatches(256, seq_len=128, vocab=30000, pad_multiple=8),
+                     SyntheticBatches(16, seq_len=128, vocab=30000), 64)
+        recipe = SimpleNamespace(req=SimpleNamespace(planning=PlanOptions()), workload=w, budget=budget,
+                                 profile=profile, model=w.model)
+        plan = fsdp_plan(recipe, choose_sharding(w.model, 1, budget, "fsdp-offload", "bf16"), 1)
+        records = []
+        t = Trainer(w, plan, TrainConfig(epochs=1, max_steps=steps, lr=1e-4, checkpoint_dir=str(tmp_path / "ck"),
+                                         checkpoint_every=2, prefetch=False), log=records.append, progress=False)
+        if resume:
+            t.resume(resume)
+        else:
+            verify_micro_batch(t)
+        torch.cuda.reset_peak_memory_stats()
+        res = t.fit()
+        params_on = {p.device.type for p in t.model.parameters()}
+        weights = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()
+                   if "position_ids" not in k}
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in weights.items()}
+        t.world.close()
+        return res, [r["loss"] for r in records if r["type"] == "train"], params_on, weights, plan
+
+    try:
+        with pytest.raises(TightfitError, match="below the"):
+            check_model_state(_bert_base(), budget, "auto", True, profile.host_link_bytes_per_s, profile=profile)
+        full, losses, params_on, weights, plan = run()
+        assert plan.sharding == "fsdp-offload" and full.steps == 4 and full.oom_recoveries == 0
+        assert params_on == {"cpu"}  # the shards live in host memory
+        assert full.peak_reserved_bytes <= budget
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] + 0.5
+        again, losses2, _, weights2, _ = run(resume=str(tmp_path / "ck" / "ckpt-2"))
+        assert losses2 == losses[2:]  # dropout on: the same masks, bit for bit
+        for k in weights:
+            assert torch.equal(weights[k], weights2[k]), k
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        gc.collect()
+        torch.cuda.empty_cache()
