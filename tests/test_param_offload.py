@@ -173,3 +173,49 @@ def test_on_the_gpu_parameter_offload_trains_where_no_single_gpu_plan_fits(tmp_p
         torch.cuda.set_per_process_memory_fraction(1.0)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("options, offloads", [
+    ({}, True),  # auto: no single-GPU plan holds the state -> parameter offload
+    ({"sharding": "fsdp-offload"}, True),
+    ({"optimizer": "adamw8bit"}, False),  # a lever asked for: its own refusal stands
+    ({"precision": "fp16"}, False),
+    ({"budget_bytes": 80_000}, False),  # offload's own GPU share (123 KiB) is over too
+])
+def test_train_takes_parameter_offload_when_no_single_gpu_plan_holds_the_state(options, offloads):
+    """`tightfit train`'s budget check on a CUDA GPU (set by hand here: the check itself runs no
+    GPU work): a budget below every single-GPU optimizer's model state falls back to parameter
+    offload unless an option rules it out, where the refusal names it as a lever."""
+    from conftest import tiny_bert
+
+    from tightfit.api import TrainRecipe, TrainRequest
+    from tightfit.devices import get_profile
+    from tightfit.errors import TightfitError
+
+    budget = options.pop("budget_bytes", 150_000)
+    recipe = TrainRecipe(TrainRequest(progress=False, **options))
+    model = tiny_bert()
+    recipe.model, recipe.device, recipe.profile = model, "cuda", get_profile("h200")
+    recipe.budget = budget  # 150 kB: below even 8-bit state with bf16 weights (164 KiB); offload's GPU share: 123 KiB
+    if offloads:
+        recipe._check_budget()
+        assert recipe.offload_reason is not None and recipe._offloads()
+    else:
+        with pytest.raises(TightfitError, match="below the"):
+            recipe._check_budget()
+        assert recipe.offload_reason is None
+
+
+def test_the_nothing_fits_advice_names_parameter_offload():
+    from conftest import tiny_bert
+
+    from tightfit.devices import get_profile
+    from tightfit.errors import TightfitError
+    from tightfit.planner.advice import check_model_state
+
+    model = tiny_bert()
+    with pytest.raises(TightfitError, match=r"--sharding fsdp-offload.*`tightfit train` takes it"):
+        check_model_state(model, 150_000, "auto", True, 25e9, profile=get_profile("h200"))
+    with pytest.raises(TightfitError, match=r"--sharding fsdp-offload.*still 45.04 KiB over"):  # the GPU share too
+        check_model_state(model, 4 * sum(p.numel() for p in model.parameters()), "auto", True, 25e9,
+                          profile=get_profile("h200"))

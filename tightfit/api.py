@@ -375,6 +375,12 @@ class TrainRecipe:
         except TightfitError as e:
             if not self._may_offload():
                 raise
+            from .planner.margins import planned_limit
+            from .planner.sharding import offloaded_state_bytes, offload_precision
+
+            prec = offload_precision(self.profile, p.precision)[0]
+            if offloaded_state_bytes(self.model, prec) > planned_limit(self.budget):
+                raise  # its line in the refusal says by how much
             self._check_host_for_offload(refused=str(e).split(";")[0])
             self.offload_reason = f"no single-GPU plan holds the training state: {str(e).split(';')[0]}"
 

@@ -219,6 +219,29 @@ def _lora_parameters(model) -> tuple[int, int] | None:
     return adapters, head
 
 
+def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None, cuda: bool = True) -> str | None:
+    """The nothing-fits line for parameter offload (``--sharding fsdp-offload``), which ``tightfit
+    train`` takes by itself when no single-GPU plan holds the training state: what stays on the
+    GPU (:func:`.sharding.offloaded_state_bytes`) against ``limit`` (bytes), what the host holds
+    (:func:`.sharding.host_state_bytes`) and what each micro-batch moves over the host link (the
+    fp32 shards copied in for the forward and again for the backward, the fp32 gradients out:
+    12 B per parameter). None on the CPU or for a model without repeated blocks."""
+    from ..levers.blocks import find_blocks
+    from .sharding import host_state_bytes, offloaded_state_bytes
+
+    if not cuda or not find_blocks(model):
+        return None
+    params = sum(p.numel() for p in model.parameters())
+    gpu = offloaded_state_bytes(model, "bf16" if profile is None or profile.bf16 else "fp32")
+    moved = 12 * params
+    fits = ("its GPU share is under the planned limit; `tightfit train` takes it when nothing else fits"
+            if gpu < limit else f"still {format_bytes(gpu - limit)} over")
+    return (f"parameter offload (--sharding fsdp-offload: FSDP2 keeps the weights, gradients and AdamW state in host "
+            f"memory, {format_bytes(host_state_bytes(model))}, and gathers one block at a time on the GPU, "
+            f"{format_bytes(gpu)} held there; each micro-batch moves {format_bytes(moved)} over the host link, about "
+            f"{format_seconds(moved / host_link_bytes_per_s)}, and each step runs AdamW on the CPU): {fits}")
+
+
 def lora_line(model, limit: float) -> str | None:
     """The nothing-fits line for LoRA, which the planner never chooses by itself (it changes what is
     trained): its model state with fp32 AdamW (4 B per weight, 12 B more per parameter left to
@@ -378,6 +401,9 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
                                                      else "") + f" (fp32 AdamW: {fp32})")
     lora = lora_line(model, limit)  # never chosen for you: named where it would change the answer
     lines += [lora] if lora else []
+    if optimizer in ("auto", "adamw") and (profile is None or (precision != "fp16")):
+        offload = offload_line(model, limit, host_link_bytes_per_s, profile, cuda)
+        lines += [offload] if offload else []
     raise TightfitError(f"budget {format_bytes(budget)} (planned against {format_bytes(limit)}, keeping "
                         f"{int(HEADROOM * 100)}% headroom) is below the {format_bytes(least)} of model state that "
                         f"{who}, by {format_bytes(least - limit)}; no micro-batch, accumulation or checkpointing "
