@@ -108,7 +108,11 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
             if not fired and t.step == spec["oom"][1]:
                 fired.append(1)
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        world.unwrap(t.model).bert.encoder.layer[1].register_forward_pre_hook(inject)
+        layer = world.unwrap(t.model).bert.encoder.layer
+        if spec.get("oom_in") == "backward":  # the first block's backward: the others' gradients exist
+            layer[0].register_full_backward_hook(inject)
+        else:
+            layer[1].register_forward_pre_hook(inject)
     allreduces = []  # DDP's gradient all-reduces (one per bucket) on this rank
     if world.sharding == "ddp":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

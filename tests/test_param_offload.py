@@ -42,11 +42,14 @@ def test_checkpoint_is_dcp_and_resume_is_exact(tmp_path):
     _same_weights(resumed["weights"], full["weights"])
 
 
-def test_oom_redoes_the_window_with_a_smaller_micro_batch(tmp_path):
-    # An OOM in the second step's forward, once: the window is redone at micro-batch 2 exactly as
-    # the plain one-process runtime redoes it (FSDP2 first frees what the failed pass gathered).
-    plain = spawn({**BASE, "oom": (0, 1)}, 1, tmp_path)[0]
-    hit = spawn({**BASE, "sharding": "fsdp-offload", "oom": (0, 1)}, 1, tmp_path)[0]
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_oom_redoes_the_window_with_a_smaller_micro_batch(tmp_path, where):
+    # An OOM in the second step's forward (or backward), once: the window is redone at micro-batch
+    # 2 exactly as the plain one-process runtime redoes it (FSDP2 first ends the failed pass: a
+    # backward that raised left its end-of-backward callback unrun, which would lose the root's
+    # gradients in the redo).
+    plain = spawn({**BASE, "oom": (0, 1), "oom_in": where}, 1, tmp_path)[0]
+    hit = spawn({**BASE, "sharding": "fsdp-offload", "oom": (0, 1), "oom_in": where}, 1, tmp_path)[0]
     assert hit["oom_recoveries"] == plain["oom_recoveries"] == 1
     assert hit["micro_batch"] == 2 and hit["steps"] == 3
     assert _losses(hit) == _losses(plain)
@@ -83,6 +86,14 @@ def test_the_offload_plan_holds_blocks_not_the_model_on_the_gpu():
     assert plan.sharding == "fsdp-offload" and plan.world_size == 1 and plan.precision == "bf16"
     assert 1 <= plan.micro_batch and plan.predicted_peak_reserved_bytes <= budget
     assert any("parameter offload" in r for r in plan.reasons)
+
+
+def test_under_parameter_offload_checkpointing_comes_first_for_any_fewer_micro_batches():
+    from tightfit.planner.sharding import choose_checkpointing
+
+    assert choose_checkpointing({False: (3, 0), True: (5, 0)}, 128) == [False, True]  # 43 -> 26: FSDP2 alone
+    assert choose_checkpointing({False: (3, 0), True: (5, 0)}, 128, offload=True) == [True]
+    assert choose_checkpointing({False: (64, 0), True: (96, 0)}, 128, offload=True) == [False, True]  # 2 -> 2
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -219,3 +230,30 @@ def test_the_nothing_fits_advice_names_parameter_offload():
     with pytest.raises(TightfitError, match=r"--sharding fsdp-offload.*still 45.04 KiB over"):  # the GPU share too
         check_model_state(model, 4 * sum(p.numel() for p in model.parameters()), "auto", True, 25e9,
                           profile=get_profile("h200"))
+
+
+def test_train_takes_parameter_offload_when_the_search_finds_nothing_that_fits(monkeypatch):
+    """The state fits a single-GPU plan, but no step with its activations does (the single-GPU
+    search's NothingFitsError): `tightfit train` then plans parameter offload, with the search's
+    refusal as its first reason, and the model back in host memory."""
+    from conftest import SyntheticBatches, tiny_bert
+
+    from tightfit import api
+    from tightfit.devices import get_profile
+    from tightfit.planner.search import NothingFitsError
+    from tightfit.workload import Workload
+
+    def nothing(self):
+        raise NothingFitsError("no micro-batch fits 1.00 MiB: the smallest step tried needs 2.00 MiB\n  levers ...")
+
+    monkeypatch.setattr(api.TrainRecipe, "_cached_gpu_plan", nothing)
+    recipe = api.TrainRecipe(api.TrainRequest(progress=False))
+    model = tiny_bert()
+    recipe.model, recipe.device, recipe.profile, recipe.budget = model, "cuda", get_profile("h200"), 256 << 20
+    recipe.workload = Workload(model, SyntheticBatches(64), None, 32)
+    plan = recipe._choose_plan()
+    assert plan.sharding == "fsdp-offload" and plan.reasons[0].startswith("no single-GPU plan fits: no micro-batch")
+    recipe.offload_reason = None
+    recipe.req = api.TrainRequest(progress=False, optimizer="adamw8bit")  # a lever asked for: the refusal stands
+    with pytest.raises(NothingFitsError):
+        recipe._choose_plan()

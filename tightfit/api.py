@@ -373,25 +373,33 @@ class TrainRecipe:
             check_model_state(self.model, self.budget, p.optimizer, levers_installed() and self.device == "cuda",
                               link, cuda=self.device == "cuda", profile=self.profile if self.device == "cuda" else None)
         except TightfitError as e:
-            if not self._may_offload():
+            if not self._offload_instead(str(e).split(";")[0]):
                 raise
-            from .planner.margins import planned_limit
-            from .planner.sharding import offloaded_state_bytes, offload_precision
 
-            prec = offload_precision(self.profile, p.precision)[0]
-            if offloaded_state_bytes(self.model, prec) > planned_limit(self.budget):
-                raise  # its line in the refusal says by how much
-            self._check_host_for_offload(refused=str(e).split(";")[0])
-            self.offload_reason = f"no single-GPU plan holds the training state: {str(e).split(';')[0]}"
+    def _offload_instead(self, refused: str) -> bool:
+        """Whether ``auto`` offloads the parameters of a model that no single-GPU plan fits
+        (``refused``: the planner's refusal, its first clause): on a CUDA GPU, for a model of
+        repeated blocks, with the AdamW and precision it can run, where its GPU share
+        (:func:`tightfit.planner.sharding.offloaded_state_bytes`) is under the planned limit (else
+        the refusal's own offload line says by how much). Sets :attr:`offload_reason`.
 
-    def _may_offload(self) -> bool:
-        """Whether ``auto`` may offload the parameters of a model whose state fits no single-GPU
-        plan: on a CUDA GPU, a model of repeated blocks, with the AdamW and precision it can run."""
+        Raises:
+            TightfitError: the host has too little memory for it (:meth:`_check_host_for_offload`).
+        """
         from .levers.blocks import find_blocks
+        from .planner.margins import planned_limit
+        from .planner.sharding import offloaded_state_bytes, offload_precision
 
         p = self.req.planning
-        return (self.device == "cuda" and p.sharding == "auto" and p.optimizer in ("auto", "adamw")
-                and p.precision != "fp16" and bool(find_blocks(self.model)))
+        if not (self.device == "cuda" and p.sharding == "auto" and p.optimizer in ("auto", "adamw")
+                and p.precision != "fp16" and find_blocks(self.model)):
+            return False
+        if offloaded_state_bytes(self.model, offload_precision(self.profile, p.precision)[0]) > \
+                planned_limit(self.budget):
+            return False
+        self._check_host_for_offload(refused=refused)
+        self.offload_reason = f"no single-GPU plan fits: {refused}"
+        return True
 
     def _check_host_for_offload(self, refused: str | None = None) -> None:
         """Parameter offload keeps 16 B per parameter in host memory
@@ -496,7 +504,8 @@ class TrainRecipe:
         else:
             self.plan = self._choose_plan()
             if self.plan.world_size != 1:  # a run of several ranks resumed by one process
-                self.plan = replace(self.plan, world_size=1, sharding="none", reasons=self.plan.reasons + (
+                kept = "fsdp-offload" if self.plan.sharding == "fsdp-offload" else "none"  # on one GPU too
+                self.plan = replace(self.plan, world_size=1, sharding=kept, reasons=self.plan.reasons + (
                     f"resumed in one process: the same micro-batch {self.plan.micro_batch}, the ranks' "
                     f"effective batch {self.plan.effective_batch} in more accumulation steps",))
         if self.resume_from is None:  # what is trained, in the plan and the report
@@ -514,6 +523,15 @@ class TrainRecipe:
                             else "") + f" planning took {self.planning_s:.1f} s")
         for line in plan_lines(self.plan):
             log.info(f"  {line}")
+
+    def _offload_plan(self):
+        """The parameter-offload plan (:func:`tightfit.planner.sharding.fsdp_plan`: FSDP2 on one
+        process, two traces per checkpointing choice; not cached), its first reason why."""
+        from .planner.sharding import choose_sharding, fsdp_plan, offload_precision
+
+        prec = offload_precision(self.profile, self.req.planning.precision)[0]
+        plan = fsdp_plan(self, choose_sharding(self.model, 1, self.budget, "fsdp-offload", prec), 1)
+        return replace(plan, reasons=(self.offload_reason,) + plan.reasons)
 
     def _offloads(self) -> bool:
         """This one-process run offloads its parameters (planned so, or resumed from such a plan)."""
@@ -542,14 +560,18 @@ class TrainRecipe:
             from .plan import Plan
 
             return Plan.from_dict(self.resume_state["plan"])  # read and checked by _check_resume_point
-        if self.offload_reason is not None:  # FSDP2 alone: its own planner, fast (two traces per choice)
-            from .planner.sharding import choose_sharding, fsdp_plan, offload_precision
-
-            prec = offload_precision(self.profile, p.precision)[0]
-            plan = fsdp_plan(self, choose_sharding(self.model, 1, self.budget, "fsdp-offload", prec), 1)
-            return replace(plan, reasons=(self.offload_reason,) + plan.reasons)
+        if self.offload_reason is not None:
+            return self._offload_plan()
         if self.device == "cuda":
-            return self._cached_gpu_plan()
+            from .planner.search import NothingFitsError
+
+            try:
+                return self._cached_gpu_plan()
+            except NothingFitsError as e:  # the state fits, but no step with its activations does
+                if not self._offload_instead(str(e).splitlines()[0]):
+                    raise
+                self.model.to("cpu")  # FSDP2 gathers it block by block
+                return self._offload_plan()
         from .planner.probe import plan_first
 
         plan = plan_first(self.workload, self.device, self.profile, self.budget, p.precision, p.checkpointing)

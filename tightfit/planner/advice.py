@@ -480,4 +480,6 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
     lines.append(f"levers (bytes saved at the peak of that step, {format_bytes(peak - limit)} over):")
     lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s, optimizer,
                                             profile=profile, lever_peak=lever_peak)]
+    offload = offload_line(model, limit, host_link_bytes_per_s, profile) if optimizer in ("adamw", "auto") else None
+    lines += ["  " + offload] if offload else []
     return lines

@@ -383,10 +383,12 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         also = "".join(f"\n  searched {_NAMES[k]} (--optimizer {k}): does not fit either"
                        f" ({str(e).splitlines()[0].split(': the smallest step tried ')[-1]})"
                        for k, e in _in_lever_order(failures) if k != "adamw")
-        from .advice import lora_line
+        from .advice import lora_line, offload_line
 
         lora = lora_line(model, limit)
-        raise NothingFitsError(first + also + (f"\n  {lora}" if lora else ""))
+        offload = None if "parameter offload" in first else offload_line(model, limit, profile.host_link_bytes_per_s,
+                                                                           profile)
+        raise NothingFitsError(first + also + "".join(f"\n  {x}" for x in (lora, offload) if x))
     kind = max(results, key=lambda k: results[k].best.samples_per_s)
     best = results[kind]
     compared = "; ".join([f"{k}: {format_rate(r.best.samples_per_s)} samples/s ({r.best.label()}, {r.best.accumulation_steps} "

@@ -160,18 +160,28 @@ def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, prec
     example = workload.train.worst_case(1)
     replicated, sharded = sharded_state_bytes(workload.model, world_size)
     upper = rank_batch(workload.effective_batch, world_size)
+    # Parameter offload: the step traced with AdamW's state on the host and each gradient freed
+    # once copied there (adamw-offload's step, no accumulation), so that its peak sits where the
+    # activations peak, as it does when no gradient stays on the GPU; only its fp32 weights are
+    # replaced by the GPU's share. (The fp32 AdamW step's peak sits at the end of the backward,
+    # holding every gradient: its line across micro-batches grew far slower than the activations,
+    # and planned BERT-large at 2 GiB at 128 where 64 ran, bench/results/param-offload.)
+    offload = state_bytes is not None
+    kept = 4 * sum(p.numel() for p in workload.model.parameters()) if offload else replicated
 
     def fn(prec, mb, blocks):
-        return estimate(workload.model, example, Plan(prec, mb, mb, checkpointing), profile)
+        plan = (Plan(prec, mb, mb, checkpointing, optimizer="adamw-offload", device="cuda") if offload
+                else Plan(prec, mb, mb, checkpointing))
+        return estimate(workload.model, example, plan, profile)
 
     line = MemoryLine.traced(fn, precision, (), TRACED_AT)
-    fixed = (sharded if state_bytes is None else state_bytes) + max(0.0, line.intercept - replicated)
+    fixed = (state_bytes if offload else sharded) + max(0.0, line.intercept - kept)
     rank_line = MemoryLine(fixed, line.slope)
     mb = rank_line.largest_fitting(budget_bytes * (1 - HEADROOM), upper)
     return (mb, int(rank_line.reserved(mb))) if mb >= 1 else None
 
 
-def choose_checkpointing(fits: dict, share: int) -> list[bool]:
+def choose_checkpointing(fits: dict, share: int, offload: bool = False) -> list[bool]:
     """The activation-checkpointing choices worth running, best first, from ``{checkpointing:
     (micro-batch, peak) or None}`` and the rank's ``share`` of the window (samples).
 
@@ -181,10 +191,15 @@ def choose_checkpointing(fits: dict, share: int) -> list[bool]:
     per-pass cost, so a window of n micro-batches moves 2n copies of the weights; checkpointing
     adds one forward's compute (about a third of the step's), which halving n more than repays.
     Measured on 2 H200s at 4 GiB each (BERT-large, ``bench/results/multi-gpu-2``): micro-batch 9
-    without checkpointing ran 64 samples/s and then ran out of memory.
+    without checkpointing ran 64 samples/s and then ran out of memory. Under parameter offload
+    (``offload``) checkpointing comes first whenever it means fewer micro-batches: each one more
+    adds a pass over the fp32 gradients in host memory (the 1.3B decoder at 4 GiB: about 3.5 s
+    per micro-batch of 5 samples, against 1.35 s for a whole step of one micro-batch of 4,
+    ``bench/results/param-offload``).
     """
     off, on = fits.get(False), fits.get(True)
-    if off and on and 2 * math.ceil(share / on[0]) <= math.ceil(share / off[0]):
+    n_on, n_off = (math.ceil(share / f[0]) if f else 0 for f in (on, off))
+    if off and on and (n_on < n_off if offload else 2 * n_on <= n_off):
         return [True]
     return [c for c in (False, True) if fits.get(c)]
 
@@ -296,7 +311,7 @@ def fsdp_plan(recipe, choice: ShardingChoice, world_size: int):
                      + (f"micro-batch {fits[ckpt][0]}" if fits[ckpt] else "none fits"))
     per_rank = " per rank" if world_size > 1 else ""
     held = "the GPU's share of the state under parameter offload" if offload else "the sharded state"
-    for ckpt in choose_checkpointing(fits, share):
+    for ckpt in choose_checkpointing(fits, share, offload):
         fit = fits[ckpt]
         mb = balanced_micro_batch(share, fit[0])
         return Plan(prec, mb, E, ckpt, device="cuda", budget_bytes=recipe.budget, world_size=world_size,

@@ -312,9 +312,15 @@ class World:
         return model
 
     def reshard(self, model: torch.nn.Module) -> None:
-        """Under FSDP2: free the parameters an interrupted pass (an OOM) left all-gathered, so that
-        the redo starts as a fresh pass does."""
+        """Under FSDP2: end what an interrupted pass (an OOM) left open, so that the redo starts as
+        a fresh pass does: a backward that raised never ran FSDP2's end-of-backward callback, whose
+        flag then stays set, so the redo's backward would not queue it and the root's gradients
+        (embeddings, head) would never be reduced; it is run here (what it reduces, the trainer's
+        ``zero_grad`` then clears). Then the parameters left all-gathered are freed."""
         if self.sharded:
+            state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+            if state is not None and getattr(state._state_ctx, "post_backward_final_callback_queued", False):
+                state._root_post_backward_final_callback()
             for m in model.modules():
                 if hasattr(m, "reshard") and type(m).__name__.startswith("FSDP"):
                     m.reshard()
