@@ -123,7 +123,7 @@ def _bert_base(dropout=0.1):
 
 @pytest.mark.gpu
 def test_on_the_gpu_parameter_offload_trains_where_no_single_gpu_plan_fits(tmp_path):
-    """BERT-base at 600 MiB: every single-GPU optimizer's state is over the budget; parameter
+    """BERT-base at 600 MiB: no single-GPU plan fits (`tightfit plan` refuses); parameter
     offload plans a micro-batch, verifies it with real steps, keeps the parameters in host
     memory, trains within the budget with dropout on, and resumes exactly from its DCP checkpoint."""
     if not torch.cuda.is_available():
@@ -135,8 +135,6 @@ def test_on_the_gpu_parameter_offload_trains_where_no_single_gpu_plan_fits(tmp_p
 
     from tightfit.config import PlanOptions
     from tightfit.devices import detect
-    from tightfit.errors import TightfitError
-    from tightfit.planner.advice import check_model_state
     from tightfit.planner.fsdp_probe import verify_micro_batch
     from tightfit.planner.sharding import choose_sharding, fsdp_plan
     from tightfit.runtime.trainer import TrainConfig, Trainer
@@ -169,8 +167,10 @@ def test_on_the_gpu_parameter_offload_trains_where_no_single_gpu_plan_fits(tmp_p
         return res, [r["loss"] for r in records if r["type"] == "train"], params_on, weights, plan
 
     try:
-        with pytest.raises(TightfitError, match="below the"):
-            check_model_state(_bert_base(), budget, "auto", True, profile.host_link_bytes_per_s, profile=profile)
+        from tightfit.cli import main
+
+        # no single-GPU plan: the planner refuses, naming parameter offload
+        assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "600MiB"]) == 2
         full, losses, params_on, weights, plan = run()
         assert plan.sharding == "fsdp-offload" and full.steps == 4 and full.oom_recoveries == 0
         assert params_on == {"cpu"}  # the shards live in host memory
@@ -257,3 +257,29 @@ def test_train_takes_parameter_offload_when_the_search_finds_nothing_that_fits(m
     recipe.req = api.TrainRequest(progress=False, optimizer="adamw8bit")  # a lever asked for: the refusal stands
     with pytest.raises(NothingFitsError):
         recipe._choose_plan()
+
+
+def test_the_plan_says_it_offloads_and_the_summary_shows_host_memory():
+    from tightfit.plan import Plan
+    from tightfit.report.summary import plan_lines
+
+    lines = plan_lines(Plan("bf16", 4, 8, True, device="cuda", sharding="fsdp-offload"))
+    assert any(x.startswith("offload ") and "host memory" in x for x in lines)
+    assert not any(x.startswith("offload ") for x in plan_lines(Plan("bf16", 4, 8, True, device="cuda")))
+
+
+def test_loops_other_than_tightfits_refuse_a_parameter_offload_plan():
+    from conftest import tiny_bert
+
+    from tightfit import TrainStep
+    from tightfit.errors import TightfitError
+    from tightfit.integrations.hf import training_arguments
+    from tightfit.integrations.lightning import trainer_arguments
+    from tightfit.plan import Plan
+
+    plan = Plan("fp32", 4, 8, device="cpu", sharding="fsdp-offload")
+    model = tiny_bert()
+    for call in (lambda: TrainStep(plan, model, torch.optim.AdamW(model.parameters())),
+                 lambda: training_arguments(plan, output_dir="/tmp/unused"), lambda: trainer_arguments(plan)):
+        with pytest.raises(TightfitError, match="does not offload parameters"):
+            call()

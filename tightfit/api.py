@@ -402,9 +402,10 @@ class TrainRecipe:
         return True
 
     def _check_host_for_offload(self, refused: str | None = None) -> None:
-        """Parameter offload keeps 16 B per parameter in host memory
+        """Parameter offload keeps 16 B per trained parameter in host memory
         (:func:`tightfit.planner.sharding.host_state_bytes`): refuse it where the host has less
-        available than that and the model's own copy.
+        available than that (the model's own copy, loaded already, is not counted again: FSDP2
+        replaces it block by block).
 
         Raises:
             TightfitError: too little host memory (after ``refused``, the single-GPU refusal, if any).
@@ -420,7 +421,8 @@ class TrainRecipe:
         if have is not None and need > have:
             raise TightfitError((refused + "; and p" if refused else "P") +
                                 f"arameter offload needs {format_bytes(need)} of host memory (fp32 weights, "
-                                f"gradients and AdamW state, 16 B per parameter), {format_bytes(have)} available")
+                                f"gradients and AdamW state, 16 B per trained parameter), {format_bytes(have)} "
+                                "available")
 
     def input_size(self) -> int:
         """The size a sample's worst case has, for the planner: ``--seq-len`` (tokens)."""
@@ -534,10 +536,11 @@ class TrainRecipe:
         return replace(plan, reasons=(self.offload_reason,) + plan.reasons)
 
     def _offloads(self) -> bool:
-        """This one-process run offloads its parameters (planned so, or resumed from such a plan)."""
+        """This run offloads its parameters (asked for, planned so, or resumed from such a plan):
+        the model then stays in host memory until FSDP2 shards it."""
         if self.resume_state is not None:
             return self.resume_state["plan"].get("sharding") == "fsdp-offload"
-        return self.offload_reason is not None
+        return self.offload_reason is not None or self.req.planning.sharding == "fsdp-offload"
 
     def _compile_before_training(self) -> None:
         """A plan from the plan cache or from the checkpoint compiled nothing in this process:
@@ -853,7 +856,8 @@ class TrainRecipe:
             majority=self.eval_data.majority_fraction(),
             device_name=self.device_name + (f", memory capped at {format_bytes(self.budget)}" if cuda else ""),
             budget_bytes=self.budget, torch=torch.__version__, version=__version__, command=self.req.run.command,
-            peak_rss_bytes=None if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            peak_rss_bytes=None if cuda and self.plan.sharding != "fsdp-offload"  # offload: the host holds the state
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             max_temp_c=health.max_temp_c if health else None, max_power_w=health.max_power_w if health else None)
 
 

@@ -33,7 +33,7 @@ import torch
 from .errors import TightfitError
 from .levers.checkpointing import check_checkpointing
 from .masks import hf_model, with_prepared_mask
-from .plan import Plan, accumulation_steps
+from .plan import Plan, accumulation_steps, refuse_parameter_offload
 
 __all__ = ["StepOutcome", "TrainStep", "plan"]
 
@@ -426,6 +426,7 @@ class TrainStep:
 
         if not isinstance(plan, Plan):
             raise TightfitError(f"TrainStep(plan, model, optimizer): plan must be a tightfit.Plan, got {type(plan).__name__}")
+        refuse_parameter_offload(plan, "TrainStep")
         if not isinstance(model, torch.nn.Module):
             raise TightfitError(f"TrainStep(plan, model, optimizer): model must be a torch.nn.Module, got "
                                 f"{type(model).__name__}")

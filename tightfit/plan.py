@@ -23,6 +23,19 @@ OPTIMIZER_CHOICES = ("auto", "adamw", "adamw8bit", "adamw-offload", "adamw8bit-b
 SHARDINGS = ("none", "ddp", "fsdp", "fsdp-offload")
 
 
+def refuse_parameter_offload(plan, where: str) -> None:
+    """Refuse a parameter-offload plan (``sharding="fsdp-offload"``) in ``where``, a loop that is
+    not tightfit's runtime (the HF Trainer, Lightning, :class:`tightfit.TrainStep`): only
+    ``tightfit train`` wraps the model in FSDP2 with its shards in host memory.
+
+    Raises:
+        TightfitError: one line naming ``where``.
+    """
+    if getattr(plan, "sharding", "none") == "fsdp-offload":
+        raise TightfitError(f"{where} does not offload parameters: a plan with sharding 'fsdp-offload' runs "
+                            "through tightfit train (or tightfit.api.train), which wraps the model in FSDP2")
+
+
 def rank_batch(effective_batch: int, world_size: int) -> int:
     """Samples of one window that each of ``world_size`` processes trains on:
     ``ceil(effective_batch / world_size)`` (the ranks' shares differ by at most one sample)."""

@@ -63,7 +63,7 @@ import torch
 
 from ..config import check_guard_options
 from ..errors import TightfitError
-from ..plan import Plan
+from ..plan import Plan, refuse_parameter_offload
 from . import Watch, note_uneven, require, smaller_micro_batch
 
 transformers = require("transformers")
@@ -107,6 +107,7 @@ def training_arguments(plan: Plan, **yours) -> dict:
     """
     if not isinstance(plan, Plan):
         raise TightfitError(f"training_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
+    refuse_parameter_offload(plan, "the HF Trainer integration")
     ckpt = plan.activation_checkpointing
     if plan.optimizer not in _OPTIM:
         raise TightfitError(f"the HF Trainer has no optimizer for plan.optimizer {plan.optimizer!r}; "

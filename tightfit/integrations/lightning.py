@@ -46,7 +46,7 @@ import logging
 import torch
 
 from ..errors import TightfitError
-from ..plan import Plan
+from ..plan import Plan, refuse_parameter_offload
 from . import Watch, note_uneven, require
 
 L = require("lightning.pytorch")
@@ -104,6 +104,7 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
     """
     if not isinstance(plan, Plan):
         raise TightfitError(f"trainer_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
+    refuse_parameter_offload(plan, "the Lightning integration")
     planned = {"accumulate_grad_batches": plan.accumulation_steps, "precision": PRECISION[plan.precision],
                "accelerator": "gpu" if plan.device == "cuda" else "cpu"}
     conflicts = []

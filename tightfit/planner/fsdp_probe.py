@@ -88,6 +88,9 @@ def verify_micro_batch(trainer) -> int:
         if world.all_sum([float(failed)])[0] == 0:
             break
         if mb == 1:
+            if trainer.plan.sharding == "fsdp-offload" and not world.distributed:
+                raise TightfitError("micro-batch 1 runs out of memory with parameter offload in the probe step: "
+                                    "a larger budget, --checkpointing on, or a shorter --seq-len")
             raise TightfitError("micro-batch 1 runs out of memory under FSDP2 in the probe step: use more GPUs, "
                                 "a larger budget or --checkpointing on")
         mb = max(1, min(mb - 1, mb * 4 // 5))  # a fifth less: under parameter offload each micro-batch more

@@ -94,9 +94,10 @@ def offloaded_state_bytes(model: torch.nn.Module, precision: str) -> int:
 
 
 def host_state_bytes(model: torch.nn.Module) -> int:
-    """Host memory parameter offload holds (bytes): fp32 weights and gradients (pinned) and
-    AdamW's two fp32 moments, 16 B per parameter (Rajbhandari et al. 2021, "ZeRO-Infinity")."""
-    return 16 * sum(p.numel() for p in model.parameters())
+    """Host memory parameter offload holds (bytes): fp32 weights (pinned), and for each trained
+    parameter its fp32 gradient (pinned) and AdamW's two fp32 moments: 16 B per trained parameter,
+    4 B per frozen one (Rajbhandari et al. 2021, "ZeRO-Infinity")."""
+    return sum((16 if p.requires_grad else 4) * p.numel() for p in model.parameters())
 
 
 def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int | None,

@@ -26,12 +26,15 @@ def plan_lines(plan: Plan) -> list[str]:
         f"micro-batch      {plan.micro_batch} x {plan.accumulation_steps} accumulation steps"
         + (f" (the last {plan.rank_batch - (plan.accumulation_steps - 1) * plan.micro_batch})"
            if plan.rank_batch % plan.micro_batch else "")
-        + (f" x {plan.world_size} ranks ({plan.sharding.upper()})" if plan.world_size > 1 else "")
+        + (f" x {plan.world_size} ranks ({plan.sharding.upper().replace('-OFFLOAD', ', parameters offloaded')})"
+           if plan.world_size > 1 else "")
         + f" = effective batch {plan.effective_batch}",
         "checkpointing    " + ("per block: " + describe_policies(plan.block_policies) if plan.block_policies is not None
                                else ("blocks " + ", ".join(map(str, plan.checkpoint_blocks)) if plan.checkpoint_blocks
                                      else "on (every block)") if plan.activation_checkpointing else "off"),
     ]
+    if plan.sharding == "fsdp-offload":  # the reasons say why and what the GPU keeps
+        lines.append("offload          parameters, gradients and AdamW state in host memory (FSDP2)")
     if plan.optimizer != "adamw":  # an optimizer lever (the reasons say why and what it costs)
         lines.append(f"optimizer        {plan.optimizer}")
     if plan.trainable_params is not None:
@@ -64,7 +67,7 @@ class RunInfo:
         budget_bytes: the GPU memory budget (None on the CPU without one).
         torch, version: the versions of PyTorch and tightfit.
         command: the command line.
-        peak_rss_bytes: peak host memory of the process (CPU runs; None on a GPU).
+        peak_rss_bytes: peak host memory of the process (CPU runs and parameter offload; None on a GPU).
         max_temp_c, max_power_w: the GPU's hottest and most power-hungry readings (None: not sampled).
     """
 
@@ -95,7 +98,7 @@ class RunSummary:
         planning_seconds: time spent planning (on resume: the first run's); wall_seconds: the whole run's
             time (on resume: every session's up to the checkpoint resumed, then this one's).
         peak_allocated_bytes, peak_reserved_bytes: CUDA peaks (None on the CPU).
-        peak_rss_bytes: peak host memory (CPU runs).
+        peak_rss_bytes: peak host memory (CPU runs and parameter offload).
         budget_bytes: the memory budget.
         skipped_steps, oom_recoveries: steps not applied (non-finite) and windows redone after an OOM.
         device, torch, command: where and how it ran.
