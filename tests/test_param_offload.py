@@ -252,7 +252,7 @@ def test_train_takes_parameter_offload_when_the_search_finds_nothing_that_fits(m
     recipe.model, recipe.device, recipe.profile, recipe.budget = model, "cuda", get_profile("h200"), 256 << 20
     recipe.workload = Workload(model, SyntheticBatches(64), None, 32)
     plan = recipe._choose_plan()
-    assert plan.sharding == "fsdp-offload" and plan.reasons[0].startswith("no single-GPU plan fits: no micro-batch")
+    assert plan.sharding == "fsdp-offload" and plan.reasons[0].startswith("no single-GPU plan fits (nor with the optimizer levers): no micro-batch")
     recipe.offload_reason = None
     recipe.req = api.TrainRequest(progress=False, optimizer="adamw8bit")  # a lever asked for: the refusal stands
     with pytest.raises(NothingFitsError):
@@ -283,3 +283,20 @@ def test_loops_other_than_tightfits_refuse_a_parameter_offload_plan():
                  lambda: training_arguments(plan, output_dir="/tmp/unused"), lambda: trainer_arguments(plan)):
         with pytest.raises(TightfitError, match="does not offload parameters"):
             call()
+
+
+def test_tightfit_plan_shows_the_offload_plan_train_would_take(capsys):
+    """`tightfit plan` of BERT-base at 600 MiB: no single-GPU plan fits (every optimizer searched);
+    it prints the parameter-offload plan `tightfit train` falls back to, and exits 0. With an
+    optimizer lever asked for, offload is not for it: the refusal stands (exit 2) and names it."""
+    import json
+
+    from tightfit.cli import main
+
+    args = ["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "32", "--budget", "600MiB"]
+    assert main(args + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["sharding"] == "fsdp-offload" and plan["predicted_peak_reserved_bytes"] <= 600 << 20
+    assert plan["reasons"][0].startswith("no single-GPU plan fits (nor with the optimizer levers)")
+    assert main(args + ["--optimizer", "adamw8bit"]) == 2
+    assert "--sharding fsdp-offload" in capsys.readouterr().err  # named, with --optimizer adamw

@@ -373,12 +373,12 @@ class TrainRecipe:
             check_model_state(self.model, self.budget, p.optimizer, levers_installed() and self.device == "cuda",
                               link, cuda=self.device == "cuda", profile=self.profile if self.device == "cuda" else None)
         except TightfitError as e:
-            if not self._offload_instead(str(e).split(";")[0]):
+            if not self._offload_instead(str(e)):
                 raise
 
     def _offload_instead(self, refused: str) -> bool:
         """Whether ``auto`` offloads the parameters of a model that no single-GPU plan fits
-        (``refused``: the planner's refusal, its first clause): on a CUDA GPU, for a model of
+        (``refused``: the planner's refusal): on a CUDA GPU, for a model of
         repeated blocks, with the AdamW and precision it can run, where its GPU share
         (:func:`tightfit.planner.sharding.offloaded_state_bytes`) is under the planned limit (else
         the refusal's own offload line says by how much). Sets :attr:`offload_reason`.
@@ -397,8 +397,10 @@ class TrainRecipe:
         if offloaded_state_bytes(self.model, offload_precision(self.profile, p.precision)[0]) > \
                 planned_limit(self.budget):
             return False
-        self._check_host_for_offload(refused=refused)
-        self.offload_reason = f"no single-GPU plan fits: {refused}"
+        from .planner.sharding import fallback_reason
+
+        self._check_host_for_offload(refused=refused.splitlines()[0].split(";")[0])
+        self.offload_reason = fallback_reason(refused, p.optimizer)
         return True
 
     def _check_host_for_offload(self, refused: str | None = None) -> None:
@@ -571,7 +573,7 @@ class TrainRecipe:
             try:
                 return self._cached_gpu_plan()
             except NothingFitsError as e:  # the state fits, but no step with its activations does
-                if not self._offload_instead(str(e).splitlines()[0]):
+                if not self._offload_instead(str(e)):
                     raise
                 self.model.to("cpu")  # FSDP2 gathers it block by block
                 return self._offload_plan()

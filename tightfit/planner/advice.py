@@ -219,7 +219,8 @@ def _lora_parameters(model) -> tuple[int, int] | None:
     return adapters, head
 
 
-def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None, cuda: bool = True) -> str | None:
+def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None, cuda: bool = True,
+                 optimizer: str = "auto") -> str | None:
     """The nothing-fits line for parameter offload (``--sharding fsdp-offload``), which ``tightfit
     train`` takes by itself when no single-GPU plan holds the training state: what stays on the
     GPU (:func:`.sharding.offloaded_state_bytes`) against ``limit`` (bytes), what the host holds
@@ -236,6 +237,8 @@ def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None
     moved = 12 * params
     fits = ("its GPU share is under the planned limit; `tightfit train` takes it when nothing else fits"
             if gpu < limit else f"still {format_bytes(gpu - limit)} over")
+    if optimizer not in ("auto", "adamw") and gpu < limit:  # it keeps fp32 AdamW state, in host memory
+        fits = f"its GPU share is under the planned limit, with --optimizer adamw (not {optimizer})"
     return (f"parameter offload (--sharding fsdp-offload: FSDP2 keeps the weights, gradients and AdamW state in host "
             f"memory, {format_bytes(host_state_bytes(model))}, and gathers one block at a time on the GPU, "
             f"{format_bytes(gpu)} held there; each micro-batch moves {format_bytes(moved)} over the host link, about "
@@ -401,8 +404,8 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
                                                      else "") + f" (fp32 AdamW: {fp32})")
     lora = lora_line(model, limit)  # never chosen for you: named where it would change the answer
     lines += [lora] if lora else []
-    if optimizer in ("auto", "adamw") and (profile is None or (precision != "fp16")):
-        offload = offload_line(model, limit, host_link_bytes_per_s, profile, cuda)
+    if precision != "fp16":
+        offload = offload_line(model, limit, host_link_bytes_per_s, profile, cuda, optimizer)
         lines += [offload] if offload else []
     raise TightfitError(f"budget {format_bytes(budget)} (planned against {format_bytes(limit)}, keeping "
                         f"{int(HEADROOM * 100)}% headroom) is below the {format_bytes(least)} of model state that "

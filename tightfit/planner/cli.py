@@ -79,13 +79,20 @@ def run(args) -> int:
 
     check_checkpointing(model, args.checkpointing)
     try:  # planning for a card elsewhere: the levers are searched whether or not their libraries are here
-        check_model_state(model, budget, args.optimizer, True, profile.host_link_bytes_per_s, profile=profile,
-                          estimator=estimator, precision=args.precision, checkpointing=args.checkpointing)
-        result = search_optimizers(
-            model, make_batch, size, args.batch_size, profile, budget, estimator,
-            optimizer=args.optimizer, estimator_at=estimator_at, levers=True,
-            host_bytes=UNKNOWN_HOST_BYTES,  # the card's machine, not this one: its reason says what offload pins
-            precision=args.precision, checkpointing=args.checkpointing)
+        try:
+            check_model_state(model, budget, args.optimizer, True, profile.host_link_bytes_per_s, profile=profile,
+                              estimator=estimator, precision=args.precision, checkpointing=args.checkpointing)
+            result = search_optimizers(
+                model, make_batch, size, args.batch_size, profile, budget, estimator,
+                optimizer=args.optimizer, estimator_at=estimator_at, levers=True,
+                host_bytes=UNKNOWN_HOST_BYTES,  # the card's machine, not this one: its reason says what offload pins
+                precision=args.precision, checkpointing=args.checkpointing)
+        except TightfitError as e:  # as `tightfit train` does: parameter offload where its GPU share fits
+            plan = _offload_plan(args, model, make_batch, size, profile, budget, str(e))
+            if plan is None:
+                raise
+            _print_offload(args, plan, model, notes, profile, budget, kind, size)
+            return 0
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         from ..models import NO_PAD_HINT
 
@@ -96,6 +103,62 @@ def run(args) -> int:
     else:
         _print_text(args, result, model, notes, profile, budget, kind, size)
     return 0
+
+
+def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refused: str):
+    """The parameter-offload plan `tightfit train` would fall back to where no single-GPU plan fits
+    (``refused``: the planner's refusal), or None where it would not: an optimizer lever or fp16
+    asked for, a model without repeated blocks, or a GPU share over the planned limit
+    (:meth:`tightfit.api.TrainRecipe._offload_instead` decides alike)."""
+    from types import SimpleNamespace
+
+    from ..config import PlanOptions
+    from ..levers.blocks import find_blocks
+    from .margins import planned_limit
+    from .sharding import choose_sharding, fallback_reason, fsdp_plan, offload_precision, offloaded_state_bytes
+
+    if args.optimizer not in ("auto", "adamw") or args.precision == "fp16" or not find_blocks(model):
+        return None
+    prec = offload_precision(profile, args.precision)[0]
+    if offloaded_state_bytes(model, prec) > planned_limit(budget):
+        return None
+    from dataclasses import replace
+
+    workload = SimpleNamespace(model=model, effective_batch=args.batch_size,
+                               train=SimpleNamespace(worst_case=lambda n: make_batch(n, size)))
+    recipe = SimpleNamespace(req=SimpleNamespace(planning=PlanOptions(precision=args.precision,
+                                                                      checkpointing=args.checkpointing)),
+                             workload=workload, budget=budget, profile=profile, model=model)
+    try:
+        plan = fsdp_plan(recipe, choose_sharding(model, 1, budget, "fsdp-offload", prec), 1)
+    except TightfitError:
+        return None
+    return replace(plan, reasons=(fallback_reason(refused, args.optimizer),) + plan.reasons)
+
+
+def _print_offload(args, plan, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:
+    """A parameter-offload plan (:func:`_offload_plan`), as text or ``--json``."""
+    from .sharding import host_state_bytes
+    from ..units import format_bytes
+
+    host = host_state_bytes(model)
+    if args.json:
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+        print(json.dumps({"plan": plan.to_dict(), "host_state_bytes": host,
+                          "predicted_samples_per_s": None}, indent=2))
+        return
+    for n in notes:
+        print(f"note: {n}")
+    print(f"{args.model}, {'image size' if kind == 'image' else 'sequence length'} {size}, effective batch "
+          f"{args.batch_size}, {profile.name} rules, budget {format_bytes(budget)}")
+    print(f"plan: parameter offload (--sharding fsdp-offload), {plan.precision}, micro-batch {plan.micro_batch} x "
+          f"{plan.accumulation_steps} accumulation steps, checkpointing {'on' if plan.activation_checkpointing else 'off'}")
+    print(f"predicted: peak {format_bytes(plan.predicted_peak_reserved_bytes)} reserved of {format_bytes(budget)}, "
+          f"{format_bytes(host)} of host memory; speed not predicted (no time model for parameter offload; "
+          "`tightfit train` verifies the micro-batch with real steps)")
+    for r in plan.reasons:
+        print(f"  {r}")
 
 
 def _card_and_budget(args):

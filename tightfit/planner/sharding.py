@@ -280,6 +280,14 @@ def offload_precision(profile, asked: str) -> tuple[str, str]:
     return "fp32", "fp32: the card has no bf16, and fp16's loss scaler does not reach gradients in host memory"
 
 
+def fallback_reason(refused: str, optimizer: str) -> str:
+    """The first reason of a parameter-offload plan taken because no single-GPU plan fits:
+    ``refused`` is the single-GPU planner's refusal (its first clause is kept)."""
+    first = refused.splitlines()[0].split(";")[0]
+    levers = " (nor with the optimizer levers)" if optimizer == "auto" and "optimizer lever" not in first else ""
+    return f"no single-GPU plan fits{levers}: {first}"
+
+
 def fsdp_plan(recipe, choice: ShardingChoice, world_size: int):
     """The FSDP2 plan (``fsdp`` on several ranks, ``fsdp-offload`` on one or several) on CUDA:
     precision from the card, the micro-batch from :func:`fsdp_micro_batch`, checkpointing as
