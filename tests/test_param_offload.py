@@ -230,6 +230,12 @@ def test_the_nothing_fits_advice_names_parameter_offload():
     with pytest.raises(TightfitError, match=r"--sharding fsdp-offload.*still 45.04 KiB over"):  # the GPU share too
         check_model_state(model, 4 * sum(p.numel() for p in model.parameters()), "auto", True, 25e9,
                           profile=get_profile("h200"))
+    # fp32 asked on a bf16 card: the share it would gather in fp32 (over 150 kB); fp16: not offered
+    with pytest.raises(TightfitError, match=r"--sharding fsdp-offload.*still [\d.]+ KiB over") as e:
+        check_model_state(model, 150_000, "auto", True, 25e9, profile=get_profile("h200"), precision="fp32")
+    with pytest.raises(TightfitError) as e:
+        check_model_state(model, 150_000, "auto", True, 25e9, profile=get_profile("t4"), precision="fp16")
+    assert "parameter offload" not in str(e.value)
 
 
 def test_train_takes_parameter_offload_when_the_search_finds_nothing_that_fits(monkeypatch):
@@ -257,6 +263,12 @@ def test_train_takes_parameter_offload_when_the_search_finds_nothing_that_fits(m
     recipe.req = api.TrainRequest(progress=False, optimizer="adamw8bit")  # a lever asked for: the refusal stands
     with pytest.raises(NothingFitsError):
         recipe._choose_plan()
+    from tightfit.runtime.distributed import World
+
+    recipe.req, recipe.world = api.TrainRequest(progress=False), World(0, 2)  # rank 0 planning DDP's share
+    with pytest.raises(NothingFitsError):
+        recipe._choose_plan()
+    assert recipe.offload_reason is None
 
 
 def test_the_plan_says_it_offloads_and_the_summary_shows_host_memory():

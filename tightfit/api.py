@@ -371,7 +371,8 @@ class TrainRecipe:
         link = (self.profile or get_profile("h200")).host_link_bytes_per_s
         try:
             check_model_state(self.model, self.budget, p.optimizer, levers_installed() and self.device == "cuda",
-                              link, cuda=self.device == "cuda", profile=self.profile if self.device == "cuda" else None)
+                              link, cuda=self.device == "cuda", profile=self.profile if self.device == "cuda" else None,
+                              precision=p.precision)
         except TightfitError as e:
             if not self._offload_instead(str(e)):
                 raise
@@ -392,7 +393,7 @@ class TrainRecipe:
 
         p = self.req.planning
         if not (self.device == "cuda" and p.sharding == "auto" and p.optimizer in ("auto", "adamw")
-                and p.precision != "fp16" and find_blocks(self.model)):
+                and p.precision != "fp16" and not self.world.distributed and find_blocks(self.model)):
             return False
         if offloaded_state_bytes(self.model, offload_precision(self.profile, p.precision)[0]) > \
                 planned_limit(self.budget):

@@ -220,20 +220,23 @@ def _lora_parameters(model) -> tuple[int, int] | None:
 
 
 def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None, cuda: bool = True,
-                 optimizer: str = "auto") -> str | None:
+                 optimizer: str = "auto", precision: str = "auto") -> str | None:
     """The nothing-fits line for parameter offload (``--sharding fsdp-offload``), which ``tightfit
     train`` takes by itself when no single-GPU plan holds the training state: what stays on the
     GPU (:func:`.sharding.offloaded_state_bytes`) against ``limit`` (bytes), what the host holds
     (:func:`.sharding.host_state_bytes`) and what each micro-batch moves over the host link (the
     fp32 shards copied in for the forward and again for the backward, the fp32 gradients out:
-    12 B per parameter). None on the CPU or for a model without repeated blocks."""
+    12 B per parameter), in the precision it would run (``precision`` asked: bf16 where the card
+    has it, else fp32). None on the CPU, under fp16 (which it does not run) or for a model
+    without repeated blocks."""
     from ..levers.blocks import find_blocks
     from .sharding import host_state_bytes, offloaded_state_bytes
 
-    if not cuda or not find_blocks(model):
+    if not cuda or precision == "fp16" or not find_blocks(model):
         return None
     params = sum(p.numel() for p in model.parameters())
-    gpu = offloaded_state_bytes(model, "bf16" if profile is None or profile.bf16 else "fp32")
+    bf16 = precision == "bf16" or (precision == "auto" and (profile is None or profile.bf16))
+    gpu = offloaded_state_bytes(model, "bf16" if bf16 else "fp32")
     moved = 12 * params
     fits = ("its GPU share is under the planned limit; `tightfit train` takes it when nothing else fits"
             if gpu < limit else f"still {format_bytes(gpu - limit)} over")
@@ -404,9 +407,8 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
                                                      else "") + f" (fp32 AdamW: {fp32})")
     lora = lora_line(model, limit)  # never chosen for you: named where it would change the answer
     lines += [lora] if lora else []
-    if precision != "fp16":
-        offload = offload_line(model, limit, host_link_bytes_per_s, profile, cuda, optimizer)
-        lines += [offload] if offload else []
+    offload = offload_line(model, limit, host_link_bytes_per_s, profile, cuda, optimizer, precision)
+    lines += [offload] if offload else []
     raise TightfitError(f"budget {format_bytes(budget)} (planned against {format_bytes(limit)}, keeping "
                         f"{int(HEADROOM * 100)}% headroom) is below the {format_bytes(least)} of model state that "
                         f"{who}, by {format_bytes(least - limit)}; no micro-batch, accumulation or checkpointing "
@@ -415,7 +417,8 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
 
 def nothing_fits_lines(model, estimate, limit: float, precision: str, block_options, size: int,
                        effective_batch: int, size_flag: str, host_link_bytes_per_s: float,
-                       estimator_at=None, optimizer: str = "adamw", profile=None, lever_peak=None) -> list[str]:
+                       estimator_at=None, optimizer: str = "adamw", profile=None, lever_peak=None,
+                       asked_precision: str = "auto") -> list[str]:
     """The way forward when the smallest step tried does not fit: what it costs, what does fit,
     and the levers that would make it fit, with their predicted savings (bytes throughout;
     GiB/MiB only in the text).
@@ -435,6 +438,7 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
         profile: the card (the levers it can run, :func:`left_out_levers`), or None.
         lever_peak: whether each optimizer lever fits, as the planner would plan it
             (:func:`lever_peaks`); None: read off its savings.
+        asked_precision: ``--precision`` (parameter offload's line: the precision it would run).
 
     Returns:
         Display lines, without indentation.
@@ -483,6 +487,7 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
     lines.append(f"levers (bytes saved at the peak of that step, {format_bytes(peak - limit)} over):")
     lines += ["  " + s for s in lever_lines(model, peak, limit, gradients, host_link_bytes_per_s, optimizer,
                                             profile=profile, lever_peak=lever_peak)]
-    offload = offload_line(model, limit, host_link_bytes_per_s, profile) if optimizer in ("adamw", "auto") else None
+    offload = offload_line(model, limit, host_link_bytes_per_s, profile, precision=asked_precision) \
+        if optimizer in ("adamw", "auto") else None
     lines += ["  " + offload] if offload else []
     return lines

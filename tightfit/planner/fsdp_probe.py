@@ -72,9 +72,12 @@ def verify_micro_batch(trainer) -> int:
     while True:
         for g in opt.param_groups:  # AdamW at lr 0: p * (1 - 0 * wd) - 0 * update == p
             g["lr"] = 0.0
+        failed = False
         try:
             failed = _attempt(trainer, mb)
         finally:
+            if failed:  # before zero_grad: ending the failed pass may reduce gradients
+                world.reshard(trainer.model)
             for g, lr in zip(opt.param_groups, lrs):
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
@@ -83,7 +86,6 @@ def verify_micro_batch(trainer) -> int:
                 trainer.scaler.load_state_dict(scaler)
             restore_rng(rng)
         if failed:
-            world.reshard(trainer.model)
             release_memory()
         if world.all_sum([float(failed)])[0] == 0:
             break

@@ -386,8 +386,8 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         from .advice import lora_line, offload_line
 
         lora = lora_line(model, limit)
-        offload = None if "parameter offload" in first else offload_line(model, limit, profile.host_link_bytes_per_s,
-                                                                           profile)
+        offload = None if "parameter offload" in first else offload_line(
+            model, limit, profile.host_link_bytes_per_s, profile, precision=options.get("precision", "auto"))
         raise NothingFitsError(first + also + "".join(f"\n  {x}" for x in (lora, offload) if x))
     kind = max(results, key=lambda k: results[k].best.samples_per_s)
     best = results[kind]

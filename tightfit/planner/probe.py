@@ -264,4 +264,6 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
             return Plan(prec, mb, E, ckpt, device=device, budget_bytes=budget_bytes, reasons=tuple(reasons),
                         probe_peak_reserved_bytes=peak)
     set_activation_checkpointing(workload.model, False)
-    raise TightfitError(f"nothing fits the budget of {format_bytes(budget_bytes)}: " + "; ".join(tried))
+    from .search import NothingFitsError  # (search imports this module)
+
+    raise NothingFitsError(f"nothing fits the budget of {format_bytes(budget_bytes)}: " + "; ".join(tried))

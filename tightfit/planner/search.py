@@ -356,7 +356,7 @@ def search(model, make_batch, size: int, effective_batch: int, profile: DevicePr
                 why = f"{b.why}; precision fp32: {', '.join(space.precisions)} fits nothing in this budget, fp32 does"
                 return replace(found, best=replace(b, why=why))
         _raise_nothing_fits(space, prediction.evaluated, model, make_batch, size, profile, estimate_fn, estimator_at,
-                            optimizer, lever_estimator, _lever_precisions or space.precisions)
+                            optimizer, lever_estimator, _lever_precisions or space.precisions, precision)
     from ..levers.trainable import trainable_fields
 
     free = space.time_model.cost.free_blocks
@@ -852,7 +852,8 @@ def _overheads(space: SearchSpace, c: Candidate) -> str:
 
 def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, make_batch, size: int,
                         profile: DeviceProfile, estimate_fn: EstimateFn, estimator_at,
-                        optimizer: str = "adamw", lever_estimator=None, lever_precisions=()) -> None:
+                        optimizer: str = "adamw", lever_estimator=None, lever_precisions=(),
+                        asked_precision: str = "auto") -> None:
     """Raise the error that says by how much the smallest step tried misses, what the model
     state costs, what fits instead and which levers would make it fit
     (:func:`.advice.nothing_fits_lines`).
@@ -873,7 +874,8 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
     # each lever's smallest step as the search of it would trace it (a lever would fit only if it plans)
     peaks = None if lever_estimator is None else lever_peaks(model, lever_estimator, lever_precisions, options, limit)
     lines = nothing_fits_lines(model, est, limit, smallest.precision, options, size, space.effective_batch,
-                               size_flag, profile.host_link_bytes_per_s, estimator_at, optimizer, profile, peaks)
+                               size_flag, profile.host_link_bytes_per_s, estimator_at, optimizer, profile, peaks,
+                               asked_precision=asked_precision)
     if space.last_blocks < n_blocks:  # checkpointing was turned off
         every = estimate_fn(smallest.precision, 1, tuple(range(n_blocks))).peak_reserved_bytes
         lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch 1 with all "

@@ -312,11 +312,16 @@ class World:
         return model
 
     def reshard(self, model: torch.nn.Module) -> None:
-        """Under FSDP2: end what an interrupted pass (an OOM) left open, so that the redo starts as
-        a fresh pass does: a backward that raised never ran FSDP2's end-of-backward callback, whose
-        flag then stays set, so the redo's backward would not queue it and the root's gradients
-        (embeddings, head) would never be reduced; it is run here (what it reduces, the trainer's
-        ``zero_grad`` then clears). Then the parameters left all-gathered are freed."""
+        """Under FSDP2 (``model``: the root module): end what an interrupted pass (an OOM) left open,
+        so that the redo starts as a fresh pass does. A backward that raised never ran FSDP2's
+        end-of-backward callback, whose flag then stays set: the redo's backward would not queue
+        it, and the root's gradients (embeddings, head) would never be reduced. The callback is run
+        here (what it reduces, the caller's ``zero_grad`` then clears); then the parameters left
+        all-gathered are freed. (torch 2.13's ``FSDPModule.reset_iter_state`` is not used: after
+        a backward that raised, the redo's gradients then differed from the plain runtime's, as
+        if the failed pass's unreduced gradients were kept; ``tests/test_param_offload.py``.)
+        Call it outside the ``except`` block, once the failed pass's graph is freed: the callback
+        allocates what it reduces."""
         if self.sharded:
             state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
             if state is not None and getattr(state._state_ctx, "post_backward_final_callback_queued", False):

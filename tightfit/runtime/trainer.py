@@ -671,7 +671,6 @@ class Trainer:
                     raise
                 where = type(e).__name__
                 self.world.on_oom(e, self._guard)  # the other ranks learn of it (or all stop)
-                self.world.reshard(self.model)  # FSDP2 alone: the blocks the failed pass left gathered
             if before is not None and changed_since(self.optimizer, before):
                 raise PartialUpdateError(
                     f"out of memory inside the optimizer step of step {index + 1} after it had updated part "
@@ -680,6 +679,7 @@ class Trainer:
             for p in [p for p in self.optimizer.state if p not in had_state]:
                 del self.optimizer.state[p]  # state allocated by the failed attempt, never written: start it again
             # Outside the except block: the traceback and the tensors its frames held are gone.
+            self.world.reshard(self.model)  # FSDP2 alone: end the failed pass first (it may reduce gradients)
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_scaler_step()
             release_memory()
