@@ -380,7 +380,9 @@ class TrainRecipe:
     def _offload_instead(self, refused: str) -> bool:
         """Whether ``auto`` offloads the parameters of a model that no single-GPU plan fits
         (``refused``: the planner's refusal): on a CUDA GPU, for a model of
-        repeated blocks, with the AdamW and precision it can run, where its GPU share
+        repeated blocks, where tightfit chooses the optimizer too (``--optimizer auto``: an
+        optimizer asked for keeps the refusal, whose offload line says what it needs) and the
+        precision is one it runs, where its GPU share
         (:func:`tightfit.planner.sharding.offloaded_state_bytes`) is under the planned limit (else
         the refusal's own offload line says by how much). Sets :attr:`offload_reason`.
 
@@ -392,7 +394,7 @@ class TrainRecipe:
         from .planner.sharding import offloaded_state_bytes, offload_precision
 
         p = self.req.planning
-        if not (self.device == "cuda" and p.sharding == "auto" and p.optimizer in ("auto", "adamw")
+        if not (self.device == "cuda" and p.sharding == "auto" and p.optimizer == "auto"
                 and p.precision != "fp16" and not self.world.distributed and find_blocks(self.model)):
             return False
         if offloaded_state_bytes(self.model, offload_precision(self.profile, p.precision)[0]) > \

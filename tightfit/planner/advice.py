@@ -240,8 +240,9 @@ def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None
     moved = 12 * params
     fits = ("its GPU share is under the planned limit; `tightfit train` takes it when nothing else fits"
             if gpu < limit else f"still {format_bytes(gpu - limit)} over")
-    if optimizer not in ("auto", "adamw") and gpu < limit:  # it keeps fp32 AdamW state, in host memory
-        fits = f"its GPU share is under the planned limit, with --optimizer adamw (not {optimizer})"
+    if optimizer != "auto" and gpu < limit:  # chosen for you only where tightfit chooses the optimizer too
+        fits = ("its GPU share is under the planned limit: ask for it with --sharding fsdp-offload" +
+                (f" and --optimizer adamw (not {optimizer}: it keeps fp32 AdamW state)" if optimizer != "adamw" else ""))
     return (f"parameter offload (--sharding fsdp-offload: FSDP2 keeps the weights, gradients and AdamW state in host "
             f"memory, {format_bytes(host_state_bytes(model))}, and gathers one block at a time on the GPU, "
             f"{format_bytes(gpu)} held there; each micro-batch moves {format_bytes(moved)} over the host link, about "

@@ -44,7 +44,7 @@ def run(args) -> int:
     from ..models import build_model
     from .advice import check_model_state
     from .optimizers import UNKNOWN_HOST_BYTES, search_optimizers
-    from .search import estimator_for
+    from .search import NothingFitsError, estimator_for
 
     from ..levers.optimizers import check_precision
 
@@ -79,18 +79,25 @@ def run(args) -> int:
 
     check_checkpointing(model, args.checkpointing)
     try:  # planning for a card elsewhere: the levers are searched whether or not their libraries are here
+        refused = None  # the single-GPU planner's refusal: its state, or no step, does not fit
         try:
             check_model_state(model, budget, args.optimizer, True, profile.host_link_bytes_per_s, profile=profile,
                               estimator=estimator, precision=args.precision, checkpointing=args.checkpointing)
-            result = search_optimizers(
-                model, make_batch, size, args.batch_size, profile, budget, estimator,
-                optimizer=args.optimizer, estimator_at=estimator_at, levers=True,
-                host_bytes=UNKNOWN_HOST_BYTES,  # the card's machine, not this one: its reason says what offload pins
-                precision=args.precision, checkpointing=args.checkpointing)
-        except TightfitError as e:  # as `tightfit train` does: parameter offload where its GPU share fits
-            plan = _offload_plan(args, model, make_batch, size, profile, budget, str(e))
+        except TightfitError as e:
+            refused = e
+        if refused is None:
+            try:
+                result = search_optimizers(
+                    model, make_batch, size, args.batch_size, profile, budget, estimator,
+                    optimizer=args.optimizer, estimator_at=estimator_at, levers=True,
+                    host_bytes=UNKNOWN_HOST_BYTES,  # the card's machine, not this one: its reason says what offload pins
+                    precision=args.precision, checkpointing=args.checkpointing)
+            except NothingFitsError as e:
+                refused = e
+        if refused is not None:  # as `tightfit train` does: parameter offload where its GPU share fits
+            plan = _offload_plan(args, model, make_batch, size, profile, budget, str(refused))
             if plan is None:
-                raise
+                raise refused
             _print_offload(args, plan, model, notes, profile, budget, kind, size)
             return 0
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
@@ -107,7 +114,7 @@ def run(args) -> int:
 
 def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refused: str):
     """The parameter-offload plan `tightfit train` would fall back to where no single-GPU plan fits
-    (``refused``: the planner's refusal), or None where it would not: an optimizer lever or fp16
+    (``refused``: the planner's refusal), or None where it would not: an optimizer or fp16
     asked for, a model without repeated blocks, or a GPU share over the planned limit
     (:meth:`tightfit.api.TrainRecipe._offload_instead` decides alike)."""
     from types import SimpleNamespace
@@ -117,7 +124,7 @@ def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refu
     from .margins import planned_limit
     from .sharding import choose_sharding, fallback_reason, fsdp_plan, offload_precision, offloaded_state_bytes
 
-    if args.optimizer not in ("auto", "adamw") or args.precision == "fp16" or not find_blocks(model):
+    if args.optimizer != "auto" or args.precision == "fp16" or not find_blocks(model):
         return None
     prec = offload_precision(profile, args.precision)[0]
     if offloaded_state_bytes(model, prec) > planned_limit(budget):
