@@ -97,14 +97,15 @@ def test_fsdp_micro_batch_is_the_estimate_less_what_sharding_removes(monkeypatch
         peak_reserved_bytes=replicated + 10_000 + 10_000 * plan.micro_batch))  # a line in the micro-batch
     budget = 500_000  # the replicated state alone would not fit
     mb, peak = fsdp_micro_batch(w, None, budget, 2, "fp32", False)
-    assert mb == int(((1 - HEADROOM) * budget - sharded - 10_000) / 10_000) == 12
+    assert int(((1 - HEADROOM) * budget - sharded - 10_000) / 10_000) == 12  # the largest that fits
+    assert mb == 11  # each rank's 32 samples in as few micro-batches (3), split evenly
     assert peak == sharded + 10_000 + 10_000 * mb
     # A single-GPU peak that does not hold the whole state (AdamW's moments come at the first
     # step): only its bytes per sample count, the sharded state is added in full.
     monkeypatch.setattr(est, "estimate", lambda model, batch, plan, profile: SimpleNamespace(
         peak_reserved_bytes=replicated // 2 + 10_000 * plan.micro_batch))
     mb, peak = fsdp_micro_batch(w, None, budget, 2, "fp32", False)
-    assert mb == int(((1 - HEADROOM) * budget - sharded) / 10_000) == 13 and peak == sharded + 10_000 * mb
+    assert int(((1 - HEADROOM) * budget - sharded) / 10_000) == 13 and mb == 11 and peak == sharded + 10_000 * mb
 
 
 def test_fsdp_takes_checkpointing_when_it_halves_the_micro_batches_per_window():

@@ -225,17 +225,17 @@ def test_the_nothing_fits_advice_names_parameter_offload():
     from tightfit.planner.advice import check_model_state
 
     model = tiny_bert()
-    with pytest.raises(TightfitError, match=r"--sharding fsdp-offload.*`tightfit train` takes it"):
+    with pytest.raises(TightfitError, match=r"--sharding fsdp-offload.*its GPU share is under the planned limit \(whether"):
         check_model_state(model, 150_000, "auto", True, 25e9, profile=get_profile("h200"))
     with pytest.raises(TightfitError, match=r"--sharding fsdp-offload.*still 45.04 KiB over"):  # the GPU share too
         check_model_state(model, 4 * sum(p.numel() for p in model.parameters()), "auto", True, 25e9,
                           profile=get_profile("h200"))
-    # fp32 asked on a bf16 card: the share it would gather in fp32 (over 150 kB); fp16: not offered
+    # fp32 asked on a bf16 card: the share it would gather in fp32 (over 150 kB)
     with pytest.raises(TightfitError, match=r"--sharding fsdp-offload.*still [\d.]+ KiB over") as e:
         check_model_state(model, 150_000, "auto", True, 25e9, profile=get_profile("h200"), precision="fp32")
-    with pytest.raises(TightfitError) as e:
-        check_model_state(model, 150_000, "auto", True, 25e9, profile=get_profile("t4"), precision="fp16")
-    assert "parameter offload" not in str(e.value)
+    # fp16 (which offload does not run): the line says what to ask for instead
+    with pytest.raises(TightfitError, match=r"ask for it with --sharding fsdp-offload and --precision bf16 \(fp16"):
+        check_model_state(model, 150_000, "auto", True, 25e9, profile=get_profile("h200"), precision="fp16")
 
 
 def test_train_takes_parameter_offload_when_the_search_finds_nothing_that_fits(monkeypatch):
@@ -312,3 +312,22 @@ def test_tightfit_plan_shows_the_offload_plan_train_would_take(capsys):
     assert plan["reasons"][0].startswith("no single-GPU plan fits (nor with the optimizer levers)")
     assert main(args + ["--optimizer", "adamw8bit"]) == 2
     assert "--sharding fsdp-offload" in capsys.readouterr().err  # named, with --optimizer adamw
+
+
+def test_tightfit_plan_takes_sharding_and_says_when_offload_does_not_fit_either(capsys):
+    """`tightfit plan --sharding fsdp-offload` plans it directly (what the refusals' offload line
+    tells an optimizer asked for to do); where offload's share fits but no step with its
+    activations does, the refusal says so; --sharding ddp|fsdp is for several GPUs."""
+    import json
+
+    from tightfit.cli import main
+
+    args = ["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "32", "--budget", "600MiB"]
+    assert main(args + ["--optimizer", "adamw", "--sharding", "fsdp-offload", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["sharding"] == "fsdp-offload" and plan["reasons"][0] == "--sharding fsdp-offload (asked for)"
+    assert plan["micro_batch"] * plan["accumulation_steps"] >= 32 and plan["trainable_params"] > 0
+    assert main(args[:-1] + ["500MiB", "--checkpointing", "off"]) == 2  # offload needs checkpointing there
+    assert "parameter offload does not fit either: nothing fits" in capsys.readouterr().err
+    assert main(args + ["--sharding", "fsdp"]) == 2
+    assert "applies to several GPUs" in capsys.readouterr().err

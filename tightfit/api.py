@@ -189,6 +189,7 @@ class TrainRecipe:
         self.metrics = None
         self.plan_timings: dict = {}  # the planner's stage times (seconds), or {"cached": True, ...}
         self.offload_reason: str | None = None  # one process offloading its parameters: why (_check_budget)
+        self._refused: str | None = None  # the single-GPU refusal offload was taken instead of
 
     # ---------------------------------------------------------------- setup: writes nothing
     def setup(self) -> None:
@@ -404,6 +405,7 @@ class TrainRecipe:
 
         self._check_host_for_offload(refused=refused.splitlines()[0].split(";")[0])
         self.offload_reason = fallback_reason(refused, p.optimizer)
+        self._refused = refused  # said whole if no micro-batch fits under offload either
         return True
 
     def _check_host_for_offload(self, refused: str | None = None) -> None:
@@ -426,8 +428,8 @@ class TrainRecipe:
         if have is not None and need > have:
             raise TightfitError((refused + "; and p" if refused else "P") +
                                 f"arameter offload needs {format_bytes(need)} of host memory (fp32 weights, "
-                                f"gradients and AdamW state, 16 B per trained parameter), {format_bytes(have)} "
-                                "available")
+                                f"gradients and AdamW state, 16 B per trained parameter and 4 B per frozen one), "
+                                f"{format_bytes(have)} available")
 
     def input_size(self) -> int:
         """The size a sample's worst case has, for the planner: ``--seq-len`` (tokens)."""
@@ -537,7 +539,12 @@ class TrainRecipe:
         from .planner.sharding import choose_sharding, fsdp_plan, offload_precision
 
         prec = offload_precision(self.profile, self.req.planning.precision)[0]
-        plan = fsdp_plan(self, choose_sharding(self.model, 1, self.budget, "fsdp-offload", prec), 1)
+        try:
+            plan = fsdp_plan(self, choose_sharding(self.model, 1, self.budget, "fsdp-offload", prec), 1)
+        except TightfitError as e:  # fallen back to: the single-GPU refusal first, with its advice
+            if self._refused is None:
+                raise
+            raise TightfitError(f"{self._refused}\n  parameter offload does not fit either: {e}") from None
         return replace(plan, reasons=(self.offload_reason,) + plan.reasons)
 
     def _offloads(self) -> bool:

@@ -487,9 +487,6 @@ class PlanOptions(_Options):
         if self.optimizer in BF16_WEIGHTS and device != "cuda":
             raise TightfitError(f"{option_given('optimizer', self.optimizer)} trains under bf16 autocast, which "
                                 "tightfit runs on a CUDA GPU only")
-        if self.sharding == "fsdp-offload" and device != "cuda":
-            raise TightfitError(f"{option_given('sharding', 'fsdp-offload')} needs a CUDA GPU (it streams the "
-                                "parameters from host memory to the GPU)")
         if self.sharding == "fsdp-offload" and self.optimizer not in ("auto", "adamw"):
             raise TightfitError(f"{option_given('sharding', 'fsdp-offload')} keeps fp32 AdamW state in host memory: "
                                 f"{option_given('optimizer', self.optimizer)} does not go with it")
@@ -497,6 +494,9 @@ class PlanOptions(_Options):
             raise TightfitError(f"{option_given('sharding', 'fsdp-offload')} trains in bf16 or fp32: the loss "
                                 f"scaler of {option_given('precision', 'fp16')} does not unscale gradients in host "
                                 "memory")
+        if self.sharding == "fsdp-offload" and device != "cuda":
+            raise TightfitError(f"{option_given('sharding', 'fsdp-offload')} needs a CUDA GPU (it streams the "
+                                "parameters from host memory to the GPU)")
         if self.precision in ("fp16", "bf16") and device != "cuda":
             raise TightfitError(f"{option_given('precision', self.precision)} needs a CUDA GPU; on the CPU use fp32")
 

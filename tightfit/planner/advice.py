@@ -227,22 +227,26 @@ def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None
     (:func:`.sharding.host_state_bytes`) and what each micro-batch moves over the host link (the
     fp32 shards copied in for the forward and again for the backward, the fp32 gradients out:
     12 B per parameter), in the precision it would run (``precision`` asked: bf16 where the card
-    has it, else fp32). None on the CPU, under fp16 (which it does not run) or for a model
-    without repeated blocks."""
+    has it, else fp32; under fp16, which it does not run, the line says what to ask for instead).
+    None on the CPU or for a model without repeated blocks."""
     from ..levers.blocks import find_blocks
     from .sharding import host_state_bytes, offloaded_state_bytes
 
-    if not cuda or precision == "fp16" or not find_blocks(model):
+    if not cuda or not find_blocks(model):
         return None
     params = sum(p.numel() for p in model.parameters())
-    bf16 = precision == "bf16" or (precision == "auto" and (profile is None or profile.bf16))
+    bf16 = precision == "bf16" or (precision in ("auto", "fp16") and (profile is None or profile.bf16))
     gpu = offloaded_state_bytes(model, "bf16" if bf16 else "fp32")
     moved = 12 * params
-    fits = ("its GPU share is under the planned limit; `tightfit train` takes it when nothing else fits"
-            if gpu < limit else f"still {format_bytes(gpu - limit)} over")
-    if optimizer != "auto" and gpu < limit:  # chosen for you only where tightfit chooses the optimizer too
-        fits = ("its GPU share is under the planned limit: ask for it with --sharding fsdp-offload" +
-                (f" and --optimizer adamw (not {optimizer}: it keeps fp32 AdamW state)" if optimizer != "adamw" else ""))
+    fits = ("its GPU share is under the planned limit (whether a step with its activations fits too is "
+            "planned when nothing else fits)" if gpu < limit else f"still {format_bytes(gpu - limit)} over")
+    if gpu < limit and (optimizer != "auto" or precision == "fp16"):  # chosen for you only with both auto
+        needs = [f"--optimizer adamw (not {optimizer}: it keeps fp32 AdamW state)"] if optimizer not in (
+            "auto", "adamw") else []
+        needs += [f"--precision {'bf16' if bf16 else 'fp32'} (fp16's loss scaler does not reach gradients in host "
+                  "memory)"] if precision == "fp16" else []
+        fits = "its GPU share is under the planned limit: ask for it with --sharding fsdp-offload" + (
+            " and " + " and ".join(needs) if needs else "")
     return (f"parameter offload (--sharding fsdp-offload: FSDP2 keeps the weights, gradients and AdamW state in host "
             f"memory, {format_bytes(host_state_bytes(model))}, and gathers one block at a time on the GPU, "
             f"{format_bytes(gpu)} held there; each micro-batch moves {format_bytes(moved)} over the host link, about "

@@ -29,6 +29,9 @@ def add_parser(subparsers) -> None:
                                                       "parameter; LoRA adapters (peft, rank 8) with the rest frozen; "
                                                       "all but the input layers; or all but the input layers and the "
                                                       "first N blocks (default all)")
+    p.add_argument("--sharding", default="auto", help="auto|fsdp-offload: plan parameter offload (FSDP2 with the "
+                                                      "weights, gradients and AdamW state in host memory); auto takes "
+                                                      "it where no single-GPU plan fits (default auto)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -78,6 +81,10 @@ def run(args) -> int:
                                                                  effective_batch, optimizer=kind)
 
     check_checkpointing(model, args.checkpointing)
+    if args.sharding == "fsdp-offload":  # asked for: no single-GPU search
+        plan = _offload_plan(args, model, make_batch, size, profile, budget, None)
+        _print_offload(args, plan, model, notes, profile, budget, kind, size)
+        return 0
     try:  # planning for a card elsewhere: the levers are searched whether or not their libraries are here
         refused = None  # the single-GPU planner's refusal: its state, or no step, does not fit
         try:
@@ -98,6 +105,8 @@ def run(args) -> int:
             plan = _offload_plan(args, model, make_batch, size, profile, budget, str(refused))
             if plan is None:
                 raise refused
+            if isinstance(plan, TightfitError):  # its share fits, but no step with its activations does
+                raise TightfitError(f"{refused}\n  parameter offload does not fit either: {plan}") from None
             _print_offload(args, plan, model, notes, profile, budget, kind, size)
             return 0
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
@@ -112,24 +121,36 @@ def run(args) -> int:
     return 0
 
 
-def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refused: str):
-    """The parameter-offload plan `tightfit train` would fall back to where no single-GPU plan fits
-    (``refused``: the planner's refusal), or None where it would not: an optimizer or fp16
-    asked for, a model without repeated blocks, or a GPU share over the planned limit
-    (:meth:`tightfit.api.TrainRecipe._offload_instead` decides alike)."""
+def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refused: str | None):
+    """The parameter-offload plan: asked for (``refused`` None), or the one `tightfit train` falls
+    back to where no single-GPU plan fits (``refused``: the planner's refusal). Falling back, None
+    where train would not (an optimizer or fp16 asked for, a model without repeated blocks, a
+    GPU share over the planned limit: :meth:`tightfit.api.TrainRecipe._offload_instead` decides
+    alike) and the planner's TightfitError, returned, where no micro-batch fits.
+
+    Raises:
+        TightfitError: asked for, where it cannot run or nothing fits (one line).
+    """
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from ..config import PlanOptions
     from ..levers.blocks import find_blocks
+    from ..levers.trainable import trainable_fields
     from .margins import planned_limit
     from .sharding import choose_sharding, fallback_reason, fsdp_plan, offload_precision, offloaded_state_bytes
 
-    if args.optimizer != "auto" or args.precision == "fp16" or not find_blocks(model):
+    asked = refused is None
+    if asked:
+        PlanOptions(sharding="fsdp-offload", optimizer=args.optimizer, precision=args.precision).check_for_device("cuda")
+        if not find_blocks(model):
+            raise TightfitError("--sharding fsdp-offload needs a model of repeated blocks (transformer layers): "
+                                "FSDP2 gathers one block at a time")
+    elif args.optimizer != "auto" or args.precision == "fp16" or not find_blocks(model):
         return None
     prec = offload_precision(profile, args.precision)[0]
-    if offloaded_state_bytes(model, prec) > planned_limit(budget):
+    if not asked and offloaded_state_bytes(model, prec) > planned_limit(budget):
         return None
-    from dataclasses import replace
 
     workload = SimpleNamespace(model=model, effective_batch=args.batch_size,
                                train=SimpleNamespace(worst_case=lambda n: make_batch(n, size)))
@@ -138,9 +159,12 @@ def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refu
                              workload=workload, budget=budget, profile=profile, model=model)
     try:
         plan = fsdp_plan(recipe, choose_sharding(model, 1, budget, "fsdp-offload", prec), 1)
-    except TightfitError:
-        return None
-    return replace(plan, reasons=(fallback_reason(refused, args.optimizer),) + plan.reasons)
+    except TightfitError as e:
+        if asked:
+            raise
+        return e
+    first = "--sharding fsdp-offload (asked for)" if asked else fallback_reason(refused, args.optimizer)
+    return replace(plan, reasons=(first,) + plan.reasons, **trainable_fields(model))
 
 
 def _print_offload(args, plan, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:
@@ -159,8 +183,12 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
         print(f"note: {n}")
     print(f"{args.model}, {'image size' if kind == 'image' else 'sequence length'} {size}, effective batch "
           f"{args.batch_size}, {profile.name} rules, budget {format_bytes(budget)}")
+    last = args.batch_size - (plan.accumulation_steps - 1) * plan.micro_batch
     print(f"plan: parameter offload (--sharding fsdp-offload), {plan.precision}, micro-batch {plan.micro_batch} x "
-          f"{plan.accumulation_steps} accumulation steps, checkpointing {'on' if plan.activation_checkpointing else 'off'}")
+          f"{plan.accumulation_steps} accumulation steps" + (f" (the last {last})" if last != plan.micro_batch else "")
+          + f", checkpointing {'on' if plan.activation_checkpointing else 'off'}")
+    if plan.trainable_params is not None and plan.trainable != "all":
+        print(f"trainable: {plan.trainable}, {plan.trainable_params:,} parameters")
     print(f"predicted: peak {format_bytes(plan.predicted_peak_reserved_bytes)} reserved of {format_bytes(budget)}, "
           f"{format_bytes(host)} of host memory; speed not predicted (no time model for parameter offload; "
           "`tightfit train` verifies the micro-batch with real steps)")
@@ -186,6 +214,10 @@ def _card_and_budget(args):
     check_option(PlanOptions, "optimizer", args.optimizer)
     check_option(WorkloadOptions, "trainable", args.trainable)
     check_option(WorkloadOptions, "image_size", args.image_size)  # train's bound: no plan for a run it refuses
+    check_option(PlanOptions, "sharding", args.sharding)
+    if args.sharding in ("ddp", "fsdp"):
+        raise TightfitError(f"--sharding {args.sharding} applies to several GPUs; tightfit plan plans one: "
+                            "--sharding auto or fsdp-offload")
     return card_budget(args.gpu, args.budget)
 
 

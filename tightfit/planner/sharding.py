@@ -141,8 +141,10 @@ def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int |
 
 def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, precision: str,
                      checkpointing: bool, state_bytes: int | None = None) -> tuple[int, int] | None:
-    """The largest micro-batch (up to each rank's share of the window) whose predicted per-rank
-    peak fits ``budget_bytes`` under FSDP2, and that peak (bytes); None if micro-batch 1 does not.
+    """The micro-batch (up to each rank's share of the window) of the fewest micro-batches per
+    window whose predicted per-rank peak fits ``budget_bytes`` under FSDP2, the share split evenly
+    among them (:func:`tightfit.plan.balanced_micro_batch`), and its predicted peak (bytes); None
+    if micro-batch 1 does not fit.
 
     Per-rank peak = the sharded state (:func:`sharded_state_bytes`) + the single-GPU estimate's
     bytes per sample x micro-batch + what its line holds at micro-batch 0 beyond the replicated
@@ -156,7 +158,7 @@ def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, prec
     """
     from ..memory.estimate import estimate
     from ..memory.fast import TRACED_AT, MemoryLine
-    from ..plan import Plan, rank_batch
+    from ..plan import Plan, balanced_micro_batch, rank_batch
 
     example = workload.train.worst_case(1)
     replicated, sharded = sharded_state_bytes(workload.model, world_size)
@@ -179,7 +181,10 @@ def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, prec
     fixed = (state_bytes if offload else sharded) + max(0.0, line.intercept - kept)
     rank_line = MemoryLine(fixed, line.slope)
     mb = rank_line.largest_fitting(budget_bytes * (1 - HEADROOM), upper)
-    return (mb, int(rank_line.reserved(mb))) if mb >= 1 else None
+    if mb < 1:
+        return None
+    mb = balanced_micro_batch(upper, mb)  # as many micro-batches, split evenly: the one trained, and its peak
+    return mb, int(rank_line.reserved(mb))
 
 
 def choose_checkpointing(fits: dict, share: int, offload: bool = False) -> list[bool]:
@@ -298,7 +303,7 @@ def fsdp_plan(recipe, choice: ShardingChoice, world_size: int):
         TightfitError: micro-batch 1 does not fit, with checkpointing or without.
     """
     from ..levers.precision import check_precision, preferred_precision
-    from ..plan import Plan, balanced_micro_batch, rank_batch
+    from ..plan import Plan, rank_batch
 
     p = recipe.req.planning
     E = recipe.workload.effective_batch
@@ -321,13 +326,14 @@ def fsdp_plan(recipe, choice: ShardingChoice, world_size: int):
     per_rank = " per rank" if world_size > 1 else ""
     held = "the GPU's share of the state under parameter offload" if offload else "the sharded state"
     for ckpt in choose_checkpointing(fits, share, offload):
-        fit = fits[ckpt]
-        mb = balanced_micro_batch(share, fit[0])
+        mb, peak = fits[ckpt]
+        limit = recipe.budget * (1 - HEADROOM)
         return Plan(prec, mb, E, ckpt, device="cuda", budget_bytes=recipe.budget, world_size=world_size,
-                    sharding=choice.sharding, predicted_peak_reserved_bytes=fit[1],
-                    reasons=(why, choice.reason, f"micro-batch {mb}{per_rank}: the largest whose predicted peak "
-                             f"(the estimator's activations, with {held}) fits {format_bytes(recipe.budget)}",
-                             f"activation checkpointing {'on' if ckpt else 'off'} ({'; '.join(tried)})"))
+                    sharding=choice.sharding, predicted_peak_reserved_bytes=peak,
+                    reasons=(why, choice.reason, f"micro-batch {mb}{per_rank}: the fewest micro-batches per window "
+                             f"whose predicted peak (the estimator's activations, with {held}) fits the planned limit "
+                             f"{format_bytes(limit)} of the {format_bytes(recipe.budget)} budget, the samples split "
+                             f"evenly", f"activation checkpointing {'on' if ckpt else 'off'} ({'; '.join(tried)})"))
     where = "with parameter offload" if offload else "under FSDP2"
     raise TightfitError(f"nothing fits {format_bytes(recipe.budget)} per GPU {where} on {world_size} GPU"
                         f"{'s' if world_size > 1 else ''}: " + "; ".join(tried))
