@@ -472,7 +472,8 @@ class PlanOptions(_Options):
     def check_for_device(self, device: str, distributed: bool = False) -> None:
         """Refuse the choices that ``device`` (``"cpu"`` or ``"cuda"``, as resolved) cannot run:
         on the CPU fp16/bf16, ``compile on``, CPU offload and bf16 weights; offload on several
-        processes too.
+        processes too; parameter offload (``sharding="fsdp-offload"``) with fp16 or an optimizer
+        lever (checked first: they are refused whatever the device), and on the CPU.
 
         Raises:
             TightfitError: one line naming the option as its user gave it.
