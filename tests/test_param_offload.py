@@ -67,7 +67,8 @@ def test_the_offload_plan_holds_blocks_not_the_model_on_the_gpu():
 
     from tightfit.config import PlanOptions
     from tightfit.devices import get_profile
-    from tightfit.planner.sharding import choose_sharding, fsdp_plan, host_state_bytes, offloaded_state_bytes
+    from tightfit.planner.sharding import (choose_sharding, fsdp_plan, host_state_bytes, offload_backward_end_bytes,
+                                           offload_gpu_bytes, offloaded_state_bytes)
     from tightfit.workload import Workload
 
     model = tiny_bert()
@@ -77,6 +78,9 @@ def test_the_offload_plan_holds_blocks_not_the_model_on_the_gpu():
     root = n - len(blocks) * block
     assert offloaded_state_bytes(model, "bf16") == root * 6 + 2 * block * 6
     assert offloaded_state_bytes(model, "fp32") == root * 8 + 2 * block * 8
+    # the end of the backward: the root gathered, its gradient, and the fp32 reduce-scatter in and out
+    assert offload_backward_end_bytes(model, "bf16") == root * 12 + 2 * block * 2
+    assert offload_gpu_bytes(model, "bf16") == max(root * 12 + 2 * block * 2, root * 6 + 2 * block * 6)
     assert host_state_bytes(model) == 16 * n
     w = Workload(model, SyntheticBatches(64), None, 32)
     budget = 256 << 20  # a tiny model: the fixed temporaries (82 MiB, cuBLAS workspaces) dominate
@@ -331,3 +335,29 @@ def test_tightfit_plan_takes_sharding_and_says_when_offload_does_not_fit_either(
     assert "parameter offload does not fit either: nothing fits" in capsys.readouterr().err
     assert main(args + ["--sharding", "fsdp"]) == 2
     assert "applies to several GPUs" in capsys.readouterr().err
+
+
+def test_no_offload_micro_batch_fits_where_the_end_of_the_backward_does_not(monkeypatch):
+    """The end of the backward, when the root's gradients are reduced, is a peak of its own under
+    parameter offload (BERT-base at 400 MiB ran out at micro-batch 1 on the GPU where only the
+    blocks' share was counted): a budget the activation line fits but that end does not plans
+    nothing; a larger one plans the line's micro-batch, with the larger of the two peaks."""
+    import importlib
+    from types import SimpleNamespace
+
+    from conftest import SyntheticBatches, tiny_bert
+
+    from tightfit.planner.margins import HEADROOM
+    from tightfit.planner.sharding import fsdp_micro_batch, offload_backward_end_bytes
+    from tightfit.workload import Workload
+
+    est = importlib.import_module("tightfit.memory.estimate")
+    w = Workload(tiny_bert(), SyntheticBatches(64, seq_len=32), None, 8)
+    weights = 4 * sum(p.numel() for p in w.model.parameters())
+    monkeypatch.setattr(est, "estimate", lambda model, batch, plan, profile: SimpleNamespace(
+        peak_reserved_bytes=weights + 1_000 * plan.micro_batch))  # fixed temporaries 0, 1 kB per sample
+    end = offload_backward_end_bytes(w.model, "bf16")
+    state = 1  # a GPU share the line alone would fit with room to spare
+    assert fsdp_micro_batch(w, None, int(end / (1 - HEADROOM)) - 10, 1, "bf16", True, state_bytes=state) is None
+    mb, peak = fsdp_micro_batch(w, None, int(end / (1 - HEADROOM)) + 10, 1, "bf16", True, state_bytes=state)
+    assert mb == 8 and peak == end  # the whole share (8 samples): the end of the backward is the larger

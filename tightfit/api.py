@@ -384,7 +384,7 @@ class TrainRecipe:
         repeated blocks, where tightfit chooses the optimizer too (``--optimizer auto``: an
         optimizer asked for keeps the refusal, whose offload line says what it needs) and the
         precision is one it runs, where its GPU share
-        (:func:`tightfit.planner.sharding.offloaded_state_bytes`) is under the planned limit (else
+        (:func:`tightfit.planner.sharding.offload_gpu_bytes`) is under the planned limit (else
         the refusal's own offload line says by how much). Sets :attr:`offload_reason`.
 
         Raises:
@@ -392,13 +392,13 @@ class TrainRecipe:
         """
         from .levers.blocks import find_blocks
         from .planner.margins import planned_limit
-        from .planner.sharding import offloaded_state_bytes, offload_precision
+        from .planner.sharding import offload_gpu_bytes, offload_precision
 
         p = self.req.planning
         if not (self.device == "cuda" and p.sharding == "auto" and p.optimizer == "auto"
                 and p.precision != "fp16" and not self.world.distributed and find_blocks(self.model)):
             return False
-        if offloaded_state_bytes(self.model, offload_precision(self.profile, p.precision)[0]) > \
+        if offload_gpu_bytes(self.model, offload_precision(self.profile, p.precision)[0]) > \
                 planned_limit(self.budget):
             return False
         from .planner.sharding import fallback_reason

@@ -223,20 +223,20 @@ def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None
                  optimizer: str = "auto", precision: str = "auto") -> str | None:
     """The nothing-fits line for parameter offload (``--sharding fsdp-offload``), which ``tightfit
     train`` takes by itself when no single-GPU plan holds the training state: what stays on the
-    GPU (:func:`.sharding.offloaded_state_bytes`) against ``limit`` (bytes), what the host holds
+    GPU (:func:`.sharding.offload_gpu_bytes`) against ``limit`` (bytes), what the host holds
     (:func:`.sharding.host_state_bytes`) and what each micro-batch moves over the host link (the
     fp32 shards copied in for the forward and again for the backward, the fp32 gradients out:
     12 B per parameter), in the precision it would run (``precision`` asked: bf16 where the card
     has it, else fp32; under fp16, which it does not run, the line says what to ask for instead).
     None on the CPU or for a model without repeated blocks."""
     from ..levers.blocks import find_blocks
-    from .sharding import host_state_bytes, offloaded_state_bytes
+    from .sharding import host_state_bytes, offload_gpu_bytes
 
     if not cuda or not find_blocks(model):
         return None
     params = sum(p.numel() for p in model.parameters())
     bf16 = precision == "bf16" or (precision in ("auto", "fp16") and (profile is None or profile.bf16))
-    gpu = offloaded_state_bytes(model, "bf16" if bf16 else "fp32")
+    gpu = offload_gpu_bytes(model, "bf16" if bf16 else "fp32")
     moved = 12 * params
     fits = ("its GPU share is under the planned limit (whether a step with its activations fits too is "
             "planned when nothing else fits)" if gpu < limit else f"still {format_bytes(gpu - limit)} over")

@@ -138,7 +138,7 @@ def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refu
     from ..levers.blocks import find_blocks
     from ..levers.trainable import trainable_fields
     from .margins import planned_limit
-    from .sharding import choose_sharding, fallback_reason, fsdp_plan, offload_precision, offloaded_state_bytes
+    from .sharding import choose_sharding, fallback_reason, fsdp_plan, offload_gpu_bytes, offload_precision
 
     asked = refused is None
     if asked:
@@ -149,7 +149,7 @@ def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refu
     elif args.optimizer != "auto" or args.precision == "fp16" or not find_blocks(model):
         return None
     prec = offload_precision(profile, args.precision)[0]
-    if not asked and offloaded_state_bytes(model, prec) > planned_limit(budget):
+    if not asked and offload_gpu_bytes(model, prec) > planned_limit(budget):
         return None
 
     workload = SimpleNamespace(model=model, effective_batch=args.batch_size,

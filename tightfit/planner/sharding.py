@@ -93,6 +93,30 @@ def offloaded_state_bytes(model: torch.nn.Module, precision: str) -> int:
     return root * (gathered + 4) + 2 * block * (gathered + 4)
 
 
+def offload_backward_end_bytes(model: torch.nn.Module, precision: str) -> int:
+    """GPU bytes of parameter offload at the end of the backward, when FSDP2 reduces the root's
+    gradients (embeddings, head: they are last, and often the largest tensors): the root's
+    gathered parameters and its unsharded gradient (2 B each under ``bf16``, else 4 B), the fp32
+    reduce-scatter input and output (on one rank both full size) before the copy to the host, and
+    two blocks gathered. BERT-base at 400 MiB ran out at micro-batch 1 where only the
+    activation-time share (:func:`offloaded_state_bytes`) was counted (bench/results/param-offload)."""
+    from ..levers.blocks import find_blocks
+
+    blocks = find_blocks(model)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    block = max((count(b) for b in blocks), default=count(model))
+    root = count(model) - sum(count(b) for b in blocks)
+    gathered = 2 if precision == "bf16" else 4
+    return root * (2 * gathered + 4 + 4) + 2 * block * gathered
+
+
+def offload_gpu_bytes(model: torch.nn.Module, precision: str) -> int:
+    """The GPU's share of the state under parameter offload, at its larger moment (bytes): while
+    the blocks compute (:func:`offloaded_state_bytes`) or when the root's gradients are reduced
+    (:func:`offload_backward_end_bytes`). Where it is over the planned limit, no micro-batch fits."""
+    return max(offloaded_state_bytes(model, precision), offload_backward_end_bytes(model, precision))
+
+
 def host_state_bytes(model: torch.nn.Module) -> int:
     """Host memory parameter offload holds (bytes): fp32 weights (pinned), and for each trained
     parameter its fp32 gradient (pinned) and AdamW's two fp32 moments: 16 B per trained parameter,
@@ -114,7 +138,7 @@ def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int |
     """
     if asked == "fsdp-offload":
         replicated = sharded_state_bytes(model, world_size)[0]
-        state = offloaded_state_bytes(model, precision)
+        state = offload_gpu_bytes(model, precision)
         return ShardingChoice("fsdp-offload", state, replicated - state,
                               f"parameter offload (FSDP2): weights, gradients and AdamW state in host "
                               f"memory ({format_bytes(host_state_bytes(model))}), the GPU holding "
@@ -178,13 +202,16 @@ def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, prec
         return estimate(workload.model, example, plan, profile)
 
     line = MemoryLine.traced(fn, precision, (), TRACED_AT)
-    fixed = (state_bytes if offload else sharded) + max(0.0, line.intercept - kept)
-    rank_line = MemoryLine(fixed, line.slope)
-    mb = rank_line.largest_fitting(budget_bytes * (1 - HEADROOM), upper)
-    if mb < 1:
+    extra = max(0.0, line.intercept - kept)  # fixed temporaries: workspaces, the batch
+    rank_line = MemoryLine((state_bytes if offload else sharded) + extra, line.slope)
+    limit = budget_bytes * (1 - HEADROOM)
+    # under offload, the end of the backward (the root's gradients reduced) is a second peak
+    end = offload_backward_end_bytes(workload.model, precision) + extra if offload else 0.0
+    mb = rank_line.largest_fitting(limit, upper)
+    if mb < 1 or end > limit:
         return None
     mb = balanced_micro_batch(upper, mb)  # as many micro-batches, split evenly: the one trained, and its peak
-    return mb, int(rank_line.reserved(mb))
+    return mb, int(max(rank_line.reserved(mb), end))
 
 
 def choose_checkpointing(fits: dict, share: int, offload: bool = False) -> list[bool]:
