@@ -311,7 +311,10 @@ def test_tightfit_plan_shows_the_offload_plan_train_would_take(capsys):
 
     args = ["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "32", "--budget", "600MiB"]
     assert main(args + ["--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)["plan"]
+    out = json.loads(capsys.readouterr().out)
+    plan = out["plan"]
+    assert out["budget_bytes"] == 600 << 20 and out["predicted_peak_bytes"] == plan["predicted_peak_reserved_bytes"]
+    assert out["predicted_samples_per_s"] is None and out["host_state_bytes"] > 0
     assert plan["sharding"] == "fsdp-offload" and plan["predicted_peak_reserved_bytes"] <= 600 << 20
     assert plan["reasons"][0].startswith("no single-GPU plan fits (nor with the optimizer levers)")
     assert main(args + ["--optimizer", "adamw8bit"]) == 2

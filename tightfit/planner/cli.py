@@ -176,8 +176,9 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
     if args.json:
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
-        print(json.dumps({"plan": plan.to_dict(), "host_state_bytes": host,
-                          "predicted_samples_per_s": None}, indent=2))
+        print(json.dumps({"plan": plan.to_dict(), "budget_bytes": budget,  # the keys of a single-GPU plan's JSON
+                          "predicted_peak_bytes": plan.predicted_peak_reserved_bytes, "predicted_samples_per_s": None,
+                          "runners_up": [], "host_state_bytes": host}, indent=2))
         return
     for n in notes:
         print(f"note: {n}")
