@@ -10,12 +10,10 @@ import pytest
 import torch
 
 from distributed_worker import spawn
+from test_distributed import _losses
+from test_freezing import _bert_base
 
 BASE = {"n": 24, "effective_batch": 8, "micro_batch": 4, "dropout": 0.1}  # dropout on: masks must match
-
-
-def _losses(result):
-    return [r["loss"] for r in result["records"] if r["type"] == "train"]
 
 
 def _same_weights(a, b):
@@ -115,14 +113,6 @@ def test_options_parameter_offload_cannot_run_are_refused_in_one_line(argv, says
     device = kw.pop("device", "cuda")
     with pytest.raises(TightfitError, match=says):
         PlanOptions(**kw).check_for_device(device)
-
-
-def _bert_base(dropout=0.1):
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    return BertForSequenceClassification(BertConfig(num_labels=2, hidden_dropout_prob=dropout,
-                                                    attention_probs_dropout_prob=dropout))
 
 
 @pytest.mark.gpu

@@ -380,30 +380,19 @@ class TrainRecipe:
 
     def _offload_instead(self, refused: str) -> bool:
         """Whether ``auto`` offloads the parameters of a model that no single-GPU plan fits
-        (``refused``: the planner's refusal): on a CUDA GPU, for a model of
-        repeated blocks, where tightfit chooses the optimizer too (``--optimizer auto``: an
-        optimizer asked for keeps the refusal, whose offload line says what it needs) and the
-        precision is one it runs, where its GPU share
-        (:func:`tightfit.planner.sharding.offload_gpu_bytes`) is under the planned limit (else
-        the refusal's own offload line says by how much). Sets :attr:`offload_reason`.
+        (``refused``: the planner's refusal): on one CUDA GPU, where
+        :func:`tightfit.planner.sharding.falls_back_to_offload` says so. Sets :attr:`offload_reason`.
 
         Raises:
             TightfitError: the host has too little memory for it (:meth:`_check_host_for_offload`).
         """
-        from .levers.blocks import find_blocks
-        from .planner.margins import planned_limit
-        from .planner.sharding import offload_gpu_bytes, offload_precision
+        from .planner.sharding import fallback_reason, falls_back_to_offload, first_clause
 
         p = self.req.planning
-        if not (self.device == "cuda" and p.sharding == "auto" and p.optimizer == "auto"
-                and p.precision != "fp16" and not self.world.distributed and find_blocks(self.model)):
+        if not (self.device == "cuda" and p.sharding == "auto" and not self.world.distributed and
+                falls_back_to_offload(self.model, self.budget, self.profile, p.optimizer, p.precision)):
             return False
-        if offload_gpu_bytes(self.model, offload_precision(self.profile, p.precision)[0]) > \
-                planned_limit(self.budget):
-            return False
-        from .planner.sharding import fallback_reason
-
-        self._check_host_for_offload(refused=refused.splitlines()[0].split(";")[0])
+        self._check_host_for_offload(refused=first_clause(refused))
         self.offload_reason = fallback_reason(refused, p.optimizer)
         self._refused = refused  # said whole if no micro-batch fits under offload either
         return True
@@ -534,18 +523,11 @@ class TrainRecipe:
             log.info(f"  {line}")
 
     def _offload_plan(self):
-        """The parameter-offload plan (:func:`tightfit.planner.sharding.fsdp_plan`: FSDP2 on one
-        process, two traces per checkpointing choice; not cached), its first reason why."""
-        from .planner.sharding import choose_sharding, fsdp_plan, offload_precision
+        """The parameter-offload plan (:func:`tightfit.planner.sharding.offload_plan`; not cached),
+        its first reason why."""
+        from .planner.sharding import offload_plan
 
-        prec = offload_precision(self.profile, self.req.planning.precision)[0]
-        try:
-            plan = fsdp_plan(self, choose_sharding(self.model, 1, self.budget, "fsdp-offload", prec), 1)
-        except TightfitError as e:  # fallen back to: the single-GPU refusal first, with its advice
-            if self._refused is None:
-                raise
-            raise TightfitError(f"{self._refused}\n  parameter offload does not fit either: {e}") from None
-        return replace(plan, reasons=(self.offload_reason,) + plan.reasons)
+        return offload_plan(self, self.offload_reason, self._refused)
 
     def _offloads(self) -> bool:
         """This run offloads its parameters (asked for, planned so, or resumed from such a plan):

@@ -105,8 +105,6 @@ def run(args) -> int:
             plan = _offload_plan(args, model, make_batch, size, profile, budget, str(refused))
             if plan is None:
                 raise refused
-            if isinstance(plan, TightfitError):  # its share fits, but no step with its activations does
-                raise TightfitError(f"{refused}\n  parameter offload does not fit either: {plan}") from None
             _print_offload(args, plan, model, notes, profile, budget, kind, size)
             return 0
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
@@ -123,13 +121,12 @@ def run(args) -> int:
 
 def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refused: str | None):
     """The parameter-offload plan: asked for (``refused`` None), or the one `tightfit train` falls
-    back to where no single-GPU plan fits (``refused``: the planner's refusal). Falling back, None
-    where train would not (an optimizer or fp16 asked for, a model without repeated blocks, a
-    GPU share over the planned limit: :meth:`tightfit.api.TrainRecipe._offload_instead` decides
-    alike) and the planner's TightfitError, returned, where no micro-batch fits.
+    back to where no single-GPU plan fits (``refused``: the planner's refusal); falling back, None
+    where train would not (:func:`tightfit.planner.sharding.falls_back_to_offload`).
 
     Raises:
-        TightfitError: asked for, where it cannot run or nothing fits (one line).
+        TightfitError: asked for, where it cannot run or nothing fits (one line); fallen back to,
+            where no micro-batch fits (the refusal, then why offload does not fit either).
     """
     from dataclasses import replace
     from types import SimpleNamespace
@@ -137,34 +134,22 @@ def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refu
     from ..config import PlanOptions
     from ..levers.blocks import find_blocks
     from ..levers.trainable import trainable_fields
-    from .margins import planned_limit
-    from .sharding import choose_sharding, fallback_reason, fsdp_plan, offload_gpu_bytes, offload_precision
+    from .sharding import fallback_reason, falls_back_to_offload, offload_plan
 
-    asked = refused is None
-    if asked:
+    if refused is None:
         PlanOptions(sharding="fsdp-offload", optimizer=args.optimizer, precision=args.precision).check_for_device("cuda")
         if not find_blocks(model):
             raise TightfitError("--sharding fsdp-offload needs a model of repeated blocks (transformer layers): "
                                 "FSDP2 gathers one block at a time")
-    elif args.optimizer != "auto" or args.precision == "fp16" or not find_blocks(model):
+    elif not falls_back_to_offload(model, budget, profile, args.optimizer, args.precision):
         return None
-    prec = offload_precision(profile, args.precision)[0]
-    if not asked and offload_gpu_bytes(model, prec) > planned_limit(budget):
-        return None
-
     workload = SimpleNamespace(model=model, effective_batch=args.batch_size,
                                train=SimpleNamespace(worst_case=lambda n: make_batch(n, size)))
     recipe = SimpleNamespace(req=SimpleNamespace(planning=PlanOptions(precision=args.precision,
                                                                       checkpointing=args.checkpointing)),
                              workload=workload, budget=budget, profile=profile, model=model)
-    try:
-        plan = fsdp_plan(recipe, choose_sharding(model, 1, budget, "fsdp-offload", prec), 1)
-    except TightfitError as e:
-        if asked:
-            raise
-        return e
-    first = "--sharding fsdp-offload (asked for)" if asked else fallback_reason(refused, args.optimizer)
-    return replace(plan, reasons=(first,) + plan.reasons, **trainable_fields(model))
+    first = "--sharding fsdp-offload (asked for)" if refused is None else fallback_reason(refused, args.optimizer)
+    return replace(offload_plan(recipe, first, refused), **trainable_fields(model))
 
 
 def _print_offload(args, plan, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:

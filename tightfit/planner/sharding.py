@@ -36,7 +36,7 @@ import torch
 
 from ..errors import TightfitError
 from ..units import format_bytes
-from .margins import HEADROOM
+from .margins import HEADROOM, planned_limit
 
 # The share of the budget the training state may take; the rest is left to activations.
 STATE_SHARE = 0.6
@@ -61,20 +61,24 @@ class ShardingChoice:
     reason: str
 
 
-def _param_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def _root_and_block(model: torch.nn.Module, size=lambda p: p.numel()) -> tuple[int, int]:
+    """``(root, block)``: ``size`` summed over the parameters FSDP2 gathers with the root (those
+    outside the repeated blocks: embeddings, head) and over the largest block (the whole model
+    where it has none). ``size``: per parameter, elements by default."""
+    from ..levers.blocks import find_blocks
+
+    total = lambda m: sum(size(p) for p in m.parameters())  # noqa: E731
+    blocks = find_blocks(model)
+    return total(model) - sum(total(b) for b in blocks), max((total(b) for b in blocks), default=total(model))
 
 
 def sharded_state_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
     """``(replicated, sharded)``: training-state bytes per rank under DDP and under FSDP2 (see
     the module doc for the terms)."""
-    from ..levers.blocks import find_blocks
     from ..models import model_state_bytes
 
     total = model_state_bytes(model)["total"]
-    blocks = find_blocks(model)
-    block = max((_param_bytes(b) for b in blocks), default=_param_bytes(model))
-    root = _param_bytes(model) - sum(_param_bytes(b) for b in blocks)
+    root, block = _root_and_block(model, lambda p: p.numel() * p.element_size())
     return total, -(-total // world_size) + ROOT_COPIES * root + GATHERED_BLOCKS * block
 
 
@@ -83,12 +87,7 @@ def offloaded_state_bytes(model: torch.nn.Module, precision: str) -> int:
     shards, gradients and AdamW state in host memory): what FSDP2 holds gathered while it
     computes (see the module doc), in the dtype it gathers (2 B under ``bf16``, else 4 B), with
     the gradients of those parameters in fp32 before they go to the host."""
-    from ..levers.blocks import find_blocks
-
-    blocks = find_blocks(model)
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    block = max((count(b) for b in blocks), default=count(model))
-    root = count(model) - sum(count(b) for b in blocks)
+    root, block = _root_and_block(model)
     gathered = 2 if precision == "bf16" else 4
     return root * (gathered + 4) + 2 * block * (gathered + 4)
 
@@ -100,12 +99,7 @@ def offload_backward_end_bytes(model: torch.nn.Module, precision: str) -> int:
     reduce-scatter input and output (on one rank both full size) before the copy to the host, and
     two blocks gathered. BERT-base at 400 MiB ran out at micro-batch 1 where only the
     activation-time share (:func:`offloaded_state_bytes`) was counted (bench/results/param-offload)."""
-    from ..levers.blocks import find_blocks
-
-    blocks = find_blocks(model)
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    block = max((count(b) for b in blocks), default=count(model))
-    root = count(model) - sum(count(b) for b in blocks)
+    root, block = _root_and_block(model)
     gathered = 2 if precision == "bf16" else 4
     return root * (2 * gathered + 4 + 4) + 2 * block * gathered
 
@@ -204,7 +198,7 @@ def fsdp_micro_batch(workload, profile, budget_bytes: int, world_size: int, prec
     line = MemoryLine.traced(fn, precision, (), TRACED_AT)
     extra = max(0.0, line.intercept - kept)  # fixed temporaries: workspaces, the batch
     rank_line = MemoryLine((state_bytes if offload else sharded) + extra, line.slope)
-    limit = budget_bytes * (1 - HEADROOM)
+    limit = planned_limit(budget_bytes)
     # under offload, the end of the backward (the root's gradients reduced) is a second peak
     end = offload_backward_end_bytes(workload.model, precision) + extra if offload else 0.0
     mb = rank_line.largest_fitting(limit, upper)
@@ -256,9 +250,8 @@ def plan_for_ranks(recipe, single_plan):
     """
     from dataclasses import replace
 
-    from ..levers.precision import check_precision, preferred_precision
     from ..models import model_state_bytes
-    from ..plan import Plan, balanced_micro_batch, rank_batch
+    from ..plan import Plan, rank_batch
 
     world, p = recipe.world, recipe.req.planning
     cuda = recipe.device == "cuda"
@@ -312,12 +305,52 @@ def offload_precision(profile, asked: str) -> tuple[str, str]:
     return "fp32", "fp32: the card has no bf16, and fp16's loss scaler does not reach gradients in host memory"
 
 
+def first_clause(refused: str) -> str:
+    """The single-GPU planner's refusal ``refused`` up to its first line's first ``;``."""
+    return refused.splitlines()[0].split(";")[0]
+
+
 def fallback_reason(refused: str, optimizer: str) -> str:
     """The first reason of a parameter-offload plan taken because no single-GPU plan fits:
-    ``refused`` is the single-GPU planner's refusal (its first clause is kept)."""
-    first = refused.splitlines()[0].split(";")[0]
+    ``refused`` is the single-GPU planner's refusal (its :func:`first_clause` is kept)."""
+    first = first_clause(refused)
     levers = " (nor with the optimizer levers)" if optimizer == "auto" and "optimizer lever" not in first else ""
     return f"no single-GPU plan fits{levers}: {first}"
+
+
+def falls_back_to_offload(model: torch.nn.Module, budget_bytes: int, profile, optimizer: str, precision: str) -> bool:
+    """Whether ``auto`` takes parameter offload where no single-GPU plan fits: ``tightfit train``
+    on one CUDA GPU (the caller checks that) and ``tightfit plan`` decide alike. Only where
+    tightfit chooses the optimizer too (``optimizer`` ``auto``: one asked for keeps the refusal,
+    whose offload line says what it needs), not under fp16, for a model of repeated blocks, and
+    where the GPU's share (:func:`offload_gpu_bytes`) is under the planned limit (else that line
+    says by how much)."""
+    from ..levers.blocks import find_blocks
+
+    if optimizer != "auto" or precision == "fp16" or not find_blocks(model):
+        return False
+    return offload_gpu_bytes(model, offload_precision(profile, precision)[0]) <= planned_limit(budget_bytes)
+
+
+def offload_plan(recipe, first_reason: str, refused: str | None = None):
+    """The parameter-offload plan on one GPU (:func:`fsdp_plan`; two traces per checkpointing
+    choice), ``first_reason`` first among its reasons. ``recipe``: as :func:`fsdp_plan` reads it.
+
+    Raises:
+        TightfitError: no micro-batch fits; where offload was fallen back to (``refused``: the
+            single-GPU refusal), that refusal first, with its advice, then why offload does not
+            fit either.
+    """
+    from dataclasses import replace
+
+    prec = offload_precision(recipe.profile, recipe.req.planning.precision)[0]
+    try:
+        plan = fsdp_plan(recipe, choose_sharding(recipe.model, 1, recipe.budget, "fsdp-offload", prec), 1)
+    except TightfitError as e:
+        if refused is None:
+            raise
+        raise TightfitError(f"{refused}\n  parameter offload does not fit either: {e}") from None
+    return replace(plan, reasons=(first_reason,) + plan.reasons)
 
 
 def fsdp_plan(recipe, choice: ShardingChoice, world_size: int):
@@ -354,7 +387,7 @@ def fsdp_plan(recipe, choice: ShardingChoice, world_size: int):
     held = "the GPU's share of the state under parameter offload" if offload else "the sharded state"
     for ckpt in choose_checkpointing(fits, share, offload):
         mb, peak = fits[ckpt]
-        limit = recipe.budget * (1 - HEADROOM)
+        limit = planned_limit(recipe.budget)
         return Plan(prec, mb, E, ckpt, device="cuda", budget_bytes=recipe.budget, world_size=world_size,
                     sharding=choice.sharding, predicted_peak_reserved_bytes=peak,
                     reasons=(why, choice.reason, f"micro-batch {mb}{per_rank}: the fewest micro-batches per window "
