@@ -112,6 +112,9 @@ def test_an_optimizer_that_is_none_or_over_another_model_and_a_loss_that_is_none
     with pytest.raises(TightfitError, match="loss must be a function"):
         TrainStep(plan, m, torch.optim.AdamW(m.parameters()), loss="x")
     TrainStep(plan, m, torch.optim.AdamW(m[4].parameters()), loss=_loss)  # a part of the model: yours to choose
+    frozen = _bn_model().requires_grad_(False)  # nothing for the plan's optimizer to update: one line, not torch's
+    with pytest.raises(TightfitError, match="the model has no trainable parameters"):
+        TrainStep(plan, frozen, loss=_loss)
     # state offloaded to the host: host copies in the groups, the model's parameters as param_d2h_map's keys
     offloaded = SimpleNamespace(param_groups=[{"params": [p.detach().clone() for p in m.parameters()]}],
                                 param_d2h_map={p: None for p in m.parameters()}, step=lambda: None)

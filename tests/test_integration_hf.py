@@ -255,6 +255,22 @@ def test_micro_batch_splits_of_one_effective_batch_log_the_same_loss_and_gradien
         torch.testing.assert_close(logged[mb], logged[8], rtol=1e-4, atol=1e-6)
 
 
+def test_a_micro_batch_without_labelled_items_adds_nothing_to_the_logged_loss(tmp_path):
+    """A sample whose label is ignored (-100) alone in its micro-batch: the model's mean over no item
+    is 0/0 = NaN; the window's logged loss and train_loss are still the one batch's. Dropout off:
+    eight micro-batches of one draw other masks than one batch of eight."""
+    logged, final = {}, {}
+    for mb in (8, 1):
+        trainer = _trainer(tmp_path / str(mb), Plan("fp32", mb, 8), steps=2, dropout=0.0, logging_nan_inf_filter=False)
+        rows = trainer.train_dataset
+        rows.batch["labels"][::2] = -100  # half the samples labelled
+        out = hf.train(trainer)
+        logged[mb], final[mb] = _logged(trainer), out.training_loss
+    assert all(torch.isfinite(torch.tensor(x)).all() for x in logged[1])
+    torch.testing.assert_close(logged[1], logged[8], rtol=1e-4, atol=1e-6)
+    assert final[1] == pytest.approx(final[8], rel=1e-4)
+
+
 def test_oom_redo_keeps_the_loss_scale_of_the_planned_micro_batch(tmp_path):
     ref = _trainer(tmp_path / "ref", Plan("fp32", 8, 8), dropout=0.0)
     hf.train(ref)

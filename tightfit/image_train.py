@@ -107,7 +107,8 @@ def _refuse_list_columns_without_a_list(req: TrainRequest, data: str | None) -> 
 
 def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size: int | None):
     """``(model, size, channels)``: ``entry`` as an image classifier for ``label_names`` in fp32 --
-    a folder's weights with a new head, or random weights from the registry's config (from the
+    a folder's weights with a new head (kept where it was trained on ``label_names``:
+    :func:`tightfit.models.new_head`), or random weights from the registry's config (from the
     global torch RNG; the caller seeds it) -- the image side it takes, and its input channels.
 
     Args:
@@ -118,16 +119,20 @@ def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size:
 
     Raises:
         TightfitError: the folder cannot be loaded or lacks most of its weights; an image size the
-            model cannot take (:meth:`ModelEntry.fit_image_size`).
+            model cannot take (:meth:`ModelEntry.fit_image_size`); input channels other than 1 or 3.
     """
     import torch
     from transformers import AutoModelForImageClassification
 
-    from .models import _check_loaded_weights, _load_errors, _one_line, _quiet_transformers
+    from .models import _check_loaded_weights, _load_errors, _one_line, _quiet_transformers, new_head, saved_labels
 
     _quiet_transformers()
     _, config = entry.load_config()
     size = entry.fit_image_size(config, image_size)  # a registry architecture's config: built for this size
+    channels = int(getattr(config, "num_channels", 3))
+    if channels not in (1, 3):  # pixel_values makes grey or RGB input only
+        raise TightfitError(f"{entry.folder or entry.name}: the model takes {channels} input channels; tightfit "
+                            "trains image models of 1 (grey) or 3 (RGB) channels")
     id2label = dict(enumerate(label_names))
     labels = dict(num_labels=len(label_names), id2label=id2label, label2id={v: k for k, v in id2label.items()})
     if entry.folder is None:  # a registry architecture: random weights
@@ -141,7 +146,8 @@ def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size:
         except _load_errors() as e:
             raise TightfitError(f"cannot load the model from {entry.folder}: {_one_line(e)}") from None
         _check_loaded_weights(model, info, entry.folder)
-    return model, size, int(getattr(config, "num_channels", 3))
+        new_head(model, info, saved_labels(entry.folder), label_names)
+    return model, size, channels
 
 
 class ImageTrainRecipe(TrainRecipe):

@@ -211,13 +211,24 @@ def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int =
 
 
 def _load_folder(root: Path) -> ImageClassificationData:
-    """``root/<class>/**/<image>``: the class is the name of the first-level folder."""
+    """``root/<class>/**/<image>``: the class is the name of the first-level folder; hidden files
+    and folders (a name starting with ".") are left out.
+
+    Raises:
+        TightfitError: no class folder, a class folder without images, a link to no file."""
     classes = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise TightfitError(f"{root}: no class folders (put each class's images in a subfolder named after it)")
     paths, labels = [], []
     for c in classes:
-        files = sorted(f for f in c.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        # hidden files and folders (.ipynb_checkpoints copies, ._ files) are not samples: copies of
+        # training images would also land in the held-out split
+        found = [f for f in c.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES
+                 and not any(part.startswith(".") for part in f.relative_to(c).parts)]
+        broken = next((f for f in found if f.is_symlink() and not f.exists()), None)
+        if broken is not None:  # dropping it would train on fewer images without a word
+            raise TightfitError(f"{broken}: a link to {os.readlink(broken)}, which does not exist")
+        files = sorted(f for f in found if f.is_file())
         if not files:  # dropping it would train on the other classes without a word
             raise TightfitError(f"{root}: class folder {c.name!r} holds no image ({', '.join(sorted(IMAGE_SUFFIXES))}); "
                                 f"add its images or move the folder out")
@@ -277,7 +288,8 @@ _WIDE_GREY = {"I;16": 65535, "I;16B": 65535, "I;16L": 65535, "I;16N": 65535, "I"
 
 
 def load_image(image) -> np.ndarray:
-    """One sample's pixels: uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB; other modes converted).
+    """One sample's pixels: uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB; other modes converted),
+    turned as displayed (the EXIF orientation applied).
 
     Grey images wider than 8 bits are scaled to 0-255 from their own range, rounded: 16-bit
     integers (PIL modes ``I;16``, ``I;16B``, ``I;16L``, and ``I``) as ``v / 257`` (65535 -> 255);
@@ -291,9 +303,12 @@ def load_image(image) -> np.ndarray:
     """
     if not isinstance(image, str):
         return image
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     with Image.open(image) as im:
+        # as displayed: a camera's portrait photo is stored sideways with an EXIF orientation
+        # (transformers' image loading applies it too)
+        ImageOps.exif_transpose(im, in_place=True)
         top = _WIDE_GREY.get(im.mode)
         if top is None:
             return np.array(im.convert("L" if im.mode in ("1", "L") else "RGB"))

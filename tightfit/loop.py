@@ -408,7 +408,8 @@ class TrainStep:
             the plan's effective batch, or one whose one-sample micro-batch the model's BatchNorm
             layers cannot train on (raised after the attempt is undone); out of memory at a
             micro-batch of 1. (At construction) an ``optimizer`` that is not one or updates none
-            of the model's trainable parameters, a ``loss`` that is not callable.
+            of the model's trainable parameters, no ``optimizer`` and no trainable parameter, a
+            ``loss`` that is not callable.
         NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
         PartialUpdateError: out of memory inside an optimizer step that had already written part of
             the update (not possible with fused AdamW).
@@ -447,6 +448,9 @@ class TrainStep:
             raise TightfitError(f"TrainStep: loss must be a function (model, batch) -> 0-d mean loss, got {type(loss).__name__}")
         if optimizer is not None:
             _check_optimizer(optimizer, model)
+        elif not any(p.requires_grad for p in model.parameters()):
+            raise TightfitError("TrainStep: the model has no trainable parameters (every one has requires_grad=False); "
+                                "unfreeze the ones to train")
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
         self.model = model

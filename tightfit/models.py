@@ -17,6 +17,7 @@ tokenizer against the model and the data.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -451,7 +452,46 @@ def load_classifier(path: Path, label_names: list[str]):
             isinstance(e, EOFError) or "PytorchStreamReader" in str(e) else ""
         raise TightfitError(f"cannot load the model from {path}: {_one_line(e)}{hint}") from None
     _check_loaded_weights(model, info, path)
+    new_head(model, info, saved_labels(path), label_names)
     return model, tokenizer
+
+
+def saved_labels(path: Path) -> list[str] | None:
+    """The class names of the head a model folder was saved with (``config.json``'s ``id2label``
+    in index order), or None where the config has none readable."""
+    try:
+        id2label = json.loads((Path(path) / "config.json").read_text()).get("id2label")
+        return [str(id2label[str(i)]) for i in range(len(id2label))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def new_head(model, info: dict, saved: list[str] | None, label_names: list[str]) -> bool:
+    """Initialise afresh the head of ``model`` (its parameters outside ``base_model_prefix``, by
+    the model's own ``_init_weights``, from the global torch RNG: ``--seed``) where it was loaded
+    from the folder but the folder's classes (``saved``) are not ``label_names`` in the same order.
+    ``from_pretrained(..., ignore_mismatched_sizes=True)`` replaces only a head of another shape: a
+    head of as many classes kept its old weights under new names (0.0 held-out accuracy on the
+    same images under permuted class names). A head trained on the same classes is kept (training
+    goes on from it). Returns whether the head was initialised here.
+    """
+    prefix = getattr(model, "base_model_prefix", "")
+    heads = [m for name, m in model.named_children() if name != prefix]
+    if saved == list(label_names) or not prefix or not hasattr(model, prefix) or not heads:
+        return False
+    fresh = set(info.get("missing_keys") or ()) | {k[0] if isinstance(k, tuple) else k
+                                                   for k in info.get("mismatched_keys") or ()}
+    loaded = [n for n, _ in model.named_parameters() if not n.startswith(prefix + ".") and n not in fresh]
+    if not loaded:
+        return False  # the folder had no head, or one of another shape: from_pretrained made it new
+    for head in heads:
+        for m in head.modules():
+            # transformers 5 skips what it loaded (a flag on each module and parameter): cleared here
+            for t in [m, *m.parameters(recurse=False)]:
+                if getattr(t, "_is_hf_initialized", False):
+                    t._is_hf_initialized = False
+            model._init_weights(m)
+    return True
 
 
 def _check_loaded_weights(model, info: dict, path: Path) -> None:

@@ -308,7 +308,10 @@ def scale_loss_as_one_batch(trainer) -> bool:
             return out
         loss = out[0] if return_outputs else out
         if items is not None and window["items"] is not None:
-            loss = loss * (items.to(loss.device) / window["items"].to(loss.device))
+            items = items.to(loss.device)
+            # no labelled item: the model's mean is 0/0 = NaN, and NaN x 0 is NaN; such a micro-batch
+            # adds 0 to the window's loss (torch.where: no host read of the count), as TrainStep's does
+            loss = torch.where(items > 0, loss * (items / window["items"].to(loss.device)), loss.new_zeros(()))
         else:  # no labels to count: the Trainer's own division by the window's micro-batches
             loss = loss / trainer.current_gradient_accumulation_steps
         return (loss, *out[1:]) if return_outputs else loss

@@ -1,0 +1,121 @@
+"""Faults a careful user found in the image path and in loading a model folder: a head kept under
+other class names, EXIF orientation, hidden files, channel counts, dangling links."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+from tightfit.cli import main  # noqa: E402
+from tightfit.errors import TightfitError  # noqa: E402
+from tightfit.images import load_image, load_image_classification  # noqa: E402
+
+
+def _resnet_folder(path, channels=1, labels=("cat", "dog", "eel")):
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    id2label = dict(enumerate(labels))
+    ResNetForImageClassification(ResNetConfig(
+        num_channels=channels, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+        num_labels=len(labels), id2label=id2label, label2id={v: k for k, v in id2label.items()})).save_pretrained(path)
+    return path
+
+
+def _head(model):
+    return [p.detach().clone() for n, p in model.named_parameters() if n.startswith("classifier")]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_folder_head_of_as_many_other_classes_is_new_and_seeded_and_one_of_the_same_classes_is_kept(tmp_path):
+    """from_pretrained(ignore_mismatched_sizes=True) replaced only a head of another shape: the
+    same images under permuted class names kept the old head (0.0 held-out accuracy)."""
+    from safetensors.torch import load_file
+
+    from tightfit.image_train import load_image_classifier
+    from tightfit.models import resolve
+
+    folder = _resnet_folder(tmp_path / "m")
+    stored = load_file(folder / "model.safetensors")
+    saved = [stored["classifier.1.weight"], stored["classifier.1.bias"]]  # named_parameters' order
+    entry = resolve(str(folder))
+
+    def head(labels, seed):
+        torch.manual_seed(seed)
+        return _head(load_image_classifier(entry, labels, 16)[0])
+
+    assert _same(head(["cat", "dog", "eel"], 0), saved)  # the classes it was trained on: training goes on
+    new = head(["ant", "bee", "cow"], 0)
+    assert not any(torch.equal(a, b) for a, b in zip(new, saved) if a.abs().sum() > 0)
+    assert _same(head(["ant", "bee", "cow"], 0), new) and not _same(head(["ant", "bee", "cow"], 1), new)
+    assert not _same(head(["dog", "cat", "eel"], 0), saved)  # the same names in another order are other classes
+
+
+def test_a_text_folder_head_of_as_many_other_classes_is_new(tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from tightfit.models import default_model_path, load_classifier
+
+    id2label = {0: "neg", 1: "pos"}
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=64, num_labels=2, id2label=id2label,
+                                             label2id={"neg": 0, "pos": 1})).save_pretrained(tmp_path / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (default_model_path() / f).exists():
+            shutil.copy(default_model_path() / f, tmp_path / "m" / f)
+    kept = _head(load_classifier(tmp_path / "m", ["neg", "pos"])[0])
+    assert not _same(_head(load_classifier(tmp_path / "m", ["pos", "neg"])[0]), kept)
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    img = Image.fromarray(np.zeros((20, 40, 3), dtype=np.uint8))  # stored 40 wide, 20 high
+    exif = Image.Exif()
+    exif[0x0112] = 6  # displayed turned a quarter: 20 wide, 40 high
+    img.save(tmp_path / "photo.jpg", exif=exif)
+    assert load_image(str(tmp_path / "photo.jpg")).shape == (40, 20, 3)
+
+
+def _folder(root, n=10):
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        for i in range(n):
+            Image.fromarray(np.full((8, 8), 25 * i, dtype=np.uint8)).save(root / cls / f"{i}.png")
+    return root
+
+
+def test_hidden_files_and_folders_in_a_class_folder_are_not_samples(tmp_path):
+    root = _folder(tmp_path / "data")
+    (root / "a" / ".ipynb_checkpoints").mkdir()
+    shutil.copy(root / "a" / "0.png", root / "a" / ".ipynb_checkpoints" / "0-checkpoint.png")
+    shutil.copy(root / "b" / "1.png", root / "b" / ".hidden.png")
+    data = load_image_classification(str(root))
+    assert len(data) == 20 and not any("/." in p for p in data.images)
+
+
+def test_a_link_to_no_file_is_refused_not_dropped(tmp_path):
+    root = _folder(tmp_path / "data")
+    os.symlink(tmp_path / "nowhere.png", root / "a" / "z.png")
+    with pytest.raises(TightfitError, match=r"z.png: a link to .*nowhere.png, which does not exist"):
+        load_image_classification(str(root))
+
+
+def test_a_model_of_four_input_channels_is_refused_in_one_line(tmp_path, capsys):
+    folder = _resnet_folder(tmp_path / "m4", channels=4, labels=("a", "b"))
+    root = _folder(tmp_path / "data")
+    out = tmp_path / "run"
+    code = main(["train", "--data", str(root), "--model", str(folder), "--image-size", "8", "--out", str(out),
+                 "--no-progress", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "takes 4 input channels" in err[0], err
+    assert not out.exists()
+    assert json.loads((folder / "config.json").read_text())["num_channels"] == 4
