@@ -445,3 +445,90 @@ def test_a_levers_bound_that_cannot_beat_the_plan_found_traces_nothing(m):
     bound, whole = predicted_bound(m, make_batch, SEQ, E, H200, 105 * MiB, never, optimizer="adamw8bit",
                                    checkpointing="on", beat=1e12)
     assert not whole and 0 < bound < 1e12
+
+
+def test_shifted_estimates_move_known_peaks_trace_a_whole_batch_and_take_micro_batch_1_to_fit():
+    from tightfit.memory.estimate import MemoryEstimate
+    from tightfit.planner.search import NotTraced, remembering, shifted
+
+    calls = []
+
+    def fake(precision, micro_batch, blocks):
+        calls.append((micro_batch, tuple(blocks)))
+        return MemoryEstimate(0, 1000 * micro_batch, {"activations": 1000 * micro_batch}, {})
+
+    fn = remembering(fake)
+    with pytest.raises(NotTraced):  # nothing known: a stand-in for micro-batch 1 has no estimate to copy
+        shifted(fn, 5)("bf16", 1, ())
+    fn("bf16", 4, ())
+    stand_in = shifted(fn, -300)
+    assert stand_in("bf16", 4, ()).peak_reserved_bytes == 3700 and calls == [(4, ())]
+    assert stand_in("bf16", 1, (0,)).peak_reserved_bytes == 0 and calls == [(4, ())]  # taken to fit, untraced
+    assert stand_in("bf16", 8, (0,)).peak_reserved_bytes == 7700 and calls[-1] == (8, (0,))  # traced once
+    assert fn.known(("bf16", 8, (0,))).peak_reserved_bytes == 8000  # for the reference's own search too
+
+
+def test_a_lever_whose_bound_from_another_optimizers_traces_cannot_beat_the_plan_found_is_not_traced(m, monkeypatch):
+    """At 105 MiB fp32 AdamW's traces, shifted by the model-state difference, bound each lever
+    with no trace of its own: CPU offload, bound highest, is searched first, and 8-bit state,
+    whose ceiling is below the plan it finds, gets no trace (with its own bound traced first, it
+    got 11); the plan is the one the levers' own traces give."""
+    import tightfit.planner.optimizers as po
+    from tightfit.planner.search import NotTraced
+
+    traced = {}
+
+    def counting(kind):
+        fn = estimator_for(m, make_batch, SEQ, H200, E, optimizer=kind)
+
+        def f(*a):
+            traced[kind] = traced.get(kind, 0) + 1
+            return fn(*a)
+        return f
+
+    def planned():
+        traced.clear()
+        r = search_optimizers(m, make_batch, SEQ, E, H200, 105 * MiB, counting, levers=True, precision="bf16",
+                              host_bytes=64 << 30)
+        return r, dict(traced)
+
+    stood_in, stood_traces = planned()
+    assert "adamw8bit" not in stood_traces, stood_traces
+    assert "adamw8bit: at most" in stood_in.best.why
+
+    def no_stand_in(*a):
+        def f(*b):
+            raise NotTraced(b)
+        return f
+
+    monkeypatch.setattr(po, "shifted", no_stand_in)
+    own, own_traces = planned()
+    assert own_traces.get("adamw8bit", 0) > 0
+    assert (own.best.optimizer, own.best.label(), own.best.samples_per_s) == \
+        (stood_in.best.optimizer, stood_in.best.label(), stood_in.best.samples_per_s)
+
+
+def test_a_lever_left_untraced_by_its_stand_in_bound_says_so(m, monkeypatch):
+    """The rule itself, made to fire (a stand-in bound trusted to within 100x): the levers after the
+    first searched whose stand-in bound fits something are left untraced, each with the reason its
+    search would give."""
+    import tightfit.planner.optimizers as po
+
+    traced = set()
+
+    def counting64(kind):
+        fn = estimator_for(m, make_batch, SEQ, H200, 64, optimizer=kind)
+
+        def f(*a):
+            traced.add(kind)
+            return fn(*a)
+        return f
+
+    monkeypatch.setattr(po, "STAND_IN_ERROR", 0.01)
+    r = search_optimizers(m, make_batch, SEQ, 64, H200, 105 * MiB, counting64, levers=True, precision="bf16",
+                          host_bytes=64 << 30)
+    untraced = {"adamw8bit", "adamw-offload", "adamw8bit-bf16"} - traced
+    assert untraced, traced
+    for kind in untraced:
+        assert re.search(kind + r": no plan predicted faster than the [\d.]+ samples/s already found", r.best.why), \
+            r.best.why

@@ -418,6 +418,38 @@ def remembering(estimate_fn: EstimateFn) -> EstimateFn:
         traced.update(trace_all(estimate_fn, [k for k in keys if k not in traced]))
 
     fn.prefetch = prefetch
+    fn.known = traced.get  # (precision, micro_batch, blocks) -> its estimate if already known, else None
+    fn.known_all = traced.values
+    return fn
+
+
+class NotTraced(LookupError):
+    """An estimate :func:`shifted` was asked for that its function has not traced."""
+
+
+def shifted(estimate_fn: EstimateFn, delta: float) -> EstimateFn:
+    """The estimates ``estimate_fn`` (made by :func:`remembering`) already knows, their peak
+    reserved bytes moved by ``delta``: another optimizer's steps as one with other model state
+    would hold them, for a bound only (:func:`tightfit.planner.optimizers.search_optimizers`).
+    What ``estimate_fn`` does not know yet it traces (the bound asks the memory lines' steps, which
+    the reference's own search traced, and at most a whole-batch step per end of the blocks), but
+    micro-batch 1, asked only where a memory line fits nothing, is taken to fit (it adds only the
+    slowest candidate to the bound).
+
+    Raises:
+        NotTraced: (when called) an estimate ``estimate_fn`` has not traced.
+    """
+    def fn(precision, micro_batch, blocks):
+        est = estimate_fn.known((precision, micro_batch, tuple(blocks)))
+        if est is None and micro_batch == 1:  # the search's last resort (nothing fits by the line)
+            any_known = next(iter(estimate_fn.known_all()), None)  # only an estimate's other fields are read
+            if any_known is None:
+                raise NotTraced((precision, micro_batch, tuple(blocks)))
+            return replace(any_known, peak_reserved_bytes=0)  # taken to fit: a bound
+        if est is None:  # the whole batch at an end of the blocks: traced once, for the reference too
+            est = estimate_fn(precision, micro_batch, blocks)
+        return replace(est, peak_reserved_bytes=int(est.peak_reserved_bytes + delta))
+
     return fn
 
 
