@@ -119,3 +119,27 @@ def test_a_model_of_four_input_channels_is_refused_in_one_line(tmp_path, capsys)
     assert code == 2 and len(err) == 1 and "takes 4 input channels" in err[0], err
     assert not out.exists()
     assert json.loads((folder / "config.json").read_text())["num_channels"] == 4
+
+
+def test_a_clip_head_of_as_many_other_classes_is_new(tmp_path):
+    """CLIP's base_model_prefix ("clip") names no child of its image classifier: the head is found
+    by which parameters change shape with the number of classes."""
+    from transformers import CLIPConfig, CLIPForImageClassification
+
+    from tightfit.image_train import load_image_classifier
+    from tightfit.models import resolve
+
+    id2label = {0: "cat", 1: "dog", 2: "eel"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    model = CLIPForImageClassification(CLIPConfig(vision_config=vision, num_labels=3, id2label=id2label,
+                                                  label2id={v: k for k, v in id2label.items()}))
+    with torch.no_grad():
+        model.classifier.weight.fill_(0.5)
+    model.save_pretrained(tmp_path / "clip")
+    entry = resolve(str(tmp_path / "clip"))
+    kept = load_image_classifier(entry, ["cat", "dog", "eel"], 32)[0]
+    assert torch.all(kept.classifier.weight == 0.5)
+    new = load_image_classifier(entry, ["dog", "cat", "eel"], 32)[0]
+    assert not torch.any(new.classifier.weight == 0.5)
+    assert torch.equal(new.vision_model.embeddings.patch_embedding.weight, kept.vision_model.embeddings.patch_embedding.weight)

@@ -34,6 +34,7 @@ class _Net(nn.Module):
         self.p = nn.Linear(4, 4)
         parametrize.register_parametrization(self.p, "weight", _Double())
         self.a.seen = []  # a hook's record, kept on the module (deepcopy copies lists, not closures)
+        self.a.shared = self.b.shared = {}  # one empty dict two modules share: still one in the copy
         self.a.register_forward_hook(lambda m, i, o: m.seen.append(1))
 
     def forward(self, x):
@@ -66,6 +67,7 @@ def test_meta_copy_keeps_what_deepcopy_keeps():
     theirs = copy.deepcopy(model, memo)
     assert _shape(ours) == _shape(theirs)
     assert ours.plain[0] is ours.a and ours.again is ours.shared and ours.b.weight is ours.a.weight
+    assert ours.a.shared is ours.b.shared and ours.a.shared is not model.a.shared
     assert all(p.device.type == "meta" for p in ours.parameters())
     # the copy is its own: its hook lists and the original's are apart, and the original kept its weights
     ours.b._forward_hooks[0] = lambda *a: None
@@ -74,16 +76,28 @@ def test_meta_copy_keeps_what_deepcopy_keeps():
     assert ours.a.seen == [1] and model.a.seen == []
 
 
-def test_forward_cost_is_traced_once_per_model_and_again_when_what_it_trains_changes(monkeypatch):
+def test_forward_cost_is_traced_once_per_planning_call_and_keeps_nothing_after_it(monkeypatch):
+    import gc
+    import weakref
+
     from tightfit.models import build_model
 
-    model, make_batch = build_model("bert-base")
     traced = []
     real = cost_module._trace_forward_cost
     monkeypatch.setattr(cost_module, "_trace_forward_cost", lambda *a: traced.append(1) or real(*a))
-    first = cost_module.forward_cost(model, make_batch, 16, 12)
-    assert cost_module.forward_cost(model, make_batch, 16, 12) is first and len(traced) == 1
-    assert cost_module.forward_cost(model, make_batch, 32, 12).flops_per_sample > first.flops_per_sample
-    model.bert.embeddings.requires_grad_(False)  # frozen embeddings: fewer trained parameters
-    frozen = cost_module.forward_cost(model, make_batch, 16, 12)
-    assert len(traced) == 3 and frozen.trainable_params < first.trainable_params
+
+    def plan_once():
+        model, make_batch = build_model("bert-base")
+        holder = {"model": model}  # a batch maker that reaches the model, as the GPU planner's does
+        make = lambda n, size: (holder, make_batch(n, size))[1]  # noqa: E731
+        with cost_module.remembered_forward_costs():
+            first = cost_module.forward_cost(model, make, 16, 12)
+            assert cost_module.forward_cost(model, make, 16, 12) is first and len(traced) == 1
+            assert cost_module.forward_cost(model, make, 32, 12).flops_per_sample > first.flops_per_sample
+        model.eval()  # outside the scope every call traces: the model may have changed
+        assert cost_module.forward_cost(model, make, 16, 12).ops < first.ops and len(traced) == 3  # no dropout
+        return weakref.ref(model)
+
+    gone = plan_once()
+    gc.collect()
+    assert gone() is None  # nothing kept the planned model (and its weights) alive

@@ -650,9 +650,16 @@ class TrainRecipe:
         summary = self.out / "summary.json"
         if self.resume_from is None or self.trainer.step < self.trainer.total_steps or not summary.is_file():
             return None
+        try:
+            finished = RunSummary.from_dict(json.loads(summary.read_text()))
+        except (ValueError, TypeError, KeyError, AttributeError, OSError, TightfitError) as e:
+            # damaged (e.g. cut short): the run is finished again, evaluated and written anew
+            log.warning(f"note: {summary} cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+                        f"the run is evaluated and its results written again")
+            return None
         log.info(f"run {self.out} had already finished at step {self.trainer.step}: nothing left to train "
                  f"(nothing written)")
-        return RunSummary.from_dict(json.loads(summary.read_text()))
+        return finished
 
     # ---------------------------------------------------------------- from here on the run folder is written
     def interrupted(self) -> None:
@@ -707,8 +714,20 @@ class TrainRecipe:
             atomic_write_json(out / "request.json", {**_request_record(self.req),
                                                      "data_fingerprint": self.data_fingerprint})
         if self.resume_from is not None:  # drop the records the stopped run wrote after its checkpoint
+            from .runtime.checkpoint import mark_abandoned
+
             notes = [] if (out / "metrics.jsonl").is_file() else [
                 "metrics.jsonl was missing: the earlier sessions' losses and events are not in this run's records"]
+            # the run's line is this resume's from here: later checkpoints are left behind (until this
+            # run writes one, which deletes them) and the results of a finish past this step are stale
+            mark_abandoned(out / "checkpoints", step)
+            stale = [n for n in ("summary.json", "report.md") if (out / n).is_file()]
+            for name in stale:
+                (out / name).unlink()
+            if stale:
+                notes.append(f"{' and '.join(stale)} of a finish past step {step} removed: written anew when this "
+                             f"run finishes (model/ is replaced then)")
+            notes += _remove_stale_temporaries(out)
             damaged = keep_metrics_until(out / "metrics.jsonl", step)
             if damaged:
                 notes.append(f"metrics.jsonl: {count_of(len(damaged), 'damaged line')} (not JSON) dropped: "
@@ -735,13 +754,21 @@ class TrainRecipe:
         """
         import torch
 
-        from .runtime.checkpoint import clean_checkpoint_before
+        from .runtime.checkpoint import CheckpointWriteError, clean_checkpoint_before
         from .runtime.trainer import NonFiniteTrainingError, StoppedError
 
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
             return self.trainer.fit()
+        except CheckpointWriteError as e:  # the run stops; what is in place stays, and resumes
+            from .runtime.checkpoint import has_checkpoint
+            from .runtime.launch import resume_processes
+
+            then = (f"continue from the newest checkpoint in place once there is room: tightfit train --resume "
+                    f"{shlex.quote(str(self.out))}{resume_processes(self.world.size)}"
+                    if has_checkpoint(e.folder) else "no earlier checkpoint is in place")
+            raise CheckpointWriteError(f"{e}; training stopped at step {self.trainer.step}; {then}", e.folder) from None
         except StoppedError as e:
             from .runtime.launch import resume_processes
 
@@ -969,7 +996,7 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     try:
         saved = saved_options(json.loads((run / "request.json").read_text()))
         fingerprint = saved.pop("data_fingerprint", None)
-    except (json.JSONDecodeError, TypeError) as e:
+    except (ValueError, TypeError, AttributeError, OSError) as e:  # e.g. a list, not an object
         raise TightfitError(f"{option_given('resume', str(run))}: unreadable request.json ({e})") from None
     # An option the run was started with may be repeated; a new value of one the resumed run cannot
     # change is refused (ignored, an asked-for change such as more epochs would never happen).
@@ -1019,16 +1046,33 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     return resumed, point.path, changed, fingerprint, notes + removed
 
 
+def _remove_stale_temporaries(out: Path) -> list[str]:
+    """Remove the temporary files and folders (``.NAME.*.tmp``, :mod:`tightfit.fileio`) that a
+    write into run folder ``out`` cut short left there; one note each."""
+    notes = []
+    for p in sorted(out.glob(".*.tmp")):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        notes.append(f"removed {p.name}, left by a write that was cut short")
+    return notes
+
+
 def _check_out(out: Path, resuming: bool) -> None:
     """The run folder must be new or empty (or the run being resumed), and creatable.
 
     Raises:
-        TightfitError: it is a file, holds another run, or cannot be created.
+        TightfitError: it is a file, holds another run, lies inside another run's folder, or cannot
+            be created.
     """
     from .runtime.checkpoint import has_checkpoint
 
     if out.exists() and not out.is_dir():
         raise TightfitError(f"{option_given('out', str(out))} is a file, not a folder")
+    if not resuming:  # a run writes, replaces and prunes inside its folder: another run's place is not there
+        inside = next((p for p in out.resolve().parents
+                       if (p / "request.json").is_file() and (p / "plan.json").is_file()), None)
+        if inside is not None:
+            raise TightfitError(f"{option_given('out', str(out))} is inside the run folder {inside}, which would "
+                                f"replace or delete it: choose a folder outside it")
     if not resuming and out.exists() and any(out.iterdir()):
         if (out / "request.json").is_file() and not has_checkpoint(out / "checkpoints") and \
                 not (out / "summary.json").exists():  # e.g. a process killed before its first checkpoint

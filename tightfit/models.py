@@ -16,6 +16,7 @@ tokenizer against the model and the data.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -467,30 +468,35 @@ def saved_labels(path: Path) -> list[str] | None:
 
 
 def new_head(model, info: dict, saved: list[str] | None, label_names: list[str]) -> bool:
-    """Initialise afresh the head of ``model`` (its parameters outside ``base_model_prefix``, by
-    the model's own ``_init_weights``, from the global torch RNG: ``--seed``) where it was loaded
-    from the folder but the folder's classes (``saved``) are not ``label_names`` in the same order.
+    """Initialise afresh, by the model's own ``_init_weights`` from the global torch RNG
+    (``--seed``), the parameters whose shape depends on the number of classes (those a head of
+    another size would have had made new: found by building the architecture for one class more
+    on the meta device) where they were loaded from the folder but the folder's classes
+    (``saved``) are not ``label_names`` in the same order.
     ``from_pretrained(..., ignore_mismatched_sizes=True)`` replaces only a head of another shape: a
     head of as many classes kept its old weights under new names (0.0 held-out accuracy on the
     same images under permuted class names). A head trained on the same classes is kept (training
-    goes on from it). Returns whether the head was initialised here.
+    goes on from it). Returns whether a head was initialised here.
     """
-    prefix = getattr(model, "base_model_prefix", "")
-    heads = [m for name, m in model.named_children() if name != prefix]
-    if saved == list(label_names) or not prefix or not hasattr(model, prefix) or not heads:
+    if saved == list(label_names):
         return False
+    config = copy.deepcopy(model.config)
+    config.num_labels = len(label_names) + 1
+    with torch.device("meta"):
+        other = type(model)(config)
+    shapes = {n: p.shape for n, p in other.named_parameters()}
     fresh = set(info.get("missing_keys") or ()) | {k[0] if isinstance(k, tuple) else k
                                                    for k in info.get("mismatched_keys") or ()}
-    loaded = [n for n, _ in model.named_parameters() if not n.startswith(prefix + ".") and n not in fresh]
-    if not loaded:
+    by_class = [n for n, p in model.named_parameters() if shapes.get(n, p.shape) != p.shape]
+    if not by_class or all(n in fresh for n in by_class):
         return False  # the folder had no head, or one of another shape: from_pretrained made it new
-    for head in heads:
-        for m in head.modules():
-            # transformers 5 skips what it loaded (a flag on each module and parameter): cleared here
-            for t in [m, *m.parameters(recurse=False)]:
-                if getattr(t, "_is_hf_initialized", False):
-                    t._is_hf_initialized = False
-            model._init_weights(m)
+    for name in dict.fromkeys(n.rpartition(".")[0] for n in by_class):
+        m = model.get_submodule(name)
+        # transformers 5 skips what it loaded (a flag on each module and parameter): cleared here
+        for t in [m, *m.parameters(recurse=False)]:
+            if getattr(t, "_is_hf_initialized", False):
+                t._is_hf_initialized = False
+        model._init_weights(m)
     return True
 
 

@@ -121,12 +121,14 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 _Module = torch.nn.Module
 _EMPTY_CONTAINERS = (dict, OrderedDict, set)
+# nn.Module's own fields (hook dicts and the like): every module has its own, never shared
+_MODULE_FIELDS = frozenset(torch.nn.Module().__dict__)
 
 
 def _deepcopy_module(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
     """``copy.deepcopy(module, memo)``, with the modules of the tree copied directly: a module
     whose class keeps ``nn.Module``'s pickling protocol gets its ``__dict__`` entry by entry, its
-    empty hook dicts new and empty, its children by this function, everything else by
+    own empty hook dicts (``nn.Module``'s fields, never shared) new and empty, its children by this function, everything else by
     ``copy.deepcopy`` with the same ``memo`` (so shared objects stay shared, as deepcopy keeps
     them). Other modules go through ``copy.deepcopy``. Why: deepcopy rebuilds each of a module's
     ~15 empty hook dicts through ``__reduce_ex__``, ~0.1 s per copy of BERT-large, paid by every
@@ -144,7 +146,7 @@ def _deepcopy_module(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
     for k, v in module.__getstate__().items():
         if k == "_modules":
             state[k] = type(v)((n, None if c is None else _deepcopy_module(c, memo)) for n, c in v.items())
-        elif type(v) in _EMPTY_CONTAINERS and not v:
+        elif k in _MODULE_FIELDS and type(v) in _EMPTY_CONTAINERS and not v:
             state[k] = type(v)()
         else:
             state[k] = copy.deepcopy(v, memo)

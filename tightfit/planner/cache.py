@@ -109,9 +109,9 @@ def load_plan(key: str, folder: Path | None = None) -> tuple[Plan, dict] | None:
     """The cached plan of ``key`` and its record (``planning_seconds``, ``created``, ``path``,
     ``timings``), or None when there is none or it cannot be read (logged at debug level)."""
     path = _path(key, folder)
-    if not path.is_file():
-        return None
-    try:
+    try:  # is_file() too: a cache folder that cannot be searched (permissions, a name too long) raises
+        if not path.is_file():
+            return None
         entry = json.loads(path.read_text(encoding="utf-8"))
         if entry.get("format") != CACHE_FORMAT or entry.get("key") != key:
             return None

@@ -33,8 +33,9 @@ copied again after each) and the new weights back over the host link, and runs A
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -157,26 +158,37 @@ class ForwardCost:
     free_blocks: int = 0
 
 
-# model -> [(make_batch, size, n_blocks, parameter signature, ForwardCost)]: the searches of one
-# plan (a bound and a search per optimizer) ask for the same forward up to seven times, ~0.8 s each
-# for BERT-large on a 2-core host
-_FORWARD_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# (id(model), id(make_batch), size, n_blocks) -> (model, make_batch, ForwardCost) inside
+# remembered_forward_costs(): the searches of one plan (a bound and a search per optimizer) ask for
+# the same forward up to seven times, ~0.8 s each for BERT-large on a 2-core host. Scoped to one
+# planning call, so the model cannot change under it and nothing outlives it (the entry holds the
+# model, so that its id is not reused while the scope lasts).
+_REMEMBERED: contextvars.ContextVar = contextvars.ContextVar("tightfit_forward_costs", default=None)
+
+
+@contextlib.contextmanager
+def remembered_forward_costs():
+    """Within this context :func:`forward_cost` traces each (model, make_batch, size, n_blocks)
+    once; nested uses share the outer scope's."""
+    token = _REMEMBERED.set({}) if _REMEMBERED.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _REMEMBERED.reset(token)
 
 
 def forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -> ForwardCost:
     """Trace one forward of ``model`` (meta device) on a batch of 2 to count FLOPs and kernels
-    (in all, and those selective recomputation reruns in the repeated blocks). Remembered per
-    model while its parameters (shapes, dtypes, which are trained) and the other arguments stay
-    the same."""
-    signature = tuple((p.shape, p.dtype, p.requires_grad) for p in model.parameters())
-    known = _FORWARD_COSTS.setdefault(model, [])
-    for mb, s, n, sig, cost in known:
-        if mb is make_batch and s == size and n == n_blocks and sig == signature:
-            return cost
-    cost = _trace_forward_cost(model, make_batch, size, n_blocks)
-    known.append((make_batch, size, n_blocks, signature, cost))
-    del known[:-4]  # a few variants at most (the planner's retries); the model's lifetime bounds the rest
-    return cost
+    (in all, and those selective recomputation reruns in the repeated blocks); traced once per
+    arguments inside :func:`remembered_forward_costs`."""
+    memo = _REMEMBERED.get()
+    if memo is None:
+        return _trace_forward_cost(model, make_batch, size, n_blocks)
+    key = (id(model), id(make_batch), size, n_blocks)
+    if key not in memo:
+        memo[key] = (model, make_batch, _trace_forward_cost(model, make_batch, size, n_blocks))
+    return memo[key][2]
 
 
 def _trace_forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks: int) -> ForwardCost:

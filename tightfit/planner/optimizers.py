@@ -40,7 +40,7 @@ from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_bf1
 from ..units import format_bytes, format_rate
 from ..plan import OPTIMIZER_CHOICES
 from ..levers.blocks import find_blocks
-from .cost import TimeModel, forward_cost
+from .cost import TimeModel, forward_cost, remembered_forward_costs
 from .margins import HEADROOM, planned_limit
 from .search import (CannotBeatError, NothingFitsError, NotTraced, SearchResult, predicted_bound, remembering, search,
                      shifted)
@@ -159,16 +159,6 @@ def least_state_bytes(model, optimizer: str = "auto", levers: bool = True) -> tu
     return need[kind], kind
 
 
-def accumulating_state_bytes(model, kind: str) -> int:
-    """The model state a step holds on the GPU while it accumulates gradients over several
-    micro-batches, bytes: :func:`least_state_bytes` of ``kind``, with CPU offload's gradients held
-    on the GPU too (as the runtime keeps them across a window, and the memory lines trace them)."""
-    held = least_state_bytes(model, kind)[0]
-    if kind == "adamw-offload":
-        held += weight_bytes(kind) * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return held
-
-
 # Of the planned limit: how much less than the model-state difference another optimizer's steps may
 # hold, in a bound from a traced optimizer's steps (:func:`bound_shift`); what else differs (the
 # optimizer step's temporaries, allocator rounding) was within 0.03 GiB on BERT-base and -large.
@@ -201,12 +191,13 @@ def step_temporary_bytes(model, kind: str) -> int:
 
 def bound_shift(model, kind: str, traced: str, precision: str, limit: float) -> float:
     """Bytes to add to the peaks traced with optimizer ``traced`` for an optimistic (low) stand-in
-    for ``kind``'s at the same micro-batch and blocks, both accumulating: the difference of their
-    model state (:func:`accumulating_state_bytes`), less what only ``traced`` may hold at its peak
-    -- its step's temporaries (:func:`step_temporary_bytes`) and, where ``kind`` keeps bf16 weights
-    and ``traced`` fp32 ones, the 16-bit copies autocast makes of them (2 B per parameter) -- in
-    full, though each is held at some moments only, less :data:`BOUND_SLACK` of ``limit``."""
-    shift = accumulating_state_bytes(model, kind) - accumulating_state_bytes(model, traced)
+    for ``kind``'s at the same micro-batch and blocks: the difference of their least model state
+    (:func:`least_state_bytes`: CPU offload's gradients counted as freed, as without accumulation),
+    less what only ``traced`` may hold at its peak -- its step's temporaries
+    (:func:`step_temporary_bytes`) and, where ``kind`` keeps bf16 weights and ``traced`` fp32 ones,
+    the 16-bit copies autocast makes of them (2 B per parameter) -- in full, though each is held at
+    some moments only, less :data:`BOUND_SLACK` of ``limit``."""
+    shift = least_state_bytes(model, kind)[0] - least_state_bytes(model, traced)[0]
     shift -= step_temporary_bytes(model, traced)
     if weights_dtype(kind) is not None and weights_dtype(traced) is None and precision != "fp32":
         shift -= 2 * sum(p.numel() for p in model.parameters() if p.is_floating_point())
@@ -262,6 +253,7 @@ def _cost_line(model, result: SearchResult, kind: str, profile) -> str:
     return f"{gpu}; the optimizer's share of each step predicted at {step * 1000:.0f} ms"
 
 
+@remembered_forward_costs()  # the bounds' and searches' time models share one forward's cost
 def search_optimizers(model, make_batch, size: int, effective_batch: int, profile, budget_bytes: int,
                       estimator, optimizer: str = "auto", estimator_at=None, levers: bool | None = None,
                       host_bytes: int | None = None, **options) -> SearchResult:
@@ -390,7 +382,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     # (NVIDIA H200) traced 53 estimates, 28 of them for 8-bit state, which lost to bf16 weights.
     # A lever whose ceiling is below a bound already known is ordered after it by that ceiling,
     # with no trace: it traces only if the plans found before it fall below its ceiling.
-    bounds, approximate, pending = {}, set(), []
+    bounds, approximate, pending, stand_in_for = {}, set(), [], {}
     for kind in kinds:
         if weights_dtype(kind) is not None and (precision not in ("auto", "bf16") or not profile.bf16):
             short[kind] = (f"needs bf16 autocast, --precision {precision} asked for" if precision not in ("auto", "bf16")
@@ -419,7 +411,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     ref = "adamw" if "adamw" in estimates else None
     if ref is None:
         pending.sort(key=lambda k: (step_temporary_bytes(model, k) > 0 or weights_dtype(k) is not None,
-                                    accumulating_state_bytes(model, k)))
+                                    least_state_bytes(model, k)[0]))
     for kind in pending:
         found = max((r.best.samples_per_s for r in results.values()), default=0.0)
         bound_at = dict(optimizer=kind, beat=found, host_bytes=activation_host_bytes(kind), **opts_for(kind))
@@ -434,6 +426,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             if stood_in:
                 bounds[kind] = bound
                 approximate.add(kind)
+                stand_in_for[kind] = ref
                 continue
         if bounds and ceiling(kind) <= max(bounds.values()):
             bounds[kind] = ceiling(kind)
@@ -449,8 +442,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             break  # 8-bit state fits without paying: neither offload nor bf16 weights can be faster
         if cannot_win(kind):
             continue
-        if kind in approximate and 0 < bounds[kind] * STAND_IN_ERROR <= found:  # as its search would find, untraced
-            short[kind] = f"no plan predicted faster than the {format_rate(found)} samples/s already found"
+        if kind in approximate and 0 < bounds[kind] * STAND_IN_ERROR <= found:  # untraced
+            short[kind] = (f"not traced: bounded from {stand_in_for[kind]}'s traces at {format_rate(bounds[kind])} "
+                           f"samples/s, below the {format_rate(found)} already found")
             failures[kind] = NothingFitsError(short[kind])
             continue
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import _HostBuffers, take_snapshot, write_snapshot
+from .checkpoint import CheckpointWriteError, _HostBuffers, take_snapshot, write_snapshot
 
 
 class CheckpointWriter:
@@ -53,7 +53,8 @@ class CheckpointWriter:
 
         Raises:
             NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is written).
-            Exception: the previous background write's error (its checkpoint is not in place).
+            CheckpointWriteError: this or the previous background write failed (its checkpoint is
+                not in place; the earlier ones are).
         """
         t0 = time.perf_counter()
         try:
@@ -72,6 +73,14 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         try:
             return write_snapshot(self.folder, step, snap, self.keep_last, abandoned)
+        except OSError as e:  # e.g. the disk full: its temporary folder is gone, the others untouched
+            raise CheckpointWriteError(f"checkpoint ckpt-{step} could not be written: {e.strerror or e}",
+                                       self.folder) from e
+        except Exception as e:  # torch.save's writer (RuntimeError) and safetensors report a short write so
+            if not isinstance(e, RuntimeError) and type(e).__name__ != "SafetensorError":
+                raise
+            raise CheckpointWriteError(f"checkpoint ckpt-{step} could not be written: {str(e).splitlines()[0]}",
+                                       self.folder) from e
         finally:
             self.write_seconds += time.perf_counter() - t0
 

@@ -32,18 +32,34 @@ from safetensors import safe_open
 from safetensors.torch import load_model
 
 from ..errors import TightfitError
-from ..fileio import atomic_write_dir
+from ..fileio import atomic_write_dir, atomic_write_json
 from ..memory.oom import is_oom
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
 _STALE = re.compile(r"^\.ckpt-\d+\.(?:.+\.tmp|old)$")  # atomic_write_dir's temporary / displaced folders
 MODEL_FILE, STATE_FILE, MANIFEST = "model.safetensors", "state.pt", "manifest.json"
+# In the checkpoints folder, while a resume from an earlier checkpoint has not yet written one of
+# its own: the later checkpoints it leaves behind (mark_abandoned), which a resume of the run skips.
+ABANDONED = "abandoned.json"
 MANIFEST_FORMAT = "tightfit-checkpoint/1"
 _CHUNK = 1 << 20  # bytes read at a time when hashing
 
 
 class NonFiniteCheckpointError(TightfitError):
     """A checkpoint was about to be written with inf/NaN weights."""
+
+
+class CheckpointWriteError(TightfitError):
+    """A checkpoint could not be written (a full disk, a file-size limit, an I/O error); the
+    checkpoints already in place are untouched and the run resumes from the newest of them.
+
+    Attributes:
+        folder: the checkpoints folder.
+    """
+
+    def __init__(self, message: str, folder: Path):
+        super().__init__(message)
+        self.folder = folder
 
 
 class CorruptCheckpointError(TightfitError):
@@ -297,7 +313,45 @@ def prune_checkpoints(folder: Path, step: int, keep_last: int, abandoned=()) -> 
     gone = [p for p in ckpts if p not in kept]
     for old in gone:
         shutil.rmtree(old, ignore_errors=True)
+    (Path(folder) / ABANDONED).unlink(missing_ok=True)  # what a resume left behind is gone now
     return gone
+
+
+def _identity(path: Path) -> str:
+    """What tells checkpoint ``path`` from another of the same step: its manifest's hash (the
+    weights' and state's checksums), else the folder's modification time."""
+    try:
+        return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
+    except OSError:
+        return f"mtime:{Path(path).stat().st_mtime_ns}"
+
+
+def mark_abandoned(folder: Path, step: int) -> list[Path]:
+    """Record (``ABANDONED``, written atomically) the checkpoints of ``folder`` later than ``step``,
+    which a resume from ``ckpt-<step>`` leaves behind: until this run writes a checkpoint of its
+    own (which deletes them, :func:`prune_checkpoints`), a resume of the run must not take them
+    for its newest (the run's records and options are this resume's from now on). Removes the
+    record where there are none. Returns them."""
+    later = [p for p in list_checkpoints(folder) if checkpoint_step(p) > step]
+    if later:
+        atomic_write_json(Path(folder) / ABANDONED, {"resumed_from": step,
+                                                     "checkpoints": {p.name: _identity(p) for p in later}})
+    else:
+        (Path(folder) / ABANDONED).unlink(missing_ok=True)
+    return later
+
+
+def abandoned_checkpoints(folder: Path) -> tuple[set[str], int | None]:
+    """The names of the checkpoints in ``folder`` that :func:`mark_abandoned` recorded and that
+    are still those (the same manifest), and the step resumed from; ``(set(), None)`` without a
+    readable record."""
+    try:
+        record = json.loads((Path(folder) / ABANDONED).read_text(encoding="utf-8"))
+        marked, step = dict(record["checkpoints"]), int(record["resumed_from"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set(), None
+    return {name for name, ident in marked.items() if (Path(folder) / name).is_dir()
+            and _identity(Path(folder) / name) == ident}, step
 
 
 def clean_checkpoint_before(folder: Path, step: int) -> Path | None:
@@ -506,9 +560,10 @@ def _verify_structure(path: Path) -> None:
 
 
 def latest_intact_checkpoint(folder: Path) -> ResumePoint:
-    """The newest checkpoint in ``folder`` that passes :func:`verify_checkpoint`, with a note for
-    each newer one skipped as corrupt (e.g. ``checkpoint ckpt-40 is corrupt (model.safetensors:
-    checksum mismatch); resuming from ckpt-20``) and for a checkpoint without checksums.
+    """The newest checkpoint in ``folder`` that passes :func:`verify_checkpoint` and that no resume
+    from an earlier one left behind (:func:`mark_abandoned`), with a note for each newer one
+    skipped (e.g. ``checkpoint ckpt-40 is corrupt (model.safetensors: checksum mismatch);
+    resuming from ckpt-20``) and for a checkpoint without checksums.
 
     Verifies newest first and stops at the first intact one: about 1 to 2 s per GB checked.
 
@@ -520,7 +575,11 @@ def latest_intact_checkpoint(folder: Path) -> ResumePoint:
     if not ckpts:
         raise TightfitError("no checkpoint to resume from")
     faults = []
+    left, resumed_from = abandoned_checkpoints(folder)
     for path in reversed(ckpts):
+        if path.name in left:  # the run's records and options are those of the resume from an earlier one
+            faults.append(f"checkpoint {path.name} was left behind by a resume from ckpt-{resumed_from}")
+            continue
         try:
             point = resume_point(path)
         except CorruptCheckpointError as e:

@@ -1,0 +1,145 @@
+"""Faults a careful user found in run folders, checkpoints and the plan cache: a resume from an
+earlier checkpoint that dies, an --out inside another run, a checkpoint that cannot be written,
+damaged files of a run, leftovers of a write cut short."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tightfit.api as api
+from conftest import tiny_cpu_job
+from tightfit.errors import TightfitError
+
+
+@pytest.fixture
+def finished(tmp_path):
+    """A finished 8-step run with a checkpoint every 2 steps, all kept; and the job's fields."""
+    common = tiny_cpu_job(tmp_path)
+    run = tmp_path / "run"
+    api.train(api.TrainRequest(**common, max_steps=8, checkpoint_every=2, keep_last=10, out=str(run)))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-2", "ckpt-4", "ckpt-6", "ckpt-8"]
+    return run, common
+
+
+def _weights(run):
+    return load_file(run / "model" / "model.safetensors")
+
+
+def _forked_cleanly(run, common, tmp_path):
+    """The weights and summary of the same run resumed from ckpt-4 at another learning rate, uninterrupted."""
+    clean = tmp_path / "clean"
+    shutil.copytree(run, clean)
+    summary = api.train(api.TrainRequest(**common, lr=3e-4, resume=str(clean / "checkpoints" / "ckpt-4")))
+    return _weights(clean), summary
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_from_an_earlier_checkpoint_that_dies_before_writing_one_is_resumed_from_there(
+        finished, tmp_path, monkeypatch):
+    """The resume from ckpt-4 had cut the records to step 4 and recorded the new learning rate; killed
+    before its first checkpoint, a resume of the run took the abandoned ckpt-8 (steps 5-8 at the old
+    rate) under the new records and options."""
+    run, common = finished
+    clean, clean_summary = _forked_cleanly(run, common, tmp_path)
+
+    def killed(self):
+        raise KeyboardInterrupt  # as a kill right after the run folder was opened
+
+    with monkeypatch.context() as m:
+        m.setattr(api.TrainRecipe, "train", killed)
+        with pytest.raises(KeyboardInterrupt):
+            api.train(api.TrainRequest(**common, lr=3e-4, resume=str(run / "checkpoints" / "ckpt-4")))
+    assert not (run / "summary.json").exists()  # the finish at step 8 was the abandoned stretch's
+    summary = api.train(api.TrainRequest(**common, resume=str(run)))
+    assert _same(_weights(run), clean)
+    assert summary.eval_loss == clean_summary.eval_loss
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 8
+
+
+def test_a_resume_from_an_earlier_checkpoint_killed_in_its_final_evaluation_finishes_with_its_own_results(
+        finished, tmp_path, monkeypatch):
+    """It had written its own ckpt-8; the run's summary.json of the first finish made a resume of
+    the run say "already finished" with the first finish's model."""
+    run, common = finished
+    clean, clean_summary = _forked_cleanly(run, common, tmp_path)
+
+    def killed(self, result):
+        raise KeyboardInterrupt  # during the final evaluation and writes
+
+    with monkeypatch.context() as m:
+        m.setattr(api.TrainRecipe, "finish", killed)
+        with pytest.raises(KeyboardInterrupt):
+            api.train(api.TrainRequest(**common, lr=3e-4, resume=str(run / "checkpoints" / "ckpt-4")))
+    summary = api.train(api.TrainRequest(**common, resume=str(run)))
+    assert _same(_weights(run), clean)
+    assert summary.eval_loss == clean_summary.eval_loss
+    assert json.loads((run / "summary.json").read_text())["eval_loss"] == clean_summary.eval_loss
+
+
+def test_an_out_inside_another_runs_folder_is_refused(finished):
+    run, common = finished
+    for inside in (run / "model", run / "checkpoints" / "ckpt-99", run / "sub" / "deeper"):
+        with pytest.raises(TightfitError, match=f"is inside the run folder {run}"):
+            api.train(api.TrainRequest(**common, max_steps=2, out=str(inside)))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-2", "ckpt-4", "ckpt-6", "ckpt-8"]
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line_and_it_resumes(tmp_path, monkeypatch, capsys):
+    import tightfit.runtime.async_checkpoint as writer
+    from tightfit.cli import main
+
+    common = tiny_cpu_job(tmp_path)
+    run = tmp_path / "run"
+    real = writer.write_snapshot
+
+    def full_disk(folder, step, *a, **k):
+        if step == 4:
+            raise OSError(28, "No space left on device")
+        return real(folder, step, *a, **k)
+
+    monkeypatch.setattr(writer, "write_snapshot", full_disk)
+    argv = ["train", "--model", common["model"], "--data", common["data"], "--batch-size", "8", "--seq-len", "16",
+            "--device", "cpu", "--no-progress", "--max-steps", "6", "--checkpoint-every", "2", "--out", str(run)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint ckpt-4 could not be written: No space left on device" in err[0], err
+    assert "tightfit train --resume" in err[0] and "Traceback" not in err[0]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["ckpt-2"]  # what was in place stays
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert (run / "summary.json").is_file()
+
+
+def test_a_damaged_summary_is_written_again_and_a_damaged_request_refused_in_one_line(finished, caplog):
+    run, common = finished
+    (run / "summary.json").write_text('{"accuracy": 0.5')  # cut short
+    summary = api.train(api.TrainRequest(**common, resume=str(run)))
+    assert "cannot be read" in caplog.text
+    assert json.loads((run / "summary.json").read_text())["eval_loss"] == summary.eval_loss
+    (run / "request.json").write_text("[]")
+    with pytest.raises(TightfitError, match="unreadable request.json"):
+        api.train(api.TrainRequest(**common, resume=str(run)))
+
+
+def test_leftovers_of_writes_cut_short_in_the_run_folder_are_removed_on_resume(finished, caplog):
+    run, common = finished
+    (run / "summary.json").unlink()  # as a kill in the final writes leaves it
+    (run / ".report.md.x1.tmp").write_text("half")
+    (run / ".model.x2.tmp").mkdir()
+    (run / ".model.x2.tmp" / "model.safetensors").write_bytes(b"half")
+    api.train(api.TrainRequest(**common, resume=str(run)))
+    assert not list(run.glob(".*.tmp"))
+    assert "removed .report.md.x1.tmp, left by a write that was cut short" in caplog.text
+
+
+def test_a_plan_cache_folder_that_cannot_be_searched_is_no_cache(tmp_path):
+    from tightfit.planner.cache import load_plan
+
+    assert load_plan("k" * 300, tmp_path / ("a" * 300)) is None  # a name too long: an OSError from is_file()
