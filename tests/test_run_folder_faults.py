@@ -143,3 +143,42 @@ def test_a_plan_cache_folder_that_cannot_be_searched_is_no_cache(tmp_path):
     from tightfit.planner.cache import load_plan
 
     assert load_plan("k" * 300, tmp_path / ("a" * 300)) is None  # a name too long: an OSError from is_file()
+
+
+def test_a_run_folder_another_process_writes_is_refused_in_one_line(finished):
+    """Two resumes of one folder at once: the second removed the first's checkpoint write in flight
+    as a leftover, and both appended records."""
+    import fcntl
+    import os
+
+    run, common = finished
+    (run / "summary.json").unlink()
+    (run / "checkpoints" / ".ckpt-10.x3.tmp").mkdir()  # the other process's checkpoint write in flight
+    fd = os.open(run, os.O_RDONLY)  # as another process holding it (a lock of another open file)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        before = sorted(p.name for p in run.rglob("*"))
+        with pytest.raises(TightfitError, match="is being written by another tightfit process"):
+            api.train(api.TrainRequest(**common, resume=str(run)))
+        assert sorted(p.name for p in run.rglob("*")) == before
+    finally:
+        os.close(fd)
+    api.train(api.TrainRequest(**common, resume=str(run)))  # released: it finishes
+    assert (run / "summary.json").is_file()
+
+
+def test_a_new_run_into_a_folder_another_process_is_starting_is_refused(tmp_path):
+    import fcntl
+    import os
+
+    common = tiny_cpu_job(tmp_path)
+    out = tmp_path / "new"
+    out.mkdir()  # another new run's, made a moment ago: empty yet, so --out passes its checks
+    fd = os.open(out, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(TightfitError, match="is being written by another tightfit process"):
+            api.train(api.TrainRequest(**common, max_steps=2, out=str(out)))
+        assert not any(out.iterdir())
+    finally:
+        os.close(fd)

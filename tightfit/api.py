@@ -78,30 +78,68 @@ def train(req: TrainRequest) -> RunSummary:
     world = World.from_env(req.planning.device)  # several ranks under torchrun (docs/distributed.md)
     recipe = recipe_class(req)(req, world)  # TrainRecipe, or ImageTrainRecipe for an image model
     try:
-        recipe.setup()  # checks, loads and plans; writes nothing
-    except TightfitError as e:
-        e.every_rank = world.distributed  # each rank checked the same input: rank 0 alone says so
-        if not names_flags() and len(e.args) == 1 and isinstance(e.args[0], str):
-            from .loop import as_arguments  # the advice's flags as TrainRequest's keywords: optimizer='adamw8bit'
-
-            e.args = (as_arguments(e.args[0]),)
-        raise
-    finished = recipe.finished_summary()
-    if finished is not None:
-        return finished
-    try:
         try:
-            recipe.open_run_folder()
-        except BaseException:
-            recipe.remove_created()  # a run folder left half-made (e.g. request.json not written) would block --out
+            recipe.setup()  # checks, loads and plans; writes nothing
+        except TightfitError as e:
+            e.every_rank = world.distributed  # each rank checked the same input: rank 0 alone says so
+            if not names_flags() and len(e.args) == 1 and isinstance(e.args[0], str):
+                from .loop import as_arguments  # the advice's flags as TrainRequest's keywords: optimizer='adamw8bit'
+
+                e.args = (as_arguments(e.args[0]),)
             raise
-        result = recipe.train()
-    except KeyboardInterrupt:  # stopped at once (a second Ctrl-C, or before training began)
-        recipe.interrupted()
-        raise
-    summary = recipe.finish(result)
-    world.close()
-    return summary
+        finished = recipe.finished_summary()
+        if finished is not None:
+            return finished
+        try:
+            try:
+                recipe.open_run_folder()
+            except BaseException:
+                recipe.remove_created()  # a run folder left half-made (e.g. request.json not written) would block --out
+                raise
+            result = recipe.train()
+        except KeyboardInterrupt:  # stopped at once (a second Ctrl-C, or before training began)
+            recipe.interrupted()
+            raise
+        summary = recipe.finish(result)
+        world.close()
+        return summary
+    finally:
+        _release_run_folders()
+
+
+_HELD: dict[str, int] = {}  # run folders this process writes -> the descriptor holding its lock
+
+
+def _hold_run_folder(folder: Path) -> None:
+    """Take an exclusive advisory lock on run folder ``folder`` (``flock`` on the folder itself, so
+    nothing is added to it) until :func:`_release_run_folders`: a run folder has one writer, and a
+    second process resuming or writing it (which would remove the first's checkpoint write in
+    flight as a leftover and duplicate its records) is refused. Nothing where ``flock`` is missing.
+
+    Raises:
+        TightfitError: another process holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return
+    key = str(Path(folder).resolve())
+    if key in _HELD:
+        return
+    fd = os.open(key, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise TightfitError(f"run folder {folder} is being written by another tightfit process (a run folder has one "
+                            f"writer): wait for it to end, or stop it") from None
+    _HELD[key] = fd
+
+
+def _release_run_folders() -> None:
+    """Release the locks of :func:`_hold_run_folder` (the end of ``train``, however it ends)."""
+    while _HELD:
+        os.close(_HELD.popitem()[1])
 
 
 def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProfile | None, int | None, list[str]]:
@@ -703,11 +741,16 @@ class TrainRecipe:
             self.created = None
             return
         out, step = self.out, self.trainer.step
-        self.created = [] if out.exists() else [out]  # what interrupted() may remove: only what this run made
+        self.created = []  # what interrupted() may remove: only what this run made
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            out.mkdir(parents=True)
+            made = True  # by this process: another one starting into the same --out finds it made
+        except FileExistsError:
+            made = False
         except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
             raise TightfitError(f"cannot create the run folder {out}: {e.strerror or e}") from e
+        _hold_run_folder(out)
+        self.created = [out] if made else []
         self.created += [out / n for n in ("request.json", "plan.json", "metrics.jsonl", "checkpoints")
                          if self.resume_from is None and not (out / n).exists()]
         if self.resume_from is None or self.changed:
@@ -1024,6 +1067,8 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
         raise TightfitError(f"{option_given('resume', str(run))}: {run / 'request.json'} holds a value tightfit "
                             f"cannot take (edited by hand?): {e}") from None
     resumed.workload.check_columns()  # with the run's own --data, now known
+    if main:  # before anything in the folder is touched: one writer
+        _hold_run_folder(run)
     done = [f"put back {name}, displaced by a checkpoint write that was cut short"
             for name in (restore_displaced(run / "checkpoints") if main else ())]  # rank 0 writes the folder
     for note in done:  # done to the folder: said now, whatever a later check decides
