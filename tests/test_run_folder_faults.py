@@ -158,7 +158,7 @@ def test_a_run_folder_another_process_writes_is_refused_in_one_line(finished):
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         before = sorted(p.name for p in run.rglob("*"))
-        with pytest.raises(TightfitError, match="is being written by another tightfit process"):
+        with pytest.raises(TightfitError, match="is being written by another tightfit run"):
             api.train(api.TrainRequest(**common, resume=str(run)))
         assert sorted(p.name for p in run.rglob("*")) == before
     finally:
@@ -177,8 +177,73 @@ def test_a_new_run_into_a_folder_another_process_is_starting_is_refused(tmp_path
     fd = os.open(out, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        with pytest.raises(TightfitError, match="is being written by another tightfit process"):
+        with pytest.raises(TightfitError, match="is being written by another tightfit run"):
             api.train(api.TrainRequest(**common, max_steps=2, out=str(out)))
         assert not any(out.iterdir())
     finally:
         os.close(fd)
+
+
+def test_the_lock_is_each_train_calls_own_and_a_filesystem_without_locks_is_no_refusal(tmp_path, monkeypatch):
+    """One process, two train calls (threads, a notebook): the second writer of a folder is refused,
+    and the first's end releases only its own folders. ENOLCK (Lustre, some NFS) means no lock."""
+    import errno
+    import fcntl
+    import os
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    first, second = object(), object()
+    api._hold_run_folder(a, first)
+    api._hold_run_folder(a, first)  # again for the same call: held already
+    try:
+        with pytest.raises(TightfitError, match="is being written by another tightfit run"):
+            api._hold_run_folder(a, second)
+        api._hold_run_folder(b, second)
+        api._release_run_folders(second)
+        fd = os.open(a, os.O_RDONLY)
+        with pytest.raises(BlockingIOError):  # still the first call's
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+    finally:
+        api._release_run_folders(first)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    api._hold_run_folder(a, second)  # no refusal, no lock
+    assert str(a.resolve()) not in api._HELD
+
+
+def test_only_tightfits_own_leftovers_are_removed_and_its_markers_too(finished):
+    from tightfit.runtime.checkpoint import remove_stale_temporaries
+
+    run, common = finished
+    (run / "summary.json").unlink()
+    (run / ".my-notes.tmp").write_text("mine")
+    (run / ".scratch.tmp").mkdir()
+    (run / ".plan.json.q1.tmp").write_text("half")
+    (run / "checkpoints" / ".abandoned.json.q2.tmp").write_text("half")
+    api.train(api.TrainRequest(**common, resume=str(run)))
+    assert (run / ".my-notes.tmp").is_file() and (run / ".scratch.tmp").is_dir()
+    assert not (run / ".plan.json.q1.tmp").exists() and not (run / "checkpoints" / ".abandoned.json.q2.tmp").exists()
+    assert remove_stale_temporaries(run / "checkpoints") == []
+
+
+def test_old_checkpoints_without_a_manifest_stay_abandoned_in_a_copy_of_the_run(finished, tmp_path):
+    import os
+
+    from tightfit.runtime.checkpoint import abandoned_checkpoints, latest_intact_checkpoint, mark_abandoned
+
+    run, _ = finished
+    for name in ("ckpt-6", "ckpt-8"):
+        (run / "checkpoints" / name / "manifest.json").unlink()  # as an older tightfit wrote them
+    mark_abandoned(run / "checkpoints", 4)
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    for name in ("ckpt-6", "ckpt-8"):  # as `cp -r` leaves them: new modification times
+        os.utime(copy / "checkpoints" / name, ns=(10**18, 10**18))
+    assert abandoned_checkpoints(copy / "checkpoints")[0] == {"ckpt-6", "ckpt-8"}
+    assert latest_intact_checkpoint(copy / "checkpoints").path.name == "ckpt-4"

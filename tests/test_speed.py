@@ -392,7 +392,7 @@ def test_a_failed_background_write_leaves_no_checkpoint_and_is_raised(tmp_path, 
 
     monkeypatch.setattr(ckpt, "sha256_file", broken)
     writer.save(2, model, state)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointWriteError, match="checkpoint ckpt-2 could not be written: disk full"):
         writer.flush()
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["ckpt-1"]  # no half checkpoint
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

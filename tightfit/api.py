@@ -18,6 +18,7 @@ and silences them with ``logging.getLogger("tightfit").setLevel(logging.ERROR)``
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ import re
 import resource
 import shlex
 import shutil
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -104,42 +106,55 @@ def train(req: TrainRequest) -> RunSummary:
         world.close()
         return summary
     finally:
-        _release_run_folders()
+        _release_run_folders(recipe)
 
 
-_HELD: dict[str, int] = {}  # run folders this process writes -> the descriptor holding its lock
+_HELD: dict[str, tuple[object, int]] = {}  # run folders being written -> (the train call's recipe, lock fd)
+_HELD_LOCK = threading.Lock()
 
 
-def _hold_run_folder(folder: Path) -> None:
-    """Take an exclusive advisory lock on run folder ``folder`` (``flock`` on the folder itself, so
-    nothing is added to it) until :func:`_release_run_folders`: a run folder has one writer, and a
-    second process resuming or writing it (which would remove the first's checkpoint write in
-    flight as a leftover and duplicate its records) is refused. Nothing where ``flock`` is missing.
+def _hold_run_folder(folder: Path, owner) -> None:
+    """Take an exclusive advisory lock on run folder ``folder`` for ``owner`` (one ``train`` call's
+    recipe; ``flock`` on the folder itself, so nothing is added to it) until
+    :func:`_release_run_folders`: a run folder has one writer, and a second one -- another process,
+    or another call of this one -- resuming or writing it (which would remove the first's checkpoint
+    write in flight as a leftover and duplicate its records) is refused. No lock where the
+    filesystem or the platform has none.
 
     Raises:
-        TightfitError: another process holds it.
+        TightfitError: another writer holds it.
     """
     try:
         import fcntl
     except ImportError:  # not POSIX
         return
     key = str(Path(folder).resolve())
-    if key in _HELD:
-        return
-    fd = os.open(key, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise TightfitError(f"run folder {folder} is being written by another tightfit process (a run folder has one "
-                            f"writer): wait for it to end, or stop it") from None
-    _HELD[key] = fd
+    refusal = (f"run folder {folder} is being written by another tightfit run (a run folder has one writer): "
+               f"wait for it to end, or stop it")
+    with _HELD_LOCK:
+        if key in _HELD:
+            if _HELD[key][0] is owner:
+                return
+            raise TightfitError(refusal)
+        try:
+            fd = os.open(key, os.O_RDONLY)
+        except OSError:  # a folder that cannot be opened for reading: its writes will say why
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise TightfitError(refusal) from None
+            return  # no flock on this filesystem (ENOLCK, ENOSYS, EOPNOTSUPP): unguarded, as before
+        _HELD[key] = (owner, fd)
 
 
-def _release_run_folders() -> None:
-    """Release the locks of :func:`_hold_run_folder` (the end of ``train``, however it ends)."""
-    while _HELD:
-        os.close(_HELD.popitem()[1])
+def _release_run_folders(owner) -> None:
+    """Release ``owner``'s locks of :func:`_hold_run_folder` (the end of its ``train``, however it ends)."""
+    with _HELD_LOCK:
+        for key in [k for k, (o, _) in _HELD.items() if o is owner]:
+            os.close(_HELD.pop(key)[1])
 
 
 def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProfile | None, int | None, list[str]]:
@@ -239,7 +254,7 @@ class TrainRecipe:
         """
         if self.req.run.resume:
             self.req, self.resume_from, self.changed, self.data_fingerprint, self.resume_notes = \
-                _resume_request(self.req, self.world.is_main)
+                _resume_request(self.req, self.world.is_main, owner=self)
             self.notes += [f"{option_name('resume')} with {option_given(k, new)} (the run had {old})"
                            for k, (old, new) in self.changed.items()]
             self.notes += [n for n in self.resume_notes if not n.startswith(_DONE_TO_THE_FOLDER)]  # said already
@@ -749,7 +764,9 @@ class TrainRecipe:
             made = False
         except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
             raise TightfitError(f"cannot create the run folder {out}: {e.strerror or e}") from e
-        _hold_run_folder(out)
+        _hold_run_folder(out, self)
+        if self.resume_from is None and not made and any(out.iterdir()):  # filled since its check, by another run
+            raise TightfitError(f"output folder {out} exists and is not empty; choose another {option_name('out')}")
         self.created = [out] if made else []
         self.created += [out / n for n in ("request.json", "plan.json", "metrics.jsonl", "checkpoints")
                          if self.resume_from is None and not (out / n).exists()]
@@ -768,8 +785,8 @@ class TrainRecipe:
             for name in stale:
                 (out / name).unlink()
             if stale:
-                notes.append(f"{' and '.join(stale)} of a finish past step {step} removed: written anew when this "
-                             f"run finishes (model/ is replaced then)")
+                notes.append(f"{' and '.join(stale)} of an earlier finish removed: written anew when this run "
+                             f"finishes (model/ is replaced then)")
             notes += _remove_stale_temporaries(out)
             damaged = keep_metrics_until(out / "metrics.jsonl", step)
             if damaged:
@@ -1000,7 +1017,8 @@ class _Discard:
 _DONE_TO_THE_FOLDER = ("put back ", "removed ")
 
 
-def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest, Path, dict, str | None, list[str]]:
+def _resume_request(req: TrainRequest, main: bool = True, owner=None) -> tuple[TrainRequest, Path, dict, str | None,
+                                                                             list[str]]:
     """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
     given now), its newest intact checkpoint, ``{option: [old, new]}`` for what changed, the
     fingerprint of the data it started with (None for runs that recorded none), and the notes of
@@ -1067,8 +1085,8 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
         raise TightfitError(f"{option_given('resume', str(run))}: {run / 'request.json'} holds a value tightfit "
                             f"cannot take (edited by hand?): {e}") from None
     resumed.workload.check_columns()  # with the run's own --data, now known
-    if main:  # before anything in the folder is touched: one writer
-        _hold_run_folder(run)
+    if main and owner is not None:  # before anything in the folder is touched: one writer (train's)
+        _hold_run_folder(run, owner)
     done = [f"put back {name}, displaced by a checkpoint write that was cut short"
             for name in (restore_displaced(run / "checkpoints") if main else ())]  # rank 0 writes the folder
     for note in done:  # done to the folder: said now, whatever a later check decides
@@ -1091,11 +1109,18 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     return resumed, point.path, changed, fingerprint, notes + removed
 
 
+# What tightfit writes atomically into a run folder (tightfit.fileio: ``.NAME.<random>.tmp`` while written)
+_RUN_FILES = ("request.json", "plan.json", "summary.json", "report.md", "metrics.jsonl", "model", "memory.png",
+              "loss.png")
+_RUN_TEMPORARY = re.compile(r"^\.(?:" + "|".join(map(re.escape, _RUN_FILES)) + r")\.[^/]+\.tmp$")
+
+
 def _remove_stale_temporaries(out: Path) -> list[str]:
-    """Remove the temporary files and folders (``.NAME.*.tmp``, :mod:`tightfit.fileio`) that a
-    write into run folder ``out`` cut short left there; one note each."""
+    """Remove the temporary files and folders (``.NAME.<random>.tmp`` of the files in
+    :data:`_RUN_FILES`, :mod:`tightfit.fileio`) that a write into run folder ``out`` cut short left
+    there (nothing else); one note each."""
     notes = []
-    for p in sorted(out.glob(".*.tmp")):
+    for p in sorted(q for q in out.iterdir() if _RUN_TEMPORARY.match(q.name)):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
         notes.append(f"removed {p.name}, left by a write that was cut short")
     return notes

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointWriteError, _HostBuffers, take_snapshot, write_snapshot
+from .checkpoint import CheckpointWriteError, _HostBuffers, is_write_failure, take_snapshot, write_snapshot
 
 
 class CheckpointWriter:
@@ -76,8 +76,8 @@ class CheckpointWriter:
         except OSError as e:  # e.g. the disk full: its temporary folder is gone, the others untouched
             raise CheckpointWriteError(f"checkpoint ckpt-{step} could not be written: {e.strerror or e}",
                                        self.folder) from e
-        except Exception as e:  # torch.save's writer (RuntimeError) and safetensors report a short write so
-            if not isinstance(e, RuntimeError) and type(e).__name__ != "SafetensorError":
+        except Exception as e:  # torch.save's zip writer and safetensors report a short write so
+            if not is_write_failure(e):
                 raise
             raise CheckpointWriteError(f"checkpoint ckpt-{step} could not be written: {str(e).splitlines()[0]}",
                                        self.folder) from e

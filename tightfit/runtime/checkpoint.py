@@ -37,6 +37,7 @@ from ..memory.oom import is_oom
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
 _STALE = re.compile(r"^\.ckpt-\d+\.(?:.+\.tmp|old)$")  # atomic_write_dir's temporary / displaced folders
+_STALE_MARKER = re.compile(r"^\.abandoned\.json\.[^/]+\.tmp$")  # mark_abandoned's, cut short
 MODEL_FILE, STATE_FILE, MANIFEST = "model.safetensors", "state.pt", "manifest.json"
 # In the checkpoints folder, while a resume from an earlier checkpoint has not yet written one of
 # its own: the later checkpoints it leaves behind (mark_abandoned), which a resume of the run skips.
@@ -49,6 +50,15 @@ class NonFiniteCheckpointError(TightfitError):
     """A checkpoint was about to be written with inf/NaN weights."""
 
 
+def is_write_failure(e: BaseException) -> bool:
+    """Whether ``e``, raised while a checkpoint was written, is the disk's (a full disk, a file-size
+    limit, an I/O error): an ``OSError``, torch's zip writer's ``RuntimeError`` about its stream,
+    or safetensors' serialisation error."""
+    text = str(e)
+    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and (
+        "inline_container" in text or "PytorchStreamWriter" in text)) or type(e).__name__ == "SafetensorError"
+
+
 class CheckpointWriteError(TightfitError):
     """A checkpoint could not be written (a full disk, a file-size limit, an I/O error); the
     checkpoints already in place are untouched and the run resumes from the newest of them.
@@ -57,9 +67,9 @@ class CheckpointWriteError(TightfitError):
         folder: the checkpoints folder.
     """
 
-    def __init__(self, message: str, folder: Path):
+    def __init__(self, message: str, folder):
         super().__init__(message)
-        self.folder = folder
+        self.folder = Path(folder)
 
 
 class CorruptCheckpointError(TightfitError):
@@ -319,11 +329,12 @@ def prune_checkpoints(folder: Path, step: int, keep_last: int, abandoned=()) -> 
 
 def _identity(path: Path) -> str:
     """What tells checkpoint ``path`` from another of the same step: its manifest's hash (the
-    weights' and state's checksums), else the folder's modification time."""
+    weights' and state's checksums). Every checkpoint written now has a manifest, so one without
+    (an older tightfit's) is the same one it was: ``"no manifest"``, whatever a copy did to it."""
     try:
         return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
     except OSError:
-        return f"mtime:{Path(path).stat().st_mtime_ns}"
+        return "no manifest"
 
 
 def mark_abandoned(folder: Path, step: int) -> list[Path]:
@@ -458,6 +469,10 @@ def remove_stale_temporaries(folder: Path) -> list[tuple[str, int]]:
         if _STALE.match(p.name) and p.is_dir() and not p.is_symlink():
             size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
             shutil.rmtree(p, ignore_errors=True)
+            removed.append((p.name, size))
+        elif _STALE_MARKER.match(p.name) and p.is_file():
+            size = p.stat().st_size
+            p.unlink(missing_ok=True)
             removed.append((p.name, size))
     return removed
 
