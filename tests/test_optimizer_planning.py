@@ -49,6 +49,19 @@ def least_peak(m, kind, E=E):
     return min(fn("bf16", 1, blocks).peak_reserved_bytes for blocks in ((), (0, 1)))
 
 
+def counting(m, traced: dict, effective=E):
+    """``kind -> estimate_fn`` of :func:`estimator_for` that counts in ``traced`` the estimates each
+    optimizer is asked for."""
+    def estimator(kind):
+        fn = estimator_for(m, make_batch, SEQ, H200, effective, optimizer=kind)
+
+        def f(*a):
+            traced[kind] = traced.get(kind, 0) + 1
+            return fn(*a)
+        return f
+    return estimator
+
+
 def plan(m, budget, optimizer="auto", E=E, levers=True, **kw):
     return search_optimizers(m, make_batch, SEQ, E, H200, budget,
                              lambda kind: estimator_for(m, make_batch, SEQ, H200, E, optimizer=kind),
@@ -247,17 +260,9 @@ def test_a_lever_that_cannot_beat_the_plan_found_is_not_traced(m, monkeypatch):
 
     traced = {}
 
-    def counting(kind):
-        fn = estimator_for(m, make_batch, SEQ, H200, E, optimizer=kind)
-
-        def f(*a):
-            traced[kind] = traced.get(kind, 0) + 1
-            return fn(*a)
-        return f
-
     def planned():
-        return search_optimizers(m, make_batch, SEQ, E, H200, 105 * MiB, counting, levers=True, precision="bf16",
-                                 host_bytes=64 << 30)
+        return search_optimizers(m, make_batch, SEQ, E, H200, 105 * MiB, counting(m, traced), levers=True,
+                                 precision="bf16", host_bytes=64 << 30)
 
     pruned = planned()
     # at 105 MiB fp32 AdamW fits nothing, offload's plan predicts 910 samples/s, bf16 weights at most
@@ -306,13 +311,13 @@ def test_a_search_traces_only_candidates_predicted_faster_than_a_plan_found_else
     calls = []
     fn = estimator_for(m, make_batch, SEQ, H200, effective, optimizer="adamw")
 
-    def counting(*a):
+    def recording(*a):
         calls.append(a)
         return fn(*a)
 
     def searched(beat):
         calls.clear()
-        return search(m, make_batch, SEQ, effective, H200, budget, counting, precision="bf16", beat=beat)
+        return search(m, make_batch, SEQ, effective, H200, budget, recording, precision="bf16", beat=beat)
 
     free = searched(0.0)
     unbounded = len(calls)
@@ -478,18 +483,10 @@ def test_a_lever_whose_bound_from_another_optimizers_traces_cannot_beat_the_plan
 
     traced = {}
 
-    def counting(kind):
-        fn = estimator_for(m, make_batch, SEQ, H200, E, optimizer=kind)
-
-        def f(*a):
-            traced[kind] = traced.get(kind, 0) + 1
-            return fn(*a)
-        return f
-
     def planned():
         traced.clear()
-        r = search_optimizers(m, make_batch, SEQ, E, H200, 105 * MiB, counting, levers=True, precision="bf16",
-                              host_bytes=64 << 30)
+        r = search_optimizers(m, make_batch, SEQ, E, H200, 105 * MiB, counting(m, traced), levers=True,
+                              precision="bf16", host_bytes=64 << 30)
         return r, dict(traced)
 
     stood_in, stood_traces = planned()
@@ -514,20 +511,11 @@ def test_a_lever_left_untraced_by_its_stand_in_bound_says_so(m, monkeypatch):
     search would give."""
     import tightfit.planner.optimizers as po
 
-    traced = set()
-
-    def counting64(kind):
-        fn = estimator_for(m, make_batch, SEQ, H200, 64, optimizer=kind)
-
-        def f(*a):
-            traced.add(kind)
-            return fn(*a)
-        return f
-
+    traced = {}
     monkeypatch.setattr(po, "STAND_IN_ERROR", 0.01)
-    r = search_optimizers(m, make_batch, SEQ, 64, H200, 110 * MiB, counting64, levers=True, precision="bf16",
-                          host_bytes=64 << 30)
-    untraced = {"adamw8bit", "adamw-offload", "adamw8bit-bf16"} - traced
+    r = search_optimizers(m, make_batch, SEQ, 64, H200, 110 * MiB, counting(m, traced, 64), levers=True,
+                          precision="bf16", host_bytes=64 << 30)
+    untraced = {"adamw8bit", "adamw-offload", "adamw8bit-bf16"} - set(traced)
     assert untraced, traced
     for kind in untraced:
         assert re.search(kind + r": not traced: bounded from adamw's traces at [\d.]+ samples/s, below the [\d.]+ "

@@ -80,6 +80,12 @@ def train(req: TrainRequest) -> RunSummary:
     world = World.from_env(req.planning.device)  # several ranks under torchrun (docs/distributed.md)
     recipe = recipe_class(req)(req, world)  # TrainRecipe, or ImageTrainRecipe for an image model
     try:
+        if req.run.resume and world.is_main:  # before the resume touches anything in the folder: one writer
+            from .runtime.checkpoint import resume_target
+
+            run = resume_target(req.run.resume)[0]
+            if (run / "request.json").is_file():  # a run folder (setup says what else it is)
+                _hold_run_folder(run, recipe)
         try:
             recipe.setup()  # checks, loads and plans; writes nothing
         except TightfitError as e:
@@ -254,7 +260,7 @@ class TrainRecipe:
         """
         if self.req.run.resume:
             self.req, self.resume_from, self.changed, self.data_fingerprint, self.resume_notes = \
-                _resume_request(self.req, self.world.is_main, owner=self)
+                _resume_request(self.req, self.world.is_main)
             self.notes += [f"{option_name('resume')} with {option_given(k, new)} (the run had {old})"
                            for k, (old, new) in self.changed.items()]
             self.notes += [n for n in self.resume_notes if not n.startswith(_DONE_TO_THE_FOLDER)]  # said already
@@ -1017,8 +1023,7 @@ class _Discard:
 _DONE_TO_THE_FOLDER = ("put back ", "removed ")
 
 
-def _resume_request(req: TrainRequest, main: bool = True, owner=None) -> tuple[TrainRequest, Path, dict, str | None,
-                                                                             list[str]]:
+def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest, Path, dict, str | None, list[str]]:
     """The request a run folder was started with (with the options of :data:`RESUME_MAY_CHANGE`
     given now), its newest intact checkpoint, ``{option: [old, new]}`` for what changed, the
     fingerprint of the data it started with (None for runs that recorded none), and the notes of
@@ -1085,8 +1090,6 @@ def _resume_request(req: TrainRequest, main: bool = True, owner=None) -> tuple[T
         raise TightfitError(f"{option_given('resume', str(run))}: {run / 'request.json'} holds a value tightfit "
                             f"cannot take (edited by hand?): {e}") from None
     resumed.workload.check_columns()  # with the run's own --data, now known
-    if main and owner is not None:  # before anything in the folder is touched: one writer (train's)
-        _hold_run_folder(run, owner)
     done = [f"put back {name}, displaced by a checkpoint write that was cut short"
             for name in (restore_displaced(run / "checkpoints") if main else ())]  # rank 0 writes the folder
     for note in done:  # done to the folder: said now, whatever a later check decides
