@@ -382,7 +382,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     # (NVIDIA H200) traced 53 estimates, 28 of them for 8-bit state, which lost to bf16 weights.
     # A lever whose ceiling is below a bound already known is ordered after it by that ceiling,
     # with no trace: it traces only if the plans found before it fall below its ceiling.
-    bounds, approximate, pending, stand_in_for = {}, set(), [], {}
+    bounds, pending, stand_in_for = {}, [], {}  # stand_in_for: lever -> the optimizer whose traces bound it
     for kind in kinds:
         if weights_dtype(kind) is not None and (precision not in ("auto", "bf16") or not profile.bf16):
             short[kind] = (f"needs bf16 autocast, --precision {precision} asked for" if precision not in ("auto", "bf16")
@@ -424,9 +424,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             except NotTraced:  # the reference knows no step at all: the lever's own traces
                 stood_in = False
             if stood_in:
-                bounds[kind] = bound
-                approximate.add(kind)
-                stand_in_for[kind] = ref
+                bounds[kind], stand_in_for[kind] = bound, ref
                 continue
         if bounds and ceiling(kind) <= max(bounds.values()):
             bounds[kind] = ceiling(kind)
@@ -442,7 +440,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             break  # 8-bit state fits without paying: neither offload nor bf16 weights can be faster
         if cannot_win(kind):
             continue
-        if kind in approximate and 0 < bounds[kind] * STAND_IN_ERROR <= found:  # untraced
+        if kind in stand_in_for and 0 < bounds[kind] * STAND_IN_ERROR <= found:  # untraced
             short[kind] = (f"not traced: bounded from {stand_in_for[kind]}'s traces at {format_rate(bounds[kind])} "
                            f"samples/s, below the {format_rate(found)} already found")
             failures[kind] = NothingFitsError(short[kind])
