@@ -247,3 +247,19 @@ def test_old_checkpoints_without_a_manifest_stay_abandoned_in_a_copy_of_the_run(
         os.utime(copy / "checkpoints" / name, ns=(10**18, 10**18))
     assert abandoned_checkpoints(copy / "checkpoints")[0] == {"ckpt-6", "ckpt-8"}
     assert latest_intact_checkpoint(copy / "checkpoints").path.name == "ckpt-4"
+
+
+def test_a_new_runs_folder_filled_by_another_run_after_its_checks_is_refused_under_the_lock(tmp_path, monkeypatch):
+    common = tiny_cpu_job(tmp_path)
+    out = tmp_path / "new"
+    out.mkdir()
+    setup = api.TrainRecipe.setup
+
+    def another_run_starts_meanwhile(self):
+        setup(self)  # --out checked: empty
+        (out / "request.json").write_text("{}")  # another run made its folder there while this one planned
+
+    monkeypatch.setattr(api.TrainRecipe, "setup", another_run_starts_meanwhile)
+    with pytest.raises(TightfitError, match="choose another out"):
+        api.train(api.TrainRequest(**common, max_steps=2, out=str(out)))
+    assert [p.name for p in out.iterdir()] == ["request.json"]

@@ -771,8 +771,8 @@ class TrainRecipe:
         except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
             raise TightfitError(f"cannot create the run folder {out}: {e.strerror or e}") from e
         _hold_run_folder(out, self)
-        if self.resume_from is None and not made and any(out.iterdir()):  # filled since its check, by another run
-            raise TightfitError(f"output folder {out} exists and is not empty; choose another {option_name('out')}")
+        if not made and self.resume_from is None:  # again under the lock: another run may have filled it
+            _check_out(out, resuming=False)
         self.created = [out] if made else []
         self.created += [out / n for n in ("request.json", "plan.json", "metrics.jsonl", "checkpoints")
                          if self.resume_from is None and not (out / n).exists()]
@@ -793,7 +793,7 @@ class TrainRecipe:
             if stale:
                 notes.append(f"{' and '.join(stale)} of an earlier finish removed: written anew when this run "
                              f"finishes (model/ is replaced then)")
-            notes += _remove_stale_temporaries(out)
+            notes += _remove_run_folder_leftovers(out)
             damaged = keep_metrics_until(out / "metrics.jsonl", step)
             if damaged:
                 notes.append(f"metrics.jsonl: {count_of(len(damaged), 'damaged line')} (not JSON) dropped: "
@@ -1118,7 +1118,7 @@ _RUN_FILES = ("request.json", "plan.json", "summary.json", "report.md", "metrics
 _RUN_TEMPORARY = re.compile(r"^\.(?:" + "|".join(map(re.escape, _RUN_FILES)) + r")\.[^/]+\.tmp$")
 
 
-def _remove_stale_temporaries(out: Path) -> list[str]:
+def _remove_run_folder_leftovers(out: Path) -> list[str]:
     """Remove the temporary files and folders (``.NAME.<random>.tmp`` of the files in
     :data:`_RUN_FILES`, :mod:`tightfit.fileio`) that a write into run folder ``out`` cut short left
     there (nothing else); one note each."""

@@ -124,7 +124,7 @@ def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size:
     import torch
     from transformers import AutoModelForImageClassification
 
-    from .models import _check_loaded_weights, _load_errors, _one_line, _quiet_transformers, new_head, saved_labels
+    from .models import _check_loaded_weights, _load_errors, _one_line, _quiet_transformers, new_head
 
     _quiet_transformers()
     _, config = entry.load_config()
@@ -146,7 +146,7 @@ def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size:
         except _load_errors() as e:
             raise TightfitError(f"cannot load the model from {entry.folder}: {_one_line(e)}") from None
         _check_loaded_weights(model, info, entry.folder)
-        new_head(model, info, saved_labels(entry.folder), label_names)
+        new_head(model, info, entry.folder, label_names)
     return model, size, channels
 
 

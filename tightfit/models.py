@@ -453,11 +453,11 @@ def load_classifier(path: Path, label_names: list[str]):
             isinstance(e, EOFError) or "PytorchStreamReader" in str(e) else ""
         raise TightfitError(f"cannot load the model from {path}: {_one_line(e)}{hint}") from None
     _check_loaded_weights(model, info, path)
-    new_head(model, info, saved_labels(path), label_names)
+    new_head(model, info, path, label_names)
     return model, tokenizer
 
 
-def saved_labels(path: Path) -> list[str] | None:
+def _saved_labels(path: Path) -> list[str] | None:
     """The class names of the head a model folder was saved with (``config.json``'s ``id2label``
     in index order), or None where the config has none readable."""
     try:
@@ -467,18 +467,19 @@ def saved_labels(path: Path) -> list[str] | None:
         return None
 
 
-def new_head(model, info: dict, saved: list[str] | None, label_names: list[str]) -> bool:
+def new_head(model, info: dict, folder: Path, label_names: list[str]) -> bool:
     """Initialise afresh, by the model's own ``_init_weights`` from the global torch RNG
     (``--seed``), the parameters whose shape depends on the number of classes (those a head of
     another size would have had made new: found by building the architecture for one class more
-    on the meta device) where they were loaded from the folder but the folder's classes
-    (``saved``) are not ``label_names`` in the same order.
+    on the meta device) where they were loaded from model ``folder`` (``info``: from_pretrained's
+    loading info) but the folder's classes (its ``config.json``) are not ``label_names`` in the
+    same order.
     ``from_pretrained(..., ignore_mismatched_sizes=True)`` replaces only a head of another shape: a
     head of as many classes kept its old weights under new names (0.0 held-out accuracy on the
     same images under permuted class names). A head trained on the same classes is kept (training
     goes on from it). Returns whether a head was initialised here.
     """
-    if saved == list(label_names):
+    if _saved_labels(folder) == list(label_names):
         return False
     config = copy.deepcopy(model.config)
     config.num_labels = len(label_names) + 1

@@ -264,19 +264,16 @@ class MetaOptimizer:
 
     def _dequantized_moments(self) -> None:
         """The largest fp32 temporaries of the 8-bit bf16 update: those of the compiled call whose
-        8-bit tensors hold the most (:func:`~tightfit.levers.optimizers.bf16_update_groups`; the
-        calls run one after the other, and within a call the compiler may fuse the updates of
-        same-sized tensors into one kernel that holds all their temporaries at once, so a call's
-        are counted as the sum over its 8-bit tensors)."""
-        from .levers.optimizers import BF16_UPDATE_TEMPORARY_BYTES, bf16_update_groups, is_quantized_torchao
+        8-bit tensors hold the most (:func:`~tightfit.levers.optimizers.largest_bf16_update_call`;
+        within a call the compiler may fuse the updates of same-sized tensors into one kernel that
+        holds all their temporaries at once, so a call's are counted as the sum over its 8-bit
+        tensors)."""
+        from .levers.optimizers import BF16_UPDATE_TEMPORARY_BYTES, largest_bf16_update_call
 
         stepped = [p for p in self.params if p.grad is not None]
-        calls = [[stepped[i] for i in r if is_quantized_torchao(stepped[i].numel())]
-                 for r in bf16_update_groups(p.shape for p in stepped)]
-        calls = [c for c in calls if c]
-        if not calls:
+        largest = [stepped[i] for i in largest_bf16_update_call(p.shape for p in stepped)]
+        if not largest:
             return
-        largest = max(calls, key=lambda c: sum(p.numel() for p in c))
         with self.temporaries_context():
             held = torch.empty(BF16_UPDATE_TEMPORARY_BYTES * sum(p.numel() for p in largest),  # noqa: F841
                                dtype=torch.uint8, device=largest[0].device)

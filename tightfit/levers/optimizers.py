@@ -506,6 +506,18 @@ def update_signature(shape) -> tuple:
     return shape, is_quantized_torchao(math.prod(shape))
 
 
+def largest_bf16_update_call(shapes) -> list[int]:
+    """Indices into ``shapes`` (the trained tensors, in update order) of the 8-bit tensors
+    (:func:`is_quantized_torchao`) of the compiled call of ``adamw8bit-bf16``'s step
+    (:func:`bf16_update_groups`) that updates the most 8-bit elements: its dequantized moments,
+    :data:`BF16_UPDATE_TEMPORARY_BYTES` per element, are the step's largest temporaries (the calls
+    run one after the other; within one the compiler may fuse same-sized updates). Empty where no
+    tensor is 8-bit."""
+    shapes = [tuple(s) for s in shapes]
+    calls = [[i for i in r if is_quantized_torchao(math.prod(shapes[i]))] for r in bf16_update_groups(shapes)]
+    return max(calls, key=lambda c: sum(math.prod(shapes[i]) for i in c), default=[])
+
+
 def bf16_update_groups(shapes) -> list[range]:
     """:func:`update_groups` of ``adamw8bit-bf16``'s step over trainable tensors of ``shapes`` (in
     the order of ``model.parameters()``, one param group, one device), for the estimator and the

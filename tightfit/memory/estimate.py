@@ -128,9 +128,9 @@ _MODULE_FIELDS = frozenset(torch.nn.Module().__dict__)
 def _deepcopy_module(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
     """``copy.deepcopy(module, memo)``, with the modules of the tree copied directly: a module
     whose class keeps ``nn.Module``'s pickling protocol gets its ``__dict__`` entry by entry, its
-    own empty hook dicts (``nn.Module``'s fields, never shared) new and empty, its children by this function, everything else by
-    ``copy.deepcopy`` with the same ``memo`` (so shared objects stay shared, as deepcopy keeps
-    them). Other modules go through ``copy.deepcopy``. Why: deepcopy rebuilds each of a module's
+    own empty hook dicts (``nn.Module``'s fields, never shared) new and empty, its children by
+    this function, everything else by ``copy.deepcopy`` with the same ``memo`` (so shared objects
+    stay shared, as deepcopy keeps them). Other modules go through ``copy.deepcopy``. Why: deepcopy rebuilds each of a module's
     ~15 empty hook dicts through ``__reduce_ex__``, ~0.1 s per copy of BERT-large, paid by every
     exact estimate."""
     if id(module) in memo:

@@ -177,16 +177,15 @@ def step_temporary_bytes(model, kind: str) -> int:
     estimator's :class:`tightfit.step.MetaOptimizer` allocates them): the 8-bit bf16 update's
     dequantized moments of its largest call, the multi-tensor AdamW's square roots, none for the
     fused and 8-bit steps."""
-    from ..levers.optimizers import BF16_UPDATE_TEMPORARY_BYTES, bf16_update_groups, is_quantized_torchao
+    from ..levers.optimizers import BF16_UPDATE_TEMPORARY_BYTES, largest_bf16_update_call
 
     trained = [p for p in model.parameters() if p.requires_grad]
     if kind == "adamw-foreach":
         return sum(4 * p.numel() for p in trained)
     if kind != "adamw8bit-bf16":
         return 0
-    calls = [sum(trained[i].numel() for i in r if is_quantized_torchao(trained[i].numel()))
-             for r in bf16_update_groups(p.shape for p in trained)]
-    return BF16_UPDATE_TEMPORARY_BYTES * max(calls, default=0)
+    return BF16_UPDATE_TEMPORARY_BYTES * sum(trained[i].numel()
+                                             for i in largest_bf16_update_call(p.shape for p in trained))
 
 
 def bound_shift(model, kind: str, traced: str, precision: str, limit: float) -> float:
@@ -420,12 +419,12 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             try:
                 bound, whole = predicted_bound(model, make_batch, size, effective_batch, profile, budget_bytes,
                                                stand_in, **bound_at)
-                stood_in = not (whole and kind == "adamw8bit")  # that ends the levers: traced, to be sure
             except NotTraced:  # the reference knows no step at all: the lever's own traces
-                stood_in = False
-            if stood_in:
-                bounds[kind], stand_in_for[kind] = bound, ref
-                continue
+                pass
+            else:
+                if not (whole and kind == "adamw8bit"):  # 8-bit state fitting whole ends the levers: traced, to be sure
+                    bounds[kind], stand_in_for[kind] = bound, ref
+                    continue
         if bounds and ceiling(kind) <= max(bounds.values()):
             bounds[kind] = ceiling(kind)
             continue

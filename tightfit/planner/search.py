@@ -437,7 +437,7 @@ def shifted(estimate_fn: EstimateFn, delta: float) -> EstimateFn:
     slowest candidate to the bound).
 
     Raises:
-        NotTraced: (when called) an estimate ``estimate_fn`` has not traced.
+        NotTraced: (when called) micro-batch 1 where ``estimate_fn`` knows no estimate at all.
     """
     def fn(precision, micro_batch, blocks):
         est = estimate_fn.known((precision, micro_batch, tuple(blocks)))

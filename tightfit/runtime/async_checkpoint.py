@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointWriteError, _HostBuffers, is_write_failure, take_snapshot, write_snapshot
+from .checkpoint import _HostBuffers, take_snapshot, write_failure, write_snapshot
 
 
 class CheckpointWriter:
@@ -73,14 +73,11 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         try:
             return write_snapshot(self.folder, step, snap, self.keep_last, abandoned)
-        except OSError as e:  # e.g. the disk full: its temporary folder is gone, the others untouched
-            raise CheckpointWriteError(f"checkpoint ckpt-{step} could not be written: {e.strerror or e}",
-                                       self.folder) from e
-        except Exception as e:  # torch.save's zip writer and safetensors report a short write so
-            if not is_write_failure(e):
+        except Exception as e:  # e.g. the disk full: its temporary folder is gone, the others untouched
+            failure = write_failure(e, step, self.folder)
+            if failure is None:
                 raise
-            raise CheckpointWriteError(f"checkpoint ckpt-{step} could not be written: {str(e).splitlines()[0]}",
-                                       self.folder) from e
+            raise failure from e
         finally:
             self.write_seconds += time.perf_counter() - t0
 

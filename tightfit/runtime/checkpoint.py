@@ -50,13 +50,19 @@ class NonFiniteCheckpointError(TightfitError):
     """A checkpoint was about to be written with inf/NaN weights."""
 
 
-def is_write_failure(e: BaseException) -> bool:
-    """Whether ``e``, raised while a checkpoint was written, is the disk's (a full disk, a file-size
-    limit, an I/O error): an ``OSError``, torch's zip writer's ``RuntimeError`` about its stream,
-    or safetensors' serialisation error."""
+def write_failure(e: BaseException, step: int, folder) -> "CheckpointWriteError | None":
+    """``e``, raised while ``ckpt-<step>`` was written into ``folder``, as a
+    :class:`CheckpointWriteError` where it is the disk's (a full disk, a file-size limit, an I/O
+    error: an ``OSError``, torch's zip writer's ``RuntimeError`` about its stream, safetensors'
+    serialisation error, or DCP's ``CheckpointException``, which gathers every rank's write
+    failures); None for anything else (a fault to raise as it is)."""
     text = str(e)
-    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and (
-        "inline_container" in text or "PytorchStreamWriter" in text)) or type(e).__name__ == "SafetensorError"
+    if not (isinstance(e, OSError) or (isinstance(e, RuntimeError) and (
+            "inline_container" in text or "PytorchStreamWriter" in text))
+            or type(e).__name__ in ("SafetensorError", "CheckpointException")):
+        return None
+    why = e.strerror if isinstance(e, OSError) and e.strerror else (text.splitlines()[0] if text else type(e).__name__)
+    return CheckpointWriteError(f"checkpoint ckpt-{step} could not be written: {why}", folder)
 
 
 class CheckpointWriteError(TightfitError):
@@ -337,19 +343,18 @@ def _identity(path: Path) -> str:
         return "no manifest"
 
 
-def mark_abandoned(folder: Path, step: int) -> list[Path]:
+def mark_abandoned(folder: Path, step: int) -> None:
     """Record (``ABANDONED``, written atomically) the checkpoints of ``folder`` later than ``step``,
     which a resume from ``ckpt-<step>`` leaves behind: until this run writes a checkpoint of its
     own (which deletes them, :func:`prune_checkpoints`), a resume of the run must not take them
     for its newest (the run's records and options are this resume's from now on). Removes the
-    record where there are none. Returns them."""
+    record where there are none."""
     later = [p for p in list_checkpoints(folder) if checkpoint_step(p) > step]
     if later:
         atomic_write_json(Path(folder) / ABANDONED, {"resumed_from": step,
                                                      "checkpoints": {p.name: _identity(p) for p in later}})
     else:
         (Path(folder) / ABANDONED).unlink(missing_ok=True)
-    return later
 
 
 def abandoned_checkpoints(folder: Path) -> tuple[set[str], int | None]:

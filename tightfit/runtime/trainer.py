@@ -838,7 +838,7 @@ class Trainer:
         if self.world.writes_dcp:  # every rank writes its part with torch.distributed.checkpoint
             from .sharded_checkpoint import save_sharded
 
-            from .checkpoint import CheckpointWriteError, is_write_failure
+            from .checkpoint import write_failure
 
             state = {k: v for k, v in self.state_dict().items() if k != "optimizer"}
             t0 = time.perf_counter()
@@ -846,11 +846,10 @@ class Trainer:
                 path = save_sharded(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, state, self.world,
                                     self.cfg.keep_last, frozenset(self._abandoned))
             except Exception as e:  # DCP gathers every rank's write failures and raises them on all
-                if not (is_write_failure(e) or type(e).__name__ == "CheckpointException"):
+                failure = write_failure(e, self.step, self.cfg.checkpoint_dir)
+                if failure is None:
                     raise
-                raise CheckpointWriteError(f"checkpoint ckpt-{self.step} could not be written: "
-                                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}",
-                                           self.cfg.checkpoint_dir) from e
+                raise failure from e
             held = time.perf_counter() - t0  # written in the loop's time: it holds the loop as long as it writes
             self.result.checkpoint_seconds += held
             self.result.checkpoint_write_seconds += held
