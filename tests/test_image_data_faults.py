@@ -143,3 +143,16 @@ def test_a_clip_head_of_as_many_other_classes_is_new(tmp_path):
     new = load_image_classifier(entry, ["dog", "cat", "eel"], 32)[0]
     assert not torch.any(new.classifier.weight == 0.5)
     assert torch.equal(new.vision_model.embeddings.patch_embedding.weight, kept.vision_model.embeddings.patch_embedding.weight)
+
+
+def test_an_out_inside_the_data_folder_is_refused(tmp_path, capsys):
+    """Its files (loss.png) became samples of a class of its own, and the run, whose data then
+    changed, could not be resumed."""
+    folder = _resnet_folder(tmp_path / "m", labels=("a", "b"))
+    root = _folder(tmp_path / "data")
+    capsys.readouterr()  # saving the model folder printed its progress
+    code = main(["train", "--data", str(root), "--model", str(folder), "--image-size", "8", "--out",
+                 str(root / "run"), "--no-progress", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "is inside the data folder" in err[0], err
+    assert sorted(p.name for p in root.iterdir()) == ["a", "b"]

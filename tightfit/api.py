@@ -319,6 +319,12 @@ class TrainRecipe:
                                 "runs/<date-time>")
         self.out = output_folder(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         _check_out(self.out, resuming=self.resume_from is not None)
+        data = self.req.workload.data
+        if self.resume_from is None and data and Path(data).is_dir() and \
+                Path(data).resolve() in (self.out.resolve(), *self.out.resolve().parents):
+            # its files would become samples (a class of their own) and the data would change under it
+            raise TightfitError(f"{option_given('out', str(self.out))} is inside the data folder {data}: its files "
+                                f"would become samples; choose a folder outside it")
 
     def _split_data(self) -> None:
         """The fixed held-out split, cut to ``--train-samples``/``--eval-samples`` (on the CPU, to
