@@ -3,6 +3,7 @@ of paths, with tiny transformers ResNet/ViT classifiers saved as model folders; 
 refuse bad image input before any work."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -355,3 +356,23 @@ def test_an_epoch_ending_in_a_one_sample_window_of_a_batchnorm_model_is_refused_
           "--epochs", "1"], tmp_path, capsys,
          "BatchNorm layers cannot train on a micro-batch of 1 sample, and the last window of each epoch holds 1 "
          "sample (1617 training samples, effective batch 16); choose another --batch-size (or drop a sample)")
+
+
+def test_a_folder_saved_by_tightfit_keeps_the_side_it_was_trained_at(models, tmp_path):
+    """A ResNet's config names no image size: fine-tuning a tightfit run's ``model/`` without
+    ``--image-size`` took 224 x 224 images after training at 16 (4.4 times the pixels per side, another
+    model's input); the side of its ``tightfit_images.json`` is now the default, ``--image-size`` still
+    wins, and a record naming no usable side falls back to 224."""
+    from tightfit.images import PREPROCESSING_FILE, preprocessing_record
+    from tightfit.models import DEFAULT_IMAGE_SIZE, resolve
+    folder = tmp_path / "model"
+    shutil.copytree(models / "resnet", folder)
+    entry = resolve(str(folder))
+    config = entry.load_config()[1]
+    assert entry.fit_image_size(config, None) == DEFAULT_IMAGE_SIZE  # not saved by tightfit
+    (folder / PREPROCESSING_FILE).write_text(json.dumps(preprocessing_record(16, 1, ["0", "1"])))
+    assert entry.fit_image_size(config, None) == 16
+    assert entry.fit_image_size(config, 32) == 32
+    for bad in ('{"image_size": "16"}', '[16]', '{"image_size": true}', "not json"):
+        (folder / PREPROCESSING_FILE).write_text(bad)
+        assert entry.fit_image_size(config, None) == DEFAULT_IMAGE_SIZE
