@@ -363,3 +363,34 @@ def test_a_second_plan_without_checkpointing_turns_the_first_plans_off():
     step = tightfit.TrainStep(off, model)
     assert not hf_hook_active(model) and not any(hasattr(b, "_tightfit_forward") for b in find_blocks(model))
     assert math.isfinite(step(batch).loss)
+
+
+@pytest.mark.parametrize("micro_batch", [4, 1])
+def test_class_labels_of_minus_100_are_left_out_of_the_mean_at_every_split(micro_batch):
+    """A classifier's own loss (``BertForSequenceClassification``: cross-entropy skipping label -100)
+    is the mean over the labelled samples; weighted by all of a micro-batch's samples, a micro-batch
+    of 4 with one labelled sample counted it 4 times (weights off by 0.22 after one SGD step) and a
+    micro-batch with none made the loss NaN. Each split now gives the whole batch's step (DESIGN
+    invariant 1), the model's own loss on the whole batch."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def model():
+        torch.manual_seed(0)
+        return BertForSequenceClassification(BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 100, (8, 6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "labels": torch.tensor([0, 1, 2, 1, -100, -100, -100, 2])}  # the second half: 1 labelled of 4
+    reference = model()
+    whole = reference(**batch).loss
+    whole.backward()
+    with torch.no_grad():
+        expected = [p - p.grad for p in reference.parameters()]
+    m = model()
+    out = tightfit.TrainStep(Plan("fp32", micro_batch, 8), m, torch.optim.SGD(m.parameters(), lr=1.0))(batch)
+    assert out.loss == pytest.approx(float(whole), rel=1e-5)
+    for a, b in zip(m.parameters(), expected):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)

@@ -104,13 +104,23 @@ def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
     user's own module, whose loss is taken to be that model's). A peft
     prompt-learning model is not unwrapped: prompt tuning prepends a -100 label per virtual
     token, so every given label is a target (its shift is 0; prefix tuning's would be 1).
-    None where the loss is the user's or ``labels`` are per sample (class ids ``[B]``, or float
-    multi-label targets ``[B, C]``, whose mean is over samples times a constant)."""
+    Class ids ``[B]`` count the same way (``labels != -100``): a classifier's cross-entropy skips
+    samples labelled -100 and averages over the others, so a micro-batch weighted by all its
+    samples would count its labelled ones several times over (and one with none would add NaN).
+    None where the loss is the user's, the labels are floats (multi-label targets ``[B, C]``,
+    regression values: a mean over samples times a constant), or the model is a regression head
+    (``num_labels`` 1 or ``problem_type`` "regression", which takes integer labels as values)."""
     if loss is not None or batch.keys is None or "labels" not in batch.keys:
         return None
     labels = batch.values[batch.keys.index("labels")]
-    if labels.dim() < 2 or labels.is_floating_point():
+    if labels.is_floating_point():
         return None
+    if labels.dim() < 2:  # class ids
+        inner = hf_model(model)
+        config = getattr(inner if inner is not None else model, "config", None)
+        if getattr(config, "problem_type", None) == "regression" or getattr(config, "num_labels", None) == 1:
+            return None
+        return lambda d: (d["labels"] != -100).sum()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
