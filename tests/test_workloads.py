@@ -227,3 +227,35 @@ def test_train_bert_base_from_the_registry(tmp_path, capsys):
     assert "note: bert-base: no pretrained weights are shipped" in stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1 and 0 <= summary["accuracy"] <= 1
+
+
+@pytest.mark.parametrize("micro_batch", [8, 2])
+def test_unlabelled_samples_of_minus_100_are_out_of_the_loss_and_the_evaluation(micro_batch):
+    """Class labels of -100 (unlabelled samples, skipped by cross-entropy as by Hugging Face's
+    classifiers): the window's loss and gradient were the labelled samples' sum divided by all the
+    samples (a weaker step the more are unlabelled), and evaluation counted them as misses. Now the
+    loss is the mean over the labelled samples (the model's own), at every split; a window with no
+    labelled sample gives 0, not NaN; accuracy is over the labelled samples."""
+    from tightfit.tasks import SequenceClassification
+    from tightfit.workload import Workload
+
+    data = DictSamples(SyntheticBatches(8))
+    data.batch["labels"][[1, 2, 5]] = -100
+    w = Workload(tiny_bert(), data, data, 8)
+    t = Trainer(w, Plan("fp32", micro_batch, 8), TrainConfig(epochs=1, lr=1e-3), progress=False)
+    loss = t._forward_backward(list(range(8)))
+    grads = [p.grad.clone() for p in t.model.parameters()]
+    reference = tiny_bert()  # the model's own loss: the mean over the labelled samples
+    own = reference(**data.batch).loss
+    own.backward()
+    assert loss == pytest.approx(float(own), rel=1e-5)
+    for a, b in zip(grads, (p.grad for p in reference.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    t.model.zero_grad()
+    assert t._forward_backward([1, 2, 5]) == 0.0  # no labelled sample: nothing to learn, no NaN
+    t.model.eval()
+    with torch.no_grad():
+        logits = t.model(**{k: v for k, v in data.batch.items() if k != "labels"}).logits
+    labelled = data.batch["labels"] != -100
+    hits = (logits.argmax(-1) == data.batch["labels"])[labelled].float().mean()
+    assert SequenceClassification().evaluate(t.model, [data.batch])["accuracy"] == pytest.approx(float(hits))

@@ -89,8 +89,9 @@ def add_sums(totals: dict[str, float], part: dict[str, float]) -> None:
 
 # ---------------------------------------------------------------- losses (also used on their own)
 def count_samples(batch: Batch) -> int:
-    """Samples the classification loss sums over (one per label in ``labels`` ``[B]``)."""
-    return int(batch["labels"].numel())
+    """Samples the classification loss sums over: the labels in ``labels`` ``[B]`` that are not
+    -100 (cross-entropy skips those, as Hugging Face's classifiers do)."""
+    return int((batch["labels"] != -100).sum())
 
 
 def _logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -191,9 +192,10 @@ class SequenceClassification:
                                 "collate function)")
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
-        """``{"correct", "loss_sum", "samples"}`` of one batch (argmax of fp32 logits)."""
+        """``{"correct", "loss_sum", "samples"}`` of one batch's labelled samples (argmax of fp32
+        logits; a label of -100 is left out, as in training)."""
         logits = _logits(model, batch).float()
-        loss = F.cross_entropy(logits, batch["labels"], reduction="sum")
+        loss = F.cross_entropy(logits, batch["labels"], reduction="sum")  # ignore_index -100
         return {"correct": int((logits.argmax(-1) == batch["labels"]).sum()), "loss_sum": float(loss),
                 "samples": count_samples(batch)}
 

@@ -723,7 +723,8 @@ class Trainer:
                 yield batch
                 del batch
 
-        return staged(), total
+        # a window without targets (every label -100, or only padding) sums to 0: divided by 1, not 0
+        return staged(), max(1, total)
 
     def _autocast(self):
         return autocast(self.plan.precision, self.device.type)
