@@ -2,6 +2,7 @@
 rank trains a tiny BERT with the given spec and saves what it saw and did."""
 
 import os
+import signal
 import socket
 
 import torch
@@ -14,15 +15,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(spec: dict, world_size: int, out) -> list[dict]:
+def spawn(spec: dict, world_size: int, out, failing: bool = False) -> list[dict]:
     """Run :func:`train` on ``world_size`` spawned processes (1: in this process); returns each
-    rank's result."""
+    rank's result. ``failing``: a rank whose ``fit`` raised exits with 2 (as ``tightfit train``
+    does, whereupon torchrun stops the others): its result is returned and the ranks killed
+    then give None."""
     import torch.multiprocessing as mp
 
     if world_size == 1:
         return [train(0, 1, None, spec)]
     import time
 
+    for r in range(world_size):  # an earlier spawn's results into the same folder are not this one's
+        stale = os.path.join(str(out), f"rank{r}.pt")
+        if os.path.exists(stale):
+            os.remove(stale)
     port = free_port()
     ctx = mp.spawn(_entry, args=(world_size, port, spec, str(out)), nprocs=world_size, join=False)
     deadline = time.monotonic() + DEADLINE_S
@@ -34,8 +41,13 @@ def spawn(spec: dict, world_size: int, out) -> list[dict]:
                         p.kill()
                 raise AssertionError(f"the ranks did not finish within {DEADLINE_S} s (a rank waits in a collective)")
     except mp.ProcessExitedException as e:  # killed by a signal: what the ranks' C++ side said before
-        raise AssertionError(f"{e}\n" + _stderr_tails(out, world_size)) from e
-    return [torch.load(os.path.join(str(out), f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+        if not (failing and e.exit_code == 2):
+            raise AssertionError(f"{e}\n" + _stderr_tails(out, world_size)) from e
+        for p in ctx.processes:  # as torchrun does once a worker fails
+            if p.is_alive():
+                p.kill()
+    saved = [os.path.join(str(out), f"rank{r}.pt") for r in range(world_size)]
+    return [torch.load(f, weights_only=False) if os.path.exists(f) else None for f in saved]
 
 
 def _stderr_tails(out, world_size: int, lines: int = 30) -> str:
@@ -56,6 +68,8 @@ def _entry(rank, world_size, port, spec, out):
     torch.set_num_threads(1)
     result = train(rank, world_size, port, spec)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if result.get("failed"):  # the ranks are out of step: no barrier, the exit status says it
+        os._exit(2)
     # Leave without the interpreter's shutdown: there a gloo thread still alive now and then
     # aborts the process ("terminate called without an active exception", pytorch/pytorch#190489,
     # about once in a full test run) after everything this test checks is saved.
@@ -67,7 +81,12 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
     ``sharding``, ``max_steps``, ``checkpoint_dir``/``checkpoint_every``, ``resume`` (a
     checkpoint), ``oom`` (``(rank, step)``: an injected OOM in that rank's forward at that step,
     once), ``probe_oom_above`` (the FSDP2 probe step first, with an OOM on every rank for
-    micro-batches above it). Returns the records, the samples each step drew on this rank, the final weights."""
+    micro-batches above it), ``signal`` (``(rank, step)``: SIGTERM sent to that rank while it logs
+    that step, after the ranks' stop vote), ``eval`` (held-out samples) and ``eval_oom`` (a rank:
+    one injected OOM in its first evaluation batch), ``exit_on_error`` (a rank whose ``fit`` raised
+    returns at once, without the collectives after it, and exits with 2: :func:`spawn`'s
+    ``failing``). Returns the records, the samples each step
+    drew on this rank, the final weights, and the error that ended ``fit`` (its type and message)."""
     from conftest import SyntheticBatches, tiny_bert
 
     from tightfit.plan import Plan
@@ -90,7 +109,8 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
         return collate(indices, pad_to)
 
     data.collate = logged
-    w = Workload(tiny_bert(spec.get("dropout", 0.0), 0), data, None, spec.get("effective_batch", 8))
+    held_out = SyntheticBatches(spec["eval"], seed=1) if spec.get("eval") else None
+    w = Workload(tiny_bert(spec.get("dropout", 0.0), 0), data, held_out, spec.get("effective_batch", 8))
     plan = Plan("fp32", spec.get("micro_batch", 4), w.effective_batch, world_size=world_size,
                 sharding=spec.get("sharding", "ddp") if world_size > 1 or spec.get("sharding") == "fsdp-offload"
                 else "none")
@@ -98,7 +118,13 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
                       grow_back_after=0, prefetch=False, checkpoint_dir=spec.get("checkpoint_dir"),
                       checkpoint_every=spec.get("checkpoint_every", 0), keep_last=spec.get("keep_last", 3))
     records = []
-    t = Trainer(w, plan, cfg, log=records.append, progress=False, world=world)
+
+    def log(record):
+        records.append(record)
+        if spec.get("signal") == (rank, record.get("step")) and record["type"] == "train":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    t = Trainer(w, plan, cfg, log=log, progress=False, world=world)
     if spec.get("resume"):
         t.resume(spec["resume"])
     if spec.get("oom") and spec["oom"][0] == rank:
@@ -129,7 +155,22 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
         from tightfit.planner.fsdp_probe import verify_micro_batch
         probed = verify_micro_batch(t)
         hook.remove()
-    res = t.fit()
+    if spec.get("eval_oom") == rank:
+        fired, real = [], t._eval_batch
+
+        def eval_batch(*a, **k):  # as a GPU nearer its limit than the others' would
+            if not fired:
+                fired.append(1)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return real(*a, **k)
+        t._eval_batch = eval_batch
+    error = None
+    try:
+        res = t.fit()
+    except Exception as e:  # e.g. TrainingInterrupted: what each rank ended with
+        error, res = f"{type(e).__name__}: {e}", t.result
+    if error is not None and spec.get("exit_on_error"):  # the ranks may be out of step: no more collectives
+        return {"records": records, "error": error, "failed": True}
     if world.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         weights = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -137,5 +178,5 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
         weights = {k: v.detach().clone() for k, v in world.unwrap(t.model).state_dict().items()}
     world.close()
     return {"records": records, "drawn": drawn, "weights": weights, "oom_recoveries": res.oom_recoveries,
-            "micro_batch": t.micro_batch, "steps": res.steps, "samples": res.samples, "allreduces": allreduces,
-            "checkpoint_seconds": res.checkpoint_seconds}
+            "micro_batch": t.micro_batch, "steps": t.step, "samples": res.samples, "allreduces": allreduces,
+            "checkpoint_seconds": res.checkpoint_seconds, "error": error, "eval": res.eval}

@@ -245,6 +245,82 @@ def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):
     _same_weights(one["weights"], full[0]["weights"], exact=False)
 
 
+def test_a_signal_on_one_rank_after_the_stop_vote_stops_every_rank_at_the_same_step(tmp_path):
+    """SIGTERM reaching rank 1 while it logs step 1 (after the ranks voted on stopping): rank 1
+    stopped alone and began its stop checkpoint's collectives while rank 0 began step 2, so the
+    collectives crossed and both waited for the timeout. The signal now waits for the next vote:
+    both stop after step 2 with one checkpoint."""
+    spec = {"n": 48, "effective_batch": 8, "micro_batch": 4, "checkpoint_dir": str(tmp_path / "ck"),
+            "signal": (1, 1)}
+    two = spawn(spec, 2, tmp_path)
+    assert [r["steps"] for r in two] == [2, 2]
+    assert two[0]["error"].startswith("TrainingInterrupted: a stop on another rank: stopped after step 2")
+    assert two[1]["error"].startswith("TrainingInterrupted: SIGTERM: stopped after step 2")
+    assert (tmp_path / "ck" / "ckpt-2" / "dcp").is_dir()
+
+
+def test_a_checkpoint_of_one_process_resumes_under_fsdp2_on_two_ranks(tmp_path):
+    """docs/distributed.md: a run continues on any number of processes. A one-process checkpoint
+    (``model.safetensors``, the optimizer's state by position) failed under FSDP2 ("does not fit
+    the model: ... invalid python storage"): loaded into the sharded parameters as if whole. Each
+    rank now reads it whole and keeps its shard; the run goes on as the one process did."""
+    spec = {"n": 24, "effective_batch": 8, "micro_batch": 2, "dropout": 0.0, "sharding": "fsdp"}
+    one = spawn({**spec, "checkpoint_dir": str(tmp_path / "one"), "checkpoint_every": 1}, 1, tmp_path)[0]
+    assert (tmp_path / "one" / "ckpt-1" / "model.safetensors").is_file()
+    two = spawn({**spec, "resume": str(tmp_path / "one" / "ckpt-1")}, 2, tmp_path)
+    torch.testing.assert_close(_losses(two[0]), _losses(one)[1:], rtol=1e-5, atol=1e-6)
+    _same_weights(two[0]["weights"], one["weights"], exact=False)
+
+
+def test_an_evaluation_oom_on_one_rank_under_fsdp2_stops_every_rank_in_one_line(tmp_path):
+    """Under FSDP2 every forward all-gathers: rank 1 halved its evaluation batch alone after an
+    OOM, its forwards no longer paired with rank 0's, and gloo aborted on the mismatched
+    collective (NCCL would wait for the timeout). The OOM now stops the run as one in training
+    does, in one line; without it both ranks evaluate at the training micro-batch."""
+    spec = {"n": 16, "effective_batch": 8, "micro_batch": 4, "sharding": "fsdp", "eval": 12}
+    fine = spawn(spec, 2, tmp_path)
+    assert [r["eval"]["eval_batch"] for r in fine] == [4, 4] and fine[0]["eval"] == fine[1]["eval"]
+    hit = spawn({**spec, "eval_oom": 1, "exit_on_error": True}, 2, tmp_path, failing=True)
+    assert hit[1]["error"] == ("TightfitError: out of memory in evaluation on rank 1 under FSDP2 (its collectives "
+                               "run in every forward, so no rank can halve its evaluation batch alone): every "
+                               "rank stops; the trained weights are in the run's last checkpoint")
+    assert hit[0] is None  # stopped once rank 1 failed (as torchrun stops the others), not left waiting
+
+
+def test_batchnorm_is_checked_on_every_ranks_share_before_training():
+    """Two ranks share a window of 7 as 4 + 3; at micro-batch 2 rank 1 ran 2 + 1, and BatchNorm's
+    ValueError stopped it mid-step while rank 0 waited in a collective. The check that refuses
+    this for one process now splits each rank's share (and its padding micro-batches) as the
+    ranks will, and refuses it before any process group is touched."""
+    import types
+
+    from tightfit.runtime.distributed import World
+    from tightfit.runtime.trainer import TrainConfig, Trainer, rank_micro_batch_sizes
+    from tightfit.workload import Workload
+
+    assert rank_micro_batch_sizes(7, 2, 2) == [[2, 2], [2, 1]] and rank_micro_batch_sizes(1, 2, 2) == [[1], [1]]
+    assert rank_micro_batch_sizes(8, 4, 2) == [[4], [4]] and rank_micro_batch_sizes(7, 3) == [[3, 3, 1]]
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+
+        def forward(self, x):
+            return types.SimpleNamespace(logits=self.body(x)[:, :2])
+
+    data = [{"x": torch.randn(4), "labels": i % 2} for i in range(14)]
+    cfg = TrainConfig(epochs=1, prefetch=False)
+    with pytest.raises(TightfitError, match=r"micro-batch 2 on 2 ranks splits each window of 7 samples as 2\+2 "
+                                            r"and 2\+1;"):
+        Trainer(Workload(Net(), data, None, 7), Plan("fp32", 2, 7, world_size=2, sharding="ddp"), cfg,
+                progress=False, world=World(rank=0, size=2))
+    with pytest.raises(TightfitError, match=r"on 2 ranks splits each window of 1 samples as 1 and 1 \(a rank"):
+        Trainer(Workload(Net(), data[:2], None, 1), Plan("fp32", 1, 1, world_size=2, sharding="ddp"), cfg,
+                progress=False, world=World(rank=0, size=2))
+    Trainer(Workload(Net(), data[:8], None, 8), Plan("fp32", 4, 8), cfg, progress=False)  # 4 + 4 on one: fine
+
+
 def _tiny_cli_run(tmp_path, *extra):
     """``tightfit train ... --device cpu`` of a tiny text classifier (40 rows, effective batch 8,
     dropout on) into ``tmp_path/run``; returns the finished process and the run folder."""

@@ -503,10 +503,10 @@ class TrainRecipe:
         from .runtime.trainer import batchnorm_sees_one_sample, one_sample_forward
 
         E = self.workload.effective_batch
-        one = None if self.world.distributed else batchnorm_sees_one_sample(  # the model is still on the CPU
+        one = batchnorm_sees_one_sample(  # the model is still on the CPU, on every rank whole
             self.model, len(self.train_data), E, E, self._run_steps(E),
             one_sample_forward(self.workload, self.model, torch.device("cpu")),
-            fix=f"choose another {option_name('batch_size')} (or drop a sample)")
+            fix=f"choose another {option_name('batch_size')} (or drop a sample)", world_size=self.world.size)
         if one:
             raise TightfitError(one)
 

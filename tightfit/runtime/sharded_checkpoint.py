@@ -124,3 +124,46 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer, world: World, ve
     rngs = state.pop("rng_by_rank", None) or [state["rng"]]
     state["rng"] = rngs[world.rank] if len(rngs) == world.size else rngs[0]
     return state
+
+
+def load_whole_into_sharded(path: Path, model: torch.nn.Module, optimizer, verified: bool = False,
+                            state: dict | None = None) -> dict:
+    """Load a one-process checkpoint (:mod:`.checkpoint`'s layout: ``model.safetensors`` and the
+    optimizer's ``state_dict`` keyed by position) into an FSDP2 ``model`` and its ``optimizer``
+    on any number of ranks: each rank reads the whole state and keeps its shard
+    (``set_state_dict`` with ``full_state_dict``). Returns the saved trainer state.
+
+    The optimizer's positions are mapped to parameter names through ``optimizer``'s own
+    ``param_groups``: the same parameters in the same order as the process that wrote it (the
+    optimizer is built over the trainable parameters in ``model.parameters()`` order either way).
+
+    Raises:
+        CorruptCheckpointError: verification fails or a file cannot be read.
+        TightfitError: the weights or the optimizer state do not fit the model.
+    """
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from .checkpoint import MODEL_FILE, _fail, _first_line, check_weights_fit
+
+    path = Path(path)
+    if not verified:
+        verify_checkpoint(path)
+    check_weights_fit(path, model)
+    try:
+        weights = load_file(str(path / MODEL_FILE))
+    except Exception as e:
+        raise _fail(path, f"{MODEL_FILE}: cannot be loaded: {_first_line(e)}") from None
+    state = read_state(path) if state is None else state
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = state["optimizer"]
+    try:
+        by_name = {"state": {order[i]: s for i, s in saved["state"].items()},
+                   "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
+        # tied weights are stored once (safetensors): their other names load through the first
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
+                       options=StateDictOptions(full_state_dict=True, strict=False))
+    except (KeyError, IndexError, RuntimeError, ValueError) as e:
+        raise TightfitError(f"checkpoint {path.name} does not fit the model: {_first_line(e)}") from None
+    return state

@@ -41,7 +41,7 @@ from ..step import (PendingStep, accumulate, buffer_snapshot, changed_since, in_
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
-from .distributed import World
+from .distributed import World, micro_batches_per_rank, shard_of
 from .health import HealthMonitor
 from ..memory.oom import is_oom, release_memory
 from .prefetch import Prefetcher
@@ -188,7 +188,7 @@ def steps_per_epoch(n: int, effective_batch: int) -> int:
 def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: int, micro_batch: int,
                               steps: int, forward: Callable[[], object],
                               fix: str = "choose another effective batch (or micro-batch), or put "
-                                         "BatchNorm in eval mode") -> str | None:
+                                         "BatchNorm in eval mode", world_size: int = 1) -> str | None:
     """Why ``steps`` optimizer steps over ``n`` training samples would give the model's BatchNorm
     layers a micro-batch of one sample they cannot train on (None: they would not). BatchNorm in
     train mode cannot normalise a single value per channel (``ValueError: Expected more than 1
@@ -198,7 +198,10 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
     (those in train mode, and all of them in a model in eval mode, which the runtime trains in
     train mode), and only where ``forward`` (the model on one sample, :func:`one_sample_forward`)
     fails in training modes (:func:`starves_batchnorm`: ResNet-50 at 224 pixels normalises one
-    image over 7 x 7 values and trains). ``fix``: what the message advises."""
+    image over 7 x 7 values and trains). ``fix``: what the message advises. With ``world_size``
+    ranks each window is shared out first (:func:`~tightfit.runtime.distributed.shard_of`), and
+    a rank with fewer micro-batches than another runs padding micro-batches of one sample
+    (:meth:`~tightfit.runtime.distributed.World.padding`): each counts as a micro-batch of 1."""
     from ..step import training_modes
 
     norms = [m for m, training in training_modes(model) if training and isinstance(m, _BatchNorm)]
@@ -207,16 +210,38 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
     full, last = divmod(n, effective_batch)
     reached_last = last and steps > full  # the epoch's last (short) window is step full + 1
     for window in ([effective_batch] if full else []) + ([last] if reached_last else []):
-        sizes = micro_batch_sizes(window, micro_batch)
-        if 1 in sizes:
+        ranks = rank_micro_batch_sizes(window, micro_batch, world_size)
+        if any(1 in sizes for sizes in ranks):
             if not starves_batchnorm(model, norms, forward):
                 return None
-            where = (f"the last window of each epoch holds 1 sample ({n} training samples, effective batch "
-                     f"{effective_batch})" if window == 1 else
-                     f"micro-batch {micro_batch} splits {'each' if window == effective_batch else 'the last'} "
-                     f"window of {window} samples as {'+'.join(map(str, sizes))}")
+            which = "each" if window == effective_batch else "the last"
+            if world_size > 1:
+                split = " and ".join("+".join(map(str, sizes)) for sizes in ranks)
+                padded = len({len(micro_batch_sizes(len(shard_of(list(range(window)), r, world_size)), micro_batch))
+                              for r in range(world_size)}) > 1 or window < world_size
+                where = (f"micro-batch {micro_batch} on {world_size} ranks splits {which} window of {window} samples "
+                         f"as {split}" + (" (a rank with fewer micro-batches adds padding ones of 1 sample)"
+                                          if padded else ""))
+            elif window == 1:
+                where = f"the last window of each epoch holds 1 sample ({n} training samples, effective batch " \
+                        f"{effective_batch})"
+            else:
+                where = f"micro-batch {micro_batch} splits {which} window of {window} samples as {'+'.join(map(str, ranks[0]))}"
             return f"the model's BatchNorm layers cannot train on a micro-batch of 1 sample, and {where}; {fix}"
     return None
+
+
+def rank_micro_batch_sizes(window_size: int, micro_batch: int, world_size: int = 1) -> list[list[int]]:
+    """Each rank's micro-batch sizes for a window of ``window_size`` samples: its share
+    (:func:`~tightfit.runtime.distributed.shard_of`) split as :func:`micro_batch_sizes`, then a
+    padding micro-batch of one sample for each it runs fewer than the rank with the most (e.g. 7
+    samples at micro-batch 2 on 2 ranks: ``[[2, 2], [2, 1]]``; 1 sample on 2: ``[[1], [1]]``)."""
+    if world_size <= 1:
+        return [micro_batch_sizes(window_size, micro_batch)]
+    most = micro_batches_per_rank(window_size, world_size, micro_batch)
+    base, extra = divmod(window_size, world_size)
+    ranks = [micro_batch_sizes(base + (r < extra), micro_batch) for r in range(world_size)]
+    return [sizes + [1] * (most - len(sizes)) for sizes in ranks]
 
 
 def one_sample_forward(workload: Workload, model: torch.nn.Module, device: torch.device,
@@ -339,9 +364,9 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
         total = math.ceil(config.epochs * self.steps_per_epoch)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
-        one = None if self.world.distributed or offload else batchnorm_sees_one_sample(  # before compilation
+        one = None if offload else batchnorm_sees_one_sample(  # before compilation and the DDP/FSDP2 wrapper
             self.model, len(workload.train), workload.effective_batch, plan.micro_batch, self.total_steps,
-            one_sample_forward(workload, self.model, self.device, plan.precision))
+            one_sample_forward(workload, self.model, self.device, plan.precision), world_size=self.world.size)
         if one:
             raise TightfitError(one)
         if plan.compile:
@@ -511,7 +536,11 @@ class Trainer:
                     f"{what}; first non-finite values in {culprit}. "
                     f"{nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where,
                     last_update=self._last_update)
-            if self._stop_signal and self.step < self.total_steps and ahead is None:  # else: after the queued step
+            # several ranks stop on the vote only: a signal that reaches one rank after it (in its logging
+            # or checkpoint) waits for the next step's, or that rank alone would stop and its checkpoint's
+            # collectives meet the others' next step (DESIGN invariant 12); one process stops at once
+            stop = stop if self.world.distributed else self._stop_signal is not None
+            if stop and self.step < self.total_steps and ahead is None:  # else: after the queued step
                 self._log_stop_note()  # a signal after this step's note point (e.g. in its checkpoint)
                 where = saved or self._checkpoint_at_stop(t0)
                 self.flush_checkpoints()
@@ -724,7 +753,8 @@ class Trainer:
                 del batch
 
         # a window without targets (every label -100, or only padding) sums to 0: divided by 1, not 0
-        return staged(), max(1, total)
+        # (not max(1, total): with several ranks it is the window's count over the world size, e.g. 0.5)
+        return staged(), total or 1
 
     def _autocast(self):
         return autocast(self.plan.precision, self.device.type)
@@ -894,6 +924,10 @@ class Trainer:
         if is_sharded(path):  # written by several ranks: DCP reshards to this world size
             state = load_sharded(path, self.model, self.optimizer, self.world, verified=verified)
             check_same_windows(path, state, self.w.effective_batch, self.cfg.seed, len(self.w.train))
+        elif self.world.sharded:  # one process's checkpoint, resumed under FSDP2: each rank keeps its shard
+            from .sharded_checkpoint import load_whole_into_sharded
+            state = load_whole_into_sharded(path, self.model, self.optimizer, verified=verified, state=state)
+            check_same_windows(path, state, self.w.effective_batch, self.cfg.seed, len(self.w.train))
         else:
             state = load_checkpoint(path, self.world.unwrap(self.model), verified=verified, state=state)
             check_same_windows(path, state, self.w.effective_batch, self.cfg.seed, len(self.w.train))
@@ -956,8 +990,16 @@ class Trainer:
 
     def _evaluate(self, data) -> dict:
         """The OOM back-off around :meth:`_eval_batch`: every held-out sample is counted once,
-        in batches of ``2 x micro_batch`` at first, halved after each OOM."""
-        batch_size = max(1, min(len(data), 2 * self.micro_batch))
+        in batches of ``2 x micro_batch`` at first, halved after each OOM. Under FSDP2 on several
+        ranks, whose every forward all-gathers, one rank cannot halve alone (its forwards would
+        no longer pair with the others'): the batch is the training micro-batch (the probe
+        verified it with a backward besides), and an OOM stops every rank, as in training.
+
+        Raises:
+            TightfitError: an OOM with a batch of 1, or any OOM under FSDP2 on several ranks.
+        """
+        together = self.world.sharded and self.world.distributed
+        batch_size = max(1, min(len(data), (1 if together else 2) * self.micro_batch))
         i, totals = 0, {}
         while i < len(data):
             idx = list(range(i, min(i + batch_size, len(data))))
@@ -970,6 +1012,11 @@ class Trainer:
                 if not is_oom(e):
                     raise
             release_memory()
+            if together:
+                raise TightfitError(
+                    f"out of memory in evaluation on rank {self.world.rank} under FSDP2 (its collectives run in "
+                    "every forward, so no rank can halve its evaluation batch alone): every rank stops; the "
+                    "trained weights are in the run's last checkpoint")
             if batch_size == 1:
                 raise TightfitError("out of memory in evaluation with a batch of 1")
             batch_size //= 2
