@@ -284,7 +284,9 @@ def test_an_evaluation_oom_on_one_rank_under_fsdp2_stops_every_rank_in_one_line(
     assert hit[1]["error"] == ("TightfitError: out of memory in evaluation on rank 1 under FSDP2 (its collectives "
                                "run in every forward, so no rank can halve its evaluation batch alone): every "
                                "rank stops; the trained weights are in the run's last checkpoint")
-    assert hit[0] is None  # stopped once rank 1 failed (as torchrun stops the others), not left waiting
+    # rank 0 is stopped once rank 1 exits (as torchrun stops the others) or fails on its own as its
+    # peer leaves (gloo: "Connection closed by peer"), whichever comes first; it is not left waiting
+    assert hit[0] is None or hit[0]["failed"]
 
 
 def test_batchnorm_is_checked_on_every_ranks_share_before_training():

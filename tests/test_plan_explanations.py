@@ -510,3 +510,33 @@ def test_estimate_says_fits_only_where_plan_would_plan_the_same_step(tmp_path, c
     assert main(args[:-1]) == 0
     out = capsys.readouterr().out
     assert re.search(r"does NOT fit the planned limit [\d.]+ \w+ of budget [\d.]+ \w+ \(5% headroom", out), out
+
+
+def test_nothing_fits_prices_freezing_by_the_optimizer_and_states_frozen_weights_apart(capsys):
+    """Three faults of the nothing-fits answer a helper found: freezing was priced at fp32 AdamW's
+    12 B per parameter whatever --optimizer was (8-bit state: 2 B of state, 4 B of gradient), so
+    it "would fit" where the traced step said 50 MiB over; the model-state line of a partly frozen
+    model multiplied all parameters by 16 B but summed 4 B + 12 B x the trained ones; and LoRA's
+    line was left out unless --optimizer was auto."""
+    bert = ["--model", "bert-base", "--seq-len", "128", "--batch-size", "32"]
+    assert main(["plan", *bert, "--budget", "1.2GiB", "--optimizer", "adamw8bit"]) == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "freezing the input layers" in x)
+    saved = float(re.search(r"saves ([\d.]+) MiB", line).group(1))
+    peaks = {}
+    for trainable in ("all", "frozen-embeddings"):  # the traced difference, as `tightfit estimate` has it
+        assert main(["estimate", *bert, "--micro-batch", "1", "--precision", "bf16", "--checkpointing", "off",
+                     "--optimizer", "adamw8bit", "--gpu", "h200", "--trainable", trainable, "--json"]) == 0
+        peaks[trainable] = json.loads(capsys.readouterr().out)["peak_reserved_bytes"]
+    traced = (peaks["all"] - peaks["frozen-embeddings"]) / 2**20
+    assert abs(saved - traced) / traced < 0.1, (saved, traced, line)
+    assert "6 B each" in line and "still" in line and "would fit" not in line
+
+    assert main(["plan", *bert, "--budget", "1.5GiB", "--optimizer", "adamw", "--trainable", "frozen-embeddings"]) == 2
+    state = next(x for x in capsys.readouterr().err.splitlines() if "model state:" in x)
+    weights, trained = (int(n.replace(",", "")) for n in re.findall(r"([\d,]{9,}) ", state)[:2])
+    total = float(re.search(r"= ([\d.]+) GiB", state).group(1))
+    assert total == pytest.approx((4 * weights + 12 * trained) / 2**30, abs=0.006) and trained < weights, state
+
+    assert main(["plan", *bert, "--budget", "1.8GiB", "--optimizer", "adamw"]) == 2
+    assert "--trainable lora" in capsys.readouterr().err

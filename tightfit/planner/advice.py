@@ -30,8 +30,9 @@ autocast keeps the weights, and so the gradients, in fp32):
   AdamW state): 2 B each instead of 4 B (updates smaller than bf16's resolution would be lost:
   torchao rounds them stochastically).
 - Freezing the input layers (``--trainable frozen-embeddings``, :mod:`tightfit.levers.freezing`):
-  no gradient and no AdamW state for them (8 B per parameter, 12 B where the gradients are held
-  at the peak).
+  no gradient and no optimizer state for them: the state the plan's optimizer keeps on the GPU
+  (fp32 AdamW 8 B per parameter, 8-bit state 2 B, offloaded state none), and the gradient (4 B,
+  2 B in bf16) where the gradients are held at the peak.
 """
 
 from __future__ import annotations
@@ -291,9 +292,12 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     and for freezing, the savings are taken off ``peak_bytes`` (a step's
     peak; without ``activations``, the model state alone: then no lever is said to fit, only its
     model state)."""
+    from .optimizers import weight_bytes
+
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    held = gradients_at_peak >= GRADIENT_B * trainable  # all of them, as when accumulating
+    gradient_b = weight_bytes(optimizer)  # a gradient has its weight's dtype: 2 B under adamw8bit-bf16
+    held = gradients_at_peak >= gradient_b * trainable  # all of them, as when accumulating
     emb = _input_embedding_params(model)
 
     def verdict(kind: str | None, saving: float) -> tuple[float, str]:
@@ -334,10 +338,11 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
             if state_b < ADAMW_8BIT_STATE_B else "") + ")",
          (WEIGHT_B // 2) * params + gradients_at_peak // 2 + (state_b - ADAMW_8BIT_STATE_B) * trainable),
     ]
-    if emb:
-        per = ADAMW_STATE_B + (GRADIENT_B if held else 0)
+    per = state_b + (gradient_b if held else 0)  # what a frozen parameter no longer holds under this optimizer
+    if emb and per:
         levers.append((None, f"freezing the input layers (--trainable frozen-embeddings: it changes what is trained; "
-                       f"{emb:,} parameters: no gradient and no AdamW state, {per} B each)", per * emb))
+                       f"{emb:,} parameters: no gradient and no {_state_on_gpu(optimizer)[1]} on the GPU, {per} B "
+                       "each)", per * emb))
     kinds = [kind for kind, _, _ in levers]
     # the lever in use, and those before it, save nothing more
     after = levers[kinds.index(optimizer) + 1:] if optimizer in kinds else levers
@@ -457,10 +462,15 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
     w = weight_bytes(optimizer)  # 4 (fp32), 2 under adamw8bit-bf16; the gradients as many
     state = w * params + (w + state_b) * trainable
     gradients = int(estimate.breakdown.get("gradients", 0))
-    lines = [f"model state: {params:,} parameters x {2 * w + state_b} B ({'fp32' if w == 4 else 'bf16'} weights "
-             f"{w} B, gradients {w} B, {words} {state_b} B) "
-             f"= {format_bytes(state)}" + (f"; the rest of that step, {format_bytes(peak - state)}, is activations, "
-                                            f"temporaries and allocator overhead" if peak > state else "")]
+    kind = 'fp32' if w == 4 else 'bf16'
+    if trainable == params:
+        made_of = f"{params:,} parameters x {2 * w + state_b} B ({kind} weights {w} B, gradients {w} B, {words} {state_b} B)"
+    else:  # frozen weights (LoRA's base too) hold no gradient or optimizer state
+        made_of = (f"{params:,} {kind} weights x {w} B, and the {trainable:,} trained parameters' gradients and "
+                   f"{words} x {w + state_b} B")
+    lines = [f"model state: {made_of} = {format_bytes(state)}"
+             + (f"; the rest of that step, {format_bytes(peak - state)}, is activations, temporaries and allocator "
+                "overhead" if peak > state else "")]
     if state > limit:
         lines.append(f"the model state alone is {format_bytes(state - limit)} over the planned limit: no "
                      f"micro-batch, accumulation or checkpointing can fit it")
@@ -495,4 +505,6 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
     offload = offload_line(model, limit, host_link_bytes_per_s, profile, precision=asked_precision) \
         if optimizer in ("adamw", "auto") else None
     lines += ["  " + offload] if offload else []
+    lora = lora_line(model, limit)  # never chosen for you: named whatever --optimizer is
+    lines += ["  " + lora] if lora else []
     return lines

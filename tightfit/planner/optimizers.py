@@ -462,7 +462,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                        for k, e in _in_lever_order(failures) if k != "adamw")
         from .advice import lora_line, offload_line
 
-        lora = lora_line(model, limit)
+        lora = None if "--trainable lora" in first else lora_line(model, limit)  # the advice may name it already
         offload = None if "parameter offload" in first else offload_line(
             model, limit, profile.host_link_bytes_per_s, profile, precision=options.get("precision", "auto"))
         raise NothingFitsError(first + also + "".join(f"\n  {x}" for x in (lora, offload) if x))
