@@ -263,3 +263,24 @@ def test_a_new_runs_folder_filled_by_another_run_after_its_checks_is_refused_und
     with pytest.raises(TightfitError, match="choose another out"):
         api.train(api.TrainRequest(**common, max_steps=2, out=str(out)))
     assert [p.name for p in out.iterdir()] == ["request.json"]
+
+
+def test_a_resume_from_a_checkpoint_written_at_another_learning_rate_says_which_applies(finished, caplog):
+    """Resumed from ckpt-4 at --lr 3e-4 to the end, then from ckpt-4 again without --lr: the run's
+    options (request.json) say 3e-4, the checkpoint was written at the first rate, and the second
+    resume applied 3e-4 without a word. It still applies the run's options (as `--resume` promises),
+    and now says so, naming the flag that keeps the checkpoint's rate."""
+    import logging
+
+    run, common = finished
+    first = torch.load(run / "checkpoints" / "ckpt-4" / "state.pt", weights_only=True)["scheduler"]["base_lrs"][0]
+    api.train(api.TrainRequest(**common, lr=3e-4, resume=str(run / "checkpoints" / "ckpt-4")))
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        api.train(api.TrainRequest(**common, resume=str(run / "checkpoints" / "ckpt-4")))
+    said = [r.getMessage() for r in caplog.records if "was written at" in r.getMessage()]
+    assert said == [f"tightfit: ckpt-4 was written at lr={first:g}; the run's options since say lr=0.0003, which "
+                    f"applies from here (give lr={first:g} to keep the checkpoint's)"], said
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tightfit"):  # resumed at its own rate: nothing to say
+        api.train(api.TrainRequest(**common, lr=first, resume=str(run / "checkpoints" / "ckpt-4")))
+    assert not [r for r in caplog.records if "was written at" in r.getMessage()]

@@ -695,6 +695,13 @@ class TrainRecipe:
                 self.trainer.result.events[:0] = earlier_events(self.out / "metrics.jsonl")
                 for note in self.resume_notes:  # shown when found; kept for the report
                     self.trainer.event(note, show=False)
+            written_at = (self.resume_state or {}).get("scheduler", {}).get("base_lrs", [None])[0]
+            lr = self.req.training.lr
+            if "lr" not in self.changed and written_at is not None and not math.isclose(written_at, lr, rel_tol=1e-9):
+                # an earlier checkpoint than the run's last options: theirs apply, and the user is told
+                self.trainer.event(f"{Path(self.resume_from).name} was written at {option_given('lr', written_at)}; "
+                                   f"the run's options since say {option_given('lr', lr)}, which applies from "
+                                   f"here (give {option_given('lr', written_at)} to keep the checkpoint's)")
             if self.changed:  # in the report's events: request.json now holds only the new values
                 self.trainer.event("options given anew: " + ", ".join(
                     f"{option_given(k, new)} (was {old})" for k, (old, new) in self.changed.items()),
