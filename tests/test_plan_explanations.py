@@ -533,10 +533,14 @@ def test_nothing_fits_prices_freezing_by_the_optimizer_and_states_frozen_weights
     assert "6 B each" in line and "still" in line and "would fit" not in line
 
     assert main(["plan", *bert, "--budget", "1.5GiB", "--optimizer", "adamw", "--trainable", "frozen-embeddings"]) == 2
-    state = next(x for x in capsys.readouterr().err.splitlines() if "model state:" in x)
+    err = capsys.readouterr().err
+    state = next(x for x in err.splitlines() if "model state:" in x)
     weights, trained = (int(n.replace(",", "")) for n in re.findall(r"([\d,]{9,}) ", state)[:2])
     total = float(re.search(r"= ([\d.]+) GiB", state).group(1))
     assert total == pytest.approx((4 * weights + 12 * trained) / 2**30, abs=0.006) and trained < weights, state
+    # parameter offload moves every fp32 shard in twice, and the trained parameters' gradients out only
+    moved = float(re.search(r"each micro-batch moves ([\d.]+) GiB", err).group(1))
+    assert moved == pytest.approx((8 * weights + 4 * trained) / 2**30, abs=0.006), err
 
     assert main(["plan", *bert, "--budget", "1.8GiB", "--optimizer", "adamw"]) == 2
     assert "--trainable lora" in capsys.readouterr().err

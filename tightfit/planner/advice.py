@@ -226,8 +226,8 @@ def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None
     train`` takes by itself when no single-GPU plan holds the training state: what stays on the
     GPU (:func:`.sharding.offload_gpu_bytes`) against ``limit`` (bytes), what the host holds
     (:func:`.sharding.host_state_bytes`) and what each micro-batch moves over the host link (the
-    fp32 shards copied in for the forward and again for the backward, the fp32 gradients out:
-    12 B per parameter), in the precision it would run (``precision`` asked: bf16 where the card
+    fp32 shards copied in for the forward and again for the backward, 8 B per parameter, and the
+    fp32 gradients of the trained ones out, 4 B each), in the precision it would run (``precision`` asked: bf16 where the card
     has it, else fp32; under fp16, which it does not run, the line says what to ask for instead).
     None on the CPU or for a model without repeated blocks."""
     from ..levers.blocks import find_blocks
@@ -238,7 +238,7 @@ def offload_line(model, limit: float, host_link_bytes_per_s: float, profile=None
     params = sum(p.numel() for p in model.parameters())
     bf16 = precision == "bf16" or (precision in ("auto", "fp16") and (profile is None or profile.bf16))
     gpu = offload_gpu_bytes(model, "bf16" if bf16 else "fp32")
-    moved = 12 * params
+    moved = 8 * params + 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # frozen: no gradient
     fits = ("its GPU share is under the planned limit (whether a step with its activations fits too is "
             "planned when nothing else fits)" if gpu < limit else f"still {format_bytes(gpu - limit)} over")
     if gpu < limit and (optimizer != "auto" or precision == "fp16"):  # chosen for you only with both auto
