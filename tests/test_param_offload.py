@@ -116,7 +116,7 @@ def test_options_parameter_offload_cannot_run_are_refused_in_one_line(argv, says
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_parameter_offload_trains_where_no_single_gpu_plan_fits(tmp_path):
+def test_on_the_gpu_parameter_offload_trains_where_no_single_gpu_plan_fits(tmp_path, capsys):
     """BERT-base at 600 MiB: no single-GPU plan fits (`tightfit plan` refuses); parameter
     offload plans a micro-batch, verifies it with real steps, keeps the parameters in host
     memory, trains within the budget with dropout on, and resumes exactly from its DCP checkpoint."""
@@ -163,8 +163,9 @@ def test_on_the_gpu_parameter_offload_trains_where_no_single_gpu_plan_fits(tmp_p
     try:
         from tightfit.cli import main
 
-        # no single-GPU plan: the planner refuses, naming parameter offload
-        assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "600MiB"]) == 2
+        # no single-GPU plan: `tightfit plan` plans parameter offload, as `tightfit train` takes it
+        assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "600MiB"]) == 0
+        assert "plan: parameter offload (--sharding fsdp-offload)" in capsys.readouterr().out
         full, losses, params_on, weights, plan = run()
         assert plan.sharding == "fsdp-offload" and full.steps == 4 and full.oom_recoveries == 0
         assert params_on == {"cpu"}  # the shards live in host memory
