@@ -146,7 +146,8 @@ def test_on_the_gpu_parameter_offload_trains_where_no_single_gpu_plan_fits(tmp_p
         plan = fsdp_plan(recipe, choose_sharding(w.model, 1, budget, "fsdp-offload", "bf16"), 1)
         records = []
         t = Trainer(w, plan, TrainConfig(epochs=1, max_steps=steps, lr=1e-4, checkpoint_dir=str(tmp_path / "ck"),
-                                         checkpoint_every=2, prefetch=False), log=records.append, progress=False)
+                                         checkpoint_every=2, log_every=1, prefetch=False), log=records.append,
+                    progress=False)
         if resume:
             t.resume(resume)
         else:

@@ -986,7 +986,10 @@ class Trainer:
         # eagerly: the graphs compiled for training do not serve no_grad, and compiling them
         # anew would cost more than the evaluation
         with module_mode(self.model, False), eager_calls(self.world.unwrap(self.model)):
-            return self._evaluate(self.w.eval)
+            try:
+                return self._evaluate(self.w.eval)
+            finally:  # FSDP2 leaves the root's parameters gathered on the GPU after a forward without backward
+                self.world.reshard(self.model)
 
     def _evaluate(self, data) -> dict:
         """The OOM back-off around :meth:`_eval_batch`: every held-out sample is counted once,
