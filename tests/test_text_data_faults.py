@@ -1,0 +1,42 @@
+"""Faults a helper found in the text data pipeline: duplicate rows falling on both sides of the
+held-out split without a word, and a long text whose first 64 Ki characters are whitespace cut
+to nothing and trained on as an empty sample."""
+
+import json
+
+from tightfit.data import (MAX_TEXT_CHARS, TextClassificationData, check_split, held_out_split,
+                           load_text_classification)
+
+
+def _part(data, idx):
+    return TextClassificationData([data.texts[i] for i in idx], [data.labels[i] for i in idx], data.label_names,
+                                  data.source)
+
+
+def test_held_out_texts_that_are_also_training_texts_are_noted():
+    """150 texts, each in two rows, random labels: 24 of 30 held-out rows were training rows too,
+    and the held-out accuracy (0.87 on random labels) looked like learning; the run said nothing."""
+    texts = [f"review number {i} of the film" for i in range(150)] * 2
+    data = TextClassificationData(texts, [i % 2 for i in range(300)], ["neg", "pos"], "dup.csv")
+    train, held = held_out_split(len(data))
+    notes = check_split(data, _part(data, train), _part(data, held))
+    seen = {texts[i] for i in train}
+    copies = sum(texts[i] in seen for i in held)
+    assert copies > 0
+    assert [n for n in notes if "word for word" in n] == [
+        f"{copies} held-out samples ({copies / len(held):.1%}) also appear word for word among the training samples "
+        "(duplicate rows in the data): the held-out accuracy counts them as unseen"]
+    unique = TextClassificationData([f"review {i}" for i in range(300)], [i % 2 for i in range(300)], ["neg", "pos"], "u")
+    assert not [n for n in check_split(unique, _part(unique, train), _part(unique, held)) if "word for word" in n]
+
+
+def test_a_text_that_is_whitespace_up_to_the_cut_keeps_its_words(tmp_path):
+    """70,000 spaces then the review: the cut at 64 Ki characters left only spaces, the blank check had
+    passed on the whole text, and the sample trained as [CLS] [SEP]."""
+    rows = [{"text": " " * 70_000 + f"great movie number {i}", "label": "pos" if i % 2 else "neg"} for i in range(4)]
+    rows += [{"text": f"short review {i}", "label": "neg"} for i in range(4)]
+    (tmp_path / "ws.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    data = load_text_classification(tmp_path / "ws.jsonl")
+    assert data.texts[:4] == [f"great movie number {i}" for i in range(4)]
+    assert data.texts[4:] == [f"short review {i}" for i in range(4)]  # texts under the cut are as written
+    assert all(len(t) <= MAX_TEXT_CHARS for t in data.texts)
