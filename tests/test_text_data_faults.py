@@ -40,3 +40,18 @@ def test_a_text_that_is_whitespace_up_to_the_cut_keeps_its_words(tmp_path):
     assert data.texts[:4] == [f"great movie number {i}" for i in range(4)]
     assert data.texts[4:] == [f"short review {i}" for i in range(4)]  # texts under the cut are as written
     assert all(len(t) <= MAX_TEXT_CHARS for t in data.texts)
+
+
+def test_two_integer_labels_past_float_precision_are_two_classes(tmp_path):
+    """9007199254740992 and 9007199254740993 (ids as labels) were refused as "the same number written
+    two ways": compared as floats, they are equal. 1 and 1.0 are still one number written two ways."""
+    import pytest
+
+    from tightfit.errors import TightfitError
+
+    big = ["9007199254740992", "9007199254740993"]
+    (tmp_path / "big.csv").write_text("text,label\n" + "".join(f"review {i},{big[i % 2]}\n" for i in range(10)))
+    assert load_text_classification(tmp_path / "big.csv").label_names == big
+    (tmp_path / "one.csv").write_text("text,label\n" + "".join(f"review {i},{['1', '1.0'][i % 2]}\n" for i in range(10)))
+    with pytest.raises(TightfitError, match="same number written two ways"):
+        load_text_classification(tmp_path / "one.csv")

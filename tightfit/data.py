@@ -381,12 +381,17 @@ def _check_numbers_written_once(path: Path, column: str, names: list[str]) -> No
     Raises:
         TightfitError: one line naming the first such pair.
     """
-    by_value: dict[float, str] = {}
+    from fractions import Fraction
+
+    by_value: dict = {}
     for name in names:
-        try:
-            value = float(name)
-        except ValueError:
-            continue
+        try:  # exactly: as floats, two integers past 2**53 (ids) were one number
+            value = Fraction(name)
+        except (ValueError, ZeroDivisionError):
+            try:
+                value = float(name)  # inf and nan spellings
+            except ValueError:
+                continue
         if value in by_value:
             raise TightfitError(f"{path}: labels {by_value[value]!r} and {name!r} are the same number written two ways "
                                 f"in column {column!r}; as classes they would be apart: write each class one way")
