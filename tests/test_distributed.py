@@ -270,6 +270,12 @@ def test_a_checkpoint_of_one_process_resumes_under_fsdp2_on_two_ranks(tmp_path):
     two = spawn({**spec, "resume": str(tmp_path / "one" / "ckpt-1")}, 2, tmp_path)
     torch.testing.assert_close(_losses(two[0]), _losses(one)[1:], rtol=1e-5, atol=1e-6)
     _same_weights(two[0]["weights"], one["weights"], exact=False)
+    # 8-bit, bf16-weight or offloaded state is not keyed by name: refused in one line, before any load
+    from tightfit.runtime.sharded_checkpoint import load_whole_into_sharded
+
+    with pytest.raises(TightfitError, match=r"written by one process with --optimizer adamw8bit: it resumes on one "):
+        load_whole_into_sharded(tmp_path / "one" / "ckpt-1", None, None, verified=True,
+                                state={"plan": {"optimizer": "adamw8bit"}})
 
 
 def test_an_evaluation_oom_on_one_rank_under_fsdp2_stops_every_rank_in_one_line(tmp_path):
@@ -283,7 +289,7 @@ def test_an_evaluation_oom_on_one_rank_under_fsdp2_stops_every_rank_in_one_line(
     hit = spawn({**spec, "eval_oom": 1, "exit_on_error": True}, 2, tmp_path, failing=True)
     assert hit[1]["error"] == ("TightfitError: out of memory in evaluation on rank 1 under FSDP2 (its collectives "
                                "run in every forward, so no rank can halve its evaluation batch alone): every "
-                               "rank stops; the trained weights are in the run's last checkpoint")
+                               "rank stops")  # (no checkpoint folder in this run: no word of one)
     # rank 0 is stopped once rank 1 exits (as torchrun stops the others) or fails on its own as its
     # peer leaves (gloo: "Connection closed by peer"), whichever comes first; it is not left waiting
     assert hit[0] is None or hit[0]["failed"]

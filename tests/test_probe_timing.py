@@ -25,10 +25,10 @@ class SlowWorstCase(SyntheticBatches):
 def test_a_probe_step_time_holds_no_collation_of_its_batches():
     """Two micro-batches per timed step (accumulation), three timed steps: the worst case is
     collated once, before the timing. Red when each micro-batch is collated inside the step
-    (the step then takes at least two collations, 0.5 s)."""
+    (six collations)."""
     SlowWorstCase.calls = 0
     w = Workload(tiny_bert(dropout=0.1), SlowWorstCase(16, seq_len=16), None, 8)
     seconds, micro_batches = run_probe_steps(w, 4, "fp32", "adamw", timed_steps=3)
-    assert micro_batches == 2
-    assert seconds < COLLATION_S, f"a timed step took {seconds:.3f} s: the collation was timed"
-    assert SlowWorstCase.calls == 1
+    assert micro_batches == 2 and seconds > 0
+    # counted, not timed: a wall-clock bound (a step under 0.25 s) failed on a loaded 2-core CI host
+    assert SlowWorstCase.calls == 1, f"{SlowWorstCase.calls} collations: the timed steps collated their batches"

@@ -696,6 +696,7 @@ class TrainRecipe:
                 for note in self.resume_notes:  # shown when found; kept for the report
                     self.trainer.event(note, show=False)
             written_at = (self.resume_state or {}).get("scheduler", {}).get("base_lrs", [None])[0]
+            written_at = None if written_at is None else float(written_at)  # a 0-d tensor under torchao's optimizers
             lr = self.req.training.lr
             if "lr" not in self.changed and written_at is not None and not math.isclose(written_at, lr, rel_tol=1e-9):
                 # an earlier checkpoint than the run's last options: theirs apply, and the user is told

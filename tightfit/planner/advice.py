@@ -341,8 +341,8 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     per = state_b + (gradient_b if held else 0)  # what a frozen parameter no longer holds under this optimizer
     if emb and per:
         levers.append((None, f"freezing the input layers (--trainable frozen-embeddings: it changes what is trained; "
-                       f"{emb:,} parameters: no gradient and no {_state_on_gpu(optimizer)[1]} on the GPU, {per} B "
-                       "each)", per * emb))
+                       f"{emb:,} parameters: no gradient" + (f" and no {_state_on_gpu(optimizer)[1]}" if state_b else "")
+                       + f", {per} B each)", per * emb))
     kinds = [kind for kind, _, _ in levers]
     # the lever in use, and those before it, save nothing more
     after = levers[kinds.index(optimizer) + 1:] if optimizer in kinds else levers

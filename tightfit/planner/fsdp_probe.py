@@ -43,7 +43,7 @@ def _attempt(trainer, micro_batch: int) -> bool:
     try:
         with train_mode(trainer.model):  # as the training steps run (dropout on)
             for _ in range(PROBE_STEPS):
-                training_step(trainer.model, [batch], trainer.w.loss_sum, float(trainer.w.count(batch)),
+                training_step(trainer.model, [batch], trainer.w.loss_sum, float(trainer.w.count(batch) or 1),
                               trainer.optimizer, trainer.scaler, trainer._autocast, trainer.cfg.max_grad_norm)
     except Exception as e:  # only OOMs are handled; anything else propagates
         if not is_oom(e):

@@ -139,7 +139,7 @@ def _probe_steps(workload: Workload, micro_batch: int, precision: str, optimizer
     # probe more than the GPU's work: verified at 1,463-1,685 samples/s against 3,607 in the run
     # (NVIDIA H200, bench/results/recompute-1).
     host = workload.train.worst_case(micro_batch)
-    normaliser = workload.count(host)  # per worst-case micro-batch
+    normaliser = workload.count(host) or 1  # per worst-case micro-batch (0 targets: as the trainer, 1)
     if device.type == "cuda":
         host = {k: v.pin_memory() for k, v in host.items()}
 

@@ -139,31 +139,42 @@ def load_whole_into_sharded(path: Path, model: torch.nn.Module, optimizer, verif
 
     Raises:
         CorruptCheckpointError: verification fails or a file cannot be read.
-        TightfitError: the weights or the optimizer state do not fit the model.
+        TightfitError: the weights or the optimizer state do not fit the model; the checkpoint's
+            optimizer is not fp32 AdamW (8-bit, bf16-weight and offloaded state is not by name).
+        torch.OutOfMemoryError: (and the other errors :func:`~tightfit.memory.oom.is_oom`
+            recognises) propagated unchanged.
     """
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    from ..memory.oom import is_oom
     from .checkpoint import MODEL_FILE, _fail, _first_line, check_weights_fit
 
     path = Path(path)
     if not verified:
         verify_checkpoint(path)
+    state = read_state(path) if state is None else state
+    kind = state.get("plan", {}).get("optimizer", "adamw")
+    if kind != "adamw":  # 8-bit, bf16-weight or offloaded state is laid out per process, not by name
+        raise TightfitError(f"checkpoint {path.name} was written by one process with --optimizer {kind}: it resumes "
+                            "on one process, or on several with --sharding ddp, not under FSDP2")
     check_weights_fit(path, model)
     try:
         weights = load_file(str(path / MODEL_FILE))
     except Exception as e:
         raise _fail(path, f"{MODEL_FILE}: cannot be loaded: {_first_line(e)}") from None
-    state = read_state(path) if state is None else state
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     saved = state["optimizer"]
     try:
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         by_name = {"state": {order[i]: s for i, s in saved["state"].items()},
                    "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
-        # tied weights are stored once (safetensors): their other names load through the first
+        # tied weights are stored once (safetensors): their other names are the same parameter, loaded
+        # through the first; strict=False for them only, as check_weights_fit refused any other gap
         set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
                        options=StateDictOptions(full_state_dict=True, strict=False))
     except (KeyError, IndexError, RuntimeError, ValueError) as e:
+        if is_oom(e):  # not the checkpoint's fault (torch.OutOfMemoryError is a RuntimeError)
+            raise
         raise TightfitError(f"checkpoint {path.name} does not fit the model: {_first_line(e)}") from None
     return state

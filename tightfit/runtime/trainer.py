@@ -753,6 +753,7 @@ class Trainer:
                 del batch
 
         # a window without targets (every label -100, or only padding) sums to 0: divided by 1, not 0
+        # (a step with zero gradients: the optimizer still steps, as for any window, and logs a loss of 0)
         # (not max(1, total): with several ranks it is the window's count over the world size, e.g. 0.5)
         return staged(), total or 1
 
@@ -971,7 +972,9 @@ class Trainer:
     def evaluate(self) -> dict:
         """Evaluate on the held-out samples with the workload's task, in eval mode and eagerly (a
         compiled model's compiled calls are set aside, :func:`~tightfit.levers.compile.eager_calls`);
-        the evaluation batch halves on OOM independently of the training micro-batch.
+        the evaluation batch halves on OOM independently of the training micro-batch (under FSDP2 on
+        several ranks an OOM stops every rank instead: :meth:`_evaluate`). Under FSDP2 the
+        parameters are resharded after it.
 
         Returns:
             The task's metrics (:meth:`tightfit.tasks.Task.summarize`) plus ``"samples"`` (held-out
@@ -981,7 +984,8 @@ class Trainer:
             per target token).
 
         Raises:
-            TightfitError: an evaluation batch of 1 runs out of memory.
+            TightfitError: an evaluation batch of 1 runs out of memory; any evaluation OOM under
+                FSDP2 on several ranks.
         """
         # eagerly: the graphs compiled for training do not serve no_grad, and compiling them
         # anew would cost more than the evaluation
@@ -1018,8 +1022,8 @@ class Trainer:
             if together:
                 raise TightfitError(
                     f"out of memory in evaluation on rank {self.world.rank} under FSDP2 (its collectives run in "
-                    "every forward, so no rank can halve its evaluation batch alone): every rank stops; the "
-                    "trained weights are in the run's last checkpoint")
+                    "every forward, so no rank can halve its evaluation batch alone): every rank stops"
+                    + ("; the trained weights are in the run's last checkpoint" if self.cfg.checkpoint_dir else ""))
             if batch_size == 1:
                 raise TightfitError("out of memory in evaluation with a batch of 1")
             batch_size //= 2
