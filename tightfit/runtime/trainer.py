@@ -752,9 +752,9 @@ class Trainer:
                 yield batch
                 del batch
 
-        # a window without targets (every label -100, or only padding) sums to 0: divided by 1, not 0
-        # (a step with zero gradients: the optimizer still steps, as for any window, and logs a loss of 0)
-        # (not max(1, total): with several ranks it is the window's count over the world size, e.g. 0.5)
+        # A window without targets (every label -100, or only padding) sums to 0: divided by 1, not 0, it
+        # steps with zero gradients and logs a loss of 0. (Not max(1, total): on several ranks it is the
+        # window's count over the world size, e.g. 0.5.)
         return staged(), total or 1
 
     def _autocast(self):
