@@ -212,18 +212,6 @@ def _held_out(src: _Source):
     return TextBatches(AutoTokenizer.from_pretrained(src.model_dir), eval_data, req.workload.seq_len), task
 
 
-def _trained_image_size(model_dir: Path) -> int | None:
-    """The image side (pixels) ``tightfit train`` recorded in the folder's preprocessing file; None
-    without one (or with one that does not say: it is only read to time the model)."""
-    from .images import PREPROCESSING_FILE
-
-    try:
-        size = json.loads((model_dir / PREPROCESSING_FILE).read_text()).get("image_size")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
-
-
 def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> dict:
     """``n`` held-out samples (cycled), or random inputs for a bare folder: token ids ``[n, 128]``
     (at most the model's positions) or images of the side the folder's preprocessing file records
@@ -231,11 +219,12 @@ def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> di
     if held_out is not None:
         batch = held_out.collate([i % len(held_out) for i in range(n)])
     else:
+        from .images import trained_image_size
         from .models import batch_maker
         from .tasks import ImageClassification, SequenceClassification
 
         task = ImageClassification() if src.kind == "image" else SequenceClassification()
-        size = (_trained_image_size(src.model_dir) or getattr(model.config, "image_size", None) or 224) \
+        size = (trained_image_size(src.model_dir) or getattr(model.config, "image_size", None) or 224) \
             if src.kind == "image" else \
             min(BARE_SEQ_LEN, getattr(model.config, "max_position_embeddings", None) or BARE_SEQ_LEN)
         torch.manual_seed(0)

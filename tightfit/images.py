@@ -364,6 +364,18 @@ class ImageSamples(torch.utils.data.Dataset):
         return pixel_values(image, self.size, self.channels), torch.tensor(self.data.labels[i], dtype=torch.long)
 
 
+def trained_image_size(folder) -> int | None:
+    """The image side (pixels) ``tightfit train`` recorded in model ``folder``'s
+    :data:`PREPROCESSING_FILE`; None without one, or with one that names no usable side."""
+    import json
+
+    try:
+        side = json.loads((Path(folder) / PREPROCESSING_FILE).read_text()).get("image_size")
+    except (OSError, ValueError, AttributeError):  # none, unreadable or not an object: not tightfit's
+        return None
+    return side if isinstance(side, int) and not isinstance(side, bool) and side > 0 else None
+
+
 def preprocessing_record(size: int, channels: int, label_names: list[str]) -> dict[str, Any]:
     """What :func:`pixel_values` does, as written beside a trained model (:data:`PREPROCESSING_FILE`)."""
     return {"image_size": size, "num_channels": channels, "mean": MEAN, "std": STD, "resize": "bilinear, antialiased",

@@ -130,8 +130,10 @@ class ModelEntry:
                 multiple of ``patch_size``); for a folder, another side than the one its position
                 embeddings were made for.
         """
+        from .images import trained_image_size
+
         made_for = getattr(config, "image_size", None)
-        size = image_size if image_size is not None else made_for or self._trained_image_size() or DEFAULT_IMAGE_SIZE
+        size = image_size if image_size is not None else made_for or (self.folder and trained_image_size(self.folder)) or DEFAULT_IMAGE_SIZE
         if made_for is None or size == made_for:  # no size of its own (ResNet), or its own
             return size
         if self.folder is not None:
@@ -144,18 +146,6 @@ class ModelEntry:
                                 f"use a multiple of {patch}, e.g. {near}")
         config.image_size = size
         return size
-
-    def _trained_image_size(self) -> int | None:
-        """The side a folder saved by tightfit was trained at, from its preprocessing record; None
-        for a registry entry, a folder without one, or a record that names no usable side."""
-        if self.folder is None:
-            return None
-        from .images import PREPROCESSING_FILE
-        try:
-            side = json.loads((Path(self.folder) / PREPROCESSING_FILE).read_text()).get("image_size")
-        except (OSError, ValueError, AttributeError):  # none, unreadable or not an object: not tightfit's
-            return None
-        return side if isinstance(side, int) and not isinstance(side, bool) and side > 0 else None
 
     def build(self, device: str | torch.device = "meta", attn_implementation: str = "sdpa",
               image_size: int | None = None) -> tuple[torch.nn.Module, BatchMaker]:

@@ -317,7 +317,7 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
         return saving, (f"{words or 'its model state'}, {format_bytes(need)}, is under the planned limit "
                         f"{format_bytes(limit)}; its activations were not estimated")
 
-    state_b = _state_on_gpu(optimizer)[0]
+    state_b, state_words = _state_on_gpu(optimizer)
     freed = 0 if (held if accumulating is None else accumulating) else gradients_at_peak  # offload frees them
     levers = [  # (--optimizer, what it is, bytes saved), in the order each makes the ones before it moot
         ("adamw8bit", f"8-bit AdamW state (--optimizer adamw8bit: two 1-byte moments instead of two fp32 ones, "
@@ -341,7 +341,7 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     per = state_b + (gradient_b if held else 0)  # what a frozen parameter no longer holds under this optimizer
     if emb and per:
         levers.append((None, f"freezing the input layers (--trainable frozen-embeddings: it changes what is trained; "
-                       f"{emb:,} parameters: no gradient" + (f" and no {_state_on_gpu(optimizer)[1]}" if state_b else "")
+                       f"{emb:,} parameters: no gradient" + (f" and no {state_words}" if state_b else "")
                        + f", {per} B each)", per * emb))
     kinds = [kind for kind, _, _ in levers]
     # the lever in use, and those before it, save nothing more

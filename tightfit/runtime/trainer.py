@@ -217,8 +217,8 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
             which = "each" if window == effective_batch else "the last"
             if world_size > 1:
                 split = " and ".join("+".join(map(str, sizes)) for sizes in ranks)
-                padded = len({len(micro_batch_sizes(len(shard_of(list(range(window)), r, world_size)), micro_batch))
-                              for r in range(world_size)}) > 1 or window < world_size
+                padded = len({len(micro_batch_sizes(s, micro_batch)) for s in _share_sizes(window, world_size)}) > 1 \
+                    or window < world_size
                 where = (f"micro-batch {micro_batch} on {world_size} ranks splits {which} window of {window} samples "
                          f"as {split}" + (" (a rank with fewer micro-batches adds padding ones of 1 sample)"
                                           if padded else ""))
@@ -239,9 +239,13 @@ def rank_micro_batch_sizes(window_size: int, micro_batch: int, world_size: int =
     if world_size <= 1:
         return [micro_batch_sizes(window_size, micro_batch)]
     most = micro_batches_per_rank(window_size, world_size, micro_batch)
-    base, extra = divmod(window_size, world_size)
-    ranks = [micro_batch_sizes(base + (r < extra), micro_batch) for r in range(world_size)]
+    ranks = [micro_batch_sizes(share, micro_batch) for share in _share_sizes(window_size, world_size)]
     return [sizes + [1] * (most - len(sizes)) for sizes in ranks]
+
+
+def _share_sizes(window_size: int, world_size: int) -> list[int]:
+    """How many samples of a window each rank holds (:func:`~tightfit.runtime.distributed.shard_of`'s shares)."""
+    return [len(shard_of(range(window_size), r, world_size)) for r in range(world_size)]
 
 
 def one_sample_forward(workload: Workload, model: torch.nn.Module, device: torch.device,
