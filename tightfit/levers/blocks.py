@@ -22,6 +22,7 @@ from ..errors import TightfitError
 
 _ORIG = "_tightfit_forward"
 _POLICY = "_tightfit_block_policy"
+_NORMS = "_tightfit_running_stat_norms"
 
 # What a block keeps for backward, least memory-saving first: "none" saves its activations,
 # "selective" recomputes the cheap ops, "full" everything, "offload" keeps them on the host.
@@ -143,11 +144,14 @@ def apply_block_policies(model: torch.nn.Module, policies, recompute_context=Non
             del block.forward
             del block.__dict__[_ORIG]
             del block.__dict__[_POLICY]
+            del block.__dict__[_NORMS]
         if policy != "none":
             original = block.forward
+            norms = running_stat_norms(block)
             block.__dict__[_ORIG] = original
             block.__dict__[_POLICY] = policy
-            block.forward = functools.partial(_wrapped, original, policy, recompute_context, also_saved)
+            block.__dict__[_NORMS] = norms
+            block.forward = functools.partial(_wrapped, original, policy, recompute_context, also_saved, norms)
     return blocks
 
 
@@ -161,26 +165,84 @@ def block_policy(block: torch.nn.Module) -> str:
     return block.__dict__.get(_POLICY, "none")
 
 
-def run_block(forward, policy: str, recompute_context, also_saved, *args, **kwargs):
-    """Call ``forward(*args, **kwargs)`` (a block's forward, eager or compiled) under ``policy``."""
-    from torch.utils.checkpoint import checkpoint
+def block_norms(block: torch.nn.Module) -> list[torch.nn.Module]:
+    """The norm layers with running statistics that :func:`apply_block_policies` found in
+    ``block`` (:func:`running_stat_norms`; empty for a block it did not wrap)."""
+    return block.__dict__.get(_NORMS, [])
+
+
+def run_block(forward, policy: str, recompute_context, also_saved, norms, *args, **kwargs):
+    """Call ``forward(*args, **kwargs)`` (a block's forward, eager or compiled) under ``policy``.
+
+    ``norms``: the block's norm layers with running statistics (:func:`running_stat_norms`), kept
+    as they were before each recomputation (:class:`KeepRunningStats`), so that a recomputed
+    block updates BatchNorm's statistics once per forward, as it would not checkpointed.
+    """
+    from torch.utils.checkpoint import checkpoint, noop_context_fn
 
     if policy == "offload":
         from .offload import HostOffload
         with HostOffload():
             return forward(*args, **kwargs)
+    from .selective import _tracing, selective_context_fn
     if policy == "selective":
-        from .selective import selective_context_fn
-        return checkpoint(forward, *args, use_reentrant=False,
-                          context_fn=selective_context_fn(recompute_context, also_saved), **kwargs)
-    if recompute_context is None:
+        context_fn = selective_context_fn(recompute_context, also_saved)
+    elif recompute_context is None:
+        context_fn = None
+    else:
+        context_fn = lambda: (contextlib.nullcontext(), recompute_context())  # noqa: E731
+    if norms and not _tracing():  # a compiled graph's checkpoint updates the statistics once already
+        context_fn = _keeping_stats(context_fn or noop_context_fn, norms)
+    if context_fn is None:  # none given: dynamo takes no other (it compiles a checkpoint inside a graph)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), recompute_context()), **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _wrapped(forward, policy, recompute_context, also_saved, *args, **kwargs):
-    return run_block(forward, policy, recompute_context, also_saved, *args, **kwargs)
+def _keeping_stats(context_fn, norms):
+    """``context_fn`` with :class:`KeepRunningStats` entered outside its recomputation context
+    (before a selective policy's mode, so that its copies are not taken for recomputed ops)."""
+    from .selective import _both
+
+    def fn():
+        forward, recompute = context_fn()
+        return forward, _both(KeepRunningStats(norms), recompute)
+    return fn
+
+
+def _wrapped(forward, policy, recompute_context, also_saved, norms, *args, **kwargs):
+    return run_block(forward, policy, recompute_context, also_saved, norms, *args, **kwargs)
+
+
+def running_stat_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The norm layers in ``module`` that update running statistics in train mode: BatchNorm
+    (1-3d, SyncBatchNorm) and InstanceNorm with ``track_running_stats``."""
+    return [m for m in module.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
+
+
+class KeepRunningStats:
+    """Context entered around a recomputation: the running mean, variance and
+    ``num_batches_tracked`` of ``norms`` are written back, on exit, to what they were on entry.
+
+    Recomputing a block runs its forward a second time in train mode, and BatchNorm would fold
+    the same batch into its statistics twice (its momentum applied twice,
+    ``num_batches_tracked`` counted twice): the statistics, and so evaluation, would differ from
+    the same step not checkpointed. One clone per buffer, tens of KiB for a ResNet block.
+    """
+
+    def __init__(self, norms: list[torch.nn.Module]):
+        self.norms, self.saved = norms, []  # a stack: the context may be re-entered, as modes are
+
+    def __enter__(self):
+        self.saved.append([(b, b.detach().clone()) for m in self.norms
+                           for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for buffer, copy in self.saved.pop():
+                buffer.copy_(copy)
+        return False
 
 
 # Model attribute naming the modules that tightfit.levers.compile compiled (kept here, beside the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TightfitError
-from .blocks import compiled_by_blocks
+from .blocks import compiled_by_blocks, running_stat_norms
 
 
 def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=None, policies=None) -> None:
@@ -50,7 +50,10 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
         return
     # A block compiled alone must be checkpointed around its compiled call, which only
     # tightfit's wrappers do (HF's hook may checkpoint inside the layer's forward).
-    own_hook = getattr(model, "supports_gradient_checkpointing", False) and not compiled_by_blocks(model)
+    # HF's hook recomputes BatchNorm layers with their running statistics updated a second time;
+    # tightfit's wrappers keep them (blocks.KeepRunningStats).
+    own_hook = getattr(model, "supports_gradient_checkpointing", False) and not compiled_by_blocks(model) \
+        and not running_stat_norms(model)
     chosen = tuple(range(n)) if blocks is None else tuple(blocks)
     if enabled and n and (len(chosen) < n or not own_hook):  # a subset, or a model without HF's hook
         _disable_hf_hook(model)
