@@ -329,6 +329,27 @@ def test_batchnorm_is_checked_on_every_ranks_share_before_training():
     Trainer(Workload(Net(), data[:8], None, 8), Plan("fp32", 4, 8), cfg, progress=False)  # 4 + 4 on one: fine
 
 
+def test_a_padding_micro_batch_leaves_batchnorm_statistics_as_they_were():
+    """A rank with fewer micro-batches than its peer runs padding micro-batches (repeats of its
+    samples, weighted 0) to keep the collectives in step; their forward in train mode folded
+    those samples into BatchNorm's running statistics a second time. The window's real
+    micro-batch updates them; the padding one leaves them."""
+    from tightfit.runtime.distributed import World
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)).train()
+    guard = World().guard(model, lambda m, b: m(b).sum(), micro_batches=2, padding=1)
+    x = torch.randn(3, 4)
+    guard(model, x).backward()  # the real micro-batch
+    after_real = (model[1].running_mean.clone(), model[1].running_var.clone(), int(model[1].num_batches_tracked))
+    loss = guard(model, x[:2] + 1.0)  # padding (other values: it would move the statistics)
+    loss.backward()
+    guard.restore_statistics()  # as the trainer does after the window's backward
+    assert float(loss) == 0.0 and int(model[1].num_batches_tracked) == after_real[2] == 1
+    torch.testing.assert_close(model[1].running_mean, after_real[0], rtol=0, atol=0)
+    torch.testing.assert_close(model[1].running_var, after_real[1], rtol=0, atol=0)
+
+
 def _tiny_cli_run(tmp_path, *extra):
     """``tightfit train ... --device cpu`` of a tiny text classifier (40 rows, effective batch 8,
     dropout on) into ``tmp_path/run``; returns the finished process and the run folder."""

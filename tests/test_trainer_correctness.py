@@ -301,6 +301,65 @@ def test_metrics_cut_back_to_a_checkpoint_drop_later_steps_and_the_evaluation_af
     assert kept == records[:4]
 
 
+def test_a_resume_drops_the_events_after_its_checkpoint_but_keeps_how_the_session_ended(tmp_path):
+    """An out-of-memory back-off in step 7, after the checkpoint of step 6, happens again when the
+    run resumes from that checkpoint: kept, it was listed twice in the report's events against one
+    recovery counted. How the stopped session ended (a signal) stays; events before the
+    checkpoint's record stay, also those logged at its step."""
+    import json
+    from tightfit.report.metrics import earlier_events, keep_metrics_until
+    path = tmp_path / "metrics.jsonl"
+    records = [{"type": "event", "step": 6, "message": "grew back"}, {"type": "checkpoint", "step": 6},
+               {"type": "event", "step": 6, "message": "out of memory, redoing step 7"},
+               {"type": "train", "step": 7},
+               {"type": "event", "step": 8, "message": "SIGTERM: stopped after step 8", "session": True},
+               {"type": "event", "step": 8, "message": "out of memory in evaluation"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    keep_metrics_until(path, 6)
+    assert earlier_events(path) == ["grew back", "SIGTERM: stopped after step 8"]
+    # without the checkpoint's record (a file of another writer): the events of steps up to it
+    path.write_text("".join(json.dumps(r) + "\n" for r in records if r["type"] != "checkpoint"))
+    keep_metrics_until(path, 6)
+    assert earlier_events(path) == ["grew back", "out of memory, redoing step 7", "SIGTERM: stopped after step 8"]
+
+
+def test_an_out_of_memory_back_off_after_the_checkpoint_is_listed_once_after_a_resume(tmp_path, monkeypatch):
+    """End to end (the run of a careful user): an OOM in step 6, past the checkpoint of step 4,
+    then a resume from that checkpoint, which meets the same OOM again: one back-off is listed in
+    the report, as the summary counts one (it listed two)."""
+    import json
+    import shutil
+
+    import tightfit.runtime.trainer as trainer_module
+    import tightfit.tasks as tasks
+    from conftest import tiny_cpu_job
+    from tightfit.cli import main
+
+    job = tiny_cpu_job(tmp_path)
+    launch, sums, at = trainer_module.Trainer._launch_step, tasks.classification_loss_sum, {"step": None}
+
+    def tracking(self, window, index):
+        at["step"] = index
+        return launch(self, window, index)
+
+    def oom_in_step_6_at_8(model, batch):
+        if at["step"] == 5 and batch["labels"].numel() == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return sums(model, batch)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_launch_step", tracking)
+    monkeypatch.setattr(tasks, "classification_loss_sum", oom_in_step_6_at_8)
+    run = tmp_path / "run"
+    assert main(["train", "--model", job["model"], "--data", job["data"], "--batch-size", "8", "--max-steps", "8",
+                 "--checkpoint-every", "4", "--keep-last", "5", "--seq-len", "16", "--device", "cpu",
+                 "--out", str(run), "--no-progress"]) == 0
+    shutil.rmtree(run / "checkpoints" / "ckpt-8")  # as if killed after step 6
+    assert main(["train", "--resume", str(run / "checkpoints" / "ckpt-4"), "--no-progress"]) == 0
+    report = (run / "report.md").read_text()
+    assert report.count("- out of memory (OutOfMemoryError) at micro-batch 8: redoing step 6") == 1, report
+    assert json.loads((run / "summary.json").read_text())["oom_recoveries"] == 1
+
+
 @pytest.mark.parametrize("log_every", [1, 3])  # 3: the steps between records are queued ahead
 def test_each_metrics_record_gives_the_learning_rate_its_step_ran_with(log_every):
     records, used = [], []

@@ -689,10 +689,7 @@ class TrainRecipe:
         self.trainer.wall_start = self.t_start  # the run's wall time, which checkpoints carry, counts planning
         if self.resume_from is not None:  # verified by _resume_request, its state read by _check_resume_point
             self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
-            if self.world.is_main:  # the report's events are the whole run's: the earlier sessions' first
-                from .report.metrics import earlier_events
-
-                self.trainer.result.events[:0] = earlier_events(self.out / "metrics.jsonl")
+            if self.world.is_main:  # (the earlier sessions' events: open_run_folder, once metrics.jsonl is cut back)
                 for note in self.resume_notes:  # shown when found; kept for the report
                     self.trainer.event(note, show=False)
             written_at = (self.resume_state or {}).get("scheduler", {}).get("base_lrs", [None])[0]
@@ -768,7 +765,7 @@ class TrainRecipe:
         """Create the run folder; write ``request.json`` (new runs, and resumed runs with changed
         options) and ``plan.json``; open ``metrics.jsonl`` (on resume: cut back to the
         checkpoint's step) with the plan record and what the trainer logged so far."""
-        from .report.metrics import PLANNED_SPEEDS, MetricsWriter, keep_metrics_until
+        from .report.metrics import PLANNED_SPEEDS, MetricsWriter, earlier_events, keep_metrics_until
 
         if not self.world.is_main:  # only rank 0 writes the run folder
             self.metrics = _Discard()
@@ -809,6 +806,8 @@ class TrainRecipe:
                              f"finishes (model/ is replaced then)")
             notes += _remove_run_folder_leftovers(out)
             damaged = keep_metrics_until(out / "metrics.jsonl", step)
+            # the report's events are the whole run's: the earlier sessions' first, as cut back to the checkpoint
+            self.trainer.result.events[:0] = earlier_events(out / "metrics.jsonl")
             if damaged:
                 notes.append(f"metrics.jsonl: {count_of(len(damaged), 'damaged line')} (not JSON) dropped: "
                              f"line{'s' if len(damaged) > 1 else ''} {', '.join(map(str, damaged[:5]))}"

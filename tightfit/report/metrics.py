@@ -43,10 +43,13 @@ def _clean(v):
 def keep_metrics_until(path: str | Path, step: int) -> list[int]:
     """Rewrite ``metrics.jsonl`` atomically without the records of steps after ``step`` (those a
     stopped run wrote after its last checkpoint, which the resumed run writes again) and without
-    an evaluation at ``step`` (it followed the checkpoint). Records without a step are kept, and
-    events of any step: how a session ended (a signal at step 45 when the resume goes back to a
-    checkpoint of step 40) stays in the run's history. A line that is not JSON is dropped (the
-    last line: cut by a kill).
+    an evaluation at ``step`` (it followed the checkpoint). Records without a step are kept.
+    Events are kept up to the checkpoint's own record (``{"type": "checkpoint", "step": step}``;
+    without one, those of steps up to ``step``); after it only the session events (``"session":
+    true``: how a session started and ended, e.g. a signal at step 45 when the resume goes back to
+    a checkpoint of step 40), which stay in the run's history. The others (an out-of-memory
+    back-off at step 43) happen again in the resumed run, and kept they were counted twice. A line
+    that is not JSON is dropped (the last line: cut by a kill).
 
     Returns:
         The numbers (from 1) of the lines dropped as not JSON before the last line: damaged, not
@@ -58,7 +61,7 @@ def keep_metrics_until(path: str | Path, step: int) -> list[int]:
     if not path.is_file():
         return []
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept, damaged = [], []
+    records, damaged = [], []
     for n, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
@@ -66,10 +69,17 @@ def keep_metrics_until(path: str | Path, step: int) -> list[int]:
             if n < len(lines):
                 damaged.append(n)
             continue
-        at = record.get("step") if isinstance(record, dict) else None
-        # an evaluation at the checkpoint's step came after it: the resumed run evaluates again
-        if not isinstance(at, int) or at < step or record.get("type") == "event" \
-                or (at == step and record.get("type") != "eval"):
+        records.append((line, record if isinstance(record, dict) else {}))
+    marks = [i for i, (_, r) in enumerate(records) if r.get("type") == "checkpoint" and r.get("step") == step]
+    mark = marks[-1] if marks else None
+    kept = []
+    for i, (line, record) in enumerate(records):
+        at = record.get("step")
+        if record.get("type") == "event":
+            keep = bool(record.get("session")) or (i < mark if mark is not None else isinstance(at, int) and at <= step)
+        else:  # an evaluation at the checkpoint's step came after it: the resumed run evaluates again
+            keep = not isinstance(at, int) or at < step or (at == step and record.get("type") != "eval")
+        if keep:
             kept.append(line)
     if len(kept) != len(lines):
         atomic_write_text(path, "".join(line + "\n" for line in kept))
@@ -84,8 +94,8 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def earlier_events(path: str | Path) -> list[str]:
     """The event messages of the sessions before a resume: the ``event`` records of
-    ``metrics.jsonl``, in order, also those of steps after the checkpoint resumed from (how the
-    stopped session ended: :func:`keep_metrics_until` keeps them). Empty when the file is missing;
+    ``metrics.jsonl``, in order, as :func:`keep_metrics_until` left them (how a stopped session
+    ended is kept, also past the checkpoint resumed from). Empty when the file is missing;
     unreadable lines are skipped."""
     return [r["message"] for r in _readable_records(path) if r.get("type") == "event"
             and isinstance(r.get("message"), str)]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TightfitError
+from ..levers.blocks import KeepRunningStats, running_stat_norms
 
 _log = logging.getLogger(__name__)
 
@@ -388,7 +389,8 @@ class World:
 
 class WindowGuard:
     """The loss function of one attempt at a window on one rank: it switches DDP's gradient
-    all-reduce on for the last micro-batch only, gives padding micro-batches zero weight, and,
+    all-reduce on for the last micro-batch only, gives padding micro-batches zero weight (and
+    BatchNorm's running statistics back as they were before them, :meth:`restore_statistics`), and,
     after the last micro-batch's forward and before its (synchronising) backward, agrees with
     the other ranks that no one ran out of memory.
 
@@ -401,6 +403,7 @@ class WindowGuard:
         self.n, self.real = micro_batches, micro_batches - padding
         self.i = 0
         self.agreed = False
+        self._kept = None  # BatchNorm's statistics before the first padding micro-batch (restore_statistics)
 
     def agree(self, failed: bool) -> None:
         """One all-reduce of "someone failed" (every rank calls it once per attempt).
@@ -418,10 +421,21 @@ class WindowGuard:
         self.world.set_gradient_sync(model, last)
         if last and self.world.sharding == "ddp":
             self.world._armed = self  # the model's forward ends with the agreement (World.wrap)
+        padding = i >= self.real
+        if padding and self._kept is None:  # repeats of this rank's samples: BatchNorm must not count them
+            self._kept = KeepRunningStats(running_stat_norms(model)).__enter__()
         try:
             loss = self.loss_sum(model, batch)
         finally:
             self.world._armed = None
-        if i >= self.real:
-            loss = loss * 0.0  # a padding micro-batch: keeps the collectives in step, adds nothing
+        if padding:
+            loss = loss * 0.0  # keeps the collectives in step, adds nothing
         return loss
+
+    def restore_statistics(self) -> None:
+        """After the window's backward: BatchNorm's running statistics back to what they were
+        before its padding micro-batches (not at once after their forward: autograd saved the
+        statistics for their backward and would refuse them changed in place)."""
+        if self._kept is not None:
+            self._kept.__exit__(None, None, None)
+            self._kept = None

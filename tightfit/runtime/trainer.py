@@ -535,7 +535,7 @@ class Trainer:
                 culprit = self._first_nonfinite(window)  # after the checkpoint: it draws random numbers
                 what = f"{self._skipped_in_row} steps in a row had non-finite gradients"
                 self._event(f"{what} (first non-finite values in {culprit}): stopped after step {self.step}"
-                            + (f", checkpoint {where}" if where else ""), show=False)  # the error says it on screen
+                            + (f", checkpoint {where}" if where else ""), show=False, session=True)  # the error says it
                 raise NonFiniteTrainingError(
                     f"{what}; first non-finite values in {culprit}. "
                     f"{nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}", self.step, where,
@@ -549,7 +549,7 @@ class Trainer:
                 where = saved or self._checkpoint_at_stop(t0)
                 self.flush_checkpoints()
                 self._event(f"{self._stop_signal}: stopped after step {self.step}"  # the error says it on screen
-                            + (f", checkpoint {where}" if where else ""), show=False)
+                            + (f", checkpoint {where}" if where else ""), show=False, session=True)
                 raise TrainingInterrupted(f"{self._stop_signal}: stopped after step {self.step} of "
                                           f"{self.total_steps}", self.step, where)
             self._cool_down()
@@ -558,7 +558,7 @@ class Trainer:
         """Log a stop signal's note, if one is waiting (see :meth:`_stop_on_signals`: the handler
         logs nothing itself)."""
         if self._stop_note:
-            self._event(self._stop_note)
+            self._event(self._stop_note, session=True)
             self._stop_note = None
 
     def _checkpoint_at_stop(self, t0: float) -> str | None:
@@ -698,6 +698,8 @@ class Trainer:
                 pending = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
                                         self.optimizer, self.scaler, self._autocast, self.cfg.max_grad_norm,
                                         defer=True)
+                if self._guard is not None:
+                    self._guard.restore_statistics()
                 break
             except Exception as e:  # only OOMs are handled; anything else propagates unchanged
                 if not is_oom(e):
@@ -970,7 +972,7 @@ class Trainer:
         if self.cfg.checkpoint_dir:  # the later checkpoints belong to the stretch this resume abandons
             self._abandoned = {checkpoint_step(p) for p in list_checkpoints(self.cfg.checkpoint_dir)
                                if checkpoint_step(p) > self.step}
-        self._event(f"resumed from {path} at step {self.step} with micro-batch {self.micro_batch}")
+        self._event(f"resumed from {path} at step {self.step} with micro-batch {self.micro_batch}", session=True)
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict:
@@ -1081,9 +1083,13 @@ class Trainer:
         (``show`` False: it was shown already)."""
         self._event(message, show)
 
-    def _event(self, message: str, show: bool = True) -> None:
+    def _event(self, message: str, show: bool = True, session: bool = False) -> None:
+        """Record ``message`` (shown on the log when ``show``). ``session``: it says how a session
+        started or ended (a resume, a stop), kept in the run's history by a resume from an earlier
+        checkpoint (:func:`tightfit.report.metrics.keep_metrics_until`); other events after that
+        checkpoint happen again in the resumed run."""
         self.result.events.append(message)
-        self.log({"type": "event", "step": self.step, "message": message})
+        self.log({"type": "event", "step": self.step, "message": message, **({"session": True} if session else {})})
         if show:
             _log.info("tightfit: %s", message)  # shown by the command line, with or without a progress bar
 

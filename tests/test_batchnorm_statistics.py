@@ -1,8 +1,11 @@
-"""Recomputed blocks update BatchNorm's running statistics once per forward, as blocks that are
-not checkpointed do: a checkpointed block's forward runs twice in train mode (forward, then the
+"""BatchNorm's running statistics see each training sample once, as in a plain PyTorch loop.
+
+Recomputed blocks update them once per forward, as blocks that are not checkpointed do: a checkpointed block's forward runs twice in train mode (forward, then the
 recomputation in backward), and without :class:`tightfit.levers.blocks.KeepRunningStats` the same
 batch was folded into the statistics twice (its momentum applied twice, ``num_batches_tracked``
-counted twice), so evaluation after a checkpointed run differed from the same run without it."""
+counted twice), so evaluation after a checkpointed run differed from the same run without it.
+The planner's probe steps (worst-case batches, weights kept bit-identical at lr 0) leave them as
+they were. (Padding micro-batches on several ranks: tests/test_distributed.py.)"""
 
 import pytest
 import torch
@@ -79,3 +82,29 @@ def test_compiled_checkpointed_blocks_update_batchnorm_statistics_once(scope):
     tolerance is a compiled step's, far below a second update of the statistics (~10%)."""
     ref = _two_steps()
     _same(ref, _two_steps(("full",) * 6, scope), rtol=1e-3, atol=1e-4)
+
+
+def test_the_planners_probe_steps_leave_batchnorm_statistics_as_they_were():
+    """The probe trains a few steps at lr 0 so that the weights stay bit-identical; its forward
+    passes in train mode folded the worst-case batches into BatchNorm's statistics, so a run
+    planned on the GPU started from other statistics than the same run with a cached plan."""
+    import types
+
+    from tightfit.planner.probe import run_probe_steps
+    from tightfit.workload import Workload
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+        def forward(self, x):
+            return types.SimpleNamespace(logits=self.body(x))
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4) + 3.0, "labels": i % 2} for i in range(16)]
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run_probe_steps(Workload(model, data, None, 8), 4, "fp32", "adamw", timed_steps=2)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
