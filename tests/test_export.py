@@ -87,6 +87,24 @@ def test_image_run_export_keeps_accuracy(image_run, tmp_path):
     assert (out / "tightfit_images.json").is_file()
 
 
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_a_run_whose_starting_model_is_gone_still_exports(kind, text_run, image_run, tmp_path):
+    """The run folder holds the trained model (weights, config, tokenizer or image side): the
+    export rebuilt the held-out split through the model folder the run started from, and refused
+    once that was moved or deleted ("model folder not found", naming a folder not given to it)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(text_run if kind == "text" else image_run, run)
+    request = json.loads((run / "request.json").read_text())
+    request["model"] = str(tmp_path / "deleted-since")
+    (run / "request.json").write_text(json.dumps(request))
+    out = tmp_path / "int8"
+    assert main(["export", "--int8", str(run), "--out", str(out)]) == 0
+    r = json.loads((out / "export.json").read_text())
+    assert r["fp32"]["accuracy"] == json.loads((run / "summary.json").read_text())["accuracy"]
+
+
 def _refused(argv, capsys, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

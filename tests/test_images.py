@@ -376,3 +376,20 @@ def test_a_folder_saved_by_tightfit_keeps_the_side_it_was_trained_at(models, tmp
     for bad in ('{"image_size": "16"}', '[16]', '{"image_size": true}', "not json"):
         (folder / PREPROCESSING_FILE).write_text(bad)
         assert entry.fit_image_size(config, None) == DEFAULT_IMAGE_SIZE
+
+
+def test_a_convolutional_model_whose_config_names_an_image_side_takes_another(models, tmp_path, capsys):
+    """ConvNeXt's (MobileNet's, EfficientNet's) config names an ``image_size`` it has no position
+    embeddings for: any other --image-size was refused "(its position embeddings)", forcing 224
+    (600 for EfficientNet's default). Only a folder whose weights hold position embeddings (the
+    ViT's) is held to its side."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    torch.manual_seed(0)
+    ConvNextForImageClassification(ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                                                  num_labels=2)).save_pretrained(tmp_path / "convnext")
+    assert main(["plan", "--model", str(tmp_path / "convnext"), "--image-size", "32", "--batch-size", "8",
+                 "--gpu", "t4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["micro_batch"] >= 1
+    assert main(["plan", "--model", str(models / "vit"), "--image-size", "32", "--batch-size", "8", "--gpu", "t4"]) == 2
+    assert "takes 16 x 16 images (its position embeddings)" in capsys.readouterr().err

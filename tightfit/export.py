@@ -180,7 +180,9 @@ def _held_out(src: _Source):
         # them there may hold them (recipe_class refuses them now)
         for k in ("image_column", "label_column"):
             saved.pop(k, None)
-    req = TrainRequest(**{**saved, "out": str(src.run), "progress": False})
+    # the trained folder stands for the model the run started from (moved or deleted since, perhaps):
+    # the same architecture, tokenizer and image side, which are all the split needs
+    req = TrainRequest(**{**saved, "model": str(src.model_dir), "out": str(src.run), "progress": False})
     recipe = recipe_class(req)(req)
     try:
         recipe._load_data()  # the run's data and its fixed held-out split, as the run made them

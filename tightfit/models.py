@@ -127,8 +127,8 @@ class ModelEntry:
 
         Raises:
             TightfitError: a side that is not a whole number of the model's patches (ViT: a
-                multiple of ``patch_size``); for a folder, another side than the one its position
-                embeddings were made for.
+                multiple of ``patch_size``); for a folder whose weights hold position embeddings
+                (:func:`_position_embeddings`), another side than the one they were made for.
         """
         from .images import trained_image_size
 
@@ -136,6 +136,8 @@ class ModelEntry:
         size = image_size if image_size is not None else made_for or (self.folder and trained_image_size(self.folder)) or DEFAULT_IMAGE_SIZE
         if made_for is None or size == made_for:  # no size of its own (ResNet), or its own
             return size
+        if self.folder is not None and not _position_embeddings(self.folder):
+            return size  # a convolutional model (ConvNeXt, MobileNet, EfficientNet): its config's side is a default
         if self.folder is not None:
             raise TightfitError(f"{option_given('image_size', size)}: the model in {self.folder} takes {made_for} x "
                                 f"{made_for} images (its position embeddings); use {option_given('image_size', made_for)}")
@@ -187,7 +189,12 @@ class ModelEntry:
         kwargs = {} if no_attention else {"attn_implementation": attn_implementation}
         try:
             with torch.device(device):
-                model = head.from_config(config, **kwargs)
+                try:
+                    model = head.from_config(config, **kwargs)
+                except ValueError as e:  # no attention to choose (ConvNeXt, MobileNet): as training builds it
+                    if not kwargs or "attention implementation" not in str(e):
+                        raise
+                    model = head.from_config(config, attn_implementation="eager")
         except (AttributeError, ValueError, KeyError, TypeError) as e:
             raise TightfitError(f"cannot build {self.name!r} as a {task.kind} model: {str(e).splitlines()[0]}") from None
         model.float().train()
@@ -391,6 +398,28 @@ def _quiet_transformers() -> None:
 
 
 # ---------------------------------------------------------------- loading and checking for training
+def _position_embeddings(folder) -> bool:
+    """Whether the model saved in ``folder`` has position embeddings, which fix the image side
+    it takes (a ViT's: one per patch of its config's ``image_size``): a weight named
+    ``*position_embeddings*`` or ``*pos_embed*`` in its safetensors files (their headers only).
+    True when the names cannot be read (weights in another format): the side is then held to
+    the config's, as for a ViT."""
+    import struct
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        return True
+    names: list[str] = []
+    try:
+        for path in files:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                names += json.loads(f.read(length))
+    except (OSError, ValueError, struct.error):
+        return True
+    return any("position_embedding" in n or "pos_embed" in n for n in names)
+
+
 # Exceptions transformers, safetensors and torch raise for a folder they cannot read: missing or
 # truncated files (OSError, SafetensorError, EOFError, RuntimeError "PytorchStreamReader failed"),
 # malformed JSON or configs (ValueError, KeyError, TypeError), a tokenizer needing a missing
