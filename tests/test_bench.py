@@ -87,3 +87,19 @@ def test_report_refuses_what_is_not_a_bench_result(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("tightfit: error:") and len(err.splitlines()) == 1
         assert not (tmp_path / "results.md").exists()
+
+
+def test_every_row_leaves_out_the_same_warm_up_steps():
+    """tightfit's and plain rows timed the steps after the first ``warmup``; the HF Trainer row
+    left out one more (its slice started a step later), which favoured it while its early steps
+    were still slow. One rule now times them all (tightfit.bench.settings.speed_after_warmup)."""
+    import inspect
+
+    from tightfit.bench import peers
+    from tightfit.bench.settings import speed_after_warmup
+
+    ends = [1.0, 2.0, 3.0, 4.0, 6.0]  # steps 1-5 end at these times; step 5 takes 2 s
+    assert speed_after_warmup(ends, 3, 10) == 10 * 2 / 3  # steps 4 and 5: from the end of step 3 to 6.0
+    assert speed_after_warmup(ends, 0, 10) == 10 * 4 / 5 and speed_after_warmup(ends, 4, 10) == 10 * 1 / 2
+    assert speed_after_warmup(ends, 5, 10) is None
+    assert "speed_after_warmup(" in inspect.getsource(peers.hf_trainer)

@@ -155,6 +155,8 @@ def test_nonfinite_gradient_is_skipped_and_weights_unchanged(make_workload):
     window = list(range(8))
     loss, stepped = t.train_step(window)
     assert not stepped and t.result.skipped_steps == 1
+    # which step was skipped is in the report's events (it was in the count alone)
+    assert t.result.events == ["step 1: non-finite gradients, update skipped"]
     for n, p in w.model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert all(p.grad is None for p in w.model.parameters())  # zeroed for the next window

@@ -398,3 +398,40 @@ def test_a_signal_during_a_checkpoint_write_is_announced_in_the_events(tmp_path)
     said = [e for e in t.result.events if e.startswith("SIGINT")]
     assert said[0].startswith("SIGINT received: stopping after the current step") and \
         said[1].startswith("SIGINT: stopped after step 2"), said
+
+
+def test_the_evaluations_sample_count_is_what_its_accuracy_divides_by():
+    """Held-out samples labelled -100 are left out of the accuracy and loss; the evaluation's
+    ``samples`` (metrics.jsonl, summary.json, "held-out accuracy ... on N samples") still gave all
+    of them, so the accuracy read as over 10 samples was over 5."""
+    from tightfit.report.summary import RunInfo, summary_rows
+
+    held_out = SyntheticBatches(10, seed=1)
+    held_out.labels[::2] = -100
+    w = Workload(tiny_bert(0.0, 0), SyntheticBatches(16), held_out, 8)
+    result = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1), progress=False).fit()
+    assert result.eval["samples"] == 5 and result.eval["held_out"] == 10
+    assert result.eval["accuracy"] * 5 == pytest.approx(round(result.eval["accuracy"] * 5))
+    info = RunInfo("m", "d", 16, 10, ["a", "b"], 0.5, "CPU", None, "2", "0", "tightfit train")
+    row = dict(summary_rows(result, info))["held-out accuracy"]
+    assert "on the 5 labelled of 10 samples" in row, row
+
+
+def test_the_loss_plot_leaves_out_non_finite_held_out_losses(tmp_path, monkeypatch):
+    """metrics.jsonl writes a NaN loss as the string "nan"; the held-out points took it, and
+    matplotlib turned loss.png's axis into categories (one tick "nan")."""
+    import json
+
+    import matplotlib.axes
+
+    from tightfit.report.plots import plot_run
+
+    records = [{"type": "train", "step": 1, "loss": 0.7}, {"type": "train", "step": 2, "loss": 0.6},
+               {"type": "eval", "step": 1, "loss": 0.65}, {"type": "eval", "step": 2, "loss": "nan"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plotted = []
+    scatter = matplotlib.axes.Axes.scatter
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter",
+                        lambda self, x, y, **k: plotted.append(list(y)) or scatter(self, x, y, **k))
+    assert [p.name for p in plot_run(tmp_path, [], None)] == ["loss.png"]
+    assert plotted == [[0.65]]

@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..models import build_model
+from .settings import speed_after_warmup
 from .workloads import BenchWorkload, ZooSamples
 
 
@@ -53,9 +54,9 @@ def hf_trainer(w: BenchWorkload, precision: str, checkpointing: bool, start_batc
         trainer.train()
     final = stamps[-1][1]
     at_final = [s for s in stamps if s[1] == final]
-    timed = at_final[warmup:]
-    # None (JSON null, not NaN) when fewer than two steps at the final batch follow the warm-up
-    speed = final * (len(timed) - 1) / (timed[-1][0] - timed[0][0]) if len(timed) > 1 else None
+    # as tightfit's rows count (it left out one step more); None (JSON null, not NaN) when fewer
+    # than two steps at the final batch follow the warm-up
+    speed = speed_after_warmup([t for t, _ in at_final], warmup, final)
     row = {**setting, "micro_batch": final, "effective_batch": final, "accumulation_steps": 1, "samples_per_s": speed,
            "planning_seconds": at_final[0][0] - t0,
            "ooms_after_planning": sum(1 for a, b in zip(stamps, stamps[1:]) if b[1] != a[1]),

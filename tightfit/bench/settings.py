@@ -44,6 +44,22 @@ def clean() -> None:
     torch.cuda.empty_cache()
 
 
+def speed_after_warmup(ends: list[float], warmup: int, samples_per_step: int) -> float | None:
+    """Samples/s over the steps after the first ``warmup``, the one rule of every row.
+
+    Args:
+        ends: the end times (seconds) of consecutive steps, the first step's first.
+        warmup: steps left out; the span from the end of step ``warmup`` to the last end holds
+            exactly the later steps (0: from the end of the first step).
+        samples_per_step: samples in each step.
+
+    Returns:
+        samples/s, or None with fewer than two ends after the warm-up.
+    """
+    timed = ends[warmup - 1:] if warmup > 0 else ends
+    return samples_per_step * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else None
+
+
 def timed_run(workload, plan: Plan, steps: int, warmup: int) -> dict:
     """Train ``steps`` optimizer steps of ``plan``; speed over the steps after ``warmup``."""
     if torch.cuda.is_available():
@@ -52,10 +68,8 @@ def timed_run(workload, plan: Plan, steps: int, warmup: int) -> dict:
                                             warmup_ratio=0.0), progress=False)
     res = t.fit()
     # each step's end as the trainer read its values (no extra sync: steps may be queued ahead)
-    stamps = [end for end, _ in res.step_ends]
-    timed = stamps[warmup - 1:] if warmup > 0 else stamps
-    speed = workload.effective_batch * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else float("nan")
-    return {"samples_per_s": speed, "peak_reserved_bytes": res.peak_reserved_bytes,
+    speed = speed_after_warmup([end for end, _ in res.step_ends], warmup, workload.effective_batch)
+    return {"samples_per_s": float("nan") if speed is None else speed, "peak_reserved_bytes": res.peak_reserved_bytes,
             "peak_allocated_bytes": res.peak_allocated_bytes, "ooms_after_planning": res.oom_recoveries,
             "steps": res.steps, "precision": plan.precision, "compile": plan.compile, "micro_batch": plan.micro_batch,
             "accumulation_steps": plan.accumulation_steps, "effective_batch": workload.effective_batch,

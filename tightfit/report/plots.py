@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from .metrics import read_metrics
@@ -48,11 +49,12 @@ def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], b
         ax.legend()
         save(fig, "memory.png")
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    train = [r for r in records if r.get("type") == "train" and isinstance(r.get("loss"), float)]
+    # a non-finite loss is written as a string ("nan"): matplotlib would make the axis categorical
+    train = [r for r in records if r.get("type") == "train" and _finite(r.get("loss"))]
     if train:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss")
-        evals = [r for r in records if r.get("type") == "eval"]
+        evals = [r for r in records if r.get("type") == "eval" and _finite(r.get("loss"))]
         if evals:
             ax.scatter([r["step"] for r in evals], [r["loss"] for r in evals], color="black", label="held-out loss")
         ax.set_xlabel("optimizer step")
@@ -60,3 +62,8 @@ def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], b
         ax.legend()
         save(fig, "loss.png")
     return written
+
+
+def _finite(value) -> bool:
+    """Whether a record's value is a finite number (not None, a string or NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -169,7 +169,10 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
     """(label, value) rows of the end-of-run summary from the trainer's result and the run's info."""
     rows = []
     if result.eval:
-        rows.append(("held-out accuracy", f"{result.eval['accuracy']:.4f} on {result.eval['samples']} samples "
+        held_out = result.eval.get("held_out")  # some labelled -100: left out of the accuracy
+        counted = f"{result.eval['samples']} samples" if held_out is None else \
+            f"the {result.eval['samples']} labelled of {held_out} samples"
+        rows.append(("held-out accuracy", f"{result.eval['accuracy']:.4f} on {counted} "
                                           f"(majority class {info.majority:.4f})"))
         rows.append(("held-out loss", f"{result.eval['loss']:.4f}"))
     rows.append(("training", f"{result.steps} step{'' if result.steps == 1 else 's'}, {result.samples} samples in {result.train_seconds:.1f} s"))

@@ -809,6 +809,9 @@ class Trainer:
             return True
         self.result.skipped_steps += 1
         self._skipped_in_row += 1  # fit() stops at max_skipped_steps in a row
+        scale = f" (loss scale now {self.scaler.get_scale():g})" if self.scaler.is_enabled() else ""
+        # in the report's events, not on screen: fp16's loss scale skips a few steps at a run's start by design
+        self._event(f"step {self.step + 1}: non-finite gradients, update skipped{scale}", show=False)
         return False
 
     def _first_nonfinite(self, window: list[int]) -> str:
@@ -1034,7 +1037,10 @@ class Trainer:
                 raise TightfitError("out of memory in evaluation with a batch of 1")
             batch_size //= 2
             self._event(f"out of memory in evaluation: evaluation batch -> {batch_size}")
-        return {**self.w.task.summarize(totals), "samples": len(data), "eval_batch": batch_size}
+        # "samples": what the metrics divide by -- the labelled ones (a label of -100 is left out)
+        counted = int(totals["samples"]) if "samples" in totals else len(data)
+        return {**self.w.task.summarize(totals), "samples": counted, "eval_batch": batch_size,
+                **({"held_out": len(data)} if counted != len(data) else {})}
 
     @torch.no_grad()
     def _eval_batch(self, batch: dict) -> dict[str, float]:
