@@ -544,3 +544,22 @@ def test_nothing_fits_prices_freezing_by_the_optimizer_and_states_frozen_weights
 
     assert main(["plan", *bert, "--budget", "1.8GiB", "--optimizer", "adamw"]) == 2
     assert "--trainable lora" in capsys.readouterr().err
+
+
+def test_the_refusal_says_a_lever_fits_where_its_own_search_plans_it(capsys):
+    """BERT-base at 1 GiB on an RTX 2060 with --optimizer adamw: the refusal said CPU-offloaded
+    AdamW state would be "still 31.20 MiB over" (micro-batch 1 of 64, every block recomputed),
+    while --optimizer adamw-offload plans 64 x 1 with every block's activations offloaded
+    (829.50 MiB): without accumulation its gradients leave the GPU as backward makes them, and
+    offloading activations holds less than recomputing them. The refusal now tries the smallest
+    steps the search does."""
+    from tightfit.cli import main
+
+    args = ["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--gpu", "rtx-2060",
+            "--budget", "1GiB"]
+    assert main([*args, "--optimizer", "adamw"]) == 2
+    line = next(x for x in capsys.readouterr().err.splitlines() if "AdamW state in CPU memory" in x)
+    assert "would fit (its smallest step needs 829.50 MiB" in line, line
+    assert main([*args, "--optimizer", "adamw-offload", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["predicted_peak_reserved_bytes"] <= 829.5 * 2**20

@@ -76,20 +76,22 @@ def _peak(estimate_fn, precision: str, micro_batch: int, block_options, limit: f
     return min(peaks, default=None)
 
 
-def smallest_step_peak(estimate_fn, precisions, block_options, limit: float) -> int | None:
-    """Peak reserved bytes of the smallest step the search plans: micro-batch 1 in one of
-    ``precisions`` with one of ``block_options`` checkpointed (:func:`_peak`) -- the first that
-    fits ``limit`` (bytes), else the least; None where none could be traced."""
+def smallest_step_peak(estimate_fn, precisions, block_options, limit: float, micro_batches=(1,)) -> int | None:
+    """Peak reserved bytes of the smallest step the search plans: one of ``micro_batches`` (1,
+    and for a lever whose step holds less without accumulation, the effective batch) in one of
+    ``precisions`` with one of ``block_options`` (:func:`_peak`) -- the first that fits ``limit``
+    (bytes), else the least; None where none could be traced."""
     least = None
     for precision in precisions:
-        got = _peak(estimate_fn, precision, 1, block_options, limit)
-        if got is not None and got <= limit:
-            return got
-        least = got if least is None or (got is not None and got < least) else least
+        for micro_batch in dict.fromkeys(micro_batches):
+            got = _peak(estimate_fn, precision, micro_batch, block_options, limit)
+            if got is not None and got <= limit:
+                return got
+            least = got if least is None or (got is not None and got < least) else least
     return least
 
 
-def lever_peaks(model, estimator, precisions, block_options, limit: float):
+def lever_peaks(model, estimator, precisions, block_options, limit: float, effective_batch: int | None = None):
     """``kind -> (bytes, words, estimated)``: what decides whether optimizer lever ``kind`` fits
     ``limit`` (the planned limit, bytes) when the planner plans it.
 
@@ -102,6 +104,9 @@ def lever_peaks(model, estimator, precisions, block_options, limit: float):
     Args:
         estimator: ``kind -> estimate_fn`` (as :func:`.optimizers.search_optimizers` takes it), or None.
         precisions, block_options: what the search of the lever may choose.
+        effective_batch: samples per step; its smallest step is also tried without accumulation
+            (``adamw-offload`` frees each gradient on the GPU once copied only then: at 1 GiB
+            BERT-base's offloaded step fits at 64 x 1 and not at micro-batch 1 of 64).
     """
     from ..levers.optimizers import weights_dtype
     from .optimizers import least_state_bytes
@@ -111,7 +116,7 @@ def lever_peaks(model, estimator, precisions, block_options, limit: float):
         if state > limit or estimator is None:
             return state, "its model state alone", False
         got = smallest_step_peak(estimator(kind), ["bf16"] if weights_dtype(kind) is not None else precisions,
-                                 block_options, limit)
+                                 block_options, limit, (1, effective_batch or 1))
         return (state, "its model state alone", False) if got is None else (got, "its smallest step", True)
 
     return peak
@@ -363,7 +368,7 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
 
 def check_model_state(model, budget: int, optimizer: str, levers: bool, host_link_bytes_per_s: float,
                       cuda: bool = True, profile=None, estimator=None, precision: str = "auto",
-                      checkpointing: str = "auto") -> None:
+                      checkpointing: str = "auto", effective_batch: int | None = None) -> None:
     """Refuse, before any trace, a budget (bytes) whose planned limit (:func:`.margins.planned_limit`,
     what the search compares every peak with) is below the least model state of the optimizers
     that may be chosen (:func:`.optimizers.least_state_bytes`; fp32 AdamW: weights, gradients and
@@ -380,7 +385,7 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
         estimator: ``kind -> estimate_fn`` as the search uses it
             (:func:`.optimizers.search_optimizers`), or None: the levers' steps are not estimated.
         precision, checkpointing: ``--precision`` and ``--checkpointing``, what the search of a
-            lever may choose.
+            lever may choose; effective_batch: samples per step (see :func:`lever_peaks`).
 
     Raises:
         TightfitError: the planned limit is below the model state.
@@ -397,14 +402,19 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     state = params * 4 + trainable * 12  # frozen weights (LoRA's base) hold no gradient or AdamW state
     precisions, options = (), ()
-    if estimator is not None and profile is not None:  # the search's choices: every block or none checkpointed
+    if estimator is not None and profile is not None:  # the search's choices at their least memory
         from ..levers.blocks import find_blocks
         from .search import candidate_precisions, checkpoint_ends
 
-        first, last = checkpoint_ends(checkpointing, len(find_blocks(model)))
+        blocks = find_blocks(model)
+        first, last = checkpoint_ends(checkpointing, len(blocks))
         precisions = candidate_precisions(profile, precision)
         options = [tuple(range(k)) for k in dict.fromkeys((last, first))]
-    peaks = lever_peaks(model, estimator if options else None, precisions, options, limit)
+        if checkpointing == "auto" and blocks and any(p.requires_grad for p in blocks[0].parameters()):
+            # and its per-block choices (search_space's ladders): every block's activations offloaded
+            # may fit where recomputing them all does not
+            options += [("offload",) * len(blocks), ("selective",) * len(blocks)]
+    peaks = lever_peaks(model, estimator if options else None, precisions, options, limit, effective_batch)
     lines = lever_lines(model, state, limit, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
                         host_link_bytes_per_s, accumulating=False, cuda=cuda, profile=profile,
                         lever_peak=peaks, activations=False)  # the least state: no accumulation

@@ -89,7 +89,8 @@ def run(args) -> int:
         refused = None  # the single-GPU planner's refusal: its state, or no step, does not fit
         try:
             check_model_state(model, budget, args.optimizer, True, profile.host_link_bytes_per_s, profile=profile,
-                              estimator=estimator, precision=args.precision, checkpointing=args.checkpointing)
+                              estimator=estimator, precision=args.precision, checkpointing=args.checkpointing,
+                              effective_batch=args.batch_size)
         except TightfitError as e:
             refused = e
         if refused is None:

@@ -912,7 +912,8 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
     options.sort(key=lambda o: o != least)
     size_flag = "--image-size" if getattr(make_batch, "kind", "text") == "image" else "--seq-len"
     # each lever's smallest step as the search of it would trace it (a lever would fit only if it plans)
-    peaks = None if lever_estimator is None else lever_peaks(model, lever_estimator, lever_precisions, options, limit)
+    peaks = None if lever_estimator is None else lever_peaks(model, lever_estimator, lever_precisions, options, limit,
+                                                             space.effective_batch)
     lines = nothing_fits_lines(model, est, limit, smallest.precision, options, size, space.effective_batch,
                                size_flag, profile.host_link_bytes_per_s, estimator_at, optimizer, profile, peaks,
                                asked_precision=asked_precision)
