@@ -125,8 +125,10 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
             os.kill(os.getpid(), signal.SIGTERM)
 
     t = Trainer(w, plan, cfg, log=log, progress=False, world=world)
+    rng_after_resume = None
     if spec.get("resume"):
         t.resume(spec["resume"])
+        rng_after_resume = torch.get_rng_state()
     if spec.get("oom") and spec["oom"][0] == rank:
         fired = []
 
@@ -179,4 +181,5 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
     world.close()
     return {"records": records, "drawn": drawn, "weights": weights, "oom_recoveries": res.oom_recoveries,
             "micro_batch": t.micro_batch, "steps": t.step, "samples": res.samples, "allreduces": allreduces,
-            "checkpoint_seconds": res.checkpoint_seconds, "error": error, "eval": res.eval}
+            "checkpoint_seconds": res.checkpoint_seconds, "error": error, "eval": res.eval,
+            "rng_after_resume": rng_after_resume}

@@ -269,6 +269,9 @@ def test_a_checkpoint_of_one_process_resumes_under_fsdp2_on_two_ranks(tmp_path):
     assert (tmp_path / "one" / "ckpt-1" / "model.safetensors").is_file()
     two = spawn({**spec, "resume": str(tmp_path / "one" / "ckpt-1")}, 2, tmp_path)
     torch.testing.assert_close(_losses(two[0]), _losses(one)[1:], rtol=1e-5, atol=1e-6)
+    # the one process's RNG states were restored on both ranks: each would draw the same dropout
+    # masks for its own samples; each rank now draws its own stream
+    assert not torch.equal(two[0]["rng_after_resume"], two[1]["rng_after_resume"])
     _same_weights(two[0]["weights"], one["weights"], exact=False)
     # 8-bit, bf16-weight or offloaded state is not keyed by name: refused in one line, before any load
     from tightfit.runtime.sharded_checkpoint import load_whole_into_sharded

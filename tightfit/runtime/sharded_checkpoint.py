@@ -99,7 +99,8 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, sta
 def load_sharded(path: Path, model: torch.nn.Module, optimizer, world: World, verified: bool = False) -> dict:
     """Verify checkpoint ``path`` (unless ``verified``) and load its model and optimizer state into ``model`` (wrapped
     or not, on any number of processes: DCP reshards) and ``optimizer``; return the saved trainer
-    state with ``rng`` set to this rank's RNG states (rank 0's when the world size changed).
+    state with ``rng`` set to this rank's RNG states (rank 0's when the world size changed;
+    ``rng_of_this_rank`` says which).
 
     Raises:
         CorruptCheckpointError: the files do not match the manifest.
@@ -122,7 +123,8 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer, world: World, ve
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     state = read_state(path)
     rngs = state.pop("rng_by_rank", None) or [state["rng"]]
-    state["rng"] = rngs[world.rank] if len(rngs) == world.size else rngs[0]
+    state["rng_of_this_rank"] = len(rngs) == world.size  # else rank 0's: Trainer.resume gives each rank its own
+    state["rng"] = rngs[world.rank] if state["rng_of_this_rank"] else rngs[0]
     return state
 
 

@@ -972,6 +972,10 @@ class Trainer:
         if lr_changed:  # the run of non-finite steps belonged to the old learning rate
             self._skipped_in_row = 0
         restore_rng(state["rng"])
+        if self.world.distributed and not state.get("rng_of_this_rank"):
+            # a checkpoint of another world size holds one rank's RNG states: restored on every rank,
+            # each would drop the same units of its own samples (no resume across world sizes is exact)
+            self.world.seed_rank(self.cfg.seed + self.step)
         if self.cfg.checkpoint_dir:  # the later checkpoints belong to the stretch this resume abandons
             self._abandoned = {checkpoint_step(p) for p in list_checkpoints(self.cfg.checkpoint_dir)
                                if checkpoint_step(p) > self.step}
