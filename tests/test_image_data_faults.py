@@ -156,3 +156,55 @@ def test_an_out_inside_the_data_folder_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "is inside the data folder" in err[0], err
     assert sorted(p.name for p in root.iterdir()) == ["a", "b"]
+
+
+def _distinct_folder(root, n):
+    """Classes a and b of ``n`` images each, no two alike."""
+    rng = np.random.default_rng(0)
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        for i in range(n):
+            Image.fromarray(rng.integers(0, 256, (16, 16), dtype=np.uint8)).save(root / cls / f"{i}.png")
+    return root
+
+
+def _split_notes(data):
+    from tightfit.data import check_split, held_out_split
+
+    train, held = held_out_split(len(data))
+    return check_split(data, data.subset(train), data.subset(held)), train, held
+
+
+def test_held_out_images_that_are_also_training_images_are_noted(tmp_path):
+    """A list naming each of 36 images twice: all 7 held-out samples were training samples too, and
+    the run said nothing (text runs note it); a copy under another name is the same image."""
+    root = _distinct_folder(tmp_path / "data", 18)
+    rows = [f"{c}/{i}.png,{c}" for c in ("a", "b") for i in range(18)]
+    (root / "dup.csv").write_text("path,label\n" + "\n".join(rows * 2) + "\n")
+    data = load_image_classification(str(root / "dup.csv"))
+    notes, train, held = _split_notes(data)
+    seen = {data.images[i] for i in train}
+    copies = sum(data.images[i] in seen for i in held)
+    assert copies > 0
+    assert [n for n in notes if "also appear" in n] == [
+        f"{copies} held-out samples ({copies / len(held):.1%}) also appear among the training samples as the same image "
+        "file, byte for byte (files repeated in the data): the held-out accuracy counts them as unseen"]
+    assert not [n for n in _split_notes(load_image_classification(str(root)))[0] if "also appear" in n]
+    (root / "c").mkdir()  # copies under other names: a's images, once more as class c
+    for i in range(18):
+        shutil.copy(root / "a" / f"{i}.png", root / "c" / f"copy{i}.png")
+    notes = _split_notes(load_image_classification(str(root)))[0]
+    assert [n for n in notes if "also appear" in n]
+    assert [n for n in notes if "labels" in n] == [
+        "18 images are in the data under two or more labels (e.g. a/0.png as 'a' and c/copy0.png, byte for byte the "
+        "same, as 'c'): the model is taught both; correct the labels if one is wrong"]
+
+
+def test_an_image_listed_under_two_labels_is_noted(tmp_path):
+    root = _distinct_folder(tmp_path / "data", 10)
+    rows = [f"{c}/{i}.png,{c}" for c in ("a", "b") for i in range(10)] + ["a/3.png,b"]
+    (root / "l.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
+    notes = _split_notes(load_image_classification(str(root / "l.csv")))[0]
+    assert [n for n in notes if "labels" in n] == [
+        "1 image is in the data under two or more labels (e.g. a/3.png as 'a' and as 'b'): the model is taught both; "
+        "correct the labels if one is wrong"]

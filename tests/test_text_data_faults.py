@@ -55,3 +55,12 @@ def test_two_integer_labels_past_float_precision_are_two_classes(tmp_path):
     (tmp_path / "one.csv").write_text("text,label\n" + "".join(f"review {i},{['1', '1.0'][i % 2]}\n" for i in range(10)))
     with pytest.raises(TightfitError, match="same number written two ways"):
         load_text_classification(tmp_path / "one.csv")
+
+
+def test_a_text_under_two_labels_is_noted():
+    texts = [f"review number {i} of the film" for i in range(40)] + ["review number 3 of the film"]
+    data = TextClassificationData(texts, [i % 2 for i in range(40)] + [0], ["neg", "pos"], "two.csv")
+    train, held = held_out_split(len(data))
+    assert [n for n in check_split(data, _part(data, train), _part(data, held)) if "labels" in n] == [
+        "1 text is in the data under two or more labels (e.g. 'review number 3 of the film' as 'pos' and as 'neg'): "
+        "the model is taught both; correct the labels if one is wrong"]

@@ -55,6 +55,8 @@ class TextClassificationData:
     """
 
     SAMPLE_FIELD = "text"  # what a skipped row lacked, in the note that counts them
+    SAMPLE_KIND = "text"  # what one sample is, in notes
+    COPIES = "word for word among the training samples (duplicate rows in the data)"  # check_split's note
 
     texts: list[str]
     labels: list[int]
@@ -76,6 +78,15 @@ class TextClassificationData:
             h.update(f"{label}\t{len(text)}\t".encode())
             h.update(text.encode("utf-8", "surrogatepass"))
         return h.hexdigest()
+
+    def contents(self) -> list[str]:
+        """Per sample, what a copy of it shares (:func:`check_split`): its text."""
+        return self.texts
+
+    def sample_name(self, i: int) -> str:
+        """Sample ``i`` as a note names it: its text, quoted (cut to 60 characters)."""
+        t = self.texts[i]
+        return repr(t) if len(t) <= 60 else repr(t[:57] + "...")
 
     def subset(self, indices) -> "TextClassificationData":
         idx = list(indices)
@@ -445,8 +456,9 @@ def check_split(data: TextClassificationData, train: TextClassificationData,
         Notes: fewer than :data:`FEW_EVAL` held-out samples (accuracy moves in coarse steps;
         ``--eval-samples`` is suggested only when it left some of the split's out);
         classes with no training sample; fewer than :data:`FEW_TRAIN_PER_CLASS` training samples
-        per class on average; held-out texts that are word for word training texts too (the
-        split is by row, and the shipped data holds 13 such reviews among its 1,281 held out).
+        per class on average; held-out samples that are training samples too (the same text, or
+        the same image file: ``contents()``; the split is by row, and the shipped data holds 13
+        such reviews among its 1,281 held out); samples in the data under two labels.
 
     Raises:
         TightfitError: fewer than :data:`MIN_ROWS` usable rows, or fewer than
@@ -473,13 +485,32 @@ def check_split(data: TextClassificationData, train: TextClassificationData,
     if len(train) < FEW_TRAIN_PER_CLASS * classes:
         notes.append(f"{len(train) / classes:.1f} training samples per class on average ({len(train)} samples, "
                      f"{classes} classes): expect accuracy near chance")
-    seen = set(getattr(train, "texts", ()))  # the split is by row: a duplicated row may fall on both sides
-    copies = sum(text in seen for text in getattr(eval_data, "texts", ()))
+    seen = set(train.contents())  # the split is by row: a duplicated row may fall on both sides
+    copies = sum(c in seen for c in eval_data.contents())
     if copies:
         notes.append(f"{count_of(copies, 'held-out sample')} ({copies / len(eval_data):.1%}) also "
-                     f"{'appears' if copies == 1 else 'appear'} word for word among the training samples (duplicate "
-                     "rows in the data): the held-out accuracy counts them as unseen")
+                     f"{'appears' if copies == 1 else 'appear'} {data.COPIES}: the held-out accuracy counts them as unseen")
+    notes += _two_labels(data)
     return notes
+
+
+def _two_labels(data) -> list[str]:
+    """A note (none or one) on samples that are in ``data`` under two or more labels: the same
+    text, or the same image file (:meth:`contents`), in rows of other classes. Noted, not refused:
+    it can be meant (an ambiguous review, an image of two classes listed once for each)."""
+    first: dict = {}  # contents -> index of its first sample
+    examples: dict = {}  # contents -> (first index, first index of another label)
+    for i, (c, y) in enumerate(zip(data.contents(), data.labels)):
+        j = first.setdefault(c, i)
+        if data.labels[j] != y:
+            examples.setdefault(c, (j, i))
+    if not examples:
+        return []
+    j, i = next(iter(examples.values()))
+    other = "" if data.sample_name(i) == data.sample_name(j) else f" {data.sample_name(i)}, byte for byte the same,"
+    return [f"{count_of(len(examples), data.SAMPLE_KIND)} {'is' if len(examples) == 1 else 'are'} in the data "
+            f"under two or more labels (e.g. {data.sample_name(j)} as {data.label_names[data.labels[j]]!r} and{other} as "
+            f"{data.label_names[data.labels[i]]!r}): the model is taught both; correct the labels if one is wrong"]
 
 
 def take(indices: list[int], limit: int | None, seed: int = SPLIT_SEED) -> list[int]:

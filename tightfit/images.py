@@ -56,9 +56,13 @@ class ImageClassificationData:
         skipped_blank: rows of a CSV dropped for a blank path or label.
         root: the folder image paths are taken relative to in :meth:`fingerprint` (the class
             folders' folder, or a CSV's folder); None for pixels in memory (digits).
+        digests: per sample, the SHA-256 of its file's bytes (:func:`_check_image`), or empty for
+            pixels in memory: what :meth:`contents` compares.
     """
 
     SAMPLE_FIELD = "image path"  # what a skipped row lacked, in the note that counts them
+    SAMPLE_KIND = "image"  # what one sample is, in notes
+    COPIES = "among the training samples as the same image file, byte for byte (files repeated in the data)"
 
     images: list
     labels: list[int]
@@ -66,6 +70,7 @@ class ImageClassificationData:
     source: str
     skipped_blank: int = 0
     root: str | None = None
+    digests: tuple = ()
 
     def __len__(self) -> int:
         return len(self.images)
@@ -73,7 +78,18 @@ class ImageClassificationData:
     def subset(self, indices) -> "ImageClassificationData":
         idx = list(indices)
         return ImageClassificationData([self.images[i] for i in idx], [self.labels[i] for i in idx],
-                                       self.label_names, self.source, root=self.root)
+                                       self.label_names, self.source, root=self.root,
+                                       digests=tuple(self.digests[i] for i in idx) if self.digests else ())
+
+    def contents(self) -> list:
+        """Per sample, what a copy of it shares (:func:`tightfit.data.check_split`): its file's
+        bytes (their SHA-256: a file listed twice, or a copy under another name), or its pixels."""
+        return list(self.digests) if self.digests else [(a.shape, np.ascontiguousarray(a).tobytes()) for a in self.images]
+
+    def sample_name(self, i: int) -> str:
+        """Sample ``i`` as a note names it: its path (relative to :attr:`root`), or its index."""
+        image = self.images[i]
+        return _under(image, self.root) if isinstance(image, str) else f"sample {i}"
 
     def fingerprint(self, legacy: bool = False) -> str:
         """SHA-256 (hex) of the class names, labels and images (pixels, or paths and file sizes), in
@@ -174,12 +190,16 @@ def load_digits() -> ImageClassificationData:
     return ImageClassificationData(images, [int(t) for t in target], [str(i) for i in range(10)], DIGITS)
 
 
-def _check_image(path: Path) -> None:
+def _check_image(path: Path) -> bytes:
     """Open and decode one image file whole, as training will (:func:`load_image`), so that a file
     cut short or corrupt stops the run here, not mid-training. ``Image.verify()`` alone does not
     decode JPEG data: a truncated JPEG passes it. The cost is one full decode per image up front
     (about a millisecond for a small PNG/JPEG, tens of milliseconds for a large photo: seconds for
     thousands of images); the decoded pixels are not kept.
+
+    Returns:
+        The SHA-256 of the file's bytes (read again from the cache: negligible beside the decode),
+        by which a file listed twice or copied is found among the training and held-out samples.
 
     Raises:
         TightfitError: PIL cannot read or decode it; a float image with values outside [0, 1].
@@ -191,6 +211,7 @@ def _check_image(path: Path) -> None:
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, OSError, ...)
         raise TightfitError(f"{path}: not a readable image ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") \
             from None
+    return hashlib.sha256(path.read_bytes()).digest()
 
 
 def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int = 0,
@@ -204,10 +225,9 @@ def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int =
         names = sorted(names, key=int)
     if len(names) < 2:
         raise TightfitError(f"{source}: {len(names)} class ({', '.join(names)}); need at least 2")
-    for p in paths:
-        _check_image(Path(p))
+    digests = tuple(_check_image(Path(p)) for p in paths)
     index = {n: i for i, n in enumerate(names)}
-    return ImageClassificationData(paths, [index[x] for x in raw_labels], names, source, skipped, root)
+    return ImageClassificationData(paths, [index[x] for x in raw_labels], names, source, skipped, root, digests)
 
 
 def _load_folder(root: Path) -> ImageClassificationData:
