@@ -393,3 +393,13 @@ def test_a_convolutional_model_whose_config_names_an_image_side_takes_another(mo
     assert json.loads(capsys.readouterr().out)["plan"]["micro_batch"] >= 1
     assert main(["plan", "--model", str(models / "vit"), "--image-size", "32", "--batch-size", "8", "--gpu", "t4"]) == 2
     assert "takes 16 x 16 images (its position embeddings)" in capsys.readouterr().err
+
+
+def test_digits_with_a_folder_named_digits_here_is_refused(models, image_folder, tmp_path, capsys, monkeypatch):
+    """``--data digits`` trained on scikit-learn's digits without a word while ./digits held the user's images."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(image_folder, tmp_path / "digits")
+    _bad(["--data", "digits", "--model", str(models / "resnet"), "--image-size", "8"], tmp_path, capsys,
+         "--data digits names scikit-learn's digits, but this folder also holds a folder named digits: give "
+         "--data ./digits for the folder")
+    assert load_image_classification("./digits").label_names == ["0", "1", "7"]

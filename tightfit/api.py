@@ -265,6 +265,10 @@ class TrainRecipe:
                            for k, (old, new) in self.changed.items()]
             self.notes += [n for n in self.resume_notes if not n.startswith(_DONE_TO_THE_FOLDER)]  # said already
         self._resolve_device()
+        if self.resume_from is None:  # a resumed run's --data is as recorded: names stay names, folders absolute
+            from .images import check_data_name
+
+            check_data_name(self.req.workload.data)
         self._load_data()
         self._check_run_folder()
         self._split_data()

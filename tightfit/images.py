@@ -143,6 +143,21 @@ def is_image_data(spec: str | None) -> bool:
     return spec == DIGITS or (spec is not None and Path(spec).is_dir())
 
 
+def check_data_name(spec: str | None) -> None:
+    """Refuse ``--data digits`` where the working folder holds a file or folder named ``digits``:
+    the name would win without a word (names come first, as for ``--model``: ``./digits`` is the
+    folder). A run's recorded ``--data`` is not checked again (its folders are absolute paths).
+
+    Raises:
+        TightfitError: ``spec`` is ``digits`` and ``./digits`` exists.
+    """
+    if spec == DIGITS and os.path.lexists(DIGITS):
+        what = "folder" if os.path.isdir(DIGITS) else "file"
+        raise TightfitError(f"{option_given('data', DIGITS)} names scikit-learn's digits, but this folder also holds a "
+                            f"{what} named digits: give {option_given('data', './digits')} for the {what}, or run "
+                            "from another folder for scikit-learn's digits")
+
+
 def load_image_classification(spec: str, label_column: str = "label", image_column: str = "path") -> ImageClassificationData:
     """The labelled images ``--data`` names (see the module docstring), every image checked.
 
