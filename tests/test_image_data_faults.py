@@ -208,3 +208,19 @@ def test_an_image_listed_under_two_labels_is_noted(tmp_path):
     assert [n for n in notes if "labels" in n] == [
         "1 image is in the data under two or more labels (e.g. a/3.png as 'a' and as 'b'): the model is taught both; "
         "correct the labels if one is wrong"]
+
+
+def test_files_the_folder_loader_skips_are_noted_and_jfif_jpe_are_images(tmp_path, caplog):
+    """Images beside the class folders and JPEGs named .jfif/.jpe were dropped without a word (an
+    empty class folder is refused for the same reason: fewer samples than the folder shows)."""
+    root = _distinct_folder(tmp_path / "data", 10)
+    shutil.copy(root / "a" / "0.png", root / "stray.png")
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(root / "a" / "photo.jfif", format="JPEG")
+    Image.fromarray(np.ones((16, 16, 3), dtype=np.uint8)).save(root / "b" / "photo.jpe", format="JPEG")
+    (root / "b" / "phone.heic").write_bytes(b"not read")
+    with caplog.at_level("WARNING", logger="tightfit"):
+        data = load_image_classification(str(root))
+    assert len(data) == 22 and {os.path.basename(p) for p in data.images} >= {"photo.jfif", "photo.jpe"}
+    notes = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].startswith(f"note: {root}: 2 files skipped, outside the class folders or "
+                                                   "without an image ending (") and notes[0].endswith("e.g. stray.png")

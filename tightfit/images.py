@@ -6,7 +6,7 @@
   offline (``sklearn.datasets.load_digits``; where scikit-learn is not installed, the same
   ``digits.csv.gz`` named by ``TIGHTFIT_DIGITS``);
 - a folder with one subfolder per class, each holding that class's images (PNG, JPEG, BMP, GIF,
-  WebP, TIFF; nested folders included);
+  WebP, TIFF: :data:`IMAGE_SUFFIXES`; nested folders included; other files are skipped with a note);
 - a CSV/TSV/JSONL file with a column of image paths (``--image-column``, default ``path``; relative
   to the file's folder) and a column of labels (``--label-column``); these two options apply to
   such a list only (given with ``digits`` or a folder they are refused).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +37,12 @@ import torch
 from .data import _read_rows, majority_fraction
 from .config import option_given
 from .errors import TightfitError
+from .units import count_of
+
+log = logging.getLogger(__name__)
 
 DIGITS = "digits"
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".png", ".apng", ".jpg", ".jpeg", ".jpe", ".jfif", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 MEAN, STD = 0.5, 0.5  # pixel_values = (x / 255 - MEAN) / STD, per channel: [-1, 1]
 PREPROCESSING_FILE = "tightfit_images.json"
 
@@ -247,28 +251,35 @@ def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int =
 
 def _load_folder(root: Path) -> ImageClassificationData:
     """``root/<class>/**/<image>``: the class is the name of the first-level folder; hidden files
-    and folders (a name starting with ".") are left out.
+    and folders (a name starting with ".") are left out; other files that are not samples (beside
+    the class folders, or without an image ending in them) are skipped with one note that counts them.
 
     Raises:
         TightfitError: no class folder, a class folder without images, a link to no file."""
-    classes = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    visible = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    classes = [p for p in visible if p.is_dir()]
     if not classes:
         raise TightfitError(f"{root}: no class folders (put each class's images in a subfolder named after it)")
+    skipped = [p for p in visible if not p.is_dir()]  # beside the class folders: no class
     paths, labels = [], []
     for c in classes:
         # hidden files and folders (.ipynb_checkpoints copies, ._ files) are not samples: copies of
         # training images would also land in the held-out split
-        found = [f for f in c.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES
-                 and not any(part.startswith(".") for part in f.relative_to(c).parts)]
+        found = sorted(f for f in c.rglob("*") if not any(part.startswith(".") for part in f.relative_to(c).parts))
+        skipped += [f for f in found if f.suffix.lower() not in IMAGE_SUFFIXES and f.is_file()]
+        found = [f for f in found if f.suffix.lower() in IMAGE_SUFFIXES]
         broken = next((f for f in found if f.is_symlink() and not f.exists()), None)
         if broken is not None:  # dropping it would train on fewer images without a word
             raise TightfitError(f"{broken}: a link to {os.readlink(broken)}, which does not exist")
-        files = sorted(f for f in found if f.is_file())
+        files = [f for f in found if f.is_file()]
         if not files:  # dropping it would train on the other classes without a word
             raise TightfitError(f"{root}: class folder {c.name!r} holds no image ({', '.join(sorted(IMAGE_SUFFIXES))}); "
                                 f"add its images or move the folder out")
         paths += [str(f) for f in files]
         labels += [c.name] * len(files)
+    if skipped:  # said, as an empty class folder is refused: e.g. photos beside the class folders, or .heic
+        log.warning(f"note: {root}: {count_of(len(skipped), 'file')} skipped, outside the class folders or without "
+                    f"an image ending ({', '.join(sorted(IMAGE_SUFFIXES))}): e.g. {_under(str(skipped[0]), str(root))}")
     return _finish(paths, labels, str(root), root=str(root))
 
 
