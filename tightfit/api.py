@@ -252,7 +252,7 @@ class TrainRecipe:
 
     # ---------------------------------------------------------------- setup: writes nothing
     def setup(self) -> None:
-        """Resolve the resume, the device, the data, the run folder, the model, the plan and the
+        """Resolve the resume, the device, the run folder, the data, the model, the plan and the
         trainer (on resume: its state restored from the verified checkpoint).
 
         Raises:
@@ -269,8 +269,8 @@ class TrainRecipe:
             from .images import check_data_name
 
             check_data_name(self.req.workload.data)
+        self._check_run_folder()  # before the data are read (every image decoded): it needs only their path
         self._load_data()
-        self._check_run_folder()
         self._split_data()
         self._load_model()
         check_checkpointing(self.model, self.req.planning.checkpointing)

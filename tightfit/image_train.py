@@ -105,6 +105,19 @@ def _refuse_list_columns_without_a_list(req: TrainRequest, data: str | None) -> 
                             + ")")
 
 
+def input_channels(entry: ModelEntry, config) -> int:
+    """The input channels of ``entry`` (its ``config``'s ``num_channels``, 3 where it names none).
+
+    Raises:
+        TightfitError: other than 1 or 3 (:func:`tightfit.images.pixel_values` makes grey or RGB input only).
+    """
+    channels = int(getattr(config, "num_channels", 3))
+    if channels not in (1, 3):
+        raise TightfitError(f"{entry.folder or entry.name}: the model takes {channels} input channels; tightfit "
+                            "trains image models of 1 (grey) or 3 (RGB) channels")
+    return channels
+
+
 def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size: int | None):
     """``(model, size, channels)``: ``entry`` as an image classifier for ``label_names`` in fp32 --
     a folder's weights with a new head (kept where it was trained on ``label_names``:
@@ -129,10 +142,7 @@ def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size:
     _quiet_transformers()
     _, config = entry.load_config()
     size = entry.fit_image_size(config, image_size)  # a registry architecture's config: built for this size
-    channels = int(getattr(config, "num_channels", 3))
-    if channels not in (1, 3):  # pixel_values makes grey or RGB input only
-        raise TightfitError(f"{entry.folder or entry.name}: the model takes {channels} input channels; tightfit "
-                            "trains image models of 1 (grey) or 3 (RGB) channels")
+    channels = input_channels(entry, config)
     id2label = dict(enumerate(label_names))
     labels = dict(num_labels=len(label_names), id2label=id2label, label2id={v: k for k, v in id2label.items()})
     if entry.folder is None:  # a registry architecture: random weights
@@ -164,7 +174,9 @@ class ImageTrainRecipe(TrainRecipe):
             raise TightfitError(f"{self.source.name} is an image model: give {option_name('data')} (digits, a folder "
                                 "with one "
                                 "subfolder per class, or a CSV of image paths and labels)")
-        self.source.fit_image_size(self.source.load_config()[1], w.image_size)  # before the images are read
+        config = self.source.load_config()[1]  # the model's checks before the images are read (each decoded)
+        self.source.fit_image_size(config, w.image_size)
+        input_channels(self.source, config)
         self.data = load_image_classification(w.data, w.label_column, w.image_column)
 
     def _load_model(self) -> None:
