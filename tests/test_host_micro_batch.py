@@ -67,3 +67,18 @@ def test_a_loss_of_ones_own_is_not_estimated_and_says_so_in_plain_words():
     assert plan.reasons[0].startswith("CPU: the whole effective batch in one micro-batch; its host memory is not "
                                       "estimated"), plan.reasons
     assert "Error" not in plan.reasons[0]
+
+
+def test_plan_without_a_loss_of_ones_own_estimates_the_host_memory_and_splits(monkeypatch):
+    """tightfit.plan() on the CPU with the model's own loss (no loss=): the host memory is estimated
+    and a batch over half of it is split with accumulation (it was taken for a loss of the user's
+    own, never estimated, so 200000 samples went into one micro-batch)."""
+    import tightfit
+    import tightfit.levers.optimizers as lv
+
+    monkeypatch.setattr(lv, "available_host_bytes", lambda: 200 << 20)
+    b = {"input_ids": torch.ones(8, 32, dtype=torch.long), "attention_mask": torch.ones(8, 32, dtype=torch.long),
+         "labels": torch.zeros(8, dtype=torch.long)}
+    plan = tightfit.plan(tiny_bert(), b, effective_batch=2000, device="cpu")
+    assert plan.micro_batch < 2000 and plan.accumulation_steps > 1
+    assert "gradient accumulation" in plan.reasons[0] and "not estimated" not in plan.reasons[0], plan.reasons

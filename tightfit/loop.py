@@ -173,6 +173,20 @@ def _normaliser(batch: _Batch, tokens) -> int:
     return batch.size if tokens is None else max(1, int(tokens(batch.as_dict())))
 
 
+def _traced_task(batch: _Batch, loss: LossFn | None):
+    """The task the memory estimator traces for this workload (its host estimate on the CPU,
+    :func:`tightfit.planner.host.host_micro_batch`): None for a loss of the user's own (the
+    workload's task is then a :class:`~tightfit.tasks.LossOnly`, which is not estimated); for the
+    model's own loss, its logits' cross-entropy as the estimator traces it: next-token for
+    ``labels [B, T]``, else classification."""
+    from .tasks import CausalLM, SequenceClassification
+
+    if loss is not None:
+        return None
+    labels = batch.as_dict().get("labels")
+    return CausalLM() if isinstance(labels, torch.Tensor) and labels.dim() == 2 else SequenceClassification()
+
+
 class _SampleBatches:
     """The sample batch as the planner's training data: ``collate(indices)`` and ``worst_case(n)``
     (``n`` rows, the sample's rows repeated: the sample batch stands for the largest batch trained on)."""
@@ -316,7 +330,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         dev, profile, budget_bytes, notes = resolve_device(options)
         notes = [as_arguments(n) for n in notes]
         workload = Workload(model, _SampleBatches(b), None, E, loss_sum=_loss_sum(b, loss),
-                            count=lambda d: len(next(iter(d.values()))))
+                            count=lambda d: len(next(iter(d.values()))), task=_traced_task(b, loss))
         if dev == "cuda":
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
