@@ -30,7 +30,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
 from .errors import TightfitError
-from .plan import OPTIMIZER_CHOICES, PRECISIONS
+from .plan import MAX_BATCH, OPTIMIZER_CHOICES, PRECISIONS
 
 
 def option(default: Any = MISSING, help: str = "", *, key: str | None = None, flag: str | None = None,
@@ -352,6 +352,14 @@ def _seed(value: int) -> str | None:
     return None if low <= value <= high else f"must be between -2**63 and 2**64-1 (the seeds torch takes), not {value}"
 
 
+def _batch(value: int) -> str | None:
+    """``rule`` of ``batch_size`` (and of ``--micro-batch``, ``effective_batch``): at most
+    :data:`tightfit.plan.MAX_BATCH` samples."""
+    if value <= MAX_BATCH:
+        return None
+    return f"must be at most {MAX_BATCH} (2**31 - 1) samples, not {_number(value)}"
+
+
 def _image_size(value: int) -> str | None:
     """``rule`` of ``image_size``: at most :data:`MAX_IMAGE_SIZE`."""
     if value <= MAX_IMAGE_SIZE:
@@ -368,7 +376,8 @@ class WorkloadOptions(_Options):
         model: a local Hugging Face model folder (None: the shipped all-MiniLM-L6-v2).
         data: a CSV/TSV/JSONL file (None: the shipped Rotten Tomatoes reviews).
         text_column, label_column: the data file's columns.
-        batch_size: the effective batch: samples per optimizer step.
+        batch_size: the effective batch: samples per optimizer step, at most
+            :data:`tightfit.plan.MAX_BATCH`.
         seq_len: tokens per text; longer texts are truncated.
         image_column: the CSV column of image paths (image models).
         image_size: image side in pixels (image models; None: the model's), at most
@@ -386,7 +395,8 @@ class WorkloadOptions(_Options):
                                     "for an image model: digits, a folder of class folders, or a CSV of paths and labels")
     text_column: str = option("text", "column holding the text (default: {default})")
     label_column: str = option("label", "column holding the label; strings allowed (default: {default})")
-    batch_size: int = option(32, "effective batch: samples per optimizer step (default: {default})", minimum=1)
+    batch_size: int = option(32, "effective batch: samples per optimizer step (default: {default})", minimum=1,
+                             rule=_batch)
     seq_len: int = option(64, "maximum tokens per text (default: {default})", minimum=1)
     image_column: str = option("path", "image models: the CSV column holding image paths (default: {default})")
     image_size: int | None = option(None, "image models: image side in pixels (default: the model's, 224 for "

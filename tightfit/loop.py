@@ -297,14 +297,15 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
 
     Raises:
         TightfitError: a model that is not a ``torch.nn.Module``, a loss that is not a function,
-            a malformed or empty batch or option, a budget that cannot be read, is not
+            a malformed or empty batch or option, an ``effective_batch`` above
+            :data:`tightfit.plan.MAX_BATCH` (2**31 - 1), a budget that cannot be read, is not
             positive, exceeds the card or cannot hold the model state, a loss that is not one number,
             fp16/bf16 without a GPU, ``checkpointing="on"`` for a model with nothing to checkpoint
             (no repeated blocks or Hugging Face hook), or nothing fits the budget (before any training). The message
             names this function's arguments.
     """
     from .api import resolve_device
-    from .config import PlanOptions
+    from .config import PlanOptions, WorkloadOptions, check_option
     from .planner.probe import plan_first
     from .units import parse_size
     from .workload import Workload
@@ -320,6 +321,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
         raise TightfitError(f"effective_batch must be a whole number >= 1, got {effective_batch!r}")
     E = int(E)
     try:
+        check_option(WorkloadOptions, "batch_size", E, called="effective_batch")  # at most MAX_BATCH
         if budget is not None:
             try:
                 budget = f"{parse_size(budget)}B"  # bytes as text with its unit, as the command line would take it

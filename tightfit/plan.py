@@ -21,6 +21,10 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 # bf16 weights with torchao's 8-bit AdamW rounding them stochastically).
 OPTIMIZER_CHOICES = ("auto", "adamw", "adamw8bit", "adamw-offload", "adamw8bit-bf16")
 SHARDINGS = ("none", "ddp", "fsdp", "fsdp-offload")
+# The largest batch, micro or effective (samples): no data set fills a larger one, and far above it
+# the tracer's and torch's size arithmetic overflows (--batch-size 10**30 died in a TypeError deep
+# in the search, --micro-batch 10**15 in "Storage size calculation overflowed").
+MAX_BATCH = 2**31 - 1
 
 
 def refuse_parameter_offload(plan, where: str) -> None:
@@ -109,7 +113,7 @@ class Plan:
     Raises:
         TightfitError: (at construction, one line) a field of the wrong kind or value: an unknown
             precision, device, optimizer, trainable or sharding; a batch size or world size that is
-            not a whole number >= 1; block indices or policies that are not a tuple of them.
+            not a whole number >= 1, a batch size above :data:`MAX_BATCH`; block indices or policies that are not a tuple of them.
     """
 
     precision: str
@@ -138,6 +142,8 @@ class Plan:
             raise TightfitError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.micro_batch < 1 or self.effective_batch < 1:
             raise TightfitError("micro-batch and effective batch must be >= 1")
+        if max(self.micro_batch, self.effective_batch) > MAX_BATCH:
+            raise TightfitError(f"micro-batch and effective batch must be at most {MAX_BATCH} (2**31 - 1) samples")
         if self.world_size < 1 or self.sharding not in SHARDINGS:
             raise TightfitError(f"world size must be >= 1 and sharding one of {', '.join(SHARDINGS)}")
         if self.compile_scope not in (None, "model"):

@@ -19,6 +19,7 @@ import torch
 
 from .data import TextClassificationData
 from .errors import TightfitError
+from .plan import MAX_BATCH
 from .tasks import (CausalLM, ImageClassification, SequenceClassification, Task, causal_lm_loss_sum,
                     classification_loss_sum, count_samples, count_target_tokens, task_for)
 
@@ -229,7 +230,7 @@ class Workload:
             ``collate``/``worst_case``/``len`` (:class:`TextBatches`); after construction always
             the latter (:func:`as_batches`).
         eval: held-out samples in the same forms, or None.
-        effective_batch: samples per optimizer step.
+        effective_batch: samples per optimizer step, at most :data:`tightfit.plan.MAX_BATCH`.
         loss_sum: ``(model, batch) -> 0-d tensor``, the loss summed over what ``count`` counts;
             default: the task's.
         count: ``batch -> int``, samples (or tokens) in a batch that the loss sums over;
@@ -255,6 +256,8 @@ class Workload:
         if isinstance(E, bool) or not hasattr(E, "__index__") or operator.index(E) < 1:
             raise TightfitError(f"Workload: effective_batch {E!r} is not a whole number >= 1")
         self.effective_batch = operator.index(E)  # numpy's integers too
+        if self.effective_batch > MAX_BATCH:
+            raise TightfitError(f"Workload: effective_batch must be at most {MAX_BATCH} (2**31 - 1) samples")
         if self.task is None:
             self.task = task_for(self.loss_sum, self.count)
         if self.loss_sum is None:

@@ -95,16 +95,20 @@ def run(args) -> int:
     """Run ``tightfit estimate``; returns the exit code.
 
     Raises:
-        TightfitError: bad arguments (unknown model/profile/precision/allocator, sizes < 1, bad blocks).
+        TightfitError: bad arguments (unknown model/profile/precision/allocator, sizes < 1, a batch
+            above :data:`tightfit.plan.MAX_BATCH`, bad blocks).
     """
     from ..plan import Plan
     from .estimate import estimate
     from ..models import build_model
 
-    if args.micro_batch is None or args.micro_batch < 1:
+    from ..config import WorkloadOptions, check_option
+
+    if args.micro_batch is None:
         raise TightfitError("--micro-batch must be >= 1")
-    if args.batch_size is not None and args.batch_size < 1:  # as `tightfit plan` says it
-        raise TightfitError("--batch-size must be >= 1")
+    check_option(WorkloadOptions, "batch_size", args.micro_batch, called="--micro-batch")  # >= 1, <= MAX_BATCH
+    if args.batch_size is not None:  # as `tightfit plan` checks it
+        check_option(WorkloadOptions, "batch_size", args.batch_size, called="--batch-size")
     effective_batch = args.micro_batch if args.batch_size is None else args.batch_size
     if effective_batch < args.micro_batch:
         raise TightfitError(f"--batch-size {args.batch_size} is below --micro-batch {args.micro_batch}: the effective "
@@ -118,8 +122,6 @@ def run(args) -> int:
         from ..planner.cli import card_budget
 
         profile, budget, card_notes = card_budget(args.gpu, args.budget)
-    from ..config import WorkloadOptions, check_option
-
     check_option(WorkloadOptions, "trainable", args.trainable)
     if args.precision not in ("fp32", "fp16", "bf16"):
         raise TightfitError(f"unknown --precision {args.precision!r}; use fp32, fp16 or bf16")

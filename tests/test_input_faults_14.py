@@ -1,0 +1,55 @@
+"""Faults a reviewer found (session 38): huge batch sizes, estimates of blocks that do not exist,
+a budget above a card's usable memory, and rounded sizes that contradict their message."""
+
+import pytest
+import torch
+
+from conftest import tiny_bert, tiny_text_model_folder
+from tightfit.cli import main
+from tightfit.errors import TightfitError
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return str(tiny_text_model_folder(tmp_path_factory.mktemp("tiny"), ["good", "bad", "film"], hidden_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                      max_position_embeddings=64))
+
+
+def _error(capsys, argv) -> str:
+    """The one error line of ``tightfit argv``, which must exit with 2."""
+    assert main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tightfit: error:")]
+    assert len(lines) == 1
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--seq-len", "32", "--batch-size", str(10**30), "--budget", "4GiB"],
+    ["estimate", "--seq-len", "32", "--micro-batch", str(10**19)],
+    ["estimate", "--seq-len", "32", "--micro-batch", str(10**400)],
+    ["estimate", "--seq-len", "32", "--micro-batch", str(10**15)],
+    ["estimate", "--seq-len", "32", "--micro-batch", "1", "--batch-size", str(10**19)],
+])
+def test_a_huge_batch_is_refused_in_one_line(capsys, tiny_folder, argv):
+    """--batch-size 10**30 died in a TypeError deep in the search, --micro-batch 10**400 in an
+    OverflowError, 10**15 blamed the sequence length."""
+    flag = "--micro-batch" if "--micro-batch" in argv and int(argv[argv.index("--micro-batch") + 1]) > 1 \
+        else "--batch-size"
+    line = _error(capsys, [argv[0], "--model", tiny_folder, *argv[1:]])
+    assert f"{flag} must be at most 2147483647" in line
+
+
+def test_a_huge_batch_is_refused_by_the_python_api():
+    import tightfit
+    from tightfit.api import TrainRequest
+    from tightfit.plan import Plan
+
+    b = {"input_ids": torch.ones(4, 8, dtype=torch.long), "labels": torch.zeros(4, dtype=torch.long)}
+    with pytest.raises(TightfitError, match="effective_batch must be at most 2147483647"):
+        tightfit.plan(tiny_bert(), b, effective_batch=10**30, device="cpu")
+    with pytest.raises(TightfitError, match="batch_size must be at most 2147483647"):
+        TrainRequest(batch_size=10**400)
+    with pytest.raises(TightfitError, match="at most 2147483647"):
+        Plan("fp32", 10**16, 10**16)
+    assert Plan("fp32", 2**31 - 1, 2**31 - 1).micro_batch == 2**31 - 1  # the bound itself is taken
