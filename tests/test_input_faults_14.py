@@ -53,3 +53,31 @@ def test_a_huge_batch_is_refused_by_the_python_api():
     with pytest.raises(TightfitError, match="at most 2147483647"):
         Plan("fp32", 10**16, 10**16)
     assert Plan("fp32", 2**31 - 1, 2**31 - 1).micro_batch == 2**31 - 1  # the bound itself is taken
+
+
+def test_a_budget_above_the_cards_usable_memory_is_lowered_alike_by_plan_and_train(capsys, tiny_folder,
+                                                                                   monkeypatch):
+    """`tightfit plan --gpu gtx-1650-ti --budget 4GiB` planned for the 3.34 GiB usable on the card
+    while `tightfit train` and tightfit.plan() (resolve_device) planned for 4 GiB."""
+    from types import SimpleNamespace
+
+    import tightfit.api as api
+    from tightfit.config import PlanOptions
+    from tightfit.devices import get_profile
+
+    usable = get_profile("gtx-1650-ti").budget_bytes()
+    assert main(["plan", "--model", tiny_folder, "--seq-len", "32", "--batch-size", "8", "--gpu", "gtx-1650-ti",
+                 "--budget", "4GiB", "--json"]) == 0
+    out = capsys.readouterr()
+    import json
+    assert json.loads(out.out)["budget_bytes"] == usable and "usable on the" in out.err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a large local card
+    monkeypatch.setattr(api, "detect", lambda: SimpleNamespace(name="NVIDIA H200", total_bytes=140 << 30))
+    device, _, budget, notes = api.resolve_device(PlanOptions(gpu="gtx-1650-ti", budget="4GiB"))
+    assert (device, budget) == ("cuda", usable)
+    assert notes == [f"budget 4.00 GiB is more than the 3.34 GiB usable on the NVIDIA GeForce GTX 1650 Ti; "
+                     f"planning for 3.34 GiB"]
+    assert api.resolve_device(PlanOptions(gpu="gtx-1650-ti", budget="3GiB"))[2] == 3 << 30  # within: as given
+    with pytest.raises(TightfitError, match="more than the 4.00 GiB of the NVIDIA GeForce GTX 1650 Ti"):
+        api.resolve_device(PlanOptions(gpu="gtx-1650-ti", budget="5GiB"))
+

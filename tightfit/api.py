@@ -35,7 +35,7 @@ from pathlib import Path
 from . import __version__
 from .config import PlanOptions, TrainRequest, names_flags, option_given, option_name, saved_options
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
-from .devices import DeviceProfile, detect, get_profile
+from .devices import DeviceProfile, card_budget, detect, get_profile
 from .errors import TightfitError
 from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, output_folder, unwritable_folder
 from .levers.checkpointing import check_checkpointing
@@ -167,7 +167,9 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
     """Device, the card profile whose rules apply, the budget in bytes, and notes.
 
     ``--gpu`` emulates a known card on whatever GPU is present (its budget and precision rules);
-    ``--budget`` caps memory at a given size; neither: the local card's own budget.
+    ``--budget`` caps memory at a given size (with ``--gpu``, at most that card's usable memory:
+    :func:`tightfit.devices.card_budget`, as ``tightfit plan`` decides it, with a note where it
+    is lowered); neither: the local card's own budget.
 
     Args:
         options: the plan options (or a whole request).
@@ -182,9 +184,8 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
     notes = []
     profile = get_profile(p.gpu) if p.gpu else None
     budget = parse_budget(p.budget) if p.budget else None
-    if profile and budget and budget > profile.total_bytes:  # as `tightfit plan` refuses it, GPU or not
-        raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
-                            f"of the {profile.name}")
+    if profile:  # as `tightfit plan` decides it, GPU or not: above the card refused, above its usable part lowered
+        budget, notes = card_budget(profile, budget)
     if p.device == "cuda" and not torch.cuda.is_available():
         raise TightfitError(f"{option_given('device', 'cuda')}, but no CUDA GPU is visible")
     if not torch.cuda.is_available() or p.device == "cpu":
@@ -194,11 +195,11 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
         if getattr(p, "planner", "search") != "search":
             notes.append(f"no CUDA GPU in use: {option_given('planner', p.planner)} applies on a GPU; the CPU takes "
                          "the first plan that fits")
-        return "cpu", None, budget or (profile.budget_bytes() if profile else None), notes
+        return "cpu", None, budget, notes
     local = detect()
     if profile is None:
         profile = local
-    if budget is None:
+    if budget is None:  # neither --gpu nor --budget: the local card's own
         budget = profile.budget_bytes()
     if budget > local.total_bytes:
         raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(local.total_bytes)} "

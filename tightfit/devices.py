@@ -270,6 +270,29 @@ def get_profile(key: str) -> DeviceProfile:
     return profiles[norm]
 
 
+def card_budget(profile: DeviceProfile, budget: int | None, named: bool = True) -> tuple[int, list[str]]:
+    """The budget a plan for card ``profile`` holds to, in bytes, and a note where it was lowered:
+    ``budget`` (None: the card's usable memory, :meth:`DeviceProfile.budget_bytes`); a ``budget``
+    above that usable memory but within the card is lowered to it (the CUDA context and the safety
+    margin take the rest), where the card was ``named`` (``--gpu``; ``tightfit plan`` without it
+    only borrows the H200's rates). ``tightfit plan``/``estimate``, ``tightfit train`` and
+    :func:`tightfit.plan` decide it here alike.
+
+    Raises:
+        TightfitError: a ``budget`` above the card's total memory.
+    """
+    usable = profile.budget_bytes()
+    if budget is None:
+        return usable, []
+    if budget > profile.total_bytes:
+        raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
+                            f"of the {profile.name}")
+    if named and budget > usable:
+        return usable, [f"budget {format_bytes(budget)} is more than the {format_bytes(usable)} usable on the "
+                        f"{profile.name}; planning for {format_bytes(usable)}"]
+    return budget, []
+
+
 def _has_fp16_tensor_cores(name: str, cc: tuple[int, int]) -> bool:
     # Turing's GTX 16xx chips (TU116/TU117) are sm_75 but have no tensor cores.
     return cc >= (7, 0) and "GTX 16" not in name.upper()

@@ -211,31 +211,28 @@ def _card_and_budget(args):
 def card_budget(gpu: str | None, budget_text: str | None):
     """The card profile (``gpu``, else the H200's rates), the budget in bytes (``budget_text``,
     e.g. ``"4GiB"``, else the card's usable memory) and notes: a budget above what the ``gpu``
-    card can give its tensors is lowered to that (:meth:`~tightfit.devices.DeviceProfile.budget_bytes`).
+    card can give its tensors is lowered to that (:func:`tightfit.devices.card_budget`, as
+    ``tightfit train`` and :func:`tightfit.plan` decide it).
     ``tightfit plan`` and ``tightfit estimate`` read ``--gpu`` and ``--budget`` alike.
 
     Raises:
         TightfitError: an unknown profile, a bad size, or a budget above the card's memory.
     """
-    from ..devices import get_profile
-    from ..units import format_bytes, parse_budget
+    from ..devices import card_budget as budget_on, get_profile
+    from ..units import parse_budget
 
     for flag, given in (("--gpu", gpu), ("--budget", budget_text)):
         if given is not None and not given.strip():  # "" would silently mean the default
             raise TightfitError(f"{flag} is empty: give a value, or leave {flag} out")
     profile = get_profile(gpu or "h200")
     try:
-        budget = parse_budget(budget_text) if budget_text is not None else profile.budget_bytes()
+        budget = parse_budget(budget_text) if budget_text is not None else None
     except TightfitError as e:  # named as the command line gave it, as `tightfit train` names it
         raise TightfitError(str(e) if "--budget" in str(e) else f"--budget {budget_text}: {e}") from None
-    if budget > profile.total_bytes:
-        raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
-                            f"of the {profile.name}" + ("" if gpu else " (whose rates are used without --gpu)"))
-    notes = []
-    if gpu and budget > profile.budget_bytes():  # the CUDA context and a margin take the rest
-        notes.append(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.budget_bytes())} "
-                     f"usable on the {profile.name}; planning for {format_bytes(profile.budget_bytes())}")
-        budget = profile.budget_bytes()
+    try:
+        budget, notes = budget_on(profile, budget, named=bool(gpu))
+    except TightfitError as e:
+        raise TightfitError(str(e) + ("" if gpu else " (whose rates are used without --gpu)")) from None
     return profile, budget, notes
 
 
