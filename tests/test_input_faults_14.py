@@ -81,3 +81,18 @@ def test_a_budget_above_the_cards_usable_memory_is_lowered_alike_by_plan_and_tra
     with pytest.raises(TightfitError, match="more than the 4.00 GiB of the NVIDIA GeForce GTX 1650 Ti"):
         api.resolve_device(PlanOptions(gpu="gtx-1650-ti", budget="5GiB"))
 
+
+@pytest.mark.parametrize("blocks, message", [((5,), r"block indices \[5\] out of range: the model has 2 blocks"),
+                                             ((-1,), r"block indices \[-1\] out of range"),
+                                             ((0, 7), r"block indices \[7\] out of range"),
+                                             ((1.5,), "must be whole numbers"),
+                                             (3, "must be a collection of whole numbers")])
+def test_the_estimate_refuses_block_indices_the_model_does_not_have(blocks, message):
+    """checkpoint_blocks=(5,) of a 2-block model traced no checkpointing, (0, 7) traced [0]."""
+    from tightfit.memory.estimate import estimate
+    from tightfit.plan import Plan
+
+    b = {"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.zeros(2, dtype=torch.long)}
+    with pytest.raises(TightfitError, match=message):
+        estimate(tiny_bert(), b, Plan("fp32", 2, 2), checkpoint_blocks=blocks)
+    assert estimate(tiny_bert(), b, Plan("fp32", 2, 2), checkpoint_blocks=(1, 0)).plan["checkpoint_blocks"] == [0, 1]

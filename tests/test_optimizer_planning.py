@@ -191,8 +191,8 @@ def test_auto_traces_no_optimizer_whose_model_state_alone_is_over_the_limit():
         fn = estimator_for(big, make_batch, SEQ, H200, E, optimizer=kind)
         return lambda *a: traced.append(kind) or fn(*a)
 
-    eight = min(estimator_for(big, make_batch, SEQ, H200, E, optimizer="adamw8bit")("bf16", 1, b).peak_reserved_bytes
-                for b in ((), (0,)))
+    # one layer is no repeated block (find_blocks): nothing to checkpoint
+    eight = estimator_for(big, make_batch, SEQ, H200, E, optimizer="adamw8bit")("bf16", 1, ()).peak_reserved_bytes
     budget = int(eight / 0.95) + 4 * MiB  # 8-bit's smallest step fits ...
     assert least_state_bytes(big, "adamw")[0] > 0.95 * budget  # ... fp32 AdamW's state alone does not
     r = search_optimizers(big, make_batch, SEQ, E, H200, budget, estimator, levers=True, precision="bf16")

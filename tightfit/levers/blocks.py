@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 from collections import defaultdict
 
 import torch
@@ -79,13 +80,31 @@ def parse_checkpointing(spec: str | None, n_blocks: int) -> tuple[int, ...]:
             raise TightfitError("this model has no repeated blocks to checkpoint")
         return tuple(range(n_blocks))
     try:
-        idx = sorted({int(x) for x in text.split(",")})
+        idx = [int(x) for x in text.split(",")]
     except ValueError:
         raise TightfitError(f"--checkpointing takes none, all or block indices like 0,2,5; got {spec!r}") from None
-    bad = [i for i in idx if not 0 <= i < n_blocks]
-    if bad or not idx:
-        raise TightfitError(f"block indices {bad or spec!r} out of range: the model has {n_blocks} blocks (0-{n_blocks - 1})")
-    return tuple(idx)
+    return check_block_indices(idx, n_blocks)
+
+
+def check_block_indices(indices, n_blocks: int) -> tuple[int, ...]:
+    """The sorted, distinct block indices of ``indices``, each a whole number in ``[0, n_blocks)``
+    (a negative index names no block: ``-1`` is not the last one).
+
+    Raises:
+        TightfitError: ``indices`` not a collection of whole numbers, or an index out of range.
+    """
+    try:
+        idx = set(indices)
+    except TypeError:
+        raise TightfitError(f"block indices must be a collection of whole numbers (e.g. (0, 2)), "
+                            f"not {indices!r}") from None
+    if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in idx):
+        raise TightfitError(f"block indices must be whole numbers, not {sorted(idx, key=repr)!r}")
+    bad = sorted(int(i) for i in idx if not 0 <= i < n_blocks)
+    if bad:
+        raise TightfitError(f"block indices {bad} out of range: the model has {n_blocks} blocks (0-{n_blocks - 1})"
+                            if n_blocks else f"block indices {bad} out of range: this model has no repeated blocks")
+    return tuple(sorted(int(i) for i in idx))
 
 
 def apply_checkpointing(model: torch.nn.Module, indices, recompute_context=None, policy: str = "full",

@@ -28,7 +28,7 @@ from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..plan import Plan
 from ..units import MiB, format_bytes
-from ..levers.blocks import apply_block_policies, find_blocks, parse_checkpointing
+from ..levers.blocks import apply_block_policies, check_block_indices, find_blocks, parse_checkpointing
 from ..levers.optimizers import cast_weights
 from .cuda_autocast import CudaOnMeta, fused_attention_running
 from ..step import OPTIMIZERS, MetaOptimizer, make_optimizer, training_loss, training_step
@@ -189,8 +189,8 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         plan: precision, micro-batch, optimizer (:data:`tightfit.step.OPTIMIZERS`) and
             ``activation_checkpointing`` (all blocks) are read.
         device: the GPU profile (sets the cuBLAS workspace size); None: Hopper-sized.
-        checkpoint_blocks: block indices (or ``"all"``/``"none"``/a spec string) to checkpoint,
-            overriding ``plan.activation_checkpointing``; see :func:`tightfit.levers.blocks.find_blocks`.
+        checkpoint_blocks: block indices in ``[0, blocks)`` (or ``"all"``/``"none"``/a spec string) to
+            checkpoint, overriding ``plan.activation_checkpointing``; see :func:`tightfit.levers.blocks.find_blocks`.
         allocator: the caching allocator's configuration: ``"expandable"``
             (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, what tightfit's runtime sets)
             or ``"default"``. The other configuration's peaks are in ``extra["by_allocator"]``.
@@ -207,7 +207,9 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         A :class:`MemoryEstimate` (peak over two steps; see the module doc).
 
     Raises:
-        TightfitError: malformed batch, unknown optimizer or allocator, bad block indices or policies.
+        TightfitError: malformed batch, unknown optimizer or allocator, bad block indices (not whole
+            numbers, negative or past the model's blocks: :func:`~tightfit.levers.blocks.check_block_indices`)
+            or policies.
     """
     # One piece on purpose (over 60 lines): the order of the allocations traced below is the order
     # the GPU makes them in, and reading it top to bottom is how the estimate is checked.
@@ -225,7 +227,7 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         if checkpoint_blocks is None:
             checkpoint_blocks = "all" if plan.activation_checkpointing else "none"
         indices = parse_checkpointing(checkpoint_blocks, n_blocks) if isinstance(checkpoint_blocks, str) \
-            else tuple(sorted(set(checkpoint_blocks)))
+            else check_block_indices(checkpoint_blocks, n_blocks)
         block_policies = ["full" if i in indices else "none" for i in range(n_blocks)]
     block_policies = tuple(block_policies)
     blocks = apply_block_policies(meta, block_policies, recompute_context=lambda: CudaOnMeta(plan.precision),
