@@ -96,3 +96,22 @@ def test_the_estimate_refuses_block_indices_the_model_does_not_have(blocks, mess
     with pytest.raises(TightfitError, match=message):
         estimate(tiny_bert(), b, Plan("fp32", 2, 2), checkpoint_blocks=blocks)
     assert estimate(tiny_bert(), b, Plan("fp32", 2, 2), checkpoint_blocks=(1, 0)).plan["checkpoint_blocks"] == [0, 1]
+
+
+def test_two_sizes_that_differ_never_read_the_same_in_one_message(tmp_path, capsys):
+    """`tightfit plan --budget 2833818` said "model state ... alone, 2.57 MiB, is over the 2.57 MiB a
+    step may hold"; where two compared sizes round alike, both are shown in bytes."""
+    from tightfit.units import format_bytes_pair
+
+    assert format_bytes_pair(2692128, 2692127.1) == ("2,692,128 B", "2,692,127.1 B")
+    assert format_bytes_pair(3 << 20, 1 << 30) == ("3.00 MiB", "1.00 GiB")  # apart: as format_bytes shows them
+    assert format_bytes_pair(1 << 30, 1 << 30) == ("1.00 GiB", "1.00 GiB")  # equal: nothing to tell apart
+    folder = tiny_text_model_folder(tmp_path, ["good", "bad"], hidden_size=64, num_hidden_layers=2,
+                                    num_attention_heads=2, intermediate_size=128, max_position_embeddings=64)
+    from transformers import AutoModelForSequenceClassification
+
+    need = 16 * sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(folder).parameters())
+    budget = int(need / 0.95)  # planned against 95% of it: just under the model state
+    line = _error(capsys, ["plan", "--model", str(folder), "--seq-len", "32", "--batch-size", "16",
+                           "--budget", str(budget)])
+    assert f"alone, {need:,} B, is over the {budget * 0.95:,.1f} B a step may hold" in line, line

@@ -42,7 +42,7 @@ from .levers.checkpointing import check_checkpointing
 from .levers.layout import use_channels_last
 from .report.summary import RunInfo, RunSummary
 from .rng import seed_everything
-from .units import count_of, format_bytes, parse_budget
+from .units import count_of, format_bytes, format_bytes_pair, parse_budget
 
 __all__ = ["TrainRecipe", "TrainRequest", "RunSummary", "resolve_device", "train"]
 
@@ -202,8 +202,8 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
     if budget is None:  # neither --gpu nor --budget: the local card's own
         budget = profile.budget_bytes()
     if budget > local.total_bytes:
-        raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(local.total_bytes)} "
-                            f"of {local.name}")
+        shown = format_bytes_pair(budget, local.total_bytes)
+        raise TightfitError(f"budget {shown[0]} is more than the {shown[1]} of {local.name}")
     return "cuda", profile, budget, notes
 
 

@@ -17,7 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .errors import TightfitError
-from .units import GiB, MiB, format_bytes, parse_size
+from .units import GiB, MiB, format_bytes, format_bytes_pair, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -285,11 +285,12 @@ def card_budget(profile: DeviceProfile, budget: int | None, named: bool = True) 
     if budget is None:
         return usable, []
     if budget > profile.total_bytes:
-        raise TightfitError(f"budget {format_bytes(budget)} is more than the {format_bytes(profile.total_bytes)} "
-                            f"of the {profile.name}")
+        shown = format_bytes_pair(budget, profile.total_bytes)
+        raise TightfitError(f"budget {shown[0]} is more than the {shown[1]} of the {profile.name}")
     if named and budget > usable:
-        return usable, [f"budget {format_bytes(budget)} is more than the {format_bytes(usable)} usable on the "
-                        f"{profile.name}; planning for {format_bytes(usable)}"]
+        shown = format_bytes_pair(budget, usable)
+        return usable, [f"budget {shown[0]} is more than the {shown[1]} usable on the {profile.name}; "
+                        f"planning for {shown[1]}"]
     return budget, []
 
 

@@ -237,16 +237,17 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
     from .models import model_state_bytes
     from .rng import capture_rng, restore_rng
     from .step import module_mode
-    from .units import format_bytes
+    from .units import format_bytes_pair
 
     if budget_bytes is not None:
         if gpu is not None and budget_bytes > get_profile(gpu).total_bytes:
-            raise TightfitError(f"budget={format_bytes(budget_bytes)} is more than the "
-                                f"{format_bytes(get_profile(gpu).total_bytes)} of gpu={gpu!r}")
+            shown = format_bytes_pair(budget_bytes, get_profile(gpu).total_bytes)
+            raise TightfitError(f"budget={shown[0]} is more than the {shown[1]} of gpu={gpu!r}")
         need = model_state_bytes(model)["total"]
         if budget_bytes < need:
-            raise TightfitError(f"budget={format_bytes(budget_bytes)} cannot hold the model's weights, gradients and "
-                                f"AdamW state ({format_bytes(need)}, before any activations): raise the budget")
+            shown = format_bytes_pair(budget_bytes, need)
+            raise TightfitError(f"budget={shown[0]} cannot hold the model's weights, gradients and "
+                                f"AdamW state ({shown[1]}, before any activations): raise the budget")
     d = {k: v[:2] for k, v in b.as_dict().items()}
     rng = capture_rng()
     try:

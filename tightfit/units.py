@@ -105,6 +105,18 @@ def format_bytes(n: int | float | None) -> str:
     return f"{int(n)} B"
 
 
+def format_bytes_pair(a: int | float, b: int | float) -> tuple[str, str]:
+    """Two sizes (bytes) that one message compares ("X is over the Y"), each as :func:`format_bytes`
+    shows it, unless they differ but would read the same: then both in bytes, whole where they are
+    (``(2692128, 2692127.1)`` -> ``("2,692,128 B", "2,692,127.1 B")``, not "2.57 MiB is over the
+    2.57 MiB")."""
+    shown = format_bytes(a), format_bytes(b)
+    if shown[0] != shown[1] or a == b:
+        return shown
+    exact = tuple(f"{int(n):,} B" if float(n).is_integer() else f"{n:,.1f} B" for n in (a, b))
+    return exact if exact[0] != exact[1] else tuple(f"{float(n):,.3f} B" for n in (a, b))
+
+
 def format_seconds(seconds: float) -> str:
     """A short duration for display with three significant digits: ``"1.25 s"``, ``"675 ms"``,
     ``"0.0421 ms"`` (``:.2f`` seconds would print a fraction of a millisecond as "0.00 s")."""

@@ -37,7 +37,7 @@ autocast keeps the weights, and so the gradients, in fp32):
 
 from __future__ import annotations
 
-from ..units import format_bytes, format_seconds
+from ..units import format_bytes, format_bytes_pair, format_seconds
 from .bisection import bisect
 from .margins import planned_limit
 
@@ -271,10 +271,11 @@ def lora_line(model, limit: float) -> str | None:
     left = adapters + head
     need = 4 * (sum(p.numel() for p in model.parameters()) + adapters) + 12 * left  # the adapters are new weights
     verdict = "under" if need <= limit else "over"
+    shown = format_bytes_pair(need, limit)
     return (f"not searched: LoRA (--trainable lora: peft adapters of rank 8, the other weights frozen; it changes what "
-            f"is trained, {left:,} parameters left to train): its model state with fp32 AdamW, {format_bytes(need)}, "
-            f"is {verdict} the {format_bytes(limit)} a step may hold" + ("; plan it with --trainable lora"
-                                                                            if verdict == "under" else ""))
+            f"is trained, {left:,} parameters left to train): its model state with fp32 AdamW, {shown[0]}, "
+            f"is {verdict} the {shown[1]} a step may hold" + ("; plan it with --trainable lora"
+                                                             if verdict == "under" else ""))
 
 
 def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, host_link_bytes_per_s: float,
@@ -429,8 +430,9 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
     lines += [lora] if lora else []
     offload = offload_line(model, limit, host_link_bytes_per_s, profile, cuda, optimizer, precision)
     lines += [offload] if offload else []
-    raise TightfitError(f"budget {format_bytes(budget)} (planned against {format_bytes(limit)}, keeping "
-                        f"{int(HEADROOM * 100)}% headroom) is below the {format_bytes(least)} of model state that "
+    shown = format_bytes_pair(limit, least)
+    raise TightfitError(f"budget {format_bytes(budget)} (planned against {shown[0]}, keeping "
+                        f"{int(HEADROOM * 100)}% headroom) is below the {shown[1]} of model state that "
                         f"{who}, by {format_bytes(least - limit)}; no micro-batch, accumulation or checkpointing "
                         "changes that. Levers (bytes saved against fp32 AdamW):" + "".join("\n  " + x for x in lines))
 

@@ -37,7 +37,7 @@ from ..levers.optimizers import check_precision
 from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_bf16_state_bytes, adamw_8bit_state_bytes,
                                  PINNED_HOST_SHARE, available_host_bytes, is_offloaded, offload_host_bytes,
                                  weights_dtype)
-from ..units import format_bytes, format_rate
+from ..units import format_bytes, format_bytes_pair, format_rate
 from ..plan import OPTIMIZER_CHOICES
 from ..levers.blocks import find_blocks
 from .cost import TimeModel, forward_cost, remembered_forward_costs
@@ -319,8 +319,8 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             # fp32 AdamW's message heads the error, each lever's follows its own name
             whose = "fp32 AdamW's model state (weights, gradients, optimizer state)" if kind == "adamw" \
                 else "its model state"
-            raise NothingFitsError(f"{whose} alone, {format_bytes(need)}, is over the "
-                                   f"{format_bytes(limit)} a step may hold")
+            shown = format_bytes_pair(need, limit)
+            raise NothingFitsError(f"{whose} alone, {shown[0]}, is over the {shown[1]} a step may hold")
         at = estimator_at(kind) if estimator_at is not None else None
         # the nothing-fits advice traces each lever's smallest step only where it is the last word
         # (``advise``): under auto the levers are searched next (and say for themselves whether they fit)

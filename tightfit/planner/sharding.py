@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TightfitError
-from ..units import format_bytes
+from ..units import format_bytes, format_bytes_pair
 from .margins import HEADROOM, planned_limit
 
 # The share of the budget the training state may take; the rest is left to activations.
@@ -152,8 +152,9 @@ def choose_sharding(model: torch.nn.Module, world_size: int, budget_bytes: int |
                               f"FSDP2 on {world_size} ranks: the replicated state ({format_bytes(replicated)}) "
                               f"exceeds {int(STATE_SHARE * 100)}% of {format_bytes(budget_bytes)}; sharded it is "
                               f"{format_bytes(sharded)} per rank (state / {world_size} + all-gathered blocks)")
-    raise TightfitError(f"the training state needs {format_bytes(sharded)} per rank even sharded over {world_size} "
-                        f"ranks, more than the {format_bytes(budget_bytes)} budget allows: "
+    shown = format_bytes_pair(sharded, budget_bytes)
+    raise TightfitError(f"the training state needs {shown[0]} per rank even sharded over {world_size} "
+                        f"ranks, more than the {shown[1]} budget allows: "
                         "use more ranks (--gpus N) or a larger budget")
 
 
