@@ -225,3 +225,34 @@ def test_the_compiled_call_slot_is_honoured_by_this_torch():
     assert m(x) == "replaced"
     set_compiled_call(m, None)
     assert compiled_call(m) is None and torch.equal(m(x), torch.nn.functional.linear(x, m.weight, m.bias))
+
+
+@pytest.mark.parametrize("name, cc, gib, key, fp16_ratio", [
+    ("NVIDIA GeForce GTX 1660 SUPER", (7, 5), 6, "local", 1.0),  # sm_75 without tensor cores: no fp16 speed-up
+    ("NVIDIA GeForce GTX 1650", (7, 5), 4, "local", 1.0),  # not the 1650 Ti's profile either
+    ("NVIDIA GeForce GTX 1650 Ti", (7, 5), 4, "gtx-1650-ti", 1.0),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), 80, "a100-80gb", 16.0),
+    ("NVIDIA A100-SXM4-40GB", (8, 0), 40, "a100-40gb", 16.0),
+    ("NVIDIA A100-PCIE-40GB", (8, 0), 40, "a100-40gb", 16.0),
+    ("NVIDIA A100 80GB PCIe", (8, 0), 80, "a100-80gb", 16.0),
+    ("NVIDIA GeForce RTX 3060 Ti", (8, 6), 8, "local", 8.0),  # no RTX 3060
+    ("NVIDIA GeForce RTX 2060 SUPER", (7, 5), 8, "local", 8.0),  # no RTX 2060
+    ("NVIDIA GeForce RTX 3060", (8, 6), 12, "rtx-3060", 25.5 / 12.7),
+    ("NVIDIA H100 80GB HBM3", (9, 0), 80, "h100", 989 / 67),
+    ("Tesla T4", (7, 5), 15, "t4", 65 / 8.1),
+    ("NVIDIA GeForce GTX 1080 Ti", (6, 1), 11, "gtx-1080-ti", 1 / 64),
+])
+def test_detect_knows_real_cards_by_the_names_torch_gives_them(monkeypatch, name, cc, gib, key, fp16_ratio):
+    """A GTX 16xx (no tensor cores) got the generic fp16 speed-up of 2; torch's A100 names matched no
+    A100 profile, and an RTX 3060 Ti took the RTX 3060's by substring."""
+    from types import SimpleNamespace
+
+    from tightfit.devices import detect
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(
+        name=name, major=cc[0], minor=cc[1], total_memory=gib * 2**30, multi_processor_count=10))
+    p = detect()
+    assert (p.key, p.name, p.total_bytes) == (key, name, gib * 2**30)
+    assert p.fp16_tflops / p.fp32_tflops == pytest.approx(fp16_ratio)
+    assert p.fp16_tensor_cores == (fp16_ratio > 1)

@@ -13,6 +13,7 @@ import math
 import json
 import logging
 import os
+import re
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -299,21 +300,54 @@ def _has_fp16_tensor_cores(name: str, cc: tuple[int, int]) -> bool:
     return cc >= (7, 0) and "GTX 16" not in name.upper()
 
 
+# Words of a card's name that do not tell its chip apart: vendor and brand, and the board's form
+# factor or memory type (torch names one A100 "NVIDIA A100-SXM4-80GB", another "NVIDIA A100-PCIE-40GB").
+_NAME_NOISE = frozenset({"nvidia", "geforce", "tesla", "sxm", "sxm2", "sxm4", "sxm5", "pcie", "nvl",
+                         "hbm2", "hbm2e", "hbm3", "hbm3e"})
+_MEMORY_WORD = re.compile(r"\d+gb")
+
+
+def _name_words(name: str) -> tuple[tuple[str, ...], str | None]:
+    """A card's name as its model's words and its memory word: ``"NVIDIA A100-SXM4-80GB"`` ->
+    ``(("a100",), "80gb")``, ``"NVIDIA GeForce RTX 3060 Ti"`` -> ``(("rtx", "3060", "ti"), None)``."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in _NAME_NOISE]
+    memory = next((w for w in words if _MEMORY_WORD.fullmatch(w)), None)
+    return tuple(w for w in words if not _MEMORY_WORD.fullmatch(w)), memory
+
+
+def builtin_for(name: str, total_bytes: int) -> DeviceProfile | None:
+    """The built-in profile of the card torch names ``name`` (with ``total_bytes`` of memory), or
+    None: the same model words (a "Ti" or "SUPER" is another card: an RTX 3060 Ti is no RTX 3060),
+    whatever the form factor (SXM, PCIe), and the same memory where both names give it; of several
+    (an "A100" of unnamed memory), the one closest in memory."""
+    model, memory = _name_words(name)
+
+    def same(p: DeviceProfile) -> bool:
+        words, its_memory = _name_words(p.name)
+        return words == model and (memory is None or its_memory is None or memory == its_memory)
+
+    found = [p for p in _BUILTIN if same(p)]
+    return min(found, key=lambda p: abs(p.total_bytes - total_bytes), default=None)
+
+
 def detect(index: int = 0) -> DeviceProfile | None:
-    """Profile of the local CUDA GPU ``index`` from torch (and a built-in profile with the same
-    name for the rates), or None when there is no CUDA GPU."""
+    """Profile of the local CUDA GPU ``index`` from torch (and the built-in profile of the same card
+    for the rates, :func:`builtin_for`), or None when there is no CUDA GPU. An unknown card gets
+    its generation's typical rates: fp16 faster than fp32 only on tensor cores (DESIGN invariant 7;
+    Turing's GTX 16xx have none), at 1/64 of it on Pascal's sm_61."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(index)
     cc = (props.major, props.minor)
-    for p in _BUILTIN:
-        if p.name.lower().replace("nvidia ", "") in props.name.lower():
-            return replace(p, total_bytes=props.total_memory, name=props.name, sm_count=props.multi_processor_count)
+    p = builtin_for(props.name, props.total_memory)
+    if p is not None:
+        return replace(p, total_bytes=props.total_memory, name=props.name, sm_count=props.multi_processor_count)
     tc = _has_fp16_tensor_cores(props.name, cc)
-    # Unknown card: rates only matter as ratios; use the generation's typical ones.
-    fp16_ratio = 8.0 if tc else (1 / 64 if cc == (6, 1) else 2.0)
+    # Unknown card: rates only matter as ratios; use the generation's typical ones. Without tensor
+    # cores autocast's fp16 matrix products accumulate in fp32, at the fp32 rate (the GTX 1650 Ti's)
+    fp16_ratio = 8.0 if tc else (1 / 64 if cc == (6, 1) else 1.0)
     return DeviceProfile(
         key="local", name=props.name, total_bytes=props.total_memory, compute_capability=cc,
         fp16_tensor_cores=tc, bf16=cc >= (8, 0), fp32_tflops=10.0, fp16_tflops=10.0 * fp16_ratio,
