@@ -321,6 +321,14 @@ def test_a_resume_drops_the_events_after_its_checkpoint_but_keeps_how_the_sessio
     path.write_text("".join(json.dumps(r) + "\n" for r in records if r["type"] != "checkpoint"))
     keep_metrics_until(path, 6)
     assert earlier_events(path) == ["grew back", "out of memory, redoing step 7", "SIGTERM: stopped after step 8"]
+    # a file written before the flag: a resume's and a stop's words say what they are
+    old = [{"type": "checkpoint", "step": 6}, {"type": "event", "step": 6, "message": "resumed from ckpt-4 at step 4"},
+           {"type": "event", "step": 7, "message": "SIGTERM received: stopping after the current step"},
+           {"type": "event", "step": 7, "message": "SIGTERM: stopped after step 7, checkpoint ckpt-7"},
+           {"type": "event", "step": 7, "message": "out of memory, redoing step 8"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    keep_metrics_until(path, 6)
+    assert earlier_events(path) == [r["message"] for r in old[1:4]]
 
 
 def test_an_out_of_memory_back_off_after_the_checkpoint_is_listed_once_after_a_resume(tmp_path, monkeypatch):

@@ -695,8 +695,8 @@ class TrainRecipe:
         if self.resume_from is not None:  # verified by _resume_request, its state read by _check_resume_point
             self.trainer.resume(self.resume_from, state=self.resume_state, verified=True)
             if self.world.is_main:  # (the earlier sessions' events: open_run_folder, once metrics.jsonl is cut back)
-                for note in self.resume_notes:  # shown when found; kept for the report
-                    self.trainer.event(note, show=False)
+                for note in self.resume_notes:  # shown when found; kept for the report and by later resumes
+                    self.trainer.event(note, show=False, session=True)
             written_at = (self.resume_state or {}).get("scheduler", {}).get("base_lrs", [None])[0]
             written_at = None if written_at is None else float(written_at)  # a 0-d tensor under torchao's optimizers
             lr = self.req.training.lr
@@ -819,7 +819,7 @@ class TrainRecipe:
                              f"{' ...' if len(damaged) > 5 else ''}")
             for note in notes:
                 log.warning(f"note: {note}")
-                self.trainer.event(note, show=False)
+                self.trainer.event(note, show=False, session=True)
         atomic_write_json(out / "plan.json", self.plan.to_dict())
         self.metrics = MetricsWriter(out / "metrics.jsonl")
         self.metrics({"type": "plan", "step": step, "planning_seconds": self.planning_s,

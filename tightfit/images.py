@@ -25,6 +25,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import io
 import logging
 import os
 from dataclasses import dataclass
@@ -217,20 +218,21 @@ def _check_image(path: Path) -> bytes:
     thousands of images); the decoded pixels are not kept.
 
     Returns:
-        The SHA-256 of the file's bytes (read again from the cache: negligible beside the decode),
-        by which a file listed twice or copied is found among the training and held-out samples.
+        The SHA-256 of the file's bytes (read once, then decoded from memory), by which a file
+        listed twice or copied is found among the training and held-out samples.
 
     Raises:
         TightfitError: PIL cannot read or decode it; a float image with values outside [0, 1].
     """
     try:
-        load_image(str(path))
+        data = path.read_bytes()  # read once: hashed, then decoded from memory
+        load_image(io.BytesIO(data), str(path))
     except TightfitError:
         raise
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, OSError, ...)
         raise TightfitError(f"{path}: not a readable image ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") \
             from None
-    return hashlib.sha256(path.read_bytes()).digest()
+    return hashlib.sha256(data).digest()
 
 
 def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int = 0,
@@ -333,8 +335,9 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
 _WIDE_GREY = {"I;16": 65535, "I;16B": 65535, "I;16L": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
 
 
-def load_image(image) -> np.ndarray:
-    """One sample's pixels: uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB; other modes converted),
+def load_image(image, name: str | None = None) -> np.ndarray:
+    """One sample's pixels (``image``: a file's path, an open binary file -- ``name`` names it in
+    errors -- or pixels, returned as they are): uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB; other modes converted),
     turned as displayed (the EXIF orientation applied).
 
     Grey images wider than 8 bits are scaled to 0-255 from their own range, rounded: 16-bit
@@ -347,7 +350,7 @@ def load_image(image) -> np.ndarray:
         Exception: whatever PIL raises for a file it cannot open or decode (:func:`_check_image`
             turns it into a TightfitError before any work).
     """
-    if not isinstance(image, str):
+    if not isinstance(image, (str, io.IOBase)):  # pixels already (digits)
         return image
     from PIL import Image, ImageOps
 
@@ -360,11 +363,11 @@ def load_image(image) -> np.ndarray:
             return np.array(im.convert("L" if im.mode in ("1", "L") else "RGB"))
         x = np.asarray(im).astype(np.float64)  # any byte order (I;16B) to native
     if x.ndim != 2:
-        raise TightfitError(f"{image}: a {im.mode} image of shape {x.shape}: expected one grey channel")
+        raise TightfitError(f"{name or image}: a {im.mode} image of shape {x.shape}: expected one grey channel")
     if not (np.isfinite(x).all() and x.min(initial=0) >= 0 and x.max(initial=0) <= top):
         what = "a float image with values outside [0, 1]" if im.mode == "F" else \
             "a 32-bit integer image with values outside 0-65535"
-        raise TightfitError(f"{image}: {what} (min {x.min():g}, max {x.max():g}); tightfit reads float images as "
+        raise TightfitError(f"{name or image}: {what} (min {x.min():g}, max {x.max():g}); tightfit reads float images as "
                             "0-1 and integer ones as 16-bit: convert it to 8- or 16-bit")
     return np.rint(x * (255 / top)).astype(np.uint8)
 

@@ -76,7 +76,7 @@ def keep_metrics_until(path: str | Path, step: int) -> list[int]:
     for i, (line, record) in enumerate(records):
         at = record.get("step")
         if record.get("type") == "event":
-            keep = bool(record.get("session")) or (i < mark if mark is not None else isinstance(at, int) and at <= step)
+            keep = _session_event(record) or (i < mark if mark is not None else isinstance(at, int) and at <= step)
         else:  # an evaluation at the checkpoint's step came after it: the resumed run evaluates again
             keep = not isinstance(at, int) or at < step or (at == step and record.get("type") != "eval")
         if keep:
@@ -84,6 +84,14 @@ def keep_metrics_until(path: str | Path, step: int) -> list[int]:
     if len(kept) != len(lines):
         atomic_write_text(path, "".join(line + "\n" for line in kept))
     return damaged
+
+
+def _session_event(record: dict) -> bool:
+    """Whether an event says how a session started or ended: flagged ``"session"`` (the trainer
+    and the resume's notes), or, in files written before the flag, worded as a resume or a stop."""
+    message = record.get("message")
+    return bool(record.get("session")) or isinstance(message, str) and (
+        message.startswith("resumed from ") or "stopped" in message or "stopping after" in message)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -990,8 +990,10 @@ class Trainer:
         parameters are resharded after it.
 
         Returns:
-            The task's metrics (:meth:`tightfit.tasks.Task.summarize`) plus ``"samples"`` (held-out
-            samples) and ``"eval_batch"`` (the evaluation batch that ran): for classification
+            The task's metrics (:meth:`tightfit.tasks.Task.summarize`) plus ``"samples"`` (what
+            the metrics divide by: the labelled held-out samples, a label of -100 left out; with
+            ``"held_out"``, all of them, where the two differ) and ``"eval_batch"`` (the
+            evaluation batch that ran): for classification
             ``{"accuracy", "loss", "samples", "eval_batch"}`` (loss: mean cross-entropy per sample);
             for a causal LM ``{"loss", "perplexity", "tokens", "samples", "eval_batch"}`` (loss: mean
             per target token).
@@ -1088,10 +1090,10 @@ class Trainer:
         return paused
 
     # ---------------------------------------------------------------- logging
-    def event(self, message: str, show: bool = True) -> None:
+    def event(self, message: str, show: bool = True, session: bool = False) -> None:
         """Record ``message`` as one of the run's events (``metrics.jsonl``, the report), and show it
-        (``show`` False: it was shown already)."""
-        self._event(message, show)
+        (``show`` False: it was shown already); ``session``: as :meth:`_event`'s."""
+        self._event(message, show, session)
 
     def _event(self, message: str, show: bool = True, session: bool = False) -> None:
         """Record ``message`` (shown on the log when ``show``). ``session``: it says how a session
