@@ -405,16 +405,14 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
     precisions, options = (), ()
     if estimator is not None and profile is not None:  # the search's choices at their least memory
         from ..levers.blocks import find_blocks
-        from .search import candidate_precisions, checkpoint_ends
+        from .search import candidate_precisions, checkpoint_ends, least_memory_options, per_block_ladders
 
         blocks = find_blocks(model)
         first, last = checkpoint_ends(checkpointing, len(blocks))
         precisions = candidate_precisions(profile, precision)
-        options = [tuple(range(k)) for k in dict.fromkeys((last, first))]
-        if checkpointing == "auto" and blocks and any(p.requires_grad for p in blocks[0].parameters()):
-            # and its per-block choices (search_space's ladders): every block's activations offloaded
-            # may fit where recomputing them all does not
-            options += [("offload",) * len(blocks), ("selective",) * len(blocks)]
+        # the frozen first blocks without a trace: a first block with nothing to train
+        free = int(bool(blocks) and not any(p.requires_grad for p in blocks[0].parameters()))
+        options = least_memory_options(first, last, len(blocks), per_block_ladders(checkpointing, len(blocks), free))
     peaks = lever_peaks(model, estimator if options else None, precisions, options, limit, effective_batch)
     lines = lever_lines(model, state, limit, 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
                         host_link_bytes_per_s, accumulating=False, cuda=cuda, profile=profile,

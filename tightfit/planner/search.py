@@ -478,10 +478,23 @@ def search_space(model, make_batch, size: int, effective_batch: int, profile: De
     ends = checkpoint_ends(checkpointing, n_blocks)
     if checkpointing == "auto":  # the memory lines run from the first block that keeps activations
         ends = (min(free, n_blocks), n_blocks)
-    # per-block choices blend their lines over every block: not where the first ones keep nothing
-    ladders = ("selective", "offload") if per_block and checkpointing == "auto" and n_blocks and not free else ()
+    ladders = per_block_ladders(checkpointing, n_blocks, free, per_block)
     return SearchSpace(candidate_precisions(profile, precision), ends[0], ends[1], n_blocks, effective_batch,
                        budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders, host_bytes)
+
+
+def per_block_ladders(checkpointing: str, n_blocks: int, free_blocks: int, per_block: bool = True) -> tuple:
+    """The per-block choices the search makes besides whole-block recomputation: selective
+    recomputation and activation offload, with ``checkpointing="auto"``, blocks, and no frozen
+    first blocks (``free_blocks``: per-block choices blend their lines over every block)."""
+    return ("selective", "offload") if per_block and checkpointing == "auto" and n_blocks and not free_blocks else ()
+
+
+def least_memory_options(first: int, last: int, n_blocks: int, ladders: tuple) -> list[tuple]:
+    """The block choices of the search's least-memory steps, for the refusals' word on each lever
+    (:func:`.advice.lever_peaks`): the most and the fewest blocks checkpointed, and every block
+    under each per-block choice of ``ladders`` (:func:`per_block_ladders`)."""
+    return [tuple(range(k)) for k in dict.fromkeys((last, first))] + [(p,) * n_blocks for p in ladders]
 
 
 def checkpoint_ends(checkpointing: str, n_blocks: int) -> tuple[int, int]:
@@ -912,8 +925,10 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
     options.sort(key=lambda o: o != least)
     size_flag = "--image-size" if getattr(make_batch, "kind", "text") == "image" else "--seq-len"
     # each lever's smallest step as the search of it would trace it (a lever would fit only if it plans)
-    peaks = None if lever_estimator is None else lever_peaks(model, lever_estimator, lever_precisions, options, limit,
-                                                             space.effective_batch)
+    peaks = None if lever_estimator is None else lever_peaks(
+        model, lever_estimator, lever_precisions,
+        least_memory_options(space.first_blocks, space.last_blocks, n_blocks, space.ladders), limit,
+        space.effective_batch)
     lines = nothing_fits_lines(model, est, limit, smallest.precision, options, size, space.effective_batch,
                                size_flag, profile.host_link_bytes_per_s, estimator_at, optimizer, profile, peaks,
                                asked_precision=asked_precision)
