@@ -76,6 +76,17 @@ def _entry(rank, world_size, port, spec, out):
     os._exit(0)
 
 
+class TokenBatchNorm(torch.nn.Module):
+    """BatchNorm1d over the hidden features of every token of ``[B, T, H]`` (spec ``token_bn``)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(hidden)
+
+    def forward(self, x):
+        return self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+
 def train(rank: int, world_size: int, port, spec: dict) -> dict:
     """Train as ``spec`` says: ``n``, ``effective_batch``, ``micro_batch``, ``dropout``,
     ``sharding``, ``max_steps``, ``checkpoint_dir``/``checkpoint_every``, ``resume`` (a
@@ -85,7 +96,7 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
     that step, after the ranks' stop vote), ``eval`` (held-out samples) and ``eval_oom`` (a rank:
     one injected OOM in its first evaluation batch), ``exit_on_error`` (a rank whose ``fit`` raised
     returns at once, without the collectives after it, and exits with 2: :func:`spawn`'s
-    ``failing``). Returns the records, the samples each step
+    ``failing``), ``token_bn`` (a BatchNorm after the embeddings: :class:`TokenBatchNorm`). Returns the records, the samples each step
     drew on this rank, the final weights, and the error that ended ``fit`` (its type and message)."""
     from conftest import SyntheticBatches, tiny_bert
 
@@ -110,7 +121,11 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
 
     data.collate = logged
     held_out = SyntheticBatches(spec["eval"], seed=1) if spec.get("eval") else None
-    w = Workload(tiny_bert(spec.get("dropout", 0.0), 0), data, held_out, spec.get("effective_batch", 8))
+    model = tiny_bert(spec.get("dropout", 0.0), 0)
+    if spec.get("token_bn"):  # a BatchNorm over the tokens after the embeddings (one sample: several values)
+        torch.manual_seed(0)
+        model.bert.embeddings.LayerNorm = torch.nn.Sequential(model.bert.embeddings.LayerNorm, TokenBatchNorm(32))
+    w = Workload(model, data, held_out, spec.get("effective_batch", 8))
     plan = Plan("fp32", spec.get("micro_batch", 4), w.effective_batch, world_size=world_size,
                 sharding=spec.get("sharding", "ddp") if world_size > 1 or spec.get("sharding") == "fsdp-offload"
                 else "none")
@@ -179,7 +194,9 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
     else:
         weights = {k: v.detach().clone() for k, v in world.unwrap(t.model).state_dict().items()}
     world.close()
+    norms = [m for m in world.unwrap(t.model).modules() if isinstance(m, torch.nn.BatchNorm1d)]
     return {"records": records, "drawn": drawn, "weights": weights, "oom_recoveries": res.oom_recoveries,
+            "bn_batches": [int(m.num_batches_tracked) for m in norms], "bn_mean": [m.running_mean.clone() for m in norms],
             "micro_batch": t.micro_batch, "steps": t.step, "samples": res.samples, "allreduces": allreduces,
             "checkpoint_seconds": res.checkpoint_seconds, "error": error, "eval": res.eval,
             "rng_after_resume": rng_after_resume}

@@ -1,7 +1,7 @@
 """BatchNorm's running statistics see each training sample once, as in a plain PyTorch loop.
 
 Recomputed blocks update them once per forward, as blocks that are not checkpointed do: a checkpointed block's forward runs twice in train mode (forward, then the
-recomputation in backward), and without :class:`tightfit.levers.blocks.KeepRunningStats` the same
+recomputation in backward), and without :class:`tightfit.buffers.KeptBuffers` the same
 batch was folded into the statistics twice (its momentum applied twice, ``num_batches_tracked``
 counted twice), so evaluation after a checkpointed run differed from the same run without it.
 The planner's probe steps (worst-case batches, weights kept bit-identical at lr 0) leave them as

@@ -217,13 +217,27 @@ def test_oom_mid_run_on_one_rank_keeps_the_replicas_identical(tmp_path):
 
 def test_fsdp_probe_step_halves_on_oom_and_leaves_no_trace(tmp_path):
     # The planned micro-batch 4 runs out of memory in the probe on every rank: all take 2, and
-    # training then runs exactly as a run planned at 2 (weights, AdamW state, RNG untouched).
-    base = {"n": 24, "effective_batch": 8, "dropout": 0.1, "sharding": "fsdp"}
+    # training then runs exactly as a run planned at 2 (weights, AdamW state, RNG and BatchNorm's
+    # running statistics untouched: the probe's forwards folded their batches into them).
+    base = {"n": 24, "effective_batch": 8, "dropout": 0.1, "sharding": "fsdp", "token_bn": True}
     ref = spawn({**base, "micro_batch": 2}, 2, tmp_path)
     probed = spawn({**base, "micro_batch": 4, "probe_oom_above": 2}, 2, tmp_path)
     assert [r["micro_batch"] for r in probed] == [2, 2] and [r["oom_recoveries"] for r in probed] == [0, 0]
     assert _losses(probed[0]) == _losses(ref[0])  # bit for bit
     _same_weights(probed[0]["weights"], ref[0]["weights"])
+    for a, b in zip(probed, ref):  # each rank's own statistics (FSDP2 does not broadcast buffers)
+        assert a["bn_batches"] == b["bn_batches"] == [6]  # 3 windows, 2 + 2 on each rank
+        torch.testing.assert_close(a["bn_mean"], b["bn_mean"], rtol=0, atol=0)
+
+
+def test_a_ranks_padding_micro_batches_leave_its_batchnorm_statistics_in_training(tmp_path):
+    """Windows of 5 on two ranks at micro-batch 2: rank 0 runs 2 + 1, rank 1 runs 2 and a padding
+    micro-batch (a repeat of a sample, weighted 0) to keep the collectives in step. Rank 1's
+    BatchNorm counted the padding forwards too (8 batches for 4 real ones)."""
+    spec = {"n": 20, "effective_batch": 5, "micro_batch": 2, "sharding": "fsdp", "token_bn": True}
+    two = spawn(spec, 2, tmp_path)
+    assert [r["steps"] for r in two] == [4, 4]
+    assert [r["bn_batches"] for r in two] == [[8], [4]]
 
 
 def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):

@@ -226,13 +226,13 @@ def test_an_oom_redo_in_the_runtime_gives_back_the_buffers():
 
 
 def test_buffers_above_the_snapshot_bound_are_not_copied(monkeypatch):
-    import tightfit.step as step
+    import tightfit.buffers as buffers
 
     model = _BN()
-    assert [n for _, n, _ in step.buffer_snapshot(model.modules())] == ["running_mean", "running_var",
+    assert [n for _, n, _ in buffers.buffer_snapshot(model.modules())] == ["running_mean", "running_var",
                                                                         "num_batches_tracked"]
-    monkeypatch.setattr(step, "BUFFER_SNAPSHOT_BYTES", 64)
-    assert step.buffer_snapshot(model.modules()) is None  # 16 + 16 floats and an int: 136 bytes
+    monkeypatch.setattr(buffers, "BUFFER_SNAPSHOT_BYTES", 64)
+    assert buffers.buffer_snapshot(model.modules()) is None  # 16 + 16 floats and an int: 136 bytes
 
 
 # ---- 5: plan(checkpointing="on") took a model with nothing to checkpoint; TrainStep then raised ValueError

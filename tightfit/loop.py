@@ -392,7 +392,7 @@ class TrainStep:
     loss scale and zeroes the gradients (:func:`tightfit.step.training_step`). An out-of-memory error
     anywhere in the step redoes the batch from scratch with half the micro-batch -- the same samples,
     the same effective batch, the RNG states and buffers (BatchNorm's running statistics, up to
-    :data:`tightfit.step.BUFFER_SNAPSHOT_BYTES`) restored, so the losses, weights and buffers are those of a run
+    :data:`tightfit.buffers.BUFFER_SNAPSHOT_BYTES`) restored, so the losses, weights and buffers are those of a run
     that had used the smaller micro-batch from the start -- and the micro-batch grows back after
     ``grow_back_after`` clean steps. Any other error in a call (your loss raising on a bad
     sample) propagates after the attempt is undone in the same way (gradients dropped, RNG states
@@ -522,13 +522,14 @@ class TrainStep:
     def _step_with_recovery(self, b: _Batch):
         """:func:`tightfit.step.training_step` on ``b``, redone with half the micro-batch after each
         OOM, as the ``tightfit train`` runtime redoes a window (:meth:`tightfit.runtime.trainer.Trainer.train_step`):
-        the RNG states, the optimizer's state and the model's buffers (:func:`tightfit.step.buffer_snapshot`)
+        the RNG states, the optimizer's state and the model's buffers (:func:`tightfit.buffers.buffer_snapshot`)
         as the failed attempt found them."""
         from .levers.precision import autocast
         from .memory.oom import is_oom, release_memory
         from .rng import capture_rng
         from .runtime.trainer import PartialUpdateError
-        from .step import buffer_snapshot, changed_since, in_place_versions
+        from .buffers import buffer_snapshot
+        from .step import changed_since, in_place_versions
         from .levers.optimizers import hold_gradients
         from .step import training_step
 
@@ -583,7 +584,7 @@ class TrainStep:
         and the model's buffers as the attempt found them, and with ``drop_new_state`` the
         optimizer state it allocated (an OOM's redo: allocated, never written)."""
         from .rng import restore_rng
-        from .step import restore_buffers
+        from .buffers import restore_buffers
 
         if drop_new_state:
             for p in [p for p in self.optimizer.state if p not in had_state]:

@@ -537,38 +537,3 @@ def changed_since(optimizer: torch.optim.Optimizer, before: dict[int, int]) -> b
     """True if a parameter or state tensor was written in place since ``before`` (state created
     since then counts from version 0: freshly zeroed state that was never updated is unchanged)."""
     return any(v != before.get(k, 0) for k, v in in_place_versions(optimizer).items())
-
-
-# The most bytes of buffers :func:`buffer_snapshot` copies before each step. BatchNorm's running
-# statistics are KiB to a few MiB (ResNet-50: 0.2 MiB); a model holding more in buffers (a large
-# mask or table) would pay a copy of it at every step for a rare OOM redo, so it is not copied.
-BUFFER_SNAPSHOT_BYTES = 64 * 2**20
-
-
-def buffer_snapshot(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, str, torch.Tensor]] | None:
-    """Copies of the buffers a forward may change (floating-point and integer ones: BatchNorm's
-    running mean and variance and ``num_batches_tracked``; boolean masks are left), so that an
-    OOM redo starts from the buffers the failed attempt found (:func:`restore_buffers`), as a run
-    at the smaller micro-batch from the start would (DESIGN invariant 2). One clone per buffer,
-    queued on the buffers' device (no host sync).
-
-    Args:
-        modules: the model's modules (``model.modules()``, or a list of them made once).
-
-    Returns:
-        ``[(module, buffer name, copy)]``; None when the buffers total more than
-        :data:`BUFFER_SNAPSHOT_BYTES` (then a redo keeps what the failed attempt wrote to them).
-    """
-    found = [(m, name, b) for m in modules for name, b in m._buffers.items()
-             if b is not None and b.dtype != torch.bool and not b.is_complex()]
-    if sum(b.numel() * b.element_size() for _, _, b in found) > BUFFER_SNAPSHOT_BYTES:
-        return None
-    return [(m, name, b.detach().clone()) for m, name, b in found]
-
-
-def restore_buffers(snapshot: list[tuple[torch.nn.Module, str, torch.Tensor]] | None) -> None:
-    """Write a :func:`buffer_snapshot` back into the buffers, in place (DDP and compiled graphs
-    hold the buffer tensors themselves). None: nothing to restore."""
-    with torch.no_grad():
-        for module, name, copy in snapshot or ():
-            module._buffers[name].copy_(copy)

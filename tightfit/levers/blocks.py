@@ -19,6 +19,7 @@ from collections import defaultdict
 
 import torch
 
+from ..buffers import running_stat_norms
 from ..errors import TightfitError
 
 _ORIG = "_tightfit_forward"
@@ -194,8 +195,10 @@ def run_block(forward, policy: str, recompute_context, also_saved, norms, *args,
     """Call ``forward(*args, **kwargs)`` (a block's forward, eager or compiled) under ``policy``.
 
     ``norms``: the block's norm layers with running statistics (:func:`running_stat_norms`), kept
-    as they were before each recomputation (:class:`KeepRunningStats`), so that a recomputed
-    block updates BatchNorm's statistics once per forward, as it would not checkpointed.
+    as they were before each recomputation (:class:`tightfit.buffers.KeptBuffers`): a
+    recomputation runs the block's forward a second time in train mode, and BatchNorm would fold
+    the same batch into its statistics twice (its momentum applied twice, ``num_batches_tracked``
+    counted twice), so that evaluation would differ from the same step not checkpointed.
     """
     from torch.utils.checkpoint import checkpoint, noop_context_fn
 
@@ -218,50 +221,19 @@ def run_block(forward, policy: str, recompute_context, also_saved, norms, *args,
 
 
 def _keeping_stats(context_fn, norms):
-    """``context_fn`` with :class:`KeepRunningStats` entered outside its recomputation context
+    """``context_fn`` with :class:`~tightfit.buffers.KeptBuffers` entered outside its recomputation context
     (before a selective policy's mode, so that its copies are not taken for recomputed ops)."""
+    from ..buffers import KeptBuffers
     from .selective import _both
 
     def fn():
         forward, recompute = context_fn()
-        return forward, _both(KeepRunningStats(norms), recompute)
+        return forward, _both(KeptBuffers(norms), recompute)
     return fn
 
 
 def _wrapped(forward, policy, recompute_context, also_saved, norms, *args, **kwargs):
     return run_block(forward, policy, recompute_context, also_saved, norms, *args, **kwargs)
-
-
-def running_stat_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The norm layers in ``module`` that update running statistics in train mode: BatchNorm
-    (1-3d, SyncBatchNorm) and InstanceNorm with ``track_running_stats``."""
-    return [m for m in module.modules()
-            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
-
-
-class KeepRunningStats:
-    """Context entered around a recomputation: the running mean, variance and
-    ``num_batches_tracked`` of ``norms`` are written back, on exit, to what they were on entry.
-
-    Recomputing a block runs its forward a second time in train mode, and BatchNorm would fold
-    the same batch into its statistics twice (its momentum applied twice,
-    ``num_batches_tracked`` counted twice): the statistics, and so evaluation, would differ from
-    the same step not checkpointed. One clone per buffer, tens of KiB for a ResNet block.
-    """
-
-    def __init__(self, norms: list[torch.nn.Module]):
-        self.norms, self.saved = norms, []  # a stack: the context may be re-entered, as modes are
-
-    def __enter__(self):
-        self.saved.append([(b, b.detach().clone()) for m in self.norms
-                           for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
-        return self
-
-    def __exit__(self, *exc):
-        with torch.no_grad():
-            for buffer, copy in self.saved.pop():
-                buffer.copy_(copy)
-        return False
 
 
 # Model attribute naming the modules that tightfit.levers.compile compiled (kept here, beside the

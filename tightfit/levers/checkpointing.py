@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import TightfitError
-from .blocks import compiled_by_blocks, running_stat_norms
+from ..buffers import running_stat_norms
+from .blocks import compiled_by_blocks
 
 
 def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=None, policies=None) -> None:
@@ -51,7 +52,7 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
     # A block compiled alone must be checkpointed around its compiled call, which only
     # tightfit's wrappers do (HF's hook may checkpoint inside the layer's forward).
     # HF's hook recomputes BatchNorm layers with their running statistics updated a second time;
-    # tightfit's wrappers keep them (blocks.KeepRunningStats).
+    # tightfit's wrappers keep them (blocks.run_block).
     own_hook = getattr(model, "supports_gradient_checkpointing", False) and not compiled_by_blocks(model) \
         and not running_stat_norms(model)
     chosen = tuple(range(n)) if blocks is None else tuple(blocks)

@@ -22,7 +22,7 @@ import torch
 from ..errors import TightfitError
 from ..memory.oom import is_oom, release_memory
 from ..rng import capture_rng, restore_rng
-from ..levers.blocks import KeepRunningStats, running_stat_norms
+from ..buffers import KeptBuffers
 from ..step import train_mode, training_step
 from .margins import planned_limit
 
@@ -43,7 +43,7 @@ def _attempt(trainer, micro_batch: int) -> bool:
         torch.cuda.reset_peak_memory_stats(trainer.device)
     try:
         # as the training steps run (dropout on); BatchNorm's statistics left as they were
-        with train_mode(trainer.model), KeepRunningStats(running_stat_norms(trainer.model)):
+        with train_mode(trainer.model), KeptBuffers(trainer.model.modules()):
             for _ in range(PROBE_STEPS):
                 training_step(trainer.model, [batch], trainer.w.loss_sum, float(trainer.w.count(batch) or 1),
                               trainer.optimizer, trainer.scaler, trainer._autocast, trainer.cfg.max_grad_norm)

@@ -17,7 +17,7 @@ import torch
 
 from ..devices import DeviceProfile
 from ..errors import TightfitError
-from ..levers.blocks import KeepRunningStats, running_stat_norms
+from ..buffers import KeptBuffers
 from ..levers.checkpointing import can_checkpoint, set_activation_checkpointing
 from ..levers.optimizers import hold_gradients, release, weights_in
 from ..levers.precision import autocast, check_precision, fallback_precisions, make_grad_scaler, preferred_precision
@@ -121,7 +121,7 @@ def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimi
     """
     # BatchNorm's running statistics too are left as they were (the worst-case batches would be
     # folded into them, and the planned run start from other statistics than a cached plan's)
-    with weights_in(workload.model, optimizer), KeepRunningStats(running_stat_norms(workload.model)):
+    with weights_in(workload.model, optimizer), KeptBuffers(workload.model.modules()):
         return _probe_steps(workload, micro_batch, precision, optimizer, timed_steps)
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TightfitError
-from ..levers.blocks import KeepRunningStats, running_stat_norms
+from ..buffers import KeptBuffers
 
 _log = logging.getLogger(__name__)
 
@@ -423,7 +423,7 @@ class WindowGuard:
             self.world._armed = self  # the model's forward ends with the agreement (World.wrap)
         padding = i >= self.real
         if padding and self._kept is None:  # repeats of this rank's samples: BatchNorm must not count them
-            self._kept = KeepRunningStats(running_stat_norms(model)).__enter__()
+            self._kept = KeptBuffers(model.modules()).__enter__()
         try:
             loss = self.loss_sum(model, batch)
         finally:

@@ -36,8 +36,9 @@ from ..levers.compile import compile_model, compile_unavailable, eager_calls, un
 from ..levers.layout import match_parameter_strides, use_channels_last
 from ..levers.trainable import check_trainable
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
-from ..step import (PendingStep, accumulate, buffer_snapshot, changed_since, in_place_versions, make_optimizer,
-                    module_mode, restore_buffers, train_mode, training_modes, training_step)
+from ..buffers import buffer_snapshot, restore_buffers
+from ..step import (PendingStep, accumulate, changed_since, in_place_versions, make_optimizer, module_mode,
+                    train_mode, training_modes, training_step)
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
@@ -212,7 +213,7 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
     for window in ([effective_batch] if full else []) + ([last] if reached_last else []):
         ranks = rank_micro_batch_sizes(window, micro_batch, world_size)
         if any(1 in sizes for sizes in ranks):
-            if not starves_batchnorm(model, norms, forward):
+            if not starves_batchnorm(model, forward):
                 return None
             which = "each" if window == effective_batch else "the last"
             if world_size > 1:
@@ -259,27 +260,25 @@ def one_sample_forward(workload: Workload, model: torch.nn.Module, device: torch
     return forward
 
 
-def starves_batchnorm(model: torch.nn.Module, norms: list, forward) -> bool:
+def starves_batchnorm(model: torch.nn.Module, forward) -> bool:
     """Whether ``forward()`` (the model on one sample) fails in training modes
     (:func:`tightfit.step.train_mode`), as BatchNorm does where it gets a single value per
     channel (``ValueError: Expected more than 1 value per channel when training``). It runs under
     ``no_grad`` with the modes training uses (a branch that runs only in training, such as an
-    auxiliary head, is reached), and the running statistics of ``norms`` (BatchNorm layers; the
-    model's other buffers too, up to :data:`tightfit.step.BUFFER_SNAPSHOT_BYTES`) and the random
-    streams are put back after. A forward failing for another reason also answers True (cannot
+    auxiliary head, is reached), and the model's buffers (:class:`tightfit.buffers.KeptBuffers`:
+    BatchNorm's running statistics) and the random streams are put back after. A forward failing for another reason also answers True (cannot
     tell: every layer counts)."""
+    from ..buffers import KeptBuffers
     from ..rng import capture_rng, restore_rng
-    from ..step import buffer_snapshot, restore_buffers, train_mode
+    from ..step import train_mode
 
-    buffers = buffer_snapshot(model.modules()) or buffer_snapshot(norms)
     rng = capture_rng()
     try:
-        with train_mode(model), torch.no_grad():
+        with KeptBuffers(model.modules()), train_mode(model), torch.no_grad():
             forward()
     except Exception:  # noqa: BLE001 - BatchNorm's refusal, or an unusual batch or model: the cautious answer
         return True
     finally:
-        restore_buffers(buffers)
         restore_rng(rng)
     return False
 
@@ -640,8 +639,8 @@ class Trainer:
         An OOM in forward, backward or the optimizer step redoes the window from scratch with
         half the micro-batch (twice the accumulation): gradients are zeroed, the failed
         attempt's memory released, the loss scaler's per-step state reset, and the RNG states and
-        the model's buffers restored (:func:`tightfit.step.buffer_snapshot`: BatchNorm's running
-        statistics, up to :data:`tightfit.step.BUFFER_SNAPSHOT_BYTES`), so the redo draws the same
+        the model's buffers restored (:func:`tightfit.buffers.buffer_snapshot`: BatchNorm's running
+        statistics, up to :data:`tightfit.buffers.BUFFER_SNAPSHOT_BYTES`), so the redo draws the same
         dropout masks and ends with the same state as a run that used the smaller micro-batch from
         the start (DESIGN invariant 2). Anything but an OOM propagates.
 

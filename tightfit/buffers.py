@@ -1,0 +1,72 @@
+"""The buffers a forward changes -- BatchNorm's running statistics (mean, variance,
+``num_batches_tracked``) above all -- copied before, and written back after, whatever must leave
+the model as it found it: an OOM redo, a recomputation in backward, a planner's probe step, a
+rank's padding micro-batch, a one-sample trial forward.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+# The most bytes of buffers :func:`buffer_snapshot` copies before each step. BatchNorm's running
+# statistics are KiB to a few MiB (ResNet-50: 0.2 MiB); a model holding more in buffers (a large
+# mask or table) would pay a copy of it at every step for a rare OOM redo, so it is not copied.
+BUFFER_SNAPSHOT_BYTES = 64 * 2**20
+
+
+def buffer_snapshot(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, str, torch.Tensor]] | None:
+    """Copies of the buffers a forward may change (floating-point and integer ones: BatchNorm's
+    running mean and variance and ``num_batches_tracked``; boolean masks are left), so that an
+    OOM redo starts from the buffers the failed attempt found (:func:`restore_buffers`), as a run
+    at the smaller micro-batch from the start would (DESIGN invariant 2). One clone per buffer,
+    queued on the buffers' device (no host sync).
+
+    Args:
+        modules: the model's modules (``model.modules()``, or a list of them made once).
+
+    Returns:
+        ``[(module, buffer name, copy)]``; None when the buffers total more than
+        :data:`BUFFER_SNAPSHOT_BYTES` (then a redo keeps what the failed attempt wrote to them).
+    """
+    found = [(m, name, b) for m in modules for name, b in m._buffers.items()
+             if b is not None and b.dtype != torch.bool and not b.is_complex()]
+    if sum(b.numel() * b.element_size() for _, _, b in found) > BUFFER_SNAPSHOT_BYTES:
+        return None
+    return [(m, name, b.detach().clone()) for m, name, b in found]
+
+
+def restore_buffers(snapshot: list[tuple[torch.nn.Module, str, torch.Tensor]] | None) -> None:
+    """Write a :func:`buffer_snapshot` back into the buffers, in place (DDP and compiled graphs
+    hold the buffer tensors themselves). None: nothing to restore."""
+    with torch.no_grad():
+        for module, name, copy in snapshot or ():
+            module._buffers[name].copy_(copy)
+
+
+def running_stat_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The norm layers in ``module`` that update running statistics in train mode: BatchNorm
+    (1-3d, SyncBatchNorm) and InstanceNorm with ``track_running_stats``."""
+    return [m for m in module.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
+
+
+class KeptBuffers:
+    """Context: the buffers of ``modules`` (each module's own, :func:`buffer_snapshot`) as they
+    were on entry, written back in place on exit -- all of them up to
+    :data:`BUFFER_SNAPSHOT_BYTES`, else those of the norms with running statistics among them.
+    Re-enterable (a stack), as the recomputation contexts it is entered with.
+    """
+
+    def __init__(self, modules: Iterable[torch.nn.Module]):
+        self.modules, self.saved = list(modules), []
+
+    def __enter__(self):
+        norms = [m for m in self.modules if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
+        self.saved.append(buffer_snapshot(self.modules) or buffer_snapshot(norms))
+        return self
+
+    def __exit__(self, *exc):
+        restore_buffers(self.saved.pop())
+        return False
