@@ -403,3 +403,22 @@ def test_digits_with_a_folder_named_digits_here_is_refused(models, image_folder,
          "--data digits names scikit-learn's digits, but this folder also holds a folder named digits: give "
          "--data ./digits for the folder")
     assert load_image_classification("./digits").label_names == ["0", "1", "7"]
+
+
+def test_a_model_sized_by_its_image_side_without_position_embeddings_is_held_to_it(tmp_path, capsys):
+    """LeViT's attention biases are sized by its config's image side, with no weight named as a
+    position embedding: another --image-size was taken (after the ConvNeXt fix) and the forward
+    failed mid-run ("The size of tensor a (9) must match ..."). One forward on meta tensors at the
+    size asked now decides, in one line before any image is read."""
+    from transformers import LevitConfig, LevitForImageClassification
+
+    torch.manual_seed(0)
+    LevitForImageClassification(LevitConfig(image_size=64, hidden_sizes=[16, 24, 32], num_attention_heads=[1, 2, 2],
+                                            depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=2)
+                                ).save_pretrained(tmp_path / "levit")
+    capsys.readouterr()  # save_pretrained's progress bar
+    args = ["plan", "--model", str(tmp_path / "levit"), "--batch-size", "8", "--gpu", "t4"]
+    assert main([*args, "--image-size", "48"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--image-size 48: the model in" in err[0] and "use --image-size 64" in err[0], err
+    assert main([*args, "--image-size", "64", "--json"]) == 0

@@ -137,7 +137,14 @@ class ModelEntry:
         if made_for is None or size == made_for:  # no size of its own (ResNet), or its own
             return size
         if self.folder is not None and not _position_embeddings(self.folder):
-            return size  # a convolutional model (ConvNeXt, MobileNet, EfficientNet): its config's side is a default
+            # a convolutional model (ConvNeXt, MobileNet, EfficientNet): its config's side is a default,
+            # unless a layer is sized by it (LeViT's attention biases): one forward on meta tensors tells
+            failed = _fails_at(config, size)
+            if failed is None:
+                return size
+            raise TightfitError(f"{option_given('image_size', size)}: the model in {self.folder} does not run on "
+                                f"{size} x {size} images ({failed}); it was made for {made_for} x {made_for}: use "
+                                f"{option_given('image_size', made_for)}")
         if self.folder is not None:
             raise TightfitError(f"{option_given('image_size', size)}: the model in {self.folder} takes {made_for} x "
                                 f"{made_for} images (its position embeddings); use {option_given('image_size', made_for)}")
@@ -398,6 +405,24 @@ def _quiet_transformers() -> None:
 
 
 # ---------------------------------------------------------------- loading and checking for training
+def _fails_at(config, size: int) -> str | None:
+    """Why an image classifier built from ``config`` fails a forward on one ``size`` x ``size``
+    image (the first line of its error), or None where it runs: built and run on meta tensors
+    (no memory, no weights read)."""
+    import transformers
+
+    config = copy.deepcopy(config)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForImageClassification.from_config(config, attn_implementation="eager")
+            channels = int(getattr(config, "num_channels", 3))
+            with torch.no_grad():
+                model.eval()(pixel_values=torch.empty(1, channels, size, size))
+    except Exception as e:  # noqa: BLE001 - any failure at this size is the answer
+        return (str(e).splitlines() or [type(e).__name__])[0][:200]
+    return None
+
+
 def _position_embeddings(folder) -> bool:
     """Whether the model saved in ``folder`` has position embeddings, which fix the image side
     it takes (a ViT's: one per patch of its config's ``image_size``): a weight named
