@@ -108,3 +108,162 @@ def test_the_planners_probe_steps_leave_batchnorm_statistics_as_they_were():
     run_probe_steps(Workload(model, data, None, 8), 4, "fp32", "adamw", timed_steps=2)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+
+
+def _cnn_loss(model, batch):
+    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def test_a_skipped_non_finite_step_leaves_batchnorm_statistics_as_it_found_them():
+    """One sample with an inf: the step is skipped (weights unchanged), but its forward had folded
+    the inf into BatchNorm's running statistics, NaN for good: every evaluation after gave NaN,
+    and the runtime wrote checkpoints holding them. The statistics are now put back with the
+    skip, in the Python API's step and in the runtime's, and a checkpoint refuses NaN statistics."""
+    import tightfit
+    from tightfit.plan import Plan
+    from tightfit.runtime.checkpoint import NonFiniteCheckpointError, _check_finite
+
+    model = _cnn()
+    step = tightfit.TrainStep(Plan("fp32", 8, 16, False, device="cpu"), model,
+                              torch.optim.AdamW(model.parameters(), lr=1e-2), loss=_cnn_loss)
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,))
+    step((x, y))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("inf")
+    assert not step((bad, y)).stepped
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+    model[1].running_var.fill_(float("nan"))  # as a skipped step left them before
+    with pytest.raises(NonFiniteCheckpointError, match=r"buffer '1.running_var' holds inf/NaN"):
+        _check_finite(model)
+
+
+def test_the_runtimes_skipped_step_puts_the_buffers_back_also_when_decided_on_the_device():
+    """On CUDA with a fused optimizer the skip is decided on the device and read later: the
+    buffers are then chosen there, kept where the step was applied and put back where not."""
+    from tightfit.buffers import buffer_snapshot, restore_buffers
+
+    norm = torch.nn.BatchNorm1d(3)
+    snapshot = buffer_snapshot([norm])
+    norm.running_mean.fill_(float("nan"))
+    restore_buffers(snapshot, unless=torch.tensor(True))  # applied: kept as the step left them
+    assert torch.isnan(norm.running_mean).all()
+    restore_buffers(snapshot, unless=torch.tensor(False))  # skipped: as the step found them
+    assert torch.equal(norm.running_mean, torch.zeros(3))
+
+
+def test_a_checkpointed_blocks_own_buffers_are_updated_once_per_forward():
+    """A block of the user's own keeping a moving average and a counter in buffers: the
+    recomputation updated them a second time (only BatchNorm's were kept)."""
+    import tightfit
+    from tightfit.plan import Plan
+
+    class Block(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.lin = torch.nn.Linear(d, d)
+            self.register_buffer("ema", torch.zeros(d))
+            self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.ema.mul_(0.9).add_(0.1 * x.mean(0))
+                    self.seen += 1
+            return x + torch.relu(self.lin(x))
+
+    def run(checkpointing):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(16), Block(16), torch.nn.Linear(16, 4))
+        step = tightfit.TrainStep(Plan("fp32", 8, 8, checkpointing, device="cpu"), model,
+                                  torch.optim.SGD(model.parameters(), lr=0.1), loss=_cnn_loss)
+        step((torch.randn(8, 16), torch.randint(0, 4, (8,))))
+        return int(model[0].seen), model[0].ema.clone()
+
+    (seen, ema), (seen_ckpt, ema_ckpt) = run(False), run(True)
+    assert seen == seen_ckpt == 1 and torch.equal(ema, ema_ckpt)
+
+
+def test_an_oom_redo_puts_batchnorms_statistics_back_beside_a_large_buffer(monkeypatch):
+    """A buffer over the snapshot bound (a large table, never written) made the OOM redo copy no
+    buffer at all: BatchNorm kept the failed attempt's update (3 batches counted for 2)."""
+    import tightfit
+    import tightfit.buffers as buffers
+    from tightfit.plan import Plan
+
+    monkeypatch.setattr(buffers, "BUFFER_SNAPSHOT_BYTES", 4096)  # the table below is over it
+
+    def run(micro_batch, oom):
+        model = _cnn()
+        model.register_buffer("table", torch.zeros(2048))
+        step = tightfit.TrainStep(Plan("fp32", micro_batch, 16, False, device="cpu"), model,
+                                  torch.optim.SGD(model.parameters(), lr=0.1), loss=_cnn_loss)
+        fired = []
+
+        def hook(module, inputs, output):
+            if oom and not fired:
+                fired.append(1)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        model[1].register_forward_hook(hook)
+        g = torch.Generator().manual_seed(1)
+        step((torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)))
+        return int(model[1].num_batches_tracked), model[1].running_mean.clone()
+
+    (count, mean), (count_redone, mean_redone) = run(8, False), run(16, True)
+    assert count == count_redone == 2 and torch.equal(mean, mean_redone)
+
+
+def test_planning_on_the_cpu_leaves_a_buffer_the_model_writes_as_it_was():
+    """``tightfit.plan`` runs one forward of the sample batch (eval mode) to check the loss; a
+    buffer the model writes in any mode (a call counter) kept its trace."""
+    import tightfit
+
+    class Counted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            self.calls += 1
+            return self.lin(x)
+
+    model = Counted()
+    tightfit.plan(model, (torch.randn(8, 4), torch.randint(0, 2, (8,))), effective_batch=8, device="cpu",
+                  loss=_cnn_loss)
+    assert int(model.calls) == 0
+
+
+def test_the_runtime_trainers_skipped_step_leaves_batchnorm_statistics_as_it_found_them():
+    import types
+
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+        def forward(self, x):
+            return types.SimpleNamespace(logits=self.body(x))
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4), "labels": i % 2} for i in range(16)]
+    t = Trainer(Workload(Net(), data, None, 8), Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3), progress=False)
+    t.train_step(list(range(8)))
+    norm = t.model.body[1]
+    before = (norm.running_mean.clone(), int(norm.num_batches_tracked))
+    handle = t.model.body[0].register_forward_hook(lambda m, i, o: o * float("inf"))
+    loss, stepped = t.train_step(list(range(8, 16)))
+    handle.remove()
+    assert not stepped and int(norm.num_batches_tracked) == before[1] == 1
+    torch.testing.assert_close(norm.running_mean, before[0], rtol=0, atol=0)

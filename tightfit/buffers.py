@@ -27,22 +27,41 @@ def buffer_snapshot(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.M
         modules: the model's modules (``model.modules()``, or a list of them made once).
 
     Returns:
-        ``[(module, buffer name, copy)]``; None when the buffers total more than
-        :data:`BUFFER_SNAPSHOT_BYTES` (then a redo keeps what the failed attempt wrote to them).
+        ``[(module, buffer name, copy)]``: of every module's buffers up to
+        :data:`BUFFER_SNAPSHOT_BYTES` in all, else of the norms' with running statistics among
+        them (one large table elsewhere does not leave BatchNorm's statistics uncopied); None
+        when even those are over it (then a redo keeps what the failed attempt wrote to them).
     """
-    found = [(m, name, b) for m in modules for name, b in m._buffers.items()
-             if b is not None and b.dtype != torch.bool and not b.is_complex()]
-    if sum(b.numel() * b.element_size() for _, _, b in found) > BUFFER_SNAPSHOT_BYTES:
-        return None
-    return [(m, name, b.detach().clone()) for m, name, b in found]
+    modules = list(modules)
+    for chosen in (modules, [m for m in modules if isinstance(m, torch.nn.modules.batchnorm._NormBase)]):
+        found = [(m, name, b) for m in chosen for name, b in m._buffers.items() if _changeable(b)]
+        if sum(b.numel() * b.element_size() for _, _, b in found) <= BUFFER_SNAPSHOT_BYTES:
+            return [(m, name, b.detach().clone()) for m, name, b in found]
+    return None
 
 
-def restore_buffers(snapshot: list[tuple[torch.nn.Module, str, torch.Tensor]] | None) -> None:
+def _changeable(buffer) -> bool:
+    """A buffer a forward may update: floating-point or integer (boolean masks are left)."""
+    return buffer is not None and buffer.dtype != torch.bool and not buffer.is_complex()
+
+
+def buffer_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules in ``module`` that hold buffers a forward may update (:func:`buffer_snapshot`'s
+    kind): BatchNorm's running statistics, a moving average or counter of the user's own."""
+    return [m for m in module.modules() if any(_changeable(b) for b in m._buffers.values())]
+
+
+def restore_buffers(snapshot: list[tuple[torch.nn.Module, str, torch.Tensor]] | None,
+                    unless: torch.Tensor | None = None) -> None:
     """Write a :func:`buffer_snapshot` back into the buffers, in place (DDP and compiled graphs
-    hold the buffer tensors themselves). None: nothing to restore."""
+    hold the buffer tensors themselves). None: nothing to restore.
+
+    ``unless``: a 0-d boolean device tensor; where it is True the buffers are kept as they are
+    (a step's "applied", decided on the device: the choice is made there, with no host sync)."""
     with torch.no_grad():
         for module, name, copy in snapshot or ():
-            module._buffers[name].copy_(copy)
+            buffer = module._buffers[name]
+            buffer.copy_(copy if unless is None else torch.where(unless, buffer, copy))
 
 
 def running_stat_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -54,8 +73,7 @@ def running_stat_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 class KeptBuffers:
     """Context: the buffers of ``modules`` (each module's own, :func:`buffer_snapshot`) as they
-    were on entry, written back in place on exit -- all of them up to
-    :data:`BUFFER_SNAPSHOT_BYTES`, else those of the norms with running statistics among them.
+    were on entry, written back in place on exit.
     Re-enterable (a stack), as the recomputation contexts it is entered with.
     """
 
@@ -63,8 +81,7 @@ class KeptBuffers:
         self.modules, self.saved = list(modules), []
 
     def __enter__(self):
-        norms = [m for m in self.modules if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
-        self.saved.append(buffer_snapshot(self.modules) or buffer_snapshot(norms))
+        self.saved.append(buffer_snapshot(self.modules))
         return self
 
     def __exit__(self, *exc):

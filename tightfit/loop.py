@@ -249,9 +249,12 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
             raise TightfitError(f"budget={shown[0]} cannot hold the model's weights, gradients and "
                                 f"AdamW state ({shown[1]}, before any activations): raise the budget")
     d = {k: v[:2] for k, v in b.as_dict().items()}
+    from .buffers import KeptBuffers
+
     rng = capture_rng()
     try:
-        with torch.no_grad(), module_mode(model, False):  # eval: batch norm's running statistics stay as they are
+        # eval: batch norm's running statistics stay as they are; a buffer the model writes in any mode too
+        with torch.no_grad(), module_mode(model, False), KeptBuffers(model.modules()):
             _loss_sum(b, loss)(model, d)
     finally:
         restore_rng(rng)  # the probe draws no dropout mask the run would have drawn
@@ -547,6 +550,9 @@ class TrainStep:
                                        self.scaler, lambda: autocast(self.plan.precision, self.device.type),
                                        self.max_grad_norm)
                 self._used_micro_batch = self.micro_batch
+                if not result.finite:  # skipped: the buffers too as the step found them (no NaN statistics kept)
+                    from .buffers import restore_buffers
+                    restore_buffers(buffers)
                 return result
             except Exception as e:  # OOMs are redone; anything else propagates, the attempt undone
                 written = before is not None and changed_since(self.optimizer, before)

@@ -320,8 +320,14 @@ class PendingStep:
     """
 
     def __init__(self, values: torch.Tensor | None = None, result: StepResult | None = None):
-        """``values``: the 2-element float32 device tensor ``[grad norm, loss]``; or ``result``."""
+        """``values``: the 2-element float32 device tensor ``[grad norm, loss]``; or ``result``.
+
+        Attributes:
+            applied: with ``values``, a 0-d boolean device tensor, whether the update was applied
+                (the gradient norm finite), for what must follow the verdict on the device.
+        """
         self._result, self._host, self._copied = result, values, None
+        self.applied = None if values is None else torch.isfinite(values[0])
         if values is not None and values.is_cuda:
             self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
             self._host.copy_(values, non_blocking=True)

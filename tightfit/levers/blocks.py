@@ -19,12 +19,12 @@ from collections import defaultdict
 
 import torch
 
-from ..buffers import running_stat_norms
+from ..buffers import buffer_modules
 from ..errors import TightfitError
 
 _ORIG = "_tightfit_forward"
 _POLICY = "_tightfit_block_policy"
-_NORMS = "_tightfit_running_stat_norms"
+_KEPT = "_tightfit_buffer_modules"
 
 # What a block keeps for backward, least memory-saving first: "none" saves its activations,
 # "selective" recomputes the cheap ops, "full" everything, "offload" keeps them on the host.
@@ -164,14 +164,14 @@ def apply_block_policies(model: torch.nn.Module, policies, recompute_context=Non
             del block.forward
             del block.__dict__[_ORIG]
             del block.__dict__[_POLICY]
-            del block.__dict__[_NORMS]
+            del block.__dict__[_KEPT]
         if policy != "none":
             original = block.forward
-            norms = running_stat_norms(block)
+            kept = buffer_modules(block)
             block.__dict__[_ORIG] = original
             block.__dict__[_POLICY] = policy
-            block.__dict__[_NORMS] = norms
-            block.forward = functools.partial(_wrapped, original, policy, recompute_context, also_saved, norms)
+            block.__dict__[_KEPT] = kept
+            block.forward = functools.partial(_wrapped, original, policy, recompute_context, also_saved, kept)
     return blocks
 
 
@@ -185,20 +185,22 @@ def block_policy(block: torch.nn.Module) -> str:
     return block.__dict__.get(_POLICY, "none")
 
 
-def block_norms(block: torch.nn.Module) -> list[torch.nn.Module]:
-    """The norm layers with running statistics that :func:`apply_block_policies` found in
-    ``block`` (:func:`running_stat_norms`; empty for a block it did not wrap)."""
-    return block.__dict__.get(_NORMS, [])
+def block_buffers(block: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``block`` holding buffers a forward may update, as
+    :func:`apply_block_policies` found them (:func:`tightfit.buffers.buffer_modules`; empty for a
+    block it did not wrap)."""
+    return block.__dict__.get(_KEPT, [])
 
 
-def run_block(forward, policy: str, recompute_context, also_saved, norms, *args, **kwargs):
+def run_block(forward, policy: str, recompute_context, also_saved, kept, *args, **kwargs):
     """Call ``forward(*args, **kwargs)`` (a block's forward, eager or compiled) under ``policy``.
 
-    ``norms``: the block's norm layers with running statistics (:func:`running_stat_norms`), kept
-    as they were before each recomputation (:class:`tightfit.buffers.KeptBuffers`): a
+    ``kept``: the block's modules holding buffers a forward may update (:func:`block_buffers`),
+    kept as they were before each recomputation (:class:`tightfit.buffers.KeptBuffers`): a
     recomputation runs the block's forward a second time in train mode, and BatchNorm would fold
     the same batch into its statistics twice (its momentum applied twice, ``num_batches_tracked``
-    counted twice), so that evaluation would differ from the same step not checkpointed.
+    counted twice; a moving average of the user's own likewise), so that evaluation would differ
+    from the same step not checkpointed.
     """
     from torch.utils.checkpoint import checkpoint, noop_context_fn
 
@@ -213,14 +215,14 @@ def run_block(forward, policy: str, recompute_context, also_saved, norms, *args,
         context_fn = None
     else:
         context_fn = lambda: (contextlib.nullcontext(), recompute_context())  # noqa: E731
-    if norms and not _tracing():  # a compiled graph's checkpoint updates the statistics once already
-        context_fn = _keeping_stats(context_fn or noop_context_fn, norms)
+    if kept and not _tracing():  # a compiled graph's checkpoint updates the buffers once already
+        context_fn = _keeping_buffers(context_fn or noop_context_fn, kept)
     if context_fn is None:  # none given: dynamo takes no other (it compiles a checkpoint inside a graph)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _keeping_stats(context_fn, norms):
+def _keeping_buffers(context_fn, kept):
     """``context_fn`` with :class:`~tightfit.buffers.KeptBuffers` entered outside its recomputation context
     (before a selective policy's mode, so that its copies are not taken for recomputed ops)."""
     from ..buffers import KeptBuffers
@@ -228,12 +230,12 @@ def _keeping_stats(context_fn, norms):
 
     def fn():
         forward, recompute = context_fn()
-        return forward, _both(KeptBuffers(norms), recompute)
+        return forward, _both(KeptBuffers(kept), recompute)
     return fn
 
 
-def _wrapped(forward, policy, recompute_context, also_saved, norms, *args, **kwargs):
-    return run_block(forward, policy, recompute_context, also_saved, norms, *args, **kwargs)
+def _wrapped(forward, policy, recompute_context, also_saved, kept, *args, **kwargs):
+    return run_block(forward, policy, recompute_context, also_saved, kept, *args, **kwargs)
 
 
 # Model attribute naming the modules that tightfit.levers.compile compiled (kept here, beside the

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from .blocks import COMPILED_MARK, block_norms, block_policy, find_blocks, run_block
+from .blocks import COMPILED_MARK, block_buffers, block_policy, find_blocks, run_block
 
 
 
@@ -145,7 +145,7 @@ def _call_block(forward, block, *args, **kwargs):
     _mark_batch_dynamic(_tensors(args, kwargs))
     policy = block_policy(block)
     if policy != "none":
-        return run_block(forward, policy, None, None, block_norms(block), block, *args, **kwargs)
+        return run_block(forward, policy, None, None, block_buffers(block), block, *args, **kwargs)
     return forward(block, *args, **kwargs)
 
 

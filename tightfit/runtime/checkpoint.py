@@ -96,6 +96,19 @@ def _assert_finite(model: torch.nn.Module) -> None:
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
             raise NonFiniteCheckpointError(f"refusing to write a checkpoint: parameter {name!r} holds inf/NaN")
+    for name, b in _statistics(model):
+        if not bool(torch.isfinite(b).all()):
+            raise NonFiniteCheckpointError(f"refusing to write a checkpoint: buffer {name!r} holds inf/NaN")
+
+
+def _statistics(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the running statistics of the model's norm layers (BatchNorm's mean and
+    variance): a model's other buffers may hold an infinity by design (a -inf attention mask)."""
+    from ..buffers import running_stat_norms
+
+    norms = {id(m) for m in running_stat_norms(model)}
+    return [(f"{prefix}.{name}" if prefix else name, b) for prefix, m in model.named_modules() if id(m) in norms
+            for name, b in m.named_buffers(recurse=False) if b.is_floating_point()]
 
 
 def sha256_file(path: Path) -> str:
@@ -162,8 +175,9 @@ class _HostBuffers:
 
 
 def _check_finite(model: torch.nn.Module) -> None:
-    """One device sync for all parameters; the slow per-parameter walk only names a culprit."""
-    params = [p for p in model.parameters() if p.numel()]
+    """One device sync for all parameters and BatchNorm's running statistics; the slow per-tensor
+    walk only names a culprit."""
+    params = [p for p in model.parameters() if p.numel()] + [b for _, b in _statistics(model) if b.numel()]
     if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
         _assert_finite(model)
 

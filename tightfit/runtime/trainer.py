@@ -699,6 +699,11 @@ class Trainer:
                                         defer=True)
                 if self._guard is not None:
                     self._guard.restore_statistics()
+                # a skipped (non-finite) step leaves the buffers too as it found them: BatchNorm's
+                # statistics would keep a NaN for good (decided on the device: chosen there, no sync)
+                known = pending.known
+                if known is None or not known.finite:
+                    restore_buffers(buffers, unless=None if known is not None else pending.applied)
                 break
             except Exception as e:  # only OOMs are handled; anything else propagates unchanged
                 if not is_oom(e):
