@@ -267,3 +267,32 @@ def test_the_runtime_trainers_skipped_step_leaves_batchnorm_statistics_as_it_fou
     handle.remove()
     assert not stepped and int(norm.num_batches_tracked) == before[1] == 1
     torch.testing.assert_close(norm.running_mean, before[0], rtol=0, atol=0)
+
+
+def test_an_oom_redo_splits_the_window_so_that_batchnorm_gets_no_single_sample():
+    """Planned 23 + 22 for 45 samples; an OOM halved the micro-batch to 11, which split the window
+    as 11 + 11 + 11 + 11 + 1, and the step died telling the user to plan another effective batch.
+    The redo now takes a balanced split (9 x 5) and, with BatchNorm, one with no single sample."""
+    import tightfit
+    from tightfit.plan import Plan, halved_micro_batch
+
+    assert halved_micro_batch(45, 23) == 9 and halved_micro_batch(8, 8) == 4 and halved_micro_batch(7, 7) == 3
+    assert halved_micro_batch(5, 4) == 2 and halved_micro_batch(5, 4, no_single=True) == 2  # 2+2+1: none better
+    assert halved_micro_batch(21, 22, no_single=True) == 11  # 11 + 10
+    # 31 at half of 12: 6 x 5 + 1; with BatchNorm not 5 (5 x 6 + 1) but 4 (4 x 7 + 3)
+    assert halved_micro_batch(31, 12) == 6 and halved_micro_batch(31, 12, no_single=True) == 4
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    step = tightfit.TrainStep(Plan("fp32", 23, 45, False, device="cpu"), model,
+                              torch.optim.AdamW(model.parameters()), loss=_cnn_loss)
+    batch = (torch.randn(45, 3, 8, 8), torch.randint(0, 4, (45,)))
+    assert step(batch).micro_batch == 23
+    fired = []
+
+    def hook(module, inputs, output):
+        if not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    model[0].register_forward_hook(hook)
+    assert step(batch).micro_batch == 9

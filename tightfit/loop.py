@@ -625,7 +625,10 @@ class TrainStep:
                                    "; a plan with activation checkpointing would use less")
                                 + ("; fp16/bf16 autocast would use less" if self.plan.precision == "fp32" else "")
                                 + "; or raise the budget")
-        new = max(1, self.micro_batch // 2)
+        from .buffers import running_stat_norms
+        from .plan import halved_micro_batch
+
+        new = halved_micro_batch(size, self.micro_batch, no_single=bool(running_stat_norms(self.model)))
         self._event(f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {self.steps + 1} "
                     f"with micro-batch {new}: {size} samples as {describe_split(size, new)}", logging.WARNING)
         self.micro_batch = new

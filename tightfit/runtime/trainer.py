@@ -793,8 +793,14 @@ class Trainer:
                 + ("" if self.plan.activation_checkpointing else "; a plan with activation checkpointing would use less")
                 + ("; fp16/bf16 autocast would use less" if self.plan.precision == "fp32" else "")
                 + "; or raise the budget")
-        new = max(1, self.micro_batch // 2)
+        from ..buffers import running_stat_norms
+        from ..plan import halved_micro_batch
+
         size = len(self.window_at(index))
+        # the same on every rank (a function of the window); a one-sample micro-batch avoided where
+        # BatchNorm would refuse it (one process: the ranks' shares split otherwise)
+        new = halved_micro_batch(size, self.micro_batch,
+                                 no_single=not self.world.distributed and bool(running_stat_norms(self.model)))
         msg = (f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {index + 1} "
                f"with micro-batch {new}: {size} samples as {describe_split(size, new)}")
         self._event(msg)
