@@ -251,6 +251,29 @@ def test_sigint_stops_at_a_step_boundary_with_a_checkpoint_that_resumes_exactly(
     assert_same_params(params_of(resumed.model), params_of(full.model))
 
 
+def test_ctrl_c_in_the_last_step_stops_before_the_final_evaluation(tmp_path):
+    """A Ctrl-C during the last training step was acknowledged ("stopping after the current step")
+    and then ignored: the final evaluation ran and the run exited as finished. It now stops after
+    that step with its checkpoint, as at any other step; the resume evaluates and finishes."""
+    def trainer():
+        return Trainer(_workload(n=24), Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3, seed=3,
+                                                                       checkpoint_dir=str(tmp_path)), progress=False)
+
+    stopped, calls = trainer(), []
+
+    def ctrl_c(*a):  # in the middle of the last (third) step's forward
+        calls.append(1)
+        if stopped.step == 2 and len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+    stopped.model.bert.encoder.layer[0].register_forward_pre_hook(ctrl_c)
+    with pytest.raises(TrainingInterrupted, match="SIGINT: stopped after step 3 of 3") as e:
+        stopped.fit()
+    assert stopped.result.eval is None and e.value.checkpoint == str(tmp_path / "ckpt-3")
+    resumed = trainer()
+    resumed.resume(e.value.checkpoint)
+    assert resumed.fit().eval["samples"] == 8
+
+
 def test_resume_with_a_new_learning_rate_rescales_the_schedule_from_the_checkpoint(tmp_path):
     cfg = dict(epochs=1, lr=1e-3, seed=3, checkpoint_dir=str(tmp_path), checkpoint_every=2, keep_last=10)
     t = Trainer(_workload(n=48), Plan("fp32", 4, 8), TrainConfig(**cfg), progress=False)

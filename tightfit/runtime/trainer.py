@@ -543,7 +543,9 @@ class Trainer:
             # or checkpoint) waits for the next step's, or that rank alone would stop and its checkpoint's
             # collectives meet the others' next step (DESIGN invariant 12); one process stops at once
             stop = stop if self.world.distributed else self._stop_signal is not None
-            if stop and self.step < self.total_steps and ahead is None:  # else: after the queued step
+            # also after the last step where an evaluation would follow: the signal was taken to stop
+            # "after the current step", and the resume evaluates (else: after the queued step)
+            if stop and (self.step < self.total_steps or self.w.eval is not None) and ahead is None:
                 self._log_stop_note()  # a signal after this step's note point (e.g. in its checkpoint)
                 where = saved or self._checkpoint_at_stop(t0)
                 self.flush_checkpoints()
