@@ -486,3 +486,61 @@ def test_the_callback_refuses_bad_arguments_in_one_line(bad, words):
             hf.TightfitCallback(Plan("fp32", 8, 8), **bad)
     with pytest.raises(TightfitError, match="trainer must be a transformers.Trainer"):
         hf.train(object())
+
+
+def test_an_oom_redo_from_the_start_leaves_batchnorm_statistics_as_a_run_at_the_smaller_batch(tmp_path):
+    """hf.train redid the first step at 4 x 4 after an OOM at 8 x 2 with the RNG put back but not
+    the buffers: BatchNorm kept the failed attempt's updates (10 batches counted against 8)."""
+    from transformers import ResNetConfig, ResNetForImageClassification, Trainer, TrainingArguments
+
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 3, (32,), generator=g)
+    data = [{"pixel_values": x[i], "labels": int(y[i])} for i in range(32)]
+
+    def run(micro_batch, oom_at=None):
+        torch.manual_seed(0)
+        model = ResNetForImageClassification(config)
+        plan = Plan("fp32", micro_batch, 16, False, device="cpu")
+        args = TrainingArguments(**hf.training_arguments(plan, output_dir=str(tmp_path / "out"), max_steps=2,
+                                                         report_to=[], save_strategy="no", disable_tqdm=True,
+                                                         logging_strategy="no"))
+        calls = [0]
+
+        def hook(module, inputs, output):
+            calls[0] += 1
+            if calls[0] == oom_at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        model.resnet.embedder.register_forward_hook(hook)
+        hf.train(Trainer(model=model, args=args, train_dataset=data, callbacks=[hf.TightfitCallback(plan)]))
+        return model.state_dict()
+
+    ref, redone = run(4), run(8, oom_at=2)  # the OOM in the first step's second micro-batch
+    for name in ref:
+        torch.testing.assert_close(redone[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_checkpointing_plan_runs_on_a_model_without_hugging_faces_hook_and_keeps_batchnorm(tmp_path):
+    """The Trainer checkpoints through the model's Hugging Face hook: a ResNet has none (the
+    Trainer raised transformers' ValueError), and where a model with BatchNorm has one its
+    recomputation updates the statistics twice. hf.train runs tightfit's block wrappers there."""
+    from transformers import ResNetConfig, ResNetForImageClassification, Trainer, TrainingArguments
+
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
+    data = [{"pixel_values": x[i], "labels": int(y[i])} for i in range(8)]
+
+    def run(checkpointing):
+        torch.manual_seed(0)
+        model = ResNetForImageClassification(config)
+        plan = Plan("fp32", 8, 8, checkpointing, device="cpu")
+        args = TrainingArguments(**hf.training_arguments(plan, output_dir=str(tmp_path / "out"), max_steps=1,
+                                                         report_to=[], save_strategy="no", disable_tqdm=True,
+                                                         logging_strategy="no"))
+        hf.train(Trainer(model=model, args=args, train_dataset=data, callbacks=[hf.TightfitCallback(plan)]))
+        return model.state_dict()
+
+    ref, checkpointed = run(False), run(True)
+    for name in ref:
+        torch.testing.assert_close(checkpointed[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)

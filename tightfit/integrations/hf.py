@@ -87,7 +87,8 @@ def training_arguments(plan: Plan, **yours) -> dict:
     = the plan's accumulation steps, ``fp16``/``bf16`` (autocast; fp16 with the Trainer's dynamic
     loss scaling), ``activation_checkpointing`` (``gradient_checkpointing`` before transformers 5;
     non-reentrant, every layer: the Trainer cannot checkpoint a subset, so a plan that checkpoints
-    some blocks uses less memory and more time here), ``use_cpu`` and ``auto_find_batch_size=False``
+    some blocks uses less memory and more time here; for a model without Hugging Face's hook, or
+    with BatchNorm, :func:`train` runs tightfit's block wrappers instead), ``use_cpu`` and ``auto_find_batch_size=False``
     (see the module doc). Everything else is yours or the Trainer's default: ``optim`` is set only
     when you gave none and the Trainer's default is not the plan's optimizer (transformers 5's
     default is the plan's fused AdamW); gradient
@@ -491,6 +492,27 @@ class _FirstOptimizerStep(transformers.TrainerCallback):
             self.started = (inner, in_place_versions(inner), set(inner.state))
 
 
+def _checkpoint_as_planned(trainer, plans: list) -> None:
+    """Where the Trainer's own checkpointing (the model's Hugging Face hook) cannot run the plan's,
+    tightfit's block wrappers run it and the Trainer's flag is turned off: a model without the hook
+    (a ResNet: the Trainer raised ValueError), or one with BatchNorm, whose running statistics the
+    hook's recomputation updates a second time (MobileViT). ``plans``: the TightfitCallbacks' (the
+    first one's blocks; without one, every block, as the Trainer's flag means)."""
+    from ..buffers import running_stat_norms
+    from ..levers.blocks import find_blocks
+    from ..levers.checkpointing import set_activation_checkpointing
+
+    args, model = trainer.args, trainer.model
+    name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    if not getattr(args, name, False) or not find_blocks(model):
+        return
+    if getattr(model, "supports_gradient_checkpointing", False) and not running_stat_norms(model):
+        return
+    setattr(args, name, False)
+    plan = plans[0] if plans else None
+    set_activation_checkpointing(model, True, plan and plan.checkpoint_blocks, plan and plan.block_policies)
+
+
 def _redo_checkpoint(saved: list[tuple[int, str]], failed_step: int, started_from) -> str | None:
     """The newest checkpoint of ``saved`` (written by this :func:`train` call) at a step <= ``failed_step``
     that is still there (``save_total_limit`` deletes old ones), else ``started_from`` (the checkpoint
@@ -575,6 +597,7 @@ def train(trainer, **train_kwargs):
     """
     from transformers.trainer_utils import get_last_checkpoint
 
+    from ..buffers import buffer_snapshot, restore_buffers
     from ..memory.oom import is_oom, release_memory
     from ..step import changed_since
     from ..rng import capture_rng, restore_rng
@@ -588,6 +611,7 @@ def train(trainer, **train_kwargs):
     users = (args.per_device_train_batch_size, args.gradient_accumulation_steps, vars(trainer).get("_train_batch_size"),
              [(c, c.plan, c._redone_at) for c in ours])
     scale_loss_as_one_batch(trainer)  # before the first attempt: the redo keeps it
+    _checkpoint_as_planned(trainer, [c.plan for c in ours if c.plan is not None])
     for c in ours:
         c._in_train = True
     started_from = train_kwargs.get("resume_from_checkpoint")
@@ -598,6 +622,7 @@ def train(trainer, **train_kwargs):
     trainer.add_callback(first_step)
     made_here = trainer.optimizer is None  # the Trainer makes it in train() and keeps it for the next call
     rng, redone_from, finished = capture_rng(), None, False
+    buffers = buffer_snapshot(trainer.model.modules())  # BatchNorm's statistics: a redo from the start starts from these
     evaluation_failed, unwrap = _watch_evaluation(trainer)
     try:
         while True:
@@ -650,6 +675,7 @@ def train(trainer, **train_kwargs):
             release_memory()  # outside the except block: the failed attempt's frames are gone
             if step == 0:
                 restore_rng(rng)  # the redo draws the data order and dropout as a run at the smaller batch would
+                restore_buffers(buffers)  # and BatchNorm's statistics without the failed attempt's updates
             args.per_device_train_batch_size, args.gradient_accumulation_steps = smaller_micro_batch(mb, acc)
             # the Trainer reads its loader's batch from this attribute, set from the arguments at construction
             # (the one it updates itself for auto_find_batch_size)
