@@ -178,6 +178,23 @@ def test_non_finite_step_is_skipped_then_a_run_of_them_stops_training(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_skipped_step_puts_the_buffers_back_as_the_window_found_them(tmp_path):
+    """The skipped step's forwards had updated the model's buffers (BatchNorm's statistics: NaN for
+    good after an inf); the callback now puts them back with the gradients it drops."""
+    cb = hf.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=2)
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=5, callback=cb)
+    head = trainer.model.classifier
+    head.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def count(module, inputs, output):
+        module.seen.add_(1)
+    head.register_forward_hook(count)
+    head.weight.register_hook(lambda g: g * float("nan"))
+    with pytest.raises(NonFiniteTrainingError):
+        hf.train(trainer)
+    assert cb.skipped_steps == 2 and int(head.seen) == 0
+
+
 def test_a_clean_train_after_a_stopped_one_does_not_raise_the_old_stop(tmp_path):
     # the advice after a stop ("try a lower learning rate") invites a second train() on the same Trainer
     cb = hf.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=2)

@@ -127,6 +127,23 @@ def test_non_finite_steps_are_skipped_then_fit_stops():
         assert torch.equal(a, b)
 
 
+def test_a_skipped_step_puts_the_buffers_back_as_the_window_found_them():
+    """The skipped step's forwards had updated the model's buffers (BatchNorm's statistics: NaN for
+    good after an inf); the callback now puts them back with the gradients it drops."""
+    module = _Classifier()
+    head = module.bert.classifier
+    head.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def count(module, inputs, output):
+        module.seen.add_(1)
+    head.register_forward_hook(count)
+    head.weight.register_hook(lambda g: g * float("nan"))
+    cb = tl.TightfitCallback(Plan("fp32", 4, 8), max_skipped_steps=2)
+    with pytest.raises(NonFiniteTrainingError):
+        _fit(Plan("fp32", 4, 8), module, steps=5, callback=cb)
+    assert cb.skipped_steps == 2 and int(head.seen) == 0
+
+
 def test_a_second_fit_counts_its_own_non_finite_steps_in_a_row():
     module = _Classifier()
     module.bert.classifier.weight.register_hook(lambda g: g * float("nan"))

@@ -407,13 +407,25 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         if self.plan is not None:
             self.plan = self.plan.with_micro_batch(micro, reason)
 
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        """The model's buffers as the window finds them (BatchNorm's statistics), for a skipped step."""
+        from ..buffers import buffer_snapshot
+
+        self._window_buffers = None if model is None else buffer_snapshot(model.modules())
+
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        """Skip the step (fp32/bf16: drop the gradients) if a gradient is not finite; stop after too many in a row."""
+        """Skip the step (fp32/bf16: drop the gradients) if a gradient is not finite, and put the
+        buffers back as the window found them (its forwards folded the non-finite values into
+        BatchNorm's statistics); stop after too many in a row."""
+        from ..buffers import restore_buffers
+
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         finite = all(bool(torch.isfinite(g).all()) for g in grads)  # what unscale_ checks, per tensor
+        kept, self._window_buffers = getattr(self, "_window_buffers", None), None
         if finite:
             self._skipped_in_row = 0
             return
+        restore_buffers(kept)
         self.skipped_steps += 1
         self._skipped_in_row += 1
         if not args.fp16:  # without a loss scaler nothing else would skip it

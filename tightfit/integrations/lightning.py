@@ -211,7 +211,12 @@ class TightfitCallback(Watch, L.Callback):
         return pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1 and self._unit is not None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        """Count the micro-batch's samples (for the exact accumulation, see the module doc)."""
+        """At a window's first micro-batch, copy the model's buffers (BatchNorm's statistics, for a
+        skipped step); count the micro-batch's samples (for the exact accumulation, see the module doc)."""
+        if getattr(self, "_window_buffers", None) is None:
+            from ..buffers import buffer_snapshot
+
+            self._window_buffers = buffer_snapshot(pl_module.modules())
         if not self._weighing(trainer, pl_module):
             return
         from lightning.pytorch.utilities.data import extract_batch_size
@@ -252,11 +257,15 @@ class TightfitCallback(Watch, L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """Scale a short window's gradient to its samples' mean (see the module doc); skip the step
         (32-true/bf16-mixed: drop the gradients) if a gradient is not finite; raise after too many."""
+        from ..buffers import restore_buffers
+
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        kept, self._window_buffers = getattr(self, "_window_buffers", None), None
         if all(bool(torch.isfinite(g).all()) for g in grads):  # what unscale_ checks, per tensor
             self._skipped_in_row = 0
             self._to_window_mean(trainer, pl_module)
             return
+        restore_buffers(kept)  # the window's forwards folded the non-finite values into BatchNorm's statistics
         self._window_samples = 0
         self.skipped_steps += 1
         self._skipped_in_row += 1
