@@ -195,8 +195,8 @@ def run(args) -> int:
     card = profile.name if profile else "a Hopper GPU such as the H200 (the default; --gpu NAME for another card)"
     print(f"{args.model}, {batch}, {args.precision}, checkpointing {ck}, {args.optimizer}, {result.allocator} allocator, "
           f"for {card}")
-    print(f"peak reserved   {format_bytes(result.peak_reserved_bytes)}")
     print(f"peak allocated  {format_bytes(result.peak_allocated_bytes)}")
+    print(f"peak reserved   {format_bytes(result.peak_reserved_bytes)}, of which:")  # the parts add up to it
     print("\n".join(breakdown_lines(result.breakdown, grads, steps)))
     if profile:
         print(f"{profile.name}: {verdict[2]}")
