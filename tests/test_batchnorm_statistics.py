@@ -7,12 +7,25 @@ counted twice), so evaluation after a checkpointed run differed from the same ru
 The planner's probe steps (worst-case batches, weights kept bit-identical at lr 0) leave them as
 they were. (Padding micro-batches on several ranks: tests/test_distributed.py.)"""
 
+import types
+
 import pytest
 import torch
 
 from tightfit.levers.blocks import find_blocks
 from tightfit.levers.checkpointing import set_activation_checkpointing
 from tightfit.levers.compile import compile_model
+
+
+class _Net(torch.nn.Module):
+    """Linear, BatchNorm1d, Linear over ``x`` ``[B, 4]``; a classifier's output (``.logits``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+    def forward(self, x):
+        return types.SimpleNamespace(logits=self.body(x))
 
 
 def _resnet():
@@ -88,22 +101,12 @@ def test_the_planners_probe_steps_leave_batchnorm_statistics_as_they_were():
     """The probe trains a few steps at lr 0 so that the weights stay bit-identical; its forward
     passes in train mode folded the worst-case batches into BatchNorm's statistics, so a run
     planned on the GPU started from other statistics than the same run with a cached plan."""
-    import types
-
     from tightfit.planner.probe import run_probe_steps
     from tightfit.workload import Workload
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-
-        def forward(self, x):
-            return types.SimpleNamespace(logits=self.body(x))
-
     torch.manual_seed(0)
     data = [{"x": torch.randn(4) + 3.0, "labels": i % 2} for i in range(16)]
-    model = Net()
+    model = _Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     run_probe_steps(Workload(model, data, None, 8), 4, "fp32", "adamw", timed_steps=2)
     for name, value in model.state_dict().items():
@@ -242,23 +245,13 @@ def test_planning_on_the_cpu_leaves_a_buffer_the_model_writes_as_it_was():
 
 
 def test_the_runtime_trainers_skipped_step_leaves_batchnorm_statistics_as_it_found_them():
-    import types
-
     from tightfit.plan import Plan
     from tightfit.runtime.trainer import TrainConfig, Trainer
     from tightfit.workload import Workload
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-
-        def forward(self, x):
-            return types.SimpleNamespace(logits=self.body(x))
-
     torch.manual_seed(0)
     data = [{"x": torch.randn(4), "labels": i % 2} for i in range(16)]
-    t = Trainer(Workload(Net(), data, None, 8), Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3), progress=False)
+    t = Trainer(Workload(_Net(), data, None, 8), Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3), progress=False)
     t.train_step(list(range(8)))
     norm = t.model.body[1]
     before = (norm.running_mean.clone(), int(norm.num_batches_tracked))
