@@ -125,6 +125,7 @@ _PLAN = {"precision": "fp32", "micro_batch": 4, "effective_batch": 8}
     ({"checkpoint_blocks": 5}, "checkpoint_blocks 5 is not a list"),
     ({"block_policies": "full"}, "block_policies 'full' is not a list"),
     ({"checkpoint_blocks": [0, 0]}, "checkpoint_blocks (0, 0) is not a tuple of distinct block indices"),
+    ({"checkpoint_blocks": [0, 1]}, "checkpoint_blocks (0, 1) with activation_checkpointing False"),
     ({"budget_bytes": "4GiB"}, "budget_bytes '4GiB' is not None or a whole number >= 1"),
     ({"budget_bytes": -5}, "budget_bytes -5 is not"),
     ({"budget_bytes": 1.5}, "budget_bytes 1.5 is not"),

@@ -163,6 +163,9 @@ class Plan:
         from .levers.optimizers import check_precision
 
         check_precision(self.optimizer, self.precision)  # bf16 weights: bf16 autocast only
+        if self.checkpoint_blocks and not self.activation_checkpointing:  # the runtime would checkpoint none
+            raise TightfitError(f"Plan: checkpoint_blocks {self.checkpoint_blocks} with activation_checkpointing "
+                                "False: set activation_checkpointing=True to checkpoint them, or give no blocks")
         if self.micro_batch > self.rank_batch:
             object.__setattr__(self, "micro_batch", self.rank_batch)
 
