@@ -115,3 +115,17 @@ def test_two_sizes_that_differ_never_read_the_same_in_one_message(tmp_path, caps
     line = _error(capsys, ["plan", "--model", str(folder), "--seq-len", "32", "--batch-size", "16",
                            "--budget", str(budget)])
     assert f"alone, {need:,} B, is over the {budget * 0.95:,.1f} B a step may hold" in line, line
+
+
+def test_plan_and_estimate_take_trains_default_size_when_none_is_given(capsys):
+    """`tightfit plan --model minilm --batch-size 32` refused ("one of the arguments --seq-len
+    --image-size is required") where `tightfit train` takes 64 tokens by default; an image model
+    takes its own side. A size of the other kind is still refused in one line."""
+    from tightfit.cli import main
+
+    assert main(["plan", "--model", "minilm", "--batch-size", "32", "--budget", "4GiB"]) == 0
+    assert "minilm, sequence length 64, effective batch 32" in capsys.readouterr().out
+    assert main(["estimate", "--model", "resnet50", "--micro-batch", "2"]) == 0
+    capsys.readouterr()
+    assert main(["estimate", "--model", "resnet50", "--micro-batch", "2", "--seq-len", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "tightfit: error: resnet50 takes images: give --image-size, not --seq-len"

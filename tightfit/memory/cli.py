@@ -18,9 +18,37 @@ def add_model_arguments(p) -> None:
     architecture or a Hugging Face folder."""
     p.add_argument("--model", required=True, help="minilm, bert-base, bert-large, gpt2, vit-b16, resnet50 "
                                                   "or a local Hugging Face folder")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--seq-len", type=int, help="tokens per sample (text models)")
-    size.add_argument("--image-size", type=int, help="pixels per side (image models)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--seq-len", type=int, help="tokens per sample (text models; default: tightfit train's, 64)")
+    size.add_argument("--image-size", type=int, help="pixels per side (image models; default: the model's own "
+                                                     "side, as tightfit train takes it)")
+
+
+def model_size(args, kind: str) -> int:
+    """The size a command traces ``args.model`` at (and sets it in ``args``): ``--seq-len`` or
+    ``--image-size`` as given, else what ``tightfit train`` takes by default -- 64 tokens, or an
+    image model's own side (its config's, a tightfit-saved folder's, else 224:
+    :meth:`tightfit.models.ModelEntry.fit_image_size`).
+
+    Raises:
+        TightfitError: the size given is the other kind's (``--seq-len`` for an image model).
+    """
+    if kind == "image":
+        if args.seq_len is not None:
+            raise TightfitError(f"{args.model} takes images: give --image-size, not --seq-len")
+        if args.image_size is None:
+            from ..models import resolve
+
+            entry = resolve(args.model)
+            args.image_size = entry.fit_image_size(entry.load_config()[1], None)
+        return args.image_size
+    if args.image_size is not None:
+        raise TightfitError(f"{args.model} takes text: give --seq-len, not --image-size")
+    if args.seq_len is None:
+        from ..config import WorkloadOptions
+
+        args.seq_len = WorkloadOptions().seq_len
+    return args.seq_len
 
 
 def gradient_note(gradients_at_peak: int, all_gradient_bytes: int, accumulation_steps: int = 1) -> str:
@@ -145,11 +173,7 @@ def run(args) -> int:
     for n in notes:
         print(f"note: {n}", file=sys.stderr if args.json else sys.stdout)
     kind = make_batch.kind
-    if kind == "image" and args.image_size is None:
-        raise TightfitError(f"{args.model} takes images: give --image-size")
-    if kind != "image" and args.seq_len is None:
-        raise TightfitError(f"{args.model} takes text: give --seq-len")
-    size = args.image_size if kind == "image" else args.seq_len
+    size = model_size(args, kind)
     if kind != "image":
         from ..models import check_planned_seq_len
 

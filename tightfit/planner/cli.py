@@ -63,10 +63,10 @@ def run(args) -> int:
 
     model, note = apply_trainable(model, args.trainable)  # as `tightfit train --trainable` does before planning
     notes += [note] if note else []
+    from ..memory.cli import model_size
+
     kind = make_batch.kind
-    if (kind == "image") != (args.image_size is not None):
-        raise TightfitError(f"{args.model} takes {'images: give --image-size' if kind == 'image' else 'text: give --seq-len'}")
-    size = args.image_size or args.seq_len
+    size = model_size(args, kind)
     if kind != "image":
         from ..models import check_planned_seq_len
 
