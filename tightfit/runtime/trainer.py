@@ -266,8 +266,8 @@ def starves_batchnorm(model: torch.nn.Module, forward) -> bool:
     channel (``ValueError: Expected more than 1 value per channel when training``). It runs under
     ``no_grad`` with the modes training uses (a branch that runs only in training, such as an
     auxiliary head, is reached), and the model's buffers (:class:`tightfit.buffers.KeptBuffers`:
-    BatchNorm's running statistics) and the random streams are put back after. A forward failing for another reason also answers True (cannot
-    tell: every layer counts)."""
+    BatchNorm's running statistics) and the random streams are put back after. A forward failing
+    for another reason also answers True (cannot tell: every layer counts)."""
     from ..buffers import KeptBuffers
     from ..rng import capture_rng, restore_rng
     from ..step import train_mode
