@@ -345,3 +345,22 @@ def test_estimate_json_says_what_is_trained(capsys):
                  "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["trainable"] == "frozen-2" and plan["trainable_params"] > 0
+
+
+def test_a_model_unfrozen_since_its_freezing_is_planned_as_it_trains_now():
+    """Gradual unfreezing: after apply_trainable(model, "frozen-1") and unfreezing every
+    parameter, tightfit.plan still labelled the plan frozen-1 (with every parameter counted as
+    trained), and TrainStep refused the plan it had just made ("or plan with trainable all", an
+    argument tightfit.plan does not have)."""
+    import tightfit
+
+    model, _ = apply_trainable(tiny_bert(0.0, 0), "frozen-1")
+    assert trainable_fields(model)["trainable"] == "frozen-1"
+    for p in model.parameters():
+        p.requires_grad_(True)
+    fields = trainable_fields(model)
+    assert fields == {"trainable": "all", "trainable_params": sum(p.numel() for p in model.parameters())}
+    batch = SyntheticBatches(8).collate(list(range(8)))
+    plan = tightfit.plan(model, batch, effective_batch=8, device="cpu")
+    assert plan.trainable == "all"
+    tightfit.TrainStep(plan, model)(batch)

@@ -197,4 +197,4 @@ def check_frozen(trainable: str, model: torch.nn.Module) -> None:
     if live:
         raise TightfitError(f"the plan trains with trainable {trainable}, but {len(live)} of the parameters it "
                             f"freezes require grad ({live[0]}, ...): freeze them first "
-                            "(tightfit.levers.trainable.apply_trainable), or plan with trainable all")
+                            "(tightfit.levers.trainable.apply_trainable), or plan again for the model as it is now")

@@ -82,8 +82,10 @@ def check_adapters(trainable: str, model: torch.nn.Module) -> None:
 
 def trainable_note(model: torch.nn.Module) -> str:
     """The line that says how many parameters of a LoRA-wrapped ``model`` train (plan and train say it)."""
+    from ..config import option_given
+
     n, total = trainable_count(model)
-    return (f"--trainable lora: {n:,} of {total:,} parameters trainable ({100 * n / total:.2f}%: "
+    return (f"{option_given('trainable', 'lora')}: {n:,} of {total:,} parameters trainable ({100 * n / total:.2f}%: "
             f"LoRA adapters and the head; the rest frozen)")
 
 
