@@ -149,3 +149,13 @@ def assert_same_params(a, b):
     assert a.keys() == b.keys()
     for n in a:
         assert torch.equal(a[n], b[n]), n
+
+
+def count_forwards(module):
+    """Give ``module`` a ``seen`` buffer (int64) that each of its forwards adds 1 to: a buffer a
+    training step writes, as BatchNorm's statistics are."""
+    module.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def count(m, inputs, output):
+        m.seen.add_(1)
+    module.register_forward_hook(count)

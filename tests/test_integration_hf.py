@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tightfit
-from conftest import SyntheticBatches, shipped_model_reviews, tiny_bert
+from conftest import SyntheticBatches, count_forwards, shipped_model_reviews, tiny_bert
 from tightfit import Plan, TightfitError
 
 hf = pytest.importorskip("tightfit.integrations.hf")
@@ -184,11 +184,7 @@ def test_a_skipped_step_puts_the_buffers_back_as_the_window_found_them(tmp_path)
     cb = hf.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=2)
     trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=5, callback=cb)
     head = trainer.model.classifier
-    head.register_buffer("seen", torch.zeros((), dtype=torch.long))
-
-    def count(module, inputs, output):
-        module.seen.add_(1)
-    head.register_forward_hook(count)
+    count_forwards(head)
     head.weight.register_hook(lambda g: g * float("nan"))
     with pytest.raises(NonFiniteTrainingError):
         hf.train(trainer)

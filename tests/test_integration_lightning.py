@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tightfit
-from conftest import SyntheticBatches, shipped_model_reviews, tiny_bert
+from conftest import SyntheticBatches, count_forwards, shipped_model_reviews, tiny_bert
 from tightfit import Plan, TightfitError
 
 tl = pytest.importorskip("tightfit.integrations.lightning")
@@ -132,11 +132,7 @@ def test_a_skipped_step_puts_the_buffers_back_as_the_window_found_them():
     good after an inf); the callback now puts them back with the gradients it drops."""
     module = _Classifier()
     head = module.bert.classifier
-    head.register_buffer("seen", torch.zeros((), dtype=torch.long))
-
-    def count(module, inputs, output):
-        module.seen.add_(1)
-    head.register_forward_hook(count)
+    count_forwards(head)
     head.weight.register_hook(lambda g: g * float("nan"))
     cb = tl.TightfitCallback(Plan("fp32", 4, 8), max_skipped_steps=2)
     with pytest.raises(NonFiniteTrainingError):

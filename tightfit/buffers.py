@@ -33,7 +33,7 @@ def buffer_snapshot(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.M
         when even those are over it (then a redo keeps what the failed attempt wrote to them).
     """
     modules = list(modules)
-    for chosen in (modules, [m for m in modules if isinstance(m, torch.nn.modules.batchnorm._NormBase)]):
+    for chosen in (modules, [m for m in modules if is_running_stat_norm(m)]):
         found = [(m, name, b) for m in chosen for name, b in m._buffers.items() if _changeable(b)]
         if sum(b.numel() * b.element_size() for _, _, b in found) <= BUFFER_SNAPSHOT_BYTES:
             return [(m, name, b.detach().clone()) for m, name, b in found]
@@ -64,11 +64,15 @@ def restore_buffers(snapshot: list[tuple[torch.nn.Module, str, torch.Tensor]] | 
             buffer.copy_(copy if unless is None else torch.where(unless, buffer, copy))
 
 
+def is_running_stat_norm(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a norm layer that updates running statistics in train mode:
+    BatchNorm (1-3d, SyncBatchNorm) or InstanceNorm with ``track_running_stats``."""
+    return isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
+
+
 def running_stat_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The norm layers in ``module`` that update running statistics in train mode: BatchNorm
-    (1-3d, SyncBatchNorm) and InstanceNorm with ``track_running_stats``."""
-    return [m for m in module.modules()
-            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    """The norm layers in ``module`` that update running statistics (:func:`is_running_stat_norm`)."""
+    return [m for m in module.modules() if is_running_stat_norm(m)]
 
 
 class KeptBuffers:

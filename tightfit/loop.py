@@ -234,6 +234,7 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
             the model state; a budget above the card's memory.
     """
     from .devices import get_profile
+    from .buffers import KeptBuffers
     from .models import model_state_bytes
     from .rng import capture_rng, restore_rng
     from .step import module_mode
@@ -249,8 +250,6 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
             raise TightfitError(f"budget={shown[0]} cannot hold the model's weights, gradients and "
                                 f"AdamW state ({shown[1]}, before any activations): raise the budget")
     d = {k: v[:2] for k, v in b.as_dict().items()}
-    from .buffers import KeptBuffers
-
     rng = capture_rng()
     try:
         # eval: batch norm's running statistics stay as they are; a buffer the model writes in any mode too
@@ -531,10 +530,9 @@ class TrainStep:
         from .memory.oom import is_oom, release_memory
         from .rng import capture_rng
         from .runtime.trainer import PartialUpdateError
-        from .buffers import buffer_snapshot
-        from .step import changed_since, in_place_versions
+        from .buffers import buffer_snapshot, restore_buffers
         from .levers.optimizers import hold_gradients
-        from .step import training_step
+        from .step import changed_since, in_place_versions, training_step
 
         tokens = _target_tokens(self.model, b, self.loss)  # None: the loss is a mean over samples
         d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss, tokens), capture_rng()
@@ -551,7 +549,6 @@ class TrainStep:
                                        self.max_grad_norm)
                 self._used_micro_batch = self.micro_batch
                 if not result.finite:  # skipped: the buffers too as the step found them (no NaN statistics kept)
-                    from .buffers import restore_buffers
                     restore_buffers(buffers)
                 return result
             except Exception as e:  # OOMs are redone; anything else propagates, the attempt undone

@@ -104,11 +104,10 @@ def _assert_finite(model: torch.nn.Module) -> None:
 def _statistics(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of the running statistics of the model's norm layers (BatchNorm's mean and
     variance): a model's other buffers may hold an infinity by design (a -inf attention mask)."""
-    from ..buffers import running_stat_norms
+    from ..buffers import is_running_stat_norm
 
-    norms = {id(m) for m in running_stat_norms(model)}
-    return [(f"{prefix}.{name}" if prefix else name, b) for prefix, m in model.named_modules() if id(m) in norms
-            for name, b in m.named_buffers(recurse=False) if b.is_floating_point()]
+    return [(f"{prefix}.{name}" if prefix else name, b) for prefix, m in model.named_modules()
+            if is_running_stat_norm(m) for name, b in m.named_buffers(recurse=False) if b.is_floating_point()]
 
 
 def sha256_file(path: Path) -> str:
