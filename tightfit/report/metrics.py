@@ -70,8 +70,8 @@ def keep_metrics_until(path: str | Path, step: int) -> list[int]:
                 damaged.append(n)
             continue
         records.append((line, record if isinstance(record, dict) else {}))
-    marks = [i for i, (_, r) in enumerate(records) if r.get("type") == "checkpoint" and r.get("step") == step]
-    mark = marks[-1] if marks else None
+    mark = max((i for i, (_, r) in enumerate(records) if r.get("type") == "checkpoint" and r.get("step") == step),
+               default=None)  # the last record of that checkpoint
     kept = []
     for i, (line, record) in enumerate(records):
         at = record.get("step")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TightfitError
-from ..buffers import KeptBuffers
+from ..buffers import buffer_snapshot, restore_buffers
 
 _log = logging.getLogger(__name__)
 
@@ -403,7 +403,7 @@ class WindowGuard:
         self.n, self.real = micro_batches, micro_batches - padding
         self.i = 0
         self.agreed = False
-        self._kept = None  # BatchNorm's statistics before the first padding micro-batch (restore_statistics)
+        self._kept: list = []  # the buffers before the first padding micro-batch (restore_statistics)
 
     def agree(self, failed: bool) -> None:
         """One all-reduce of "someone failed" (every rank calls it once per attempt).
@@ -422,8 +422,8 @@ class WindowGuard:
         if last and self.world.sharding == "ddp":
             self.world._armed = self  # the model's forward ends with the agreement (World.wrap)
         padding = i >= self.real
-        if padding and self._kept is None:  # repeats of this rank's samples: BatchNorm must not count them
-            self._kept = KeptBuffers(model.modules()).__enter__()
+        if padding and not self._kept:  # repeats of this rank's samples: BatchNorm must not count them
+            self._kept.append(buffer_snapshot(model.modules()))
         try:
             loss = self.loss_sum(model, batch)
         finally:
@@ -436,6 +436,5 @@ class WindowGuard:
         """After the window's backward: BatchNorm's running statistics back to what they were
         before its padding micro-batches (not at once after their forward: autograd saved the
         statistics for their backward and would refuse them changed in place)."""
-        if self._kept is not None:
-            self._kept.__exit__(None, None, None)
-            self._kept = None
+        if self._kept:
+            restore_buffers(self._kept.pop())
