@@ -364,3 +364,21 @@ def test_a_model_unfrozen_since_its_freezing_is_planned_as_it_trains_now():
     plan = tightfit.plan(model, batch, effective_batch=8, device="cpu")
     assert plan.trainable == "all"
     tightfit.TrainStep(plan, model)(batch)
+
+
+def test_the_label_says_what_is_frozen_after_a_second_freezing_or_a_partial_unfreezing():
+    """apply_trainable(m, "frozen-1") then apply_trainable(m, "frozen-embeddings") left block 0
+    frozen while the plan said frozen-embeddings; unfreezing block 0 alone (embeddings still
+    frozen) was labelled "all"."""
+    import tightfit
+
+    model, _ = apply_trainable(tiny_bert(0.0, 0), "frozen-1")
+    model, _ = apply_trainable(model, "frozen-embeddings")
+    assert trainable_fields(model)["trainable"] == "frozen-1"
+    for p in model.bert.encoder.layer[0].parameters():
+        p.requires_grad_(True)
+    assert trainable_fields(model)["trainable"] == "frozen-embeddings"
+    batch = SyntheticBatches(8).collate(list(range(8)))
+    plan = tightfit.plan(model, batch, effective_batch=8, device="cpu")
+    assert plan.trainable == "frozen-embeddings"
+    tightfit.TrainStep(plan, model)(batch)

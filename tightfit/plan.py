@@ -86,7 +86,9 @@ class Plan:
         precision: ``"fp32"``, ``"fp16"`` (autocast + dynamic loss scaling) or ``"bf16"``
             (autocast); the weights stay fp32 in all three, except under ``adamw8bit-bf16``
             (bf16 weights, bf16 only).
-        micro_batch: samples per forward/backward pass.
+        micro_batch: samples per forward/backward pass; one above a process's share of the
+            effective batch (:attr:`rank_batch`) is lowered to it, since one micro-batch then
+            covers the whole window.
         effective_batch: samples per optimizer step (the whole accumulation window).
         activation_checkpointing: recompute each transformer block's activations in backward.
         optimizer: the optimizer, one of :data:`tightfit.step.OPTIMIZERS`: ``"adamw"`` (fused),

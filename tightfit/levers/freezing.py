@@ -184,6 +184,24 @@ def _freeze_running_statistics(model: torch.nn.Module, n_blocks: int) -> int:
     return len(norms)
 
 
+def frozen_label(model: torch.nn.Module) -> str | None:
+    """The freezing value that says what is frozen in ``model`` now: ``frozen-N`` for the input
+    layers and the first ``N`` repeated blocks all frozen (the largest such ``N``),
+    ``frozen-embeddings`` for the input layers alone, None where an input layer trains. Read from
+    ``requires_grad``, so it stays true after a second freezing (``frozen-1`` then
+    ``frozen-embeddings`` leaves block 0 frozen) or a partial unfreezing."""
+    inputs, blocks = input_parameters(model), find_blocks(model)
+    if any(p.requires_grad for _, p in inputs):
+        return None
+    n = 0
+    while n < len(blocks) and not any(p.requires_grad for p in blocks[n].parameters()) \
+            and any(True for _ in blocks[n].parameters()):
+        n += 1
+    if n:
+        return f"frozen-{n}"
+    return FROZEN_EMBEDDINGS if inputs else None
+
+
 def check_frozen(trainable: str, model: torch.nn.Module) -> None:
     """Refuse a plan made for ``trainable`` (a freezing value) for a model where what it freezes
     still requires grad: the step would hold gradients and state the plan left out.

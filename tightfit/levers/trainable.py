@@ -54,15 +54,16 @@ def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
 
 def trainable_fields(model: torch.nn.Module) -> dict:
     """What ``model`` trains, as the :class:`~tightfit.plan.Plan` fields ``trainable`` (``"lora"``
-    when it has adapters, the freezing :func:`apply_trainable` applied while it holds, else ``"all"``) and
+    when it has adapters; for a model :func:`apply_trainable` froze, the freezing that holds now,
+    :func:`.freezing.frozen_label`; else ``"all"``) and
     ``trainable_params`` (the parameters that require grad): the one place a plan learns them,
     for every face that shows it."""
-    from .freezing import frozen_parameters
+    from .freezing import frozen_label
     from .lora import has_adapters
 
-    mark = getattr(model, MARK, None)
-    if mark and any(p.requires_grad for _, p in frozen_parameters(model, mark)):
-        mark = None  # unfrozen since (gradual unfreezing): the model trains what requires grad now
+    # A model tightfit froze is labelled by what is frozen now: unfrozen since (gradual
+    # unfreezing), or frozen again with another value, it trains what requires grad.
+    mark = getattr(model, MARK, None) and frozen_label(model)
     kind = "lora" if has_adapters(model) else mark or "all"
     return {"trainable": kind, "trainable_params": trainable_count(model)[0]}
 
