@@ -300,6 +300,27 @@ def test_a_non_finite_gradient_with_a_finite_forward_is_named_and_a_new_lr_start
     assert r._skipped_in_row == 0  # the old learning rate's run of skipped steps does not carry over
 
 
+@pytest.mark.parametrize("where", ["forward", "gradient"])
+def test_a_stop_on_non_finite_steps_gives_every_module_its_own_mode_back(where):
+    """The stop's diagnosis (which module first gives inf/NaN) ran the model in eval mode and then
+    called model.train(), which put every module in the root's mode: a part the caller had left in
+    eval mode inside a model in train mode (a frozen backbone, frozen-N's BatchNorm layers) came
+    back in train mode, and a later run updated its running statistics. Every module now gets its
+    own mode back."""
+    w = _workload(n=32, dropout=0.1)
+    if where == "forward":
+        w.model.bert.encoder.layer[1].output.dense.register_forward_hook(lambda m, i, out: out * math.inf)
+    else:
+        w.model.classifier.weight.register_hook(lambda g: g * math.nan)
+    w.model.train()
+    w.model.bert.embeddings.eval()  # kept frozen in eval mode by its owner
+    modes = {n: m.training for n, m in w.model.named_modules()}
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=2, lr=1e-3, max_skipped_steps=2), progress=False)
+    with pytest.raises(NonFiniteTrainingError):
+        t.fit()
+    assert {n: m.training for n, m in w.model.named_modules()} == modes
+
+
 def test_the_record_of_a_step_gives_the_micro_batch_it_ran_with_even_when_it_grows_back():
     records = []
     w = _workload(n=48)

@@ -6,6 +6,8 @@ from typing import Callable
 
 import torch
 
+from ..step import module_mode
+
 
 def _nonfinite(x) -> bool:
     if isinstance(x, torch.Tensor):
@@ -25,6 +27,10 @@ def first_nonfinite_module(model: torch.nn.Module, batch: dict, autocast_ctx: Ca
     """Run one forward pass with hooks and return the qualified name of the first module (in
     execution order) whose output holds inf/NaN, or None if the whole forward is finite.
 
+    The forward runs in eval mode (:func:`tightfit.step.module_mode`), and every module gets its
+    own mode back after (DESIGN invariant 9): a frozen BatchNorm left in eval mode inside a model in
+    train mode stays in eval mode.
+
     Args:
         model: the model.
         batch: model inputs plus ``labels`` (dropped), on the model's device.
@@ -38,13 +44,11 @@ def first_nonfinite_module(model: torch.nn.Module, batch: dict, autocast_ctx: Ca
             found.append(names.get(module, type(module).__name__) or "<model>")
 
     handles = [m.register_forward_hook(hook) for m in model.modules()]
-    was_training = model.training
     try:
-        model.eval()
-        with autocast_ctx():
+        # module by module, not model.train(was_training) after: that put every part in the root's mode
+        with module_mode(model, False), autocast_ctx():
             model(**{k: v for k, v in batch.items() if k != "labels"})
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
     return found[0] if found else None
