@@ -262,6 +262,30 @@ def test_the_runtime_trainers_skipped_step_leaves_batchnorm_statistics_as_it_fou
     torch.testing.assert_close(norm.running_mean, before[0], rtol=0, atol=0)
 
 
+def test_a_stop_on_non_finite_steps_leaves_batchnorm_statistics_as_its_checkpoint_holds(tmp_path):
+    """The stop's diagnosis runs one forward and backward in train mode to name the first non-finite
+    gradient; its forward folded that micro-batch into BatchNorm's statistics, which the skipped
+    steps had left as they found them: the model left in memory differed from the stop's checkpoint.
+    The statistics are now put back after the diagnosis."""
+    from tightfit.plan import Plan
+    from tightfit.runtime.checkpoint import load_checkpoint
+    from tightfit.runtime.trainer import NonFiniteTrainingError, TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4), "labels": i % 2} for i in range(16)]
+    t = Trainer(Workload(_Net(), data, None, 8), Plan("fp32", 8, 8),
+                TrainConfig(epochs=2, lr=1e-3, max_skipped_steps=2, checkpoint_dir=str(tmp_path)), progress=False)
+    # the gradients turn NaN after the first step (the forward stays finite: the diagnosis runs a backward)
+    t.model.body[2].weight.register_hook(lambda g: g * float("nan") if t.step >= 1 else g)
+    with pytest.raises(NonFiniteTrainingError, match="gradient of 'body.2.weight'") as e:
+        t.fit()
+    saved = _Net()
+    load_checkpoint(e.value.checkpoint, saved)
+    for name, buffer in t.model.named_buffers():
+        torch.testing.assert_close(buffer, dict(saved.named_buffers())[name], rtol=0, atol=0)
+
+
 def test_an_oom_redo_splits_the_window_so_that_batchnorm_gets_no_single_sample():
     """Planned 23 + 22 for 45 samples; an OOM halved the micro-batch to 11, which split the window
     as 11 + 11 + 11 + 11 + 1, and the step died telling the user to plan another effective batch.

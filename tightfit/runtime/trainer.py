@@ -836,10 +836,16 @@ class Trainer:
         if name:
             return f"the output of module {name!r}"
         # The forward is finite: run one unscaled backward of that micro-batch (the step's own
-        # gradients were zeroed) and name the first parameter whose gradient is not finite.
-        with train_mode(self.model, self._train_modes), autocast(self.plan.precision, self.device.type):
-            loss = self.w.loss_sum(self.model, batch)
-        loss.backward()
+        # gradients were zeroed) and name the first parameter whose gradient is not finite. Its
+        # train-mode forward would fold the batch into BatchNorm's statistics, which the skipped
+        # steps left as they found them (and the stop's checkpoint holds): they are put back after
+        # the backward (BatchNorm's backward needs them unchanged since its forward).
+        from ..buffers import KeptBuffers
+
+        with KeptBuffers(self.model.modules()):
+            with train_mode(self.model, self._train_modes), autocast(self.plan.precision, self.device.type):
+                loss = self.w.loss_sum(self.model, batch)
+            loss.backward()
         bad = next((n for n, p in self.model.named_parameters()
                     if p.grad is not None and not bool(torch.isfinite(p.grad).all())), None)
         self.model.zero_grad(set_to_none=True)
