@@ -182,6 +182,25 @@ def _oom_once_in_the_first_step(trainer):
     trainer.model.bert.encoder.layer[1].register_forward_pre_hook(inject)
 
 
+def test_an_oom_in_an_epochs_short_last_window_is_redone_with_a_smaller_pass():
+    """The last window of 3 samples ran as one pass of 3 at micro-batch 8 and ran out of memory; the
+    redo halved the micro-batch to 4, balanced it to 3 and ran the same pass of 3 again: a second
+    OOM, counted as a second recovery, and the micro-batch went down to 1 for the rest of the run.
+    The redo now runs at most half of the pass that failed (2 + 1)."""
+    from tightfit.plan import halved_micro_batch
+
+    assert halved_micro_batch(3, 8) == 2 and halved_micro_batch(4, 8) == 2 and halved_micro_batch(2, 8) == 1
+    t = Trainer(_workload(n=11), Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3), progress=False)
+
+    def inject(module, args):  # the last window's step runs out of memory with 3 samples in a pass
+        if t.step == 1 and args[0].shape[0] >= 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    t.model.bert.encoder.layer[0].register_forward_pre_hook(inject)
+    result = t.fit()
+    assert result.oom_recoveries == 1 and t.micro_batch == 2 and result.steps == 2
+    assert "redoing step 2 with micro-batch 2: 3 samples as 2+1" in result.events[0]
+
+
 def test_resume_after_an_oom_back_off_grows_back_like_the_uninterrupted_run(tmp_path):
     def run(folder, resume_from=None):
         w = _workload(n=48)

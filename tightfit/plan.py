@@ -68,11 +68,14 @@ def balanced_micro_batch(effective_batch: int, micro_batch: int) -> int:
 
 def halved_micro_batch(size: int, micro_batch: int, no_single: bool = False) -> int:
     """The micro-batch an out-of-memory redo of a window of ``size`` samples takes: at most half
-    of ``micro_batch``, balanced (:func:`balanced_micro_batch`: 45 samples at half of 23 run as
-    9 x 5, not 11 + 11 + 11 + 11 + 1). With ``no_single`` (a model whose BatchNorm cannot train on
-    one sample), the largest size up to that whose split leaves no micro-batch of 1 (where any
+    of ``micro_batch``, and of the pass that ran out of memory (a window shorter than the
+    micro-batch ran as one pass of ``size``: 3 samples at micro-batch 8 are redone as 2 + 1, not
+    as the same pass of 3), balanced (:func:`balanced_micro_batch`: 45 samples at half of 23 run
+    as 9 x 5, not 11 + 11 + 11 + 11 + 1). With ``no_single`` (a model whose BatchNorm cannot train
+    on one sample), the largest size up to that whose split leaves no micro-batch of 1 (where any
     from 2 up does). Samples in, samples out."""
-    new = balanced_micro_batch(size, max(1, micro_batch // 2))
+    # half of the pass that failed, rounded up (21 samples at micro-batch 22: 11 + 10)
+    new = balanced_micro_batch(size, max(1, min(micro_batch // 2, -(-size // 2))))
     if no_single and size > new and size % new == 1:
         new = next((m for m in range(new - 1, 1, -1) if size % m != 1), new)
     return new
