@@ -313,3 +313,40 @@ def test_an_oom_redo_splits_the_window_so_that_batchnorm_gets_no_single_sample()
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
     model[0].register_forward_hook(hook)
     assert step(batch).micro_batch == 9
+
+
+def test_an_oom_redo_leaves_no_single_sample_in_the_runs_other_windows():
+    """The redo chose its micro-batch for the window that ran out of memory only, but keeps it for
+    the windows after: 8 samples redone at 4 (4 x 2), then the epoch's last window of 5 split as
+    4 + 1, and BatchNorm stopped the run with a ValueError; in the own loop, a last batch of 6
+    redone at 3, then the next whole batch of 10 split as 3 + 3 + 3 + 1. The redo now takes a
+    micro-batch that leaves no single sample in any of the run's windows (3; 2)."""
+    import tightfit
+    from tightfit.plan import Plan, halved_micro_batch
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    assert halved_micro_batch(8, 8, no_single=True, others=(8, 5)) == 3
+    assert halved_micro_batch(4, 7, no_single=True, others=(7,)) == 2  # 2 or 3: none serves both, 4's own
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4), "labels": i % 2} for i in range(13)]  # windows of 8 and 5
+    t = Trainer(Workload(_Net(), data, None, 8), Plan("fp32", 8, 8), TrainConfig(epochs=2, lr=1e-3), progress=False)
+    fired = []
+
+    def oom(module, args):
+        if not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    t.model.body[0].register_forward_pre_hook(oom)
+    result = t.fit()
+    assert result.steps == 4 and result.oom_recoveries == 1 and t.micro_batch == 3
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    step = tightfit.TrainStep(Plan("fp32", 6, 10, False, device="cpu"), model,
+                              torch.optim.AdamW(model.parameters()), loss=_cnn_loss)
+    fired.clear()
+    handle = model[0].register_forward_pre_hook(oom)
+    assert step((torch.randn(6, 3, 8, 8), torch.randint(0, 4, (6,)))).micro_batch == 2  # an epoch's last batch
+    handle.remove()
+    assert step((torch.randn(10, 3, 8, 8), torch.randint(0, 4, (10,)))).accumulation_steps == 5

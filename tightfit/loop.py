@@ -625,7 +625,9 @@ class TrainStep:
         from .buffers import running_stat_norms
         from .plan import halved_micro_batch
 
-        new = halved_micro_batch(size, self.micro_batch, no_single=bool(running_stat_norms(self.model)))
+        # later calls bring whole effective batches, which the new micro-batch splits too
+        new = halved_micro_batch(size, self.micro_batch, no_single=bool(running_stat_norms(self.model)),
+                                 others=(self.plan.effective_batch,))
         self._event(f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {self.steps + 1} "
                     f"with micro-batch {new}: {size} samples as {describe_split(size, new)}", logging.WARNING)
         self.micro_batch = new

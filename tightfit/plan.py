@@ -66,18 +66,29 @@ def balanced_micro_batch(effective_batch: int, micro_batch: int) -> int:
     return micro_batch_for(effective_batch, accumulation_steps(effective_batch, micro_batch))
 
 
-def halved_micro_batch(size: int, micro_batch: int, no_single: bool = False) -> int:
+def halved_micro_batch(size: int, micro_batch: int, no_single: bool = False, others: Sequence[int] = ()) -> int:
     """The micro-batch an out-of-memory redo of a window of ``size`` samples takes: at most half
     of ``micro_batch``, and of the pass that ran out of memory (a window shorter than the
     micro-batch ran as one pass of ``size``: 3 samples at micro-batch 8 are redone as 2 + 1, not
     as the same pass of 3), balanced (:func:`balanced_micro_batch`: 45 samples at half of 23 run
     as 9 x 5, not 11 + 11 + 11 + 11 + 1). With ``no_single`` (a model whose BatchNorm cannot train
     on one sample), the largest size up to that whose split leaves no micro-batch of 1 (where any
-    from 2 up does). Samples in, samples out."""
+    from 2 up does) in this window nor in ``others``, the sizes of the run's other windows, which
+    the micro-batch splits from then on too (an epoch's short last window, or its full ones); where
+    none serves them all, the largest that serves this window. Samples in, samples out."""
     # half of the pass that failed, rounded up (21 samples at micro-batch 22: 11 + 10)
     new = balanced_micro_batch(size, max(1, min(micro_batch // 2, -(-size // 2))))
-    if no_single and size > new and size % new == 1:
-        new = next((m for m in range(new - 1, 1, -1) if size % m != 1), new)
+    if no_single:
+        def leaves_one(m: int, sizes) -> bool:
+            return any(s > m and s % m == 1 for s in sizes)
+
+        for sizes in ((size, *others), (size,)):  # every window of the run, else this one
+            if not leaves_one(new, sizes):
+                break
+            found = next((m for m in range(new - 1, 1, -1) if not leaves_one(m, sizes)), None)
+            if found is not None:
+                new = found
+                break
     return new
 
 

@@ -799,10 +799,15 @@ class Trainer:
         from ..plan import halved_micro_batch
 
         size = len(self.window_at(index))
+        # the windows the run has (full ones, the epoch's short last one where the run reaches it):
+        # the new micro-batch splits them all from now on
+        full, last = divmod(len(self.w.train), self.w.effective_batch)
+        others = ([self.w.effective_batch] if full else []) + ([last] if last and self.total_steps > full else [])
         # the same on every rank (a function of the window); a one-sample micro-batch avoided where
         # BatchNorm would refuse it (one process: the ranks' shares split otherwise)
         new = halved_micro_batch(size, self.micro_batch,
-                                 no_single=not self.world.distributed and bool(running_stat_norms(self.model)))
+                                 no_single=not self.world.distributed and bool(running_stat_norms(self.model)),
+                                 others=others)
         msg = (f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {index + 1} "
                f"with micro-batch {new}: {size} samples as {describe_split(size, new)}")
         self._event(msg)
