@@ -225,6 +225,28 @@ def test_gradients_are_not_clipped_unless_asked():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_gradients_left_between_two_calls_do_not_leak_into_the_next_step():
+    """TrainStep zeroed the gradients when it was made and after each update, but not at a call's
+    start: a backward of the caller's between two calls (a gradient-based metric) was added to the
+    next step's gradient. Every window now starts from zero gradients, as in a run without it."""
+    def run(stray):
+        model = _mlp(dropout=0.2)
+        step = tightfit.TrainStep(Plan("fp32", 4, 8), model, torch.optim.SGD(model.parameters(), lr=0.1), loss=_ce)
+        outs = [step(_xy(8, seed=1))]
+        if stray:
+            rng = torch.get_rng_state()
+            (model(_xy(8, seed=2)[0]).sum() * 100).backward()
+            torch.set_rng_state(rng)  # the same dropout masks after it
+        outs.append(step(_xy(8, seed=3)))
+        return [o.grad_norm for o in outs], model
+
+    ref_norms, ref = run(False)
+    norms, model = run(True)
+    assert norms == ref_norms
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_skipped_step_is_a_warning_on_the_tightfit_logger(caplog):
     # WARNING on "tightfit" (no handler of tightfit's own): Python's logging.lastResort shows it with no set-up
     # (an in-process command-line test earlier in the session may have added the command line's

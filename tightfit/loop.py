@@ -513,6 +513,9 @@ class TrainStep:
                                 f"{self.plan.effective_batch}: give each step at most {self.plan.effective_batch} "
                                 f"samples (the loader's batch_size), or plan(effective_batch={b.size})")
         recoveries = self.oom_recoveries
+        # every window starts from zero gradients (DESIGN invariant 1), not only the first: a backward
+        # of the caller's between two calls (a gradient-based metric) would otherwise add to this step's
+        self.model.zero_grad(set_to_none=True)
         with train_mode(self.model):  # dropout on; a train-mode model's eval-mode parts stay in eval mode
             result = self._step_with_recovery(b)
         self.steps += 1
