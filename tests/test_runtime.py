@@ -252,3 +252,24 @@ def test_fp16_unscales_once_before_clipping_and_skipped_step_updates_the_scale(m
     assert t.scaler.get_scale() == 32768.0  # the update ran: backed off by 0.5
     for n, p in w.model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_fp16_finite_gradients_whose_norm_overflows_skip_the_step_they_are_reported_as(make_workload):
+    """Finite gradients of ~1e20 (fp32) have an inf norm: the guard reported the step skipped,
+    but the scaler, whose unscale_ found nothing non-finite, applied it (clipped to zero
+    gradients: AdamW's weight decay and moments moved the weights, its step counted)."""
+    w = make_workload(n=16, effective_batch=8)
+    t = Trainer(w, Plan("fp16", 4, 8), TrainConfig(epochs=1, lr=1e-3, max_grad_norm=1.0), progress=False)
+    t.train_step(list(range(8)))
+    steps_before = [float(s["step"]) for s in t.optimizer.state.values()]
+    scale = t.scaler.get_scale()
+    # finite in fp32 after unscaling, and squares that overflow: a norm of inf
+    h = w.model.classifier.weight.register_hook(lambda g: torch.full_like(g, 1e20 * scale))
+    before = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+    loss, stepped = t.train_step(list(range(8, 16)))
+    h.remove()
+    assert not stepped and t.result.skipped_steps == 1 and math.isinf(float(t._grad_norm))
+    assert [float(s["step"]) for s in t.optimizer.state.values()] == steps_before
+    assert t.scaler.get_scale() == scale / 2
+    for n, p in w.model.named_parameters():
+        assert torch.equal(p, before[n]), n

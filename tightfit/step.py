@@ -413,7 +413,8 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
     norm measured, nothing clipped). Without an enabled scaler a non-finite norm skips
     ``optimizer.step()`` (an optimizer with ``skips_nonfinite_on_device`` is stepped with the
     verdict as a device tensor instead, read or not, and skips the update itself); with one,
-    ``scaler.step`` skips it when ``unscale_`` found inf/NaN.
+    ``scaler.step`` skips it when ``unscale_`` found inf/NaN or the norm is not finite (finite
+    gradients whose norm overflows).
     ``scaler.update()`` runs also after a skipped step (the loss scale backs off).
 
     Args:
@@ -444,6 +445,13 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
     norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_grad_norm is None else max_grad_norm)
     if hasattr(norm, "full_tensor"):  # FSDP2's sharded gradients give a DTensor: the global norm, replicated
         norm = norm.full_tensor()
+    if scaling and not norm.is_meta:
+        # Finite gradients whose norm overflows (~1e19 and up in fp32) make a non-finite step too:
+        # the scaler, whose unscale_ saw only finite values, is told so (on the device, no sync),
+        # so that it skips the update and backs off the scale, as the guard reports the step.
+        # (max, not add: a fused kernel skips only where found_inf is exactly 1.0)
+        for found in scaler._found_inf_per_device(optimizer).values():
+            found.copy_(torch.maximum(found, (~torch.isfinite(norm.detach())).to(found)))
     pending = None  # [grad norm, loss] left on the device: the skip is decided there
     loss_value, grad_norm = None, None
     # An optimizer that takes the verdict on the device is handed it even where the host reads the
