@@ -1,5 +1,6 @@
 """tightfit in a user's own loop (:mod:`tightfit.loop`): ``tightfit.plan`` and ``tightfit.TrainStep``."""
 
+import contextlib
 import logging
 import math
 import os
@@ -158,6 +159,31 @@ def test_non_finite_step_is_skipped_and_a_run_of_them_stops():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # nothing applied
     with pytest.raises(NonFiniteTrainingError, match="2 steps in a row"):
         step(_xy(8))
+
+
+@pytest.mark.parametrize("where", ["output", "gradient"])
+def test_a_stop_on_non_finite_steps_names_where_they_first_appear(where):
+    """DESIGN invariant 3: the stop names the first module producing non-finite values, as
+    `tightfit train` does; the own loop said only "2 steps in a row". The diagnosis leaves the RNG
+    states as it found them (dropout on)."""
+    model = _mlp(dropout=0.1)
+    if where == "output":
+        model[2].register_forward_hook(lambda m, a, out: out * float("inf"))
+    else:
+        model[3].weight.register_hook(lambda g: g * float("nan"))
+    step = tightfit.TrainStep(Plan("fp32", 4, 8), model, max_skipped_steps=2, loss=_ce)
+    step(_xy(8))
+    with pytest.raises(NonFiniteTrainingError) as e:
+        step(_xy(8, seed=1))
+    expected = "the output of module '2'" if where == "output" else "the gradient of '3.weight'"
+    assert f"2 steps in a row had non-finite gradients; first non-finite values in {expected}" in str(e.value)
+    assert all(p.grad is None for p in model.parameters())
+    if where == "gradient":  # its train-mode pass draws dropout masks, and puts the RNG state back
+        from tightfit.runtime.diagnose import first_nonfinite
+
+        before = torch.random.get_rng_state()
+        first_nonfinite(model, lambda: _ce(model, _xy(4)), contextlib.nullcontext, contextlib.nullcontext, False)
+        assert torch.equal(torch.random.get_rng_state(), before)
 
 
 def test_hugging_face_model_loss_by_default_dropout_on_and_mode_given_back():

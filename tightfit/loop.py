@@ -519,7 +519,7 @@ class TrainStep:
         with train_mode(self.model):  # dropout on; a train-mode model's eval-mode parts stay in eval mode
             result = self._step_with_recovery(b)
         self.steps += 1
-        stepped = self._after_step(result.finite)
+        stepped = self._after_step(result.finite, b)
         peaks, reading = self._record_memory_and_health()
         return StepOutcome(result.loss, result.grad_norm, stepped, self._used_micro_batch,
                            accumulation_steps(b.size, self._used_micro_batch), self.oom_recoveries - recoveries, *peaks, reading)
@@ -635,17 +635,27 @@ class TrainStep:
                     f"with micro-batch {new}: {size} samples as {describe_split(size, new)}", logging.WARNING)
         self.micro_batch = new
 
-    def _after_step(self, finite: bool) -> bool:
-        """Count clean and skipped steps; grow the micro-batch back after ``grow_back_after`` clean ones."""
-        from .levers.precision import nonfinite_advice
+    def _after_step(self, finite: bool, b: _Batch) -> bool:
+        """Count clean and skipped steps (a stop on ``max_skipped_steps`` names where ``b``, the
+        step's batch, first gives non-finite values); grow the micro-batch back after
+        ``grow_back_after`` clean ones."""
+        from .levers.precision import autocast, nonfinite_advice
+        from .runtime.diagnose import first_nonfinite
         from .runtime.trainer import NonFiniteTrainingError
+        from .step import train_mode
 
         if not finite:
             self.skipped_steps += 1
             self._skipped_in_row += 1
             self._event(f"step {self.steps}: non-finite gradients, update skipped", logging.WARNING)
             if self._skipped_in_row >= self.max_skipped_steps:
-                raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients. "
+                first = next(self._micro_batches(b.as_dict(), b.size))
+                loss_sum = _loss_sum(b, self.loss, _target_tokens(self.model, b, self.loss))
+                culprit = first_nonfinite(self.model, lambda: loss_sum(self.model, first),
+                                          lambda: autocast(self.plan.precision, self.device.type),
+                                          lambda: train_mode(self.model), self.scaler.is_enabled())
+                raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients; "
+                                             f"first non-finite values in {culprit}. "
                                              f"{as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))}",
                                              self.steps)
             return False

@@ -1,4 +1,5 @@
-"""Find where non-finite values first appear in a forward pass."""
+"""Find where non-finite values first appear in a micro-batch's forward or backward: named when a
+run of skipped steps stops training (DESIGN invariant 3)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _nonfinite(x) -> bool:
 
 
 @torch.no_grad()
-def first_nonfinite_module(model: torch.nn.Module, batch: dict, autocast_ctx: Callable) -> str | None:
+def first_nonfinite_module(model: torch.nn.Module, forward: Callable[[], object], autocast_ctx: Callable) -> str | None:
     """Run one forward pass with hooks and return the qualified name of the first module (in
     execution order) whose output holds inf/NaN, or None if the whole forward is finite.
 
@@ -33,7 +34,7 @@ def first_nonfinite_module(model: torch.nn.Module, batch: dict, autocast_ctx: Ca
 
     Args:
         model: the model.
-        batch: model inputs plus ``labels`` (dropped), on the model's device.
+        forward: runs ``model`` on one micro-batch on its device (the step's loss, say).
         autocast_ctx: returns the autocast context the training step uses.
     """
     found: list[str] = []
@@ -47,8 +48,49 @@ def first_nonfinite_module(model: torch.nn.Module, batch: dict, autocast_ctx: Ca
     try:
         # module by module, not model.train(was_training) after: that put every part in the root's mode
         with module_mode(model, False), autocast_ctx():
-            model(**{k: v for k, v in batch.items() if k != "labels"})
+            forward()
     finally:
         for h in handles:
             h.remove()
     return found[0] if found else None
+
+
+def first_nonfinite(model: torch.nn.Module, forward: Callable[[], torch.Tensor], autocast_ctx: Callable,
+                    train_ctx: Callable, scaled: bool) -> str:
+    """Where one micro-batch's values first stop being finite, as the phrase a stop on non-finite
+    steps names: the output of the first module that holds inf/NaN in an eval-mode forward
+    (:func:`first_nonfinite_module`); else the first parameter whose gradient is not finite after
+    one unscaled train-mode backward; else the loss-scaled backward (``scaled``), or the whole
+    window (each micro-batch alone finite).
+
+    The backward's forward would fold the micro-batch into BatchNorm's statistics, which the
+    skipped steps left as they found them (and the stop's checkpoint holds): they are put back
+    after the backward (BatchNorm's backward needs them unchanged since its forward); the
+    gradients are zeroed and the RNG states restored. With several ranks, each runs the same forward and backward.
+
+    Args:
+        model: the model, in the layout it trains in.
+        forward: runs ``model`` on the micro-batch and returns its loss (0-d), as the step does.
+        autocast_ctx, train_ctx: return the step's autocast and train-mode contexts.
+        scaled: the step scales the loss (fp16's GradScaler).
+    """
+    from ..buffers import KeptBuffers
+    from ..rng import capture_rng, restore_rng
+
+    name = first_nonfinite_module(model, forward, autocast_ctx)
+    if name:
+        return f"the output of module {name!r}"
+    rng = capture_rng()  # its dropout draws leave no trace in what follows
+    with KeptBuffers(model.modules()):
+        with train_ctx(), autocast_ctx():
+            loss = forward()
+        loss.backward()
+    restore_rng(rng)
+    bad = next((n for n, p in model.named_parameters()
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())), None)
+    model.zero_grad(set_to_none=True)
+    if bad:
+        return f"the gradient of {bad!r} (backward overflow)"
+    if scaled:
+        return "the loss-scaled backward (gradients overflowed after scaling)"
+    return "the gradients of the whole window (each micro-batch alone is finite)"

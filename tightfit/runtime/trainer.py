@@ -832,33 +832,14 @@ class Trainer:
         return False
 
     def _first_nonfinite(self, window: list[int]) -> str:
-        """Name the first module whose forward output is non-finite on this window's first
-        micro-batch, else the first parameter whose gradient is."""
-        from .diagnose import first_nonfinite_module
+        """Where this window's first micro-batch first gives non-finite values
+        (:func:`.diagnose.first_nonfinite`)."""
+        from .diagnose import first_nonfinite
 
         batch = _to_device(self.w.train.collate(window[:self.micro_batch]), self.device)
-        name = first_nonfinite_module(self.model, batch, lambda: autocast(self.plan.precision, self.device.type))
-        if name:
-            return f"the output of module {name!r}"
-        # The forward is finite: run one unscaled backward of that micro-batch (the step's own
-        # gradients were zeroed) and name the first parameter whose gradient is not finite. Its
-        # train-mode forward would fold the batch into BatchNorm's statistics, which the skipped
-        # steps left as they found them (and the stop's checkpoint holds): they are put back after
-        # the backward (BatchNorm's backward needs them unchanged since its forward).
-        from ..buffers import KeptBuffers
-
-        with KeptBuffers(self.model.modules()):
-            with train_mode(self.model, self._train_modes), autocast(self.plan.precision, self.device.type):
-                loss = self.w.loss_sum(self.model, batch)
-            loss.backward()
-        bad = next((n for n, p in self.model.named_parameters()
-                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())), None)
-        self.model.zero_grad(set_to_none=True)
-        if bad:
-            return f"the gradient of {bad!r} (backward overflow)"
-        if self.scaler.is_enabled():
-            return "the loss-scaled backward (gradients overflowed after scaling)"
-        return "the gradients of the whole window (each micro-batch alone is finite)"
+        return first_nonfinite(self.model, lambda: self.w.loss_sum(self.model, batch),
+                               lambda: autocast(self.plan.precision, self.device.type),
+                               lambda: train_mode(self.model, self._train_modes), self.scaler.is_enabled())
 
     # ---------------------------------------------------------------- checkpoint / resume
     def plan_in_force(self) -> Plan:
