@@ -117,6 +117,71 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line_and_it_re
     assert (run / "summary.json").is_file()
 
 
+class _FullDisk:
+    """A text file on a disk that has just filled up: writes are buffered, every flush (and the
+    flush of close) fails with ENOSPC, as a full disk's do."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        raise OSError(28, "No space left on device")
+
+    def fileno(self):
+        return self.f.fileno()
+
+    @property
+    def closed(self):
+        return self.f.closed
+
+    def close(self):
+        self.f.close()
+        self.flush()
+
+
+@pytest.mark.parametrize("where", ["metrics", "finish"])
+def test_a_full_disk_outside_a_checkpoint_stops_the_run_in_one_line_and_it_resumes(tmp_path, monkeypatch, capsys,
+                                                                                    where):
+    """The disk filled up between two checkpoints: the next line of metrics.jsonl (or the model and
+    report at the finish) could not be written, and the run ended in two tracebacks (exit 1), the
+    second from closing metrics.jsonl, with nothing saying how to go on."""
+    from tightfit.cli import main
+    from tightfit.report.metrics import MetricsWriter
+
+    common = tiny_cpu_job(tmp_path)
+    capsys.readouterr()  # the model folder's making
+    run = tmp_path / "run"
+    real = MetricsWriter.__call__
+
+    def filling(self, record):
+        if where == "metrics" and record.get("type") == "train" and record["step"] == 3:
+            self._f = _FullDisk(self._f)
+        return real(self, record)
+
+    def full_disk(self, folder):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(MetricsWriter, "__call__", filling)
+    if where == "finish":
+        monkeypatch.setattr(api.TrainRecipe, "_save_model", full_disk)
+    argv = ["train", "--model", common["model"], "--data", common["data"], "--batch-size", "8", "--seq-len", "16",
+            "--device", "cpu", "--no-progress", "--max-steps", "6", "--checkpoint-every", "2", "--log-every", "1",
+            "--out", str(run)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0] and "Traceback" not in err[0], err
+    assert f"at step {3 if where == 'metrics' else 6}" in err[0]
+    assert f"tightfit train --resume {run}" in err[0]
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert (run / "summary.json").is_file()
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 6
+
+
 def test_a_damaged_summary_is_written_again_and_a_damaged_request_refused_in_one_line(finished, caplog):
     run, common = finished
     (run / "summary.json").write_text('{"accuracy": 0.5')  # cut short

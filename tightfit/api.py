@@ -108,7 +108,12 @@ def train(req: TrainRequest) -> RunSummary:
         except KeyboardInterrupt:  # stopped at once (a second Ctrl-C, or before training began)
             recipe.interrupted()
             raise
-        summary = recipe.finish(result)
+        except OSError as e:  # metrics.jsonl on a full disk: one line that says how to go on, not a traceback
+            raise recipe.disk_failure(e) or e
+        try:
+            summary = recipe.finish(result)
+        except OSError as e:  # the model or the report on a full disk: likewise
+            raise recipe.disk_failure(e) or e
         world.close()
         return summary
     finally:
@@ -884,6 +889,22 @@ class TrainRecipe:
             raise NonFiniteTrainingError(f"{text}; {said}", e.step, e.checkpoint, e.last_update) from None
         finally:
             self.metrics.close()
+
+    def disk_failure(self, e: OSError) -> TightfitError | None:
+        """``e``, raised while the run folder was written (``metrics.jsonl``, the model, the report;
+        a checkpoint's own is a :class:`~tightfit.runtime.checkpoint.CheckpointWriteError`), as one
+        line saying where the run stands and how it goes on, where it is the disk's (full, over
+        quota, read-only, failing); None for any other error (raised as it is)."""
+        from .runtime.checkpoint import has_checkpoint
+        from .runtime.launch import resume_processes
+
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO):
+            return None
+        then = (f"continue from the newest checkpoint in place once there is room: tightfit train --resume "
+                f"{shlex.quote(str(self.out))}{resume_processes(self.world.size)}"
+                if has_checkpoint(self.out / "checkpoints") else "no checkpoint is in place")
+        return TightfitError(f"the run folder {self.out} could not be written: {e.strerror or e}; the run is at step "
+                             f"{self.trainer.step} of {self.trainer.total_steps}; {then}")
 
     # ---------------------------------------------------------------- finish
     def finish(self, result) -> RunSummary:
