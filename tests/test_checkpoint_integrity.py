@@ -114,6 +114,25 @@ def test_missing_file_and_unreadable_manifest(tmp_path):
     assert point.path.name == "ckpt-2" and len(point.notes) == 2
 
 
+def test_a_manifest_with_an_infinite_number_is_unreadable_not_a_traceback(tmp_path):
+    """JSON takes ``Infinity`` and ``1e400`` (an infinite float), which int() refuses with an
+    OverflowError: verifying, pruning and choosing the checkpoint to resume raised it."""
+    from tightfit.runtime.checkpoint import ABANDONED, prune_checkpoints
+
+    _save(tmp_path, [2, 4, 6])
+    manifest = json.loads((tmp_path / "ckpt-4" / "manifest.json").read_text())
+    manifest["files"]["state.pt"]["bytes"] = float("inf")
+    (tmp_path / "ckpt-4" / "manifest.json").write_text(json.dumps(manifest))
+    manifest = json.loads((tmp_path / "ckpt-6" / "manifest.json").read_text())
+    (tmp_path / "ckpt-6" / "manifest.json").write_text(json.dumps({**manifest, "skipped_in_row": 1e400}))
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt-4 is corrupt \(manifest\.json: unreadable"):
+        verify_checkpoint(tmp_path / "ckpt-4")
+    (tmp_path / ABANDONED).write_text('{"resumed_from": Infinity, "checkpoints": {}}')
+    assert latest_intact_checkpoint(tmp_path).path.name == "ckpt-6"
+    prune_checkpoints(tmp_path, 6, keep_last=1)  # ckpt-6's record cannot be read: not the clean one kept, but kept
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-4", "ckpt-6"]
+
+
 def test_checkpoint_without_manifest_is_accepted_with_a_note_and_checked_for_truncation(tmp_path):
     """Checkpoints of tightfit before manifests: resumable, with a note; truncation is still found
     (safetensors header vs. file length, zip CRCs of state.pt)."""

@@ -293,7 +293,7 @@ def _streak(path: Path) -> tuple[int, int] | None:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         n = int(manifest.get("skipped_in_row", 0))
         return n, int(manifest.get("last_update", step - n))
-    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError, OverflowError):  # 1e400: int(inf)
         return None
 
 
@@ -377,7 +377,7 @@ def abandoned_checkpoints(folder: Path) -> tuple[set[str], int | None]:
     try:
         record = json.loads((Path(folder) / ABANDONED).read_text(encoding="utf-8"))
         marked, step = dict(record["checkpoints"]), int(record["resumed_from"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return set(), None
     return {name for name, ident in marked.items() if (Path(folder) / name).is_dir()
             and _identity(Path(folder) / name) == ident}, step
@@ -542,7 +542,8 @@ def verify_checkpoint(path: Path) -> bool:
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
             raise ValueError(f"not a {MANIFEST_FORMAT} manifest")
         expected = {name: (int(v["bytes"]), str(v["sha256"])) for name, v in files.items()}
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError,
+            OverflowError) as e:  # OverflowError: JSON's Infinity or 1e400, which int() refuses
         raise _fail(path, f"{MANIFEST}: unreadable: {_first_line(e)}") from None
     named = _NAME.match(path.name)
     if named and manifest.get("step") != int(named.group(1)):  # copied or renamed: not this step's state
