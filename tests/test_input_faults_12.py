@@ -147,6 +147,24 @@ def test_a_resume_past_the_runs_end_or_of_another_order_is_refused(tmp_path):
     assert _dropout_run(tmp_path / "d", resume=ck / "ckpt-6", epochs=2).fit().steps == 10
 
 
+def test_a_refused_resume_leaves_the_trainer_as_it_was(tmp_path):
+    """The refusals came after the checkpoint's weights (and, for one past the run's end, its
+    optimizer state and schedule) were loaded: a caller that went on with a fresh start after the
+    error (``try: t.resume(ck) except TightfitError: pass``) trained from another run's weights,
+    at the learning rate of its step 10, 0."""
+    _dropout_run(tmp_path, epochs=2, keep_last=10).fit()
+    ck = tmp_path / "ck"
+    for folder, checkpoint, config in (("b", "ckpt-10", dict(epochs=1)), ("c", "ckpt-6", dict(epochs=2, seed=7))):
+        t = _dropout_run(tmp_path / folder, **config)
+        before = [p.detach().clone() for p in t.model.parameters()]
+        lr = t.optimizer.param_groups[0]["lr"]
+        with pytest.raises(TightfitError, match="past this run's|written by a run of seed"):
+            t.resume(ck / checkpoint)
+        assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters()))
+        assert not t.optimizer.state and t.optimizer.param_groups[0]["lr"] == lr and t.scheduler.last_epoch == 0
+        assert t.step == 0
+
+
 def test_resuming_from_the_checkpoints_folder_or_a_missing_one_says_so(tmp_path):
     """The run's checkpoints folder was called a corrupt checkpoint ('model.safetensors: missing'),
     and a mistyped ckpt-99 'not a folder'."""

@@ -931,20 +931,26 @@ class Trainer:
         scheduler, RNG states, data position and micro-batch; :meth:`fit` then continues.
         ``state`` and ``verified``: as :func:`~tightfit.runtime.checkpoint.load_checkpoint` (a
         caller that verified and read the checkpoint already passes them: read and hashed once)."""
-        from .checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
+        from .checkpoint import checkpoint_step, list_checkpoints, load_checkpoint, read_state, verify_checkpoint
 
         from .sharded_checkpoint import is_sharded, load_sharded
 
+        # verified and read before anything is loaded: a checkpoint refused here leaves the model,
+        # optimizer and schedule as they were (a caller going on with a fresh start trains from them)
+        if not verified:
+            verify_checkpoint(path)
+        saved = read_state(path) if state is None else state
+        check_same_windows(path, saved, self.w.effective_batch, self.cfg.seed, len(self.w.train))
+        if saved["step"] > self.total_steps:  # fit() would train nothing and report the checkpoint's steps
+            raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} is at step {saved['step']}, past this "
+                                f"run's {self.total_steps} steps: give a checkpoint of this run, or more epochs")
         if is_sharded(path):  # written by several ranks: DCP reshards to this world size
-            state = load_sharded(path, self.model, self.optimizer, self.world, verified=verified)
-            check_same_windows(path, state, self.w.effective_batch, self.cfg.seed, len(self.w.train))
+            state = load_sharded(path, self.model, self.optimizer, self.world, verified=True)
         elif self.world.sharded:  # one process's checkpoint, resumed under FSDP2: each rank keeps its shard
             from .sharded_checkpoint import load_whole_into_sharded
-            state = load_whole_into_sharded(path, self.model, self.optimizer, verified=verified, state=state)
-            check_same_windows(path, state, self.w.effective_batch, self.cfg.seed, len(self.w.train))
+            state = load_whole_into_sharded(path, self.model, self.optimizer, verified=True, state=saved)
         else:
-            state = load_checkpoint(path, self.world.unwrap(self.model), verified=verified, state=state)
-            check_same_windows(path, state, self.w.effective_batch, self.cfg.seed, len(self.w.train))
+            state = load_checkpoint(path, self.world.unwrap(self.model), verified=True, state=saved)
             self.optimizer.load_state_dict(state["optimizer"])
             match_parameter_strides(self.optimizer)  # channels-last parameters: state saved contiguous
         self.scheduler.load_state_dict(state["scheduler"])
@@ -957,9 +963,6 @@ class Trainer:
             self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
-        if state["step"] > self.total_steps:  # fit() would train nothing and report the checkpoint's steps
-            raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} is at step {state['step']}, past this "
-                                f"run's {self.total_steps} steps: give a checkpoint of this run, or more epochs")
         # the checkpoint's micro-batch (smaller after an OOM back-off), unless this plan's is smaller
         # (planned again for less memory): then the plan's
         self.step, self.micro_batch = state["step"], min(state["micro_batch"], self.plan.micro_batch)
