@@ -182,6 +182,29 @@ def test_a_full_disk_outside_a_checkpoint_stops_the_run_in_one_line_and_it_resum
     assert steps == sorted(set(steps)) and steps[-1] == 6
 
 
+def test_an_interrupt_while_the_run_finishes_says_how_to_finish_it(tmp_path, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM while the model, report and plots were written (after the last checkpoint
+    and the evaluation) ended with "tightfit: interrupted" alone, not the command that finishes the
+    run, as an interrupt in the evaluation before it says."""
+    from tightfit.cli import main
+
+    common = tiny_cpu_job(tmp_path)
+    run = tmp_path / "run"
+
+    def interrupted(self, result):
+        raise KeyboardInterrupt  # what SIGTERM (or Ctrl-C) raises outside the training loop
+
+    monkeypatch.setattr(api.TrainRecipe, "finish", interrupted)
+    argv = ["train", "--model", common["model"], "--data", common["data"], "--batch-size", "8", "--seq-len", "16",
+            "--device", "cpu", "--no-progress", "--max-steps", "4", "--out", str(run)]
+    capsys.readouterr()
+    assert main(argv) == 130
+    assert f"continue with: tightfit train --resume {run}" in capsys.readouterr().out
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert (run / "summary.json").is_file()
+
+
 def test_a_damaged_summary_is_written_again_and_a_damaged_request_refused_in_one_line(finished, caplog):
     run, common = finished
     (run / "summary.json").write_text('{"accuracy": 0.5')  # cut short

@@ -112,6 +112,9 @@ def train(req: TrainRequest) -> RunSummary:
             raise recipe.disk_failure(e) or e
         try:
             summary = recipe.finish(result)
+        except KeyboardInterrupt:  # while the model and report were written: the command that finishes the run
+            recipe.interrupted()
+            raise
         except OSError as e:  # the model or the report on a full disk: likewise
             raise recipe.disk_failure(e) or e
         world.close()
