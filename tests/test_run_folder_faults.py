@@ -205,6 +205,38 @@ def test_an_interrupt_while_the_run_finishes_says_how_to_finish_it(tmp_path, mon
     assert (run / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("change", ["not a dict", "no counters", "no rng", "micro-batch 0", "step a string"])
+def test_a_state_that_is_not_a_runs_is_refused_in_one_line_before_anything_is_written(finished, change):
+    """A state.pt whose manifest matches it (rewritten by hand, or another program's) but that is not
+    a tightfit run's state: a KeyError, TypeError or AttributeError traceback, or, with micro-batch
+    0, a one-line error only after the resume had removed the finished run's summary and report."""
+    import hashlib
+
+    run, common = finished
+    ckpt = run / "checkpoints" / "ckpt-8"
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    if change == "not a dict":
+        state = [1, 2]
+    elif change == "no counters":
+        del state["counters"]
+    elif change == "no rng":
+        del state["rng"]
+    elif change == "micro-batch 0":
+        state["micro_batch"] = 0
+    else:
+        state["step"] = "8"
+    torch.save(state, ckpt / "state.pt")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data = (ckpt / "state.pt").read_bytes()
+    manifest["files"]["state.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (run / "summary.json").unlink()  # as if killed in its finish: the resume would finish it
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(TightfitError, match=r"ckpt-8 is corrupt \(state\.pt: not the state of a tightfit run"):
+        api.train(api.TrainRequest(**common, resume=str(run)))
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_a_damaged_summary_is_written_again_and_a_damaged_request_refused_in_one_line(finished, caplog):
     run, common = finished
     (run / "summary.json").write_text('{"accuracy": 0.5')  # cut short

@@ -528,11 +528,12 @@ class TrainRecipe:
         and refuse another model's weights or another run's data order, before anything is shown."""
         if self.resume_from is None:
             return
-        from .runtime.checkpoint import check_weights_fit, read_state
+        from .runtime.checkpoint import check_training_state, check_weights_fit, read_state
         from .runtime.sharded_checkpoint import is_sharded
         from .runtime.trainer import check_same_windows
 
         self.resume_state = read_state(self.resume_from)
+        check_training_state(self.resume_from, self.resume_state)
         if not is_sharded(self.resume_from):
             check_weights_fit(self.resume_from, self.world.unwrap(self.model))
         check_same_windows(self.resume_from, self.resume_state, self.workload.effective_batch)

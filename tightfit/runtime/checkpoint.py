@@ -653,6 +653,35 @@ def read_state(path: Path) -> dict:
                 raise _fail(path, f"{STATE_FILE}: cannot be loaded: {_first_line(e)}") from None
 
 
+# what Trainer.resume reads of state.pt (Trainer.state_dict writes it): name -> type
+_STATE_KEYS = {"step": int, "micro_batch": int, "plan": dict, "scheduler": dict, "counters": dict}
+_COUNTERS = ("samples", "skipped_steps", "oom_recoveries", "train_seconds", "final_loss", "skipped_in_row",
+             "clean_windows")
+
+
+def check_training_state(path: Path, state) -> None:
+    """Refuse a ``state.pt`` (as :func:`read_state` read it) that is not a tightfit run's trainer
+    state, before anything of it is loaded: one its manifest matches (rewritten with it, or written
+    by another program) would otherwise fail part-way through the resume with a traceback.
+
+    Raises:
+        CorruptCheckpointError: one line naming the first thing missing or of the wrong type.
+    """
+    if not isinstance(state, dict):
+        what = f"a {type(state).__name__}, not a dict"
+    else:
+        what = next((f"{key!r} missing or not {kind.__name__}" for key, kind in _STATE_KEYS.items()
+                     if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool)), None)
+        if what is None and not ("rng" in state or "rng_by_rank" in state):
+            what = "no RNG states"
+        if what is None and (state["step"] < 0 or state["micro_batch"] < 1):
+            what = f"step {state['step']}, micro-batch {state['micro_batch']}"
+        if what is None and (missing := [k for k in _COUNTERS if k not in state["counters"]]):
+            what = f"counters without {missing[0]!r}"
+    if what:
+        raise _fail(Path(path), f"{STATE_FILE}: not the state of a tightfit run: {what}")
+
+
 def weights_mismatch(path: Path, model: torch.nn.Module) -> str | None:
     """How the weights in checkpoint folder ``path`` differ from ``model``'s state dict, in one
     line (names and shapes only, from the safetensors header: no tensor is read), or None when

@@ -931,7 +931,8 @@ class Trainer:
         scheduler, RNG states, data position and micro-batch; :meth:`fit` then continues.
         ``state`` and ``verified``: as :func:`~tightfit.runtime.checkpoint.load_checkpoint` (a
         caller that verified and read the checkpoint already passes them: read and hashed once)."""
-        from .checkpoint import checkpoint_step, list_checkpoints, load_checkpoint, read_state, verify_checkpoint
+        from .checkpoint import (check_training_state, checkpoint_step, list_checkpoints, load_checkpoint, read_state,
+                                 verify_checkpoint)
 
         from .sharded_checkpoint import is_sharded, load_sharded
 
@@ -940,6 +941,7 @@ class Trainer:
         if not verified:
             verify_checkpoint(path)
         saved = read_state(path) if state is None else state
+        check_training_state(path, saved)
         check_same_windows(path, saved, self.w.effective_batch, self.cfg.seed, len(self.w.train))
         if saved["step"] > self.total_steps:  # fit() would train nothing and report the checkpoint's steps
             raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} is at step {saved['step']}, past this "
