@@ -269,3 +269,55 @@ def test_cli_resume_with_no_intact_checkpoint_stops_with_one_line_and_writes_not
     assert err.startswith("tightfit: error: --resume") and "no intact checkpoint" in err and "\n" not in err
     assert "ckpt-6 is corrupt (state.pt: truncated" in err
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # metrics.jsonl untouched
+
+
+class _Planted:
+    """An object whose unpickling runs code: what a rewritten checkpoint file could hold."""
+    ran = []
+
+    def __reduce__(self):
+        return (_Planted.ran.append, ("code ran",))
+
+
+@pytest.mark.parametrize("where", ["none", "metadata", "param_groups"])
+def test_a_multi_process_checkpoint_loads_no_more_than_weights_only_allows(tmp_path, where):
+    """DCP unpickled dcp/.metadata with pickle.load and the optimizer's param_groups with
+    torch.load(weights_only=False): a file rewritten with its manifest ran any code it held on
+    --resume. Both are now refused in one line, before anything of theirs is run."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tightfit.runtime.distributed import World
+    from tightfit.runtime.sharded_checkpoint import DCP_DIR, load_sharded
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    if where == "param_groups":
+        optim_sd["param_groups"][0]["lr"] = _Planted()  # an item the load asks for
+    folder = tmp_path / "ckpt-1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / DCP_DIR), no_dist=True)
+    torch.save({"rng": None, "step": 1}, folder / "state.pt")
+    if where == "metadata":
+        meta = folder / DCP_DIR / ".metadata"
+        with open(meta, "rb") as f:
+            m = pickle.load(f)
+        m.planted = _Planted()
+        with open(meta, "wb") as f:
+            pickle.dump(m, f)
+    _Planted.ran.clear()
+    fresh = _model(1)
+    if where == "none":
+        load_sharded(folder, fresh, torch.optim.AdamW(fresh.parameters()), World(), verified=True)
+        assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+        return
+    with pytest.raises(CorruptCheckpointError, match=r"^checkpoint ckpt-1 is corrupt \(dcp"):
+        load_sharded(folder, fresh, torch.optim.AdamW(fresh.parameters()), World(), verified=True)
+    assert _Planted.ran == []

@@ -10,6 +10,11 @@ place of ``model.safetensors``)::
                     which removes the DDP/FSDP wrappers), each rank writing its part
     state.pt        rank 0's trainer state (scheduler, loss scaler, data position, plan, counters)
                     and every rank's RNG states (``rng_by_rank``); ``weights_only`` loadable
+
+DCP reads its ``.metadata`` with ``pickle.load`` and the state's non-tensor items (the optimizer's
+``param_groups``) with ``torch.load(weights_only=False)``: either would run any code a rewritten
+file holds. Both are checked first here (:func:`_check_metadata`, :func:`_weights_only_planner`), so
+that this layout loads no more than ``weights_only`` allows, as the one-process layout does.
     manifest.json   size and SHA-256 of every file above, written last (``layout: "dcp"``)
 
 The folder is written atomically by rank 0 (:func:`tightfit.fileio.atomic_write_dir`): every rank
@@ -28,11 +33,68 @@ import torch
 
 from ..errors import TightfitError
 from ..fileio import atomic_write_dir
-from .checkpoint import (MANIFEST, MANIFEST_FORMAT, STATE_FILE, NonFiniteCheckpointError, _fsync, prune_checkpoints,
-                         read_state, remove_stale_temporaries, sha256_file, streak_record, verify_checkpoint)
+from .checkpoint import (MANIFEST, MANIFEST_FORMAT, STATE_FILE, NonFiniteCheckpointError, _fail, _first_line, _fsync,
+                         prune_checkpoints, read_state, remove_stale_temporaries, sha256_file, streak_record,
+                         verify_checkpoint)
 from .distributed import World
 
 DCP_DIR = "dcp"
+
+
+# What DCP's .metadata may name (torch 2.6-2.13 write these): DCP's own metadata dataclasses,
+# torch's sizes, dtypes and layouts, and a path; any other global is refused unread.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+def _check_metadata(path: Path, dcp_dir: Path) -> None:
+    """Unpickle each ``.metadata`` file of ``dcp_dir`` with only the globals DCP's metadata needs
+    (the Python documentation's "Restricting Globals" recipe), before DCP unpickles it unrestricted.
+
+    Raises:
+        CorruptCheckpointError: a file names another global, or cannot be unpickled.
+    """
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            found = (module, name) in _METADATA_GLOBALS or module in _METADATA_MODULES or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+            if not found:
+                raise pickle.UnpicklingError(f"names {module}.{name}, which DCP's metadata does not hold")
+            return super().find_class(module, name)
+
+    for f in sorted(dcp_dir.glob(".metadata*")):
+        try:
+            with open(f, "rb") as stream:
+                Restricted(stream).load()
+        except Exception as e:  # noqa: BLE001 - whatever the unpickler met, the file is not DCP's metadata
+            raise _fail(path, f"{DCP_DIR}/{f.name}: {_first_line(e)}") from None
+
+
+def _weights_only_planner():
+    """DCP's default load planner, except that each non-tensor item is first unpickled with
+    ``torch.load(weights_only=True)``: one that names anything else is refused (``refused`` says
+    which, as DCP wraps the planner's errors in its own)."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        refused: str | None = None
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                torch.load(value, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - refused, or not a torch.save stream
+                self.refused = f"{read_item.dest_index.fqn}: {_first_line(e)}"
+                raise
+            value.seek(0)
+            super().load_bytes(read_item, value)  # DCP's own, on a stream weights_only has read
+
+    return WeightsOnlyPlanner()
 
 
 def is_sharded(path: Path) -> bool:
@@ -103,22 +165,28 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer, world: World, ve
     ``rng_of_this_rank`` says which).
 
     Raises:
-        CorruptCheckpointError: the files do not match the manifest.
+        CorruptCheckpointError: the files do not match the manifest, or name objects beyond what
+            ``weights_only`` loads (:func:`_check_metadata`, :func:`_weights_only_planner`).
         TightfitError: the state does not fit the model.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
     if not verified:  # the caller may have verified it already (read and hashed once)
         verify_checkpoint(path)
+    _check_metadata(path, path / DCP_DIR)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
+    planner = _weights_only_planner()
     try:
         with warnings.catch_warnings():  # one process reading a checkpoint of several: what is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(sd, checkpoint_id=str(path / DCP_DIR), no_dist=not world.distributed)
-    except Exception as e:  # DCP wraps the planner's key and shape errors in its own exception types
+            dcp.load(sd, checkpoint_id=str(path / DCP_DIR), no_dist=not world.distributed, planner=planner)
+    except (Exception, CheckpointException) as e:  # DCP wraps the planner's errors in its own types (some BaseException)
+        if planner.refused:
+            raise _fail(path, f"{DCP_DIR}: {planner.refused}") from None
         raise TightfitError(f"checkpoint {path.name} does not fit the model: {str(e).splitlines()[0][:200]}") from None
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     state = read_state(path)
