@@ -178,6 +178,37 @@ def test_non_finite_step_is_skipped_then_a_run_of_them_stops_training(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_finite_gradients_whose_norm_overflows_are_a_skipped_step(tmp_path):
+    """Gradients of 1e20 are finite but their norm overflows fp32: the Trainer's clipping made them
+    zeros, which passed the callback's check, and the optimizer applied the step (AdamW's moments
+    moved the weights, its step counted) with nothing reported. As in tightfit's own runtime, the
+    step is skipped."""
+    from transformers import TrainerCallback
+
+    class Snapshots(TrainerCallback):
+        weights = {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.weights[state.global_step] = [p.detach().clone() for p in model.parameters()]
+
+    cb = hf.TightfitCallback(Plan("fp32", 8, 8))
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=3, dropout=0.0, callback=cb)
+    trainer.add_callback(snapshots := Snapshots())
+    backwards = []
+
+    def overflow_in_step_2(g):
+        backwards.append(1)
+        return torch.full_like(g, 1e20) if len(backwards) == 2 else g
+
+    trainer.model.classifier.weight.register_hook(overflow_in_step_2)
+    hf.train(trainer)
+    assert cb.skipped_steps == 1 and cb.events == ["step 2: non-finite gradients, update skipped"], cb.events
+    for a, b in zip(snapshots.weights[2], snapshots.weights[1]):  # step 2 left every weight as it was
+        assert torch.equal(a, b)
+    assert {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()} == {2}
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)  # nothing of hf.train's left on the trainer
+
+
 def test_a_skipped_step_puts_the_buffers_back_as_the_window_found_them(tmp_path):
     """The skipped step's forwards had updated the model's buffers (BatchNorm's statistics: NaN for
     good after an inf); the callback now puts them back with the gradients it drops."""

@@ -336,8 +336,10 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
     and clipped: if a gradient is not finite, the step is skipped -- in fp32/bf16 by dropping the
     gradients, so that the optimizer leaves every parameter and its state as they were (the
     learning-rate schedule still advances, as in ``tightfit train``); in fp16 the Trainer's loss
-    scaler skips it itself. After ``max_skipped_steps`` skipped steps in a row training stops
-    (:attr:`stop_reason` says why; :func:`train` raises it).
+    scaler skips it itself. Under :func:`train` a step whose gradients are finite but whose norm
+    (before the Trainer's clipping) is not is skipped too, in every precision (the clipping made
+    them zeros, which the optimizer and the loss scaler would apply). After ``max_skipped_steps``
+    skipped steps in a row training stops (:attr:`stop_reason` says why; :func:`train` raises it).
 
     Args:
         plan: the plan the arguments were made from (None: no check of the arguments).
@@ -362,6 +364,7 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         self._logged_upto = 0  # memory_timeline entries already in a log record
         self._redone_at: tuple[int, int] | None = None  # per-device batch x accumulation of train()'s OOM redo
         self._in_train = False  # run by train(), which fixes the Trainer's loss scaling
+        self._grad_norm = None  # the window's gradient norm before the Trainer's clipping (handed over by train())
 
     def on_train_begin(self, args, state, control, train_dataloader=None, model=None, **kwargs):
         """Check the arguments against the plan; start the memory peaks and the health monitor.
@@ -421,14 +424,19 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
 
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         finite = all(bool(torch.isfinite(g).all()) for g in grads)  # what unscale_ checks, per tensor
+        # Finite gradients whose norm overflows (~1e19 and up in fp32) are a non-finite step too, as in
+        # tightfit's own runtime: the Trainer's clipping has made them zeros by now, which the optimizer
+        # would apply (AdamW's moments and weight decay move the weights, its step counted).
+        norm, self._grad_norm = self._grad_norm, None
+        overflow = finite and norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)).all())
         kept, self._window_buffers = getattr(self, "_window_buffers", None), None
-        if finite:
+        if finite and not overflow:
             self._skipped_in_row = 0
             return
         restore_buffers(kept)
         self.skipped_steps += 1
         self._skipped_in_row += 1
-        if not args.fp16:  # without a loss scaler nothing else would skip it
+        if not args.fp16 or overflow:  # without a loss scaler nothing else would skip it (nor the norm's overflow)
             for p in model.parameters():
                 p.grad = None  # torch.optim leaves parameters without a gradient, and their state, untouched
         self._event(f"step {state.global_step + 1}: non-finite gradients, update skipped")
@@ -570,6 +578,35 @@ def _watch_evaluation(trainer):
     return failed, undo
 
 
+def _watch_grad_norm(trainer, callbacks):
+    """Hand ``callbacks`` (the TightfitCallbacks) the gradient norm the Trainer's clipping measures,
+    before it clips (``accelerator.clip_grad_norm_``, wrapped on this instance): finite gradients
+    whose norm overflows are clipped to zeros, which their non-finite check would take for finite.
+
+    Returns:
+        A function that removes the wrapper.
+    """
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is None or not callbacks:
+        return lambda: None
+    own, clip = vars(accelerator).get("clip_grad_norm_"), accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(*a, **k):
+        norm = clip(*a, **k)
+        for c in callbacks:
+            c._grad_norm = norm
+        return norm
+
+    def undo():  # any instance attribute of the user's back as it was
+        if own is None:
+            vars(accelerator).pop("clip_grad_norm_", None)
+        else:
+            accelerator.clip_grad_norm_ = own
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+    return undo
+
+
 def train(trainer, **train_kwargs):
     """``trainer.train(**train_kwargs)`` with tightfit's OOM policy (see the module doc): after an
     out-of-memory error, train again at a smaller micro-batch with the same effective batch
@@ -636,6 +673,7 @@ def train(trainer, **train_kwargs):
     rng, redone_from, finished = capture_rng(), None, False
     buffers = buffer_snapshot(trainer.model.modules())  # BatchNorm's statistics: a redo from the start starts from these
     evaluation_failed, unwrap = _watch_evaluation(trainer)
+    unwatch_norm = _watch_grad_norm(trainer, ours)
     try:
         while True:
             evaluation_failed.clear()
@@ -700,6 +738,7 @@ def train(trainer, **train_kwargs):
                         f"batch) " + (f"from {train_kwargs['resume_from_checkpoint']}" if step else "from the start"))
     finally:
         unwrap()
+        unwatch_norm()
         trainer.remove_callback(saves)
         trainer.remove_callback(first_step)
         for c in ours:
