@@ -127,6 +127,34 @@ def test_non_finite_steps_are_skipped_then_fit_stops():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_finite_gradients_whose_norm_overflows_are_a_skipped_step(clip):
+    """Gradients of 1e20 are finite but their norm overflows fp32: the callback checked each tensor
+    only, and the optimizer applied the step (clipped: zeros, with AdamW's moments moving the weights;
+    unclipped: 1e20 into AdamW's moments), its step counted and nothing reported. As in tightfit's
+    own runtime, the step is skipped."""
+
+    class Snapshots(_Classifier):
+        weights = []
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.weights.append([p.detach().clone() for p in self.parameters()])
+
+    module = Snapshots(dropout=0.0)
+    backwards = []
+
+    def overflow_in_step_2(g):
+        backwards.append(1)
+        return torch.full_like(g, 1e20) if len(backwards) == 2 else g
+
+    module.bert.classifier.weight.register_hook(overflow_in_step_2)
+    trainer, module, cb = _fit(Plan("fp32", 8, 8), module, steps=3, gradient_clip_val=clip)
+    assert cb.skipped_steps == 1 and cb.events == ["step 2: non-finite gradients, update skipped"], cb.events
+    for a, b in zip(module.weights[1], module.weights[0]):  # step 2 left every weight as it was
+        assert torch.equal(a, b)
+    assert {int(s["step"]) for s in trainer.optimizers[0].state.values()} == {2}
+
+
 def test_a_skipped_step_puts_the_buffers_back_as_the_window_found_them():
     """The skipped step's forwards had updated the model's buffers (BatchNorm's statistics: NaN for
     good after an inf); the callback now puts them back with the gradients it drops."""

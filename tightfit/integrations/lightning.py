@@ -19,10 +19,11 @@ What each part does, and what Lightning leaves out of reach:
   ``trainer.accumulate_grad_batches`` to the plan's (as Lightning's own
   ``GradientAccumulationScheduler`` does) and warns when the precision or the loader's batch
   differ from the plan (saying what the effective batch becomes); logs per-step peak allocated/reserved memory and GPU health (NVML);
-  skips an optimizer step whose (unscaled) gradients are not finite -- in ``32-true``/``bf16-mixed``
-  by dropping the gradients, so that the optimizer leaves every parameter and its state as they
-  were; in ``16-mixed`` the loss scaler skips it -- and stops ``fit`` after ``max_skipped_steps``
-  in a row.
+  skips an optimizer step whose (unscaled) gradients are not finite, or whose norm is not (finite
+  gradients that overflow it) -- in ``32-true``/``bf16-mixed`` by dropping the gradients, so that
+  the optimizer leaves every parameter and its state as they were; in ``16-mixed`` the loss scaler
+  skips non-finite gradients itself, and the gradients of an overflowing norm are dropped -- and
+  stops ``fit`` after ``max_skipped_steps`` in a row.
 - Exact accumulation: Lightning divides every micro-batch's loss by ``accumulate_grad_batches``, also
   in an epoch's last window, which may hold fewer samples (or a short last micro-batch). With
   accumulation, the callback weighs each micro-batch by the samples it holds (a short one's loss is
@@ -261,7 +262,10 @@ class TightfitCallback(Watch, L.Callback):
 
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         kept, self._window_buffers = getattr(self, "_window_buffers", None), None
-        if all(bool(torch.isfinite(g).all()) for g in grads):  # what unscale_ checks, per tensor
+        # the norm, not only each tensor (what unscale_ checks): finite gradients whose norm overflows
+        # (~1e19 and up in fp32) are a non-finite step too, as in tightfit's own runtime (clipped, they
+        # are zeros the optimizer would apply; unclipped, AdamW's second moment overflows)
+        if not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))):
             self._skipped_in_row = 0
             self._to_window_mean(trainer, pl_module)
             return
@@ -269,7 +273,8 @@ class TightfitCallback(Watch, L.Callback):
         self._window_samples = 0
         self.skipped_steps += 1
         self._skipped_in_row += 1
-        if self.plan.precision != "fp16":  # no loss scaler would skip it
+        if self.plan.precision != "fp16" or all(bool(torch.isfinite(g).all()) for g in grads):
+            # no loss scaler would skip it (nor the norm's overflow: unscale_ found every gradient finite)
             for p in pl_module.parameters():
                 p.grad = None  # torch.optim leaves parameters without a gradient, and their state, untouched
         self._event(f"step {trainer.global_step + 1}: non-finite gradients, update skipped")
