@@ -149,6 +149,41 @@ def test_oom_after_a_step_resumes_from_the_newest_checkpoint(tmp_path, caplog):
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
 
 
+def test_a_resumed_run_trains_on_at_the_micro_batch_its_checkpoint_was_written_at(tmp_path):
+    """A run redone at 4 x 2 after an OOM at 8 x 1 stops (killed) after step 3; resumed from its
+    checkpoint with the plan's arguments (8 x 1), it went back to the per-device batch that had run
+    out of memory (its checkpoints even recorded 8: the Trainer keeps the resumed checkpoint's
+    ``train_batch_size``), drew other dropout masks than the run that went on, and on the card would
+    have run out of memory again. It trains on at 4 x 2, as the uninterrupted run did."""
+    from transformers import TrainerCallback
+
+    class StopAfter3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    def run(path, stop=False, oom=True):
+        cb = hf.TightfitCallback(Plan("fp32", 8, 8))
+        trainer = _trainer(path, Plan("fp32", 8, 8), steps=4, callback=cb, save_strategy="steps", save_steps=1)
+        if stop:
+            trainer.add_callback(StopAfter3())
+        hook = _OOMAt(lambda calls, rows: oom and calls == 3)  # step 3, after two checkpoints
+        trainer.model.bert.encoder.layer[1].register_forward_pre_hook(hook, with_kwargs=True)
+        return trainer, hook, cb
+
+    uninterrupted, _, _ = run(tmp_path / "a")
+    hf.train(uninterrupted)
+    stopped, _, _ = run(tmp_path / "b", stop=True)
+    hf.train(stopped)
+    assert stopped.state.global_step == 3 and stopped.args.per_device_train_batch_size == 4
+    resumed, hook, cb = run(tmp_path / "b", oom=False)
+    hf.train(resumed, resume_from_checkpoint=True)
+    assert hook.rows == [4, 4] and resumed.state.global_step == 4  # step 4 only, at the redo's batch
+    assert (resumed.args.per_device_train_batch_size, resumed.args.gradient_accumulation_steps) == (4, 2)
+    assert cb.events == [] and (cb.plan.micro_batch, cb.plan.accumulation_steps) == (4, 2)
+    for a, b in zip(_weights(resumed), _weights(uninterrupted)):  # dropout on: the same masks
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_oom_after_a_step_without_a_checkpoint_stops_and_says_why(tmp_path):
     trainer = _trainer(tmp_path, Plan("fp32", 8, 8))
     trainer.model.bert.encoder.layer[1].register_forward_pre_hook(_OOMAt(lambda calls, rows: calls == 2),

@@ -490,6 +490,13 @@ class _SavedCheckpoints(transformers.TrainerCallback):
     def __init__(self):
         self.saved: list[tuple[int, str]] = []
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        """The per-device batch in force goes into the state the checkpoints write: a Trainer resumed
+        from a checkpoint (an OOM redo's) keeps the ``train_batch_size`` that checkpoint holds, the
+        failed batch, where a later resume must find the redo's (:func:`_resume_micro_batch`)."""
+        if not args.auto_find_batch_size:  # that one's batch is the Trainer's own to record
+            state.train_batch_size = args.train_batch_size
+
     def on_save(self, args, state, control, **kwargs):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -607,6 +614,29 @@ def _watch_grad_norm(trainer, callbacks):
     return undo
 
 
+def _resume_micro_batch(trainer, checkpoint, callbacks) -> None:
+    """Resuming from ``checkpoint``: train on at the per-device batch in force when it was written
+    (its ``trainer_state.json``'s ``train_batch_size``: smaller than the arguments' after an OOM redo of
+    :func:`train`), as tightfit's own runtime resumes at its checkpoint's micro-batch -- the same
+    effective batch, and the split the uninterrupted run went on with (its dropout masks), without
+    running out of memory again first. Only a smaller batch that divides the effective batch is taken
+    (a larger one: the arguments were planned again for less memory); ``callbacks``' plan becomes it."""
+    if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "trainer_state.json")):
+        return
+    args = trainer.args
+    saved = transformers.TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json")).train_batch_size
+    mb, acc = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    micro = saved // max(1, args.n_gpu) if saved else None
+    if not micro or micro >= mb or (mb * acc) % micro or args.dataloader_drop_last:
+        return
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = micro, mb * acc // micro
+    trainer._train_batch_size = args.train_batch_size  # what the Trainer's loader reads (see train())
+    for c in callbacks:
+        c._redo(micro, args.gradient_accumulation_steps, f"the per-device batch in force at {checkpoint}")
+    log.warning(f"tightfit: resuming from {checkpoint}, written at per-device batch {micro}: training on at "
+                f"{micro} x {args.gradient_accumulation_steps} (same effective batch), not {mb} x {acc}")
+
+
 def train(trainer, **train_kwargs):
     """``trainer.train(**train_kwargs)`` with tightfit's OOM policy (see the module doc): after an
     out-of-memory error, train again at a smaller micro-batch with the same effective batch
@@ -617,7 +647,9 @@ def train(trainer, **train_kwargs):
     itself, each micro-batch's loss is weighed by its share of its window's labelled items
     (:func:`scale_loss_as_one_batch`), so every window -- also an epoch's short last one -- trains as
     one batch of its samples however it is split, in the redo too. Its :class:`TightfitCallback` s check the arguments against the
-    redo's micro-batch and accumulation (their ``plan`` becomes the redo's).
+    redo's micro-batch and accumulation (their ``plan`` becomes the redo's). Resumed from a checkpoint
+    written at a smaller per-device batch (after a redo), it trains on at that batch, with the same
+    effective batch (:func:`_resume_micro_batch`).
 
     Returns:
         What ``trainer.train`` returns (a ``TrainOutput``). After a redo from a checkpoint it is
@@ -666,6 +698,7 @@ def train(trainer, **train_kwargs):
     started_from = train_kwargs.get("resume_from_checkpoint")
     if started_from is True:  # as the Trainer resolves it, before this call writes any checkpoint
         started_from = get_last_checkpoint(args.output_dir) if args.output_dir and os.path.isdir(args.output_dir) else None
+    _resume_micro_batch(trainer, started_from, ours)
     saves, first_step = _SavedCheckpoints(), _FirstOptimizerStep()
     trainer.add_callback(saves)
     trainer.add_callback(first_step)
