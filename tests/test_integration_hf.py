@@ -184,6 +184,34 @@ def test_a_resumed_run_trains_on_at_the_micro_batch_its_checkpoint_was_written_a
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_an_oom_redo_from_a_checkpoint_does_not_count_the_failed_attempts_evaluations(tmp_path):
+    """Early stopping keeps its count of evaluations without improvement in the callback object: the
+    redo from checkpoint-2 went on with the count of the failed attempt's evaluation after step 3,
+    which it counted again, and stopped at step 3 where the run without the OOM stops at step 4."""
+    from transformers import EarlyStoppingCallback
+
+    def run(path, oom_at=None):
+        trainer = _trainer(path, Plan("fp32", 8, 8), steps=8, dropout=0.0, save_strategy="steps", save_steps=2,
+                           eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
+                           metric_for_best_model="same", eval_dataset=_Rows(8))
+        trainer.compute_metrics = lambda prediction: {"same": 1.0}  # never improves
+        trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=3))
+        hook = _OOMAt(lambda calls, rows: calls == oom_at)
+
+        def training_only(module, args, kwargs):
+            if module.training:
+                hook(module, args, kwargs)
+
+        trainer.model.bert.encoder.layer[1].register_forward_pre_hook(training_only, with_kwargs=True)
+        hf.train(trainer)
+        return trainer, hook
+
+    planned, _ = run(tmp_path / "a")
+    redone, hook = run(tmp_path / "b", oom_at=4)  # step 4, after checkpoint-2 and the evaluation of step 3
+    assert hook.fired == 1 and redone.args.per_device_train_batch_size == 4
+    assert planned.state.global_step == redone.state.global_step == 4
+
+
 def test_oom_after_a_step_without_a_checkpoint_stops_and_says_why(tmp_path):
     trainer = _trainer(tmp_path, Plan("fp32", 8, 8))
     trainer.model.bert.encoder.layer[1].register_forward_pre_hook(_OOMAt(lambda calls, rows: calls == 2),

@@ -26,8 +26,9 @@ What each part does, and what the Trainer leaves out of reach:
   optimizer step had been taken (the weights are untouched; the RNG states are restored), else
   from the newest checkpoint this call wrote at or before the failed step (or the one it was asked
   to resume from; never another run's folder left in ``output_dir``: the Trainer restores weights,
-  optimizer, schedule, RNG and data position); with no such checkpoint to go back to, it stops with
-  a message saying so.
+  optimizer, schedule, RNG and data position, and :func:`train` the stateful callbacks' counts, such
+  as early stopping's, as that checkpoint was written); with no such checkpoint to go back to, it
+  stops with a message saying so.
   An OOM raised by evaluation during ``trainer.train()`` is not redone (a smaller training
   micro-batch would not help it): it is refused naming ``per_device_eval_batch_size``.
   The Trainer's own ``auto_find_batch_size`` also restarts after an OOM, but shrinks the
@@ -52,6 +53,7 @@ What each part does, and what the Trainer leaves out of reach:
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import inspect
 import logging
@@ -485,10 +487,13 @@ _ADDED_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "gpu_temp_c", "gpu
 
 class _SavedCheckpoints(transformers.TrainerCallback):
     """The checkpoint folders the Trainer saves while :func:`train` runs, as ``(global step, path)``:
-    the only ones (with the checkpoint it resumed from) an OOM redo may go back to."""
+    the only ones (with the checkpoint it resumed from) an OOM redo may go back to; and, by path,
+    ``trainer``'s stateful callbacks as each was written (:func:`_callback_states`)."""
 
-    def __init__(self):
+    def __init__(self, trainer):
         self.saved: list[tuple[int, str]] = []
+        self.callback_states: dict[str, list] = {}
+        self._trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
         """The per-device batch in force goes into the state the checkpoints write: a Trainer resumed
@@ -500,7 +505,28 @@ class _SavedCheckpoints(transformers.TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        self.saved.append((state.global_step, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")))
+        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self.saved.append((state.global_step, path))
+        self.callback_states[path] = _callback_states(self._trainer)
+
+
+def _callback_states(trainer) -> list:
+    """The attributes of ``trainer``'s stateful callbacks (``ExportableState``: early stopping's count of
+    evaluations without improvement), as ``(callback, attributes)``, for :func:`_restore_callback_states`."""
+    exportable = getattr(transformers.trainer_callback, "ExportableState", None)
+    if exportable is None:
+        return []
+    return [(c, copy.deepcopy(c.state().get("attributes", {}))) for c in trainer.callback_handler.callbacks
+            if isinstance(c, exportable)]
+
+
+def _restore_callback_states(states: list) -> None:
+    """Put :func:`_callback_states`' attributes back on the same callback objects (the Trainer's own
+    restoring, ``restore_callback_states_from_checkpoint``, makes new ones, and is yours to ask for):
+    an OOM redo must not count what the failed attempt's evaluations counted."""
+    for callback, attributes in states:
+        for name, value in attributes.items():
+            setattr(callback, name, copy.deepcopy(value))
 
 
 class _FirstOptimizerStep(transformers.TrainerCallback):
@@ -699,7 +725,8 @@ def train(trainer, **train_kwargs):
     if started_from is True:  # as the Trainer resolves it, before this call writes any checkpoint
         started_from = get_last_checkpoint(args.output_dir) if args.output_dir and os.path.isdir(args.output_dir) else None
     _resume_micro_batch(trainer, started_from, ours)
-    saves, first_step = _SavedCheckpoints(), _FirstOptimizerStep()
+    saves, first_step = _SavedCheckpoints(trainer), _FirstOptimizerStep()
+    callbacks_at_start = _callback_states(trainer)  # what a redo from the start, or to started_from, starts with
     trainer.add_callback(saves)
     trainer.add_callback(first_step)
     made_here = trainer.optimizer is None  # the Trainer makes it in train() and keeps it for the next call
@@ -754,6 +781,8 @@ def train(trainer, **train_kwargs):
                                         f"from (its weights have moved since step 0); set save_steps, or plan for a "
                                         f"smaller budget")
                 train_kwargs["resume_from_checkpoint"] = redone_from = last
+            # the stateful callbacks (early stopping's patience) as that checkpoint, or this call, found them
+            _restore_callback_states(saves.callback_states.get(last, callbacks_at_start) if step else callbacks_at_start)
             trainer.model.zero_grad(set_to_none=True)
             release_memory()  # outside the except block: the failed attempt's frames are gone
             if step == 0:
