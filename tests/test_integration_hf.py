@@ -212,6 +212,28 @@ def test_an_oom_redo_from_a_checkpoint_does_not_count_the_failed_attempts_evalua
     assert planned.state.global_step == redone.state.global_step == 4
 
 
+@pytest.mark.parametrize("oom_in_step, max_skipped", [(3, 2), (4, 20)])
+def test_an_oom_redo_from_a_checkpoint_goes_on_with_its_count_of_skipped_steps(tmp_path, oom_in_step, max_skipped):
+    """Steps 2 and 3 have non-finite gradients; checkpoint-2 is written after the first. The redo from
+    it started a new count of skipped steps in a row (with 2 allowed, the run without the OOM stops at
+    step 3; the redo trained on to step 5) and counted step 3's skip a second time (3 skipped steps
+    for 2)."""
+    cb = hf.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=max_skipped)
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=5, dropout=0.0, callback=cb, save_strategy="steps",
+                       save_steps=2)
+    hook = _OOMAt(lambda calls, rows: calls == oom_in_step)
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(hook, with_kwargs=True)
+    trainer.model.classifier.weight.register_hook(lambda g: g * float("nan") if trainer.state.global_step in (1, 2)
+                                                  else g)
+    if max_skipped == 2:
+        with pytest.raises(NonFiniteTrainingError, match="2 steps in a row"):
+            hf.train(trainer)
+    else:
+        hf.train(trainer)
+    assert hook.fired == 1 and trainer.args.per_device_train_batch_size == 4
+    assert trainer.state.global_step == (3 if max_skipped == 2 else 5) and cb.skipped_steps == 2
+
+
 def test_oom_after_a_step_without_a_checkpoint_stops_and_says_why(tmp_path):
     trainer = _trainer(tmp_path, Plan("fp32", 8, 8))
     trainer.model.bert.encoder.layer[1].register_forward_pre_hook(_OOMAt(lambda calls, rows: calls == 2),

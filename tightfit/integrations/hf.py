@@ -367,11 +367,13 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         self._redone_at: tuple[int, int] | None = None  # per-device batch x accumulation of train()'s OOM redo
         self._in_train = False  # run by train(), which fixes the Trainer's loss scaling
         self._grad_norm = None  # the window's gradient norm before the Trainer's clipping (handed over by train())
+        self._redo_in_row: int | None = None  # skipped steps in a row that train()'s OOM redo goes on from
 
     def on_train_begin(self, args, state, control, train_dataloader=None, model=None, **kwargs):
         """Check the arguments against the plan; start the memory peaks and the health monitor.
-        A new ``train`` starts its own count of non-finite steps in a row, without the last one's stop."""
-        self.stop_reason, self._skipped_in_row = None, 0
+        A new ``train`` starts its own count of non-finite steps in a row, without the last one's stop
+        (an OOM redo of :func:`train` from a checkpoint: the count as that checkpoint was written)."""
+        self.stop_reason, self._skipped_in_row, self._redo_in_row = None, self._redo_in_row or 0, None
         if self.plan is not None:
             self._check_arguments(args, train_dataloader)
         if not self._in_train and args.gradient_accumulation_steps > 1 and model is not None \
@@ -510,14 +512,17 @@ class _SavedCheckpoints(transformers.TrainerCallback):
         self.callback_states[path] = _callback_states(self._trainer)
 
 
-def _callback_states(trainer) -> list:
+def _callback_states(trainer, in_row: bool = True) -> list:
     """The attributes of ``trainer``'s stateful callbacks (``ExportableState``: early stopping's count of
-    evaluations without improvement), as ``(callback, attributes)``, for :func:`_restore_callback_states`."""
+    evaluations without improvement) and the TightfitCallbacks' counts of skipped steps, as
+    ``(callback, attributes)``, for :func:`_restore_callback_states`. ``in_row``: with the count of
+    skipped steps in a row (False: 0, as a new ``train`` starts with)."""
     exportable = getattr(transformers.trainer_callback, "ExportableState", None)
-    if exportable is None:
-        return []
-    return [(c, copy.deepcopy(c.state().get("attributes", {}))) for c in trainer.callback_handler.callbacks
-            if isinstance(c, exportable)]
+    callbacks = trainer.callback_handler.callbacks
+    states = [] if exportable is None else \
+        [(c, copy.deepcopy(c.state().get("attributes", {}))) for c in callbacks if isinstance(c, exportable)]
+    return states + [(c, {"skipped_steps": c.skipped_steps, "_redo_in_row": c._skipped_in_row if in_row else 0})
+                     for c in callbacks if isinstance(c, TightfitCallback)]
 
 
 def _restore_callback_states(states: list) -> None:
@@ -726,7 +731,7 @@ def train(trainer, **train_kwargs):
         started_from = get_last_checkpoint(args.output_dir) if args.output_dir and os.path.isdir(args.output_dir) else None
     _resume_micro_batch(trainer, started_from, ours)
     saves, first_step = _SavedCheckpoints(trainer), _FirstOptimizerStep()
-    callbacks_at_start = _callback_states(trainer)  # what a redo from the start, or to started_from, starts with
+    callbacks_at_start = _callback_states(trainer, in_row=False)  # what a redo from the start, or to started_from, starts with
     trainer.add_callback(saves)
     trainer.add_callback(first_step)
     made_here = trainer.optimizer is None  # the Trainer makes it in train() and keeps it for the next call
