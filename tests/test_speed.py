@@ -49,6 +49,22 @@ def test_plan_key_depends_on_what_decides_the_plan_and_not_on_the_weights():
         assert _key(**change) != base, change
 
 
+def test_plan_key_depends_on_the_attention_implementation(tmp_path):
+    """A model folder whose config.json is edited in place to ``"attn_implementation": "eager"``
+    loads with eager attention, which holds the T x T attention matrices sdpa does not: it
+    replans (config.to_dict() leaves the implementation out, so the sdpa plan was reused)."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder = tmp_path / "model"
+    tiny_bert().save_pretrained(folder)
+    sdpa = AutoModelForSequenceClassification.from_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, attn_implementation="eager")))
+    eager = AutoModelForSequenceClassification.from_pretrained(folder)
+    assert eager.config._attn_implementation == "eager" != sdpa.config._attn_implementation
+    assert _key(eager) != _key(sdpa)
+
+
 def test_plan_key_depends_on_the_profiles_rates_and_the_installed_levers(monkeypatch):
     """A custom profile's speeds change the time model, and a lever library installed since the
     plan was cached adds choices: both replan (the key had the card's name alone, and no libraries)."""

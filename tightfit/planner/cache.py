@@ -42,12 +42,16 @@ def cache_dir() -> Path:
 
 def model_structure(model: torch.nn.Module) -> dict:
     """What of ``model`` a plan depends on, JSON-ready: its class, its config (a Hugging Face
-    ``config.to_dict()`` where it has one, minus the name or path it was loaded from) and, per
-    parameter and buffer, name, shape, dtype and ``requires_grad``. No weight values."""
+    ``config.to_dict()`` where it has one, minus the name or path it was loaded from, plus its
+    attention implementation) and, per parameter and buffer, name, shape, dtype and
+    ``requires_grad``. No weight values."""
     config = getattr(model, "config", None)
     conf = None
     if config is not None and hasattr(config, "to_dict"):
         conf = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        # not in to_dict(), yet a config.json's "attn_implementation": "eager" holds every T x T
+        # attention matrix that sdpa does not: another plan
+        conf["attn_implementation"] = getattr(config, "_attn_implementation", None)
     return {
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
         "config": conf,
