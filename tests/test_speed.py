@@ -108,15 +108,15 @@ class _Recipe(SimpleNamespace):
     pass
 
 
-def _recipe(tmp_path, replan=False):
-    """A TrainRecipe that has reached planning on a (faked) GPU."""
+def _recipe(tmp_path, replan=False, **options):
+    """A TrainRecipe that has reached planning on a (faked) GPU (``options``: more TrainRequest fields)."""
     from tightfit.api import TrainRecipe
     from tightfit.config import TrainRequest
     from tightfit.devices import get_profile
     from tightfit.workload import Workload
 
     recipe = TrainRecipe.__new__(TrainRecipe)
-    recipe.req = TrainRequest(batch_size=8, epochs=1.0, replan=replan)
+    recipe.req = TrainRequest(**{"batch_size": 8, "epochs": 1.0, "replan": replan, **options})
     recipe.workload = Workload(tiny_bert(), SyntheticBatches(24), None, 8)
     recipe.train_data = list(range(24))
     recipe.profile, recipe.budget, recipe.device = get_profile("h200"), 4 * 2**30, "cuda"
@@ -149,6 +149,28 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
     assert sum(r.startswith("plan from the cache") for r in again.reasons) == 1
     _recipe(tmp_path, replan=True)._cached_gpu_plan()
     assert calls == [24, 24]  # --replan plans afresh
+
+
+def test_a_run_that_compiles_nothing_takes_its_plan_from_the_cache_for_any_length(tmp_path, monkeypatch):
+    """The run's length decides only whether compilation repays itself: with --compile off (or
+    the probe planner) a longer run of the same job takes the cached plan (it was replanned)."""
+    import tightfit.planner.gpu as gpu
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=140 * 2**30))
+    calls = []
+
+    def fake_plan_on_gpu(workload, profile, budget, seq_len, precision, checkpointing, compile, run_samples=None,
+                         timings=None, optimizer="auto"):
+        calls.append((compile, run_samples))
+        return Plan("bf16", 8, 8, device="cuda", budget_bytes=budget, reasons=("searched",))
+
+    monkeypatch.setattr(gpu, "plan_on_gpu", fake_plan_on_gpu)
+    _recipe(tmp_path, compile="off")._cached_gpu_plan()
+    assert _recipe(tmp_path, compile="off", epochs=3.0)._cached_gpu_plan().reasons[0].startswith("plan from the cache")
+    assert calls == [("off", 24)]
+    _recipe(tmp_path)._cached_gpu_plan()
+    _recipe(tmp_path, epochs=3.0)._cached_gpu_plan()  # compile auto: the length may decide it
+    assert calls == [("off", 24), ("auto", 24), ("auto", 72)]
 
 
 def _fake_gpu_plan(monkeypatch, run_samples, compile="auto", runners_up=(), probes=None):

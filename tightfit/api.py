@@ -666,11 +666,14 @@ class TrainRecipe:
 
         p, w, E = self.req.planning, self.workload, self.workload.effective_batch
         run_samples = self._run_steps(E) * E
+        # the run's length decides only whether compiling repays itself: a run that compiles
+        # nothing takes the same plan for any --epochs
+        compiles = p.planner == "search" and p.compile != "off"
         key = plan_key(w.model, w.train.worst_case(1), E,
                        {"precision": p.precision, "checkpointing": p.checkpointing, "compile": p.compile,
                         "planner": p.planner, "optimizer": p.optimizer, "trainable": self.req.workload.trainable},
                        self.profile.name, torch.cuda.get_device_properties(0).total_memory,
-                       self.budget, run_samples, profile=dataclasses.asdict(self.profile))
+                       self.budget, run_samples if compiles else None, profile=dataclasses.asdict(self.profile))
         cached = None if p.replan else load_plan(key)
         if cached is not None:
             plan, record = cached

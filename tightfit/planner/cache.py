@@ -75,7 +75,7 @@ def plan_key(model: torch.nn.Module, worst_case: dict, effective_batch: int, opt
         effective_batch: samples per optimizer step.
         options: the planning options that change the plan (precision, checkpointing, compile, planner).
         card: the card's name; ``total_bytes``: its memory; ``budget_bytes``: the budget, bytes.
-        run_samples: samples the run will train on (None: unknown).
+        run_samples: samples the run will train on (None: unknown, or not deciding: a run that compiles nothing).
         profile: the card profile's fields (``dataclasses.asdict`` of a
             :class:`~tightfit.devices.DeviceProfile`; None: the name alone).
     """
