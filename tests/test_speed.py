@@ -86,6 +86,9 @@ def test_plan_key_depends_on_the_profiles_rates_and_the_installed_levers(monkeyp
     laptop = _key(profile=h200)
     monkeypatch.setattr(lv, "total_host_bytes", lambda: 128 * 2**30)
     assert _key(profile=h200) != laptop
+    alone = _key(profile=h200)  # 4 DDP ranks on the host share its pinned memory: each gets a quarter
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _key(profile=h200) != alone
 
 
 def test_plan_cache_round_trip_is_atomic_and_ignores_damaged_entries(tmp_path, monkeypatch):
