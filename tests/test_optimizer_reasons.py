@@ -3,6 +3,8 @@ fp32 AdamW stands only where its plan pays nothing for memory (no accumulation, 
 recomputed or offloaded), the reason names what it pays, and the planning time counts every
 optimizer searched."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -154,6 +156,13 @@ def test_blocks_checkpointed_because_asked_are_not_what_fp32_adamw_pays(monkeypa
                                   host_bytes=64 << 30, checkpointing="on")
     assert forced.best.optimizer == "adamw" and "checkpointed block" not in forced.best.why.split(";")[0]
     assert "fits without accumulation (every block checkpointed, as --checkpointing on asks)" in forced.best.why
+    # every block frozen (--trainable frozen-2 of 2 blocks): none keeps activations, none is checkpointed
+    # (the plan read "checkpointing 0 of 2 blocks" beside "every block checkpointed")
+    frozen = result(100, blocks=(0, 1))
+    search_stub(monkeypatch, {"adamw": replace(frozen, best=replace(frozen.best, free_blocks=2))})
+    forced = po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=True,
+                                  host_bytes=64 << 30, checkpointing="on")
+    assert "the plan fits without accumulation, so no optimizer lever" in forced.best.why, forced.best.why
     search_stub(monkeypatch, {"adamw": result(100, blocks=(0, 1), accumulation=2), "adamw8bit": result(150),
                               "adamw-offload": result(50)})
     forced = po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=True,

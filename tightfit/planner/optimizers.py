@@ -350,7 +350,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         failures["adamw"] = e
     forced = options.get("checkpointing") == "on"  # every block recomputed as asked: not paid for memory
     if "adamw" in results and not _constrained(results["adamw"], forced):
-        without = ("accumulation (every block checkpointed, as --checkpointing on asks)" if forced else
+        # every block frozen (frozen-N of all N) keeps nothing to recompute: none is checkpointed
+        without = ("accumulation (every block checkpointed, as --checkpointing on asks)"
+                   if forced and results["adamw"].best.paid_blocks else "accumulation" if forced else
                    "accumulation, checkpointing or activation offload")
         return _explained(results["adamw"], "adamw", f"optimizer adamw (fused, fp32 state): the plan fits without "
                           f"{without}, so no optimizer lever can make it faster", model, profile, started)
