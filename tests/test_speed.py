@@ -176,6 +176,24 @@ def test_a_run_that_compiles_nothing_takes_its_plan_from_the_cache_for_any_lengt
     assert calls == [("off", 24), ("auto", 24), ("auto", 72)]
 
 
+def test_the_probe_planner_probes_the_optimizer_asked_for(tmp_path, monkeypatch):
+    """--planner probe --optimizer adamw8bit probed with fp32 AdamW state and only named the
+    lever in the plan: where 8-bit state fits and fp32 state does not, it said nothing fits."""
+    import tightfit.planner.probe as probe
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=140 * 2**30))
+    probed = []
+
+    def fake_probe_step(workload, micro_batch, precision, budget_bytes, timed_steps=2, optimizer="adamw"):
+        probed.append(optimizer)  # fp32 AdamW's state alone is over the budget, 8-bit state fits
+        fits = optimizer != "adamw"
+        return probe.ProbeResult(micro_batch, fits, 1 << 30 if fits else None, None, 0.01 if fits else None)
+
+    monkeypatch.setattr(probe, "probe_step", fake_probe_step)
+    plan = _recipe(tmp_path, planner="probe", optimizer="adamw8bit")._cached_gpu_plan()
+    assert plan.optimizer == "adamw8bit" and plan.micro_batch == 8 and set(probed) == {"adamw8bit"}
+
+
 def _fake_gpu_plan(monkeypatch, run_samples, compile="auto", runners_up=(), probes=None):
     """plan_on_gpu on the CPU with the search's answer and every probe faked (eager 240 samples/s, 220
     timed again; compiled 400, 380 timed again); ``probes`` collects the probed micro-batches."""

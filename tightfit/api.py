@@ -688,8 +688,9 @@ class TrainRecipe:
             plan = plan_on_gpu(w, self.profile, self.budget, self.input_size(), p.precision, p.checkpointing,
                                p.compile, run_samples=run_samples, timings=self.plan_timings, optimizer=p.optimizer)
         else:
-            plan = plan_first(w, self.device, self.profile, self.budget, p.precision, p.checkpointing)
-            plan = plan if p.optimizer == "auto" else replace(plan, optimizer=p.optimizer)
+            # the probes step the optimizer asked for: 8-bit or offloaded state fits where fp32 AdamW's does not
+            plan = plan_first(w, self.device, self.profile, self.budget, p.precision, p.checkpointing,
+                              "adamw" if p.optimizer == "auto" else p.optimizer)
         store_plan(key, plan, time.perf_counter() - t0, timings=self.plan_timings)
         return plan
 

@@ -175,13 +175,15 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def largest_micro_batch(workload: Workload, precision: str, budget_bytes: int, upper: int) -> ProbeResult | None:
+def largest_micro_batch(workload: Workload, precision: str, budget_bytes: int, upper: int,
+                        optimizer: str = "adamw") -> ProbeResult | None:
     """The largest micro-batch in ``[1, upper]`` whose probe step fits (:func:`probe_step`):
     ``upper`` first, then bisection (:func:`.bisection.bisect`; each miss is an out-of-memory
     probe).
 
     Args:
         precision: ``fp32|fp16|bf16``; ``budget_bytes``: the budget (bytes); ``upper``: samples.
+        optimizer: the plan's optimizer, whose state the probes hold (:func:`probe_step`).
 
     Returns:
         The probe of the largest fitting micro-batch, or None if even 1 does not fit.
@@ -189,13 +191,13 @@ def largest_micro_batch(workload: Workload, precision: str, budget_bytes: int, u
     Raises:
         Any non-OOM error of a probe step, unchanged.
     """
-    first = probe_step(workload, upper, precision, budget_bytes)
+    first = probe_step(workload, upper, precision, budget_bytes, optimizer=optimizer)
     if first.fits:
         return first
     fitting: dict[int, ProbeResult] = {}
 
     def fits(micro_batch: int) -> bool:
-        r = probe_step(workload, micro_batch, precision, budget_bytes)
+        r = probe_step(workload, micro_batch, precision, budget_bytes, optimizer=optimizer)
         if r.fits:
             fitting[micro_batch] = r
         return r.fits
@@ -204,7 +206,7 @@ def largest_micro_batch(workload: Workload, precision: str, budget_bytes: int, u
 
 
 def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, budget_bytes: int | None,
-               precision: str = "auto", checkpointing: str = "auto") -> Plan:
+               precision: str = "auto", checkpointing: str = "auto", optimizer: str = "adamw") -> Plan:
     """Choose the plan for ``workload``.
 
     On the CPU: fp32, the whole effective batch in one micro-batch, or with accumulation where
@@ -217,6 +219,8 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
     Args:
         precision: ``"auto"`` or an explicit ``fp32|fp16|bf16``.
         checkpointing: ``"auto"``, ``"on"`` or ``"off"``.
+        optimizer: the plan's optimizer (:data:`tightfit.step.OPTIMIZERS`); on a GPU the probes
+            step it, so that its state (8-bit, on the CPU, bf16 weights) is what they measure.
 
     Raises:
         TightfitError: nothing fits, or an explicit precision the card cannot run.
@@ -246,7 +250,7 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
     for prec in candidates:
         for ckpt in ckpt_options:
             set_activation_checkpointing(workload.model, ckpt)
-            best = largest_micro_batch(workload, prec, budget_bytes, E)
+            best = largest_micro_batch(workload, prec, budget_bytes, E, optimizer)
             tried.append(f"{prec}{' + checkpointing' if ckpt else ''}: "
                          + (f"micro-batch {best.micro_batch}" if best else "micro-batch 1 does not fit"))
             if best is None:
@@ -262,10 +266,10 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
                            + (" (asked for)" if checkpointing != "auto" else ": not needed to fit"))
             peak = best.peak_reserved_bytes
             if mb != best.micro_batch:
-                peak = probe_step(workload, mb, prec, budget_bytes).peak_reserved_bytes
+                peak = probe_step(workload, mb, prec, budget_bytes, optimizer=optimizer).peak_reserved_bytes
             set_activation_checkpointing(workload.model, False)  # the runtime applies the plan's choice
-            return Plan(prec, mb, E, ckpt, device=device, budget_bytes=budget_bytes, reasons=tuple(reasons),
-                        probe_peak_reserved_bytes=peak)
+            return Plan(prec, mb, E, ckpt, optimizer=optimizer, device=device, budget_bytes=budget_bytes,
+                        reasons=tuple(reasons), probe_peak_reserved_bytes=peak)
     set_activation_checkpointing(workload.model, False)
     from .search import NothingFitsError  # (search imports this module)
 
