@@ -89,6 +89,9 @@ def test_plan_key_depends_on_the_profiles_rates_and_the_installed_levers(monkeyp
     alone = _key(profile=h200)  # 4 DDP ranks on the host share its pinned memory: each gets a quarter
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert _key(profile=h200) != alone
+    expandable = _key(profile=h200)  # the probes verified the plan under another allocator configuration
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert _key(profile=h200) != expandable
 
 
 def test_plan_cache_round_trip_is_atomic_and_ignores_damaged_entries(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ length in samples (it decides whether compilation can repay its cost), the plann
 rates: a custom profile's speeds change the time model) and the budget, the versions of torch and
 tightfit, which optimizer-lever libraries are installed (a lever installed later is searched) and the
 host's memory in GiB and the run's processes on it (offloaded state and activations are held to
-each one's share). :func:`plan_key` hashes exactly those with SHA-256;
+each one's share), and the CUDA allocator's configuration (the probes measure its peaks). :func:`plan_key` hashes exactly those with SHA-256;
 :func:`load_plan` and :func:`store_plan` read and write ``<cache>/plans/<key>.json``
 atomically (:mod:`tightfit.fileio`), where ``<cache>`` is ``$TIGHTFIT_CACHE_DIR`` or
 ``~/.cache/tightfit``. A cache entry that cannot be read is ignored (and replanned), never an
@@ -88,7 +88,9 @@ def plan_key(model: torch.nn.Module, worst_case: dict, effective_batch: int, opt
            "total_bytes": total_bytes, "budget_bytes": budget_bytes, "run_samples": run_samples,
            "torch": torch.__version__, "tightfit": __version__, "profile": profile, "levers": lever_libraries(),
            "host_gib": round(total_host_bytes() / 2**30),  # offloaded state and activations are held to it
-           "ranks_on_host": _ranks_on_this_host()}  # ... shared by this run's processes on the host (DDP)
+           "ranks_on_host": _ranks_on_this_host(),  # ... shared by this run's processes on the host (DDP)
+           # the probes' peaks are the allocator's: expandable_segments:False or another split size reserve otherwise
+           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
