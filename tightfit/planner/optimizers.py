@@ -7,8 +7,7 @@ nothing fits) the levers may help: 8-bit AdamW state; the state offloaded to the
 the host has the memory for it); bf16 weights and 8-bit state (``adamw8bit-bf16``: bf16 autocast
 only, so only where the precision asked for is ``auto`` or ``bf16`` and the card runs bf16; it
 changes the numerics: no fp32 copy of the weights, updates stochastically rounded). Where 8-bit
-state fits without accumulation or recomputation, the other two are searched only where their
-ceiling (below) beats it: their optimizer step may cost less than 8-bit's. The levers are
+state fits without accumulation or recomputation, the other two are not searched. The levers are
 searched in the order of their bounds (:func:`.search.predicted_bound`: the fastest plan their
 memory lines say fits, from the traces their searches begin with), each with the best plan found
 so far to beat (``beat``: only plans its lines predict faster are traced); a bound may come from
@@ -425,7 +424,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             except NotTraced:  # the reference knows no step at all: the lever's own traces
                 pass
             else:
-                if not (whole and kind == "adamw8bit"):  # 8-bit state fitting whole sets the bar: traced, to be sure
+                if not (whole and kind == "adamw8bit"):  # 8-bit state fitting whole ends the levers: traced, to be sure
                     bounds[kind], stand_in_for[kind] = bound, ref
                     continue
         if bounds and ceiling(kind) <= max(bounds.values()):
@@ -434,11 +433,12 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         bounds[kind], whole = predicted_bound(model, make_batch, size, effective_batch, profile, budget_bytes,
                                               estimate_fn(kind), **bound_at)
         ref = ref or kind
-    # 8-bit state fitting without paying does not end the search: its optimizer step may cost more
-    # than offload's or bf16 weights' (a small model at batch 1: 52 against 69 samples/s); the
-    # ceilings say which can still win (cannot_win), with no trace
+        if kind == "adamw8bit" and whole:
+            break  # 8-bit state fits without paying: neither offload nor bf16 weights can be faster
     for kind in sorted(bounds, key=lambda k: -bounds[k]):  # stable: ties in the levers' order
         found = max((r.best.samples_per_s for r in results.values()), default=0.0)
+        if kind != "adamw8bit" and "adamw8bit" in results and not _constrained(results["adamw8bit"], forced):
+            break  # 8-bit state fits without paying: neither offload nor bf16 weights can be faster
         if cannot_win(kind):
             continue
         if kind in stand_in_for and 0 < bounds[kind] * STAND_IN_ERROR <= found:  # untraced
