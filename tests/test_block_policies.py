@@ -301,6 +301,32 @@ def test_planner_mixes_selective_and_full_blocks_when_that_is_faster_and_says_wh
     assert r.best.block_policies is None and r.best.checkpoint_blocks == ()
 
 
+def test_one_micro_batch_of_per_block_choices_is_found_where_only_the_held_gradients_hid_it(monkeypatch):
+    """The per-block ladders' memory lines are traced at micro-batches that accumulate, with the
+    window's gradients held; one micro-batch of the whole batch holds none. Every block selective
+    fits 64 samples at once (484 MiB of 500), but its line says 684 MiB there (the 200 MiB of
+    gradients): the search planned 2 x 32 or recomputed whole blocks instead."""
+    from test_planner import Est, MiB, _search
+
+    import tightfit.levers.optimizers as levers
+    from tightfit.planner import search as search_module
+    from tightfit.planner.cost import ForwardCost
+
+    monkeypatch.setattr(search_module, "forward_cost", lambda *a: ForwardCost(
+        flops_per_sample=2e9, ops=100, trainable_params=1000, n_blocks=2, selective_ops_per_block=40,
+        selective_bytes_per_sample=1e5))
+    monkeypatch.setattr(levers, "trainable_gradient_bytes", lambda *a: 200 * MiB)
+
+    def fn(precision, micro_batch, choice):  # _policy_memory, plus the gradients an accumulating step holds
+        est = _policy_memory(precision, micro_batch, choice)
+        held = 200 * MiB if micro_batch < 64 else 0
+        return Est(est.peak_reserved_bytes + held, est.peak_allocated_bytes + held, est.breakdown)
+
+    r = _search("h100", int(500 * MiB / 0.95), fn, E=64, precision="fp32", per_block=True)
+    assert r.best.block_policies == ("selective", "selective") and r.best.micro_batch == 64
+    assert r.best.peak_reserved_bytes == fn("fp32", 64, ("selective", "selective")).peak_reserved_bytes
+
+
 def test_offload_is_costed_by_the_host_link():
     from dataclasses import replace
 

@@ -628,12 +628,18 @@ def _ladder_candidates(space: SearchSpace, prec: str, lines: BlockLines, estimat
         on_host = tm.offloaded_bytes(prec, 1, policies)  # per sample
         if on_host and space.host_bytes is not None:  # one micro-batch's offloaded activations at a time
             m = min(m, int(space.host_bytes // on_host))
+        # the line holds the window's gradients, which one micro-batch of the whole batch does not
+        # (as :func:`_largest_fitting`'s ends): where that step may fit, stage 2 traces it (and shrinks)
+        held = 0.0
+        if m < E and line.reserved(E) - space.grad_bytes <= space.limit and \
+                not (on_host and space.host_bytes is not None and on_host * E > space.host_bytes):
+            m, held = E, space.grad_bytes
         if m == 0:
             continue
         steps = accumulation_steps(E, m)
         mb = micro_batch_for(E, steps)
         full = tuple(i for i, p in enumerate(policies) if p == "full")
-        c = Candidate(prec, mb, full, steps, int(line.reserved(mb)), None,
+        c = Candidate(prec, mb, full, steps, int(line.reserved(mb) - held), None,
                       samples_per_s=tm.samples_per_s(prec, mb, E, len(full), policies), block_policies=policies)
         key = ("offload" in policies, steps)
         if key not in best or c.samples_per_s > best[key].samples_per_s:
