@@ -620,7 +620,9 @@ def _choice_ladders(space: SearchSpace, prec: str, lines: BlockLines, estimate_f
 def _ladder_candidates(space: SearchSpace, prec: str, lines: BlockLines, estimate_fn: EstimateFn) -> list[Candidate]:
     """Per ladder of :func:`_choice_ladders` and number of micro-batches, the fastest choice
     that fits by its memory line (traced exactly in stage 2 when it could win) and, where it
-    offloads, whose offloaded activations fit the host's pinned memory (``space.host_bytes``)."""
+    offloads, whose offloaded activations fit the host's pinned memory (``space.host_bytes``); and
+    the whole batch in one micro-batch where only the gradients the line holds across micro-batches
+    put it over (traced exactly in stage 2, as :func:`_largest_fitting` traces the ends)."""
     E, tm = space.effective_batch, space.time_model
     best: dict[tuple, Candidate] = {}
     for policies, line in _choice_ladders(space, prec, lines, estimate_fn):
@@ -641,7 +643,9 @@ def _ladder_candidates(space: SearchSpace, prec: str, lines: BlockLines, estimat
         full = tuple(i for i, p in enumerate(policies) if p == "full")
         c = Candidate(prec, mb, full, steps, int(line.reserved(mb) - held), None,
                       samples_per_s=tm.samples_per_s(prec, mb, E, len(full), policies), block_policies=policies)
-        key = ("offload" in policies, steps)
+        # one whose held gradients were left out is kept beside the line's own: its exact trace may
+        # refuse it, and must not have displaced a choice that fits (a faster ladder's, at the same key)
+        key = ("offload" in policies, steps, bool(held))
         if key not in best or c.samples_per_s > best[key].samples_per_s:
             best[key] = c
     return list(best.values())
