@@ -85,6 +85,24 @@ def test_exif_orientation_is_applied(tmp_path):
     assert load_image(str(tmp_path / "photo.jpg")).shape == (40, 20, 3)
 
 
+@pytest.mark.parametrize("mode", ["L", "I;16"])
+def test_an_uncompressed_grey_tiff_turned_by_its_orientation_is_read_in_training_as_checked(mode, tmp_path):
+    """Opened by its path, Pillow memory-maps an uncompressed grey TIFF at its turned size before
+    turning it (orientation 5-8): training got a scrambled image, while the up-front check, which
+    decodes the file's bytes, saw it right. Both decode from memory now."""
+    import io
+
+    bar = np.zeros((20, 30), dtype=np.uint8)
+    bar[2:5, 3:25] = 255  # a horizontal bar, stored 30 wide and 20 high
+    exif = Image.Exif()
+    exif[0x0112] = 6  # displayed turned a quarter clockwise: a vertical bar
+    img = Image.fromarray(bar) if mode == "L" else Image.frombytes(mode, (30, 20), (bar.astype("<u2") * 257).tobytes())
+    img.save(tmp_path / "bar.tif", exif=exif)
+    shown = np.rot90(bar, -1)  # 20 wide, 30 high
+    assert np.array_equal(load_image(io.BytesIO((tmp_path / "bar.tif").read_bytes())), shown)  # as checked
+    assert np.array_equal(load_image(str(tmp_path / "bar.tif")), shown)  # as ImageSamples reads it in training
+
+
 def _folder(root, n=10):
     for cls in ("a", "b"):
         (root / cls).mkdir(parents=True)
