@@ -103,6 +103,30 @@ def test_an_uncompressed_grey_tiff_turned_by_its_orientation_is_read_in_training
     assert np.array_equal(load_image(str(tmp_path / "bar.tif")), shown)  # as ImageSamples reads it in training
 
 
+def test_transparent_parts_are_white_whatever_colour_is_stored_under_them(tmp_path):
+    """A black mark on a transparent background: the colour stored under the transparent pixels
+    (black, white, a palette entry of red) became the background, so images that look the same
+    gave other pixels. They are shown over white, as transformers' convert_to_rgb shows them."""
+    mark = np.zeros((8, 8, 4), dtype=np.uint8)
+    mark[2:6, 3:5, 3] = 255  # opaque black; elsewhere transparent black
+    under_white = mark.copy()
+    under_white[..., :3][mark[..., 3] == 0] = 255
+    Image.fromarray(mark, "RGBA").save(tmp_path / "black.png")
+    Image.fromarray(under_white, "RGBA").save(tmp_path / "white.png")
+    palette = Image.new("P", (8, 8), 0)
+    palette.putpalette([255, 0, 0, 0, 0, 0] + [0] * 762)  # 0: red, shown transparent; 1: black
+    palette.paste(1, (3, 2, 5, 6))
+    palette.save(tmp_path / "palette.png", transparency=0)
+    grey = np.zeros((8, 8, 2), dtype=np.uint8)
+    grey[2:6, 3:5, 1] = 255
+    Image.fromarray(grey, "LA").save(tmp_path / "grey.png")
+    shown = np.full((8, 8, 3), 255, dtype=np.uint8)
+    shown[2:6, 3:5] = 0
+    for name in ("black", "white", "palette"):
+        assert np.array_equal(load_image(str(tmp_path / f"{name}.png")), shown), name
+    assert np.array_equal(load_image(str(tmp_path / "grey.png")), shown[..., 0])  # grey stays grey
+
+
 def _folder(root, n=10):
     for cls in ("a", "b"):
         (root / cls).mkdir(parents=True)

@@ -338,7 +338,7 @@ _WIDE_GREY = {"I;16": 65535, "I;16B": 65535, "I;16L": 65535, "I;16N": 65535, "I"
 def load_image(image, name: str | None = None) -> np.ndarray:
     """One sample's pixels (``image``: a file's path, an open binary file -- ``name`` names it in
     errors -- or pixels, returned as they are): uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB; other modes converted),
-    turned as displayed (the EXIF orientation applied).
+    turned as displayed (the EXIF orientation applied) and with transparent parts shown over white.
 
     Grey images wider than 8 bits are scaled to 0-255 from their own range, rounded: 16-bit
     integers (PIL modes ``I;16``, ``I;16B``, ``I;16L``, and ``I``) as ``v / 257`` (65535 -> 255);
@@ -364,8 +364,15 @@ def load_image(image, name: str | None = None) -> np.ndarray:
         # (transformers' image loading applies it too)
         ImageOps.exif_transpose(im, in_place=True)
         top = _WIDE_GREY.get(im.mode)
+        grey = im.mode in ("1", "L", "LA", "La")
+        if top is None and ("A" in im.getbands() or "a" in im.getbands() or "transparency" in im.info):
+            # as displayed, over white (as transformers' convert_to_rgb does): convert() drops the
+            # alpha and keeps whatever colour is stored under a transparent pixel (black, or any
+            # palette entry), so two images that look the same gave different pixels
+            white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+            return np.array(Image.alpha_composite(white, im.convert("RGBA")).convert("L" if grey else "RGB"))
         if top is None:
-            return np.array(im.convert("L" if im.mode in ("1", "L") else "RGB"))
+            return np.array(im.convert("L" if grey else "RGB"))
         x = np.asarray(im).astype(np.float64)  # any byte order (I;16B) to native
     if x.ndim != 2:
         raise TightfitError(f"{name or image}: a {im.mode} image of shape {x.shape}: expected one grey channel")
