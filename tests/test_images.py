@@ -320,6 +320,22 @@ def test_jsonl_list_with_integer_label_0_keeps_those_rows(image_folder, tmp_path
     assert sorted(data.labels) == [0] * 12 + [1] * 12
 
 
+def test_a_list_label_written_as_two_numbers_is_refused_and_a_minus_minus_label_is_a_name(image_folder, tmp_path):
+    """JSONL labels 1 and 1.0 (a column that became floats in some rows) were two classes, the
+    model an output too many (a text list refuses them); a label ``--1`` passed the digit test of
+    the numeric sort and crashed ``int()`` with a traceback."""
+    paths = sorted(image_folder.rglob("*.png"))
+    rows = [{"path": str(p), "label": 1.0 if p.parent.name == "7" else int(p.parent.name == "1")} for p in paths]
+    rows[0]["label"] = 1
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(TightfitError, match=r"labels '1' and '1.0' are the same number written two ways in column "
+                                            r"'label'"):
+        load_image_classification(str(tmp_path / "l.jsonl"))
+    (tmp_path / "l.csv").write_text("path,label\n" + "".join(f"{p},{'--1' if p.parent.name == '7' else '2'}\n"
+                                                              for p in paths))
+    assert load_image_classification(str(tmp_path / "l.csv")).label_names == ["--1", "2"]
+
+
 def test_truncated_jpeg_is_refused_before_any_work(models, tmp_path, capsys):
     """``Image.verify()`` does not decode JPEG data: a JPEG cut short passed the up-front check and
     crashed training with a traceback, after the run folder was started. Every image is decoded."""

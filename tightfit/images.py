@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import _read_rows, majority_fraction
+from .data import _check_numbers_written_once, _is_int, _read_rows, majority_fraction
 from .config import option_given
 from .errors import TightfitError
 from .units import count_of
@@ -236,13 +236,16 @@ def _check_image(path: Path) -> bytes:
 
 
 def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int = 0,
-            root: str | None = None) -> ImageClassificationData:
+            root: str | None = None, label_column: str | None = None) -> ImageClassificationData:
     """Check every image, number the classes (numerically when all are integers); ``root``: see
-    :class:`ImageClassificationData`."""
+    :class:`ImageClassificationData`; ``label_column``: a list's, whose labels are checked as a
+    text list's are (one number written two ways, ``1`` and ``1.0``, would be two classes)."""
     if not paths:
         raise TightfitError(f"{source}: no images")
     names = sorted(set(raw_labels))
-    if all(n.lstrip("-").isdigit() for n in names):
+    if label_column is not None:
+        _check_numbers_written_once(Path(source), label_column, names)
+    if all(_is_int(n) for n in names):  # as text labels are sorted ("--1" passed a digit test, then failed int())
         names = sorted(names, key=int)
     if len(names) < 2:
         raise TightfitError(f"{source}: {len(names)} class ({', '.join(names)}); need at least 2")
@@ -326,7 +329,7 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
             raise TightfitError(f"{path}: row {n}: image not found: {p}")
         paths.append(str(p))
         labels.append(label)
-    return _finish(paths, labels, str(path), blank, root=str(path.parent))
+    return _finish(paths, labels, str(path), blank, root=str(path.parent), label_column=label_column)
 
 
 # PIL modes of one grey channel wider than 8 bits, and the value that becomes 255: PIL's
