@@ -151,6 +151,18 @@ def test_a_link_to_no_file_is_refused_not_dropped(tmp_path):
         load_image_classification(str(root))
 
 
+def test_images_in_a_linked_subfolder_of_a_class_are_that_classs_and_a_link_up_is_entered_once(tmp_path):
+    """``rglob`` does not enter a link to a folder: the 10 images of class a's linked subfolder were
+    left out without a word (not even in the note of skipped files)."""
+    root = _folder(tmp_path / "data")
+    _folder(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere" / "a", root / "a" / "more")
+    os.symlink(root / "b", root / "b" / "loop")  # back up to itself: entered once
+    data = load_image_classification(str(root))
+    assert len(data) == 30 and data.labels.count(data.label_names.index("a")) == 20
+    assert sum("more" in p for p in data.images) == 10 and not any("loop" in p for p in data.images)
+
+
 def test_a_model_of_four_input_channels_is_refused_in_one_line(tmp_path, capsys):
     folder = _resnet_folder(tmp_path / "m4", channels=4, labels=("a", "b"))
     root = _folder(tmp_path / "data")

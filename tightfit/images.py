@@ -254,6 +254,24 @@ def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int =
     return ImageClassificationData(paths, [index[x] for x in raw_labels], names, source, skipped, root, digests)
 
 
+def _paths_under(folder: Path) -> list[Path]:
+    """Every path under ``folder``, as ``folder.rglob("*")`` lists them, and those inside linked
+    folders too: ``rglob`` does not enter a link to a folder, so the images of a class's linked
+    subfolder were left out without a word. A folder reached twice (a link to a folder already
+    listed, or up to its own parent) is entered once."""
+    seen, paths, todo = set(), [], [folder]
+    while todo:
+        d = todo.pop()
+        if os.path.realpath(d) in seen:
+            continue
+        seen.add(os.path.realpath(d))
+        for p in d.iterdir():
+            paths.append(p)
+            if p.is_dir():
+                todo.append(p)
+    return paths
+
+
 def _load_folder(root: Path) -> ImageClassificationData:
     """``root/<class>/**/<image>``: the class is the name of the first-level folder; hidden files
     and folders (a name starting with ".") are left out; other files that are not samples (beside
@@ -270,7 +288,7 @@ def _load_folder(root: Path) -> ImageClassificationData:
     for c in classes:
         # hidden files and folders (.ipynb_checkpoints copies, ._ files) are not samples: copies of
         # training images would also land in the held-out split
-        found = sorted(f for f in c.rglob("*") if not any(part.startswith(".") for part in f.relative_to(c).parts))
+        found = sorted(f for f in _paths_under(c) if not any(part.startswith(".") for part in f.relative_to(c).parts))
         skipped += [f for f in found if f.suffix.lower() not in IMAGE_SUFFIXES and f.is_file()]
         found = [f for f in found if f.suffix.lower() in IMAGE_SUFFIXES]
         broken = next((f for f in found if f.is_symlink() and not f.exists()), None)
