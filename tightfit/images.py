@@ -375,11 +375,11 @@ def load_image(image, name: str | None = None) -> np.ndarray:
         return image
     from PIL import Image, ImageOps
 
-    if isinstance(image, str):
+    if isinstance(image, (str, os.PathLike)):
         # decoded from memory, as _check_image decodes it: opened by path, Pillow memory-maps an
         # uncompressed grey TIFF and lays it out at its turned size before turning it (orientation
         # 5-8): the image came out scrambled in training after it had passed the check
-        name, image = name or image, io.BytesIO(Path(image).read_bytes())
+        name, image = name or str(image), io.BytesIO(Path(image).read_bytes())
     with Image.open(image) as im:
         # as displayed: a camera's portrait photo is stored sideways with an EXIF orientation
         # (transformers' image loading applies it too)
