@@ -313,6 +313,43 @@ def test_an_image_run_with_the_fingerprint_of_before_still_resumes(_image_run_in
     assert "already finished at step 2" in capsys.readouterr().out
 
 
+def test_an_image_replaced_by_another_of_the_same_size_is_other_data_on_resume(_image_run_inputs, tmp_path,
+                                                                                  capsys):
+    """The fingerprint held paths and file sizes: an image replaced by another of the same size (any
+    two BMPs of one shape) was resumed on as the same data. It now holds each file's SHA-256; a run
+    that recorded the size form is still accepted."""
+    import json
+
+    from PIL import Image
+
+    from tightfit.cli import main
+    from tightfit.data import held_out_split
+    from tightfit.images import load_image_classification
+
+    root, imgs = _image_run_inputs, tmp_path / "imgs"
+    for png in sorted((root / "imgs").rglob("*.png")):
+        (imgs / png.parent.name).mkdir(parents=True, exist_ok=True)
+        Image.open(png).save(imgs / png.parent.name / (png.stem + ".bmp"))
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(imgs), "--model", str(root / "resnet"), "--image-size", "8",
+                 "--max-steps", "2", "--batch-size", "8", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    record = json.loads((out / "request.json").read_text())
+    data = load_image_classification(str(imgs))
+    train_idx, eval_idx = held_out_split(len(data))
+    sized = f"{data.subset(train_idx).fingerprint(sizes=True)}:{data.subset(eval_idx).fingerprint(sizes=True)}"
+    assert sized != record["data_fingerprint"]
+    (out / "request.json").write_text(json.dumps({**record, "data_fingerprint": sized}))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0  # a run of the size form resumes
+    assert "already finished at step 2" in capsys.readouterr().out
+    (out / "request.json").write_text(json.dumps(record))
+    a, b = imgs / "0" / "0.bmp", imgs / "1" / "0.bmp"
+    assert a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes()
+    a.write_bytes(b.read_bytes())  # a "1" drawn in class 0, the file's size unchanged
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 2
+    assert "the data differ from those the run started with" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- 5, 6. Python API values; --resume with the run's columns
 WORDS = "film plot actor scene great dull awful superb boring moving".split()
 

@@ -96,23 +96,28 @@ class ImageClassificationData:
         image = self.images[i]
         return _under(image, self.root) if isinstance(image, str) else f"sample {i}"
 
-    def fingerprint(self, legacy: bool = False) -> str:
-        """SHA-256 (hex) of the class names, labels and images (pixels, or paths and file sizes), in
-        order: a resumed run checks that it continues on the samples it started with. A path is
-        taken relative to :attr:`root` (one outside it, such as an absolute path in a CSV, as
-        written), so that ``--data`` given relative, absolute or through a symlink gives one
+    def fingerprint(self, legacy: bool = False, sizes: bool = False) -> str:
+        """SHA-256 (hex) of the class names, labels and images (pixels, or paths and the SHA-256 of
+        each file's bytes, :attr:`digests`), in order: a resumed run checks that it continues on the
+        samples it started with, an export that it measures the held-out samples the run kept. A
+        path is taken relative to :attr:`root` (one outside it, such as an absolute path in a CSV,
+        as written), so that ``--data`` given relative, absolute or through a symlink gives one
         fingerprint.
 
         Args:
-            legacy: the form runs recorded before (paths as loaded, not relative to the root), to
-                accept their fingerprint when they are resumed or exported.
+            sizes: the form runs recorded before the files' contents were in it (paths and file
+                sizes: an image replaced by another of the same size, as every BMP or uncompressed
+                TIFF of one shape is, went unnoticed); ``legacy``: the form before that (paths as
+                loaded, not relative to the root, and sizes). Both to accept such a run's
+                fingerprint when it is resumed or exported.
         """
         h = hashlib.sha256(repr(self.label_names).encode())
-        for image, label in zip(self.images, self.labels):
+        for i, (image, label) in enumerate(zip(self.images, self.labels)):
             h.update(f"{label}\t".encode())
             if isinstance(image, str):
                 name = image if legacy else _under(image, self.root)
-                h.update(f"{name}\t{os.path.getsize(image)}\n".encode())
+                what = os.path.getsize(image) if legacy or sizes or not self.digests else self.digests[i]
+                h.update(f"{name}\t{what}\n".encode())
             else:
                 h.update(np.ascontiguousarray(image).tobytes())
         return h.hexdigest()
@@ -135,12 +140,13 @@ def _under(path: str, root: str | None) -> str:
 
 
 def legacy_fingerprints(*parts) -> list[str]:
-    """The fingerprint runs recorded before paths were taken relative to the data root, of ``parts``
-    (e.g. the training and the held-out split) joined by ":" as the run records them: a list of one
-    for image data of files, else empty (text data and digits did not change)."""
+    """The fingerprints runs recorded before the files' contents were in them, and before paths were
+    taken relative to the data root (:meth:`ImageClassificationData.fingerprint`), of ``parts``
+    (e.g. the training and the held-out split) joined by ":" as the run records them: two for image
+    data of files, else none (text data and digits did not change)."""
     if not parts or not all(isinstance(p, ImageClassificationData) and p.root is not None for p in parts):
         return []
-    return [":".join(p.fingerprint(legacy=True) for p in parts)]
+    return [":".join(p.fingerprint(sizes=True) for p in parts), ":".join(p.fingerprint(legacy=True) for p in parts)]
 
 
 def is_image_data(spec: str | None) -> bool:
