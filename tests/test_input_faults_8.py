@@ -397,7 +397,7 @@ def test_a_run_folder_is_not_left_behind_when_the_request_cannot_be_written(_tex
     monkeypatch.setattr(api, "atomic_write_json", fail)
     model, data = _text_inputs
     out = tmp_path / "run"
-    with pytest.raises(OSError):
+    with pytest.raises(TightfitError, match="could not be written: No space left on device; nothing of it is left"):
         api.train(api.TrainRequest(model=str(model), data=str(data), out=str(out), text_column="review",
                                    label_column="sentiment", batch_size=8, max_steps=2, seq_len=16, progress=False))
     assert not out.exists()

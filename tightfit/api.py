@@ -908,6 +908,9 @@ class TrainRecipe:
 
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO):
             return None
+        if not self.out.exists():  # failed while it was made: removed (open_run_folder), nothing to resume
+            return TightfitError(f"the run folder {self.out} could not be written: {e.strerror or e}; nothing of it "
+                                 "is left: make room, then run the same command again")
         then = (f"continue from the newest checkpoint in place once there is room: tightfit train --resume "
                 f"{shlex.quote(str(self.out))}{resume_processes(self.world.size)}"
                 if has_checkpoint(self.out / "checkpoints") else "no checkpoint is in place")
