@@ -324,3 +324,25 @@ def test_an_image_run_saved_with_list_column_options_still_exports(image_run, tm
     (run / "request.json").write_text(json.dumps({**request, "label_column": "digit", "image_column": "file"}))
     assert main(["export", "--int8", str(run), "--out", str(tmp_path / "int8")]) == 0
     assert json.loads((tmp_path / "int8" / "export.json").read_text())["held_out_samples"] == 180
+
+
+@pytest.mark.parametrize("broken", ["request.json", "tokenizer.json", "tightfit_images.json"])
+def test_a_run_whose_files_cannot_be_read_is_refused_in_one_line(broken, text_run, image_run, tmp_path, capsys):
+    """A run folder's request.json, tokenizer or image preprocessing file cut short (or missing)
+    ended the export in a JSONDecodeError or FileNotFoundError traceback, after the model was
+    loaded: now one line naming the file, and nothing written."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(image_run if broken == "tightfit_images.json" else text_run, run)
+    target = run / broken if broken == "request.json" else run / "model" / broken
+    target.write_text('{"cut short": ')
+    assert main(["export", "--int8", str(run), "--out", str(tmp_path / "int8")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    named = broken.replace(".json", "") if broken == "tokenizer.json" else broken  # the tokenizer: by its folder
+    assert len(err) == 1 and err[0].startswith("tightfit: error:") and named in err[0], err
+    assert not (tmp_path / "int8").exists() and not list(tmp_path.glob(".*"))
+    if broken == "tightfit_images.json":  # and one that is missing
+        target.unlink()
+        assert main(["export", "--int8", str(run), "--out", str(tmp_path / "int8")]) == 2
+        assert broken in capsys.readouterr().err

@@ -163,7 +163,12 @@ def _load_fp32(src: _Source) -> torch.nn.Module:
 
 def _held_out(src: _Source):
     """The run's held-out samples as a batch source (``collate(indices)``, ``len``) and its task;
-    ``(None, task)`` for a bare model folder."""
+    ``(None, task)`` for a bare model folder.
+
+    Raises:
+        TightfitError: the run's ``request.json``, tokenizer or image preprocessing file cannot be
+            read (naming it); its data cannot be read or differ from those it trained on.
+    """
     from .tasks import ImageClassification, SequenceClassification
 
     task = ImageClassification() if src.kind == "image" else SequenceClassification()
@@ -172,9 +177,13 @@ def _held_out(src: _Source):
     from .config import TrainRequest, saved_options
     from .image_train import recipe_class
     from .images import is_image_data, legacy_fingerprints
+    from .models import _load_errors, _one_line
 
-    saved = saved_options(json.loads((src.run / "request.json").read_text()))
-    fingerprint = saved.pop("data_fingerprint", None)
+    try:  # as --resume reads it: a file cut short or edited is one line, not a traceback
+        saved = saved_options(json.loads((src.run / "request.json").read_text()))
+        fingerprint = saved.pop("data_fingerprint", None)
+    except (ValueError, TypeError, AttributeError, OSError) as e:  # e.g. a list, not an object
+        raise TightfitError(f"export {src.run}: unreadable request.json ({_one_line(e)})") from None
     if src.kind == "image" and is_image_data(saved.get("data")):
         # columns of a list file: ignored for digits or a folder, and a run saved before train refused
         # them there may hold them (recipe_class refuses them now)
@@ -182,7 +191,10 @@ def _held_out(src: _Source):
             saved.pop(k, None)
     # the trained folder stands for the model the run started from (moved or deleted since, perhaps):
     # the same architecture, tokenizer and image side, which are all the split needs
-    req = TrainRequest(**{**saved, "model": str(src.model_dir), "out": str(src.run), "progress": False})
+    try:
+        req = TrainRequest(**{**saved, "model": str(src.model_dir), "out": str(src.run), "progress": False})
+    except TypeError as e:  # an option this version does not know
+        raise TightfitError(f"export {src.run}: unreadable request.json ({_one_line(e)})") from None
     recipe = recipe_class(req)(req)
     try:
         recipe._load_data()  # the run's data and its fixed held-out split, as the run made them
@@ -204,14 +216,23 @@ def _held_out(src: _Source):
         from .images import PREPROCESSING_FILE, ImageSamples
         from .workload import DatasetBatches, collate_as
 
-        pre = json.loads((src.model_dir / PREPROCESSING_FILE).read_text())
-        return DatasetBatches(ImageSamples(eval_data, pre["image_size"], pre["num_channels"]),
-                              collate_as("pixel_values", "labels")), task
+        try:
+            pre = json.loads((src.model_dir / PREPROCESSING_FILE).read_text())
+            size, channels = pre["image_size"], pre["num_channels"]
+        except (ValueError, TypeError, KeyError, OSError) as e:  # missing, cut short, edited
+            raise TightfitError(f"export {src.run}: cannot read {src.model_dir / PREPROCESSING_FILE}, the image "
+                                f"side the model was trained at ({_one_line(e)})") from None
+        return DatasetBatches(ImageSamples(eval_data, size, channels), collate_as("pixel_values", "labels")), task
     from transformers import AutoTokenizer
 
     from .workload import TextBatches
 
-    return TextBatches(AutoTokenizer.from_pretrained(src.model_dir), eval_data, req.workload.seq_len), task
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src.model_dir)
+    except _load_errors() as e:
+        raise TightfitError(f"export {src.run}: cannot load the tokenizer from {src.model_dir}: {_one_line(e)}") \
+            from None
+    return TextBatches(tokenizer, eval_data, req.workload.seq_len), task
 
 
 def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> dict:
