@@ -478,6 +478,18 @@ def test_a_truncated_int8_weights_file_is_refused_naming_it(_int8_export, tmp_pa
         load_int8(folder)
 
 
+def test_an_int8_export_whose_config_is_cut_short_is_refused_in_one_line(_int8_export, tmp_path):
+    """load_int8 checks the weights file, but read config.json with transformers' AutoConfig: a
+    config.json cut short raised its OSError ("not a valid JSON file"), not a TightfitError."""
+    from tightfit.export import load_int8
+
+    folder = _copy_of(_int8_export, tmp_path)
+    text = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(text[:len(text) // 2])
+    with pytest.raises(TightfitError, match="cannot read the model config in"):
+        load_int8(folder)
+
+
 def test_an_int8_export_of_before_the_hash_still_loads(_int8_export, tmp_path):
     import json
 

@@ -344,19 +344,20 @@ def load_int8(folder: str | Path) -> torch.nn.Module:
     recorded: against its size only).
 
     Raises:
-        TightfitError: not an export folder; a weights file whose size or SHA-256 differ from
-            ``export.json``'s, or that ``torch.load`` cannot read (truncated, corrupt), naming it;
-            weights that do not match the config.
+        TightfitError: not an export folder; a ``config.json`` that cannot be read (cut short,
+            edited); a weights file whose size or SHA-256 differ from ``export.json``'s, or that
+            ``torch.load`` cannot read (truncated, corrupt), naming it; weights that do not match
+            the config.
     """
-    from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification
+    from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
 
-    from .models import _quiet_transformers, _task_of_config
+    from .models import _folder_config, _quiet_transformers, _task_of_config
 
     folder = Path(folder)
     if not (folder / WEIGHTS_FILE).is_file() or not (folder / "config.json").is_file():
         raise TightfitError(f"{folder}: not an int8 export (no {WEIGHTS_FILE} and config.json)")
     _quiet_transformers()
-    config = AutoConfig.from_pretrained(folder)
+    config = _folder_config(folder)  # a config.json cut short: one line (transformers raises OSError)
     cls = AutoModelForImageClassification if _task_of_config(config).kind == "image" else \
         AutoModelForSequenceClassification
     _check_weights(folder)
