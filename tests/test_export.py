@@ -346,3 +346,17 @@ def test_a_run_whose_files_cannot_be_read_is_refused_in_one_line(broken, text_ru
         target.unlink()
         assert main(["export", "--int8", str(run), "--out", str(tmp_path / "int8")]) == 2
         assert broken in capsys.readouterr().err
+
+
+def test_the_fp32_size_is_that_of_the_fp32_model_whatever_the_source_files_hold(text_run, tmp_path):
+    """The fp32 column's saved size was the size of the source's weights files: a model folder
+    saved in bf16 (as most Hugging Face folders are, in fp16 or bf16) showed half the fp32 size,
+    smaller than its int8 export. It is the fp32 model's state_dict as torch.save writes it."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(text_run / "model")
+    params = sum(p.numel() for p in model.parameters())
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert main(["export", "--int8", str(tmp_path / "bf16"), "--out", str(tmp_path / "int8")]) == 0
+    r = json.loads((tmp_path / "int8" / "export.json").read_text())
+    assert r["fp32"]["size_bytes"] >= 4 * params > (tmp_path / "bf16" / "model.safetensors").stat().st_size

@@ -376,9 +376,29 @@ def load_int8(folder: str | Path) -> torch.nn.Module:
     return model.eval()
 
 
-def _fp32_size(model_dir: Path) -> int:
-    """Bytes of the fp32 weights files (safetensors, or PyTorch's bin files)."""
-    return sum(f.stat().st_size for f in _weights_files(model_dir))
+class _ByteCount:
+    """A write-only stream that keeps nothing and counts the bytes written to it (``bytes``)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self.bytes += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _fp32_size(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s ``state_dict`` (the fp32 model) saved as the int8 one is
+    (``torch.save``), counted as written, nothing kept in memory or on disk. Not the source's
+    weights files: those may hold fp16 or bf16 weights (most Hugging Face folders do), half the
+    fp32 size, which the report showed as the fp32 model's."""
+    counted = _ByteCount()
+    torch.save(model.state_dict(), counted)
+    return counted.bytes
 
 
 def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dict:
@@ -429,7 +449,7 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
         # the report too is written before the folder is renamed into place, so that an
         # interrupted export leaves no --out at all (a half-written one blocked the re-run)
         loaded = load_int8(folder)
-        result["fp32"] = {"size_bytes": _fp32_size(src.model_dir), "latency_s": latency["fp32"],
+        result["fp32"] = {"size_bytes": _fp32_size(fp32), "latency_s": latency["fp32"],
                           "accuracy": _accuracy(fp32, task, held_out)}
         result["int8"] = {"size_bytes": (folder / WEIGHTS_FILE).stat().st_size, "latency_s": latency["int8"],
                           "accuracy": _accuracy(loaded, task, held_out)}
