@@ -360,3 +360,14 @@ def test_the_fp32_size_is_that_of_the_fp32_model_whatever_the_source_files_hold(
     assert main(["export", "--int8", str(tmp_path / "bf16"), "--out", str(tmp_path / "int8")]) == 0
     r = json.loads((tmp_path / "int8" / "export.json").read_text())
     assert r["fp32"]["size_bytes"] >= 4 * params > (tmp_path / "bf16" / "model.safetensors").stat().st_size
+
+
+def test_an_out_that_links_to_an_empty_folder_is_written_there(text_run, tmp_path):
+    """The export's folder was renamed onto the link itself: the link became a folder, the empty
+    folder it named stayed empty and the link was left behind as a hidden ``.link.old``."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    assert main(["export", "--int8", str(text_run), "--out", str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / WEIGHTS_FILE).is_file()
+    assert not list(tmp_path.glob(".*"))
+    load_int8(tmp_path / "link")

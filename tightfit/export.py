@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import shlex
 import statistics
 import time
@@ -119,6 +120,15 @@ def _source(path: str) -> _Source:
     return _Source(model_dir, kind, run)
 
 
+def _out_folder(out: str | Path) -> Path:
+    """The folder an export writes: ``--out`` as :func:`~tightfit.fileio.output_folder` reads it,
+    or, where that is a symbolic link, the folder it points to. The export's folder is renamed
+    into place: renamed onto the link, it replaced the link, left the folder it named empty and
+    the link behind as a hidden ``.<name>.old``."""
+    o = output_folder(out)
+    return Path(os.path.realpath(o)) if o.is_symlink() else o
+
+
 def check_request(source: str, out: str, device: str = "cpu") -> _Source:
     """Every check of an export, before any work: CPU only, the source, an empty output folder.
 
@@ -131,7 +141,7 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
     src = _source(source)
     if not str(out).strip():
         raise TightfitError("--out is empty: give a new or empty folder")
-    o = output_folder(out)
+    o = _out_folder(out)
     if o.exists() and not o.is_dir():
         raise TightfitError(f"--out {o} is a file; give a new or empty folder")
     if o.exists() and any(o.iterdir()):
@@ -456,7 +466,7 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
         (folder / "report.md").write_text(report_markdown(result))
         (folder / "export.json").write_text(json.dumps(result, indent=2) + "\n")
 
-    atomic_write_dir(output_folder(out), fill)
+    atomic_write_dir(_out_folder(out), fill)
     return result
 
 
