@@ -371,3 +371,23 @@ def test_an_out_that_links_to_an_empty_folder_is_written_there(text_run, tmp_pat
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / WEIGHTS_FILE).is_file()
     assert not list(tmp_path.glob(".*"))
     load_int8(tmp_path / "link")
+
+
+def test_an_out_filled_by_another_command_while_exporting_is_kept(text_run, tmp_path, monkeypatch, capsys):
+    """--out is checked new or empty before the work, but the finished export replaced whatever was
+    there by then: a run or another export started meanwhile with the same --out was deleted."""
+    import tightfit.export as export
+
+    out, real = tmp_path / "int8", export._accuracy
+
+    def meanwhile(*args, **kwargs):  # another command writes into --out while this one measures
+        out.mkdir(exist_ok=True)
+        (out / "request.json").write_text("another run's")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, "_accuracy", meanwhile)
+    assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was filled while the export ran" in err[0], err
+    assert [p.name for p in out.iterdir()] == ["request.json"] and (out / "request.json").read_text() == "another run's"
+    assert not list(tmp_path.glob(".*"))

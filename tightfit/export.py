@@ -21,6 +21,7 @@ version and it has no backward; asking for either is refused before any work.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
 import os
@@ -427,7 +428,8 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
         held-out data).
 
     Raises:
-        TightfitError: as :func:`check_request`, before any work.
+        TightfitError: as :func:`check_request`, before any work; ``out`` filled by another
+            process while the export ran (kept as it is, nothing written).
     """
     src = check_request(str(source), str(out), device)
     fp32 = _load_fp32(src)
@@ -466,7 +468,16 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
         (folder / "report.md").write_text(report_markdown(result))
         (folder / "export.json").write_text(json.dumps(result, indent=2) + "\n")
 
-    atomic_write_dir(_out_folder(out), fill)
+    try:
+        # --out was new or empty when checked; a folder filled since (another export, a run given the same --out)
+        # is kept, not replaced with this export
+        atomic_write_dir(_out_folder(out), fill, replace=False)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise
+        raise TightfitError(f"--out {out} was filled while the export ran (another command writing there?); it is "
+                            "left as it is and the export was not written: export again to a new or empty folder") \
+            from None
     return result
 
 

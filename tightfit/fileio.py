@@ -58,16 +58,25 @@ def _plain_modes(folder: Path) -> None:
             os.chmod(os.path.join(root, f), 0o666 & ~mask)
 
 
-def atomic_write_dir(path: str | Path, fill: Callable[[Path], None]) -> None:
+def atomic_write_dir(path: str | Path, fill: Callable[[Path], None], replace: bool = True) -> None:
     """Create folder ``path`` atomically: ``fill(tmpdir)`` writes into a sibling temp folder,
-    which then replaces ``path`` (an older ``path`` is removed only after ``fill`` succeeded)."""
+    which then replaces ``path`` (an older ``path`` is removed only after ``fill`` succeeded).
+
+    With ``replace=False`` the temp folder takes the place only of a ``path`` that is absent or an
+    empty folder, in one rename that the OS refuses over anything else: what another process put
+    at ``path`` meanwhile is kept.
+
+    Raises:
+        OSError: with ``replace=False``, ``path`` is a folder that is not empty (``ENOTEMPTY`` or
+            ``EEXIST``) or not a folder (``ENOTDIR``); the temp folder is removed.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         fill(tmp)
         _plain_modes(tmp)
-        if path.exists():
+        if replace and path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
