@@ -103,3 +103,29 @@ def test_every_row_leaves_out_the_same_warm_up_steps():
     assert speed_after_warmup(ends, 0, 10) == 10 * 4 / 5 and speed_after_warmup(ends, 4, 10) == 10 * 1 / 2
     assert speed_after_warmup(ends, 5, 10) is None
     assert "speed_after_warmup(" in inspect.getsource(peers.hf_trainer)
+
+
+def test_report_into_a_read_only_folder_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """Results read from a read-only copy (a mount, a checkout): the report's first write raised
+    OSError's traceback. Now one line, before anything is drawn or written."""
+    import tempfile
+    from pathlib import Path
+
+    res = {"workload": {"name": "bert-base-128@4GiB", "arch": "bert-base", "size": 128, "budget": "4GiB",
+                        "effective_batch": 256}, "device": "NVIDIA H200", "torch": "2.11", "rows": _rows()}
+    (tmp_path / "bert-base-128@4GiB.json").write_text(json.dumps(res))
+    real_dir, real_file = tempfile.mkdtemp, tempfile.mkstemp
+
+    def refused(real):  # nothing can be created in tmp_path, as on a read-only mount
+        def make(*a, dir=None, **k):
+            if dir is not None and Path(dir) == tmp_path:
+                raise OSError(30, "Read-only file system", str(dir))
+            return real(*a, dir=dir, **k)
+        return make
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused(real_dir))
+    monkeypatch.setattr(tempfile, "mkstemp", refused(real_file))
+    assert main(["bench", "report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a writable folder" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert-base-128@4GiB.json"]

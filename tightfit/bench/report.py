@@ -160,14 +160,19 @@ def write_report(folder: str | Path) -> list[Path]:
     """Write ``results.md``, ``results.csv`` and ``results.png`` for the JSON files in ``folder``.
 
     Raises:
-        TightfitError: no results in ``folder``.
+        TightfitError: no results in ``folder`` (:func:`load`'s errors), or a ``folder`` this
+            process cannot write in (a read-only mount), before anything is drawn or written.
     """
     from ..errors import TightfitError
+    from ..fileio import unwritable_folder
 
     results = load(folder)
     if not results:
         raise TightfitError(f"no benchmark results (*.json) in {folder}")
     folder = Path(folder)
+    if unwritable_folder(folder) is not None:  # results read from a read-only copy: OSError's traceback before
+        raise TightfitError(f"cannot write the report into {folder}: not a writable folder (results.md, results.csv "
+                            "and results.png go beside the results); copy the results to a folder you can write")
     atomic_write_text(folder / "results.md", "# tightfit bench\n\n" + markdown(results))
     atomic_write_text(folder / "results.csv", to_csv(results))
     atomic_write_bytes(folder / "results.png", chart(results))
