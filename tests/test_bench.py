@@ -129,3 +129,19 @@ def test_report_into_a_read_only_folder_is_refused_in_one_line(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a writable folder" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert-base-128@4GiB.json"]
+
+
+def test_a_result_records_a_command_that_re_runs_it(tmp_path, monkeypatch, capsys):
+    """The command in <workload>.json was joined unquoted: with --out "my results" it read as two
+    words, a command that does not run the benchmark again."""
+    import shlex
+
+    from tightfit.bench import peers
+
+    monkeypatch.setattr(peers, "hf_trainer", lambda w, precision, ck, *a, **k: {
+        "setting": "HF Trainer auto_find_batch_size", "precision": precision, "samples_per_s": 1.0})
+    out = tmp_path / "my results"
+    assert main(["bench", "run", "--workload", "minilm-32@smoke", "--out", str(out), "--device", "cpu",
+                 "--settings", "hf", "--steps", "3", "--warmup", "1"]) == 0
+    argv = shlex.split(json.loads((out / "minilm-32@smoke.json").read_text())["command"])
+    assert argv[argv.index("--out") + 1] == str(out) and argv[:3] == ["tightfit", "bench", "run"]

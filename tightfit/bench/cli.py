@@ -4,6 +4,7 @@ seeds`` (:mod:`tightfit.bench.seeds`)."""
 from __future__ import annotations
 
 import platform
+import shlex
 import time
 from pathlib import Path
 
@@ -114,9 +115,11 @@ def run(args) -> int:
     result = {"workload": vars(w), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__,
               "python": platform.python_version(),
-              "command": f"tightfit bench run --workload {w.name} --out {args.out} --steps {args.steps} "
-                         f"--tightfit-steps {args.tightfit_steps} --warmup {args.warmup} --settings {args.settings}"
-                         + (" --device cpu" if args.device == "cpu" else ""),
+              # quoted as a shell reads it: "--out my results" was written unquoted, a command that does not re-run
+              "command": shlex.join(["tightfit", "bench", "run", "--workload", w.name, "--out", args.out, "--steps",
+                                     str(args.steps), "--tightfit-steps", str(args.tightfit_steps), "--warmup",
+                                     str(args.warmup), "--settings", args.settings]
+                                    + (["--device", "cpu"] if args.device == "cpu" else [])),
               "rows": []}
     path = out / f"{w.name}.json"
 
