@@ -145,3 +145,16 @@ def test_a_result_records_a_command_that_re_runs_it(tmp_path, monkeypatch, capsy
                  "--settings", "hf", "--steps", "3", "--warmup", "1"]) == 0
     argv = shlex.split(json.loads((out / "minilm-32@smoke.json").read_text())["command"])
     assert argv[argv.index("--out") + 1] == str(out) and argv[:3] == ["tightfit", "bench", "run"]
+
+
+def test_a_result_records_the_tightfit_version_that_measured_it(tmp_path, monkeypatch):
+    """<workload>.json recorded the torch, transformers and Python versions, not tightfit's own:
+    a result could not be told from one of another planner."""
+    import tightfit
+    from tightfit.bench import peers
+
+    monkeypatch.setattr(peers, "hf_trainer", lambda w, precision, ck, *a, **k: {
+        "setting": "HF Trainer auto_find_batch_size", "precision": precision, "samples_per_s": 1.0})
+    assert main(["bench", "run", "--workload", "minilm-32@smoke", "--out", str(tmp_path), "--device", "cpu",
+                 "--settings", "hf", "--steps", "3", "--warmup", "1"]) == 0
+    assert json.loads((tmp_path / "minilm-32@smoke.json").read_text())["tightfit"] == tightfit.__version__

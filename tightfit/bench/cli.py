@@ -8,6 +8,7 @@ import shlex
 import time
 from pathlib import Path
 
+from .. import __version__
 from ..errors import TightfitError
 from ..fileio import atomic_write_json, unwritable_folder
 
@@ -113,7 +114,7 @@ def run(args) -> int:
     import transformers
 
     result = {"workload": vars(w), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__,
+              "tightfit": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
               "python": platform.python_version(),
               # quoted as a shell reads it: "--out my results" was written unquoted, a command that does not re-run
               "command": shlex.join(["tightfit", "bench", "run", "--workload", w.name, "--out", args.out, "--steps",

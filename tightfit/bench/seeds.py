@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .. import __version__
 from ..errors import TightfitError
 from ..fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
 from ..units import format_bytes, parse_size
@@ -216,7 +217,8 @@ def run_seeds(out: str | Path, cfg: SeedsConfig = SeedsConfig()) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"config": asdict(cfg), "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
-           "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+           "tightfit": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version()}
     t0 = time.perf_counter()
     res["bert"] = _part(bert_table, cfg)
     atomic_write_json(out / "seeds.json", res)
