@@ -391,3 +391,23 @@ def test_an_out_filled_by_another_command_while_exporting_is_kept(text_run, tmp_
     assert len(err) == 1 and "was filled while the export ran" in err[0], err
     assert [p.name for p in out.iterdir()] == ["request.json"] and (out / "request.json").read_text() == "another run's"
     assert not list(tmp_path.glob(".*"))
+
+
+def test_a_tokenizer_of_bpe_codes_is_exported_whole(tmp_path):
+    """The export copied the source's .json, .txt and .model files: PhoBERT's and BERTweet's
+    bpe.codes (as *.tiktoken) has none of those suffixes, and the exported folder's tokenizer
+    could not be loaded (TypeError: expected str ... not NoneType)."""
+    from transformers import AutoTokenizer, PhobertTokenizer, RobertaConfig, RobertaForSequenceClassification
+
+    (tmp_path / "vocab.txt").write_text("".join(f"{w} 1\n" for w in WORDS))
+    (tmp_path / "bpe.codes").write_text("f i 1\nfi l 1\n")
+    tokenizer = PhobertTokenizer(vocab_file=str(tmp_path / "vocab.txt"), merges_file=str(tmp_path / "bpe.codes"))
+    model_dir = tmp_path / "phobert"
+    torch.manual_seed(0)
+    RobertaForSequenceClassification(RobertaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=130, pad_token_id=tokenizer.pad_token_id)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    assert main(["export", "--int8", str(model_dir), "--out", str(tmp_path / "int8")]) == 0
+    assert (tmp_path / "int8" / "bpe.codes").is_file()
+    assert AutoTokenizer.from_pretrained(tmp_path / "int8")("great film") == tokenizer("great film")

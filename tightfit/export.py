@@ -448,11 +448,17 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
         median[b] = statistics.median(r["fp32"] / r["int8"] for r in rounds)
     result["speedup_middle_half"], result["speedup_median"] = spread, median
 
+    from .models import _tokenizer_files
+
+    # the tokenizer's files by the names tightfit reads a tokenizer from: bpe.codes (PhoBERT, BERTweet) or
+    # *.tiktoken have none of the suffixes below, and the export's tokenizer could not be loaded without them
+    tokenizer = set(_tokenizer_files(src.model_dir))
+
     def fill(folder: Path) -> None:
         fp32.config.save_pretrained(folder)
         for f in src.model_dir.iterdir():  # the tokenizer or the image preprocessing, as trained
-            if f.is_file() and f.suffix in (".json", ".txt", ".model") and f.name not in ("config.json",) \
-                    and not f.name.endswith(".index.json"):
+            if f.is_file() and (f.suffix in (".json", ".txt", ".model") or f.name in tokenizer) \
+                    and f.name not in ("config.json",) and not f.name.endswith(".index.json"):
                 (folder / f.name).write_bytes(f.read_bytes())
         with _quiet_quantization():
             torch.save(int8.state_dict(), folder / WEIGHTS_FILE)
