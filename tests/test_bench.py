@@ -89,6 +89,22 @@ def test_report_refuses_what_is_not_a_bench_result(tmp_path, capsys):
         assert not (tmp_path / "results.md").exists()
 
 
+
+def test_report_refuses_a_result_that_lacks_what_the_tables_read(tmp_path, capsys):
+    """A result with a workload and rows but without a field the tables read (edited by hand,
+    written by another tool) ended in a KeyError's traceback: now one line naming the field."""
+    workload = {"name": "bert-base-128@4GiB", "arch": "bert-base", "size": 128, "budget": "4GiB",
+                "effective_batch": 256}
+    whole = {"workload": workload, "device": "NVIDIA H200", "torch": "2.11", "rows": _rows()}
+    for broken, named in (({**whole, "workload": {"name": "x"}}, "workload.arch"),
+                          ({k: v for k, v in whole.items() if k != "device"}, "device"),
+                          ({**whole, "rows": [*_rows(), {"samples_per_s": 1.0}]}, "rows[6].setting")):
+        (tmp_path / "x.json").write_text(json.dumps(broken))
+        assert main(["bench", "report", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("tightfit: error:") and named in err[0], err
+        assert not (tmp_path / "results.md").exists()
+
 def test_every_row_leaves_out_the_same_warm_up_steps():
     """tightfit's and plain rows timed the steps after the first ``warmup``; the HF Trainer row
     left out one more (its slice started a step later), which favoured it while its early steps

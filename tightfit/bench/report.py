@@ -44,11 +44,15 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
+_WORKLOAD_KEYS = ("name", "arch", "size", "budget", "effective_batch")  # of every result's "workload"
+
+
 def load(folder: str | Path) -> list[dict]:
     """Every ``<workload>.json`` written by ``tightfit bench run`` in ``folder``.
 
     Raises:
-        TightfitError: ``folder`` is not a folder, or a JSON file in it is not a benchmark result.
+        TightfitError: ``folder`` is not a folder, or a JSON file in it is not a benchmark result
+            (not an object with ``workload`` and ``rows``, or without what the report reads of them).
     """
     from ..errors import TightfitError
 
@@ -63,6 +67,14 @@ def load(folder: str | Path) -> list[dict]:
             raise TightfitError(f"{p}: not valid JSON ({e})") from None
         if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get("workload"), dict)):
             raise TightfitError(f"{p}: not a result of tightfit bench run (no workload and rows)")
+        # what the tables read: a result edited by hand or written by another tool that lacks one
+        # ended in a KeyError's traceback
+        lacking = [f"workload.{k}" for k in _WORKLOAD_KEYS if k not in res["workload"]] + \
+            [k for k in ("device", "torch") if k not in res] + \
+            [f"rows[{i}].setting" for i, r in enumerate(res["rows"])
+             if not (isinstance(r, dict) and "setting" in r)][:1]
+        if lacking:
+            raise TightfitError(f"{p}: not a result of tightfit bench run (it lacks {', '.join(lacking)})")
         results.append(res)
     return results
 
