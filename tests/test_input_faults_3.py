@@ -140,6 +140,27 @@ def test_export_of_an_unfinished_run_says_to_resume_it(tmp_path, capsys):
     assert "the run has not finished (no model/ yet) and has no checkpoint to resume from" in line, line
 
 
+
+def test_export_of_a_run_still_training_does_not_say_to_resume_it(tmp_path, capsys):
+    """A run still training has no model/ yet either: export said to resume it first, which
+    --resume refuses while another tightfit run writes the folder (its lock)."""
+    from tightfit.api import _hold_run_folder, _release_run_folders
+
+    run = tmp_path / "live"
+    (run / "checkpoints" / "ckpt-10").mkdir(parents=True)
+    (run / "request.json").write_text("{}")
+    owner = object()  # the training run, holding its folder's lock
+    _hold_run_folder(run, owner)
+    try:
+        assert main(["export", "--int8", str(run), "--out", str(tmp_path / "o")]) == 2
+        line = _error_line(capsys)
+        assert "the run is still training" in line and "--resume" not in line, line
+    finally:
+        _release_run_folders(owner)
+    assert main(["export", "--int8", str(run), "--out", str(tmp_path / "o")]) == 2  # ended: resume it
+    assert "run tightfit train --resume" in _error_line(capsys)
+    assert not (tmp_path / "o").exists()
+
 def test_export_of_a_file_says_it_is_a_file(tmp_path, capsys):
     f = tmp_path / "reviews.csv"
     f.write_text("text,label\n")
