@@ -279,7 +279,7 @@ class _Planted:
         return (_Planted.ran.append, ("code ran",))
 
 
-@pytest.mark.parametrize("where", ["none", "metadata", "param_groups"])
+@pytest.mark.parametrize("where", ["none", "metadata", "dotted", "param_groups"])
 def test_a_multi_process_checkpoint_loads_no_more_than_weights_only_allows(tmp_path, where):
     """DCP unpickled dcp/.metadata with pickle.load and the optimizer's param_groups with
     torch.load(weights_only=False): a file rewritten with its manifest ran any code it held on
@@ -305,13 +305,18 @@ def test_a_multi_process_checkpoint_loads_no_more_than_weights_only_allows(tmp_p
         warnings.simplefilter("ignore")
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / DCP_DIR), no_dist=True)
     torch.save({"rng": None, "step": 1}, folder / "state.pt")
+    meta = folder / DCP_DIR / ".metadata"
     if where == "metadata":
-        meta = folder / DCP_DIR / ".metadata"
         with open(meta, "rb") as f:
             m = pickle.load(f)
         m.planted = _Planted()
         with open(meta, "wb") as f:
             pickle.dump(m, f)
+    if where == "dotted":  # an allowed module's import reached through a dotted name (protocol 4)
+        module = "torch.distributed.checkpoint.metadata"
+        meta.write_bytes(b"\x80\x04" + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module.encode()
+                         + pickle.SHORT_BINUNICODE + b"\x09os.getpid" + pickle.STACK_GLOBAL
+                         + pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.STOP)
     _Planted.ran.clear()
     fresh = _model(1)
     if where == "none":

@@ -41,17 +41,41 @@ from .distributed import World
 DCP_DIR = "dcp"
 
 
-# What DCP's .metadata may name (torch 2.6-2.13 write these): DCP's own metadata dataclasses,
-# torch's sizes, dtypes and layouts, and a path; any other global is refused unread.
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+# What DCP's .metadata may name (torch 2.6-2.13 write these): DCP's own metadata classes, torch's
+# sizes, dtypes and layouts, and a path (pathlib's, or pathlib._local's under Python 3.13); any
+# other global is refused unread.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-                     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+                     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+def _metadata_global(module: str, name: str):
+    """The object ``module.name`` names in DCP's metadata, or None where the metadata holds no such
+    global. A dotted ``name`` (pickle protocol 4 follows it through attributes: ``os.system`` of a
+    module that imports ``os``) is never one."""
+    import importlib
+    import pathlib
+
+    if "." in name or not (module == _METADATA_MODULE or module in ("torch", "pathlib", "pathlib._local")
+                           or (module, name) in _METADATA_GLOBALS):
+        return None
+    try:
+        obj = getattr(importlib.import_module(module), name, None)
+    except ImportError:  # pathlib._local before Python 3.13
+        return None
+    if (module, name) in _METADATA_GLOBALS:
+        return obj
+    if module == _METADATA_MODULE:  # a class DCP's metadata module defines, not one it imports
+        return obj if isinstance(obj, type) and obj.__module__ == module else None
+    if module == "torch":
+        return obj if isinstance(obj, torch.dtype) else None
+    return obj if isinstance(obj, type) and issubclass(obj, pathlib.PurePath) else None
 
 
 def _check_metadata(path: Path, dcp_dir: Path) -> None:
     """Unpickle each ``.metadata`` file of ``dcp_dir`` with only the globals DCP's metadata needs
-    (the Python documentation's "Restricting Globals" recipe), before DCP unpickles it unrestricted.
+    (:func:`_metadata_global`; the Python documentation's "Restricting Globals" recipe), before DCP
+    unpickles it unrestricted.
 
     Raises:
         CorruptCheckpointError: a file names another global, or cannot be unpickled.
@@ -60,11 +84,10 @@ def _check_metadata(path: Path, dcp_dir: Path) -> None:
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module, name):
-            found = (module, name) in _METADATA_GLOBALS or module in _METADATA_MODULES or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-            if not found:
+            obj = _metadata_global(module, name)
+            if obj is None:
                 raise pickle.UnpicklingError(f"names {module}.{name}, which DCP's metadata does not hold")
-            return super().find_class(module, name)
+            return obj
 
     for f in sorted(dcp_dir.glob(".metadata*")):
         try:
