@@ -184,6 +184,12 @@ def test_a_stop_on_non_finite_steps_names_where_they_first_appear(where):
         before = torch.random.get_rng_state()
         first_nonfinite(model, lambda: _ce(model, _xy(4)), contextlib.nullcontext, contextlib.nullcontext, False)
         assert torch.equal(torch.random.get_rng_state(), before)
+        # ranks with batches of their own (DDP) run no backward that other ranks may not join
+        backwards = []
+        model[3].weight.register_hook(lambda g: backwards.append(1))
+        where = first_nonfinite(model, lambda: _ce(model, _xy(4)), contextlib.nullcontext, contextlib.nullcontext,
+                                False, backward=False)
+        assert where == "the gradients (this rank's forward is finite)" and backwards == []
 
 
 def test_hugging_face_model_loss_by_default_dropout_on_and_mode_given_back():

@@ -651,9 +651,12 @@ class TrainStep:
             if self._skipped_in_row >= self.max_skipped_steps:
                 first = next(self._micro_batches(b.as_dict(), b.size))
                 loss_sum = _loss_sum(b, self.loss, _target_tokens(self.model, b, self.loss))
+                # under DDP each rank holds its own batch: a backward run by some ranks only would hang
+                alone = not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                             and torch.distributed.get_world_size() > 1)
                 culprit = first_nonfinite(self.model, lambda: loss_sum(self.model, first),
                                           lambda: autocast(self.plan.precision, self.device.type),
-                                          lambda: train_mode(self.model), self.scaler.is_enabled())
+                                          lambda: train_mode(self.model), self.scaler.is_enabled(), backward=alone)
                 raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients; "
                                              f"first non-finite values in {culprit}. "
                                              f"{as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))}",

@@ -56,7 +56,7 @@ def first_nonfinite_module(model: torch.nn.Module, forward: Callable[[], object]
 
 
 def first_nonfinite(model: torch.nn.Module, forward: Callable[[], torch.Tensor], autocast_ctx: Callable,
-                    train_ctx: Callable, scaled: bool) -> str:
+                    train_ctx: Callable, scaled: bool, backward: bool = True) -> str:
     """Where one micro-batch's values first stop being finite, as the phrase a stop on non-finite
     steps names: the output of the first module that holds inf/NaN in an eval-mode forward
     (:func:`first_nonfinite_module`); else the first parameter whose gradient is not finite after
@@ -66,13 +66,17 @@ def first_nonfinite(model: torch.nn.Module, forward: Callable[[], torch.Tensor],
     The backward's forward would fold the micro-batch into BatchNorm's statistics, which the
     skipped steps left as they found them (and the stop's checkpoint holds): they are put back
     after the backward (BatchNorm's backward needs them unchanged since its forward); the
-    gradients are zeroed and the RNG states restored. With several ranks, each runs the same forward and backward.
+    gradients are zeroed and the RNG states restored. With several ranks, each must run the same
+    forward and backward (the runtime diagnoses one global micro-batch on every rank); where the
+    ranks hold batches of their own, ``backward=False``: one rank's finite forward would otherwise
+    leave it alone in the backward's collectives.
 
     Args:
         model: the model, in the layout it trains in.
         forward: runs ``model`` on the micro-batch and returns its loss (0-d), as the step does.
         autocast_ctx, train_ctx: return the step's autocast and train-mode contexts.
         scaled: the step scales the loss (fp16's GradScaler).
+        backward: run the backward where the forward is finite (False: name the gradients as a whole).
     """
     from ..buffers import KeptBuffers
     from ..rng import capture_rng, restore_rng
@@ -80,12 +84,16 @@ def first_nonfinite(model: torch.nn.Module, forward: Callable[[], torch.Tensor],
     name = first_nonfinite_module(model, forward, autocast_ctx)
     if name:
         return f"the output of module {name!r}"
+    if not backward:
+        return "the gradients (this rank's forward is finite)"
     rng = capture_rng()  # its dropout draws leave no trace in what follows
-    with KeptBuffers(model.modules()):
-        with train_ctx(), autocast_ctx():
-            loss = forward()
-        loss.backward()
-    restore_rng(rng)
+    try:
+        with KeptBuffers(model.modules()):
+            with train_ctx(), autocast_ctx():
+                loss = forward()
+            loss.backward()
+    finally:
+        restore_rng(rng)
     bad = next((n for n, p in model.named_parameters()
                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())), None)
     model.zero_grad(set_to_none=True)
