@@ -533,7 +533,7 @@ class TrainRecipe:
         from .runtime.trainer import check_same_windows
 
         self.resume_state = read_state(self.resume_from)
-        check_training_state(self.resume_from, self.resume_state)
+        check_training_state(self.resume_from, self.resume_state, is_sharded(self.resume_from))
         if not is_sharded(self.resume_from):
             check_weights_fit(self.resume_from, self.world.unwrap(self.model))
         check_same_windows(self.resume_from, self.resume_state, self.workload.effective_batch)

@@ -654,15 +654,17 @@ def read_state(path: Path) -> dict:
 
 
 # what Trainer.resume reads of state.pt (Trainer.state_dict writes it): name -> type
-_STATE_KEYS = {"step": int, "micro_batch": int, "plan": dict, "scheduler": dict, "counters": dict}
+_STATE_KEYS = {"step": int, "micro_batch": int, "plan": dict, "scheduler": dict, "scaler": dict, "counters": dict}
 _COUNTERS = ("samples", "skipped_steps", "oom_recoveries", "train_seconds", "final_loss", "skipped_in_row",
              "clean_windows")
 
 
-def check_training_state(path: Path, state) -> None:
+def check_training_state(path: Path, state, sharded: bool) -> None:
     """Refuse a ``state.pt`` (as :func:`read_state` read it) that is not a tightfit run's trainer
     state, before anything of it is loaded: one its manifest matches (rewritten with it, or written
-    by another program) would otherwise fail part-way through the resume with a traceback.
+    by another program) would otherwise fail part-way through the resume with a traceback, after
+    the weights were loaded. ``sharded``: the checkpoint is of several processes
+    (:mod:`.sharded_checkpoint`: the optimizer's state is in ``dcp/``, not in ``state.pt``).
 
     Raises:
         CorruptCheckpointError: one line naming the first thing missing or of the wrong type.
@@ -672,6 +674,8 @@ def check_training_state(path: Path, state) -> None:
     else:
         what = next((f"{key!r} missing or not {kind.__name__}" for key, kind in _STATE_KEYS.items()
                      if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool)), None)
+        if what is None and not sharded and not isinstance(state.get("optimizer"), dict):
+            what = "'optimizer' missing or not dict"
         if what is None and not ("rng" in state or "rng_by_rank" in state):
             what = "no RNG states"
         if what is None and (state["step"] < 0 or state["micro_batch"] < 1):

@@ -941,7 +941,7 @@ class Trainer:
         if not verified:
             verify_checkpoint(path)
         saved = read_state(path) if state is None else state
-        check_training_state(path, saved)
+        check_training_state(path, saved, is_sharded(path))
         check_same_windows(path, saved, self.w.effective_batch, self.cfg.seed, len(self.w.train))
         if saved["step"] > self.total_steps:  # fit() would train nothing and report the checkpoint's steps
             raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} is at step {saved['step']}, past this "
