@@ -182,6 +182,28 @@ def test_a_full_disk_outside_a_checkpoint_stops_the_run_in_one_line_and_it_resum
     assert steps == sorted(set(steps)) and steps[-1] == 6
 
 
+def test_a_full_disk_elsewhere_is_not_called_the_run_folders(tmp_path, monkeypatch):
+    """An ENOSPC naming a file outside the run folder (the compiler's cache, the image being read)
+    was reported as "the run folder ... could not be written" with a resume command; it goes
+    through as it is."""
+    from tightfit.report.metrics import MetricsWriter
+
+    common = tiny_cpu_job(tmp_path)
+    real = MetricsWriter.__call__
+
+    def elsewhere(self, record):
+        if record.get("type") == "train" and record["step"] == 3:
+            raise OSError(28, "No space left on device", str(tmp_path / "cache" / "kernel.so"))
+        return real(self, record)
+
+    monkeypatch.setattr(MetricsWriter, "__call__", elsewhere)
+    with pytest.raises(OSError, match="kernel.so") as e:
+        api.train(api.TrainRequest(model=common["model"], data=common["data"], batch_size=8, seq_len=16,
+                                   device="cpu", progress=False, max_steps=6, checkpoint_every=2, log_every=1,
+                                   out=str(tmp_path / "run")))
+    assert not isinstance(e.value, TightfitError)
+
+
 def test_an_interrupt_while_the_run_finishes_says_how_to_finish_it(tmp_path, monkeypatch, capsys):
     """Ctrl-C or SIGTERM while the model, report and plots were written (after the last checkpoint
     and the evaluation) ended with "tightfit: interrupted" alone, not the command that finishes the

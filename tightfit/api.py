@@ -902,11 +902,17 @@ class TrainRecipe:
         """``e``, raised while the run folder was written (``metrics.jsonl``, the model, the report;
         a checkpoint's own is a :class:`~tightfit.runtime.checkpoint.CheckpointWriteError`), as one
         line saying where the run stands and how it goes on, where it is the disk's (full, over
-        quota, read-only, failing); None for any other error (raised as it is)."""
+        quota, read-only, failing) and names no file outside the run folder; None for any other
+        error (raised as it is)."""
         from .runtime.checkpoint import has_checkpoint
         from .runtime.launch import resume_processes
 
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO):
+            return None
+        # an error naming a file elsewhere (the compiler's cache, an image being read) is not the run
+        # folder's; a write to an open file (metrics.jsonl) names none
+        if e.filename is not None and not os.path.abspath(os.fsdecode(e.filename)).startswith(
+                os.path.abspath(self.out) + os.sep):
             return None
         if not self.out.exists():  # failed while it was made: removed (open_run_folder), nothing to resume
             return TightfitError(f"the run folder {self.out} could not be written: {e.strerror or e}; nothing of it "
