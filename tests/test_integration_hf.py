@@ -175,6 +175,14 @@ def test_a_resumed_run_trains_on_at_the_micro_batch_its_checkpoint_was_written_a
     stopped, _, _ = run(tmp_path / "b", stop=True)
     hf.train(stopped)
     assert stopped.state.global_step == 3 and stopped.args.per_device_train_batch_size == 4
+    # a run no TightfitCallback with a plan watches keeps the per-device batch its arguments give
+    import shutil
+
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    plain = _trainer(tmp_path / "c", Plan("fp32", 8, 8), steps=4, callback=hf.TightfitCallback(None),
+                     save_strategy="steps", save_steps=1)
+    hf.train(plain, resume_from_checkpoint=True)
+    assert plain.state.global_step == 4 and plain.args.per_device_train_batch_size == 8
     resumed, hook, cb = run(tmp_path / "b", oom=False)
     hf.train(resumed, resume_from_checkpoint=True)
     assert hook.rows == [4, 4] and resumed.state.global_step == 4  # step 4 only, at the redo's batch

@@ -651,7 +651,10 @@ def _resume_micro_batch(trainer, checkpoint, callbacks) -> None:
     :func:`train`), as tightfit's own runtime resumes at its checkpoint's micro-batch -- the same
     effective batch, and the split the uninterrupted run went on with (its dropout masks), without
     running out of memory again first. Only a smaller batch that divides the effective batch is taken
-    (a larger one: the arguments were planned again for less memory); ``callbacks``' plan becomes it."""
+    (a larger one: the arguments were planned again for less memory); ``callbacks``' plan becomes it.
+    Only for a run a :class:`TightfitCallback` with a plan watches: another's batch is the user's."""
+    if not any(c.plan is not None for c in callbacks):
+        return
     if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "trainer_state.json")):
         return
     args = trainer.args
