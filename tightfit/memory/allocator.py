@@ -46,6 +46,10 @@ LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 
+#: The environment variables PyTorch's CUDA allocator reads its configuration from (torch >= 2.9
+#: reads the second too); the runtime sets the first (:mod:`tightfit.runtime.allocator`).
+ALLOC_CONF, ALLOC_CONF_ANY_DEVICE = "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"
+
 #: Allocator configurations modelled: ``"expandable"`` (``expandable_segments:True``, what
 #: tightfit's runtime sets) and ``"default"`` (no ``PYTORCH_CUDA_ALLOC_CONF``).
 ALLOCATORS = ("expandable", "default")

@@ -81,6 +81,7 @@ def plan_key(model: torch.nn.Module, worst_case: dict, effective_batch: int, opt
             :class:`~tightfit.devices.DeviceProfile`; None: the name alone).
     """
     from ..levers.optimizers import total_host_bytes
+    from ..memory.allocator import ALLOC_CONF, ALLOC_CONF_ANY_DEVICE
     from .optimizers import _ranks_on_this_host
 
     key = {"format": CACHE_FORMAT, "model": model_structure(model), "batch": batch_shapes(worst_case),
@@ -90,7 +91,7 @@ def plan_key(model: torch.nn.Module, worst_case: dict, effective_batch: int, opt
            "host_gib": round(total_host_bytes() / 2**30),  # offloaded state and activations are held to it
            "ranks_on_host": _ranks_on_this_host(),  # ... shared by this run's processes on the host (DDP)
            # the probes' peaks are the allocator's: expandable_segments:False or another split size reserve otherwise
-           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+           "allocator": [os.environ.get(name) for name in (ALLOC_CONF, ALLOC_CONF_ANY_DEVICE)]}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 

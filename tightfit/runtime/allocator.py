@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+from ..memory.allocator import ALLOC_CONF
 
 
 def configure_allocator() -> str:
