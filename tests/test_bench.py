@@ -98,7 +98,9 @@ def test_report_refuses_a_result_that_lacks_what_the_tables_read(tmp_path, capsy
     whole = {"workload": workload, "device": "NVIDIA H200", "torch": "2.11", "rows": _rows()}
     for broken, named in (({**whole, "workload": {"name": "x"}}, "workload.arch"),
                           ({k: v for k, v in whole.items() if k != "device"}, "device"),
-                          ({**whole, "rows": [*_rows(), {"samples_per_s": 1.0}]}, "rows[6].setting")):
+                          ({**whole, "rows": [*_rows(), {"samples_per_s": 1.0}]}, "rows[6].setting"),
+                          ({**whole, "rows": [{k: v for k, v in r.items() if k != "steps"} for r in _rows()]},
+                           "rows[5].steps")):
         (tmp_path / "x.json").write_text(json.dumps(broken))
         assert main(["bench", "report", str(tmp_path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -73,6 +73,10 @@ def load(folder: str | Path) -> list[dict]:
             [k for k in ("device", "torch") if k not in res] + \
             [f"rows[{i}].setting" for i, r in enumerate(res["rows"])
              if not (isinstance(r, dict) and "setting" in r)][:1]
+        # the Targets table reads these of tightfit's measured rows
+        lacking += [f"rows[{i}].{k}" for i, r in enumerate(res["rows"]) if isinstance(r, dict)
+                    and str(r.get("setting", "")).startswith("tightfit") and r.get("samples_per_s")
+                    for k in ("steps", "ooms_after_planning", "planning_seconds") if k not in r][:1]
         if lacking:
             raise TightfitError(f"{p}: not a result of tightfit bench run (it lacks {', '.join(lacking)})")
         results.append(res)
