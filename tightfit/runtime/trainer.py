@@ -186,6 +186,14 @@ def steps_per_epoch(n: int, effective_batch: int) -> int:
     return math.ceil(n / effective_batch)
 
 
+def window_sizes(n: int, effective_batch: int, steps: int) -> list[int]:
+    """The sizes of the windows a run of ``steps`` optimizer steps over ``n`` samples trains
+    (samples): ``effective_batch`` where an epoch holds a full window, and the epoch's short last
+    window where the run reaches it (step ``n // effective_batch + 1``)."""
+    full, last = divmod(n, effective_batch)
+    return ([effective_batch] if full else []) + ([last] if last and steps > full else [])
+
+
 def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: int, micro_batch: int,
                               steps: int, forward: Callable[[], object],
                               fix: str = "choose another effective batch (or micro-batch), or put "
@@ -208,9 +216,7 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
     norms = [m for m, training in training_modes(model) if training and isinstance(m, _BatchNorm)]
     if not norms:
         return None
-    full, last = divmod(n, effective_batch)
-    reached_last = last and steps > full  # the epoch's last (short) window is step full + 1
-    for window in ([effective_batch] if full else []) + ([last] if reached_last else []):
+    for window in window_sizes(n, effective_batch, steps):
         ranks = rank_micro_batch_sizes(window, micro_batch, world_size)
         if any(1 in sizes for sizes in ranks):
             if not starves_batchnorm(model, forward):
@@ -799,10 +805,8 @@ class Trainer:
         from ..plan import halved_micro_batch
 
         size = len(self.window_at(index))
-        # the windows the run has (full ones, the epoch's short last one where the run reaches it):
-        # the new micro-batch splits them all from now on
-        full, last = divmod(len(self.w.train), self.w.effective_batch)
-        others = ([self.w.effective_batch] if full else []) + ([last] if last and self.total_steps > full else [])
+        # the new micro-batch splits every window of the run from now on
+        others = window_sizes(len(self.w.train), self.w.effective_batch, self.total_steps)
         # the same on every rank (a function of the window); a one-sample micro-batch avoided where
         # BatchNorm would refuse it (one process: the ranks' shares split otherwise)
         new = halved_micro_batch(size, self.micro_batch,
