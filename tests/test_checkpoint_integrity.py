@@ -326,3 +326,30 @@ def test_a_multi_process_checkpoint_loads_no_more_than_weights_only_allows(tmp_p
     with pytest.raises(CorruptCheckpointError, match=r"^checkpoint ckpt-1 is corrupt \(dcp"):
         load_sharded(folder, fresh, torch.optim.AdamW(fresh.parameters()), World(), verified=True)
     assert _Planted.ran == []
+
+
+def test_a_multi_process_checkpoint_that_does_not_fit_or_cannot_be_read_says_why(tmp_path):
+    """DCP wraps a rank's error in a CheckpointException whose text says only "ranks:dict_keys([0])":
+    the message now gives the rank's own error, and a file cut short is corrupt, not a model that
+    does not fit."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tightfit.runtime.distributed import World
+    from tightfit.runtime.sharded_checkpoint import DCP_DIR, load_sharded
+
+    model = _model()
+    folder = tmp_path / "ckpt-1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(model, torch.optim.AdamW(model.parameters())))),
+                 checkpoint_id=str(folder / DCP_DIR), no_dist=True)
+    other = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+    with pytest.raises(TightfitError, match=r"does not fit the model: Size mismatch .* for model\.0\.weight"):
+        load_sharded(folder, other, torch.optim.AdamW(other.parameters()), World(), verified=True)
+    data = next((folder / DCP_DIR).glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt-1 is corrupt \(dcp: cannot be read"):
+        load_sharded(folder, model, torch.optim.AdamW(model.parameters()), World(), verified=True)

@@ -210,7 +210,12 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer, world: World, ve
     except (Exception, CheckpointException) as e:  # DCP wraps the planner's errors in its own types (some BaseException)
         if planner.refused:
             raise _fail(path, f"{DCP_DIR}: {planner.refused}") from None
-        raise TightfitError(f"checkpoint {path.name} does not fit the model: {str(e).splitlines()[0][:200]}") from None
+        # a rank's own error inside DCP's wrapper ("CheckpointException ranks:dict_keys([0])" says nothing)
+        cause = next(iter(getattr(e, "failures", {}).values()), e)
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its frames) in torch 2.13
+        if isinstance(cause, (OSError, EOFError)):  # the files', not the model's
+            raise _fail(path, f"{DCP_DIR}: cannot be read: {_first_line(cause)}") from None
+        raise TightfitError(f"checkpoint {path.name} does not fit the model: {_first_line(cause)}") from None
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     state = read_state(path)
     rngs = state.pop("rng_by_rank", None) or [state["rng"]]
