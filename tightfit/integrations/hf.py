@@ -426,8 +426,11 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         BatchNorm's statistics); stop after too many in a row."""
         from ..buffers import restore_buffers
 
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        finite = all(bool(torch.isfinite(g).all()) for g in grads)  # what unscale_ checks, per tensor
+        verdicts: dict = {}  # per device, whether each gradient is finite (what unscale_ checks, per tensor)
+        for p in model.parameters():
+            if p.grad is not None:
+                verdicts.setdefault(p.grad.device, []).append(torch.isfinite(p.grad).all())
+        finite = all(bool(torch.stack(v).all()) for v in verdicts.values())  # one host sync per device, not per tensor
         # Finite gradients whose norm overflows (~1e19 and up in fp32) are a non-finite step too, as in
         # tightfit's own runtime: the Trainer's clipping has made them zeros by now, which the optimizer
         # would apply (AdamW's moments and weight decay move the weights, its step counted).
