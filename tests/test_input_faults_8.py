@@ -1,5 +1,6 @@
 """Faults found by a fresh user (session of 2026-12-03): repros in /tmp/fresh-user-7."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -348,6 +349,43 @@ def test_an_image_replaced_by_another_of_the_same_size_is_other_data_on_resume(_
     a.write_bytes(b.read_bytes())  # a "1" drawn in class 0, the file's size unchanged
     assert main(["train", "--resume", str(out), "--no-progress"]) == 2
     assert "the data differ from those the run started with" in capsys.readouterr().err
+
+
+def test_an_image_gone_while_the_run_trains_stops_it_in_one_line_and_it_resumes(_image_run_inputs, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """Images are read when their batch is made: one deleted while the run trained ended it in a
+    FileNotFoundError traceback, with nothing saying how to go on."""
+    import shutil
+
+    from tightfit.cli import main
+    from tightfit.report.metrics import MetricsWriter
+
+    root, imgs = _image_run_inputs, tmp_path / "imgs"
+    shutil.copytree(root / "imgs", imgs)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    real = MetricsWriter.__call__
+
+    def delete_all_at_step_2(self, record):  # every image: whichever the next batch reads is gone
+        if record.get("type") == "train" and record["step"] == 2:
+            for f in imgs.rglob("*.png"):
+                f.rename(moved / f"{f.parent.name}-{f.name}")
+        return real(self, record)
+
+    monkeypatch.setattr(MetricsWriter, "__call__", delete_all_at_step_2)
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(imgs), "--model", str(root / "resnet"), "--image-size", "8", "--max-steps", "4",
+            "--batch-size", "8", "--checkpoint-every", "1", "--log-every", "1", "--out", str(out), "--no-progress",
+            "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a sample of the data is gone" in err[0] and "Traceback" not in err[0], err
+    assert re.search(r"the run is at step [23] of 4", err[0]) and f"tightfit train --resume {out}" in err[0]
+    monkeypatch.undo()
+    for f in moved.iterdir():
+        cls, name = f.name.split("-", 1)
+        f.rename(imgs / cls / name)
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
 
 
 # ---------------------------------------------------------------- 5, 6. Python API values; --resume with the run's columns

@@ -108,8 +108,8 @@ def train(req: TrainRequest) -> RunSummary:
         except KeyboardInterrupt:  # stopped at once (a second Ctrl-C, or before training began)
             recipe.interrupted()
             raise
-        except OSError as e:  # metrics.jsonl on a full disk: one line that says how to go on, not a traceback
-            raise recipe.disk_failure(e) or e
+        except OSError as e:  # metrics.jsonl on a full disk, an image gone: one line that says how to go on
+            raise recipe.disk_failure(e) or recipe.missing_sample(e) or e
         try:
             summary = recipe.finish(result)
         except KeyboardInterrupt:  # while the model and report were written: the command that finishes the run
@@ -922,6 +922,25 @@ class TrainRecipe:
                 if has_checkpoint(self.out / "checkpoints") else "no checkpoint is in place")
         return TightfitError(f"the run folder {self.out} could not be written: {e.strerror or e}; the run is at step "
                              f"{self.trainer.step} of {self.trainer.total_steps}; {then}")
+
+    def missing_sample(self, e: OSError) -> TightfitError | None:
+        """``e`` as one line where it says a sample's file is gone (an image deleted or moved while
+        the run trained: images are read when their batch is made), with the step the run is at and
+        how it goes on once the file is back; None for any other error (raised as it is)."""
+        from .runtime.checkpoint import has_checkpoint
+        from .runtime.launch import resume_processes
+
+        if e.errno != errno.ENOENT or e.filename is None:
+            return None
+        gone = os.fsdecode(e.filename)
+        if not any(gone == p for d in (self.train_data, self.eval_data) for p in getattr(d, "images", ())
+                   if isinstance(p, str)):
+            return None
+        then = (f"put it back, then continue from the newest checkpoint: tightfit train --resume "
+                f"{shlex.quote(str(self.out))}{resume_processes(self.world.size)}"
+                if has_checkpoint(self.out / "checkpoints") else "put it back and run the same command again")
+        return TightfitError(f"{gone}: a sample of the data is gone (deleted or moved while the run read it); the run "
+                             f"is at step {self.trainer.step} of {self.trainer.total_steps}; {then}")
 
     # ---------------------------------------------------------------- finish
     def finish(self, result) -> RunSummary:
