@@ -171,6 +171,25 @@ def _release_run_folders(owner) -> None:
             os.close(_HELD.pop(key)[1])
 
 
+def run_folder_in_use(folder: Path) -> bool:
+    """Whether a ``tightfit train`` is writing run folder ``folder``: it holds the folder's
+    exclusive lock (:func:`_hold_run_folder`) while it runs. False where the folder cannot be
+    opened or the filesystem has no locks."""
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as fd is closed
+        return False
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)
+
+
 def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProfile | None, int | None, list[str]]:
     """Device, the card profile whose rules apply, the budget in bytes, and notes.
 
@@ -759,10 +778,7 @@ class TrainRecipe:
         if getattr(self, "created", None) is None:
             return
         if has_checkpoint(self.out / "checkpoints"):
-            from .runtime.launch import resume_processes
-
-            log.warning(f"note: continue with: tightfit train --resume {shlex.quote(str(self.out))}"
-                        + resume_processes(self.world.size))
+            log.warning(f"note: continue with: {self.resume_command()}")
             return
         self.remove_created()
 
@@ -860,21 +876,16 @@ class TrainRecipe:
             return self.trainer.fit()
         except CheckpointWriteError as e:  # the run stops; what is in place stays, and resumes
             from .runtime.checkpoint import has_checkpoint
-            from .runtime.launch import resume_processes
 
-            then = (f"continue from the newest checkpoint in place once there is room: tightfit train --resume "
-                    f"{shlex.quote(str(self.out))}{resume_processes(self.world.size)}"
+            then = (f"continue from the newest checkpoint in place once there is room: {self.resume_command()}"
                     if has_checkpoint(e.folder) else "no earlier checkpoint is in place")
             raise CheckpointWriteError(f"{e}; training stopped at step {self.trainer.step}; {then}", e.folder) from None
         except StoppedError as e:
-            from .runtime.launch import resume_processes
-
             nonfinite = isinstance(e, NonFiniteTrainingError)
 
             def resume(target: Path) -> str:  # as this face takes it: the command line, or the Python API
                 if names_flags():
-                    return (f"tightfit train --resume {shlex.quote(str(target))}{resume_processes(self.world.size)}"
-                            + (" --lr <lower>" if nonfinite else ""))
+                    return self.resume_command(target) + (" --lr <lower>" if nonfinite else "")
                 lower = ", lr=<lower>" if nonfinite else ""
                 return f"tightfit.api.train(TrainRequest(resume={str(target)!r}{lower}))"
 
@@ -898,6 +909,13 @@ class TrainRecipe:
         finally:
             self.metrics.close()
 
+    def resume_command(self, target: Path | None = None) -> str:
+        """The command line that continues this run from ``target`` (a checkpoint, or the run
+        folder: the default), with the processes it ran on."""
+        from .runtime.launch import resume_processes
+
+        return f"tightfit train --resume {shlex.quote(str(target or self.out))}{resume_processes(self.world.size)}"
+
     def disk_failure(self, e: OSError) -> TightfitError | None:
         """``e``, raised while the run folder was written (``metrics.jsonl``, the model, the report;
         a checkpoint's own is a :class:`~tightfit.runtime.checkpoint.CheckpointWriteError`), as one
@@ -905,7 +923,6 @@ class TrainRecipe:
         quota, read-only, failing) and names no file outside the run folder; None for any other
         error (raised as it is)."""
         from .runtime.checkpoint import has_checkpoint
-        from .runtime.launch import resume_processes
 
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO):
             return None
@@ -917,8 +934,7 @@ class TrainRecipe:
         if not self.out.exists():  # failed while it was made: removed (open_run_folder), nothing to resume
             return TightfitError(f"the run folder {self.out} could not be written: {e.strerror or e}; nothing of it "
                                  "is left: make room, then run the same command again")
-        then = (f"continue from the newest checkpoint in place once there is room: tightfit train --resume "
-                f"{shlex.quote(str(self.out))}{resume_processes(self.world.size)}"
+        then = (f"continue from the newest checkpoint in place once there is room: {self.resume_command()}"
                 if has_checkpoint(self.out / "checkpoints") else "no checkpoint is in place")
         return TightfitError(f"the run folder {self.out} could not be written: {e.strerror or e}; the run is at step "
                              f"{self.trainer.step} of {self.trainer.total_steps}; {then}")
@@ -928,7 +944,6 @@ class TrainRecipe:
         the run trained: images are read when their batch is made), with the step the run is at and
         how it goes on once the file is back; None for any other error (raised as it is)."""
         from .runtime.checkpoint import has_checkpoint
-        from .runtime.launch import resume_processes
 
         if e.errno != errno.ENOENT or e.filename is None:
             return None
@@ -936,8 +951,7 @@ class TrainRecipe:
         if not any(gone == p for d in (self.train_data, self.eval_data) for p in getattr(d, "images", ())
                    if isinstance(p, str)):
             return None
-        then = (f"put it back, then continue from the newest checkpoint: tightfit train --resume "
-                f"{shlex.quote(str(self.out))}{resume_processes(self.world.size)}"
+        then = (f"put it back, then continue from the newest checkpoint: {self.resume_command()}"
                 if has_checkpoint(self.out / "checkpoints") else "put it back and run the same command again")
         return TightfitError(f"{gone}: a sample of the data is gone (deleted or moved while the run read it); the run "
                              f"is at step {self.trainer.step} of {self.trainer.total_steps}; {then}")

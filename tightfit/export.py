@@ -85,25 +85,6 @@ def _weights_files(model_dir: Path) -> list[Path]:
     return list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
 
 
-def _still_training(run: Path) -> bool:
-    """Whether a ``tightfit train`` is writing run folder ``run``: it holds the folder's exclusive
-    lock (``flock``, :func:`tightfit.api._hold_run_folder`) while it runs. False where the folder
-    cannot be opened or the filesystem has no locks."""
-    try:
-        import fcntl
-
-        fd = os.open(run, os.O_RDONLY)
-    except (ImportError, OSError):
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as fd is closed
-        return False
-    except OSError as e:
-        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    finally:
-        os.close(fd)
-
-
 def _source(path: str) -> _Source:
     """A run folder (``request.json`` and ``model/``) or a model folder (``config.json``).
 
@@ -121,7 +102,9 @@ def _source(path: str) -> _Source:
     elif (p / "config.json").is_file():
         run, model_dir = None, p
     elif (p / "request.json").is_file():  # a run stopped before it wrote its model, or still training
-        if _still_training(p):  # "resume it first" was said there, and --resume refuses a run being written
+        from .api import run_folder_in_use
+
+        if run_folder_in_use(p):  # "resume it first" was said there, and --resume refuses a run being written
             raise TightfitError(f"{p}: the run is still training (a tightfit train writes it; no model/ yet): export "
                                 "it once it has ended")
         if has_checkpoint(p / "checkpoints"):

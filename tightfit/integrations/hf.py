@@ -426,16 +426,20 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         BatchNorm's statistics); stop after too many in a row."""
         from ..buffers import restore_buffers
 
-        verdicts: dict = {}  # per device, whether each gradient is finite (what unscale_ checks, per tensor)
-        for p in model.parameters():
-            if p.grad is not None:
-                verdicts.setdefault(p.grad.device, []).append(torch.isfinite(p.grad).all())
-        finite = all(bool(torch.stack(v).all()) for v in verdicts.values())  # one host sync per device, not per tensor
+        # The norm before the Trainer's clipping (under train()): finite, every gradient is (one sync).
         # Finite gradients whose norm overflows (~1e19 and up in fp32) are a non-finite step too, as in
         # tightfit's own runtime: the Trainer's clipping has made them zeros by now, which the optimizer
         # would apply (AdamW's moments and weight decay move the weights, its step counted).
         norm, self._grad_norm = self._grad_norm, None
-        overflow = finite and norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)).all())
+        if norm is not None and bool(torch.isfinite(torch.as_tensor(norm)).all()):
+            finite, overflow = True, False
+        else:
+            verdicts: dict = {}  # per device, whether each gradient is finite (what unscale_ checks, per tensor)
+            for p in model.parameters():
+                if p.grad is not None:
+                    verdicts.setdefault(p.grad.device, []).append(torch.isfinite(p.grad).all())
+            finite = all(bool(torch.stack(v).all()) for v in verdicts.values())  # one host sync per device
+            overflow = finite and norm is not None
         kept, self._window_buffers = getattr(self, "_window_buffers", None), None
         if finite and not overflow:
             self._skipped_in_row = 0

@@ -195,7 +195,7 @@ def frozen_label(model: torch.nn.Module) -> str | None:
         return None
     n = 0
     while n < len(blocks) and not any(p.requires_grad for p in blocks[n].parameters()) \
-            and any(True for _ in blocks[n].parameters()):
+            and next(blocks[n].parameters(), None) is not None:
         n += 1
     if n:
         return f"frozen-{n}"

@@ -181,11 +181,13 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, sta
     return target
 
 
-def load_sharded(path: Path, model: torch.nn.Module, optimizer, world: World, verified: bool = False) -> dict:
+def load_sharded(path: Path, model: torch.nn.Module, optimizer, world: World, verified: bool = False,
+                 state: dict | None = None) -> dict:
     """Verify checkpoint ``path`` (unless ``verified``) and load its model and optimizer state into ``model`` (wrapped
     or not, on any number of processes: DCP reshards) and ``optimizer``; return the saved trainer
     state with ``rng`` set to this rank's RNG states (rank 0's when the world size changed;
-    ``rng_of_this_rank`` says which).
+    ``rng_of_this_rank`` says which). ``state``: its ``state.pt`` as a caller read it already
+    (:func:`~.checkpoint.read_state`), not read again.
 
     Raises:
         CorruptCheckpointError: the files do not match the manifest, or name objects beyond what
@@ -217,7 +219,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer, world: World, ve
             raise _fail(path, f"{DCP_DIR}: cannot be read: {_first_line(cause)}") from None
         raise TightfitError(f"checkpoint {path.name} does not fit the model: {_first_line(cause)}") from None
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    state = read_state(path)
+    state = dict(read_state(path) if state is None else state)  # a caller's, read already: not changed
     rngs = state.pop("rng_by_rank", None) or [state["rng"]]
     state["rng_of_this_rank"] = len(rngs) == world.size  # else rank 0's: Trainer.resume gives each rank its own
     state["rng"] = rngs[world.rank] if state["rng_of_this_rank"] else rngs[0]

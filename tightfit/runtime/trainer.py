@@ -951,7 +951,7 @@ class Trainer:
             raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} is at step {saved['step']}, past this "
                                 f"run's {self.total_steps} steps: give a checkpoint of this run, or more epochs")
         if is_sharded(path):  # written by several ranks: DCP reshards to this world size
-            state = load_sharded(path, self.model, self.optimizer, self.world, verified=True)
+            state = load_sharded(path, self.model, self.optimizer, self.world, verified=True, state=saved)
         elif self.world.sharded:  # one process's checkpoint, resumed under FSDP2: each rank keeps its shard
             from .sharded_checkpoint import load_whole_into_sharded
             state = load_whole_into_sharded(path, self.model, self.optimizer, verified=True, state=saved)
