@@ -192,6 +192,14 @@ def test_a_stop_on_non_finite_steps_names_where_they_first_appear(where):
         assert where == "the gradients (this rank's forward is finite)" and backwards == []
 
 
+def test_a_stop_on_a_loss_that_alone_is_not_finite_names_the_loss():
+    """A loss of the user's own that is NaN while every module's output is finite was named as
+    "the gradient of '0.weight' (backward overflow)", which points at the wrong cause."""
+    step = tightfit.TrainStep(Plan("fp32", 4, 8), _mlp(), max_skipped_steps=1, loss=lambda m, b: _ce(m, b) * float("nan"))
+    with pytest.raises(NonFiniteTrainingError, match=r"first non-finite values in the loss \(every module's output"):
+        step(_xy(8))
+
+
 def test_hugging_face_model_loss_by_default_dropout_on_and_mode_given_back():
     model = tiny_bert(dropout=0.1)
     model.eval()

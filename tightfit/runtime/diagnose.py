@@ -23,10 +23,14 @@ def _nonfinite(x) -> bool:
     return False
 
 
+LOSS = "<loss>"  # what first_nonfinite_module names where only what ``forward`` returns is not finite
+
+
 @torch.no_grad()
 def first_nonfinite_module(model: torch.nn.Module, forward: Callable[[], object], autocast_ctx: Callable) -> str | None:
     """Run one forward pass with hooks and return the qualified name of the first module (in
-    execution order) whose output holds inf/NaN, or None if the whole forward is finite.
+    execution order) whose output holds inf/NaN, else a name for what ``forward`` returns where
+    that alone is not finite (a loss of the user's own: :data:`LOSS`), or None if the whole forward is finite.
 
     The forward runs in eval mode (:func:`tightfit.step.module_mode`), and every module gets its
     own mode back after (DESIGN invariant 9): a frozen BatchNorm left in eval mode inside a model in
@@ -48,10 +52,12 @@ def first_nonfinite_module(model: torch.nn.Module, forward: Callable[[], object]
     try:
         # module by module, not model.train(was_training) after: that put every part in the root's mode
         with module_mode(model, False), autocast_ctx():
-            forward()
+            out = forward()
     finally:
         for h in handles:
             h.remove()
+    if not found and _nonfinite(out):  # every module's output finite, what forward computed from them not
+        found.append(LOSS)
     return found[0] if found else None
 
 
@@ -82,6 +88,8 @@ def first_nonfinite(model: torch.nn.Module, forward: Callable[[], torch.Tensor],
     from ..rng import capture_rng, restore_rng
 
     name = first_nonfinite_module(model, forward, autocast_ctx)
+    if name == LOSS:
+        return "the loss (every module's output is finite)"
     if name:
         return f"the output of module {name!r}"
     if not backward:
