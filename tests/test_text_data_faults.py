@@ -64,3 +64,32 @@ def test_a_text_under_two_labels_is_noted():
     assert [n for n in check_split(data, _part(data, train), _part(data, held)) if "labels" in n] == [
         "1 text is in the data under two or more labels (e.g. 'review number 3 of the film' as 'pos' and as 'neg'): "
         "the model is taught both; correct the labels if one is wrong"]
+
+
+def test_a_jsonl_text_with_half_a_surrogate_pair_is_refused_in_one_line(tmp_path, capsys):
+    """A JSONL text holding "\\ud83d" alone (an emoji cut in two by an exporter) loaded as a Python
+    string no UTF-8 holds; the tokenizer then ended `tightfit train` in a TypeError traceback. A
+    whole pair ("\\ud83d\\ude00") is one character and loads."""
+    import random
+
+    import pytest
+
+    from conftest import tiny_cpu_job
+    from tightfit.cli import main
+    from tightfit.errors import TightfitError
+
+    job = tiny_cpu_job(tmp_path)
+    rng = random.Random(0)
+    rows = [f'{{"text": "film number {i} \\ud83d\\ude00", "label": "{rng.choice(["pos", "neg"])}"}}' for i in range(40)]
+    (tmp_path / "whole.jsonl").write_text("\n".join(rows) + "\n")
+    assert load_text_classification(tmp_path / "whole.jsonl").texts[0] == "film number 0 \U0001F600"
+    rows[7] = '{"text": "good film \\ud83d", "label": "pos"}'
+    (tmp_path / "half.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(TightfitError, match=r"row 8: the text holds '\\ud83d', half of a UTF-16 surrogate pair"):
+        load_text_classification(tmp_path / "half.jsonl")
+    out = tmp_path / "run"
+    assert main(["train", "--model", job["model"], "--data", str(tmp_path / "half.jsonl"), "--device", "cpu",
+                 "--no-progress", "--out", str(out)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tightfit: error:")]
+    assert len(errors) == 1 and "surrogate pair" in errors[0]
+    assert not out.exists()

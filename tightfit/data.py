@@ -324,6 +324,11 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         cut = text[:MAX_TEXT_CHARS]
         if not cut.strip():  # all whitespace up to the cut: the words begin later (a tokenizer skips what precedes them)
             cut = text.lstrip()[:MAX_TEXT_CHARS]
+        half = next((c for c in cut if "\ud800" <= c <= "\udfff"), None)  # JSONL only: "\ud83d" escaped alone
+        if half is not None:  # no UTF-8 for it: the tokenizer raised a TypeError traceback
+            raise TightfitError(f"{path}: row {n}: the text holds {half!r}, half of a UTF-16 surrogate pair (a "
+                                "character such as an emoji cut in two): it is not text a tokenizer reads; remove it "
+                                "or write the whole character")
         texts.append(cut)
         raw.append(label)
         spellings.setdefault(label, set()).add(repr(value))
