@@ -490,3 +490,29 @@ def test_after_close_no_gloo_thread_is_left_to_die_at_interpreter_exit(tmp_path)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
         assert json.loads(out.strip().splitlines()[-1]) == [], "gloo threads alive after World.close"
+
+
+def test_gpus_2_fsdp_with_lora_saves_the_plain_model_with_the_adapters_merged(tmp_path):
+    """``--sharding fsdp --trainable lora``: the saved model is the plain model with the trained
+    adapters merged, as one process saves it (peft's ``save_pretrained`` of the gathered weights
+    wrote the adapters alone: no config.json, no trained head, nothing ``export`` or
+    ``from_pretrained`` reads)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from transformers import BertForSequenceClassification
+
+    pytest.importorskip("peft")
+    from tightfit.levers.lora import apply_lora, merged
+
+    done, run = _tiny_cli_run(tmp_path, "--gpus", "2", "--sharding", "fsdp", "--trainable", "lora",
+                              "--checkpoint-every", "100")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (run / "model" / "config.json").is_file() and not (run / "model" / "adapter_config.json").exists()
+    saved = load_file(run / "model" / "model.safetensors")
+    # the last checkpoint (the last step) holds the trained adapters and head: merged, the saved model
+    lora = apply_lora(BertForSequenceClassification.from_pretrained(run / "model"))
+    state = {"model": lora.state_dict()}
+    dcp.load(state, checkpoint_id=str(max((run / "checkpoints").glob("ckpt-*")) / "dcp"), no_dist=True)
+    lora.load_state_dict(state["model"])
+    assert any(k.endswith("lora_B.default.weight") and v.abs().sum() > 0 for k, v in state["model"].items())
+    _same_weights(saved, merged(lora).state_dict(), exact=False)

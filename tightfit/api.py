@@ -1004,10 +1004,13 @@ class TrainRecipe:
     def _save_weights(self, folder: Path) -> None:
         """The trained weights (safetensors, from the CPU) and ``config.json``: the model out of its
         DDP/FSDP2 wrapper, under FSDP2 the full weights gathered from the shards, LoRA merged."""
-        from .levers.lora import merged
+        from .levers.lora import has_adapters, merged, merged_from_state
 
         model = self.world.unwrap(self.trainer.model)
-        if self._weights is not None:  # FSDP2: the full weights gathered from the shards
+        if self._weights is not None and has_adapters(model):  # FSDP2 and LoRA: a plain model, merged
+            # (peft's own save_pretrained would write the adapters alone, without the trained head)
+            merged_from_state(model, self._weights).save_pretrained(folder, safe_serialization=True)
+        elif self._weights is not None:  # FSDP2: the full weights gathered from the shards
             model.save_pretrained(folder, state_dict=self._weights, safe_serialization=True)
         else:
             merged(model.to("cpu")).save_pretrained(folder, safe_serialization=True)  # LoRA: merged

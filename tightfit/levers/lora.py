@@ -95,3 +95,19 @@ def merged(model: torch.nn.Module) -> torch.nn.Module:
     if not has_adapters(model):
         return model
     return copy.deepcopy(model).merge_and_unload()
+
+
+def merged_from_state(model: torch.nn.Module, state_dict: dict) -> torch.nn.Module:
+    """A plain model with the LoRA adapters merged, built on the CPU from ``state_dict``: the full
+    state of the LoRA-wrapped ``model`` (its keys), as FSDP2 gathers it from the shards, where
+    ``model`` itself holds only this rank's shard. The architecture is ``model``'s (its config and
+    its adapters' peft config); the global RNG is left as it was."""
+    from peft import get_peft_model
+
+    base = model.get_base_model()
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        wrapped = get_peft_model(type(base)(copy.deepcopy(base.config)),
+                                 copy.deepcopy(model.peft_config[model.active_adapter]))
+    wrapped.load_state_dict(state_dict)
+    return wrapped.merge_and_unload()
