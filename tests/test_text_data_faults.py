@@ -93,3 +93,25 @@ def test_a_jsonl_text_with_half_a_surrogate_pair_is_refused_in_one_line(tmp_path
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tightfit: error:")]
     assert len(errors) == 1 and "surrogate pair" in errors[0]
     assert not out.exists()
+
+
+def test_a_byte_that_is_not_utf8_is_named_at_its_place_in_the_file(tmp_path):
+    """A Latin-1 "é" past the first 8 KiB of a JSONL file was reported at a byte counted from the
+    start of the chunk being decoded (6407 for the byte at 112903 here), and in a CSV with a BOM 3 bytes
+    early: the user looked for it in the wrong place."""
+    import gzip
+
+    import pytest
+
+    from tightfit.errors import TightfitError
+
+    rows = b"".join(f'{{"text": "review {i}", "label": "{"ab"[i % 2]}"}}\n'.encode() for i in range(3000))
+    bad = rows + '{"text": "caf\xe9", "label": "b"}\n'.encode("latin-1")
+    at = bad.index(b"\xe9")
+    for name, content in (("late.jsonl", bad), ("late.jsonl.gz", gzip.compress(bad)),
+                          ("bom.csv", b"\xef\xbb\xbftext,label\n" + "caf\xe9,a\n".encode("latin-1"))):
+        (tmp_path / name).write_bytes(content)
+        where = at if name.startswith("late") else content.index(b"\xe9")
+        with pytest.raises(TightfitError, match=f"cannot read as UTF-8 text \\(invalid continuation byte at byte "
+                                                f"{where}\\)"):
+            load_text_classification(tmp_path / name)

@@ -128,9 +128,27 @@ def default_data_path() -> Path:
     return pkg / "data" / _DEFAULT_FILE
 
 
+def _opener(path: Path):
+    """``open``, or the decompressing open of a ``.gz``/``.bz2`` file."""
+    return {".bz2": bz2.open, ".gz": gzip.open}.get(path.suffix.lower(), open)
+
+
 def _open_text(path: Path):
-    opener = {".bz2": bz2.open, ".gz": gzip.open}.get(path.suffix.lower(), open)
-    return opener(path, "rt", encoding="utf-8-sig", newline="")  # -sig: spreadsheet BOMs
+    return _opener(path)(path, "rt", encoding="utf-8-sig", newline="")  # -sig: spreadsheet BOMs
+
+
+def _undecodable(path: Path, error: UnicodeDecodeError) -> tuple[str, int]:
+    """Why ``path`` (decompressed) is not UTF-8 and at which byte of it: the text reader's
+    ``error`` counts from the start of the chunk it was decoding (JSON Lines are read line by
+    line) and after a BOM, so the bytes are decoded again, whole."""
+    try:
+        with _opener(path)(path, "rb") as f:
+            f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason, e.start
+    except (OSError, EOFError):
+        pass
+    return error.reason, error.start
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -156,7 +174,8 @@ def _read_rows(path: Path) -> list[dict]:
                 return rows
             text = f.read()
     except UnicodeDecodeError as e:  # another encoding, or a compression this reader does not open (.xz, .zip)
-        raise TightfitError(f"{path}: cannot read as UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8 "
+        reason, at = _undecodable(path, e)
+        raise TightfitError(f"{path}: cannot read as UTF-8 text ({reason} at byte {at}): save it as UTF-8 "
                             ".csv, .tsv or .jsonl, uncompressed or as .gz/.bz2 (the file name's ending says which)") from None
     except (OSError, EOFError) as e:
         raise TightfitError(f"{path}: cannot read ({e})") from None
