@@ -92,6 +92,24 @@ def test_wrapping_prints_no_deprecation_warning_of_the_libraries():
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
 
 
+def test_checkpointing_a_wrapped_model_prints_no_deprecation_warning():
+    """`tightfit train --trainable lora --checkpointing on` printed transformers 5's FutureWarning
+    that ``gradient_checkpointing_enable`` is deprecated: the new name was looked up on the peft
+    wrapper's class, which forwards both names to the model it wraps, so the old one was called."""
+    import warnings
+
+    from tightfit.levers.checkpointing import hf_hook_active, set_activation_checkpointing
+
+    model = apply_lora(tiny_bert())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        set_activation_checkpointing(model, True)
+        assert hf_hook_active(model)
+        set_activation_checkpointing(model, False)
+        assert not hf_hook_active(model)
+    assert not [w for w in caught if "deprecated" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_plan_json_says_what_the_plan_trains(tmp_path, capsys):
     """`tightfit plan --trainable lora --json` wrote ``"trainable": "all"`` and no parameter count
     while its text said LoRA: the plan carries what is trained (the search's result fills it)."""

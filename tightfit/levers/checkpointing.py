@@ -109,7 +109,9 @@ def _enable_hf_hook(model) -> None:
     base = _base(model)
     before = list(getattr(base, "_require_grads_hooks", None) or [])
     kwargs = {"use_reentrant": False}
-    if hasattr(type(model), "activation_checkpointing_enable"):
+    # the wrapped model's class says which name it has (a peft wrapper forwards both: the old one warns)
+    if _name(model, "activation_checkpointing_enable", "gradient_checkpointing_enable") \
+            == "activation_checkpointing_enable":
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
