@@ -115,3 +115,19 @@ def test_a_byte_that_is_not_utf8_is_named_at_its_place_in_the_file(tmp_path):
         with pytest.raises(TightfitError, match=f"cannot read as UTF-8 text \\(invalid continuation byte at byte "
                                                 f"{where}\\)"):
             load_text_classification(tmp_path / name)
+
+
+def test_the_last_format_ending_of_the_name_says_how_the_file_is_read(tmp_path):
+    """reviews.jsonl.csv (a CSV made from a JSON Lines file, named by appending .csv) was read as
+    JSON Lines ("line 1 is not valid JSON"), and x.tsv.csv as tab-separated: any of the endings
+    anywhere in the name counted, JSONL first, though the name ends in .csv."""
+    import gzip
+
+    rows = "".join(f"review {i},{'ab'[i % 2]}\n" for i in range(30))
+    (tmp_path / "reviews.jsonl.csv").write_text("text,label\n" + rows)
+    (tmp_path / "reviews.tsv.csv.gz").write_bytes(gzip.compress(("text,label\n" + rows).encode()))
+    (tmp_path / "reviews.csv.jsonl").write_text("".join(
+        f'{{"text": "review {i}", "label": "{"ab"[i % 2]}"}}\n' for i in range(30)))
+    for name in ("reviews.jsonl.csv", "reviews.tsv.csv.gz", "reviews.csv.jsonl"):
+        data = load_text_classification(tmp_path / name)
+        assert (len(data), data.label_names, data.texts[1]) == (30, ["a", "b"], "review 1"), name

@@ -151,11 +151,19 @@ def _undecodable(path: Path, error: UnicodeDecodeError) -> tuple[str, int]:
     return error.reason, error.start
 
 
+def _data_format(path: Path) -> str | None:
+    """``.csv``, ``.tsv``, ``.jsonl`` or ``.json``: the last of those endings in the file's name
+    (``reviews.jsonl.csv`` is a CSV made from a JSON Lines file; ``.gz`` or ``.bz2`` may follow);
+    None without one."""
+    return next((s for s in reversed([s.lower() for s in path.suffixes]) if s in (".csv", ".tsv", ".jsonl", ".json")),
+                None)
+
+
 def _read_rows(path: Path) -> list[dict]:
-    suffixes = [s.lower() for s in path.suffixes]
-    is_jsonl = ".jsonl" in suffixes or ".json" in suffixes
-    if not is_jsonl and ".csv" not in suffixes and ".tsv" not in suffixes:
+    kind = _data_format(path)
+    if kind is None:
         raise TightfitError(f"{path}: unknown data format; use .csv, .tsv or .jsonl (optionally .gz/.bz2)")
+    is_jsonl = kind in (".jsonl", ".json")
     try:
         with _open_text(path) as f:
             if is_jsonl:
@@ -181,7 +189,7 @@ def _read_rows(path: Path) -> list[dict]:
         raise TightfitError(f"{path}: cannot read ({e})") from None
     if "\r" in text and "\n" not in text:  # classic Mac line ends (Excel's "CSV (Macintosh)")
         text = text.replace("\r", "\n")
-    delimiter = "\t" if ".tsv" in suffixes else ","
+    delimiter = "\t" if kind == ".tsv" else ","
     limit = csv.field_size_limit()
     try:
         csv.field_size_limit(max(limit, 2**31 - 1))  # huge fields load; texts are cut to MAX_TEXT_CHARS
@@ -281,12 +289,12 @@ def _delimiter_hint(path: Path, columns: set) -> str:
     if len(columns) != 1:
         return ""
     header = str(next(iter(columns)))
-    suffixes = [s.lower() for s in path.suffixes]
-    if "\t" in header and ".csv" in suffixes:
+    kind = _data_format(path)
+    if "\t" in header and kind == ".csv":
         return " -- the file looks tab-separated; name it .tsv"
     if ";" in header:
         return " -- the file looks semicolon-separated; tightfit reads commas (.csv) or tabs (.tsv)"
-    if "," in header and ".tsv" in suffixes:
+    if "," in header and kind == ".tsv":
         return " -- the file looks comma-separated; name it .csv"
     return ""
 
