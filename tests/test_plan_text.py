@@ -80,3 +80,19 @@ def test_low_speeds_keep_three_significant_digits():
 
     assert [format_rate(x) for x in (1.774, 1.776, 19.44, 99.94, 100.4, 2153.2)] == \
         ["1.77", "1.78", "19.4", "99.9", "100", "2153"]
+
+
+def test_the_run_s_plan_lines_keep_three_significant_digits_of_a_low_speed():
+    """`tightfit train`'s plan (and report.md) showed a predicted 0.42 samples/s as "0 samples/s"
+    and 1.77 as "2": `tightfit plan` kept three digits, the run's own plan lines rounded to whole ones."""
+    from dataclasses import replace
+
+    from tightfit.plan import Plan
+    from tightfit.report.summary import plan_lines
+
+    plan = Plan("bf16", 1, 8, device="cuda", predicted_samples_per_s=0.42, predicted_peak_reserved_bytes=10 * 2**30)
+    assert "predicted        0.42 samples/s, peak 10.00 GiB reserved" in plan_lines(plan)
+    assert any(line.startswith("measured         1.77 samples/s, compiled")
+               for line in plan_lines(replace(plan, compile=True, predicted_samples_per_s=1.774)))
+    assert "predicted        2153 samples/s, peak 10.00 GiB reserved" in plan_lines(
+        replace(plan, predicted_samples_per_s=2153.2))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import TightfitError
 from ..plan import Plan
-from ..units import format_bytes
+from ..units import format_bytes, format_rate
 
 if TYPE_CHECKING:
     from ..runtime.trainer import TrainResult
@@ -40,11 +40,11 @@ def plan_lines(plan: Plan) -> list[str]:
     if plan.trainable_params is not None:
         lines.append(f"trainable        {plan.trainable}: {plan.trainable_params:,} parameters")
     if plan.predicted_samples_per_s and plan.compile:  # no prediction for compiled steps: a timing decided
-        lines.append(f"measured         {plan.predicted_samples_per_s:.0f} samples/s, compiled"
+        lines.append(f"measured         {format_rate(plan.predicted_samples_per_s)} samples/s, compiled"
                      + (" as one whole-model graph" if plan.compile_scope == "model" else "")
                      + " (the timing is named in 'decided by' below)")
     elif plan.predicted_samples_per_s:
-        lines.append(f"predicted        {plan.predicted_samples_per_s:.0f} samples/s"
+        lines.append(f"predicted        {format_rate(plan.predicted_samples_per_s)} samples/s"
                      + (f", peak {format_bytes(plan.predicted_peak_reserved_bytes)} reserved"
                         if plan.predicted_peak_reserved_bytes is not None else ""))
     if plan.probe_peak_reserved_bytes is not None:
