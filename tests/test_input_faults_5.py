@@ -155,6 +155,14 @@ def test_format_seconds_keeps_three_significant_digits():
     assert format_seconds(1.25) == "1.25 s" and format_seconds(250.4) == "250 s"
 
 
+def test_format_seconds_does_not_print_a_second_in_scientific_notation():
+    """0.9996 s (e.g. offloaded AdamW state crossing the host link in the planner's reasons) read
+    "1e+03 ms": three significant digits of 999.6 ms round up to 1000, which :.3g writes so."""
+    from tightfit.units import format_seconds
+
+    assert [format_seconds(s) for s in (0.9996, 0.9994, 0.00099996, 99.96)] == ["1 s", "999 ms", "1 ms", "100 s"]
+
+
 # ---- 13d: TrainStep's NonFiniteTrainingError advised checking "the data for broken texts or labels"
 
 def test_own_loop_non_finite_error_advises_about_the_loop_not_texts_and_labels():

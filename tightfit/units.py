@@ -120,6 +120,7 @@ def format_bytes_pair(a: int | float, b: int | float) -> tuple[str, str]:
 def format_seconds(seconds: float) -> str:
     """A short duration for display with three significant digits: ``"1.25 s"``, ``"675 ms"``,
     ``"0.0421 ms"`` (``:.2f`` seconds would print a fraction of a millisecond as "0.00 s")."""
+    seconds = float(f"{seconds:.3g}")  # rounded first: 0.9996 s is "1 s", not 999.6 ms shown as "1e+03 ms"
     if abs(seconds) >= 100:
         return f"{seconds:.0f} s"
     if abs(seconds) >= 1:
