@@ -52,6 +52,33 @@ def test_lora_trains_adapters_and_head_and_leaves_the_rest_bit_identical():
     assert any(not torch.equal(p, trained[k]) for k, p in model.named_parameters() if "lora_B" in k)
 
 
+@pytest.mark.parametrize("make, new_layer", [
+    (lambda: __import__("transformers").DistilBertForSequenceClassification(__import__("transformers").DistilBertConfig(
+        vocab_size=50, dim=32, n_layers=2, n_heads=2, hidden_dim=64)), "pre_classifier"),
+    (lambda: __import__("transformers").DebertaV2ForSequenceClassification(__import__("transformers").DebertaV2Config(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)), "pooler"),
+])
+def test_the_layers_made_new_beside_the_classifier_train_with_it(make, new_layer):
+    """DistilBERT's ``pre_classifier`` and DeBERTa's ``pooler`` are made new with the classifier
+    (a pretrained base checkpoint has neither): under LoRA they stayed frozen at their random
+    initialisation, every prediction going through a fixed random layer; the advice's count of
+    what LoRA trains agrees with what trains."""
+    from tightfit.planner.advice import _lora_parameters
+
+    adapters, head = _lora_parameters(make())
+    model = apply_lora(make())
+    trained = {k for k, p in model.named_parameters() if p.requires_grad and "lora_" not in k}
+    assert any(f".{new_layer}." in k for k in trained) and any(".classifier." in k for k in trained), trained
+    assert all(".classifier." in k or f".{new_layer}." in k for k in trained), trained  # the base stays frozen
+    assert trainable_count(model)[0] == adapters + head
+
+
+def test_a_berts_pretrained_pooler_stays_frozen_under_lora():
+    model = apply_lora(tiny_bert())
+    assert {k for k, p in model.named_parameters() if p.requires_grad and "lora_" not in k} == \
+        {"base_model.model.classifier.weight", "base_model.model.classifier.bias"}
+
+
 def test_the_estimator_holds_state_and_gradients_only_for_lora_parameters():
     model = apply_lora(tiny_bert())
     n, total = trainable_count(model)

@@ -22,6 +22,8 @@ from .blocks import find_blocks
 from .trainable import trainable_count
 RANK, ALPHA, DROPOUT = 8, 16, 0.1  # the LoRA paper's and peft's usual settings for fine-tuning
 HEADS = ("classifier", "score")  # Hugging Face's sequence-classification heads (BERT, decoders)
+# Hugging Face classifiers, whose head is every layer outside the base model (:func:`head_names`)
+CLASSIFIERS = ("ForSequenceClassification", "ForImageClassification")
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:
@@ -40,9 +42,23 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def head_names(model: torch.nn.Module) -> list[str]:
+    """The children of (unwrapped) ``model`` that make its classification head, trained in full
+    under LoRA: for a Hugging Face classifier (``...ForSequenceClassification``,
+    ``...ForImageClassification``), every child with parameters outside its base model
+    (``base_model_prefix``): with the classifier, the layers made new beside it, such as
+    DistilBERT's ``pre_classifier`` and DeBERTa's ``pooler``, which would otherwise stay frozen at
+    their random initialisation; for other models, the children named as in :data:`HEADS`."""
+    prefix = getattr(model, "base_model_prefix", None)
+    children = dict(model.named_children())
+    if type(model).__name__.endswith(CLASSIFIERS) and prefix in children:
+        return [n for n, m in children.items() if n != prefix and next(m.parameters(), None) is not None]
+    return [n for n in children if n in HEADS]
+
+
 def apply_lora(model: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
     """``model`` wrapped by peft with LoRA adapters of ``rank`` on :func:`lora_targets`; the
-    classification head (``classifier``/``score``) stays trainable, everything else is frozen.
+    classification head (:func:`head_names`) stays trainable, everything else is frozen.
     The wrapper's ``forward(**batch)`` returns the model's output.
 
     Raises:
@@ -52,14 +68,14 @@ def apply_lora(model: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise TightfitError(f"{option_given('trainable', 'lora')} needs peft: pip install 'tightfit[levers]'") from None
-    targets = lora_targets(model)
+    targets, heads = lora_targets(model), head_names(model)
     with warnings.catch_warnings():  # peft reads transformers 5's deprecated is_gradient_checkpointing
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=ALPHA, lora_dropout=DROPOUT,
                                                    target_modules=targets))
-    for name, p in wrapped.named_parameters():
-        if any(f".{h}." in f".{name}" for h in HEADS):
-            p.requires_grad_(True)  # the new head learns in full
+    for h in heads:  # the head learns in full (peft wraps model in place: its children are the same)
+        for p in getattr(model, h).parameters():
+            p.requires_grad_(True)
     return wrapped
 
 

@@ -208,7 +208,7 @@ def _lora_parameters(model) -> tuple[int, int] | None:
     head's; None where LoRA does not apply (no repeated blocks with linear layers) or is applied
     already."""
     from ..errors import TightfitError
-    from ..levers.lora import HEADS, RANK, has_adapters, lora_targets
+    from ..levers.lora import RANK, has_adapters, head_names, lora_targets
 
     if has_adapters(model):
         return None
@@ -221,7 +221,7 @@ def _lora_parameters(model) -> tuple[int, int] | None:
     for n in names:
         w = layers[n].weight  # Linear [out, in]; transformers' Conv1D [in, out]
         adapters += RANK * (w.shape[0] + w.shape[1])
-    head = sum(p.numel() for n, m in model.named_children() if n in HEADS for p in m.parameters())
+    head = sum(p.numel() for n in head_names(model) for p in getattr(model, n).parameters())
     return adapters, head
 
 
