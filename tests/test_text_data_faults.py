@@ -131,3 +131,22 @@ def test_the_last_format_ending_of_the_name_says_how_the_file_is_read(tmp_path):
     for name in ("reviews.jsonl.csv", "reviews.tsv.csv.gz", "reviews.csv.jsonl"):
         data = load_text_classification(tmp_path / name)
         assert (len(data), data.label_names, data.texts[1]) == (30, ["a", "b"], "review 1"), name
+
+
+def test_a_json_file_written_with_indent_is_told_apart_from_broken_json(tmp_path):
+    """data.json saved with json.dump(rows, f, indent=2) (the usual way to write one from Python)
+    was refused as "line 1 is not valid JSON (Expecting value)", though the file is valid JSON:
+    JSON Lines wants each object on one line. A line that is broken stays "not valid JSON"."""
+    import pytest
+
+    from tightfit.errors import TightfitError
+
+    rows = [{"text": f"review {i}", "label": "ab"[i % 2]} for i in range(30)]
+    (tmp_path / "data.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "pretty.jsonl").write_text("\n".join(json.dumps(r, indent=2) for r in rows))
+    for name, shape in (("data.json", "array written over 122 lines"), ("pretty.jsonl", "object written over 4 lines")):
+        with pytest.raises(TightfitError, match=f"line 1 begins a JSON {shape}: JSON Lines holds one object per line"):
+            load_text_classification(tmp_path / name)
+    (tmp_path / "broken.jsonl").write_text(json.dumps(rows[0]) + '\n{"text": "a" "label": "b"}\n' + json.dumps(rows[1]))
+    with pytest.raises(TightfitError, match=r"line 2 is not valid JSON \(Expecting ',' delimiter\)$"):
+        load_text_classification(tmp_path / "broken.jsonl")

@@ -174,7 +174,9 @@ def _read_rows(path: Path) -> list[dict]:
                     try:
                         row = json.loads(line, object_pairs_hook=functools.partial(_one_value_per_key, path, n))
                     except json.JSONDecodeError as e:
-                        raise TightfitError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+                        spread = _spread_document(line + f.read())  # the rest of the file: read only to say why
+                        raise TightfitError(f"{path}: line {n} {spread}" if spread else
+                                            f"{path}: line {n} is not valid JSON ({e.msg})") from None
                     if not isinstance(row, dict):
                         raise TightfitError(f"{path}: line {n} is not a JSON object (JSON Lines: one object per "
                                             f"line, e.g. {{\"text\": \"...\", \"label\": \"pos\"}})")
@@ -223,6 +225,22 @@ def _read_rows(path: Path) -> list[dict]:
             raise TightfitError(f"{path}: record {n - 1} has {fields} fields, the header has {len(reader.fieldnames)}")
     _check_merged_records(path, rows, reader.fieldnames, delimiter)
     return rows
+
+
+def _spread_document(text: str) -> str | None:
+    """How a JSON Lines file's line that is not JSON on its own goes on, where ``text`` (from that
+    line to the end) begins with a JSON array or object written over several lines: a file saved
+    with ``json.dump(rows, f, indent=2)``, or indented objects. None otherwise (the line is bad)."""
+    try:
+        document, end = json.JSONDecoder().raw_decode(text.lstrip())
+    except json.JSONDecodeError:
+        return None
+    lines = text.lstrip()[:end].count("\n") + 1
+    if lines < 2 or not isinstance(document, (list, dict)):
+        return None
+    return (f"begins a JSON {'array' if isinstance(document, list) else 'object'} written over {lines} lines: JSON "
+            f"Lines holds one object per line, e.g. {{\"text\": \"...\", \"label\": \"pos\"}} (json.dumps(row) "
+            "without indent, one line per sample)")
 
 
 def _one_value_per_key(path: Path, line: int, pairs: list) -> dict:
