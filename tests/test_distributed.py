@@ -433,6 +433,46 @@ def test_gpus_2_resume_through_the_cli_on_two_ranks_and_on_one(tmp_path):
             torch.testing.assert_close([losses[4], losses[5]], [full[4], full[5]], rtol=0.05, atol=0.05)
 
 
+_LATE_RESTORE = """
+import os, signal, sys, time
+signal.alarm(100)  # a rank left waiting in a collective ends (the launcher then ends the other)
+from tightfit.runtime import checkpoint
+if os.environ.get("RANK") == "0":  # rank 0 puts the displaced checkpoint back late: rank 1 looks first
+    restore = checkpoint.restore_displaced
+    checkpoint.restore_displaced = lambda folder: (time.sleep(3), restore(folder))[1]
+from tightfit.cli import main
+sys.exit(main())
+"""
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(tmp_path):
+    """A checkpoint write cut short between its two renames leaves ``ckpt-3`` as ``.ckpt-3.old``;
+    a resume puts it back (rank 0: the folder's one writer) and continues from it. Each rank chose
+    its checkpoint alone: a rank that looked before rank 0 had put it back took ``ckpt-2``, so
+    the ranks trained different steps and their collectives crossed. Rank 0 now chooses for all."""
+    import os
+    from pathlib import Path
+
+    import tightfit
+
+    done, run = _tiny_cli_run(tmp_path, "--checkpoint-every", "1", "--keep-last", "5")
+    assert done.returncode == 0, done.stderr[-2000:]
+    cut = _cut_to(run, 3, tmp_path / "cut")
+    (cut / "checkpoints" / "ckpt-3").rename(cut / "checkpoints" / ".ckpt-3.old")
+    script = tmp_path / "late_restore.py"
+    script.write_text(_LATE_RESTORE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           "train", "--resume", str(cut), "--no-progress"]
+    here = str(Path(tightfit.__file__).parents[1])  # the script's folder is not the tests' working directory
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])))
+    assert again.returncode == 0, again.stderr[-3000:]
+    recs = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    mark = max(i for i, r in enumerate(recs) if r["type"] == "event" and r["message"].startswith("resumed from"))
+    assert "ckpt-3" in recs[mark]["message"]
+    assert [r["step"] for r in recs[mark + 1:] if r["type"] == "train"] == [4, 5]
+
+
 def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
     """``tightfit train --gpus 2 --device cpu``: torch.distributed.run starts two processes that
     meet at the rendezvous, train DDP and write one run folder with one line per step."""

@@ -287,8 +287,10 @@ class TrainRecipe:
             TightfitError: bad input or a request that cannot be met; nothing is written.
         """
         if self.req.run.resume:
+            # rank 0 chooses the checkpoint for every rank: it alone puts back a displaced one (the
+            # folder's one writer), and a rank choosing by itself before that would take an older one
             self.req, self.resume_from, self.changed, self.data_fingerprint, self.resume_notes = \
-                _resume_request(self.req, self.world.is_main)
+                self.world.decide(lambda: _resume_request(self.req, self.world.is_main))
             self.notes += [f"{option_name('resume')} with {option_given(k, new)} (the run had {old})"
                            for k, (old, new) in self.changed.items()]
             self.notes += [n for n in self.resume_notes if not n.startswith(_DONE_TO_THE_FOLDER)]  # said already
