@@ -132,6 +132,53 @@ def test_oom_inside_the_users_loop_is_redone_at_half_the_micro_batch_with_the_sa
     assert "out of memory (OutOfMemoryError) at micro-batch 8" in step.events[0]
 
 
+def _ddp_loop_rank(rank, port, out):
+    """One rank of a user's DDP loop through TrainStep on gloo; rank 0 runs out of memory once,
+    in its first forward. Saves what the rank's loop raised."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    model = _mlp()
+    if rank == 0:
+        model[3].register_forward_pre_hook(_OOMOnce(8))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    step = tightfit.TrainStep(Plan("fp32", 8, 16), ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), loss=_ce)
+    try:
+        for s in range(2):
+            step(_xy(16, seed=10 * rank + s))
+        error = None
+    except Exception as e:  # noqa: BLE001 - what the rank's loop would see
+        error = f"{type(e).__name__}: {e}"
+    torch.save({"error": error, "recoveries": step.oom_recoveries}, os.path.join(out, f"rank{rank}.pt"))
+    os._exit(0)  # no barrier, no teardown: the other rank may be waiting in a collective
+
+
+def test_an_oom_on_one_ddp_rank_is_not_redone_by_that_rank_alone(tmp_path):
+    """DESIGN invariant 12 in a user's loop: under DDP every backward all-reduces with the other
+    ranks, so a rank that redid an out-of-memory step alone at half the micro-batch ran more
+    backwards than the others; its all-reduces paired with their next step's (gradients of other
+    batches mixed in) until both waited in a collective for the process group's timeout. The rank
+    that ran out of memory now stops at once with an error that says why (torchrun then stops the
+    others), and redoes nothing."""
+    import torch.multiprocessing as mp
+
+    from distributed_worker import free_port
+
+    ctx = mp.spawn(_ddp_loop_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=False)
+    for p in ctx.processes:
+        p.join(90)
+        if p.is_alive():
+            p.kill()
+    rank0 = torch.load(tmp_path / "rank0.pt")
+    assert rank0["recoveries"] == 0 and rank0["error"].startswith("TightfitError: out of memory (OutOfMemoryError) "
+                                                                 "at micro-batch 8 on rank 0 of 2"), rank0
+    assert "cannot redo the step with a smaller micro-batch alone" in rank0["error"]
+
+
 def test_micro_batch_grows_back_after_clean_steps():
     model = _mlp()
     hook = _OOMOnce(8)

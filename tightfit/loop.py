@@ -436,7 +436,8 @@ class TrainStep:
             plan on the CPU. (From a call) a malformed or empty batch, or one of more samples than
             the plan's effective batch, or one whose one-sample micro-batch the model's BatchNorm
             layers cannot train on (raised after the attempt is undone); out of memory at a
-            micro-batch of 1. (At construction) an ``optimizer`` that is not one or updates none
+            micro-batch of 1, or on one rank of a model wrapped in DDP or FSDP over several processes
+            (not redone: that rank's backwards would no longer meet the other ranks'). (At construction) an ``optimizer`` that is not one or updates none
             of the model's trainable parameters, no ``optimizer`` and no trainable parameter, a
             ``loss`` that is not callable.
         NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
@@ -583,6 +584,14 @@ class TrainStep:
             # outside the except block: the traceback and the tensors its frames held are gone
             self._undo_attempt(had_state, True, rng, buffers)
             release_memory()
+            ranks = _ranks_in_step(self.model)
+            if ranks:  # DESIGN invariant 12: no rank redoes a step alone
+                raise TightfitError(
+                    f"out of memory ({where}) at micro-batch {self.micro_batch} on rank {ranks[0]} of {ranks[1]}: the "
+                    "model is wrapped for several processes (DDP or FSDP), whose every backward runs collectives "
+                    "with the other ranks, so this rank cannot redo the step with a smaller micro-batch alone (its "
+                    "collectives would pair with the other ranks' next ones); plan a smaller micro-batch for every "
+                    "rank (tightfit.plan with a lower budget=, or checkpointing='on')")
             self._on_oom(where, b.size)
 
     def _undo_attempt(self, had_state: set, drop_new_state: bool, rng, buffers) -> None:
@@ -705,6 +714,19 @@ class TrainStep:
     def _event(self, message: str, level: int = logging.INFO) -> None:
         self.events.append(message)
         log.log(level, "tightfit: %s", message)
+
+
+def _ranks_in_step(model: torch.nn.Module) -> tuple[int, int] | None:
+    """``(rank, world size)`` where ``model`` trains in step with other processes -- a
+    DistributedDataParallel or FSDP wrapper in it, under a process group of more than one rank --
+    whose collectives (gradient all-reduce, all-gathers) each backward must meet on every rank;
+    None otherwise (one process, or ranks training models of their own)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    wrapped = any(isinstance(m, torch.nn.parallel.DistributedDataParallel)
+                  or type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules())
+    return (dist.get_rank(), dist.get_world_size()) if wrapped else None
 
 
 def _check_optimizer(optimizer, model: torch.nn.Module) -> None:
