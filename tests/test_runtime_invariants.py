@@ -5,6 +5,7 @@ thermal cool-down, and health monitoring without NVML."""
 import gc
 import os
 import signal
+import sys
 import warnings
 
 import pytest
@@ -131,6 +132,23 @@ def test_health_without_nvml_is_off_not_fatal():
     if m.available:
         pytest.skip("NVML is available here")
     assert m.status.startswith("off") and m.sample() is None
+
+
+def test_health_reads_the_gpu_that_the_cuda_index_names_under_cuda_visible_devices(monkeypatch):
+    """Under ``CUDA_VISIBLE_DEVICES=2,3`` (a job given two of a machine's GPUs; torchrun's rank 0 on
+    ``cuda:0``) the monitor read NVML's GPU 0, another job's card: its temperature, power and the
+    cool-down pauses were that card's. NVML numbers every GPU of the machine; ``cuda:0`` is its 2."""
+    import types
+
+    opened = []
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: opened.append(i) or i)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert HealthMonitor(0).available and HealthMonitor(1).available
+    assert opened == [2, 3]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    HealthMonitor(1)
+    assert opened[-1] == 1
 
 
 def test_checkpointing_a_subset_of_blocks_gives_the_same_gradients():

@@ -8,11 +8,24 @@ from __future__ import annotations
 import time
 
 
+def nvml_index(device_index: int) -> int:
+    """NVML's index of CUDA device ``device_index``: under ``CUDA_VISIBLE_DEVICES=2,3`` (a job given
+    two GPUs of a machine, each torchrun rank on one) ``cuda:0`` is NVML's GPU 2. PyTorch's own
+    mapping (which also reads GPU UUIDs in the variable); the index itself where it cannot tell."""
+    import torch
+
+    try:
+        return int(torch.cuda._get_nvml_device_index(device_index))
+    except Exception:  # an older torch, an unreadable variable: NVML's order taken as CUDA's
+        return device_index
+
+
 class HealthMonitor:
     """Samples one GPU's health at most every ``interval_s`` seconds.
 
     Args:
-        device_index: CUDA device index.
+        device_index: CUDA device index (as ``cuda:N`` names it: among the GPUs that
+            ``CUDA_VISIBLE_DEVICES`` lists, in its order; NVML numbers every GPU of the machine).
         warn_temp_c: temperature (deg C) above which :meth:`sample` adds a warning (the
             articles' 82 deg C; GeForce cards start to throttle near 83 deg C).
         interval_s: minimum seconds between two NVML reads.
@@ -31,7 +44,7 @@ class HealthMonitor:
 
             pynvml.nvmlInit()
             self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(device_index))
             self.status = "on"
         except Exception as e:  # no library, no driver, or no GPU: the feature is off, not fatal
             self._nvml = None
