@@ -611,6 +611,17 @@ def test_oom_with_drop_last_is_not_redone_on_other_samples(tmp_path):
     assert trainer.args.per_device_train_batch_size == 8  # yours, as before the call
 
 
+def test_oom_under_several_processes_is_not_redone_by_one_process_alone(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8))
+    monkeypatch.setattr(type(trainer.args), "world_size", property(lambda self: 2))  # as under torchrun
+    hook = _OOMAt(lambda calls, rows: rows == 8)
+    trainer.model.bert.encoder.layer[1].register_forward_pre_hook(hook, with_kwargs=True)
+    with pytest.raises(TightfitError, match="on one of 2 processes: a redo by this process alone"):
+        hf.train(trainer)
+    assert hook.fired == 1 and hook.rows.count(4) == 0  # no pass at the smaller batch was run
+    assert trainer.args.per_device_train_batch_size == 8
+
+
 @pytest.mark.parametrize("bad, words", [({"micro_batch": 4}, "plan must be a tightfit.Plan"),
                                         (dict(max_skipped_steps=0), "max_skipped_steps must be >= 1"),
                                         (dict(max_skipped_steps="20"), "max_skipped_steps must be a whole number"),

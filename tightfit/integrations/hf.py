@@ -706,11 +706,14 @@ def train(trainer, **train_kwargs):
     An OOM inside the first optimizer step is redone only if that step wrote nothing (weights,
     moments, step counters: :func:`tightfit.step.in_place_versions`); the state it allocated is
     dropped, and an optimizer the Trainer made is made afresh. With ``dataloader_drop_last`` no
-    OOM is redone: a smaller per-device batch would drop other samples.
+    OOM is redone: a smaller per-device batch would drop other samples. Nor under several processes
+    (``args.world_size > 1``): one rank's redo would run other collectives than its peers (DESIGN
+    invariant 12).
 
     Raises:
         TightfitError: ``trainer`` is not a ``transformers.Trainer``; out of memory at a per-device
-            batch of 1, with ``dataloader_drop_last``, inside a first optimizer step that had written
+            batch of 1, with ``dataloader_drop_last``, under several processes (one process
+            cannot redo alone: the others would wait in their collectives), inside a first optimizer step that had written
             part of its update, or after an optimizer step with no checkpoint of this call to go back
             to; out of memory in evaluation (naming ``per_device_eval_batch_size``; the OOM is its
             ``__cause__``).
@@ -771,6 +774,12 @@ def train(trainer, **train_kwargs):
             if mb == 1:
                 raise TightfitError("out of memory in the Trainer with a per-device batch of 1; "
                                     "plan with activation checkpointing or fp16/bf16, or raise the budget")
+            if args.world_size > 1:  # the other ranks are not redoing: they would wait in their collectives
+                raise TightfitError(f"out of memory in the Trainer at per-device batch {mb} x {acc} on one of "
+                                    f"{args.world_size} processes: a redo by this process alone would leave the others "
+                                    "waiting in their gradient all-reduces, so it is not redone; plan for a smaller "
+                                    "budget (the plan's micro-batch for every process), or train with tightfit train, "
+                                    "whose processes back off together")
             if args.dataloader_drop_last:  # the windows of a smaller batch would drop other samples
                 raise TightfitError(f"out of memory in the Trainer at per-device batch {mb} x {acc} with "
                                     "dataloader_drop_last=True: a smaller per-device batch would drop other samples "
