@@ -179,6 +179,58 @@ def test_an_oom_on_one_ddp_rank_is_not_redone_by_that_rank_alone(tmp_path):
     assert "cannot redo the step with a smaller micro-batch alone" in rank0["error"]
 
 
+def _resumable_run(tmp_path, cut_at=None):
+    """5 steps of a dropout MLP through TrainStep, an OOM at step 1 (micro-batch 8 -> 4, grown back
+    after 3 clean steps); with ``cut_at``, the loop saves its state after that step (the model's,
+    the optimizer's and TrainStep's, with torch.save) and a new process's loop would load them
+    into fresh objects and go on."""
+    def fresh():
+        model = _mlp(dropout=0.3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, tightfit.TrainStep(Plan("fp32", 8, 8), model, opt, loss=_ce, grow_back_after=3)
+
+    model, opt, step = fresh()
+    hook = model[2].register_forward_pre_hook(_OOMOnce(8))
+    torch.manual_seed(123)
+    outs = []
+    for s in range(5):
+        if s == cut_at:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step.state_dict()},
+                       tmp_path / "ckpt.pt")
+            torch.manual_seed(999)  # what the interrupted process drew afterwards is lost
+            model, opt, step = fresh()
+            saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+            step.load_state_dict(saved["step"])
+        outs.append(step(_xy(8, s)))
+    hook.remove()
+    return [(o.loss, o.micro_batch) for o in outs], [p.detach().clone() for p in model.parameters()], step
+
+
+def test_a_loop_resumed_from_train_steps_state_reproduces_the_uninterrupted_run(tmp_path):
+    """DESIGN invariant 5 in a user's own loop: TrainStep.state_dict holds the micro-batch after an
+    OOM recovery, the clean steps towards growing it back and the RNG states (dropout on), so a
+    loop resumed from it loses nothing."""
+    ref, ref_w, ref_step = _resumable_run(tmp_path)
+    assert [mb for _, mb in ref] == [4, 4, 4, 8, 8]  # the OOM's micro-batch, grown back after 3 clean steps
+    got, got_w, step = _resumable_run(tmp_path, cut_at=2)
+    assert got == ref
+    for a, b in zip(got_w, ref_w):
+        assert torch.equal(a, b)
+    assert step.summary() == ref_step.summary()
+
+
+def test_train_step_refuses_another_plans_state_and_leaves_itself_as_it_was():
+    step = tightfit.TrainStep(Plan("fp32", 8, 8), _mlp(), loss=_ce)
+    other = tightfit.TrainStep(Plan("fp32", 4, 8), _mlp(), loss=_ce)
+    with pytest.raises(TightfitError, match="saved under a plan of"):
+        step.load_state_dict(other.state_dict())
+    with pytest.raises(TightfitError, match="not a TrainStep's state"):
+        step.load_state_dict({"micro_batch": 4})
+    assert step.micro_batch == 8 and step.steps == 0
+
+
 def test_micro_batch_grows_back_after_clean_steps():
     model = _mlp()
     hook = _OOMOnce(8)

@@ -423,6 +423,7 @@ class TrainStep:
 
     Attributes:
         micro_batch: the micro-batch in force; ``steps``, ``skipped_steps``, ``oom_recoveries``: counts.
+            :meth:`state_dict` holds them and the loss scaler's state, for an exact resume.
         memory_timeline: ``(step, peak allocated bytes, peak reserved bytes)`` per step on CUDA.
         events: what the guards did, one line each (also logged to the ``tightfit`` logger).
         health: the :class:`tightfit.runtime.health.HealthMonitor` on CUDA (None on the CPU).
@@ -691,6 +692,61 @@ class TrainStep:
         if reading and "warning" in reading:
             self._event(reading["warning"])
         return peaks, reading
+
+    def state_dict(self) -> dict:
+        """What a resumed loop needs beside the model's and the optimizer's state dicts, for an
+        exact resume (DESIGN invariant 5): the loss scaler's state (fp16's loss scale and growth
+        tracker), the micro-batch in force after OOM recoveries and the counts behind the guards
+        (steps, skipped steps in a row, clean steps towards growing the micro-batch back), and the
+        random number generators' states (Python, NumPy, torch CPU and CUDA: dropout's masks, and
+        your loader's shuffle, draw from them; :func:`tightfit.rng.capture_rng`). Plain Python
+        numbers and tensors, so ``torch.load(..., weights_only=True)`` reads it back. The plan's
+        own fields are kept to refuse a state of another plan in :meth:`load_state_dict`."""
+        from .rng import capture_rng
+
+        return {"plan": self._plan_fields(), "micro_batch": self.micro_batch, "steps": self.steps, "skipped_steps": self.skipped_steps,
+                "oom_recoveries": self.oom_recoveries, "skipped_in_row": self._skipped_in_row,
+                "clean_steps": self._clean_steps,
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": capture_rng()}
+
+    def _plan_fields(self) -> dict:
+        return {"precision": self.plan.precision, "micro_batch": self.plan.micro_batch,
+                "effective_batch": self.plan.effective_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what :meth:`state_dict` gave, on a ``TrainStep`` made with the same plan
+        (load the model's and the optimizer's state dicts yourself, as your loop saved them); the
+        RNG states are restored too, so the steps after it draw what the saved run's did.
+
+        Raises:
+            TightfitError: ``state`` is not a TrainStep's state, or was saved under a plan of another
+                precision, micro-batch or effective batch (nothing is changed then).
+        """
+        from .rng import restore_rng
+
+        keys = {"plan", "micro_batch", "steps", "skipped_steps", "oom_recoveries", "skipped_in_row", "clean_steps",
+                "scaler", "rng"}
+        if not isinstance(state, dict) or set(state) != keys or not isinstance(state["plan"], dict):
+            raise TightfitError("TrainStep.load_state_dict: not a TrainStep's state (give it what TrainStep.state_dict() "
+                                "returned)")
+        mine = self._plan_fields()
+        if state["plan"] != mine:
+            raise TightfitError(f"TrainStep.load_state_dict: the state was saved under a plan of {state['plan']}, this "
+                                f"TrainStep runs {mine}; resume with the plan the run was saved under")
+        mb = state["micro_batch"]
+        if not (isinstance(mb, int) and 1 <= mb <= self.plan.micro_batch):
+            raise TightfitError(f"TrainStep.load_state_dict: micro_batch {mb!r} is not between 1 and the plan's "
+                                f"{self.plan.micro_batch}")
+        if (state["scaler"] is None) == self.scaler.is_enabled():
+            raise TightfitError("TrainStep.load_state_dict: the state's loss scaler does not match this plan's "
+                                f"precision ({self.plan.precision})")
+        if state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.micro_batch = self._used_micro_batch = mb
+        self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
+        self.oom_recoveries, self._skipped_in_row = state["oom_recoveries"], state["skipped_in_row"]
+        self._clean_steps = state["clean_steps"]
+        restore_rng(state["rng"])
 
     def plan_in_force(self) -> Plan:
         """The plan with the micro-batch now in use (after OOM recoveries)."""
