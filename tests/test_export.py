@@ -66,7 +66,9 @@ def test_text_run_export_reads_back_safely(text_run, tmp_path, capsys):
     # the run's own held-out split: the exported fp32 model scores what the run reported
     assert r["fp32"]["accuracy"] == json.loads((text_run / "summary.json").read_text())["accuracy"]
     torch.load(out / WEIGHTS_FILE, weights_only=True)  # no pickled code
+    before = torch.get_rng_state()
     loaded = load_int8(out)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's random numbers are not drawn from
     kinds = {t.__module__ for t in _linears(loaded)}
     assert kinds == {"torch.ao.nn.quantized.dynamic.modules.linear"}, kinds
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

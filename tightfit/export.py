@@ -378,7 +378,8 @@ def load_int8(folder: str | Path) -> torch.nn.Module:
     cls = AutoModelForImageClassification if _task_of_config(config).kind == "image" else \
         AutoModelForSequenceClassification
     _check_weights(folder)
-    model = quantize(cls.from_config(config))
+    with torch.random.fork_rng(devices=[]):  # its random initial weights, replaced below, leave the caller's stream
+        model = quantize(cls.from_config(config))
     with _quiet_quantization():
         try:
             state = torch.load(folder / WEIGHTS_FILE, weights_only=True, map_location="cpu")
