@@ -124,6 +124,21 @@ def test_nothing_fits_says_what_fits_and_which_levers_would(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_nothing_fits_names_no_seq_len_shorter_than_plan_and_train_accept(capsys):
+    """The shorter --seq-len the advice names is one `tightfit plan` and `train` accept: for a
+    BERT tokenizer ([CLS], [SEP]) at least 8; it named --seq-len 6, which both refuse."""
+    from tightfit.models import check_planned_seq_len
+
+    assert main(["plan", "--model", "minilm", "--seq-len", "128", "--batch-size", "16", "--budget", "400MiB",
+                 "--optimizer", "adamw", "--checkpointing", "off", "--precision", "fp32"]) == 2
+    err = capsys.readouterr().err
+    named = re.search(r"--seq-len (\d+) needs|fits: --seq-len (\d+)", err)
+    assert named, err
+    seq = int(named.group(1) or named.group(2))
+    assert seq == 8, err
+    check_planned_seq_len(seq, "minilm")  # accepted, not "leaves 4 tokens of text"
+
+
 def test_budget_below_the_model_state_names_the_levers(capsys):
     assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "1GiB",
                  "--optimizer", "adamw"]) == 2

@@ -680,6 +680,12 @@ def check_planned_seq_len(seq_len: int, model: str | None = None) -> None:
                             f"(tightfit train adds the tokenizer's special tokens to that, e.g. 8 for BERT)")
 
 
+def shortest_planned_seq_len(model: str) -> int:
+    """The shortest ``--seq-len`` :func:`check_planned_seq_len` accepts for ``model``:
+    :data:`MIN_TEXT_TOKENS` after the special tokens ``tightfit train`` adds (8 for BERT)."""
+    return MIN_TEXT_TOKENS + len(training_special_tokens(model) or [])
+
+
 def training_special_tokens(name_or_path: str) -> list[str] | None:
     """The special tokens ``tightfit train`` adds to every text of model ``name_or_path``, read
     from the tokenizer it trains with (e.g. ``[CLS]``, ``[SEP]``); for a registry entry whose

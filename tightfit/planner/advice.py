@@ -453,7 +453,8 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
             all), the one of the smallest step first; what fits may use any of them.
         size: sequence length or image size asked for; ``size_flag`` its option, e.g. ``"--seq-len"``.
         estimator_at: ``(size, effective_batch) -> estimate_fn`` to search what fits; None (or a
-            None result for sizes other than ``size``) where it cannot be re-estimated.
+            None result for sizes other than ``size``) where it cannot be re-estimated; its
+            ``smallest_size`` attribute, where set, is the shortest size worth advising.
         optimizer: the plan's optimizer (:data:`tightfit.step.OPTIMIZERS`): its state's bytes.
         profile: the card (the levers it can run, :func:`left_out_levers`), or None.
         lever_peak: whether each optimizer lever fits, as the planner would plan it
@@ -495,8 +496,9 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
                                     f"{format_bytes(one)}")
         from ..models import MIN_TEXT_TOKENS
 
-        # the shortest --seq-len `tightfit train` takes (text after the special tokens); any image size
-        smallest = MIN_TEXT_TOKENS if size_flag == "--seq-len" else 1
+        # the shortest --seq-len `tightfit train` takes (text after the special tokens, which
+        # ``estimator_at.smallest_size`` counts where it knows them); any image size
+        smallest = getattr(estimator_at, "smallest_size", MIN_TEXT_TOKENS if size_flag == "--seq-len" else 1)
         if size <= smallest:
             pass  # nothing shorter worth training on
         elif not _resizable(estimator_at, size, effective_batch):

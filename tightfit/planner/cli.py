@@ -76,9 +76,18 @@ def run(args) -> int:
     def estimator(kind):  # the planner's estimate with optimizer ``kind``; also says which lever would fit
         return estimator_for(model, make_batch, size, profile, args.batch_size, optimizer=kind)
 
+    shortest = 1
+    if kind != "image":  # no shorter --seq-len is advised than the one plan and train accept
+        from ..models import shortest_planned_seq_len
+
+        shortest = shortest_planned_seq_len(args.model)
+
     def estimator_at(kind):  # what fits instead, when nothing does
-        return lambda other_size, effective_batch: estimator_for(model, make_batch, other_size, profile,
-                                                                 effective_batch, optimizer=kind)
+        def at(other_size, effective_batch):
+            return estimator_for(model, make_batch, other_size, profile, effective_batch, optimizer=kind)
+
+        at.smallest_size = shortest
+        return at
 
     check_checkpointing(model, args.checkpointing)
     if args.sharding == "fsdp-offload":  # asked for: no single-GPU search
