@@ -224,6 +224,27 @@ def test_offload_is_chosen_where_only_it_fits_and_only_with_the_host_memory(m):
     assert "pinned host memory, 1.00 MiB available" in r.best.why
 
 
+def test_too_little_host_memory_for_offload_is_said_against_what_may_be_pinned(m):
+    """Offload is refused where its pinned state exceeds 90% of the available host memory; the
+    reason said "needs 29 MiB of pinned host memory, 30 MiB available", which reads as if it fit.
+    It now names the share that may be pinned, which the state exceeds."""
+    from tightfit.levers.optimizers import PINNED_HOST_SHARE, check_host_memory, offload_host_bytes
+    from tightfit.errors import TightfitError
+    from tightfit.units import format_bytes
+
+    numels = [p.numel() for p in m.parameters()]
+    need = offload_host_bytes(numels)
+    have = int(need / 0.95)  # more than the state, less than it over the pinned share
+    assert need <= have and need > PINNED_HOST_SHARE * have
+    eight, off = least_peak(m, "adamw8bit", E=1), least_peak(m, "adamw-offload", E=1)
+    r = plan(m, int((eight + off) / 2 / 0.95), host_bytes=have, E=1)
+    assert r.best.optimizer != "adamw-offload"
+    why = r.best.why.split("adamw-offload: ", 1)[1]
+    assert f"at most 90% may be pinned ({format_bytes(PINNED_HOST_SHARE * have)})" in why, why
+    with pytest.raises(TightfitError, match=r"at most 90% may be pinned \(" + re.escape(format_bytes(PINNED_HOST_SHARE * have))):
+        check_host_memory(numels, available=have)
+
+
 def test_least_state_counts_what_each_optimizer_keeps_on_the_gpu(m):
     n = sum(p.numel() for p in m.parameters())
     assert least_state_bytes(m, "adamw") == (16 * n, "adamw")

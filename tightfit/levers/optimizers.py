@@ -837,10 +837,12 @@ def check_host_memory(numels, available: int | None = None) -> None:
         TightfitError: the pinned state (:func:`offload_host_bytes`) exceeds ``available``
             (default :func:`available_host_bytes`) less 10% for the process itself.
     """
-    from ..units import format_bytes
+    from ..units import format_bytes, format_bytes_pair
 
     need = offload_host_bytes(numels)
     available = available_host_bytes() if available is None else available
     if need > PINNED_HOST_SHARE * available:
-        raise TightfitError(f"optimizer adamw-offload needs {format_bytes(need)} of pinned host memory "
-                            f"(fp32 weights, gradients and AdamW state), but {format_bytes(available)} is available")
+        shown = format_bytes_pair(need, PINNED_HOST_SHARE * available)
+        raise TightfitError(f"optimizer adamw-offload needs {shown[0]} of pinned host memory "
+                            f"(fp32 weights, gradients and AdamW state), but {format_bytes(available)} is available, "
+                            f"of which at most {PINNED_HOST_SHARE:.0%} may be pinned ({shown[1]})")

@@ -394,7 +394,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             if _several_ranks():  # torchao's CPUOffloadOptimizer offloads one GPU's state
                 continue
             if pinned_state > PINNED_HOST_SHARE * have:
-                short[kind] = f"needs {format_bytes(pinned_state)} of pinned host memory, {format_bytes(have)} available"
+                need, pinnable = format_bytes_pair(pinned_state, PINNED_HOST_SHARE * have)
+                short[kind] = (f"needs {need} of pinned host memory, {format_bytes(have)} available, of which "
+                               f"at most {PINNED_HOST_SHARE:.0%} may be pinned ({pinnable})")
                 failures[kind] = NothingFitsError(short[kind])
                 continue
         if cannot_win(kind):
