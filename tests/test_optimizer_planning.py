@@ -397,7 +397,7 @@ def lever_verdicts(text):
     out = {}
     for line in text.splitlines():
         kind = re.search(r"\(--optimizer ([\w-]+)[:,]", line)
-        verdict = re.search(r": saves [\d.]+ \w+(?: in its traced step \([^)]*\))?, (would fit|still ([\d.]+ \w+) over)",
+        verdict = re.search(r": saves [\d.]+ \w+(?: in its traced step \([^)]*\)| of model state(?: \([^)]*\))?)?, (would fit|still ([\d.]+ \w+) over)",
                             line)
         if kind and verdict:
             out[kind.group(1)] = "would fit" if verdict.group(2) is None else parse_size(verdict.group(2))

@@ -139,6 +139,20 @@ def test_nothing_fits_names_no_seq_len_shorter_than_plan_and_train_accept(capsys
     check_planned_seq_len(seq, "minilm")  # accepted, not "leaves 4 tokens of text"
 
 
+def test_a_lever_whose_model_state_alone_is_over_does_not_claim_a_traced_step(capsys):
+    """At 200 MiB BERT-base's bf16-weights state alone (630 MiB) is over the limit, so no step of
+    it is traced; its line said "saves 1.02 GiB in its traced step (... the rest goes to what the
+    lever's own step holds)". It now says the saving is of model state."""
+    assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "32", "--budget", "200MiB"]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "its model state alone needs" in x]
+    assert lines, err
+    for line in lines:
+        assert "traced step" not in line and "the rest goes to" not in line, line
+    bf16 = next(x for x in lines if "--optimizer adamw8bit-bf16" in x)
+    assert re.search(r"saves [\d.]+ \w+ of model state, still", bf16), bf16
+
+
 def test_budget_below_the_model_state_names_the_levers(capsys):
     assert main(["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "64", "--budget", "1GiB",
                  "--optimizer", "adamw"]) == 2
@@ -347,7 +361,7 @@ def test_when_every_optimizer_fails_each_lever_line_says_what_its_search_found(t
                  "--gpu", "h200"]) == 2
     err = capsys.readouterr().err
     said = {m.group(1): parse_size(m.group(2))
-            for m in re.finditer(r"\(--optimizer ([\w-]+)[:,].*: saves [\d.]+ \w+(?: in its traced step \([^)]*\))?, "
+            for m in re.finditer(r"\(--optimizer ([\w-]+)[:,].*: saves [\d.]+ \w+(?: in its traced step \([^)]*\)| of model state(?: \([^)]*\))?)?, "
                                  r"still ([\d.]+ \w+) over", err)}
     searched = {m.group(1): parse_size(m.group(2))
                 for m in re.finditer(r"\(--optimizer ([\w-]+)\): does not fit either .*, ([\d.]+ \w+) over\)", err)}

@@ -306,22 +306,23 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     held = gradients_at_peak >= gradient_b * trainable  # all of them, as when accumulating
     emb = _input_embedding_params(model)
 
-    def verdict(kind: str | None, saving: float) -> tuple[float, str]:
-        """(bytes saved as shown, what is left): where the lever's own peak or state was measured,
-        the saving shown is the difference it makes, so that over = saved + still over, line by line
-        (the nominal bytes per parameter leave out e.g. the 8-bit state's scales)."""
+    def verdict(kind: str | None, saving: float) -> tuple[float, bool, str]:
+        """(bytes saved as shown, whether the lever's step was traced, what is left): where the
+        lever's own peak or state was measured, the saving shown is the difference it makes, so
+        that over = saved + still over, line by line (the nominal bytes per parameter leave out
+        e.g. the 8-bit state's scales)."""
         got = lever_peak(kind) if lever_peak is not None and kind is not None else None
         need, words, estimated = got if got is not None else (peak_bytes - saving, "", activations)
         if 0 < peak_bytes - need:
             saving = peak_bytes - need
         if need > limit:
-            return saving, f"still {format_bytes(need - limit)} over" + (f" ({words} needs {format_bytes(need)})"
-                                                                         if words else "")
+            return saving, estimated and bool(words), f"still {format_bytes(need - limit)} over" + (
+                f" ({words} needs {format_bytes(need)})" if words else "")
         if estimated:
-            return saving, "would fit" + (f" ({words} needs {format_bytes(need)} of the planned limit "
-                                          f"{format_bytes(limit)})" if words else "")
-        return saving, (f"{words or 'its model state'}, {format_bytes(need)}, is under the planned limit "
-                        f"{format_bytes(limit)}; its activations were not estimated")
+            return saving, bool(words), "would fit" + (f" ({words} needs {format_bytes(need)} of the planned limit "
+                                                       f"{format_bytes(limit)})" if words else "")
+        return saving, False, (f"{words or 'its model state'}, {format_bytes(need)}, is under the planned limit "
+                               f"{format_bytes(limit)}; its activations were not estimated")
 
     state_b, state_words = _state_on_gpu(optimizer)
     freed = 0 if (held if accumulating is None else accumulating) else gradients_at_peak  # offload frees them
@@ -353,15 +354,18 @@ def lever_lines(model, peak_bytes: int, limit: float, gradients_at_peak: int, ho
     # the lever in use, and those before it, save nothing more
     after = levers[kinds.index(optimizer) + 1:] if optimizer in kinds else levers
     left_out, why = left_out_levers(cuda, profile)
-    def saves(shown: float, nominal: float) -> str:  # where the traced step differs from the bytes per parameter
+    def saves(shown: float, nominal: float, traced: bool) -> str:  # where the step differs from the bytes per parameter
         if abs(shown - nominal) < 1 << 20:
             return f"saves {format_bytes(shown)}"
+        if not traced:  # its model state alone was compared (over the limit: no step of it was traced)
+            return f"saves {format_bytes(shown)} of model state" + (
+                f" (nominally {format_bytes(nominal)})" if format_bytes(shown) != format_bytes(nominal) else "")
         return (f"saves {format_bytes(shown)} in its traced step (nominally {format_bytes(nominal)}; the rest goes to "
                 f"what the lever's own step holds)" if shown < nominal else
                 f"saves {format_bytes(shown)} in its traced step (nominally {format_bytes(nominal)})")
 
-    lines = [f"{name}: {saves(shown, saving)}, {left}" for kind, name, saving in after if kind not in left_out
-             for shown, left in [verdict(kind, saving)]]
+    lines = [f"{name}: {saves(shown, saving, traced)}, {left}" for kind, name, saving in after if kind not in left_out
+             for shown, traced, left in [verdict(kind, saving)]]
     if why and any(kind in left_out for kind, _, _ in after):
         lines.append(why)
     return lines
