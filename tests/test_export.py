@@ -243,6 +243,13 @@ def test_an_empty_out_is_refused(text_run, capsys):
     assert "--out is empty" in capsys.readouterr().err
 
 
+def test_an_out_inside_the_model_folder_it_exports_is_refused_before_any_work(text_run, capsys):
+    before = sorted(p.name for p in (text_run / "model").iterdir())
+    assert main(["export", "--int8", str(text_run), "--out", str(text_run / "model" / "int8")]) == 2
+    assert "is inside the model folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (text_run / "model").iterdir()) == before  # nothing written there
+
+
 def test_an_export_stopped_by_sigterm_leaves_no_out_and_no_temporary_folder(text_run, tmp_path, monkeypatch):
     """SIGTERM (e.g. `timeout`) mid-export left the hidden temporary folder behind (57 MB): only
     train mapped SIGTERM to the interrupt path that cleans up."""

@@ -141,7 +141,7 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
 
     Raises:
         TightfitError: ``device`` is not ``cpu``; a bad source; ``out`` is a file, or a folder
-            that is not empty, or cannot be written where it is.
+            that is not empty, or inside the model folder it exports, or cannot be written where it is.
     """
     if device != "cpu":
         raise TightfitError(CUDA_REFUSAL)
@@ -153,6 +153,11 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
         raise TightfitError(f"--out {o} is a file; give a new or empty folder")
     if o.exists() and any(o.iterdir()):
         raise TightfitError(f"--out {o} exists and is not an empty folder; choose another")
+    model_dir = Path(os.path.realpath(src.model_dir))
+    if Path(os.path.realpath(o.absolute())).is_relative_to(model_dir):
+        # the export would become part of the model folder it reads (a later export or
+        # from_pretrained of that folder would find its files beside the model's)
+        raise TightfitError(f"--out {o} is inside the model folder {src.model_dir} it exports; choose a folder outside it")
     # atomic_write_dir fills a temporary sibling of --out and renames it: written in its parent
     blocked = unwritable_folder(o.absolute().parent)
     if blocked is not None:
