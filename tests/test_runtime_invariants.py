@@ -151,6 +151,23 @@ def test_health_reads_the_gpu_that_the_cuda_index_names_under_cuda_visible_devic
     assert opened[-1] == 1
 
 
+def test_health_finds_the_card_by_its_pci_bus_id_whatever_the_device_order(monkeypatch):
+    """CUDA numbers the visible cards fastest first (unless CUDA_DEVICE_ORDER=PCI_BUS_ID), NVML by
+    PCI bus: on a machine of mixed cards ``cuda:0`` can be NVML's 1 with no CUDA_VISIBLE_DEVICES
+    set. The monitor opens the card whose bus id CUDA gives for the index."""
+    import types
+
+    opened = []
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: opened.append(i) or i,
+                                 nvmlDeviceGetHandleByPciBusId=lambda b: opened.append(b) or b)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x65 if i == 0 else 0x17,
+                                                        pci_device_id=0))
+    assert HealthMonitor(0).available and HealthMonitor(1).available
+    assert opened == ["00000000:65:00.0", "00000000:17:00.0"]
+
+
 def test_checkpointing_a_subset_of_blocks_gives_the_same_gradients():
     ref = _bert_grads(False)
     model = tiny_bert(dropout=0.1, seed=0)

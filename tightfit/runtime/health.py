@@ -20,6 +20,25 @@ def nvml_index(device_index: int) -> int:
         return device_index
 
 
+def nvml_handle(pynvml, device_index: int):
+    """NVML's handle of CUDA device ``device_index``, found by its PCI bus id (the card itself,
+    whatever the order: CUDA numbers the visible cards fastest first unless
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, NVML numbers every card of the machine by bus); where the bus
+    id cannot be read (an older torch), by :func:`nvml_index`.
+
+    Raises:
+        Whatever NVML raises for the index (no such GPU).
+    """
+    import torch
+
+    try:
+        props = torch.cuda.get_device_properties(device_index)
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+    except Exception:  # no bus id from torch, or NVML cannot find it: PyTorch's index mapping
+        return pynvml.nvmlDeviceGetHandleByIndex(nvml_index(device_index))
+
+
 class HealthMonitor:
     """Samples one GPU's health at most every ``interval_s`` seconds.
 
@@ -44,7 +63,7 @@ class HealthMonitor:
 
             pynvml.nvmlInit()
             self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(device_index))
+            self._handle = nvml_handle(pynvml, device_index)
             self.status = "on"
         except Exception as e:  # no library, no driver, or no GPU: the feature is off, not fatal
             self._nvml = None
