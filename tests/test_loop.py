@@ -228,7 +228,14 @@ def test_train_step_refuses_another_plans_state_and_leaves_itself_as_it_was():
         step.load_state_dict(other.state_dict())
     with pytest.raises(TightfitError, match="not a TrainStep's state"):
         step.load_state_dict({"micro_batch": 4})
-    assert step.micro_batch == 8 and step.steps == 0
+    good = step.state_dict()
+    rng_before = torch.get_rng_state()
+    for broken in (dict(good, micro_batch=4, steps=7, rng={"python": good["rng"]["python"]}),  # RNG cut short
+                   dict(good, micro_batch=4, steps="7"), dict(good, micro_batch=True)):
+        with pytest.raises(TightfitError, match="not a TrainStep's state"):
+            step.load_state_dict(broken)
+        assert step.micro_batch == 8 and step.steps == 0  # nothing changed
+        assert torch.equal(torch.get_rng_state(), rng_before)
 
 
 def test_micro_batch_grows_back_after_clean_steps():

@@ -591,8 +591,11 @@ class TrainStep:
                     f"out of memory ({where}) at micro-batch {self.micro_batch} on rank {ranks[0]} of {ranks[1]}: the "
                     "model is wrapped for several processes (DDP or FSDP), whose every backward runs collectives "
                     "with the other ranks, so this rank cannot redo the step with a smaller micro-batch alone (its "
-                    "collectives would pair with the other ranks' next ones); plan a smaller micro-batch for every "
-                    "rank (tightfit.plan with a lower budget=, or checkpointing='on')")
+                    "collectives would pair with the other ranks' next ones); "
+                    + ("plan a smaller micro-batch for every rank (tightfit.plan with a lower budget=, or "
+                       "checkpointing='on')" if self.micro_batch > 1 else
+                       "at micro-batch 1 only less memory per sample helps: activation checkpointing, bf16/fp16, "
+                       "or a larger budget"))
             self._on_oom(where, b.size)
 
     def _undo_attempt(self, had_state: set, drop_new_state: bool, rng, buffers) -> None:
@@ -696,17 +699,22 @@ class TrainStep:
     def state_dict(self) -> dict:
         """What a resumed loop needs beside the model's and the optimizer's state dicts, for an
         exact resume (DESIGN invariant 5): the loss scaler's state (fp16's loss scale and growth
-        tracker), the micro-batch in force after OOM recoveries and the counts behind the guards
-        (steps, skipped steps in a row, clean steps towards growing the micro-batch back), and the
-        random number generators' states (Python, NumPy, torch CPU and CUDA: dropout's masks, and
-        your loader's shuffle, draw from them; :func:`tightfit.rng.capture_rng`). Plain Python
-        numbers and tensors, so ``torch.load(..., weights_only=True)`` reads it back. The plan's
-        own fields are kept to refuse a state of another plan in :meth:`load_state_dict`."""
+        tracker), the micro-batch in force after OOM recoveries, the counts behind the guards
+        (steps, skipped steps in a row, clean steps towards growing the micro-batch back), and this
+        process's random number generators' states (Python, NumPy, torch CPU and CUDA: dropout's
+        masks draw from them; :func:`tightfit.rng.capture_rng`). Plain Python numbers and tensors,
+        so ``torch.load(..., weights_only=True)`` reads it back. The plan's own fields are kept to
+        refuse a state of another plan in :meth:`load_state_dict`.
+
+        Not in it: where your data stands (a loader's shuffle is drawn when its epoch's iterator is
+        made; skip the batches already trained yourself). Under several processes each rank saves
+        and loads its own (the ranks' RNG streams differ).
+        """
         from .rng import capture_rng
 
-        return {"plan": self._plan_fields(), "micro_batch": self.micro_batch, "steps": self.steps, "skipped_steps": self.skipped_steps,
-                "oom_recoveries": self.oom_recoveries, "skipped_in_row": self._skipped_in_row,
-                "clean_steps": self._clean_steps,
+        return {"plan": self._plan_fields(), "micro_batch": self.micro_batch, "steps": self.steps,
+                "skipped_steps": self.skipped_steps, "oom_recoveries": self.oom_recoveries,
+                "skipped_in_row": self._skipped_in_row, "clean_steps": self._clean_steps,
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": capture_rng()}
 
     def _plan_fields(self) -> dict:
@@ -719,34 +727,51 @@ class TrainStep:
         RNG states are restored too, so the steps after it draw what the saved run's did.
 
         Raises:
-            TightfitError: ``state`` is not a TrainStep's state, or was saved under a plan of another
-                precision, micro-batch or effective batch (nothing is changed then).
+            TightfitError: ``state`` is not a TrainStep's state (a key, a count, the loss scaler's or
+                the RNG's state missing or malformed), or was saved under a plan of another
+                precision, micro-batch or effective batch. Nothing is changed then.
         """
-        from .rng import restore_rng
+        from .levers.precision import make_grad_scaler
+        from .rng import capture_rng, restore_rng
+
+        def refuse(what: str):
+            return TightfitError(f"TrainStep.load_state_dict: not a TrainStep's state ({what}); give it what "
+                                 "TrainStep.state_dict() returned")
 
         keys = {"plan", "micro_batch", "steps", "skipped_steps", "oom_recoveries", "skipped_in_row", "clean_steps",
                 "scaler", "rng"}
-        if not isinstance(state, dict) or set(state) != keys or not isinstance(state["plan"], dict):
-            raise TightfitError("TrainStep.load_state_dict: not a TrainStep's state (give it what TrainStep.state_dict() "
-                                "returned)")
+        if not isinstance(state, dict) or set(state) != keys:
+            raise refuse("its keys differ" if isinstance(state, dict) else f"a {type(state).__name__}")
         mine = self._plan_fields()
         if state["plan"] != mine:
             raise TightfitError(f"TrainStep.load_state_dict: the state was saved under a plan of {state['plan']}, this "
                                 f"TrainStep runs {mine}; resume with the plan the run was saved under")
+        for k in ("micro_batch", "steps", "skipped_steps", "oom_recoveries", "skipped_in_row", "clean_steps"):
+            if not isinstance(state[k], int) or isinstance(state[k], bool) or state[k] < 0:
+                raise refuse(f"{k} {state[k]!r} is not a whole number >= 0")
         mb = state["micro_batch"]
-        if not (isinstance(mb, int) and 1 <= mb <= self.plan.micro_batch):
-            raise TightfitError(f"TrainStep.load_state_dict: micro_batch {mb!r} is not between 1 and the plan's "
-                                f"{self.plan.micro_batch}")
+        if not 1 <= mb <= self.plan.micro_batch:
+            raise refuse(f"micro_batch {mb} is not between 1 and the plan's {self.plan.micro_batch}")
         if (state["scaler"] is None) == self.scaler.is_enabled():
-            raise TightfitError("TrainStep.load_state_dict: the state's loss scaler does not match this plan's "
-                                f"precision ({self.plan.precision})")
-        if state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
+            raise refuse(f"its loss scaler does not match this plan's precision ({self.plan.precision})")
+        scaler = self.scaler
+        if state["scaler"] is not None:  # into a new scaler: one that fails part-way leaves this one as it was
+            scaler = make_grad_scaler(self.plan.precision, self.device.type)
+            try:
+                scaler.load_state_dict(state["scaler"])
+            except Exception as e:  # noqa: BLE001 - a malformed scaler state, whatever torch raises
+                raise refuse(f"its loss scaler's state: {type(e).__name__}: {e}") from None
+        before = capture_rng()
+        try:
+            restore_rng(state["rng"])
+        except Exception as e:  # noqa: BLE001 - a malformed RNG state: the generators put back first
+            restore_rng(before)
+            raise refuse(f"its RNG states: {type(e).__name__}: {e}") from None
+        self.scaler = scaler
         self.micro_batch = self._used_micro_batch = mb
         self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
         self.oom_recoveries, self._skipped_in_row = state["oom_recoveries"], state["skipped_in_row"]
         self._clean_steps = state["clean_steps"]
-        restore_rng(state["rng"])
 
     def plan_in_force(self) -> Plan:
         """The plan with the micro-batch now in use (after OOM recoveries)."""
