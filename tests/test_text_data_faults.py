@@ -117,6 +117,24 @@ def test_a_byte_that_is_not_utf8_is_named_at_its_place_in_the_file(tmp_path):
             load_text_classification(tmp_path / name)
 
 
+def test_a_bad_byte_past_the_first_mebibyte_is_named_where_it_is_and_a_character_cut_by_a_chunk_is_not(tmp_path):
+    """The file is decoded again in chunks of 1 MiB (not read whole into memory): a character
+    whose bytes straddle two chunks is not an error, and the byte named is counted from the file's start."""
+    import pytest
+
+    from tightfit.errors import TightfitError
+
+    head = b"text,label\n"
+    filler = b"".join(f"review {i},{'ab'[i % 2]}\n".encode() for i in range(200_000))
+    cut = 2**20 - len(head) - 1  # the euro sign's 3 bytes begin 1 byte before the first chunk's end
+    body = filler[:cut] + "\u20ac".encode() + filler[cut:]
+    content = head + body + "caf\xe9,a\n".encode("latin-1")
+    (tmp_path / "big.csv").write_bytes(content)
+    at = content.index(b"\xe9")
+    with pytest.raises(TightfitError, match=f"invalid continuation byte at byte {at}\\)"):
+        load_text_classification(tmp_path / "big.csv")
+
+
 def test_the_last_format_ending_of_the_name_says_how_the_file_is_read(tmp_path):
     """reviews.jsonl.csv (a CSV made from a JSON Lines file, named by appending .csv) was read as
     JSON Lines ("line 1 is not valid JSON"), and x.tsv.csv as tab-separated: any of the endings

@@ -143,9 +143,20 @@ def _undecodable(path: Path, error: UnicodeDecodeError) -> tuple[str, int]:
     line) and after a BOM, so the bytes are decoded again, whole."""
     try:
         with _opener(path)(path, "rb") as f:
-            f.read().decode("utf-8")
-    except UnicodeDecodeError as e:
-        return e.reason, e.start
+            done, pending = 0, b""  # bytes decoded before ``pending``; a character cut by the chunk's end
+            while True:
+                chunk = f.read(2**20)  # in chunks: the file may be larger than memory
+                data = pending + chunk
+                try:
+                    data.decode("utf-8")
+                    done, pending = done + len(data), b""
+                except UnicodeDecodeError as e:
+                    if chunk and e.end == len(data) and e.reason == "unexpected end of data":
+                        done, pending = done + e.start, data[e.start:]  # completed by the next chunk
+                    else:
+                        return e.reason, done + e.start
+                if not chunk:
+                    break
     except (OSError, EOFError):
         pass
     return error.reason, error.start
@@ -174,7 +185,8 @@ def _read_rows(path: Path) -> list[dict]:
                     try:
                         row = json.loads(line, object_pairs_hook=functools.partial(_one_value_per_key, path, n))
                     except json.JSONDecodeError as e:
-                        spread = _spread_document(line + f.read())  # the rest of the file: read only to say why
+                        # a bounded part of the rest of the file, read only to say why
+                        spread = _spread_document(line + f.read(SPREAD_READ_CHARS))
                         raise TightfitError(f"{path}: line {n} {spread}" if spread else
                                             f"{path}: line {n} is not valid JSON ({e.msg})") from None
                     if not isinstance(row, dict):
@@ -225,6 +237,9 @@ def _read_rows(path: Path) -> list[dict]:
             raise TightfitError(f"{path}: record {n - 1} has {fields} fields, the header has {len(reader.fieldnames)}")
     _check_merged_records(path, rows, reader.fieldnames, delimiter)
     return rows
+
+
+SPREAD_READ_CHARS = 2**24  # what a line that is not JSON reads of the rest of the file to say why (16 Mi characters)
 
 
 def _spread_document(text: str) -> str | None:
@@ -369,7 +384,12 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         cut = text[:MAX_TEXT_CHARS]
         if not cut.strip():  # all whitespace up to the cut: the words begin later (a tokenizer skips what precedes them)
             cut = text.lstrip()[:MAX_TEXT_CHARS]
-        half = next((c for c in cut if "\ud800" <= c <= "\udfff"), None)  # JSONL only: "\ud83d" escaped alone
+        half = None
+        if not cut.isascii():  # JSONL only: "\ud83d" escaped alone (read from UTF-8, CSV text holds none)
+            try:
+                cut.encode("utf-8")
+            except UnicodeEncodeError as e:
+                half = cut[e.start]
         if half is not None:  # no UTF-8 for it: the tokenizer raised a TypeError traceback
             raise TightfitError(f"{path}: row {n}: the text holds {half!r}, half of a UTF-16 surrogate pair (a "
                                 "character such as an emoji cut in two): it is not text a tokenizer reads; remove it "
