@@ -156,3 +156,16 @@ def test_plan_json_says_what_the_plan_trains(tmp_path, capsys):
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["trainable"] == "all" and said < plan["trainable_params"] < total, plan  # total: with the adapters
+
+
+def test_a_lora_model_merged_from_gathered_weights_keeps_their_bf16_dtype():
+    """Under FSDP2 the saved model is rebuilt from the gathered state (levers/lora.py's
+    merged_from_state); built from the config it was fp32, so a bf16-weights run saved fp32
+    weights under FSDP2 and bf16 in one process."""
+    from tightfit.levers.lora import merged_from_state
+
+    lora = apply_lora(tiny_bert(seed=0)).to(torch.bfloat16)
+    out = merged_from_state(lora, {k: v.clone() for k, v in lora.state_dict().items()})
+    assert {p.dtype for p in out.parameters()} == {torch.bfloat16}
+    for a, b in zip(out.state_dict().values(), merged(lora).state_dict().values()):
+        assert torch.equal(a, b)

@@ -117,7 +117,9 @@ def merged_from_state(model: torch.nn.Module, state_dict: dict) -> torch.nn.Modu
     """A plain model with the LoRA adapters merged, built on the CPU from ``state_dict``: the full
     state of the LoRA-wrapped ``model`` (its keys), as FSDP2 gathers it from the shards, where
     ``model`` itself holds only this rank's shard. The architecture is ``model``'s (its config and
-    its adapters' peft config); the global RNG is left as it was."""
+    its adapters' peft config), in the dtype of ``state_dict``'s floating-point tensors where they
+    are all one (bf16 weights stay bf16, as a one-process run saves them); the global RNG is left as
+    it was."""
     from peft import get_peft_model
 
     base = model.get_base_model()
@@ -125,5 +127,8 @@ def merged_from_state(model: torch.nn.Module, state_dict: dict) -> torch.nn.Modu
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         wrapped = get_peft_model(type(base)(copy.deepcopy(base.config)),
                                  copy.deepcopy(model.peft_config[model.active_adapter]))
+    floating = {v.dtype for v in state_dict.values() if torch.is_floating_point(v)}
+    if len(floating) == 1:  # bf16 weights: built in fp32 from the config, saved as the trained model is
+        wrapped.to(floating.pop())
     wrapped.load_state_dict(state_dict)
     return wrapped.merge_and_unload()
