@@ -165,6 +165,22 @@ def test_a_refused_resume_leaves_the_trainer_as_it_was(tmp_path):
         assert t.step == 0
 
 
+def test_a_checkpoint_of_other_trained_parameters_is_refused_before_anything_is_loaded(tmp_path):
+    """A checkpoint written with other parameters trained (another --trainable; a LoRA run of an
+    earlier tightfit, whose DistilBERT head layer stayed frozen) failed part-way through the
+    resume, its weights loaded, in torch's ValueError 'loaded state dict contains a parameter group
+    that doesn't match the size of optimizer's group'."""
+    _dropout_run(tmp_path, epochs=1).fit()
+    w = Workload(tiny_bert(dropout=0.1), SyntheticBatches(40), None, 8)
+    w.model.bert.embeddings.word_embeddings.weight.requires_grad_(False)  # one tensor fewer trained
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1), progress=False)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    with pytest.raises(TightfitError, match=r"ckpt-4: its optimizer state is over (\d+) parameter tensors in 1 "
+                                            r"group\(s\), and this run trains \d+ in 1"):
+        t.resume(tmp_path / "ck" / "ckpt-4")
+    assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters()))  # nothing loaded
+
+
 def test_resuming_from_the_checkpoints_folder_or_a_missing_one_says_so(tmp_path):
     """The run's checkpoints folder was called a corrupt checkpoint ('model.safetensors: missing'),
     and a mistyped ckpt-99 'not a folder'."""

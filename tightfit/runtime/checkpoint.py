@@ -686,6 +686,29 @@ def check_training_state(path: Path, state, sharded: bool) -> None:
         raise _fail(Path(path), f"{STATE_FILE}: not the state of a tightfit run: {what}")
 
 
+def check_trained_parameters(path: Path, saved_optimizer, optimizer) -> None:
+    """Refuse a checkpoint whose optimizer state is over other parameters than ``optimizer``'s,
+    before anything is loaded: written with other parameters trained (another ``--trainable``, or
+    a classifier head that an earlier tightfit's LoRA left frozen), its ``load_state_dict`` would
+    fail part-way with torch's ``ValueError``. Compares the tensors per parameter group; an
+    optimizer whose state dict has another shape (torchao's CPU offload) is not compared.
+
+    Raises:
+        TightfitError: the groups or their sizes differ, in one line saying what to do.
+    """
+    try:
+        saved = [len(g["params"]) for g in saved_optimizer["param_groups"]]
+        mine = [len(g["params"]) for g in optimizer.param_groups]
+    except (TypeError, KeyError, AttributeError):
+        return
+    if saved != mine:
+        raise TightfitError(
+            f"checkpoint {Path(path).name}: its optimizer state is over {sum(saved)} parameter tensors in "
+            f"{len(saved)} group(s), and this run trains {sum(mine)} in {len(mine)}: it was written with other "
+            "parameters trained (another --trainable, or a classifier head that an earlier tightfit's LoRA left "
+            "frozen); resume with what it was written with, or start a new run")
+
+
 def weights_mismatch(path: Path, model: torch.nn.Module) -> str | None:
     """How the weights in checkpoint folder ``path`` differ from ``model``'s state dict, in one
     line (names and shapes only, from the safetensors header: no tensor is read), or None when

@@ -935,8 +935,8 @@ class Trainer:
         scheduler, RNG states, data position and micro-batch; :meth:`fit` then continues.
         ``state`` and ``verified``: as :func:`~tightfit.runtime.checkpoint.load_checkpoint` (a
         caller that verified and read the checkpoint already passes them: read and hashed once)."""
-        from .checkpoint import (check_training_state, checkpoint_step, list_checkpoints, load_checkpoint, read_state,
-                                 verify_checkpoint)
+        from .checkpoint import (check_trained_parameters, check_training_state, checkpoint_step, list_checkpoints,
+                                 load_checkpoint, read_state, verify_checkpoint)
 
         from .sharded_checkpoint import is_sharded, load_sharded
 
@@ -947,6 +947,8 @@ class Trainer:
         saved = read_state(path) if state is None else state
         check_training_state(path, saved, is_sharded(path))
         check_same_windows(path, saved, self.w.effective_batch, self.cfg.seed, len(self.w.train))
+        if not is_sharded(path) and not self.world.sharded:  # DCP matches the state by parameter name itself
+            check_trained_parameters(path, saved["optimizer"], self.optimizer)
         if saved["step"] > self.total_steps:  # fit() would train nothing and report the checkpoint's steps
             raise TightfitError(f"checkpoint {os.path.basename(os.fspath(path))} is at step {saved['step']}, past this "
                                 f"run's {self.total_steps} steps: give a checkpoint of this run, or more epochs")
