@@ -562,3 +562,20 @@ def test_class_labels_of_minus_100_are_left_out_of_the_mean_at_every_split(micro
     assert out.loss == pytest.approx(float(whole), rel=1e-5)
     for a, b in zip(m.parameters(), expected):
         torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_without_any_target_leaves_the_model_and_the_optimizer_as_they_were():
+    """A causal LM's batch whose every label is -100 (prompts only) has nothing to learn from: its
+    update of zero gradients still moved 15 of a tiny GPT-2's 28 tensors (AdamW's weight decay)
+    and counted a step in AdamW's bias correction. It is now no update, said so."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32))
+    ids = torch.randint(0, 100, (4, 8))
+    step = tightfit.TrainStep(Plan("fp32", 4, 4), model, lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    out = step({"input_ids": ids, "labels": torch.full_like(ids, -100)})
+    assert not out.stepped and out.loss == 0.0 and "nothing to learn" in step.events[-1]
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not step.optimizer.state
+    assert step(({"input_ids": ids, "labels": ids})).stepped  # a batch with targets steps as before

@@ -365,7 +365,8 @@ class StepOutcome:
         loss: the batch's mean loss (a Python float: the micro-batches' losses weighted by their samples,
             or by their target tokens for a model's own token-mean loss).
         grad_norm: global L2 norm of the unscaled gradients (before clipping, if ``max_grad_norm`` is set).
-        stepped: whether the optimizer step was applied (False: non-finite gradients, skipped).
+        stepped: whether the optimizer step was applied (False: non-finite gradients, skipped; or a batch
+            without any target, every label -100, where there is nothing to learn: loss and norm 0.0).
         micro_batch: samples per forward/backward pass in this step (after any OOM recovery).
         accumulation_steps: micro-batches this step ran.
         oom_recoveries: times this step was redone with a smaller micro-batch.
@@ -518,6 +519,16 @@ class TrainStep:
         # every window starts from zero gradients (DESIGN invariant 1), not only the first: a backward
         # of the caller's between two calls (a gradient-based metric) would otherwise add to this step's
         self.model.zero_grad(set_to_none=True)
+        tokens = _target_tokens(self.model, b, self.loss)
+        if tokens is not None and int(tokens(b.as_dict())) == 0:
+            # nothing to learn from: an update of zero gradients would still move the weights (AdamW's
+            # weight decay and moments) and count a step in its bias correction
+            self.steps += 1
+            self._event(f"step {self.steps}: no target in the batch (every label is -100): nothing to learn, "
+                        "no update", logging.WARNING)
+            peaks, reading = self._record_memory_and_health()
+            return StepOutcome(0.0, 0.0, False, self.micro_batch, accumulation_steps(b.size, self.micro_batch), 0,
+                               *peaks, reading)
         with train_mode(self.model):  # dropout on; a train-mode model's eval-mode parts stay in eval mode
             result = self._step_with_recovery(b)
         self.steps += 1
