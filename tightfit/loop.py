@@ -520,9 +520,10 @@ class TrainStep:
         # of the caller's between two calls (a gradient-based metric) would otherwise add to this step's
         self.model.zero_grad(set_to_none=True)
         tokens = _target_tokens(self.model, b, self.loss)
-        if tokens is not None and int(tokens(b.as_dict())) == 0:
+        if tokens is not None and int(tokens(b.as_dict())) == 0 and not _ranks_in_step(self.model):
             # nothing to learn from: an update of zero gradients would still move the weights (AdamW's
-            # weight decay and moments) and count a step in its bias correction
+            # weight decay and moments) and count a step in its bias correction (with several
+            # processes every rank steps: one that skipped alone would leave the others in their all-reduce)
             self.steps += 1
             self._event(f"step {self.steps}: no target in the batch (every label is -100): nothing to learn, "
                         "no update", logging.WARNING)
