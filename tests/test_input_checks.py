@@ -262,6 +262,16 @@ def test_csv_with_another_delimiter_gets_a_hint(tmp_path, sep, hint):
         load_text_classification(f)
 
 
+@pytest.mark.parametrize("sep,hint", [("\t", r"looks tab-separated.*\.tsv"), (";", "looks semicolon-separated")])
+def test_csv_with_another_delimiter_and_commas_in_its_texts_gets_the_hint_too(tmp_path, sep, hint):
+    """Texts with commas in them split into several fields: the error was about a record's field
+    count, without the hint the README promises."""
+    f = tmp_path / "d.csv"
+    f.write_text(f"text{sep}label\ngood film{sep}pos\nbad, dull film{sep}neg\n")
+    with pytest.raises(TightfitError, match=r"record 2 has 2 fields, the header has 1.*" + hint):
+        load_text_classification(f)
+
+
 def test_csv_fields_over_128_kib_load_truncated(tmp_path):
     long = "word " * 60_000  # 300,000 characters, over the csv module's default 131,072
     f = _write_csv(tmp_path / "long.csv", [long, "short text"], ["a", "b"])

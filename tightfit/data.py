@@ -234,7 +234,8 @@ def _read_rows(path: Path) -> list[dict]:
         extra = row.pop(None, None)  # DictReader's place for fields beyond the header
         fields = sum(v is not None for v in row.values()) + len(extra or [])
         if fields != len(reader.fieldnames):
-            raise TightfitError(f"{path}: record {n - 1} has {fields} fields, the header has {len(reader.fieldnames)}")
+            raise TightfitError(f"{path}: record {n - 1} has {fields} fields, the header has {len(reader.fieldnames)}"
+                                f"{_delimiter_hint(path, set(reader.fieldnames))}")  # texts with commas in another's file
     _check_merged_records(path, rows, reader.fieldnames, delimiter)
     return rows
 
