@@ -181,6 +181,25 @@ def test_a_checkpoint_of_other_trained_parameters_is_refused_before_anything_is_
     assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters()))  # nothing loaded
 
 
+def test_a_resumed_run_reports_the_peaks_of_its_earlier_sessions_too(tmp_path, monkeypatch):
+    """The summary after a resume gave this session's peak memory only (the fresh user's run: 810
+    MiB of host memory, where the sessions before the resume had reached 1.3 GiB); a budget check
+    against it would miss the earlier peaks. The checkpoint carries the run's peaks so far."""
+    import resource
+    import types
+
+    real = resource.getrusage
+    huge = types.SimpleNamespace(ru_maxrss=50 * 2**20)  # KiB: 50 GiB, more than this process will reach
+    monkeypatch.setattr(resource, "getrusage", lambda who: huge)
+    t = _dropout_run(tmp_path, epochs=1)
+    t._peaks = (3 * 2**30, 4 * 2**30)  # what a GPU session's steps would have recorded
+    t.fit()
+    monkeypatch.setattr(resource, "getrusage", real)
+    resumed = _dropout_run(tmp_path / "b", resume=tmp_path / "ck" / "ckpt-4", epochs=1)
+    assert resumed.peak_rss_bytes() == 50 * 2**30
+    assert resumed._peaks == (3 * 2**30, 4 * 2**30)
+
+
 def test_resuming_from_the_checkpoints_folder_or_a_missing_one_says_so(tmp_path):
     """The run's checkpoints folder was called a corrupt checkpoint ('model.safetensors: missing'),
     and a mistyped ckpt-99 'not a folder'."""

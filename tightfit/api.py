@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import re
-import resource
 import shlex
 import shutil
 import threading
@@ -1038,7 +1037,7 @@ class TrainRecipe:
             device_name=self.device_name + (f", memory capped at {format_bytes(self.budget)}" if cuda else ""),
             budget_bytes=self.budget, torch=torch.__version__, version=__version__, command=self.req.run.command,
             peak_rss_bytes=None if cuda and self.plan.sharding != "fsdp-offload"  # offload: the host holds the state
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            else self.trainer.peak_rss_bytes(),  # the earlier sessions' too
             max_temp_c=health.max_temp_c if health else None, max_power_w=health.max_power_w if health else None)
 
 

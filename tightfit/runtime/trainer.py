@@ -443,6 +443,7 @@ class Trainer:
         self.wall_start = time.perf_counter()
         self.resumed_wall_seconds = 0.0
         self._checkpoint_base = (0.0, 0.0)
+        self.resumed_peak_rss_bytes = 0  # the earlier sessions' peak host memory (bytes), as they counted it
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
@@ -869,8 +870,18 @@ class Trainer:
                          "skipped_in_row": self._skipped_in_row, "clean_windows": self._clean_windows,
                          "last_update": self._last_update,
                          **dict(zip(("checkpoint_seconds", "checkpoint_write_seconds"), self._checkpoint_times())),
-                         "wall_seconds": self.resumed_wall_seconds + time.perf_counter() - self.wall_start},
+                         "wall_seconds": self.resumed_wall_seconds + time.perf_counter() - self.wall_start,
+                         # the run's peaks so far (this session's and the earlier ones'), for its summary
+                         "peak_allocated_bytes": self._peaks[0], "peak_reserved_bytes": self._peaks[1],
+                         "peak_rss_bytes": self.peak_rss_bytes()},
         }
+
+    def peak_rss_bytes(self) -> int:
+        """The run's peak host memory (bytes): this process's (``ru_maxrss``) or an earlier
+        session's, counted before a resume, whichever is larger."""
+        import resource
+
+        return max(self.resumed_peak_rss_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     def save_checkpoint(self, background: bool = False) -> str:
         """Write ``ckpt-<step>`` atomically (never with non-finite weights); keep the newest few.
@@ -984,6 +995,10 @@ class Trainer:
         self._checkpoint_base = (c.get("checkpoint_seconds", 0.0), c.get("checkpoint_write_seconds", 0.0))
         self.result.checkpoint_seconds, self.result.checkpoint_write_seconds = self._checkpoint_base
         self.resumed_wall_seconds = c.get("wall_seconds", 0.0)
+        # the earlier sessions' peaks (absent from checkpoints of older versions: 0): the run's are the largest
+        self._peaks = (max(self._peaks[0], c.get("peak_allocated_bytes", 0)),
+                       max(self._peaks[1], c.get("peak_reserved_bytes", 0)))
+        self.resumed_peak_rss_bytes = c.get("peak_rss_bytes", 0)
         if lr_changed:  # the run of non-finite steps belonged to the old learning rate
             self._skipped_in_row = 0
         restore_rng(state["rng"])
