@@ -514,3 +514,11 @@ def test_gallop_finds_what_bisection_finds_stepping_from_the_known_fit():
             assert got == bisect(good, bad, ok) and all(min(good, bad) < x < max(good, bad) for x in seen)
     seen = []
     assert gallop(24, -1, lambda x: (seen.append(x), x >= 23)[1]) == 23 and seen == [23, 21, 22]
+
+
+def test_plan_without_a_model_or_batch_plans_the_main_jobs(capsys):
+    """tightfit train has defaults for both (the shipped MiniLM, effective batch 32); tightfit plan
+    required them, so `tightfit plan --gpu gtx-1650-ti` (the main job on that card) was refused."""
+    assert main(["plan", "--gpu", "gtx-1650-ti", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["plan"]["effective_batch"] == 32, got

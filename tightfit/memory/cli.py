@@ -13,11 +13,12 @@ from ..errors import TightfitError
 from ..units import format_bytes
 
 
-def add_model_arguments(p) -> None:
+def add_model_arguments(p, default_model: str | None = None) -> None:
     """``--model`` and ``--seq-len | --image-size``, shared by the commands that take a built-in
-    architecture or a Hugging Face folder."""
-    p.add_argument("--model", required=True, help="minilm, bert-base, bert-large, gpt2, vit-b16, resnet50 "
-                                                  "or a local Hugging Face folder")
+    architecture or a Hugging Face folder; ``--model`` is required unless ``default_model`` is given."""
+    p.add_argument("--model", required=default_model is None, default=default_model,
+                   help="minilm, bert-base, bert-large, gpt2, vit-b16, resnet50 or a local Hugging Face folder"
+                        + (f" (default: {default_model}, tightfit train's)" if default_model else ""))
     size = p.add_mutually_exclusive_group()
     size.add_argument("--seq-len", type=int, help="tokens per sample (text models; default: tightfit train's, 64)")
     size.add_argument("--image-size", type=int, help="pixels per side (image models; default: the model's own "

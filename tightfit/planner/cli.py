@@ -17,8 +17,12 @@ def add_parser(subparsers) -> None:
                                           "checkpointing for the fastest predicted plan that fits the budget.")
     from ..memory.cli import add_model_arguments
 
-    add_model_arguments(p)
-    p.add_argument("--batch-size", type=int, required=True, help="effective batch: samples per optimizer step")
+    from ..config import WorkloadOptions
+
+    add_model_arguments(p, default_model="minilm")  # with no model and batch given: tightfit train's main job
+    batch = WorkloadOptions.batch_size
+    p.add_argument("--batch-size", type=int, default=batch,
+                   help=f"effective batch: samples per optimizer step (default: {batch}, tightfit train's)")
     p.add_argument("--gpu", help="card profile, e.g. gtx-1650-ti (default with --budget: h200 rates)")
     p.add_argument("--budget", help="memory budget, e.g. 4GiB (default: the card's)")
     p.add_argument("--precision", default="auto", help="auto|fp32|fp16|bf16 (default auto)")
