@@ -393,8 +393,8 @@ def fsdp_plan(recipe, choice: ShardingChoice, world_size: int):
                     sharding=choice.sharding, predicted_peak_reserved_bytes=peak,
                     reasons=(why, choice.reason, f"micro-batch {mb}{per_rank}: the fewest micro-batches per window "
                              f"whose predicted peak (the estimator's activations, with {held}) fits the planned limit "
-                             f"{format_bytes(limit)} of the {format_bytes(recipe.budget)} budget, the samples split "
-                             f"evenly", f"activation checkpointing {'on' if ckpt else 'off'} ({'; '.join(tried)})"))
+                             f"{format_bytes(limit)} of the {format_bytes(recipe.budget)} budget, the smallest micro-batch "
+                             f"that many passes allow (the samples split as evenly as one size can)", f"activation checkpointing {'on' if ckpt else 'off'} ({'; '.join(tried)})"))
     where = "with parameter offload" if offload else "under FSDP2"
     raise TightfitError(f"nothing fits {format_bytes(recipe.budget)} per GPU {where} on {world_size} GPU"
                         f"{'s' if world_size > 1 else ''}: " + "; ".join(tried))
