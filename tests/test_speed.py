@@ -763,6 +763,7 @@ def test_a_slow_run_shows_its_whole_run_speed_as_the_summary_does():
                              checkpoint_seconds=0.0, checkpoint_write_seconds=0.0)
     text = dict(speed_rows(speed_record(result, 0.0, {})))["speed, samples/s"]
     assert "predicted -; probed -; delivered - steady" in text and "2.5 whole run" in text, text
+    assert "none: this session ran under 10 steps" in text  # why there is no steady figure (a short resume)
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -88,8 +88,9 @@ def speed_rows(speed: dict) -> list[tuple[str, str]]:
     # "speed", not "samples/s": the summary's own "samples/s" row is the whole run's figure alone
     rows = [("speed, samples/s", f"predicted {_rate(speed['predicted_samples_per_s'])}; probed "
                           f"{_rate(speed['probed_samples_per_s'])}; delivered {_rate(speed['steady_samples_per_s'])} "
-                          f"steady (median of {WINDOW}-step windows), {_rate(speed['whole_run_samples_per_s'])} "
-                          f"whole run")]
+                          f"steady (median of {WINDOW}-step windows"
+                          + ("" if speed["steady_samples_per_s"] else f"; none: this session ran under {WINDOW} steps")
+                          + f"), {_rate(speed['whole_run_samples_per_s'])} whole run")]
     if speed.get("steady_vs_probed"):
         rows.append(("steady / probed", f"{speed['steady_vs_probed']:.2f}"))
     plan = f"{speed['planning_seconds']:.1f} s" + (
