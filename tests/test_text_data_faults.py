@@ -151,6 +151,22 @@ def test_the_last_format_ending_of_the_name_says_how_the_file_is_read(tmp_path):
         assert (len(data), data.label_names, data.texts[1]) == (30, ["a", "b"], "review 1"), name
 
 
+def test_an_indented_json_file_longer_than_what_the_error_reads_still_gets_the_hint(tmp_path, monkeypatch):
+    """The error reads a bounded part of the file (data.SPREAD_READ_CHARS, 16 Mi characters): a
+    json.dump(rows, f, indent=2) file longer than that lost its hint ("line 1 is not valid JSON"),
+    though it is the usual file the hint is for. Here the bound is made small."""
+    import pytest
+
+    from tightfit import data
+    from tightfit.errors import TightfitError
+
+    monkeypatch.setattr(data, "SPREAD_READ_CHARS", 500)
+    rows = [{"text": f"review {i}", "label": "ab"[i % 2]} for i in range(300)]
+    (tmp_path / "data.json").write_text(json.dumps(rows, indent=2))
+    with pytest.raises(TightfitError, match=r"line 1 begins a JSON array written over more than \d+ lines: JSON Lines"):
+        load_text_classification(tmp_path / "data.json")
+
+
 def test_a_json_file_written_with_indent_is_told_apart_from_broken_json(tmp_path):
     """data.json saved with json.dump(rows, f, indent=2) (the usual way to write one from Python)
     was refused as "line 1 is not valid JSON (Expecting value)", though the file is valid JSON:

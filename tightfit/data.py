@@ -186,7 +186,8 @@ def _read_rows(path: Path) -> list[dict]:
                         row = json.loads(line, object_pairs_hook=functools.partial(_one_value_per_key, path, n))
                     except json.JSONDecodeError as e:
                         # a bounded part of the rest of the file, read only to say why
-                        spread = _spread_document(line + f.read(SPREAD_READ_CHARS))
+                        rest = f.read(SPREAD_READ_CHARS)
+                        spread = _spread_document(line + rest, cut=len(rest) == SPREAD_READ_CHARS)
                         raise TightfitError(f"{path}: line {n} {spread}" if spread else
                                             f"{path}: line {n} is not valid JSON ({e.msg})") from None
                     if not isinstance(row, dict):
@@ -243,18 +244,25 @@ def _read_rows(path: Path) -> list[dict]:
 SPREAD_READ_CHARS = 2**24  # what a line that is not JSON reads of the rest of the file to say why (16 Mi characters)
 
 
-def _spread_document(text: str) -> str | None:
+def _spread_document(text: str, cut: bool = False) -> str | None:
     """How a JSON Lines file's line that is not JSON on its own goes on, where ``text`` (from that
-    line to the end) begins with a JSON array or object written over several lines: a file saved
-    with ``json.dump(rows, f, indent=2)``, or indented objects. None otherwise (the line is bad)."""
+    line to the end, or ``cut`` short after :data:`SPREAD_READ_CHARS`) begins with a JSON array or
+    object written over several lines: a file saved with ``json.dump(rows, f, indent=2)``, or
+    indented objects. None otherwise (the line is bad)."""
+    stripped = text.lstrip()
     try:
-        document, end = json.JSONDecoder().raw_decode(text.lstrip())
-    except json.JSONDecodeError:
-        return None
-    lines = text.lstrip()[:end].count("\n") + 1
-    if lines < 2 or not isinstance(document, (list, dict)):
-        return None
-    return (f"begins a JSON {'array' if isinstance(document, list) else 'object'} written over {lines} lines: JSON "
+        document, end = json.JSONDecoder().raw_decode(stripped)
+    except json.JSONDecodeError as e:
+        # cut short: valid up to the last few KiB read (where the cut fell), a document too long to read whole
+        if not (cut and stripped[:1] in "[{" and e.pos > len(stripped) - 2**12):
+            return None
+        kind, lines = "array" if stripped[0] == "[" else "object", f"more than {stripped.count(chr(10)) + 1}"
+    else:
+        lines = stripped[:end].count("\n") + 1
+        if lines < 2 or not isinstance(document, (list, dict)):
+            return None
+        kind = "array" if isinstance(document, list) else "object"
+    return (f"begins a JSON {kind} written over {lines} lines: JSON "
             f"Lines holds one object per line, e.g. {{\"text\": \"...\", \"label\": \"pos\"}} (json.dumps(row) "
             "without indent, one line per sample)")
 
