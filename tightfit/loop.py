@@ -167,10 +167,11 @@ def _loss_sum(batch: _Batch, loss: LossFn | None, tokens=None) -> Callable[[torc
     return loss_sum
 
 
-def _normaliser(batch: _Batch, tokens) -> int:
-    """What :func:`_loss_sum` sums over in the whole batch: its samples, or its target tokens
-    (at least 1: a batch without targets has a loss of 0/0 either way)."""
-    return batch.size if tokens is None else max(1, int(tokens(batch.as_dict())))
+def _normaliser(batch: _Batch, targets: int | None) -> int:
+    """What :func:`_loss_sum` sums over in the whole batch: its samples (``targets`` None), or its
+    ``targets``, the target tokens :func:`_target_tokens` counts (at least 1: a batch without
+    targets has a loss of 0/0 either way)."""
+    return batch.size if targets is None else max(1, targets)
 
 
 def _traced_task(batch: _Batch, loss: LossFn | None):
@@ -385,6 +386,11 @@ class StepOutcome:
     health: dict | None = None
 
 
+# TrainStep.state_dict's counts: key -> attribute
+_STATE_COUNTS = {"micro_batch": "micro_batch", "steps": "steps", "skipped_steps": "skipped_steps",
+                 "oom_recoveries": "oom_recoveries", "skipped_in_row": "_skipped_in_row", "clean_steps": "_clean_steps"}
+
+
 class TrainStep:
     """One optimizer step per call on a whole effective batch, run as ``plan`` says, with the guards.
 
@@ -519,8 +525,9 @@ class TrainStep:
         # every window starts from zero gradients (DESIGN invariant 1), not only the first: a backward
         # of the caller's between two calls (a gradient-based metric) would otherwise add to this step's
         self.model.zero_grad(set_to_none=True)
-        tokens = _target_tokens(self.model, b, self.loss)
-        if tokens is not None and int(tokens(b.as_dict())) == 0 and not _ranks_in_step(self.model):
+        tokens = _target_tokens(self.model, b, self.loss)  # None: the loss is a mean over samples
+        targets = None if tokens is None else int(tokens(b.as_dict()))
+        if targets == 0 and not _ranks_in_step(self.model):
             # nothing to learn from: an update of zero gradients would still move the weights (AdamW's
             # weight decay and moments) and count a step in its bias correction (with several
             # processes every rank steps: one that skipped alone would leave the others in their all-reduce)
@@ -531,15 +538,16 @@ class TrainStep:
             return StepOutcome(0.0, 0.0, False, self.micro_batch, accumulation_steps(b.size, self.micro_batch), 0,
                                *peaks, reading)
         with train_mode(self.model):  # dropout on; a train-mode model's eval-mode parts stay in eval mode
-            result = self._step_with_recovery(b)
+            result = self._step_with_recovery(b, tokens, _normaliser(b, targets))
         self.steps += 1
         stepped = self._after_step(result.finite, b)
         peaks, reading = self._record_memory_and_health()
         return StepOutcome(result.loss, result.grad_norm, stepped, self._used_micro_batch,
                            accumulation_steps(b.size, self._used_micro_batch), self.oom_recoveries - recoveries, *peaks, reading)
 
-    def _step_with_recovery(self, b: _Batch):
-        """:func:`tightfit.step.training_step` on ``b``, redone with half the micro-batch after each
+    def _step_with_recovery(self, b: _Batch, tokens, normaliser: float):
+        """:func:`tightfit.step.training_step` on ``b`` (``tokens`` and ``normaliser``: as
+        :func:`_target_tokens` and :func:`_normaliser` give them), redone with half the micro-batch after each
         OOM, as the ``tightfit train`` runtime redoes a window (:meth:`tightfit.runtime.trainer.Trainer.train_step`):
         the RNG states, the optimizer's state and the model's buffers (:func:`tightfit.buffers.buffer_snapshot`)
         as the failed attempt found them."""
@@ -551,10 +559,8 @@ class TrainStep:
         from .levers.optimizers import hold_gradients
         from .step import changed_since, in_place_versions, training_step
 
-        tokens = _target_tokens(self.model, b, self.loss)  # None: the loss is a mean over samples
         d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss, tokens), capture_rng()
         buffers = buffer_snapshot(self.model.modules())  # BatchNorm's statistics: a redo starts from these
-        normaliser = _normaliser(b, tokens)
         while True:
             # fused AdamW allocates only its new state, before any write: no snapshot needed
             before = None if self._fused else in_place_versions(self.optimizer)
@@ -677,8 +683,7 @@ class TrainStep:
                 first = next(self._micro_batches(b.as_dict(), b.size))
                 loss_sum = _loss_sum(b, self.loss, _target_tokens(self.model, b, self.loss))
                 # under DDP each rank holds its own batch: a backward run by some ranks only would hang
-                alone = not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                             and torch.distributed.get_world_size() > 1)
+                alone = _process_group_size() == 1
                 culprit = first_nonfinite(self.model, lambda: loss_sum(self.model, first),
                                           lambda: autocast(self.plan.precision, self.device.type),
                                           lambda: train_mode(self.model), self.scaler.is_enabled(), backward=alone)
@@ -724,9 +729,7 @@ class TrainStep:
         """
         from .rng import capture_rng
 
-        return {"plan": self._plan_fields(), "micro_batch": self.micro_batch, "steps": self.steps,
-                "skipped_steps": self.skipped_steps, "oom_recoveries": self.oom_recoveries,
-                "skipped_in_row": self._skipped_in_row, "clean_steps": self._clean_steps,
+        return {"plan": self._plan_fields(), **{k: getattr(self, a) for k, a in _STATE_COUNTS.items()},
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": capture_rng()}
 
     def _plan_fields(self) -> dict:
@@ -750,15 +753,13 @@ class TrainStep:
             return TightfitError(f"TrainStep.load_state_dict: not a TrainStep's state ({what}); give it what "
                                  "TrainStep.state_dict() returned")
 
-        keys = {"plan", "micro_batch", "steps", "skipped_steps", "oom_recoveries", "skipped_in_row", "clean_steps",
-                "scaler", "rng"}
-        if not isinstance(state, dict) or set(state) != keys:
+        if not isinstance(state, dict) or set(state) != {"plan", "scaler", "rng", *_STATE_COUNTS}:
             raise refuse("its keys differ" if isinstance(state, dict) else f"a {type(state).__name__}")
         mine = self._plan_fields()
         if state["plan"] != mine:
             raise TightfitError(f"TrainStep.load_state_dict: the state was saved under a plan of {state['plan']}, this "
                                 f"TrainStep runs {mine}; resume with the plan the run was saved under")
-        for k in ("micro_batch", "steps", "skipped_steps", "oom_recoveries", "skipped_in_row", "clean_steps"):
+        for k in _STATE_COUNTS:
             if not isinstance(state[k], int) or isinstance(state[k], bool) or state[k] < 0:
                 raise refuse(f"{k} {state[k]!r} is not a whole number >= 0")
         mb = state["micro_batch"]
@@ -779,11 +780,9 @@ class TrainStep:
         except Exception as e:  # noqa: BLE001 - a malformed RNG state: the generators put back first
             restore_rng(before)
             raise refuse(f"its RNG states: {type(e).__name__}: {e}") from None
-        self.scaler = scaler
-        self.micro_batch = self._used_micro_batch = mb
-        self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
-        self.oom_recoveries, self._skipped_in_row = state["oom_recoveries"], state["skipped_in_row"]
-        self._clean_steps = state["clean_steps"]
+        self.scaler, self._used_micro_batch = scaler, mb
+        for k, attribute in _STATE_COUNTS.items():
+            setattr(self, attribute, state[k])
 
     def plan_in_force(self) -> Plan:
         """The plan with the micro-batch now in use (after OOM recoveries)."""
@@ -809,14 +808,20 @@ class TrainStep:
         log.log(level, "tightfit: %s", message)
 
 
+def _process_group_size() -> int:
+    """Processes in the default process group (1 where there is none)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _ranks_in_step(model: torch.nn.Module) -> tuple[int, int] | None:
     """``(rank, world size)`` where ``model`` trains in step with other processes -- a
     DistributedDataParallel or FSDP wrapper in it, under a process group of more than one rank --
     whose collectives (gradient all-reduce, all-gathers) each backward must meet on every rank;
     None otherwise (one process, or ranks training models of their own)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if _process_group_size() == 1:
         return None
+    dist = torch.distributed
     wrapped = any(isinstance(m, torch.nn.parallel.DistributedDataParallel)
                   or type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules())
     return (dist.get_rank(), dist.get_world_size()) if wrapped else None
