@@ -56,6 +56,16 @@ def head_names(model: torch.nn.Module) -> list[str]:
     return [n for n in children if n in HEADS]
 
 
+def _peft_model(model: torch.nn.Module, config) -> torch.nn.Module:
+    """peft's ``get_peft_model(model, config)`` (``model`` wrapped in place), without the warning
+    peft's read of transformers 5's deprecated ``is_gradient_checkpointing`` gives."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
 def apply_lora(model: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
     """``model`` wrapped by peft with LoRA adapters of ``rank`` on :func:`lora_targets`; the
     classification head (:func:`head_names`) stays trainable, everything else is frozen.
@@ -65,14 +75,11 @@ def apply_lora(model: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
         TightfitError: peft is missing (the ``levers`` extra), or no layer to adapt.
     """
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
     except ImportError:
         raise TightfitError(f"{option_given('trainable', 'lora')} needs peft: pip install 'tightfit[levers]'") from None
     targets, heads = lora_targets(model), head_names(model)
-    with warnings.catch_warnings():  # peft reads transformers 5's deprecated is_gradient_checkpointing
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=ALPHA, lora_dropout=DROPOUT,
-                                                   target_modules=targets))
+    wrapped = _peft_model(model, LoraConfig(r=rank, lora_alpha=ALPHA, lora_dropout=DROPOUT, target_modules=targets))
     for h in heads:  # the head learns in full (peft wraps model in place: its children are the same)
         for p in getattr(model, h).parameters():
             p.requires_grad_(True)
@@ -120,13 +127,9 @@ def merged_from_state(model: torch.nn.Module, state_dict: dict) -> torch.nn.Modu
     its adapters' peft config), in the dtype of ``state_dict``'s floating-point tensors where they
     are all one (bf16 weights stay bf16, as a one-process run saves them); the global RNG is left as
     it was."""
-    from peft import get_peft_model
-
     base = model.get_base_model()
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        wrapped = get_peft_model(type(base)(copy.deepcopy(base.config)),
-                                 copy.deepcopy(model.peft_config[model.active_adapter]))
+    with torch.random.fork_rng(devices=[]):
+        wrapped = _peft_model(type(base)(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[model.active_adapter]))
     floating = {v.dtype for v in state_dict.values() if torch.is_floating_point(v)}
     if len(floating) == 1:  # bf16 weights: built in fp32 from the config, saved as the trained model is
         wrapped.to(floating.pop())

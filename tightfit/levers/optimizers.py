@@ -830,6 +830,18 @@ def offload_host_bytes(numels) -> int:
     return sum(16 * n for n in numels if is_offloaded(n))
 
 
+def pinned_shortfall(need: float, available: float) -> str | None:
+    """Why ``need`` bytes of pinned host memory do not fit in ``available`` bytes of host memory
+    (at most :data:`PINNED_HOST_SHARE` of it may be pinned), in words; None where they fit."""
+    from ..units import format_bytes, format_bytes_pair
+
+    if need <= PINNED_HOST_SHARE * available:
+        return None
+    shown = format_bytes_pair(need, PINNED_HOST_SHARE * available)
+    return (f"needs {shown[0]} of pinned host memory, {format_bytes(available)} available, of which at most "
+            f"{PINNED_HOST_SHARE:.0%} may be pinned ({shown[1]})")
+
+
 def check_host_memory(numels, available: int | None = None) -> None:
     """Refuse ``adamw-offload`` where the host cannot hold its state.
 
@@ -837,12 +849,6 @@ def check_host_memory(numels, available: int | None = None) -> None:
         TightfitError: the pinned state (:func:`offload_host_bytes`) exceeds ``available``
             (default :func:`available_host_bytes`) less 10% for the process itself.
     """
-    from ..units import format_bytes, format_bytes_pair
-
-    need = offload_host_bytes(numels)
-    available = available_host_bytes() if available is None else available
-    if need > PINNED_HOST_SHARE * available:
-        shown = format_bytes_pair(need, PINNED_HOST_SHARE * available)
-        raise TightfitError(f"optimizer adamw-offload needs {shown[0]} of pinned host memory "
-                            f"(fp32 weights, gradients and AdamW state), but {format_bytes(available)} is available, "
-                            f"of which at most {PINNED_HOST_SHARE:.0%} may be pinned ({shown[1]})")
+    short = pinned_shortfall(offload_host_bytes(numels), available_host_bytes() if available is None else available)
+    if short:
+        raise TightfitError(f"optimizer adamw-offload (fp32 weights, gradients and AdamW state on the host) {short}")

@@ -35,7 +35,7 @@ from dataclasses import replace
 from ..errors import TightfitError
 from ..levers.optimizers import check_precision
 from ..levers.optimizers import (LEVER_LIBRARY, LEVER_OPTIMIZERS, adamw_8bit_bf16_state_bytes, adamw_8bit_state_bytes,
-                                 PINNED_HOST_SHARE, available_host_bytes, is_offloaded, offload_host_bytes,
+                                 PINNED_HOST_SHARE, available_host_bytes, is_offloaded, offload_host_bytes, pinned_shortfall,
                                  weights_dtype)
 from ..units import format_bytes, format_bytes_pair, format_rate
 from ..plan import OPTIMIZER_CHOICES
@@ -393,10 +393,8 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         if kind == "adamw-offload":
             if _several_ranks():  # torchao's CPUOffloadOptimizer offloads one GPU's state
                 continue
-            if pinned_state > PINNED_HOST_SHARE * have:
-                need, pinnable = format_bytes_pair(pinned_state, PINNED_HOST_SHARE * have)
-                short[kind] = (f"needs {need} of pinned host memory, {format_bytes(have)} available, of which "
-                               f"at most {PINNED_HOST_SHARE:.0%} may be pinned ({pinnable})")
+            if pinned_shortfall(pinned_state, have):
+                short[kind] = pinned_shortfall(pinned_state, have)
                 failures[kind] = NothingFitsError(short[kind])
                 continue
         if cannot_win(kind):
