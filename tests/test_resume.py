@@ -356,3 +356,61 @@ def test_resume_takes_the_runs_own_command_however_its_values_are_spelled(tiny_r
     assert _same_option("budget", "4GiB", "4096MiB") and _same_option("gpu", "h200", "H200")
     assert _same_option("model", None, "minilm") and not _same_option("model", None, "bert-base")
     assert not _same_option("budget", "4GiB", "5GiB")
+
+
+def _main_stopped_at(monkeypatch, step, argv):
+    """``tightfit.cli.main(argv)`` with a SIGTERM sent while step ``step``'s record is logged (as
+    a supervisor's would arrive mid-run); returns its exit code."""
+    from tightfit.cli import main
+    from tightfit.report.metrics import MetricsWriter
+
+    log = MetricsWriter.__call__
+
+    def logged(self, record):
+        log(self, record)
+        if record.get("type") == "train" and record.get("step") == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+    with monkeypatch.context() as m:
+        m.setattr(MetricsWriter, "__call__", logged)
+        return main(argv)
+
+
+def test_a_resumed_runs_report_lists_every_sessions_command(tiny_run_inputs, tmp_path, monkeypatch):
+    """report.md named only the first session's command (request.json's, which a resume keeps):
+    a run stopped twice and resumed lists the three commands, in order, one line each."""
+    from tightfit.cli import main
+
+    model_dir, data = tiny_run_inputs
+    run = tmp_path / "run"
+    first = ["train", "--model", str(model_dir), "--data", str(data), "--batch-size", "8", "--max-steps", "8",
+             "--lr", "1e-3", "--seq-len", "32", "--checkpoint-every", "2", "--log-every", "1", "--out", str(run),
+             "--no-progress", "--device", "cpu"]
+    second = ["train", "--resume", str(run), "--no-progress"]
+    third = ["train", "--resume", str(run), "--no-progress", "--log-every", "2"]  # an option given anew too
+    assert _main_stopped_at(monkeypatch, 3, first) == 130
+    assert _main_stopped_at(monkeypatch, 5, second) == 130
+    assert main(third) == 0
+    commands = [" ".join(["tightfit", *argv]) for argv in (first, second, third)]
+    report = (run / "report.md").read_text()
+    assert "- commands (one per session):\n" + "".join(f"  - `{c}`\n" for c in commands) in report, report
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["commands"] == commands and summary["command"].startswith(commands[0])
+    # a run of one session says its one command as before
+    assert _short_run(model_dir, data, tmp_path / "one") == 0
+    assert "- command: `tightfit train --model" in (tmp_path / "one" / "report.md").read_text()
+    assert json.loads((tmp_path / "one" / "summary.json").read_text())["commands"] == [
+        json.loads((tmp_path / "one" / "summary.json").read_text())["command"]]
+
+
+def test_the_commands_of_sessions_that_recorded_none_fall_back_to_the_runs_own(tmp_path):
+    """Plan records written before commands were recorded: the first session's is request.json's,
+    a later one's is left out; without metrics.jsonl the run's own command comes first."""
+    from tightfit.report.metrics import session_commands
+
+    path = tmp_path / "metrics.jsonl"
+    records = [{"type": "plan", "step": 0, "resumed_from": None}, {"type": "train", "step": 1},
+               {"type": "plan", "step": 3, "resumed_from": "run/checkpoints/ckpt-3"},
+               {"type": "plan", "step": 5, "resumed_from": "run/checkpoints/ckpt-5", "command": "tightfit train -r"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert session_commands(path, "tightfit train --model m") == ["tightfit train --model m", "tightfit train -r"]
+    assert session_commands(tmp_path / "missing.jsonl", "tightfit train --model m") == ["tightfit train --model m"]

@@ -268,6 +268,9 @@ class TrainRecipe:
         self.resume_from: Path | None = None  # the checkpoint a resumed run continues from
         self.resume_notes: list[str] = []  # what the resume found and did in the run folder (events)
         self.changed: dict = {}  # {option: [old, new]} given anew on resume
+        # every session's command line, in order: this one's last (on resume the earlier ones'
+        # are read back from metrics.jsonl's plan records, open_run_folder)
+        self.commands: list[str] = [req.run.command]
         self.resume_state: dict | None = None  # the checkpoint's state once read (_check_resume_point)
         self.device, self.profile, self.budget = "cpu", None, None
         self.records: list[dict] = []  # what the trainer logs before the metrics file is open
@@ -800,7 +803,8 @@ class TrainRecipe:
         """Create the run folder; write ``request.json`` (new runs, and resumed runs with changed
         options) and ``plan.json``; open ``metrics.jsonl`` (on resume: cut back to the
         checkpoint's step) with the plan record and what the trainer logged so far."""
-        from .report.metrics import PLANNED_SPEEDS, MetricsWriter, earlier_events, keep_metrics_until
+        from .report.metrics import (PLANNED_SPEEDS, MetricsWriter, earlier_events, keep_metrics_until,
+                                     session_commands)
 
         if not self.world.is_main:  # only rank 0 writes the run folder
             self.metrics = _Discard()
@@ -843,6 +847,9 @@ class TrainRecipe:
             damaged = keep_metrics_until(out / "metrics.jsonl", step)
             # the report's events are the whole run's: the earlier sessions' first, as cut back to the checkpoint
             self.trainer.result.events[:0] = earlier_events(out / "metrics.jsonl")
+            # and so are its commands (the run's own, request.json's, for a first session that recorded none)
+            first = self.req.run.command.removesuffix(f" (resumed as: {self.commands[-1]})")
+            self.commands[:0] = session_commands(out / "metrics.jsonl", first)
             if damaged:
                 notes.append(f"metrics.jsonl: {count_of(len(damaged), 'damaged line')} (not JSON) dropped: "
                              f"line{'s' if len(damaged) > 1 else ''} {', '.join(map(str, damaged[:5]))}"
@@ -855,6 +862,7 @@ class TrainRecipe:
         self.metrics({"type": "plan", "step": step, "planning_seconds": self.planning_s,
                       "planned_speeds": {k: self.plan_timings[k] for k in PLANNED_SPEEDS if self.plan_timings.get(k)},
                       "resumed_from": str(self.resume_from) if self.resume_from else None,
+                      "command": self.commands[-1],  # this session's, for the report of a later resume
                       **({"changed_options": self.changed} if self.changed else {}), **self.plan.to_dict()})
         for record in self.records:
             self.metrics(record)
@@ -1036,6 +1044,7 @@ class TrainRecipe:
             majority=self.eval_data.majority_fraction(),
             device_name=self.device_name + (f", memory capped at {format_bytes(self.budget)}" if cuda else ""),
             budget_bytes=self.budget, torch=torch.__version__, version=__version__, command=self.req.run.command,
+            commands=tuple(self.commands),
             peak_rss_bytes=None if cuda and self.plan.sharding != "fsdp-offload"  # offload: the host holds the state
             else self.trainer.peak_rss_bytes(),  # the earlier sessions' too
             max_temp_c=health.max_temp_c if health else None, max_power_w=health.max_power_w if health else None)

@@ -126,6 +126,24 @@ def _readable_records(path: str | Path) -> list[dict]:
     return records
 
 
+def session_commands(path: str | Path, first: str) -> list[str]:
+    """The command line of each session before a resume, in order: the ``command`` of each
+    session's plan record in ``metrics.jsonl``, as :func:`keep_metrics_until` left them. The first
+    session's is ``first`` (the run's own, from ``request.json``) where its record has none
+    (written before commands were recorded) or the file is missing; a later session's record
+    without one is left out. Unreadable lines are skipped."""
+    plans = [r for r in _readable_records(path) if r.get("type") == "plan"]
+    if not plans or plans[0].get("resumed_from"):  # the first session's record is gone (metrics.jsonl was lost)
+        plans.insert(0, {})
+    commands = []
+    for record in plans:
+        if isinstance(record.get("command"), str):
+            commands.append(record["command"])
+        elif not record.get("resumed_from"):
+            commands.append(first)
+    return commands
+
+
 # the planner's speeds, written into the plan record (its "planned_speeds") so that a resumed
 # run can report against them
 PLANNED_SPEEDS = ("predicted_samples_per_s", "probed_samples_per_s")

@@ -67,6 +67,7 @@ class RunInfo:
         budget_bytes: the GPU memory budget (None on the CPU without one).
         torch, version: the versions of PyTorch and tightfit.
         command: the command line.
+        commands: every session's command line, in order (a resumed run's; empty: ``command`` alone).
         peak_rss_bytes: peak host memory of the process (CPU runs and parameter offload; None on a GPU).
         max_temp_c, max_power_w: the GPU's hottest and most power-hungry readings (None: not sampled).
     """
@@ -82,6 +83,7 @@ class RunInfo:
     torch: str
     version: str
     command: str
+    commands: tuple[str, ...] = ()
     peak_rss_bytes: int | None = None
     max_temp_c: float | None = None
     max_power_w: float | None = None
@@ -102,6 +104,8 @@ class RunSummary:
         budget_bytes: the memory budget.
         skipped_steps, oom_recoveries: steps not applied (non-finite) and windows redone after an OOM.
         device, torch, command: where and how it ran.
+        commands: every session's command line, in order (one for a run never resumed; None in
+            summaries written before it existed).
         plan: the plan in force at the end.
         health: ``{"status", "max_temp_c", "max_power_w"}`` on a GPU, ``{"status": "off (CPU run)"}`` on the CPU.
         speed: predicted, probed and delivered samples/s and the time breakdown
@@ -129,6 +133,7 @@ class RunSummary:
     wall_seconds: float
     health: dict
     speed: dict | None = None
+    commands: list[str] | None = None
 
     @classmethod
     def of_run(cls, result: TrainResult, info: RunInfo, planning_seconds: float, wall_seconds: float,
@@ -145,7 +150,7 @@ class RunSummary:
             peak_reserved_bytes=result.peak_reserved_bytes, peak_rss_bytes=info.peak_rss_bytes,
             budget_bytes=info.budget_bytes, skipped_steps=result.skipped_steps, oom_recoveries=result.oom_recoveries,
             device=info.device_name, torch=info.torch, plan=result.plan, command=info.command,
-            wall_seconds=wall_seconds, health=health, speed=speed)
+            wall_seconds=wall_seconds, health=health, speed=speed, commands=list(info.commands or (info.command,)))
 
     def to_dict(self) -> dict:
         """The ``summary.json`` dict (the plan as :meth:`Plan.to_dict`)."""
@@ -158,7 +163,7 @@ class RunSummary:
         Raises:
             TightfitError: a key is missing or the plan is malformed.
         """
-        optional = ("speed",)
+        optional = ("speed", "commands")
         missing = [f.name for f in fields(cls) if f.name not in d and f.name not in optional]
         if missing:
             raise TightfitError(f"malformed run summary: no {', '.join(missing)}")
@@ -195,6 +200,13 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
     return rows
 
 
+def _command_lines(info: RunInfo) -> list[str]:
+    """The report's command line, or for a resumed run each session's, one line each."""
+    if len(info.commands) < 2:
+        return [f"- command: `{info.command}`"]
+    return ["- commands (one per session):"] + [f"  - `{c}`" for c in info.commands]
+
+
 def report_markdown(plan: Plan, result: TrainResult, info: RunInfo, speed: dict | None = None) -> str:
     """``report.md``: what ran, the plan and the measured summary; with ``speed``
     (:func:`tightfit.report.speed.speed_record`), the speeds side by side and where the time went."""
@@ -202,7 +214,7 @@ def report_markdown(plan: Plan, result: TrainResult, info: RunInfo, speed: dict 
            f"- model: `{info.model}`", f"- data: `{info.data}` ({info.n_train} training, "
            f"{info.n_eval} held-out samples; {info.label_names})",
            f"- hardware: {info.device_name}", f"- torch {info.torch}, tightfit {info.version}",
-           f"- command: `{info.command}`", "", "## Plan", "", "```", *plan_lines(plan), "```", "",
+           *_command_lines(info), "", "## Plan", "", "```", *plan_lines(plan), "```", "",
            "## Measured", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in summary_rows(result, info)]
     if speed is not None:
