@@ -247,6 +247,8 @@ def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):
     assert (ckpt / "dcp").is_dir()
     assert all(r["checkpoint_seconds"] > 0 for r in full)  # the summary's "time: checkpoints" counts them
     resumed = spawn({**spec, "resume": str(ckpt)}, 2, tmp_path)
+    # ckpt-1's state was taken before its own write, the first: its time is read back from beside it
+    assert all(r["checkpoint_seconds"] > 0 for r in resumed)
     assert _losses(resumed[0]) == _losses(full[0])[1:]  # dropout on, bit for bit
     _same_weights(resumed[0]["weights"], full[0]["weights"])
     # 2 -> 1: the sharded state is resharded into one process; without dropout the run continues

@@ -414,3 +414,42 @@ def test_the_commands_of_sessions_that_recorded_none_fall_back_to_the_runs_own(t
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert session_commands(path, "tightfit train --model m") == ["tightfit train --model m", "tightfit train -r"]
     assert session_commands(tmp_path / "missing.jsonl", "tightfit train --model m") == ["tightfit train --model m"]
+
+
+def test_a_resumed_run_counts_the_write_of_the_checkpoint_it_resumed_from(tiny_run_inputs, tmp_path, monkeypatch):
+    """A checkpoint carries the run's checkpoint times so far, taken before its own write: a resumed
+    run's summary lost the time spent writing the last checkpoint of each earlier session. Each
+    write is made to take 100 s more on the writer's clock: the summary counts every one."""
+    from types import SimpleNamespace
+
+    import tightfit.runtime.async_checkpoint as writer
+    from tightfit.cli import main
+
+    later, writes, write = [0.0], [], writer.write_snapshot
+
+    def slow(folder, step, *a, **k):  # 100 s on the writer's clock (test time: none)
+        later[0] += 100.0
+        writes.append(step)
+        return write(folder, step, *a, **k)
+    monkeypatch.setattr(writer, "write_snapshot", slow)
+    monkeypatch.setattr(writer, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + later[0]))
+    model_dir, data = tiny_run_inputs
+    run = tmp_path / "run"
+    assert _main_stopped_at(monkeypatch, 3, ["train", "--model", str(model_dir), "--data", str(data), "--batch-size",
+                                             "8", "--max-steps", "8", "--lr", "1e-3", "--seq-len", "32",
+                                             "--checkpoint-every", "2", "--log-every", "1", "--out", str(run),
+                                             "--no-progress", "--device", "cpu"]) == 130
+    assert writes == [2, 3]
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert writes == [2, 3, 4, 6, 8]
+    got = json.loads((run / "summary.json").read_text())["speed"]["checkpoint_write_seconds"]
+    assert 100 * len(writes) <= got < 100 * len(writes) + 50, got  # the stop's ckpt-3 too
+
+    from tightfit.runtime.checkpoint import TIMES, checkpoint_times, verify_checkpoint
+
+    newest = run / "checkpoints" / "ckpt-8"
+    assert (newest / TIMES).is_file() and verify_checkpoint(newest)  # beside the manifest's files, not in them
+    (newest / TIMES).write_text("{")  # damaged, or absent (an older tightfit's): the state's counters stand
+    assert checkpoint_times(newest) is None
+    (newest / TIMES).unlink()
+    assert checkpoint_times(newest) is None and verify_checkpoint(newest)

@@ -609,7 +609,7 @@ def test_checkpoints_reuse_one_set_of_host_buffers(tmp_path):
     writer = CheckpointWriter(tmp_path)
     snaps = []
     original = writer._write
-    writer._write = lambda step, snap, abandoned=(): snaps.append(snap) or original(step, snap, abandoned)
+    writer._write = lambda step, snap, *rest: snaps.append(snap) or original(step, snap, *rest)
     for step in (1, 2):
         writer.save(step, model, state)
     writer.close()

@@ -4,7 +4,9 @@ At a step boundary the loop only copies the state into host memory
 (:func:`~tightfit.runtime.checkpoint.take_snapshot`: device-to-host copies into reused pinned
 buffers, in stream order); a single background thread then serialises, fsyncs and hashes it
 and renames the folder into place (:func:`~tightfit.runtime.checkpoint.write_snapshot`, manifest
-last), so a crash or kill at any moment leaves either the whole checkpoint or none. One write
+last), so a crash or kill at any moment leaves either the whole checkpoint or none; then it
+records the run's checkpoint times including that write beside it
+(:func:`~tightfit.runtime.checkpoint.write_checkpoint_times`). One write
 is in flight at a time: the next save waits for the previous one, which bounds the host memory
 to one copy of the weights and the state. :meth:`CheckpointWriter.flush` waits for the write in
 flight and re-raises its error; the trainer calls it at every stop (end of training, a signal,
@@ -13,13 +15,14 @@ non-finite steps, an error), so a run never ends with a checkpoint half-written.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from .checkpoint import _HostBuffers, take_snapshot, write_failure, write_snapshot
+from .checkpoint import _HostBuffers, take_snapshot, write_checkpoint_times, write_failure, write_snapshot
 
 
 class CheckpointWriter:
@@ -28,6 +31,9 @@ class CheckpointWriter:
     Args:
         folder: where ``ckpt-<step>`` folders go; ``keep_last``: newest checkpoints kept.
         background: False writes on the calling thread (same files).
+        carried: seconds ``(held, writing)`` of the run's checkpoints before this writer's (an
+            earlier session's, from the checkpoint resumed), added to the times each checkpoint
+            records beside it.
 
     Attributes:
         blocked_seconds: time the caller spent in :meth:`save` and :meth:`flush` (the snapshot,
@@ -37,8 +43,9 @@ class CheckpointWriter:
             state, reused by every checkpoint).
     """
 
-    def __init__(self, folder: str | Path, keep_last: int = 2, background: bool = True):
-        self.folder, self.keep_last = Path(folder), keep_last
+    def __init__(self, folder: str | Path, keep_last: int = 2, background: bool = True,
+                 carried: tuple[float, float] = (0.0, 0.0)):
+        self.folder, self.keep_last, self.carried = Path(folder), keep_last, carried
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tightfit-checkpoint") if background else None
         self._pending: Future | None = None
         self._buffers = _HostBuffers()
@@ -61,18 +68,19 @@ class CheckpointWriter:
             self._wait()  # its buffers are reused by this snapshot
             snap = take_snapshot(model, state, self._buffers)
             self.host_bytes = max(self.host_bytes, snap.nbytes)
+            held = self.blocked_seconds + time.perf_counter() - t0  # up to this snapshot, for the write's record
             if self._pool is None:
-                self._write(step, snap, abandoned)
+                self._write(step, snap, abandoned, held)
             else:
-                self._pending = self._pool.submit(self._write, step, snap, frozenset(abandoned))
+                self._pending = self._pool.submit(self._write, step, snap, frozenset(abandoned), held)
         finally:
             self.blocked_seconds += time.perf_counter() - t0
         return self.folder / f"ckpt-{step}"
 
-    def _write(self, step: int, snap, abandoned=()) -> Path:
+    def _write(self, step: int, snap, abandoned=(), held: float = 0.0) -> Path:
         t0 = time.perf_counter()
         try:
-            return write_snapshot(self.folder, step, snap, self.keep_last, abandoned)
+            path = write_snapshot(self.folder, step, snap, self.keep_last, abandoned)
         except Exception as e:  # e.g. the disk full: its temporary folder is gone, the others untouched
             failure = write_failure(e, step, self.folder)
             if failure is None:
@@ -80,6 +88,10 @@ class CheckpointWriter:
             raise failure from e
         finally:
             self.write_seconds += time.perf_counter() - t0
+        # its state's counters were taken before this write: a resume from it reads these instead
+        with contextlib.suppress(OSError):  # whole without them (its state's stand); a full disk fails the next write
+            write_checkpoint_times(path, self.carried[0] + held, self.carried[1] + self.write_seconds)
+        return path
 
     def flush(self) -> None:
         """Wait for the write in flight; re-raise its error (raised once)."""

@@ -13,12 +13,18 @@ manifests existed are accepted: their safetensors header must cover the whole fi
 resuming from one says so. Temporary folders left by a checkpoint write that was killed
 (``.ckpt-<step>.*.tmp``, ``.ckpt-<step>.old``) are removed before the next checkpoint is written,
 and on resume (:func:`remove_stale_temporaries`).
+
+Once a checkpoint is in place, ``times.json`` beside its files records the run's checkpoint times
+including its own write (:func:`write_checkpoint_times`), which ``state.pt``, taken before the
+write, cannot hold. It is not in the manifest: a checkpoint without it (an older tightfit's, or
+one whose writer was killed just after the rename) is whole, and resumes with its state's times.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -42,6 +48,7 @@ MODEL_FILE, STATE_FILE, MANIFEST = "model.safetensors", "state.pt", "manifest.js
 # In the checkpoints folder, while a resume from an earlier checkpoint has not yet written one of
 # its own: the later checkpoints it leaves behind (mark_abandoned), which a resume of the run skips.
 ABANDONED = "abandoned.json"
+TIMES = "times.json"  # in a checkpoint folder, after it is in place: write_checkpoint_times
 MANIFEST_FORMAT = "tightfit-checkpoint/1"
 _CHUNK = 1 << 20  # bytes read at a time when hashing
 
@@ -268,6 +275,30 @@ def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2, 
     atomic_write_dir(target, fill)
     prune_checkpoints(folder, step, keep_last, abandoned)
     return target
+
+
+def write_checkpoint_times(path: Path, held: float, writing: float) -> None:
+    """Record in checkpoint folder ``path``, once it is in place, the run's checkpoint times so far
+    (seconds: ``held``, the loop held by checkpoints; ``writing``, checkpoints written) including its
+    own write, which its ``state.pt`` cannot hold (taken before it); written atomically as
+    ``TIMES``, not listed in the manifest. A resume reads them with :func:`checkpoint_times`.
+
+    Raises:
+        OSError: it could not be written (the checkpoint is whole without it).
+    """
+    atomic_write_json(Path(path) / TIMES, {"checkpoint_seconds": held, "checkpoint_write_seconds": writing})
+
+
+def checkpoint_times(path: Path) -> tuple[float, float] | None:
+    """The ``(checkpoint_seconds, checkpoint_write_seconds)`` that :func:`write_checkpoint_times`
+    recorded beside checkpoint ``path``; None where there is none (an older tightfit's checkpoint,
+    a kill before it was written) or it cannot be read: the counters of its state stand then."""
+    try:
+        record = json.loads((Path(path) / TIMES).read_text(encoding="utf-8"))
+        times = (float(record["checkpoint_seconds"]), float(record["checkpoint_write_seconds"]))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return times if all(math.isfinite(t) and t >= 0 for t in times) else None
 
 
 def streak_record(state: dict) -> dict:

@@ -898,7 +898,7 @@ class Trainer:
         if self.world.writes_dcp:  # every rank writes its part with torch.distributed.checkpoint
             from .sharded_checkpoint import save_sharded
 
-            from .checkpoint import write_failure
+            from .checkpoint import write_checkpoint_times, write_failure
 
             state = {k: v for k, v in self.state_dict().items() if k != "optimizer"}
             t0 = time.perf_counter()
@@ -913,11 +913,14 @@ class Trainer:
             held = time.perf_counter() - t0  # written in the loop's time: it holds the loop as long as it writes
             self.result.checkpoint_seconds += held
             self.result.checkpoint_write_seconds += held
+            if self.world.is_main:  # its state's counters were taken before this write: a resume reads these
+                with contextlib.suppress(OSError):  # the checkpoint is whole without them
+                    write_checkpoint_times(path, self.result.checkpoint_seconds, self.result.checkpoint_write_seconds)
             self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
             return str(path)
         if self._writer is None:
             self._writer = CheckpointWriter(self.cfg.checkpoint_dir, self.cfg.keep_last,
-                                            background=self.cfg.background_checkpoints)
+                                            background=self.cfg.background_checkpoints, carried=self._checkpoint_base)
         path = self._writer.save(self.step, self.model, self.state_dict(), self._abandoned)
         if not background:
             self.flush_checkpoints()
@@ -946,8 +949,8 @@ class Trainer:
         scheduler, RNG states, data position and micro-batch; :meth:`fit` then continues.
         ``state`` and ``verified``: as :func:`~tightfit.runtime.checkpoint.load_checkpoint` (a
         caller that verified and read the checkpoint already passes them: read and hashed once)."""
-        from .checkpoint import (check_trained_parameters, check_training_state, checkpoint_step, list_checkpoints,
-                                 load_checkpoint, read_state, verify_checkpoint)
+        from .checkpoint import (check_trained_parameters, check_training_state, checkpoint_step, checkpoint_times,
+                                 list_checkpoints, load_checkpoint, read_state, verify_checkpoint)
 
         from .sharded_checkpoint import is_sharded, load_sharded
 
@@ -991,8 +994,10 @@ class Trainer:
         self.result.final_loss = c["final_loss"]
         self._skipped_in_row, self._clean_windows = c["skipped_in_row"], c["clean_windows"]
         self._last_update = c.get("last_update", self.step - self._skipped_in_row)  # (older checkpoints: derived)
-        # the earlier sessions' times (absent from checkpoints of older versions: 0)
-        self._checkpoint_base = (c.get("checkpoint_seconds", 0.0), c.get("checkpoint_write_seconds", 0.0))
+        # the earlier sessions' times (absent from checkpoints of older versions: 0), with the checkpoint's
+        # own write where it was recorded beside it (its state was taken before the write)
+        saved_times = (c.get("checkpoint_seconds", 0.0), c.get("checkpoint_write_seconds", 0.0))
+        self._checkpoint_base = tuple(map(max, saved_times, checkpoint_times(path) or saved_times))
         self.result.checkpoint_seconds, self.result.checkpoint_write_seconds = self._checkpoint_base
         self.resumed_wall_seconds = c.get("wall_seconds", 0.0)
         # the earlier sessions' peaks (absent from checkpoints of older versions: 0): the run's are the largest
