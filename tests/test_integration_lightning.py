@@ -108,6 +108,35 @@ def test_callback_sets_accumulation_and_checkpointing_and_warns_on_precision_and
     assert "tightfit: your Trainer's accumulate_grad_batches" in caplog.text
 
 
+class _ManualClassifier(_Classifier):
+    """The classifier under manual optimization: one optimizer step per training batch."""
+
+    def __init__(self):
+        super().__init__(dropout=0.0)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        self.batches += 1
+        optimizer = self.optimizers()
+        self.manual_backward(self.bert(**batch).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_manual_optimization_is_not_told_the_plans_accumulation_was_set(caplog):
+    """Under manual optimization Lightning accumulates nothing (and refuses accumulate_grad_batches
+    above 1 when the Trainer is made with it): the callback set the plan's 2 anyway and said "replaced by the
+    plan's 2", while each batch of 4 took its own optimizer step (an effective batch of 4, not 8). It
+    now leaves the Trainer's 1 and says the plan's accumulation is the training_step's to do."""
+    plan = Plan("fp32", 4, 8)
+    with caplog.at_level(logging.WARNING, logger="tightfit"):  # the Trainer made without accumulation, as Lightning asks
+        trainer, module, cb = _fit(plan, _ManualClassifier(), steps=2, accumulate_grad_batches=1)
+    assert trainer.accumulate_grad_batches == 1 and trainer.global_step == 2 and module.batches == 2
+    assert not any("replaced by the plan's" in e for e in cb.events), cb.events
+    assert len(cb.events) == 1 and "manual optimization" in cb.events[0], cb.events
+    assert "every 2 training batches" in cb.events[0] and "effective batch of 8" in cb.events[0], cb.events
+
+
 def test_a_fit_with_a_plan_without_checkpointing_turns_an_earlier_plans_off():
     _, module, _ = _fit(Plan("fp32", 4, 4, activation_checkpointing=True), steps=1)
     assert hf_hook_active(module.bert)

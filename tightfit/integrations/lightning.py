@@ -17,7 +17,9 @@ What each part does, and what Lightning leaves out of reach:
 - :class:`TightfitCallback`: at ``setup`` turns activation checkpointing on as planned (the
   model's own Hugging Face hook, non-reentrant, or tightfit's block wrappers), sets
   ``trainer.accumulate_grad_batches`` to the plan's (as Lightning's own
-  ``GradientAccumulationScheduler`` does) and warns when the precision or the loader's batch
+  ``GradientAccumulationScheduler`` does; under manual optimization, where Lightning accumulates
+  nothing and refuses ``accumulate_grad_batches`` above 1, it leaves it and says to step every
+  ``plan.accumulation_steps`` batches in ``training_step``) and warns when the precision or the loader's batch
   differ from the plan (saying what the effective batch becomes); logs per-step peak allocated/reserved memory and GPU health (NVML);
   skips an optimizer step whose (unscaled) gradients are not finite, or whose norm is not (finite
   gradients that overflow it) -- in ``32-true``/``bf16-mixed`` by dropping the gradients, so that
@@ -97,7 +99,9 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
     Args:
         plan: from :func:`tightfit.plan`.
         yours: your own ``Trainer`` keywords; one the plan sets may be given only with the plan's
-            value (delete your ``accumulate_grad_batches`` and ``precision``).
+            value (delete your ``accumulate_grad_batches`` and ``precision``). Under manual optimization
+            (``automatic_optimization = False``) Lightning refuses ``accumulate_grad_batches`` above 1:
+            drop it from the result and step every ``plan.accumulation_steps`` batches yourself.
 
     Raises:
         TightfitError: ``plan`` is not a :class:`tightfit.Plan`; one of ``yours`` sets what the plan
@@ -180,7 +184,14 @@ class TightfitCallback(Watch, L.Callback):
         # on or off as planned: an earlier plan's checkpointing of the same module must not stay on
         set_activation_checkpointing(_checkpointable(pl_module), self.plan.activation_checkpointing,
                                      self.plan.checkpoint_blocks, self.plan.block_policies)
-        if trainer.accumulate_grad_batches != self.plan.accumulation_steps:
+        if not pl_module.automatic_optimization:  # Lightning accumulates nothing for it: the training_step does
+            if self.plan.accumulation_steps > 1:
+                self._event(f"manual optimization: Lightning does not accumulate (accumulate_grad_batches is for "
+                            f"automatic optimization), so the plan's {self.plan.accumulation_steps} is not set; for the "
+                            f"plan's effective batch of {self.plan.effective_batch}, step your optimizer once every "
+                            f"{self.plan.accumulation_steps} training batches of {self.plan.micro_batch}, each loss "
+                            f"divided by {self.plan.accumulation_steps}")
+        elif trainer.accumulate_grad_batches != self.plan.accumulation_steps:
             self._event(f"your Trainer's accumulate_grad_batches={trainer.accumulate_grad_batches} replaced by the "
                         f"plan's {self.plan.accumulation_steps}")
             trainer.accumulate_grad_batches = self.plan.accumulation_steps
