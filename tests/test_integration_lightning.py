@@ -144,6 +144,15 @@ def test_a_fit_with_a_plan_without_checkpointing_turns_an_earlier_plans_off():
     assert not hf_hook_active(module.bert)
 
 
+def test_your_own_checkpointing_turned_off_by_a_plan_without_it_is_said():
+    module = _Classifier()
+    module.bert.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, module, cb = _fit(Plan("fp32", 4, 4), module, steps=1)
+    assert not hf_hook_active(module.bert)
+    assert len(cb.events) == 1 and "activation checkpointing" in cb.events[0], cb.events
+    assert "checkpointing='on'" in cb.events[0], cb.events
+
+
 def test_non_finite_steps_are_skipped_then_fit_stops():
     module = _Classifier()
     start = [p.detach().clone() for p in module.parameters()]

@@ -533,6 +533,24 @@ def test_a_second_plan_without_checkpointing_turns_the_first_plans_off():
     assert math.isfinite(step(batch).loss)
 
 
+def test_your_own_checkpointing_turned_off_by_a_plan_without_it_is_said(caplog):
+    """A model whose checkpointing you turned on yourself, planned with checkpointing="auto": the
+    plan has none, and TrainStep turned the model's hook off without a word (more memory per step
+    than the model ran with). It still runs the plan, and now says so, naming how to keep it."""
+    from tightfit.levers.checkpointing import hf_hook_active
+
+    model, batch = tiny_bert(), SyntheticBatches(8).worst_case(8)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plan = tightfit.plan(model, batch)
+    assert not plan.activation_checkpointing
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        step = tightfit.TrainStep(plan, model)
+    assert not hf_hook_active(model)
+    assert len(step.events) == 1 and "activation checkpointing" in step.events[0], step.events
+    assert "checkpointing='on'" in step.events[0] and step.events[0] in caplog.text
+    assert tightfit.TrainStep(plan, model).events == []  # nothing to say when it is off already
+
+
 @pytest.mark.parametrize("micro_batch", [4, 1])
 def test_class_labels_of_minus_100_are_left_out_of_the_mean_at_every_split(micro_batch):
     """A classifier's own loss (``BertForSequenceClassification``: cross-entropy skipping label -100)

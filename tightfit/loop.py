@@ -415,7 +415,8 @@ class TrainStep:
     Args:
         plan: from :func:`plan` (or any :class:`tightfit.Plan`).
         model: the model planned for, on ``plan.device`` (:func:`plan` moves it there); activation
-            checkpointing applied as planned.
+            checkpointing applied as planned (checkpointing the model had on, yours or an earlier
+            plan's, turned off with a warning when the plan has none).
         optimizer: your optimizer over the model's parameters; None: the plan's (fused AdamW, ``lr``;
             under ``adamw8bit-bf16`` the model's floating-point weights are first cast to bf16, in place).
         loss: ``(model, batch) -> 0-d mean loss``, as in :func:`plan`; default ``model(**batch).loss``.
@@ -457,7 +458,7 @@ class TrainStep:
                  lr: float | None = None, max_grad_norm: float | None = None, max_skipped_steps: int = 20,
                  grow_back_after: int = 100, warn_temp_c: float = 82.0):
         from .config import TrainOptions, check_option
-        from .levers.checkpointing import set_activation_checkpointing
+        from .levers.checkpointing import set_activation_checkpointing, turned_off_note
         from .levers.trainable import check_trainable
         from .levers.precision import make_grad_scaler
         from .runtime.health import HealthMonitor
@@ -492,8 +493,12 @@ class TrainStep:
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
         self.model = model
-        # on or off as planned: an earlier plan's checkpointing of the same model must not stay on
+        # on or off as planned: an earlier plan's checkpointing of the same model must not stay on (said: yours too)
+        self.events: list[str] = []
+        note = turned_off_note(model, plan.activation_checkpointing, plan.checkpoint_blocks, plan.block_policies)
         set_activation_checkpointing(model, plan.activation_checkpointing, plan.checkpoint_blocks, plan.block_policies)
+        if note:
+            self._event(note, logging.WARNING)
         if optimizer is None:  # the plan's; adamw8bit-bf16 needs the model's weights in bf16 first
             from .levers.optimizers import cast_weights
 
@@ -507,7 +512,6 @@ class TrainStep:
         self.steps = self.skipped_steps = self.oom_recoveries = 0
         self._skipped_in_row = self._clean_steps = 0
         self.memory_timeline: list[tuple[int, int, int]] = []
-        self.events: list[str] = []
         self.model.zero_grad(set_to_none=True)  # a stray backward before the loop must not leak into step 1
 
     def __call__(self, batch) -> StepOutcome:

@@ -15,7 +15,8 @@ What each part does, and what Lightning leaves out of reach:
   gradient clipping stay yours). The precision plugin is fixed when the ``Trainer`` is made, so
   only these arguments can set it.
 - :class:`TightfitCallback`: at ``setup`` turns activation checkpointing on as planned (the
-  model's own Hugging Face hook, non-reentrant, or tightfit's block wrappers), sets
+  model's own Hugging Face hook, non-reentrant, or tightfit's block wrappers; off, with a warning,
+  where the model had it on and the plan has none), sets
   ``trainer.accumulate_grad_batches`` to the plan's (as Lightning's own
   ``GradientAccumulationScheduler`` does; under manual optimization, where Lightning accumulates
   nothing and refuses ``accumulate_grad_batches`` above 1, it leaves it and says to step every
@@ -179,11 +180,14 @@ class TightfitCallback(Watch, L.Callback):
         """Before ``fit``: checkpointing as planned, the plan's accumulation, checks of precision."""
         if stage != "fit":
             return
-        from ..levers.checkpointing import set_activation_checkpointing
+        from ..levers.checkpointing import set_activation_checkpointing, turned_off_note
 
-        # on or off as planned: an earlier plan's checkpointing of the same module must not stay on
-        set_activation_checkpointing(_checkpointable(pl_module), self.plan.activation_checkpointing,
-                                     self.plan.checkpoint_blocks, self.plan.block_policies)
+        # on or off as planned: an earlier plan's checkpointing of the same module must not stay on (said: yours too)
+        planned = (self.plan.activation_checkpointing, self.plan.checkpoint_blocks, self.plan.block_policies)
+        note = turned_off_note(_checkpointable(pl_module), *planned)
+        set_activation_checkpointing(_checkpointable(pl_module), *planned)
+        if note:
+            self._event(note)
         if not pl_module.automatic_optimization:  # Lightning accumulates nothing for it: the training_step does
             if self.plan.accumulation_steps > 1:
                 self._event(f"manual optimization: Lightning does not accumulate (accumulate_grad_batches is for "

@@ -96,6 +96,26 @@ def check_checkpointing(model: torch.nn.Module, checkpointing: str) -> None:
                             "checkpointing; use --checkpointing off or auto")
 
 
+def checkpointing_active(model: torch.nn.Module) -> bool:
+    """Whether ``model`` checkpoints any activations now: its Hugging Face hook (turned on by you or
+    an earlier plan) or tightfit's block wrappers."""
+    from .blocks import find_blocks, is_checkpointed
+
+    return hf_hook_active(model) or any(is_checkpointed(b) for b in find_blocks(model))
+
+
+def turned_off_note(model: torch.nn.Module, enabled: bool, blocks=None, policies=None) -> str | None:
+    """What :func:`set_activation_checkpointing` with these arguments would turn off without a word:
+    a note when ``model`` checkpoints now (:func:`checkpointing_active`) and the plan checkpoints
+    nothing; None otherwise."""
+    if (policies is not None and any(p != "none" for p in policies)) or (policies is None and enabled):
+        return None
+    if not checkpointing_active(model):
+        return None
+    return ("the model's activation checkpointing (yours, or an earlier plan's) is turned off: this plan has none; "
+            "plan with checkpointing='on' to keep it")
+
+
 def hf_hook_active(model: torch.nn.Module) -> bool:
     """Whether the model's own Hugging Face checkpointing hook is on."""
     return bool(getattr(model, _name(model, "is_activation_checkpointing", "is_gradient_checkpointing"), False))
