@@ -196,6 +196,34 @@ def test_a_budget_in_bytes_still_reads_as_bytes():
     assert parse_budget(str(4 * GiB)) == parse_budget("4GiB") == parse_budget(4 * GiB) == 4 * GiB
 
 
+def test_a_budget_in_bytes_may_be_written_with_an_exponent(capsys):
+    """`--budget 1e9` was "cannot read memory size": bytes are often written so (the API took 4e9 as a float)."""
+    from tightfit.units import parse_budget
+
+    assert parse_budget("1e9") == parse_budget(1e9) == 10**9
+    assert parse_budget("4e9") == parse_budget(" 4E+9 ") == parse_budget("4e9B") == 4 * 10**9
+    assert parse_budget("2.5e9") == 2_500_000_000
+    with pytest.raises(TightfitError, match="^memory size must be a finite number of bytes"):
+        parse_budget("1e308GiB")  # past a float once in bytes: int(inf) raised OverflowError
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--budget", "1e9",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["budget_bytes"] == 10**9
+
+
+@pytest.mark.parametrize("budget, message", [
+    ("1.5e0", "memory size '1.5e0' is a fraction of a byte: write a unit, e.g. 1.5GiB"),
+    ("-1e9", "memory size must be positive, got '-1e9'"),
+    ("0e0", "memory size must be positive, got '0e0'"),
+    ("1e999", "memory size must be a finite number of bytes, got '1e999'"),  # past a float: int(inf) raised
+    ("nan", "cannot read memory size 'nan': write a number and a unit, e.g. 4GiB, 11GB, 512MiB"),
+])
+@pytest.mark.parametrize("command", [["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4"],
+                                     ["train", "--data", "missing.csv"]])
+def test_a_budget_with_an_exponent_that_is_no_whole_positive_bytes_is_refused(command, budget, message, capsys):
+    assert main([*command, f"--budget={budget}"]) == 2
+    assert _error_line(capsys) == f"tightfit: error: --budget {budget}: {message}"
+
+
 # ---- fresh-user trial (stop 27): silent caps and an empty --out
 
 def _tiny_model_and_data(tmp_path):

@@ -19,7 +19,8 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*([+-]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+))\s*([a-zA-Z]*)\s*$")  # 4, 3.5, .5
+# 4, 3.5, .5, 1e9, 2.5E9 (an exponent: how bytes are often written, as in 4e9)
+_SIZE_RE = re.compile(r"^\s*([+-]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 GiB = 2**30
 MiB = 2**20
@@ -31,7 +32,8 @@ def parse_size(text: str | int | float) -> int:
     """Parse a memory size into bytes.
 
     Args:
-        text: e.g. ``"4GiB"``, ``"11GB"``, ``"3.5 GiB"``, ``".5GiB"``, ``"512MiB"``, ``"2048"`` (bytes),
+        text: e.g. ``"4GiB"``, ``"11GB"``, ``"3.5 GiB"``, ``".5GiB"``, ``"512MiB"``, ``"2048"`` or ``"2.5e9"``
+            (bytes; an exponent reads as ``float`` does, and the bytes must be whole),
             or a number of bytes (an int, or a float holding a whole number such as ``4e9``).
             Bare ``K/M/G/T`` are binary (as in ``nvidia-smi``'s MiB).
 
@@ -39,8 +41,8 @@ def parse_size(text: str | int | float) -> int:
         The size in bytes (int; a fraction of a unit is rounded down to whole bytes).
 
     Raises:
-        TightfitError: not a number followed by a known unit; zero, negative, inf or NaN; a fraction of a
-            byte (``4.5`` or ``"4.5"`` without a unit).
+        TightfitError: not a number followed by a known unit; zero, negative, inf or NaN (also a size
+            past a float, ``"1e999"``); a fraction of a byte (``4.5``, ``"4.5"`` or ``"1.5e0"`` without a unit).
     """
     if isinstance(text, bool):
         raise TightfitError(f"cannot read memory size {text!r}: write a number and a unit, e.g. 4GiB, 11GB, 512MiB")
@@ -62,14 +64,23 @@ def parse_size(text: str | int | float) -> int:
         raise TightfitError(
             f"cannot read memory size {text!r}: write a number and a unit, e.g. 4GiB, 11GB, 512MiB")
     number = float(m.group(1))
+    if not math.isfinite(number * _UNITS[unit]):  # 1e999, or 400 digits: past a float, int() would raise
+        raise TightfitError(f"memory size must be a finite number of bytes, got {text!r}")
     if number <= 0:
         raise TightfitError(f"memory size must be positive, got {text!r}")
     if _UNITS[unit] == 1 and not number.is_integer():
-        raise TightfitError(f"memory size {text!r} is a fraction of a byte: write a unit, e.g. {m.group(1)}GiB")
+        raise TightfitError(f"memory size {text!r} is a fraction of a byte: write a unit, "
+                            f"e.g. {_as_written(m.group(1))}GiB")
     value = int(number * _UNITS[unit])
     if value <= 0:
         raise TightfitError(f"memory size must be positive, got {text!r}")
     return value
+
+
+def _as_written(number: str) -> str:
+    """A matched number to suggest with a unit: as the user wrote it, or without its exponent
+    (``"1.5e0"`` -> ``"1.5"``, not ``"1.5e0GiB"``)."""
+    return f"{float(number):g}" if "e" in number.lower() else number
 
 
 def parse_budget(text: str | int | float) -> int:
@@ -85,7 +96,8 @@ def parse_budget(text: str | int | float) -> int:
     if m is not None and not m.group(2) and value < MiB:
         said = f"--budget {text.strip()} is {value} byte{'s' if value != 1 else ''}"
         if value <= _MAX_MEANT_GIB:  # a card's memory in GiB or GB, written without its unit
-            raise TightfitError(f"{said}: give a unit, e.g. {m.group(1)}GiB or {m.group(1)}GB")
+            shown = _as_written(m.group(1))
+            raise TightfitError(f"{said}: give a unit, e.g. {shown}GiB or {shown}GB")
         # a number this large was not meant as GiB: suggesting "1048575GiB" would be absurd
         raise TightfitError(f"{said}, under the smallest budget of 1 MiB ({MiB} bytes): give at least {MiB} bytes, "
                             "or a unit, e.g. 6GiB or 512MiB")
