@@ -78,6 +78,36 @@ def test_steps_queued_ahead_train_log_and_checkpoint_as_steps_read_at_once(tmp_p
         assert_same_params(params_of(ma), params_of(mb))
 
 
+def test_a_window_without_targets_queued_ahead_makes_no_update_as_in_steps_read_at_once(tmp_path, monkeypatch):
+    """A window whose every label is -100 runs nothing on the device (no update, no non-finite step),
+    also when it is queued ahead of the step before it being read; the steps around it run ahead as before."""
+    from tightfit.runtime.trainer import epoch_order, windows_of
+
+    def run(name):
+        records = []
+        data = SyntheticBatches(80)
+        for s in (1, 5):  # both queued ahead: their boundaries write no metrics line and no checkpoint
+            data.labels[windows_of(epoch_order(80, 3, 0), 8)[s]] = -100
+        torch.manual_seed(5)
+        t = Trainer(Workload(tiny_bert(0.1, 0), data, SyntheticBatches(8, seed=1), 8), Plan("fp32", 4, 8),
+                    TrainConfig(epochs=2, lr=1e-3, seed=3, log_every=3, checkpoint_every=4,
+                                checkpoint_dir=str(tmp_path / name)), log=records.append, progress=False)
+        t.fit()
+        return t, [{k: v for k, v in r.items() if k not in ("samples_per_s", "path")} for r in records]
+
+    sync, sync_records = run("sync")
+    monkeypatch.setattr(step, "skips_on_device", _fused_anywhere)
+    launched, launch = [], Trainer._launch
+    monkeypatch.setattr(Trainer, "_launch", lambda self, window, index: launched.append((index, self.step))
+                        or launch(self, window, index))
+    queued, queued_records = run("queued")
+    assert {(1, 0), (5, 4)} <= set(launched)  # steps 2 and 6 were queued while steps 1 and 5 were unread
+    assert queued_records == sync_records
+    assert_same_params(params_of(queued.model), params_of(sync.model))
+    assert queued.result.skipped_steps == 0 and [e for e in queued.result.events if "no target" in e] == [
+        f"step {s}: no target in the window (every label is -100): nothing to learn, no update" for s in (2, 6)]
+
+
 @pytest.mark.parametrize("grad", [1.0, math.inf, math.nan])
 def test_the_device_side_skip_decides_as_the_host_guard(grad, monkeypatch):
     results = {}

@@ -506,3 +506,88 @@ def test_the_loss_plot_leaves_out_non_finite_held_out_losses(tmp_path, monkeypat
                         lambda self, x, y, **k: plotted.append(list(y)) or scatter(self, x, y, **k))
     assert [p.name for p in plot_run(tmp_path, [], None)] == ["loss.png"]
     assert plotted == [[0.65]]
+
+
+# ---- a window without targets (every label -100): nothing to learn, no update, no non-finite step
+
+def _without_targets(n: int, seed: int, steps: tuple[int, ...], effective_batch: int = 8) -> SyntheticBatches:
+    """``n`` samples whose windows of ``steps`` (0-based, first epoch, as ``seed`` orders it) hold no label."""
+    from tightfit.runtime.trainer import epoch_order, windows_of
+
+    data = SyntheticBatches(n)
+    windows = windows_of(epoch_order(n, seed, 0), effective_batch)
+    for s in steps:
+        data.labels[windows[s]] = -100
+    return data
+
+
+def _models_mean_loss(model, batch):
+    """The model's own mean over the labelled samples times their count: NaN (0/0) times 0 without
+    any, whose gradient is 0 (cross-entropy's backward leaves out the samples labelled -100)."""
+    from tightfit.workload import count_samples
+
+    return model(**batch).loss * count_samples(batch)
+
+
+def _masked_mean_loss(model, batch):
+    """A user's masked mean over the labelled samples times their count: without any, its gradient
+    is 0/0 too, NaN, and the step non-finite."""
+    logp = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float().log_softmax(-1)
+    labelled = batch["labels"] != -100
+    picked = logp.gather(1, batch["labels"].clamp(min=0)[:, None])[:, 0]
+    n = labelled.sum()
+    return -(picked * labelled).sum() / n * n
+
+
+@pytest.mark.parametrize("loss_sum", [None, _models_mean_loss, _masked_mean_loss],
+                         ids=["task-sum", "model-mean", "masked-mean"])
+def test_a_window_without_targets_makes_no_update_and_is_not_a_skipped_nonfinite_step(loss_sum):
+    """A window whose every label is -100 stepped AdamW with zero gradients (its weight decay moved
+    the weights, its step count went on; with the model's own mean the step's loss read NaN) or,
+    where that gradient is 0/0, was counted as a skipped non-finite step, one of the
+    ``max_skipped_steps`` in a row that stop the run. It is now no update, said once; the
+    schedule goes on, as it follows the data."""
+    from tightfit.workload import count_samples
+
+    def run(data):
+        records, seen = [], []
+
+        def log(r):
+            records.append(r)
+            if r["type"] == "train":  # the state after each step: weights, AdamW's step count
+                seen.append((params_of(t.model), [int(s["step"]) for s in t.optimizer.state.values()]))
+        extra = {"loss_sum": loss_sum, "count": count_samples} if loss_sum else {}
+        t = Trainer(Workload(tiny_bert(0.1, 0), data, None, 8, **extra), Plan("fp32", 4, 8),
+                    TrainConfig(epochs=1, lr=1e-3, seed=3, weight_decay=0.1, log_every=1, max_skipped_steps=1),
+                    log=log, progress=False)
+        result = t.fit()  # max_skipped_steps=1: one skipped non-finite step would stop it
+        return t, result, records, seen
+
+    t, result, records, seen = run(_without_targets(24, 3, steps=(1,)))
+    train = [r for r in records if r["type"] == "train"]
+    assert [r["stepped"] for r in train] == [True, False, True] and train[1]["loss"] == 0.0
+    assert_same_params(seen[1][0], seen[0][0])  # no weight decay, no moment applied
+    assert seen[1][1] == seen[0][1] and set(seen[2][1]) == {2}  # AdamW counted two updates, not three
+    assert result.skipped_steps == 0 and t._skipped_in_row == 0
+    events = [r["message"] for r in records if r["type"] == "event"]
+    assert events == ["step 2: no target in the window (every label is -100): nothing to learn, no update"]
+    _, _, full, _ = run(SyntheticBatches(24))
+    assert [r["lr"] for r in train] == [r["lr"] for r in full if r["type"] == "train"]  # the schedule went on
+
+
+def test_a_resume_across_a_window_without_targets_is_exact(tmp_path):
+    def run(folder, resume_from=None):
+        w = Workload(tiny_bert(0.1, 0), _without_targets(32, 3, steps=(1, 2)), None, 8)
+        t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3, seed=3, checkpoint_dir=str(folder),
+                                                       checkpoint_every=1, keep_last=10), progress=False)
+        if resume_from is not None:
+            t.resume(resume_from)
+        t.fit()
+        return t
+
+    full = run(tmp_path / "full")
+    assert sum("no target" in e for e in full.result.events) == 2 and full.result.skipped_steps == 0
+    for ckpt in ("ckpt-1", "ckpt-2"):  # before the two windows, between them
+        resumed = run(tmp_path / ckpt, resume_from=tmp_path / "full" / ckpt)
+        assert_same_params(params_of(resumed.model), params_of(full.model))
+        assert resumed.optimizer.state_dict()["state"][0]["step"] == full.optimizer.state_dict()["state"][0]["step"]

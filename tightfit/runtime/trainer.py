@@ -37,8 +37,8 @@ from ..levers.layout import match_parameter_strides, use_channels_last
 from ..levers.trainable import check_trainable
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
 from ..buffers import buffer_snapshot, restore_buffers
-from ..step import (PendingStep, accumulate, changed_since, in_place_versions, make_optimizer, module_mode,
-                    train_mode, training_modes, training_step)
+from ..step import (PendingStep, StepResult, accumulate, changed_since, in_place_versions, make_optimizer,
+                    module_mode, train_mode, training_modes, training_step)
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan
 from ..workload import Workload
@@ -88,7 +88,7 @@ class TrainResult:
     """What the run did, measured.
 
     Attributes:
-        steps: optimizer steps taken (skipped non-finite steps included).
+        steps: optimizer steps taken (skipped non-finite steps and windows without targets included).
         samples: training samples consumed.
         train_seconds: wall time of the training loop (evaluation excluded).
         samples_per_s: ``samples / train_seconds``.
@@ -314,6 +314,7 @@ class _Launched:
     micro_batch: int
     backed_off: bool = False  # it ran out of memory and was redone with a smaller micro-batch
     lr: float = math.nan  # the learning rate its update ran with (the schedule moves on after it)
+    no_targets: bool = False  # its window held no target (one process): nothing ran, no update
 
     @property
     def deferred(self) -> bool:
@@ -654,7 +655,8 @@ class Trainer:
         the start (DESIGN invariant 2). Anything but an OOM propagates.
 
         Returns:
-            ``(mean loss of the window, whether the update was applied)``.
+            ``(mean loss of the window, whether the update was applied)``; ``(0.0, False)`` for a
+            window without targets on one process, which makes no update (:meth:`_micro_batches`).
 
         Raises:
             TightfitError: a micro-batch of 1 still runs out of memory.
@@ -688,6 +690,10 @@ class Trainer:
         self._grad_norm = result.grad_norm
         self._used_micro_batch = launched.micro_batch  # what this step ran with (before any grow-back)
         self._step_lr = launched.lr
+        if launched.no_targets:  # neither a clean nor a non-finite step: the streak and the clean count stand
+            self._event(f"step {self.step + 1}: no target in the window (every label is -100): nothing to learn, "
+                        "no update")
+            return result.loss, False
         return result.loss, self._after_step(result.finite, launched.window)
 
     def _launch_step(self, window: list[int], index: int) -> "_Launched":
@@ -703,6 +709,9 @@ class Trainer:
             had_state = set(self.optimizer.state)
             try:
                 micro_batches, normaliser = self._micro_batches(window, index)
+                if not normaliser:  # no target in the window (one process): nothing to learn, nothing runs
+                    pending = PendingStep(result=StepResult(0.0, 0.0, True))
+                    break
                 pending = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
                                         self.optimizer, self.scaler, self._autocast, self.cfg.max_grad_norm,
                                         defer=True)
@@ -737,18 +746,19 @@ class Trainer:
             backed_off = True
         lr = float(self.scheduler.get_last_lr()[0])  # this step's (a tensor under torchao's optimizers)
         known = pending.known  # None: decided on the device, where optimizer.step() ran (a no-op if skipped)
-        if known is None or known.finite:
+        if known is None or (known.finite and normaliser):
             self.scheduler.step()  # the schedule follows the data, applied or skipped
         else:
-            with warnings.catch_warnings():  # a skipped first step makes torch warn about the order
+            with warnings.catch_warnings():  # a skipped (or no-target) first step makes torch warn about the order
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 self.scheduler.step()
-        return _Launched(pending, window, self.micro_batch, backed_off, lr)
+        return _Launched(pending, window, self.micro_batch, backed_off, lr, no_targets=not normaliser)
 
     def _micro_batches(self, window: list[int], index: int) -> tuple:
         """``(micro-batches, normaliser)`` of ``window`` (step ``index``): an iterator of its
         micro-batches on the device, each staged one ahead (the next is copied while this one
-        computes), and the samples (or tokens) of the whole window that the loss is divided by."""
+        computes), and the samples (or tokens) of the whole window that the loss is divided by: 0 on
+        one process for a window without any, which :meth:`_launch_step` then makes no update of."""
         micro = self.loader.window(index, self.world.shard(window), self.micro_batch)
         if self.loader.random_collation and not self._random_collation_noted:
             self._random_collation_noted = True
@@ -771,10 +781,12 @@ class Trainer:
                 yield batch
                 del batch
 
-        # A window without targets (every label -100, or only padding) sums to 0: divided by 1, not 0, it
-        # steps with zero gradients and logs a loss of 0. (Not max(1, total): on several ranks it is the
-        # window's count over the world size, e.g. 0.5.)
-        return staged(), total or 1
+        # A window without targets (every label -100, or only padding) counts 0. One process makes no update
+        # of it: zero gradients would still move the weights (AdamW's weight decay and moments) and count a
+        # step in its bias correction, as TrainStep says. Several ranks still step it with zero gradients,
+        # divided by 1, not 0: skipping it is a decision all ranks would have to take together (DESIGN
+        # invariant 12). (Not max(1, total): there it is the window's count over the world size, e.g. 0.5.)
+        return staged(), total if not self.world.distributed else total or 1
 
     def _autocast(self):
         return autocast(self.plan.precision, self.device.type)
@@ -783,7 +795,8 @@ class Trainer:
         """Forward and backward of ``window`` only, as the step does them (no update): returns
         the window's mean loss and leaves the summed gradients in ``.grad``."""
         micro_batches, normaliser = self._micro_batches(window, self.step)
-        return float(accumulate(self.model, micro_batches, self.w.loss_sum, normaliser, self.scaler, self._autocast))
+        return float(accumulate(self.model, micro_batches, self.w.loss_sum, normaliser or 1,  # 0: no target
+                                self.scaler, self._autocast))
 
     def _reset_scaler_step(self) -> None:
         # A failed attempt may have called unscale_ already; a scaler rebuilt from its state
