@@ -300,3 +300,16 @@ def test_a_full_out_folder_and_a_model_of_four_channels_are_refused_before_any_i
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0], err
         assert decoded == []
+
+
+def test_an_empty_file_and_a_file_of_another_kind_are_named_without_the_in_memory_copy(tmp_path):
+    """PIL names what it read, and the file is decoded from memory: an empty file or a text file
+    named .png was refused as "cannot identify image file <_io.BytesIO object at 0x7f...>"."""
+    root = _folder(tmp_path / "data")
+    (root / "a" / "empty.png").write_bytes(b"")
+    with pytest.raises(TightfitError, match=r"empty.png: not a readable image \(an empty file, 0 bytes\)$"):
+        load_image_classification(str(root))
+    (root / "a" / "empty.png").write_text("not an image")
+    with pytest.raises(TightfitError) as e:
+        load_image_classification(str(root))
+    assert str(e.value).endswith("empty.png: not a readable image (UnidentifiedImageError: cannot identify image file)")

@@ -228,16 +228,22 @@ def _check_image(path: Path) -> bytes:
         listed twice or copied is found among the training and held-out samples.
 
     Raises:
-        TightfitError: PIL cannot read or decode it; a float image with values outside [0, 1].
+        TightfitError: PIL cannot read or decode it (an empty file said as such); a float image
+            with values outside [0, 1].
     """
+    data = buffer = None
     try:
         data = path.read_bytes()  # read once: hashed, then decoded from memory
-        load_image(io.BytesIO(data), str(path))
+        buffer = io.BytesIO(data)
+        load_image(buffer, str(path))
     except TightfitError:
         raise
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, OSError, ...)
-        raise TightfitError(f"{path}: not a readable image ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") \
-            from None
+        if data == b"":  # a download or copy that failed: PIL only says it cannot identify it
+            raise TightfitError(f"{path}: not a readable image (an empty file, 0 bytes)") from None
+        # PIL names what it read, here the in-memory copy ("<_io.BytesIO object at 0x7f...>"): the path says it
+        why = (str(e).splitlines()[0] if str(e) else "").replace(f" {buffer!r}", "")
+        raise TightfitError(f"{path}: not a readable image ({type(e).__name__}: {why})") from None
     return hashlib.sha256(data).digest()
 
 
