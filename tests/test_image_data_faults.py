@@ -313,3 +313,28 @@ def test_an_empty_file_and_a_file_of_another_kind_are_named_without_the_in_memor
     with pytest.raises(TightfitError) as e:
         load_image_classification(str(root))
     assert str(e.value).endswith("empty.png: not a readable image (UnidentifiedImageError: cannot identify image file)")
+
+
+def test_too_few_images_of_a_class_folder_are_refused_in_its_own_words(tmp_path):
+    """A folder of class folders has no rows and no label column: its refusal asked "is the label
+    column the label?" of 21 images in 15 class folders. A list of images keeps the list's words."""
+    from tightfit.data import check_split, held_out_split
+
+    root = tmp_path / "data"
+    for c in range(15):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(2 if c < 6 else 1):
+            Image.fromarray(np.full((8, 8), 15 * c + i, dtype=np.uint8)).save(root / f"c{c}" / f"{i}.png")
+    data = load_image_classification(str(root))
+    train, held_out = (data.subset(i) for i in held_out_split(len(data)))
+    with pytest.raises(TightfitError, match=r"15 classes among 21 images \(1.4 per class\).*is each subfolder a class\? "
+                                            r"\(need at least 2 images per class on average\)$"):
+        check_split(data, train, held_out)
+    small = data.subset(range(4))
+    with pytest.raises(TightfitError, match=r": 4 usable images are too few"):
+        check_split(small, *(small.subset(i) for i in held_out_split(4)))
+    (root / "list.csv").write_text("path,label\n" + "".join(f"{p},{data.label_names[y]}\n" for p, y in
+                                                            zip(data.images, data.labels)))
+    listed = load_image_classification(str(root / "list.csv"))
+    with pytest.raises(TightfitError, match=r"among 21 rows .*is the label column the label\?"):
+        check_split(listed, *(listed.subset(i) for i in held_out_split(len(listed))))

@@ -57,6 +57,7 @@ class TextClassificationData:
     SAMPLE_FIELD = "text"  # what a skipped row lacked, in the note that counts them
     SAMPLE_KIND = "text"  # what one sample is, in notes
     COPIES = "word for word among the training samples (duplicate rows in the data)"  # check_split's note
+    ROWS = ("rows", "is the label column the label?")  # check_split's refusals: what a sample is, where classes come from
 
     texts: list[str]
     labels: list[int]
@@ -542,17 +543,18 @@ def check_split(data: TextClassificationData, train: TextClassificationData,
     Raises:
         TightfitError: fewer than :data:`MIN_ROWS` usable rows, or fewer than
             :data:`MIN_ROWS_PER_CLASS` rows per class on average (a label column of ids or free
-            text rather than classes).
+            text rather than classes); said in ``data.ROWS``'s words (images of a folder).
     """
     n, classes = len(data), len(data.label_names)
+    rows, labels = data.ROWS  # a folder of class folders has images and subfolders, not rows and a label column
     if n < MIN_ROWS:
         n_train, n_eval = (len(x) for x in held_out_split(n))
-        raise TightfitError(f"{data.source}: {n} usable rows are too few: with {HELD_OUT_FRACTION:.0%} held out, "
+        raise TightfitError(f"{data.source}: {n} usable {rows} are too few: with {HELD_OUT_FRACTION:.0%} held out, "
                             f"tightfit would train on {n_train} and evaluate on {n_eval}; give it at least {MIN_ROWS}")
     if n < MIN_ROWS_PER_CLASS * classes:
-        raise TightfitError(f"{data.source}: {classes} classes among {n} rows ({n / classes:.1f} per class): too "
-                            f"few examples to learn a class from; is the label column the label? (need at least "
-                            f"{MIN_ROWS_PER_CLASS} rows per class on average)")
+        raise TightfitError(f"{data.source}: {classes} classes among {n} {rows} ({n / classes:.1f} per class): too "
+                            f"few examples to learn a class from; {labels} (need at least "
+                            f"{MIN_ROWS_PER_CLASS} {rows} per class on average)")
     notes = []
     if len(eval_data) < FEW_EVAL:  # --eval-samples only where it left held-out samples out
         more = f"{option_name('eval_samples')} or more data" if len(eval_data) < len(held_out_split(n)[1]) else "more data"

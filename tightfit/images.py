@@ -80,6 +80,15 @@ class ImageClassificationData:
     def __len__(self) -> int:
         return len(self.images)
 
+    @property
+    def ROWS(self) -> tuple[str, str]:
+        """What :func:`tightfit.data.check_split`'s refusals call a sample and ask of the classes: a
+        folder's (:attr:`source` is its :attr:`root`) are images and subfolders, a list's rows and a
+        label column."""
+        if self.root is not None and self.source == self.root:
+            return "images", "is each subfolder a class?"
+        return "rows", "is the label column the label?"
+
     def subset(self, indices) -> "ImageClassificationData":
         idx = list(indices)
         return ImageClassificationData([self.images[i] for i in idx], [self.labels[i] for i in idx],
