@@ -338,3 +338,40 @@ def test_too_few_images_of_a_class_folder_are_refused_in_its_own_words(tmp_path)
     listed = load_image_classification(str(root / "list.csv"))
     with pytest.raises(TightfitError, match=r"among 21 rows .*is the label column the label\?"):
         check_split(listed, *(listed.subset(i) for i in held_out_split(len(listed))))
+
+
+def test_an_image_rewritten_while_the_run_trains_stops_it_in_one_line_and_it_resumes_once_restored(tmp_path, monkeypatch,
+                                                                                                     capsys):
+    """Images are read when their batch is made: one rewritten as a file PIL cannot read while the
+    run trained (a sync or copy in progress) ended it in an UnidentifiedImageError traceback naming
+    "<_io.BytesIO object at 0x7f...>", not the file; one deleted is said in one line already."""
+    import re
+
+    from tightfit.report.metrics import MetricsWriter
+
+    root = _folder(tmp_path / "data")
+    model = _resnet_folder(tmp_path / "m", labels=("a", "b"))
+    kept = {f: f.read_bytes() for f in root.rglob("*.png")}
+    real = MetricsWriter.__call__
+
+    def rewrite_all_at_step_2(self, record):  # every image: whichever the next batch reads is unreadable
+        if record.get("type") == "train" and record["step"] == 2:
+            for f in kept:
+                f.write_bytes(b"partly copied")
+        return real(self, record)
+
+    monkeypatch.setattr(MetricsWriter, "__call__", rewrite_all_at_step_2)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--data", str(root), "--model", str(model), "--image-size", "8", "--max-steps", "4",
+                 "--batch-size", "8", "--checkpoint-every", "1", "--log-every", "1", "--out", str(out),
+                 "--no-progress", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0] and "BytesIO" not in err[0], err
+    assert re.search(r"\.png: a sample of the data can no longer be read \(UnidentifiedImageError: cannot identify "
+                     r"image file\), changed while the run read it; the run is at step [23] of 4; restore it as it "
+                     r"was, then continue from the newest checkpoint: tightfit train --resume ", err[0]), err
+    monkeypatch.undo()
+    for f, data in kept.items():
+        f.write_bytes(data)
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0

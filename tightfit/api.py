@@ -950,19 +950,25 @@ class TrainRecipe:
 
     def missing_sample(self, e: OSError) -> TightfitError | None:
         """``e`` as one line where it says a sample's file is gone (an image deleted or moved while
-        the run trained: images are read when their batch is made), with the step the run is at and
-        how it goes on once the file is back; None for any other error (raised as it is)."""
+        the run trained: images are read when their batch is made) or can no longer be read (one
+        rewritten: :class:`tightfit.images.ImageSamples`), with the step the run is at and how it
+        goes on once the file is back as it was; None for any other error (raised as it is)."""
         from .runtime.checkpoint import has_checkpoint
 
-        if e.errno != errno.ENOENT or e.filename is None:
+        if e.filename is None:
             return None
         gone = os.fsdecode(e.filename)
         if not any(gone == p for d in (self.train_data, self.eval_data) for p in getattr(d, "images", ())
                    if isinstance(p, str)):
             return None
-        then = (f"put it back, then continue from the newest checkpoint: {self.resume_command()}"
-                if has_checkpoint(self.out / "checkpoints") else "put it back and run the same command again")
-        return TightfitError(f"{gone}: a sample of the data is gone (deleted or moved while the run read it); the run "
+        if e.errno == errno.ENOENT:
+            what, back = "is gone (deleted or moved while the run read it)", "put it back"
+        else:  # resume checks the files' contents: only the file as it was continues the run
+            what, back = f"can no longer be read ({e.strerror or e}), changed while the run read it", \
+                "restore it as it was"
+        then = (f"{back}, then continue from the newest checkpoint: {self.resume_command()}"
+                if has_checkpoint(self.out / "checkpoints") else f"{back} and run the same command again")
+        return TightfitError(f"{gone}: a sample of the data {what}; the run "
                              f"is at step {self.trainer.step} of {self.trainer.total_steps}; {then}")
 
     # ---------------------------------------------------------------- finish

@@ -463,7 +463,24 @@ class ImageSamples(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = load_image(self.data.images[i])
+        """Sample ``i``, its file decoded now.
+
+        Raises:
+            OSError: its file is gone (``FileNotFoundError``, as raised), or no longer a readable
+                image (``errno`` None, ``filename`` the path): rewritten since it was checked before
+                training (:func:`_check_image`); the run says either in one line
+                (:meth:`tightfit.api.TrainRecipe.missing_sample`).
+        """
+        path = self.data.images[i]
+        try:
+            image = load_image(path)
+        except TightfitError:
+            raise
+        except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, OSError, ...)
+            if not isinstance(path, str) or getattr(e, "filename", None) is not None:  # a file gone names itself
+                raise
+            why = (str(e).splitlines()[0] if str(e) else "").split(" <_io.BytesIO")[0]  # PIL names its in-memory copy
+            raise OSError(None, f"{type(e).__name__}: {why}", path) from e
         return pixel_values(image, self.size, self.channels), torch.tensor(self.data.labels[i], dtype=torch.long)
 
 
