@@ -255,7 +255,10 @@ def test_the_report_of_a_twice_resumed_run_keeps_the_earlier_sessions_events(tmp
     request = json.loads((run / "request.json").read_text())
     assert request["lr"] == 0.001 and request["command"].endswith("--no-progress (resumed as: tightfit train --resume "
                                                                   f"{run} --lr 0.001 --no-progress)"), request["command"]
-    assert request["command"] in report
+    # the report names each session's own command, the resume that changed --lr among them
+    first = request["command"].removesuffix(f" (resumed as: tightfit train --resume {run} --lr 0.001 --no-progress)")
+    assert f"- commands (one per session):\n  - `{first}`\n  - `tightfit train --resume {run} --lr 0.001 " \
+           f"--no-progress`\n  - `tightfit train --resume {run} --no-progress`\n" in report, report
     assert report.count("- resumed from ") == 2, report
     events = json.loads((run / "summary.json").read_text()).get("events")
     assert events is None or sum(e.startswith("resumed from ") for e in events) == 2
