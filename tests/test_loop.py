@@ -597,3 +597,17 @@ def test_a_batch_without_any_target_leaves_the_model_and_the_optimizer_as_they_w
     assert not out.stepped and out.loss == 0.0 and "nothing to learn" in step.events[-1]
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not step.optimizer.state
     assert step(({"input_ids": ids, "labels": ids})).stepped  # a batch with targets steps as before
+
+
+def test_a_batch_with_label_and_no_labels_is_told_to_rename_the_key():
+    """A Hugging Face model computes its loss from ``labels``; a batch holding a dataset's ``label``
+    column (which the Trainer's collator renames, a batch of yours does not) has no loss, and the
+    message said only "give loss=": it now names the key."""
+    model = tiny_bert()
+    batch = SyntheticBatches(8).worst_case(8)
+    batch["label"] = batch.pop("labels")
+    with pytest.raises(TightfitError, match="it has 'label' and no 'labels'.*rename 'label' to 'labels', or give loss="):
+        tightfit.plan(model, batch, effective_batch=8, device="cpu")
+    with pytest.raises(TightfitError) as e:  # without a label key, nothing to point at
+        tightfit.TrainStep(Plan("fp32", 8, 8), model, lr=1e-3)({k: v for k, v in batch.items() if k != "label"})
+    assert "no .loss" in str(e.value) and "rename" not in str(e.value)

@@ -150,7 +150,12 @@ def _loss_sum(batch: _Batch, loss: LossFn | None, tokens=None) -> Callable[[torc
             out = model(**with_prepared_mask(model, b))
             value = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
             if value is None:
-                raise TightfitError("the model's output has no .loss (or \"loss\" key) for this batch: "
+                # a batch's "label" (a dataset column's usual name) is no keyword a Hugging Face model takes
+                # for its loss: its "labels" is; the Trainer's collator renames it, a batch of yours does not
+                key = next((k for k in ("label", "label_ids") if k in b and "labels" not in b), None)
+                hint = (f": it has {key!r} and no 'labels' (Hugging Face models compute their loss from "
+                        f"'labels'): rename {key!r} to 'labels', or" if key else ":")
+                raise TightfitError(f"the model's output has no .loss (or \"loss\" key) for this batch{hint} "
                                     "give loss=lambda model, batch: ...")
         else:
             raise TightfitError("a tuple batch needs loss=lambda model, batch: ... (the model cannot compute it)")
