@@ -313,3 +313,24 @@ def test_shipped_model_trains_with_lightning():
     trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=plan.micro_batch))
     assert trainer.global_step == 2 and cb.events == []
     assert any(not torch.equal(a, b) for a, b in zip(module.model.parameters(), before))  # it trained
+
+
+def test_manual_optimization_is_not_told_an_effective_batch_of_lightnings_accumulation(caplog):
+    """Under manual optimization Lightning's accumulate_grad_batches is 1 whatever the training_step
+    does: a loader of 8 for the plan's 4 x 2 was told "each optimizer step trains on 8 x 1 = 8
+    samples (the plan's effective batch: 8)", as if it matched, and an OOM was told to fit again with
+    accumulate_grad_batches=4, which Lightning refuses there. Both now leave the accumulation to the
+    training_step, which is what decides it."""
+    plan = Plan("fp32", 4, 8)
+    trainer, module, cb = _fit(plan, _ManualClassifier(), steps=1, micro_batch=8, accumulate_grad_batches=1)
+    said = [e for e in cb.events if "batch_size=8" in e]
+    assert said and "8 x 1" not in said[0] and "your training_step decides" in said[0], cb.events
+    assert "(the plan's: 4 x 2)" in said[0], said
+    module = _ManualClassifier()
+    _out_of_memory_in_every_forward(module)
+    cb = tl.TightfitCallback(plan)
+    with pytest.raises(torch.OutOfMemoryError):
+        _fit(plan, module, callback=cb, micro_batch=8, accumulate_grad_batches=1)
+    advice = [e for e in cb.events if "out of memory at micro-batch 8" in e]
+    assert advice and "accumulate_grad_batches" not in advice[0], cb.events
+    assert "batch_size=4" in advice[0] and "stepped every 2 training batches" in advice[0], advice

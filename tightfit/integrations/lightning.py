@@ -21,7 +21,8 @@ What each part does, and what Lightning leaves out of reach:
   ``GradientAccumulationScheduler`` does; under manual optimization, where Lightning accumulates
   nothing and refuses ``accumulate_grad_batches`` above 1, it leaves it and says to step every
   ``plan.accumulation_steps`` batches in ``training_step``) and warns when the precision or the loader's batch
-  differ from the plan (saying what the effective batch becomes); logs per-step peak allocated/reserved memory and GPU health (NVML);
+  differ from the plan (saying what the effective batch becomes; under manual optimization, that
+  it is the loader's batch times the batches your ``training_step`` steps over); logs per-step peak allocated/reserved memory and GPU health (NVML);
   skips an optimizer step whose (unscaled) gradients are not finite, or whose norm is not (finite
   gradients that overflow it) -- in ``32-true``/``bf16-mixed`` by dropping the gradients, so that
   the optimizer leaves every parameter and its state as they were; in ``16-mixed`` the loss scaler
@@ -38,7 +39,8 @@ What each part does, and what Lightning leaves out of reach:
   optimization only.
 - Out of memory: Lightning has no hook that can redo a step with smaller micro-batches (the
   loader's batch is fixed; ``Tuner.scale_batch_size`` searches before training and keeps no
-  effective batch). The callback names the micro-batch and accumulation that keep the effective
+  effective batch). The callback names the micro-batch and accumulation (under manual optimization: how many
+  batches your ``training_step`` steps over) that keep the effective
   batch, and ``fit`` raises the OOM as it would without tightfit. The plan's probes chose a
   micro-batch that fits the budget with headroom, so this is the exception.
 """
@@ -211,9 +213,14 @@ class TightfitCallback(Watch, L.Callback):
         batch = getattr(trainer.train_dataloader, "batch_size", None)
         if batch is not None and batch != self.plan.micro_batch:
             acc = trainer.accumulate_grad_batches
+            if pl_module.automatic_optimization:
+                trains = f"each optimizer step trains on {batch} x {acc} = {batch * acc} samples"
+            else:  # Lightning accumulates nothing (acc is 1): how many batches a step takes is the training_step's
+                trains = (f"under manual optimization, where your training_step decides how many training batches "
+                          f"each optimizer step takes, each step trains on {batch} x that many samples (the plan's: "
+                          f"{self.plan.micro_batch} x {self.plan.accumulation_steps})")
             self._event(f"your training loader's batch_size={batch}, the plan chose micro-batch "
-                        f"{self.plan.micro_batch}: "
-                        f"each optimizer step trains on {batch} x {acc} = {batch * acc} samples (the plan's effective "
+                        f"{self.plan.micro_batch}: {trains} (the plan's effective "
                         f"batch: {self.plan.effective_batch}); make the loader with batch_size=plan.micro_batch")
         self._unit = batch or self.plan.micro_batch
         self._window_samples = 0
@@ -342,8 +349,12 @@ class TightfitCallback(Watch, L.Callback):
             # out of memory: Lightning runs micro-batch x accumulation samples per optimizer step
             E = self.plan.effective_batch
             new_mb = next(m for m in range(min(mb // 2, E), 0, -1) if E % m == 0)
-            self._event(f"out of memory at micro-batch {mb} x {acc}: Lightning cannot redo the step; fit again with "
-                        f"DataLoader(batch_size={new_mb}) and accumulate_grad_batches={E // new_mb} (the plan's "
+            if pl_module.automatic_optimization:
+                at, accumulate = f"{mb} x {acc}", f"accumulate_grad_batches={E // new_mb}"
+            else:  # Lightning refuses accumulate_grad_batches above 1 here: the training_step accumulates
+                at, accumulate = f"{mb}", f"your optimizer stepped every {E // new_mb} training batches"
+            self._event(f"out of memory at micro-batch {at}: Lightning cannot redo the step; fit again with "
+                        f"DataLoader(batch_size={new_mb}) and {accumulate} (the plan's "
                         f"effective batch of {E}), or plan for a smaller budget")
         else:
             self._event("out of memory at micro-batch 1: plan with activation checkpointing or fp16/bf16, "
