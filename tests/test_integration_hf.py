@@ -58,6 +58,21 @@ def test_plan_becomes_training_arguments():
         hf.training_arguments({"micro_batch": 4})
 
 
+def test_an_fp16_plan_for_the_cpu_is_refused_not_trained_in_fp32():
+    """``fp16=True, use_cpu=True`` was returned for an fp16 CPU plan, and the Trainer then trained in
+    fp32 (accelerate has no fp16 autocast or scaler on the CPU: native_amp False) without a word,
+    where TrainStep refuses the same plan. It is now refused in one line; bf16 on the CPU is real
+    bf16 autocast in the Trainer and stays."""
+    with pytest.raises(TightfitError) as e:
+        hf.training_arguments(Plan("fp16", 4, 8), output_dir="out")
+    assert "an fp16 plan for the CPU" in str(e.value) and "in fp32 without a word" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(TightfitError, match="needs a CUDA GPU"):  # TrainStep's refusal of the same plan
+        tightfit.TrainStep(Plan("fp16", 4, 8), torch.nn.Linear(2, 2), loss=lambda m, b: m(b[0]).mean())
+    kw = hf.training_arguments(Plan("bf16", 4, 8))
+    assert kw["bf16"] and kw["use_cpu"]
+
+
 def test_training_arguments_take_yours_and_refuse_what_the_plan_sets_otherwise():
     plan = Plan("fp32", 4, 16)
     kw = hf.training_arguments(plan, output_dir="out", learning_rate=1e-4, max_grad_norm=0.5, optim="adamw_torch",

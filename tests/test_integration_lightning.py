@@ -52,9 +52,21 @@ def test_plan_becomes_trainer_arguments():
     kw = tl.trainer_arguments(Plan("bf16", 4, 32, device="cuda"))
     assert kw["accumulate_grad_batches"] == 8 and kw["precision"] == "bf16-mixed" and kw["accelerator"] == "gpu"
     assert "gradient_clip_val" not in kw and "devices" not in kw  # clipping and devices stay the user's
-    assert tl.trainer_arguments(Plan("fp16", 4, 4))["precision"] == "16-mixed"
+    assert tl.trainer_arguments(Plan("fp16", 4, 4, device="cuda"))["precision"] == "16-mixed"
     with pytest.raises(TightfitError, match="must be a tightfit.Plan"):
         tl.TightfitCallback("4GiB")
+
+
+def test_an_fp16_plan_for_the_cpu_is_refused_not_trained_as_bf16():
+    """``precision="16-mixed"`` was returned for an fp16 CPU plan: Lightning then trains it as
+    ``bf16-mixed`` (its own warning: no fp16 AMP on the CPU), and the callback told the user to make the
+    Trainer with trainer_arguments(plan), which they had. It is now refused in one line, as TrainStep
+    and the HF integration refuse it; bf16-mixed on the CPU is real bf16 autocast and stays."""
+    with pytest.raises(TightfitError) as e:
+        tl.trainer_arguments(Plan("fp16", 4, 8))
+    assert "an fp16 plan for the CPU" in str(e.value) and "as 'bf16-mixed'" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert tl.trainer_arguments(Plan("bf16", 4, 8))["precision"] == "bf16-mixed"
 
 
 def test_trainer_arguments_take_yours_and_refuse_what_the_plan_sets_otherwise(caplog):

@@ -106,11 +106,18 @@ def training_arguments(plan: Plan, **yours) -> dict:
     Raises:
         TightfitError: ``plan`` is not a :class:`tightfit.Plan`; one of ``yours`` sets what the plan
             sets to another value (one line naming each); the plan's optimizer has no Trainer
-            counterpart (``adamw-offload``).
+            counterpart (``adamw-offload``); an fp16 plan for the CPU (the Trainer would train it in
+            fp32 without saying so, as :class:`tightfit.TrainStep` refuses it; a bf16 one runs bf16
+            autocast on the CPU).
     """
     if not isinstance(plan, Plan):
         raise TightfitError(f"training_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
     refuse_parameter_offload(plan, "the HF Trainer integration")
+    if plan.precision == "fp16" and plan.device == "cpu":  # bf16 on the CPU is real autocast there
+        raise TightfitError("training_arguments(plan): an fp16 plan for the CPU (plan.device='cpu'): the Trainer "
+                            "runs fp16=True, use_cpu=True in fp32 without a word (accelerate has no fp16 autocast "
+                            "or loss scaling on the CPU); plan on the CPU in fp32 (as tightfit.plan makes it), or "
+                            "for a CUDA GPU")
     ckpt = plan.activation_checkpointing
     if plan.optimizer not in _OPTIM:
         raise TightfitError(f"the HF Trainer has no optimizer for plan.optimizer {plan.optimizer!r}; "

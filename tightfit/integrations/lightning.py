@@ -108,11 +108,18 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
 
     Raises:
         TightfitError: ``plan`` is not a :class:`tightfit.Plan`; one of ``yours`` sets what the plan
-            sets to another value (one line naming each).
+            sets to another value (one line naming each); an fp16 plan for the CPU (Lightning would
+            train it as ``bf16-mixed``; :class:`tightfit.TrainStep` refuses it too; a bf16 one runs
+            ``bf16-mixed`` autocast on the CPU).
     """
     if not isinstance(plan, Plan):
         raise TightfitError(f"trainer_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
     refuse_parameter_offload(plan, "the Lightning integration")
+    if plan.precision == "fp16" and plan.device == "cpu":  # bf16-mixed on the CPU is real autocast there
+        raise TightfitError("trainer_arguments(plan): an fp16 plan for the CPU (plan.device='cpu'): Lightning "
+                            "trains precision='16-mixed' on the CPU as 'bf16-mixed' (no fp16 autocast or loss "
+                            "scaling there), not the plan's fp16; plan on the CPU in fp32 (as tightfit.plan makes "
+                            "it), or for a CUDA GPU")
     planned = {"accumulate_grad_batches": plan.accumulation_steps, "precision": PRECISION[plan.precision],
                "accelerator": "gpu" if plan.device == "cuda" else "cpu"}
     conflicts = []
