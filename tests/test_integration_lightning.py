@@ -346,3 +346,30 @@ def test_manual_optimization_is_not_told_an_effective_batch_of_lightnings_accumu
     advice = [e for e in cb.events if "out of memory at micro-batch 8" in e]
     assert advice and "accumulate_grad_batches" not in advice[0], cb.events
     assert "batch_size=4" in advice[0] and "stepped every 2 training batches" in advice[0], advice
+
+
+def test_the_skipped_step_counts_survive_a_resume_from_the_trainers_checkpoint(tmp_path):
+    """The callback's counts of skipped steps were not in Lightning's checkpoints: a ``fit(ckpt_path=...)``
+    started them at 0, so a run stopping after 3 non-finite steps in a row went on for 3 more after a
+    resume (TrainStep.state_dict keeps them). They are now the callback's ``state_dict``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(steps, cb, ckpt_path=None):
+        module = _Classifier()
+        module.bert.classifier.weight.register_hook(lambda g: g * float("nan"))
+        saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+        trainer = L.Trainer(**{**tl.trainer_arguments(plan), "max_steps": steps, "logger": False,
+                               "enable_progress_bar": False, "enable_model_summary": False, "callbacks": [cb, saves]})
+        trainer.fit(module, _loader(plan.micro_batch), ckpt_path=ckpt_path)
+        return trainer
+
+    plan = Plan("fp32", 8, 8)
+    first = tl.TightfitCallback(plan, max_skipped_steps=3)
+    fit(2, first)
+    assert first.skipped_steps == 2
+    saved = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)["callbacks"]
+    assert saved[next(k for k in saved if "TightfitCallback" in k)] == {"skipped_steps": 2, "skipped_in_row": 2}
+    resumed = tl.TightfitCallback(plan, max_skipped_steps=3)  # a new process: a new callback
+    with pytest.raises(NonFiniteTrainingError, match="3 steps in a row"):
+        fit(4, resumed, ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
+    assert resumed.skipped_steps == 3

@@ -27,7 +27,8 @@ What each part does, and what Lightning leaves out of reach:
   gradients that overflow it) -- in ``32-true``/``bf16-mixed`` by dropping the gradients, so that
   the optimizer leaves every parameter and its state as they were; in ``16-mixed`` the loss scaler
   skips non-finite gradients itself, and the gradients of an overflowing norm are dropped -- and
-  stops ``fit`` after ``max_skipped_steps`` in a row.
+  stops ``fit`` after ``max_skipped_steps`` in a row. Its counts of skipped steps (in all, and in a
+  row) go into the Trainer's checkpoints (``state_dict``), so a ``fit(ckpt_path=...)`` goes on from them.
 - Exact accumulation: Lightning divides every micro-batch's loss by ``accumulate_grad_batches``, also
   in an epoch's last window, which may hold fewer samples (or a short last micro-batch). With
   accumulation, the callback weighs each micro-batch by the samples it holds (a short one's loss is
@@ -178,6 +179,7 @@ class TightfitCallback(Watch, L.Callback):
         self.plan, self.max_skipped_steps, self.warn_temp_c = plan, max_skipped_steps, warn_temp_c
         self.memory_timeline: list[tuple[int, int, int]] = []
         self.skipped_steps, self._skipped_in_row = 0, 0
+        self._restored_in_row: int | None = None  # skipped steps in a row a resumed fit goes on from
         self.events: list[str] = []
         self.health = None
         self._last_step = 0
@@ -213,10 +215,22 @@ class TightfitCallback(Watch, L.Callback):
             self._event(f"your Trainer runs precision={trainer.precision!r}, the plan chose {want!r}: "
                         f"make the Trainer with trainer_arguments(plan)")
 
+    def state_dict(self) -> dict:
+        """The guards' counts, in the Trainer's checkpoints (``skipped_steps``, ``skipped_in_row``), as
+        :meth:`tightfit.TrainStep.state_dict` keeps them: a ``fit(ckpt_path=...)`` goes on counting."""
+        return {"skipped_steps": self.skipped_steps, "skipped_in_row": self._skipped_in_row}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resuming from a checkpoint: the counts as it was written (before ``on_train_start``)."""
+        self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
+        self._restored_in_row = int(state_dict.get("skipped_in_row", 0))
+
     def on_train_start(self, trainer, pl_module) -> None:
         """Check the loader's batch against the plan's micro-batch; start the peaks and the health monitor.
-        A new ``fit`` starts its own count of non-finite steps in a row and of optimizer steps."""
-        self._skipped_in_row, self._last_step = 0, trainer.global_step
+        A new ``fit`` starts its own count of non-finite steps in a row (one resumed from a checkpoint:
+        the count as it was written) and of optimizer steps."""
+        self._skipped_in_row, self._restored_in_row = self._restored_in_row or 0, None
+        self._last_step = trainer.global_step
         batch = getattr(trainer.train_dataloader, "batch_size", None)
         if batch is not None and batch != self.plan.micro_batch:
             acc = trainer.accumulate_grad_batches
