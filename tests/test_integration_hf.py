@@ -257,6 +257,36 @@ def test_an_oom_redo_from_a_checkpoint_goes_on_with_its_count_of_skipped_steps(t
     assert trainer.state.global_step == (3 if max_skipped == 2 else 5) and cb.skipped_steps == 2
 
 
+def test_the_skipped_step_counts_survive_a_resume_from_the_trainers_checkpoint(tmp_path):
+    """The callback's counts of skipped steps were not in the Trainer's checkpoints: a run resumed
+    with ``resume_from_checkpoint`` (a new process, a new callback) started them at 0, so a run that
+    stops after 3 non-finite steps in a row went on for 3 more (TrainStep.state_dict keeps them). They
+    are now in the checkpoint's trainer_state.json, read back when the Trainer resumes."""
+    import json
+
+    def run(steps, cb, **resume):
+        trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=steps, dropout=0.0, callback=cb,
+                           save_strategy="steps", save_steps=1)
+        trainer.model.classifier.weight.register_hook(lambda g: g * float("nan"))
+        hf.train(trainer, **resume)
+        return trainer
+
+    first = hf.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=3)
+    run(2, first)
+    assert first.skipped_steps == 2
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    with open(checkpoint / "trainer_state.json") as f:
+        assert json.load(f)["stateful_callbacks"]["tightfit.TightfitCallback"] == {"skipped_steps": 2,
+                                                                                   "skipped_in_row": 2}
+    resumed = hf.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=3)
+    with pytest.raises(NonFiniteTrainingError, match="3 steps in a row"):
+        run(4, resumed, resume_from_checkpoint=str(checkpoint))
+    assert resumed.skipped_steps == 3
+    fresh = hf.TightfitCallback(Plan("fp32", 8, 8), max_skipped_steps=3)  # a new run without a checkpoint: its own
+    run(2, fresh)
+    assert fresh.skipped_steps == 2 and fresh.stop_reason is None
+
+
 def test_oom_after_a_step_without_a_checkpoint_stops_and_says_why(tmp_path):
     trainer = _trainer(tmp_path, Plan("fp32", 8, 8))
     trainer.model.bert.encoder.layer[1].register_forward_pre_hook(_OOMAt(lambda calls, rows: calls == 2),

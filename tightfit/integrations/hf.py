@@ -17,7 +17,8 @@ What each part does, and what the Trainer leaves out of reach:
 - :class:`TightfitCallback`: per-step peak allocated/reserved memory and GPU health (NVML) in the
   Trainer's logs; skips an optimizer step whose gradients are not finite in fp32/bf16 (the Trainer
   would apply it; in fp16 its loss scaler already skips it) and stops training after
-  ``max_skipped_steps`` in a row; warns when the arguments differ from the plan (after an OOM redo
+  ``max_skipped_steps`` in a row (its counts go into each checkpoint's ``trainer_state.json``, so a
+  resumed run goes on from them); warns when the arguments differ from the plan (after an OOM redo
   of :func:`train`: the redo's), and, under a plain ``trainer.train()``, when the Trainer would scale
   the loss by the accumulation steps (below).
 - :func:`train`: the OOM policy. An out-of-memory error inside the Trainer's step cannot be caught
@@ -381,6 +382,10 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         A new ``train`` starts its own count of non-finite steps in a row, without the last one's stop
         (an OOM redo of :func:`train` from a checkpoint: the count as that checkpoint was written)."""
         self.stop_reason, self._skipped_in_row, self._redo_in_row = None, self._redo_in_row or 0, None
+        saved = (state.stateful_callbacks or {}).get(_STATE_KEY)
+        if isinstance(saved, Mapping):  # resumed from a checkpoint that holds the counts (see _keep_counts)
+            self.skipped_steps = int(saved.get("skipped_steps", self.skipped_steps))
+            self._skipped_in_row = int(saved.get("skipped_in_row", 0))
         if self.plan is not None:
             self._check_arguments(args, train_dataloader)
         if not self._in_train and args.gradient_accumulation_steps > 1 and model is not None \
@@ -468,8 +473,22 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
             log.error("tightfit: %s", self.stop_reason)
             control.should_training_stop = True
 
+    def _keep_counts(self, state) -> None:
+        """The guards' counts into ``state``, the ``TrainerState`` the Trainer writes into each
+        checkpoint's ``trainer_state.json`` (after ``on_step_end``) and loads back on a resume, where
+        :meth:`on_train_begin` reads them, as :meth:`tightfit.TrainStep.state_dict` keeps them. Under
+        their own key in ``stateful_callbacks``, not as an ``ExportableState``: the Trainer's own restore
+        of those (``restore_callback_states_from_checkpoint``) makes a new callback from its arguments,
+        without the plan, in place of this one (with that option on, the Trainer logs that it ignores this
+        entry, which is this callback's to read)."""
+        if isinstance(state.stateful_callbacks, dict):
+            state.stateful_callbacks[_STATE_KEY] = {"skipped_steps": self.skipped_steps,
+                                                    "skipped_in_row": self._skipped_in_row}
+
     def on_step_end(self, args, state, control, **kwargs):
-        """Record this optimizer step's memory peaks (then reset them) and sample the GPU's health."""
+        """Record this optimizer step's memory peaks (then reset them) and sample the GPU's health;
+        keep the guards' counts where the step's checkpoint will write them."""
+        self._keep_counts(state)
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return
         self.memory_timeline.append((state.global_step, torch.cuda.max_memory_allocated(),
@@ -499,6 +518,7 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
 
 
 _ADDED_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "gpu_temp_c", "gpu_power_w")
+_STATE_KEY = "tightfit.TightfitCallback"  # its counts in TrainerState.stateful_callbacks (TightfitCallback._keep_counts)
 
 
 class _SavedCheckpoints(transformers.TrainerCallback):
