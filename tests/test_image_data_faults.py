@@ -375,3 +375,18 @@ def test_an_image_rewritten_while_the_run_trains_stops_it_in_one_line_and_it_res
     for f, data in kept.items():
         f.write_bytes(data)
     assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+
+
+# ---- a later tester's faults: advice fit for text given for images, PIL's own words
+
+@pytest.mark.parametrize("model", ["resnet50", "folder"])
+def test_an_empty_data_with_an_image_model_asks_for_images_not_to_leave_it_out(tmp_path, capsys, model):
+    """``--data ""`` with an image model said "leave --data out for the shipped Rotten Tomatoes
+    reviews", which that model refuses."""
+    model = str(_resnet_folder(tmp_path / "m")) if model == "folder" else model
+    capsys.readouterr()
+    assert main(["train", "--model", model, "--data", "", "--device", "cpu", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tightfit: error: --data is empty: give the images (digits, a folder with one subfolder per class, "
+                   "or a CSV of image paths and labels)"], err
+    assert not (tmp_path / "run").exists()

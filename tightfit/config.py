@@ -307,6 +307,22 @@ def _trainable_rule(value) -> str | None:
     return trainable_rule(value)
 
 
+_IMAGE_DATA = "digits, a folder with one subfolder per class, or a CSV of image paths and labels"
+
+
+def _is_image_model(model: str | None) -> bool:
+    """Whether ``--model`` names an image classifier (a registry name, or a folder whose
+    ``config.json`` says so; imported on use: :mod:`tightfit.models` imports this module). A model
+    that cannot be resolved counts as text: its own error comes when it is loaded."""
+    from .models import resolve
+
+    try:
+        entry = resolve(model)
+        return (entry.task if entry.task is not None else entry.load_config()[0]).kind == "image"
+    except TightfitError:
+        return False
+
+
 def _known_card(value) -> str | None:
     """``rule`` of ``gpu``: a card profile :func:`tightfit.devices.get_profile` knows (the built-in
     ones and ``TIGHTFIT_GPU_PROFILES``'), checked when the request is made, not at training."""
@@ -412,6 +428,8 @@ class WorkloadOptions(_Options):
                 ("data", self.data, "the data file", "the shipped Rotten Tomatoes reviews")):
             if value is not None and not str(value).strip():
                 flag = self._name(name)
+                if name == "data" and _is_image_model(self.model):  # no shipped images: leaving it out is refused
+                    raise TightfitError(f"{flag} is empty: give the images ({_IMAGE_DATA})")
                 raise TightfitError(f"{flag} is empty: give {what}, or leave {flag} out for {default}")
         for other in ("text_column", "image_column"):  # the label would be the input: a model that learns nothing
             if getattr(self, other) == self.label_column:
