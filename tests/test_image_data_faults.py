@@ -390,3 +390,19 @@ def test_an_empty_data_with_an_image_model_asks_for_images_not_to_leave_it_out(t
     assert err == ["tightfit: error: --data is empty: give the images (digits, a folder with one subfolder per class, "
                    "or a CSV of image paths and labels)"], err
     assert not (tmp_path / "run").exists()
+
+
+def test_one_training_sample_of_a_batchnorm_model_asks_for_more_samples_not_another_batch(tmp_path, capsys):
+    """``--train-samples 1`` with a BatchNorm model said "choose another --batch-size (or drop a
+    sample)": every window then holds the one sample, so only more samples can help."""
+    root = _folder(tmp_path / "data")
+    model = str(_resnet_folder(tmp_path / "m", labels=("a", "b")))
+    capsys.readouterr()
+    assert main(["train", "--data", str(root), "--model", model, "--image-size", "8", "--train-samples", "1",
+                 "--device", "cpu", "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tightfit: error: the model's BatchNorm layers cannot train on a "
+                                               "micro-batch of 1 sample"), err
+    assert err[0].endswith("; train on at least 2 samples (--train-samples 2 or more)"), err
+    assert main(["train", "--data", str(root), "--model", model, "--image-size", "8", "--train-samples", "2",
+                 "--epochs", "1", "--device", "cpu", "--no-progress", "--out", str(tmp_path / "run")]) == 0

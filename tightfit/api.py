@@ -538,11 +538,14 @@ class TrainRecipe:
 
         from .runtime.trainer import batchnorm_sees_one_sample, one_sample_forward
 
-        E = self.workload.effective_batch
+        E, n, least = self.workload.effective_batch, len(self.train_data), 2 * self.world.size
+        # below 2 samples a rank, every window leaves some rank 1: no batch size helps, more samples do
+        more = f"{option_name('train_samples')}{' ' if names_flags() else '='}{least} or more"
+        fix = (f"train on at least {least} samples ({more})" if n < least
+               else f"choose another {option_name('batch_size')} (or drop a sample)")
         one = batchnorm_sees_one_sample(  # the model is still on the CPU, on every rank whole
-            self.model, len(self.train_data), E, E, self._run_steps(E),
-            one_sample_forward(self.workload, self.model, torch.device("cpu")),
-            fix=f"choose another {option_name('batch_size')} (or drop a sample)", world_size=self.world.size)
+            self.model, n, E, E, self._run_steps(E),
+            one_sample_forward(self.workload, self.model, torch.device("cpu")), fix=fix, world_size=self.world.size)
         if one:
             raise TightfitError(one)
 
