@@ -406,3 +406,22 @@ def test_one_training_sample_of_a_batchnorm_model_asks_for_more_samples_not_anot
     assert err[0].endswith("; train on at least 2 samples (--train-samples 2 or more)"), err
     assert main(["train", "--data", str(root), "--model", model, "--image-size", "8", "--train-samples", "2",
                  "--epochs", "1", "--device", "cpu", "--no-progress", "--out", str(tmp_path / "run")]) == 0
+
+
+def test_resume_and_export_with_other_images_say_images_not_rows(tmp_path, capsys):
+    """A resume or export finding the images changed said "other rows, order or labels", the words
+    of a data file; a folder of images has images."""
+    root = _folder(tmp_path / "data")
+    model = str(_resnet_folder(tmp_path / "m", labels=("a", "b")))
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(root), "--model", model, "--image-size", "8", "--max-steps", "2",
+                 "--checkpoint-every", "1", "--device", "cpu", "--no-progress", "--out", str(out)]) == 0
+    for f in (root / "a").glob("*.png"):  # every image of a class renamed: the held-out ones too
+        f.rename(f.with_name("z" + f.name))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"({root}: other images (files, order or labels)); resume with the same data" in err[0], err
+    assert main(["export", "--int8", str(out), "--out", str(tmp_path / "int8")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"({root}: other images (files, order or labels)), so its held-out" in err[0], err

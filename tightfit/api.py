@@ -399,7 +399,7 @@ class TrainRecipe:
         if self.resume_from is not None and self.data_fingerprint not in (None, fingerprint, *legacy_fingerprints(
                 self.train_data, self.eval_data)):
             raise TightfitError(f"{option_given('resume', str(self.out))}: the data differ from those the run started with "
-                                f"({self.data.source}: other rows, order or labels); resume with the same data, "
+                                f"({self.data.source}: {self.data.CHANGED}); resume with the same data, "
                                 "or start a new run")
         self.data_fingerprint = fingerprint
 

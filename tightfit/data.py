@@ -58,6 +58,7 @@ class TextClassificationData:
     SAMPLE_KIND = "text"  # what one sample is, in notes
     COPIES = "word for word among the training samples (duplicate rows in the data)"  # check_split's note
     ROWS = ("rows", "is the label column the label?")  # check_split's refusals: what a sample is, where classes come from
+    CHANGED = "other rows, order or labels"  # how data can differ, when a resume or export finds it has
 
     texts: list[str]
     labels: list[int]

@@ -231,7 +231,7 @@ def _held_out(src: _Source):
     if held_out is not None and held_out not in (recipe.eval_data.fingerprint(),
                                                  *legacy_fingerprints(eval_data)):
         raise TightfitError(f"export {src.run}: the data differ from those the run trained on "
-                            f"({recipe.data.source}: other rows, order or labels), so its held-out samples "
+                            f"({recipe.data.source}: {recipe.data.CHANGED}), so its held-out samples "
                             "cannot be rebuilt; put the run's data back, or export the model folder "
                             f"({src.model_dir}) without a held-out measure")
     if src.kind == "image":

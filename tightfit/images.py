@@ -68,6 +68,7 @@ class ImageClassificationData:
     SAMPLE_FIELD = "image path"  # what a skipped row lacked, in the note that counts them
     SAMPLE_KIND = "image"  # what one sample is, in notes
     COPIES = "among the training samples as the same image file, byte for byte (files repeated in the data)"
+    CHANGED = "other images (files, order or labels)"  # how data can differ, when a resume or export finds it has
 
     images: list
     labels: list[int]
