@@ -425,3 +425,28 @@ def test_resume_and_export_with_other_images_say_images_not_rows(tmp_path, capsy
     assert main(["export", "--int8", str(out), "--out", str(tmp_path / "int8")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"({root}: other images (files, order or labels)), so its held-out" in err[0], err
+
+
+def test_a_large_image_is_taken_quietly_and_one_too_large_for_pil_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                                         capsys, recwarn):
+    """An image above PIL's MAX_IMAGE_PIXELS (~89M) printed PIL's two-line DecompressionBombWarning
+    to stderr; one above twice that (~179M) was refused in PIL's words ("could be decompression
+    bomb DOS attack"). PIL's limit is lowered here, so that small images stand for large ones."""
+    from PIL import Image as PILImage
+
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 1000)
+    root = _folder(tmp_path / "data")
+    Image.fromarray(np.zeros((40, 40), dtype=np.uint8)).save(root / "a" / "large.png")  # 1,600 pixels: PIL warns
+    model = str(_resnet_folder(tmp_path / "m", labels=("a", "b")))
+    capsys.readouterr()
+    run = ["train", "--data", str(root), "--model", model, "--image-size", "8", "--max-steps", "1", "--device", "cpu",
+           "--no-progress"]
+    assert main([*run, "--out", str(tmp_path / "run")]) == 0
+    assert "decompression bomb" not in capsys.readouterr().err
+    assert not [w for w in recwarn if "decompression bomb" in str(w.message)]
+    Image.fromarray(np.zeros((50, 50), dtype=np.uint8)).save(root / "b" / "huge.png")  # 2,500: PIL refuses it
+    assert main([*run, "--out", str(tmp_path / "run2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tightfit: error: {root / 'b' / 'huge.png'}: an image of 2,500 pixels, more than the 2,000 PIL opens "
+                   "(its guard against decompression bombs); resize it: tightfit resizes every image to --image-size "
+                   "anyway"], err

@@ -107,12 +107,15 @@ QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels")
 
 
 def quiet_import_warnings() -> None:
-    """Raise :data:`QUIET_LOGGERS` to ERROR and ignore peft's Conv1D note (called by the command
-    line, not by the library)."""
+    """Raise :data:`QUIET_LOGGERS` to ERROR and ignore peft's Conv1D note and PIL's warning on a
+    large image (called by the command line, not by the library)."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     # peft's note on GPT-2's Conv1D layers, which it handles itself (--trainable lora)
     warnings.filterwarnings("ignore", message=".*fan_in_fan_out is set to False.*", category=UserWarning)
+    # PIL's DecompressionBombWarning (a RuntimeWarning), two raw lines for an image of 89M-179M
+    # pixels: the user chose their images, and larger ones are refused in one line (images._check_image)
+    warnings.filterwarnings("ignore", message=r"Image size \(\d+ pixels\) exceeds limit", category=RuntimeWarning)
 
 
 class _Parser(argparse.ArgumentParser):

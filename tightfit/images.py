@@ -28,6 +28,7 @@ import importlib.util
 import io
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from .data import _check_numbers_written_once, _is_int, _read_rows, majority_fraction
-from .config import option_given
+from .config import option_given, option_name
 from .errors import TightfitError
 from .units import count_of
 
@@ -238,9 +239,11 @@ def _check_image(path: Path) -> bytes:
         listed twice or copied is found among the training and held-out samples.
 
     Raises:
-        TightfitError: PIL cannot read or decode it (an empty file said as such); a float image
-            with values outside [0, 1].
+        TightfitError: PIL cannot read or decode it (an empty file said as such; one of more
+            pixels than PIL opens, with its size); a float image with values outside [0, 1].
     """
+    from PIL import Image
+
     data = buffer = None
     try:
         data = path.read_bytes()  # read once: hashed, then decoded from memory
@@ -251,6 +254,12 @@ def _check_image(path: Path) -> bytes:
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, OSError, ...)
         if data == b"":  # a download or copy that failed: PIL only says it cannot identify it
             raise TightfitError(f"{path}: not a readable image (an empty file, 0 bytes)") from None
+        if isinstance(e, Image.DecompressionBombError):  # PIL's words: "could be decompression bomb DOS attack"
+            pixels = re.search(r"\((\d+) pixels\)", str(e))
+            size = f"{int(pixels[1]):,} pixels" if pixels else "too many pixels"
+            raise TightfitError(f"{path}: an image of {size}, more than the {2 * Image.MAX_IMAGE_PIXELS:,} PIL "
+                                "opens (its guard against decompression bombs); resize it: tightfit resizes every "
+                                f"image to {option_name('image_size')} anyway") from None
         # PIL names what it read, here the in-memory copy ("<_io.BytesIO object at 0x7f...>"): the path says it
         why = (str(e).splitlines()[0] if str(e) else "").replace(f" {buffer!r}", "")
         raise TightfitError(f"{path}: not a readable image ({type(e).__name__}: {why})") from None
