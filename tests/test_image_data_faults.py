@@ -450,3 +450,17 @@ def test_a_large_image_is_taken_quietly_and_one_too_large_for_pil_is_refused_in_
     assert err == [f"tightfit: error: {root / 'b' / 'huge.png'}: an image of 2,500 pixels, more than the 2,000 PIL opens "
                    "(its guard against decompression bombs); resize it: tightfit resizes every image to --image-size "
                    "anyway"], err
+
+
+def test_estimate_and_the_run_report_state_the_image_size(tmp_path, capsys):
+    """``tightfit plan`` named the image size ("resnet50, image size 224, ..."), ``estimate``'s
+    header and ``report.md`` did not (nor a text model's sequence length)."""
+    assert main(["estimate", "--model", "resnet50", "--micro-batch", "2", "--image-size", "64"]) == 0
+    assert capsys.readouterr().out.startswith("resnet50, image size 64, micro-batch 2, fp32,")
+    assert main(["estimate", "--model", "minilm", "--micro-batch", "2", "--seq-len", "32"]) == 0
+    assert capsys.readouterr().out.startswith("minilm, sequence length 32, micro-batch 2, fp32,")
+    root = _folder(tmp_path / "data")
+    model = str(_resnet_folder(tmp_path / "m", labels=("a", "b")))
+    assert main(["train", "--data", str(root), "--model", model, "--image-size", "8", "--max-steps", "1",
+                 "--device", "cpu", "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    assert f"- model: `{model}`, image size 8\n" in (tmp_path / "run" / "report.md").read_text()

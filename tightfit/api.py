@@ -1056,7 +1056,8 @@ class TrainRecipe:
             commands=tuple(self.commands),
             peak_rss_bytes=None if cuda and self.plan.sharding != "fsdp-offload"  # offload: the host holds the state
             else self.trainer.peak_rss_bytes(),  # the earlier sessions' too
-            max_temp_c=health.max_temp_c if health else None, max_power_w=health.max_power_w if health else None)
+            max_temp_c=health.max_temp_c if health else None, max_power_w=health.max_power_w if health else None,
+            input_size=f"{'image size' if self.data.SAMPLE_KIND == 'image' else 'sequence length'} {self.input_size()}")
 
 
 # Options a resumed run may change: they alter neither the plan nor the data order, so the

@@ -70,6 +70,8 @@ class RunInfo:
         commands: every session's command line, in order (a resumed run's; empty: ``command`` alone).
         peak_rss_bytes: peak host memory of the process (CPU runs and parameter offload; None on a GPU).
         max_temp_c, max_power_w: the GPU's hottest and most power-hungry readings (None: not sampled).
+        input_size: a sample's size as ``tightfit plan`` says it: ``"sequence length 64"`` (tokens)
+            or ``"image size 224"`` (pixels a side); empty: not given.
     """
 
     model: str
@@ -87,6 +89,7 @@ class RunInfo:
     peak_rss_bytes: int | None = None
     max_temp_c: float | None = None
     max_power_w: float | None = None
+    input_size: str = ""
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ def report_markdown(plan: Plan, result: TrainResult, info: RunInfo, speed: dict 
     """``report.md``: what ran, the plan and the measured summary; with ``speed``
     (:func:`tightfit.report.speed.speed_record`), the speeds side by side and where the time went."""
     out = ["# tightfit run report", "",
-           f"- model: `{info.model}`", f"- data: `{info.data}` ({info.n_train} training, "
+           f"- model: `{info.model}`" + (f", {info.input_size}" if info.input_size else ""), f"- data: `{info.data}` ({info.n_train} training, "
            f"{info.n_eval} held-out samples; {info.label_names})",
            f"- hardware: {info.device_name}", f"- torch {info.torch}, tightfit {info.version}",
            *_command_lines(info), "", "## Plan", "", "```", *plan_lines(plan), "```", "",
