@@ -464,3 +464,36 @@ def test_estimate_and_the_run_report_state_the_image_size(tmp_path, capsys):
     assert main(["train", "--data", str(root), "--model", model, "--image-size", "8", "--max-steps", "1",
                  "--device", "cpu", "--no-progress", "--out", str(tmp_path / "run")]) == 0
     assert f"- model: `{model}`, image size 8\n" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_an_image_that_cannot_be_read_for_another_reason_is_not_called_changed(tmp_path):
+    """A denied permission, a failing disk or too many open files on a data image were told as a
+    file 'changed while the run read it; restore it as it was': only a file gone (ENOENT) or no
+    longer decoding (tightfit.images.ImageSamples' own error, errno None) is; others stay as raised."""
+    import errno
+    from types import SimpleNamespace
+
+    from tightfit.api import TrainRecipe
+
+    image = str(tmp_path / "a.png")
+    recipe = SimpleNamespace(train_data=SimpleNamespace(images=[image]), eval_data=SimpleNamespace(images=[]),
+                             out=tmp_path, trainer=SimpleNamespace(step=2, total_steps=4),
+                             resume_command=lambda: "tightfit train --resume run")
+    for code in (errno.EACCES, errno.EIO, errno.EMFILE):
+        assert TrainRecipe.missing_sample(recipe, OSError(code, os.strerror(code), image)) is None
+    gone = TrainRecipe.missing_sample(recipe, OSError(errno.ENOENT, "No such file or directory", image))
+    assert "is gone (deleted or moved while the run read it)" in str(gone)
+    changed = TrainRecipe.missing_sample(recipe, OSError(None, "UnidentifiedImageError: cannot identify", image))
+    assert "changed while the run read it; the run is at step 2 of 4" in str(changed)
+
+
+def test_a_file_that_cannot_be_read_keeps_its_name_in_the_error(tmp_path):
+    """The error's text had every ' None' cut out where the file could not be read at all (the
+    in-memory copy it strips, never made, printed as None): 'a None.png' became 'a.png'."""
+    from tightfit.images import _check_image
+
+    folder = tmp_path / "a None.png"  # a folder: read_bytes fails before any decoding
+    folder.mkdir()
+    with pytest.raises(TightfitError) as info:
+        _check_image(folder)
+    assert str(info.value).count("a None.png") == 2, str(info.value)  # the path, and the OSError's own text

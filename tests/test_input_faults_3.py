@@ -424,3 +424,13 @@ def test_a_batch_size_above_the_training_samples_plans_and_reports_the_batch_it_
     assert json.loads((run / "plan.json").read_text())["effective_batch"] == 36
     summary = json.loads((run / "summary.json").read_text())
     assert summary["plan"]["effective_batch"] == 36 and summary["steps"] == 2, summary
+
+
+def test_a_size_too_small_for_a_float_says_it_rounds_to_zero():
+    """1e-400 was refused as 'must be positive', which it is as written: a float holds it as 0."""
+    from tightfit.units import parse_size
+
+    with pytest.raises(TightfitError, match=r"^memory size must be positive, got '1e-400' \(it rounds to 0\)$"):
+        parse_size("1e-400")
+    with pytest.raises(TightfitError, match=r"^memory size must be positive, got '0e5'$"):
+        parse_size("0e5")

@@ -966,9 +966,11 @@ class TrainRecipe:
             return None
         if e.errno == errno.ENOENT:
             what, back = "is gone (deleted or moved while the run read it)", "put it back"
-        else:  # resume checks the files' contents: only the file as it was continues the run
+        elif e.errno is None:  # ImageSamples' own: it reads but no longer decodes; resume checks the contents
             what, back = f"can no longer be read ({e.strerror or e}), changed while the run read it", \
                 "restore it as it was"
+        else:  # a denied permission, a failing disk, too many open files: not a changed file, raised as it is
+            return None
         then = (f"{back}, then continue from the newest checkpoint: {self.resume_command()}"
                 if has_checkpoint(self.out / "checkpoints") else f"{back} and run the same command again")
         return TightfitError(f"{gone}: a sample of the data {what}; the run "

@@ -261,7 +261,9 @@ def _check_image(path: Path) -> bytes:
                                 "opens (its guard against decompression bombs); resize it: tightfit resizes every "
                                 f"image to {option_name('image_size')} anyway") from None
         # PIL names what it read, here the in-memory copy ("<_io.BytesIO object at 0x7f...>"): the path says it
-        why = (str(e).splitlines()[0] if str(e) else "").replace(f" {buffer!r}", "")
+        why = str(e).splitlines()[0] if str(e) else ""
+        if buffer is not None:
+            why = why.replace(f" {buffer!r}", "")
         raise TightfitError(f"{path}: not a readable image ({type(e).__name__}: {why})") from None
     return hashlib.sha256(data).digest()
 
