@@ -551,6 +551,32 @@ def test_your_own_checkpointing_turned_off_by_a_plan_without_it_is_said(caplog):
     assert tightfit.TrainStep(plan, model).events == []  # nothing to say when it is off already
 
 
+def test_your_own_checkpointing_turned_off_by_the_planners_probes_is_said_in_the_plan(monkeypatch, caplog):
+    """On a GPU the planner's probe steps turn the model's checkpointing off (they try plans without
+    it first) and leave it off when the plan has none: TrainStep then found nothing to turn off, and
+    the user's own gradient_checkpointing_enable() was dropped without a word. tightfit.plan says it
+    (the GPU planner stood in for here: a plan_first that turns the hook off as the probes do)."""
+    import tightfit.planner.probe as probe
+    from tightfit.levers.checkpointing import TURNED_OFF_NOTE, set_activation_checkpointing
+
+    real = probe.plan_first
+
+    def probing(workload, *args, **kwargs):
+        set_activation_checkpointing(workload.model, False)  # as plan_first's probes on a GPU leave it
+        return real(workload, *args, **kwargs)
+
+    monkeypatch.setattr(probe, "plan_first", probing)
+    model, batch = tiny_bert(), SyntheticBatches(8).worst_case(8)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        plan = tightfit.plan(model, batch)
+    assert not plan.activation_checkpointing and TURNED_OFF_NOTE in plan.reasons, plan.reasons
+    assert TURNED_OFF_NOTE in caplog.text
+    assert tightfit.TrainStep(plan, model).events == []  # said once, by the plan
+    unchanged = tiny_bert()  # nothing said of a model that checkpointed nothing
+    assert TURNED_OFF_NOTE not in tightfit.plan(unchanged, batch).reasons
+
+
 @pytest.mark.parametrize("micro_batch", [4, 1])
 def test_class_labels_of_minus_100_are_left_out_of_the_mean_at_every_split(micro_batch):
     """A classifier's own loss (``BertForSequenceClassification``: cross-entropy skipping label -100)

@@ -104,16 +104,24 @@ def checkpointing_active(model: torch.nn.Module) -> bool:
     return hf_hook_active(model) or any(is_checkpointed(b) for b in find_blocks(model))
 
 
+TURNED_OFF_NOTE = ("the model's activation checkpointing (yours, or an earlier plan's) is turned off: this plan "
+                   "has none; plan with checkpointing='on' to keep it")
+
+
+def plans_checkpointing(enabled: bool, policies=None) -> bool:
+    """Whether a plan with ``activation_checkpointing`` ``enabled`` and ``block_policies``
+    ``policies`` checkpoints anything."""
+    return any(p != "none" for p in policies) if policies is not None else bool(enabled)
+
+
 def turned_off_note(model: torch.nn.Module, enabled: bool, blocks=None, policies=None) -> str | None:
     """What :func:`set_activation_checkpointing` with these arguments would turn off without a word:
-    a note when ``model`` checkpoints now (:func:`checkpointing_active`) and the plan checkpoints
-    nothing; None otherwise."""
-    if (policies is not None and any(p != "none" for p in policies)) or (policies is None and enabled):
+    :data:`TURNED_OFF_NOTE` when ``model`` checkpoints now (:func:`checkpointing_active`) and the
+    plan checkpoints nothing; None otherwise. (On a GPU the planner's probes have turned it off
+    already: :func:`tightfit.plan` says so in the plan's reasons instead.)"""
+    if plans_checkpointing(enabled, policies) or not checkpointing_active(model):
         return None
-    if not checkpointing_active(model):
-        return None
-    return ("the model's activation checkpointing (yours, or an earlier plan's) is turned off: this plan has none; "
-            "plan with checkpointing='on' to keep it")
+    return TURNED_OFF_NOTE
 
 
 def hf_hook_active(model: torch.nn.Module) -> bool:
