@@ -58,6 +58,16 @@ def test_plan_becomes_training_arguments():
         hf.training_arguments({"micro_batch": 4})
 
 
+def test_the_callback_refuses_an_fp16_plan_for_the_cpu_as_the_arguments_do():
+    """The arguments' refusal of an fp16 CPU plan left the callback: a Trainer made by hand with fp16 on
+    the CPU was then trained in another precision without a word (the Hugging Face Trainer: fp32) or
+    told to use the arguments that refuse the plan (Lightning). The callback refuses it as they do."""
+    with pytest.raises(TightfitError, match=r"^TightfitCallback\(plan\): an fp16 plan for the CPU \(plan.device='cpu'\)"):
+        hf.TightfitCallback(Plan("fp16", 4, 8))
+    hf.TightfitCallback(Plan("bf16", 4, 8))  # real bf16 autocast on the CPU
+    hf.TightfitCallback(Plan("fp16", 4, 8, device="cuda"))
+
+
 def test_an_fp16_plan_for_the_cpu_is_refused_not_trained_in_fp32():
     """``fp16=True, use_cpu=True`` was returned for an fp16 CPU plan, and the Trainer then trained in
     fp32 (accelerate has no fp16 autocast or scaler on the CPU: native_amp False) without a word,

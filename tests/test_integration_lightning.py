@@ -57,6 +57,16 @@ def test_plan_becomes_trainer_arguments():
         tl.TightfitCallback("4GiB")
 
 
+def test_the_callback_refuses_an_fp16_plan_for_the_cpu_as_the_arguments_do():
+    """The arguments' refusal of an fp16 CPU plan left the callback: a Trainer made by hand with fp16 on
+    the CPU was then trained in another precision without a word (the Hugging Face Trainer: fp32) or
+    told to use the arguments that refuse the plan (Lightning). The callback refuses it as they do."""
+    with pytest.raises(TightfitError, match=r"^TightfitCallback\(plan\): an fp16 plan for the CPU \(plan.device='cpu'\)"):
+        tl.TightfitCallback(Plan("fp16", 4, 8))
+    tl.TightfitCallback(Plan("bf16", 4, 8))  # real bf16 autocast on the CPU
+    tl.TightfitCallback(Plan("fp16", 4, 8, device="cuda"))
+
+
 def test_an_fp16_plan_for_the_cpu_is_refused_not_trained_as_bf16():
     """``precision="16-mixed"`` was returned for an fp16 CPU plan: Lightning then trains it as
     ``bf16-mixed`` (its own warning: no fp16 AMP on the CPU), and the callback told the user to make the

@@ -24,6 +24,19 @@ def require(module: str, extra: str = "integrations"):
         raise TightfitError(f"{module} is not installed: pip install 'tightfit[{extra}]'") from None
 
 
+def refuse_fp16_on_cpu(plan, called: str, framework_does: str) -> None:
+    """Refuse an fp16 plan for the CPU, as :class:`tightfit.TrainStep` does: neither framework has
+    fp16 autocast or loss scaling there, and each trains something else without a word
+    (``framework_does`` says what). A bf16 plan runs real bf16 autocast on the CPU and stays.
+
+    Raises:
+        TightfitError: ``plan`` is fp16 with ``device="cpu"``; the message names ``called``.
+    """
+    if plan is not None and plan.precision == "fp16" and plan.device == "cpu":
+        raise TightfitError(f"{called}: an fp16 plan for the CPU (plan.device='cpu'): {framework_does}; plan on the "
+                            "CPU in fp32 (as tightfit.plan makes it), or for a CUDA GPU")
+
+
 def smaller_micro_batch(per_device: int, accumulation: int) -> tuple[int, int]:
     """After an OOM at ``per_device`` x ``accumulation``: the largest micro-batch of at most half
     ``per_device`` that divides the effective batch, and its accumulation steps: the HF Trainer and

@@ -67,7 +67,11 @@ import torch
 from ..config import check_guard_options
 from ..errors import TightfitError
 from ..plan import Plan, refuse_parameter_offload
-from . import Watch, note_uneven, require, smaller_micro_batch
+from . import Watch, note_uneven, refuse_fp16_on_cpu, require, smaller_micro_batch
+
+# what the Trainer does with an fp16 plan on the CPU (refuse_fp16_on_cpu)
+_HF_FP16_ON_CPU = ("the Trainer runs fp16=True, use_cpu=True in fp32 without a word (accelerate has no fp16 "
+                   "autocast or loss scaling on the CPU)")
 
 transformers = require("transformers")
 require("accelerate")  # the Trainer's own dependency
@@ -114,11 +118,7 @@ def training_arguments(plan: Plan, **yours) -> dict:
     if not isinstance(plan, Plan):
         raise TightfitError(f"training_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
     refuse_parameter_offload(plan, "the HF Trainer integration")
-    if plan.precision == "fp16" and plan.device == "cpu":  # bf16 on the CPU is real autocast there
-        raise TightfitError("training_arguments(plan): an fp16 plan for the CPU (plan.device='cpu'): the Trainer "
-                            "runs fp16=True, use_cpu=True in fp32 without a word (accelerate has no fp16 autocast "
-                            "or loss scaling on the CPU); plan on the CPU in fp32 (as tightfit.plan makes it), or "
-                            "for a CUDA GPU")
+    refuse_fp16_on_cpu(plan, "training_arguments(plan)", _HF_FP16_ON_CPU)
     ckpt = plan.activation_checkpointing
     if plan.optimizer not in _OPTIM:
         raise TightfitError(f"the HF Trainer has no optimizer for plan.optimizer {plan.optimizer!r}; "
@@ -364,6 +364,7 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
     def __init__(self, plan: Plan | None = None, max_skipped_steps: int = 20, warn_temp_c: float = 82.0):
         if plan is not None and not isinstance(plan, Plan):
             raise TightfitError(f"TightfitCallback(plan): plan must be a tightfit.Plan or None, got {type(plan).__name__}")
+        refuse_fp16_on_cpu(plan, "TightfitCallback(plan)", _HF_FP16_ON_CPU)  # as training_arguments does
         check_guard_options(max_skipped_steps, warn_temp_c)
         self.plan, self.max_skipped_steps, self.warn_temp_c = plan, max_skipped_steps, warn_temp_c
         self.memory_timeline: list[tuple[int, int, int]] = []

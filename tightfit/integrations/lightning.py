@@ -54,7 +54,11 @@ import torch
 
 from ..errors import TightfitError
 from ..plan import Plan, refuse_parameter_offload
-from . import Watch, note_uneven, require
+from . import Watch, note_uneven, refuse_fp16_on_cpu, require
+
+# what Lightning does with an fp16 plan on the CPU (refuse_fp16_on_cpu)
+_LIGHTNING_FP16_ON_CPU = ("Lightning trains precision='16-mixed' on the CPU as 'bf16-mixed' (no fp16 autocast or "
+                          "loss scaling there), not the plan's fp16")
 
 L = require("lightning.pytorch")
 
@@ -116,11 +120,7 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
     if not isinstance(plan, Plan):
         raise TightfitError(f"trainer_arguments(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
     refuse_parameter_offload(plan, "the Lightning integration")
-    if plan.precision == "fp16" and plan.device == "cpu":  # bf16-mixed on the CPU is real autocast there
-        raise TightfitError("trainer_arguments(plan): an fp16 plan for the CPU (plan.device='cpu'): Lightning "
-                            "trains precision='16-mixed' on the CPU as 'bf16-mixed' (no fp16 autocast or loss "
-                            "scaling there), not the plan's fp16; plan on the CPU in fp32 (as tightfit.plan makes "
-                            "it), or for a CUDA GPU")
+    refuse_fp16_on_cpu(plan, "trainer_arguments(plan)", _LIGHTNING_FP16_ON_CPU)
     planned = {"accumulate_grad_batches": plan.accumulation_steps, "precision": PRECISION[plan.precision],
                "accelerator": "gpu" if plan.device == "cuda" else "cpu"}
     conflicts = []
@@ -173,6 +173,7 @@ class TightfitCallback(Watch, L.Callback):
     def __init__(self, plan: Plan, max_skipped_steps: int = 20, warn_temp_c: float = 82.0):
         if not isinstance(plan, Plan):
             raise TightfitError(f"TightfitCallback(plan): plan must be a tightfit.Plan, got {type(plan).__name__}")
+        refuse_fp16_on_cpu(plan, "TightfitCallback(plan)", _LIGHTNING_FP16_ON_CPU)  # as trainer_arguments does
         from ..config import check_guard_options
 
         check_guard_options(max_skipped_steps, warn_temp_c)
