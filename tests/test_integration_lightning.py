@@ -383,3 +383,9 @@ def test_the_skipped_step_counts_survive_a_resume_from_the_trainers_checkpoint(t
     with pytest.raises(NonFiniteTrainingError, match="3 steps in a row"):
         fit(4, resumed, ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
     assert resumed.skipped_steps == 3
+    # state loaded outside a fit (Lightning restores callbacks for validate/test(ckpt_path=...) too) does
+    # not carry into a later fresh fit, which starts its own count in a row (it stopped at its first step)
+    validated = tl.TightfitCallback(plan, max_skipped_steps=3)
+    validated.load_state_dict(saved[next(k for k in saved if "TightfitCallback" in k)])
+    fit(2, validated)
+    assert validated._skipped_in_row == 2

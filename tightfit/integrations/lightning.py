@@ -230,7 +230,10 @@ class TightfitCallback(Watch, L.Callback):
         """Check the loader's batch against the plan's micro-batch; start the peaks and the health monitor.
         A new ``fit`` starts its own count of non-finite steps in a row (one resumed from a checkpoint:
         the count as it was written) and of optimizer steps."""
-        self._skipped_in_row, self._restored_in_row = self._restored_in_row or 0, None
+        # a count loaded by validate/test(ckpt_path=...) before a fresh fit is not this fit's: only a fit
+        # resumed from a checkpoint (trainer.ckpt_path) goes on from one
+        resumed = self._restored_in_row if getattr(trainer, "ckpt_path", None) else None
+        self._skipped_in_row, self._restored_in_row = resumed or 0, None
         self._last_step = trainer.global_step
         batch = getattr(trainer.train_dataloader, "batch_size", None)
         if batch is not None and batch != self.plan.micro_batch:
