@@ -41,6 +41,7 @@ from .levers.checkpointing import check_checkpointing
 from .levers.layout import use_channels_last
 from .report.summary import RunInfo, RunSummary
 from .rng import seed_everything
+from .tasks import size_name
 from .units import count_of, format_bytes, format_bytes_pair, parse_budget
 
 __all__ = ["TrainRecipe", "TrainRequest", "RunSummary", "resolve_device", "train"]
@@ -1059,7 +1060,7 @@ class TrainRecipe:
             peak_rss_bytes=None if cuda and self.plan.sharding != "fsdp-offload"  # offload: the host holds the state
             else self.trainer.peak_rss_bytes(),  # the earlier sessions' too
             max_temp_c=health.max_temp_c if health else None, max_power_w=health.max_power_w if health else None,
-            input_size=f"{'image size' if self.data.SAMPLE_KIND == 'image' else 'sequence length'} {self.input_size()}")
+            input_size=f"{size_name(self.data.SAMPLE_KIND)} {self.input_size()}")
 
 
 # Options a resumed run may change: they alter neither the plan nor the data order, so the

@@ -227,6 +227,17 @@ def load_digits() -> ImageClassificationData:
     return ImageClassificationData(images, [int(t) for t in target], [str(i) for i in range(10)], DIGITS)
 
 
+# how a file-like object in memory prints: PIL names the one it read, where the path says which file
+_IN_MEMORY = re.compile(r" <_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+
+
+def _pil_error(e: BaseException) -> str:
+    """``"Type: first line"`` of an error PIL raised decoding an image, without the in-memory copy
+    it names (``<_io.BytesIO object at 0x7f...>``, an address that says nothing of the file)."""
+    why = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {_IN_MEMORY.sub('', why)}"
+
+
 def _check_image(path: Path) -> bytes:
     """Open and decode one image file whole, as training will (:func:`load_image`), so that a file
     cut short or corrupt stops the run here, not mid-training. ``Image.verify()`` alone does not
@@ -244,11 +255,10 @@ def _check_image(path: Path) -> bytes:
     """
     from PIL import Image
 
-    data = buffer = None
+    data = None
     try:
         data = path.read_bytes()  # read once: hashed, then decoded from memory
-        buffer = io.BytesIO(data)
-        load_image(buffer, str(path))
+        load_image(io.BytesIO(data), str(path))
     except TightfitError:
         raise
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, OSError, ...)
@@ -260,11 +270,7 @@ def _check_image(path: Path) -> bytes:
             raise TightfitError(f"{path}: an image of {size}, more than the {2 * Image.MAX_IMAGE_PIXELS:,} PIL "
                                 "opens (its guard against decompression bombs); resize it: tightfit resizes every "
                                 f"image to {option_name('image_size')} anyway") from None
-        # PIL names what it read, here the in-memory copy ("<_io.BytesIO object at 0x7f...>"): the path says it
-        why = str(e).splitlines()[0] if str(e) else ""
-        if buffer is not None:
-            why = why.replace(f" {buffer!r}", "")
-        raise TightfitError(f"{path}: not a readable image ({type(e).__name__}: {why})") from None
+        raise TightfitError(f"{path}: not a readable image ({_pil_error(e)})") from None
     return hashlib.sha256(data).digest()
 
 
@@ -491,8 +497,7 @@ class ImageSamples(torch.utils.data.Dataset):
         except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, OSError, ...)
             if not isinstance(path, str) or getattr(e, "filename", None) is not None:  # a file gone names itself
                 raise
-            why = (str(e).splitlines()[0] if str(e) else "").split(" <_io.BytesIO")[0]  # PIL names its in-memory copy
-            raise OSError(None, f"{type(e).__name__}: {why}", path) from e
+            raise OSError(None, _pil_error(e), path) from e
         return pixel_values(image, self.size, self.channels), torch.tensor(self.data.labels[i], dtype=torch.long)
 
 

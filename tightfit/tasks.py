@@ -133,11 +133,17 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- example batches
+def size_name(kind: str) -> str:
+    """What a sample's size is called for a task of ``kind`` (:attr:`Task.kind`): ``"image size"``
+    (pixels a side) or ``"sequence length"`` (tokens), as plan, estimate and the report say it."""
+    return "image size" if kind == "image" else "sequence length"
+
+
 def _check_sizes(kind: str, micro_batch: int, size: int) -> None:
     if micro_batch < 1:
         raise TightfitError(f"micro-batch must be >= 1, got {micro_batch}")
     if size < 1:
-        raise TightfitError(f"{'image size' if kind == 'image' else 'sequence length'} must be >= 1, got {size}")
+        raise TightfitError(f"{size_name(kind)} must be >= 1, got {size}")
 
 
 def _random_ints(high: int, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import re
+from decimal import Decimal
 
 from .errors import TightfitError
 
@@ -67,8 +68,7 @@ def parse_size(text: str | int | float) -> int:
     if not math.isfinite(number * _UNITS[unit]):  # 1e999, or 400 digits: past a float, int() would raise
         raise TightfitError(f"memory size must be a finite number of bytes, got {text!r}")
     if number <= 0:
-        # 1e-400 is no 0 as written, but a float holds it as one
-        rounded = number == 0 and any(c in "123456789" for c in m.group(1).lower().split("e")[0])
+        rounded = number == 0 and Decimal(m.group(1)) != 0  # 1e-400: no 0 as written, but a float holds it as one
         raise TightfitError(f"memory size must be positive, got {text!r}" + (" (it rounds to 0)" if rounded else ""))
     if _UNITS[unit] == 1 and not number.is_integer():
         raise TightfitError(f"memory size {text!r} is a fraction of a byte: write a unit, "

@@ -127,6 +127,7 @@ def run(args) -> int:
         TightfitError: bad arguments (unknown model/profile/precision/allocator, sizes < 1, a batch
             above :data:`tightfit.plan.MAX_BATCH`, bad blocks).
     """
+    from ..tasks import size_name
     from ..plan import Plan
     from .estimate import estimate
     from ..models import build_model
@@ -218,8 +219,7 @@ def run(args) -> int:
         f" x {steps} accumulation steps" + (f" (the last {last})" if last != args.micro_batch else "")
         + f" (effective batch {effective_batch})" if steps > 1 else "")
     card = profile.name if profile else "a Hopper GPU such as the H200 (the default; --gpu NAME for another card)"
-    size = f"{'image size' if kind == 'image' else 'sequence length'} {size}"  # as tightfit plan says it
-    print(f"{args.model}, {size}, {batch}, {args.precision}, checkpointing {ck}, {args.optimizer}, {result.allocator} allocator, "
+    print(f"{args.model}, {size_name(kind)} {size}, {batch}, {args.precision}, checkpointing {ck}, {args.optimizer}, {result.allocator} allocator, "
           f"for {card}")
     print(f"peak allocated  {format_bytes(result.peak_allocated_bytes)}")
     print(f"peak reserved   {format_bytes(result.peak_reserved_bytes)}, of which:")  # the parts add up to it

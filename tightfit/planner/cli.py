@@ -168,6 +168,7 @@ def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refu
 
 def _print_offload(args, plan, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:
     """A parameter-offload plan (:func:`_offload_plan`), as text or ``--json``."""
+    from ..tasks import size_name
     from .sharding import host_state_bytes
     from ..units import format_bytes
 
@@ -181,7 +182,7 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
         return
     for n in notes:
         print(f"note: {n}")
-    print(f"{args.model}, {'image size' if kind == 'image' else 'sequence length'} {size}, effective batch "
+    print(f"{args.model}, {size_name(kind)} {size}, effective batch "
           f"{args.batch_size}, {profile.name} rules, budget {format_bytes(budget)}")
     last = args.batch_size - (plan.accumulation_steps - 1) * plan.micro_batch
     print(f"plan: parameter offload (--sharding fsdp-offload), {plan.precision}, micro-batch {plan.micro_batch} x "
@@ -266,6 +267,7 @@ def _print_json(result, model, notes: list[str]) -> None:
 
 def _print_text(args, result, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:
     """The plan, its predicted speed and memory breakdown and the runners-up, as text."""
+    from ..tasks import size_name
     from ..levers.optimizers import trainable_gradient_bytes
     from ..memory.cli import breakdown_lines
     from ..levers.blocks import describe_policies
@@ -274,7 +276,7 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
     b = result.best
     for n in notes:
         print(f"note: {n}")  # as `tightfit train` logs its notes
-    print(f"{args.model}, {'image size' if kind == 'image' else 'sequence length'} {size}, effective batch {args.batch_size}, "
+    print(f"{args.model}, {size_name(kind)} {size}, effective batch {args.batch_size}, "
           f"{profile.name} rules, budget {format_bytes(budget)}")
     last = args.batch_size - (b.accumulation_steps - 1) * b.micro_batch
     plan = result.to_plan()  # the blocks it checkpoints (not frozen first blocks, which keep nothing)

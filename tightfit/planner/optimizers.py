@@ -393,9 +393,9 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         if kind == "adamw-offload":
             if _several_ranks():  # torchao's CPUOffloadOptimizer offloads one GPU's state
                 continue
-            if pinned_shortfall(pinned_state, have):
-                short[kind] = pinned_shortfall(pinned_state, have)
-                failures[kind] = NothingFitsError(short[kind])
+            if reason := pinned_shortfall(pinned_state, have):
+                short[kind] = reason
+                failures[kind] = NothingFitsError(reason)
                 continue
         if cannot_win(kind):
             continue
