@@ -9,7 +9,15 @@ time of ``step()`` (until it returns, the GPU's work queued) and of the wall tim
 synchronised, and the memory the step allocated above what was allocated before it (its
 temporaries: the peak of ``max_memory_allocated`` less the allocated bytes at its start).
 
-    OUT=folder python3 bench/update_groups.py grouped|per-tensor   -> OUT/update_groups-<variant>.json
+    OUT=folder python3 bench/update_groups.py grouped|per-tensor|grouped-combo|grouped-32
+        -> OUT/update_groups-<variant>.json
+
+``grouped-combo``: the grouped update compiled with Inductor's combo kernels
+(``torch._inductor.config.combo_kernels``: independent kernels of one graph launched as one);
+``grouped-32``: groups of up to 32 tensors (two BERT-large layers per call). Each row also gives
+checksums of the 8-bit moments (codes and block scales) and of the weights after the 11 steps, to
+compare variants' results (the moments must agree; the weights' stochastic rounding may draw
+otherwise).
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ def main(variant: str) -> None:
 
     if variant == "per-tensor":
         optimizers.update_groups = lambda sig: [range(i, i + 1) for i in range(len(sig))]
+    elif variant == "grouped-combo":
+        import torch._inductor.config as inductor_config
+        inductor_config.combo_kernels = True
+    elif variant == "grouped-32":
+        optimizers.GROUP_TENSORS = 32
     elif variant != "grouped":
         raise SystemExit(f"unknown variant {variant!r}")
     torch.manual_seed(0)
@@ -64,11 +77,26 @@ def main(variant: str) -> None:
         extra.append(torch.cuda.max_memory_allocated() - before)
     row = {"variant": variant, "tensors": len(ps), "compiled_calls_per_step": calls, "first_step_s": first,
            "host_ms": statistics.median(host) * 1e3, "step_ms": statistics.median(wall) * 1e3,
-           "temporaries_MiB": max(extra) / 2**20, "torch": torch.__version__,
+           "temporaries_MiB": max(extra) / 2**20, **checksums(opt, ps), "torch": torch.__version__,
            "inductor_caches": "off" if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1" else "on"}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"update_groups-{variant}.json").write_text(json.dumps(row, indent=1))
     print(row, flush=True)
+
+
+def checksums(opt, ps) -> dict:
+    """Sums over every 8-bit moment's codes (as integers) and block scales, and over the weights (fp64)."""
+    codes, scales = 0, 0.0
+    for p in ps:
+        for key in ("exp_avg", "exp_avg_sq"):
+            m = opt.state[p][key]
+            if hasattr(m, "codes"):
+                codes += int(m.codes.to(torch.int64).sum())
+                scales += float(m.scale.double().sum())
+            else:
+                scales += float(m.double().sum())
+    return {"moment_codes_sum": codes, "moment_scales_sum": scales,
+            "weights_sum": sum(float(p.detach().double().sum()) for p in ps)}
 
 
 if __name__ == "__main__":
