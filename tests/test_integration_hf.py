@@ -357,6 +357,76 @@ def test_finite_gradients_whose_norm_overflows_are_a_skipped_step(tmp_path):
     assert "clip_grad_norm_" not in vars(trainer.accelerator)  # nothing of hf.train's left on the trainer
 
 
+def _fp16_loss_scaler_on_the_cpu(trainer, init_scale=2.0 ** 16):
+    """A real ``torch.amp.GradScaler`` where accelerate keeps its fp16 one on a GPU (it has none on the
+    CPU): the Trainer's backward scales the loss by it, its clipping unscales the gradients
+    (``unscale_gradients``), and ``AcceleratedOptimizer.step`` steps and updates it; ``args.fp16``
+    as the Trainer's fp16 arguments set it. The forward stays fp32 (no fp16 autocast on the CPU)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    accelerator = trainer.accelerator
+    accelerator.scaler = scaler
+    accelerator.unscale_gradients = lambda optimizer=None: [scaler.unscale_(o.optimizer)
+                                                            for o in accelerator._optimizers]
+    trainer.args.fp16 = True
+    return scaler
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_an_fp16_step_skipped_for_a_norm_that_overflows_backs_off_the_loss_scale(tmp_path, max_grad_norm):
+    """fp16: a step whose gradients the scaler's unscale_ found finite but whose norm overflows was
+    skipped by dropping the gradients, so the scaler stepped on nothing and counted a clean step: the
+    scale was not backed off (2**16 after it, not 2**15), and the next steps overflowed again at it.
+    Now the scaler skips the step as it skips an inf gradient: the same scale after it as after an
+    inf gradient (clipped or not: max_grad_norm=0 measures the norm unclipped), the weights as they were."""
+    from transformers import TrainerCallback
+
+    class Scales(TrainerCallback):
+        def __init__(self, scaler):
+            self.scaler, self.scales, self.weights = scaler, {}, {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.scales[state.global_step] = self.scaler.get_scale()
+            self.weights[state.global_step] = [p.detach().clone() for p in model.parameters()]
+
+    def run(gradient):
+        cb = hf.TightfitCallback()  # no plan: an fp16 plan for the CPU is refused
+        trainer = _trainer(tmp_path / str(gradient), Plan("fp32", 8, 8), steps=3, dropout=0.0, callback=cb,
+                           max_grad_norm=max_grad_norm)
+        trainer.add_callback(seen := Scales(_fp16_loss_scaler_on_the_cpu(trainer)))
+        backwards = []
+
+        def in_step_2(g):
+            backwards.append(1)
+            return torch.full_like(g, gradient) if len(backwards) == 2 else g
+
+        trainer.model.classifier.weight.register_hook(in_step_2)
+        hf.train(trainer)
+        return cb, seen
+
+    own, own_seen = run(float("inf"))  # the scaler's own overflow path: unscale_ finds the inf
+    cb, seen = run(1e30)  # finite; unscaled, 1.5e25: its norm overflows fp32
+    assert cb.skipped_steps == own.skipped_steps == 1, (cb.events, own.events)
+    assert seen.scales == own_seen.scales == {1: 2.0 ** 16, 2: 2.0 ** 15, 3: 2.0 ** 15}, seen.scales
+    for a, b in zip(seen.weights[2], seen.weights[1]):  # step 2 left every weight as it was
+        assert torch.equal(a, b)
+    assert all(bool(torch.isfinite(p).all()) for p in seen.weights[3])
+
+
+def test_an_fp16_run_without_a_loss_scaler_has_its_non_finite_steps_dropped(tmp_path):
+    """fp16=True with no scaler to skip the step (the Trainer runs fp16 on the CPU in fp32, without
+    one; a callback without a plan does not refuse it): the callback left the non-finite gradients to
+    a loss scaler that was not there, and the optimizer applied them (NaN weights). It drops them now."""
+    cb = hf.TightfitCallback(max_skipped_steps=2)
+    trainer = _trainer(tmp_path, Plan("fp32", 8, 8), steps=5, callback=cb, fp16=True)
+    assert trainer.accelerator.scaler is None
+    start = _weights(trainer)
+    trainer.model.classifier.weight.register_hook(lambda g: g * float("nan"))
+    with pytest.raises(NonFiniteTrainingError, match="2 steps in a row"):
+        hf.train(trainer)
+    for a, b in zip(_weights(trainer), start):
+        assert torch.equal(a, b)
+
+
 def test_a_skipped_step_puts_the_buffers_back_as_the_window_found_them(tmp_path):
     """The skipped step's forwards had updated the model's buffers (BatchNorm's statistics: NaN for
     good after an inf); the callback now puts them back with the gradients it drops."""

@@ -85,3 +85,33 @@ class Watch:
     def _event(self, message: str) -> None:
         self.events.append(message)
         logging.getLogger(type(self).__module__).warning("tightfit: %s", message)
+
+
+def skip_through_loss_scaler(scaler, optimizer) -> bool:
+    """Have ``scaler`` (a ``torch.amp.GradScaler``) skip ``optimizer``'s coming step as it skips one
+    whose gradients are not finite: its ``step`` leaves the weights and the optimizer's state as they
+    were, and its ``update`` backs the scale off (``backoff_factor``) and restarts its growth count --
+    where dropping the gradients would have it step (on nothing) and count the step towards a larger
+    scale. For a step a callback finds non-finite after the scaler's ``unscale_`` found every
+    gradient finite (a norm that overflows; gradients the clipping turned non-finite).
+
+    Returns:
+        False when ``scaler`` cannot skip it (None, disabled, already stepped, or no gradient of
+        ``optimizer`` to check): the caller drops the gradients then.
+    """
+    from torch.amp.grad_scaler import OptState
+
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if scaler is None or states is None or not scaler.is_enabled():
+        return False
+    state = states[id(optimizer)]
+    if state["stage"] is OptState.STEPPED:
+        return False
+    if state["stage"] is OptState.READY:  # not unscaled yet (an optimizer that unscales in its step): as step would
+        scaler.unscale_(optimizer)
+    found = state["found_inf_per_device"]
+    if not found:
+        return False
+    for flag in found.values():  # what unscale_ records for a non-finite gradient: step skips, update backs off
+        flag.fill_(1.0)
+    return True

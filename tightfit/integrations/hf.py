@@ -15,8 +15,9 @@ What each part does, and what the Trainer leaves out of reach:
   activation checkpointing (non-reentrant), as the ``TrainingArguments`` that mean them, merged with
   yours; nothing else changes (the optimizer and gradient clipping stay the Trainer's or yours).
 - :class:`TightfitCallback`: per-step peak allocated/reserved memory and GPU health (NVML) in the
-  Trainer's logs; skips an optimizer step whose gradients are not finite in fp32/bf16 (the Trainer
-  would apply it; in fp16 its loss scaler already skips it) and stops training after
+  Trainer's logs; skips an optimizer step whose gradients are not finite (in fp32/bf16 the Trainer
+  would apply it; in fp16 it goes to the Trainer's loss scaler, which skips it and backs off its scale)
+  and stops training after
   ``max_skipped_steps`` in a row (its counts go into each checkpoint's ``trainer_state.json``, so a
   resumed run goes on from them); warns when the arguments differ from the plan (after an OOM redo
   of :func:`train`: the redo's), and, under a plain ``trainer.train()``, when the Trainer would scale
@@ -67,7 +68,7 @@ import torch
 from ..config import check_guard_options
 from ..errors import TightfitError
 from ..plan import Plan, refuse_parameter_offload
-from . import Watch, note_uneven, refuse_fp16_on_cpu, require, smaller_micro_batch
+from . import Watch, note_uneven, refuse_fp16_on_cpu, require, skip_through_loss_scaler, smaller_micro_batch
 
 # what the Trainer does with an fp16 plan on the CPU (refuse_fp16_on_cpu)
 _HF_FP16_ON_CPU = ("the Trainer runs fp16=True, use_cpu=True in fp32 without a word (accelerate has no fp16 "
@@ -345,10 +346,13 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
     ``gpu_temp_c`` and ``gpu_power_w``. Before the optimizer step, after the Trainer has unscaled
     and clipped: if a gradient is not finite, the step is skipped -- in fp32/bf16 by dropping the
     gradients, so that the optimizer leaves every parameter and its state as they were (the
-    learning-rate schedule still advances, as in ``tightfit train``); in fp16 the Trainer's loss
-    scaler skips it itself. Under :func:`train` a step whose gradients are finite but whose norm
-    (before the Trainer's clipping) is not is skipped too, in every precision (the clipping made
-    them zeros, which the optimizer and the loss scaler would apply). After ``max_skipped_steps``
+    learning-rate schedule still advances, as in ``tightfit train``); in fp16 by having the Trainer's
+    loss scaler skip it as it skips an inf gradient: the step is not taken and the scale is backed
+    off (``GradScaler.update``), also where the scaler's ``unscale_`` had found every gradient finite
+    (the schedule then does as the Trainer does for a step its scaler skips). Under :func:`train` a
+    step whose gradients are finite but whose norm (before the Trainer's clipping) is not is skipped
+    too, in every precision (the clipping made them zeros, which the optimizer would apply and the
+    loss scaler count as a clean step). After ``max_skipped_steps``
     skipped steps in a row training stops (:attr:`stop_reason` says why; :func:`train` raises it).
 
     Args:
@@ -433,7 +437,7 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
 
         self._window_buffers = None if model is None else buffer_snapshot(model.modules())
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         """Skip the step (fp32/bf16: drop the gradients) if a gradient is not finite, and put the
         buffers back as the window found them (its forwards folded the non-finite values into
         BatchNorm's statistics); stop after too many in a row."""
@@ -460,7 +464,9 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
         restore_buffers(kept)
         self.skipped_steps += 1
         self._skipped_in_row += 1
-        if not args.fp16 or overflow:  # without a loss scaler nothing else would skip it (nor the norm's overflow)
+        # fp16: the loss scaler skips it and backs its scale off, as for an inf gradient, also where its
+        # unscale_ found every gradient finite (a norm that overflows); without a scaler, drop the gradients
+        if not skip_through_loss_scaler(getattr(optimizer, "scaler", None), getattr(optimizer, "optimizer", optimizer)):
             for p in model.parameters():
                 p.grad = None  # torch.optim leaves parameters without a gradient, and their state, untouched
         self._event(f"step {state.global_step + 1}: non-finite gradients, update skipped")
