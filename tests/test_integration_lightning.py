@@ -215,6 +215,58 @@ def test_finite_gradients_whose_norm_overflows_are_a_skipped_step(clip):
     assert {int(s["step"]) for s in trainer.optimizers[0].state.values()} == {2}
 
 
+def test_a_16_mixed_step_skipped_for_a_norm_that_overflows_backs_off_the_loss_scale():
+    """16-mixed: a step whose gradients the scaler's unscale_ found finite but whose norm overflows was
+    skipped by dropping the gradients, so the scaler stepped on nothing and counted a clean step: the
+    scale stayed where it overflowed (2**16, not 2**15). The scaler now skips it as it skips an inf
+    gradient. Lightning has no fp16 scaler on the CPU: a real torch.amp.GradScaler is given to its
+    MixedPrecision plugin (fp16 autocast runs on the CPU)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class Scales(_Classifier):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.scales.append(self.trainer.precision_plugin.scaler.get_scale())
+            self.weights.append([p.detach().clone() for p in self.parameters()])
+
+    def run(gradient):
+        module = Scales(dropout=0.0)
+        module.scales, module.weights, backwards = [], [], []
+
+        def in_step_2(g):
+            backwards.append(1)
+            return torch.full_like(g, gradient) if len(backwards) == 2 else g
+
+        module.bert.classifier.weight.register_hook(in_step_2)
+        plan = Plan("fp16", 8, 8, device="cuda")
+        plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0 ** 16))
+        _, module, cb = _fit(plan, module, steps=3, accelerator="cpu", precision=None, plugins=[plugin])
+        return module, cb
+
+    own, own_cb = run(float("inf"))  # the scaler's own overflow path: unscale_ finds the inf
+    module, cb = run(1e30)  # finite; unscaled, 1.5e25: its norm overflows fp32
+    assert cb.skipped_steps == own_cb.skipped_steps == 1, (cb.events, own_cb.events)
+    assert module.scales == own.scales == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15], module.scales
+    for a, b in zip(module.weights[1], module.weights[0]):  # step 2 left every weight as it was
+        assert torch.equal(a, b)
+
+
+def test_a_trainer_without_the_plans_fp16_drops_non_finite_gradients_and_advises_for_its_own_precision():
+    """A Trainer made at 32-true for an fp16 plan (setup warns): the callback went by the plan's
+    precision, left the non-finite gradients to a loss scaler the Trainer did not have, and the
+    optimizer applied them (NaN weights); its advice then was to try fp32, which the run was. It now
+    goes by the Trainer's precision plugin: the gradients are dropped, the advice is fp32's."""
+    module = _Classifier()
+    start = [p.detach().clone() for p in module.parameters()]
+    module.bert.classifier.weight.register_hook(lambda g: g * float("nan"))
+    plan = Plan("fp16", 8, 8, device="cuda")
+    cb = tl.TightfitCallback(plan, max_skipped_steps=2)
+    with pytest.raises(NonFiniteTrainingError, match="2 steps in a row") as e:
+        _fit(plan, module, steps=5, callback=cb, accelerator="cpu", precision="32-true")
+    for a, b in zip(module.parameters(), start):
+        assert torch.equal(a, b)
+    assert "precision is not the cause" in str(e.value), str(e.value)
+
+
 def test_a_skipped_step_puts_the_buffers_back_as_the_window_found_them():
     """The skipped step's forwards had updated the model's buffers (BatchNorm's statistics: NaN for
     good after an inf); the callback now puts them back with the gradients it drops."""

@@ -25,8 +25,8 @@ What each part does, and what Lightning leaves out of reach:
   it is the loader's batch times the batches your ``training_step`` steps over); logs per-step peak allocated/reserved memory and GPU health (NVML);
   skips an optimizer step whose (unscaled) gradients are not finite, or whose norm is not (finite
   gradients that overflow it) -- in ``32-true``/``bf16-mixed`` by dropping the gradients, so that
-  the optimizer leaves every parameter and its state as they were; in ``16-mixed`` the loss scaler
-  skips non-finite gradients itself, and the gradients of an overflowing norm are dropped -- and
+  the optimizer leaves every parameter and its state as they were; in ``16-mixed`` by having the
+  Trainer's loss scaler skip it as it skips an inf gradient, backing off its scale -- and
   stops ``fit`` after ``max_skipped_steps`` in a row. Its counts of skipped steps (in all, and in a
   row) go into the Trainer's checkpoints (``state_dict``), so a ``fit(ckpt_path=...)`` goes on from them.
 - Exact accumulation: Lightning divides every micro-batch's loss by ``accumulate_grad_batches``, also
@@ -54,7 +54,7 @@ import torch
 
 from ..errors import TightfitError
 from ..plan import Plan, refuse_parameter_offload
-from . import Watch, note_uneven, refuse_fp16_on_cpu, require
+from . import Watch, note_uneven, refuse_fp16_on_cpu, require, skip_through_loss_scaler
 
 # what Lightning does with an fp16 plan on the CPU (refuse_fp16_on_cpu)
 _LIGHTNING_FP16_ON_CPU = ("Lightning trains precision='16-mixed' on the CPU as 'bf16-mixed' (no fp16 autocast or "
@@ -304,7 +304,8 @@ class TightfitCallback(Watch, L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """Scale a short window's gradient to its samples' mean (see the module doc); skip the step
-        (32-true/bf16-mixed: drop the gradients) if a gradient is not finite; raise after too many."""
+        (16-mixed: through the loss scaler; else: drop the gradients) if a gradient or their norm is not
+        finite; raise after too many."""
         from ..buffers import restore_buffers
 
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
@@ -320,8 +321,10 @@ class TightfitCallback(Watch, L.Callback):
         self._window_samples = 0
         self.skipped_steps += 1
         self._skipped_in_row += 1
-        if self.plan.precision != "fp16" or all(bool(torch.isfinite(g).all()) for g in grads):
-            # no loss scaler would skip it (nor the norm's overflow: unscale_ found every gradient finite)
+        # the Trainer's loss scaler (16-mixed, whatever the plan chose) skips it and backs its scale off, as
+        # for an inf gradient, also where its unscale_ found every gradient finite (a norm that overflows)
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if not skip_through_loss_scaler(scaler, getattr(optimizer, "_optimizer", optimizer)):
             for p in pl_module.parameters():
                 p.grad = None  # torch.optim leaves parameters without a gradient, and their state, untouched
         self._event(f"step {trainer.global_step + 1}: non-finite gradients, update skipped")
@@ -330,8 +333,10 @@ class TightfitCallback(Watch, L.Callback):
             from ..loop import as_arguments
             from ..runtime.trainer import NonFiniteTrainingError
 
+            precision = str(trainer.precision)  # what the Trainer runs, the plan's or not (setup warned)
+            precision = "bf16" if "bf16" in precision else "fp16" if precision.startswith("16") else "fp32"
             raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients. "
-                                         f"{as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))}",
+                                         f"{as_arguments(nonfinite_advice(precision, own_loop=True))}",
                                          trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
