@@ -304,8 +304,31 @@ def test_oom_names_the_micro_batch_that_keeps_the_effective_batch():
     cb = tl.TightfitCallback(Plan("fp32", 8, 16))
     with pytest.raises(torch.OutOfMemoryError):
         _fit(Plan("fp32", 8, 16), module, callback=cb)
-    assert any("out of memory at micro-batch 8 x 2" in e and "batch_size=4" in e and "accumulate_grad_batches=4" in e
-               for e in cb.events)
+    assert any("out of memory at micro-batch 8 x 2" in e and "plan.with_micro_batch(4) (4 x 4:" in e
+               for e in cb.events), cb.events
+
+
+def test_the_oom_advice_is_a_plan_that_the_arguments_and_the_callback_take():
+    """The advice after an OOM at 8 x 2 (plan 8 x 2 = 16) was "fit again with DataLoader(batch_size=4)
+    and accumulate_grad_batches=4": trainer_arguments(plan) refuses that accumulation (the plan chose
+    2), and on a Trainer made with it by hand the callback's setup puts the plan's 2 back, training
+    4 x 2, half the effective batch. It now names the plan to fit with, plan.with_micro_batch(4),
+    which trainer_arguments, the callback and the loader take as they are: 4 x 4, nothing said."""
+    plan = Plan("fp32", 8, 16)
+    with pytest.raises(TightfitError, match="your accumulate_grad_batches=4 \\(the plan chose 2\\)"):
+        tl.trainer_arguments(plan, accumulate_grad_batches=4)  # what the old advice had the user do
+    module = _Classifier()
+    _out_of_memory_in_every_forward(module)
+    cb = tl.TightfitCallback(plan)
+    with pytest.raises(torch.OutOfMemoryError):
+        _fit(plan, module, callback=cb)
+    advice = [e for e in cb.events if "out of memory at micro-batch 8 x 2" in e]
+    assert advice and ("fit again with plan = plan.with_micro_batch(4) (4 x 4: the plan's effective batch of 16) "
+                       "in trainer_arguments(plan), TightfitCallback(plan) and DataLoader(batch_size=plan.micro_batch)"
+                       ) in advice[0], advice
+    again = plan.with_micro_batch(4)
+    trainer, module, cb = _fit(again, steps=2)
+    assert (trainer.accumulate_grad_batches, module.batches, cb.events) == (4, 8, [])
 
 
 def test_oom_advice_keeps_the_plans_effective_batch_when_the_loader_differed():
@@ -318,7 +341,7 @@ def test_oom_advice_keeps_the_plans_effective_batch_when_the_loader_differed():
     with pytest.raises(torch.OutOfMemoryError):
         _fit(Plan("fp32", 6, 12), module, callback=cb, micro_batch=10)
     advice = [e for e in cb.events if "out of memory at micro-batch 10 x 2" in e]
-    assert advice and "batch_size=4" in advice[0] and "accumulate_grad_batches=3" in advice[0]
+    assert advice and "plan.with_micro_batch(4) (4 x 3:" in advice[0], advice
     assert "effective batch of 12" in advice[0]
 
 
@@ -407,7 +430,7 @@ def test_manual_optimization_is_not_told_an_effective_batch_of_lightnings_accumu
         _fit(plan, module, callback=cb, micro_batch=8, accumulate_grad_batches=1)
     advice = [e for e in cb.events if "out of memory at micro-batch 8" in e]
     assert advice and "accumulate_grad_batches" not in advice[0], cb.events
-    assert "batch_size=4" in advice[0] and "stepped every 2 training batches" in advice[0], advice
+    assert "plan.with_micro_batch(4)" in advice[0] and "stepped every 2 training batches" in advice[0], advice
 
 
 def test_the_skipped_step_counts_survive_a_resume_from_the_trainers_checkpoint(tmp_path):

@@ -40,9 +40,10 @@ What each part does, and what Lightning leaves out of reach:
   optimization only.
 - Out of memory: Lightning has no hook that can redo a step with smaller micro-batches (the
   loader's batch is fixed; ``Tuner.scale_batch_size`` searches before training and keeps no
-  effective batch). The callback names the micro-batch and accumulation (under manual optimization: how many
-  batches your ``training_step`` steps over) that keep the effective
-  batch, and ``fit`` raises the OOM as it would without tightfit. The plan's probes chose a
+  effective batch). The callback names the plan to fit again with, ``plan.with_micro_batch(n)``:
+  its micro-batch and accumulation (under manual optimization: how many batches your
+  ``training_step`` steps over) keep the effective batch, and ``fit`` raises the OOM as it would
+  without tightfit. The plan's probes chose a
   micro-batch that fits the budget with headroom, so this is the exception.
 """
 
@@ -375,17 +376,21 @@ class TightfitCallback(Watch, L.Callback):
         mb, acc = getattr(trainer.train_dataloader, "batch_size", None) or self.plan.micro_batch, \
             trainer.accumulate_grad_batches
         if mb > 1:
-            # the largest divisor of the plan's effective batch at most half the micro-batch that ran
-            # out of memory: Lightning runs micro-batch x accumulation samples per optimizer step
-            E = self.plan.effective_batch
-            new_mb = next(m for m in range(min(mb // 2, E), 0, -1) if E % m == 0)
+            # the largest divisor of the plan's samples per process and window at most half the micro-batch
+            # that ran out of memory: Lightning runs micro-batch x accumulation samples per optimizer step.
+            # Said as the plan to fit with: trainer_arguments(plan) refuses another accumulate_grad_batches
+            # than the plan's, and this callback's setup puts the plan's back
+            E, share = self.plan.effective_batch, self.plan.rank_batch
+            new_mb = next(m for m in range(min(mb // 2, share), 0, -1) if share % m == 0)
+            new = self.plan.with_micro_batch(new_mb)
             if pl_module.automatic_optimization:
-                at, accumulate = f"{mb} x {acc}", f"accumulate_grad_batches={E // new_mb}"
+                at, steps = f"{mb} x {acc}", ""
             else:  # Lightning refuses accumulate_grad_batches above 1 here: the training_step accumulates
-                at, accumulate = f"{mb}", f"your optimizer stepped every {E // new_mb} training batches"
+                at, steps = f"{mb}", f", your optimizer stepped every {new.accumulation_steps} training batches"
             self._event(f"out of memory at micro-batch {at}: Lightning cannot redo the step; fit again with "
-                        f"DataLoader(batch_size={new_mb}) and {accumulate} (the plan's "
-                        f"effective batch of {E}), or plan for a smaller budget")
+                        f"plan = plan.with_micro_batch({new_mb}) ({new_mb} x {new.accumulation_steps}: the plan's "
+                        f"effective batch of {E}) in trainer_arguments(plan), TightfitCallback(plan) and "
+                        f"DataLoader(batch_size=plan.micro_batch){steps}, or plan for a smaller budget")
         else:
             self._event("out of memory at micro-batch 1: plan with activation checkpointing or fp16/bf16, "
                         "or raise the budget")
