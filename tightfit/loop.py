@@ -445,6 +445,7 @@ class TrainStep:
     Attributes:
         micro_batch: the micro-batch in force; ``steps``, ``skipped_steps``, ``oom_recoveries``: counts.
             :meth:`state_dict` holds them and the loss scaler's state, for an exact resume.
+        optimizer: yours, or the one TrainStep made (whose state :meth:`state_dict` holds).
         memory_timeline: ``(step, peak allocated bytes, peak reserved bytes)`` per step on CUDA.
         events: what the guards did, one line each (also logged to the ``tightfit`` logger).
         health: the :class:`tightfit.runtime.health.HealthMonitor` on CUDA (None on the CPU).
@@ -518,6 +519,8 @@ class TrainStep:
             cast_weights(model, plan.optimizer)
         self.optimizer = optimizer if optimizer is not None else make_optimizer(
             model.parameters(), plan.optimizer, self.device.type, lr)
+        # the loop has no optimizer of its own to save then: state_dict carries this one's state
+        self._own_optimizer = optimizer is None
         self._fused = all(g.get("fused") for g in self.optimizer.param_groups)
         self.scaler = make_grad_scaler(plan.precision, self.device.type)
         self.health = HealthMonitor(self.device.index or 0, warn_temp_c) if self.device.type == "cuda" else None
@@ -736,7 +739,9 @@ class TrainStep:
         tracker), the micro-batch in force after OOM recoveries, the counts behind the guards
         (steps, skipped steps in a row, clean steps towards growing the micro-batch back), and this
         process's random number generators' states (Python, NumPy, torch CPU and CUDA: dropout's
-        masks draw from them; :func:`tightfit.rng.capture_rng`). Plain Python numbers and tensors,
+        masks draw from them; :func:`tightfit.rng.capture_rng`), and, where TrainStep made the
+        optimizer (no ``optimizer`` given), that optimizer's state dict under ``"optimizer"``
+        (None with yours, which you save yourself). Plain Python numbers and tensors,
         so ``torch.load(..., weights_only=True)`` reads it back. The plan's own fields are kept to
         refuse a state of another plan in :meth:`load_state_dict`.
 
@@ -747,7 +752,8 @@ class TrainStep:
         from .rng import capture_rng
 
         return {"plan": self._plan_fields(), **{k: getattr(self, a) for k, a in _STATE_COUNTS.items()},
-                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": capture_rng()}
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": capture_rng(),
+                "optimizer": self.optimizer.state_dict() if self._own_optimizer else None}
 
     def _plan_fields(self) -> dict:
         return {"precision": self.plan.precision, "micro_batch": self.plan.micro_batch,
@@ -755,13 +761,17 @@ class TrainStep:
 
     def load_state_dict(self, state: dict) -> None:
         """Take back what :meth:`state_dict` gave, on a ``TrainStep`` made with the same plan
-        (load the model's and the optimizer's state dicts yourself, as your loop saved them); the
-        RNG states are restored too, so the steps after it draw what the saved run's did.
+        (load the model's state dict, and your optimizer's, yourself, as your loop saved them; the
+        optimizer TrainStep made gets its state from ``state``, learning rate included, as
+        ``torch.optim``'s ``load_state_dict`` gives it); the RNG states are restored too, so the
+        steps after it draw what the saved run's did.
 
         Raises:
-            TightfitError: ``state`` is not a TrainStep's state (a key, a count, the loss scaler's or
-                the RNG's state missing or malformed), or was saved under a plan of another
-                precision, micro-batch or effective batch. Nothing is changed then.
+            TightfitError: ``state`` is not a TrainStep's state (a key, a count, the loss scaler's,
+                the RNG's or the optimizer's state missing or malformed), was saved under a plan of
+                another precision, micro-batch or effective batch, or holds the state of the
+                optimizer TrainStep made where this one was given yours (or none where this one
+                made it). Nothing is changed then.
         """
         from .levers.precision import make_grad_scaler
         from .rng import capture_rng, restore_rng
@@ -770,7 +780,8 @@ class TrainStep:
             return TightfitError(f"TrainStep.load_state_dict: not a TrainStep's state ({what}); give it what "
                                  "TrainStep.state_dict() returned")
 
-        if not isinstance(state, dict) or set(state) != {"plan", "scaler", "rng", *_STATE_COUNTS}:
+        # "optimizer" is absent from the states of tightfit before it was kept (read as None)
+        if not isinstance(state, dict) or set(state) - {"optimizer"} != {"plan", "scaler", "rng", *_STATE_COUNTS}:
             raise refuse("its keys differ" if isinstance(state, dict) else f"a {type(state).__name__}")
         mine = self._plan_fields()
         if state["plan"] != mine:
@@ -784,6 +795,16 @@ class TrainStep:
             raise refuse(f"micro_batch {mb} is not between 1 and the plan's {self.plan.micro_batch}")
         if (state["scaler"] is None) == self.scaler.is_enabled():
             raise refuse(f"its loss scaler does not match this plan's precision ({self.plan.precision})")
+        optimizer_state = state.get("optimizer")
+        if optimizer_state is not None and not self._own_optimizer:
+            raise TightfitError("TrainStep.load_state_dict: the state holds the optimizer TrainStep made (the run had "
+                                "no optimizer of yours); this TrainStep was given yours: make it without optimizer=, "
+                                "as the run was")
+        if optimizer_state is None and self._own_optimizer:
+            # the AdamW moments and step count would start again: the resumed run would not be the saved one's
+            raise TightfitError("TrainStep.load_state_dict: the state holds no optimizer state (saved by a TrainStep "
+                                "given your optimizer, or by an earlier tightfit that kept none), and this TrainStep "
+                                "made its own: give it the optimizer the run was saved with, or start without the state")
         scaler = self.scaler
         if state["scaler"] is not None:  # into a new scaler: one that fails part-way leaves this one as it was
             scaler = make_grad_scaler(self.plan.precision, self.device.type)
@@ -797,6 +818,12 @@ class TrainStep:
         except Exception as e:  # noqa: BLE001 - a malformed RNG state: the generators put back first
             restore_rng(before)
             raise refuse(f"its RNG states: {type(e).__name__}: {e}") from None
+        if optimizer_state is not None:
+            try:  # torch checks the groups before it replaces anything: a refusal leaves the optimizer as it was
+                self.optimizer.load_state_dict(optimizer_state)
+            except Exception as e:  # noqa: BLE001 - a malformed optimizer state, whatever torch raises
+                restore_rng(before)
+                raise refuse(f"its optimizer's state: {type(e).__name__}: {e}") from None
         self.scaler, self._used_micro_batch = scaler, mb
         for k, attribute in _STATE_COUNTS.items():
             setattr(self, attribute, state[k])
