@@ -676,3 +676,22 @@ def test_a_loop_with_the_optimizer_train_step_made_resumes_exactly_from_its_stat
     with pytest.raises(TightfitError, match="holds no optimizer state"):
         fresh()[1].load_state_dict(yours.state_dict())
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_tokenizers_batch_encoding_with_labels_takes_the_models_own_loss():
+    """A tokenizer's output is a ``BatchEncoding`` (a ``UserDict``, not a ``dict``): given with
+    ``labels`` and no ``loss=``, ``plan`` and ``TrainStep`` refused it as "a tuple batch needs
+    loss=". It now trains as the same batch given as a dict does (dropout on)."""
+    from transformers import BatchEncoding
+
+    batch = SyntheticBatches(8).worst_case(8)
+    tightfit.plan(tiny_bert(), BatchEncoding(batch), effective_batch=8, device="cpu")
+    outs, weights = [], []
+    for given in (batch, BatchEncoding(batch)):
+        model = tiny_bert(dropout=0.1)
+        step = tightfit.TrainStep(Plan("fp32", 3, 8), model, lr=1e-3)
+        torch.manual_seed(0)
+        outs.append(step(given).loss)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert outs[0] == outs[1]
+    assert all(torch.equal(a, b) for a, b in zip(*weights))

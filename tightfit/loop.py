@@ -146,7 +146,7 @@ def _loss_sum(batch: _Batch, loss: LossFn | None, tokens=None) -> Callable[[torc
         n = next(iter(d.values())).shape[0]
         if loss is not None:
             value = loss(model, b)
-        elif isinstance(b, dict):
+        elif batch.keys is not None:  # any Mapping: a tokenizer's BatchEncoding is a UserDict, not a dict
             out = model(**with_prepared_mask(model, b))
             value = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
             if value is None:
