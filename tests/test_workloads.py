@@ -259,3 +259,29 @@ def test_unlabelled_samples_of_minus_100_are_out_of_the_loss_and_the_evaluation(
     labelled = data.batch["labels"] != -100
     hits = (logits.argmax(-1) == data.batch["labels"])[labelled].float().mean()
     assert SequenceClassification().evaluate(t.model, [data.batch])["accuracy"] == pytest.approx(float(hits))
+
+
+def test_a_collate_function_giving_a_batch_encoding_trains_as_one_giving_a_dict():
+    """Hugging Face's collators (``DataCollatorWithPadding``, the language-modelling ones) give a
+    ``BatchEncoding``, a ``UserDict`` rather than a ``dict``: a ``Workload`` refused it as "the
+    collate function must give a dict of tensors (got BatchEncoding)", pointing to ``collate_as``
+    for tuple samples. It now trains and evaluates as the same batches given as dicts do."""
+    from torch.utils.data import default_collate
+    from transformers import BatchEncoding
+
+    from conftest import tiny_bert
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(1, 50, (10,), generator=g), "attention_mask": torch.ones(10, dtype=torch.long),
+             "labels": torch.tensor(i % 2)} for i in range(20)]
+    results = []
+    for collate in (default_collate, lambda samples: BatchEncoding(default_collate(samples))):
+        model = tiny_bert(dropout=0.1)
+        w = Workload(model, data, data[:6], effective_batch=8, collate_fn=collate)
+        r = Trainer(w, Plan("fp32", 3, 8), TrainConfig(epochs=1, seed=1), progress=False).fit()
+        results.append((r.final_loss, r.eval, [p.detach().clone() for p in model.parameters()]))
+    assert results[0][:2] == results[1][:2]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))

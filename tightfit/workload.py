@@ -12,6 +12,7 @@ tokens for token-level losses).
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -163,8 +164,10 @@ class DatasetBatches:
 
     def collate(self, indices: Sequence[int], pad_to: int | None = None) -> dict[str, torch.Tensor]:
         """``collate_fn`` of the samples at ``indices`` (``pad_to`` is for :class:`TextBatches`' kind
-        of data and ignored here)."""
-        return self.collate_fn([self.dataset[i] for i in indices])
+        of data and ignored here); a mapping it gives (Hugging Face's collators give a
+        ``BatchEncoding``, a ``UserDict``) as a plain dict of the same tensors."""
+        batch = self.collate_fn([self.dataset[i] for i in indices])
+        return dict(batch) if isinstance(batch, Mapping) and not isinstance(batch, dict) else batch
 
     def worst_case(self, n: int) -> dict[str, torch.Tensor]:
         """The batch of ``n`` samples that takes the most memory (see the class docstring)."""
