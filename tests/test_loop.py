@@ -695,3 +695,15 @@ def test_a_tokenizers_batch_encoding_with_labels_takes_the_models_own_loss():
         weights.append([p.detach().clone() for p in model.parameters()])
     assert outs[0] == outs[1]
     assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+def test_a_train_step_refused_for_its_optimizer_leaves_the_models_checkpointing_as_it_was():
+    """``TrainStep`` turned the plan's activation checkpointing on (the KV cache off) before it made
+    the plan's optimizer, so one refused there (``adamw-offload`` without CUDA) left the model
+    checkpointing: half done. The optimizer is now made first."""
+    from tightfit.levers.checkpointing import checkpointing_active
+
+    model = tiny_bert()
+    with pytest.raises(TightfitError, match="adamw-offload needs a CUDA GPU"):
+        tightfit.TrainStep(Plan("fp32", 4, 8, optimizer="adamw-offload", activation_checkpointing=True), model)
+    assert not checkpointing_active(model)

@@ -507,20 +507,22 @@ class TrainStep:
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
         self.model = model
-        # on or off as planned: an earlier plan's checkpointing of the same model must not stay on (said: yours too)
         self.events: list[str] = []
-        note = turned_off_note(model, plan.activation_checkpointing, plan.checkpoint_blocks, plan.block_policies)
-        set_activation_checkpointing(model, plan.activation_checkpointing, plan.checkpoint_blocks, plan.block_policies)
-        if note:
-            self._event(note, logging.WARNING)
         if optimizer is None:  # the plan's; adamw8bit-bf16 needs the model's weights in bf16 first
             from .levers.optimizers import cast_weights
 
             cast_weights(model, plan.optimizer)
+        # made before checkpointing is set: one refused here (adamw-offload without CUDA, a library
+        # missing) leaves the model's checkpointing as it was
         self.optimizer = optimizer if optimizer is not None else make_optimizer(
             model.parameters(), plan.optimizer, self.device.type, lr)
         # the loop has no optimizer of its own to save then: state_dict carries this one's state
         self._own_optimizer = optimizer is None
+        # on or off as planned: an earlier plan's checkpointing of the same model must not stay on (said: yours too)
+        note = turned_off_note(model, plan.activation_checkpointing, plan.checkpoint_blocks, plan.block_policies)
+        set_activation_checkpointing(model, plan.activation_checkpointing, plan.checkpoint_blocks, plan.block_policies)
+        if note:
+            self._event(note, logging.WARNING)
         self._fused = all(g.get("fused") for g in self.optimizer.param_groups)
         self.scaler = make_grad_scaler(plan.precision, self.device.type)
         self.health = HealthMonitor(self.device.index or 0, warn_temp_c) if self.device.type == "cuda" else None
