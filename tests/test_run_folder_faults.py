@@ -329,6 +329,67 @@ def test_a_new_run_into_a_folder_another_process_is_starting_is_refused(tmp_path
         os.close(fd)
 
 
+def test_a_second_run_started_at_once_into_the_same_out_is_refused_before_it_plans(tmp_path, monkeypatch):
+    """Two `tightfit train` started at once into one new --out: the folder was made and locked only
+    once planned, so the second (another process) planned too, printed its plan lines and was
+    refused only then -- or, first to open the folder, trained while the first was refused. The
+    first now holds the folder from its check of --out on: the second gets one line and exit code 2
+    before it plans, and the first trains there."""
+    import subprocess
+    import sys
+
+    common = tiny_cpu_job(tmp_path)
+    out = tmp_path / "new"  # neither run has made it when both check --out
+    second = [sys.executable, "-m", "tightfit", "train", "--model", common["model"], "--data", common["data"],
+              "--batch-size", "8", "--seq-len", "16", "--device", "cpu", "--max-steps", "2", "--no-progress",
+              "--out", str(out)]
+    plan, done = api.TrainRecipe._plan, []
+
+    def second_starts_while_the_first_plans(self):
+        if not done:
+            done.append(subprocess.run(second, capture_output=True, text=True, timeout=300))
+        plan(self)
+
+    monkeypatch.setattr(api.TrainRecipe, "_plan", second_starts_while_the_first_plans)
+    api.train(api.TrainRequest(**common, max_steps=2, out=str(out)))
+    refused = done[0]
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    assert refused.stderr.strip().splitlines() == [
+        f"tightfit: error: run folder {out} is being written by another tightfit run (a run folder has one "
+        "writer): wait for it to end, or stop it"]
+    assert "plan:" not in refused.stdout, refused.stdout  # refused before it planned
+    assert (out / "summary.json").is_file()  # the first trained there
+
+
+def test_a_new_run_into_a_folder_another_run_is_training_in_says_so(tmp_path):
+    """A run training in --out before its first checkpoint: a second run into it was told the
+    folder "holds a run that stopped before its first checkpoint ... delete it". It is being
+    written: the second is told so, and the folder is left as it was."""
+    common = tiny_cpu_job(tmp_path)
+    out = tmp_path / "live"
+    out.mkdir()
+    (out / "request.json").write_text("{}")
+    first = object()  # the run training there, holding its folder
+    api._hold_run_folder(out, first)
+    try:
+        with pytest.raises(TightfitError, match="is being written by another tightfit run"):
+            api.train(api.TrainRequest(**common, max_steps=2, out=str(out)))
+    finally:
+        api._release_run_folders(first)
+    assert [p.name for p in out.iterdir()] == ["request.json"]
+
+
+def test_a_new_runs_folder_made_at_its_check_is_removed_when_a_later_check_refuses(tmp_path):
+    """The folder made (and held) once --out is checked is removed again when the setup refuses
+    the run after that (here its data): bad input leaves nothing, and the --out stays free."""
+    common = tiny_cpu_job(tmp_path)
+    out = tmp_path / "new"
+    with pytest.raises(TightfitError):
+        api.train(api.TrainRequest(**{**common, "data": str(tmp_path / "missing.csv")}, max_steps=2, out=str(out)))
+    assert not out.exists()
+    assert str(out.resolve()) not in api._HELD  # and released
+
+
 def test_the_lock_is_each_train_calls_own_and_a_filesystem_without_locks_is_no_refusal(tmp_path, monkeypatch):
     """One process, two train calls (threads, a notebook): the second writer of a folder is refused,
     and the first's end releases only its own folders. ENOLCK (Lustre, some NFS) means no lock."""

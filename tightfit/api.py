@@ -6,9 +6,10 @@ trainer), then the run folder opened, one call of the training loop, and the fin
 report, plots, summary).
 
 Order matters: every check that can fail on bad input (the options, sizes, profiles, files,
-columns, the budget against the model's state) runs in the setup, before the run folder is
-created or the GPU touched; on resume nothing is written before the checkpoint is verified and
-the finished-run check is done.
+columns, the budget against the model's state) runs in the setup, before anything is written to
+the run folder or the GPU touched (a new run's folder is made empty and held once ``--out`` is
+checked, so that a second run into it is refused before it plans; removed if the setup fails);
+on resume nothing is written before the checkpoint is verified and the finished-run check is done.
 
 Messages (notes, the plan, the summary, training events) go to the ``tightfit`` logger: the
 command line prints them; a Python caller sees them with ``logging.basicConfig(level=logging.INFO)``
@@ -87,13 +88,15 @@ def train(req: TrainRequest) -> RunSummary:
             if (run / "request.json").is_file():  # a run folder (setup says what else it is)
                 _hold_run_folder(run, recipe)
         try:
-            recipe.setup()  # checks, loads and plans; writes nothing
-        except TightfitError as e:
-            e.every_rank = world.distributed  # each rank checked the same input: rank 0 alone says so
-            if not names_flags() and len(e.args) == 1 and isinstance(e.args[0], str):
-                from .loop import as_arguments  # the advice's flags as TrainRequest's keywords: optimizer='adamw8bit'
+            recipe.setup()  # checks, loads and plans; writes nothing but a new run's folder, made empty and held
+        except BaseException as e:
+            recipe.remove_created()  # that folder, if this run made it: a failed setup leaves nothing
+            if isinstance(e, TightfitError):
+                e.every_rank = world.distributed  # each rank checked the same input: rank 0 alone says so
+                if not names_flags() and len(e.args) == 1 and isinstance(e.args[0], str):
+                    from .loop import as_arguments  # the advice's flags as keywords: optimizer='adamw8bit'
 
-                e.args = (as_arguments(e.args[0]),)
+                    e.args = (as_arguments(e.args[0]),)
             raise
         finished = recipe.finished_summary()
         if finished is not None:
@@ -162,6 +165,26 @@ def _hold_run_folder(folder: Path, owner) -> None:
                 raise TightfitError(refusal) from None
             return  # no flock on this filesystem (ENOLCK, ENOSYS, EOPNOTSUPP): unguarded, as before
         _HELD[key] = (owner, fd)
+
+
+def _claim_run_folder(folder: Path, owner) -> bool:
+    """Make new run folder ``folder`` (unless it is there, empty) and hold it for ``owner``
+    (:func:`_hold_run_folder`) once it is checked, before the data are read and the plan is made:
+    a second run started into it at once is refused before it plans, not after. Returns whether
+    it was made here (to be removed if the run stops before it writes anything).
+
+    Raises:
+        TightfitError: it cannot be made, or another run holds it.
+    """
+    try:
+        folder.mkdir(parents=True)
+        made = True
+    except FileExistsError:
+        made = False
+    except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
+        raise TightfitError(f"cannot create the run folder {folder}: {e.strerror or e}") from e
+    _hold_run_folder(folder, owner)
+    return made
 
 
 def _release_run_folders(owner) -> None:
@@ -239,7 +262,8 @@ class TrainRecipe:
 
     Use: ``recipe.setup()``; if ``recipe.finished_summary()`` is None, ``recipe.open_run_folder()``,
     then ``recipe.finish(recipe.train())``. The options were checked when the request was made
-    (:mod:`tightfit.config`); :meth:`setup` does every other check and writes nothing.
+    (:mod:`tightfit.config`); :meth:`setup` does every other check and writes nothing (but a new
+    run's empty folder, held against a second run).
 
     Args:
         req: the options of the run.
@@ -287,7 +311,9 @@ class TrainRecipe:
         trainer (on resume: its state restored from the verified checkpoint).
 
         Raises:
-            TightfitError: bad input or a request that cannot be met; nothing is written.
+            TightfitError: bad input or a request that cannot be met; nothing is written (a new
+                run's folder, made empty by :meth:`_check_run_folder`, is left to :func:`train`
+                to remove: :meth:`remove_created`).
         """
         if self.req.run.resume:
             # rank 0 chooses the checkpoint for every rank: it alone puts back a displaced one (the
@@ -349,19 +375,30 @@ class TrainRecipe:
         self.data = load_text_classification(w.data, w.text_column, w.label_column) if w.data else load_default()
 
     def _check_run_folder(self) -> None:
-        """The run folder: new or empty (or the run being resumed), and creatable."""
+        """The run folder: new or empty (or the run being resumed), and creatable; a new run's is
+        then made (if need be) and held (:func:`_claim_run_folder`).
+
+        Raises:
+            TightfitError: it cannot be used, or another run is writing it.
+        """
         out = self.req.run.out
         if out is not None and not str(out).strip():  # "" would silently become runs/<date-time>
             raise TightfitError(f"{option_name('out')} is empty: give the run folder, or leave {option_name('out')} out for "
                                 "runs/<date-time>")
         self.out = output_folder(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        _check_out(self.out, resuming=self.resume_from is not None)
+        new = self.resume_from is None  # a resumed run's folder is held from train() on
+        if new:  # a folder another run is writing: refused as such, not as "not empty" (rank 0 holds it)
+            self.world.decide(lambda: self.out.is_dir() and _hold_run_folder(self.out, self))
+        _check_out(self.out, resuming=not new)
         data = self.req.workload.data
-        if self.resume_from is None and data and Path(data).is_dir() and \
+        if new and data and Path(data).is_dir() and \
                 Path(data).resolve() in (self.out.resolve(), *self.out.resolve().parents):
             # its files would become samples (a class of their own) and the data would change under it
             raise TightfitError(f"{option_given('out', str(self.out))} is inside the data folder {data}: its files "
                                 f"would become samples; choose a folder outside it")
+        if new:  # rank 0 writes it: it makes and holds it; a refusal is every rank's
+            made = self.world.decide(lambda: _claim_run_folder(self.out, self))
+            self.created = [self.out] if made and self.world.is_main else []
 
     def _split_data(self) -> None:
         """The fixed held-out split, cut to ``--train-samples``/``--eval-samples`` (on the CPU, to
@@ -792,7 +829,8 @@ class TrainRecipe:
 
     def remove_created(self) -> None:
         """Remove what this run made in its folder, files first, then the folder if the run made it
-        (nothing of a resumed run's, nothing before :meth:`open_run_folder`); the metrics file is closed first."""
+        (nothing of a resumed run's; before :meth:`open_run_folder`, a new run's folder that the setup
+        made, empty); the metrics file is closed first."""
         if getattr(self, "created", None) is None:
             return
         if self.metrics is not None:
@@ -816,16 +854,17 @@ class TrainRecipe:
             self.created = None
             return
         out, step = self.out, self.trainer.step
+        made = bool(getattr(self, "created", None))  # a new run's folder, made by the setup (held since)
         self.created = []  # what interrupted() may remove: only what this run made
         try:
             out.mkdir(parents=True)
-            made = True  # by this process: another one starting into the same --out finds it made
+            made_now = made = True  # by this process: another one starting into the same --out finds it made
         except FileExistsError:
-            made = False
+            made_now = False
         except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
             raise TightfitError(f"cannot create the run folder {out}: {e.strerror or e}") from e
         _hold_run_folder(out, self)
-        if not made and self.resume_from is None:  # again under the lock: another run may have filled it
+        if not made_now and self.resume_from is None:  # again under the lock: another writer may have filled it
             _check_out(out, resuming=False)
         self.created = [out] if made else []
         self.created += [out / n for n in ("request.json", "plan.json", "metrics.jsonl", "checkpoints")
