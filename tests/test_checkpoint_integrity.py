@@ -192,6 +192,20 @@ def test_remove_stale_temporaries_reports_what_it_removed(tmp_path):
     assert remove_stale_temporaries(tmp_path) == [] and remove_stale_temporaries(tmp_path / "none") == []
 
 
+def test_remove_stale_temporaries_removes_a_times_json_write_cut_short_in_a_checkpoint(tmp_path):
+    """times.json is written into a checkpoint already in place: a kill then leaves its temporary
+    file inside ckpt-<step>/, which is removed (the checkpoint and a times.json in place are not)."""
+    _save(tmp_path, [2])
+    ckpt = tmp_path / "ckpt-2"
+    (ckpt / "times.json").write_text('{"checkpoint_seconds": 1.0, "checkpoint_write_seconds": 0.5}')
+    (ckpt / ".times.json.x7f3q.tmp").write_bytes(b"x" * 17)
+    (ckpt / ".other.tmp").write_text("not tightfit's")
+    assert remove_stale_temporaries(tmp_path) == [("ckpt-2/.times.json.x7f3q.tmp", 17)]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".other.tmp", "manifest.json", "model.safetensors", "state.pt",
+                                                      "times.json"]
+    assert verify_checkpoint(ckpt)
+
+
 def test_checkpoints_past_a_fallback_are_dropped_when_the_run_writes_again(tmp_path):
     """After resuming from ckpt-2 because ckpt-4 was corrupt, the next checkpoint replaces the
     abandoned stretch: keep_last then counts intact checkpoints of this stretch only."""

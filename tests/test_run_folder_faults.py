@@ -438,6 +438,24 @@ def test_only_tightfits_own_leftovers_are_removed_and_its_markers_too(finished):
     assert remove_stale_temporaries(run / "checkpoints") == []
 
 
+def test_a_times_json_write_cut_short_inside_a_checkpoint_is_removed_on_resume(finished, caplog):
+    """A kill while a checkpoint's times.json was written (after the folder's rename, so inside
+    ckpt-<step>/) left .times.json.<random>.tmp there, which nothing removed: the resume's cleanup
+    looked only at the checkpoints folder itself. It is removed with a note, as the others are."""
+    import logging
+
+    run, common = finished
+    (run / "summary.json").unlink()
+    (run / "checkpoints" / "ckpt-8" / ".times.json.k9x2.tmp").write_text('{"checkpoint_sec')
+    (run / "checkpoints" / "ckpt-8" / ".my-notes.tmp").write_text("mine")  # not tightfit's: left alone
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        api.train(api.TrainRequest(**common, resume=str(run)))
+    assert not (run / "checkpoints" / "ckpt-8" / ".times.json.k9x2.tmp").exists()
+    assert (run / "checkpoints" / "ckpt-8" / ".my-notes.tmp").is_file()
+    assert any("removed ckpt-8/.times.json.k9x2.tmp" in r.getMessage() and "cut short" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
 def test_old_checkpoints_without_a_manifest_stay_abandoned_in_a_copy_of_the_run(finished, tmp_path):
     import os
 

@@ -11,8 +11,9 @@ manifests existed are accepted: their safetensors header must cover the whole fi
 ``state.pt``'s zip records must pass their CRC-32 checks (so truncation, and damage inside
 ``state.pt``, are still found), but bytes overwritten inside their weights cannot be detected;
 resuming from one says so. Temporary folders left by a checkpoint write that was killed
-(``.ckpt-<step>.*.tmp``, ``.ckpt-<step>.old``) are removed before the next checkpoint is written,
-and on resume (:func:`remove_stale_temporaries`).
+(``.ckpt-<step>.*.tmp``, ``.ckpt-<step>.old``), and the temporary file of a ``times.json`` write
+cut short inside a checkpoint (``ckpt-<step>/.times.json.*.tmp``), are removed before the next
+checkpoint is written, and on resume (:func:`remove_stale_temporaries`).
 
 Once a checkpoint is in place, ``times.json`` beside its files records the run's checkpoint times
 including its own write (:func:`write_checkpoint_times`), which ``state.pt``, taken before the
@@ -49,6 +50,7 @@ MODEL_FILE, STATE_FILE, MANIFEST = "model.safetensors", "state.pt", "manifest.js
 # its own: the later checkpoints it leaves behind (mark_abandoned), which a resume of the run skips.
 ABANDONED = "abandoned.json"
 TIMES = "times.json"  # in a checkpoint folder, after it is in place: write_checkpoint_times
+_STALE_TIMES = re.compile(r"^\." + re.escape(TIMES) + r"\.[^/]+\.tmp$")  # write_checkpoint_times', cut short
 MANIFEST_FORMAT = "tightfit-checkpoint/1"
 _CHUNK = 1 << 20  # bytes read at a time when hashing
 
@@ -503,12 +505,15 @@ def restore_displaced(folder: Path) -> list[str]:
 
 def remove_stale_temporaries(folder: Path) -> list[tuple[str, int]]:
     """Delete the temporary folders that a killed checkpoint write left in ``folder``
-    (``.ckpt-<step>.<random>.tmp``, and ``.ckpt-<step>.old`` from a replacement cut short).
+    (``.ckpt-<step>.<random>.tmp``, and ``.ckpt-<step>.old`` from a replacement cut short), and
+    the temporary files of writes cut short there: ``abandoned.json``'s, and ``times.json``'s
+    inside a checkpoint in place (``ckpt-<step>/.times.json.<random>.tmp``).
 
-    Call it only where no other process writes checkpoints into ``folder`` (a run has one writer).
+    Call it only where no other process writes checkpoints into ``folder`` (a run has one writer;
+    its writer thread writes a checkpoint's ``times.json`` before it starts the next checkpoint).
 
     Returns:
-        ``(name, bytes)`` of each folder removed.
+        ``(name, bytes)`` of each folder or file removed (a checkpoint's file: ``ckpt-<step>/<name>``).
     """
     folder = Path(folder)
     removed = []
@@ -523,6 +528,11 @@ def remove_stale_temporaries(folder: Path) -> list[tuple[str, int]]:
             size = p.stat().st_size
             p.unlink(missing_ok=True)
             removed.append((p.name, size))
+        elif _NAME.match(p.name) and p.is_dir() and not p.is_symlink():  # times.json: written after the rename
+            for q in sorted(q for q in p.iterdir() if _STALE_TIMES.match(q.name) and q.is_file()):
+                size = q.stat().st_size
+                q.unlink(missing_ok=True)
+                removed.append((f"{p.name}/{q.name}", size))
     return removed
 
 
