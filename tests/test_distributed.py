@@ -342,7 +342,7 @@ def test_batchnorm_is_checked_on_every_ranks_share_before_training():
                                             r"and 2\+1;"):
         Trainer(Workload(Net(), data, None, 7), Plan("fp32", 2, 7, world_size=2, sharding="ddp"), cfg,
                 progress=False, world=World(rank=0, size=2))
-    with pytest.raises(TightfitError, match=r"on 2 ranks splits each window of 1 samples as 1 and 1 \(a rank"):
+    with pytest.raises(TightfitError, match=r"on 2 ranks splits each window of 1 sample as 1 and 1 \(a rank"):
         Trainer(Workload(Net(), data[:2], None, 1), Plan("fp32", 1, 1, world_size=2, sharding="ddp"), cfg,
                 progress=False, world=World(rank=0, size=2))
     Trainer(Workload(Net(), data[:8], None, 8), Plan("fp32", 4, 8), cfg, progress=False)  # 4 + 4 on one: fine

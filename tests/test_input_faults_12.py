@@ -57,6 +57,7 @@ def _bn_workload(n, effective_batch):
     (25, 8, 8, "the last window of each epoch holds 1 sample (25 training samples, effective batch 8)"),
     (30, 10, 3, "micro-batch 3 splits each window of 10 samples as 3+3+3+1"),
     (29, 8, 4, "micro-batch 4 splits the last window of 5 samples as 4+1"),
+    (1, 1, 1, "the last window of each epoch holds 1 sample (1 training sample, effective batch 1)"),  # not "samples"
 ])
 def test_a_run_that_would_give_batchnorm_one_sample_is_refused_before_training(n, effective_batch, micro_batch, says):
     """BatchNorm cannot train on one sample: the run died at that micro-batch, mid-epoch or at the

@@ -47,6 +47,7 @@ from .health import HealthMonitor
 from ..memory.oom import is_oom, release_memory
 from .prefetch import Prefetcher
 from ..rng import capture_rng, restore_rng
+from ..units import count_of
 
 _log = logging.getLogger(__name__)
 
@@ -226,12 +227,12 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
                 split = " and ".join("+".join(map(str, sizes)) for sizes in ranks)
                 padded = len({len(micro_batch_sizes(s, micro_batch)) for s in _share_sizes(window, world_size)}) > 1 \
                     or window < world_size
-                where = (f"micro-batch {micro_batch} on {world_size} ranks splits {which} window of {window} samples "
-                         f"as {split}" + (" (a rank with fewer micro-batches adds padding ones of 1 sample)"
-                                          if padded else ""))
+                where = (f"micro-batch {micro_batch} on {world_size} ranks splits {which} window of "
+                         f"{count_of(window, 'sample')} as {split}"  # a window of 1 on several ranks
+                         + (" (a rank with fewer micro-batches adds padding ones of 1 sample)" if padded else ""))
             elif window == 1:
-                where = f"the last window of each epoch holds 1 sample ({n} training samples, effective batch " \
-                        f"{effective_batch})"
+                where = f"the last window of each epoch holds 1 sample ({count_of(n, 'training sample')}, " \
+                        f"effective batch {effective_batch})"
             else:
                 where = f"micro-batch {micro_batch} splits {which} window of {window} samples as {'+'.join(map(str, ranks[0]))}"
             return f"the model's BatchNorm layers cannot train on a micro-batch of 1 sample, and {where}; {fix}"
