@@ -151,6 +151,38 @@ def test_a_link_to_no_file_is_refused_not_dropped(tmp_path):
         load_image_classification(str(root))
 
 
+def test_a_fifo_or_socket_in_a_class_folder_is_noted_and_one_named_as_an_image_is_refused(tmp_path, caplog, capsys):
+    """A FIFO or a socket in a class folder was dropped without a word (only regular files were
+    counted in the note of skipped files), and so was one named as an image (z.png): fewer samples
+    than the folder shows. Without an image ending it is counted in the note; with one it is refused
+    in one line before anything is written, as a link to nothing is (reading a FIFO would wait)."""
+    import socket
+
+    root = _folder(tmp_path / "data")
+    os.mkfifo(root / "a" / "pipe")
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(root / "b" / "listener"))
+        with caplog.at_level("WARNING", logger="tightfit"):
+            data = load_image_classification(str(root))
+    finally:
+        listener.close()
+    assert len(data) == 20
+    notes = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].startswith(f"note: {root}: 2 files skipped, outside the class folders or "
+                                                   "without an image ending (") and notes[0].endswith("e.g. a/pipe"), notes
+
+    os.mkfifo(root / "b" / "z.png")
+    folder, out = _resnet_folder(tmp_path / "resnet"), tmp_path / "run"
+    capsys.readouterr()
+    code = main(["train", "--data", str(root), "--model", str(folder), "--image-size", "8", "--out", str(out),
+                 "--device", "cpu", "--no-progress", "--max-steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"tightfit: error: {root / 'b' / 'z.png'}: a named pipe (FIFO), not an image file; "
+                                 "replace it with the image or move it out of the class folder"], (code, err)
+    assert not out.exists()
+
+
 def test_images_in_a_linked_subfolder_of_a_class_are_that_classs_and_a_link_up_is_entered_once(tmp_path):
     """``rglob`` does not enter a link to a folder: the 10 images of class a's linked subfolder were
     left out without a word (not even in the note of skipped files)."""

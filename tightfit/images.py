@@ -6,7 +6,8 @@
   offline (``sklearn.datasets.load_digits``; where scikit-learn is not installed, the same
   ``digits.csv.gz`` named by ``TIGHTFIT_DIGITS``);
 - a folder with one subfolder per class, each holding that class's images (PNG, JPEG, BMP, GIF,
-  WebP, TIFF: :data:`IMAGE_SUFFIXES`; nested folders included; other files are skipped with a note);
+  WebP, TIFF: :data:`IMAGE_SUFFIXES`; nested folders included; other files are skipped with a note,
+  and a FIFO, socket or device named as an image is refused);
 - a CSV/TSV/JSONL file with a column of image paths (``--image-column``, default ``path``; relative
   to the file's folder) and a column of labels (``--label-column``); these two options apply to
   such a list only (given with ``digits`` or a folder they are refused).
@@ -29,6 +30,7 @@ import io
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,13 +313,27 @@ def _paths_under(folder: Path) -> list[Path]:
     return paths
 
 
+def _not_a_file(path: Path) -> str:
+    """What ``path`` (after links), which exists and is neither a file nor a folder, is, in words."""
+    mode = path.stat().st_mode
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
 def _load_folder(root: Path) -> ImageClassificationData:
     """``root/<class>/**/<image>``: the class is the name of the first-level folder; hidden files
-    and folders (a name starting with ".") are left out; other files that are not samples (beside
-    the class folders, or without an image ending in them) are skipped with one note that counts them.
+    and folders (a name starting with ".") are left out; other entries that are not samples (beside
+    the class folders, or without an image ending in them: files, and FIFOs, sockets, devices or
+    links to nothing) are skipped with one note that counts them.
 
     Raises:
-        TightfitError: no class folder, a class folder without images, a link to no file."""
+        TightfitError: no class folder, a class folder without images, a link to no file, or
+            something with an image ending that is not a file (a FIFO, a socket, a device)."""
     visible = sorted(p for p in root.iterdir() if not p.name.startswith("."))
     classes = [p for p in visible if p.is_dir()]
     if not classes:
@@ -328,11 +344,16 @@ def _load_folder(root: Path) -> ImageClassificationData:
         # hidden files and folders (.ipynb_checkpoints copies, ._ files) are not samples: copies of
         # training images would also land in the held-out split
         found = sorted(f for f in _paths_under(c) if not any(part.startswith(".") for part in f.relative_to(c).parts))
-        skipped += [f for f in found if f.suffix.lower() not in IMAGE_SUFFIXES and f.is_file()]
+        # not only regular files: a FIFO or socket in a class folder was dropped without a word
+        skipped += [f for f in found if f.suffix.lower() not in IMAGE_SUFFIXES and not f.is_dir()]
         found = [f for f in found if f.suffix.lower() in IMAGE_SUFFIXES]
         broken = next((f for f in found if f.is_symlink() and not f.exists()), None)
         if broken is not None:  # dropping it would train on fewer images without a word
             raise TightfitError(f"{broken}: a link to {os.readlink(broken)}, which does not exist")
+        special = next((f for f in found if not f.is_file() and not f.is_dir()), None)
+        if special is not None:  # named as an image, but no image: as a link to nothing (reading a FIFO would hang)
+            raise TightfitError(f"{special}: {_not_a_file(special)}, not an image file; replace it with the image "
+                                "or move it out of the class folder")
         files = [f for f in found if f.is_file()]
         if not files:  # dropping it would train on the other classes without a word
             raise TightfitError(f"{root}: class folder {c.name!r} holds no image ({', '.join(sorted(IMAGE_SUFFIXES))}); "
