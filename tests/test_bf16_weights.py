@@ -73,6 +73,22 @@ def test_the_optimizer_refuses_weights_that_are_not_bf16():
         make_optimizer(bert().parameters(), KIND, "cpu")
 
 
+def test_without_torchao_the_model_is_refused_before_its_weights_are_cast(monkeypatch):
+    """The cast to bf16 drops each fp32 weight's low 16 bits for good: a Trainer (or TrainStep) whose
+    optimizer cannot be made for want of torchao must refuse before it, leaving your model's weights
+    as they were, not after, in bf16. The estimator's meta copy is cast without the library."""
+    w = workload()  # made first: transformers imports torchao, if installed, as it builds the model
+    before = params(w.model)
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)  # import torchao.optim now raises ImportError
+    with pytest.raises(TightfitError, match="needs torchao"):
+        Trainer(w, Plan("bf16", 8, 8, optimizer=KIND), TrainConfig(epochs=1), progress=False)
+    assert_same(params(w.model), before)
+    from tightfit.levers.optimizers import cast_weights
+    from tightfit.memory.estimate import meta_copy
+
+    assert {p.dtype for p in cast_weights(meta_copy(w.model), KIND).parameters()} == {torch.bfloat16}
+
+
 def _oom_in_new_buffer(trainer, n):
     """Raise a CUDA-style OOM at the ``n``-th moment torchao creates in the first step."""
     opt, calls = trainer.optimizer, []

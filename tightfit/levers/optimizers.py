@@ -261,9 +261,19 @@ def check_precision(kind: str, precision: str, profile=None) -> None:
 def cast_weights(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     """``model`` with its floating-point parameters and buffers in :func:`weights_dtype` of
     ``kind`` (in place, ``Module.to``: the parameter objects stay the same); unchanged for
-    optimizers that keep the weights as they are."""
+    optimizers that keep the weights as they are.
+
+    Raises:
+        TightfitError: ``kind``'s library (torchao) is missing, for a model with real (not meta)
+            weights: refused before the cast, which drops each fp32 weight's low 16 bits for good
+            (a refusal when the optimizer is made after it would leave your model in bf16).
+    """
     dtype = weights_dtype(kind)
-    return model if dtype is None else model.to(dtype)
+    if dtype is None:
+        return model
+    if any(not p.is_meta for p in model.parameters()):  # the estimator's meta copy needs no library
+        _torchao_optim(_BF16_NEEDS)
+    return model.to(dtype)
 
 
 @contextlib.contextmanager
