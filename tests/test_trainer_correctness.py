@@ -488,6 +488,26 @@ def test_the_evaluations_sample_count_is_what_its_accuracy_divides_by():
     assert "on the 5 labelled of 10 samples" in row, row
 
 
+def test_a_model_no_better_than_the_majority_class_is_said_so():
+    """A short trial (the README's --train-samples 1000 --epochs 1 on the default job) can end at the
+    majority class's accuracy, printed beside it without a word: a new user took the tool for broken.
+    The summary says what it means; a model above it gets no such note."""
+    from types import SimpleNamespace
+
+    from tightfit.report.summary import RunInfo, summary_rows
+
+    info = RunInfo("m", "d", 16, 10, ["a", "b"], 0.5777, "CPU", None, "2", "0", "tightfit train")
+
+    def rows(accuracy):
+        result = SimpleNamespace(eval={"accuracy": accuracy, "loss": 0.69, "samples": 10}, steps=1, samples=8,
+                                 train_seconds=1.0, samples_per_s=8.0, final_loss=0.7, peak_reserved_bytes=None,
+                                 skipped_steps=0, oom_recoveries=0, plan=Plan("fp32", 8, 8))
+        return dict(summary_rows(result, info))
+
+    assert "no better than always answering the most common class" in rows(0.5777).get("note", "")
+    assert "note" not in rows(0.8119)
+
+
 def test_the_loss_plot_leaves_out_non_finite_held_out_losses(tmp_path, monkeypatch):
     """metrics.jsonl writes a NaN loss as the string "nan"; the held-out points took it, and
     matplotlib turned loss.png's axis into categories (one tick "nan")."""

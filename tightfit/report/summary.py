@@ -182,6 +182,10 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
             f"the {result.eval['samples']} labelled of {held_out} samples"
         rows.append(("held-out accuracy", f"{result.eval['accuracy']:.4f} on {counted} "
                                           f"(majority class {info.majority:.4f})"))
+        if result.eval["accuracy"] <= info.majority:
+            # a short trial often stops here (e.g. --train-samples 1000 --epochs 1 on the default job)
+            rows.append(("note", "the model does no better than always answering the most common class: train "
+                                 "on more samples or for more epochs"))
         rows.append(("held-out loss", f"{result.eval['loss']:.4f}"))
     rows.append(("training", f"{result.steps} step{'' if result.steps == 1 else 's'}, {result.samples} samples in {result.train_seconds:.1f} s"))
     rows.append(("samples/s", f"{result.samples_per_s:.1f}"))
