@@ -285,3 +285,22 @@ def test_a_collate_function_giving_a_batch_encoding_trains_as_one_giving_a_dict(
         results.append((r.final_loss, r.eval, [p.detach().clone() for p in model.parameters()]))
     assert results[0][:2] == results[1][:2]
     assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))
+
+
+def test_the_worst_case_of_batch_encoding_samples_is_their_largest():
+    """A dataset whose samples are a tokenizer's output (``tokenizer(text)``: a ``BatchEncoding``, a
+    ``UserDict``, of token lists) with a padding collator, as Workload now takes: the scan for the
+    largest sample counted each such sample as 1 element (not a dict), so the worst case was the
+    first sample's length, not the longest's, and the plan's memory was measured on short batches."""
+    from transformers import BatchEncoding
+
+    from tightfit.workload import DatasetBatches
+
+    def pad(samples):
+        longest = max(len(s["input_ids"]) for s in samples)
+        return {"input_ids": torch.tensor([s["input_ids"] + [0] * (longest - len(s["input_ids"])) for s in samples]),
+                "labels": torch.tensor([s["labels"] for s in samples])}
+
+    data = [BatchEncoding({"input_ids": list(range(1, 3 + 10 * (i == 5))), "labels": i % 2}) for i in range(10)]
+    assert DatasetBatches(data, pad).worst_case(4)["input_ids"].shape == (4, 12)
+    assert DatasetBatches([dict(s) for s in data], pad).worst_case(4)["input_ids"].shape == (4, 12)

@@ -123,13 +123,14 @@ def collate_as(*keys: str) -> Callable[[list], dict[str, torch.Tensor]]:
 
 
 def _sample_size(sample) -> int:
-    """Elements in one sample: tensor elements, list lengths, summed over dicts/tuples."""
+    """Elements in one sample: tensor elements, list lengths, summed over mappings (a dict, or a
+    tokenizer's ``BatchEncoding``, a ``UserDict``) and tuples."""
     if isinstance(sample, torch.Tensor):
         return sample.numel()
-    if isinstance(sample, dict):
+    if isinstance(sample, Mapping):
         return sum(_sample_size(v) for v in sample.values())
     if isinstance(sample, (list, tuple)):
-        return sum(_sample_size(v) for v in sample) if sample and isinstance(sample[0], (list, tuple, dict,
+        return sum(_sample_size(v) for v in sample) if sample and isinstance(sample[0], (list, tuple, Mapping,
                                                                                         torch.Tensor)) else len(sample)
     return 1
 
