@@ -390,6 +390,34 @@ def test_a_new_runs_folder_made_at_its_check_is_removed_when_a_later_check_refus
     assert str(out.resolve()) not in api._HELD  # and released
 
 
+def test_the_parents_a_new_runs_folder_needed_are_removed_with_it_when_the_setup_refuses(tmp_path, monkeypatch):
+    """Bad input leaves nothing: the folder made at the check of --out is removed, and so are the
+    parents made for it -- runs/ for the default runs/<date-time>, which a refused run left behind
+    empty (before that folder was made at the check, nothing at all was written) -- but never a
+    parent that was there, nor one another run has put something in meanwhile."""
+    common = tiny_cpu_job(tmp_path)
+    bad = {**common, "data": str(tmp_path / "missing.csv")}
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(TightfitError, match="not found"):
+        api.train(api.TrainRequest(**bad, max_steps=2))  # --out left out: runs/<date-time>
+    assert list(work.iterdir()) == []
+    (work / "a").mkdir()
+    with pytest.raises(TightfitError, match="not found"):
+        api.train(api.TrainRequest(**bad, max_steps=2, out=str(work / "a" / "b" / "c" / "run")))
+    assert [p.name for p in work.iterdir()] == ["a"] and list((work / "a").iterdir()) == []
+
+    def another_run_writes_beside_it(self):  # into a parent this run made
+        (work / "a" / "b" / "other").mkdir()
+        raise TightfitError("refused after planning")
+
+    monkeypatch.setattr(api.TrainRecipe, "_plan", another_run_writes_beside_it)
+    with pytest.raises(TightfitError, match="refused after planning"):
+        api.train(api.TrainRequest(**common, max_steps=2, out=str(work / "a" / "b" / "c" / "run")))
+    assert sorted(str(p.relative_to(work)) for p in work.rglob("*")) == ["a", "a/b", "a/b/other"]
+
+
 def test_the_lock_is_each_train_calls_own_and_a_filesystem_without_locks_is_no_refusal(tmp_path, monkeypatch):
     """One process, two train calls (threads, a notebook): the second writer of a folder is refused,
     and the first's end releases only its own folders. ENOLCK (Lustre, some NFS) means no lock."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
 import logging
 import math
@@ -167,24 +168,25 @@ def _hold_run_folder(folder: Path, owner) -> None:
         _HELD[key] = (owner, fd)
 
 
-def _claim_run_folder(folder: Path, owner) -> bool:
+def _claim_run_folder(folder: Path, owner) -> list[Path]:
     """Make new run folder ``folder`` (unless it is there, empty) and hold it for ``owner``
     (:func:`_hold_run_folder`) once it is checked, before the data are read and the plan is made:
-    a second run started into it at once is refused before it plans, not after. Returns whether
-    it was made here (to be removed if the run stops before it writes anything).
+    a second run started into it at once is refused before it plans, not after. Returns the
+    folders made here, ``folder`` first, then the parents it needed, innermost first (``runs/``
+    for the default ``runs/<date-time>``): to be removed if the run stops before it writes anything.
 
     Raises:
         TightfitError: it cannot be made, or another run holds it.
     """
+    missing = list(itertools.takewhile(lambda p: not p.exists(), (folder, *folder.parents)))  # innermost first
     try:
         folder.mkdir(parents=True)
-        made = True
     except FileExistsError:
-        made = False
+        missing = []
     except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
         raise TightfitError(f"cannot create the run folder {folder}: {e.strerror or e}") from e
     _hold_run_folder(folder, owner)
-    return made
+    return missing
 
 
 def _release_run_folders(owner) -> None:
@@ -304,6 +306,7 @@ class TrainRecipe:
         self.plan_timings: dict = {}  # the planner's stage times (seconds), or {"cached": True, ...}
         self.offload_reason: str | None = None  # one process offloading its parameters: why (_check_budget)
         self._refused: str | None = None  # the single-GPU refusal offload was taken instead of
+        self.made_parents: list[Path] = []  # the parents a new run's folder needed (_check_run_folder)
 
     # ---------------------------------------------------------------- setup: writes nothing
     def setup(self) -> None:
@@ -398,7 +401,8 @@ class TrainRecipe:
                                 f"would become samples; choose a folder outside it")
         if new:  # rank 0 writes it: it makes and holds it; a refusal is every rank's
             made = self.world.decide(lambda: _claim_run_folder(self.out, self))
-            self.created = [self.out] if made and self.world.is_main else []
+            self.created = made[:1] if self.world.is_main else []
+            self.made_parents = made[1:] if self.world.is_main else []  # removed with it, once empty (remove_created)
 
     def _split_data(self) -> None:
         """The fixed held-out split, cut to ``--train-samples``/``--eval-samples`` (on the CPU, to
@@ -840,6 +844,12 @@ class TrainRecipe:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
+        if self.created[:1] == [self.out]:  # the folder went: the parents made for it too, once empty
+            for parent in self.made_parents:  # innermost first; never another run's (rmdir of an empty one only)
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
 
     def open_run_folder(self) -> None:
         """Create the run folder; write ``request.json`` (new runs, and resumed runs with changed
