@@ -308,7 +308,7 @@ class TrainRecipe:
         self._refused: str | None = None  # the single-GPU refusal offload was taken instead of
         self.made_parents: list[Path] = []  # the parents a new run's folder needed (_check_run_folder)
 
-    # ---------------------------------------------------------------- setup: writes nothing
+    # ---------------------------------------------------------------- setup: writes nothing (but a new run's empty folder)
     def setup(self) -> None:
         """Resolve the resume, the device, the run folder, the data, the model, the plan and the
         trainer (on resume: its state restored from the verified checkpoint).
