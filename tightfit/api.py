@@ -866,14 +866,10 @@ class TrainRecipe:
         out, step = self.out, self.trainer.step
         made = bool(getattr(self, "created", None))  # a new run's folder, made by the setup (held since)
         self.created = []  # what interrupted() may remove: only what this run made
-        try:
-            out.mkdir(parents=True)
-            made_now = made = True  # by this process: another one starting into the same --out finds it made
-        except FileExistsError:
-            made_now = False
-        except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
-            raise TightfitError(f"cannot create the run folder {out}: {e.strerror or e}") from e
-        _hold_run_folder(out, self)
+        # made and held by the setup already (a new run's folder) or there (a resumed run's): made
+        # here only if it went in between, by this process, so another one starting into it finds it made
+        made_now = bool(_claim_run_folder(out, self))
+        made = made or made_now
         if not made_now and self.resume_from is None:  # again under the lock: another writer may have filled it
             _check_out(out, resuming=False)
         self.created = [out] if made else []
