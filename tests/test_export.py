@@ -420,3 +420,21 @@ def test_a_tokenizer_of_bpe_codes_is_exported_whole(tmp_path):
     assert main(["export", "--int8", str(model_dir), "--out", str(tmp_path / "int8")]) == 0
     assert (tmp_path / "int8" / "bpe.codes").is_file()
     assert AutoTokenizer.from_pretrained(tmp_path / "int8")("great film") == tokenizer("great film")
+
+
+@pytest.mark.parametrize("spelling", [".", "absolute"])
+def test_an_out_that_is_the_working_folder_is_refused_before_any_work(spelling, text_run, tmp_path, monkeypatch,
+                                                                       capsys):
+    """``--out .`` in an empty folder did all the work, then crashed on the rename onto the working
+    folder (a traceback, exit 1); spelled as an absolute path it was renamed onto it, and the shell
+    was left in a removed folder that showed no files."""
+    import tightfit.export as export
+
+    here = tmp_path / "empty"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(export, "_load_fp32", lambda *a: pytest.fail("work started"))
+    out = "." if spelling == "." else str(here)
+    assert main(["export", "--int8", str(text_run), "--out", out]) == 2
+    assert "is the working folder" in capsys.readouterr().err
+    assert here.is_dir() and not list(here.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
