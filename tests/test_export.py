@@ -438,3 +438,17 @@ def test_an_out_that_is_the_working_folder_is_refused_before_any_work(spelling, 
     assert main(["export", "--int8", str(text_run), "--out", out]) == 2
     assert "is the working folder" in capsys.readouterr().err
     assert here.is_dir() and not list(here.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_an_interrupted_export_leaves_no_parent_folders_it_made(text_run, tmp_path, monkeypatch):
+    """Ctrl-C while the held-out accuracy was measured removed the temporary folder but not the
+    parents made for --out (a/b/ of --out a/b/int8): an empty a/b/ was left behind."""
+    import tightfit.export as export
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "_accuracy", interrupted)
+    (tmp_path / "kept").mkdir()
+    assert main(["export", "--int8", str(text_run), "--out", str(tmp_path / "kept" / "a" / "b" / "int8")]) == 130
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["kept"]  # kept: was there

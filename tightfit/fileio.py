@@ -7,6 +7,7 @@ Also output streams whose reader has gone (a closed pipe): discarded, not failin
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -66,13 +67,21 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None], replace: bo
     empty folder, in one rename that the OS refuses over anything else: what another process put
     at ``path`` meanwhile is kept.
 
+    Where ``fill`` fails (or is interrupted), the temp folder is removed, and so are the parents of
+    ``path`` made for it, innermost first, each only if still empty: nothing is left behind.
+
     Raises:
         OSError: with ``replace=False``, ``path`` is a folder that is not empty (``ENOTEMPTY`` or
             ``EEXIST``) or not a folder (``ENOTDIR``); the temp folder is removed.
     """
     path = Path(path)
+    made = list(itertools.takewhile(lambda p: not p.exists(), path.parents))  # innermost first
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    except BaseException:
+        _remove_empty(made)
+        raise
     try:
         fill(tmp)
         _plain_modes(tmp)
@@ -86,7 +95,18 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None], replace: bo
             os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
         raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` in order while each is empty (``rmdir``: never one another process has
+    written in meanwhile); stop at the first that is not."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def output_folder(out: str | Path) -> Path:
