@@ -452,3 +452,28 @@ def test_an_interrupted_export_leaves_no_parent_folders_it_made(text_run, tmp_pa
     (tmp_path / "kept").mkdir()
     assert main(["export", "--int8", str(text_run), "--out", str(tmp_path / "kept" / "a" / "b" / "int8")]) == 130
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["kept"]  # kept: was there
+
+
+def test_an_out_inside_the_runs_image_folder_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """--out inside the image folder the run trained on was written there: a class folder without
+    images, so that the next export of the run (and a resume) refused the run's own data."""
+    import tightfit.export as export
+    from PIL import Image
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    for c in ("a", "b"):
+        (tmp_path / "imgs" / c).mkdir(parents=True)
+        for i in range(10):
+            Image.new("L", (8, 8), 40 * i + (5 if c == "a" else 0)).save(tmp_path / "imgs" / c / f"{i}.png")
+    torch.manual_seed(0)
+    ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8], depths=[1],
+                                              layer_type="basic", num_labels=2)).save_pretrained(tmp_path / "resnet")
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(tmp_path / "imgs"), "--model", str(tmp_path / "resnet"), "--image-size", "8",
+                 "--max-steps", "1", "--batch-size", "4", "--checkpoint-every", "0", "--out", str(run),
+                 "--no-progress", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(export, "_load_fp32", lambda *a: pytest.fail("work started"))
+    assert main(["export", "--int8", str(run), "--out", str(tmp_path / "imgs" / "int8")]) == 2
+    assert "is inside the data folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "imgs").iterdir()) == ["a", "b"]

@@ -127,6 +127,21 @@ def _source(path: str) -> _Source:
     return _Source(model_dir, kind, run)
 
 
+def _run_data_folder(src: _Source) -> Path | None:
+    """The image folder a run trained on (``request.json``'s ``data``, saved as an absolute path,
+    where that is a folder), resolved; None for a model folder, a data file, the built-in
+    ``digits`` or a ``request.json`` that cannot be read (refused, named, by :func:`_held_out`)."""
+    if src.run is None:
+        return None
+    try:
+        data = json.loads((src.run / "request.json").read_text()).get("data")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(data, str) or not os.path.isabs(data) or not os.path.isdir(data):
+        return None
+    return Path(os.path.realpath(data))
+
+
 def _out_folder(out: str | Path) -> Path:
     """The folder an export writes: ``--out`` as :func:`~tightfit.fileio.output_folder` reads it,
     or, where that is a symbolic link, the folder it points to. The export's folder is renamed
@@ -163,6 +178,12 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
         # the export would become part of the model folder it reads (a later export or
         # from_pretrained of that folder would find its files beside the model's)
         raise TightfitError(f"--out {o} is inside the model folder {src.model_dir} it exports; choose a folder outside it")
+    data = _run_data_folder(src)
+    if data is not None and Path(os.path.realpath(o.absolute())).is_relative_to(data):
+        # its folder would be a class folder without images: the run's held-out samples could no
+        # longer be rebuilt (a later export refused), nor the run resumed or trained again on its data
+        raise TightfitError(f"--out {o} is inside the data folder {data} the run trained on: its files would become "
+                            "part of the data; choose a folder outside it")
     # atomic_write_dir fills a temporary sibling of --out and renames it: written in its parent
     blocked = unwritable_folder(o.absolute().parent)
     if blocked is not None:
