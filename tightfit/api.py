@@ -38,7 +38,8 @@ from .config import PlanOptions, TrainRequest, names_flags, option_given, option
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, card_budget, detect, get_profile
 from .errors import TightfitError
-from .fileio import atomic_write_dir, atomic_write_json, atomic_write_text, output_folder, unwritable_folder
+from .fileio import (atomic_write_dir, atomic_write_json, atomic_write_text, output_folder, remove_empty_folders,
+                     unwritable_folder)
 from .levers.checkpointing import check_checkpointing
 from .levers.layout import use_channels_last
 from .report.summary import RunInfo, RunSummary
@@ -845,11 +846,7 @@ class TrainRecipe:
             else:
                 path.unlink(missing_ok=True)
         if self.created[:1] == [self.out]:  # the folder went: the parents made for it too, once empty
-            for parent in self.made_parents:  # innermost first; never another run's (rmdir of an empty one only)
-                try:
-                    parent.rmdir()
-                except OSError:
-                    break
+            remove_empty_folders(self.made_parents)  # never another run's: an empty one only
 
     def open_run_folder(self) -> None:
         """Create the run folder; write ``request.json`` (new runs, and resumed runs with changed

@@ -80,7 +80,7 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None], replace: bo
     try:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     except BaseException:
-        _remove_empty(made)
+        remove_empty_folders(made)
         raise
     try:
         fill(tmp)
@@ -95,13 +95,14 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None], replace: bo
             os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        _remove_empty(made)
+        remove_empty_folders(made)
         raise
 
 
-def _remove_empty(folders: list[Path]) -> None:
-    """Remove ``folders`` in order while each is empty (``rmdir``: never one another process has
-    written in meanwhile); stop at the first that is not."""
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove ``folders`` in order (innermost first: the parents a write made for its folder) while
+    each is empty (``rmdir``: never one another process has written in meanwhile); stop at the first
+    that is not."""
     for folder in folders:
         try:
             folder.rmdir()
