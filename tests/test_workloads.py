@@ -304,3 +304,23 @@ def test_the_worst_case_of_batch_encoding_samples_is_their_largest():
     data = [BatchEncoding({"input_ids": list(range(1, 3 + 10 * (i == 5))), "labels": i % 2}) for i in range(10)]
     assert DatasetBatches(data, pad).worst_case(4)["input_ids"].shape == (4, 12)
     assert DatasetBatches([dict(s) for s in data], pad).worst_case(4)["input_ids"].shape == (4, 12)
+
+
+def test_a_worst_case_giving_a_batch_encoding_is_planned_as_a_dict():
+    """Your own ``worst_case`` giving a ``BatchEncoding`` (a tokenizer's output, padded to the longest
+    length) was refused by the estimator ("the example batch must be a non-empty dict of tensors")
+    where the collate function's was taken since it became a plain dict; both are now."""
+    from transformers import BatchEncoding
+
+    from conftest import tiny_bert
+    from tightfit.memory import estimate
+    from tightfit.workload import DatasetBatches
+
+    def worst(n):
+        return BatchEncoding({"input_ids": torch.ones(n, 12, dtype=torch.long), "labels": torch.zeros(n, dtype=torch.long)})
+
+    data = [{"input_ids": torch.ones(4, dtype=torch.long), "labels": torch.tensor(0)} for _ in range(8)]
+    batch = DatasetBatches(data, worst_case=worst).worst_case(4)
+    assert type(batch) is dict and batch["input_ids"].shape == (4, 12)
+    assert estimate(tiny_bert(), batch, Plan("fp32", 4, 4)).peak_allocated_bytes > 0
+

@@ -135,6 +135,12 @@ def _sample_size(sample) -> int:
     return 1
 
 
+def _plain_dict(batch):
+    """``batch`` as a plain dict where it is another mapping (Hugging Face's collators and tokenizers give
+    a ``BatchEncoding``, a ``UserDict``, which the estimator and the checks take for no dict); else as is."""
+    return dict(batch) if isinstance(batch, Mapping) and not isinstance(batch, dict) else batch
+
+
 class DatasetBatches:
     """A map-style dataset and its collate function, with the interface the runtime and the
     planner use (``collate(indices)``, ``worst_case(n)``, ``len``).
@@ -167,13 +173,13 @@ class DatasetBatches:
         """``collate_fn`` of the samples at ``indices`` (``pad_to`` is for :class:`TextBatches`' kind
         of data and ignored here); a mapping it gives (Hugging Face's collators give a
         ``BatchEncoding``, a ``UserDict``) as a plain dict of the same tensors."""
-        batch = self.collate_fn([self.dataset[i] for i in indices])
-        return dict(batch) if isinstance(batch, Mapping) and not isinstance(batch, dict) else batch
+        return _plain_dict(self.collate_fn([self.dataset[i] for i in indices]))
 
     def worst_case(self, n: int) -> dict[str, torch.Tensor]:
-        """The batch of ``n`` samples that takes the most memory (see the class docstring)."""
+        """The batch of ``n`` samples that takes the most memory (see the class docstring); a
+        mapping your ``worst_case`` gives, as a plain dict, as :meth:`collate` gives one."""
         if self._worst_case is not None:
-            return self._worst_case(n)
+            return _plain_dict(self._worst_case(n))
         if self._largest is None:
             step = max(1, len(self) // WORST_CASE_SCAN)
             self._largest = max(range(0, len(self), step), key=lambda i: _sample_size(self.dataset[i]))
