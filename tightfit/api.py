@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import itertools
 import json
 import logging
 import math
@@ -38,8 +37,8 @@ from .config import PlanOptions, TrainRequest, names_flags, option_given, option
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, card_budget, detect, get_profile
 from .errors import TightfitError
-from .fileio import (atomic_write_dir, atomic_write_json, atomic_write_text, output_folder, remove_empty_folders,
-                     unwritable_folder)
+from .fileio import (atomic_write_dir, atomic_write_json, atomic_write_text, missing_folders, output_folder,
+                     remove_empty_folders, unwritable_folder)
 from .levers.checkpointing import check_checkpointing
 from .levers.layout import use_channels_last
 from .report.summary import RunInfo, RunSummary
@@ -179,7 +178,7 @@ def _claim_run_folder(folder: Path, owner) -> list[Path]:
     Raises:
         TightfitError: it cannot be made, or another run holds it.
     """
-    missing = list(itertools.takewhile(lambda p: not p.exists(), (folder, *folder.parents)))  # innermost first
+    missing = missing_folders(folder)
     try:
         folder.mkdir(parents=True)
     except FileExistsError:

@@ -75,14 +75,11 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None], replace: bo
             ``EEXIST``) or not a folder (``ENOTDIR``); the temp folder is removed.
     """
     path = Path(path)
-    made = list(itertools.takewhile(lambda p: not p.exists(), path.parents))  # innermost first
+    made = missing_folders(path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-    except BaseException:
-        remove_empty_folders(made)
-        raise
-    try:
         fill(tmp)
         _plain_modes(tmp)
         if replace and path.exists():
@@ -94,9 +91,22 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None], replace: bo
         else:
             os.replace(tmp, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         remove_empty_folders(made)
         raise
+
+
+def is_leftover(name: str, of: str) -> bool:
+    """Whether ``name`` is the temporary that an atomic write of ``of`` (a file's or folder's name in
+    the same folder: ``.<of>.<random>.tmp``) left where it was cut short."""
+    return name.startswith(f".{of}.") and name.endswith(".tmp") and len(name) > len(of) + len("..tmp")
+
+
+def missing_folders(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, innermost first: what making ``path``
+    makes, for :func:`remove_empty_folders` where the write it is made for fails."""
+    return list(itertools.takewhile(lambda p: not p.exists(), (path, *path.parents)))
 
 
 def remove_empty_folders(folders: list[Path]) -> None:

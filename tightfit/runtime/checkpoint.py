@@ -39,18 +39,16 @@ from safetensors import safe_open
 from safetensors.torch import load_model
 
 from ..errors import TightfitError
-from ..fileio import atomic_write_dir, atomic_write_json
+from ..fileio import atomic_write_dir, atomic_write_json, is_leftover
 from ..memory.oom import is_oom
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
 _STALE = re.compile(r"^\.ckpt-\d+\.(?:.+\.tmp|old)$")  # atomic_write_dir's temporary / displaced folders
-_STALE_MARKER = re.compile(r"^\.abandoned\.json\.[^/]+\.tmp$")  # mark_abandoned's, cut short
 MODEL_FILE, STATE_FILE, MANIFEST = "model.safetensors", "state.pt", "manifest.json"
 # In the checkpoints folder, while a resume from an earlier checkpoint has not yet written one of
 # its own: the later checkpoints it leaves behind (mark_abandoned), which a resume of the run skips.
 ABANDONED = "abandoned.json"
 TIMES = "times.json"  # in a checkpoint folder, after it is in place: write_checkpoint_times
-_STALE_TIMES = re.compile(r"^\." + re.escape(TIMES) + r"\.[^/]+\.tmp$")  # write_checkpoint_times', cut short
 MANIFEST_FORMAT = "tightfit-checkpoint/1"
 _CHUNK = 1 << 20  # bytes read at a time when hashing
 
@@ -524,16 +522,19 @@ def remove_stale_temporaries(folder: Path) -> list[tuple[str, int]]:
             size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
             shutil.rmtree(p, ignore_errors=True)
             removed.append((p.name, size))
-        elif _STALE_MARKER.match(p.name) and p.is_file():
-            size = p.stat().st_size
-            p.unlink(missing_ok=True)
-            removed.append((p.name, size))
+        elif is_leftover(p.name, ABANDONED) and p.is_file():  # mark_abandoned's, cut short
+            removed.append(_unlink(p, p.name))
         elif _NAME.match(p.name) and p.is_dir() and not p.is_symlink():  # times.json: written after the rename
-            for q in sorted(q for q in p.iterdir() if _STALE_TIMES.match(q.name) and q.is_file()):
-                size = q.stat().st_size
-                q.unlink(missing_ok=True)
-                removed.append((f"{p.name}/{q.name}", size))
+            for q in sorted(q for q in p.iterdir() if is_leftover(q.name, TIMES) and q.is_file()):
+                removed.append(_unlink(q, f"{p.name}/{q.name}"))
     return removed
+
+
+def _unlink(path: Path, name: str) -> tuple[str, int]:
+    """Delete file ``path``; ``(name, its bytes)`` for :func:`remove_stale_temporaries`' list."""
+    size = path.stat().st_size
+    path.unlink(missing_ok=True)
+    return name, size
 
 
 def _fail(path: Path, what: str) -> CorruptCheckpointError:
