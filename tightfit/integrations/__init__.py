@@ -37,18 +37,20 @@ def refuse_fp16_on_cpu(plan, called: str, framework_does: str) -> None:
                             "CPU in fp32 (as tightfit.plan makes it), or for a CUDA GPU")
 
 
-def smaller_micro_batch(per_device: int, accumulation: int) -> tuple[int, int]:
+def smaller_micro_batch(per_device: int, accumulation: int, samples: int | None = None) -> tuple[int, int]:
     """After an OOM at ``per_device`` x ``accumulation``: the largest micro-batch of at most half
     ``per_device`` that divides the effective batch, and its accumulation steps: the HF Trainer and
     Lightning run micro-batch x accumulation samples per optimizer step (no shorter last micro-batch),
     so only a divisor keeps the effective batch. E.g. 8 x 1 -> 4 x 2; 6 x 2 -> 3 x 4; 5 x 2 -> 2 x 5.
+    ``samples``: the samples per process and step to keep (a plan's ``rank_batch``), where they are
+    not ``per_device`` x ``accumulation`` (a loader of another batch than the plan's); default: those.
 
     Raises:
         ValueError: ``per_device`` below 2 (nothing smaller to go to).
     """
     if per_device < 2:
         raise ValueError("a micro-batch of 1 cannot be split")
-    effective = per_device * accumulation
+    effective = samples or per_device * accumulation
     micro = next(m for m in range(per_device // 2, 0, -1) if effective % m == 0)
     return micro, effective // micro
 

@@ -55,7 +55,7 @@ import torch
 
 from ..errors import TightfitError
 from ..plan import Plan, refuse_parameter_offload
-from . import Watch, note_uneven, refuse_fp16_on_cpu, require, skip_through_loss_scaler
+from . import Watch, note_uneven, refuse_fp16_on_cpu, require, skip_through_loss_scaler, smaller_micro_batch
 
 # what Lightning does with an fp16 plan on the CPU (refuse_fp16_on_cpu)
 _LIGHTNING_FP16_ON_CPU = ("Lightning trains precision='16-mixed' on the CPU as 'bf16-mixed' (no fp16 autocast or "
@@ -376,12 +376,11 @@ class TightfitCallback(Watch, L.Callback):
         mb, acc = getattr(trainer.train_dataloader, "batch_size", None) or self.plan.micro_batch, \
             trainer.accumulate_grad_batches
         if mb > 1:
-            # the largest divisor of the plan's samples per process and window at most half the micro-batch
-            # that ran out of memory: Lightning runs micro-batch x accumulation samples per optimizer step.
-            # Said as the plan to fit with: trainer_arguments(plan) refuses another accumulate_grad_batches
-            # than the plan's, and this callback's setup puts the plan's back
-            E, share = self.plan.effective_batch, self.plan.rank_batch
-            new_mb = next(m for m in range(min(mb // 2, share), 0, -1) if share % m == 0)
+            # a divisor of the plan's samples per process and window: Lightning runs micro-batch x
+            # accumulation samples per optimizer step. Said as the plan to fit with: trainer_arguments(plan)
+            # refuses another accumulate_grad_batches than the plan's, and this callback's setup puts the plan's back
+            E = self.plan.effective_batch
+            new_mb, _ = smaller_micro_batch(mb, acc, samples=self.plan.rank_batch)
             new = self.plan.with_micro_batch(new_mb)
             if pl_module.automatic_optimization:
                 at, steps = f"{mb} x {acc}", ""
