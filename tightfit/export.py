@@ -168,18 +168,19 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
         raise TightfitError(f"--out {o} is a file; give a new or empty folder")
     if o.exists() and any(o.iterdir()):
         raise TightfitError(f"--out {o} exists and is not an empty folder; choose another")
-    if o.exists() and os.path.realpath(o) == os.path.realpath(os.getcwd()):
+    where = Path(os.path.realpath(o.absolute()))  # the folder as the OS will write it
+    if o.exists() and where == Path(os.path.realpath(os.getcwd())):
         # the export is filled beside --out and renamed onto it: onto the working folder that crashed
         # after all the work (--out .: "Device or resource busy") or left the shell in a removed folder
         raise TightfitError(f"--out {o} is the working folder; give a new folder (e.g. --out int8), or run the "
                             "export from another folder")
     model_dir = Path(os.path.realpath(src.model_dir))
-    if Path(os.path.realpath(o.absolute())).is_relative_to(model_dir):
+    if where.is_relative_to(model_dir):
         # the export would become part of the model folder it reads (a later export or
         # from_pretrained of that folder would find its files beside the model's)
         raise TightfitError(f"--out {o} is inside the model folder {src.model_dir} it exports; choose a folder outside it")
     data = _run_data_folder(src)
-    if data is not None and Path(os.path.realpath(o.absolute())).is_relative_to(data):
+    if data is not None and where.is_relative_to(data):
         # its folder would be a class folder without images: the run's held-out samples could no
         # longer be rebuilt (a later export refused), nor the run resumed or trained again on its data
         raise TightfitError(f"--out {o} is inside the data folder {data} the run trained on: its files would become "
