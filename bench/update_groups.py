@@ -9,12 +9,16 @@ time of ``step()`` (until it returns, the GPU's work queued) and of the wall tim
 synchronised, and the memory the step allocated above what was allocated before it (its
 temporaries: the peak of ``max_memory_allocated`` less the allocated bytes at its start).
 
-    OUT=folder python3 bench/update_groups.py grouped|per-tensor|grouped-combo|grouped-32
+    OUT=folder python3 bench/update_groups.py grouped|per-tensor|grouped-combo|grouped-32|layers
         -> OUT/update_groups-<variant>.json
 
 ``grouped-combo``: the grouped update compiled with Inductor's combo kernels
 (``torch._inductor.config.combo_kernels``: independent kernels of one graph launched as one);
-``grouped-32``: groups of up to 32 tensors (two BERT-large layers per call). Each row also gives
+``grouped-32``: groups of up to 32 tensors (two BERT-large layers per call). ``grouped`` updates
+the small tensors (moments not 8-bit: biases, LayerNorm weights) in one flat call
+(``tightfit.levers.optimizers._compiled_flat_update``) and the 8-bit ones a layer per call;
+``layers`` is the update before the flat call: every tensor of a layer in the layer's call
+(``FLAT_SMALL_TENSORS = False``); ``per-tensor`` one call per tensor, the small ones included. Each row also gives
 checksums of the 8-bit moments (codes and block scales) and of the weights after the 11 steps, to
 compare variants' results (the moments must agree; the weights' stochastic rounding may draw
 otherwise).
@@ -42,6 +46,9 @@ def main(variant: str) -> None:
 
     if variant == "per-tensor":
         optimizers.update_groups = lambda sig: [range(i, i + 1) for i in range(len(sig))]
+        optimizers.FLAT_SMALL_TENSORS = False
+    elif variant == "layers":
+        optimizers.FLAT_SMALL_TENSORS = False
     elif variant == "grouped-combo":
         import torch._inductor.config as inductor_config
         inductor_config.combo_kernels = True
@@ -63,7 +70,7 @@ def main(variant: str) -> None:
     opt.step()
     torch.cuda.synchronize()
     first = time.perf_counter() - t
-    calls = len(opt._groups([(opt.param_groups[0], p) for p in ps]))
+    calls = len(optimizers.bf16_update_calls([p.shape for p in ps]))
     host, wall, extra = [], [], []
     for _ in range(10):
         torch.cuda.synchronize()
@@ -77,7 +84,7 @@ def main(variant: str) -> None:
         extra.append(torch.cuda.max_memory_allocated() - before)
     row = {"variant": variant, "tensors": len(ps), "compiled_calls_per_step": calls, "first_step_s": first,
            "host_ms": statistics.median(host) * 1e3, "step_ms": statistics.median(wall) * 1e3,
-           "temporaries_MiB": max(extra) / 2**20, **checksums(opt, ps), "torch": torch.__version__,
+           "temporaries_MiB": max(extra) / 2**20, "flat_small_tensors": optimizers.FLAT_SMALL_TENSORS, **checksums(opt, ps), "torch": torch.__version__,
            "inductor_caches": "off" if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1" else "on"}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"update_groups-{variant}.json").write_text(json.dumps(row, indent=1))

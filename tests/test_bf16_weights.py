@@ -147,10 +147,11 @@ def test_oom_inside_the_update_after_a_parameter_was_written_stops_rather_than_a
         t.train_step(list(range(8)))
 
 
-# Shapes of :func:`_bf16_params`: no repeat (one compiled call per tensor), and a repeated
-# (quantized, unquantized) pair after a lone tensor (grouped calls, levers.optimizers.update_groups)
+# Shapes of :func:`_bf16_params`: no repeat (one compiled call per tensor, the lone small tensor
+# too), and a repeated (quantized, unquantized, quantized) triple after a lone small tensor (the
+# quantized pairs in grouped calls, levers.optimizers.update_groups; the small ones in the flat call)
 LONE = ((64, 64), (8,), (64, 64))
-REPEATED = ((8, 8),) + ((64, 64), (8,)) * 3
+REPEATED = ((8, 8),) + ((64, 64), (8,), (32, 128)) * 3
 
 
 def _bf16_params(shapes=LONE):
@@ -326,6 +327,100 @@ def test_grouped_calls_update_as_one_call_per_tensor(monkeypatch):
     for a, b in zip(w_grouped, w_single):
         ulp = torch.finfo(torch.bfloat16).eps * b.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
         assert ((a.float() - b.float()).abs() <= ulp).all()
+
+
+def _steps_flat_or_not(monkeypatch, flat: bool, stochastic_round: bool, steps: int, missing: int | None = None):
+    """``steps`` steps of ``adamw8bit-bf16`` over REPEATED's tensors, the small ones in the flat call
+    or in the layers' calls (``FLAT_SMALL_TENSORS``), gradients from a generator of their own (the
+    calls draw the rounding's random numbers from the global one); the tensor ``missing`` has no
+    gradient in the second step. The weights, the dequantized moments and the step counters."""
+    from tightfit.levers import optimizers
+
+    monkeypatch.setattr(optimizers, "FLAT_SMALL_TENSORS", flat)
+    calls = []
+    flat_update = optimizers._compiled_flat_update()
+    monkeypatch.setattr(optimizers, "_compiled_flat_update", lambda: lambda *a: calls.append(1) or flat_update(*a))
+    torch.manual_seed(0)
+    ps, g = _bf16_params(REPEATED), torch.Generator().manual_seed(1)
+    opt = optimizers.adamw_8bit_bf16(ps, 1e-3, 0.01)
+    opt.bf16_stochastic_round = stochastic_round
+    for i in range(steps):
+        for j, p in enumerate(ps):
+            p.grad = None if (i == 1 and j == missing) else (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
+        opt.step()
+    monkeypatch.undo()
+    assert bool(calls) == flat
+    moments = [(v.dequantize() if hasattr(v, "dequantize") else v).clone()
+               for p in ps for k, v in opt.state[p].items()]
+    return [p.detach().clone() for p in ps], moments
+
+
+@needs_torchao
+def test_the_flat_call_updates_the_small_tensors_as_their_own_calls(monkeypatch):
+    """The small tensors (moments not 8-bit) laid end to end in one call: bit for bit the update of
+    each in its own or its layer's call without stochastic rounding (also where one misses a step,
+    after which the set is packed anew and its counter stays behind); with it, the same moments
+    and, after one step, each weight one of the two bf16 neighbours of the other's."""
+    small = [i for i, s in enumerate(REPEATED) if math.prod(s) < 4096]
+    for missing in (None, small[2]):
+        flat, other = (_steps_flat_or_not(monkeypatch, f, False, 3, missing) for f in (True, False))
+        for a, b in zip(flat, other):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    flat, other = (_steps_flat_or_not(monkeypatch, f, True, 3) for f in (True, False))
+    assert all(torch.equal(x, y) for x, y in zip(flat[1], other[1]))
+    (w_flat, _), (w_other, _) = (_steps_flat_or_not(monkeypatch, f, True, 1) for f in (True, False))
+    assert not all(torch.equal(a, b) for a, b in zip(w_flat, w_other))  # other draws
+    for a, b in zip(w_flat, w_other):
+        ulp = torch.finfo(torch.bfloat16).eps * b.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+        assert ((a.float() - b.float()).abs() <= ulp).all()
+
+
+@needs_torchao
+def test_the_small_tensors_state_is_packed_and_a_loaded_state_continues_exactly():
+    """After a step the small tensors' counters and moments are slices of one tensor each (the flat
+    call's); a state_dict saved and loaded (torch.save, weights_only) into an optimizer that has
+    stepped (its own state packed) replaces that state, is packed anew and its next steps are the
+    uninterrupted optimizer's, bit for bit."""
+    import io
+
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+
+    def grads(ps, g):
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
+
+    torch.manual_seed(0)
+    ps, g = _bf16_params(REPEATED), torch.Generator().manual_seed(1)
+    opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
+    opt.bf16_stochastic_round = False
+    grads(ps, g)
+    opt.step()
+    small = [p for p in ps if p.numel() < 4096]
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        bases = {opt.state[p][key]._base.data_ptr() for p in small}
+        assert len(bases) == 1
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    resumed_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    resumed = adamw_8bit_bf16(resumed_ps, 1e-3, 0.01)
+    resumed.bf16_stochastic_round = False
+    grads(resumed_ps, torch.Generator().manual_seed(2))
+    resumed.step()  # a state of its own, packed, then replaced
+    with torch.no_grad():
+        for a, b in zip(resumed_ps, ps):
+            a.copy_(b)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    for _ in range(2):
+        state = g.get_state()
+        grads(ps, g)
+        g.set_state(state)
+        grads(resumed_ps, g)
+        opt.step()
+        resumed.step()
+    assert all(torch.equal(a, b) for a, b in zip(ps, resumed_ps))
+    assert all(torch.equal(opt.state[a]["step"].cpu(), resumed.state[b]["step"].cpu()) for a, b in zip(ps, resumed_ps))
+    assert float(opt.state[small[0]]["step"]) == 3.0
 
 
 def _queued_and_read(monkeypatch, device):

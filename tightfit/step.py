@@ -256,27 +256,45 @@ class MetaOptimizer:
         if self.kind == "adamw-foreach":
             self._temporaries([s[2] for p, s in self.state.items() if p.grad is not None])
         if self.kind == "adamw8bit-bf16":
+            self._pack_flat()
             self._dequantized_moments()
+
+    def _pack_flat(self) -> None:
+        """``adamw8bit-bf16``'s packing of its small tensors' state for the flat call
+        (:meth:`~tightfit.levers.optimizers._bf16_class`'s ``_packed``, once): their counters and
+        moments copied end to end into three new tensors, the per-tensor ones then freed."""
+        from .levers.optimizers import is_flat
+
+        small = [p for p in self.params if p.grad is not None and is_flat(p.numel())]
+        if len(small) < 2 or all(self.state[p][1]._base is not None for p in small):
+            return
+        n = sum(p.numel() for p in small)
+        steps = torch.zeros(len(small), device=small[0].device)
+        m1, m2 = (torch.zeros(n, dtype=small[0].dtype, device=small[0].device) for _ in range(2))
+        start = 0
+        for i, p in enumerate(small):
+            k = p.numel()
+            self.state[p] = (steps[i], m1[start:start + k].view(p.shape), m2[start:start + k].view(p.shape))
+            start += k
 
     def _temporaries(self, exp_avg_sqs: list) -> None:
         with self.temporaries_context():
             sqrt = torch._foreach_sqrt(exp_avg_sqs)  # noqa: F841 -- alive until the step returns
 
     def _dequantized_moments(self) -> None:
-        """The largest fp32 temporaries of the 8-bit bf16 update: those of the compiled call whose
-        8-bit tensors hold the most (:func:`~tightfit.levers.optimizers.largest_bf16_update_call`;
-        within a call the compiler may fuse the updates of same-sized tensors into one kernel that
-        holds all their temporaries at once, so a call's are counted as the sum over its 8-bit
-        tensors)."""
-        from .levers.optimizers import BF16_UPDATE_TEMPORARY_BYTES, largest_bf16_update_call
+        """The largest temporaries of the 8-bit bf16 update, one call's
+        (:func:`~tightfit.levers.optimizers.bf16_step_temporary_bytes`: the dequantized moments of
+        the call whose 8-bit tensors hold the most, within which the compiler may fuse the updates
+        of same-sized tensors into one kernel that holds all their temporaries at once, or the flat
+        call's concatenated weights and gradients)."""
+        from .levers.optimizers import bf16_step_temporary_bytes
 
         stepped = [p for p in self.params if p.grad is not None]
-        largest = [stepped[i] for i in largest_bf16_update_call(p.shape for p in stepped)]
-        if not largest:
+        held = bf16_step_temporary_bytes(p.shape for p in stepped)
+        if not held:
             return
         with self.temporaries_context():
-            held = torch.empty(BF16_UPDATE_TEMPORARY_BYTES * sum(p.numel() for p in largest),  # noqa: F841
-                               dtype=torch.uint8, device=largest[0].device)
+            held = torch.empty(held, dtype=torch.uint8, device=stepped[0].device)  # noqa: F841
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:

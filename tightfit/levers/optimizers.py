@@ -474,6 +474,61 @@ def _compiled_group_update():
     return update
 
 
+@functools.cache
+def _compiled_flat_update():
+    """:func:`_compiled_update` over many tensors whose moments are plain (not 8-bit: fewer than
+    4,096 elements, :func:`is_quantized_torchao`), laid end to end: one compiled call on one
+    tensor. Called as ``update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, lr, beta1,
+    beta2, weight_decay, eps, is_adamw, stochastic_round)``: ``params`` the weights (detached),
+    ``grads`` their gradients, ``steps`` the fp32 vector of their ``step`` counters (all equal:
+    the set always steps together, :meth:`AdamW8bitBf16._packed`), ``exp_avg``/``exp_avg_sq``
+    1-D: the moments of every weight end to end, in order.
+
+    Why: the step is bound by the host, and a transformer layer's biases and LayerNorm weights
+    are more than half its tensors (BERT-large: 9 of 16 per layer, 225 of 393 tensors in all),
+    each costing its own kernel launches in a layer's call (~0.1 ms of host time per tensor).
+    Here their weights and gradients are concatenated (one ``torch.cat`` each), updated in one
+    compiled call and copied back (``torch._foreach_copy_``): a few launches for all of them.
+
+    Adam is element-wise, so each element's moments and (without stochastic rounding) weight are
+    bit-identical to its own call's (tests/test_bf16_weights.py); with it, other draws (as for
+    :func:`_compiled_group_update`). Non-finite verdicts skip it as :func:`_compiled_update` does:
+    nothing changes, the counters included (the weights are written back unchanged). It holds the
+    concatenated weights and gradients (:data:`FLAT_TEMPORARY_BYTES` per element) while it runs.
+    """
+    from torchao.optim.adam import single_param_adam
+
+    def flat(w, grad, steps, m1, m2, found_inf, *rest):
+        apply = found_inf == 0
+        new_w, new1, new2 = w.clone(), m1.clone(), m2.clone()
+        single_param_adam(new_w, grad, steps[0] + 1, new1, new2, None, *rest)
+        for old, new in ((w, new_w), (m1, new1), (m2, new2)):
+            old.copy_(torch.where(apply, new, old))
+        steps.add_(apply.to(steps.dtype))
+
+    compiled = torch.compile(flat, fullgraph=True, dynamic=False)
+
+    def update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, *rest):
+        w = torch.cat([p.reshape(-1) for p in params])
+        compiled(w, torch.cat([g.reshape(-1) for g in grads]), steps, exp_avg, exp_avg_sq, found_inf, *rest)
+        torch._foreach_copy_(params, torch._utils._unflatten_dense_tensors(w, params))
+
+    return update
+
+
+# False: adamw8bit-bf16 updates its small (not 8-bit) tensors in the layers' calls too, as before
+# the flat call (bench/update_groups.py times both).
+FLAT_SMALL_TENSORS = True
+# Bytes per element the flat call holds while it runs: the weights and gradients concatenated (bf16).
+FLAT_TEMPORARY_BYTES = 4
+
+
+def is_flat(numel: int) -> bool:
+    """Whether ``adamw8bit-bf16`` updates a tensor of ``numel`` elements in its flat call
+    (:func:`_compiled_flat_update`): its moments are not 8-bit."""
+    return FLAT_SMALL_TENSORS and not is_quantized_torchao(numel)
+
+
 # A group of the 8-bit bf16 update holds at most this many tensors (a transformer layer has 12-16),
 # and a repeat of fewer tensors is grouped several repeats at a time up to it.
 GROUP_TENSORS = 16
@@ -516,23 +571,35 @@ def update_signature(shape) -> tuple:
     return shape, is_quantized_torchao(math.prod(shape))
 
 
-def largest_bf16_update_call(shapes) -> list[int]:
-    """Indices into ``shapes`` (the trained tensors, in update order) of the 8-bit tensors
-    (:func:`is_quantized_torchao`) of the compiled call of ``adamw8bit-bf16``'s step
-    (:func:`bf16_update_groups`) that updates the most 8-bit elements: its dequantized moments,
-    :data:`BF16_UPDATE_TEMPORARY_BYTES` per element, are the step's largest temporaries (the calls
-    run one after the other; within one the compiler may fuse same-sized updates). Empty where no
-    tensor is 8-bit."""
+def bf16_update_calls(shapes) -> list[list[int]]:
+    """Indices into ``shapes`` (the trained tensors of one param group and device, in the order of
+    ``model.parameters()``) of each compiled call of ``adamw8bit-bf16``'s step, for the estimator
+    and the time model: the flat call over every tensor whose moments are not 8-bit, where there
+    are at least two (:func:`is_flat`, :func:`_compiled_flat_update`), then the groups of the
+    others (:func:`update_groups` of their :func:`update_signature`)."""
     shapes = [tuple(s) for s in shapes]
-    calls = [[i for i in r if is_quantized_torchao(math.prod(shapes[i]))] for r in bf16_update_groups(shapes)]
-    return max(calls, key=lambda c: sum(math.prod(shapes[i]) for i in c), default=[])
+    flat = [i for i, s in enumerate(shapes) if is_flat(math.prod(s))]
+    if len(flat) < 2:
+        flat = []
+    flat_set = set(flat)
+    rest = [i for i in range(len(shapes)) if i not in flat_set]
+    return [flat] * bool(flat) + [[rest[i] for i in r] for r in update_groups([update_signature(shapes[i])
+                                                                              for i in rest])]
 
 
-def bf16_update_groups(shapes) -> list[range]:
-    """:func:`update_groups` of ``adamw8bit-bf16``'s step over trainable tensors of ``shapes`` (in
-    the order of ``model.parameters()``, one param group, one device), for the estimator and the
-    time model: the groups the step makes (:func:`update_signature`)."""
-    return update_groups([update_signature(s) for s in shapes])
+def bf16_step_temporary_bytes(shapes) -> int:
+    """The most bytes ``adamw8bit-bf16``'s step holds above its state while it runs, over trained
+    tensors of ``shapes`` (:func:`bf16_update_calls`; the calls run one after the other): the
+    largest of the flat call's concatenated weights and gradients (:data:`FLAT_TEMPORARY_BYTES`
+    per element) and each other call's dequantized moments (:data:`BF16_UPDATE_TEMPORARY_BYTES`
+    per element of its 8-bit tensors: within one call the compiler may fuse same-sized updates,
+    so a call's are counted together)."""
+    shapes = [tuple(s) for s in shapes]
+    calls = bf16_update_calls(shapes)
+    flat = calls[0] if calls and all(is_flat(math.prod(shapes[i])) for i in calls[0]) and len(calls[0]) > 1 else []
+    largest = max((sum(math.prod(shapes[i]) for i in c if is_quantized_torchao(math.prod(shapes[i])))
+                   for c in calls), default=0)
+    return max(FLAT_TEMPORARY_BYTES * sum(math.prod(shapes[i]) for i in flat), BF16_UPDATE_TEMPORARY_BYTES * largest)
 
 
 @functools.cache
@@ -596,9 +663,15 @@ def _bf16_class():
                 if p.device not in verdicts:
                     verdicts[p.device] = (torch.zeros((), device=p.device) if found_inf is None
                                           else found_inf.to(p.device))
+            flat, others = self._flat_sets(stepped)  # packed before any update: allocations only
             # one compiled entry per distinct group (or shape) and state kind (torchao lifts the limit too)
             with torch._dynamo.utils.disable_cache_limit():
-                for members in self._groups(stepped):
+                for group, members, (steps, m1, m2) in flat:
+                    rest = (group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],
+                            self.is_adamw, self.bf16_stochastic_round)
+                    _compiled_flat_update()([q.detach() for q in members], [q.grad for q in members], steps, m1, m2,
+                                            verdicts[members[0].device], *rest)
+                for members in self._groups(others):
                     group, p = members[0]
                     # p.detach(): torchao's workaround for FSDP2 (the gradient is passed on its own)
                     items = [(q.detach(), q.grad, self.state[q]["step"], self.state[q]["exp_avg"],
@@ -610,6 +683,55 @@ def _bf16_class():
                     else:
                         _compiled_group_update()(items, verdicts[p.device], *rest)
             return loss
+
+        def _flat_sets(self, stepped: list) -> tuple[list, list]:
+            """``stepped`` ((param group, parameter) pairs) split into the sets updated by one flat
+            call each (:func:`_compiled_flat_update`: at least two plain bf16 tensors of one param
+            group and device whose moments are not 8-bit, :func:`is_flat`), as ``(group, members,
+            (steps, exp_avg, exp_avg_sq))`` with their state packed (:meth:`_packed`), and the
+            other pairs, in order."""
+            sets = {}
+            for group, p in stepped:
+                s = self.state[p]
+                if (is_flat(p.numel()) and type(p.detach()) is torch.Tensor and p.is_contiguous()
+                        and all(type(s[k]) is torch.Tensor and s[k].dtype == p.dtype for k in ("exp_avg", "exp_avg_sq"))):
+                    sets.setdefault((id(group), p.device), (group, []))[1].append(p)
+            flat, cache = [], {}
+            for group, members in sets.values():
+                packed = self._packed(members, cache) if len(members) > 1 else None
+                if packed is not None:
+                    flat.append((group, members, packed))
+            self.__dict__["_flat_cache"] = cache  # only the sets of this step: older buffers are let go
+            ids = {id(p) for _, members, _ in flat for p in members}
+            return flat, [(g, p) for g, p in stepped if id(p) not in ids]
+
+        def _packed(self, members: list, cache: dict):
+            """``(steps, exp_avg, exp_avg_sq)`` of ``members``' state laid end to end: 1-D tensors
+            whose slices are each member's ``step`` counter (0-d) and moments (of its shape), as
+            the optimizer's ``state`` holds them. Packed on their first step together, or when the
+            state was replaced (``load_state_dict``) or the set changed, by copying (and a host
+            sync to compare the counters); kept in ``cache``. None where the counters differ (a
+            tensor that missed a step): those tensors are then updated as the others are."""
+            key = tuple(id(p) for p in members)
+            hit = self.__dict__.get("_flat_cache", {}).get(key)
+            if hit is not None and all(self.state[p][k] is v for p, views in zip(members, hit[1])
+                                       for k, v in zip(("step", "exp_avg", "exp_avg_sq"), views)):
+                cache[key] = hit
+                return hit[0]
+            states = [self.state[p] for p in members]
+            steps = torch.stack([s["step"].to(members[0].device, torch.float32) for s in states])
+            if not torch.equal(steps, steps[:1].expand_as(steps)):
+                return None
+            m1, m2 = (torch.cat([s[k].reshape(-1) for s in states]) for k in ("exp_avg", "exp_avg_sq"))
+            views, start = [], 0
+            for i, (p, s) in enumerate(zip(members, states)):
+                n = p.numel()
+                s["step"], s["exp_avg"], s["exp_avg_sq"] = steps[i], m1[start:start + n].view(p.shape), m2[
+                    start:start + n].view(p.shape)
+                views.append((s["step"], s["exp_avg"], s["exp_avg_sq"]))
+                start += n
+            cache[key] = ((steps, m1, m2), views)
+            return steps, m1, m2
 
         def _groups(self, stepped: list) -> list[list]:
             """``stepped`` ((param group, parameter) pairs, in update order) cut into the groups one

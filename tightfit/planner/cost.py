@@ -25,7 +25,8 @@ AdamW streams weights, gradients and 1-byte moments through memory
 sync (:data:`OPTIMIZER_CALL_S` each);
 bf16 weights with torchao's 8-bit AdamW (``adamw8bit-bf16``) stream bf16 weights and gradients and
 1-byte moments (:data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`) in one compiled call per repeated layer
-(:data:`TORCHAO_GROUPED_CALL_S` per tensor) or per other tensor (:data:`TORCHAO_CALL_S`);
+(:data:`TORCHAO_GROUPED_CALL_S` per tensor) or per other tensor (:data:`TORCHAO_CALL_S`), and
+its small tensors in one flat call (:data:`TORCHAO_FLAT_CALL_S`);
 CPU offload copies the gradients to the host (once per micro-batch: the accumulated gradient is
 copied again after each) and the new weights back over the host link, and runs AdamW on the CPU at
 :data:`CPU_ADAMW_PARAMS_PER_S`.
@@ -79,6 +80,10 @@ ADAMW8BIT_BF16_BYTES_PER_PARAM = 2 + 2 + 2 + 2 + 2
 # (BERT-large's 4 GiB plan: 12.6 ms grouped, 68.8 ms one call per tensor).
 TORCHAO_CALL_S = 81.13e-3 / 393
 TORCHAO_GROUPED_CALL_S = 41.46e-3 / 393
+# Host time of the one flat call over the small tensors (tightfit.levers.optimizers.
+# _compiled_flat_update: two concatenations, one compiled call, one multi-tensor copy back), whatever
+# their count. Not measured yet: the time of ten grouped tensors.
+TORCHAO_FLAT_CALL_S = 10 * TORCHAO_GROUPED_CALL_S
 # Fused AdamW on the host CPU as ``adamw-offload`` runs it: one fused step over every offloaded
 # tensor (tightfit.levers.host_adamw), parameters per second. Measured on an NVIDIA H200 host (16
 # threads, torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json): the fused CPU
@@ -140,7 +145,9 @@ class ForwardCost:
         offloaded_params: trainable parameters in tensors that CPU offload moves to the host
             (:func:`tightfit.levers.optimizers.is_offloaded`).
         grouped_tensors: trainable tensors that ``adamw8bit-bf16`` updates in a repeated layer's
-            call (:func:`tightfit.levers.optimizers.bf16_update_groups`).
+            call (:func:`tightfit.levers.optimizers.bf16_update_calls`).
+        flat_tensors: trainable tensors that ``adamw8bit-bf16`` updates in its flat call (0 or
+            at least 2; :func:`tightfit.levers.optimizers.bf16_update_calls`).
         free_blocks: leading blocks that run no backward (frozen, nothing trained before them:
             :func:`tightfit.levers.freezing.frozen_prefix_blocks`): no backward compute, and
             checkpointing them recomputes nothing.
@@ -156,6 +163,21 @@ class ForwardCost:
     offloaded_params: int = 0
     grouped_tensors: int = 0
     free_blocks: int = 0
+    flat_tensors: int = 0
+
+
+def optimizer_tensor_counts(shapes) -> dict:
+    """:class:`ForwardCost`'s counts of the trainable tensors of ``shapes`` (in the order of
+    ``model.parameters()``) that the optimizers' host time depends on: ``trainable_tensors``,
+    ``offloaded_params``, ``grouped_tensors`` and ``flat_tensors``."""
+    from ..levers.optimizers import bf16_update_calls, is_flat, is_offloaded
+
+    shapes = [tuple(s) for s in shapes]
+    sizes = [math.prod(s) for s in shapes]
+    calls = bf16_update_calls(shapes)
+    flat = len(calls[0]) if calls and len(calls[0]) > 1 and all(is_flat(sizes[i]) for i in calls[0]) else 0
+    return dict(trainable_tensors=len(sizes), offloaded_params=sum(n for n in sizes if is_offloaded(n)),
+                grouped_tensors=sum(len(c) for c in calls[bool(flat):] if len(c) > 1), flat_tensors=flat)
 
 
 # (id(model), id(make_batch), size, n_blocks) -> (model, make_batch, ForwardCost) inside
@@ -208,16 +230,12 @@ def _trace_forward_cost(model: torch.nn.Module, make_batch, size: int, n_blocks:
     for h in hooks:
         h.remove()
     from ..levers.freezing import frozen_prefix_blocks
-    from ..levers.optimizers import bf16_update_groups, is_offloaded
 
     shapes = [p.shape for p in model.parameters() if p.requires_grad]
-    trainable = [math.prod(s) for s in shapes]
     per_block = 1 / n_blocks if n_blocks else 0.0
-    return ForwardCost(flops.get_total_flops() / 2, counter.ops, sum(trainable), n_blocks,
+    return ForwardCost(flops.get_total_flops() / 2, counter.ops, sum(math.prod(s) for s in shapes), n_blocks,
                        counter.recomputed_ops * per_block, counter.recomputed_bytes * per_block / 2,
-                       trainable_tensors=len(trainable), offloaded_params=sum(n for n in trainable if is_offloaded(n)),
-                       grouped_tensors=sum(len(r) for r in bf16_update_groups(shapes) if len(r) > 1),
-                       free_blocks=frozen_prefix_blocks(model, make_batch(1, size)))
+                       free_blocks=frozen_prefix_blocks(model, make_batch(1, size)), **optimizer_tensor_counts(shapes))
 
 
 def passes(n_blocks: int, free_blocks: int, checkpointed: int) -> float:
@@ -307,7 +325,8 @@ class TimeModel:
         :data:`ADAMW8BIT_BYTES_PER_PARAM` at the card's memory bandwidth plus
         :data:`OPTIMIZER_CALL_S` per tensor. ``adamw8bit-bf16``: :data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`
         at the card's memory bandwidth plus :data:`TORCHAO_GROUPED_CALL_S` per tensor in a repeated
-        layer's call and :data:`TORCHAO_CALL_S` per other tensor.
+        layer's call, :data:`TORCHAO_FLAT_CALL_S` for the flat call and :data:`TORCHAO_CALL_S` per
+        other tensor.
         ``adamw-offload``: the offloaded parameters' fp32 gradients to the host after every
         micro-batch and their weights back (4 B each way per parameter over
         ``host_link_bytes_per_s``; the copies overlap the backward only in part, so all are
@@ -319,7 +338,8 @@ class TimeModel:
             return c.trainable_params * ADAMW8BIT_BYTES_PER_PARAM / bw + c.trainable_tensors * OPTIMIZER_CALL_S
         if self.optimizer == "adamw8bit-bf16":
             return (c.trainable_params * ADAMW8BIT_BF16_BYTES_PER_PARAM / bw + c.grouped_tensors * TORCHAO_GROUPED_CALL_S
-                    + (c.trainable_tensors - c.grouped_tensors) * TORCHAO_CALL_S)
+                    + bool(c.flat_tensors) * TORCHAO_FLAT_CALL_S
+                    + (c.trainable_tensors - c.grouped_tensors - c.flat_tensors) * TORCHAO_CALL_S)
         if self.optimizer == "adamw-offload":
             n = c.offloaded_params
             link = 4 * n * (micro_batches + 1) / self.profile.host_link_bytes_per_s

@@ -129,12 +129,11 @@ def state_bytes(model, kind: str) -> int:
 def optimizer_step_seconds(model, kind: str, profile, micro_batches: int) -> float:
     """The time model's optimizer share of one step (:meth:`.cost.TimeModel.optimizer_seconds`),
     seconds, from ``model``'s trainable parameters."""
-    from ..levers.optimizers import is_offloaded
-    from .cost import ForwardCost, TimeModel
+    from .cost import ForwardCost, TimeModel, optimizer_tensor_counts
 
-    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-    cost = ForwardCost(0.0, 0, sum(sizes), 0, trainable_tensors=len(sizes),
-                       offloaded_params=sum(n for n in sizes if is_offloaded(n)))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    cost = ForwardCost(0.0, 0, sum(p.numel() for p in trained), 0,
+                       **optimizer_tensor_counts(p.shape for p in trained))
     return TimeModel(profile, cost, optimizer=kind).optimizer_seconds(micro_batches)
 
 
@@ -177,15 +176,14 @@ def step_temporary_bytes(model, kind: str) -> int:
     estimator's :class:`tightfit.step.MetaOptimizer` allocates them): the 8-bit bf16 update's
     dequantized moments of its largest call, the multi-tensor AdamW's square roots, none for the
     fused and 8-bit steps."""
-    from ..levers.optimizers import BF16_UPDATE_TEMPORARY_BYTES, largest_bf16_update_call
+    from ..levers.optimizers import bf16_step_temporary_bytes
 
     trained = [p for p in model.parameters() if p.requires_grad]
     if kind == "adamw-foreach":
         return sum(4 * p.numel() for p in trained)
     if kind != "adamw8bit-bf16":
         return 0
-    return BF16_UPDATE_TEMPORARY_BYTES * sum(trained[i].numel()
-                                             for i in largest_bf16_update_call(p.shape for p in trained))
+    return bf16_step_temporary_bytes(p.shape for p in trained)
 
 
 def bound_shift(model, kind: str, traced: str, precision: str, limit: float) -> float:
