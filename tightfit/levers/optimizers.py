@@ -511,7 +511,7 @@ def _compiled_flat_update():
     def update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, *rest):
         w = torch.cat([p.reshape(-1) for p in params])
         compiled(w, torch.cat([g.reshape(-1) for g in grads]), steps, exp_avg, exp_avg_sq, found_inf, *rest)
-        torch._foreach_copy_(params, torch._utils._unflatten_dense_tensors(w, params))
+        torch._foreach_copy_(params, [t.view_as(p) for t, p in zip(w.split([p.numel() for p in params]), params)])
 
     return update
 
