@@ -9,12 +9,13 @@ time of ``step()`` (until it returns, the GPU's work queued) and of the wall tim
 synchronised, and the memory the step allocated above what was allocated before it (its
 temporaries: the peak of ``max_memory_allocated`` less the allocated bytes at its start).
 
-    OUT=folder python3 bench/update_groups.py grouped|per-tensor|grouped-combo|grouped-32|layers
+    OUT=folder python3 bench/update_groups.py grouped|per-tensor|grouped-combo|grouped-32|grouped-8|layers
         -> OUT/update_groups-<variant>.json
 
 ``grouped-combo``: the grouped update compiled with Inductor's combo kernels
 (``torch._inductor.config.combo_kernels``: independent kernels of one graph launched as one);
-``grouped-32``: groups of up to 32 tensors (two BERT-large layers per call). ``grouped`` updates
+``grouped-32``: groups of up to 32 tensors (two BERT-large layers per call); ``grouped-8``: of
+up to 8 (with the flat call, one layer's 7 8-bit tensors per call instead of two layers' 14). ``grouped`` updates
 the small tensors (moments not 8-bit: biases, LayerNorm weights) in one flat call
 (``tightfit.levers.optimizers._compiled_flat_update``) and the 8-bit ones a layer per call;
 ``layers`` is the update before the flat call: every tensor of a layer in the layer's call
@@ -54,6 +55,8 @@ def main(variant: str) -> None:
         inductor_config.combo_kernels = True
     elif variant == "grouped-32":
         optimizers.GROUP_TENSORS = 32
+    elif variant == "grouped-8":
+        optimizers.GROUP_TENSORS = 8
     elif variant != "grouped":
         raise SystemExit(f"unknown variant {variant!r}")
     torch.manual_seed(0)
