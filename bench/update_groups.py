@@ -9,13 +9,13 @@ time of ``step()`` (until it returns, the GPU's work queued) and of the wall tim
 synchronised, and the memory the step allocated above what was allocated before it (its
 temporaries: the peak of ``max_memory_allocated`` less the allocated bytes at its start).
 
-    OUT=folder python3 bench/update_groups.py grouped|per-tensor|grouped-combo|grouped-32|grouped-8|layers
+    OUT=folder python3 bench/update_groups.py grouped|per-tensor|grouped-combo|grouped-32|grouped-16|layers
         -> OUT/update_groups-<variant>.json
 
 ``grouped-combo``: the grouped update compiled with Inductor's combo kernels
 (``torch._inductor.config.combo_kernels``: independent kernels of one graph launched as one);
-``grouped-32``: groups of up to 32 tensors (two BERT-large layers per call); ``grouped-8``: of
-up to 8 (with the flat call, one layer's 7 8-bit tensors per call instead of two layers' 14). ``grouped`` updates
+``grouped-32``: groups of up to 32 tensors; ``grouped-16``: of up to 16 (with the flat call, two
+BERT-large layers' 8-bit tensors per call, 14, instead of one layer's 7). ``grouped`` updates
 the small tensors (moments not 8-bit: biases, LayerNorm weights) in one flat call
 (``tightfit.levers.optimizers._compiled_flat_update``) and the 8-bit ones a layer per call;
 ``layers`` is the update before the flat call: every tensor of a layer in the layer's call
@@ -39,6 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "bench-out"))
+DEVICE = os.environ.get("DEVICE", "cuda")  # cpu: the first step's compilation as a proxy (host times meaningless)
+LAYERS = int(os.environ.get("LAYERS", "0"))  # 0: all of BERT-large's 24
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def main(variant: str) -> None:
@@ -50,42 +57,46 @@ def main(variant: str) -> None:
         optimizers.FLAT_SMALL_TENSORS = False
     elif variant == "layers":
         optimizers.FLAT_SMALL_TENSORS = False
+        optimizers.GROUP_TENSORS = 16
     elif variant == "grouped-combo":
         import torch._inductor.config as inductor_config
         inductor_config.combo_kernels = True
     elif variant == "grouped-32":
         optimizers.GROUP_TENSORS = 32
-    elif variant == "grouped-8":
-        optimizers.GROUP_TENSORS = 8
+    elif variant == "grouped-16":
+        optimizers.GROUP_TENSORS = 16
     elif variant != "grouped":
         raise SystemExit(f"unknown variant {variant!r}")
     torch.manual_seed(0)
     model, _ = build_model("bert-large", device="cpu")
-    ps = [torch.nn.Parameter(p.detach().to("cuda", torch.bfloat16)) for p in model.parameters()]
+    if LAYERS:  # the first LAYERS layers only (a CPU's compilation proxy: the graphs are the same)
+        del model.bert.encoder.layer[LAYERS:]
+    ps = [torch.nn.Parameter(p.detach().to(DEVICE, torch.bfloat16)) for p in model.parameters()]
     del model
-    g = torch.Generator(device="cuda").manual_seed(1)
-    grads = [torch.randn(p.shape, device="cuda", generator=g).mul_(1e-3).bfloat16() for p in ps]
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    grads = [torch.randn(p.shape, device=DEVICE, generator=g).mul_(1e-3).bfloat16() for p in ps]
     opt = optimizers.adamw_8bit_bf16(ps, 1e-4, 0.01)
     for p, gr in zip(ps, grads):
         p.grad = gr
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     opt.step()
-    torch.cuda.synchronize()
+    sync()
     first = time.perf_counter() - t
     calls = len(optimizers.bf16_update_calls([p.shape for p in ps]))
     host, wall, extra = [], [], []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    for _ in range(10 if DEVICE == "cuda" else 2):
+        sync()
+        before = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         opt.step()
         host.append(time.perf_counter() - t)
-        torch.cuda.synchronize()
+        sync()
         wall.append(time.perf_counter() - t)
-        extra.append(torch.cuda.max_memory_allocated() - before)
-    row = {"variant": variant, "tensors": len(ps), "compiled_calls_per_step": calls, "first_step_s": first,
+        extra.append(torch.cuda.max_memory_allocated() - before if DEVICE == "cuda" else 0)
+    row = {"variant": variant, "device": DEVICE, "layers": LAYERS or 24, "tensors": len(ps), "compiled_calls_per_step": calls, "first_step_s": first,
            "host_ms": statistics.median(host) * 1e3, "step_ms": statistics.median(wall) * 1e3,
            "temporaries_MiB": max(extra) / 2**20, "flat_small_tensors": optimizers.FLAT_SMALL_TENSORS, **checksums(opt, ps), "torch": torch.__version__,
            "inductor_caches": "off" if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1" else "on"}

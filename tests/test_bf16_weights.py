@@ -252,23 +252,33 @@ def test_a_nonfinite_verdict_on_the_device_leaves_every_tensor_as_it_was(shapes)
 
 
 def test_update_groups_cut_a_repeated_sequence_into_equal_groups():
-    """BERT's order: 5 embedding tensors (the last two as a layer's last two), 16 per layer, the
-    pooler and head: one group per layer, all alike, every other tensor alone; no repeat, or a
-    single one: one tensor per group; a run of one kind: groups of GROUP_TENSORS."""
+    """BERT's 8-bit tensors in order (the others go in the flat call): the word and position
+    embeddings, 7 per layer, the pooler: one group per layer, all alike, every other tensor
+    alone; no repeat, or a single one: one tensor per group; a run of one kind: groups of
+    GROUP_TENSORS; a longer period (a layer's 16 tensors, the flat call off) with GROUP_TENSORS
+    raised to 16 (bench/update_groups.py's "layers")."""
+    from tightfit.levers import optimizers
     from tightfit.levers.optimizers import GROUP_TENSORS, update_groups
 
-    layer = ["A", "a"] * 4 + ["l", "l", "F", "f", "G", "l", "l", "l"]
-    sig = ["W", "P", "t", "l", "l"] + layer * 24 + ["A", "a", "c", "c"]
+    layer = ["A"] * 4 + ["F", "f", "G"]
+    sig = ["W", "P"] + layer * 24 + ["A"]
     groups = update_groups(sig)
     assert [i for r in groups for i in r] == list(range(len(sig)))  # every tensor once, in order
     multi = [r for r in groups if len(r) > 1]
-    assert len(multi) == 24 and multi[0] == range(3, 19) and len(groups) == 3 + 24 + 6
-    assert all(len(r) == 16 and [sig[i] for i in r] == [sig[i] for i in multi[0]] for r in multi)
+    assert len(multi) == 24 and multi[0] == range(2, 9) and len(groups) == 2 + 24 + 1
+    assert all(len(r) == 7 and [sig[i] for i in r] == layer for r in multi)
     assert update_groups(["q", "n", "q"]) == [range(i, i + 1) for i in range(3)]
     assert update_groups(["q", "n", "q", "c"]) == [range(i, i + 1) for i in range(4)]  # one repeat only
     assert update_groups(["c", "q", "n", "q", "n"]) == [range(0, 1), range(1, 3), range(3, 5)]
-    assert update_groups(["q"] * 40) == [range(0, 16), range(16, 32)] + [range(i, i + 1) for i in range(32, 40)]
-    assert GROUP_TENSORS == 16 and update_groups([]) == []
+    assert update_groups(["q"] * 20) == [range(0, 8), range(8, 16)] + [range(i, i + 1) for i in range(16, 20)]
+    assert GROUP_TENSORS == 8 and update_groups([]) == []
+    old_layer = ["A", "a"] * 4 + ["l", "l", "F", "f", "G", "l", "l", "l"]
+    assert max(len(r) for r in update_groups(["W"] + old_layer * 3)) < 16  # a period over GROUP_TENSORS
+    optimizers.GROUP_TENSORS = 16
+    try:
+        assert [len(r) for r in update_groups(["W"] + old_layer * 3)] == [1, 16, 16, 16]
+    finally:
+        optimizers.GROUP_TENSORS = GROUP_TENSORS
 
 
 @needs_torchao

@@ -529,9 +529,12 @@ def is_flat(numel: int) -> bool:
     return FLAT_SMALL_TENSORS and not is_quantized_torchao(numel)
 
 
-# A group of the 8-bit bf16 update holds at most this many tensors (a transformer layer has 12-16),
-# and a repeat of fewer tensors is grouped several repeats at a time up to it.
-GROUP_TENSORS = 16
+# A group of the 8-bit bf16 update holds at most this many tensors, and a repeat of fewer tensors is
+# grouped several repeats at a time up to it. A transformer layer has 4-8 8-bit tensors (BERT-large:
+# 7 of its 16; the others go in the flat call): one layer per call. Cold compilation of BERT-large's
+# update on a CPU (the first 4 layers, bench/results/update-flat/): 54.9 s with groups of up to 8,
+# 99.6 s with up to 16 (two layers' 14 per call), 62.3 s before the flat call (a layer's 16 per call).
+GROUP_TENSORS = 8
 
 
 def update_groups(signatures: list) -> list[range]:
@@ -541,8 +544,8 @@ def update_groups(signatures: list) -> list[range]:
     :data:`GROUP_TENSORS` whose repeats cover the most tensors, the smallest on a tie) is cut into
     ranges of ``p`` times ``GROUP_TENSORS // p`` repeats (at most as many as leave two ranges), all
     with the same signatures, so one compilation serves them; every other tensor is a range of
-    its own. BERT's 16 tensors per layer: one range per layer (shifted by the tensors that match
-    across a layer's end); the embeddings, pooler and head one by one. Tensors outside the
+    its own. BERT's 7 8-bit tensors per layer (:func:`bf16_update_calls`: its other 9 go in the
+    flat call): one range per layer; the embeddings and pooler one by one. Tensors outside the
     stretch are not grouped: a range of unlike tensors would compile a graph of its own for a
     single call (a BART decoder's 161 tensors in one range did not finish compiling in 15
     minutes on a CPU), and its tensors could belong to other param groups or devices."""
