@@ -386,32 +386,6 @@ def test_the_flat_call_updates_the_small_tensors_as_their_own_calls(monkeypatch)
 
 
 @needs_torchao
-def test_a_tensor_that_missed_a_step_is_packed_apart_once_and_the_rest_stays_flat(monkeypatch):
-    """After one small tensor missed a step, its counter differs from the others': the others are
-    still updated in one flat call, it alone in its own, and the packing (a host sync) is not
-    redone at every later step (the same packed tensors serve them)."""
-    from tightfit.levers import optimizers
-
-    torch.manual_seed(0)
-    ps, g = _bf16_params(REPEATED), torch.Generator().manual_seed(1)
-    small = [p for p in ps if p.numel() < 4096]
-    opt = optimizers.adamw_8bit_bf16(ps, 1e-3, 0.01)
-    flat_update = optimizers._compiled_flat_update()
-    sizes = []
-    monkeypatch.setattr(optimizers, "_compiled_flat_update",
-                        lambda: lambda params, *a: sizes.append(len(params)) or flat_update(params, *a))
-    packed = []
-    for i in range(5):
-        for p in ps:
-            p.grad = None if (i == 1 and p is small[2]) else (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
-        opt.step()
-        packed.append(opt._flat_cache[tuple(id(p) for p in small)] if i != 1 else None)
-    assert sizes == [4, 3, 3, 3, 3]
-    assert packed[2] is packed[3] is packed[4]  # packed once, at step 3
-    assert [float(opt.state[p]["step"]) for p in small] == [5.0, 5.0, 4.0, 5.0]
-
-
-@needs_torchao
 def test_the_small_tensors_state_is_packed_and_a_loaded_state_continues_exactly():
     """After a step the small tensors' counters and moments are slices of one tensor each (the flat
     call's); a state_dict saved and loaded (torch.save, weights_only) into an optimizer that has

@@ -485,7 +485,7 @@ def _compiled_flat_update():
     1-D: the moments of every weight end to end, in order.
 
     Why: the step is bound by the host, and a transformer layer's biases and LayerNorm weights
-    are more than half its tensors (BERT-large: 9 of 16 per layer, 222 of 393 tensors in all),
+    are more than half its tensors (BERT-large: 9 of 16 per layer, 225 of 393 tensors in all),
     each costing its own kernel launches in a layer's call (~0.1 ms of host time per tensor).
     Here their weights and gradients are concatenated (one ``torch.cat`` each), updated in one
     compiled call and copied back (``torch._foreach_copy_``): a few launches for all of them.
@@ -701,47 +701,40 @@ def _bf16_class():
                     sets.setdefault((id(group), p.device), (group, []))[1].append(p)
             flat, cache = [], {}
             for group, members in sets.values():
-                if len(members) > 1:
-                    flat += [(group, subset, packed) for subset, packed in self._packed(members, cache)]
+                packed = self._packed(members, cache) if len(members) > 1 else None
+                if packed is not None:
+                    flat.append((group, members, packed))
             self.__dict__["_flat_cache"] = cache  # only the sets of this step: older buffers are let go
             ids = {id(p) for _, members, _ in flat for p in members}
             return flat, [(g, p) for g, p in stepped if id(p) not in ids]
 
-        def _packed(self, members: list, cache: dict) -> list:
-            """``members``' state laid end to end for the flat call, as ``(subset, (steps, exp_avg,
-            exp_avg_sq))`` pairs: 1-D tensors whose slices are each member's ``step`` counter (0-d)
-            and moments (of its shape), as the optimizer's ``state`` holds them. One subset per
-            ``step`` count of at least two members (a tensor that missed steps keeps its own count;
-            a count held by one member alone is left to the other calls). Packed by copying, with
-            one host sync to read the counters, on the set's first step, when the state was replaced
-            (``load_state_dict``) or the set changed; kept in ``cache`` (keyed by the set)."""
+        def _packed(self, members: list, cache: dict):
+            """``(steps, exp_avg, exp_avg_sq)`` of ``members``' state laid end to end: 1-D tensors
+            whose slices are each member's ``step`` counter (0-d) and moments (of its shape), as
+            the optimizer's ``state`` holds them. Packed on their first step together, or when the
+            state was replaced (``load_state_dict``) or the set changed, by copying (and a host
+            sync to compare the counters); kept in ``cache``. None where the counters differ (a
+            tensor that missed a step): those tensors are then updated as the others are."""
             key = tuple(id(p) for p in members)
             hit = self.__dict__.get("_flat_cache", {}).get(key)
-            if hit is not None and all(self.state[p][k] is v for subset, _, views in hit for p, row in zip(subset, views)
-                                       for k, v in zip(("step", "exp_avg", "exp_avg_sq"), row)):
+            if hit is not None and all(self.state[p][k] is v for p, views in zip(members, hit[1])
+                                       for k, v in zip(("step", "exp_avg", "exp_avg_sq"), views)):
                 cache[key] = hit
-                return [(subset, packed) for subset, packed, _ in hit]
-            counts = torch.stack([self.state[p]["step"].to(members[0].device, torch.float32) for p in members]).tolist()
-            by_count = {}
-            for p, count in zip(members, counts):
-                by_count.setdefault(count, []).append(p)
-            entry = []
-            for count, subset in by_count.items():
-                if len(subset) < 2:
-                    continue
-                states = [self.state[p] for p in subset]
-                steps = torch.full((len(subset),), count, dtype=torch.float32, device=members[0].device)
-                m1, m2 = (torch.cat([s[k].reshape(-1) for s in states]) for k in ("exp_avg", "exp_avg_sq"))
-                views, start = [], 0
-                for i, (p, s) in enumerate(zip(subset, states)):
-                    n = p.numel()
-                    s["step"], s["exp_avg"], s["exp_avg_sq"] = (steps[i], m1[start:start + n].view(p.shape),
-                                                                  m2[start:start + n].view(p.shape))
-                    views.append((s["step"], s["exp_avg"], s["exp_avg_sq"]))
-                    start += n
-                entry.append((subset, (steps, m1, m2), views))
-            cache[key] = entry
-            return [(subset, packed) for subset, packed, _ in entry]
+                return hit[0]
+            states = [self.state[p] for p in members]
+            steps = torch.stack([s["step"].to(members[0].device, torch.float32) for s in states])
+            if not torch.equal(steps, steps[:1].expand_as(steps)):
+                return None
+            m1, m2 = (torch.cat([s[k].reshape(-1) for s in states]) for k in ("exp_avg", "exp_avg_sq"))
+            views, start = [], 0
+            for i, (p, s) in enumerate(zip(members, states)):
+                n = p.numel()
+                s["step"], s["exp_avg"], s["exp_avg_sq"] = steps[i], m1[start:start + n].view(p.shape), m2[
+                    start:start + n].view(p.shape)
+                views.append((s["step"], s["exp_avg"], s["exp_avg_sq"]))
+                start += n
+            cache[key] = ((steps, m1, m2), views)
+            return steps, m1, m2
 
         def _groups(self, stepped: list) -> list[list]:
             """``stepped`` ((param group, parameter) pairs, in update order) cut into the groups one
