@@ -386,6 +386,40 @@ def test_the_flat_call_updates_the_small_tensors_as_their_own_calls(monkeypatch)
 
 
 @needs_torchao
+def test_a_tensor_that_missed_a_step_leaves_the_others_in_the_flat_call(monkeypatch):
+    """One small tensor without a gradient in one step (an unused branch, a dropped layer, a tensor
+    frozen for a while): its counter stays one behind the others' for good. The others go on in
+    the flat call, packed once (no repacking, nor its host sync, at every later step), the one
+    behind in a call of its own; bit for bit the update without the flat call."""
+    from tightfit.levers import optimizers
+
+    small = [i for i, s in enumerate(REPEATED) if math.prod(s) < 4096]
+    behind = small[2]
+    sizes, bases = [], []
+    flat_update = optimizers._compiled_flat_update()
+    monkeypatch.setattr(optimizers, "_compiled_flat_update",
+                        lambda: lambda *a: sizes[-1].append(len(a[0])) or flat_update(*a))
+    torch.manual_seed(0)
+    ps, g = _bf16_params(REPEATED), torch.Generator().manual_seed(1)
+    opt = optimizers.adamw_8bit_bf16(ps, 1e-3, 0.01)
+    opt.bf16_stochastic_round = False
+    for i in range(5):
+        for j, p in enumerate(ps):
+            p.grad = None if (i == 1 and j == behind) else (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
+        sizes.append([])
+        opt.step()
+        bases.append(opt.state[ps[small[0]]]["exp_avg"]._base)
+    monkeypatch.undo()
+    assert sizes == [[len(small)], [len(small) - 1]] + [[len(small) - 1]] * 3
+    assert bases[2] is bases[3] is bases[4]  # packed once after the tensor came back
+    assert [float(opt.state[ps[j]]["step"]) for j in small] == [5.0 - (j == behind) for j in small]
+    other = _steps_flat_or_not(monkeypatch, False, False, 5, behind)
+    moments = [(v.dequantize() if hasattr(v, "dequantize") else v) for p in ps for v in opt.state[p].values()]
+    assert all(torch.equal(a, b) for a, b in zip(ps, other[0]))
+    assert all(torch.equal(a, b) for a, b in zip(moments, other[1]))
+
+
+@needs_torchao
 def test_the_small_tensors_state_is_packed_and_a_loaded_state_continues_exactly():
     """After a step the small tensors' counters and moments are slices of one tensor each (the flat
     call's); a state_dict saved and loaded (torch.save, weights_only) into an optimizer that has

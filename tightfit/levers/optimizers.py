@@ -690,9 +690,9 @@ def _bf16_class():
         def _flat_sets(self, stepped: list) -> tuple[list, list]:
             """``stepped`` ((param group, parameter) pairs) split into the sets updated by one flat
             call each (:func:`_compiled_flat_update`: at least two plain bf16 tensors of one param
-            group and device whose moments are not 8-bit, :func:`is_flat`), as ``(group, members,
-            (steps, exp_avg, exp_avg_sq))`` with their state packed (:meth:`_packed`), and the
-            other pairs, in order."""
+            group and device whose moments are not 8-bit, :func:`is_flat`, and whose counters agree),
+            as ``(group, members, (steps, exp_avg, exp_avg_sq))`` with their state packed
+            (:meth:`_packed`), and the other pairs, in order."""
             sets = {}
             for group, p in stepped:
                 s = self.state[p]
@@ -701,20 +701,23 @@ def _bf16_class():
                     sets.setdefault((id(group), p.device), (group, []))[1].append(p)
             flat, cache = [], {}
             for group, members in sets.values():
-                packed = self._packed(members, cache) if len(members) > 1 else None
-                if packed is not None:
-                    flat.append((group, members, packed))
+                for subset, packed in (self._packed(members, cache) if len(members) > 1 else ()):
+                    flat.append((group, subset, packed))
             self.__dict__["_flat_cache"] = cache  # only the sets of this step: older buffers are let go
             ids = {id(p) for _, members, _ in flat for p in members}
             return flat, [(g, p) for g, p in stepped if id(p) not in ids]
 
-        def _packed(self, members: list, cache: dict):
-            """``(steps, exp_avg, exp_avg_sq)`` of ``members``' state laid end to end: 1-D tensors
-            whose slices are each member's ``step`` counter (0-d) and moments (of its shape), as
-            the optimizer's ``state`` holds them. Packed on their first step together, or when the
-            state was replaced (``load_state_dict``) or the set changed, by copying (and a host
-            sync to compare the counters); kept in ``cache``. None where the counters differ (a
-            tensor that missed a step): those tensors are then updated as the others are."""
+        def _packed(self, members: list, cache: dict) -> list:
+            """``members`` cut by their ``step`` counters into subsets of at least two whose counters
+            agree (in order of first appearance), each as ``(subset, (steps, exp_avg, exp_avg_sq))``:
+            the subset's state laid end to end, 1-D tensors whose slices are each member's counter
+            (0-d) and moments (of its shape), as the optimizer's ``state`` holds them. A tensor that
+            missed a step keeps its counter behind the others' for good: it is left out (updated as
+            the others are, or with those behind alike), and the rest stays packed. Cut and packed on
+            the members' first step together, or when a state was replaced (``load_state_dict``) or
+            the set changed, by copying (and one host sync to read the counters); kept in ``cache``,
+            so that the steps in between read no counter: the subsets step together (every member
+            has a gradient, one verdict), and their counters' differences stay as they were cut."""
             key = tuple(id(p) for p in members)
             hit = self.__dict__.get("_flat_cache", {}).get(key)
             if hit is not None and all(self.state[p][k] is v for p, views in zip(members, hit[1])
@@ -723,18 +726,26 @@ def _bf16_class():
                 return hit[0]
             states = [self.state[p] for p in members]
             steps = torch.stack([s["step"].to(members[0].device, torch.float32) for s in states])
-            if not torch.equal(steps, steps[:1].expand_as(steps)):
-                return None
-            m1, m2 = (torch.cat([s[k].reshape(-1) for s in states]) for k in ("exp_avg", "exp_avg_sq"))
-            views, start = [], 0
-            for i, (p, s) in enumerate(zip(members, states)):
-                n = p.numel()
-                s["step"], s["exp_avg"], s["exp_avg_sq"] = steps[i], m1[start:start + n].view(p.shape), m2[
-                    start:start + n].view(p.shape)
-                views.append((s["step"], s["exp_avg"], s["exp_avg_sq"]))
-                start += n
-            cache[key] = ((steps, m1, m2), views)
-            return steps, m1, m2
+            alike = {}
+            for i, c in enumerate(steps.tolist()):
+                alike.setdefault(c, []).append(i)
+            packed = []
+            for indices in alike.values():
+                if len(indices) < 2:
+                    continue
+                subset = [members[i] for i in indices]
+                counters = steps if len(indices) == len(members) else steps[indices]
+                m1, m2 = (torch.cat([states[i][k].reshape(-1) for i in indices]) for k in ("exp_avg", "exp_avg_sq"))
+                start = 0
+                for j, i in enumerate(indices):
+                    s, n = states[i], members[i].numel()
+                    s["step"], s["exp_avg"], s["exp_avg_sq"] = counters[j], m1[start:start + n].view(
+                        members[i].shape), m2[start:start + n].view(members[i].shape)
+                    start += n
+                packed.append((subset, (counters, m1, m2)))
+            # every member's state objects as left here (packed or not): a replaced one misses the cache
+            cache[key] = (packed, [(s["step"], s["exp_avg"], s["exp_avg_sq"]) for s in states])
+            return packed
 
         def _groups(self, stepped: list) -> list[list]:
             """``stepped`` ((param group, parameter) pairs, in update order) cut into the groups one
