@@ -419,6 +419,39 @@ def test_a_tensor_that_missed_a_step_leaves_the_others_in_the_flat_call(monkeypa
     assert all(torch.equal(a, b) for a, b in zip(moments, other[1]))
 
 
+def _state_leaves(opt) -> list[torch.Tensor]:
+    """The plain tensors of ``opt``'s state (an 8-bit moment's codes, scales and map)."""
+    def leaves(t):
+        return [x for n in t.__tensor_flatten__()[0] for x in leaves(getattr(t, n))] if hasattr(
+            t, "__tensor_flatten__") else [t]
+    return [x for s in opt.state.values() for t in s.values() for x in leaves(t)]
+
+
+@needs_torchao
+@pytest.mark.parametrize("comes_back", [False, True])
+def test_a_tensor_out_of_the_flat_call_holds_no_more_memory_than_its_state(comes_back):
+    """A small tensor frozen after a step (no gradient again), or missing one step (its counter then
+    behind the others' for good), leaves the packed set: the others are packed anew, and the
+    storage the optimizer's state keeps alive is exactly its tensors' bytes, not also the old
+    packed tensors that the one left out still pointed into (a large tensor whose moments are not
+    8-bit, e.g. 50257 x 1600 word embeddings, would hold their size twice)."""
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+
+    torch.manual_seed(0)
+    ps = _bf16_params(REPEATED)
+    opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
+    out = [i for i, s in enumerate(REPEATED) if math.prod(s) < 4096][2]
+    for i in range(4):
+        for j, p in enumerate(ps):
+            gone = j == out and (i == 1 if comes_back else i >= 1)
+            p.grad = None if gone else (torch.randn(p.shape) * 1e-3).bfloat16()
+        opt.step()
+    leaves = _state_leaves(opt)
+    used = sum(t.numel() * t.element_size() for t in leaves)
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in leaves}
+    assert sum(held.values()) == used
+
+
 @needs_torchao
 def test_the_small_tensors_state_is_packed_and_a_loaded_state_continues_exactly():
     """After a step the small tensors' counters and moments are slices of one tensor each (the flat

@@ -605,6 +605,16 @@ def bf16_step_temporary_bytes(shapes) -> int:
     return max(FLAT_TEMPORARY_BYTES * sum(math.prod(shapes[i]) for i in flat), BF16_UPDATE_TEMPORARY_BYTES * largest)
 
 
+def _own_storage(state: dict) -> None:
+    """Give each plain tensor of a parameter's ``state`` that is a slice of a larger storage (the
+    flat call's packed tensors, or a loaded checkpoint's) a copy of its own, so that the larger one
+    is freed once nothing else points into it: a tensor that leaves the flat call's set would
+    otherwise keep the whole of its old packed counters and moments alive."""
+    for k, t in state.items():
+        if type(t) is torch.Tensor and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            state[k] = t.clone()
+
+
 @functools.cache
 def _bf16_class():
     """The subclass of ``torchao.optim.AdamW8bit`` that tightfit's step needs (built on first use,
@@ -699,11 +709,16 @@ def _bf16_class():
                 if (is_flat(p.numel()) and type(p.detach()) is torch.Tensor and p.is_contiguous()
                         and all(type(s[k]) is torch.Tensor and s[k].dtype == p.dtype for k in ("exp_avg", "exp_avg_sq"))):
                     sets.setdefault((id(group), p.device), (group, []))[1].append(p)
-            flat, cache = [], {}
+            flat, cache, old = [], {}, self.__dict__.get("_flat_cache", {})
             for group, members in sets.values():
                 for subset, packed in (self._packed(members, cache) if len(members) > 1 else ()):
                     flat.append((group, subset, packed))
             self.__dict__["_flat_cache"] = cache  # only the sets of this step: older buffers are let go
+            now = {id(p) for _, members, _ in cache.values() for p in members}
+            for _, members, _ in old.values():  # a tensor that left every set (frozen, no gradient now)
+                for p in members:
+                    if id(p) not in now and self.state.get(p):
+                        _own_storage(self.state[p])
             ids = {id(p) for _, members, _ in flat for p in members}
             return flat, [(g, p) for g, p in stepped if id(p) not in ids]
 
@@ -713,14 +728,15 @@ def _bf16_class():
             the subset's state laid end to end, 1-D tensors whose slices are each member's counter
             (0-d) and moments (of its shape), as the optimizer's ``state`` holds them. A tensor that
             missed a step keeps its counter behind the others' for good: it is left out (updated as
-            the others are, or with those behind alike), and the rest stays packed. Cut and packed on
+            the others are, or with those behind alike; a lone one's state copied out of the old
+            packed tensors, :func:`_own_storage`), and the rest stays packed. Cut and packed on
             the members' first step together, or when a state was replaced (``load_state_dict``) or
             the set changed, by copying (and one host sync to read the counters); kept in ``cache``,
             so that the steps in between read no counter: the subsets step together (every member
             has a gradient, one verdict), and their counters' differences stay as they were cut."""
             key = tuple(id(p) for p in members)
             hit = self.__dict__.get("_flat_cache", {}).get(key)
-            if hit is not None and all(self.state[p][k] is v for p, views in zip(members, hit[1])
+            if hit is not None and all(self.state[p][k] is v for p, views in zip(members, hit[2])
                                        for k, v in zip(("step", "exp_avg", "exp_avg_sq"), views)):
                 cache[key] = hit
                 return hit[0]
@@ -732,6 +748,7 @@ def _bf16_class():
             packed = []
             for indices in alike.values():
                 if len(indices) < 2:
+                    _own_storage(states[indices[0]])  # updated alone: the old packed tensors are let go
                     continue
                 subset = [members[i] for i in indices]
                 counters = steps if len(indices) == len(members) else steps[indices]
@@ -744,7 +761,7 @@ def _bf16_class():
                     start += n
                 packed.append((subset, (counters, m1, m2)))
             # every member's state objects as left here (packed or not): a replaced one misses the cache
-            cache[key] = (packed, [(s["step"], s["exp_avg"], s["exp_avg_sq"]) for s in states])
+            cache[key] = (packed, members, [(s["step"], s["exp_avg"], s["exp_avg_sq"]) for s in states])
             return packed
 
         def _groups(self, stepped: list) -> list[list]:
