@@ -453,6 +453,41 @@ def test_a_tensor_out_of_the_flat_call_holds_no_more_memory_than_its_state(comes
 
 
 @needs_torchao
+def test_an_oom_before_the_flat_call_writes_after_a_loaded_state_is_packed_is_redone(monkeypatch):
+    """The first step after ``load_state_dict`` (a resume) packs the loaded state anew: new tensors,
+    the loaded ones freed, whose ids Python then gives to the new ones. An OOM before anything is
+    written (in the flat call's concatenation) must read as nothing written
+    (:func:`tightfit.step.changed_since`, which the runtime asks before redoing the window), not as
+    a partial update because a new tensor (version 0) took the id of a loaded one (version 1)."""
+    import io
+
+    from tightfit.levers import optimizers
+    from tightfit.step import changed_since, in_place_versions
+
+    torch.manual_seed(0)
+    ps = _bf16_params(REPEATED)
+    opt = optimizers.adamw_8bit_bf16(ps, 1e-3, 0.01)
+    for p in ps:
+        p.grad = (torch.randn(p.shape) * 1e-3).bfloat16()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+
+    def oom(*a):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+
+    monkeypatch.setattr(optimizers, "_compiled_flat_update", lambda: oom)
+    for _ in range(5):
+        buffer.seek(0)
+        resumed = optimizers.adamw_8bit_bf16(ps, 1e-3, 0.01)
+        resumed.load_state_dict(torch.load(buffer, weights_only=True))
+        before = in_place_versions(resumed)
+        with pytest.raises(torch.OutOfMemoryError):
+            resumed.step()
+        assert not changed_since(resumed, before)
+
+
+@needs_torchao
 def test_the_small_tensors_state_is_packed_and_a_loaded_state_continues_exactly():
     """After a step the small tensors' counters and moments are slices of one tensor each (the flat
     call's); a state_dict saved and loaded (torch.save, weights_only) into an optimizer that has

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -553,8 +554,16 @@ def training_step(model: torch.nn.Module, micro_batches: Iterable[dict], loss_su
     return PendingStep(result=result) if defer else result
 
 
-def in_place_versions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """Version counter of every parameter and optimizer-state tensor, by ``id``. PyTorch bumps
+def _versioned_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    return tensors + [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+
+
+def in_place_versions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, weakref.ref]]:
+    """Version counter of every parameter and optimizer-state tensor, by ``id``, with a weak
+    reference to the tensor (``id`` alone is not enough: a state tensor replaced during the step,
+    as ``adamw8bit-bf16`` packs its small tensors' state anew after ``load_state_dict``, is freed
+    and its ``id`` given to a new tensor). PyTorch bumps
     a tensor's version at each in-place write (the counter autograd uses to detect modified
     saved tensors; ``Tensor._version``, present in every torch release tightfit supports), so
     comparing two snapshots tells whether a step that failed part-way changed anything. Every
@@ -564,12 +573,15 @@ def in_place_versions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     bumps the versions of the inputs it mutates before its kernels run, so a started update
     shows there too (also one that was skipped on the device: an OOM inside it stops training,
     where a redo would have been safe)."""
-    tensors = [p for g in optimizer.param_groups for p in g["params"]]
-    tensors += [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    return {id(t): t._version for t in tensors}
+    return {id(t): (t._version, weakref.ref(t)) for t in _versioned_tensors(optimizer)}
 
 
-def changed_since(optimizer: torch.optim.Optimizer, before: dict[int, int]) -> bool:
+def changed_since(optimizer: torch.optim.Optimizer, before: dict[int, tuple[int, weakref.ref]]) -> bool:
     """True if a parameter or state tensor was written in place since ``before`` (state created
-    since then counts from version 0: freshly zeroed state that was never updated is unchanged)."""
-    return any(v != before.get(k, 0) for k, v in in_place_versions(optimizer).items())
+    since then, under a new ``id`` or a freed tensor's, counts from version 0: freshly zeroed or
+    copied state that was never updated is unchanged)."""
+    for t in _versioned_tensors(optimizer):
+        version, ref = before.get(id(t), (0, None))
+        if t._version != (version if ref is not None and ref() is t else 0):
+            return True
+    return False
