@@ -281,6 +281,19 @@ def test_update_groups_cut_a_repeated_sequence_into_equal_groups():
         optimizers.GROUP_TENSORS = GROUP_TENSORS
 
 
+def test_the_flat_call_takes_the_small_tensors_only():
+    """Tensors under 4,096 elements go in the flat call (where there are two); a large one whose
+    moments are not 8-bit either (6,500 elements: not whole 256-blocks) keeps a call of its own,
+    not concatenated (its size again in temporaries), and the step's temporaries are then the
+    flat call's 4 B per small element."""
+    from tightfit.levers.optimizers import bf16_step_temporary_bytes, bf16_update_calls
+
+    shapes = [(8,), (100, 65), (4, 4), (64, 64)]
+    assert bf16_update_calls(shapes) == [[0, 2], [1], [3]]
+    assert bf16_update_calls([(8,), (64, 64)]) == [[0], [1]]  # one small tensor: no flat call
+    assert bf16_step_temporary_bytes([(8,), (100, 65), (4, 4)]) == 4 * (8 + 16)
+
+
 @needs_torchao
 def test_a_group_never_mixes_param_groups(monkeypatch):
     """Two param groups (one at lr 0) whose tensors would repeat across the boundary: the tensors
@@ -433,8 +446,7 @@ def test_a_tensor_out_of_the_flat_call_holds_no_more_memory_than_its_state(comes
     """A small tensor frozen after a step (no gradient again), or missing one step (its counter then
     behind the others' for good), leaves the packed set: the others are packed anew, and the
     storage the optimizer's state keeps alive is exactly its tensors' bytes, not also the old
-    packed tensors that the one left out still pointed into (a large tensor whose moments are not
-    8-bit, e.g. 50257 x 1600 word embeddings, would hold their size twice)."""
+    packed tensors that the one left out still pointed into."""
     from tightfit.levers.optimizers import adamw_8bit_bf16
 
     torch.manual_seed(0)

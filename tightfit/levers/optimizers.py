@@ -476,9 +476,8 @@ def _compiled_group_update():
 
 @functools.cache
 def _compiled_flat_update():
-    """:func:`_compiled_update` over many tensors whose moments are plain (not 8-bit: fewer than
-    4,096 elements, :func:`is_quantized_torchao`), laid end to end: one compiled call on one
-    tensor. Called as ``update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, lr, beta1,
+    """:func:`_compiled_update` over many small tensors (fewer than 4,096 elements, :func:`is_flat`:
+    their moments are plain bf16, not 8-bit), laid end to end: one compiled call on one tensor. Called as ``update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, lr, beta1,
     beta2, weight_decay, eps, is_adamw, stochastic_round)``: ``params`` the weights (detached),
     ``grads`` their gradients, ``steps`` the fp32 vector of their ``step`` counters (all equal:
     the set always steps together, :meth:`AdamW8bitBf16._packed`), ``exp_avg``/``exp_avg_sq``
@@ -525,8 +524,11 @@ FLAT_TEMPORARY_BYTES = 4
 
 def is_flat(numel: int) -> bool:
     """Whether ``adamw8bit-bf16`` updates a tensor of ``numel`` elements in its flat call
-    (:func:`_compiled_flat_update`): its moments are not 8-bit."""
-    return FLAT_SMALL_TENSORS and not is_quantized_torchao(numel)
+    (:func:`_compiled_flat_update`): a small one, under 4,096 elements (its moments are not 8-bit).
+    A large tensor whose moments are not 8-bit either (not a whole number of 256-element blocks,
+    e.g. GPT-2's 50257 x 768 word embeddings) keeps a call of its own: concatenated, it would cost
+    its size again in temporaries for a launch saved."""
+    return FLAT_SMALL_TENSORS and numel < QUANTIZED_MIN_NUMEL
 
 
 # A group of the 8-bit bf16 update holds at most this many tensors, and a repeat of fewer tensors is
@@ -577,8 +579,8 @@ def update_signature(shape) -> tuple:
 def bf16_update_calls(shapes) -> list[list[int]]:
     """Indices into ``shapes`` (the trained tensors of one param group and device, in the order of
     ``model.parameters()``) of each compiled call of ``adamw8bit-bf16``'s step, for the estimator
-    and the time model: the flat call over every tensor whose moments are not 8-bit, where there
-    are at least two (:func:`is_flat`, :func:`_compiled_flat_update`), then the groups of the
+    and the time model: the flat call over every small tensor (:func:`is_flat`), where there
+    are at least two (:func:`_compiled_flat_update`), then the groups of the
     others (:func:`update_groups` of their :func:`update_signature`)."""
     shapes = [tuple(s) for s in shapes]
     flat = [i for i, s in enumerate(shapes) if is_flat(math.prod(s))]
@@ -700,7 +702,7 @@ def _bf16_class():
         def _flat_sets(self, stepped: list) -> tuple[list, list]:
             """``stepped`` ((param group, parameter) pairs) split into the sets updated by one flat
             call each (:func:`_compiled_flat_update`: at least two plain bf16 tensors of one param
-            group and device whose moments are not 8-bit, :func:`is_flat`, and whose counters agree),
+            group and device, :func:`is_flat`, whose counters agree),
             as ``(group, members, (steps, exp_avg, exp_avg_sq))`` with their state packed
             (:meth:`_packed`), and the other pairs, in order."""
             sets = {}
