@@ -184,3 +184,32 @@ def test_a_json_file_written_with_indent_is_told_apart_from_broken_json(tmp_path
     (tmp_path / "broken.jsonl").write_text(json.dumps(rows[0]) + '\n{"text": "a" "label": "b"}\n' + json.dumps(rows[1]))
     with pytest.raises(TightfitError, match=r"line 2 is not valid JSON \(Expecting ',' delimiter\)$"):
         load_text_classification(tmp_path / "broken.jsonl")
+
+
+def test_blank_lines_before_a_csv_header_are_skipped_as_blank_lines_between_records_are(tmp_path):
+    """A CSV or TSV beginning with a blank line (a file written with a leading newline; pandas reads it)
+    was refused as "record 1 has 2 fields, the header has 0": the blank line was taken for the
+    header. Blank lines between records were already skipped; those before the header are too, and
+    a file of blank lines only is empty."""
+    import pytest
+
+    from tightfit.errors import TightfitError
+
+    rows = "".join(f"review {i},{'ab'[i % 2]}\n" for i in range(30))
+    for name, content in (("lead.csv", "\n\ntext,label\n" + rows), ("lead.tsv", "\r\ntext\tlabel\r\n" +
+                                                                     rows.replace(",", "\t").replace("\n", "\r\n"))):
+        (tmp_path / name).write_text(content, newline="")
+        data = load_text_classification(tmp_path / name)
+        assert (len(data), data.label_names, data.texts[1]) == (30, ["a", "b"], "review 1"), name
+    (tmp_path / "late.csv").write_text("\n\ntext,label\n" + rows.replace("review 3,", "review 3,a,"))
+    with pytest.raises(TightfitError, match="record 4 has 3 fields, the header has 2$"):
+        load_text_classification(tmp_path / "late.csv")
+    (tmp_path / "open.csv").write_text('\ntext,label\nreview 0,a\n"review 1,b\n')
+    with pytest.raises(TightfitError, match=r"malformed CSV at record 2, from line 4 \(a quote opened"):
+        load_text_classification(tmp_path / "open.csv")
+    (tmp_path / "blank.csv").write_text("\n\n\n")
+    with pytest.raises(TightfitError, match="blank.csv: empty file$"):
+        load_text_classification(tmp_path / "blank.csv")
+    (tmp_path / "header.csv").write_text('\n\n"text,label\nreview 0,a\n')
+    with pytest.raises(TightfitError, match=r"malformed CSV at the header, from line 3 \(a quote opened"):
+        load_text_classification(tmp_path / "header.csv")

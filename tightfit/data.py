@@ -213,15 +213,17 @@ def _read_rows(path: Path) -> list[dict]:
         # TSV has no quoting: a quote is the text's own character (else an unpaired one merges rows)
         quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
         reader = csv.DictReader(io.StringIO(text), delimiter=delimiter, strict=True, quoting=quoting)
-        rows, start = [], 1  # the line where the record being read starts (1: the header)
-        reader.fieldnames  # noqa: B018 - reads the header, which may itself be malformed
-        start = reader.line_num + 1
+        rows, start, header = [], 1, True  # the line where the record being read starts; whether it is the header
+        while reader.fieldnames == []:  # blank lines before the header: skipped, as between records
+            start = reader.line_num + 1
+            reader.fieldnames = next(reader.reader, None)  # the header, which may itself be malformed
+        start, header = reader.line_num + 1, False
         for row in reader:
             rows.append(row)
             start = reader.line_num + 1
     except csv.Error as e:
         opened = " (a quote opened there and never closed)" if "end of data" in str(e) else ""
-        at = f"record {len(rows) + 1}, from line {start}" if start > 1 else "the header, from line 1"
+        at = f"the header, from line {start}" if header else f"record {len(rows) + 1}, from line {start}"
         raise TightfitError(f"{path}: malformed {'TSV' if delimiter == chr(9) else 'CSV'} at {at}{opened}: {e}") from None
     finally:
         csv.field_size_limit(limit)
