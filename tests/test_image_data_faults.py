@@ -529,3 +529,18 @@ def test_a_file_that_cannot_be_read_keeps_its_name_in_the_error(tmp_path):
     with pytest.raises(TightfitError) as info:
         _check_image(folder)
     assert str(info.value).count("a None.png") == 2, str(info.value)  # the path, and the OSError's own text
+
+
+def test_a_jsonl_nan_in_an_image_list_is_blank_not_a_class(tmp_path):
+    """An image list's JSON Lines label NaN (json.dumps of a float('nan'): a missing label) became a
+    class 'nan' of those images; a text list's NaN label is blank. It is skipped as blank, as null is,
+    and a path NaN too (it was looked for as the file 'nan')."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(30):
+        Image.fromarray((rng.random((8, 8, 3)) * 255).astype(np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append(json.dumps({"path": f"{i}.png", "label": "ab"[i % 2] if i % 7 else float("nan")}))
+    rows.append(json.dumps({"path": float("nan"), "label": "a"}))
+    (tmp_path / "list.jsonl").write_text("\n".join(rows) + "\n")
+    data = load_image_classification(str(tmp_path / "list.jsonl"))
+    assert (data.label_names, len(data), data.skipped_blank) == (["a", "b"], 25, 6)

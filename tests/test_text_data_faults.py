@@ -213,3 +213,14 @@ def test_blank_lines_before_a_csv_header_are_skipped_as_blank_lines_between_reco
     (tmp_path / "header.csv").write_text('\n\n"text,label\nreview 0,a\n')
     with pytest.raises(TightfitError, match=r"malformed CSV at the header, from line 3 \(a quote opened"):
         load_text_classification(tmp_path / "header.csv")
+
+
+def test_a_jsonl_nan_is_blank_in_the_text_column_as_in_the_label_column(tmp_path):
+    """JSON Lines NaN (json.dumps of a float('nan'): a missing value of a table) was a blank label
+    but a text: the row trained as the review 'nan'. It is skipped as blank, as null is."""
+    rows = [json.dumps({"text": f"review {i}", "label": "ab"[i % 2]}) for i in range(30)]
+    rows[4] = '{"text": NaN, "label": "a"}'
+    rows[5] = '{"text": null, "label": "b"}'
+    (tmp_path / "nan.jsonl").write_text("\n".join(rows) + "\n")
+    data = load_text_classification(tmp_path / "nan.jsonl")
+    assert (len(data), data.skipped_blank, "nan" in data.texts) == (28, 2, False)

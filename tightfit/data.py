@@ -386,9 +386,8 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
                 raise TightfitError(f"{path}: {kind} column {col!r} holds a {type(r[col]).__name__} ({shown}) "
                                     f"in row {n}; {rule}")
         value = r[label_column]
-        not_a_number = isinstance(value, float) and math.isnan(value)  # JSON's NaN: no class, as null
-        label = "" if value is None or not_a_number else str(value).strip()
-        text = "" if r[text_column] is None else str(r[text_column])
+        label = "" if _missing(value) else str(value).strip()
+        text = "" if _missing(r[text_column]) else str(r[text_column])
         if label in drop_labels:
             continue
         if not label or not text.strip():  # a blank label is no class; a blank text no sample
@@ -423,6 +422,11 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         raise TightfitError(f"{path}: column {label_column!r} has {len(names)} class(es); need at least 2")
     index = {name: i for i, name in enumerate(names)}
     return TextClassificationData(texts, [index[x] for x in raw], names, str(path), skipped_blank=blank)
+
+
+def _missing(value) -> bool:
+    """Whether a cell holds no value: JSON Lines null, or NaN (no class, and no text: not the word 'nan')."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _note_texts_that_are_numbers(path: Path, column: str, texts: list[str]) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import _check_numbers_written_once, _is_int, _read_rows, majority_fraction
+from .data import _check_numbers_written_once, _is_int, _missing, _read_rows, majority_fraction
 from .config import option_given, option_name
 from .errors import TightfitError
 from .units import count_of
@@ -367,14 +367,14 @@ def _load_folder(root: Path) -> ImageClassificationData:
 
 
 def _cell(path: Path, n: int, row: dict, column: str) -> str:
-    """Row ``n``'s value of ``column`` as text: "" (blank) only when missing, null (JSONL) or empty --
-    a JSONL number 0 is the label (or path) ``"0"``.
+    """Row ``n``'s value of ``column`` as text: "" (blank) only when missing, null or NaN (JSONL) or
+    empty -- a JSONL number 0 is the label (or path) ``"0"``.
 
     Raises:
         TightfitError: a JSONL list or object (``str()`` would make ``"['a']"`` a class or a path).
     """
     value = row.get(column)
-    if value is None:
+    if _missing(value):  # NaN too: a text list's NaN label is blank, not a class 'nan'
         return ""
     if isinstance(value, (list, dict)):
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
