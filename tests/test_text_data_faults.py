@@ -224,3 +224,33 @@ def test_a_jsonl_nan_is_blank_in_the_text_column_as_in_the_label_column(tmp_path
     (tmp_path / "nan.jsonl").write_text("\n".join(rows) + "\n")
     data = load_text_classification(tmp_path / "nan.jsonl")
     assert (len(data), data.skipped_blank, "nan" in data.texts) == (28, 2, False)
+
+
+def test_a_jsonl_line_python_cannot_hold_is_one_line_not_a_traceback(tmp_path, capsys):
+    """An integer of more than 4,300 digits (Python's limit on reading one) or arrays nested
+    deeper than Python's recursion limit: json.loads raised ValueError or RecursionError, not the
+    JSONDecodeError the reader caught, and `tightfit train` ended in a traceback."""
+    import pytest
+
+    from conftest import tiny_cpu_job
+    from tightfit.cli import main
+    from tightfit.errors import TightfitError
+
+    rows = [json.dumps({"text": f"review {i}", "label": "ab"[i % 2]}) for i in range(30)]
+    for name, line, why in (("digits.jsonl", '{"text": 1' + "0" * 5000 + ', "label": "a"}',
+                             r"line 4 holds an integer of more than \d+ digits"),
+                            ("deep.jsonl", '{"text": "x", "label": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                             "line 4 nests arrays or objects too deeply")):
+        (tmp_path / name).write_text("\n".join(rows[:3] + [line] + rows[3:]) + "\n")
+        with pytest.raises(TightfitError, match=why):
+            load_text_classification(tmp_path / name)
+    (tmp_path / "indented.json").write_text('[\n  {"text": 1' + "0" * 5000 + ', "label": "a"}\n]\n')
+    with pytest.raises(TightfitError, match=r"line 1 (is not valid JSON|begins a JSON array)"):
+        load_text_classification(tmp_path / "indented.json")
+    job = tiny_cpu_job(tmp_path)
+    out = tmp_path / "run"
+    assert main(["train", "--model", job["model"], "--data", str(tmp_path / "digits.jsonl"), "--device", "cpu",
+                 "--no-progress", "--out", str(out)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tightfit: error:")]
+    assert len(errors) == 1 and "digits" in errors[0]
+    assert not out.exists()

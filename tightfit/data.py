@@ -192,6 +192,8 @@ def _read_rows(path: Path) -> list[dict]:
                         spread = _spread_document(line + rest, cut=len(rest) == SPREAD_READ_CHARS)
                         raise TightfitError(f"{path}: line {n} {spread}" if spread else
                                             f"{path}: line {n} is not valid JSON ({e.msg})") from None
+                    except (ValueError, RecursionError) as e:  # valid JSON that Python cannot hold
+                        raise TightfitError(f"{path}: line {n} {_too_large(e)}") from None
                     if not isinstance(row, dict):
                         raise TightfitError(f"{path}: line {n} is not a JSON object (JSON Lines: one object per "
                                             f"line, e.g. {{\"text\": \"...\", \"label\": \"pos\"}})")
@@ -256,7 +258,9 @@ def _spread_document(text: str, cut: bool = False) -> str | None:
     stripped = text.lstrip()
     try:
         document, end = json.JSONDecoder().raw_decode(stripped)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:
+        if not isinstance(e, json.JSONDecodeError):  # valid, but not held (_too_large): said of the line
+            return None
         # cut short: valid up to the last few KiB read (where the cut fell), a document too long to read whole
         if not (cut and stripped[:1] in "[{" and e.pos > len(stripped) - 2**12):
             return None
@@ -269,6 +273,17 @@ def _spread_document(text: str, cut: bool = False) -> str | None:
     return (f"begins a JSON {kind} written over {lines} lines: JSON "
             f"Lines holds one object per line, e.g. {{\"text\": \"...\", \"label\": \"pos\"}} (json.dumps(row) "
             "without indent, one line per sample)")
+
+
+def _too_large(error: ValueError | RecursionError) -> str:
+    """Why ``json.loads`` raised ``error`` (not a JSONDecodeError) on a line of valid JSON: an
+    integer of more digits than Python reads (``sys.get_int_max_str_digits()``), or nesting
+    deeper than its recursion limit."""
+    if isinstance(error, RecursionError):
+        return "nests arrays or objects too deeply to be read (one sample per line, of strings and numbers)"
+    import sys
+
+    return f"holds an integer of more than {sys.get_int_max_str_digits()} digits, more than Python reads; write it as a string"
 
 
 def _one_value_per_key(path: Path, line: int, pairs: list) -> dict:
