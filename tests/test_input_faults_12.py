@@ -285,3 +285,22 @@ def test_labels_that_are_no_class_ids_are_refused_when_the_workload_is_made(labe
                  collate_fn=collate_as("pixel_values", "labels"))
     Workload(torch.nn.Linear(8, 3), TensorDataset(x, y), None, 2, task=ImageClassification(),
              collate_fn=collate_as("pixel_values", "labels"))  # class ids: made
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8])
+def test_class_ids_of_a_narrower_integer_type_are_refused_when_the_workload_is_made(dtype):
+    """int32 labels (torch.from_numpy of a numpy int32 array) passed the check, which took any
+    integer type, and failed in cross-entropy at the first step of fit() as torch's RuntimeError
+    ("expected target dtype to be Long or Byte, but got Int"). uint8, which cross-entropy takes, is kept."""
+    from torch.utils.data import TensorDataset
+
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import collate_as
+
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(TightfitError, match=re.escape(f"int64 [B]; the batches' are {name} [B] (e.g. labels.long()")):
+        Workload(torch.nn.Linear(8, 3), TensorDataset(x, y.to(dtype)), None, 2, task=ImageClassification(),
+                 collate_fn=collate_as("pixel_values", "labels"))
+    Workload(torch.nn.Linear(8, 3), TensorDataset(x, y.to(torch.uint8)), None, 2, task=ImageClassification(),
+             collate_fn=collate_as("pixel_values", "labels"))  # cross-entropy takes Byte class ids

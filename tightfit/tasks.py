@@ -181,8 +181,8 @@ class SequenceClassification:
         return count_samples(batch)
 
     def check_batch(self, batch: Batch) -> None:
-        """Refuse a batch whose ``labels`` are not class ids ``[B]`` of an integer type (float or
-        ``[B, 1]`` labels failed in cross-entropy at the run's first step).
+        """Refuse a batch whose ``labels`` are not class ids ``[B]`` of a type cross-entropy takes,
+        int64 or uint8 (float, int32 or ``[B, 1]`` labels failed in cross-entropy at the run's first step).
 
         Raises:
             TightfitError: one line with the labels' dtype and shape and the fix.
@@ -190,7 +190,7 @@ class SequenceClassification:
         labels = batch.get("labels") if isinstance(batch, dict) else None
         if not torch.is_tensor(labels):
             raise TightfitError(f"{type(self).__name__}: the batches have no 'labels' tensor (class ids, int64 [B])")
-        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool or labels.dim() != 1:
+        if labels.dtype not in (torch.int64, torch.uint8) or labels.dim() != 1:  # int32: "expected ... Long or Byte"
             fix = "labels.squeeze(1)" if labels.dim() == 2 and labels.shape[1] == 1 else "labels.long()"
             shape = ", ".join(["B", *map(str, labels.shape[1:])]) if labels.dim() else ""  # checked on a sample or two
             raise TightfitError(f"{type(self).__name__}: labels must be class ids, int64 [B]; the batches' are "
