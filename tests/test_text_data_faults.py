@@ -254,3 +254,16 @@ def test_a_jsonl_line_python_cannot_hold_is_one_line_not_a_traceback(tmp_path, c
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tightfit: error:")]
     assert len(errors) == 1 and "digits" in errors[0]
     assert not out.exists()
+
+
+def test_a_classic_mac_csv_with_a_line_break_inside_a_cell_loads(tmp_path):
+    """Excel's "CSV (Macintosh)" ends rows with a CR alone and writes a line break typed in a cell
+    (Alt+Enter) as a LF inside the quoted text: with one LF in the file it was no longer taken for
+    CR-ended, and was refused as 'malformed CSV at the header ... open the file in
+    universal-newline mode?'. Rows end at a CR, a LF or a CRLF; quoted texts keep their breaks."""
+    rows = "".join(f"review {i},{'ab'[i % 2]}\r" for i in range(30))
+    (tmp_path / "mac.csv").write_bytes(('text,label\r"first line\nsecond line",b\r' + rows).encode())
+    data = load_text_classification(tmp_path / "mac.csv")
+    assert (len(data), data.texts[:2], data.label_names) == (31, ["first line\nsecond line", "review 0"], ["a", "b"])
+    (tmp_path / "cr.csv").write_bytes(('text,label\n"kept\rwhole",b\n' + rows.replace("\r", "\r\n")).encode())
+    assert load_text_classification(tmp_path / "cr.csv").texts[:2] == ["kept\rwhole", "review 0"]

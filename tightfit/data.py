@@ -214,7 +214,9 @@ def _read_rows(path: Path) -> list[dict]:
         csv.field_size_limit(max(limit, 2**31 - 1))  # huge fields load; texts are cut to MAX_TEXT_CHARS
         # TSV has no quoting: a quote is the text's own character (else an unpaired one merges rows)
         quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-        reader = csv.DictReader(io.StringIO(text), delimiter=delimiter, strict=True, quoting=quoting)
+        # newline="": rows end at a CR, a LF or a CRLF (Excel's "CSV (Macintosh)" ends rows with a CR and a
+        # break typed in a cell with a LF), and quoted texts keep theirs, as csv wants a file opened
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True, quoting=quoting)
         rows, start, header = [], 1, True  # the line where the record being read starts; whether it is the header
         while reader.fieldnames == []:  # blank lines before the header: skipped, as between records
             start = reader.line_num + 1
