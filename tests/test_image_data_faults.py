@@ -544,3 +544,20 @@ def test_a_jsonl_nan_in_an_image_list_is_blank_not_a_class(tmp_path):
     (tmp_path / "list.jsonl").write_text("\n".join(rows) + "\n")
     data = load_image_classification(str(tmp_path / "list.jsonl"))
     assert (data.label_names, len(data), data.skipped_blank) == (["a", "b"], 25, 6)
+
+
+def test_a_digits_file_cut_short_or_damaged_is_one_line(tmp_path, monkeypatch):
+    """TIGHTFIT_DIGITS naming a digits.csv.gz cut short (a copy stopped midway) ended in gzip's
+    EOFError traceback, one damaged inside its compressed data in zlib.error: neither is an OSError."""
+    import gzip
+
+    from tightfit.images import load_digits
+
+    raw = gzip.compress("\n".join(",".join(["0"] * 64 + [str(i % 10)]) for i in range(2000)).encode())
+    damaged = bytearray(raw)
+    damaged[20:60] = bytes(b ^ 0x55 for b in damaged[20:60])
+    for name, content in (("cut.csv.gz", raw[:len(raw) // 2]), ("damaged.csv.gz", bytes(damaged))):
+        (tmp_path / name).write_bytes(content)
+        monkeypatch.setenv("TIGHTFIT_DIGITS", str(tmp_path / name))
+        with pytest.raises(TightfitError, match=f"TIGHTFIT_DIGITS=.*{name}: cannot read"):
+            load_digits()

@@ -267,3 +267,32 @@ def test_a_classic_mac_csv_with_a_line_break_inside_a_cell_loads(tmp_path):
     assert (len(data), data.texts[:2], data.label_names) == (31, ["first line\nsecond line", "review 0"], ["a", "b"])
     (tmp_path / "cr.csv").write_bytes(('text,label\n"kept\rwhole",b\n' + rows.replace("\r", "\r\n")).encode())
     assert load_text_classification(tmp_path / "cr.csv").texts[:2] == ["kept\rwhole", "review 0"]
+
+
+def test_a_gzip_file_whose_compressed_data_is_damaged_is_one_line(tmp_path, capsys):
+    """A .gz data file damaged inside its compressed data (a download cut and resumed wrongly, a bad
+    disk): gzip raised zlib.error, which is no OSError, and `tightfit train` ended in a traceback
+    ("Error -3 while decompressing data")."""
+    import gzip
+
+    import pytest
+
+    from conftest import tiny_cpu_job
+    from tightfit.cli import main
+    from tightfit.errors import TightfitError
+
+    rows = "".join(f"review number {i} of a film,{'ab'[i % 2]}\n" for i in range(3000))
+    lines = "".join(json.dumps({"text": f"review number {i} of a film", "label": "ab"[i % 2]}) + "\n" for i in range(3000))
+    for name, content in (("bad.csv.gz", "text,label\n" + rows), ("bad.jsonl.gz", lines)):
+        damaged = bytearray(gzip.compress(content.encode()))
+        damaged[200:400] = bytes(b ^ 0x55 for b in damaged[200:400])
+        (tmp_path / name).write_bytes(bytes(damaged))
+        with pytest.raises(TightfitError, match=f"{name}: cannot read \\(damaged compressed data: Error -3"):
+            load_text_classification(tmp_path / name)
+    job = tiny_cpu_job(tmp_path)
+    out = tmp_path / "run"
+    assert main(["train", "--model", job["model"], "--data", str(tmp_path / "bad.csv.gz"), "--device", "cpu",
+                 "--no-progress", "--out", str(out)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tightfit: error:")]
+    assert len(errors) == 1 and "damaged compressed data" in errors[0]
+    assert not out.exists()

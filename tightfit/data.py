@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def _undecodable(path: Path, error: UnicodeDecodeError) -> tuple[str, int]:
                         return e.reason, done + e.start
                 if not chunk:
                     break
-    except (OSError, EOFError):
+    except (OSError, EOFError, zlib.error):
         pass
     return error.reason, error.start
 
@@ -206,6 +207,8 @@ def _read_rows(path: Path) -> list[dict]:
                             ".csv, .tsv or .jsonl, uncompressed or as .gz/.bz2 (the file name's ending says which)") from None
     except (OSError, EOFError) as e:
         raise TightfitError(f"{path}: cannot read ({e})") from None
+    except zlib.error as e:  # gzip's error for damaged deflate data (no OSError)
+        raise TightfitError(f"{path}: cannot read (damaged compressed data: {e})") from None
     if "\r" in text and "\n" not in text:  # classic Mac line ends (Excel's "CSV (Macintosh)")
         text = text.replace("\r", "\n")
     delimiter = "\t" if kind == ".tsv" else ","

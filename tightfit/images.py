@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import stat
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,7 +215,7 @@ def load_digits() -> ImageClassificationData:
         try:
             with gzip.open(env, "rt") if env.endswith(".gz") else open(env) as f:
                 table = np.loadtxt(f, delimiter=",")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EOFError, zlib.error) as e:  # gzip's for a file cut short or damaged
             raise TightfitError(f"TIGHTFIT_DIGITS={env}: cannot read ({e})") from None
         pixels, target = table[:, :-1], table[:, -1].astype(int)
     elif importlib.util.find_spec("sklearn") is not None:
