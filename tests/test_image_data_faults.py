@@ -561,3 +561,23 @@ def test_a_digits_file_cut_short_or_damaged_is_one_line(tmp_path, monkeypatch):
         monkeypatch.setenv("TIGHTFIT_DIGITS", str(tmp_path / name))
         with pytest.raises(TightfitError, match=f"TIGHTFIT_DIGITS=.*{name}: cannot read"):
             load_digits()
+
+
+def test_a_folder_linked_twice_in_a_class_is_listed_alike_whatever_order_the_filesystem_lists(tmp_path, monkeypatch):
+    """A class's subfolder reached twice (``real/`` and a link ``alias -> real``) is entered once,
+    under the name met first: that was the name the filesystem listed last (its own order, which a
+    copy of the data onto another disk changes), so the images' paths, the fingerprint a resume and an
+    export compare, and their order in the split could change with it. The folders are walked by name."""
+    from pathlib import Path
+
+    root = _folder(tmp_path / "data")
+    (root / "a" / "real").mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((8, 8, 3), 200 + i, np.uint8)).save(root / "a" / "real" / f"x{i}.png")
+    os.symlink("real", root / "a" / "alias")
+    listed = Path.iterdir
+    first = load_image_classification(str(root))
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(sorted(listed(self), reverse=True)))
+    second = load_image_classification(str(root))
+    assert first.images == second.images and first.fingerprint() == second.fingerprint()
+    assert len(first) == 23

@@ -300,14 +300,15 @@ def _paths_under(folder: Path) -> list[Path]:
     """Every path under ``folder``, as ``folder.rglob("*")`` lists them, and those inside linked
     folders too: ``rglob`` does not enter a link to a folder, so the images of a class's linked
     subfolder were left out without a word. A folder reached twice (a link to a folder already
-    listed, or up to its own parent) is entered once."""
+    listed, or up to its own parent) is entered once, under the name the walk meets first: folders
+    are walked by name, not in the filesystem's own order (which a copy onto another disk changes)."""
     seen, paths, todo = set(), [], [folder]
     while todo:
         d = todo.pop()
         if os.path.realpath(d) in seen:
             continue
         seen.add(os.path.realpath(d))
-        for p in d.iterdir():
+        for p in sorted(d.iterdir()):
             paths.append(p)
             if p.is_dir():
                 todo.append(p)
