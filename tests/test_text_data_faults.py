@@ -296,3 +296,24 @@ def test_a_gzip_file_whose_compressed_data_is_damaged_is_one_line(tmp_path, caps
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tightfit: error:")]
     assert len(errors) == 1 and "damaged compressed data" in errors[0]
     assert not out.exists()
+
+
+def test_a_column_name_holding_an_invisible_character_is_shown_escaped(tmp_path):
+    """A header whose 'text' carries an invisible character (a second byte order mark, from a tool
+    that added one to a file that had one; a zero-width space pasted into a spreadsheet) was refused
+    as "no column 'text'; columns are: label, text": the list showed the very name asked for. It is
+    shown quoted and escaped, as a name with spaces around it is; an image list's columns too."""
+    import pytest
+
+    from tightfit.errors import TightfitError
+    from tightfit.images import load_image_classification
+
+    rows = "".join(f"review {i},{i % 2}\n" for i in range(10))
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + ("\ufefftext,label\n" + rows).encode())
+    (tmp_path / "zw.csv").write_text("text\u200b,label\n" + rows)
+    for name, shown in (("bom.csv", r"'\\ufefftext'"), ("zw.csv", r"'text\\u200b'")):
+        with pytest.raises(TightfitError, match=f"no column 'text' \\(text_column\\); columns are: {shown}, label$"):
+            load_text_classification(tmp_path / name)
+    (tmp_path / "images.csv").write_text("path\u200b,label\nx.png,a\n")
+    with pytest.raises(TightfitError, match=r"no column 'path' \(image_column\); columns are: 'path\\u200b', label$"):
+        load_image_classification(str(tmp_path / "images.csv"))

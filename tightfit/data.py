@@ -342,10 +342,11 @@ def _check_merged_records(path: Path, rows: list[dict], columns: list[str], deli
 
 def _shown_column(name) -> str:
     """A column name for a list of them: quoted when spaces begin or end it (``' label'`` is not
-    ``label``), a tab shown as ``<TAB>``."""
+    ``label``) or it holds a character not shown (a second byte order mark, a zero-width space: quoted,
+    escaped), a tab shown as ``<TAB>``."""
     name = str(name)
     shown = name.replace("\t", "<TAB>")
-    return repr(shown) if name != name.strip() else shown
+    return repr(shown) if name != name.strip() or not shown.isprintable() else shown
 
 
 def _delimiter_hint(path: Path, columns: set) -> str:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import _check_numbers_written_once, _is_int, _missing, _read_rows, majority_fraction
+from .data import _check_numbers_written_once, _is_int, _missing, _read_rows, _shown_column, majority_fraction
 from .config import option_given, option_name
 from .errors import TightfitError
 from .units import count_of
@@ -395,7 +395,7 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
     for col, option in ((image_column, "image_column"), (label_column, "label_column")):
         if col not in columns:  # the option as its user named it (--image-column, or image_column=)
             raise TightfitError(f"{path}: no column {col!r} ({option_name(option)}); columns are: "
-                                f"{', '.join(sorted(map(str, columns)))}")
+                                f"{', '.join(sorted(_shown_column(c) for c in columns))}")
     paths, labels, blank = [], [], 0
     for n, r in enumerate(rows, 1):
         file, label = _cell(path, n, r, image_column), _cell(path, n, r, label_column)
