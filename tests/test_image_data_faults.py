@@ -581,3 +581,27 @@ def test_a_folder_linked_twice_in_a_class_is_listed_alike_whatever_order_the_fil
     second = load_image_classification(str(root))
     assert first.images == second.images and first.fingerprint() == second.fingerprint()
     assert len(first) == 23
+
+
+def test_an_image_list_given_through_a_link_resumes_and_exports_reading_the_images_it_trained_on(tmp_path, capsys):
+    """photos/list.csv, a link to a list kept elsewhere, names images relative to photos/ (where the
+    run read them); request.json recorded the link resolved (lists/list.csv), so --resume and export
+    looked for the images beside that file: 'the run's data cannot be read (... image not found)'.
+    The data path is recorded absolute, not resolved."""
+    photos, lists = tmp_path / "photos", tmp_path / "lists"
+    photos.mkdir()
+    lists.mkdir()
+    rows = ["path,label"]
+    for i in range(30):
+        Image.fromarray(np.full((8, 8), 8 * i, dtype=np.uint8)).save(photos / f"{i}.png")
+        rows.append(f"{i}.png,{'ab'[i % 2]}")
+    (lists / "list.csv").write_text("\n".join(rows) + "\n")
+    os.symlink(lists / "list.csv", photos / "list.csv")
+    folder, out = _resnet_folder(tmp_path / "m", labels=("a", "b")), tmp_path / "run"
+    assert main(["train", "--data", str(photos / "list.csv"), "--model", str(folder), "--image-size", "8",
+                 "--max-steps", "1", "--batch-size", "8", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    assert json.loads((out / "request.json").read_text())["data"] == str(photos / "list.csv")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    assert "already finished at step 1" in capsys.readouterr().out
+    assert main(["export", "--int8", str(out), "--out", str(tmp_path / "int8")]) == 0

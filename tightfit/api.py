@@ -1122,6 +1122,8 @@ def _same_option(key: str, saved, given, resolved: dict | None = None) -> bool:
         from .models import DEFAULT_MODEL_NAME
 
         return {saved, given} <= {None, DEFAULT_MODEL_NAME}
+    if key == "data" and isinstance(saved, str) and isinstance(given, str) and os.path.exists(given):
+        return Path(saved).resolve() == Path(given).resolve()  # runs recorded before --data kept its links
     try:
         if key == "budget" and saved is not None and given is not None:
             from .units import parse_budget
@@ -1154,14 +1156,17 @@ def _request_record(req: TrainRequest) -> dict:
     """The request as written to ``request.json`` (what ``--resume`` starts from): the flat
     ``{option: value}`` dict of :meth:`TrainRequest.to_flat`, less ``progress`` and ``resume``.
     A ``--model`` folder and a ``--data`` file or folder are written as absolute paths, so that
-    ``--resume`` finds them from any working directory; names (``bert-base``, ``digits``) stay."""
+    ``--resume`` finds them from any working directory; names (``bert-base``, ``digits``) stay.
+    ``--data`` keeps its links (not resolved): a list of images given through a link names them
+    relative to the link's folder, where the run read them, not to the folder of the file it points to."""
     from .images import DIGITS
     from .models import REGISTRY
 
     record = {k: v for k, v in req.to_flat().items() if k not in ("progress", "resume", "given")}
     for key, names in (("model", REGISTRY), ("data", (DIGITS,))):
         if record.get(key) and record[key] not in names and Path(record[key]).exists():
-            record[key] = str(Path(record[key]).resolve())
+            path = Path(record[key])
+            record[key] = str(path.absolute() if key == "data" else path.resolve())
     return record
 
 
