@@ -281,6 +281,27 @@ def test_update_groups_cut_a_repeated_sequence_into_equal_groups():
         optimizers.GROUP_TENSORS = GROUP_TENSORS
 
 
+@needs_torchao
+def test_the_flat_call_compiles_once_for_sets_of_any_size():
+    """The set of small tensors that step together changes (a tensor that got no gradient, a model
+    whose blocks are dropped at random, another model): the flat call's graph takes any length
+    (compiled with dynamic shapes), so no new set compiles it again (a compilation takes seconds)."""
+    from torch._dynamo.utils import counters
+
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+
+    torch.manual_seed(0)
+    graphs = []
+    for n in (2, 3, 5, 4):
+        ps = _bf16_params(((8,),) * n)
+        opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
+        for p in ps:
+            p.grad = (torch.randn(p.shape) * 1e-3).bfloat16()
+        opt.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == graphs[:1] * 3
+
+
 def test_the_flat_call_takes_the_small_tensors_only():
     """Tensors under 4,096 elements go in the flat call (where there are two); a large one whose
     moments are not 8-bit either (6,500 elements: not whole 256-blocks) keeps a call of its own,

@@ -505,7 +505,9 @@ def _compiled_flat_update():
             old.copy_(torch.where(apply, new, old))
         steps.add_(apply.to(steps.dtype))
 
-    compiled = torch.compile(flat, fullgraph=True, dynamic=False)
+    # dynamic shapes: one graph for sets of any length (a set that changes, e.g. a tensor without a
+    # gradient in a step, would otherwise compile anew, seconds each)
+    compiled = torch.compile(flat, fullgraph=True, dynamic=True)
 
     def update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, *rest):
         w = torch.cat([p.reshape(-1) for p in params])
