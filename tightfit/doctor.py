@@ -38,8 +38,8 @@ def doctor_report() -> str:
         import pynvml
 
         pynvml.nvmlInit()
-        out.append(f"driver {pynvml.nvmlSystemGetDriverVersion()}, "
-                   f"CUDA driver API {pynvml.nvmlSystemGetCudaDriverVersion_v2() / 1000:.1f}")
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion_v2()  # 1000 x major + 10 x minor: 12040 is 12.4
+        out.append(f"driver {pynvml.nvmlSystemGetDriverVersion()}, CUDA driver API {cuda // 1000}.{cuda % 1000 // 10}")
     except Exception as e:  # NVML is optional
         out.append(f"NVML unavailable ({type(e).__name__}): no driver version, temperature or power")
     for i in range(torch.cuda.device_count()):
