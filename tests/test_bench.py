@@ -176,3 +176,21 @@ def test_a_result_records_the_tightfit_version_that_measured_it(tmp_path, monkey
     assert main(["bench", "run", "--workload", "minilm-32@smoke", "--out", str(tmp_path), "--device", "cpu",
                  "--settings", "hf", "--steps", "3", "--warmup", "1"]) == 0
     assert json.loads((tmp_path / "minilm-32@smoke.json").read_text())["tightfit"] == tightfit.__version__
+
+
+def test_report_without_matplotlib_writes_its_tables_and_says_the_chart_is_not_drawn(tmp_path, capsys, monkeypatch):
+    """matplotlib is optional (the plots extra): without it the report wrote results.md and
+    results.csv, then ended in ModuleNotFoundError's traceback at the chart. Now the tables are
+    written, the chart is not, and a note says why; exit 0, as a run's plots are skipped."""
+    import sys
+
+    res = {"workload": {"name": "bert-base-128@4GiB", "arch": "bert-base", "size": 128, "budget": "4GiB",
+                        "effective_batch": 256}, "device": "NVIDIA H200", "torch": "2.11", "rows": _rows()}
+    (tmp_path / "bert-base-128@4GiB.json").write_text(json.dumps(res))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["bench", "report", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert-base-128@4GiB.json", "results.csv", "results.md"]
+    note, *files = out.out.splitlines()  # the command line's notes are on stdout, as train's are
+    assert note.startswith("note: results.png not drawn") and "matplotlib" in note, out
+    assert [f.rsplit("/", 1)[-1] for f in files] == ["results.md", "results.csv"] and not out.err, out

@@ -6,11 +6,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 from pathlib import Path
 
 from ..fileio import atomic_write_bytes, atomic_write_text
 from ..units import format_bytes
+
+log = logging.getLogger(__name__)
 
 COLUMNS = ("workload", "setting", "precision", "compile", "checkpointed_blocks", "micro_batch", "accumulation_steps",
            "effective_batch", "samples_per_s", "peak_reserved_bytes", "ooms_after_planning", "planning_seconds",
@@ -173,7 +176,8 @@ def chart(results: list[dict]) -> bytes:
 
 
 def write_report(folder: str | Path) -> list[Path]:
-    """Write ``results.md``, ``results.csv`` and ``results.png`` for the JSON files in ``folder``.
+    """Write ``results.md``, ``results.csv`` and ``results.png`` (without matplotlib: not drawn, with a
+    note) for the JSON files in ``folder``; returns the files written.
 
     Raises:
         TightfitError: no results in ``folder`` (:func:`load`'s errors), or a ``folder`` this
@@ -191,5 +195,11 @@ def write_report(folder: str | Path) -> list[Path]:
                             "and results.png go beside the results); copy the results to a folder you can write")
     atomic_write_text(folder / "results.md", "# tightfit bench\n\n" + markdown(results))
     atomic_write_text(folder / "results.csv", to_csv(results))
+    written = [folder / "results.md", folder / "results.csv"]
+    try:  # optional (the plots extra), as a run's plots are
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log.warning("note: results.png not drawn: matplotlib is not installed (pip install 'tightfit[plots]')")
+        return written
     atomic_write_bytes(folder / "results.png", chart(results))
-    return [folder / "results.md", folder / "results.csv", folder / "results.png"]
+    return written + [folder / "results.png"]
