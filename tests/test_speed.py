@@ -762,8 +762,30 @@ def test_a_slow_run_shows_its_whole_run_speed_as_the_summary_does():
     result = SimpleNamespace(step_ends=[(12.7, 32)], samples_per_s=32 / 12.7, eval_seconds=1.0,
                              checkpoint_seconds=0.0, checkpoint_write_seconds=0.0)
     text = dict(speed_rows(speed_record(result, 0.0, {})))["speed, samples/s"]
-    assert "predicted -; probed -; delivered - steady" in text and "2.5 whole run" in text, text
+    assert "predicted -; probed -; delivered - steady" in text and "2.52 whole run" in text, text
     assert "none: this session ran under 10 steps" in text  # why there is no steady figure (a short resume)
+
+
+
+def test_each_speed_reads_the_same_in_the_summary_the_plan_and_the_speed_row():
+    """The whole run's samples/s read "32.4" in the summary's row and "32 whole run" in the speed
+    row below it (terminal and report.md), and a predicted 45.67 read "45.7" in the plan's lines
+    and "46" in the speed row: three formats of one figure. Now one (tightfit.units.format_rate)."""
+    from tightfit.report.speed import speed_record, speed_rows
+    from tightfit.report.summary import RunInfo, plan_lines, summary_rows
+
+    info = RunInfo("m", "d", 16, 10, ["a", "b"], 0.5, "CPU", None, "2", "0", "tightfit train")
+    plan = Plan("fp16", 8, 8, device="cuda", predicted_samples_per_s=45.67)
+    for whole_run in (32.38, 2.52, 1355.3, 7.0):
+        result = SimpleNamespace(eval=None, steps=12, samples=96, train_seconds=96 / whole_run,
+                                 samples_per_s=whole_run, final_loss=0.7, peak_reserved_bytes=None, skipped_steps=0,
+                                 oom_recoveries=0, plan=plan, step_ends=[(i / whole_run * 8, 8 * i) for i in range(1, 13)],
+                                 eval_seconds=0.0, checkpoint_seconds=0.0, checkpoint_write_seconds=0.0)
+        shown = dict(summary_rows(result, info))["samples/s"]
+        speed = dict(speed_rows(speed_record(result, 0.0, {"predicted_samples_per_s": 45.67})))["speed, samples/s"]
+        assert f"{shown} whole run" in speed and f", {shown} whole run" in speed, (shown, speed)
+        predicted = next(line for line in plan_lines(plan) if line.startswith("predicted"))
+        assert predicted.startswith("predicted        45.7 samples/s") and "predicted 45.7;" in speed, (predicted, speed)
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -78,8 +78,11 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
 
 
 def _rate(v) -> str:
-    """samples/s for display: whole numbers from 10 up, one decimal below (a CPU run's 2.5 is not 3)."""
-    return "-" if not v else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+    """samples/s for display as the summary and the plan's lines show them (:func:`format_rate`:
+    the same figure reads the same in each); "-" where not known."""
+    from ..units import format_rate
+
+    return "-" if not v else format_rate(v)
 
 
 def speed_rows(speed: dict) -> list[tuple[str, str]]:

@@ -188,7 +188,7 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
                                  "on more samples or for more epochs"))
         rows.append(("held-out loss", f"{result.eval['loss']:.4f}"))
     rows.append(("training", f"{result.steps} step{'' if result.steps == 1 else 's'}, {result.samples} samples in {result.train_seconds:.1f} s"))
-    rows.append(("samples/s", f"{result.samples_per_s:.1f}"))
+    rows.append(("samples/s", format_rate(result.samples_per_s)))  # as the speed row and the plan's lines show it
     rows.append(("final train loss", f"{result.final_loss:.4f}"))
     if result.peak_reserved_bytes is not None:
         budget = info.budget_bytes
