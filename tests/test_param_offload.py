@@ -313,6 +313,30 @@ def test_tightfit_plan_shows_the_offload_plan_train_would_take(capsys):
     assert "--sharding fsdp-offload" in capsys.readouterr().err  # named, with --optimizer adamw
 
 
+def test_tightfit_plan_json_has_the_same_keys_whether_or_not_one_gpu_fits(capsys):
+    """`tightfit plan --json` of a model no single GPU holds printed the parameter-offload plan
+    without checkpoint_blocks, block_policies, predicted_peak_allocated_bytes, breakdown,
+    planning_seconds and breakdown_notes, keys of every plan that fits one GPU: a script that reads
+    them failed on exactly the model that does not fit. Now every key is there (None where the
+    offload planner computes no such figure), with host_state_bytes besides."""
+    import json
+
+    from tightfit.cli import main
+
+    args = ["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "32", "--json", "--budget"]
+    assert main(args + ["4GiB"]) == 0
+    fits = json.loads(capsys.readouterr().out)
+    assert fits["plan"]["sharding"] == "none"
+    for budget in ("600MiB", "600MiB --sharding fsdp-offload --optimizer adamw"):  # fallen back to, asked for
+        assert main(args + budget.split()) == 0
+        offload = json.loads(capsys.readouterr().out)
+        assert offload["plan"]["sharding"] == "fsdp-offload"
+        assert list(offload) == [*fits, "host_state_bytes"], (list(offload), list(fits))
+        assert offload["predicted_samples_per_s"] is None and offload["predicted_peak_allocated_bytes"] is None
+        assert offload["planning_seconds"] > 0 and offload["runners_up"] == [] and offload["breakdown_notes"] == []
+        assert offload["checkpoint_blocks"] == list(range(12))  # every block of BERT-base checkpointed
+
+
 def test_tightfit_plan_takes_sharding_and_says_when_offload_does_not_fit_either(capsys):
     """`tightfit plan --sharding fsdp-offload` plans it directly (what the refusals' offload line
     tells an optimizer asked for to do); where offload's share fits but no step with its

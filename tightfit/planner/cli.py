@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from ..units import format_rate
 from ..errors import TightfitError
@@ -94,9 +95,10 @@ def run(args) -> int:
         return at
 
     check_checkpointing(model, args.checkpointing)
+    started = time.perf_counter()  # the offload plan's planning_seconds (a search's result times its own)
     if args.sharding == "fsdp-offload":  # asked for: no single-GPU search
         plan = _offload_plan(args, model, make_batch, size, profile, budget, None)
-        _print_offload(args, plan, model, notes, profile, budget, kind, size)
+        _print_offload(args, plan, model, notes, profile, budget, kind, size, time.perf_counter() - started)
         return 0
     try:  # planning for a card elsewhere: the levers are searched whether or not their libraries are here
         refused = None  # the single-GPU planner's refusal: its state, or no step, does not fit
@@ -119,7 +121,7 @@ def run(args) -> int:
             plan = _offload_plan(args, model, make_batch, size, profile, budget, str(refused))
             if plan is None:
                 raise refused
-            _print_offload(args, plan, model, notes, profile, budget, kind, size)
+            _print_offload(args, plan, model, notes, profile, budget, kind, size, time.perf_counter() - started)
             return 0
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         from ..models import NO_PAD_HINT
@@ -166,8 +168,10 @@ def _offload_plan(args, model, make_batch, size: int, profile, budget: int, refu
     return replace(offload_plan(recipe, first, refused), **trainable_fields(model))
 
 
-def _print_offload(args, plan, model, notes: list[str], profile, budget: int, kind: str, size: int) -> None:
-    """A parameter-offload plan (:func:`_offload_plan`), as text or ``--json``."""
+def _print_offload(args, plan, model, notes: list[str], profile, budget: int, kind: str, size: int,
+                   seconds: float) -> None:
+    """A parameter-offload plan (:func:`_offload_plan`, planned in ``seconds``), as text or ``--json``."""
+    from ..levers.blocks import find_blocks
     from ..tasks import size_name
     from .sharding import host_state_bytes
     from ..units import format_bytes
@@ -176,9 +180,15 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
     if args.json:
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
-        print(json.dumps({"plan": plan.to_dict(), "budget_bytes": budget,  # the keys of a single-GPU plan's JSON
-                          "predicted_peak_bytes": plan.predicted_peak_reserved_bytes, "predicted_samples_per_s": None,
-                          "runners_up": [], "host_state_bytes": host}, indent=2))
+        # every key of a single-GPU plan's JSON (SearchResult.to_dict), in its order, None for the figures
+        # the offload planner does not compute, so that a reader finds them whichever plan it gets
+        print(json.dumps({"plan": plan.to_dict(),
+                          "checkpoint_blocks": list(plan.checkpointed_blocks(len(find_blocks(model)))),
+                          "block_policies": None if plan.block_policies is None else list(plan.block_policies),
+                          "budget_bytes": budget, "predicted_peak_bytes": plan.predicted_peak_reserved_bytes,
+                          "predicted_peak_allocated_bytes": None, "breakdown": None, "predicted_samples_per_s": None,
+                          "runners_up": [], "planning_seconds": seconds, "breakdown_notes": [],
+                          "host_state_bytes": host}, indent=2))
         return
     for n in notes:
         print(f"note: {n}")
