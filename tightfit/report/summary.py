@@ -3,6 +3,7 @@ rows) and ``report.md``."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -156,8 +157,10 @@ class RunSummary:
             wall_seconds=wall_seconds, health=health, speed=speed, commands=list(info.commands or (info.command,)))
 
     def to_dict(self) -> dict:
-        """The ``summary.json`` dict (the plan as :meth:`Plan.to_dict`)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"plan": self.plan.to_dict()}
+        """The ``summary.json`` dict (the plan as :meth:`Plan.to_dict`; a non-finite number, e.g. the
+        held-out loss of a model gone NaN, as the string ``"nan"`` or ``"inf"``: JSON has none, and
+        metrics.jsonl writes them so)."""
+        return {f.name: _json_number(getattr(self, f.name)) for f in fields(self)} | {"plan": self.plan.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunSummary":
@@ -170,7 +173,18 @@ class RunSummary:
         missing = [f.name for f in fields(cls) if f.name not in d and f.name not in optional]
         if missing:
             raise TightfitError(f"malformed run summary: no {', '.join(missing)}")
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d} | {"plan": Plan.from_dict(d["plan"])})
+        numbers = {k: float(d[k]) for k in ("accuracy", "eval_loss") if d.get(k) in _NON_FINITE}  # to_dict's strings
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d} | numbers | {"plan": Plan.from_dict(d["plan"])})
+
+
+_NON_FINITE = ("nan", "inf", "-inf")  # str() of the floats JSON cannot hold
+
+
+def _json_number(v):
+    """``v`` for JSON: a non-finite float as its string (also inside a dict, the ``speed`` record)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return {k: _json_number(x) for k, x in v.items()} if isinstance(v, dict) else v
 
 
 def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:

@@ -1,0 +1,38 @@
+"""What a run reports: ``summary.json`` (:class:`tightfit.report.summary.RunSummary`) and the
+summary's rows, from a trainer's result stood in for (no training needed)."""
+
+import json
+import math
+from types import SimpleNamespace
+
+from tightfit.plan import Plan
+from tightfit.report.speed import speed_record
+from tightfit.report.summary import RunInfo, RunSummary
+
+
+def _result(**changes):
+    """A trainer's result (the fields the summary reads) of a short CPU run."""
+    fields = dict(eval={"accuracy": 0.625, "loss": 0.69, "samples": 8}, steps=6, samples=48, train_seconds=0.9,
+                  samples_per_s=48 / 0.9, final_loss=0.7, peak_allocated_bytes=None, peak_reserved_bytes=None,
+                  skipped_steps=0, oom_recoveries=0, plan=Plan("fp32", 8, 8, device="cpu"),
+                  step_ends=[(0.15 * i, 8 * i) for i in range(1, 7)], eval_seconds=0.1, checkpoint_seconds=0.0,
+                  checkpoint_write_seconds=0.02, events=[])
+    return SimpleNamespace(**(fields | changes))
+
+
+INFO = RunInfo("m", "d", 72, 8, ["neg", "pos"], 0.625, "CPU", None, "2", "0", "tightfit train")
+
+
+def test_summary_json_is_valid_json_when_the_held_out_loss_is_not_finite():
+    """A run whose weights went non-finite (--lr 1e30: 5 of 6 steps skipped) evaluated to a NaN
+    held-out loss, and summary.json held ``"eval_loss": NaN``: not JSON (json.loads(strict),
+    jq and JavaScript refuse it). Now written as metrics.jsonl writes a non-finite number, the
+    string "nan", and read back as the float."""
+    result = _result(eval={"accuracy": 0.625, "loss": math.nan, "samples": 8}, final_loss=math.nan, skipped_steps=5)
+    summary = RunSummary.of_run(result, INFO, 0.0, 2.0, None, speed_record(result, 0.0, {}))
+    text = json.dumps(summary.to_dict(), allow_nan=False)  # raises on NaN/Infinity
+    assert json.loads(text)["eval_loss"] == "nan"
+    back = RunSummary.from_dict(json.loads(text))
+    assert math.isnan(back.eval_loss) and back.accuracy == 0.625
+    inf = RunSummary.of_run(_result(eval={"accuracy": 0.5, "loss": math.inf, "samples": 8}), INFO, 0.0, 2.0, None)
+    assert RunSummary.from_dict(json.loads(json.dumps(inf.to_dict(), allow_nan=False))).eval_loss == math.inf
