@@ -36,3 +36,30 @@ def test_summary_json_is_valid_json_when_the_held_out_loss_is_not_finite():
     assert math.isnan(back.eval_loss) and back.accuracy == 0.625
     inf = RunSummary.of_run(_result(eval={"accuracy": 0.5, "loss": math.inf, "samples": 8}), INFO, 0.0, 2.0, None)
     assert RunSummary.from_dict(json.loads(json.dumps(inf.to_dict(), allow_nan=False))).eval_loss == math.inf
+
+
+def test_a_resumed_runs_memory_plot_covers_the_earlier_sessions_steps(tmp_path, monkeypatch):
+    """memory.png was drawn from this process's per-step timeline only: a GPU run resumed at step
+    20 showed steps 21-30, with nothing to say the earlier steps (whose peaks the summary counts)
+    were left out, while loss.png beside it covers the whole run from metrics.jsonl. Now the
+    earlier sessions' logged steps come from metrics.jsonl's step peaks, before this session's."""
+    import matplotlib.axes
+
+    from tightfit.report.plots import plot_run
+
+    gib = 2**30
+    earlier = [{"type": "train", "step": s, "loss": 0.7, "step_peak_allocated_bytes": gib,
+                "step_peak_reserved_bytes": 2 * gib} for s in (10, 20)]
+    # this session's own records of the steps it trained, as it logged them (every 10th)
+    records = [{"type": "plan", "step": 0}, *earlier, {"type": "plan", "step": 20, "resumed_from": "ckpt-20"},
+               {"type": "train", "step": 30, "loss": 0.6, "step_peak_allocated_bytes": gib,
+                "step_peak_reserved_bytes": 3 * gib}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    timeline = [(s, gib, 3 * gib) for s in range(21, 31)]
+    lines = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, y, **k: lines.append((k.get("label"), list(x),
+                                                                                            list(y))) or plot(self, x, y, **k))
+    assert [p.name for p in plot_run(tmp_path, timeline, 4 * gib)] == ["memory.png", "loss.png"]
+    reserved = next(line for line in lines if line[0] == "peak reserved")
+    assert reserved[1] == [10, 20, *range(21, 31)] and reserved[2] == [2.0, 2.0, *[3.0] * 10], reserved

@@ -9,8 +9,9 @@ from .metrics import read_metrics
 
 
 def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], budget_bytes: int | None) -> list[Path]:
-    """Write ``memory.png`` (peak allocated/reserved of each step with the budget line; GPU runs only)
-    and ``loss.png`` (training loss per logged step, held-out loss) into ``run_dir``.
+    """Write ``memory.png`` (peak allocated/reserved of each step with the budget line; GPU runs only;
+    on resume the earlier sessions' logged steps too, from ``metrics.jsonl``) and ``loss.png``
+    (training loss per logged step, held-out loss) into ``run_dir``.
 
     Returns:
         The files written; none if matplotlib is not installed.
@@ -36,7 +37,14 @@ def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], b
         written.append(run_dir / name)
 
     gib = 2**30
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     if memory_timeline:
+        # the timeline is this process's steps: a resumed run's earlier ones are in metrics.jsonl (logged steps)
+        first = memory_timeline[0][0]
+        memory_timeline = [(r["step"], r["step_peak_allocated_bytes"], r["step_peak_reserved_bytes"]) for r in records
+                           if r.get("type") == "train" and isinstance(r.get("step"), int) and r["step"] < first
+                           and _finite(r.get("step_peak_allocated_bytes")) and _finite(r.get("step_peak_reserved_bytes"))
+                           ] + list(memory_timeline)
         steps = [s for s, _, _ in memory_timeline]
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.plot(steps, [a / gib for _, a, _ in memory_timeline], label="peak allocated")
@@ -48,7 +56,6 @@ def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], b
         ax.set_title("GPU memory")
         ax.legend()
         save(fig, "memory.png")
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     # a non-finite loss is written as a string ("nan"): matplotlib would make the axis categorical
     train = [r for r in records if r.get("type") == "train" and _finite(r.get("loss"))]
     if train:
