@@ -477,3 +477,32 @@ def test_an_out_inside_the_runs_image_folder_is_refused_before_any_work(tmp_path
     assert main(["export", "--int8", str(run), "--out", str(tmp_path / "imgs" / "int8")]) == 2
     assert "is inside the data folder" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "imgs").iterdir()) == ["a", "b"]
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_is_not_exported_as_finished(text_run, tmp_path, capsys):
+    """A finished run resumed from an earlier checkpoint (``--resume RUN/checkpoints/ckpt-N``) and
+    stopped keeps the model/ of the finish it abandoned until it finishes again; its summary.json
+    and report.md are removed at the resume's start ("written anew when this run finishes (model/
+    is replaced then)"). export took that model/ as the run's, without a word. Now such a run (a
+    model/ but no summary.json, and a checkpoint to resume from) is refused as not finished, as a run
+    without model/ is: resume it first; while a tightfit train writes it, it is still training."""
+    import shutil
+
+    from tightfit.api import _hold_run_folder, _release_run_folders
+
+    run, out = tmp_path / "run", tmp_path / "int8"
+    shutil.copytree(text_run, run)
+    (run / "summary.json").unlink()  # as the resume from an earlier checkpoint left it
+    (run / "report.md").unlink()
+    _refused(["export", "--int8", str(run), "--out", str(out)], capsys,
+             f"{run}: the run has not finished (its model/ is from an earlier finish, or was written as it stopped): "
+             f"run tightfit train --resume {run} first")
+    owner = object()  # a resume training in it now
+    _hold_run_folder(run, owner)
+    try:
+        _refused(["export", "--int8", str(run), "--out", str(out)], capsys, "the run is still training")
+    finally:
+        _release_run_folders(owner)
+    assert not out.exists()
+    shutil.rmtree(run / "checkpoints")  # nothing to resume from: its model/ is all the run has
+    assert main(["export", "--int8", str(run), "--out", str(out)]) == 0

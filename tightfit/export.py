@@ -89,26 +89,32 @@ def _source(path: str) -> _Source:
     """A run folder (``request.json`` and ``model/``) or a model folder (``config.json``).
 
     Raises:
-        TightfitError: neither (a file; a run still training; a run that has not finished: what to
-            run first); a model that is not a sequence or image classifier; a model folder without
-            a weights file.
+        TightfitError: neither (a file; a run still training; a run that has not finished, also one
+            whose model/ a resume from an earlier checkpoint has not yet replaced: what to run first);
+            a model that is not a sequence or image classifier; a model folder without a weights file.
     """
     from .models import _folder_config, _task_of_config
     from .runtime.checkpoint import has_checkpoint
 
     p = Path(path)
-    if (p / "request.json").is_file() and (p / "model" / "config.json").is_file():
+    if (p / "request.json").is_file() and (p / "model" / "config.json").is_file() \
+            and ((p / "summary.json").is_file() or not has_checkpoint(p / "checkpoints")):
+        # a finished run (summary.json is written last), or a model/ without a checkpoint to finish it from
         run, model_dir = p, p / "model"
     elif (p / "config.json").is_file():
         run, model_dir = None, p
     elif (p / "request.json").is_file():  # a run stopped before it wrote its model, or still training
         from .api import run_folder_in_use
 
+        # a model/ without summary.json: a finish that a resume from an earlier checkpoint abandoned
+        # (model/ is replaced when it finishes again), or a run stopped while it finished
+        why = ("its model/ is from an earlier finish, or was written as it stopped" if (p / "model").is_dir()
+               else "no model/ yet")
         if run_folder_in_use(p):  # "resume it first" was said there, and --resume refuses a run being written
-            raise TightfitError(f"{p}: the run is still training (a tightfit train writes it; no model/ yet): export "
+            raise TightfitError(f"{p}: the run is still training (a tightfit train writes it; {why}): export "
                                 "it once it has ended")
         if has_checkpoint(p / "checkpoints"):
-            raise TightfitError(f"{p}: the run has not finished (no model/ yet): run tightfit train --resume "
+            raise TightfitError(f"{p}: the run has not finished ({why}): run tightfit train --resume "
                                 f"{shlex.quote(str(p))} first, then export it")
         raise TightfitError(f"{p}: the run has not finished (no model/ yet) and has no checkpoint to resume from: "
                             "train it again, then export the new run")
