@@ -63,3 +63,18 @@ def test_a_resumed_runs_memory_plot_covers_the_earlier_sessions_steps(tmp_path, 
     assert [p.name for p in plot_run(tmp_path, timeline, 4 * gib)] == ["memory.png", "loss.png"]
     reserved = next(line for line in lines if line[0] == "peak reserved")
     assert reserved[1] == [10, 20, *range(21, 31)] and reserved[2] == [2.0, 2.0, *[3.0] * 10], reserved
+
+
+def test_one_held_out_sample_is_said_in_the_singular():
+    """``--eval-samples 1``: the summary said "1.0000 on 1 samples" and the export's table "held-out
+    accuracy (1 samples)", where the note before it says "1 held-out sample" (count_of)."""
+    from tightfit.export import report_markdown
+    from tightfit.report.summary import summary_rows
+
+    rows = dict(summary_rows(_result(eval={"accuracy": 1.0, "loss": 0.68, "samples": 1}), INFO))
+    assert rows["held-out accuracy"].startswith("1.0000 on 1 sample (majority"), rows
+    assert dict(summary_rows(_result(), INFO))["held-out accuracy"].startswith("0.6250 on 8 samples (")
+    side = {"size_bytes": 1000, "accuracy": 1.0, "latency_s": {1: 0.001, 32: 0.002}}
+    r = {"source": "run", "kind": "text", "torch": "x", "quantized_engine": "x86", "threads": 2, "held_out_samples": 1,
+         "fp32": side, "int8": side}
+    assert "| held-out accuracy (1 sample) | 1.0000 | 1.0000 |" in report_markdown(r)

@@ -37,7 +37,7 @@ import torch
 
 from .errors import TightfitError
 from .fileio import atomic_write_dir, output_folder, unwritable_folder
-from .units import format_bytes
+from .units import count_of, format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -547,7 +547,7 @@ def report_markdown(r: dict) -> str:
         spread = "" if low is None else (f", the median round; {low:.2f}-{high:.2f}x in the middle half of the rounds"
                                          + (": no clear difference on this host" if low <= 1 <= high else ""))
         rows.append((f"CPU latency, batch {b}", f"{f * 1e3:.1f} ms", f"{i * 1e3:.1f} ms ({ratio:.2f}x{spread})"))
-    rows.append((f"held-out accuracy ({r['held_out_samples']} samples)", acc(r["fp32"]["accuracy"]),
+    rows.append((f"held-out accuracy ({count_of(r['held_out_samples'], 'sample')})", acc(r["fp32"]["accuracy"]),
                  acc(r["int8"]["accuracy"])))
     lines = ["# tightfit export --int8", "",
              f"{r['source']} ({r['kind']} classifier): every nn.Linear dynamically quantized to int8 "

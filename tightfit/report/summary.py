@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import TightfitError
 from ..plan import Plan
-from ..units import format_bytes, format_rate
+from ..units import count_of, format_bytes, format_rate
 
 if TYPE_CHECKING:
     from ..runtime.trainer import TrainResult
@@ -192,7 +192,7 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
     rows = []
     if result.eval:
         held_out = result.eval.get("held_out")  # some labelled -100: left out of the accuracy
-        counted = f"{result.eval['samples']} samples" if held_out is None else \
+        counted = count_of(result.eval["samples"], "sample") if held_out is None else \
             f"the {result.eval['samples']} labelled of {held_out} samples"
         rows.append(("held-out accuracy", f"{result.eval['accuracy']:.4f} on {counted} "
                                           f"(majority class {info.majority:.4f})"))
