@@ -201,6 +201,28 @@ def test_a_resumed_run_reports_the_peaks_of_its_earlier_sessions_too(tmp_path, m
     assert resumed._peaks == (3 * 2**30, 4 * 2**30)
 
 
+def test_a_resumed_run_reports_the_hottest_gpu_reading_of_its_earlier_sessions_too(tmp_path):
+    """As the peaks above: the summary's "GPU max temperature ..., max power ..." (and summary.json's
+    health) after a resume gave this session's readings only; a session that ran at 86 C before
+    the resume was reported at the resumed session's 70 C. The checkpoint carries the run's
+    hottest and most power-hungry readings so far."""
+    import types
+
+    def monitor(temp, power):  # a GPU's health monitor, as far as the loop and the report read it
+        return types.SimpleNamespace(max_temp_c=temp, max_power_w=power, available=False, status="on",
+                                     sample=lambda force=False: None)
+
+    t = _dropout_run(tmp_path, epochs=1)
+    t.health = monitor(86.0, 240.0)
+    t.fit()
+    resumed = _dropout_run(tmp_path / "b", resume=tmp_path / "ck" / "ckpt-4", epochs=1)
+    resumed.health = monitor(70.0, 250.0)  # this session's own readings
+    assert resumed.health_maxima() == (86.0, 250.0)
+    resumed.health = None  # a session without readings (NVML off): the earlier ones stand
+    assert resumed.health_maxima() == (86.0, 240.0)
+    assert _dropout_run(tmp_path / "c", epochs=1).health_maxima() == (None, None)  # a CPU run: none
+
+
 def test_resuming_from_the_checkpoints_folder_or_a_missing_one_says_so(tmp_path):
     """The run's checkpoints folder was called a corrupt checkpoint ('model.safetensors: missing'),
     and a mistyped ckpt-99 'not a folder'."""

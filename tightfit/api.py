@@ -1090,7 +1090,7 @@ class TrainRecipe:
         """What was trained, where and how, for the report and the summary."""
         import torch
 
-        cuda, health = self.device == "cuda", self.trainer.health
+        cuda = self.device == "cuda"
         return RunInfo(
             model=self.source.location(), data=self.data.source, n_train=len(self.train_data),
             n_eval=len(self.eval_data), label_names=self.data.label_names,
@@ -1100,7 +1100,7 @@ class TrainRecipe:
             commands=tuple(self.commands),
             peak_rss_bytes=None if cuda and self.plan.sharding != "fsdp-offload"  # offload: the host holds the state
             else self.trainer.peak_rss_bytes(),  # the earlier sessions' too
-            max_temp_c=health.max_temp_c if health else None, max_power_w=health.max_power_w if health else None,
+            **dict(zip(("max_temp_c", "max_power_w"), self.trainer.health_maxima())),  # the earlier sessions' too
             input_size=f"{size_name(self.data.SAMPLE_KIND)} {self.input_size()}")
 
 

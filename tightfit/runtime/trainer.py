@@ -446,6 +446,7 @@ class Trainer:
         self.resumed_wall_seconds = 0.0
         self._checkpoint_base = (0.0, 0.0)
         self.resumed_peak_rss_bytes = 0  # the earlier sessions' peak host memory (bytes), as they counted it
+        self.resumed_health: tuple[float | None, float | None] = (None, None)  # their hottest GPU reading (C, W)
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
@@ -887,7 +888,8 @@ class Trainer:
                          "wall_seconds": self.resumed_wall_seconds + time.perf_counter() - self.wall_start,
                          # the run's peaks so far (this session's and the earlier ones'), for its summary
                          "peak_allocated_bytes": self._peaks[0], "peak_reserved_bytes": self._peaks[1],
-                         "peak_rss_bytes": self.peak_rss_bytes()},
+                         "peak_rss_bytes": self.peak_rss_bytes(),
+                         **dict(zip(("max_temp_c", "max_power_w"), self.health_maxima()))},
         }
 
     def peak_rss_bytes(self) -> int:
@@ -896,6 +898,12 @@ class Trainer:
         import resource
 
         return max(self.resumed_peak_rss_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    def health_maxima(self) -> tuple[float | None, float | None]:
+        """The run's hottest GPU temperature (C) and highest power (W): this session's readings or an
+        earlier session's, counted before a resume, whichever is larger; None where none was read."""
+        now = (self.health.max_temp_c, self.health.max_power_w) if self.health is not None else (None, None)
+        return tuple(max((v for v in pair if v is not None), default=None) for pair in zip(now, self.resumed_health))
 
     def save_checkpoint(self, background: bool = False) -> str:
         """Write ``ckpt-<step>`` atomically (never with non-finite weights); keep the newest few.
@@ -1018,6 +1026,7 @@ class Trainer:
         self._peaks = (max(self._peaks[0], c.get("peak_allocated_bytes", 0)),
                        max(self._peaks[1], c.get("peak_reserved_bytes", 0)))
         self.resumed_peak_rss_bytes = c.get("peak_rss_bytes", 0)
+        self.resumed_health = (c.get("max_temp_c"), c.get("max_power_w"))  # (older checkpoints: none)
         if lr_changed:  # the run of non-finite steps belonged to the old learning rate
             self._skipped_in_row = 0
         restore_rng(state["rng"])
