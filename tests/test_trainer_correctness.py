@@ -498,14 +498,17 @@ def test_a_model_no_better_than_the_majority_class_is_said_so():
 
     info = RunInfo("m", "d", 16, 10, ["a", "b"], 0.5777, "CPU", None, "2", "0", "tightfit train")
 
-    def rows(accuracy):
-        result = SimpleNamespace(eval={"accuracy": accuracy, "loss": 0.69, "samples": 10}, steps=1, samples=8,
+    def rows(accuracy, loss=0.69):
+        result = SimpleNamespace(eval={"accuracy": accuracy, "loss": loss, "samples": 10}, steps=1, samples=8,
                                  train_seconds=1.0, samples_per_s=8.0, final_loss=0.7, peak_reserved_bytes=None,
                                  skipped_steps=0, oom_recoveries=0, plan=Plan("fp32", 8, 8))
         return dict(summary_rows(result, info))
 
     assert "no better than always answering the most common class" in rows(0.5777).get("note", "")
     assert "note" not in rows(0.8119)
+    # diverged weights (NaN logits, every answer class 0): not "train more", and the accuracy disowned
+    diverged = rows(0.6250, math.nan)["note"]
+    assert "not finite" in diverged and "lower --lr" in diverged and "train on more" not in diverged
 
 
 def test_the_loss_plot_leaves_out_non_finite_held_out_losses(tmp_path, monkeypatch):

@@ -196,7 +196,11 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
             f"the {result.eval['samples']} labelled of {held_out} samples"
         rows.append(("held-out accuracy", f"{result.eval['accuracy']:.4f} on {counted} "
                                           f"(majority class {info.majority:.4f})"))
-        if result.eval["accuracy"] <= info.majority:
+        if not math.isfinite(result.eval["loss"]):
+            # its outputs are not finite: the accuracy is argmax over inf/NaN logits, and more training is no cure
+            rows.append(("note", "the model's held-out outputs are not finite (its weights diverged): the accuracy "
+                                 "means nothing; train again with a lower --lr"))
+        elif result.eval["accuracy"] <= info.majority:
             # a short trial often stops here (e.g. --train-samples 1000 --epochs 1 on the default job)
             rows.append(("note", "the model does no better than always answering the most common class: train "
                                  "on more samples or for more epochs"))
