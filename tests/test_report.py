@@ -78,3 +78,18 @@ def test_one_held_out_sample_is_said_in_the_singular():
     r = {"source": "run", "kind": "text", "torch": "x", "quantized_engine": "x86", "threads": 2, "held_out_samples": 1,
          "fp32": side, "int8": side}
     assert "| held-out accuracy (1 sample) | 1.0000 | 1.0000 |" in report_markdown(r)
+
+
+def test_a_run_without_matplotlib_says_its_plots_are_not_drawn(tmp_path, monkeypatch, caplog):
+    """matplotlib is optional (the plots extra): a run without it wrote report.md and summary.json and
+    left memory.png and loss.png out without a word, where tightfit bench report says so."""
+    import logging
+    import sys
+
+    from tightfit.report.plots import plot_run
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert plot_run(tmp_path, [], None) == []
+    assert "not drawn: matplotlib is not installed" in caplog.text and "tightfit[plots]" in caplog.text
+    assert list(tmp_path.iterdir()) == []

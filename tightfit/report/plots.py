@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 from .metrics import read_metrics
+
+log = logging.getLogger(__name__)
 
 
 def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], budget_bytes: int | None) -> list[Path]:
@@ -14,14 +17,15 @@ def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], b
     (training loss per logged step, held-out loss) into ``run_dir``.
 
     Returns:
-        The files written; none if matplotlib is not installed.
+        The files written; none if matplotlib is not installed (a note is logged).
     """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
+    except ImportError:  # optional (the plots extra): said, as tightfit bench report says it
+        log.info("note: memory.png and loss.png not drawn: matplotlib is not installed (pip install 'tightfit[plots]')")
         return []
     from ..fileio import atomic_write_bytes
     import io
