@@ -536,8 +536,8 @@ def is_flat(numel: int) -> bool:
 # A group of the 8-bit bf16 update holds at most this many tensors, and a repeat of fewer tensors is
 # grouped several repeats at a time up to it. A transformer layer has 4-8 8-bit tensors (BERT-large:
 # 7 of its 16; the others go in the flat call): one layer per call. Cold compilation of BERT-large's
-# update on a CPU (the first 4 layers, bench/results/update-flat/): 54.9 s with groups of up to 8,
-# 99.6 s with up to 16 (two layers' 14 per call), 62.3 s before the flat call (a layer's 16 per call).
+# update on a CPU (the first 4 layers, bench/results/update-flat/): 55-57 s with groups of up to 8,
+# 102-106 s with up to 16 (two layers' 14 per call), 64-65 s before the flat call (a layer's 16 per call).
 GROUP_TENSORS = 8
 
 
