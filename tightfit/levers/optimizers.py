@@ -578,20 +578,25 @@ def update_signature(shape) -> tuple:
     return shape, is_quantized_torchao(math.prod(shape))
 
 
+def bf16_flat_call(shapes) -> list[int]:
+    """Indices into ``shapes`` (the trained tensors of one param group and device, in the order of
+    ``model.parameters()``) of the tensors ``adamw8bit-bf16``'s flat call updates
+    (:func:`_compiled_flat_update`): every small one (:func:`is_flat`) where there are at least
+    two, else none."""
+    flat = [i for i, s in enumerate(shapes) if is_flat(math.prod(s))]
+    return flat if len(flat) > 1 else []
+
+
 def bf16_update_calls(shapes) -> list[list[int]]:
     """Indices into ``shapes`` (the trained tensors of one param group and device, in the order of
     ``model.parameters()``) of each compiled call of ``adamw8bit-bf16``'s step, for the estimator
-    and the time model: the flat call over every small tensor (:func:`is_flat`), where there
-    are at least two (:func:`_compiled_flat_update`), then the groups of the
-    others (:func:`update_groups` of their :func:`update_signature`)."""
+    and the time model: the flat call (:func:`bf16_flat_call`) where there is one, then the groups
+    of the others (:func:`update_groups` of their :func:`update_signature`)."""
     shapes = [tuple(s) for s in shapes]
-    flat = [i for i, s in enumerate(shapes) if is_flat(math.prod(s))]
-    if len(flat) < 2:
-        flat = []
-    flat_set = set(flat)
-    rest = [i for i in range(len(shapes)) if i not in flat_set]
-    return [flat] * bool(flat) + [[rest[i] for i in r] for r in update_groups([update_signature(shapes[i])
-                                                                              for i in rest])]
+    flat = bf16_flat_call(shapes)
+    rest = sorted(set(range(len(shapes))) - set(flat))
+    groups = update_groups([update_signature(shapes[i]) for i in rest])
+    return [flat] * bool(flat) + [[rest[i] for i in r] for r in groups]
 
 
 def bf16_step_temporary_bytes(shapes) -> int:
@@ -602,11 +607,11 @@ def bf16_step_temporary_bytes(shapes) -> int:
     per element of its 8-bit tensors: within one call the compiler may fuse same-sized updates,
     so a call's are counted together)."""
     shapes = [tuple(s) for s in shapes]
-    calls = bf16_update_calls(shapes)
-    flat = calls[0] if calls and all(is_flat(math.prod(shapes[i])) for i in calls[0]) and len(calls[0]) > 1 else []
-    largest = max((sum(math.prod(shapes[i]) for i in c if is_quantized_torchao(math.prod(shapes[i])))
-                   for c in calls), default=0)
-    return max(FLAT_TEMPORARY_BYTES * sum(math.prod(shapes[i]) for i in flat), BF16_UPDATE_TEMPORARY_BYTES * largest)
+    sizes = [math.prod(s) for s in shapes]
+    flat = sum(sizes[i] for i in bf16_flat_call(shapes))
+    largest = max((sum(sizes[i] for i in c if is_quantized_torchao(sizes[i])) for c in bf16_update_calls(shapes)),
+                  default=0)
+    return max(FLAT_TEMPORARY_BYTES * flat, BF16_UPDATE_TEMPORARY_BYTES * largest)
 
 
 def _own_storage(state: dict) -> None:

@@ -170,14 +170,14 @@ def optimizer_tensor_counts(shapes) -> dict:
     """:class:`ForwardCost`'s counts of the trainable tensors of ``shapes`` (in the order of
     ``model.parameters()``) that the optimizers' host time depends on: ``trainable_tensors``,
     ``offloaded_params``, ``grouped_tensors`` and ``flat_tensors``."""
-    from ..levers.optimizers import bf16_update_calls, is_flat, is_offloaded
+    from ..levers.optimizers import bf16_flat_call, bf16_update_calls, is_offloaded
 
     shapes = [tuple(s) for s in shapes]
     sizes = [math.prod(s) for s in shapes]
-    calls = bf16_update_calls(shapes)
-    flat = len(calls[0]) if calls and len(calls[0]) > 1 and all(is_flat(sizes[i]) for i in calls[0]) else 0
+    flat = len(bf16_flat_call(shapes))
+    grouped = [c for c in bf16_update_calls(shapes)[bool(flat):] if len(c) > 1]
     return dict(trainable_tensors=len(sizes), offloaded_params=sum(n for n in sizes if is_offloaded(n)),
-                grouped_tensors=sum(len(c) for c in calls[bool(flat):] if len(c) > 1), flat_tensors=flat)
+                grouped_tensors=sum(len(c) for c in grouped), flat_tensors=flat)
 
 
 # (id(model), id(make_batch), size, n_blocks) -> (model, make_batch, ForwardCost) inside
