@@ -766,7 +766,6 @@ def test_a_slow_run_shows_its_whole_run_speed_as_the_summary_does():
     assert "none: this session ran under 10 steps" in text  # why there is no steady figure (a short resume)
 
 
-
 def test_each_speed_reads_the_same_in_the_summary_the_plan_and_the_speed_row():
     """The whole run's samples/s read "32.4" in the summary's row and "32 whole run" in the speed
     row below it (terminal and report.md), and a predicted 45.67 read "45.7" in the plan's lines

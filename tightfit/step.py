@@ -196,7 +196,8 @@ class MetaOptimizer:
     (:func:`tightfit.levers.optimizers.is_quantized_torchao`), for each moment in turn, uint8 codes
     of its shape, an fp32 scale per 256 elements and its own 256-entry fp32 map; bf16 ``zeros_like``
     twice for the others; a 0-d fp32 ``step`` counter per tensor, first; then, where at least two
-    tensors are not 8-bit, their counters and moments packed end to end for the flat call
+    tensors are small (under 4,096 elements, :func:`~tightfit.levers.optimizers.is_flat`), their
+    counters and moments packed end to end for the flat call
     (:func:`tightfit.levers.optimizers._compiled_flat_update`: three new tensors, the per-tensor
     ones freed). At every step its compiled update
     (:func:`tightfit.levers.optimizers._compiled_update`, or a repeated layer's 8-bit tensors in

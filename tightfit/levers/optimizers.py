@@ -477,20 +477,22 @@ def _compiled_group_update():
 @functools.cache
 def _compiled_flat_update():
     """:func:`_compiled_update` over many small tensors (fewer than 4,096 elements, :func:`is_flat`:
-    their moments are plain bf16, not 8-bit), laid end to end: one compiled call on one tensor. Called as ``update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, lr, beta1,
-    beta2, weight_decay, eps, is_adamw, stochastic_round)``: ``params`` the weights (detached),
+    their moments are plain bf16, not 8-bit), laid end to end: one compiled call on one tensor.
+    Called as ``update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, lr, beta1, beta2,
+    weight_decay, eps, is_adamw, stochastic_round)``: ``params`` the weights (detached),
     ``grads`` their gradients, ``steps`` the fp32 vector of their ``step`` counters (all equal:
     the set always steps together, :meth:`AdamW8bitBf16._packed`), ``exp_avg``/``exp_avg_sq``
     1-D: the moments of every weight end to end, in order.
 
     Why: the step is bound by the host, and a transformer layer's biases and LayerNorm weights
-    are more than half its tensors (BERT-large: 9 of 16 per layer, 225 of 393 tensors in all),
+    are more than half its tensors (BERT-large: 9 of 16 per layer, 222 of 393 tensors in all),
     each costing its own kernel launches in a layer's call (~0.1 ms of host time per tensor).
     Here their weights and gradients are concatenated (one ``torch.cat`` each), updated in one
     compiled call and copied back (``torch._foreach_copy_``): a few launches for all of them.
 
     Adam is element-wise, so each element's moments and (without stochastic rounding) weight are
-    bit-identical to its own call's (tests/test_bf16_weights.py); with it, other draws (as for
+    bit-identical to its own call's (tests/test_bf16_weights.py, run on a CPU only; a GPU's kernels
+    were not compared); with it, other draws (as for
     :func:`_compiled_group_update`). Non-finite verdicts skip it as :func:`_compiled_update` does:
     nothing changes, the counters included (the weights are written back unchanged). It holds the
     concatenated weights and gradients (:data:`FLAT_TEMPORARY_BYTES` per element) while it runs.
@@ -642,7 +644,9 @@ def _bf16_class():
     - every update goes through one compiled function (:func:`_compiled_update`), not a new
       ``torch.compile`` wrapper per parameter and step, and takes the 8-bit moments' plain tensors;
       the repeats of a model's layers go a group per call (:func:`update_groups`,
-      :func:`_compiled_group_update`: other stochastic-rounding draws);
+      :func:`_compiled_group_update`: other stochastic-rounding draws), and the small tensors
+      (:func:`is_flat`) one flat call, their state packed end to end (:func:`_compiled_flat_update`,
+      :meth:`_packed`);
     - it skips a non-finite update on the device, as PyTorch's fused optimizers do
       (``skips_nonfinite_on_device``): :func:`tightfit.step.apply_update` sets ``found_inf``
       (a 0-d fp32 device tensor, 1.0 where the gradient norm is not finite) and every update
@@ -715,8 +719,8 @@ def _bf16_class():
             sets = {}
             for group, p in stepped:
                 s = self.state[p]
-                if (is_flat(p.numel()) and type(p.detach()) is torch.Tensor and p.is_contiguous()
-                        and all(type(s[k]) is torch.Tensor and s[k].dtype == p.dtype for k in ("exp_avg", "exp_avg_sq"))):
+                plain = all(type(s[k]) is torch.Tensor and s[k].dtype == p.dtype for k in ("exp_avg", "exp_avg_sq"))
+                if is_flat(p.numel()) and type(p.detach()) is torch.Tensor and p.is_contiguous() and plain:
                     sets.setdefault((id(group), p.device), (group, []))[1].append(p)
             flat, cache, old = [], {}, self.__dict__.get("_flat_cache", {})
             for group, members in sets.values():
@@ -736,9 +740,9 @@ def _bf16_class():
             agree (in order of first appearance), each as ``(subset, (steps, exp_avg, exp_avg_sq))``:
             the subset's state laid end to end, 1-D tensors whose slices are each member's counter
             (0-d) and moments (of its shape), as the optimizer's ``state`` holds them. A tensor that
-            missed a step keeps its counter behind the others' for good: it is left out (updated as
-            the others are, or with those behind alike; a lone one's state copied out of the old
-            packed tensors, :func:`_own_storage`), and the rest stays packed. Cut and packed on
+            missed a step keeps its counter behind the others' for good: it goes in the subset of
+            the tensors with its count, or, alone with it, in a call of its own (its state copied
+            out of the old packed tensors, :func:`_own_storage`). Cut and packed on
             the members' first step together, or when a state was replaced (``load_state_dict``) or
             the set changed, by copying (and one host sync to read the counters); kept in ``cache``,
             so that the steps in between read no counter: the subsets step together (every member

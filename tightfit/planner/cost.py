@@ -147,7 +147,7 @@ class ForwardCost:
         grouped_tensors: trainable tensors that ``adamw8bit-bf16`` updates in a repeated layer's
             call (:func:`tightfit.levers.optimizers.bf16_update_calls`).
         flat_tensors: trainable tensors that ``adamw8bit-bf16`` updates in its flat call (0 or
-            at least 2; :func:`tightfit.levers.optimizers.bf16_update_calls`).
+            at least 2; :func:`tightfit.levers.optimizers.bf16_flat_call`).
         free_blocks: leading blocks that run no backward (frozen, nothing trained before them:
             :func:`tightfit.levers.freezing.frozen_prefix_blocks`): no backward compute, and
             checkpointing them recomputes nothing.
@@ -337,9 +337,9 @@ class TimeModel:
         if self.optimizer == "adamw8bit":
             return c.trainable_params * ADAMW8BIT_BYTES_PER_PARAM / bw + c.trainable_tensors * OPTIMIZER_CALL_S
         if self.optimizer == "adamw8bit-bf16":
+            alone = c.trainable_tensors - c.grouped_tensors - c.flat_tensors
             return (c.trainable_params * ADAMW8BIT_BF16_BYTES_PER_PARAM / bw + c.grouped_tensors * TORCHAO_GROUPED_CALL_S
-                    + bool(c.flat_tensors) * TORCHAO_FLAT_CALL_S
-                    + (c.trainable_tensors - c.grouped_tensors - c.flat_tensors) * TORCHAO_CALL_S)
+                    + bool(c.flat_tensors) * TORCHAO_FLAT_CALL_S + alone * TORCHAO_CALL_S)
         if self.optimizer == "adamw-offload":
             n = c.offloaded_params
             link = 4 * n * (micro_batches + 1) / self.profile.host_link_bytes_per_s

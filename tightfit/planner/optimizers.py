@@ -174,8 +174,9 @@ STAND_IN_ERROR = 1.6
 def step_temporary_bytes(model, kind: str) -> int:
     """The most bytes optimizer ``kind``'s step holds beyond its state while it runs (as the
     estimator's :class:`tightfit.step.MetaOptimizer` allocates them): the 8-bit bf16 update's
-    dequantized moments of its largest call, the multi-tensor AdamW's square roots, none for the
-    fused and 8-bit steps."""
+    dequantized moments of its largest call or its flat call's concatenated weights and gradients,
+    whichever is more (:func:`~tightfit.levers.optimizers.bf16_step_temporary_bytes`), the
+    multi-tensor AdamW's square roots, none for the fused and 8-bit steps."""
     from ..levers.optimizers import bf16_step_temporary_bytes
 
     trained = [p for p in model.parameters() if p.requires_grad]
