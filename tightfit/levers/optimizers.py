@@ -507,13 +507,16 @@ def _compiled_flat_update():
             old.copy_(torch.where(apply, new, old))
         steps.add_(apply.to(steps.dtype))
 
-    # dynamic shapes: one graph for sets of any length (a set that changes, e.g. a tensor without a
-    # gradient in a step, would otherwise compile anew, seconds each)
-    compiled = torch.compile(flat, fullgraph=True, dynamic=True)
+    compiled = torch.compile(flat, fullgraph=True)
 
     def update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, *rest):
-        w = torch.cat([p.reshape(-1) for p in params])
-        compiled(w, torch.cat([g.reshape(-1) for g in grads]), steps, exp_avg, exp_avg_sq, found_inf, *rest)
+        w, grad = (torch.cat([t.reshape(-1) for t in ts]) for ts in (params, grads))
+        # the lengths dynamic: one graph for sets of any length (a set that changes, e.g. a tensor
+        # without a gradient in a step, would compile anew, seconds each); the hyperparameters
+        # stay constants, as in the other calls
+        for t in (w, grad, steps, exp_avg, exp_avg_sq):
+            torch._dynamo.mark_dynamic(t, 0)
+        compiled(w, grad, steps, exp_avg, exp_avg_sq, found_inf, *rest)
         torch._foreach_copy_(params, [t.view_as(p) for t, p in zip(w.split([p.numel() for p in params]), params)])
 
     return update
