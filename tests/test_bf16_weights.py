@@ -937,7 +937,9 @@ def test_on_the_gpu_the_state_is_the_estimators():
 def test_on_the_gpu_the_first_steps_peak_is_the_state_and_little_more():
     """With torchao's update compiled (a process's first compilation peaked 63 MB above the state
     for a 2-layer BERT on an NVIDIA H200, bench/results/bf16-weights/pytest-gpu.log, once), the
-    first step allocates the state and little more: the estimator's stand-in holds no temporary."""
+    first step allocates the state and little more: the estimator's stand-in holds no temporary
+    beyond the small tensors' state packed end to end (a copy of it, while the per-tensor one is
+    freed) and the flat call's concatenated weights and gradients, a few KiB for this BERT."""
     start, _, peak, state, rounding = _first_cuda_step()
     assert peak - start < state + rounding + 4 * 2**20
 
