@@ -605,3 +605,52 @@ def test_an_image_list_given_through_a_link_resumes_and_exports_reading_the_imag
     assert main(["train", "--resume", str(out), "--no-progress"]) == 0
     assert "already finished at step 1" in capsys.readouterr().out
     assert main(["export", "--int8", str(out), "--out", str(tmp_path / "int8")]) == 0
+
+
+def _named_folder(root, classes, n=6):
+    """One class folder per name of ``classes``, each of ``n`` distinct grey images."""
+    for k, cls in enumerate(classes):
+        (root / cls).mkdir(parents=True)
+        for i in range(n):
+            Image.fromarray(np.full((8, 8), 10 * i + k, dtype=np.uint8)).save(root / cls / f"{i}.png")
+    return root
+
+
+def test_class_folders_that_differ_only_in_case_are_noted_as_a_text_lists_labels_are(tmp_path, caplog):
+    """``Cat/`` and ``cat/`` became two classes without a word, where a text list's labels ``pos``
+    and ``POS`` are noted (they stay apart: case can be meaningful); an image list's labels too."""
+    root = _named_folder(tmp_path / "data", ("Cat", "cat", "dog"))
+    with caplog.at_level("WARNING", logger="tightfit"):
+        data = load_image_classification(str(root))
+    assert data.label_names == ["Cat", "cat", "dog"]
+    notes = [r.getMessage() for r in caplog.records if "differ only in case" in r.getMessage()]
+    assert notes == [f"note: {root}: class folders that differ only in case are separate classes: 'Cat' and 'cat'"]
+
+    caplog.clear()
+    (tmp_path / "l.csv").write_text("path,label\n" + "".join(f"{p},{p.parent.name}\n" for p in sorted(root.rglob("*.png"))))
+    with caplog.at_level("WARNING", logger="tightfit"):
+        assert load_image_classification(str(tmp_path / "l.csv")).label_names == ["Cat", "cat", "dog"]
+    notes = [r.getMessage() for r in caplog.records if "differ only in case" in r.getMessage()]
+    assert notes == [f"note: {tmp_path / 'l.csv'}: labels of column 'label' that differ only in case are separate "
+                     "classes: 'Cat' and 'cat'"]
+
+
+def test_class_folders_that_are_one_number_written_two_ways_are_refused_in_one_line(tmp_path, capsys):
+    """``1/`` and ``01/`` became two classes (the model an output too many), where a text list's or
+    an image list's labels ``1`` and ``01`` are refused: refused alike, before any image is decoded."""
+    root = _named_folder(tmp_path / "data", ("01", "1", "2"))
+    with pytest.raises(TightfitError, match=r"class folders '01' and '1' are the same number written two ways"):
+        load_image_classification(str(root))
+    folder, out = _resnet_folder(tmp_path / "m", labels=("a", "b", "c")), tmp_path / "run"
+    capsys.readouterr()
+    code = main(["train", "--data", str(root), "--model", str(folder), "--image-size", "8", "--out", str(out),
+                 "--device", "cpu", "--no-progress", "--max-steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"tightfit: error: {root}: class folders '01' and '1' are the same number written "
+                                 "two ways; as classes they would be apart: give each class one folder"], (code, err)
+    assert not out.exists()
+
+    (tmp_path / "l.csv").write_text("path,label\n" + "".join(f"{p},{p.parent.name}\n" for p in sorted(root.rglob("*.png"))))
+    with pytest.raises(TightfitError, match=r"labels '01' and '1' are the same number written two ways in column "
+                                            r"'label'"):
+        load_image_classification(str(tmp_path / "l.csv"))

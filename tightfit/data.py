@@ -471,13 +471,19 @@ def _note_texts_that_are_numbers(path: Path, column: str, texts: list[str]) -> N
 def _note_labels_in_two_cases(path: Path, column: str, names: list[str]) -> None:
     """Warn (they stay separate classes: case can be meaningful) about labels that differ only in
     case, e.g. ``pos`` and ``POS``: likely one class written two ways."""
+    _note_case_twins(path, f"labels of column {column!r}", names)
+
+
+def _note_case_twins(path: Path, what: str, names: list[str]) -> None:
+    """The rule of :func:`_note_labels_in_two_cases`, for class names of any source: ``what`` names
+    them in the note (a list's labels, or an image folder's class folders)."""
     by_folded: dict[str, list[str]] = {}
     for name in names:
         by_folded.setdefault(name.casefold(), []).append(name)
     twins = [group for group in by_folded.values() if len(group) > 1]
     if twins:
         shown = "; ".join(" and ".join(repr(n) for n in group) for group in twins[:3])
-        log.warning(f"note: {path}: labels of column {column!r} that differ only in case are separate classes: "
+        log.warning(f"note: {path}: {what} that differ only in case are separate classes: "
                     f"{shown}{' ...' if len(twins) > 3 else ''}")
 
 
@@ -500,6 +506,15 @@ def _check_numbers_written_once(path: Path, column: str, names: list[str]) -> No
     Raises:
         TightfitError: one line naming the first such pair.
     """
+    pair = _one_number_twice(names)
+    if pair:
+        raise TightfitError(f"{path}: labels {pair[0]!r} and {pair[1]!r} are the same number written two ways "
+                            f"in column {column!r}; as classes they would be apart: write each class one way")
+
+
+def _one_number_twice(names: list[str]) -> tuple[str, str] | None:
+    """The rule of :func:`_check_numbers_written_once`, for class names of any source (an image
+    folder's class folders too): the first two names that are one number, or None."""
     from fractions import Fraction
 
     by_value: dict = {}
@@ -512,9 +527,9 @@ def _check_numbers_written_once(path: Path, column: str, names: list[str]) -> No
             except ValueError:
                 continue
         if value in by_value:
-            raise TightfitError(f"{path}: labels {by_value[value]!r} and {name!r} are the same number written two ways "
-                                f"in column {column!r}; as classes they would be apart: write each class one way")
+            return by_value[value], name
         by_value[value] = name
+    return None
 
 
 def _is_int(s: str) -> bool:

@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import _check_numbers_written_once, _is_int, _missing, _read_rows, _shown_column, majority_fraction
+from .data import (_check_numbers_written_once, _is_int, _missing, _note_case_twins, _note_labels_in_two_cases,
+                   _one_number_twice, _read_rows, _shown_column, majority_fraction)
 from .config import option_given, option_name
 from .errors import TightfitError
 from .units import count_of
@@ -280,13 +281,22 @@ def _check_image(path: Path) -> bytes:
 def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int = 0,
             root: str | None = None, label_column: str | None = None) -> ImageClassificationData:
     """Check every image, number the classes (numerically when all are integers); ``root``: see
-    :class:`ImageClassificationData`; ``label_column``: a list's, whose labels are checked as a
-    text list's are (one number written two ways, ``1`` and ``1.0``, would be two classes)."""
+    :class:`ImageClassificationData`; ``label_column``: a list's, None for a folder's class folders.
+    Either's class names are checked as a text list's labels are: one number written two ways
+    (``1`` and ``01``, ``1`` and ``1.0``) is refused (two classes, the model an output too many),
+    names that differ only in case (``Cat`` and ``cat``) are noted."""
     if not paths:
         raise TightfitError(f"{source}: no images")
     names = sorted(set(raw_labels))
     if label_column is not None:
         _check_numbers_written_once(Path(source), label_column, names)
+        _note_labels_in_two_cases(Path(source), label_column, names)
+    else:
+        pair = _one_number_twice(names)
+        if pair:
+            raise TightfitError(f"{source}: class folders {pair[0]!r} and {pair[1]!r} are the same number written two "
+                                "ways; as classes they would be apart: give each class one folder")
+        _note_case_twins(Path(source), "class folders", names)
     if all(_is_int(n) for n in names):  # as text labels are sorted ("--1" passed a digit test, then failed int())
         names = sorted(names, key=int)
     if len(names) < 2:
