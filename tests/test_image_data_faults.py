@@ -654,3 +654,22 @@ def test_class_folders_that_are_one_number_written_two_ways_are_refused_in_one_l
     with pytest.raises(TightfitError, match=r"labels '01' and '1' are the same number written two ways in column "
                                             r"'label'"):
         load_image_classification(str(tmp_path / "l.csv"))
+
+
+def test_a_row_of_an_image_list_that_repeats_the_header_is_skipped_and_counted(tmp_path):
+    """Two lists joined with both headers: the second header's row was an image ``path`` not found
+    (refused, naming a row the user did not think of as data). It is skipped and counted, as a
+    text list's is; in a TSV too."""
+    root = _named_folder(tmp_path / "data", ("a", "b"))
+    rows = [f"{p},{p.parent.name}" for p in sorted(root.rglob("*.png"))]
+    (tmp_path / "l.csv").write_text("\n".join(["path,label"] + rows[:5] + ["path,label"] + rows[5:]) + "\n")
+    data = load_image_classification(str(tmp_path / "l.csv"))
+    assert (data.label_names, len(data), data.skipped_header, data.skipped_blank) == (["a", "b"], 12, 1, 0)
+    (tmp_path / "l.tsv").write_text("".join(f"{r.replace(',', chr(9))}\n" for r in ["path,label"] + rows
+                                            + ["path,label"]))
+    data = load_image_classification(str(tmp_path / "l.tsv"))
+    assert (data.label_names, len(data), data.skipped_header) == (["a", "b"], 12, 1)
+    rows.insert(7, "gone.png,a")  # record 9, after the header's row: an error names the file's own record
+    (tmp_path / "l.csv").write_text("\n".join(["path,label"] + rows[:5] + ["path,label"] + rows[5:]) + "\n")
+    with pytest.raises(TightfitError, match=r"l.csv: row 9: image not found: .*gone.png$"):
+        load_image_classification(str(tmp_path / "l.csv"))

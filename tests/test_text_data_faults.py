@@ -317,3 +317,38 @@ def test_a_column_name_holding_an_invisible_character_is_shown_escaped(tmp_path)
     (tmp_path / "images.csv").write_text("path\u200b,label\nx.png,a\n")
     with pytest.raises(TightfitError, match=r"no column 'path' \(image_column\); columns are: 'path\\u200b', label$"):
         load_image_classification(str(tmp_path / "images.csv"))
+
+
+def test_a_row_that_repeats_the_header_is_skipped_and_counted_not_a_sample(tmp_path, caplog):
+    """``cat a.csv b.csv > all.csv`` kept b's header as a row: a sample of the text "text" in a
+    one-sample class "label", seen only in the startup line's class list. A row equal to the header
+    (the second file's byte order mark dropped, as the first's is) is skipped and counted in a note,
+    as blank rows are; in a TSV too. A row with only some of the header's cells is data."""
+    import logging
+
+    from conftest import tiny_cpu_job
+
+    from tightfit.cli import main
+
+    half = [f"review {i},{['pos', 'neg'][i % 2]}" for i in range(12)]
+    (tmp_path / "a.csv").write_text("\n".join(["text,label"] + half + ["text,label"] + half) + "\n")
+    data = load_text_classification(tmp_path / "a.csv")
+    assert (data.label_names, len(data), data.skipped_header) == (["neg", "pos"], 24, 1)
+    (tmp_path / "excel.csv").write_bytes(("\ufefftext,label\n" + "\n".join(half) + "\n").encode() * 3)
+    data = load_text_classification(tmp_path / "excel.csv")
+    assert (data.label_names, len(data), data.skipped_header) == (["neg", "pos"], 36, 2)
+    (tmp_path / "a.tsv").write_text("".join(f"{line.replace(',', chr(9))}\n" for line in ["text,label"] + half * 2
+                                            + ["text,label"]))
+    data = load_text_classification(tmp_path / "a.tsv")
+    assert (data.label_names, len(data), data.skipped_header) == (["neg", "pos"], 24, 1)
+    (tmp_path / "b.csv").write_text("\n".join(["text,label"] + half * 2 + ["text,pos"]) + "\n")
+    data = load_text_classification(tmp_path / "b.csv")
+    assert (len(data), data.skipped_header, data.texts[-1]) == (25, 0, "text")
+
+    job = tiny_cpu_job(tmp_path)
+    lines = (tmp_path / "data.csv").read_text().splitlines()
+    (tmp_path / "data.csv").write_text("\n".join(lines[:31] + lines[:1] + lines[31:]) + "\n")
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--model", job["model"], "--data", job["data"], "--batch-size", "8", "--max-steps", "1",
+                     "--seq-len", "16", "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert "1 row identical to the header was skipped (files joined, each with its header?)" in caplog.text

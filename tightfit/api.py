@@ -418,6 +418,10 @@ class TrainRecipe:
         if data.skipped_blank:
             self.notes.append(f"{count_of(data.skipped_blank, 'row')} with a blank {data.SAMPLE_FIELD} or label "
                               f"{'was' if data.skipped_blank == 1 else 'were'} skipped")
+        if data.skipped_header:  # said, as blank rows are: a count the file's row total does not show
+            self.notes.append(f"{count_of(data.skipped_header, 'row')} identical to the header "
+                              f"{'was' if data.skipped_header == 1 else 'were'} skipped (files joined, each with its "
+                              "header?)")
         self.train_data: TextClassificationData = data.subset(take(train_idx, limit))
         self.eval_data: TextClassificationData = data.subset(take(eval_idx, run.eval_samples))
         self.notes += check_split(data, self.train_data, self.eval_data)

@@ -53,6 +53,7 @@ class TextClassificationData:
         label_names: class names, index = label id.
         source: where the data came from (for reports).
         skipped_blank: rows dropped for a blank text or label.
+        skipped_header: rows of a CSV/TSV dropped for repeating its header (files joined with both headers).
     """
 
     SAMPLE_FIELD = "text"  # what a skipped row lacked, in the note that counts them
@@ -66,6 +67,7 @@ class TextClassificationData:
     label_names: list[str]
     source: str
     skipped_blank: int = 0
+    skipped_header: int = 0
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -173,7 +175,10 @@ def _data_format(path: Path) -> str | None:
                 None)
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _read_rows(path: Path) -> tuple[list[dict], set[int]]:
+    """The records of a CSV/TSV/JSONL file, as dicts of column to value, and the indices of those
+    of a CSV/TSV that repeat its header (:func:`_repeats_header`): kept in the list, so that a row
+    named in an error is the file's own record number, for the loader to skip and count."""
     kind = _data_format(path)
     if kind is None:
         raise TightfitError(f"{path}: unknown data format; use .csv, .tsv or .jsonl (optionally .gz/.bz2)")
@@ -199,7 +204,7 @@ def _read_rows(path: Path) -> list[dict]:
                         raise TightfitError(f"{path}: line {n} is not a JSON object (JSON Lines: one object per "
                                             f"line, e.g. {{\"text\": \"...\", \"label\": \"pos\"}})")
                     rows.append(row)
-                return rows
+                return rows, set()
             text = f.read()
     except UnicodeDecodeError as e:  # another encoding, or a compression this reader does not open (.xz, .zip)
         reason, at = _undecodable(path, e)
@@ -249,7 +254,18 @@ def _read_rows(path: Path) -> list[dict]:
             raise TightfitError(f"{path}: record {n - 1} has {fields} fields, the header has {len(reader.fieldnames)}"
                                 f"{_delimiter_hint(path, set(reader.fieldnames))}")  # texts with commas in another's file
     _check_merged_records(path, rows, reader.fieldnames, delimiter)
-    return rows
+    return rows, {i for i, row in enumerate(rows) if _repeats_header(row, reader.fieldnames)}
+
+
+def _repeats_header(row: dict, columns: list[str]) -> bool:
+    """Whether a CSV/TSV record is the header again, cell for cell: two files joined with both
+    headers (``cat a.csv b.csv``), whose second header was a sample (the text "text" in a class
+    "label"). Its first cell is read as the header's was, a byte order mark at its start dropped
+    (``utf-8-sig`` drops only the file's first: a spreadsheet saves one at the start of each file)."""
+    cells = [row[c] for c in columns]
+    if cells and isinstance(cells[0], str):
+        cells[0] = cells[0].removeprefix("\ufeff")
+    return cells == list(columns)
 
 
 SPREAD_READ_CHARS = 2**24  # what a line that is not JSON reads of the rest of the file to say why (16 Mi characters)
@@ -385,7 +401,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         if path.exists():  # /dev/null, a pipe, a socket: there, but nothing tightfit can read twice
             raise TightfitError(f"{path} is not a regular file; {option_name('data')} takes one CSV, TSV or JSONL file")
         raise TightfitError(f"data file not found: {path}")
-    rows = _read_rows(path)
+    rows, headers = _read_rows(path)
     if not rows:
         raise TightfitError(f"{path}: no rows")
     columns = set().union(*(r.keys() for r in rows[:100]))
@@ -396,6 +412,8 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
                                 f"{_delimiter_hint(path, columns)}")
     texts, raw, blank, spellings = [], [], 0, {}
     for n, r in enumerate(rows, 1):
+        if n - 1 in headers:  # counted (len(headers)) and said, as blank rows are
+            continue
         lacking = [c for c in (text_column, label_column) if c not in r]
         if lacking:  # JSONL only: a CSV record has every column of its header
             raise TightfitError(f"{path}: row {n} has no {' and no '.join(map(repr, lacking))} key")
@@ -442,7 +460,8 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     if len(names) < 2:
         raise TightfitError(f"{path}: column {label_column!r} has {len(names)} class(es); need at least 2")
     index = {name: i for i, name in enumerate(names)}
-    return TextClassificationData(texts, [index[x] for x in raw], names, str(path), skipped_blank=blank)
+    return TextClassificationData(texts, [index[x] for x in raw], names, str(path), skipped_blank=blank,
+                                  skipped_header=len(headers))
 
 
 def _missing(value) -> bool:

@@ -68,6 +68,7 @@ class ImageClassificationData:
             folders' folder, or a CSV's folder); None for pixels in memory (digits).
         digests: per sample, the SHA-256 of its file's bytes (:func:`_check_image`), or empty for
             pixels in memory: what :meth:`contents` compares.
+        skipped_header: rows of a CSV/TSV dropped for repeating its header (lists joined with both headers).
     """
 
     SAMPLE_FIELD = "image path"  # what a skipped row lacked, in the note that counts them
@@ -82,6 +83,7 @@ class ImageClassificationData:
     skipped_blank: int = 0
     root: str | None = None
     digests: tuple = ()
+    skipped_header: int = 0
 
     def __len__(self) -> int:
         return len(self.images)
@@ -279,9 +281,10 @@ def _check_image(path: Path) -> bytes:
 
 
 def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int = 0,
-            root: str | None = None, label_column: str | None = None) -> ImageClassificationData:
+            root: str | None = None, label_column: str | None = None, headers: int = 0) -> ImageClassificationData:
     """Check every image, number the classes (numerically when all are integers); ``root``: see
-    :class:`ImageClassificationData`; ``label_column``: a list's, None for a folder's class folders.
+    :class:`ImageClassificationData`; ``label_column``: a list's, None for a folder's class folders;
+    ``headers``: a list's rows left out for repeating its header.
     Either's class names are checked as a text list's labels are: one number written two ways
     (``1`` and ``01``, ``1`` and ``1.0``) is refused (two classes, the model an output too many),
     names that differ only in case (``Cat`` and ``cat``) are noted."""
@@ -303,7 +306,8 @@ def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int =
         raise TightfitError(f"{source}: {len(names)} class ({', '.join(names)}); need at least 2")
     digests = tuple(_check_image(Path(p)) for p in paths)
     index = {n: i for i, n in enumerate(names)}
-    return ImageClassificationData(paths, [index[x] for x in raw_labels], names, source, skipped, root, digests)
+    return ImageClassificationData(paths, [index[x] for x in raw_labels], names, source, skipped, root, digests,
+                                  skipped_header=headers)
 
 
 def _paths_under(folder: Path) -> list[Path]:
@@ -396,7 +400,7 @@ def _cell(path: Path, n: int, row: dict, column: str) -> str:
 
 def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassificationData:
     """A CSV/TSV of image paths (relative to the file's folder) and labels."""
-    rows = _read_rows(path)
+    rows, headers = _read_rows(path)
     if not rows:
         raise TightfitError(f"{path}: no rows")
     columns = set().union(*(r.keys() for r in rows[:100]))
@@ -408,6 +412,8 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
                                 f"{', '.join(sorted(_shown_column(c) for c in columns))}")
     paths, labels, blank = [], [], 0
     for n, r in enumerate(rows, 1):
+        if n - 1 in headers:  # counted (len(headers)) and said, as blank rows are
+            continue
         file, label = _cell(path, n, r, image_column), _cell(path, n, r, label_column)
         if not file or not label:
             blank += 1
@@ -419,7 +425,8 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
             raise TightfitError(f"{path}: row {n}: image not found: {p}")
         paths.append(str(p))
         labels.append(label)
-    return _finish(paths, labels, str(path), blank, root=str(path.parent), label_column=label_column)
+    return _finish(paths, labels, str(path), blank, root=str(path.parent), label_column=label_column,
+                   headers=len(headers))
 
 
 # PIL modes of one grey channel wider than 8 bits, and the value that becomes 255: PIL's
