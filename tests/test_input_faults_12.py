@@ -326,3 +326,62 @@ def test_class_ids_of_a_narrower_integer_type_are_refused_when_the_workload_is_m
                  collate_fn=collate_as("pixel_values", "labels"))
     Workload(torch.nn.Linear(8, 3), TensorDataset(x, y.to(torch.uint8)), None, 2, task=ImageClassification(),
              collate_fn=collate_as("pixel_values", "labels"))  # cross-entropy takes Byte class ids
+
+
+CLASS_IDS = "labels must be class ids in [0, 2) (the model's num_labels), or -100 to leave a sample out"
+
+
+class _Samples(torch.utils.data.Dataset):
+    """Token ids [8] and a class id per sample, read one by one (not a TensorDataset: no label set
+    to scan when the workload is made)."""
+
+    def __init__(self, labels):
+        self.ids, self.labels = torch.randint(1, 50, (len(labels), 8)), labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.ids[i], self.labels[i]
+
+
+def test_class_ids_past_the_models_classes_are_refused_on_the_host():
+    """A 2-class model trained on labels 0..2 failed at the first step of fit() with torch's
+    "IndexError: Target 2 is out of bounds" (on a GPU, a device-side assert that ends the CUDA
+    context: nothing after it works, not even a checkpoint). The dtype check read the first sample only."""
+    from torch.utils.data import TensorDataset
+
+    from tightfit.workload import collate_as
+
+    x, y = torch.randint(1, 50, (16, 8)), torch.arange(16) % 3
+    with pytest.raises(TightfitError, match=re.escape(f"{CLASS_IDS}; sample 2 is labelled 2 (")):
+        Workload(tiny_bert(), TensorDataset(x, y), None, 8, collate_fn=collate_as("input_ids", "labels"))
+    with pytest.raises(TightfitError, match=re.escape(f"{CLASS_IDS}; sample 2 is labelled -1 (")):  # eval data too
+        Workload(tiny_bert(), TensorDataset(x, y % 2), TensorDataset(x, torch.where(y == 2, -1, 0)), 8,
+                 collate_fn=collate_as("input_ids", "labels"))
+    # samples read one by one: the first one passes; the batch that holds sample 2 is refused when
+    # collated on the host, before it is copied to the device
+    w = Workload(tiny_bert(), _Samples(y), None, 8, collate_fn=collate_as("input_ids", "labels"))
+    with pytest.raises(TightfitError, match=re.escape(f"{CLASS_IDS}; sample 2 is labelled 2 (")):
+        w.train.collate([0, 1, 2])
+    for prefetch in (True, False):
+        with pytest.raises(TightfitError, match=re.escape(CLASS_IDS)):
+            Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, prefetch=prefetch), progress=False).fit()
+
+
+def test_ignored_labels_and_models_of_unknown_classes_still_train():
+    """-100 (cross-entropy's ignore_index) leaves a sample out and stays allowed; a model that is
+    no Hugging Face classifier has no known number of classes, and its labels are not checked
+    against one."""
+    from torch.utils.data import TensorDataset
+
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import collate_as
+
+    x, y = torch.randint(1, 50, (16, 8)), torch.where(torch.arange(16) % 3 == 2, -100, torch.arange(16) % 2)
+    w = Workload(tiny_bert(), TensorDataset(x, y), TensorDataset(x, y), 8, collate_fn=collate_as("input_ids", "labels"))
+    result = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1), progress=False).fit()
+    assert result.steps == 2 and result.eval["samples"] == 11
+    # a plain module: its 3 outputs are not read from a config, so labels 0..2 are not refused
+    Workload(torch.nn.Linear(8, 3), TensorDataset(torch.randn(6, 8), torch.arange(6) % 3), None, 2,
+             task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))

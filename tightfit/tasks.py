@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Protocol, runtime_checkable
+from typing import ClassVar, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from .errors import TightfitError
-from .masks import model_inputs
+from .masks import hf_model, model_inputs
 
 Batch = dict[str, torch.Tensor]
 
@@ -162,6 +162,58 @@ def _token_batch(config, micro_batch: int, size: int, dev: torch.device) -> Batc
     return {"input_ids": ids, "attention_mask": torch.ones(micro_batch, size, dtype=torch.long, device=dev)}
 
 
+# ---------------------------------------------------------------- class ids
+IGNORE_INDEX = -100  # cross-entropy's ignore_index: a sample labelled so is left out of the loss
+
+
+def num_classes(model: torch.nn.Module) -> int | None:
+    """The classes of ``model``'s logits ``[B, C]`` where the model says so: ``config.num_labels``
+    of a Hugging Face classifier (:func:`tightfit.masks.hf_model`, also wrapped by DDP,
+    ``torch.compile`` or peft; a class named ``...For*Classification``, e.g.
+    ``BertForSequenceClassification``). None for any other model (a plain module, a multiple-choice
+    head whose classes are its choices): its classes are not guessed."""
+    inner = hf_model(model)
+    name = type(inner).__name__
+    if inner is None or "Classification" not in name or "TokenClassification" in name:
+        return None
+    n = getattr(getattr(inner, "config", None), "num_labels", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+def check_class_ids(labels: torch.Tensor, num_classes: int, samples: Sequence[int] | None = None,
+                    who: str = "SequenceClassification") -> None:
+    """Refuse class ids outside ``[0, num_classes)`` other than -100 (:data:`IGNORE_INDEX`), which
+    cross-entropy fails on at the step: on the CPU as ``IndexError: Target 2 is out of bounds``,
+    on a GPU as a device-side assert that ends the CUDA context (nothing after it runs, not even a
+    checkpoint). Runs on the host: labels on another device are not read (that would wait for it).
+
+    Args:
+        labels: class ids, int64 or uint8 ``[N]`` (a batch's, or a dataset's whole label set).
+        num_classes: the model's classes (:func:`num_classes`).
+        samples: the sample index of each of ``labels`` (``[N]``) for the message; None: unknown.
+        who: the task, as the message names it.
+
+    Raises:
+        TightfitError: one line with the range, where it came from, the first label outside it,
+            its sample and the fix.
+    """
+    if labels.device.type != "cpu" or labels.numel() == 0:
+        return
+    ids = labels.long()  # uint8 cannot hold -100
+    if int(ids.max()) < num_classes and int(ids.min()) >= 0:  # the usual batch: two reductions over [N]
+        return
+    bad = (ids >= num_classes) | ((ids < 0) & (ids != IGNORE_INDEX))
+    if not bool(bad.any()):
+        return
+    at = int(bad.nonzero()[0, 0])
+    value = int(ids[at])
+    where = f"sample {int(samples[at])} is labelled {value}" if samples is not None else f"a batch holds {value}"
+    fix = (f"number the classes 0..{num_classes - 1}, or give the model num_labels={value + 1}" if value >= num_classes
+           else f"number the classes 0..{num_classes - 1}")
+    raise TightfitError(f"{who}: labels must be class ids in [0, {num_classes}) (the model's num_labels), or "
+                        f"{IGNORE_INDEX} to leave a sample out; {where} ({fix})")
+
+
 # ---------------------------------------------------------------- the tasks
 @dataclass(frozen=True)
 class SequenceClassification:
@@ -180,12 +232,20 @@ class SequenceClassification:
     def count(self, batch: Batch) -> int:
         return count_samples(batch)
 
-    def check_batch(self, batch: Batch) -> None:
+    def check_batch(self, batch: Batch, samples: Sequence[int] | None = None, num_classes: int | None = None) -> None:
         """Refuse a batch whose ``labels`` are not class ids ``[B]`` of a type cross-entropy takes,
-        int64 or uint8 (float, int32 or ``[B, 1]`` labels failed in cross-entropy at the run's first step).
+        int64 or uint8 (float, int32 or ``[B, 1]`` labels failed in cross-entropy at the run's first step),
+        or, where the model's number of classes is known, not in ``[0, num_classes)`` or -100
+        (:func:`check_class_ids`). Cheap enough for every batch: a few operations over ``[B]``.
+
+        Args:
+            batch: a collated batch dict.
+            samples: the sample index of each row (``[B]``) for the message, or None.
+            num_classes: the model's classes (:func:`num_classes`), or None: not checked.
 
         Raises:
-            TightfitError: one line with the labels' dtype and shape and the fix.
+            TightfitError: one line with the labels' dtype and shape and the fix, or with the
+                first label out of range, its sample and the fix.
         """
         labels = batch.get("labels") if isinstance(batch, dict) else None
         if not torch.is_tensor(labels):
@@ -196,6 +256,8 @@ class SequenceClassification:
             raise TightfitError(f"{type(self).__name__}: labels must be class ids, int64 [B]; the batches' are "
                                 f"{str(labels.dtype).removeprefix('torch.')} [{shape}] (e.g. {fix} in the "
                                 "collate function)")
+        if num_classes is not None:
+            check_class_ids(labels, num_classes, samples, type(self).__name__)
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
         """``{"correct", "loss_sum", "samples"}`` of one batch's labelled samples (argmax of fp32

@@ -11,6 +11,7 @@ tokens for token-level losses).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from .data import TextClassificationData
 from .errors import TightfitError
 from .plan import MAX_BATCH
 from .tasks import (CausalLM, ImageClassification, SequenceClassification, Task, causal_lm_loss_sum,
-                    classification_loss_sum, count_samples, count_target_tokens, task_for)
+                    classification_loss_sum, count_samples, count_target_tokens, num_classes, task_for)
 
 __all__ = ["CausalLM", "DatasetBatches", "ImageClassification", "SequenceClassification", "Task", "TextBatches",
            "Workload", "as_batches", "causal_lm_loss_sum", "classification_loss_sum", "collate_as",
@@ -100,6 +101,10 @@ class TextBatches:
         batch["labels"] = self._labels[idx]
         return batch
 
+    def all_labels(self) -> torch.Tensor:
+        """Every sample's label, int64 ``[N]`` (checked whole when a workload is made)."""
+        return self._labels
+
     def worst_case(self, n: int) -> dict[str, torch.Tensor]:
         """``n`` samples padded to the full ``seq_len``: the largest batch of ``n`` the data can make
         (used by the memory probe so that a plan that fits it fits every real batch)."""
@@ -112,13 +117,15 @@ def collate_as(*keys: str) -> Callable[[list], dict[str, torch.Tensor]]:
     of every sample, stacked along a new first dimension ``[B, ...]``, becomes ``batch[keys[j]]``.
 
     Example: ``collate_as("pixel_values", "labels")`` turns samples ``([3, H, W], [])`` into
-    ``{"pixel_values": [B, 3, H, W], "labels": [B]}``.
+    ``{"pixel_values": [B, 3, H, W], "labels": [B]}``. The function's ``keys`` attribute holds
+    ``keys`` (:meth:`DatasetBatches.all_labels` finds a ``TensorDataset``'s labels by it).
     """
     def collate(samples: list) -> dict[str, torch.Tensor]:
         if len(samples[0]) != len(keys):
             raise TightfitError(f"collate_as{keys}: samples have {len(samples[0])} fields, not {len(keys)}")
         return {k: torch.stack([torch.as_tensor(s[j]) for s in samples]) for j, k in enumerate(keys)}
 
+    collate.keys = keys
     return collate
 
 
@@ -154,6 +161,12 @@ class DatasetBatches:
             copies of the largest sample (by element count) among the first
             :data:`WORST_CASE_SCAN` spread over the dataset, which is exact for fixed-size samples
             and for a collate function that pads to the longest sample.
+
+    Attributes:
+        check_batch: ``(batch, samples) -> None``, run on every batch :meth:`collate` makes, on
+            the host before it can reach a device (e.g. a task's label check, which raises
+            :class:`TightfitError`; ``samples``: the batch's sample indices); None: none. Set by
+            :meth:`check`.
     """
 
     def __init__(self, dataset, collate_fn: Callable[[list], dict] | None = None,
@@ -162,6 +175,7 @@ class DatasetBatches:
 
         self.dataset, self.collate_fn = dataset, collate_fn or default_collate
         self._worst_case, self._largest = worst_case, None
+        self.check_batch: Callable[[dict, Sequence[int]], None] | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -172,8 +186,15 @@ class DatasetBatches:
     def collate(self, indices: Sequence[int], pad_to: int | None = None) -> dict[str, torch.Tensor]:
         """``collate_fn`` of the samples at ``indices`` (``pad_to`` is for :class:`TextBatches`' kind
         of data and ignored here); a mapping it gives (Hugging Face's collators give a
-        ``BatchEncoding``, a ``UserDict``) as a plain dict of the same tensors."""
-        return _plain_dict(self.collate_fn([self.dataset[i] for i in indices]))
+        ``BatchEncoding``, a ``UserDict``) as a plain dict of the same tensors.
+
+        Raises:
+            TightfitError: whatever :attr:`check_batch` raises on the batch.
+        """
+        batch = _plain_dict(self.collate_fn([self.dataset[i] for i in indices]))
+        if self.check_batch is not None:  # every batch, training's and the planner's, on the host
+            self.check_batch(batch, indices)
+        return batch
 
     def worst_case(self, n: int) -> dict[str, torch.Tensor]:
         """The batch of ``n`` samples that takes the most memory (see the class docstring); a
@@ -185,15 +206,28 @@ class DatasetBatches:
             self._largest = max(range(0, len(self), step), key=lambda i: _sample_size(self.dataset[i]))
         return self.collate([self._largest] * n)
 
-    def check(self, check_batch: Callable[[dict], None] | None = None) -> None:
+    def all_labels(self) -> torch.Tensor | None:
+        """Every sample's ``labels`` ``[N]`` where they are one tensor already: a ``TensorDataset``
+        collated by :func:`collate_as` with a ``"labels"`` field; else None (not read sample by sample)."""
+        keys = getattr(self.collate_fn, "keys", None)
+        tensors = getattr(self.dataset, "tensors", None)
+        if not isinstance(self.dataset, torch.utils.data.TensorDataset) or not keys or "labels" not in keys \
+                or len(tensors) != len(keys):
+            return None
+        return tensors[keys.index("labels")]
+
+    def check(self, check_batch: Callable[[dict, Sequence[int]], None] | None = None) -> None:
         """Collate the first sample and check that it gives a dict of tensors, then pass that
-        batch to ``check_batch`` (e.g. a task's label check; None: none).
+        batch, and every batch collated after (:attr:`check_batch`), to ``check_batch`` (e.g. a
+        task's label check; None: none).
 
         Raises:
             TightfitError: it does not (one line saying what it gave); whatever ``check_batch``
                 raises.
         """
+        self.check_batch = None  # the first batch's form is checked before check_batch reads it
         if len(self) == 0:
+            self.check_batch = check_batch
             return
         batch = self.collate([0])
         if not isinstance(batch, dict) or not all(isinstance(v, torch.Tensor) for v in batch.values()):
@@ -203,15 +237,27 @@ class DatasetBatches:
                                 f"'labels' (got {got}); for tuple samples use collate_as('input_ids', 'labels') or "
                                 f"collate_as('pixel_values', 'labels')")
         if check_batch is not None:
-            check_batch(batch)
+            check_batch(batch, [0])
+        self.check_batch = check_batch
+
+
+def _check_all_labels(batches, check_batch) -> None:
+    """``check_batch`` over every sample's labels at once where ``batches`` holds them as one tensor
+    (``all_labels()``: :class:`TextBatches`, a ``TensorDataset`` in :class:`DatasetBatches`): a
+    fault anywhere in them is said when the workload is made, not at the step that meets it."""
+    labels = batches.all_labels() if hasattr(batches, "all_labels") else None
+    if check_batch is not None and labels is not None:
+        check_batch({"labels": labels}, range(len(labels)))
 
 
 def as_batches(data, collate_fn: Callable[[list], dict] | None = None,
-               check_batch: Callable[[dict], None] | None = None):
+               check_batch: Callable[[dict, Sequence[int]], None] | None = None):
     """``data`` itself if it collates index lists (``collate`` and ``worst_case``, e.g.
     :class:`TextBatches`) and no ``collate_fn`` is given; otherwise a checked
     :class:`DatasetBatches` of it (:meth:`DatasetBatches.check` with ``check_batch``, which a
-    :class:`DatasetBatches` given as such gets too); None stays None.
+    :class:`DatasetBatches` given as such gets too, and which then checks every batch it collates);
+    None stays None. ``check_batch(batch, samples)`` also checks every sample's labels at once
+    where they are one tensor already (``all_labels()``).
 
     Raises:
         TightfitError: the collate function does not give a dict of tensors; whatever
@@ -222,11 +268,16 @@ def as_batches(data, collate_fn: Callable[[list], dict] | None = None,
     if isinstance(data, DatasetBatches):
         if check_batch is not None:
             data.check(check_batch)
+        else:
+            data.check_batch = None  # an earlier workload's (another model's classes) is not this one's
+        _check_all_labels(data, check_batch)
         return data
     if collate_fn is None and hasattr(data, "collate") and hasattr(data, "worst_case"):
+        _check_all_labels(data, check_batch)  # its batches are its own: not collated here
         return data
     batches = DatasetBatches(data, collate_fn)
     batches.check(check_batch)
+    _check_all_labels(batches, check_batch)
     return batches
 
 
@@ -274,9 +325,13 @@ class Workload:
             self.loss_sum = self.task.loss_sum
         if self.count is None:
             self.count = self.task.count
-        # the task's own loss: the labels of a dataset given as such are checked on the first sample
-        # that DatasetBatches.check collates; tightfit's own batches, and those that collate index
-        # lists themselves, are not collated here
-        check = getattr(self.task, "check_batch", None) if self.loss_sum == self.task.loss_sum else None
+        # the task's own classification loss: the labels of a dataset given as such are checked on the
+        # first sample that DatasetBatches.check collates, then on every batch it collates (on the host:
+        # a class id past the model's fails in cross-entropy as a device-side assert on a GPU); a label
+        # set held in one tensor is checked whole here; tightfit's own batches, and those that collate
+        # index lists themselves, are not collated here
+        check = None
+        if isinstance(self.task, SequenceClassification) and self.loss_sum == self.task.loss_sum:
+            check = functools.partial(self.task.check_batch, num_classes=num_classes(self.model))
         self.train = as_batches(self.train, self.collate_fn, check)
-        self.eval = as_batches(self.eval, self.collate_fn)
+        self.eval = as_batches(self.eval, self.collate_fn, check)
