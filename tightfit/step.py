@@ -269,10 +269,11 @@ class MetaOptimizer:
         """``adamw8bit-bf16``'s packing of its small tensors' state for the flat call
         (:meth:`~tightfit.levers.optimizers._bf16_class`'s ``_packed``, once): their counters and
         moments copied end to end into three new tensors, the per-tensor ones then freed."""
-        from .levers.optimizers import is_flat
+        from .levers.optimizers import bf16_flat_call
 
-        small = [p for p in self.params if p.grad is not None and is_flat(p.numel())]
-        if len(small) < 2 or all(self.state[p][1]._base is not None for p in small):
+        stepped = [p for p in self.params if p.grad is not None]
+        small = [stepped[i] for i in bf16_flat_call([p.shape for p in stepped])]
+        if not small or all(self.state[p][1]._base is not None for p in small):
             return
         n = sum(p.numel() for p in small)
         steps = torch.zeros(len(small), device=small[0].device)
