@@ -199,9 +199,10 @@ def check_class_ids(labels: torch.Tensor, num_classes: int, samples: Sequence[in
     """
     if labels.device.type != "cpu" or labels.numel() == 0:
         return
-    ids = labels.long()  # uint8 cannot hold -100
-    if int(ids.max()) < num_classes and int(ids.min()) >= 0:  # the usual batch: two reductions over [N]
+    low, high = torch.aminmax(labels)  # the usual batch: one pass over [N], no copy
+    if int(high) < num_classes and int(low) >= 0:
         return
+    ids = labels.long()  # uint8 cannot hold -100
     bad = (ids >= num_classes) | ((ids < 0) & (ids != IGNORE_INDEX))
     if not bool(bad.any()):
         return
