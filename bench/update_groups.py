@@ -98,7 +98,8 @@ def main(variant: str) -> None:
         extra.append(torch.cuda.max_memory_allocated() - before if DEVICE == "cuda" else 0)
     row = {"variant": variant, "device": DEVICE, "layers": LAYERS or 24, "tensors": len(ps), "compiled_calls_per_step": calls, "first_step_s": first,
            "host_ms": statistics.median(host) * 1e3, "step_ms": statistics.median(wall) * 1e3,
-           "temporaries_MiB": max(extra) / 2**20 if DEVICE == "cuda" else None,  # not measured on a CPU "flat_small_tensors": optimizers.FLAT_SMALL_TENSORS, **checksums(opt, ps), "torch": torch.__version__,
+           "temporaries_MiB": max(extra) / 2**20 if DEVICE == "cuda" else None,  # not measured on a CPU
+           "flat_small_tensors": optimizers.FLAT_SMALL_TENSORS, **checksums(opt, ps), "torch": torch.__version__,
            "inductor_caches": "off" if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1" else "on"}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"update_groups-{variant}.json").write_text(json.dumps(row, indent=1))
