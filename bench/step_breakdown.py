@@ -69,7 +69,7 @@ ROWS = {
 # 8-bit bf16 update took its verdict on the device): the host waits for the GPU at every step
 ROWS.update({f"{name}-sync": ROWS[name]
              for name in ("large-plan-4GiB-128-compiled", "large-plan-4GiB-128-model-compiled")})
-# adamw8bit-bf16's update one compiled call per tensor (before update groups), not per layer
+# adamw8bit-bf16's update with every 8-bit tensor alone (CHUNK_ELEMENTS 0), not in chunks
 ROWS.update({f"{name}-per-tensor": ROWS[name]
              for name in ("large-plan-4GiB-128-compiled", "large-plan-4GiB-128-model-compiled")})
 # issue 17: BERT-base seq 128 at 4 GiB (effective batch 256, bitsandbytes' 8-bit AdamW): the planned
@@ -79,7 +79,7 @@ ROWS.update({f"base-4GiB-{mb}{'-ckpt' if mb == 256 else ''}-{scope}": (
     for mb in (256, 64, 52, 43, 37, 32) for scope in ("model", "blocks")})
 ROWS.update({"base-nobudget-256-adamw-model": ("bert-base", 128, None, "bf16", 256, 256, False, "adamw", True, "model"),
              "base-nobudget-256-adamw": ("bert-base", 128, None, "bf16", 256, 256, False, "adamw", True, False)})
-UPDATE_GROUPS = __import__("tightfit.levers.optimizers", fromlist=["update_groups"]).update_groups
+CHUNK_ELEMENTS = __import__("tightfit.levers.optimizers", fromlist=["CHUNK_ELEMENTS"]).CHUNK_ELEMENTS
 
 
 def run_row(name: str, profile: bool) -> dict:
@@ -92,8 +92,7 @@ def run_row(name: str, profile: bool) -> dict:
     compile_lever.compile_scope = (lambda model: "model") if compiled == "model" else SCOPE
     step_module.skips_on_device = (lambda optimizer: False) if name.endswith("-sync") else SKIPS_ON_DEVICE
     import tightfit.levers.optimizers as optimizers
-    optimizers.update_groups = ((lambda sig: [range(i, i + 1) for i in range(len(sig))])
-                                if name.endswith("-per-tensor") else UPDATE_GROUPS)
+    optimizers.CHUNK_ELEMENTS = 0 if name.endswith("-per-tensor") else CHUNK_ELEMENTS  # 0: every 8-bit tensor alone
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory

@@ -199,17 +199,17 @@ class MetaOptimizer:
     tensors are small (under 4,096 elements, :func:`~tightfit.levers.optimizers.is_flat`), their
     counters and moments packed end to end for the flat call
     (:func:`tightfit.levers.optimizers._compiled_flat_update`: three new tensors, the per-tensor
-    ones freed). At every step its compiled update
-    (:func:`tightfit.levers.optimizers._compiled_update`, or a repeated layer's 8-bit tensors in
-    one call, :func:`~tightfit.levers.optimizers._compiled_group_update`) holds, while
-    it updates an 8-bit tensor of ``n`` elements, fp32 temporaries of
-    :data:`~tightfit.levers.optimizers.BF16_UPDATE_TEMPORARY_BYTES` (8) x ``n`` bytes (its two
-    moments dequantized); a call's updates of same-sized tensors may be fused and hold theirs
-    together (3 x 4096 x 4096 in one call on a CPU: 384 MiB, one by one 128 MiB): counted here
-    as one temporary, the largest call's sum over its 8-bit tensors, after the state (BERT-large:
-    its word embeddings, updated alone; 241 MiB measured either way, bench/results/update-groups). Measured on an NVIDIA H200, torch 2.11, the second step of one tensor: 8.03 to 8.08 B
-    per element for 1M to 67M elements (bench/results/optimizer-temporaries); the flat call holds
-    its concatenated weights and gradients (4 B per element) instead where that is more.
+    ones freed). At every step its compiled update (a chunk of consecutive 8-bit tensors per
+    call, :func:`~tightfit.levers.optimizers._compiled_chunk_update`) holds, while it updates
+    ``n`` elements of 8-bit tensors, fp32 temporaries of
+    :data:`~tightfit.levers.optimizers.BF16_UPDATE_TEMPORARY_BYTES` (8) x ``n`` bytes (the two
+    moments dequantized), and a chunk of several tensors their concatenations
+    (:data:`~tightfit.levers.optimizers.CHUNK_TEMPORARY_BYTES` per element): counted here as one
+    temporary, the largest call's (BERT-large: its word embeddings, updated alone; 241 MiB
+    measured, bench/results/update-groups). Measured on an NVIDIA H200, torch 2.11, the second
+    step of one tensor: 8.03 to 8.08 B per element for 1M to 67M elements
+    (bench/results/optimizer-temporaries); the flat call holds its concatenated weights and
+    gradients (4 B per element) instead where that is more.
     Parameters without a gradient get no state.
     """
 

@@ -425,8 +425,9 @@ def _compiled_update():
     step as shipped, 139 ms through one compiled function; on another machine
     (bench/results/optimizer-dispatch-2) 77.9 ms through one function, 44.6 ms with the plain
     tensors. The update itself is ~8 ms of GPU time. (AMSGrad has no skippable variant: the
-    optimizer's ``step`` refuses it.) Repeated blocks' tensors go through
-    :func:`_compiled_group_update` instead.
+    optimizer's ``step`` refuses it.) Here go the tensors that fit neither the chunks
+    (:func:`_compiled_chunk_update`) nor the flat call: sharded (DTensor) weights, and large tensors
+    whose moments are not 8-bit.
     """
     compiled = torch.compile(_skippable_update(), fullgraph=True, dynamic=False)
 
@@ -438,38 +439,66 @@ def _compiled_update():
 
 
 @functools.cache
-def _compiled_group_update():
-    """:func:`_compiled_update` over a group of tensors in one compiled call: the same update
-    for each tensor, in order, unrolled by the compiler into one graph. Called as
-    ``update(items, found_inf, lr, beta1, beta2, weight_decay, eps, is_adamw, stochastic_round)``
-    with ``items`` a list of ``(p, grad, step, exp_avg, exp_avg_sq)``.
+def _compiled_chunk_update():
+    """:func:`_compiled_update` over a chunk of 8-bit tensors (:func:`update_chunks`) laid end to
+    end as 256-element blocks: one compiled graph, its block count dynamic, serves every chunk
+    and every lone 8-bit tensor of every model. Called as ``update(params, grads, steps,
+    exp_avg, exp_avg_sq, found_inf, lr, beta1, beta2, weight_decay, eps, is_adamw,
+    stochastic_round)``: ``params`` the weights (detached, contiguous, each a whole number of
+    256-element blocks), ``grads`` their gradients, ``steps`` their 0-d fp32 counters (they may
+    differ), ``exp_avg``/``exp_avg_sq`` their ``OptimState8bit`` moments.
 
-    Why: the per-tensor update is bound by the host, ~0.1 ms of Python and guard checks per
-    compiled call against ~0.02 ms of GPU time (BERT-large: 393 calls, ~45 ms of host time for
-    ~8 ms of GPU work, bench/results/optimizer-dispatch-2). The groups are the repeats of the
-    model's tensor sequence (a transformer layer's tensors, :func:`update_groups`), so every
-    group of a model compiles to the same graph: one compilation serves every layer, and the
-    step makes a call per layer.
+    Why: the step is bound by the host, and compilation by the graphs' size. A graph that
+    unrolled one update per tensor of a layer (the repeats of a model's tensor sequence, one
+    call per layer) cost ~0.1 ms of host time per tensor and compiled for ~30 s on a CPU for
+    BERT's 7 8-bit tensors (bench/results/chunked-update); here a chunk costs a few launches
+    (the concatenations, one graph of one update, one multi-tensor copy back) and one graph of
+    one update compiles once.
 
-    The math per tensor is :func:`_compiled_update`'s, the moments bit-identical; with
-    stochastic rounding the weights get other draws than one call per tensor would give (the
-    compiler seeds each graph's random ops from one draw of the generator), each weight still
-    rounded to one of its two bf16 neighbours with the same probabilities.
+    The math per element is :func:`_compiled_update`'s: a chunk's blocks are its tensors'
+    blocks (every 8-bit tensor is a whole number of them), so the 8-bit moments' block scales
+    and codes are each tensor's own, bit for bit; each block takes its tensor's counter for the
+    bias corrections; without stochastic rounding the weights are bit-identical too, with it
+    they get other draws (tests/test_bf16_weights.py). Non-finite verdicts skip it as
+    :func:`_compiled_update` does: every value stays as it was, the counters included. A chunk of
+    several tensors holds their concatenated weights, gradients and codes
+    (:data:`CHUNK_TEMPORARY_BYTES` per element) beside the update's own temporaries while it runs.
     """
-    skippable = _skippable_update()
+    from torchao.optim.adam import single_param_adam
+    from torchao.optim.subclass_8bit import OptimState8bit
 
-    def group(items, found_inf, *rest):
-        for p, grad, step, m1, m2, signed1, signed2 in items:
-            skippable(p, grad, step, found_inf, m1, m2, signed1, signed2, *rest)
+    def chunk(w, grad, steps, codes1, scale1, codes2, scale2, qmap1, qmap2, signed1, signed2, found_inf, *rest):
+        # w, grad, codes: (blocks, 256); scale: (blocks,); steps: (blocks,) fp32, each block's counter
+        apply = found_inf == 0
+        new_w, new_c1, new_s1, new_c2, new_s2 = (t.clone() for t in (w, codes1, scale1, codes2, scale2))
+        single_param_adam(new_w, grad, steps.unsqueeze(1) + 1, OptimState8bit(new_c1, new_s1, qmap1, signed1),
+                          OptimState8bit(new_c2, new_s2, qmap2, signed2), None, *rest)
+        for old, new in zip((w, codes1, scale1, codes2, scale2), (new_w, new_c1, new_s1, new_c2, new_s2)):
+            old.copy_(torch.where(apply, new, old))
 
-    compiled = torch.compile(group, fullgraph=True, dynamic=False)
+    compiled = torch.compile(chunk, fullgraph=True)
 
-    def update(items, found_inf, *rest):
-        plain = []
-        for p, grad, step, exp_avg, exp_avg_sq in items:
-            (m1, signed1), (m2, signed2) = _moment_parts(exp_avg), _moment_parts(exp_avg_sq)
-            plain.append((p, grad, step, m1, m2, signed1, signed2))
-        return compiled(plain, found_inf, *rest)
+    def update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, *rest):
+        def joined(ts, *shape):  # one tensor of ``shape``: a view of a lone one, else a concatenation
+            return ts[0].view(shape) if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts]).view(shape)
+
+        blocks = [p.numel() // BLOCK_SIZE for p in params]
+        parts = [joined(params, -1, BLOCK_SIZE), joined(grads, -1, BLOCK_SIZE),
+                 torch.cat([s.reshape(1).expand(n) for s, n in zip(steps, blocks)])]
+        for m in (exp_avg, exp_avg_sq):
+            parts += [joined([x.codes for x in m], -1, BLOCK_SIZE), joined([x.scale for x in m], -1)]
+        for t in parts:  # one graph for chunks of any length (a new length would compile anew)
+            torch._dynamo.mark_dynamic(t, 0)
+        w, grad, counters, c1, s1, c2, s2 = parts
+        compiled(w, grad, counters, c1, s1, c2, s2, exp_avg[0].qmap, exp_avg_sq[0].qmap, exp_avg[0].signed,
+                 exp_avg_sq[0].signed, found_inf, *rest)
+        if len(params) > 1:  # the chunk's results back into each tensor: one multi-tensor copy
+            sources = [t.split(blocks) for t in (w, c1, c2)] + [t.split(blocks) for t in (s1, s2)]
+            targets = [params, [x.codes for x in exp_avg], [x.codes for x in exp_avg_sq],
+                       [x.scale for x in exp_avg], [x.scale for x in exp_avg_sq]]
+            torch._foreach_copy_([t for ts in targets for t in ts],
+                                 [s.view_as(t) for ss, ts in zip(sources, targets) for s, t in zip(ss, ts)])
+        torch._foreach_add_(list(steps), (found_inf == 0).to(steps[0].dtype))
 
     return update
 
@@ -493,7 +522,7 @@ def _compiled_flat_update():
     Adam is element-wise, so each element's moments and (without stochastic rounding) weight are
     bit-identical to its own call's (tests/test_bf16_weights.py, run on a CPU only; a GPU's kernels
     were not compared); with it, other draws (as for
-    :func:`_compiled_group_update`). Non-finite verdicts skip it as :func:`_compiled_update` does:
+    :func:`_compiled_chunk_update`). Non-finite verdicts skip it as :func:`_compiled_update` does:
     nothing changes, the counters included (the weights are written back unchanged). It holds the
     concatenated weights and gradients (:data:`FLAT_TEMPORARY_BYTES` per element) while it runs.
     """
@@ -522,8 +551,8 @@ def _compiled_flat_update():
     return update
 
 
-# False: adamw8bit-bf16 updates its small (not 8-bit) tensors in the layers' calls too, as before
-# the flat call (bench/update_groups.py times both).
+# False: adamw8bit-bf16 updates its small (not 8-bit) tensors one call each, as before the flat
+# call (bench/update_chunks.py's per-tensor variant).
 FLAT_SMALL_TENSORS = True
 # Bytes per element the flat call holds while it runs: the weights and gradients concatenated (bf16).
 FLAT_TEMPORARY_BYTES = 4
@@ -538,49 +567,37 @@ def is_flat(numel: int) -> bool:
     return FLAT_SMALL_TENSORS and numel < QUANTIZED_MIN_NUMEL
 
 
-# A group of the 8-bit bf16 update holds at most this many tensors, and a repeat of fewer tensors is
-# grouped several repeats at a time up to it. A transformer layer has 4-8 8-bit tensors (BERT-large:
-# 7 of its 16; the others go in the flat call): one layer per call. Cold compilation of BERT-large's
-# update on a CPU (the first 4 layers, bench/results/update-flat/): 55-57 s with groups of up to 8,
-# 102-106 s with up to 16 (two layers' 14 per call), 64-65 s before the flat call (a layer's 16 per call).
-GROUP_TENSORS = 8
+# A chunk of the 8-bit bf16 update (one compiled call, :func:`_compiled_chunk_update`) holds
+# consecutive 8-bit tensors up to this many elements in all (:func:`update_chunks` lowers it so that
+# a chunk holds no more temporaries than the largest tensor's lone update); 0: every tensor alone.
+# 2**24: BERT-large's 171 8-bit tensors in 25 calls (a layer holds 12.6M elements), each holding at
+# most 16.8M x (CHUNK_TEMPORARY_BYTES + BF16_UPDATE_TEMPORARY_BYTES) = 235 MB, under its word
+# embeddings' lone update (31.3M x 8 B).
+CHUNK_ELEMENTS = 1 << 24
+# Bytes per element a chunk of several tensors holds in concatenations while its call runs:
+# weights and gradients (bf16) and both moments' codes (uint8); the block scales and counters
+# (8 + 4 B per 256 elements) left out.
+CHUNK_TEMPORARY_BYTES = 2 + 2 + 1 + 1
 
 
-def update_groups(signatures: list) -> list[range]:
-    """Consecutive index ranges covering ``signatures`` (one hashable per tensor, in update order:
-    param group, device, dtype, shape, state kind), each updated by one compiled call: the
-    stretch where the sequence repeats at least twice with a period ``p`` (the ``p`` <=
-    :data:`GROUP_TENSORS` whose repeats cover the most tensors, the smallest on a tie) is cut into
-    ranges of ``p`` times ``GROUP_TENSORS // p`` repeats (at most as many as leave two ranges), all
-    with the same signatures, so one compilation serves them; every other tensor is a range of
-    its own. BERT's 7 8-bit tensors per layer (:func:`bf16_update_calls`: its other 9 go in the
-    flat call): one range per layer; the embeddings and pooler one by one. Tensors outside the
-    stretch are not grouped: a range of unlike tensors would compile a graph of its own for a
-    single call (a BART decoder's 161 tensors in one range did not finish compiling in 15
-    minutes on a CPU), and its tensors could belong to other param groups or devices."""
-    n = len(signatures)
-    best = (0, 0, 0)  # (tensors covered by whole repeats, -p, where the periodic stretch starts)
-    for p in range(1, min(GROUP_TENSORS, n // 2) + 1):
-        run = 0  # signatures[i - run + 1 .. i + p] repeat with period p
-        for i in range(n - p):
-            run = run + 1 if signatures[i] == signatures[i + p] else 0
-            covered = (run + p) // p * p
-            if run >= p and (covered, -p) > best[:2]:  # at least two whole repeats
-                best = (covered, -p, i - run + 1)
-    covered, p, start = best[0], -best[1], best[2]
-    if not covered:
-        return [range(i, i + 1) for i in range(n)]
-    size = p * max(1, min(GROUP_TENSORS // p, covered // p // 2))
-    end = start + covered // size * size
-    return ([range(i, i + 1) for i in range(start)] + [range(a, a + size) for a in range(start, end, size)]
-            + [range(i, i + 1) for i in range(end, n)])
-
-
-def update_signature(shape) -> tuple:
-    """What two tensors of one param group and device must share to be updated by one compiled
-    graph: the shape, and whether the state is 8-bit (:func:`is_quantized_torchao`)."""
-    shape = tuple(shape)
-    return shape, is_quantized_torchao(math.prod(shape))
+def update_chunks(numels: list[int]) -> list[range]:
+    """Consecutive index ranges covering ``numels`` (the element counts of consecutive 8-bit
+    tensors of one param group and device, in update order), each updated by one compiled call
+    (:func:`_compiled_chunk_update`): as many tensors as fit the chunk's limit, a larger one
+    alone. The limit is :data:`CHUNK_ELEMENTS`, or fewer where the chunk's temporaries
+    (:data:`BF16_UPDATE_TEMPORARY_BYTES` + :data:`CHUNK_TEMPORARY_BYTES` per element) would exceed
+    the largest tensor's lone update (:data:`BF16_UPDATE_TEMPORARY_BYTES` per element): chunks
+    save launches without raising the step's peak. BERT-large: its word embeddings alone, then
+    24 chunks of its other 170; tensors all of one size: each alone."""
+    limit = min(CHUNK_ELEMENTS, max(numels, default=0) * BF16_UPDATE_TEMPORARY_BYTES
+                // (BF16_UPDATE_TEMPORARY_BYTES + CHUNK_TEMPORARY_BYTES))
+    ranges, start, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if i > start and total + n > limit:
+            ranges.append(range(start, i))
+            start, total = i, 0
+        total += n
+    return ranges + [range(start, len(numels))] * bool(numels)
 
 
 def bf16_flat_call(shapes) -> list[int]:
@@ -594,14 +611,21 @@ def bf16_flat_call(shapes) -> list[int]:
 
 def bf16_update_calls(shapes) -> list[list[int]]:
     """Indices into ``shapes`` (the trained tensors of one param group and device, in the order of
-    ``model.parameters()``) of each compiled call of ``adamw8bit-bf16``'s step, for the estimator
-    and the time model: the flat call (:func:`bf16_flat_call`) where there is one, then the groups
-    of the others (:func:`update_groups` of their :func:`update_signature`)."""
+    ``model.parameters()``) of each compiled call of ``adamw8bit-bf16``'s step, in the step's order,
+    for the estimator and the time model: the flat call (:func:`bf16_flat_call`) where there is
+    one, then each run of consecutive 8-bit tensors (the flat call's left out) in chunks
+    (:func:`update_chunks`) and every other tensor alone."""
     shapes = [tuple(s) for s in shapes]
     flat = bf16_flat_call(shapes)
-    rest = sorted(set(range(len(shapes))) - set(flat))
-    groups = update_groups([update_signature(shapes[i]) for i in rest])
-    return [flat] * bool(flat) + [[rest[i] for i in r] for r in groups]
+    calls, run = [flat] * bool(flat), []
+    for i in sorted(set(range(len(shapes))) - set(flat)) + [None]:
+        if i is not None and is_quantized_torchao(math.prod(shapes[i])):
+            run.append(i)
+            continue
+        calls += [[run[j] for j in r] for r in update_chunks([math.prod(shapes[k]) for k in run])]
+        calls += [[i]] * (i is not None)
+        run = []
+    return calls
 
 
 def bf16_step_temporary_bytes(shapes) -> int:
@@ -609,14 +633,16 @@ def bf16_step_temporary_bytes(shapes) -> int:
     tensors of ``shapes`` (:func:`bf16_update_calls`; the calls run one after the other): the
     largest of the flat call's concatenated weights and gradients (:data:`FLAT_TEMPORARY_BYTES`
     per element) and each other call's dequantized moments (:data:`BF16_UPDATE_TEMPORARY_BYTES`
-    per element of its 8-bit tensors: within one call the compiler may fuse same-sized updates,
-    so a call's are counted together)."""
+    per element of its 8-bit tensors), with a chunk of several tensors' concatenations
+    (:data:`CHUNK_TEMPORARY_BYTES` per element)."""
     shapes = [tuple(s) for s in shapes]
     sizes = [math.prod(s) for s in shapes]
     flat = sum(sizes[i] for i in bf16_flat_call(shapes))
-    largest = max((sum(sizes[i] for i in c if is_quantized_torchao(sizes[i])) for c in bf16_update_calls(shapes)),
-                  default=0)
-    return max(FLAT_TEMPORARY_BYTES * flat, BF16_UPDATE_TEMPORARY_BYTES * largest)
+    largest = 0
+    for c in bf16_update_calls(shapes):
+        n = sum(sizes[i] for i in c if is_quantized_torchao(sizes[i]))
+        largest = max(largest, n * (BF16_UPDATE_TEMPORARY_BYTES + CHUNK_TEMPORARY_BYTES * (len(c) > 1)))
+    return max(FLAT_TEMPORARY_BYTES * flat, largest)
 
 
 def _own_storage(state: dict) -> None:
@@ -646,8 +672,8 @@ def _bf16_class():
       moments and its step counter;
     - every update goes through one compiled function (:func:`_compiled_update`), not a new
       ``torch.compile`` wrapper per parameter and step, and takes the 8-bit moments' plain tensors;
-      the repeats of a model's layers go a group per call (:func:`update_groups`,
-      :func:`_compiled_group_update`: other stochastic-rounding draws), and the small tensors
+      the 8-bit tensors go in chunks of consecutive tensors, one call each (:func:`update_chunks`,
+      :func:`_compiled_chunk_update`: other stochastic-rounding draws), and the small tensors
       (:func:`is_flat`) one flat call, their state packed end to end (:func:`_compiled_flat_update`,
       :meth:`_packed`);
     - it skips a non-finite update on the device, as PyTorch's fused optimizers do
@@ -700,17 +726,20 @@ def _bf16_class():
                             self.is_adamw, self.bf16_stochastic_round)
                     _compiled_flat_update()([q.detach() for q in members], [q.grad for q in members], steps, m1, m2,
                                             verdicts[members[0].device], *rest)
-                for members in self._groups(others):
+                for members in self._chunks(others):
                     group, p = members[0]
-                    # p.detach(): torchao's workaround for FSDP2 (the gradient is passed on its own)
-                    items = [(q.detach(), q.grad, self.state[q]["step"], self.state[q]["exp_avg"],
-                              self.state[q]["exp_avg_sq"]) for _, q in members]
                     rest = (group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],
                             self.is_adamw, self.bf16_stochastic_round and p.dtype is torch.bfloat16)
-                    if len(items) == 1:
-                        _compiled_update()(*items[0], verdicts[p.device], *rest)
+                    if len(members) > 1 or self._chunkable(p):
+                        states = [self.state[q] for _, q in members]
+                        # q.detach(): torchao's workaround for FSDP2 (the gradient is passed on its own)
+                        _compiled_chunk_update()([q.detach() for _, q in members], [q.grad for _, q in members],
+                                                 [s["step"] for s in states], [s["exp_avg"] for s in states],
+                                                 [s["exp_avg_sq"] for s in states], verdicts[p.device], *rest)
                     else:
-                        _compiled_group_update()(items, verdicts[p.device], *rest)
+                        s = self.state[p]
+                        _compiled_update()(p.detach(), p.grad, s["step"], s["exp_avg"], s["exp_avg_sq"],
+                                           verdicts[p.device], *rest)
             return loss
 
         def _flat_sets(self, stepped: list) -> tuple[list, list]:
@@ -780,21 +809,42 @@ def _bf16_class():
             cache[key] = (packed, members, [(s["step"], s["exp_avg"], s["exp_avg_sq"]) for s in states])
             return packed
 
-        def _groups(self, stepped: list) -> list[list]:
-            """``stepped`` ((param group, parameter) pairs, in update order) cut into the groups one
-            compiled call updates (:func:`update_groups`; kept for the last list of parameters). Tensors
-            of one group share a param group and a device (both are in the signatures that must
-            repeat); sharded (DTensor) weights go one by one."""
-            key = tuple(id(p) for _, p in stepped)
-            cached = self.__dict__.get("_group_cache")  # (key, ranges) of the last list seen
+        def _chunkable(self, p) -> bool:
+            """Whether ``p`` goes through the chunked update (:func:`_compiled_chunk_update`): a
+            plain, contiguous weight whose moments are both 8-bit. Sharded (DTensor) weights and
+            large tensors with plain moments (not whole 256-element blocks) go alone through
+            :func:`_compiled_update`."""
+            from torchao.optim.subclass_8bit import OptimState8bit
+
+            s = self.state[p]
+            return (type(p.detach()) is torch.Tensor and p.is_contiguous()
+                    and all(type(s[k]) is OptimState8bit and s[k].codes.is_contiguous() for k in ("exp_avg", "exp_avg_sq")))
+
+        def _chunks(self, stepped: list) -> list[list]:
+            """``stepped`` ((param group, parameter) pairs, in update order) cut into the calls of the
+            step: consecutive chunkable tensors (:meth:`_chunkable`) of one param group and device in
+            chunks (:func:`update_chunks`), every other tensor alone. The cut is kept (as indices) for
+            the last list of parameters and kinds of state seen (``load_state_dict`` replaces it)."""
+            key = tuple((id(p), type(self.state[p]["exp_avg"]), type(self.state[p]["exp_avg_sq"])) for _, p in stepped)
+            cached = self.__dict__.get("_chunk_cache")  # (key, calls as lists of indices into stepped)
             if cached is None or cached[0] != key:
-                if any(type(p.detach()) is not torch.Tensor for _, p in stepped):
-                    ranges = [range(i, i + 1) for i in range(len(stepped))]
-                else:
-                    ranges = update_groups([(id(g), p.device, p.dtype, update_signature(p.shape))
-                                            for g, p in stepped])
-                cached = self.__dict__["_group_cache"] = (key, ranges)
-            return [[stepped[i] for i in r] for r in cached[1]]
+                calls, run = [], []
+
+                def close_run():
+                    calls.extend([run[i] for i in r] for r in update_chunks([stepped[j][1].numel() for j in run]))
+                    run.clear()
+
+                for i, (g, p) in enumerate(stepped):
+                    last = stepped[run[-1]] if run else None
+                    if last and (not self._chunkable(p) or last[0] is not g or last[1].device != p.device):
+                        close_run()
+                    if self._chunkable(p):
+                        run.append(i)
+                    else:
+                        calls.append([i])
+                close_run()
+                cached = self.__dict__["_chunk_cache"] = (key, calls)
+            return [[stepped[i] for i in c] for c in cached[1]]
 
     return AdamW8bitBf16
 

@@ -24,9 +24,9 @@ AdamW streams weights, gradients and 1-byte moments through memory
 (:data:`ADAMW8BIT_BYTES_PER_PARAM`) in one kernel per parameter tensor, each followed by a device
 sync (:data:`OPTIMIZER_CALL_S` each);
 bf16 weights with torchao's 8-bit AdamW (``adamw8bit-bf16``) stream bf16 weights and gradients and
-1-byte moments (:data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`) in one compiled call per repeated layer
-(:data:`TORCHAO_GROUPED_CALL_S` per tensor) or per other tensor (:data:`TORCHAO_CALL_S`), and
-its small tensors in one flat call (:data:`TORCHAO_FLAT_CALL_S`);
+1-byte moments (:data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`) in one compiled call per chunk of 8-bit
+tensors (:data:`TORCHAO_CHUNK_CALL_S` each), one flat call for its small tensors
+(:data:`TORCHAO_FLAT_CALL_S`) and one per other tensor (:data:`TORCHAO_CALL_S`);
 CPU offload copies the gradients to the host (once per micro-batch: the accumulated gradient is
 copied again after each) and the new weights back over the host link, and runs AdamW on the CPU at
 :data:`CPU_ADAMW_PARAMS_PER_S`.
@@ -71,19 +71,19 @@ OPTIMIZER_CALL_S = 65e-6
 # moments, write weight and moments (scales left out).
 ADAMW8BIT_BF16_BYTES_PER_PARAM = 2 + 2 + 2 + 2 + 2
 # Host time per parameter tensor of torchao's 8-bit AdamW step over bf16 weights with stochastic
-# rounding as tightfit runs it (guards, Python, kernel launches; the 8-bit moments passed as plain
-# tensors). Measured on one NVIDIA H200 host, BERT-large's 393 tensors (torch 2.11, torchao 0.18;
-# bench/results/update-groups/update_groups-*.json): one compiled call per tensor, 81.1 ms per
-# step; the tensors in calls of a layer each (tightfit.levers.optimizers.update_groups), 41.5 ms.
-# (One call per tensor took 44.6 ms on a faster host, bench/results/optimizer-dispatch-2/.) The
-# step is host-bound (8.4 ms of GPU time); in training much of it hides behind the GPU's backward
-# (BERT-large's 4 GiB plan: 12.6 ms grouped, 68.8 ms one call per tensor).
+# rounding, one compiled call per tensor (guards, Python, kernel launches; the 8-bit moments passed
+# as plain tensors). Measured on one NVIDIA H200 host, BERT-large's 393 tensors (torch 2.11,
+# torchao 0.18; bench/results/update-groups/update_groups-per-tensor.json): 81.1 ms per step.
+# (44.6 ms on a faster host, bench/results/optimizer-dispatch-2/.) The GPU's share is ~8.4 ms.
 TORCHAO_CALL_S = 81.13e-3 / 393
-TORCHAO_GROUPED_CALL_S = 41.46e-3 / 393
-# Host time of the one flat call over the small tensors (tightfit.levers.optimizers.
-# _compiled_flat_update: two concatenations, one compiled call, one multi-tensor copy back), whatever
-# their count. Not measured yet: the time of ten grouped tensors.
-TORCHAO_FLAT_CALL_S = 10 * TORCHAO_GROUPED_CALL_S
+# Host time of one chunk's call (tightfit.levers.optimizers._compiled_chunk_update: the
+# concatenations, one compiled call, one multi-tensor copy back and the counters' add) and of the
+# flat call over the small tensors (_compiled_flat_update: the same shape of work), whatever their
+# tensor counts. Not measured on a GPU host yet: estimated as two per-tensor calls each (their
+# launches: a handful, against a per-tensor call's one graph). A layer's tensors in one unrolled
+# graph cost 41.5 ms for BERT-large's 393 (bench/results/update-groups/), ~0.1 ms per tensor.
+TORCHAO_CHUNK_CALL_S = 2 * TORCHAO_CALL_S
+TORCHAO_FLAT_CALL_S = 2 * TORCHAO_CALL_S
 # Fused AdamW on the host CPU as ``adamw-offload`` runs it: one fused step over every offloaded
 # tensor (tightfit.levers.host_adamw), parameters per second. Measured on an NVIDIA H200 host (16
 # threads, torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json): the fused CPU
@@ -144,8 +144,9 @@ class ForwardCost:
         trainable_tensors: parameter tensors the optimizer updates.
         offloaded_params: trainable parameters in tensors that CPU offload moves to the host
             (:func:`tightfit.levers.optimizers.is_offloaded`).
-        grouped_tensors: trainable tensors that ``adamw8bit-bf16`` updates in a repeated layer's
-            call (:func:`tightfit.levers.optimizers.bf16_update_calls`).
+        chunked_tensors: trainable tensors that ``adamw8bit-bf16`` updates in its chunks' calls
+            (its 8-bit tensors; :func:`tightfit.levers.optimizers.bf16_update_calls`).
+        chunk_calls: those calls (:func:`tightfit.levers.optimizers.update_chunks`).
         flat_tensors: trainable tensors that ``adamw8bit-bf16`` updates in its flat call (0 or
             at least 2; :func:`tightfit.levers.optimizers.bf16_flat_call`).
         free_blocks: leading blocks that run no backward (frozen, nothing trained before them:
@@ -161,7 +162,8 @@ class ForwardCost:
     selective_bytes_per_sample: float = 0.0
     trainable_tensors: int = 0
     offloaded_params: int = 0
-    grouped_tensors: int = 0
+    chunked_tensors: int = 0
+    chunk_calls: int = 0
     free_blocks: int = 0
     flat_tensors: int = 0
 
@@ -169,15 +171,15 @@ class ForwardCost:
 def optimizer_tensor_counts(shapes) -> dict:
     """:class:`ForwardCost`'s counts of the trainable tensors of ``shapes`` (in the order of
     ``model.parameters()``) that the optimizers' host time depends on: ``trainable_tensors``,
-    ``offloaded_params``, ``grouped_tensors`` and ``flat_tensors``."""
-    from ..levers.optimizers import bf16_flat_call, bf16_update_calls, is_offloaded
+    ``offloaded_params``, ``chunked_tensors``, ``chunk_calls`` and ``flat_tensors``."""
+    from ..levers.optimizers import bf16_flat_call, bf16_update_calls, is_offloaded, is_quantized_torchao
 
     shapes = [tuple(s) for s in shapes]
     sizes = [math.prod(s) for s in shapes]
     flat = len(bf16_flat_call(shapes))
-    grouped = [c for c in bf16_update_calls(shapes)[bool(flat):] if len(c) > 1]
+    chunks = [c for c in bf16_update_calls(shapes)[bool(flat):] if is_quantized_torchao(sizes[c[0]])]
     return dict(trainable_tensors=len(sizes), offloaded_params=sum(n for n in sizes if is_offloaded(n)),
-                grouped_tensors=sum(len(c) for c in grouped), flat_tensors=flat)
+                chunked_tensors=sum(len(c) for c in chunks), chunk_calls=len(chunks), flat_tensors=flat)
 
 
 # (id(model), id(make_batch), size, n_blocks) -> (model, make_batch, ForwardCost) inside
@@ -324,9 +326,8 @@ class TimeModel:
         (:data:`ADAMW_BYTES_PER_PARAM` at the card's memory bandwidth). ``adamw8bit``:
         :data:`ADAMW8BIT_BYTES_PER_PARAM` at the card's memory bandwidth plus
         :data:`OPTIMIZER_CALL_S` per tensor. ``adamw8bit-bf16``: :data:`ADAMW8BIT_BF16_BYTES_PER_PARAM`
-        at the card's memory bandwidth plus :data:`TORCHAO_GROUPED_CALL_S` per tensor in a repeated
-        layer's call, :data:`TORCHAO_FLAT_CALL_S` for the flat call and :data:`TORCHAO_CALL_S` per
-        other tensor.
+        at the card's memory bandwidth plus :data:`TORCHAO_CHUNK_CALL_S` per chunk of 8-bit tensors,
+        :data:`TORCHAO_FLAT_CALL_S` for the flat call and :data:`TORCHAO_CALL_S` per other tensor.
         ``adamw-offload``: the offloaded parameters' fp32 gradients to the host after every
         micro-batch and their weights back (4 B each way per parameter over
         ``host_link_bytes_per_s``; the copies overlap the backward only in part, so all are
@@ -337,8 +338,8 @@ class TimeModel:
         if self.optimizer == "adamw8bit":
             return c.trainable_params * ADAMW8BIT_BYTES_PER_PARAM / bw + c.trainable_tensors * OPTIMIZER_CALL_S
         if self.optimizer == "adamw8bit-bf16":
-            alone = c.trainable_tensors - c.grouped_tensors - c.flat_tensors
-            return (c.trainable_params * ADAMW8BIT_BF16_BYTES_PER_PARAM / bw + c.grouped_tensors * TORCHAO_GROUPED_CALL_S
+            alone = c.trainable_tensors - c.chunked_tensors - c.flat_tensors
+            return (c.trainable_params * ADAMW8BIT_BF16_BYTES_PER_PARAM / bw + c.chunk_calls * TORCHAO_CHUNK_CALL_S
                     + bool(c.flat_tensors) * TORCHAO_FLAT_CALL_S + alone * TORCHAO_CALL_S)
         if self.optimizer == "adamw-offload":
             n = c.offloaded_params

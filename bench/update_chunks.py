@@ -1,28 +1,23 @@
-"""``adamw8bit-bf16``'s update over BERT-large's bf16 parameters: one compiled call per tensor
-against one per group of tensors (``tightfit.levers.optimizers.update_groups``: a layer's 16
-tensors per call), on a CUDA GPU.
+"""``adamw8bit-bf16``'s update over BERT-large's bf16 parameters, one variant per process.
 
-For the variant named on the command line, in a process of its own (so that neither reuses the
-other's compiled kernels; run with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` for cold compilation):
-the first step's wall time (compilation included), then over 10 steps the median of the host
-time of ``step()`` (until it returns, the GPU's work queued) and of the wall time with the GPU
-synchronised, and the memory the step allocated above what was allocated before it (its
-temporaries: the peak of ``max_memory_allocated`` less the allocated bytes at its start).
+For the variant named on the command line, in a process of its own (so that none reuses another's
+compiled kernels; run with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` for cold compilation, as a first
+plan on a fresh machine has): the first step's wall time (compilation included), then over 10
+steps the median of the host time of ``step()`` (until it returns, the GPU's work queued) and of
+the wall time with the GPU synchronised, and the memory the step allocated above what was
+allocated before it (its temporaries: the peak of ``max_memory_allocated`` less the allocated
+bytes at its start).
 
-    OUT=folder python3 bench/update_groups.py grouped|per-tensor|grouped-combo|grouped-32|grouped-16|layers
-        -> OUT/update_groups-<variant>.json
+    OUT=folder python3 bench/update_chunks.py chunked|lone|per-tensor -> OUT/update_chunks-<variant>.json
+    DEVICE=cpu LAYERS=4 ...   # a CPU's cold compilation as a proxy (the graphs are the same; host times meaningless)
 
-``grouped-combo``: the grouped update compiled with Inductor's combo kernels
-(``torch._inductor.config.combo_kernels``: independent kernels of one graph launched as one);
-``grouped-32``: groups of up to 32 tensors; ``grouped-16``: of up to 16 (with the flat call, two
-BERT-large layers' 8-bit tensors per call, 14, instead of one layer's 7). ``grouped`` updates
-the small tensors (moments not 8-bit: biases, LayerNorm weights) in one flat call
-(``tightfit.levers.optimizers._compiled_flat_update``) and the 8-bit ones a layer per call;
-``layers`` is the update before the flat call: every tensor of a layer in the layer's call
-(``FLAT_SMALL_TENSORS = False``); ``per-tensor`` one call per tensor, the small ones included. Each row also gives
-checksums of the 8-bit moments (codes and block scales) and of the weights after the 11 steps, to
-compare variants' results (the moments must agree; the weights' stochastic rounding may draw
-otherwise).
+``chunked``: tightfit's update (the small tensors in one flat call, the 8-bit ones in chunks of up
+to ``CHUNK_ELEMENTS`` elements, ``tightfit.levers.optimizers._compiled_chunk_update``); ``lone``:
+every 8-bit tensor alone through the same graph (``CHUNK_ELEMENTS = 0``); ``per-tensor``: one
+compiled call per tensor, the small ones included (``_compiled_update``, the update before the
+flat and chunked calls). Each row also gives checksums of the 8-bit moments (codes and block
+scales) and of the weights after the 11 steps, to compare variants' results (the moments must
+agree; the weights' stochastic rounding may draw otherwise).
 """
 
 from __future__ import annotations
@@ -53,19 +48,11 @@ def main(variant: str) -> None:
     from tightfit.models import build_model
 
     if variant == "per-tensor":
-        optimizers.update_groups = lambda sig: [range(i, i + 1) for i in range(len(sig))]
         optimizers.FLAT_SMALL_TENSORS = False
-    elif variant == "layers":
-        optimizers.FLAT_SMALL_TENSORS = False
-        optimizers.GROUP_TENSORS = 16
-    elif variant == "grouped-combo":
-        import torch._inductor.config as inductor_config
-        inductor_config.combo_kernels = True
-    elif variant == "grouped-32":
-        optimizers.GROUP_TENSORS = 32
-    elif variant == "grouped-16":
-        optimizers.GROUP_TENSORS = 16
-    elif variant != "grouped":
+        optimizers._bf16_class()._chunkable = lambda self, p: False
+    elif variant == "lone":
+        optimizers.CHUNK_ELEMENTS = 0
+    elif variant != "chunked":
         raise SystemExit(f"unknown variant {variant!r}")
     torch.manual_seed(0)
     model, _ = build_model("bert-large", device="cpu")
@@ -102,7 +89,7 @@ def main(variant: str) -> None:
            "flat_small_tensors": optimizers.FLAT_SMALL_TENSORS, **checksums(opt, ps), "torch": torch.__version__,
            "inductor_caches": "off" if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1" else "on"}
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"update_groups-{variant}.json").write_text(json.dumps(row, indent=1))
+    (OUT / f"update_chunks-{variant}.json").write_text(json.dumps(row, indent=1))
     print(row, flush=True)
 
 
@@ -122,4 +109,4 @@ def checksums(opt, ps) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "grouped")
+    main(sys.argv[1] if len(sys.argv) > 1 else "chunked")
