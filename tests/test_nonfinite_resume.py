@@ -233,3 +233,56 @@ def test_a_run_killed_before_its_first_checkpoint_says_how_to_start_again(tmp_pa
     assert main(["train", "--model", str(model_dir), "--data", str(data), "--device", "cpu", "--out", str(run)]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "holds a run that stopped before its first checkpoint" in line, line
+
+
+def test_batchnorm_statistics_gone_non_finite_stop_the_run_with_advice_not_a_bare_refusal(tmp_path):
+    """A window whose gradients are finite may still fold inf into BatchNorm's running variance
+    (activations past ~1e19: the batch is normalised by its own statistics, so the loss and the
+    gradients stay finite). The checkpoint after it is refused, as it must be; the run then stops
+    as a run of non-finite steps does -- saying where, what to try and which checkpoint to go
+    back to -- not with the bare refusal."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import NonFiniteTrainingError, TrainConfig, Trainer
+    from tightfit.tasks import SequenceClassification
+    from tightfit.workload import Workload, collate_as
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.norm, self.head = torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            return SimpleNamespace(logits=self.head(self.norm(self.inp(x))))
+
+    torch.manual_seed(0)
+    model = Net()
+    forwards = [0]
+
+    def huge_from_the_third_step(module, inputs, out):  # one forward a step: micro-batch = batch
+        if module.training:
+            forwards[0] += 1
+            if forwards[0] >= 3:
+                return out * 1e30  # finite; its batch variance (1e60) is not
+        return out
+
+    model.inp.register_forward_hook(huge_from_the_third_step)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g))
+    w = Workload(model, data, None, effective_batch=8, task=SequenceClassification(),
+                 collate_fn=collate_as("x", "labels"))
+    config = TrainConfig(epochs=1, lr=1e-3, checkpoint_dir=str(tmp_path), checkpoint_every=2, prefetch=False)
+    trainer = Trainer(w, Plan("fp32", micro_batch=8, effective_batch=8, device="cpu"), config, progress=False)
+    try:
+        trainer.fit()
+    except NonFiniteTrainingError as e:
+        stop = e
+    else:
+        raise AssertionError("the run trained on with a non-finite running variance")
+    assert stop.step == 4 and stop.checkpoint is None and stop.last_update == 4
+    message = str(stop)
+    assert "'norm.running_var'" in message and "after step 4" in message and "Try a lower --lr" in message
+    assert _names(tmp_path) == ["ckpt-2"]  # the last checkpoint with finite values, in place

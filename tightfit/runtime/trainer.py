@@ -453,7 +453,8 @@ class Trainer:
         """Train for ``total_steps`` optimizer steps, then evaluate on the held-out samples.
 
         Raises:
-            NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
+            NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row, or a checkpoint
+                refused for a value the gradients did not show (:meth:`_checkpoint_in_loop`).
             TightfitError: a micro-batch of 1 runs out of memory.
         """
         bar = self._progress_bar()
@@ -537,7 +538,7 @@ class Trainer:
             if self.cfg.checkpoint_dir and (self.step == self.total_steps or (
                     self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0)):
                 self.result.train_seconds = time.perf_counter() - t0
-                saved = self.save_checkpoint(background=True)
+                saved = self._checkpoint_in_loop()
             if self._skipped_in_row >= self.cfg.max_skipped_steps:
                 where = saved or self._checkpoint_at_stop(t0)  # skipped steps left the weights finite
                 self.flush_checkpoints()
@@ -571,6 +572,33 @@ class Trainer:
         if self._stop_note:
             self._event(self._stop_note, session=True)
             self._stop_note = None
+
+    def _checkpoint_in_loop(self) -> str:
+        """The loop's checkpoint (:meth:`save_checkpoint` in the background); returns its path.
+
+        Where the model holds a value that is not finite although the steps' gradients were (a
+        BatchNorm running variance overflowed in a forward that normalised by the batch's own
+        statistics, so the loss and gradients stayed finite), the checkpoint is refused (DESIGN
+        invariant 3) and the run stops as on non-finite steps, saying which value, what to try and
+        which earlier checkpoint to go back to (those in place stay).
+
+        Raises:
+            NonFiniteTrainingError: such a value (``checkpoint`` None, ``last_update`` the last
+                applied step).
+        """
+        from .checkpoint import NonFiniteCheckpointError
+
+        try:
+            return self.save_checkpoint(background=True)
+        except NonFiniteCheckpointError as e:
+            self.flush_checkpoints()  # an earlier checkpoint still being written is in place first
+            what = str(e).removeprefix("refusing to write a checkpoint: ")
+            message = (f"after step {self.step} the model is not finite ({what}), which the check of the gradients does "
+                       "not see (e.g. a BatchNorm running variance that overflowed while each batch was normalised by "
+                       "its own statistics), so it is not checkpointed")
+            self._event(f"{message}: stopped after step {self.step}", show=False, session=True)  # the error says it
+            raise NonFiniteTrainingError(f"{message}. {nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}",
+                                         self.step, None, last_update=self._last_update) from None
 
     def _checkpoint_at_stop(self, t0: float) -> str | None:
         """Write a checkpoint of the state now; None when the run writes no checkpoints or the
