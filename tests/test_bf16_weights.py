@@ -359,19 +359,20 @@ def test_a_chunk_never_mixes_param_groups():
     assert all(len({id(g) for g, _ in c}) == 1 for c in chunks)
 
 
-def _steps_chunked_or_not(monkeypatch, chunked: bool, stochastic_round: bool, steps: int, missing: int | None = None):
+def _steps_chunked_or_not(monkeypatch, chunked: bool, stochastic_round: bool, steps: int, missing: int | None = None,
+                          device: str = "cpu"):
     """``steps`` steps of ``adamw8bit-bf16`` over REPEATED's tensors, its 8-bit ones in one chunk's
     call or each through torchao's per-tensor update (``_chunkable`` patched to refuse them),
     gradients from a generator of their own (the calls draw the rounding's random numbers from the
     global one); the tensor ``missing`` has no gradient in the second step. The weights, the
-    dequantized moments and the step counters."""
+    dequantized moments and the step counters (on ``device``)."""
     from tightfit.levers import optimizers
 
     calls = []
     chunk_update = optimizers._compiled_chunk_update()
     monkeypatch.setattr(optimizers, "_compiled_chunk_update", lambda: lambda *a: calls.append(1) or chunk_update(*a))
     torch.manual_seed(0)
-    ps = _bf16_params(REPEATED)
+    ps = [torch.nn.Parameter(p.detach().to(device)) for p in _bf16_params(REPEATED)]
     opt = optimizers.adamw_8bit_bf16(ps, 1e-3, 0.01)
     if not chunked:
         monkeypatch.setattr(type(opt), "_chunkable", lambda self, p: False)
@@ -379,7 +380,7 @@ def _steps_chunked_or_not(monkeypatch, chunked: bool, stochastic_round: bool, st
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         for i, p in enumerate(ps):
-            p.grad = None if (step, i) == (1, missing) else (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
+            p.grad = None if (step, i) == (1, missing) else (torch.randn(p.shape, generator=g) * 1e-3).bfloat16().to(device)
         opt.step()
     monkeypatch.undo()
     assert bool(calls) == chunked
@@ -408,11 +409,13 @@ def test_a_chunk_updates_as_one_call_per_tensor(monkeypatch):
         assert ((a.float() - b.float()).abs() <= ulp).all()
 
 
-def _steps_flat_or_not(monkeypatch, flat: bool, stochastic_round: bool, steps: int, missing: int | None = None):
+def _steps_flat_or_not(monkeypatch, flat: bool, stochastic_round: bool, steps: int, missing: int | None = None,
+                       device: str = "cpu"):
     """``steps`` steps of ``adamw8bit-bf16`` over REPEATED's tensors, the small ones in the flat call
     or in the layers' calls (``FLAT_SMALL_TENSORS``), gradients from a generator of their own (the
     calls draw the rounding's random numbers from the global one); the tensor ``missing`` has no
-    gradient in the second step. The weights, the dequantized moments and the step counters."""
+    gradient in the second step. The weights, the dequantized moments and the step counters (on
+    ``device``)."""
     from tightfit.levers import optimizers
 
     monkeypatch.setattr(optimizers, "FLAT_SMALL_TENSORS", flat)
@@ -420,12 +423,13 @@ def _steps_flat_or_not(monkeypatch, flat: bool, stochastic_round: bool, steps: i
     flat_update = optimizers._compiled_flat_update()
     monkeypatch.setattr(optimizers, "_compiled_flat_update", lambda: lambda *a: calls.append(1) or flat_update(*a))
     torch.manual_seed(0)
-    ps, g = _bf16_params(REPEATED), torch.Generator().manual_seed(1)
+    ps = [torch.nn.Parameter(p.detach().to(device)) for p in _bf16_params(REPEATED)]
+    g = torch.Generator().manual_seed(1)
     opt = optimizers.adamw_8bit_bf16(ps, 1e-3, 0.01)
     opt.bf16_stochastic_round = stochastic_round
     for i in range(steps):
         for j, p in enumerate(ps):
-            p.grad = None if (i == 1 and j == missing) else (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
+            p.grad = None if (i == 1 and j == missing) else (torch.randn(p.shape, generator=g) * 1e-3).bfloat16().to(device)
         opt.step()
     monkeypatch.undo()
     assert bool(calls) == flat
@@ -977,6 +981,20 @@ def _first_cuda_step(warm: bool = True):
     torch.cuda.synchronize()
     rounding = 512 * 6 * len(list(model.parameters()))  # the caching allocator's 512-byte blocks
     return start, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), state_bytes(model, KIND), rounding
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_on_the_gpu_the_chunks_and_the_flat_call_update_as_one_call_per_tensor(monkeypatch):
+    """On CUDA (Triton's kernels, not the CPU's), without stochastic rounding: the 8-bit tensors in
+    chunks and the small ones in the flat call are bit for bit the update of one call per tensor
+    (weights, moments, counters), also where a tensor missed a step."""
+    small = [i for i, s in enumerate(REPEATED) if math.prod(s) < 4096]
+    for missing in (None, 3, small[2]):
+        chunked, single = (_steps_chunked_or_not(monkeypatch, c, False, 3, missing, "cuda") for c in (True, False))
+        flat, other = (_steps_flat_or_not(monkeypatch, f, False, 3, missing, "cuda") for f in (True, False))
+        for a, b in (*zip(chunked, single), *zip(flat, other)):
+            assert all(x.is_cuda and torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.gpu
