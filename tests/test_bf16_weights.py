@@ -338,6 +338,26 @@ def test_the_flat_call_takes_the_small_tensors_only():
 
 
 @needs_torchao
+def test_a_gradient_laid_out_unlike_its_weight_is_stepped_as_a_contiguous_one():
+    """A lone 8-bit tensor whose gradient is not contiguous (a transposed view, as a hook or a
+    custom backward may hand in): its update is the contiguous gradient's, bit for bit."""
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+
+    results = []
+    for transposed in (True, False):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64, 128).bfloat16())
+        opt = adamw_8bit_bf16([p], 1e-3, 0.01)
+        opt.bf16_stochastic_round = False
+        g = (torch.randn(128, 64, generator=torch.Generator().manual_seed(1)) * 1e-3).bfloat16().t()
+        p.grad = g if transposed else g.contiguous()
+        assert p.grad.is_contiguous() != transposed
+        opt.step()
+        results.append((p.detach().clone(), opt.state[p]["exp_avg"].dequantize()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@needs_torchao
 def test_a_chunk_never_mixes_param_groups():
     """Two param groups (one at lr 0) whose 8-bit tensors follow each other and would share a
     chunk: the chunks stop at the boundary, and the tensors of the lr-0 group do not move."""

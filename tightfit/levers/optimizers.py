@@ -479,11 +479,13 @@ def _compiled_chunk_update():
     compiled = torch.compile(chunk, fullgraph=True)
 
     def update(params, grads, steps, exp_avg, exp_avg_sq, found_inf, *rest):
-        def joined(ts, *shape):  # one tensor of ``shape``: a view of a lone one, else a concatenation
+        def joined(ts, *shape):  # one tensor of ``shape``: a view of a lone one (written in place), else a concatenation
             return ts[0].view(shape) if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts]).view(shape)
 
         blocks = [p.numel() // BLOCK_SIZE for p in params]
-        parts = [joined(params, -1, BLOCK_SIZE), joined(grads, -1, BLOCK_SIZE),
+        # the gradients are only read: reshaped, so that a lone one laid out unlike its weight is copied, not refused
+        grad = grads[0].reshape(-1, BLOCK_SIZE) if len(grads) == 1 else joined(grads, -1, BLOCK_SIZE)
+        parts = [joined(params, -1, BLOCK_SIZE), grad,
                  torch.cat([s.reshape(1).expand(n) for s, n in zip(steps, blocks)])]
         for m in (exp_avg, exp_avg_sq):
             parts += [joined([x.codes for x in m], -1, BLOCK_SIZE), joined([x.scale for x in m], -1)]
