@@ -533,6 +533,24 @@ def test_a_second_plan_without_checkpointing_turns_the_first_plans_off():
     assert math.isfinite(step(batch).loss)
 
 
+def test_a_later_plan_without_checkpointing_gives_back_the_models_kv_cache():
+    """A plan with activation checkpointing turns a Hugging Face model's KV cache off
+    (``config.use_cache``); a later plan without it turned checkpointing off and left the cache
+    off for good, so ``generate()`` afterwards ran without it. The user's setting now comes back."""
+    from conftest import LMBatches, tiny_gpt2
+
+    model, batch = tiny_gpt2(dropout=0.0), LMBatches(8).worst_case(8)
+    assert model.config.use_cache is True
+    tightfit.TrainStep(tightfit.plan(model, batch, checkpointing="on"), model)
+    assert model.config.use_cache is False  # off while the plan recomputes
+    tightfit.TrainStep(tightfit.plan(model, batch, checkpointing="off"), model)
+    assert model.config.use_cache is True
+    model.config.use_cache = False  # yours: kept through checkpointing on and off
+    tightfit.TrainStep(tightfit.plan(model, batch, checkpointing="on"), model)
+    tightfit.TrainStep(tightfit.plan(model, batch, checkpointing="off"), model)
+    assert model.config.use_cache is False
+
+
 def test_your_own_checkpointing_turned_off_by_a_plan_without_it_is_said(caplog):
     """A model whose checkpointing you turned on yourself, planned with checkpointing="auto": the
     plan has none, and TrainStep turned the model's hook off without a word (more memory per step

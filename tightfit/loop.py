@@ -429,7 +429,10 @@ class TrainStep:
         plan: from :func:`plan` (or any :class:`tightfit.Plan`).
         model: the model planned for, on ``plan.device`` (:func:`plan` moves it there); activation
             checkpointing applied as planned (checkpointing the model had on, yours or an earlier
-            plan's, turned off with a warning when the plan has none).
+            plan's, turned off with a warning when the plan has none). While the plan checkpoints,
+            a Hugging Face model's KV cache is off (``config.use_cache`` False: ``generate()``
+            between steps runs without it unless given ``use_cache=True``); your setting comes
+            back when a later plan without checkpointing is applied.
         optimizer: your optimizer over the model's parameters; None: the plan's (fused AdamW, ``lr``;
             under ``adamw8bit-bf16`` the model's floating-point weights are first cast to bf16, in place).
         loss: ``(model, batch) -> 0-d mean loss``, as in :func:`plan`; default ``model(**batch).loss``.

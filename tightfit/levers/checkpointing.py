@@ -3,7 +3,8 @@
 Uses the model's own Hugging Face hook (``gradient_checkpointing_enable``) with the
 non-reentrant ``torch.utils.checkpoint`` (it works when a block's inputs do not require grad,
 e.g. frozen embeddings, and restores the RNG state so dropout masks are recomputed identically).
-The KV cache is turned off, as caching conflicts with recomputation in training.
+The KV cache is turned off, as caching conflicts with recomputation in training, and the
+model's own setting comes back when checkpointing is turned off again (:func:`restore_kv_cache`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from .blocks import compiled_by_blocks
 
 def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=None, policies=None) -> None:
     """Turn activation checkpointing on or off.
+
+    Turning it on turns a Hugging Face model's KV cache off (``config.use_cache = False``);
+    turning it off gives back the setting the model had before (:func:`restore_kv_cache`).
 
     Args:
         model: a Hugging Face ``PreTrainedModel`` (or any model with repeated blocks when
@@ -48,6 +52,8 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
         apply_block_policies(model, policies)
         if any(p != "none" for p in policies):
             _no_kv_cache(model)
+        else:
+            restore_kv_cache(model)
         return
     # A block compiled alone must be checkpointed around its compiled call, which only
     # tightfit's wrappers do (HF's hook may checkpoint inside the layer's forward).
@@ -63,6 +69,7 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
         return
     if not enabled:
         _disable_hf_hook(model)
+        restore_kv_cache(model)
         return
     if not own_hook:
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
@@ -170,9 +177,26 @@ def _base(model) -> torch.nn.Module:
     return model.get_base_model() if hasattr(type(model), "get_base_model") else model
 
 
+# where _no_kv_cache keeps the model's own use_cache (on the module, not its config, which
+# save_pretrained would write out)
+_USER_USE_CACHE = "_tightfit_user_use_cache"
+
+
 def _no_kv_cache(model) -> None:
-    if getattr(getattr(model, "config", None), "use_cache", None):
-        model.config.use_cache = False
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None):
+        _base(model).__dict__[_USER_USE_CACHE] = config.use_cache
+        config.use_cache = False
+
+
+def restore_kv_cache(model: torch.nn.Module) -> None:
+    """Give a Hugging Face model back the KV cache setting (``config.use_cache``) it had before
+    :func:`set_activation_checkpointing` turned it off; nothing where it turned nothing off, or
+    where the setting is no longer the False it left (set since by you)."""
+    user = _base(model).__dict__.pop(_USER_USE_CACHE, None)
+    config = getattr(model, "config", None)
+    if user is not None and config is not None and getattr(config, "use_cache", None) is False:
+        config.use_cache = user
 
 
 def _name(model, new: str, old: str) -> str:

@@ -31,7 +31,7 @@ from ..config import TrainOptions, _positive_finite, option
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..fileio import UntilClosed
-from ..levers.checkpointing import set_activation_checkpointing
+from ..levers.checkpointing import restore_kv_cache, set_activation_checkpointing
 from ..levers.compile import compile_model, compile_unavailable, eager_calls, uncompile_model
 from ..levers.layout import match_parameter_strides, use_channels_last
 from ..levers.trainable import check_trainable
@@ -369,7 +369,6 @@ class Trainer:
                 _log.info("tightfit: %s", layout)
         self.model.zero_grad(set_to_none=True)  # a stray backward before training must not leak into step 1
         # checkpointing turns the KV cache off; the user's setting comes back when fit() ends
-        self._user_use_cache = getattr(getattr(self.model, "config", None), "use_cache", None)
         set_activation_checkpointing(self.model, plan.activation_checkpointing, plan.checkpoint_blocks,
                                      plan.block_policies)
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
@@ -476,7 +475,7 @@ class Trainer:
             self.loader.close()
             if bar is not None:
                 bar.close()
-            self._restore_use_cache()
+            restore_kv_cache(self.world.unwrap(self.model))  # the user's, turned off by checkpointing
             if not trained:
                 self.flush_checkpoints()  # no run ends with a checkpoint still being written
         self.result.train_seconds = time.perf_counter() - t0
@@ -642,11 +641,6 @@ class Trainer:
                     signal.signal(s, h)
 
         return handled()
-
-    def _restore_use_cache(self) -> None:
-        config = getattr(self.world.unwrap(self.model), "config", None)
-        if self._user_use_cache is not None and config is not None:
-            config.use_cache = self._user_use_cache
 
     def window_at(self, step: int) -> list[int]:
         """The samples of global step ``step``: the data position is the step itself, since each
