@@ -337,6 +337,21 @@ def test_tightfit_plan_json_has_the_same_keys_whether_or_not_one_gpu_fits(capsys
         assert offload["checkpoint_blocks"] == list(range(12))  # every block of BERT-base checkpointed
 
 
+def test_tightfit_plan_says_how_long_an_offload_plan_took_as_it_says_for_any_other(capsys):
+    """`tightfit plan` ends every single-GPU plan with "(planned in X s, no GPU used)"; a
+    parameter-offload plan, asked for or fallen back to, printed no planning time at all."""
+    import re
+
+    from tightfit.cli import main
+
+    args = ["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "32", "--budget"]
+    for budget in ("600MiB --sharding fsdp-offload --optimizer adamw", "600MiB", "4GiB"):  # asked, fallen back, fits
+        assert main(args + budget.split()) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert ("plan: parameter offload" in lines[1]) == (budget != "4GiB"), lines[1]
+        assert re.fullmatch(r"\(planned in \d+\.\d s, no GPU used\)", lines[-1]), lines[-1]
+
+
 def test_tightfit_plan_takes_sharding_and_says_when_offload_does_not_fit_either(capsys):
     """`tightfit plan --sharding fsdp-offload` plans it directly (what the refusals' offload line
     tells an optimizer asked for to do); where offload's share fits but no step with its

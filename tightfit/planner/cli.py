@@ -205,6 +205,12 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
           "`tightfit train` verifies the micro-batch with real steps)")
     for r in plan.reasons:
         print(f"  {r}")
+    print(_planned_in(seconds))
+
+
+def _planned_in(seconds: float) -> str:
+    """The last line of every plan printed as text: how long planning took (``seconds``)."""
+    return f"(planned in {seconds:.1f} s, no GPU used)"
 
 
 def _card_and_budget(args):
@@ -317,4 +323,4 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
         print(f"  {c.label():<52} {c.why}")
     if len(result.runners_up) > shown:
         print(f"  ... {len(result.runners_up) - shown} more (--json lists them all)")
-    print(f"(planned in {result.seconds:.1f} s, no GPU used)")
+    print(_planned_in(result.seconds))
