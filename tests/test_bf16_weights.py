@@ -736,6 +736,41 @@ def test_the_estimators_state_is_torchaos_to_the_byte():
     assert state_bytes(net, KIND) == real_bytes
 
 
+@needs_torchao
+def test_the_estimators_state_is_packed_per_param_group_as_torchaos():
+    """torchao's step packs the small tensors' state for its flat call per param group (and
+    device), a group with only one small tensor not at all; the estimator's stand-in packed the
+    small tensors of every group as one set: other allocations than the real optimizer's (one
+    packed set where there are none or several). Two groups: the same tensors in the same
+    storages, byte for byte."""
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+    from tightfit.step import MetaOptimizer
+
+    shapes = (((64, 64), (8,), (4, 4)), ((16,), (64, 128)))  # 2 small tensors in the first group, 1 in the second
+    torch.manual_seed(0)
+    a, b = (_bf16_params(s) for s in shapes)
+    real = adamw_8bit_bf16(a, 1e-3, 0.01)
+    real.add_param_group({"params": b})
+    meta = [[torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta")) for p in ps] for ps in (a, b)]
+    stand_in = MetaOptimizer([{"params": ps} for ps in meta], KIND)
+    for p in a + b + meta[0] + meta[1]:
+        p.grad = torch.ones_like(p)
+    real.step()
+    stand_in.step()
+
+    def storages(tensors):  # each allocation once, by the tensor that owns it (a packed state's views: their base)
+        roots = {id(r): r for t in tensors for r in [t if t._base is None else t._base]}
+        return sorted((r.numel() * r.element_size(), str(r.dtype)) for r in roots.values())
+
+    def leaves(t):  # a tensor subclass (8-bit moments) holds its bytes in its inner tensors
+        return [x for n in t.__tensor_flatten__()[0] for x in leaves(getattr(t, n))] if hasattr(
+            t, "__tensor_flatten__") else [t]
+
+    real_tensors = [x for p in a + b for t in real.state[p].values() for x in leaves(t)]
+    assert real.state[a[1]]["exp_avg"]._base is not None and real.state[b[0]]["exp_avg"]._base is None
+    assert storages(stand_in.state_tensors()) == storages(real_tensors)
+
+
 def test_the_estimator_traces_bf16_weights():
     from tightfit.memory.estimate import estimate
     from tightfit.planner.optimizers import state_bytes

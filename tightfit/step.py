@@ -195,9 +195,10 @@ class MetaOptimizer:
     update; the parameters are bf16): per quantized tensor
     (:func:`tightfit.levers.optimizers.is_quantized_torchao`), for each moment in turn, uint8 codes
     of its shape, an fp32 scale per 256 elements and its own 256-entry fp32 map; bf16 ``zeros_like``
-    twice for the others; a 0-d fp32 ``step`` counter per tensor, first; then, where at least two
-    tensors are small (under 4,096 elements, :func:`~tightfit.levers.optimizers.is_flat`), their
-    counters and moments packed end to end for the flat call
+    twice for the others; a 0-d fp32 ``step`` counter per tensor, first; then, per param group and
+    device where at least two tensors are small (under 4,096 elements,
+    :func:`~tightfit.levers.optimizers.is_flat`), their counters and moments packed end to end for
+    the flat call
     (:func:`tightfit.levers.optimizers._compiled_flat_update`: three new tensors, the per-tensor
     ones freed). At every step its compiled update (a chunk of consecutive 8-bit tensors per
     call, :func:`~tightfit.levers.optimizers._compiled_chunk_update`) holds, while it updates
@@ -211,12 +212,20 @@ class MetaOptimizer:
     (bench/results/optimizer-temporaries); the flat call holds its concatenated weights and
     gradients (4 B per element) instead where that is more.
     Parameters without a gradient get no state.
+
+    Args:
+        params: meta parameters, or param groups (dicts with ``"params"``) as ``torch.optim`` takes them.
+        kind: one of :data:`OPTIMIZERS`.
+        accumulating: as :func:`make_optimizer`'s (``adamw-offload`` keeps the gradients).
     """
 
     def __init__(self, params, kind: str, accumulating: bool = False):
-        self.params, self.kind, self.state = list(params), kind, {}
+        params = list(params)
+        # as torch.optim's (for clipping, and adamw8bit-bf16's calls, which keep to one group)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        self.param_groups = [{**g, "params": list(g["params"])} for g in groups]
+        self.params, self.kind, self.state = [p for g in self.param_groups for p in g["params"]], kind, {}
         self._qmaps = False  # adamw8bit: the shared quantization maps exist
-        self.param_groups = [{"params": self.params}]  # as torch.optim's, for clipping
         # entered around the step's temporaries (the estimator labels them there)
         self.temporaries_context = contextlib.nullcontext
         if kind == "adamw-offload" and not accumulating:
@@ -265,24 +274,35 @@ class MetaOptimizer:
             self._pack_flat()
             self._dequantized_moments()
 
+    def _stepped_sets(self) -> list[list[torch.Tensor]]:
+        """The parameters with a gradient, one list per param group and device, in order: the
+        sets that ``adamw8bit-bf16``'s calls keep to (none updates tensors of two)."""
+        sets = {}
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is not None:
+                    sets.setdefault((i, p.device), []).append(p)
+        return list(sets.values())
+
     def _pack_flat(self) -> None:
         """``adamw8bit-bf16``'s packing of its small tensors' state for the flat call
-        (:meth:`~tightfit.levers.optimizers._bf16_class`'s ``_packed``, once): their counters and
-        moments copied end to end into three new tensors, the per-tensor ones then freed."""
+        (:meth:`~tightfit.levers.optimizers._bf16_class`'s ``_flat_sets``, once): per param group
+        and device with at least two of them, their counters and moments copied end to end into
+        three new tensors, the per-tensor ones then freed."""
         from .levers.optimizers import bf16_flat_call
 
-        stepped = [p for p in self.params if p.grad is not None]
-        small = [stepped[i] for i in bf16_flat_call([p.shape for p in stepped])]
-        if not small or all(self.state[p][1]._base is not None for p in small):
-            return
-        n = sum(p.numel() for p in small)
-        steps = torch.zeros(len(small), device=small[0].device)
-        m1, m2 = (torch.zeros(n, dtype=small[0].dtype, device=small[0].device) for _ in range(2))
-        start = 0
-        for i, p in enumerate(small):
-            k = p.numel()
-            self.state[p] = (steps[i], m1[start:start + k].view(p.shape), m2[start:start + k].view(p.shape))
-            start += k
+        for stepped in self._stepped_sets():
+            small = [stepped[i] for i in bf16_flat_call([p.shape for p in stepped])]
+            if not small or all(self.state[p][1]._base is not None for p in small):
+                continue
+            n = sum(p.numel() for p in small)
+            steps = torch.zeros(len(small), device=small[0].device)
+            m1, m2 = (torch.zeros(n, dtype=small[0].dtype, device=small[0].device) for _ in range(2))
+            start = 0
+            for i, p in enumerate(small):
+                k = p.numel()
+                self.state[p] = (steps[i], m1[start:start + k].view(p.shape), m2[start:start + k].view(p.shape))
+                start += k
 
     def _temporaries(self, exp_avg_sqs: list) -> None:
         with self.temporaries_context():
@@ -296,8 +316,8 @@ class MetaOptimizer:
         call's concatenated weights and gradients)."""
         from .levers.optimizers import bf16_step_temporary_bytes
 
-        stepped = [p for p in self.params if p.grad is not None]
-        held = bf16_step_temporary_bytes(p.shape for p in stepped)
+        held, stepped = max(((bf16_step_temporary_bytes(p.shape for p in ps), ps) for ps in self._stepped_sets()),
+                            key=lambda x: x[0], default=(0, None))  # the calls keep to one group and device
         if not held:
             return
         with self.temporaries_context():
