@@ -569,30 +569,46 @@ def test_your_own_checkpointing_turned_off_by_a_plan_without_it_is_said(caplog):
     assert tightfit.TrainStep(plan, model).events == []  # nothing to say when it is off already
 
 
-def test_your_own_checkpointing_turned_off_by_the_planners_probes_is_said_in_the_plan(monkeypatch, caplog):
-    """On a GPU the planner's probe steps turn the model's checkpointing off (they try plans without
-    it first) and leave it off when the plan has none: TrainStep then found nothing to turn off, and
-    the user's own gradient_checkpointing_enable() was dropped without a word. tightfit.plan says it
-    (the GPU planner stood in for here: a plan_first that turns the hook off as the probes do)."""
+def test_the_gpu_planners_probes_leave_your_checkpointing_as_it_was(monkeypatch):
+    """On a GPU the planner's probes try plans without and with activation checkpointing on the
+    model itself, and then turned it off whatever the model had: a model that came to
+    tightfit.plan with your gradient_checkpointing_enable() came back without it, whether the plan
+    checkpoints (until a TrainStep applies it) or nothing fit at all. The probes (stood in for here:
+    a micro-batch fits with checkpointing only) now leave it as it was: the same checkpoint function
+    (here reentrant) in every layer, and the KV cache setting as you had it. TrainStep applies the
+    plan's, and says so where that turns yours off (as on the CPU, where no probe runs:
+    test_your_own_checkpointing_turned_off_by_a_plan_without_it_is_said)."""
     import tightfit.planner.probe as probe
-    from tightfit.levers.checkpointing import TURNED_OFF_NOTE, set_activation_checkpointing
+    from conftest import LMBatches, tiny_gpt2
+    from tightfit.devices import get_profile
+    from tightfit.levers.checkpointing import checkpointing_active, hf_hook_active
+    from tightfit.planner.search import NothingFitsError
+    from tightfit.workload import Workload
 
-    real = probe.plan_first
+    seen = []
 
-    def probing(workload, *args, **kwargs):
-        set_activation_checkpointing(workload.model, False)  # as plan_first's probes on a GPU leave it
-        return real(workload, *args, **kwargs)
+    def largest(workload, precision, budget_bytes, upper, optimizer="adamw"):
+        seen.append(checkpointing_active(workload.model))
+        return probe.ProbeResult(upper, True, 1 << 20, 1 << 20) if seen[-1] else None
 
-    monkeypatch.setattr(probe, "plan_first", probing)
-    model, batch = tiny_bert(), SyntheticBatches(8).worst_case(8)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with caplog.at_level(logging.WARNING, logger="tightfit"):
-        plan = tightfit.plan(model, batch)
-    assert not plan.activation_checkpointing and TURNED_OFF_NOTE in plan.reasons, plan.reasons
-    assert TURNED_OFF_NOTE in caplog.text
-    assert tightfit.TrainStep(plan, model).events == []  # said once, by the plan
-    unchanged = tiny_bert()  # nothing said of a model that checkpointed nothing
-    assert TURNED_OFF_NOTE not in tightfit.plan(unchanged, batch).reasons
+    model = tiny_gpt2(dropout=0.0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+    def checkpoint_functions():
+        return {n: m._gradient_checkpointing_func for n, m in model.named_modules()
+                if getattr(m, "gradient_checkpointing", 0)}
+
+    yours = checkpoint_functions()
+    assert yours and model.config.use_cache is True
+    w = Workload(model, LMBatches(8), None, 8)
+    monkeypatch.setattr(probe, "largest_micro_batch", largest)
+    plan = probe.plan_first(w, "cuda", get_profile("h100"), 1 << 30)
+    assert plan.activation_checkpointing and seen[:2] == [False, True]
+    assert hf_hook_active(model) and checkpoint_functions() == yours and model.config.use_cache is True
+    monkeypatch.setattr(probe, "largest_micro_batch", lambda *a, **k: None)
+    with pytest.raises(NothingFitsError):
+        probe.plan_first(w, "cuda", get_profile("h100"), 1 << 30)
+    assert hf_hook_active(model) and checkpoint_functions() == yours and model.config.use_cache is True
 
 
 @pytest.mark.parametrize("micro_batch", [4, 1])

@@ -276,7 +276,8 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
     of the process, so that the plan and the run see the same limit), and real probe steps of
     forward, backward and a fused AdamW step find the largest micro-batch that fits with the
     planner's headroom (:func:`tightfit.planner.probe.plan_first`; the weights are left
-    bit-identical). Without a GPU, or with ``device="cpu"``: fp32 (unless asked), the whole
+    bit-identical, and the model's activation checkpointing as it was: :class:`TrainStep` applies
+    the plan's). Without a GPU, or with ``device="cpu"``: fp32 (unless asked), the whole
     effective batch in one micro-batch unless its estimated step would hold more than half the host's
     available memory (:func:`tightfit.planner.host.host_micro_batch`), no budget; a ``budget`` or
     ``gpu`` is checked (it must hold the weights, gradients and AdamW state, and fit the card) and
@@ -315,7 +316,6 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
     """
     from .api import resolve_device
     from .config import PlanOptions, WorkloadOptions, check_option
-    from .levers.checkpointing import TURNED_OFF_NOTE, checkpointing_active, plans_checkpointing
     from .planner.probe import plan_first
     from .units import parse_size
     from .workload import Workload
@@ -354,14 +354,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
 
                 notes.append(f"budget {format_bytes(budget_bytes)}: checked against the model's weights, gradients "
                              "and AdamW state (on the CPU it applies to no allocation)")
-        had_checkpointing = checkpointing_active(model)
         chosen = plan_first(workload, dev, profile, budget_bytes, precision, checkpointing)
-        if had_checkpointing and not checkpointing_active(model) \
-                and not plans_checkpointing(chosen.activation_checkpointing, chosen.block_policies):
-            # the GPU planner's probes turned the model's own checkpointing off, and the plan keeps none:
-            # said here, since TrainStep and the Lightning callback then find nothing left to turn off
-            notes.append(TURNED_OFF_NOTE)
-            log.warning("tightfit: %s", TURNED_OFF_NOTE)
     except TightfitError as e:
         raise TightfitError(as_arguments(str(e))) from None
     from .levers.trainable import trainable_fields

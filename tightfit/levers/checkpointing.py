@@ -9,6 +9,8 @@ model's own setting comes back when checkpointing is turned off again (:func:`re
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..errors import TightfitError
@@ -77,6 +79,42 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool, blocks=N
     _no_kv_cache(model)
 
 
+@contextlib.contextmanager
+def kept_checkpointing(model: torch.nn.Module):
+    """Within, :func:`set_activation_checkpointing` may set anything (the GPU planner's probes
+    try plans with and without checkpointing on the model itself); on leaving, an error
+    included, the model checkpoints as it did on entry: the same blocks with tightfit's wrappers
+    and policies, or its Hugging Face hook with the same checkpoint function in each layer (yours
+    too, e.g. reentrant), or nothing; and its KV cache setting (``config.use_cache``) and the one
+    :func:`restore_kv_cache` would give back are as they were."""
+    from .blocks import apply_block_policies, block_policy, find_blocks
+
+    policies = [block_policy(b) for b in find_blocks(model)]
+    layers = [(m, m.__dict__.get("gradient_checkpointing"), m.__dict__.get("_gradient_checkpointing_func"))
+              for m in model.modules() if "gradient_checkpointing" in m.__dict__] if hf_hook_active(model) else []
+    config = getattr(model, "config", None)
+    use_cache, yours = getattr(config, "use_cache", None), _base(model).__dict__.get(_USER_USE_CACHE)
+    try:
+        yield
+    finally:
+        set_activation_checkpointing(model, False)
+        if any(p != "none" for p in policies):
+            apply_block_policies(model, policies)
+        if layers:
+            _enable_hf_hook(model)  # its input-embedding hook, if the first enable had one
+            for m, on, fn in layers:
+                m.gradient_checkpointing = on
+                if fn is None:
+                    m.__dict__.pop("_gradient_checkpointing_func", None)
+                else:
+                    m._gradient_checkpointing_func = fn
+        if use_cache is not None:
+            config.use_cache = use_cache
+        _base(model).__dict__.pop(_USER_USE_CACHE, None)
+        if yours is not None:
+            _base(model).__dict__[_USER_USE_CACHE] = yours
+
+
 def can_checkpoint(model: torch.nn.Module) -> bool:
     """Whether :func:`set_activation_checkpointing` can turn checkpointing on for ``model``: it has
     repeated blocks (:func:`tightfit.levers.blocks.find_blocks`) or Hugging Face's own hook."""
@@ -124,8 +162,8 @@ def plans_checkpointing(enabled: bool, policies=None) -> bool:
 def turned_off_note(model: torch.nn.Module, enabled: bool, blocks=None, policies=None) -> str | None:
     """What :func:`set_activation_checkpointing` with these arguments would turn off without a word:
     :data:`TURNED_OFF_NOTE` when ``model`` checkpoints now (:func:`checkpointing_active`) and the
-    plan checkpoints nothing; None otherwise. (On a GPU the planner's probes have turned it off
-    already: :func:`tightfit.plan` says so in the plan's reasons instead.)"""
+    plan checkpoints nothing; None otherwise. (The GPU planner's probes leave it as they found it:
+    :func:`kept_checkpointing`.)"""
     if plans_checkpointing(enabled, policies) or not checkpointing_active(model):
         return None
     return TURNED_OFF_NOTE

@@ -18,7 +18,7 @@ import torch
 from ..devices import DeviceProfile
 from ..errors import TightfitError
 from ..buffers import KeptBuffers
-from ..levers.checkpointing import can_checkpoint, set_activation_checkpointing
+from ..levers.checkpointing import can_checkpoint, kept_checkpointing, set_activation_checkpointing
 from ..levers.optimizers import hold_gradients, release, weights_in
 from ..levers.precision import autocast, check_precision, fallback_precisions, make_grad_scaler, preferred_precision
 from ..plan import Plan, accumulation_steps, balanced_micro_batch
@@ -214,7 +214,9 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
     On a GPU: precision from the card (:func:`preferred_precision`); the largest micro-batch that
     a probe step fits in ``budget_bytes``, without activation checkpointing if any fits, else
     with it; if nothing fits in fp32, fp16/bf16 are tried for their smaller activations.
-    The model must already be on ``device``, and the caching allocator capped to the budget.
+    The model must already be on ``device``, and the caching allocator capped to the budget; its
+    activation checkpointing, which the probes set as each try needs, is left as it was found
+    (:func:`~tightfit.levers.checkpointing.kept_checkpointing`; the runtime applies the plan's).
 
     Args:
         precision: ``"auto"`` or an explicit ``fp32|fp16|bf16``.
@@ -247,30 +249,29 @@ def plan_first(workload: Workload, device: str, profile: DeviceProfile | None, b
     if checkpointing == "auto" and not can_checkpoint(workload.model):
         ckpt_options = [False]  # nothing to checkpoint: "nothing fits" rather than a ValueError
     tried = []
-    for prec in candidates:
-        for ckpt in ckpt_options:
-            set_activation_checkpointing(workload.model, ckpt)
-            best = largest_micro_batch(workload, prec, budget_bytes, E, optimizer)
-            tried.append(f"{prec}{' + checkpointing' if ckpt else ''}: "
-                         + (f"micro-batch {best.micro_batch}" if best else "micro-batch 1 does not fit"))
-            if best is None:
-                continue
-            mb = balanced_micro_batch(E, best.micro_batch)
-            reasons = [why if prec == first else f"{prec}: {first} did not fit even at micro-batch 1 "
-                       f"(fp16/bf16 halve activation memory)"]
-            reasons.append(f"largest micro-batch that fits {format_bytes(budget_bytes)} (probe step, "
-                           f"{int(PROBE_HEADROOM * 100)}% headroom): {best.micro_batch} -> {mb} x "
-                           f"{accumulation_steps(E, mb)} accumulation steps = effective batch {E}")
-            reasons.append("activation checkpointing on: nothing fits without it" if ckpt and checkpointing == "auto"
-                           else f"activation checkpointing {'on' if ckpt else 'off'}"
-                           + (" (asked for)" if checkpointing != "auto" else ": not needed to fit"))
-            peak = best.peak_reserved_bytes
-            if mb != best.micro_batch:
-                peak = probe_step(workload, mb, prec, budget_bytes, optimizer=optimizer).peak_reserved_bytes
-            set_activation_checkpointing(workload.model, False)  # the runtime applies the plan's choice
-            return Plan(prec, mb, E, ckpt, optimizer=optimizer, device=device, budget_bytes=budget_bytes,
-                        reasons=tuple(reasons), probe_peak_reserved_bytes=peak)
-    set_activation_checkpointing(workload.model, False)
+    with kept_checkpointing(workload.model):  # the probes set their own; the runtime applies the plan's
+        for prec in candidates:
+            for ckpt in ckpt_options:
+                set_activation_checkpointing(workload.model, ckpt)
+                best = largest_micro_batch(workload, prec, budget_bytes, E, optimizer)
+                tried.append(f"{prec}{' + checkpointing' if ckpt else ''}: "
+                             + (f"micro-batch {best.micro_batch}" if best else "micro-batch 1 does not fit"))
+                if best is None:
+                    continue
+                mb = balanced_micro_batch(E, best.micro_batch)
+                reasons = [why if prec == first else f"{prec}: {first} did not fit even at micro-batch 1 "
+                           f"(fp16/bf16 halve activation memory)"]
+                reasons.append(f"largest micro-batch that fits {format_bytes(budget_bytes)} (probe step, "
+                               f"{int(PROBE_HEADROOM * 100)}% headroom): {best.micro_batch} -> {mb} x "
+                               f"{accumulation_steps(E, mb)} accumulation steps = effective batch {E}")
+                reasons.append("activation checkpointing on: nothing fits without it"
+                               if ckpt and checkpointing == "auto" else f"activation checkpointing {'on' if ckpt else 'off'}"
+                               + (" (asked for)" if checkpointing != "auto" else ": not needed to fit"))
+                peak = best.peak_reserved_bytes
+                if mb != best.micro_batch:
+                    peak = probe_step(workload, mb, prec, budget_bytes, optimizer=optimizer).peak_reserved_bytes
+                return Plan(prec, mb, E, ckpt, optimizer=optimizer, device=device, budget_bytes=budget_bytes,
+                            reasons=tuple(reasons), probe_peak_reserved_bytes=peak)
     from .search import NothingFitsError  # (search imports this module)
 
     raise NothingFitsError(f"nothing fits the budget of {format_bytes(budget_bytes)}: " + "; ".join(tried))
