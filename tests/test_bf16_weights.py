@@ -285,22 +285,69 @@ def test_update_chunks_fill_up_to_chunk_elements_in_order():
 
 @needs_torchao
 def test_the_chunked_update_compiles_once_for_chunks_of_any_size():
-    """Chunks of other lengths (other models, a lone tensor, a chunk of three) run the one graph
-    of the chunked update (its block count dynamic): none compiles it again."""
+    """Chunks of other lengths and tensor counts (other models: chunks of 2 and 3 tensors, lone
+    tensors of 16 to 64 blocks) run the one graph of the chunked update (its block count
+    dynamic): none compiles it again."""
     from torch._dynamo.utils import counters
 
     from tightfit.levers.optimizers import adamw_8bit_bf16
 
     torch.manual_seed(0)
-    graphs = []
-    for shapes in (((64, 64),), ((64, 64), (32, 256)), ((128, 64), (64, 64), (16, 256)), ((64, 128),)):
+    graphs, cuts = [], []
+    for shapes in (((64, 256), (64, 64), (17, 256)), ((96, 256), (16, 256), (32, 128), (20, 256)),
+                   ((64, 64),), ((16, 256), (48, 256))):
         ps = _bf16_params(shapes)
         opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
         for p in ps:
             p.grad = (torch.randn(p.shape) * 1e-3).bfloat16()
         opt.step()
         graphs.append(counters["stats"]["unique_graphs"])
+        cuts.append([len(c) for c in opt._chunks([(opt.param_groups[0], p) for p in ps])])
+    assert cuts == [[1, 2], [1, 3], [1], [1, 1]]
     assert graphs[1:] == graphs[:1] * 3
+
+
+@needs_torchao
+def test_a_tensor_moved_to_another_param_group_is_cut_anew():
+    """The chunks are kept from step to step; a tensor moved into a new param group (same order,
+    same tensors) is cut apart from its old chunk and takes its new group's lr (0: it stays)."""
+    from tightfit.levers.optimizers import adamw_8bit_bf16
+
+    torch.manual_seed(0)
+    ps = _bf16_params(((64, 256), (64, 64), (17, 256)))
+    opt = adamw_8bit_bf16(ps, 1e-3, 0.01)
+    for p in ps:
+        p.grad = (torch.randn(p.shape) * 1e-3).bfloat16()
+    opt.step()
+    opt.param_groups[0]["params"] = ps[:2]
+    opt.add_param_group({"params": ps[2:], "lr": torch.tensor(0.0)})
+    before = ps[2].detach().clone()
+    opt.step()
+    assert torch.equal(ps[2], before)
+
+
+@needs_torchao
+def test_a_weight_that_is_not_bf16_is_updated_alone_as_torchao_updates_it(monkeypatch):
+    """A weight changed to fp32 after the optimizer was made (``p.data = ...``) is no part of a
+    chunk: torchao updates it in fp32 without stochastic rounding, as its own per-tensor call
+    does, and its bf16 neighbours keep theirs."""
+    from tightfit.levers import optimizers
+
+    results = []
+    for chunked in (True, False):
+        torch.manual_seed(0)
+        ps = _bf16_params(((64, 256), (64, 64), (17, 256)))
+        opt = optimizers.adamw_8bit_bf16(ps, 1e-3, 0.01)
+        ps[2].data = ps[2].data.float() + 1e-4 * torch.randn(ps[2].shape, generator=torch.Generator().manual_seed(2))
+        if not chunked:
+            monkeypatch.setattr(type(opt), "_chunkable", lambda self, p: False)
+        g = torch.Generator().manual_seed(1)
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype)
+        opt.step()
+        monkeypatch.undo()
+        results.append(ps[2].detach().clone())
+    assert results[0].dtype == torch.float32 and torch.equal(*results)
 
 
 @needs_torchao

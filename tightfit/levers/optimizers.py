@@ -442,7 +442,8 @@ def _compiled_update():
 def _compiled_chunk_update():
     """:func:`_compiled_update` over a chunk of 8-bit tensors (:func:`update_chunks`) laid end to
     end as 256-element blocks: one compiled graph, its block count dynamic, serves every chunk
-    and every lone 8-bit tensor of every model. Called as ``update(params, grads, steps,
+    and every lone 8-bit tensor of a param group's hyperparameters (they are constants of the
+    graph, as in the other calls: a group with another weight decay compiles its own). Called as ``update(params, grads, steps,
     exp_avg, exp_avg_sq, found_inf, lr, beta1, beta2, weight_decay, eps, is_adamw,
     stochastic_round)``: ``params`` the weights (detached, contiguous, each a whole number of
     256-element blocks), ``grads`` their gradients, ``steps`` their 0-d fp32 counters (they may
@@ -452,8 +453,10 @@ def _compiled_chunk_update():
     unrolled one update per tensor of a layer (the repeats of a model's tensor sequence, one
     call per layer) cost ~0.1 ms of host time per tensor and compiled for ~30 s on a CPU for
     BERT's 7 8-bit tensors (bench/results/chunked-update); here a chunk costs a few launches
-    (the concatenations, one graph of one update, one multi-tensor copy back) and one graph of
-    one update compiles once.
+    (the concatenations, one graph of one update, a multi-tensor copy back per dtype, the
+    counters' add) and one graph of one update compiles once. A lone tensor pays those few
+    launches too (on a CPU ~345 against ~300 us for a 4,096-element tensor through
+    :func:`_compiled_update`): the price of one graph for every shape.
 
     The math per element is :func:`_compiled_update`'s: a chunk's blocks are its tensors'
     blocks (every 8-bit tensor is a whole number of them), so the 8-bit moments' block scales
@@ -462,7 +465,9 @@ def _compiled_chunk_update():
     they get other draws (tests/test_bf16_weights.py). Non-finite verdicts skip it as
     :func:`_compiled_update` does: every value stays as it was, the counters included. A chunk of
     several tensors holds their concatenated weights, gradients and codes
-    (:data:`CHUNK_TEMPORARY_BYTES` per element) beside the update's own temporaries while it runs.
+    (:data:`CHUNK_TEMPORARY_BYTES` per element) beside the update's own temporaries while it runs
+    (a gradient laid out unlike its weight is copied first, 2 B per element more, which the
+    estimator leaves out).
     """
     from torchao.optim.adam import single_param_adam
     from torchao.optim.subclass_8bit import OptimState8bit
@@ -495,11 +500,14 @@ def _compiled_chunk_update():
         compiled(w, grad, counters, c1, s1, c2, s2, exp_avg[0].qmap, exp_avg_sq[0].qmap, exp_avg[0].signed,
                  exp_avg_sq[0].signed, found_inf, *rest)
         if len(params) > 1:  # the chunk's results back into each tensor: one multi-tensor copy
-            sources = [t.split(blocks) for t in (w, c1, c2)] + [t.split(blocks) for t in (s1, s2)]
-            targets = [params, [x.codes for x in exp_avg], [x.codes for x in exp_avg_sq],
-                       [x.scale for x in exp_avg], [x.scale for x in exp_avg_sq]]
-            torch._foreach_copy_([t for ts in targets for t in ts],
-                                 [s.view_as(t) for ss, ts in zip(sources, targets) for s, t in zip(ss, ts)])
+            # one multi-tensor copy per dtype (bf16 weights, uint8 codes, fp32 scales): a list of
+            # mixed dtypes falls back to one copy per tensor on CUDA (ATen's ForeachUtils)
+            for sources, targets in (((w,), (params,)),
+                                     ((c1, c2), ([x.codes for x in exp_avg], [x.codes for x in exp_avg_sq])),
+                                     ((s1, s2), ([x.scale for x in exp_avg], [x.scale for x in exp_avg_sq]))):
+                torch._foreach_copy_([t for ts in targets for t in ts],
+                                     [s.view_as(t) for src, ts in zip(sources, targets)
+                                      for s, t in zip(src.split(blocks), ts)])
         torch._foreach_add_(list(steps), (found_inf == 0).to(steps[0].dtype))
 
     return update
@@ -670,8 +678,10 @@ def _bf16_class():
       out-of-memory error while the first step's state is allocated leaves every weight and
       moment unwritten, and the runtime drops the new state and redoes the window (DESIGN
       invariant 10). An error during the updates themselves is seen by the runtime's
-      partial-update check: each compiled update bumps the version counters of the weight, its
-      moments and its step counter;
+      partial-update check (the version counters of the weights, the plain moments and the step
+      counters; an 8-bit moment's wrapper keeps its version, but its codes are never written
+      before its weight): each compiled update bumps the versions of the inputs it writes before
+      its kernels run, and a chunk's copy back and counter add bump theirs;
     - every update goes through one compiled function (:func:`_compiled_update`), not a new
       ``torch.compile`` wrapper per parameter and step, and takes the 8-bit moments' plain tensors;
       the 8-bit tensors go in chunks of consecutive tensors, one call each (:func:`update_chunks`,
@@ -813,21 +823,27 @@ def _bf16_class():
 
         def _chunkable(self, p) -> bool:
             """Whether ``p`` goes through the chunked update (:func:`_compiled_chunk_update`): a
-            plain, contiguous weight whose moments are both 8-bit. Sharded (DTensor) weights and
-            large tensors with plain moments (not whole 256-element blocks) go alone through
-            :func:`_compiled_update`."""
+            plain, contiguous bf16 weight whose moments are both 8-bit, with contiguous codes. The
+            others go alone through :func:`_compiled_update`: sharded (DTensor) weights,
+            non-contiguous ones (channels-last convolutions, transposed parameters), weights of
+            another dtype (torchao rounds only bf16 ones stochastically; a chunk's are all bf16)
+            and large tensors whose moments are plain (not whole 256-element blocks)."""
             from torchao.optim.subclass_8bit import OptimState8bit
 
             s = self.state[p]
-            return (type(p.detach()) is torch.Tensor and p.is_contiguous()
+            return (type(p.detach()) is torch.Tensor and p.is_contiguous() and p.dtype is torch.bfloat16
                     and all(type(s[k]) is OptimState8bit and s[k].codes.is_contiguous() for k in ("exp_avg", "exp_avg_sq")))
 
         def _chunks(self, stepped: list) -> list[list]:
             """``stepped`` ((param group, parameter) pairs, in update order) cut into the calls of the
             step: consecutive chunkable tensors (:meth:`_chunkable`) of one param group and device in
             chunks (:func:`update_chunks`), every other tensor alone. The cut is kept (as indices) for
-            the last list of parameters and kinds of state seen (``load_state_dict`` replaces it)."""
-            key = tuple((id(p), type(self.state[p]["exp_avg"]), type(self.state[p]["exp_avg_sq"])) for _, p in stepped)
+            the last list of (param group, parameter, dtype, kinds of state) seen: a tensor moved to
+            another group, or its state loaded anew as another kind, cuts again."""
+            # what decides the cut, cheap to read at every step (a weight's layout or device changed
+            # through .data is not seen)
+            key = tuple((id(g), id(p), p.dtype, type(self.state[p]["exp_avg"]), type(self.state[p]["exp_avg_sq"]))
+                        for g, p in stepped)
             cached = self.__dict__.get("_chunk_cache")  # (key, calls as lists of indices into stepped)
             if cached is None or cached[0] != key:
                 calls, run = [], []
