@@ -106,6 +106,9 @@ def test_plan_cache_round_trip_is_atomic_and_ignores_damaged_entries(tmp_path, m
     assert path.parent == tmp_path / "cache" / "plans" and not list(path.parent.glob(".*.tmp"))
     got, record = load_plan("k" * 64)
     assert got == plan and record["planning_seconds"] == 12.5 and record["timings"]["probed_samples_per_s"] == 123.0
+    entry = json.loads(path.read_text())
+    path.write_text(json.dumps({**entry, "format": "tightfit-plan-cache/1"}))
+    assert load_plan("k" * 64) is None  # an entry of another format (older code's plans) is planned anew
     path.write_text("{not json")
     assert load_plan("k" * 64) is None  # a damaged entry only costs a fresh plan
 

@@ -499,7 +499,7 @@ def _compiled_chunk_update():
         w, grad, counters, c1, s1, c2, s2 = parts
         compiled(w, grad, counters, c1, s1, c2, s2, exp_avg[0].qmap, exp_avg_sq[0].qmap, exp_avg[0].signed,
                  exp_avg_sq[0].signed, found_inf, *rest)
-        if len(params) > 1:  # the chunk's results back into each tensor: one multi-tensor copy
+        if len(params) > 1:  # the chunk's results back into each tensor,
             # one multi-tensor copy per dtype (bf16 weights, uint8 codes, fp32 scales): a list of
             # mixed dtypes falls back to one copy per tensor on CUDA (ATen's ForeachUtils)
             for sources, targets in (((w,), (params,)),

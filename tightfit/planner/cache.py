@@ -32,7 +32,10 @@ from ..plan import Plan
 
 _log = logging.getLogger(__name__)
 
-CACHE_FORMAT = "tightfit-plan-cache/1"
+# raised when what a cached plan holds changes meaning (its reasons' wording, the time model behind
+# its choice) within one tightfit version: entries of another format are planned anew. 2: the
+# planner's stage times without a second "planning took"; adamw8bit-bf16 timed per call, not per tensor.
+CACHE_FORMAT = "tightfit-plan-cache/2"
 
 
 def cache_dir() -> Path:
