@@ -610,6 +610,24 @@ def update_chunks(numels: list[int]) -> list[range]:
     return ranges + [range(start, len(numels))] * bool(numels)
 
 
+def chunked_calls(numels: list[int], chunkable: list[bool], keys: list | None = None) -> list[list[int]]:
+    """Indices ``0..n-1`` (tensors in update order) cut into the calls of ``adamw8bit-bf16``'s
+    step: each run of consecutive ``chunkable`` tensors with one key (param group and device;
+    None: one for all) in chunks (:func:`update_chunks` of their ``numels``), every other
+    tensor alone."""
+    calls, run = [], []
+    for i in range(len(numels) + 1):
+        ends = i == len(numels) or not chunkable[i] or (run and keys is not None and keys[i] != keys[run[-1]])
+        if run and ends:
+            calls += [[run[j] for j in r] for r in update_chunks([numels[k] for k in run])]
+            run = []
+        if i < len(numels) and chunkable[i]:
+            run.append(i)
+        elif i < len(numels):
+            calls.append([i])
+    return calls
+
+
 def bf16_flat_call(shapes) -> list[int]:
     """Indices into ``shapes`` (the trained tensors of one param group and device, in the order of
     ``model.parameters()``) of the tensors ``adamw8bit-bf16``'s flat call updates
@@ -626,16 +644,12 @@ def bf16_update_calls(shapes) -> list[list[int]]:
     one, then each run of consecutive 8-bit tensors (the flat call's left out) in chunks
     (:func:`update_chunks`) and every other tensor alone."""
     shapes = [tuple(s) for s in shapes]
+    sizes = [math.prod(s) for s in shapes]
     flat = bf16_flat_call(shapes)
-    calls, run = [flat] * bool(flat), []
-    for i in sorted(set(range(len(shapes))) - set(flat)) + [None]:
-        if i is not None and is_quantized_torchao(math.prod(shapes[i])):
-            run.append(i)
-            continue
-        calls += [[run[j] for j in r] for r in update_chunks([math.prod(shapes[k]) for k in run])]
-        calls += [[i]] * (i is not None)
-        run = []
-    return calls
+    rest = sorted(set(range(len(sizes))) - set(flat))
+    numels = [sizes[i] for i in rest]
+    return [flat] * bool(flat) + [[rest[j] for j in c]
+                                  for c in chunked_calls(numels, [is_quantized_torchao(n) for n in numels])]
 
 
 def bf16_step_temporary_bytes(shapes) -> int:
@@ -846,21 +860,8 @@ def _bf16_class():
                         for g, p in stepped)
             cached = self.__dict__.get("_chunk_cache")  # (key, calls as lists of indices into stepped)
             if cached is None or cached[0] != key:
-                calls, run = [], []
-
-                def close_run():
-                    calls.extend([run[i] for i in r] for r in update_chunks([stepped[j][1].numel() for j in run]))
-                    run.clear()
-
-                for i, (g, p) in enumerate(stepped):
-                    last = stepped[run[-1]] if run else None
-                    if last and (not self._chunkable(p) or last[0] is not g or last[1].device != p.device):
-                        close_run()
-                    if self._chunkable(p):
-                        run.append(i)
-                    else:
-                        calls.append([i])
-                close_run()
+                calls = chunked_calls([p.numel() for _, p in stepped], [self._chunkable(p) for _, p in stepped],
+                                      [(id(g), p.device) for g, p in stepped])
                 cached = self.__dict__["_chunk_cache"] = (key, calls)
             return [[stepped[i] for i in c] for c in cached[1]]
 
