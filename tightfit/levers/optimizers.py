@@ -362,9 +362,12 @@ def adamw_8bit_bf16(params, lr: float, weight_decay: float) -> torch.optim.Optim
 
 def _skippable_update():
     """torchao's per-parameter AdamW update (``torchao.optim.adam.single_param_adam``), made
-    skippable on the device; uncompiled. Called as ``skippable(p, grad, step, found_inf, m1, m2,
-    signed1, signed2, lr, beta1, beta2, weight_decay, eps, is_adamw, stochastic_round)``, where
-    ``m1``/``m2`` are a moment's plain tensors (:func:`_moment_parts`). See :func:`_compiled_update`."""
+    skippable on the device; uncompiled, the one body of every compiled call (per tensor, flat,
+    chunk). Called as ``skippable(p, grad, step, found_inf, m1, m2, signed1, signed2, lr, beta1,
+    beta2, weight_decay, eps, is_adamw, stochastic_round)``, where ``m1``/``m2`` are a moment's
+    plain tensors (:func:`_moment_parts`) and ``step`` the counter before this update (0-d, or one
+    per row of ``p``); returns the 0-d verdict ``apply`` (True: the update was written), by which
+    the caller advances its counters. See :func:`_compiled_update`."""
     from torchao.optim.adam import single_param_adam
     from torchao.optim.subclass_8bit import OptimState8bit
 
@@ -379,7 +382,7 @@ def _skippable_update():
         single_param_adam(new_p, grad, step + 1, moment(new1, signed1), moment(new2, signed2), None, *rest)
         for old, new in zip((p, *m1[:2], *m2[:2]), (new_p, *new1[:2], *new2[:2])):
             old.copy_(torch.where(apply, new, old))
-        step.add_(apply.to(step.dtype))
+        return apply
 
     return skippable
 
@@ -429,7 +432,12 @@ def _compiled_update():
     (:func:`_compiled_chunk_update`) nor the flat call: sharded (DTensor) weights, and large tensors
     whose moments are not 8-bit.
     """
-    compiled = torch.compile(_skippable_update(), fullgraph=True, dynamic=False)
+    skippable = _skippable_update()
+
+    def one(p, grad, step, found_inf, *rest):
+        step.add_(skippable(p, grad, step, found_inf, *rest).to(step.dtype))
+
+    compiled = torch.compile(one, fullgraph=True, dynamic=False)
 
     def update(p, grad, step, exp_avg, exp_avg_sq, found_inf, *rest):
         (m1, signed1), (m2, signed2) = _moment_parts(exp_avg), _moment_parts(exp_avg_sq)
@@ -469,17 +477,13 @@ def _compiled_chunk_update():
     (a gradient laid out unlike its weight is copied first, 2 B per element more, which the
     estimator leaves out).
     """
-    from torchao.optim.adam import single_param_adam
-    from torchao.optim.subclass_8bit import OptimState8bit
+    skippable = _skippable_update()
 
     def chunk(w, grad, steps, codes1, scale1, codes2, scale2, qmap1, qmap2, signed1, signed2, found_inf, *rest):
         # w, grad, codes: (blocks, 256); scale: (blocks,); steps: (blocks,) fp32, each block's counter
-        apply = found_inf == 0
-        new_w, new_c1, new_s1, new_c2, new_s2 = (t.clone() for t in (w, codes1, scale1, codes2, scale2))
-        single_param_adam(new_w, grad, steps.unsqueeze(1) + 1, OptimState8bit(new_c1, new_s1, qmap1, signed1),
-                          OptimState8bit(new_c2, new_s2, qmap2, signed2), None, *rest)
-        for old, new in zip((w, codes1, scale1, codes2, scale2), (new_w, new_c1, new_s1, new_c2, new_s2)):
-            old.copy_(torch.where(apply, new, old))
+        # (advanced by the caller, per tensor)
+        skippable(w, grad, steps.unsqueeze(1), found_inf, (codes1, scale1, qmap1), (codes2, scale2, qmap2),
+                  signed1, signed2, *rest)
 
     compiled = torch.compile(chunk, fullgraph=True)
 
@@ -536,15 +540,10 @@ def _compiled_flat_update():
     nothing changes, the counters included (the weights are written back unchanged). It holds the
     concatenated weights and gradients (:data:`FLAT_TEMPORARY_BYTES` per element) while it runs.
     """
-    from torchao.optim.adam import single_param_adam
+    skippable = _skippable_update()
 
-    def flat(w, grad, steps, m1, m2, found_inf, *rest):
-        apply = found_inf == 0
-        new_w, new1, new2 = w.clone(), m1.clone(), m2.clone()
-        single_param_adam(new_w, grad, steps[0] + 1, new1, new2, None, *rest)
-        for old, new in ((w, new_w), (m1, new1), (m2, new2)):
-            old.copy_(torch.where(apply, new, old))
-        steps.add_(apply.to(steps.dtype))
+    def flat(w, grad, steps, m1, m2, found_inf, *rest):  # (the counters all equal: the first stands for all)
+        steps.add_(skippable(w, grad, steps[0], found_inf, (m1,), (m2,), False, False, *rest).to(steps.dtype))
 
     compiled = torch.compile(flat, fullgraph=True)
 
