@@ -266,17 +266,16 @@ def as_batches(data, collate_fn: Callable[[list], dict] | None = None,
     if data is None:
         return data
     if isinstance(data, DatasetBatches):
+        batches = data
         if check_batch is not None:
-            data.check(check_batch)
+            batches.check(check_batch)
         else:
-            data.check_batch = None  # an earlier workload's (another model's classes) is not this one's
-        _check_all_labels(data, check_batch)
-        return data
-    if collate_fn is None and hasattr(data, "collate") and hasattr(data, "worst_case"):
-        _check_all_labels(data, check_batch)  # its batches are its own: not collated here
-        return data
-    batches = DatasetBatches(data, collate_fn)
-    batches.check(check_batch)
+            batches.check_batch = None  # an earlier workload's (another model's classes) is not this one's
+    elif collate_fn is None and hasattr(data, "collate") and hasattr(data, "worst_case"):
+        batches = data  # its batches are its own: not collated here
+    else:
+        batches = DatasetBatches(data, collate_fn)
+        batches.check(check_batch)
     _check_all_labels(batches, check_batch)
     return batches
 
