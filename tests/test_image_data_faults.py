@@ -127,6 +127,15 @@ def test_transparent_parts_are_white_whatever_colour_is_stored_under_them(tmp_pa
     assert np.array_equal(load_image(str(tmp_path / "grey.png")), shown[..., 0])  # grey stays grey
 
 
+def _train_once(capsys, root, folder, out):
+    """``tightfit train`` of the ResNet in ``folder`` on the images under ``root``, one step on the
+    CPU into ``out``: its exit code and the lines it wrote to stderr."""
+    capsys.readouterr()
+    code = main(["train", "--data", str(root), "--model", str(folder), "--image-size", "8", "--out", str(out),
+                 "--device", "cpu", "--no-progress", "--max-steps", "1"])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
 def _folder(root, n=10):
     for cls in ("a", "b"):
         (root / cls).mkdir(parents=True)
@@ -174,10 +183,7 @@ def test_a_fifo_or_socket_in_a_class_folder_is_noted_and_one_named_as_an_image_i
 
     os.mkfifo(root / "b" / "z.png")
     folder, out = _resnet_folder(tmp_path / "resnet"), tmp_path / "run"
-    capsys.readouterr()
-    code = main(["train", "--data", str(root), "--model", str(folder), "--image-size", "8", "--out", str(out),
-                 "--device", "cpu", "--no-progress", "--max-steps", "1"])
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = _train_once(capsys, root, folder, out)
     assert code == 2 and err == [f"tightfit: error: {root / 'b' / 'z.png'}: a named pipe (FIFO), not an image file; "
                                  "replace it with the image or move it out of the class folder"], (code, err)
     assert not out.exists()
@@ -642,10 +648,7 @@ def test_class_folders_that_are_one_number_written_two_ways_are_refused_in_one_l
     with pytest.raises(TightfitError, match=r"class folders '01' and '1' are the same number written two ways"):
         load_image_classification(str(root))
     folder, out = _resnet_folder(tmp_path / "m", labels=("a", "b", "c")), tmp_path / "run"
-    capsys.readouterr()
-    code = main(["train", "--data", str(root), "--model", str(folder), "--image-size", "8", "--out", str(out),
-                 "--device", "cpu", "--no-progress", "--max-steps", "1"])
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = _train_once(capsys, root, folder, out)
     assert code == 2 and err == [f"tightfit: error: {root}: class folders '01' and '1' are the same number written "
                                  "two ways; as classes they would be apart: give each class one folder"], (code, err)
     assert not out.exists()
