@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One device call: carried wheels and shipped files set up, then the named parts in order.
-# Usage (repository root, CUDA): OUT=folder bench/gpu_session.sh bert-base|gpu-tests|main ...
+# Usage (repository root, CUDA): OUT=folder bench/gpu_session.sh gpu-tests|update-chunks|levers|main ...
 #   bert-base: BERT-base seq 128, effective batch 256, 4 GiB, --compile on (as bench/gpu_speed.sh),
 #              instrumented by bench/speed_profile.py -> OUT/bert-base-128.{json,log}, OUT/speed.md
 #   gpu-tests: pytest -m gpu -> OUT/pytest-gpu.txt
 #   recompute: issue 17's side-by-side bench (tightfit, eager and compiled no-budget) on BERT-base seq 128
 #              and ResNet-50 at 4 GiB -> OUT/recompute/{*.json,results.md}; env BENCH_WORKLOADS (space-
 #              separated), BENCH_SETTINGS and BENCH_TIMEOUT (s per workload) change what and how long
-#   update-groups: bench/update_groups.py (adamw8bit-bf16's update per tensor and per group, each in a
-#              process of its own, inductor caches off) and bench/step_breakdown.py's BERT-large 4 GiB
-#              plan rows both ways (env BREAKDOWN_ROWS, STEPS) -> OUT/update_groups-*.json, OUT/step-breakdown.log
+#   update-chunks: bench/update_chunks.py (adamw8bit-bf16's update in chunks, every 8-bit tensor alone, and
+#              one call per tensor, each in a process of its own, inductor caches off) and bench/step_breakdown.py's
+#              BERT-large 4 GiB plan rows chunked and per tensor (env BREAKDOWN_ROWS, STEPS)
+#              -> OUT/update_chunks-*.json, OUT/step-breakdown.log
+#   levers:    issue 14's BERT-large seq 128 row at 4 GiB (bench/optimizer_levers.py: tightfit, compiled and eager
+#              no-budget, 300 steps; env LEVERS_WORKLOADS, LEVERS_SETTINGS) -> OUT/levers.log, OUT/optimizer_levers.{json,md}
 #   main:      the main job at 4 GiB (`tightfit train --full --budget 4GiB`) -> OUT/main.log
 #   sync:      bench/optimizer_sync.py (8-bit step with and without the per-tensor syncs) -> OUT/optimizer_sync.*
 #   plan-breakdown: bench/plan_breakdown.py (the GPU planner's stages and probe steps timed) on BERT-large
@@ -62,17 +65,22 @@ for part in "$@"; do
       python3 -m tightfit bench report "$OUT/recompute" >> "$OUT/env.txt" 2>&1
       for f in "$OUT"/recompute/*@*; do mv "$f" "${f//@/-at-}"; done  # '@' does not travel back
       cat "$OUT/recompute/results.md" >> "$OUT/env.txt" 2>/dev/null ;;
-    update-groups)
-      for v in per-tensor grouped; do
-        TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 timeout ${UPDATE_TIMEOUT:-240} python3 bench/update_groups.py $v \
-          >> "$OUT/update-groups.log" 2>&1; echo "update-groups $v exit $?" >> "$OUT/env.txt"
+    update-chunks)
+      for v in chunked per-tensor lone; do
+        TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 timeout ${UPDATE_TIMEOUT:-120} python3 bench/update_chunks.py $v \
+          >> "$OUT/update-chunks.log" 2>&1; echo "update-chunks $v exit $?" >> "$OUT/env.txt"
       done
-      cat "$OUT"/update_groups-*.json >> "$OUT/env.txt" 2>/dev/null
+      cat "$OUT"/update_chunks-*.json >> "$OUT/env.txt" 2>/dev/null
+      [ -n "${STEPS:-}" ] || [ -n "${BREAKDOWN_ROWS:-}" ] || continue  # the step breakdown only when asked
       STEPS=${STEPS:-20} timeout ${BREAKDOWN_TIMEOUT:-330} python3 bench/step_breakdown.py --no-profile \
-        ${BREAKDOWN_ROWS:-large-plan-4GiB-128-model-compiled large-plan-4GiB-128-model-compiled-per-tensor \
-        large-plan-4GiB-128-compiled large-plan-4GiB-128-compiled-per-tensor large-nobudget-128-adamw-compiled \
-        large-nobudget-128-adamw} > "$OUT/step-breakdown.log" 2>&1
+        ${BREAKDOWN_ROWS:-large-plan-4GiB-128-compiled large-plan-4GiB-128-compiled-per-tensor \
+        large-nobudget-128-adamw-compiled} > "$OUT/step-breakdown.log" 2>&1
       echo "step-breakdown exit $?" >> "$OUT/env.txt"; grep "^|" "$OUT/step-breakdown.log" >> "$OUT/env.txt" ;;
+    levers)
+      TF_COMPILE=auto TF_STEPS=300 BENCH_WORKLOADS=${LEVERS_WORKLOADS:-bert-large-128@4GiB} \
+        BENCH_SETTINGS=${LEVERS_SETTINGS:-tightfit,compiled-no-budget,no-budget} \
+        timeout ${LEVERS_TIMEOUT:-400} python3 bench/optimizer_levers.py > "$OUT/levers.log" 2>&1
+      echo "levers exit $?" >> "$OUT/env.txt"; cat "$OUT/optimizer_levers.md" >> "$OUT/env.txt" 2>/dev/null ;;
     main)
       timeout 200 python3 -m tightfit train --full --budget 4GiB --out "$RUNS/main" --no-progress > "$OUT/main.log" 2>&1
       echo "main exit $?" >> "$OUT/env.txt"
