@@ -133,6 +133,31 @@ def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
     return lambda d: (d["labels"][:, shift:] != -100).sum()
 
 
+def _check_class_ids(model: torch.nn.Module, batch: _Batch, loss: LossFn | None) -> None:
+    """Refuse, on the host and before any forward, class ids ``labels`` ``[B]`` that a Hugging Face
+    classifier's own loss cannot take: outside ``[0, num_labels)`` and not -100
+    (:func:`tightfit.tasks.check_class_ids`), which cross-entropy fails on at the step, on a GPU as a
+    device-side assert that ends the CUDA context. Nothing is checked for a loss of the user's own,
+    float labels, a regression head (``num_labels`` 1 or ``problem_type`` "regression", whose
+    integer labels are values) or a model whose classes are unknown (:func:`tightfit.tasks.num_classes`).
+
+    Raises:
+        TightfitError: one line with the range, the first sample labelled outside it and the fix.
+    """
+    from .tasks import check_class_ids, num_classes
+
+    if loss is not None or batch.keys is None or "labels" not in batch.keys:
+        return
+    labels = batch.values[batch.keys.index("labels")]
+    if labels.dim() != 1 or labels.dtype not in (torch.int64, torch.uint8):
+        return
+    n = num_classes(model)
+    inner = hf_model(model)
+    if n is None or n == 1 or getattr(getattr(inner, "config", None), "problem_type", None) == "regression":
+        return
+    check_class_ids(labels, n, range(batch.size), type(inner).__name__)
+
+
 def _loss_sum(batch: _Batch, loss: LossFn | None, tokens=None) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
     """``(model, dict micro-batch) -> loss summed over what it averages``: the mean loss times the
     samples in the micro-batch, or, for a model's own mean over target tokens
@@ -310,6 +335,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
             a malformed or empty batch or option, an ``effective_batch`` above
             :data:`tightfit.plan.MAX_BATCH` (2**31 - 1), a budget that cannot be read, is not
             positive, exceeds the card or cannot hold the model state, a loss that is not one number,
+            class ids outside a Hugging Face classifier's ``num_labels`` (other than -100) under its own loss,
             fp16/bf16 without a GPU, ``checkpointing="on"`` for a model with nothing to checkpoint
             (no repeated blocks or Hugging Face hook), or nothing fits the budget (before any training). The message
             names this function's arguments.
@@ -326,6 +352,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
     if loss is not None and not callable(loss):
         raise TightfitError(f"loss must be a function (model, batch) -> scalar loss, got {type(loss).__name__}")
     b = _Batch(sample_batch)
+    _check_class_ids(model, b, loss)
     E = b.size if effective_batch is None else effective_batch
     if isinstance(E, bool) or not isinstance(E, numbers.Integral) or E < 1:  # numpy's integers too
         raise TightfitError(f"effective_batch must be a whole number >= 1, got {effective_batch!r}")
@@ -539,6 +566,7 @@ class TrainStep:
             raise TightfitError(f"a batch of {b.size} samples is more than the plan's effective batch of "
                                 f"{self.plan.effective_batch}: give each step at most {self.plan.effective_batch} "
                                 f"samples (the loader's batch_size), or plan(effective_batch={b.size})")
+        _check_class_ids(self.model, b, self.loss)  # before anything of the step: nothing to undo
         recoveries = self.oom_recoveries
         # every window starts from zero gradients (DESIGN invariant 1), not only the first: a backward
         # of the caller's between two calls (a gradient-based metric) would otherwise add to this step's
