@@ -39,3 +39,47 @@ def test_the_own_loop_refuses_class_ids_past_a_classifiers_labels_before_the_ste
     assert step.steps == 0
     # -100 leaves a sample out and stays allowed; a good batch trains after the refusal
     assert step(_text_batch(torch.tensor([0, 1, -100, 1, 0, 0, 1, 1]))).stepped
+
+
+def test_a_negative_class_id_is_refused_for_a_model_of_unknown_classes():
+    """A custom dataset labelled -1 (not -100) for a plain module, whose classes tightfit cannot
+    read from a config, passed the Workload's label check and failed at the step of fit() that
+    met it ("IndexError: Target -1 is out of bounds"; on a GPU a device-side assert that ends the
+    CUDA context, no checkpoint after it): no model takes a negative class id but -100."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import Workload, collate_as
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 3)
+
+        def forward(self, pixel_values, labels=None):
+            return SimpleNamespace(logits=self.fc(pixel_values))
+
+    x, y = torch.randn(40, 8), torch.arange(40) % 3
+    refused = "labels must be class ids >= 0, or -100 to leave a sample out; sample 30 is labelled -1"
+    with pytest.raises(TightfitError, match=re.escape(refused)):
+        Workload(Plain(), TensorDataset(x, torch.where(torch.arange(40) == 30, -1, y)), None, 8,
+                 task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
+
+    class OneByOne(torch.utils.data.Dataset):  # read sample by sample: refused when its batch is collated
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return x[i], torch.tensor(-1 if i == 30 else int(y[i]))
+
+    w = Workload(Plain(), OneByOne(), None, 8, task=ImageClassification(),
+                 collate_fn=collate_as("pixel_values", "labels"))
+    with pytest.raises(TightfitError, match=re.escape(refused)):
+        Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1), progress=False).fit()
+    # -100 and labels past the (unknown) classes are not refused
+    Workload(Plain(), TensorDataset(x, torch.where(torch.arange(40) == 30, -100, y + 1)), None, 8,
+             task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))

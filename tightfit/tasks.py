@@ -180,16 +180,18 @@ def num_classes(model: torch.nn.Module) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
-def check_class_ids(labels: torch.Tensor, num_classes: int, samples: Sequence[int] | None = None,
+def check_class_ids(labels: torch.Tensor, num_classes: int | None, samples: Sequence[int] | None = None,
                     who: str = "SequenceClassification") -> None:
-    """Refuse class ids outside ``[0, num_classes)`` other than -100 (:data:`IGNORE_INDEX`), which
+    """Refuse class ids outside ``[0, num_classes)`` (``num_classes`` None: below 0) other than -100
+    (:data:`IGNORE_INDEX`), which
     cross-entropy fails on at the step: on the CPU as ``IndexError: Target 2 is out of bounds``,
     on a GPU as a device-side assert that ends the CUDA context (nothing after it runs, not even a
     checkpoint). Runs on the host: labels on another device are not read (that would wait for it).
 
     Args:
         labels: class ids, int64 or uint8 ``[N]`` (a batch's, or a dataset's whole label set).
-        num_classes: the model's classes (:func:`num_classes`).
+        num_classes: the model's classes (:func:`num_classes`); None where they are unknown: only
+            negative class ids are refused (no model takes one but -100).
         samples: the sample index of each of ``labels`` (``[N]``) for the message; None: unknown.
         who: the task, as the message names it.
 
@@ -200,15 +202,20 @@ def check_class_ids(labels: torch.Tensor, num_classes: int, samples: Sequence[in
     if labels.device.type != "cpu" or labels.numel() == 0:
         return
     low, high = torch.aminmax(labels)  # the usual batch: one pass over [N], no copy
-    if int(high) < num_classes and int(low) >= 0:
+    if (num_classes is None or int(high) < num_classes) and int(low) >= 0:
         return
     ids = labels.long()  # uint8 cannot hold -100
-    bad = (ids >= num_classes) | ((ids < 0) & (ids != IGNORE_INDEX))
+    bad = (ids < 0) & (ids != IGNORE_INDEX)
+    if num_classes is not None:
+        bad |= ids >= num_classes
     if not bool(bad.any()):
         return
     at = int(bad.nonzero()[0, 0])
     value = int(ids[at])
     where = f"sample {int(samples[at])} is labelled {value}" if samples is not None else f"a batch holds {value}"
+    if num_classes is None:
+        raise TightfitError(f"{who}: labels must be class ids >= 0, or {IGNORE_INDEX} to leave a sample out; {where} "
+                            "(number the classes from 0)")
     fix = (f"number the classes 0..{num_classes - 1}, or give the model num_labels={value + 1}" if value >= num_classes
            else f"number the classes 0..{num_classes - 1}")
     raise TightfitError(f"{who}: labels must be class ids in [0, {num_classes}) (the model's num_labels), or "
@@ -236,13 +243,14 @@ class SequenceClassification:
     def check_batch(self, batch: Batch, samples: Sequence[int] | None = None, num_classes: int | None = None) -> None:
         """Refuse a batch whose ``labels`` are not class ids ``[B]`` of a type cross-entropy takes,
         int64 or uint8 (float, int32 or ``[B, 1]`` labels failed in cross-entropy at the run's first step),
-        or, where the model's number of classes is known, not in ``[0, num_classes)`` or -100
-        (:func:`check_class_ids`). Cheap enough for every batch: a few operations over ``[B]``.
+        or not in ``[0, num_classes)`` or -100 (:func:`check_class_ids`; where the model's number of
+        classes is unknown, only negative ids other than -100 are refused). Cheap enough for every batch: a few operations over ``[B]``.
 
         Args:
             batch: a collated batch dict.
             samples: the sample index of each row (``[B]``) for the message, or None.
-            num_classes: the model's classes (:func:`num_classes`), or None: not checked.
+            num_classes: the model's classes (:func:`num_classes`), or None: unknown (only negative
+                ids are refused).
 
         Raises:
             TightfitError: one line with the labels' dtype and shape and the fix, or with the
@@ -257,8 +265,7 @@ class SequenceClassification:
             raise TightfitError(f"{type(self).__name__}: labels must be class ids, int64 [B]; the batches' are "
                                 f"{str(labels.dtype).removeprefix('torch.')} [{shape}] (e.g. {fix} in the "
                                 "collate function)")
-        if num_classes is not None:
-            check_class_ids(labels, num_classes, samples, type(self).__name__)
+        check_class_ids(labels, num_classes, samples, type(self).__name__)  # None: negative ids only
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
         """``{"correct", "loss_sum", "samples"}`` of one batch's labelled samples (argmax of fp32
