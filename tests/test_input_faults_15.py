@@ -83,3 +83,35 @@ def test_a_negative_class_id_is_refused_for_a_model_of_unknown_classes():
     # -100 and labels past the (unknown) classes are not refused
     Workload(Plain(), TensorDataset(x, torch.where(torch.arange(40) == 30, -100, y + 1)), None, 8,
              task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
+
+
+class _NotATensor:
+    def __reduce__(self):
+        return (print, ("unpickled",))
+
+
+def test_a_state_file_holding_code_is_refused_in_one_plain_line(tmp_path):
+    """A checkpoint's state.pt (its manifest rewritten to match) or an export's model_int8.pt that
+    holds a pickled function was refused by torch.load(weights_only=True) as it should be, but the
+    one line shown was the first of torch's: terminal escape codes around "do those steps only if
+    you trust the source", "you have two options" without the options, and not what was refused."""
+    from tightfit.runtime.checkpoint import read_state
+
+    (tmp_path / "ckpt-2").mkdir()
+    torch.save({"step": 2, "evil": _NotATensor()}, tmp_path / "ckpt-2" / "state.pt")
+    with pytest.raises(TightfitError) as info:
+        read_state(tmp_path / "ckpt-2")
+    message = str(info.value)
+    assert "\n" not in message and "\x1b" not in message and "two options" not in message, message
+    assert message.startswith("checkpoint ckpt-2 is corrupt (state.pt: cannot be loaded: it holds something "
+                              "torch.load(weights_only=True) refuses to run: Unsupported global: GLOBAL print"), message
+    from tightfit.export import WEIGHTS_FILE, load_int8
+
+    export = tmp_path / "int8"
+    tiny_bert().config.save_pretrained(export)
+    torch.save({"evil": _NotATensor()}, export / WEIGHTS_FILE)
+    with pytest.raises(TightfitError) as info:
+        load_int8(export)
+    message = str(info.value)
+    assert "\n" not in message and "\x1b" not in message and "two options" not in message, message
+    assert "refuses to run: Unsupported global: GLOBAL print" in message, message

@@ -422,8 +422,10 @@ def load_int8(folder: str | Path) -> torch.nn.Module:
         try:
             state = torch.load(folder / WEIGHTS_FILE, weights_only=True, map_location="cpu")
         except Exception as e:  # a file cut short or corrupt: OSError, RuntimeError, UnpicklingError, ...
+            from .runtime.checkpoint import torch_load_error
+
             raise TightfitError(f"{folder / WEIGHTS_FILE}: cannot be read ({type(e).__name__}: "
-                                f"{(str(e).splitlines() or [''])[0]}); export again") from None
+                                f"{torch_load_error(e)}); export again") from None
         try:
             model.load_state_dict(state)
         except RuntimeError as e:

@@ -541,8 +541,21 @@ def _fail(path: Path, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"checkpoint {path.name} is corrupt ({what})")
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
+def torch_load_error(e: BaseException) -> str:
+    """One plain line for an error of ``torch.load(weights_only=True)``: where it refused an object
+    of the file (a pickled function or class: not only tensors), what it refused (torch's
+    ``WeightsUnpickler error`` line, whose first line is a bold-printed "you have two options" that
+    does not say them); else the error's first line (:func:`_first_line`)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    refused = re.search(r"WeightsUnpickler error: ([^\n]*?)(?: was not an allowed global by default|\.(?:\s|$)|\n|$)",
+                        text)
+    if refused:
+        return f"it holds something torch.load(weights_only=True) refuses to run: {refused.group(1).strip()}"[:200]
+    return _first_line(text)
+
+
+def _first_line(e: BaseException | str) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # terminal escape codes (torch's bold) are no text
     line = text.splitlines()[0] if text else type(e).__name__
     return line if len(line) <= 200 else line[:197] + "..."
 
@@ -692,7 +705,7 @@ def read_state(path: Path) -> dict:
             return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
         except Exception as e:  # torch.load raises OSError, RuntimeError, UnpicklingError, EOFError, ...
             if attempt or not allow_state_classes(e):  # torchao's 8-bit state, before torchao was imported
-                raise _fail(path, f"{STATE_FILE}: cannot be loaded: {_first_line(e)}") from None
+                raise _fail(path, f"{STATE_FILE}: cannot be loaded: {torch_load_error(e)}") from None
 
 
 # what Trainer.resume reads of state.pt (Trainer.state_dict writes it): name -> type
