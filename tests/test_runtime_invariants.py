@@ -127,6 +127,22 @@ def test_cool_down_pauses_until_5_degrees_below_the_limit(make_workload):
     assert t._cool_down(sleep=slept.append) == 0.0  # below the limit: no pause
 
 
+def test_a_cool_down_that_cannot_cool_the_gpu_ends_the_pauses(make_workload):
+    """--cooldown-temp 20 on a GPU at rest at 35 C: every step paused the whole 300 s, the run stalled.
+    A pause that runs its whole length without cooling the GPU ends the cool-downs, with an event."""
+    t = Trainer(make_workload(), Plan("fp32", 4, 8), TrainConfig(cooldown_temp_c=20.0, cooldown_max_s=10.0),
+                progress=False)
+    slept = []
+    t.health = FakeHealth([35] * 6 + [35] * 6)
+    assert t._cool_down(sleep=slept.append) == 10.0  # one whole pause: 5 samples of 2 s, none at 15 C
+    assert any("no more cool-down pauses" in e and "--cooldown-temp 20" in e for e in t.result.events)
+    assert t._cool_down(sleep=slept.append) == 0.0 and len(slept) == 5  # the next step: no pause
+    t = Trainer(make_workload(), Plan("fp32", 4, 8), TrainConfig(cooldown_temp_c=85.0, cooldown_max_s=10.0),
+                progress=False)
+    t.health = FakeHealth([90, 88, 84, 79, 90, 79])
+    assert t._cool_down(sleep=slept.append) == 6.0 and t._cool_down(sleep=slept.append) == 2.0  # it cooled: again
+
+
 def test_health_without_nvml_is_off_not_fatal():
     m = HealthMonitor()
     if m.available:

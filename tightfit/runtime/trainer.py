@@ -417,6 +417,7 @@ class Trainer:
             torch.cuda.current_device() if self.device.type == "cuda" else 0)  # this rank's GPU
         self.health = (HealthMonitor(gpu, warn_temp_c=config.warn_temp_c)
                        if self.device.type == "cuda" else None)
+        self._cooling_given_up = False  # a cool-down that could not cool ends them (_cool_down)
         self.memory_timeline: list[tuple[int, int, int]] = []  # (step, peak allocated, peak reserved) bytes
         self._peaks = (0, 0)
         self._current_bytes = (0, 0)  # allocated, reserved bytes at the last _record_memory
@@ -1151,22 +1152,36 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)  # the next entry is the next step's peak
 
     def _cool_down(self, sleep: Callable[[float], None] = time.sleep) -> float:
-        """Pause while the GPU is at or above ``cooldown_temp_c``. Returns seconds paused."""
+        """Pause while the GPU is at or above ``cooldown_temp_c``, until it is 5 deg C below or
+        ``cooldown_max_s`` have passed. Returns seconds paused.
+
+        A pause that ran its whole ``cooldown_max_s`` without bringing the GPU 5 deg C below the
+        limit ends the cool-downs of this session (an event says so): the limit is under what the
+        card reaches at rest or with its cooling as it is, and pausing before every step (e.g.
+        ``--cooldown-temp 20`` on a GPU idling at 35 deg C: 300 s per step) would only stall the run."""
         limit = self.cfg.cooldown_temp_c
-        if limit is None or self.health is None or not self.health.available:
+        if limit is None or self.health is None or not self.health.available or self._cooling_given_up:
             return 0.0
         reading = self.health.sample()
         if not reading or reading.get("temp_c", 0.0) < limit:
             return 0.0
         self._event(f"GPU at {reading['temp_c']:.0f} C >= {limit:.0f} C: pausing to cool down")
-        paused = 0.0
+        paused, cooled = 0.0, False
         while paused < self.cfg.cooldown_max_s:
             sleep(2.0)
             paused += 2.0
             reading = self.health.sample(force=True)
             if not reading or reading.get("temp_c", 0.0) <= limit - 5:
+                cooled = True
                 break
-        self._event(f"resuming after {paused:.0f} s of cool-down")
+        if cooled:
+            self._event(f"resuming after {paused:.0f} s of cool-down")
+        else:
+            self._cooling_given_up = True
+            self._event(f"resuming after {paused:.0f} s of cool-down that left the GPU at "
+                        f"{reading['temp_c']:.0f} C, above {limit - 5:.0f} C: no more cool-down pauses in this "
+                        f"session (--cooldown-temp {limit:.0f} is under what this GPU reaches while pausing; "
+                        f"the articles' limit is 82 C)")
         return paused
 
     # ---------------------------------------------------------------- logging
