@@ -541,3 +541,24 @@ def test_a_lever_left_untraced_by_its_stand_in_bound_says_so(m, monkeypatch):
     for kind in untraced:
         assert re.search(kind + r": not traced: bounded from adamw's traces at [\d.]+ samples/s, below the [\d.]+ "
                                 r"already found", r.best.why), r.best.why
+
+
+def test_with_two_levers_pending_the_one_with_the_higher_ceiling_is_searched_first():
+    """fp32 AdamW's and 8-bit AdamW's state over the limit leave bf16 weights and CPU offload. The
+    offload lever, whose traces make the closest stand-ins, went first, though with two levers its
+    traces bound only the other one, searched anyway: a trace for a lever that could not win (the
+    1.3B decoder at 11 GiB: 8 of 25). The higher ceiling goes first, and offload's ceiling, below
+    the plan found, rules it out with no trace; the plan is the same."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    with torch.device("meta"):  # 8 x 1024: 100M parameters, fp32 AdamW state 1.5 GiB
+        big = BertForSequenceClassification(BertConfig(
+            vocab_size=1000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+            intermediate_size=4096, max_position_embeddings=64, num_labels=2))
+    traced = {}
+    r = search_optimizers(big, make_batch, SEQ, E, H200, 950 * MiB, counting(big, traced), levers=True,
+                          precision="bf16", host_bytes=64 << 30)
+    assert r.best.optimizer == "adamw8bit-bf16" and "adamw8bit: fits nothing" in r.best.why
+    assert traced == {"adamw8bit-bf16": 1}, traced
+    assert re.search(r"adamw-offload: at most [\d.]+ samples/s even without accumulation or recomputation, below "
+                     r"the [\d.]+ already found", r.best.why), r.best.why

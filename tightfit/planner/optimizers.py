@@ -407,9 +407,15 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     # traced first, one whose peaks hold least of what the others' may lack (no step temporaries,
     # fp32 weights), so that the shift is close. A lever whose stand-in bound cannot beat the plan
     # found when its turn comes (by :data:`STAND_IN_ERROR`) is not traced at all. BERT-large at 4 GiB,
-    # batch 256: 37 -> 27 traces (42 before the cheaper shrink), the same plan.
+    # batch 256: 37 -> 27 traces (42 before the cheaper shrink), the same plan. With two levers
+    # pending, the reference's traces would only bound the other one, which its own search traces
+    # anyway unless the first search's plan beats it: the one with the higher ceiling goes first, and
+    # the other is then often ruled out by its ceiling, with no trace (the 1.3B decoder at 11 GiB:
+    # bf16 weights' ceiling 32 samples/s, offload's 6: 25 -> 17 traces, the same plan).
     ref = "adamw" if "adamw" in estimates else None
-    if ref is None:
+    if ref is None and len(pending) == 2:
+        pending.sort(key=lambda k: -ceiling(k))
+    elif ref is None:
         pending.sort(key=lambda k: (step_temporary_bytes(model, k) > 0 or weights_dtype(k) is not None,
                                     least_state_bytes(model, k)[0]))
     for kind in pending:
