@@ -522,3 +522,33 @@ def test_plan_without_a_model_or_batch_plans_the_main_jobs(capsys):
     assert main(["plan", "--gpu", "gtx-1650-ti", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["plan"]["effective_batch"] == 32, got
+
+
+def test_fewer_blocks_go_straight_to_the_fewest_the_shifted_line_says_fit():
+    """The line over-states micro-batch 64 by 96 MiB (as above), on a model of 12 blocks: the
+    shifted line says 6 blocks fit where the lines said 9. The fewest it says fit is traced at
+    once, where a block at a time traced every count in between (the 1.3B decoder at 11 GiB:
+    19 -> 14 blocks in 5 traces); the plan is the same."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=12, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, num_labels=2))
+    line = memory(100 * MiB, 10 * MiB, saving_per_block=0.05, fp16_factor=1.0)
+    at_64 = []
+
+    def exact(precision, micro_batch, blocks):
+        if micro_batch == 64:
+            at_64.append(len(blocks))
+        est = line(precision, micro_batch, blocks)
+        less = 2 * MiB * max(0, micro_batch - 16)
+        return Est(est.peak_reserved_bytes - less, est.peak_allocated_bytes - less, est.breakdown)
+
+    limit = 100 * MiB + 640 * MiB * (1 - 0.05 * 9) + 4 * MiB  # the line: 9 blocks fit 64 with 4 MiB to spare
+    r = search(model, _make_batch, 16, 64, get_profile("gtx-1080-ti"), int(limit / 0.95), exact,
+               precision="fp32", per_block=False)
+    seen = list(at_64)
+    fewest = min(k for k in range(13) if exact("fp32", 64, tuple(range(k))).peak_reserved_bytes <= limit)
+    assert (r.best.micro_batch, len(r.best.checkpoint_blocks)) == (64, fewest) and fewest == 6
+    assert seen.count(9) == 1 and not set(seen) & {7, 8}, seen  # 9, then 6: none of the counts between
