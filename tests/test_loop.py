@@ -371,6 +371,26 @@ def test_gradients_are_not_clipped_unless_asked():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_max_grad_norm_clips_the_accumulated_gradient_before_the_step():
+    # The mirror of the test above: with max_grad_norm, the optimizer steps on the whole batch's
+    # gradient clipped to that norm (SGD, which unlike AdamW is not invariant to the gradient's
+    # scale, so a missing clip moves the weights), and the norm reported is the one before clipping.
+    ref_losses, ref = _plain_loop(_big_loss, 3, clip=0.5, opt=torch.optim.SGD, lr=1e-3)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    seen = []  # the gradient norm the optimizer steps on
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(float(torch.nn.utils.get_total_norm(
+        [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None]))))
+    step = tightfit.TrainStep(Plan("fp32", 3, 8), model, opt, loss=_big_loss, max_grad_norm=0.5)
+    outs = [step(_xy(8)) for _ in range(3)]
+    assert all(o.stepped and o.accumulation_steps == 3 for o in outs)
+    assert all(o.grad_norm > 5 for o in outs)  # the norm before clipping, far above the limit
+    assert seen == [pytest.approx(0.5, rel=1e-4)] * 3
+    torch.testing.assert_close([o.loss for o in outs], ref_losses, rtol=1e-5, atol=0)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_gradients_left_between_two_calls_do_not_leak_into_the_next_step():
     """TrainStep zeroed the gradients when it was made and after each update, but not at a call's
     start: a backward of the caller's between two calls (a gradient-based metric) was added to the
