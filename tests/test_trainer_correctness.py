@@ -614,3 +614,62 @@ def test_a_resume_across_a_window_without_targets_is_exact(tmp_path):
         resumed = run(tmp_path / ckpt, resume_from=tmp_path / "full" / ckpt)
         assert_same_params(params_of(resumed.model), params_of(full.model))
         assert resumed.optimizer.state_dict()["state"][0]["step"] == full.optimizer.state_dict()["state"][0]["step"]
+
+
+class _NoisyFeatures(torch.utils.data.Dataset):
+    """Features with noise drawn from Python's ``random`` or NumPy's global generator at collation,
+    as augmentation libraries that do not use torch's generator draw it."""
+
+    def __init__(self, source):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y, self.source = torch.randn(48, 16, generator=g), torch.randint(0, 2, (48,), generator=g), source
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        noise = [random.gauss(0.0, 1.0) for _ in range(16)] if self.source == "python" else np.random.randn(16)
+        return {"pixel_values": self.x[i] + 0.1 * torch.tensor(noise, dtype=torch.float32), "labels": self.y[i]}
+
+
+def _noisy_run(source, folder, resume_from=None):
+    from types import SimpleNamespace
+
+    from tightfit.tasks import ImageClassification
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, pixel_values):
+            return SimpleNamespace(logits=self.net(pixel_values))
+
+    records = []
+    w = Workload(Wrapped(), _NoisyFeatures(source), None, 8, task=ImageClassification())
+    t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-2, seed=3, log_every=1, checkpoint_dir=str(folder),
+                                                   checkpoint_every=3, keep_last=10, prefetch=False),
+                log=records.append, progress=False)
+    if resume_from is not None:
+        t.resume(resume_from)
+    t.fit()
+    return {r["step"]: r["loss"] for r in records if r.get("type") == "train"}, t
+
+
+@pytest.mark.parametrize("source", ["python", "numpy"])
+def test_a_resume_restores_the_python_and_numpy_generators_a_collation_draws_from(tmp_path, source):
+    # DESIGN invariant 5: the RNG states a checkpoint holds are all of them, not only torch's (the
+    # Trainer seeds Python's and NumPy's generators too, so a resume that forgot to restore them would
+    # start them again from the seed and draw other noise than the uninterrupted run did after step 3)
+    full, _ = _noisy_run(source, tmp_path / "a")
+    assert len(full) == 6
+    resumed, t = _noisy_run(source, tmp_path / "b", resume_from=tmp_path / "a" / "ckpt-3")
+    assert t.step == 6 and sorted(resumed) == [4, 5, 6]
+    assert resumed == {s: loss for s, loss in full.items() if s > 3}
