@@ -452,6 +452,22 @@ def test_each_metrics_record_gives_the_learning_rate_its_step_ran_with(log_every
         assert lr == pytest.approx(used[s - 1], rel=1e-12), s
 
 
+def test_the_schedule_advances_once_per_optimizer_step_not_per_micro_batch():
+    # 48 samples, effective batch 8 as 4 micro-batches of 2: 6 optimizer steps, 24 micro-batches. The
+    # schedule (10% warm-up floored to 1 step, then linear decay to 0) moves once per window: a
+    # schedule stepped per micro-batch would reach 0 after the second step.
+    used = []
+    w = _workload(n=48, effective_batch=8)
+    t = Trainer(w, Plan("fp32", 2, 8), TrainConfig(epochs=1, lr=1e-3, warmup_ratio=0.25), progress=False)
+    t.optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    forwards = []
+    w.model.bert.embeddings.register_forward_pre_hook(lambda m, a: forwards.append(1) if torch.is_grad_enabled() else None)
+    t.fit()
+    assert len(forwards) == 24 and t.step == 6 and t.scheduler.last_epoch == 6
+    # warm-up of int(0.25 * 6) = 1 step: lambda(0) = 1, then (6 - s) / 5
+    assert used == pytest.approx([1e-3, 1e-3, 0.8e-3, 0.6e-3, 0.4e-3, 0.2e-3], rel=1e-9)
+
+
 def test_a_signal_during_a_checkpoint_write_is_announced_in_the_events(tmp_path):
     """SIGINT during step 2's checkpoint stopped the run after step 2, but its note ("SIGINT
     received: ...") was logged only at a next step's end, which never came."""
