@@ -367,3 +367,30 @@ def test_a_multi_process_checkpoint_that_does_not_fit_or_cannot_be_read_says_why
     data.write_bytes(data.read_bytes()[:10])
     with pytest.raises(CorruptCheckpointError, match=r"ckpt-1 is corrupt \(dcp: cannot be read"):
         load_sharded(folder, model, torch.optim.AdamW(model.parameters()), World(), verified=True)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "state.pt"])
+def test_trainer_resume_refuses_a_flipped_byte_and_leaves_the_model_as_it_was(tmp_path, name):
+    # Trainer.resume(path), the Python API's resume without the command line's latest_intact_checkpoint
+    # in front of it, verifies the checksums itself: a flipped byte (same size, so only the SHA-256 can
+    # tell) is refused before anything is loaded.
+    from conftest import SyntheticBatches, params_of, tiny_bert
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    def trainer():
+        w = Workload(tiny_bert(0.1), SyntheticBatches(24), None, 8)
+        return Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-2, checkpoint_dir=str(tmp_path),
+                                                          checkpoint_every=2, background_checkpoints=False),
+                       progress=False)
+
+    trainer().fit()
+    _flip_middle_byte(tmp_path / "ckpt-2" / name)
+    fresh = trainer()
+    before = params_of(fresh.model)
+    with pytest.raises(CorruptCheckpointError, match=f"{name}: checksum mismatch"):
+        fresh.resume(tmp_path / "ckpt-2")
+    assert fresh.step == 0
+    after = params_of(fresh.model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
