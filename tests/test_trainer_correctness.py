@@ -56,6 +56,25 @@ def test_a_module_switched_to_eval_between_steps_is_put_back_in_train_mode():
     assert w.model.training and not head.training  # the modes the caller (and callback) left come back
 
 
+def test_a_model_in_train_mode_is_evaluated_with_dropout_off_and_given_train_mode_back():
+    # The mirror of the test above for a model made in train mode (a user's own, a built-in one): the
+    # caller's mode is train mode, so evaluation must switch to eval mode itself, not run as it finds it.
+    w = _workload()  # dropout 0.1
+    assert all(m.training for m in w.model.modules())
+    seen = []  # dropout's mode in every forward without grad (the evaluation's)
+    for m in w.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.register_forward_pre_hook(lambda mod, args: None if torch.is_grad_enabled() else seen.append(mod.training))
+    t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1), progress=False)
+    first = t.fit().eval
+    assert seen and not any(seen), "evaluation ran with dropout on"
+    assert all(m.training for m in w.model.modules())  # the caller's train mode is given back
+    torch.manual_seed(1)  # other dropout draws, were dropout on: the same evaluation regardless
+    again = t.evaluate()
+    assert again["loss"] == first["loss"] and again["accuracy"] == first["accuracy"]
+    assert all(m.training for m in w.model.modules())
+
+
 def test_dropout_is_active_so_seeds_change_the_losses():
     losses = []
     for seed in (0, 1):
