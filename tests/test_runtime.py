@@ -115,6 +115,27 @@ def test_non_oom_error_propagates_unchanged(make_workload):
     assert e.value is boom
 
 
+@pytest.mark.parametrize("boom", [RuntimeError("CUDA error: an illegal memory access was encountered"),
+                                  RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x32 and 16x2)")],
+                         ids=["memory-access", "shapes"])
+def test_a_runtime_error_that_is_no_oom_propagates_at_once_and_is_not_redone(make_workload, boom):
+    # The test above raises a ValueError, which no handler of RuntimeErrors would take; out-of-memory
+    # errors are RuntimeErrors too, so the guard must tell them apart by type and message (DESIGN
+    # invariant 2), not redo every RuntimeError with a smaller micro-batch.
+    w = make_workload()
+    t = Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1), progress=False)
+    calls = []
+
+    def hook(*a):
+        calls.append(a[1][0].shape[0])
+        raise boom
+    t.model.bert.encoder.layer[0].register_forward_pre_hook(hook)
+    with pytest.raises(RuntimeError) as e:
+        t.train_step(list(range(8)))
+    assert e.value is boom
+    assert calls == [4] and t.micro_batch == 4 and t.result.oom_recoveries == 0 and not t.result.events
+
+
 def test_oom_at_micro_batch_one_stops_with_advice(make_workload):
     def setup(t):
         def hook(*a):
