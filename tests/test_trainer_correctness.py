@@ -708,3 +708,34 @@ def test_a_resume_restores_the_python_and_numpy_generators_a_collation_draws_fro
     resumed, t = _noisy_run(source, tmp_path / "b", resume_from=tmp_path / "a" / "ckpt-3")
     assert t.step == 6 and sorted(resumed) == [4, 5, 6]
     assert resumed == {s: loss for s, loss in full.items() if s > 3}
+
+
+def test_a_resume_gives_back_the_loss_scale_a_skipped_fp16_step_lowered(tmp_path):
+    # DESIGN invariant 5: the loss scaler is part of an exact resume. The first window's gradients are
+    # made non-finite: the step is skipped and the scale backs off from 65536 to 32768; a resume from
+    # ckpt-2 must go on at 32768 (with its growth tracker), not at a fresh scaler's 65536.
+    def trainer(folder):
+        w = _workload(n=48)
+        return Trainer(w, Plan("fp16", 4, 8), TrainConfig(epochs=1, lr=1e-3, seed=3, checkpoint_dir=str(folder),
+                                                          checkpoint_every=2, keep_last=10,
+                                                          background_checkpoints=False),
+                       progress=False)
+
+    full = trainer(tmp_path / "full")
+    calls = []
+
+    def poison(grad):  # the first micro-batch's gradient only
+        calls.append(1)
+        return grad * math.inf if len(calls) == 1 else grad
+    hook = full.model.classifier.weight.register_hook(poison)
+    full.fit()
+    hook.remove()
+    assert full.result.skipped_steps == 1 and full.scaler.get_scale() == 32768.0
+
+    resumed = trainer(tmp_path / "resumed")
+    resumed.resume(tmp_path / "full" / "ckpt-2")
+    assert resumed.scaler.get_scale() == 32768.0
+    resumed.fit()
+    assert resumed.scaler.state_dict() == full.scaler.state_dict()
+    assert resumed.result.skipped_steps == 1
+    assert_same_params(params_of(resumed.model), params_of(full.model))
