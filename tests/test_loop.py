@@ -679,6 +679,34 @@ def test_a_batch_without_any_target_leaves_the_model_and_the_optimizer_as_they_w
     assert step(({"input_ids": ids, "labels": ids})).stepped  # a batch with targets steps as before
 
 
+def test_train_steps_state_carries_the_fp16_loss_scale_back(monkeypatch):
+    # DESIGN invariant 5 for the loss scaler of TrainStep's own state: a skipped fp16 step backs the
+    # scale off (65536 -> 32768), and a TrainStep given that state goes on from 32768. fp16 is CUDA-only
+    # for TrainStep; the device check is lifted so that the CPU's GradScaler (which the runtime's fp16
+    # tests use) runs the same code.
+    import tightfit.loop as loop
+
+    monkeypatch.setattr(loop, "_check_device", lambda plan, model: torch.device("cpu"))
+
+    def fresh():
+        model = _mlp(dropout=0.3)
+        return model, tightfit.TrainStep(Plan("fp16", 4, 8, device="cpu"), model,
+                                         torch.optim.AdamW(model.parameters(), lr=1e-2), loss=_ce)
+
+    model, step = fresh()
+    assert step.scaler.is_enabled() and step.scaler.get_scale() == 65536.0
+    hook = model[0].weight.register_hook(lambda g: g * math.inf)
+    assert not step(_xy(8)).stepped  # non-finite: skipped, the scale halved
+    hook.remove()
+    assert step(_xy(8, 1)).stepped
+    state = step.state_dict()
+    assert step.scaler.get_scale() == 32768.0
+    _, resumed = fresh()
+    resumed.load_state_dict(state)
+    assert resumed.scaler.get_scale() == 32768.0
+    assert resumed.scaler.state_dict() == step.scaler.state_dict()
+
+
 def test_a_batch_with_label_and_no_labels_is_told_to_rename_the_key():
     """A Hugging Face model computes its loss from ``labels``; a batch holding a dataset's ``label``
     column (which the Trainer's collator renames, a batch of yours does not) has no loss, and the
