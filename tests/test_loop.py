@@ -461,6 +461,26 @@ def test_batch_larger_than_the_effective_batch_is_refused_a_smaller_last_one_run
         step((torch.zeros(0, 6), torch.zeros(0, dtype=torch.long)))
 
 
+def test_a_short_last_batch_is_divided_by_what_it_holds_not_the_planned_batch():
+    # DESIGN invariant 1: a last batch of 5 under a plan of 8 (micro-batches 2 + 2 + 1) gives the mean
+    # loss over its 5 samples and that loss's gradient (SGD: a gradient scaled by 5/8 would show in the
+    # weights, where AdamW's update would hide it).
+    x, y = _xy(5, seed=2)
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss = _ce(ref, (x, y))
+    loss.backward()
+    opt.step()
+    want = loss.item()
+    model = _mlp()
+    step = tightfit.TrainStep(Plan("fp32", 2, 8), model, torch.optim.SGD(model.parameters(), lr=0.1), loss=_ce)
+    out = step((x, y))
+    assert out.stepped and out.accumulation_steps == 3
+    assert math.isclose(out.loss, want, rel_tol=1e-6)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"loss": lambda m, b: m(b[0])}, "one number"),
     ({"loss": _ce, "budget": "1KiB"}, r"budget 1.00 KiB is under the smallest budget of 1 MiB"),
