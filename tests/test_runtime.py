@@ -101,6 +101,30 @@ def test_oom_recovery_equals_smaller_micro_batch_from_start(make_workload, where
         assert torch.equal(a, b), n
 
 
+def test_an_fp16_oom_inside_the_optimizer_step_is_redone_after_the_scaler_forgets_its_unscale(make_workload):
+    # DESIGN invariants 2 and 3 together: with fp16 the failed attempt had already called the scaler's
+    # unscale_ when the OOM came (inside the optimizer step); the redo unscales its own gradients once
+    # more, which torch refuses unless the scaler's per-step record was reset, and must end as a run that
+    # used micro-batch 4 from the start (dropout on: same masks).
+    def run(micro_batch, inject):
+        w = make_workload(n=24, effective_batch=8, dropout=0.1)
+        t = Trainer(w, Plan("fp16", micro_batch, 8), TrainConfig(epochs=1, lr=1e-3, seed=3, grow_back_after=0),
+                    progress=False)
+        if inject:
+            t._inject = _InjectOOM(t, lambda tr: tr.step == 0)
+            t.optimizer.register_step_pre_hook(t._inject)
+        torch.manual_seed(11)
+        return t, t.fit()
+
+    ref_t, ref = run(4, False)
+    t, res = run(8, True)
+    assert t._inject.fired == 1 and res.oom_recoveries == 1 and t.micro_batch == 4
+    assert res.steps == ref.steps == 3 and res.skipped_steps == ref.skipped_steps == 0
+    assert t.scaler.state_dict() == ref_t.scaler.state_dict()
+    for (n, a), (_, b) in zip(t.model.named_parameters(), ref_t.model.named_parameters()):
+        assert torch.equal(a, b), n
+
+
 def test_non_oom_error_propagates_unchanged(make_workload):
     w = make_workload()
     boom = ValueError("not a memory problem")
