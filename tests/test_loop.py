@@ -727,6 +727,33 @@ def test_train_steps_state_carries_the_fp16_loss_scale_back(monkeypatch):
     assert resumed.scaler.state_dict() == step.scaler.state_dict()
 
 
+def test_an_fp16_oom_inside_the_optimizer_step_is_redone_as_at_half_the_micro_batch(monkeypatch):
+    # As tests/test_runtime.py's test of the runtime: the failed attempt had called the scaler's unscale_
+    # when the OOM came inside the optimizer step; the redo must unscale again (the scaler's per-step
+    # record reset) and end as a loop at micro-batch 4 from the start. fp16 is CUDA-only for TrainStep: the
+    # device check is lifted so that the CPU's GradScaler runs the same code.
+    import tightfit.loop as loop
+
+    monkeypatch.setattr(loop, "_check_device", lambda plan, model: torch.device("cpu"))
+
+    def run(micro_batch, oom):
+        model = _mlp(dropout=0.3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = tightfit.TrainStep(Plan("fp16", micro_batch, 8, device="cpu"), model, opt, loss=_ce, grow_back_after=0)
+        if oom:
+            opt.register_step_pre_hook(_OOMOnce())
+        torch.manual_seed(5)
+        outs = [step(_xy(8, s)) for s in range(3)]
+        return outs, model, step
+
+    ref_outs, ref, ref_step = run(4, False)
+    outs, model, step = run(8, True)
+    assert outs[0].oom_recoveries == 1 and [o.micro_batch for o in outs] == [4, 4, 4]
+    assert [o.loss for o in outs] == [o.loss for o in ref_outs] and all(o.stepped for o in outs)
+    assert step.scaler.state_dict() == ref_step.scaler.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
 def test_a_batch_with_label_and_no_labels_is_told_to_rename_the_key():
     """A Hugging Face model computes its loss from ``labels``; a batch holding a dataset's ``label``
     column (which the Trainer's collator renames, a batch of yours does not) has no loss, and the
