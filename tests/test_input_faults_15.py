@@ -115,3 +115,22 @@ def test_a_state_file_holding_code_is_refused_in_one_plain_line(tmp_path):
     message = str(info.value)
     assert "\n" not in message and "\x1b" not in message and "two options" not in message, message
     assert "refuses to run: Unsupported global: GLOBAL print" in message, message
+
+
+def test_a_state_file_cut_to_nothing_names_the_error_not_str(tmp_path):
+    """torch.load of an empty file raises EOFError with no message; the plain line for it named the
+    type of the text it was given ("cannot be loaded: str"), not the error's."""
+    from tightfit.export import WEIGHTS_FILE, load_int8
+    from tightfit.runtime.checkpoint import read_state
+
+    (tmp_path / "ckpt-2").mkdir()
+    (tmp_path / "ckpt-2" / "state.pt").write_bytes(b"")
+    with pytest.raises(TightfitError) as info:
+        read_state(tmp_path / "ckpt-2")
+    assert str(info.value) == "checkpoint ckpt-2 is corrupt (state.pt: cannot be loaded: EOFError)", str(info.value)
+    export = tmp_path / "int8"
+    tiny_bert().config.save_pretrained(export)
+    (export / WEIGHTS_FILE).write_bytes(b"")
+    with pytest.raises(TightfitError) as info:
+        load_int8(export)
+    assert "str)" not in str(info.value), str(info.value)

@@ -551,7 +551,7 @@ def torch_load_error(e: BaseException) -> str:
                         text)
     if refused:
         return f"it holds something torch.load(weights_only=True) refuses to run: {refused.group(1).strip()}"[:200]
-    return _first_line(text)
+    return _first_line(e)  # the error itself: one with no message is named by its type (EOFError), not "str"
 
 
 def _first_line(e: BaseException | str) -> str:
