@@ -135,7 +135,7 @@ def test_a_cool_down_that_cannot_cool_the_gpu_ends_the_pauses(make_workload):
     slept = []
     t.health = FakeHealth([35] * 6 + [35] * 6)
     assert t._cool_down(sleep=slept.append) == 10.0  # one whole pause: 5 samples of 2 s, none at 15 C
-    assert any("no more cool-down pauses" in e and "--cooldown-temp 20" in e for e in t.result.events)
+    assert any("no more cool-down pauses" in e and "limit of 20 C" in e for e in t.result.events)
     assert t._cool_down(sleep=slept.append) == 0.0 and len(slept) == 5  # the next step: no pause
     t = Trainer(make_workload(), Plan("fp32", 4, 8), TrainConfig(cooldown_temp_c=85.0, cooldown_max_s=10.0),
                 progress=False)

@@ -570,7 +570,8 @@ class TrainOptions(_Options):
             many clean windows (0: never).
         warn_temp_c: warn when the GPU reaches this temperature (deg C); option ``warn_temp``.
         cooldown_temp_c: pause between steps while the GPU is at or above this temperature, until
-            it is 5 deg C below (None: never pause); option ``cooldown_temp``.
+            it is 5 deg C below (None: never pause); a pause that cannot cool it that far ends the
+            pauses for the session; option ``cooldown_temp``.
     """
 
     epochs: float = option(3.0, "passes over the training data; fractions allowed (default: {default})",

@@ -1179,9 +1179,9 @@ class Trainer:
         else:
             self._cooling_given_up = True
             self._event(f"resuming after {paused:.0f} s of cool-down that left the GPU at "
-                        f"{reading['temp_c']:.0f} C, above {limit - 5:.0f} C: no more cool-down pauses in this "
-                        f"session (--cooldown-temp {limit:.0f} is under what this GPU reaches while pausing; "
-                        f"the articles' limit is 82 C)")
+                        f"{reading['temp_c']:.0f} C, above the {limit - 5:.0f} C a pause waits for: no more "
+                        f"cool-down pauses in this session (a cool-down limit of {limit:.0f} C, --cooldown-temp, "
+                        f"may be under what this GPU cools to; 82 C is the usual limit)")
         return paused
 
     # ---------------------------------------------------------------- logging
