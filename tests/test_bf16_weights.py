@@ -1124,8 +1124,13 @@ def test_on_the_gpu_the_first_steps_peak_is_the_state_and_little_more():
 @needs_torchao
 def test_on_the_gpu_the_optimizer_steps_peak_is_the_estimators():
     """The peak of a warm optimizer step (state held, update compiled) over a BERT whose 4.2M-element
-    embeddings are its largest tensor is the estimator's optimizer-step peak within 2%: the
-    update's fp32 temporaries (33.5 MB) counted; without them the prediction falls 19% short."""
+    embeddings are its largest tensor is never above the estimator's optimizer-step peak, and at
+    most 15% below it. With one compiled call per tensor it was within 2% (the update's fp32
+    temporaries, 8 B per element, counted; without them the prediction fell 19% short). The chunked
+    update's dynamic graph holds less on a GPU: an NVIDIA H100 (torch 2.11) measured 150,969,344
+    bytes against the 171,642,880 predicted (+13.7%), and BERT-large's step 126 MiB of temporaries
+    against 241 MiB per tensor (bench/results/session-2026-12-06/). The estimator keeps 8 B per
+    element, on the safe side, until the parts are measured apart."""
     from tightfit.memory.estimate import estimate
 
     m = _wide_bert()
@@ -1144,7 +1149,7 @@ def test_on_the_gpu_the_optimizer_steps_peak_is_the_estimators():
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated()
         opt.zero_grad(set_to_none=True)
-    assert measured == pytest.approx(predicted, rel=0.02), (measured, predicted)
+    assert measured <= predicted <= 1.15 * measured, (measured, predicted)
 
 
 @pytest.mark.gpu

@@ -77,13 +77,15 @@ ADAMW8BIT_BF16_BYTES_PER_PARAM = 2 + 2 + 2 + 2 + 2
 # (44.6 ms on a faster host, bench/results/optimizer-dispatch-2/.) The GPU's share is ~8.4 ms.
 TORCHAO_CALL_S = 81.13e-3 / 393
 # Host time of one chunk's call (tightfit.levers.optimizers._compiled_chunk_update: the
-# concatenations, one compiled call, one multi-tensor copy back and the counters' add) and of the
-# flat call over the small tensors (_compiled_flat_update: the same shape of work), whatever their
-# tensor counts. Not measured on a GPU host yet: estimated as two per-tensor calls each (their
-# launches: a handful, against a per-tensor call's one graph). A layer's tensors in one unrolled
-# graph cost 41.5 ms for BERT-large's 393 (bench/results/update-groups/), ~0.1 ms per tensor.
-TORCHAO_CHUNK_CALL_S = 2 * TORCHAO_CALL_S
-TORCHAO_FLAT_CALL_S = 2 * TORCHAO_CALL_S
+# concatenations, one compiled call, one multi-tensor copy back per dtype and the counters' add) and
+# of the flat call over the small tensors (_compiled_flat_update: the same shape of work), whatever
+# their tensor counts. Measured on an NVIDIA H100 host (torch 2.11, torchao 0.18;
+# bench/results/session-2026-12-06/update_chunks-*.json): BERT-large's step 22.0 ms of host time in
+# 26 calls (1 flat, 25 chunks) against 49.9 ms in 393 per-tensor calls, 0.44 of it; on the H200 host
+# whose per-tensor step is the 81.1 ms above, that is 35.8 ms, 1.38 ms a call (the flat call not
+# measured apart: taken as a chunk's).
+TORCHAO_CHUNK_CALL_S = 81.13e-3 * (22.02 / 49.87) / 26
+TORCHAO_FLAT_CALL_S = TORCHAO_CHUNK_CALL_S
 # Fused AdamW on the host CPU as ``adamw-offload`` runs it: one fused step over every offloaded
 # tensor (tightfit.levers.host_adamw), parameters per second. Measured on an NVIDIA H200 host (16
 # threads, torch 2.11; bench/results/optimizer-levers-3/optimizer_step_time.json): the fused CPU
