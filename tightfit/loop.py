@@ -116,11 +116,7 @@ def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
     if labels.is_floating_point():
         return None
     if labels.dim() < 2:  # class ids
-        inner = hf_model(model)
-        config = getattr(inner if inner is not None else model, "config", None)
-        if getattr(config, "problem_type", None) == "regression" or getattr(config, "num_labels", None) == 1:
-            return None
-        return lambda d: (d["labels"] != -100).sum()
+        return None if _regression_head(model) else lambda d: (d["labels"] != -100).sum()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
@@ -152,10 +148,18 @@ def _check_class_ids(model: torch.nn.Module, batch: _Batch, loss: LossFn | None)
     if labels.dim() != 1 or labels.dtype not in (torch.int64, torch.uint8):
         return
     n = num_classes(model)
-    inner = hf_model(model)
-    if n is None or n == 1 or getattr(getattr(inner, "config", None), "problem_type", None) == "regression":
+    if n is None or _regression_head(model):
         return
-    check_class_ids(labels, n, range(batch.size), type(inner).__name__)
+    check_class_ids(labels, n, range(batch.size), type(hf_model(model)).__name__)
+
+
+def _regression_head(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the Hugging Face model it wraps, :func:`tightfit.masks.hf_model`) is a
+    regression head, whose integer ``labels [B]`` are values, not class ids: ``num_labels`` 1 or
+    ``problem_type`` "regression" in its config."""
+    inner = hf_model(model)
+    config = getattr(inner if inner is not None else model, "config", None)
+    return getattr(config, "problem_type", None) == "regression" or getattr(config, "num_labels", None) == 1
 
 
 def _loss_sum(batch: _Batch, loss: LossFn | None, tokens=None) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
