@@ -1166,17 +1166,15 @@ class Trainer:
         if not reading or reading.get("temp_c", 0.0) < limit:
             return 0.0
         self._event(f"GPU at {reading['temp_c']:.0f} C >= {limit:.0f} C: pausing to cool down")
-        paused, cooled = 0.0, False
+        paused = 0.0
         while paused < self.cfg.cooldown_max_s:
             sleep(2.0)
             paused += 2.0
             reading = self.health.sample(force=True)
             if not reading or reading.get("temp_c", 0.0) <= limit - 5:
-                cooled = True
+                self._event(f"resuming after {paused:.0f} s of cool-down")
                 break
-        if cooled:
-            self._event(f"resuming after {paused:.0f} s of cool-down")
-        else:
+        else:  # the whole pause, and still hot
             self._cooling_given_up = True
             self._event(f"resuming after {paused:.0f} s of cool-down that left the GPU at "
                         f"{reading['temp_c']:.0f} C, above the {limit - 5:.0f} C a pause waits for: no more "
