@@ -52,10 +52,67 @@ def test_manifest_records_size_and_checksum_of_each_file(tmp_path):
     _save(tmp_path, [2])
     ckpt = tmp_path / "ckpt-2"
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"model.safetensors", "state.pt"}
+    assert set(manifest["files"]) == {"model.safetensors", "state.pt", "state.safetensors"}
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (ckpt / name).stat().st_size and len(entry["sha256"]) == 64
     assert verify_checkpoint(ckpt) is True
+
+
+def test_the_states_tensor_bytes_are_written_by_safetensors_not_torch_save(tmp_path):
+    """torch.save holds the GIL while it writes tensor bytes, stalling a host-bound training loop
+    during a background checkpoint (tightfit/runtime/state_tensors.py): state.pt keeps only
+    placeholders, and the optimizer state read back is the one saved, bit for bit."""
+    from safetensors.torch import load_file
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path, 2, model, {"step": 2, "optimizer": opt.state_dict(), "one": torch.tensor(3.5)})
+    structure = torch.load(tmp_path / "ckpt-2" / "state.pt", weights_only=True)
+    placeholders = [t for s in structure["optimizer"]["state"].values() for t in s.values()] + [structure["one"]]
+    assert placeholders and all(t.device.type == "meta" for t in placeholders)
+    assert len(load_file(tmp_path / "ckpt-2" / "state.safetensors")) == len(placeholders)
+    state = read_state(tmp_path / "ckpt-2")
+    for i, s in opt.state_dict()["state"].items():
+        for k, v in s.items():
+            assert torch.equal(state["optimizer"]["state"][i][k], v)
+    assert state["one"] == 3.5 and state["step"] == 2
+
+
+def test_a_checkpoint_whose_state_pt_holds_its_tensors_still_loads(tmp_path):
+    """state.pt of tightfit before state.safetensors: every tensor in it, no state.safetensors."""
+    from tightfit.runtime.checkpoint import sha256_file
+
+    model = _save(tmp_path, [2])
+    ckpt = tmp_path / "ckpt-2"
+    whole = read_state(ckpt)
+    torch.save(whole, ckpt / "state.pt")
+    (ckpt / "state.safetensors").unlink()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["files"]["state.safetensors"]
+    manifest["files"]["state.pt"] = {"bytes": (ckpt / "state.pt").stat().st_size, "sha256": sha256_file(ckpt / "state.pt")}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_checkpoint(ckpt) is True
+    state = load_checkpoint(ckpt, _model(seed=1))
+    for i, s in whole["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(state["optimizer"]["state"][i][k], v)
+    assert state["optimizer"]["state"][0]["exp_avg"].device.type == "cpu"
+
+
+def test_state_safetensors_missing_or_unlisted_is_corrupt(tmp_path):
+    _save(tmp_path, [2, 4])
+    (tmp_path / "ckpt-4" / "state.safetensors").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt-4 is corrupt \(state\.safetensors: missing"):
+        verify_checkpoint(tmp_path / "ckpt-4")
+    with pytest.raises(CorruptCheckpointError, match=r"state\.safetensors: missing \(state\.pt refers to its"):
+        read_state(tmp_path / "ckpt-4")  # unverified: still one line
+    manifest = json.loads((tmp_path / "ckpt-2" / "manifest.json").read_text())
+    del manifest["files"]["state.safetensors"]
+    (tmp_path / "ckpt-2" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json: does not list state\.safetensors"):
+        verify_checkpoint(tmp_path / "ckpt-2")
 
 
 @pytest.mark.parametrize("name, damage, fault", [
@@ -63,6 +120,8 @@ def test_manifest_records_size_and_checksum_of_each_file(tmp_path):
     ("model.safetensors", _truncate, "model.safetensors: truncated"),
     ("model.safetensors", _flip_middle_byte, "model.safetensors: checksum mismatch"),
     ("state.pt", _flip_middle_byte, "state.pt: checksum mismatch"),
+    ("state.safetensors", _truncate, "state.safetensors: truncated"),
+    ("state.safetensors", _flip_middle_byte, "state.safetensors: checksum mismatch"),
 ])
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, name, damage, fault):
     _save(tmp_path, [2, 4])
@@ -139,6 +198,10 @@ def test_checkpoint_without_manifest_is_accepted_with_a_note_and_checked_for_tru
     model = _save(tmp_path, [2, 4, 6])
     for step in (2, 4, 6):
         (tmp_path / f"ckpt-{step}" / "manifest.json").unlink()
+    for step in (4, 6):  # as such a tightfit wrote them: every tensor in state.pt (ckpt-2 kept as today's)
+        ckpt = tmp_path / f"ckpt-{step}"
+        torch.save(read_state(ckpt), ckpt / "state.pt")
+        (ckpt / "state.safetensors").unlink()
     assert verify_checkpoint(tmp_path / "ckpt-6") is False
     point = latest_intact_checkpoint(tmp_path)
     assert point.path.name == "ckpt-6" and "has no manifest.json" in point.notes[-1]
@@ -153,6 +216,9 @@ def test_checkpoint_without_manifest_is_accepted_with_a_note_and_checked_for_tru
     with pytest.raises(CorruptCheckpointError, match="ckpt-4 is corrupt \\(state.pt: "):
         verify_checkpoint(tmp_path / "ckpt-4")
     assert latest_intact_checkpoint(tmp_path).path.name == "ckpt-2"
+    _truncate(tmp_path / "ckpt-2" / "state.safetensors")
+    with pytest.raises(CorruptCheckpointError, match="ckpt-2 is corrupt \\(state.safetensors: "):
+        verify_checkpoint(tmp_path / "ckpt-2")
 
 
 def test_unloadable_state_is_one_line_error(tmp_path):
@@ -201,7 +267,7 @@ def test_remove_stale_temporaries_removes_a_times_json_write_cut_short_in_a_chec
     (ckpt / ".times.json.x7f3q.tmp").write_bytes(b"x" * 17)
     (ckpt / ".other.tmp").write_text("not tightfit's")
     assert remove_stale_temporaries(tmp_path) == [("ckpt-2/.times.json.x7f3q.tmp", 17)]
-    assert sorted(p.name for p in ckpt.iterdir()) == [".other.tmp", "manifest.json", "model.safetensors", "state.pt",
+    assert sorted(p.name for p in ckpt.iterdir()) == [".other.tmp", "manifest.json", "model.safetensors", "state.pt", "state.safetensors",
                                                       "times.json"]
     assert verify_checkpoint(ckpt)
 

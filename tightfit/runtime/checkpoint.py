@@ -1,7 +1,8 @@
 """Training checkpoints for exact resume: atomic folders ``ckpt-<step>/`` holding the model
 weights (``model.safetensors``), everything else a resumed run needs (``state.pt``: optimizer, loss
 scaler, scheduler, RNG states, data position, the plan in force; loaded with
-``torch.load(weights_only=True)``), and ``manifest.json``: the byte size and SHA-256 of each of
+``torch.load(weights_only=True)``; its tensors' bytes in ``state.safetensors``, written without
+holding the GIL: :mod:`.state_tensors`), and ``manifest.json``: the byte size and SHA-256 of each of
 those files, written last.
 
 A checkpoint is verified against its manifest before it is loaded, so a truncated or overwritten
@@ -36,15 +37,19 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_model
+from safetensors.torch import load_file, load_model
 
 from ..errors import TightfitError
 from ..fileio import atomic_write_dir, atomic_write_json, is_leftover
 from ..memory.oom import is_oom
+from .state_tensors import join_state, split_state
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
 _STALE = re.compile(r"^\.ckpt-\d+\.(?:.+\.tmp|old)$")  # atomic_write_dir's temporary / displaced folders
 MODEL_FILE, STATE_FILE, MANIFEST = "model.safetensors", "state.pt", "manifest.json"
+# the state's tensors, apart from its structure in STATE_FILE (.state_tensors says why); absent from
+# checkpoints of tightfit before it
+STATE_TENSORS = "state.safetensors"
 # In the checkpoints folder, while a resume from an earlier checkpoint has not yet written one of
 # its own: the later checkpoints it leaves behind (mark_abandoned), which a resume of the run skips.
 ABANDONED = "abandoned.json"
@@ -261,13 +266,19 @@ def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2, 
         return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
     def fill(tmp: Path) -> None:
+        # every tensor's bytes through safetensors, which writes without holding the GIL that the
+        # training loop needs; torch.save only writes the state's structure (.state_tensors)
+        structure, tensors = split_state(snap.state)
         save_file(snap.weights, str(tmp / MODEL_FILE), metadata=dict(snap.shared) or None)
-        # the weights are synced and hashed (hashlib releases the GIL) while state.pt is written
-        with ThreadPoolExecutor(1, thread_name_prefix="tightfit-checkpoint-hash") as hasher:
+        # the safetensors files are synced and hashed (hashlib releases the GIL) side by side while
+        # the state's structure is written
+        with ThreadPoolExecutor(2, thread_name_prefix="tightfit-checkpoint-hash") as hasher:
             weights = hasher.submit(record, tmp / MODEL_FILE)
-            torch.save(snap.state, tmp / STATE_FILE)
+            save_file(tensors, str(tmp / STATE_TENSORS))
+            state_tensors = hasher.submit(record, tmp / STATE_TENSORS)
+            torch.save(structure, tmp / STATE_FILE)
             files = {STATE_FILE: record(tmp / STATE_FILE)}
-            files = {MODEL_FILE: weights.result(), **files}
+            files = {MODEL_FILE: weights.result(), **files, STATE_TENSORS: state_tensors.result()}
         manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files, **streak_record(snap.state)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         _fsync(tmp / MANIFEST)
@@ -563,8 +574,9 @@ def _first_line(e: BaseException | str) -> str:
 def verify_checkpoint(path: Path) -> bool:
     """Check that checkpoint folder ``path`` is whole and unchanged since it was written.
 
-    With a manifest: both files are listed, and each has the byte size and SHA-256 recorded there
-    (about 1 to 2 s per GB of checkpoint). Without one (written by tightfit before manifests):
+    With a manifest: its files are listed (the weights, ``state.pt``, and ``state.safetensors``
+    where there is one), and each has the byte size and SHA-256 recorded there (about 1 to 2 s
+    per GB of checkpoint). Without one (written by tightfit before manifests):
     the safetensors header must describe exactly the file's length, and every record of
     ``state.pt`` (a zip archive) must pass its CRC-32 check.
 
@@ -608,6 +620,8 @@ def verify_checkpoint(path: Path) -> bool:
     for name in (STATE_FILE,) if sharded else (MODEL_FILE, STATE_FILE):
         if name not in expected:
             raise _fail(path, f"{MANIFEST}: does not list {name}")
+    if (path / STATE_TENSORS).exists() and STATE_TENSORS not in expected:  # read by read_state: checked too
+        raise _fail(path, f"{MANIFEST}: does not list {STATE_TENSORS}")
     for name, (size, digest) in expected.items():
         inner = name[4:] if sharded and name.startswith("dcp/") else name  # DCP's own files (".metadata")
         if "/" in inner or "\\" in inner or inner in ("", ".", "..") or (inner == name and name.startswith(".")):
@@ -634,11 +648,12 @@ def _verify_structure(path: Path) -> None:
     for name in (MODEL_FILE, STATE_FILE):
         if not (path / name).is_file():
             raise _fail(path, f"{name}: missing")
-    try:
-        with safe_open(str(path / MODEL_FILE), framework="pt") as f:
-            f.keys()
-    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
-        raise _fail(path, f"{MODEL_FILE}: {_first_line(e)}") from None
+    for name in (MODEL_FILE, STATE_TENSORS) if (path / STATE_TENSORS).exists() else (MODEL_FILE,):
+        try:
+            with safe_open(str(path / name), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+            raise _fail(path, f"{name}: {_first_line(e)}") from None
     try:
         with zipfile.ZipFile(path / STATE_FILE) as z:
             bad = z.testzip()
@@ -692,7 +707,8 @@ def resume_point(path: Path) -> ResumePoint:
 
 
 def read_state(path: Path) -> dict:
-    """The saved state of checkpoint folder ``path`` (``state.pt``, tensors on the CPU), not verified.
+    """The saved state of checkpoint folder ``path`` (``state.pt`` with its tensors from
+    ``state.safetensors``, or an older tightfit's ``state.pt`` holding them itself; on the CPU), not verified.
 
     Raises:
         CorruptCheckpointError: the file is missing or cannot be loaded (one line).
@@ -702,10 +718,23 @@ def read_state(path: Path) -> dict:
     path = Path(path)
     for attempt in range(2):
         try:
-            return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
+            structure = torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
+            break
         except Exception as e:  # torch.load raises OSError, RuntimeError, UnpicklingError, EOFError, ...
             if attempt or not allow_state_classes(e):  # torchao's 8-bit state, before torchao was imported
                 raise _fail(path, f"{STATE_FILE}: cannot be loaded: {torch_load_error(e)}") from None
+    tensors = None
+    if (path / STATE_TENSORS).exists():
+        try:
+            tensors = load_file(str(path / STATE_TENSORS), device="cpu")
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+            raise _fail(path, f"{STATE_TENSORS}: cannot be loaded: {_first_line(e)}") from None
+    try:
+        return join_state(structure, tensors)
+    except ValueError as e:
+        if tensors is None:
+            raise _fail(path, f"{STATE_TENSORS}: missing ({STATE_FILE} refers to its tensors)") from None
+        raise _fail(path, f"{STATE_TENSORS}: does not match {STATE_FILE}: {e}") from None
 
 
 # what Trainer.resume reads of state.pt (Trainer.state_dict writes it): name -> type
