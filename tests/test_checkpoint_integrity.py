@@ -6,6 +6,7 @@ checkpoint write are removed."""
 import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,9 +91,10 @@ def test_a_checkpoint_whose_state_pt_holds_its_tensors_still_loads(tmp_path):
     torch.save(whole, ckpt / "state.pt")
     (ckpt / "state.safetensors").unlink()
     manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["format"] == "tightfit-checkpoint/2"
     del manifest["files"]["state.safetensors"]
     manifest["files"]["state.pt"] = {"bytes": (ckpt / "state.pt").stat().st_size, "sha256": sha256_file(ckpt / "state.pt")}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (ckpt / "manifest.json").write_text(json.dumps({**manifest, "format": "tightfit-checkpoint/1"}))
     assert verify_checkpoint(ckpt) is True
     state = load_checkpoint(ckpt, _model(seed=1))
     for i, s in whole["optimizer"]["state"].items():
@@ -112,6 +114,18 @@ def test_state_safetensors_missing_or_unlisted_is_corrupt(tmp_path):
     del manifest["files"]["state.safetensors"]
     (tmp_path / "ckpt-2" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CorruptCheckpointError, match=r"manifest\.json: does not list state\.safetensors"):
+        verify_checkpoint(tmp_path / "ckpt-2")
+    (tmp_path / "ckpt-4" / "manifest.json").unlink()  # without a manifest too: the fault found, not at resume
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt-4 is corrupt \(state\.safetensors: missing"):
+        verify_checkpoint(tmp_path / "ckpt-4")
+
+
+def test_a_manifest_of_an_unknown_format_is_refused_in_one_line(tmp_path):
+    _save(tmp_path, [2])
+    manifest = json.loads((tmp_path / "ckpt-2" / "manifest.json").read_text())
+    (tmp_path / "ckpt-2" / "manifest.json").write_text(json.dumps({**manifest, "format": "tightfit-checkpoint/3"}))
+    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json: unreadable: not a tightfit-checkpoint/1 or "
+                                                     r"tightfit-checkpoint/2 manifest\)$"):
         verify_checkpoint(tmp_path / "ckpt-2")
 
 
@@ -460,3 +474,13 @@ def test_trainer_resume_refuses_a_flipped_byte_and_leaves_the_model_as_it_was(tm
     assert fresh.step == 0
     after = params_of(fresh.model)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_the_state_read_back_does_not_keep_its_file_mapped(tmp_path):
+    """safetensors maps the file it loads; optimizer state left on those pages kept a pruned
+    checkpoint's state.safetensors open (its disk space too) for the rest of a resumed run."""
+    _save(tmp_path, [2])
+    state = read_state(tmp_path / "ckpt-2")
+    maps = Path("/proc/self/maps").read_text()
+    assert state["optimizer"]["state"] and str(tmp_path / "ckpt-2" / "state.safetensors") not in maps

@@ -11,7 +11,8 @@ corrupt newest checkpoint for the previous intact one. Checkpoints written by ti
 manifests existed are accepted: their safetensors header must cover the whole file and
 ``state.pt``'s zip records must pass their CRC-32 checks (so truncation, and damage inside
 ``state.pt``, are still found), but bytes overwritten inside their weights cannot be detected;
-resuming from one says so. Temporary folders left by a checkpoint write that was killed
+resuming from one says so. (A checkpoint of today's whose manifest was deleted is checked alike,
+its ``state.safetensors`` by its header only, and its state read whole.) Temporary folders left by a checkpoint write that was killed
 (``.ckpt-<step>.*.tmp``, ``.ckpt-<step>.old``), and the temporary file of a ``times.json`` write
 cut short inside a checkpoint (``ckpt-<step>/.times.json.*.tmp``), are removed before the next
 checkpoint is written, and on resume (:func:`remove_stale_temporaries`).
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, load_model
+from safetensors.torch import load_model
 
 from ..errors import TightfitError
 from ..fileio import atomic_write_dir, atomic_write_json, is_leftover
@@ -54,7 +55,10 @@ STATE_TENSORS = "state.safetensors"
 # its own: the later checkpoints it leaves behind (mark_abandoned), which a resume of the run skips.
 ABANDONED = "abandoned.json"
 TIMES = "times.json"  # in a checkpoint folder, after it is in place: write_checkpoint_times
-MANIFEST_FORMAT = "tightfit-checkpoint/1"
+# the format written: /2 since state.safetensors (an older tightfit, which reads /1 only, refuses it
+# in one line instead of loading state.pt's placeholders); both are read
+MANIFEST_FORMAT = "tightfit-checkpoint/2"
+READABLE_FORMATS = ("tightfit-checkpoint/1", MANIFEST_FORMAT)
 _CHUNK = 1 << 20  # bytes read at a time when hashing
 
 
@@ -247,8 +251,10 @@ def write_snapshot(folder: Path, step: int, snap: Snapshot, keep_last: int = 2, 
     """Write ``snap`` as ``folder/ckpt-<step>`` atomically with its manifest (written last), then
     delete the checkpoints the run no longer needs (:func:`prune_checkpoints`, with ``keep_last``
     and ``abandoned``). Temporary folders of an earlier, killed write are removed first. Safe to
-    run on a background thread; hashing costs about 1 to 2 s per GB (:func:`sha256_file`); the
-    weights are hashed on a second thread while ``state.pt`` is written.
+    run on a background thread; hashing costs about 1 to 2 s per GB (:func:`sha256_file`). The
+    weights and the state's tensors (``state.safetensors``, :mod:`.state_tensors`) are written by
+    safetensors, which holds no GIL while it writes, then synced and hashed on two more threads
+    while ``state.pt``, the state's structure, is written.
 
     Returns:
         The checkpoint's folder.
@@ -606,8 +612,8 @@ def verify_checkpoint(path: Path) -> bool:
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         files = manifest["files"]
-        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
-            raise ValueError(f"not a {MANIFEST_FORMAT} manifest")
+        if manifest.get("format") not in READABLE_FORMATS or not isinstance(files, dict):
+            raise ValueError(f"not a {' or '.join(READABLE_FORMATS)} manifest")
         expected = {name: (int(v["bytes"]), str(v["sha256"])) for name, v in files.items()}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError,
             OverflowError) as e:  # OverflowError: JSON's Infinity or 1e400, which int() refuses
@@ -661,6 +667,8 @@ def _verify_structure(path: Path) -> None:
         raise _fail(path, f"{STATE_FILE}: {_first_line(e)}") from None
     if bad is not None:
         raise _fail(path, f"{STATE_FILE}: record {bad} fails its CRC check")
+    if not (path / STATE_TENSORS).exists():  # an older tightfit's state.pt holds its tensors; one that
+        read_state(path)  # refers to a missing state.safetensors (a manifest deleted) is refused here
 
 
 def latest_intact_checkpoint(folder: Path) -> ResumePoint:
@@ -726,7 +734,10 @@ def read_state(path: Path) -> dict:
     tensors = None
     if (path / STATE_TENSORS).exists():
         try:
-            tensors = load_file(str(path / STATE_TENSORS), device="cpu")
+            # copied out of the file's memory map, which a tensor kept in the optimizer would hold
+            # open for the rest of the run (the file's disk space with it, after its checkpoint is pruned)
+            with safe_open(str(path / STATE_TENSORS), framework="pt", device="cpu") as f:
+                tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
         except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
             raise _fail(path, f"{STATE_TENSORS}: cannot be loaded: {_first_line(e)}") from None
     try:
