@@ -235,9 +235,11 @@ def test_a_state_that_is_not_a_runs_is_refused_in_one_line_before_anything_is_wr
     0, a one-line error only after the resume had removed the finished run's summary and report."""
     import hashlib
 
+    from tightfit.runtime.checkpoint import read_state
+
     run, common = finished
     ckpt = run / "checkpoints" / "ckpt-8"
-    state = torch.load(ckpt / "state.pt", weights_only=True)
+    state = read_state(ckpt)  # written back whole: a state.pt holding its tensors, without state.safetensors
     if change == "not a dict":
         state = [1, 2]
     elif change == "no counters":
@@ -251,7 +253,9 @@ def test_a_state_that_is_not_a_runs_is_refused_in_one_line_before_anything_is_wr
     else:
         state["step"] = "8"
     torch.save(state, ckpt / "state.pt")
+    (ckpt / "state.safetensors").unlink()
     manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["files"]["state.safetensors"]
     data = (ckpt / "state.pt").read_bytes()
     manifest["files"]["state.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
