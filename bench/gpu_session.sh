@@ -17,6 +17,10 @@
 #   sync:      bench/optimizer_sync.py (8-bit step with and without the per-tensor syncs) -> OUT/optimizer_sync.*
 #   plan-breakdown: bench/plan_breakdown.py (the GPU planner's stages and probe steps timed) on BERT-large
 #              and BERT-base seq 128 at 4 GiB -> OUT/plan-breakdown/plan-breakdown.{json,md}
+#   loop-overhead: bench/loop_overhead.py on the main job (the loop's per-step bookkeeping made no-ops one at
+#              a time; env LOOP_VARIANTS, e.g. to alternate the prefetch thread on and off) -> OUT/loop-overhead.{json,md}
+#   checkpoint-gil: bench/checkpoint_gil.py (a host-bound thread during background checkpoint writes)
+#              -> OUT/checkpoint-gil.{json,md}
 #   plan-time: bench/plan_time.py on three workloads (`tightfit plan`, no GPU: exact estimates traced one
 #              by one and in worker processes) -> OUT/plan-time/plan-time.{json,md}
 # Carried (ignored by git, .git/info/exclude): .carry/site.tgz (bitsandbytes with only its CUDA 13.0
@@ -65,6 +69,12 @@ for part in "$@"; do
       python3 -m tightfit bench report "$OUT/recompute" >> "$OUT/env.txt" 2>&1
       for f in "$OUT"/recompute/*@*; do mv "$f" "${f//@/-at-}"; done  # '@' does not travel back
       cat "$OUT/recompute/results.md" >> "$OUT/env.txt" 2>/dev/null ;;
+    loop-overhead)
+      timeout ${LOOP_TIMEOUT:-300} python3 bench/loop_overhead.py "$OUT" > "$OUT/loop-overhead.log" 2>&1
+      echo "loop-overhead exit $?" >> "$OUT/env.txt"; cat "$OUT/loop-overhead.md" >> "$OUT/env.txt" 2>/dev/null ;;
+    checkpoint-gil)
+      timeout 120 python3 bench/checkpoint_gil.py "$OUT" > "$OUT/checkpoint-gil.log" 2>&1
+      echo "checkpoint-gil exit $?" >> "$OUT/env.txt"; cat "$OUT/checkpoint-gil.md" >> "$OUT/env.txt" 2>/dev/null ;;
     update-chunks)
       for v in chunked per-tensor lone; do
         TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 timeout ${UPDATE_TIMEOUT:-120} python3 bench/update_chunks.py $v \
