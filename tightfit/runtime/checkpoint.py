@@ -12,10 +12,11 @@ manifests existed are accepted: their safetensors header must cover the whole fi
 ``state.pt``'s zip records must pass their CRC-32 checks (so truncation, and damage inside
 ``state.pt``, are still found), but bytes overwritten inside their weights cannot be detected;
 resuming from one says so. (A checkpoint of today's whose manifest was deleted is checked alike,
-its ``state.safetensors`` by its header only, and its state read whole.) Temporary folders left by a checkpoint write that was killed
-(``.ckpt-<step>.*.tmp``, ``.ckpt-<step>.old``), and the temporary file of a ``times.json`` write
-cut short inside a checkpoint (``ckpt-<step>/.times.json.*.tmp``), are removed before the next
-checkpoint is written, and on resume (:func:`remove_stale_temporaries`).
+its ``state.safetensors`` by its header only, and its state read whole.) Temporary folders left
+by a checkpoint write that was killed (``.ckpt-<step>.*.tmp``, ``.ckpt-<step>.old``), and the
+temporary file of a ``times.json`` write cut short inside a checkpoint
+(``ckpt-<step>/.times.json.*.tmp``), are removed before the next checkpoint is written, and on
+resume (:func:`remove_stale_temporaries`).
 
 Once a checkpoint is in place, ``times.json`` beside its files records the run's checkpoint times
 including its own write (:func:`write_checkpoint_times`), which ``state.pt``, taken before the
@@ -716,7 +717,8 @@ def resume_point(path: Path) -> ResumePoint:
 
 def read_state(path: Path) -> dict:
     """The saved state of checkpoint folder ``path`` (``state.pt`` with its tensors from
-    ``state.safetensors``, or an older tightfit's ``state.pt`` holding them itself; on the CPU), not verified.
+    ``state.safetensors``, or an older tightfit's ``state.pt`` holding them itself), its tensors on
+    the CPU, not verified.
 
     Raises:
         CorruptCheckpointError: the file is missing or cannot be loaded (one line).

@@ -3,13 +3,14 @@ tensors' bytes (``state.safetensors``).
 
 Why: checkpoints are written on a background thread while the training loop goes on, and
 ``torch.save`` holds Python's GIL while it writes tensor bytes, so a loop bound by its host (a
-small model's eager step) stalled while the optimizer state was written: on a 2-core host a
-thread launching small ops ran at 0.57-0.68 of its speed during ``torch.save`` of AdamW's state,
-0.97-1.01 during safetensors' ``save_file`` of the same bytes (``bench/results/checkpoint-gil``).
+small model's eager step) stalled while the optimizer state was written: a thread launching
+small ops ran at 0.55-0.67 of its speed during ``torch.save`` of AdamW's state on a 2-core host
+(0.47 on a 16-core GPU host), 0.98-1.08 during safetensors' ``save_file`` of the same bytes
+(``bench/results/checkpoint-gil``, ``bench/results/session-2026-12-06b``).
 So the structure keeps a ``meta`` tensor of the same shape and dtype in place of each tensor
 (a few KiB, written with the GIL held briefly) and the bytes go to safetensors.
 
-Tensors are numbered in the order :func:`_leaves` walks the state (dicts in their order, lists and
+Tensors are numbered in the order :func:`_map_leaves` walks the state (dicts in their order, lists and
 tuples, a tensor subclass's inner tensors in ``__tensor_flatten__``'s order), which is the same
 when the structure is read back, since pickle keeps dicts' order. A tensor safetensors cannot
 hold (a dtype it lacks, a non-contiguous one) stays in the structure, written by ``torch.save``.
@@ -24,14 +25,15 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-# dtypes every safetensors release since 0.4 stores
+# dtypes safetensors stores (0.8, pyproject's floor, stores more: those stay in the structure)
 _STORABLE = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
              torch.bfloat16, torch.float32, torch.float64}
 
 
 def _map_leaves(v, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """``v`` with every plain tensor ``t`` in it replaced by ``fn(t)``, walked in :func:`_leaves`' order;
-    a tensor subclass is rebuilt around its mapped inner tensors (its type and context kept)."""
+    """``v`` with every plain tensor ``t`` in it replaced by ``fn(t)``, in walk order (the module
+    docstring's); a tensor subclass is rebuilt around its mapped inner tensors (its type and
+    context kept)."""
     if isinstance(v, torch.Tensor):
         if is_traceable_wrapper_subclass(v):
             names, ctx = v.__tensor_flatten__()
