@@ -44,7 +44,7 @@ from safetensors.torch import load_model
 from ..errors import TightfitError
 from ..fileio import atomic_write_dir, atomic_write_json, is_leftover
 from ..memory.oom import is_oom
-from .state_tensors import join_state, split_state
+from .state_tensors import join_state, map_tensors, split_state
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
 _STALE = re.compile(r"^\.ckpt-\d+\.(?:.+\.tmp|old)$")  # atomic_write_dir's temporary / displaced folders
@@ -220,31 +220,18 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
             continue
         seen[where] = name
         weights[name] = buffers.copy(("w", name), t, t.is_cuda)
-    counter, state_bytes = [0], [0]
+    copies: list[torch.Tensor] = []
 
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    def host(t: torch.Tensor) -> torch.Tensor:  # each plain tensor, a subclass's (torchao's) inner ones too
+        copies.append(buffers.copy(("s", len(copies)), t, t.is_cuda))  # CPU state too (offloaded): no new memory
+        return copies[-1]
 
-    def host(v):
-        if isinstance(v, torch.Tensor):
-            counter[0] += 1
-            if is_traceable_wrapper_subclass(v):  # a tensor subclass (e.g. torchao's): copy its inner tensors, keep its type
-                names, ctx = v.__tensor_flatten__()
-                return type(v).__tensor_unflatten__({n: host(getattr(v, n)) for n in names}, ctx, v.size(), v.stride())
-            copied = buffers.copy(("s", counter[0]), v, v.is_cuda)  # CPU state too (offloaded): no new memory
-            state_bytes[0] += copied.numel() * copied.element_size()
-            return copied
-        if isinstance(v, dict):
-            return {k: host(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(host(x) for x in v)
-        return v
-
-    host_state = host(state)
+    host_state = map_tensors(state, host)
     ready = None
     if on_cuda:
         ready = torch.cuda.Event()
         ready.record()
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values()) + state_bytes[0]
+    nbytes = sum(t.numel() * t.element_size() for t in (*weights.values(), *copies))
     return Snapshot(weights, shared, host_state, ready, nbytes)
 
 

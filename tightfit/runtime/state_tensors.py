@@ -10,9 +10,9 @@ small ops ran at 0.55-0.67 of its speed during ``torch.save`` of AdamW's state o
 So the structure keeps a ``meta`` tensor of the same shape and dtype in place of each tensor
 (a few KiB, written with the GIL held briefly) and the bytes go to safetensors.
 
-Tensors are numbered in the order :func:`_map_leaves` walks the state (dicts in their order, lists and
-tuples, a tensor subclass's inner tensors in ``__tensor_flatten__``'s order), which is the same
-when the structure is read back, since pickle keeps dicts' order. A tensor safetensors cannot
+Tensors are numbered in the order :func:`map_tensors` walks the state (dicts in their order,
+lists and tuples, a tensor subclass's inner tensors in ``__tensor_flatten__``'s order), which is
+the same when the structure is read back, since pickle keeps dicts' order. A tensor safetensors cannot
 hold (a dtype it lacks, a non-contiguous one) stays in the structure, written by ``torch.save``.
 A ``state.pt`` of an older tightfit holds every tensor itself and has no placeholder: it is read
 as it is.
@@ -30,20 +30,21 @@ _STORABLE = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torc
              torch.bfloat16, torch.float32, torch.float64}
 
 
-def _map_leaves(v, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """``v`` with every plain tensor ``t`` in it replaced by ``fn(t)``, in walk order (the module
-    docstring's); a tensor subclass is rebuilt around its mapped inner tensors (its type and
-    context kept)."""
+def map_tensors(v, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``v`` (a state: dicts, lists, tuples, tensors, other values) with every plain tensor ``t`` in
+    it replaced by ``fn(t)``, in walk order (the module docstring's); a tensor subclass is rebuilt
+    around its mapped inner tensors (its type and context kept). The one walk of a checkpoint's
+    state: the snapshot's copies to host memory and the split into structure and tensors."""
     if isinstance(v, torch.Tensor):
         if is_traceable_wrapper_subclass(v):
             names, ctx = v.__tensor_flatten__()
-            return type(v).__tensor_unflatten__({n: _map_leaves(getattr(v, n), fn) for n in names}, ctx,
+            return type(v).__tensor_unflatten__({n: map_tensors(getattr(v, n), fn) for n in names}, ctx,
                                                 v.size(), v.stride())
         return fn(v)
     if isinstance(v, dict):
-        return {k: _map_leaves(x, fn) for k, x in v.items()}
+        return {k: map_tensors(x, fn) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return type(v)(_map_leaves(x, fn) for x in v)
+        return type(v)(map_tensors(x, fn) for x in v)
     return v
 
 
@@ -63,7 +64,7 @@ def split_state(state: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         tensors[str(len(tensors))] = t
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
-    return _map_leaves(state, out), tensors
+    return map_tensors(state, out), tensors
 
 
 def join_state(structure, tensors: dict[str, torch.Tensor] | None):
@@ -74,14 +75,14 @@ def join_state(structure, tensors: dict[str, torch.Tensor] | None):
     Raises:
         ValueError: the placeholders and the tensors do not match (count, shape or dtype).
     """
-    taken = [0]
+    tensors, taken = tensors or {}, [0]
 
     def fill(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta":
             return t
         name = str(taken[0])
         taken[0] += 1
-        real = (tensors or {}).get(name)
+        real = tensors.get(name)
         if real is None:
             raise ValueError(f"tensor {name} of the state is missing")
         if real.shape != t.shape or real.dtype != t.dtype:
@@ -89,7 +90,7 @@ def join_state(structure, tensors: dict[str, torch.Tensor] | None):
                              f"{t.dtype} {tuple(t.shape)}")
         return real
 
-    joined = _map_leaves(structure, fill)
-    if taken[0] != len(tensors or {}):
-        raise ValueError(f"{len(tensors or {})} tensors for the state's {taken[0]} places")
+    joined = map_tensors(structure, fill)
+    if taken[0] != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors for the state's {taken[0]} places")
     return joined
