@@ -21,6 +21,8 @@
 #              a time; env LOOP_VARIANTS, e.g. to alternate the prefetch thread on and off) -> OUT/loop-overhead.{json,md}
 #   checkpoint-gil: bench/checkpoint_gil.py (a host-bound thread during background checkpoint writes)
 #              -> OUT/checkpoint-gil.{json,md}
+#   cuda-graphs: bench/cuda_graphs.py (the eager step, its forward and backward graphed, the whole step captured;
+#              env GRAPH_WORKLOADS) -> OUT/cuda-graphs.{json,md}
 #   plan-time: bench/plan_time.py on three workloads (`tightfit plan`, no GPU: exact estimates traced one
 #              by one and in worker processes) -> OUT/plan-time/plan-time.{json,md}
 # Carried (ignored by git, .git/info/exclude): .carry/site.tgz (bitsandbytes with only its CUDA 13.0
@@ -56,6 +58,9 @@ for part in "$@"; do
     plan-breakdown)
       timeout ${BREAKDOWN_TIMEOUT:-420} python3 bench/plan_breakdown.py "$OUT/plan-breakdown" ${BREAKDOWN_WORKLOADS:-} > "$OUT/plan-breakdown.log" 2>&1
       echo "plan-breakdown exit $?" >> "$OUT/env.txt"; grep -E "^## |^\| [a-z_(]" "$OUT/plan-breakdown/plan-breakdown.md" >> "$OUT/env.txt" 2>/dev/null ;;
+    cuda-graphs)
+      timeout 400 python3 bench/cuda_graphs.py "$OUT" ${GRAPH_WORKLOADS:-} > "$OUT/cuda-graphs.log" 2>&1
+      echo "cuda-graphs exit $?" >> "$OUT/env.txt"; cat "$OUT/cuda-graphs.md" >> "$OUT/env.txt" 2>/dev/null ;;
     plan-time)
       timeout 420 python3 bench/plan_time.py "$OUT/plan-time" bert-base-128@4GiB bert-large-128@4GiB resnet50-224@4GiB > "$OUT/plan-time.log" 2>&1
       echo "plan-time exit $?" >> "$OUT/env.txt"; cat "$OUT/plan-time/plan-time.md" >> "$OUT/env.txt" 2>/dev/null ;;

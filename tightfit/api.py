@@ -1110,7 +1110,7 @@ class TrainRecipe:
 
 # Options a resumed run may change: they alter neither the plan nor the data order, so the
 # steps before the checkpoint stay what they were (--lr rescales the schedule from there on).
-RESUME_MAY_CHANGE = ("lr", "max_skipped_steps", "log_every", "warn_temp", "cooldown_temp")
+RESUME_MAY_CHANGE = ("lr", "max_skipped_steps", "log_every", "warn_temp", "cooldown_temp", "cuda_graphs")
 
 
 def _same_option(key: str, saved, given, resolved: dict | None = None) -> bool:

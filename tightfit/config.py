@@ -572,6 +572,10 @@ class TrainOptions(_Options):
         cooldown_temp_c: pause between steps while the GPU is at or above this temperature, until
             it is 5 deg C below (None: never pause); a pause that cannot cool it that far ends the
             pauses for the session; option ``cooldown_temp``.
+        cuda_graphs: ``auto``: on a CUDA GPU, replay the steps of a plain eager plan (fused AdamW,
+            one micro-batch per step, no compilation, recomputation or loss scaling) as CUDA
+            graphs, one per batch shape, where memory allows (:mod:`tightfit.runtime.graphs`);
+            ``off``: never.
     """
 
     epochs: float = option(3.0, "passes over the training data; fractions allowed (default: {default})",
@@ -595,6 +599,8 @@ class TrainOptions(_Options):
                                 rule=_temperature)
     cooldown_temp_c: float | None = option(None, "pause between steps while the GPU is this hot (deg C)",
                                            key="cooldown_temp", rule=_temperature)
+    cuda_graphs: str = option("auto", "replay the eager steps of one micro-batch as CUDA graphs: auto|off "
+                                      "(default: {default}: where the plan allows it)", choices=("auto", "off"))
 
 
 # What a request made in Python records as its command: the command line records its own

@@ -370,10 +370,13 @@ class PendingStep:
         Attributes:
             applied: with ``values``, a 0-d boolean device tensor, whether the update was applied
                 (the gradient norm finite), for what must follow the verdict on the device.
+            values: ``values`` (None with ``result``). Made during a CUDA graph's capture
+                (:mod:`tightfit.runtime.graphs`), the step copies nothing to the host: the
+                graph's replays are each given a new :class:`PendingStep` of ``values``.
         """
-        self._result, self._host, self._copied = result, values, None
+        self._result, self._host, self._copied, self.values = result, values, None, values
         self.applied = None if values is None else torch.isfinite(values[0])
-        if values is not None and values.is_cuda:
+        if values is not None and values.is_cuda and not torch.cuda.is_current_stream_capturing():
             self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
             self._host.copy_(values, non_blocking=True)
             self._copied = torch.cuda.Event()

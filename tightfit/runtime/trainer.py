@@ -45,9 +45,10 @@ from ..workload import Workload
 from .distributed import World, micro_batches_per_rank, shard_of
 from .health import HealthMonitor
 from ..memory.oom import is_oom, release_memory
+from .graphs import StepGraphs, graphs_unavailable
 from .prefetch import Prefetcher
 from ..rng import capture_rng, restore_rng
-from ..units import count_of
+from ..units import count_of, format_bytes
 
 _log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class TrainResult:
             the last write goes on during the evaluation, and only a wait after it counts);
             checkpoint_write_seconds: time spent writing and hashing them (in the background).
         eval_seconds: wall time of the evaluation.
+        graphed_steps, step_graphs, graph_pool_bytes: this session's steps replayed as CUDA graphs,
+            the graphs captured and the memory their pool added (:mod:`.graphs`).
     """
 
     steps: int = 0
@@ -123,6 +126,9 @@ class TrainResult:
     checkpoint_seconds: float = 0.0
     checkpoint_write_seconds: float = 0.0
     eval_seconds: float = 0.0
+    graphed_steps: int = 0
+    step_graphs: int = 0
+    graph_pool_bytes: int = 0
 
 
 class StoppedError(TightfitError):
@@ -413,6 +419,12 @@ class Trainer:
             self.optimizer, lambda s: (s + 1) / max(1, warmup) if s < warmup
             else max(0.0, (steps - s) / max(1, steps - warmup)))
         self.scaler = make_grad_scaler(plan.precision, self.device.type)
+        # CUDA graphs: the plain eager step of one micro-batch replayed, not launched op by op
+        self.graphs_off = "--cuda-graphs off" if config.cuda_graphs == "off" else \
+            graphs_unavailable(plan, self.model, self.world.distributed)
+        self._graphs = None if self.graphs_off else StepGraphs(
+            self.model, self.optimizer, workload.loss_sum, self.scaler, self._autocast, config.max_grad_norm,
+            plan.budget_bytes)
         gpu = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.device.type == "cuda" else 0)  # this rank's GPU
         self.health = (HealthMonitor(gpu, warn_temp_c=config.warn_temp_c)
@@ -481,6 +493,7 @@ class Trainer:
                 self.flush_checkpoints()  # no run ends with a checkpoint still being written
         self.result.train_seconds = time.perf_counter() - t0
         self.result.steps = self.step
+        self._note_graphs()
         self.result.samples_per_s = self.result.samples / max(self.result.train_seconds, 1e-9)
         self.result.plan = self.plan_in_force()
         try:  # the last checkpoint is written in the background while the model is evaluated
@@ -565,6 +578,17 @@ class Trainer:
                 raise TrainingInterrupted(f"{self._stop_signal}: stopped after step {self.step} of "
                                           f"{self.total_steps}", self.step, where)
             self._cool_down()
+
+    def _note_graphs(self) -> None:
+        """Count this session's CUDA graph replays in the result and say what they did (an event)."""
+        g = self._graphs
+        if g is None or not (g.replayed or g.off):
+            return
+        r = self.result
+        r.graphed_steps, r.step_graphs, r.graph_pool_bytes = g.replayed, g.captured, g.pool_bytes
+        said = (f"CUDA graphs: {g.replayed:,} steps replayed from {g.captured} captured step graphs "
+                f"({format_bytes(g.pool_bytes)} of memory for them)")
+        self._event(said + (f"; then off: {g.off}" if g.off else ""), show=bool(g.off))
 
     def _log_stop_note(self) -> None:
         """Log a stop signal's note, if one is waiting (see :meth:`_stop_on_signals`: the handler
@@ -737,9 +761,12 @@ class Trainer:
                 if not normaliser:  # no target in the window (one process): nothing to learn, nothing runs
                     pending = PendingStep(result=StepResult(0.0, 0.0, True))
                     break
-                pending = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
-                                        self.optimizer, self.scaler, self._autocast, self.cfg.max_grad_norm,
-                                        defer=True)
+                if self._graphs is not None and self._guard is None and len(window) <= self.micro_batch:
+                    pending = self._graphs.step(micro_batches, normaliser)  # one micro-batch: a graph's replay
+                else:
+                    pending = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
+                                            self.optimizer, self.scaler, self._autocast, self.cfg.max_grad_norm,
+                                            defer=True)
                 if self._guard is not None:
                     self._guard.restore_statistics()
                 # a skipped (non-finite) step leaves the buffers too as it found them: BatchNorm's

@@ -1,0 +1,168 @@
+"""CUDA graphs for the eager step (tightfit.runtime.graphs): which plans may use them (CPU), and on a
+GPU that replayed steps train exactly as eager steps do -- dropout on, the learning rate schedule
+moving, a non-finite step skipped on the device, a resume from a checkpoint -- and that a capture
+the memory budget cannot hold, or that fails, leaves the run eager and unchanged."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from conftest import SyntheticBatches, assert_same_params, params_of, tiny_bert
+from tightfit.plan import Plan
+from tightfit.runtime.graphs import graphs_unavailable
+from tightfit.runtime.trainer import TrainConfig, Trainer
+from tightfit.workload import Workload
+
+EAGER = Plan("bf16", 8, 8, device="cuda")
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(device="cpu"), "not on a CUDA GPU"),
+    (dict(compile=True), "compiles"),
+    (dict(activation_checkpointing=True), "recomputes"),
+    (dict(block_policies=("offload", "none")), "offloads"),
+    (dict(precision="fp16"), "loss scaler"),
+    (dict(optimizer="adamw8bit"), "adamw8bit is not captured"),
+    (dict(micro_batch=4), "accumulates"),
+    (dict(sharding="ddp", world_size=2, micro_batch=4), "processes"),
+])
+def test_only_plain_eager_plans_of_one_micro_batch_are_replayed(change, why):
+    model = tiny_bert()
+    assert graphs_unavailable(EAGER, model) is None
+    assert graphs_unavailable(Plan("fp32", 8, 8, device="cuda"), model) is None
+    assert why in graphs_unavailable(dataclasses.replace(EAGER, **change), model)
+
+
+def test_a_model_with_a_hook_is_not_replayed():
+    """A replay runs no Python: a hook that counts or records would silently stop."""
+    model = tiny_bert()
+    handle = model.bert.encoder.layer[1].register_forward_hook(lambda m, i, o: None)
+    assert "bert.encoder.layer.1 has a hook" in graphs_unavailable(EAGER, model)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, i: None)
+    try:
+        assert "a global module hook" in graphs_unavailable(EAGER, model)
+    finally:
+        handle.remove()
+    assert graphs_unavailable(EAGER, model) is None
+
+
+def test_on_the_cpu_the_trainer_runs_eager_steps_and_says_why():
+    w = Workload(tiny_bert(0.1), SyntheticBatches(16), None, 8)
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1), progress=False)
+    assert t._graphs is None and t.graphs_off == "not on a CUDA GPU"
+    off = Trainer(Workload(tiny_bert(0.1), SyntheticBatches(16), None, 8), Plan("fp32", 8, 8),
+                  TrainConfig(epochs=1, cuda_graphs="off"), progress=False)
+    assert off.graphs_off == "--cuda-graphs off"
+
+
+# ---------------------------------------------------------------------------------------- on a GPU
+KEPT = ("type", "step", "epoch", "loss", "lr", "grad_norm", "stepped", "micro_batch", "accuracy", "eval_loss")
+
+
+def _run(tmp_path, name, graphs="auto", plan=EAGER, data=None, model=None, epochs=3, resume=None, **cfg):
+    """Train ``tiny_bert`` (dropout 0.1) on CUDA with bf16 autocast and fused AdamW; returns the
+    trainer and its metrics records (timings left out)."""
+    records = []
+    w = Workload((model or tiny_bert(0.1, 0)).cuda(), data or SyntheticBatches(84, seq_len=12),
+                 SyntheticBatches(8, seed=1), plan.effective_batch)
+    torch.manual_seed(5)
+    t = Trainer(w, plan, TrainConfig(epochs=epochs, lr=1e-3, seed=3, log_every=1, cuda_graphs=graphs,
+                                     checkpoint_dir=str(tmp_path / name), checkpoint_every=12, **cfg),
+                log=records.append, progress=False)
+    if resume:
+        t.resume(resume)
+    t.fit()
+    return t, [{k: v for k, v in r.items() if k in KEPT} for r in records if r.get("type") != "event"]
+
+
+@pytest.mark.gpu
+def test_steps_replayed_as_cuda_graphs_train_exactly_as_eager_steps(tmp_path):
+    """Windows of 8 samples padded to their longest text (several shapes) and a last window of 4:
+    with dropout on and the learning rate moving every step, the replayed run logs the same losses,
+    rates and gradient norms and ends with the same weights, bit for bit."""
+    graphed, graphed_records = _run(tmp_path, "graphed")
+    eager, eager_records = _run(tmp_path, "eager", graphs="off")
+    assert eager._graphs is None and eager.result.graphed_steps == 0
+    assert graphed.result.step_graphs >= 2 and graphed.result.graphed_steps >= 20, graphed.result
+    assert graphed._graphs.off is None
+    assert len({r["lr"] for r in graphed_records if r["type"] == "train"}) > 20
+    assert graphed_records == eager_records
+    assert_same_params(params_of(graphed.model), params_of(eager.model))
+    assert any("CUDA graphs:" in e for e in graphed.result.events)
+
+
+@pytest.mark.gpu
+def test_a_run_resumed_with_cuda_graphs_continues_exactly(tmp_path):
+    full, full_records = _run(tmp_path, "full")
+    resumed, resumed_records = _run(tmp_path, "resumed", resume=str(tmp_path / "full" / "ckpt-12"))
+    assert resumed.result.graphed_steps > 0
+    assert_same_params(params_of(resumed.model), params_of(full.model))
+    after = [r for r in full_records if r["type"] != "train" or r["step"] > 12]
+    assert resumed_records == after
+
+
+class _PoisonedBatches(SyntheticBatches):
+    """Every seventh sample starts with token 49, whose embedding is made inf: windows holding one
+    give non-finite gradients, the others train."""
+
+    def __init__(self, n):
+        super().__init__(n, seq_len=12)
+        self.ids = torch.where(self.ids == 49, 48, self.ids)
+        self.ids[::7, 0] = 49
+
+
+@pytest.mark.gpu
+def test_a_nonfinite_step_replayed_is_skipped_on_the_device_as_the_eager_step_skips_it(tmp_path):
+    def model():
+        m = tiny_bert(0.1, 0)
+        with torch.no_grad():
+            m.bert.embeddings.word_embeddings.weight[49] = math.inf
+        return m
+
+    graphed, graphed_records = _run(tmp_path, "graphed", data=_PoisonedBatches(84), model=model(),
+                                    max_skipped_steps=1000)
+    eager, eager_records = _run(tmp_path, "eager", graphs="off", data=_PoisonedBatches(84), model=model(),
+                                max_skipped_steps=1000)
+    assert graphed.result.graphed_steps > 0 and 0 < graphed.result.skipped_steps < graphed.result.steps
+    assert graphed_records == eager_records
+    assert_same_params(params_of(graphed.model), params_of(eager.model))
+
+
+@pytest.mark.gpu
+def test_no_capture_where_the_budget_cannot_hold_the_graphs(tmp_path):
+    """A budget just above what the weights and state take: every key is declined, the run is eager."""
+    tight = dataclasses.replace(EAGER, budget_bytes=16 * 2**20)
+    t, records = _run(tmp_path, "tight", plan=tight, epochs=1)
+    eager, eager_records = _run(tmp_path, "eager", graphs="off", plan=tight, epochs=1)
+    assert t._graphs is not None and t.result.graphed_steps == 0 and t._graphs._declined
+    assert records == eager_records
+
+
+@pytest.mark.gpu
+def test_a_capture_that_fails_turns_graphs_off_and_the_run_goes_on_eagerly(tmp_path):
+    """A loss that reads a value on the host cannot be captured: that step and the rest run eagerly."""
+    def run(name, graphs):
+        records = []
+        w = Workload(tiny_bert(0.1, 0).cuda(), SyntheticBatches(84, seq_len=12), None, 8)
+        task_loss = w.loss_sum
+
+        def loss_sum(model, batch):
+            loss = task_loss(model, batch)
+            float(loss)  # a host sync: forbidden while capturing
+            return loss
+        w.loss_sum = loss_sum
+        torch.manual_seed(5)
+        t = Trainer(w, EAGER, TrainConfig(epochs=2, lr=1e-3, seed=3, log_every=1, cuda_graphs=graphs),
+                    log=records.append, progress=False)
+        t.fit()
+        return t, [{k: v for k, v in r.items() if k in KEPT} for r in records if r.get("type") != "event"]
+
+    graphed, graphed_records = run("graphed", "auto")
+    eager, eager_records = run("eager", "off")
+    assert graphed.result.graphed_steps == 0 and graphed._graphs.off.startswith("capture failed")
+    assert any("then off: capture failed" in e for e in graphed.result.events)
+    assert graphed_records == eager_records
+    assert_same_params(params_of(graphed.model), params_of(eager.model))

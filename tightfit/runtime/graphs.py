@@ -1,0 +1,191 @@
+"""The eager step replayed as CUDA graphs: one capture per batch shape, no launches on the host.
+
+An eager step of a small model is bound by the host that launches its kernels: the main job's
+step (MiniLM, 32 x 64 tokens, bf16) took 25.1 ms of which the GPU needed ~3 ms; captured whole
+(forward, backward, clipping and fused AdamW in one ``torch.cuda.graph``) it ran in 3.2 ms, with
+the same losses and weights bit for bit, dropout on (NVIDIA H100, bench/results/cuda-graphs).
+
+:class:`StepGraphs` runs :func:`tightfit.step.training_step` itself under capture -- the one step,
+its guards included: the clipping, the non-finite verdict handed to fused AdamW on the device
+(``found_inf``), the gradients freed at the end -- so a replay does what the eager step does.
+What a replay cannot do, the capture is kept from needing:
+
+- **Shapes are fixed**: one graph per key (every input's shape and dtype, and the window's
+  normaliser, which the graph holds as a constant). A key is captured the second time it comes;
+  its first step runs eagerly, which also creates the optimizer's state (an allocation captured
+  would be replayed as a reset) and measures the memory the step needs above what is allocated.
+  At most :data:`MAX_GRAPHS` keys are captured; the rest run eagerly.
+- **The learning rate moves**: during capture each parameter group's ``lr`` is a 0-d CUDA tensor
+  (fused AdamW reads a tensor ``lr`` on the device), written before every replay; between
+  steps the groups hold the schedule's floats as always.
+- **Dropout**: PyTorch registers the CUDA generator with the graph, so each replay draws the
+  next random numbers in order, as the eager step would (``torch.cuda.get_rng_state`` moves on
+  with the replays: checkpoints and resumes stay exact).
+- **Memory**: the graphs share one private pool, which holds the largest captured step's
+  intermediates (each replay frees them all; its only output, ``[grad norm, loss]``, is copied
+  out before the next replay). A key is captured only if what is allocated, the pool so far and
+  twice the step's measured need (its graph, and an eager step beside it) fit in 95% of the
+  plan's budget; otherwise it runs eagerly.
+
+Used only where every step is a plain eager step of one micro-batch: CUDA, one process, fused
+AdamW (``plan.optimizer == "adamw"``), no compilation, no activation checkpointing or per-block
+policy, no loss scaling (fp16's scaler keeps per-step state in Python). A capture that fails
+turns graphs off for the rest of the run, and that step runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from ..step import PendingStep, training_step
+
+MAX_GRAPHS = 16  # keys captured at most (the main job has 16: 8 lengths x a full and a last window)
+FIT = 0.95  # share of the budget a capture may bring the memory to (the planner's margin)
+
+
+def graphs_unavailable(plan, model: torch.nn.Module, distributed: bool = False) -> str | None:
+    """Why ``plan``'s steps of ``model`` cannot be replayed as CUDA graphs (None: they can,
+    window by window).
+
+    Args:
+        plan: a :class:`tightfit.plan.Plan`.
+        model: the model trained; one with module hooks is not replayed (a replay runs no Python:
+            a hook that counts or records would silently stop doing so).
+        distributed: several processes train together.
+    """
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    if plan.device != "cuda":
+        return "not on a CUDA GPU"
+    if distributed or plan.sharding != "none":
+        return "the plan shards or replicates the model over processes"
+    if plan.compile:
+        return "the plan compiles the model (torch.compile)"
+    if plan.activation_checkpointing or any(p != "none" for p in plan.block_policies or ()):
+        return "the plan recomputes or offloads activations"
+    if plan.precision == "fp16":
+        return "fp16's loss scaler keeps per-step state on the host"
+    if plan.optimizer != "adamw":
+        return f"the optimizer {plan.optimizer} is not captured (fused AdamW only)"
+    if plan.accumulation_steps > 1:
+        return "the plan accumulates several micro-batches per step"
+    hooked = next((name or "the model" for name, m in model.named_modules() if any(getattr(m, h) for h in hooks)),
+                  None)
+    if hooked is not None or any(getattr(torch.nn.modules.module, "_global" + h) for h in hooks):
+        return f"{hooked or 'a global module hook'} has a hook, which a replay would not run"
+    return None
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]  # the batch the graph reads, copied in before each replay
+    values: torch.Tensor  # [grad norm, loss] the graph writes (fp32, 2 elements)
+
+
+class StepGraphs:
+    """Replays one-micro-batch training steps as CUDA graphs (see the module doc).
+
+    Args:
+        model, optimizer, loss_sum, scaler, autocast_ctx, max_grad_norm: as
+            :func:`tightfit.step.training_step` takes them (``optimizer``: fused AdamW on CUDA).
+        budget_bytes: the plan's GPU memory budget (None: the device's total memory).
+
+    Attributes:
+        replayed: steps run as a replay; captured: graphs captured; pool_bytes: memory the
+            captures added to the reserved memory (bytes); off: why graphs stopped (None: on).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer, loss_sum: Callable, scaler, autocast_ctx: Callable,
+                 max_grad_norm: float | None, budget_bytes: int | None):
+        self.model, self.optimizer, self.loss_sum, self.scaler = model, optimizer, loss_sum, scaler
+        self.autocast_ctx, self.max_grad_norm = autocast_ctx, max_grad_norm
+        self.device = next(p.device for g in optimizer.param_groups for p in g["params"])
+        self.budget = budget_bytes or torch.cuda.get_device_properties(self.device).total_memory
+        self._graphs: dict[tuple, _Graph] = {}
+        self._need: dict[tuple, int] = {}  # key -> bytes its eager step allocated above what was allocated
+        self._declined: set[tuple] = set()
+        self._pool = None
+        self._lrs = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
+        self.replayed = self.captured = self.pool_bytes = 0
+        self.off: str | None = None
+
+    def step(self, micro_batches: Iterator[dict], normaliser: float) -> PendingStep:
+        """One step on the window's only micro-batch (the first of ``micro_batches``): a replay of
+        its key's graph, a capture then a replay, or the eager step. Returns its
+        :class:`~tightfit.step.PendingStep`.
+
+        Raises:
+            Errors of the eager step, out-of-memory included, unchanged (a replay allocates nothing).
+        """
+        batch = next(micro_batches)
+        key = (tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items())), float(normaliser))
+        graph = self._graphs.get(key)
+        if graph is None and key in self._need and self._may_capture(key):
+            graph = self._capture(key, batch, normaliser)
+        if graph is None:
+            return self._eager(key, batch, normaliser)
+        for name, t in batch.items():
+            graph.inputs[name].copy_(t, non_blocking=True)
+        for lr, group in zip(self._lrs, self.optimizer.param_groups):
+            lr.fill_(group["lr"])  # the schedule's rate for this step (a kernel, no sync)
+        graph.graph.replay()
+        self.replayed += 1
+        return PendingStep(graph.values)
+
+    def _eager(self, key: tuple, batch: dict, normaliser: float) -> PendingStep:
+        measure = key not in self._need
+        before = torch.cuda.memory_allocated(self.device) if measure else 0
+        pending = training_step(self.model, iter([batch]), self.loss_sum, normaliser, self.optimizer, self.scaler,
+                                self.autocast_ctx, self.max_grad_norm, defer=True)
+        if measure:  # the allocator counts at launch: no sync needed
+            self._need[key] = max(0, torch.cuda.max_memory_allocated(self.device) - before)
+        return pending
+
+    def _may_capture(self, key: tuple) -> bool:
+        if self.off is not None or key in self._declined:
+            return False
+        if len(self._graphs) >= MAX_GRAPHS:
+            return False
+        need = self._need[key]
+        if torch.cuda.memory_allocated(self.device) + self.pool_bytes + 2 * max(need, *self._need.values()) \
+                > FIT * self.budget:
+            self._declined.add(key)  # runs eagerly from now on
+            return False
+        return True
+
+    def _capture(self, key: tuple, batch: dict, normaliser: float) -> _Graph | None:
+        """Capture the step for ``key`` (nothing runs until the replay); None if capture failed,
+        which turns graphs off (``off`` says why) and leaves the gradients freed."""
+        groups = self.optimizer.param_groups
+        rates = [g["lr"] for g in groups]
+        inputs = {k: v.clone() for k, v in batch.items()}  # outside the pool: read by every replay
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
+        try:
+            for g, lr in zip(groups, self._lrs):
+                g["lr"], g["capturable"] = lr, True  # fused AdamW: the same kernel, the rate read on the device
+            # thread_local: the prefetch and checkpoint threads' own CUDA calls do not break the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                pending = training_step(self.model, iter([inputs]), self.loss_sum, normaliser, self.optimizer,
+                                        self.scaler, self.autocast_ctx, self.max_grad_norm, defer=True)
+            values = pending.values
+        except Exception as e:  # noqa: BLE001 - an op that cannot be captured: eager from now on
+            self.off = f"capture failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        finally:
+            for g, rate in zip(groups, rates):
+                g["lr"] = rate
+        if values is None:  # the step read its values on the host: not a step a graph can replay
+            self.off = "the step reads its values on the host"
+            return None
+        self.captured += 1
+        self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        self._graphs[key] = _Graph(graph, inputs, values)
+        return self._graphs[key]
