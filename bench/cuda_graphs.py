@@ -104,7 +104,7 @@ def _one(name: str, mb: int, seq: int, form: str) -> dict:
             torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss.detach()
+            return loss.detach().clone()  # the graph's static output: the next replay overwrites it
     else:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

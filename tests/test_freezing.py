@@ -199,7 +199,8 @@ def test_on_the_gpu_a_frozen_models_peak_is_the_estimators(trainable):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     res = Trainer(Workload(model, data, SyntheticBatches(8, seq_len=128, vocab=30000), 32), plan,
-                  TrainConfig(epochs=1, lr=1e-5, checkpoint_every=10**6), progress=False).fit()
+                  # the estimate is the eager step's: CUDA graphs would add their pool (docs/cuda-graphs.md)
+                  TrainConfig(epochs=1, lr=1e-5, checkpoint_every=10**6, cuda_graphs="off"), progress=False).fit()
     measured = torch.cuda.max_memory_reserved()
     assert res.steps == 3 and res.oom_recoveries == 0
     assert measured == pytest.approx(predicted, rel=0.05), (measured, predicted)

@@ -35,6 +35,7 @@ turns graphs off for the rest of the run, and that step runs eagerly.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -76,6 +77,15 @@ def graphs_unavailable(plan, model: torch.nn.Module, distributed: bool = False) 
     if hooked is not None or any(getattr(torch.nn.modules.module, "_global" + h) for h in hooks):
         return f"{hooked or 'a global module hook'} has a hook, which a replay would not run"
     return None
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """Give the CUDA generator a copy of its state (same seed and offset) after a capture that
+    failed: torch 2.11 leaves the state it registered for the capture marked as capturing, and
+    every later random op then fails ("Offset increment outside graph capture"). The capture drew
+    nothing from the real offset, so the eager steps go on with the numbers they would have had."""
+    generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 @dataclass
@@ -135,6 +145,21 @@ class StepGraphs:
         self.replayed += 1
         return PendingStep(graph.values)
 
+    def release(self) -> None:
+        """Drop every captured graph and give their pool's memory back to the device (the end of
+        :meth:`Trainer.fit <tightfit.runtime.trainer.Trainer.fit>`, an out-of-memory back-off, a
+        failed capture); keys are captured again when they next come. Waits for the GPU (the
+        graphs may still be running)."""
+        if self._pool is None:
+            return
+        torch.cuda.synchronize(self.device)
+        for g in self._graphs.values():
+            g.graph.reset()
+        self._graphs.clear()
+        self._declined.clear()
+        self._pool = None
+        torch.cuda.empty_cache()  # a private pool's memory is returned once no graph uses it
+
     def _eager(self, key: tuple, batch: dict, normaliser: float) -> PendingStep:
         measure = key not in self._need
         before = torch.cuda.memory_allocated(self.device) if measure else 0
@@ -178,6 +203,10 @@ class StepGraphs:
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: eager from now on
             self.off = f"capture failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
             self.optimizer.zero_grad(set_to_none=True)
+            _end_generator_capture(self.device)
+            with contextlib.suppress(Exception):  # a capture that failed may hold no graph to destroy
+                graph.reset()
+            self.release()  # what the failed capture allocated in the pool too
             return None
         finally:
             for g, rate in zip(groups, rates):

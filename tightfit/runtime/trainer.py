@@ -485,6 +485,8 @@ class Trainer:
             trained = True
         finally:
             self._train_modes = None  # a later train_step takes the model's modes as it then finds them
+            if self._graphs is not None:  # their pool's memory back for the evaluation and the caller
+                self._graphs.release()
             self.loader.close()
             if bar is not None:
                 bar.close()
@@ -789,6 +791,8 @@ class Trainer:
                 del self.optimizer.state[p]  # state allocated by the failed attempt, never written: start it again
             # Outside the except block: the traceback and the tensors its frames held are gone.
             self.world.reshard(self.model)  # FSDP2 alone: end the failed pass first (it may reduce gradients)
+            if self._graphs is not None:  # graphs of the micro-batch given up hold memory the redo needs
+                self._graphs.release()
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_scaler_step()
             release_memory()
