@@ -220,7 +220,7 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
                      + (" (host RSS)" if ranks == 1 else f" (host RSS of rank 0, one of {ranks} processes)")))
     rows.append(("skipped steps", str(result.skipped_steps)))
     rows.append(("OOM recoveries", str(result.oom_recoveries)))
-    if result.graphed_steps:  # this session's (tightfit.runtime.graphs)
+    if getattr(result, "graphed_steps", 0):  # this session's (tightfit.runtime.graphs); a hand-made result has none
         rows.append(("CUDA graphs", f"{result.graphed_steps:,} steps replayed from {result.step_graphs} captured "
                                     f"step graphs ({format_bytes(result.graph_pool_bytes)} of memory for them)"))
     if info.max_temp_c is not None:

@@ -11,7 +11,7 @@ its guards included: the clipping, the non-finite verdict handed to fused AdamW 
 What a replay cannot do, the capture is kept from needing:
 
 - **Shapes are fixed**: one graph per key (every input's shape and dtype, and the window's
-  normaliser, which the graph holds as a constant). A key is captured the second time it comes;
+  normaliser, which the graph holds as a constant). A key is captured the next time it comes;
   its first step runs eagerly, which also creates the optimizer's state (an allocation captured
   would be replayed as a reset) and measures the memory the step needs above what is allocated.
   At most :data:`MAX_GRAPHS` keys are captured; the rest run eagerly.
@@ -26,16 +26,24 @@ What a replay cannot do, the capture is kept from needing:
   out before the next replay). A key is captured only if what is allocated, the pool so far and
   twice the step's measured need (its graph, and an eager step beside it) fit in 95% of the
   plan's budget; otherwise it runs eagerly.
+- **No host syncs**: a step that reads a value on the host cannot be captured, and under torch
+  2.11 a capture that fails part-way keeps its memory and stops the caching allocator from
+  returning any memory until the process ends (pytorch/pytorch#190308). A key's eager step is
+  therefore watched (:func:`host_syncs`) before the key may be captured; after
+  :data:`SYNCING_STEPS` syncing steps graphs are off for the run. A capture that fails anyway
+  also turns them off; that step runs eagerly.
 
 Used only where every step is a plain eager step of one micro-batch: CUDA, one process, fused
 AdamW (``plan.optimizer == "adamw"``), no compilation, no activation checkpointing or per-block
-policy, no loss scaling (fp16's scaler keeps per-step state in Python). A capture that fails
-turns graphs off for the rest of the run, and that step runs eagerly.
+policy, no loss scaling (fp16's scaler keeps per-step state in Python), a model without module
+hooks (:func:`graphs_unavailable`). docs/cuda-graphs.md has the measurements.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -43,6 +51,7 @@ import torch
 
 from ..step import PendingStep, training_step
 
+SYNCING_STEPS = 2  # eager steps seen syncing on the host that turn graphs off
 MAX_GRAPHS = 16  # keys captured at most (the main job has 16: 8 lengths x a full and a last window)
 FIT = 0.95  # share of the budget a capture may bring the memory to (the planner's margin)
 
@@ -77,6 +86,33 @@ def graphs_unavailable(plan, model: torch.nn.Module, distributed: bool = False) 
     if hooked is not None or any(getattr(torch.nn.modules.module, "_global" + h) for h in hooks):
         return f"{hooked or 'a global module hook'} has a hook, which a replay would not run"
     return None
+
+
+@contextlib.contextmanager
+def host_syncs(found: list[str]):
+    """Within the block, append to ``found`` the message of each synchronizing CUDA call this
+    thread makes (``.item()``, a copy to pageable host memory, a stream or event synchronize):
+    torch's sync debug mode set to ``"warn"``, its warnings taken from this thread only and not
+    shown; the mode and the warning filters are restored after. Warnings of other threads in the
+    meantime are shown as usual. torch calls the mode a prototype that does not see every
+    synchronizing operation."""
+    me, mode = threading.get_ident(), torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        show = warnings.showwarning
+
+        def take(message, category, filename, lineno, file=None, line=None):
+            if threading.get_ident() == me and "synchroniz" in str(message):
+                found.append(str(message).strip().splitlines()[0][:120])
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.filterwarnings("always", message=".*synchroniz")
+        warnings.showwarning = take
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
 
 
 def _end_generator_capture(device: torch.device) -> None:
@@ -120,6 +156,7 @@ class StepGraphs:
         self._pool = None
         self._lrs = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
         self.replayed = self.captured = self.pool_bytes = 0
+        self._syncing = 0  # eager steps seen to sync on the host
         self.off: str | None = None
 
     def step(self, micro_batches: Iterator[dict], normaliser: float) -> PendingStep:
@@ -161,12 +198,22 @@ class StepGraphs:
         torch.cuda.empty_cache()  # a private pool's memory is returned once no graph uses it
 
     def _eager(self, key: tuple, batch: dict, normaliser: float) -> PendingStep:
-        measure = key not in self._need
-        before = torch.cuda.memory_allocated(self.device) if measure else 0
-        pending = training_step(self.model, iter([batch]), self.loss_sum, normaliser, self.optimizer, self.scaler,
-                                self.autocast_ctx, self.max_grad_norm, defer=True)
-        if measure:  # the allocator counts at launch: no sync needed
+        if key in self._need or self.off is not None:
+            return training_step(self.model, iter([batch]), self.loss_sum, normaliser, self.optimizer, self.scaler,
+                                 self.autocast_ctx, self.max_grad_norm, defer=True)
+        # A key not yet cleared for capture: its eager step is watched for host syncs, which a
+        # capture cannot hold (it would fail, and torch 2.11 then keeps the memory the capture
+        # reserved, and its allocator's cache, until the process ends), and measured.
+        before, syncs = torch.cuda.memory_allocated(self.device), []
+        with host_syncs(syncs):
+            pending = training_step(self.model, iter([batch]), self.loss_sum, normaliser, self.optimizer,
+                                    self.scaler, self.autocast_ctx, self.max_grad_norm, defer=True)
+        if not syncs:  # the allocator counts at launch: no sync needed to read the peak
             self._need[key] = max(0, torch.cuda.max_memory_allocated(self.device) - before)
+        else:
+            self._syncing += 1  # a first step may sync once (a lazy initialisation): twice is the step's own
+            if self._syncing >= SYNCING_STEPS:
+                self.off = f"the step reads a value on the host ({syncs[0]}), which a CUDA graph cannot capture"
         return pending
 
     def _may_capture(self, key: tuple) -> bool:
@@ -201,7 +248,8 @@ class StepGraphs:
                                         self.scaler, self.autocast_ctx, self.max_grad_norm, defer=True)
             values = pending.values
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: eager from now on
-            self.off = f"capture failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+            self.off = (f"capture failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]} "
+                        "(torch may keep the memory it reserved for the capture until the process ends)")
             self.optimizer.zero_grad(set_to_none=True)
             _end_generator_capture(self.device)
             with contextlib.suppress(Exception):  # a capture that failed may hold no graph to destroy

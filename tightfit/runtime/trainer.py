@@ -588,6 +588,9 @@ class Trainer:
             return
         r = self.result
         r.graphed_steps, r.step_graphs, r.graph_pool_bytes = g.replayed, g.captured, g.pool_bytes
+        if not g.replayed:
+            self._event(f"CUDA graphs not used: {g.off}")
+            return
         said = (f"CUDA graphs: {g.replayed:,} steps replayed from {g.captured} captured step graphs "
                 f"({format_bytes(g.pool_bytes)} of memory for them)")
         self._event(said + (f"; then off: {g.off}" if g.off else ""), show=bool(g.off))
