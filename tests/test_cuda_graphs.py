@@ -97,6 +97,14 @@ def test_steps_replayed_as_cuda_graphs_train_exactly_as_eager_steps(tmp_path):
     assert graphed_records == eager_records
     assert_same_params(params_of(graphed.model), params_of(eager.model))
     assert any("CUDA graphs:" in e for e in graphed.result.events)
+    # the optimizer as the eager run left it: its groups (a float learning rate, capturable as it was)
+    # and its state (moments and step counters), bit for bit
+    a, b = graphed.optimizer.state_dict(), eager.optimizer.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        for k in a["state"][i]:
+            assert torch.equal(a["state"][i][k], b["state"][i][k]), (i, k)
 
 
 @pytest.mark.gpu
@@ -201,3 +209,28 @@ def test_host_syncs_takes_this_threads_sync_warnings_only(monkeypatch):
     assert found == ["called a synchronizing CUDA operation"] * 2
     assert sorted(str(w.message) for w in shown) == ["called a synchronizing CUDA operation", "something else"]
     assert modes[-1] == 0
+
+
+def test_the_summary_says_a_graphed_run_is_measured_against_an_eager_probe():
+    """The planner's probe times eager steps: a run that replayed graphs says so beside its ratio,
+    and its summary counts the replays; an eager run's rows say neither."""
+    from types import SimpleNamespace
+
+    from tightfit.report.speed import speed_record, speed_rows
+    from tightfit.report.summary import summary_rows
+
+    ends = [(0.01 * s, 32 * s) for s in range(1, 31)]
+    result = SimpleNamespace(step_ends=ends, samples_per_s=3200.0, eval_seconds=0.5, checkpoint_seconds=0.1,
+                             checkpoint_write_seconds=1.0, graphed_steps=28, step_graphs=2, graph_pool_bytes=2**20)
+    rows = dict(speed_rows(speed_record(result, 1.0, {"probed_samples_per_s": 1000.0})))
+    assert rows["steady / probed"] == "3.20 (the probe timed eager steps; this run replayed CUDA graphs)"
+    eager = dict(speed_rows(speed_record(SimpleNamespace(**{**vars(result), "graphed_steps": 0}), 1.0,
+                                         {"probed_samples_per_s": 1000.0})))
+    assert eager["steady / probed"] == "3.20"
+    info = SimpleNamespace(majority=0.5, budget_bytes=None, peak_rss_bytes=None, max_temp_c=None)
+    base = dict(eval=None, steps=30, samples=960, train_seconds=0.3, samples_per_s=3200.0, final_loss=0.1,
+                peak_reserved_bytes=None,
+                skipped_steps=0, oom_recoveries=0, plan=None)
+    graphed = dict(summary_rows(SimpleNamespace(**base, graphed_steps=28, step_graphs=2, graph_pool_bytes=2**20), info))
+    assert graphed["CUDA graphs"].startswith("28 steps replayed from 2 captured step graphs")
+    assert "CUDA graphs" not in dict(summary_rows(SimpleNamespace(**base, graphed_steps=0), info))

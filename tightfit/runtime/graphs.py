@@ -232,7 +232,7 @@ class StepGraphs:
         """Capture the step for ``key`` (nothing runs until the replay); None if capture failed,
         which turns graphs off (``off`` says why) and leaves the gradients freed."""
         groups = self.optimizer.param_groups
-        rates = [g["lr"] for g in groups]
+        rates, capturable = [g["lr"] for g in groups], [g.get("capturable") for g in groups]
         inputs = {k: v.clone() for k, v in batch.items()}  # outside the pool: read by every replay
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -256,9 +256,9 @@ class StepGraphs:
                 graph.reset()
             self.release()  # what the failed capture allocated in the pool too
             return None
-        finally:
-            for g, rate in zip(groups, rates):
-                g["lr"] = rate
+        finally:  # the groups as the eager step has them: checkpoints of both runs hold the same
+            for g, rate, flag in zip(groups, rates, capturable):
+                g["lr"], g["capturable"] = rate, flag
         if values is None:  # the step read its values on the host: not a step a graph can replay
             self.off = "the step reads its values on the host"
             return None
