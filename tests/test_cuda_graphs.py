@@ -49,6 +49,31 @@ def test_a_model_with_a_hook_is_not_replayed():
     assert graphs_unavailable(EAGER, model) is None
 
 
+def test_a_parameter_hook_or_a_compiled_submodule_is_not_replayed():
+    model = tiny_bert()
+    handle = model.classifier.weight.register_hook(lambda g: g)
+    assert "classifier.weight has a hook" in graphs_unavailable(EAGER, model)
+    handle.remove()
+    model.bert.encoder.layer[0].compile()  # the user's own: compiled at its first call, maybe at the capture
+    assert "bert.encoder.layer.0 is compiled by torch.compile" in graphs_unavailable(EAGER, model)
+
+
+def test_eager_steps_beside_replays_update_at_the_rate_a_replay_reads():
+    """A replay's fused update reads its rate from an fp32 tensor; the eager steps of a run with
+    graphs take the same rounded rate, and the groups keep the schedule's value outside the step."""
+    import struct
+
+    from tightfit.runtime.graphs import fp32_rates
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1e-4 / 3)
+    rate = opt.param_groups[0]["lr"]
+    with fp32_rates(opt):
+        inside = opt.param_groups[0]["lr"]
+    assert inside != rate and inside == torch.tensor(rate, dtype=torch.float32).item()
+    assert inside == struct.unpack("f", struct.pack("f", inside))[0]  # an fp32 value: as the tensor holds it
+    assert opt.param_groups[0]["lr"] == rate
+
+
 def test_on_the_cpu_the_trainer_runs_eager_steps_and_says_why():
     w = Workload(tiny_bert(0.1), SyntheticBatches(16), None, 8)
     t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1), progress=False)
@@ -62,14 +87,15 @@ def test_on_the_cpu_the_trainer_runs_eager_steps_and_says_why():
 KEPT = ("type", "step", "epoch", "loss", "lr", "grad_norm", "stepped", "micro_batch", "accuracy", "eval_loss")
 
 
-def _run(tmp_path, name, graphs="auto", plan=EAGER, data=None, model=None, epochs=3, resume=None, **cfg):
+def _run(tmp_path, name, graphs="auto", plan=EAGER, data=None, model=None, epochs=3, resume=None, log_every=1,
+         **cfg):
     """Train ``tiny_bert`` (dropout 0.1) on CUDA with bf16 autocast and fused AdamW; returns the
     trainer and its metrics records (timings left out)."""
     records = []
     w = Workload((model or tiny_bert(0.1, 0)).cuda(), data or SyntheticBatches(84, seq_len=12),
                  SyntheticBatches(8, seed=1), plan.effective_batch)
     torch.manual_seed(5)
-    t = Trainer(w, plan, TrainConfig(epochs=epochs, lr=1e-3, seed=3, log_every=1, cuda_graphs=graphs,
+    t = Trainer(w, plan, TrainConfig(epochs=epochs, lr=1e-3, seed=3, log_every=log_every, cuda_graphs=graphs,
                                      checkpoint_dir=str(tmp_path / name), checkpoint_every=12, **cfg),
                 log=records.append, progress=False)
     if resume:
@@ -84,16 +110,18 @@ def _kept(records: list) -> str:
 
 
 @pytest.mark.gpu
-def test_steps_replayed_as_cuda_graphs_train_exactly_as_eager_steps(tmp_path):
+@pytest.mark.parametrize("log_every", [1, 10])
+def test_steps_replayed_as_cuda_graphs_train_exactly_as_eager_steps(tmp_path, log_every):
     """Windows of 8 samples padded to their longest text (several shapes) and a last window of 4:
     with dropout on and the learning rate moving every step, the replayed run logs the same losses,
-    rates and gradient norms and ends with the same weights, bit for bit."""
-    graphed, graphed_records = _run(tmp_path, "graphed")
-    eager, eager_records = _run(tmp_path, "eager", graphs="off")
+    rates and gradient norms and ends with the same weights, bit for bit. ``log_every=10``: most
+    steps are queued before the last one's values are read (the default run-ahead)."""
+    graphed, graphed_records = _run(tmp_path, "graphed", log_every=log_every)
+    eager, eager_records = _run(tmp_path, "eager", graphs="off", log_every=log_every)
     assert eager._graphs is None and eager.result.graphed_steps == 0
     assert graphed.result.step_graphs >= 2 and graphed.result.graphed_steps >= 20, graphed.result
     assert graphed._graphs.off is None
-    assert len({r["lr"] for r in json.loads(graphed_records) if r["type"] == "train"}) > 20
+    assert len({r["lr"] for r in json.loads(graphed_records) if r["type"] == "train"}) > 20 // log_every
     assert graphed_records == eager_records
     assert_same_params(params_of(graphed.model), params_of(eager.model))
     assert any("CUDA graphs:" in e for e in graphed.result.events)
@@ -180,6 +208,32 @@ def test_a_step_that_reads_a_value_on_the_host_is_not_captured_and_trains_as_eag
     assert graphed._graphs.captured == 0 and graphed.result.graphed_steps == 0
     assert graphed._graphs.off.startswith("the step reads a value on the host")
     assert any(e.startswith("CUDA graphs not used: the step reads a value on the host") for e in graphed.result.events)
+    assert graphed_records == eager_records
+    assert_same_params(params_of(graphed.model), params_of(eager.model))
+
+
+@pytest.mark.gpu
+def test_a_step_that_draws_cpu_random_numbers_is_not_captured(tmp_path):
+    """LayerDrop and its kin draw on the CPU generator inside the step; a replay would repeat the
+    draw of its capture. Seen at the first watched step: graphs off, the run as eager."""
+    def run(graphs):
+        records = []
+        w = Workload(tiny_bert(0.1, 0).cuda(), SyntheticBatches(84, seq_len=12), None, 8)
+        task_loss = w.loss_sum
+
+        def loss_sum(model, batch):
+            keep = float(torch.rand(())) < 2.0  # a CPU draw (always True), as LayerDrop decides a layer
+            return task_loss(model, batch) * keep
+        w.loss_sum = loss_sum
+        torch.manual_seed(5)
+        t = Trainer(w, EAGER, TrainConfig(epochs=2, lr=1e-3, seed=3, log_every=1, cuda_graphs=graphs),
+                    log=records.append, progress=False)
+        t.fit()
+        return t, _kept(records)
+
+    graphed, graphed_records = run("auto")
+    eager, eager_records = run("off")
+    assert graphed._graphs.captured == 0 and graphed._graphs.off.startswith("the step draws random numbers on the CPU")
     assert graphed_records == eager_records
     assert_same_params(params_of(graphed.model), params_of(eager.model))
 

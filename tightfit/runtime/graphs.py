@@ -13,11 +13,13 @@ What a replay cannot do, the capture is kept from needing:
 - **Shapes are fixed**: one graph per key (every input's shape and dtype, and the window's
   normaliser, which the graph holds as a constant). A key is captured the next time it comes;
   its first step runs eagerly, which also creates the optimizer's state (an allocation captured
-  would be replayed as a reset) and measures the memory the step needs above what is allocated.
+  would be replayed as a reset) and measures the memory the step needs above what is allocated
+  (at a later step where the first created the optimizer's state).
   At most :data:`MAX_GRAPHS` keys are captured; the rest run eagerly.
-- **The learning rate moves**: during capture each parameter group's ``lr`` is a 0-d CUDA tensor
-  (fused AdamW reads a tensor ``lr`` on the device), written before every replay; between
-  steps the groups hold the schedule's floats as always.
+- **The learning rate moves**: during capture each parameter group's ``lr`` is a 0-d fp32 CUDA
+  tensor (fused AdamW reads a tensor ``lr`` on the device), written before every replay; between
+  steps the groups hold the schedule's floats as always. Eager steps run at the same rate rounded
+  to fp32 (:func:`fp32_rates`), so they and the replays update alike to the last bit.
 - **Dropout**: PyTorch registers the CUDA generator with the graph, so each replay draws the
   next random numbers in order, as the eager step would (``torch.cuda.get_rng_state`` moves on
   with the replays: checkpoints and resumes stay exact).
@@ -28,20 +30,25 @@ What a replay cannot do, the capture is kept from needing:
   plan's budget; otherwise it runs eagerly.
 - **No host syncs**: a step that reads a value on the host cannot be captured, and under torch
   2.11 a capture that fails part-way keeps its memory and stops the caching allocator from
-  returning any memory until the process ends (pytorch/pytorch#190308). A key's eager step is
-  therefore watched (:func:`host_syncs`) before the key may be captured; after
-  :data:`SYNCING_STEPS` syncing steps graphs are off for the run. A capture that fails anyway
-  also turns them off; that step runs eagerly.
+  returning any memory until the process ends (pytorch/pytorch#190308). The run's first eager
+  steps are therefore watched (:func:`host_syncs`) until one is seen clean, and no key is
+  captured before; after :data:`SYNCING_STEPS` syncing steps graphs are off for the run. A
+  capture that fails anyway also turns them off; that step runs eagerly. The watched steps are
+  also checked for random numbers drawn on the CPU (LayerDrop), which a replay would not draw
+  again: graphs off.
 
 Used only where every step is a plain eager step of one micro-batch: CUDA, one process, fused
 AdamW (``plan.optimizer == "adamw"``), no compilation, no activation checkpointing or per-block
-policy, no loss scaling (fp16's scaler keeps per-step state in Python), a model without module
-hooks (:func:`graphs_unavailable`). docs/cuda-graphs.md has the measurements.
+policy, no loss scaling (fp16's scaler keeps per-step state in Python), a model without module or
+parameter hooks or submodules the user compiled (:func:`graphs_unavailable`). docs/cuda-graphs.md
+has the measurements.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
+import struct
 import threading
 import warnings
 from dataclasses import dataclass
@@ -83,8 +90,15 @@ def graphs_unavailable(plan, model: torch.nn.Module, distributed: bool = False) 
         return "the plan accumulates several micro-batches per step"
     hooked = next((name or "the model" for name, m in model.named_modules() if any(getattr(m, h) for h in hooks)),
                   None)
+    hooked = hooked or next((name for name, p in model.named_parameters()
+                             if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)), None)
     if hooked is not None or any(getattr(torch.nn.modules.module, "_global" + h) for h in hooks):
         return f"{hooked or 'a global module hook'} has a hook, which a replay would not run"
+    compiled = next((name or "the model" for name, m in model.named_modules()
+                     if getattr(m, "_compiled_call_impl", None) is not None
+                     or type(m).__name__ == "OptimizedModule"), None)
+    if compiled is not None:  # its compiler may compile or autotune at the capture, which then fails
+        return f"{compiled} is compiled by torch.compile"
     return None
 
 
@@ -115,6 +129,39 @@ def host_syncs(found: list[str]):
             torch.cuda.set_sync_debug_mode(mode)
 
 
+@contextlib.contextmanager
+def fp32_rates(optimizer):
+    """Within the block, each parameter group's learning rate rounded to the nearest fp32 value:
+    the rate a replayed update reads from its fp32 tensor. The fused kernel takes a Python rate as
+    a double, so an eager step at the unrounded rate could differ from a replay in the last bit of
+    an update; with both at the rounded rate, the eager steps of a run with graphs (the first of
+    each shape, those after a resume) update exactly as its replays. The groups get their rates
+    back after (the schedule, checkpoints and the metrics keep them unrounded)."""
+    groups = optimizer.param_groups
+    rates = [g["lr"] for g in groups]
+    for g, rate in zip(groups, rates):
+        g["lr"] = struct.unpack("f", struct.pack("f", rate))[0]
+    try:
+        yield
+    finally:
+        for g, rate in zip(groups, rates):
+            g["lr"] = rate
+
+
+def _warmed_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream for the captures whose cuBLAS workspaces exist before the first capture (one small
+    matmul in fp32 and in bf16 on it), so that they are made in the ordinary pool rather than in
+    the graphs' private pool, which they would then keep from being returned."""
+    stream, current = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.ones(16, 16, device=device, dtype=dtype)
+            torch.addmm(a, a, a)
+    current.wait_stream(stream)
+    return stream
+
+
 def _end_generator_capture(device: torch.device) -> None:
     """Give the CUDA generator a copy of its state (same seed and offset) after a capture that
     failed: torch 2.11 leaves the state it registered for the capture marked as capturing, and
@@ -141,7 +188,8 @@ class StepGraphs:
 
     Attributes:
         replayed: steps run as a replay; captured: graphs captured; pool_bytes: memory the
-            captures added to the reserved memory (bytes); off: why graphs stopped (None: on).
+            graphs held now have added to the reserved memory (bytes), pool_peak: the most they
+            held; off: why graphs stopped (None: on).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, loss_sum: Callable, scaler, autocast_ctx: Callable,
@@ -155,8 +203,10 @@ class StepGraphs:
         self._declined: set[tuple] = set()
         self._pool = None
         self._lrs = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
-        self.replayed = self.captured = self.pool_bytes = 0
+        self._stream = None  # the captures' stream, its cuBLAS workspace made before the first capture
+        self.replayed = self.captured = self.pool_bytes = self.pool_peak = 0
         self._syncing = 0  # eager steps seen to sync on the host
+        self._watched = False  # an eager step was watched and seen clean: later keys are only measured
         self.off: str | None = None
 
     def step(self, micro_batches: Iterator[dict], normaliser: float) -> PendingStep:
@@ -194,26 +244,41 @@ class StepGraphs:
             g.graph.reset()
         self._graphs.clear()
         self._declined.clear()
-        self._pool = None
+        self._pool, self.pool_bytes = None, 0
         torch.cuda.empty_cache()  # a private pool's memory is returned once no graph uses it
 
     def _eager(self, key: tuple, batch: dict, normaliser: float) -> PendingStep:
+        def run():
+            with fp32_rates(self.optimizer):  # the rate a replay reads: eager steps and replays update alike
+                return training_step(self.model, iter([batch]), self.loss_sum, normaliser, self.optimizer,
+                                     self.scaler, self.autocast_ctx, self.max_grad_norm, defer=True)
+
         if key in self._need or self.off is not None:
-            return training_step(self.model, iter([batch]), self.loss_sum, normaliser, self.optimizer, self.scaler,
-                                 self.autocast_ctx, self.max_grad_norm, defer=True)
-        # A key not yet cleared for capture: its eager step is watched for host syncs, which a
-        # capture cannot hold (it would fail, and torch 2.11 then keeps the memory the capture
-        # reserved, and its allocator's cache, until the process ends), and measured.
-        before, syncs = torch.cuda.memory_allocated(self.device), []
-        with host_syncs(syncs):
-            pending = training_step(self.model, iter([batch]), self.loss_sum, normaliser, self.optimizer,
-                                    self.scaler, self.autocast_ctx, self.max_grad_norm, defer=True)
-        if not syncs:  # the allocator counts at launch: no sync needed to read the peak
-            self._need[key] = max(0, torch.cuda.max_memory_allocated(self.device) - before)
+            return run()
+        # A key not yet cleared for capture: measured (what its step allocates above what is
+        # allocated; not at the step that creates the optimizer's state, which only it allocates)
+        # and, until one step is seen clean, watched for host syncs (a capture cannot hold them: it
+        # would fail, and torch 2.11 then keeps the memory it reserved, and returns no cached
+        # memory, until the process ends) and for random numbers drawn on the CPU (e.g. LayerDrop),
+        # which a replay would not draw again.
+        before, states, syncs = torch.cuda.memory_allocated(self.device), len(self.optimizer.state), []
+        if self._watched:
+            pending = run()
         else:
-            self._syncing += 1  # a first step may sync once (a lazy initialisation): twice is the step's own
-            if self._syncing >= SYNCING_STEPS:
-                self.off = f"the step reads a value on the host ({syncs[0]}), which a CUDA graph cannot capture"
+            cpu_rng, py_rng = torch.random.get_rng_state(), random.getstate()
+            with host_syncs(syncs):
+                pending = run()
+            if not torch.equal(cpu_rng, torch.random.get_rng_state()) or py_rng != random.getstate():
+                self.off = "the step draws random numbers on the CPU (e.g. LayerDrop), which a replay would not draw"
+                return pending
+            if syncs:
+                self._syncing += 1  # a first step may sync once (a lazy initialisation): twice is the step's own
+                if self._syncing >= SYNCING_STEPS:
+                    self.off = f"the step reads a value on the host ({syncs[0]}), which a CUDA graph cannot capture"
+                return pending
+            self._watched = True
+        if len(self.optimizer.state) == states:  # the allocator counts at launch: no sync to read the peak
+            self._need[key] = max(0, torch.cuda.max_memory_allocated(self.device) - before)
         return pending
 
     def _may_capture(self, key: tuple) -> bool:
@@ -236,6 +301,8 @@ class StepGraphs:
         inputs = {k: v.clone() for k, v in batch.items()}  # outside the pool: read by every replay
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None:
+            self._stream = _warmed_stream(self.device)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
@@ -243,7 +310,7 @@ class StepGraphs:
             for g, lr in zip(groups, self._lrs):
                 g["lr"], g["capturable"] = lr, True  # fused AdamW: the same kernel, the rate read on the device
             # thread_local: the prefetch and checkpoint threads' own CUDA calls do not break the capture
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 pending = training_step(self.model, iter([inputs]), self.loss_sum, normaliser, self.optimizer,
                                         self.scaler, self.autocast_ctx, self.max_grad_norm, defer=True)
             values = pending.values
@@ -264,5 +331,6 @@ class StepGraphs:
             return None
         self.captured += 1
         self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        self.pool_peak = max(self.pool_peak, self.pool_bytes)
         self._graphs[key] = _Graph(graph, inputs, values)
         return self._graphs[key]

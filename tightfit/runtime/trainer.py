@@ -107,7 +107,7 @@ class TrainResult:
             checkpoint_write_seconds: time spent writing and hashing them (in the background).
         eval_seconds: wall time of the evaluation.
         graphed_steps, step_graphs, graph_pool_bytes: this session's steps replayed as CUDA graphs,
-            the graphs captured and the memory their pool added (:mod:`.graphs`).
+            the graphs captured and the most memory their pool added (:mod:`.graphs`).
     """
 
     steps: int = 0
@@ -485,14 +485,15 @@ class Trainer:
             trained = True
         finally:
             self._train_modes = None  # a later train_step takes the model's modes as it then finds them
-            if self._graphs is not None:  # their pool's memory back for the evaluation and the caller
-                self._graphs.release()
             self.loader.close()
             if bar is not None:
                 bar.close()
             restore_kv_cache(self.world.unwrap(self.model))  # the user's, turned off by checkpointing
             if not trained:
                 self.flush_checkpoints()  # no run ends with a checkpoint still being written
+            if self._graphs is not None:  # their pool's memory back for the evaluation and the caller
+                with contextlib.suppress(Exception) if not trained else contextlib.nullcontext():
+                    self._graphs.release()  # (a failed run's own error is the one to see)
         self.result.train_seconds = time.perf_counter() - t0
         self.result.steps = self.step
         self._note_graphs()
@@ -587,12 +588,12 @@ class Trainer:
         if g is None or not (g.replayed or g.off):
             return
         r = self.result
-        r.graphed_steps, r.step_graphs, r.graph_pool_bytes = g.replayed, g.captured, g.pool_bytes
+        r.graphed_steps, r.step_graphs, r.graph_pool_bytes = g.replayed, g.captured, g.pool_peak
         if not g.replayed:
             self._event(f"CUDA graphs not used: {g.off}")
             return
         said = (f"CUDA graphs: {g.replayed:,} steps replayed from {g.captured} captured step graphs "
-                f"({format_bytes(g.pool_bytes)} of memory for them)")
+                f"({format_bytes(g.pool_peak)} of memory for them at most)")
         self._event(said + (f"; then off: {g.off}" if g.off else ""), show=bool(g.off))
 
     def _log_stop_note(self) -> None:
