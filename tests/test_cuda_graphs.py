@@ -182,58 +182,44 @@ def test_no_capture_where_the_budget_cannot_hold_the_graphs(tmp_path):
     assert records == eager_records
 
 
+def _run_with_loss(around, graphs: str):
+    """Two epochs of ``tiny_bert`` (dropout on) whose task loss is wrapped: ``around(loss_fn, model,
+    batch)`` returns the loss; returns the trainer and its records."""
+    records = []
+    w = Workload(tiny_bert(0.1, 0).cuda(), SyntheticBatches(84, seq_len=12), None, 8)
+    task_loss = w.loss_sum
+    w.loss_sum = lambda model, batch: around(task_loss, model, batch)
+    torch.manual_seed(5)
+    t = Trainer(w, EAGER, TrainConfig(epochs=2, lr=1e-3, seed=3, log_every=1, cuda_graphs=graphs),
+                log=records.append, progress=False)
+    t.fit()
+    return t, _kept(records)
+
+
+def _syncing(loss_fn, model, batch):
+    loss = loss_fn(model, batch)
+    float(loss.detach())  # a host sync: forbidden while capturing
+    return loss
+
+
+def _drawing_on_the_cpu(loss_fn, model, batch):
+    keep = float(torch.rand(())) < 2.0  # a CPU draw (always True), as LayerDrop decides a layer
+    return loss_fn(model, batch) * keep
+
+
 @pytest.mark.gpu
-def test_a_step_that_reads_a_value_on_the_host_is_not_captured_and_trains_as_eager(tmp_path):
+@pytest.mark.parametrize("around, why", [(_syncing, "the step reads a value on the host"),
+                                         (_drawing_on_the_cpu, "the step draws random numbers on the CPU")])
+def test_a_step_that_a_replay_would_not_repeat_is_not_captured_and_trains_as_eager(around, why):
     """A loss that reads a value on the host cannot be captured (the capture would fail, and torch
-    2.11 then keeps its memory): its eager steps are seen to sync, graphs turn off before any
-    capture, and the run trains exactly as without graphs."""
-    def run(graphs):
-        records = []
-        w = Workload(tiny_bert(0.1, 0).cuda(), SyntheticBatches(84, seq_len=12), None, 8)
-        task_loss = w.loss_sum
-
-        def loss_sum(model, batch):
-            loss = task_loss(model, batch)
-            float(loss.detach())  # a host sync: forbidden while capturing
-            return loss
-        w.loss_sum = loss_sum
-        torch.manual_seed(5)
-        t = Trainer(w, EAGER, TrainConfig(epochs=2, lr=1e-3, seed=3, log_every=1, cuda_graphs=graphs),
-                    log=records.append, progress=False)
-        t.fit()
-        return t, _kept(records)
-
-    graphed, graphed_records = run("auto")
-    eager, eager_records = run("off")
+    2.11 then keeps its memory); one that draws on the CPU generator (LayerDrop) would have its
+    capture's draw repeated by every replay. The watched eager steps see either: graphs turn off
+    before any capture, and the run trains exactly as without graphs."""
+    graphed, graphed_records = _run_with_loss(around, "auto")
+    eager, eager_records = _run_with_loss(around, "off")
     assert graphed._graphs.captured == 0 and graphed.result.graphed_steps == 0
-    assert graphed._graphs.off.startswith("the step reads a value on the host")
-    assert any(e.startswith("CUDA graphs not used: the step reads a value on the host") for e in graphed.result.events)
-    assert graphed_records == eager_records
-    assert_same_params(params_of(graphed.model), params_of(eager.model))
-
-
-@pytest.mark.gpu
-def test_a_step_that_draws_cpu_random_numbers_is_not_captured(tmp_path):
-    """LayerDrop and its kin draw on the CPU generator inside the step; a replay would repeat the
-    draw of its capture. Seen at the first watched step: graphs off, the run as eager."""
-    def run(graphs):
-        records = []
-        w = Workload(tiny_bert(0.1, 0).cuda(), SyntheticBatches(84, seq_len=12), None, 8)
-        task_loss = w.loss_sum
-
-        def loss_sum(model, batch):
-            keep = float(torch.rand(())) < 2.0  # a CPU draw (always True), as LayerDrop decides a layer
-            return task_loss(model, batch) * keep
-        w.loss_sum = loss_sum
-        torch.manual_seed(5)
-        t = Trainer(w, EAGER, TrainConfig(epochs=2, lr=1e-3, seed=3, log_every=1, cuda_graphs=graphs),
-                    log=records.append, progress=False)
-        t.fit()
-        return t, _kept(records)
-
-    graphed, graphed_records = run("auto")
-    eager, eager_records = run("off")
-    assert graphed._graphs.captured == 0 and graphed._graphs.off.startswith("the step draws random numbers on the CPU")
+    assert graphed._graphs.off.startswith(why)
+    assert any(e.startswith(f"CUDA graphs not used: {why}") for e in graphed.result.events)
     assert graphed_records == eager_records
     assert_same_params(params_of(graphed.model), params_of(eager.model))
 
