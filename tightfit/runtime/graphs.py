@@ -1,9 +1,10 @@
 """The eager step replayed as CUDA graphs: one capture per batch shape, no launches on the host.
 
 An eager step of a small model is bound by the host that launches its kernels: the main job's
-step (MiniLM, 32 x 64 tokens, bf16) took 25.1 ms of which the GPU needed ~3 ms; captured whole
-(forward, backward, clipping and fused AdamW in one ``torch.cuda.graph``) it ran in 3.2 ms, with
-the same losses and weights bit for bit, dropout on (NVIDIA H100, bench/results/cuda-graphs).
+step (MiniLM, 32 x 64 tokens, bf16) took 14.0-25.1 ms, depending on the host, of which the GPU
+needed ~3 ms; captured whole (forward, backward, clipping and fused AdamW in one
+``torch.cuda.graph``) it ran in 3.2 ms, with the same losses and weights checksum over 6 steps,
+dropout on (NVIDIA H100, bench/results/cuda-graphs).
 
 :class:`StepGraphs` runs :func:`tightfit.step.training_step` itself under capture -- the one step,
 its guards included: the clipping, the non-finite verdict handed to fused AdamW on the device
@@ -59,7 +60,7 @@ import torch
 from ..step import PendingStep, training_step
 
 SYNCING_STEPS = 2  # eager steps seen syncing on the host that turn graphs off
-MAX_GRAPHS = 16  # keys captured at most (the main job has 16: 8 lengths x a full and a last window)
+MAX_GRAPHS = 16  # keys captured at most (the main job's run met 4)
 FIT = 0.95  # share of the budget a capture may bring the memory to (the planner's margin)
 
 
