@@ -274,3 +274,148 @@ def test_the_summary_says_a_graphed_run_is_measured_against_an_eager_probe():
     graphed = dict(summary_rows(SimpleNamespace(**base, graphed_steps=28, step_graphs=2, graph_pool_bytes=2**20), info))
     assert graphed["CUDA graphs"].startswith("28 steps replayed from 2 captured step graphs")
     assert "CUDA graphs" not in dict(summary_rows(SimpleNamespace(**base, graphed_steps=0), info))
+
+
+# ------------------------------------------------- StepGraphs' decisions, on the CPU, with a fake CUDA
+class _FakeGraph:
+    def __init__(self):
+        self.replays = self.resets = 0
+
+    def replay(self):
+        self.replays += 1
+
+    def reset(self):
+        self.resets += 1
+
+
+class _Fake:
+    """A fake CUDA around :class:`StepGraphs`: the allocator's counters, a capture that runs the
+    (fake) step once in place, and a step that records what it saw (the learning rate, whether it
+    ran under capture) and can sync, draw on the CPU or create the optimizer's state."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+        import warnings
+
+        from tightfit.runtime import graphs
+
+        self.allocated, self.need, self.reserved_growth = 1000, 100, 50
+        self.reserved, self.capturing, self.sync, self.draw, self.fail = 0, False, False, False, False
+        self.calls, self.generator_resets = [], 0
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.allocated + self.need)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "graph_pool_handle", lambda: ("pool",))
+        monkeypatch.setattr(cuda, "CUDAGraph", _FakeGraph)
+        monkeypatch.setattr(cuda, "get_sync_debug_mode", lambda: 0)
+        monkeypatch.setattr(cuda, "set_sync_debug_mode", lambda mode: None)
+        monkeypatch.setattr(graphs, "_warmed_stream", lambda device: "stream")
+        monkeypatch.setattr(graphs, "_end_generator_capture", lambda device: setattr(
+            self, "generator_resets", self.generator_resets + 1))
+
+        @contextlib.contextmanager
+        def capture(graph, pool=None, stream=None, capture_error_mode=None):
+            assert pool == ("pool",) and stream == "stream" and capture_error_mode == "thread_local"
+            self.capturing = True
+            try:
+                yield
+            finally:
+                self.capturing = False
+                self.reserved += self.reserved_growth
+        monkeypatch.setattr(cuda, "graph", capture)
+
+        def step(model, micro_batches, loss_sum, normaliser, optimizer, scaler, autocast_ctx, max_grad_norm,
+                 defer=False):
+            next(iter(micro_batches))
+            group = optimizer.param_groups[0]
+            self.calls.append(("capture" if self.capturing else "eager", group["lr"], group["capturable"]))
+            if self.fail and self.capturing:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            if self.sync:
+                warnings.warn("called a synchronizing CUDA operation")
+            if self.draw:
+                torch.rand(())
+            if not optimizer.state:  # the first step makes the state
+                optimizer.state[group["params"][0]] = {"step": torch.zeros(())}
+            from tightfit.step import PendingStep
+            return PendingStep(torch.tensor([1.0, 0.5]))
+        monkeypatch.setattr(graphs, "training_step", step)
+
+    def graphs(self, budget=10**6):
+        from tightfit.runtime.graphs import StepGraphs
+
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1e-4 / 3)
+        return StepGraphs(torch.nn.Linear(2, 2), opt, None, None, None, 1.0, budget)
+
+
+def _batch(n=4, t=8):
+    return iter([{"input_ids": torch.zeros(n, t, dtype=torch.long), "labels": torch.zeros(n, dtype=torch.long)}])
+
+
+def test_a_shape_is_captured_at_its_first_measured_step_then_replayed(monkeypatch):
+    """Step 1 makes the optimizer's state (not measured), step 2 is measured and watched clean,
+    step 3 captures and replays, step 4 replays; the capture sees the rate as a tensor and
+    capturable on, the eager steps the fp32-rounded rate, and the groups get their own back."""
+    fake = _Fake(monkeypatch)
+    sg = fake.graphs()
+    rate = sg.optimizer.param_groups[0]["lr"]
+    for _ in range(4):
+        sg.step(_batch(), 4)
+    rounded = torch.tensor(rate, dtype=torch.float32).item()
+    assert [c[0] for c in fake.calls] == ["eager", "eager", "capture"]
+    assert fake.calls[0][1] == fake.calls[1][1] == rounded != rate and fake.calls[0][2] is False
+    assert torch.is_tensor(fake.calls[2][1]) and fake.calls[2][2] is True
+    assert sg.optimizer.param_groups[0]["lr"] == rate and sg.optimizer.param_groups[0]["capturable"] is False
+    assert sg.captured == 1 and sg.replayed == 2 and sg.pool_bytes == sg.pool_peak == 50 and sg.off is None
+    assert sg._lrs[0].item() == rounded  # written before the replays
+    other = _batch(4, 16)  # a new shape: eager, measured (no watch once a step was seen clean), then captured
+    sg.step(other, 4)
+    sg.step(_batch(4, 16), 4)
+    assert [c[0] for c in fake.calls][-2:] == ["eager", "capture"] and sg.captured == 2
+    sg.release()
+    assert sg.pool_bytes == 0 and sg.pool_peak == 100 and not sg._graphs
+    sg.step(_batch(), 4)  # known and measured: captured again at once
+    assert fake.calls[-1][0] == "capture" and sg.captured == 3
+
+
+def test_a_shape_the_budget_cannot_hold_runs_eagerly(monkeypatch):
+    fake = _Fake(monkeypatch)
+    sg = fake.graphs(budget=1150)  # 1000 allocated + 2 x 100 needed > 95% of 1150
+    for _ in range(5):
+        sg.step(_batch(), 4)
+    assert [c[0] for c in fake.calls] == ["eager"] * 5 and sg.captured == 0 and sg._declined
+
+
+def test_steps_that_sync_twice_turn_graphs_off_before_any_capture(monkeypatch):
+    fake = _Fake(monkeypatch)
+    fake.sync = True
+    sg = fake.graphs()
+    sg.step(_batch(), 4)
+    assert sg.off is None  # once may be a lazy initialisation
+    for _ in range(4):
+        sg.step(_batch(), 4)
+    assert sg.off.startswith("the step reads a value on the host (called a synchronizing CUDA operation)")
+    assert [c[0] for c in fake.calls] == ["eager"] * 5
+
+
+def test_a_step_that_draws_on_the_cpu_turns_graphs_off_at_once(monkeypatch):
+    fake = _Fake(monkeypatch)
+    fake.draw = True
+    sg = fake.graphs()
+    for _ in range(3):
+        sg.step(_batch(), 4)
+    assert sg.off.startswith("the step draws random numbers on the CPU") and sg.captured == 0
+
+
+def test_a_capture_that_fails_turns_graphs_off_and_that_step_runs_eagerly(monkeypatch):
+    fake = _Fake(monkeypatch)
+    fake.fail = True
+    sg = fake.graphs()
+    for _ in range(4):
+        sg.step(_batch(), 4)
+    assert [c[0] for c in fake.calls] == ["eager", "eager", "capture", "eager", "eager"]
+    assert sg.off.startswith("capture failed: RuntimeError") and fake.generator_resets == 1
+    assert sg.optimizer.param_groups[0]["lr"] == 1e-4 / 3 and sg.captured == 0 and sg._pool is None

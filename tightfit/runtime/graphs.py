@@ -157,6 +157,8 @@ def _warmed_stream(device: torch.device) -> torch.cuda.Stream:
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         for dtype in (torch.float32, torch.bfloat16):
+            if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+                continue  # a card without bf16 GEMMs (Pascal, Turing) runs no bf16 step either
             a = torch.ones(16, 16, device=device, dtype=dtype)
             torch.addmm(a, a, a)
     current.wait_stream(stream)
@@ -302,12 +304,12 @@ class StepGraphs:
         inputs = {k: v.clone() for k, v in batch.items()}  # outside the pool: read by every replay
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        if self._stream is None:
-            self._stream = _warmed_stream(self.device)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         try:
+            if self._stream is None:
+                self._stream = _warmed_stream(self.device)
             for g, lr in zip(groups, self._lrs):
                 g["lr"], g["capturable"] = lr, True  # fused AdamW: the same kernel, the rate read on the device
             # thread_local: the prefetch and checkpoint threads' own CUDA calls do not break the capture
