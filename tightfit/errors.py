@@ -9,3 +9,8 @@ class TightfitError(Exception):
     the model's weights and optimizer state need, a micro-batch of 1 that still does
     not fit). Never raised for bugs: those propagate as their own exception types.
     """
+
+
+def error_line(e: BaseException) -> str:
+    """An error in one reason line: its type and the first line of its message (at most 200 characters)."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"

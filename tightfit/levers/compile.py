@@ -52,6 +52,14 @@ def is_compiled(model: torch.nn.Module) -> bool:
     return bool(model.__dict__.get(COMPILED_MARK))
 
 
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` itself has forward or backward hooks (Python that runs around its call)."""
+    return any(getattr(module, h) for h in MODULE_HOOKS)
+
+
 def compile_scope(model: torch.nn.Module) -> str:
     """``"blocks"`` when every repeated block of ``model`` (:func:`~tightfit.levers.blocks.find_blocks`)
     has the same class and the same parameter and buffer shapes, and none has forward or backward
@@ -62,8 +70,7 @@ def compile_scope(model: torch.nn.Module) -> str:
         return (type(block), [(n, tuple(t.shape)) for n, t in block.named_parameters()],
                 [(n, tuple(t.shape)) for n, t in block.named_buffers()])
 
-    hooked = any(b._forward_hooks or b._forward_pre_hooks or b._backward_hooks or b._backward_pre_hooks
-                 for b in blocks)  # a block compiled alone runs its class's forward, skipping its hooks
+    hooked = any(map(has_hooks, blocks))  # a block compiled alone runs its class's forward, skipping its hooks
     if len(blocks) >= 2 and not hooked and all(signature(b) == signature(blocks[0]) for b in blocks[1:]):
         return "blocks"
     return "model"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from ..config import option_given
 from ..devices import DeviceProfile
-from ..errors import TightfitError
+from ..errors import TightfitError, error_line
 from ..memory.oom import release_memory
 from ..levers.blocks import find_blocks
 from ..levers.checkpointing import set_activation_checkpointing
@@ -266,11 +266,6 @@ def _samples_per_s(pr: ProbeResult, effective_batch: int) -> float:
     """Samples/s of a whole optimizer step (``ceil(E / micro-batch)`` micro-batches), from a probe."""
     return effective_batch / (pr.step_seconds * accumulation_steps(effective_batch, pr.micro_batch)
                               / pr.micro_batches)
-
-
-def _error_line(e: Exception) -> str:
-    """A compiler error in one reason line: its type and the first line of its message."""
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
 def _peak(pr: ProbeResult) -> str:
@@ -721,7 +716,7 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
         uncompile_model(workload.model)
         release_memory()
         variant, steady = None, None
-        notes = [f"torch.compile failed, eager plan kept: {_error_line(e)}"]
+        notes = [f"torch.compile failed, eager plan kept: {error_line(e)}"]
     if compile == "on" and variant is None:
         notes.append("--compile on: no compiled micro-batch fits, so the plan runs eager")
     return CompileOutcome(variant, retiming, notes, steady)
@@ -768,7 +763,7 @@ def challenge_compiled_optimizer(workload: Workload, best: Candidate, variant: C
         try:
             probes[other] = timed(other)
         except Exception as e:  # noqa: BLE001 - the runner-up's failure leaves the compiled plan won
-            failed = _error_line(e)
+            failed = error_line(e)
     finally:
         set_activation_checkpointing(model, False, ())
     speed = {o: _samples_per_s(pr, E) if pr.fits else 0.0 for o, pr in probes.items()}
@@ -911,7 +906,7 @@ def whole_model_variant(workload: Workload, best: Candidate, regional: CompiledV
                 break
         failed = None
     except Exception as e:  # noqa: BLE001 - a compiler failure keeps the blocks compiled one by one
-        failed = _error_line(e)
+        failed = error_line(e)
         release_memory()
     mb, pr = tried[-1] if tried else (regional.micro_batch, None)
     seconds = time.perf_counter() - t0

@@ -57,6 +57,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..errors import error_line
+from ..levers.compile import MODULE_HOOKS, compiled_call, has_hooks
 from ..step import PendingStep, training_step
 
 SYNCING_STEPS = 2  # eager steps seen syncing on the host that turn graphs off
@@ -74,7 +76,6 @@ def graphs_unavailable(plan, model: torch.nn.Module, distributed: bool = False) 
             a hook that counts or records would silently stop doing so).
         distributed: several processes train together.
     """
-    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     if plan.device != "cuda":
         return "not on a CUDA GPU"
     if distributed or plan.sharding != "none":
@@ -89,15 +90,13 @@ def graphs_unavailable(plan, model: torch.nn.Module, distributed: bool = False) 
         return f"the optimizer {plan.optimizer} is not captured (fused AdamW only)"
     if plan.accumulation_steps > 1:
         return "the plan accumulates several micro-batches per step"
-    hooked = next((name or "the model" for name, m in model.named_modules() if any(getattr(m, h) for h in hooks)),
-                  None)
+    hooked = next((name or "the model" for name, m in model.named_modules() if has_hooks(m)), None)
     hooked = hooked or next((name for name, p in model.named_parameters()
                              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)), None)
-    if hooked is not None or any(getattr(torch.nn.modules.module, "_global" + h) for h in hooks):
+    if hooked is not None or any(getattr(torch.nn.modules.module, "_global" + h) for h in MODULE_HOOKS):
         return f"{hooked or 'a global module hook'} has a hook, which a replay would not run"
     compiled = next((name or "the model" for name, m in model.named_modules()
-                     if getattr(m, "_compiled_call_impl", None) is not None
-                     or type(m).__name__ == "OptimizedModule"), None)
+                     if compiled_call(m) is not None or type(m).__name__ == "OptimizedModule"), None)
     if compiled is not None:  # its compiler may compile or autotune at the capture, which then fails
         return f"{compiled} is compiled by torch.compile"
     return None
@@ -289,8 +288,8 @@ class StepGraphs:
             return False
         if len(self._graphs) >= MAX_GRAPHS:
             return False
-        need = self._need[key]
-        if torch.cuda.memory_allocated(self.device) + self.pool_bytes + 2 * max(need, *self._need.values()) \
+        # its graph and an eager step beside it, each up to the largest need measured (its own included)
+        if torch.cuda.memory_allocated(self.device) + self.pool_bytes + 2 * max(self._need.values()) \
                 > FIT * self.budget:
             self._declined.add(key)  # runs eagerly from now on
             return False
@@ -318,7 +317,7 @@ class StepGraphs:
                                         self.scaler, self.autocast_ctx, self.max_grad_norm, defer=True)
             values = pending.values
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: eager from now on
-            self.off = (f"capture failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]} "
+            self.off = (f"capture failed: {error_line(e)} "
                         "(torch may keep the memory it reserved for the capture until the process ends)")
             self.optimizer.zero_grad(set_to_none=True)
             _end_generator_capture(self.device)
@@ -329,9 +328,6 @@ class StepGraphs:
         finally:  # the groups as the eager step has them: checkpoints of both runs hold the same
             for g, rate, flag in zip(groups, rates, capturable):
                 g["lr"], g["capturable"] = rate, flag
-        if values is None:  # the step read its values on the host: not a step a graph can replay
-            self.off = "the step reads its values on the host"
-            return None
         self.captured += 1
         self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
         self.pool_peak = max(self.pool_peak, self.pool_bytes)
