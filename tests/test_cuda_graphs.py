@@ -145,6 +145,24 @@ def test_a_run_resumed_with_cuda_graphs_continues_exactly(tmp_path):
     assert json.loads(resumed_records) == after
 
 
+@pytest.mark.gpu
+def test_a_graphed_run_leaves_no_memory_behind(tmp_path):
+    """Run after run in one process (a notebook, a test suite, a bench), the memory allocated
+    afterwards does not grow: the captures' stream, whose cuBLAS workspaces live as long as the
+    process, is made once (a stream per run left about 64 MiB behind each time on an H100)."""
+    import gc
+
+    after = []
+    for name in ("first", "second", "third"):
+        t, _ = _run(tmp_path, name, epochs=1)
+        assert t.result.graphed_steps > 0
+        del t
+        gc.collect()
+        torch.cuda.empty_cache()
+        after.append(torch.cuda.memory_allocated())
+    assert after[1] == after[0] and after[2] == after[0], after
+
+
 class _PoisonedBatches(SyntheticBatches):
     """Every seventh sample starts with token 49, whose embedding is made huge (finite, so that
     checkpoints take it): windows holding one overflow to non-finite gradients, the others train."""
@@ -312,7 +330,7 @@ class _Fake:
         monkeypatch.setattr(cuda, "CUDAGraph", _FakeGraph)
         monkeypatch.setattr(cuda, "get_sync_debug_mode", lambda: 0)
         monkeypatch.setattr(cuda, "set_sync_debug_mode", lambda mode: None)
-        monkeypatch.setattr(graphs, "_warmed_stream", lambda device: "stream")
+        monkeypatch.setattr(graphs, "capture_stream", lambda device: "stream")
         monkeypatch.setattr(graphs, "_end_generator_capture", lambda device: setattr(
             self, "generator_resets", self.generator_resets + 1))
 

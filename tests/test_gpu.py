@@ -65,28 +65,36 @@ def test_real_oom_is_recovered_without_changing_the_run(capped):
     budget = 3 * GiB
     capped(budget)
 
-    def losses(plan_micro_batch):
+    def losses(plan_micro_batch, schedule=None):
         # Dropout on: the redo restores the RNG states, so it draws the masks of a run that used
-        # the smaller micro-batch from the start; only the order of floating-point sums differs.
+        # the smaller micro-batch for that step; only the order of floating-point sums differs.
         w = _bert_base_workload(n=192, dropout=0.1)
         w.model.eval()  # as from_pretrained returns it: the trainer must switch dropout on
         log = []
         t = Trainer(w, Plan("fp32", plan_micro_batch, 64, device="cuda"),
                     TrainConfig(epochs=1, lr=1e-5, grow_back_after=0, log_every=1), log=log.append, progress=False)
+        if schedule:  # each step at the micro-batch the recovered run ended that step with
+            launch = t._launch
+
+            def at_schedule(window, index):
+                t.micro_batch = schedule[index]
+                return launch(window, index)
+            t._launch = at_schedule
         res = t.fit()
-        out = [r["loss"] for r in log if r["type"] == "train"]
+        train = [r for r in log if r["type"] == "train"]
         del t, w
         gc.collect()  # the trainer's scheduler closure makes a reference cycle
         torch.cuda.empty_cache()
-        return res, out
+        return res, [r["loss"] for r in train], [r["micro_batch"] for r in train]
 
-    # A plan that claims the whole window fits: a real out-of-memory error, recovered mid-run.
-    res, recovered = losses(64)
+    # A plan that claims the whole window fits: a real out-of-memory error, recovered mid-run (at
+    # step 1, or later where memory another test left in this process tightens the budget).
+    res, recovered, micro_batches = losses(64)
     assert res.oom_recoveries >= 1 and res.steps == 3 and res.samples == 192
     assert res.plan.micro_batch < 64 and res.peak_reserved_bytes <= budget + CAP_SLACK
-    # The same samples with the recovered micro-batch from the start give the same losses.
-    ref_res, reference = losses(res.plan.micro_batch)
-    assert ref_res.oom_recoveries == 0
+    # The same samples at those micro-batches, with no OOM, give the same losses.
+    ref_res, reference, ref_micro_batches = losses(micro_batches[0], schedule=micro_batches)
+    assert ref_res.oom_recoveries == 0 and ref_micro_batches == micro_batches
     torch.testing.assert_close(torch.tensor(recovered), torch.tensor(reference), rtol=1e-4, atol=0.0)
 
 

@@ -148,19 +148,30 @@ def fp32_rates(optimizer):
             g["lr"] = rate
 
 
-def _warmed_stream(device: torch.device) -> torch.cuda.Stream:
-    """A stream for the captures whose cuBLAS workspaces exist before the first capture (one small
-    matmul in fp32 and in bf16 on it), so that they are made in the ordinary pool rather than in
-    the graphs' private pool, which they would then keep from being returned."""
-    stream, current = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the captures' stream, one per process
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The process's stream for captures on ``device``, made once: cuBLAS keeps a workspace for
+    each stream it has run on until the process ends (about 64 MiB on an H100, measured), so a
+    stream per :class:`StepGraphs` would leave that much behind at every run. Its workspaces are
+    made here (one small matmul in fp32 and in bf16), in the ordinary pool, before the first
+    capture: made during a capture, they would land in the graphs' private pool and keep it from
+    being returned."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is not None:
+        return stream
+    stream, current = torch.cuda.Stream(index), torch.cuda.current_stream(index)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         for dtype in (torch.float32, torch.bfloat16):
             if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
                 continue  # a card without bf16 GEMMs (Pascal, Turing) runs no bf16 step either
-            a = torch.ones(16, 16, device=device, dtype=dtype)
+            a = torch.ones(16, 16, device=index, dtype=dtype)
             torch.addmm(a, a, a)
     current.wait_stream(stream)
+    _CAPTURE_STREAMS[index] = stream
     return stream
 
 
@@ -205,7 +216,6 @@ class StepGraphs:
         self._declined: set[tuple] = set()
         self._pool = None
         self._lrs = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
-        self._stream = None  # the captures' stream, its cuBLAS workspace made before the first capture
         self.replayed = self.captured = self.pool_bytes = self.pool_peak = 0
         self._syncing = 0  # eager steps seen to sync on the host
         self._watched = False  # an eager step was watched and seen clean: later keys are only measured
@@ -288,6 +298,7 @@ class StepGraphs:
             return False
         if len(self._graphs) >= MAX_GRAPHS:
             return False
+        capture_stream(self.device)  # its cuBLAS workspaces (made once) counted in what is allocated
         # its graph and an eager step beside it, each up to the largest need measured (its own included)
         if torch.cuda.memory_allocated(self.device) + self.pool_bytes + 2 * max(self._need.values()) \
                 > FIT * self.budget:
@@ -307,12 +318,11 @@ class StepGraphs:
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         try:
-            if self._stream is None:
-                self._stream = _warmed_stream(self.device)
             for g, lr in zip(groups, self._lrs):
                 g["lr"], g["capturable"] = lr, True  # fused AdamW: the same kernel, the rate read on the device
             # thread_local: the prefetch and checkpoint threads' own CUDA calls do not break the capture
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=capture_stream(self.device),
+                                  capture_error_mode="thread_local"):
                 pending = training_step(self.model, iter([inputs]), self.loss_sum, normaliser, self.optimizer,
                                         self.scaler, self.autocast_ctx, self.max_grad_norm, defer=True)
             values = pending.values
