@@ -294,6 +294,36 @@ def test_the_summary_says_a_graphed_run_is_measured_against_an_eager_probe():
     assert "CUDA graphs" not in dict(summary_rows(SimpleNamespace(**base, graphed_steps=0), info))
 
 
+def test_the_summary_says_why_a_gpu_run_replayed_no_cuda_graphs():
+    """A run on CUDA that replayed no step says why (the plan, the step, the budget) in its summary
+    and summary.json's speed record; a CPU run, where graphs never apply, has no such row."""
+    from types import SimpleNamespace
+
+    from tightfit.report.speed import speed_record
+    from tightfit.report.summary import summary_rows
+
+    info = SimpleNamespace(majority=0.5, budget_bytes=None, peak_rss_bytes=None, max_temp_c=None)
+    why = "the plan accumulates several micro-batches per step"
+    base = dict(eval=None, steps=30, samples=960, train_seconds=0.3, samples_per_s=3200.0, final_loss=0.1,
+                peak_reserved_bytes=None, skipped_steps=0, oom_recoveries=0, graphed_steps=0, graphs_off=why)
+    rows = dict(summary_rows(SimpleNamespace(**base, plan=Plan("bf16", 8, 16, device="cuda")), info))
+    assert rows["CUDA graphs"] == f"not used: {why}"
+    assert "CUDA graphs" not in dict(summary_rows(SimpleNamespace(**base, plan=Plan("fp32", 8, 16)), info))
+    stopped = dict(summary_rows(SimpleNamespace(**{**base, "graphed_steps": 5, "step_graphs": 1,
+                                                   "graph_pool_bytes": 2**20, "graphs_off": "capture failed: X"},
+                                                plan=Plan("bf16", 8, 8, device="cuda")), info))
+    assert stopped["CUDA graphs"].endswith("; then off: capture failed: X")
+    result = SimpleNamespace(step_ends=[], samples_per_s=1.0, eval_seconds=0.0, checkpoint_seconds=0.0,
+                             checkpoint_write_seconds=0.0, graphed_steps=0, graphs_off=why)
+    assert speed_record(result, 1.0, {})["graphs_off"] == why
+
+
+def test_a_trainer_records_why_its_steps_were_not_replayed(tmp_path):
+    w = Workload(tiny_bert(0.1), SyntheticBatches(16), None, 8)
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, checkpoint_dir=None), progress=False)
+    assert t.fit().graphs_off == "not on a CUDA GPU"
+
+
 # ------------------------------------------------- StepGraphs' decisions, on the CPU, with a fake CUDA
 class _FakeGraph:
     def __init__(self):
@@ -405,6 +435,15 @@ def test_a_shape_the_budget_cannot_hold_runs_eagerly(monkeypatch):
     for _ in range(5):
         sg.step(_batch(), 4)
     assert [c[0] for c in fake.calls] == ["eager"] * 5 and sg.captured == 0 and sg._declined
+    assert sg.why_none() == "the budget cannot hold a step's graph beside an eager step"
+
+
+def test_a_run_whose_shapes_never_came_again_says_so(monkeypatch):
+    fake = _Fake(monkeypatch)
+    sg = fake.graphs()
+    for t in (8, 16, 24):  # the first makes the optimizer's state; each later shape is seen once
+        sg.step(_batch(4, t), 4)
+    assert sg.replayed == 0 and sg.off is None and sg.why_none().startswith("no batch shape came again")
 
 
 def test_steps_that_sync_twice_turn_graphs_off_before_any_capture(monkeypatch):

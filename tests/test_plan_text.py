@@ -96,3 +96,15 @@ def test_the_run_s_plan_lines_keep_three_significant_digits_of_a_low_speed():
                for line in plan_lines(replace(plan, compile=True, predicted_samples_per_s=1.774)))
     assert "predicted        2153 samples/s, peak 10.00 GiB reserved" in plan_lines(
         replace(plan, predicted_samples_per_s=2153.2))
+
+
+def test_the_plan_says_whether_the_run_would_replay_cuda_graphs(capsys):
+    """A plain plan of one micro-batch per step: the run captures its steps, and its peak adds
+    the graphs' memory (which the prediction leaves out); an accumulating plan: not used, and why."""
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--budget", "1GiB"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CUDA graphs:"))
+    assert "captures these steps and replays them" in line and "the prediction above leaves out" in line
+    assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--budget", "1GiB",
+                 "--precision", "fp16"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CUDA graphs:"))
+    assert line == "CUDA graphs: not used: fp16's loss scaler keeps per-step state on the host"

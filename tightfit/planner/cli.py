@@ -208,6 +208,18 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
     print(_planned_in(seconds))
 
 
+def _graphs_line(plan, model) -> str:
+    """What `tightfit train --cuda-graphs auto` (the default) would do with ``plan``'s steps."""
+    from ..runtime.graphs import graphs_unavailable
+
+    why = graphs_unavailable(plan, model)
+    if why:
+        return f"CUDA graphs: not used: {why}"
+    return ("CUDA graphs: `tightfit train` captures these steps and replays them, one graph per batch shape, "
+            "where the budget holds a graph beside an eager step (unless its GPU planner compiles the model): "
+            "the run's peak then adds their memory, which the prediction above leaves out")
+
+
 def _planned_in(seconds: float) -> str:
     """The last line of every plan printed as text: how long planning took (``seconds``)."""
     return f"(planned in {seconds:.1f} s, no GPU used)"
@@ -316,6 +328,7 @@ def _print_text(args, result, model, notes: list[str], profile, budget: int, kin
     if "; precision " in b.why:  # not the card's preferred precision (search.py): why, on its own line
         print("precision: " + b.why.split("; precision ", 1)[1].split("; optimizer ", 1)[0])
     print("\n".join(breakdown_lines(b.breakdown, trainable_gradient_bytes(model, b.optimizer), b.accumulation_steps)))
+    print(_graphs_line(plan, model))
     print(f"runners-up with {result.best.optimizer}:" if result.runners_up else
           f"runners-up with {result.best.optimizer}: none (the search had no other choice; the optimizer line compares the others)")
     shown = 8

@@ -57,7 +57,8 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
         "whole_run_samples_per_s", "steady_vs_probed", "planning_seconds", "plan_cached", "plan_from_checkpoint",
         "planning_of_first_run" (on resume: planning_seconds is the first run's, from its metrics.jsonl),
         "compile_seconds", "eval_seconds", "checkpoint_seconds", "checkpoint_write_seconds", "graphed_steps"
-        (steps this session replayed as CUDA graphs)}``
+        (steps this session replayed as CUDA graphs), "graphs_off" (why none were, or why they
+        stopped; None: replayed to the end)}``
         (figures not known are None; samples/s, seconds).
     """
     steady = steady_samples_per_s(result.step_ends)
@@ -77,6 +78,7 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
         "checkpoint_seconds": result.checkpoint_seconds,
         "checkpoint_write_seconds": result.checkpoint_write_seconds,
         "graphed_steps": getattr(result, "graphed_steps", 0),
+        "graphs_off": getattr(result, "graphs_off", None),
     }
 
 

@@ -222,7 +222,10 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
     rows.append(("OOM recoveries", str(result.oom_recoveries)))
     if getattr(result, "graphed_steps", 0):  # this session's (tightfit.runtime.graphs); a hand-made result has none
         rows.append(("CUDA graphs", f"{result.graphed_steps:,} steps replayed from {result.step_graphs} captured "
-                                    f"step graphs ({format_bytes(result.graph_pool_bytes)} of memory for them at most)"))
+                                    f"step graphs ({format_bytes(result.graph_pool_bytes)} of memory for them at most)"
+                                    + (f"; then off: {off}" if (off := getattr(result, "graphs_off", None)) else "")))
+    elif getattr(result.plan, "device", None) == "cuda" and getattr(result, "graphs_off", None):
+        rows.append(("CUDA graphs", f"not used: {result.graphs_off}"))  # what would have made it faster
     if info.max_temp_c is not None:
         rows.append(("GPU max temperature", f"{info.max_temp_c:.0f} C, max power {info.max_power_w:.0f} W"))
     return rows

@@ -200,9 +200,9 @@ class StepGraphs:
         budget_bytes: the plan's GPU memory budget (None: the device's total memory).
 
     Attributes:
-        replayed: steps run as a replay; captured: graphs captured; pool_bytes: memory the
-            graphs held now have added to the reserved memory (bytes), pool_peak: the most they
-            held; off: why graphs stopped (None: on).
+        replayed: steps run as a replay; captured: graphs captured; declined: captures the
+            budget declined; pool_bytes: memory the graphs held now have added to the reserved
+            memory (bytes), pool_peak: the most they held; off: why graphs stopped (None: on).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, loss_sum: Callable, scaler, autocast_ctx: Callable,
@@ -216,7 +216,7 @@ class StepGraphs:
         self._declined: set[tuple] = set()
         self._pool = None
         self._lrs = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
-        self.replayed = self.captured = self.pool_bytes = self.pool_peak = 0
+        self.replayed = self.captured = self.pool_bytes = self.pool_peak = self.declined = 0
         self._syncing = 0  # eager steps seen to sync on the host
         self._watched = False  # an eager step was watched and seen clean: later keys are only measured
         self.off: str | None = None
@@ -243,6 +243,14 @@ class StepGraphs:
         graph.graph.replay()
         self.replayed += 1
         return PendingStep(graph.values)
+
+    def why_none(self) -> str:
+        """Why no step was replayed though graphs stayed on: the budget declined every capture, or
+        no batch shape came again after its measured eager step."""
+        if self.declined:
+            return "the budget cannot hold a step's graph beside an eager step"
+        return ("no batch shape came again after its first, measured, eager step (the run's first step, "
+                "which makes the optimizer's state, is not measured)")
 
     def release(self) -> None:
         """Drop every captured graph and give their pool's memory back to the device (the end of
@@ -303,6 +311,7 @@ class StepGraphs:
         if torch.cuda.memory_allocated(self.device) + self.pool_bytes + 2 * max(self._need.values()) \
                 > FIT * self.budget:
             self._declined.add(key)  # runs eagerly from now on
+            self.declined += 1
             return False
         return True
 

@@ -108,6 +108,8 @@ class TrainResult:
         eval_seconds: wall time of the evaluation.
         graphed_steps, step_graphs, graph_pool_bytes: this session's steps replayed as CUDA graphs,
             the graphs captured and the most memory their pool added (:mod:`.graphs`).
+        graphs_off: why this session replayed no step, or stopped replaying (None: it replayed to
+            the end), e.g. ``"the plan accumulates several micro-batches per step"``.
     """
 
     steps: int = 0
@@ -129,6 +131,7 @@ class TrainResult:
     graphed_steps: int = 0
     step_graphs: int = 0
     graph_pool_bytes: int = 0
+    graphs_off: str | None = None
 
 
 class StoppedError(TightfitError):
@@ -584,10 +587,10 @@ class Trainer:
 
     def _note_graphs(self) -> None:
         """Count this session's CUDA graph replays in the result and say what they did (an event)."""
-        g = self._graphs
+        g, r = self._graphs, self.result
+        r.graphs_off = self.graphs_off if g is None else g.off or (None if g.replayed else g.why_none())
         if g is None or not (g.replayed or g.off):
             return
-        r = self.result
         r.graphed_steps, r.step_graphs, r.graph_pool_bytes = g.replayed, g.captured, g.pool_peak
         if not g.replayed:
             self._event(f"CUDA graphs not used: {g.off}")
