@@ -27,6 +27,7 @@ EAGER = Plan("bf16", 8, 8, device="cuda")
     (dict(optimizer="adamw8bit"), "adamw8bit is not captured"),
     (dict(micro_batch=4), "accumulates"),
     (dict(sharding="ddp", world_size=2, micro_batch=4), "processes"),
+    (dict(sharding="fsdp-offload"), "parameter offload (FSDP2)"),
 ])
 def test_only_plain_eager_plans_of_one_micro_batch_are_replayed(change, why):
     model = tiny_bert()
@@ -149,7 +150,7 @@ def test_a_run_resumed_with_cuda_graphs_continues_exactly(tmp_path):
 def test_a_graphed_run_leaves_no_memory_behind(tmp_path):
     """Run after run in one process (a notebook, a test suite, a bench), the memory allocated
     afterwards does not grow: the captures' stream, whose cuBLAS workspaces live as long as the
-    process, is made once (a stream per run left about 64 MiB behind each time on an H100)."""
+    process, is made once (a stream per run left 65 MiB behind each time on an H100)."""
     import gc
 
     after = []
@@ -197,6 +198,7 @@ def test_no_capture_where_the_budget_cannot_hold_the_graphs(tmp_path):
     t, records = _run(tmp_path, "tight", plan=tight, epochs=1)
     eager, eager_records = _run(tmp_path, "eager", graphs="off", plan=tight, epochs=1)
     assert t._graphs is not None and t.result.graphed_steps == 0 and t._graphs._declined
+    assert t.result.graphs_off == "the budget cannot hold a step's graph beside an eager step"
     assert records == eager_records
 
 
@@ -360,7 +362,16 @@ class _Fake:
         monkeypatch.setattr(cuda, "CUDAGraph", _FakeGraph)
         monkeypatch.setattr(cuda, "get_sync_debug_mode", lambda: 0)
         monkeypatch.setattr(cuda, "set_sync_debug_mode", lambda mode: None)
-        monkeypatch.setattr(graphs, "capture_stream", lambda device: "stream")
+        self.stream_made, self.stream_error, self.streams_made = True, None, 0
+
+        def capture_stream(device):
+            if self.stream_error is not None:
+                raise self.stream_error
+            self.streams_made += not self.stream_made
+            self.stream_made = True
+            return "stream"
+        monkeypatch.setattr(graphs, "capture_stream", capture_stream)
+        monkeypatch.setattr(graphs, "_stream_made", lambda device: self.stream_made)
         monkeypatch.setattr(graphs, "_end_generator_capture", lambda device: setattr(
             self, "generator_resets", self.generator_resets + 1))
 
@@ -444,6 +455,71 @@ def test_a_run_whose_shapes_never_came_again_says_so(monkeypatch):
     for t in (8, 16, 24):  # the first makes the optimizer's state; each later shape is seen once
         sg.step(_batch(4, t), 4)
     assert sg.replayed == 0 and sg.off is None and sg.why_none().startswith("no batch shape came again")
+    assert "(3 steps in this session;" in sg.why_none()
+
+
+class _BackedOffGraphs:
+    """Stands in for StepGraphs on the CPU: runs out of memory on micro-batches over 4 samples."""
+
+    def __init__(self):
+        from tightfit.runtime.graphs import StepGraphs
+
+        self.why_none = StepGraphs.why_none.__get__(self)
+        self.replayed = self.captured = self.pool_peak = self.declined = self.seen = 0
+        self.off, self.calls = None, 0
+
+    def release(self):
+        pass
+
+    def step(self, micro_batches, normaliser):
+        from tightfit.step import PendingStep
+
+        batch = next(micro_batches)
+        self.seen += 1
+        if batch["labels"].shape[0] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        self.replayed += 1
+        return PendingStep(torch.tensor([1.0, 0.5]))
+
+
+def test_a_run_whose_back_off_split_its_steps_says_so():
+    """After an out-of-memory back-off the windows run as several micro-batches, eagerly: the run
+    says that, not that no batch shape came twice."""
+    w = Workload(tiny_bert(0.1), SyntheticBatches(32), None, 8)
+    t = Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1, grow_back_after=0), progress=False)
+    t._graphs = _BackedOffGraphs()
+    r = t.fit()
+    assert r.oom_recoveries == 1 and t._graphs.seen == 1 and r.steps == 4
+    assert r.graphs_off == "since an out-of-memory back-off the steps run as micro-batches of 4, eagerly"
+
+
+def test_the_captures_stream_is_counted_before_it_is_made_and_its_failure_turns_graphs_off(monkeypatch):
+    """Where the captures' stream is not made yet, the check counts its cuBLAS workspaces first: a
+    budget that holds the graph but not them declines without making the stream; one that holds
+    both makes it, then captures. A stream that cannot be made (out of memory) turns graphs off
+    and the step runs eagerly: no error reaches the trainer, whose back-off would halve the
+    micro-batch for an allocation the step never made."""
+    from tightfit.runtime.graphs import FIT, STREAM_WORKSPACE_BYTES
+
+    fake = _Fake(monkeypatch)
+    fake.stream_made = False
+    sg = fake.graphs(budget=int((1000 + 2 * 100 + STREAM_WORKSPACE_BYTES) / FIT) - 1)
+    for _ in range(4):
+        sg.step(_batch(), 4)
+    assert sg.declined == 1 and fake.streams_made == 0 and sg.replayed == 0
+    fake = _Fake(monkeypatch)
+    fake.stream_made = False
+    sg = fake.graphs(budget=int((1000 + 2 * 100 + STREAM_WORKSPACE_BYTES) / FIT) + 1)
+    for _ in range(4):
+        sg.step(_batch(), 4)
+    assert fake.streams_made == 1 and sg.captured == 1 and sg.replayed == 2
+    fake = _Fake(monkeypatch)
+    fake.stream_made, fake.stream_error = False, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32 MiB")
+    sg = fake.graphs(budget=10**9)
+    for _ in range(4):
+        sg.step(_batch(), 4)
+    assert sg.off.startswith("the captures' stream could not be made: OutOfMemoryError")
+    assert [c[0] for c in fake.calls] == ["eager"] * 4 and sg.captured == 0
 
 
 def test_steps_that_sync_twice_turn_graphs_off_before_any_capture(monkeypatch):

@@ -100,7 +100,7 @@ def test_the_run_s_plan_lines_keep_three_significant_digits_of_a_low_speed():
 
 def test_the_plan_says_whether_the_run_would_replay_cuda_graphs(capsys):
     """A plain plan of one micro-batch per step: the run captures its steps, and its peak adds
-    the graphs' memory (which the prediction leaves out); an accumulating plan: not used, and why."""
+    the graphs' memory (which the prediction leaves out); an fp16 plan: not used, and why."""
     assert main(["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--budget", "1GiB"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CUDA graphs:"))
     assert "captures these steps and replays them" in line and "the prediction above leaves out" in line

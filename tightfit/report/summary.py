@@ -220,12 +220,14 @@ def summary_rows(result: TrainResult, info: RunInfo) -> list[tuple[str, str]]:
                      + (" (host RSS)" if ranks == 1 else f" (host RSS of rank 0, one of {ranks} processes)")))
     rows.append(("skipped steps", str(result.skipped_steps)))
     rows.append(("OOM recoveries", str(result.oom_recoveries)))
-    if getattr(result, "graphed_steps", 0):  # this session's (tightfit.runtime.graphs); a hand-made result has none
+    # this session's CUDA graphs (tightfit.runtime.graphs); a hand-made result may have no such fields
+    off = getattr(result, "graphs_off", None)
+    if getattr(result, "graphed_steps", 0):
         rows.append(("CUDA graphs", f"{result.graphed_steps:,} steps replayed from {result.step_graphs} captured "
                                     f"step graphs ({format_bytes(result.graph_pool_bytes)} of memory for them at most)"
-                                    + (f"; then off: {off}" if (off := getattr(result, "graphs_off", None)) else "")))
-    elif getattr(result.plan, "device", None) == "cuda" and getattr(result, "graphs_off", None):
-        rows.append(("CUDA graphs", f"not used: {result.graphs_off}"))  # what would have made it faster
+                                    + (f"; then off: {off}" if off else "")))
+    elif off and getattr(getattr(result, "plan", None), "device", None) == "cuda":
+        rows.append(("CUDA graphs", f"not used: {off}"))  # what would have made it faster
     if info.max_temp_c is not None:
         rows.append(("GPU max temperature", f"{info.max_temp_c:.0f} C, max power {info.max_power_w:.0f} W"))
     return rows

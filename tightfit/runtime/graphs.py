@@ -78,6 +78,8 @@ def graphs_unavailable(plan, model: torch.nn.Module, distributed: bool = False) 
     """
     if plan.device != "cuda":
         return "not on a CUDA GPU"
+    if plan.sharding == "fsdp-offload" and not distributed:
+        return "parameter offload (FSDP2) brings the parameters from host memory at every step"
     if distributed or plan.sharding != "none":
         return "the plan shards or replicates the model over processes"
     if plan.compile:
@@ -148,21 +150,37 @@ def fp32_rates(optimizer):
             g["lr"] = rate
 
 
+# What a new stream's cuBLAS workspaces take at most (cuBLAS and cuBLASLt, each 32 MiB on Hopper
+# under torch 2.11's defaults, less on older cards; 65 MiB allocated measured on an H100,
+# bench/results/cuda-graphs call 7): counted by the capture check before the stream is made.
+STREAM_WORKSPACE_BYTES = 66 << 20
+
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the captures' stream, one per process
+_WARMED: set[tuple[int, int]] = set()  # (device index, thread) whose cuBLAS handle has its workspace on it
+_STREAMS_LOCK = threading.Lock()
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The process's stream for captures on ``device``, made once: cuBLAS keeps a workspace for
-    each stream it has run on until the process ends (about 64 MiB on an H100, measured), so a
-    stream per :class:`StepGraphs` would leave that much behind at every run. Its workspaces are
-    made here (one small matmul in fp32 and in bf16), in the ordinary pool, before the first
-    capture: made during a capture, they would land in the graphs' private pool and keep it from
-    being returned."""
+    """The process's stream for captures on ``device`` (a CUDA device; no index: the current one),
+    shared by every :class:`StepGraphs`: cuBLAS keeps a workspace for each stream it has run on
+    until the process ends (65 MiB on an H100, measured), so a stream per run would leave that
+    much behind at every run. The calling thread's workspaces for it (cuBLAS's handles are per
+    thread) are made here, by one small matmul in fp32 and in bf16, in the ordinary pool before
+    the thread's first capture: made during a capture, they would land in the graphs' private pool
+    and keep it from being returned.
+
+    Raises:
+        torch.OutOfMemoryError: no memory for the workspaces; other CUDA errors unchanged.
+    """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _CAPTURE_STREAMS.get(index)
-    if stream is not None:
+    with _STREAMS_LOCK:
+        stream = _CAPTURE_STREAMS.get(index)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+        warmed = (index, threading.get_ident()) in _WARMED
+    if warmed:
         return stream
-    stream, current = torch.cuda.Stream(index), torch.cuda.current_stream(index)
+    current = torch.cuda.current_stream(index)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         for dtype in (torch.float32, torch.bfloat16):
@@ -171,8 +189,15 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
             a = torch.ones(16, 16, device=index, dtype=dtype)
             torch.addmm(a, a, a)
     current.wait_stream(stream)
-    _CAPTURE_STREAMS[index] = stream
+    with _STREAMS_LOCK:
+        _WARMED.add((index, threading.get_ident()))
     return stream
+
+
+def _stream_made(device: torch.device) -> bool:
+    """Whether :func:`capture_stream` has made this thread's workspaces on ``device``'s stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (index, threading.get_ident()) in _WARMED
 
 
 def _end_generator_capture(device: torch.device) -> None:
@@ -200,8 +225,8 @@ class StepGraphs:
         budget_bytes: the plan's GPU memory budget (None: the device's total memory).
 
     Attributes:
-        replayed: steps run as a replay; captured: graphs captured; declined: captures the
-            budget declined; pool_bytes: memory the graphs held now have added to the reserved
+        seen: steps given to :meth:`step`; replayed: steps run as a replay; captured: graphs
+            captured; declined: captures the budget declined; pool_bytes: memory the graphs held now have added to the reserved
             memory (bytes), pool_peak: the most they held; off: why graphs stopped (None: on).
     """
 
@@ -216,7 +241,7 @@ class StepGraphs:
         self._declined: set[tuple] = set()
         self._pool = None
         self._lrs = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
-        self.replayed = self.captured = self.pool_bytes = self.pool_peak = self.declined = 0
+        self.replayed = self.captured = self.pool_bytes = self.pool_peak = self.declined = self.seen = 0
         self._syncing = 0  # eager steps seen to sync on the host
         self._watched = False  # an eager step was watched and seen clean: later keys are only measured
         self.off: str | None = None
@@ -227,9 +252,11 @@ class StepGraphs:
         :class:`~tightfit.step.PendingStep`.
 
         Raises:
-            Errors of the eager step, out-of-memory included, unchanged (a replay allocates nothing).
+            Errors of the eager step, out-of-memory included, unchanged (a replay allocates nothing;
+            a capture or the captures' stream that fails turns graphs off instead).
         """
         batch = next(micro_batches)
+        self.seen += 1
         key = (tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items())), float(normaliser))
         graph = self._graphs.get(key)
         if graph is None and key in self._need and self._may_capture(key):
@@ -249,8 +276,9 @@ class StepGraphs:
         no batch shape came again after its measured eager step."""
         if self.declined:
             return "the budget cannot hold a step's graph beside an eager step"
-        return ("no batch shape came again after its first, measured, eager step (the run's first step, "
-                "which makes the optimizer's state, is not measured)")
+        return (f"no batch shape came again after its first, measured, eager step ({self.seen} step"
+                f"{'' if self.seen == 1 else 's'} in this session; a run's first step, which makes the "
+                "optimizer's state, is not measured)")
 
     def release(self) -> None:
         """Drop every captured graph and give their pool's memory back to the device (the end of
@@ -306,13 +334,20 @@ class StepGraphs:
             return False
         if len(self._graphs) >= MAX_GRAPHS:
             return False
-        capture_stream(self.device)  # its cuBLAS workspaces (made once) counted in what is allocated
-        # its graph and an eager step beside it, each up to the largest need measured (its own included)
-        if torch.cuda.memory_allocated(self.device) + self.pool_bytes + 2 * max(self._need.values()) \
+        # its graph and an eager step beside it, each up to the largest need measured (its own
+        # included), and the captures' stream's workspaces where this thread has not made them yet
+        extra = 0 if _stream_made(self.device) else STREAM_WORKSPACE_BYTES
+        if torch.cuda.memory_allocated(self.device) + extra + self.pool_bytes + 2 * max(self._need.values()) \
                 > FIT * self.budget:
             self._declined.add(key)  # runs eagerly from now on
             self.declined += 1
             return False
+        if extra:
+            try:
+                capture_stream(self.device)
+            except Exception as e:  # noqa: BLE001 - no memory for its workspaces, say: eager from now on
+                self.off = f"the captures' stream could not be made: {error_line(e)}"
+                return False
         return True
 
     def _capture(self, key: tuple, batch: dict, normaliser: float) -> _Graph | None:
@@ -330,7 +365,7 @@ class StepGraphs:
             for g, lr in zip(groups, self._lrs):
                 g["lr"], g["capturable"] = lr, True  # fused AdamW: the same kernel, the rate read on the device
             # thread_local: the prefetch and checkpoint threads' own CUDA calls do not break the capture
-            with torch.cuda.graph(graph, pool=self._pool, stream=capture_stream(self.device),
+            with torch.cuda.graph(graph, pool=self._pool, stream=capture_stream(self.device),  # made: no allocation
                                   capture_error_mode="thread_local"):
                 pending = training_step(self.model, iter([inputs]), self.loss_sum, normaliser, self.optimizer,
                                         self.scaler, self.autocast_ctx, self.max_grad_norm, defer=True)
