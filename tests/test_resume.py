@@ -162,6 +162,25 @@ def test_no_checkpoint_with_non_finite_weights(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-1"]
 
 
+def test_a_huge_finite_weight_is_checkpointed_and_an_inf_one_named(tmp_path):
+    """The finite check takes one total norm of every weight: a finite weight whose square
+    overflows (3e38) makes that norm inf, and the per-tensor walk then finds nothing wrong, so the
+    checkpoint is written; an inf is refused and named."""
+    from tightfit.runtime.checkpoint import NonFiniteCheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        model[0].weight[0, 0] = 3e38
+    save_checkpoint(tmp_path, 1, model, {"step": 1})
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    load_checkpoint(list_checkpoints(tmp_path)[0], other)
+    assert other[0].weight[0, 0] == torch.tensor(3e38)
+    with torch.no_grad():
+        model[1].bias[1] = float("-inf")
+    with pytest.raises(NonFiniteCheckpointError, match="parameter '1.bias' holds inf/NaN"):
+        save_checkpoint(tmp_path, 2, model, {"step": 2})
+
+
 def test_checkpoints_keep_last_and_load_weights_only(tmp_path):
     from tightfit.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
