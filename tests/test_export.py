@@ -402,6 +402,23 @@ def test_an_out_filled_by_another_command_while_exporting_is_kept(text_run, tmp_
     assert not list(tmp_path.glob(".*"))
 
 
+def test_an_export_onto_a_full_disk_says_so_in_one_line_and_leaves_nothing(text_run, tmp_path, monkeypatch, capsys):
+    """torch.save's zip writer reports a full disk as a RuntimeError ("unexpected pos ..."), not an
+    OSError: the export ended in two chained tracebacks (exit 1)."""
+    import tightfit.export as export
+
+    out = tmp_path / "int8"
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 36160 vs 36054")
+
+    monkeypatch.setattr(export.torch, "save", full)
+    assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could not be written: [enforce fail at inline_container.cc:664]" in err[0], err
+    assert "nothing of it is left" in err[0] and not out.exists() and not list(tmp_path.glob(".*"))
+
+
 def test_a_tokenizer_of_bpe_codes_is_exported_whole(tmp_path):
     """The export copied the source's .json, .txt and .model files: PhoBERT's and BERTweet's
     bpe.codes (as *.tiktoken) has none of those suffixes, and the exported folder's tokenizer

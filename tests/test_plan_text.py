@@ -108,3 +108,17 @@ def test_the_plan_says_whether_the_run_would_replay_cuda_graphs(capsys):
                  "--precision", "fp16"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CUDA graphs:"))
     assert line == "CUDA graphs: not used: fp16's loss scaler keeps per-step state on the host"
+    # --json says the same for scripts: graphs_off null where the run would capture the steps
+    args = ["plan", "--model", "minilm", "--seq-len", "16", "--batch-size", "4", "--budget", "1GiB", "--json"]
+    assert main(args) == 0 and json.loads(capsys.readouterr().out)["graphs_off"] is None
+    assert main(args + ["--precision", "fp16"]) == 0
+    assert json.loads(capsys.readouterr().out)["graphs_off"] == "fp16's loss scaler keeps per-step state on the host"
+
+
+def test_a_parameter_offload_plan_says_it_replays_no_cuda_graphs(capsys):
+    args = ["plan", "--model", "bert-base", "--seq-len", "128", "--batch-size", "32", "--budget", "600MiB"]
+    assert main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CUDA graphs:"))
+    assert line == "CUDA graphs: not used: parameter offload (FSDP2) brings the parameters from host memory at every step"
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["graphs_off"].startswith("parameter offload (FSDP2)")

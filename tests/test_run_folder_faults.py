@@ -142,7 +142,7 @@ class _FullDisk:
         self.flush()
 
 
-@pytest.mark.parametrize("where", ["metrics", "finish"])
+@pytest.mark.parametrize("where", ["metrics", "finish", "finish-safetensors"])
 def test_a_full_disk_outside_a_checkpoint_stops_the_run_in_one_line_and_it_resumes(tmp_path, monkeypatch, capsys,
                                                                                     where):
     """The disk filled up between two checkpoints: the next line of metrics.jsonl (or the model and
@@ -162,10 +162,14 @@ def test_a_full_disk_outside_a_checkpoint_stops_the_run_in_one_line_and_it_resum
         return real(self, record)
 
     def full_disk(self, folder):
+        if where == "finish-safetensors":  # the model's writer says it so, with no errno
+            from safetensors import SafetensorError
+
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(MetricsWriter, "__call__", filling)
-    if where == "finish":
+    if where.startswith("finish"):
         monkeypatch.setattr(api.TrainRecipe, "_save_model", full_disk)
     argv = ["train", "--model", common["model"], "--data", common["data"], "--batch-size", "8", "--seq-len", "16",
             "--device", "cpu", "--no-progress", "--max-steps", "6", "--checkpoint-every", "2", "--log-every", "1",

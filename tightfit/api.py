@@ -37,8 +37,8 @@ from .config import PlanOptions, TrainRequest, names_flags, option_given, option
 from .data import TextClassificationData, check_split, held_out_split, load_default, load_text_classification, take
 from .devices import DeviceProfile, card_budget, detect, get_profile
 from .errors import TightfitError
-from .fileio import (atomic_write_dir, atomic_write_json, atomic_write_text, missing_folders, output_folder,
-                     remove_empty_folders, unwritable_folder)
+from .fileio import (atomic_write_dir, atomic_write_json, atomic_write_text, disk_write_error, missing_folders,
+                     output_folder, remove_empty_folders, unwritable_folder)
 from .levers.checkpointing import check_checkpointing
 from .levers.layout import use_channels_last
 from .report.summary import RunInfo, RunSummary
@@ -119,7 +119,7 @@ def train(req: TrainRequest) -> RunSummary:
         except KeyboardInterrupt:  # while the model and report were written: the command that finishes the run
             recipe.interrupted()
             raise
-        except OSError as e:  # the model or the report on a full disk: likewise
+        except Exception as e:  # the model or the report on a full disk (safetensors' error is no OSError): likewise
             raise recipe.disk_failure(e) or e
         world.close()
         return summary
@@ -974,27 +974,29 @@ class TrainRecipe:
 
         return f"tightfit train --resume {shlex.quote(str(target or self.out))}{resume_processes(self.world.size)}"
 
-    def disk_failure(self, e: OSError) -> TightfitError | None:
+    def disk_failure(self, e: BaseException) -> TightfitError | None:
         """``e``, raised while the run folder was written (``metrics.jsonl``, the model, the report;
         a checkpoint's own is a :class:`~tightfit.runtime.checkpoint.CheckpointWriteError`), as one
         line saying where the run stands and how it goes on, where it is the disk's (full, over
-        quota, read-only, failing) and names no file outside the run folder; None for any other
-        error (raised as it is)."""
+        quota, read-only, failing: :func:`tightfit.fileio.disk_write_error`, an ``OSError`` or the
+        writers' own errors) and names no file outside the run folder; None for any other error
+        (raised as it is)."""
         from .runtime.checkpoint import has_checkpoint
 
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO):
+        why = disk_write_error(e)
+        if why is None:
             return None
         # an error naming a file elsewhere (the compiler's cache, an image being read) is not the run
         # folder's; a write to an open file (metrics.jsonl) names none
-        if e.filename is not None and not os.path.abspath(os.fsdecode(e.filename)).startswith(
-                os.path.abspath(self.out) + os.sep):
+        name = getattr(e, "filename", None)
+        if name is not None and not os.path.abspath(os.fsdecode(name)).startswith(os.path.abspath(self.out) + os.sep):
             return None
         if not self.out.exists():  # failed while it was made: removed (open_run_folder), nothing to resume
-            return TightfitError(f"the run folder {self.out} could not be written: {e.strerror or e}; nothing of it "
+            return TightfitError(f"the run folder {self.out} could not be written: {why}; nothing of it "
                                  "is left: make room, then run the same command again")
         then = (f"continue from the newest checkpoint in place once there is room: {self.resume_command()}"
                 if has_checkpoint(self.out / "checkpoints") else "no checkpoint is in place")
-        return TightfitError(f"the run folder {self.out} could not be written: {e.strerror or e}; the run is at step "
+        return TightfitError(f"the run folder {self.out} could not be written: {why}; the run is at step "
                              f"{self.trainer.step} of {self.trainer.total_steps}; {then}")
 
     def missing_sample(self, e: OSError) -> TightfitError | None:

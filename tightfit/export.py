@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from .errors import TightfitError
-from .fileio import atomic_write_dir, output_folder, unwritable_folder
+from .fileio import atomic_write_dir, disk_write_error, output_folder, unwritable_folder
 from .units import count_of, format_bytes
 
 log = logging.getLogger(__name__)
@@ -476,7 +476,8 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
 
     Raises:
         TightfitError: as :func:`check_request`, before any work; ``out`` filled by another
-            process while the export ran (kept as it is, nothing written).
+            process while the export ran (kept as it is, nothing written); the disk full or failing
+            while it was written (nothing left of it).
     """
     src = check_request(str(source), str(out), device)
     fp32 = _load_fp32(src)
@@ -525,8 +526,12 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
         # --out was new or empty when checked; a folder filled since (another export, a run given the same --out)
         # is kept, not replaced with this export
         atomic_write_dir(_out_folder(out), fill, replace=False)
-    except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+    except Exception as e:  # noqa: BLE001 - a full disk (torch's zip writer raises no OSError) or a filled --out
+        why = disk_write_error(e)
+        if why is not None:  # nothing was renamed into place: atomic_write_dir removed its temporary folder
+            raise TightfitError(f"the export to {out} could not be written: {why}; nothing of it is left: make room, "
+                                "then export again") from None
+        if not isinstance(e, OSError) or e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
             raise
         raise TightfitError(f"--out {out} was filled while the export ran (another command writing there?); it is "
                             "left as it is and the export was not written: export again to a new or empty folder") \

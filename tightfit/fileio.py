@@ -7,6 +7,7 @@ Also output streams whose reader has gone (a closed pipe): discarded, not failin
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -144,6 +145,27 @@ def unwritable_folder(path: str | Path) -> Path | None:
         os.rmdir(tempfile.mkdtemp(dir=where, prefix=".tightfit-probe-"))
     except OSError:
         return where
+    return None
+
+
+# The disk's write errors: full, over quota, a file-size limit, read-only, failing.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+
+
+def disk_write_error(e: BaseException) -> str | None:
+    """Why a write failed where ``e`` is the disk's, in a few words; None for any other error.
+    The writers tightfit uses report it three ways: an ``OSError`` (errno in :data:`DISK_ERRNOS`),
+    safetensors' ``SafetensorError`` ("Error while serializing: I/O error: No space left on device
+    (os error 28)"), and torch's zip writer's ``RuntimeError`` ("PytorchStreamWriter failed writing
+    file", "unexpected pos": ``torch.save``), neither with an errno."""
+    text = str(e)
+    if isinstance(e, OSError):
+        return (e.strerror or text or type(e).__name__) if e.errno in DISK_ERRNOS else None
+    if type(e).__name__ == "SafetensorError" and ("I/O error" in text or "os error" in text):
+        return text.split("I/O error: ", 1)[-1].splitlines()[0]
+    if isinstance(e, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text
+                                        or "unexpected pos" in text):
+        return text.splitlines()[0]
     return None
 
 

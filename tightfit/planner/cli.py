@@ -188,7 +188,7 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
                           "budget_bytes": budget, "predicted_peak_bytes": plan.predicted_peak_reserved_bytes,
                           "predicted_peak_allocated_bytes": None, "breakdown": None, "predicted_samples_per_s": None,
                           "runners_up": [], "planning_seconds": seconds, "breakdown_notes": [],
-                          "host_state_bytes": host}, indent=2))
+                          "graphs_off": _graphs_off(plan, model), "host_state_bytes": host}, indent=2))
         return
     for n in notes:
         print(f"note: {n}")
@@ -205,14 +205,21 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
           "`tightfit train` verifies the micro-batch with real steps)")
     for r in plan.reasons:
         print(f"  {r}")
+    print(_graphs_line(plan, model))
     print(_planned_in(seconds))
+
+
+def _graphs_off(plan, model) -> str | None:
+    """Why `tightfit train --cuda-graphs auto` (the default) would not replay ``plan``'s steps of
+    ``model`` as CUDA graphs (None: it would capture them; the JSON's ``graphs_off``)."""
+    from ..runtime.graphs import graphs_unavailable
+
+    return graphs_unavailable(plan, model)
 
 
 def _graphs_line(plan, model) -> str:
     """What `tightfit train --cuda-graphs auto` (the default) would do with ``plan``'s steps."""
-    from ..runtime.graphs import graphs_unavailable
-
-    why = graphs_unavailable(plan, model)
+    why = _graphs_off(plan, model)
     if why:
         return f"CUDA graphs: not used: {why}"
     return ("CUDA graphs: `tightfit train` captures these steps and replays them, one graph per batch shape, "
@@ -290,6 +297,7 @@ def _print_json(result, model, notes: list[str]) -> None:
         print(f"note: {n}", file=sys.stderr)  # as `tightfit train` logs its notes
     d = result.to_dict()
     d["breakdown_notes"] = [f"gradients: {grad_note}"] if grad_note else []
+    d["graphs_off"] = _graphs_off(result.to_plan(), model)
     print(json.dumps(d, indent=2))
 
 

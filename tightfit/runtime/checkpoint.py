@@ -73,12 +73,13 @@ def write_failure(e: BaseException, step: int, folder) -> "CheckpointWriteError 
     error: an ``OSError``, torch's zip writer's ``RuntimeError`` about its stream, safetensors'
     serialisation error, or DCP's ``CheckpointException``, which gathers every rank's write
     failures); None for anything else (a fault to raise as it is)."""
-    text = str(e)
-    if not (isinstance(e, OSError) or (isinstance(e, RuntimeError) and (
-            "inline_container" in text or "PytorchStreamWriter" in text))
-            or type(e).__name__ in ("SafetensorError", "CheckpointException")):
-        return None
-    why = e.strerror if isinstance(e, OSError) and e.strerror else (text.splitlines()[0] if text else type(e).__name__)
+    from ..fileio import disk_write_error
+
+    why, text = disk_write_error(e), str(e)
+    if why is None:  # any OSError while a checkpoint is written (a permission changed, say), DCP's gathered ones
+        if not (isinstance(e, OSError) or type(e).__name__ in ("SafetensorError", "CheckpointException")):
+            return None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else (text.splitlines()[0] if text else type(e).__name__)
     return CheckpointWriteError(f"checkpoint ckpt-{step} could not be written: {why}", folder)
 
 
