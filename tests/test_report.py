@@ -93,3 +93,27 @@ def test_a_run_without_matplotlib_says_its_plots_are_not_drawn(tmp_path, monkeyp
         assert plot_run(tmp_path, [], None) == []
     assert "not drawn: matplotlib is not installed" in caplog.text and "tightfit[plots]" in caplog.text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_report_md_holds_the_runs_notes(tmp_path, caplog):
+    """The notes that qualify a run's figures (held-out samples that also appear among the training
+    samples, a CPU run trained on part of the data) went to the terminal only: report.md, the
+    document that gives the accuracy, lists each note the run printed."""
+    import logging
+
+    from conftest import tiny_cpu_job
+
+    from tightfit import api
+
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        api.train(api.TrainRequest(**tiny_cpu_job(tmp_path), out=str(tmp_path / "run"), max_steps=2))
+    printed = [r.getMessage().removeprefix("note: ") for r in caplog.records if r.getMessage().startswith("note: ")]
+    assert any("held-out" in n for n in printed), printed  # the job's 60 short texts repeat across the split
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "## Notes" in report and all(f"- {n}" in report for n in printed), report
+
+
+def test_a_run_without_notes_has_no_notes_section():
+    from tightfit.report.summary import report_markdown
+
+    assert "## Notes" not in report_markdown(Plan("fp32", 8, 8, device="cpu"), _result(), INFO)

@@ -1107,7 +1107,7 @@ class TrainRecipe:
             peak_rss_bytes=None if cuda and self.plan.sharding != "fsdp-offload"  # offload: the host holds the state
             else self.trainer.peak_rss_bytes(),  # the earlier sessions' too
             **dict(zip(("max_temp_c", "max_power_w"), self.trainer.health_maxima())),  # the earlier sessions' too
-            input_size=f"{size_name(self.data.SAMPLE_KIND)} {self.input_size()}")
+            input_size=f"{size_name(self.data.SAMPLE_KIND)} {self.input_size()}", notes=tuple(self.notes))
 
 
 # Options a resumed run may change: they alter neither the plan nor the data order, so the

@@ -73,6 +73,8 @@ class RunInfo:
         max_temp_c, max_power_w: the GPU's hottest and most power-hungry readings (None: not sampled).
         input_size: a sample's size as ``tightfit plan`` says it: ``"sequence length 64"`` (tokens)
             or ``"image size 224"`` (pixels a side); empty: not given.
+        notes: this session's notes on the data and the options (``note: ...`` on the terminal),
+            e.g. held-out samples that also appear among the training samples.
     """
 
     model: str
@@ -91,6 +93,7 @@ class RunInfo:
     max_temp_c: float | None = None
     max_power_w: float | None = None
     input_size: str = ""
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -247,7 +250,9 @@ def report_markdown(plan: Plan, result: TrainResult, info: RunInfo, speed: dict 
            f"- model: `{info.model}`" + (f", {info.input_size}" if info.input_size else ""), f"- data: `{info.data}` ({info.n_train} training, "
            f"{info.n_eval} held-out samples; {info.label_names})",
            f"- hardware: {info.device_name}", f"- torch {info.torch}, tightfit {info.version}",
-           *_command_lines(info), "", "## Plan", "", "```", *plan_lines(plan), "```", "",
+           *_command_lines(info), "",
+           *(["## Notes", "", *[f"- {n}" for n in info.notes], ""] if info.notes else []),  # what qualifies the figures
+           "## Plan", "", "```", *plan_lines(plan), "```", "",
            "## Measured", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in summary_rows(result, info)]
     if speed is not None:
