@@ -568,6 +568,34 @@ def test_loss_that_uses_the_item_count_keeps_the_trainers_handling(tmp_path):
     torch.testing.assert_close(logged[2], logged[8], rtol=1e-4, atol=1e-6)
 
 
+def test_a_causal_lm_whose_loss_type_names_no_loss_trains_on_its_mean_over_target_tokens(tmp_path):
+    """transformers 5.25's Trainer counts GPT-2's labels unshifted (GPT2LMHeadModel's loss_type names
+    no causal LM loss) while its loss shifts them: each window's loss came out scaled by targets /
+    (targets + rows), 0.85 for these rows. Through hf.train the logged loss and the step are those
+    of the model's own mean over its target tokens, as TrainStep takes it, at every split."""
+    from conftest import LMBatches, tiny_gpt2
+
+    data = LMBatches(8)
+    batch = data.collate(range(8), pad_to=data.seq_len)
+    assert (batch["labels"] == -100).any()  # rows of different lengths
+
+    class _LMRows(_Rows):
+        def __init__(self):
+            self.batch = batch
+
+    with torch.no_grad():
+        mean = float(tiny_gpt2(dropout=0.0)(**batch).loss)  # the model's own mean over its target tokens
+    for mb in (8, 2):
+        plan = Plan("fp32", mb, 8)
+        args = TrainingArguments(output_dir=str(tmp_path / str(mb)), max_steps=1, learning_rate=1e-3, logging_steps=1,
+                                 save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+                                 **hf.training_arguments(plan))
+        trainer = Trainer(model=tiny_gpt2(dropout=0.0), args=args, train_dataset=_LMRows(),
+                          callbacks=[hf.TightfitCallback(plan)])
+        hf.train(trainer)
+        assert abs(_logged(trainer)[0][0] - mean) < 1e-4 * mean, (mb, _logged(trainer), mean)
+
+
 def test_callback_does_not_warn_about_the_oom_redos_own_micro_batch(tmp_path):
     cb = hf.TightfitCallback(Plan("fp32", 8, 8))
     trainer = _trainer(tmp_path, Plan("fp32", 8, 8), callback=cb)

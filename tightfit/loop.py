@@ -117,16 +117,23 @@ def _target_tokens(model: torch.nn.Module, batch: _Batch, loss: LossFn | None):
         return None
     if labels.dim() < 2:  # class ids
         return None if _regression_head(model) else lambda d: (d["labels"] != -100).sum()
+    shift = label_shift(model)
+    return lambda d: (d["labels"][:, shift:] != -100).sum()
+
+
+def label_shift(model: torch.nn.Module) -> int:
+    """1 where ``model``'s own loss predicts the next token, so that its targets are
+    ``labels[:, 1:]`` (a transformers causal LM by its class, also wrapped by DDP, ``torch.compile``
+    or peft, or held by the user's own module); 0 otherwise (a peft prompt-learning model: see
+    :func:`_target_tokens`). Also what the Hugging Face integration counts a window's targets by."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     inner = hf_model(model)  # the wrapped model's class: a peft or compiled GPT-2 is named PeftModelForCausalLM
     if inner is not None:
-        shift = int(type(inner).__name__ in causal)
-    else:  # the user's own module holding a causal LM, whose loss it returns (not peft's prompt learning, above)
-        shift = int(not type(model).__module__.startswith("peft.")
-                    and any(type(m).__name__ in causal for m in model.modules()))
-    return lambda d: (d["labels"][:, shift:] != -100).sum()
+        return int(type(inner).__name__ in causal)
+    # the user's own module holding a causal LM, whose loss it returns (not peft's prompt learning)
+    return int(not type(model).__module__.startswith("peft.") and any(type(m).__name__ in causal for m in model.modules()))
 
 
 def _check_class_ids(model: torch.nn.Module, batch: _Batch, loss: LossFn | None) -> None:

@@ -243,17 +243,45 @@ def _label_items(trainer, batch):
     labels = batch.get("shift_labels", batch.get("labels")) if isinstance(batch, Mapping) else None
     if not torch.is_tensor(labels):
         return None
-    if "shift_labels" not in batch:
-        shifts = getattr(trainer, "_loss_shifts_labels", None)
-        if shifts is None:  # a transformers without that attribute: the causal LM classes shift
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-            from ..masks import hf_model
-
-            shifts = type(hf_model(trainer.model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-        if shifts:
-            labels = labels[..., 1:]
+    if "shift_labels" not in batch and _shifts_labels(trainer):
+        labels = labels[..., 1:]
     return labels.ne(-100).sum()
+
+
+def _shifts_labels(trainer) -> bool:
+    """Whether the trained model's loss predicts the next token (its targets are ``labels[..., 1:]``):
+    the Trainer's own verdict (``_loss_shifts_labels``, from the model's ``loss_type``) or the causal
+    LM classes' (:func:`tightfit.loop.label_shift`), since a causal LM whose ``loss_type`` names no
+    loss (GPT-2's ``GPT2LMHeadModel``, transformers 5.25) still shifts its labels."""
+    from ..loop import label_shift
+
+    return bool(getattr(trainer, "_loss_shifts_labels", False)) or label_shift(trainer.model) == 1
+
+
+def _recount_targets(trainer) -> bool:
+    """Make the Trainer's ``num_items_in_batch`` the window's target tokens for a causal LM whose
+    loss divides by it but which the Trainer counts unshifted (its ``_loss_shifts_labels`` False
+    or absent: GPT-2 under transformers 5.25, every causal LM under older ones): one label too many
+    per row, so each window's loss came out scaled by targets / (targets + rows). One process only
+    (the Trainer may gather the count across processes). Returns whether it changed anything."""
+    if getattr(trainer, "_loss_shifts_labels", False) or not _shifts_labels(trainer) or not _can_weigh_items(trainer):
+        return False
+    get_batch_samples = trainer.get_batch_samples
+
+    def recounted(epoch_iterator, num_batches, device):
+        batches, count = get_batch_samples(epoch_iterator, num_batches, device)
+        items = [_label_items(trainer, b) for b in batches]
+        if count is None or not items or any(n is None for n in items):
+            return batches, count
+        ours = sum(items)
+        return batches, ours.to(count.device) if torch.is_tensor(count) else ours
+
+    trainer.get_batch_samples = recounted
+    trainer._tightfit_weighs_items = True
+    log.info("tightfit: the Trainer counts %s's labels unshifted (its loss_type names no causal LM loss): "
+             "num_items_in_batch counted from each row's second position on, as its loss shifts them",
+             type(trainer.model).__name__)
+    return True
 
 
 def _can_weigh_items(trainer) -> bool:
@@ -294,7 +322,7 @@ def scale_loss_as_one_batch(trainer) -> bool:
     if unwrap is not None:
         model = unwrap(model)
     if trainer.model_accepts_loss_kwargs and loss_uses_item_count(model) is True:
-        return False  # the model divides by the window's count itself (causal LMs): exact already
+        return _recount_targets(trainer)  # the model divides by the window's count itself: that count right
     if not _can_weigh_items(trainer):
         if not _drops_item_count(trainer):
             return False
