@@ -387,3 +387,24 @@ def test_wrong_types_at_the_python_entry_points_get_one_line():
         tightfit.plan("bert", batch, 4, device="cpu")
     with pytest.raises(TightfitError, match="loss must be a function.*got int"):
         tightfit.plan(torch.nn.Linear(3, 2), batch, 4, loss=3, device="cpu")
+
+
+def test_a_model_whose_forward_takes_no_labels_is_told_to_pass_a_loss():
+    """tightfit.plan without loss= calls model(**batch): a plain module whose forward takes (x)
+    raised a raw TypeError from inside torch."""
+    import tightfit
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.linear(x)
+
+    batch = {"x": torch.ones(4, 3), "labels": torch.zeros(4, dtype=torch.long)}
+    with pytest.raises(TightfitError, match=r"unexpected keyword argument 'labels': without loss= the model is called"):
+        tightfit.plan(Net(), batch, 4, device="cpu")
+    plan = tightfit.plan(Net(), batch, 4, device="cpu",
+                         loss=lambda m, b: torch.nn.functional.cross_entropy(m(b["x"]), b["labels"]))
+    assert plan.micro_batch == 4

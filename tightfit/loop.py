@@ -272,8 +272,9 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
     than the ``gpu`` card's memory.
 
     Raises:
-        TightfitError: the loss is not one number (or the model has none); the budget cannot hold
-            the model state; a budget above the card's memory.
+        TightfitError: the loss is not one number (or the model has none, or its forward does not
+            take the batch's keys and no ``loss`` was given); the budget cannot hold the model state;
+            a budget above the card's memory.
     """
     from .devices import get_profile
     from .buffers import KeptBuffers
@@ -297,6 +298,11 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
         # eval: batch norm's running statistics stay as they are; a buffer the model writes in any mode too
         with torch.no_grad(), module_mode(model, False), KeptBuffers(model.modules()):
             _loss_sum(b, loss)(model, d)
+    except TypeError as e:  # model(**batch) of a forward that takes other arguments: a loss of the user's is needed
+        if loss is not None or "unexpected keyword argument" not in str(e):
+            raise
+        raise TightfitError(f"{e}: without loss= the model is called as model(**batch) and its .loss is trained; "
+                            "pass loss=fn(model, micro_batch) returning the mean loss") from None
     finally:
         restore_rng(rng)  # the probe draws no dropout mask the run would have drawn
 
