@@ -544,25 +544,34 @@ def test_oom_redo_keeps_the_loss_scale_of_the_planned_micro_batch(tmp_path):
     torch.testing.assert_close(_logged(trainer), _logged(ref), rtol=1e-4, atol=1e-6)
 
 
+class _LMRows(_Rows):
+    """Causal-LM rows of different lengths (padding labelled -100), from conftest's LMBatches."""
+
+    def __init__(self, n=32):
+        from conftest import LMBatches
+
+        data = LMBatches(n)
+        self.batch = data.collate(range(n), pad_to=data.seq_len)
+
+
+def _trained_gpt2(tmp_path, mb, rows, steps):
+    """hf.train of conftest's tiny GPT-2 (no dropout) on ``rows``, micro-batch ``mb`` of 8; the trainer."""
+    from conftest import tiny_gpt2
+
+    plan = Plan("fp32", mb, 8)
+    args = TrainingArguments(output_dir=str(tmp_path / str(mb)), max_steps=steps, learning_rate=1e-3, logging_steps=1,
+                             save_strategy="no", report_to=[], disable_tqdm=True, seed=0, **hf.training_arguments(plan))
+    trainer = Trainer(model=tiny_gpt2(dropout=0.0), args=args, train_dataset=rows, callbacks=[hf.TightfitCallback(plan)])
+    hf.train(trainer)
+    return trainer
+
+
 def test_loss_that_uses_the_item_count_keeps_the_trainers_handling(tmp_path):
     """GPT-2's LM loss divides by ``num_items_in_batch`` (the window's target tokens): kept, so padded
     samples of different lengths weigh per token across the window, as in tightfit's own runtime."""
-    from conftest import LMBatches, tiny_gpt2
-
-    class _LMRows(_Rows):
-        def __init__(self, n=32):
-            data = LMBatches(n)
-            self.batch = data.collate(range(n), pad_to=data.seq_len)
-
     logged = {}
     for mb in (8, 2):
-        plan = Plan("fp32", mb, 8)
-        args = TrainingArguments(output_dir=str(tmp_path / str(mb)), max_steps=2, learning_rate=1e-3, logging_steps=1,
-                                 save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
-                                 **hf.training_arguments(plan))
-        trainer = Trainer(model=tiny_gpt2(dropout=0.0), args=args, train_dataset=_LMRows(),
-                          callbacks=[hf.TightfitCallback(plan)])
-        hf.train(trainer)
+        trainer = _trained_gpt2(tmp_path, mb, _LMRows(), steps=2)
         assert trainer.model_accepts_loss_kwargs
         logged[mb] = _logged(trainer)
     torch.testing.assert_close(logged[2], logged[8], rtol=1e-4, atol=1e-6)
@@ -573,27 +582,15 @@ def test_a_causal_lm_whose_loss_type_names_no_loss_trains_on_its_mean_over_targe
     no causal LM loss) while its loss shifts them: each window's loss came out scaled by targets /
     (targets + rows), 0.85 for these rows. Through hf.train the logged loss and the step are those
     of the model's own mean over its target tokens, as TrainStep takes it, at every split."""
-    from conftest import LMBatches, tiny_gpt2
+    from conftest import tiny_gpt2
 
-    data = LMBatches(8)
-    batch = data.collate(range(8), pad_to=data.seq_len)
-    assert (batch["labels"] == -100).any()  # rows of different lengths
-
-    class _LMRows(_Rows):
-        def __init__(self):
-            self.batch = batch
-
+    rows = _LMRows(8)
+    assert (rows.batch["labels"] == -100).any()  # rows of different lengths
     with torch.no_grad():
-        mean = float(tiny_gpt2(dropout=0.0)(**batch).loss)  # the model's own mean over its target tokens
+        mean = float(tiny_gpt2(dropout=0.0)(**rows.batch).loss)  # the model's own mean over its target tokens
     for mb in (8, 2):
-        plan = Plan("fp32", mb, 8)
-        args = TrainingArguments(output_dir=str(tmp_path / str(mb)), max_steps=1, learning_rate=1e-3, logging_steps=1,
-                                 save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
-                                 **hf.training_arguments(plan))
-        trainer = Trainer(model=tiny_gpt2(dropout=0.0), args=args, train_dataset=_LMRows(),
-                          callbacks=[hf.TightfitCallback(plan)])
-        hf.train(trainer)
-        assert abs(_logged(trainer)[0][0] - mean) < 1e-4 * mean, (mb, _logged(trainer), mean)
+        logged = _logged(_trained_gpt2(tmp_path, mb, rows, steps=1))
+        assert abs(logged[0][0] - mean) < 1e-4 * mean, (mb, logged, mean)
 
 
 def test_callback_does_not_warn_about_the_oom_redos_own_micro_batch(tmp_path):
