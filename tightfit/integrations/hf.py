@@ -248,6 +248,13 @@ def _label_items(trainer, batch):
     return labels.ne(-100).sum()
 
 
+def _window_items(trainer, batches: list):
+    """The labelled items of an accumulation window's micro-batches (:func:`_label_items`, summed):
+    a 0-d tensor, or None where the window is empty or a micro-batch has no ``labels`` tensor."""
+    items = [_label_items(trainer, b) for b in batches]
+    return None if not items or any(n is None for n in items) else sum(items)
+
+
 def _shifts_labels(trainer) -> bool:
     """Whether the trained model's loss predicts the next token (its targets are ``labels[..., 1:]``):
     the Trainer's own verdict (``_loss_shifts_labels``, from the model's ``loss_type``) or the causal
@@ -270,10 +277,9 @@ def _recount_targets(trainer) -> bool:
 
     def recounted(epoch_iterator, num_batches, device):
         batches, count = get_batch_samples(epoch_iterator, num_batches, device)
-        items = [_label_items(trainer, b) for b in batches]
-        if count is None or not items or any(n is None for n in items):
+        ours = _window_items(trainer, batches)
+        if count is None or ours is None:
             return batches, count
-        ours = sum(items)
         return batches, ours.to(count.device) if torch.is_tensor(count) else ours
 
     trainer.get_batch_samples = recounted
@@ -337,8 +343,7 @@ def scale_loss_as_one_batch(trainer) -> bool:
 
     def counted_batch_samples(epoch_iterator, num_batches, device):
         batches, count = get_batch_samples(epoch_iterator, num_batches, device)
-        items = [_label_items(trainer, b) for b in batches]
-        window["items"] = None if not items or any(n is None for n in items) else sum(items)
+        window["items"] = _window_items(trainer, batches)
         return batches, count
 
     def weighed_loss(model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -172,6 +172,7 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
                    seconds: float) -> None:
     """A parameter-offload plan (:func:`_offload_plan`, planned in ``seconds``), as text or ``--json``."""
     from ..levers.blocks import find_blocks
+    from ..runtime.graphs import graphs_unavailable
     from ..tasks import size_name
     from .sharding import host_state_bytes
     from ..units import format_bytes
@@ -188,7 +189,7 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
                           "budget_bytes": budget, "predicted_peak_bytes": plan.predicted_peak_reserved_bytes,
                           "predicted_peak_allocated_bytes": None, "breakdown": None, "predicted_samples_per_s": None,
                           "runners_up": [], "planning_seconds": seconds, "breakdown_notes": [],
-                          "graphs_off": _graphs_off(plan, model), "host_state_bytes": host}, indent=2))
+                          "graphs_off": graphs_unavailable(plan, model), "host_state_bytes": host}, indent=2))
         return
     for n in notes:
         print(f"note: {n}")
@@ -209,17 +210,11 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
     print(_planned_in(seconds))
 
 
-def _graphs_off(plan, model) -> str | None:
-    """Why `tightfit train --cuda-graphs auto` (the default) would not replay ``plan``'s steps of
-    ``model`` as CUDA graphs (None: it would capture them; the JSON's ``graphs_off``)."""
-    from ..runtime.graphs import graphs_unavailable
-
-    return graphs_unavailable(plan, model)
-
-
 def _graphs_line(plan, model) -> str:
     """What `tightfit train --cuda-graphs auto` (the default) would do with ``plan``'s steps."""
-    why = _graphs_off(plan, model)
+    from ..runtime.graphs import graphs_unavailable
+
+    why = graphs_unavailable(plan, model)
     if why:
         return f"CUDA graphs: not used: {why}"
     return ("CUDA graphs: `tightfit train` captures these steps and replays them, one graph per batch shape, "
@@ -289,6 +284,7 @@ def _print_json(result, model, notes: list[str]) -> None:
     """The search result as JSON on stdout (notes on stderr)."""
     from ..levers.optimizers import trainable_gradient_bytes
     from ..memory.cli import gradient_note
+    from ..runtime.graphs import graphs_unavailable
 
     b = result.best
     grad_note = gradient_note(b.breakdown.get("gradients", 0), trainable_gradient_bytes(model, b.optimizer),
@@ -297,7 +293,7 @@ def _print_json(result, model, notes: list[str]) -> None:
         print(f"note: {n}", file=sys.stderr)  # as `tightfit train` logs its notes
     d = result.to_dict()
     d["breakdown_notes"] = [f"gradients: {grad_note}"] if grad_note else []
-    d["graphs_off"] = _graphs_off(result.to_plan(), model)
+    d["graphs_off"] = graphs_unavailable(result.to_plan(), model)  # None: the run would capture them
     print(json.dumps(d, indent=2))
 
 

@@ -160,6 +160,11 @@ _WARMED: set[tuple[int, int]] = set()  # (device index, thread) whose cuBLAS han
 _STREAMS_LOCK = threading.Lock()
 
 
+def _index(device: torch.device) -> int:
+    """``device``'s CUDA index (no index: the current device's)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The process's stream for captures on ``device`` (a CUDA device; no index: the current one),
     shared by every :class:`StepGraphs`: cuBLAS keeps a workspace for each stream it has run on
@@ -172,7 +177,7 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     Raises:
         torch.OutOfMemoryError: no memory for the workspaces; other CUDA errors unchanged.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     with _STREAMS_LOCK:
         stream = _CAPTURE_STREAMS.get(index)
         if stream is None:
@@ -196,8 +201,7 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _stream_made(device: torch.device) -> bool:
     """Whether :func:`capture_stream` has made this thread's workspaces on ``device``'s stream."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return (index, threading.get_ident()) in _WARMED
+    return (_index(device), threading.get_ident()) in _WARMED
 
 
 def _end_generator_capture(device: torch.device) -> None:
@@ -205,7 +209,7 @@ def _end_generator_capture(device: torch.device) -> None:
     failed: torch 2.11 leaves the state it registered for the capture marked as capturing, and
     every later random op then fails ("Offset increment outside graph capture"). The capture drew
     nothing from the real offset, so the eager steps go on with the numbers they would have had."""
-    generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    generator = torch.cuda.default_generators[_index(device)]
     generator.graphsafe_set_state(generator.clone_state())
 
 

@@ -425,7 +425,6 @@ class Trainer:
         # CUDA graphs: the plain eager step of one micro-batch replayed, not launched op by op
         self.graphs_off = "--cuda-graphs off" if config.cuda_graphs == "off" else \
             graphs_unavailable(plan, self.model, self.world.distributed)
-        self._graphs_split = None  # the micro-batch of the last window too large for one graph (a back-off's)
         self._graphs = None if self.graphs_off else StepGraphs(
             self.model, self.optimizer, workload.loss_sum, self.scaler, self._autocast, config.max_grad_norm,
             plan.budget_bytes)
@@ -594,9 +593,9 @@ class Trainer:
             r.graphs_off = self.graphs_off
         elif g.off:
             r.graphs_off = g.off
-        elif self._graphs_split is not None:
+        elif self.micro_batch < self.plan.micro_batch:  # a back-off's micro-batch splits the windows (_launch_step)
             r.graphs_off = (f"since an out-of-memory back-off the steps run as micro-batches of "
-                            f"{self._graphs_split}, eagerly")
+                            f"{self.micro_batch}, eagerly")
         elif not g.replayed:
             r.graphs_off = g.why_none()
         if g is None or not (g.replayed or g.off):
@@ -782,10 +781,7 @@ class Trainer:
                     break
                 if self._graphs is not None and self._guard is None and len(window) <= self.micro_batch:
                     pending = self._graphs.step(micro_batches, normaliser)  # one micro-batch: a graph's replay
-                    self._graphs_split = None
-                else:
-                    if self._graphs is not None:  # a back-off's smaller micro-batch splits the window: eager
-                        self._graphs_split = self.micro_batch
+                else:  # several micro-batches (a back-off's smaller one splits the window): eager
                     pending = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
                                             self.optimizer, self.scaler, self._autocast, self.cfg.max_grad_norm,
                                             defer=True)
