@@ -957,7 +957,7 @@ class TrainRecipe:
                                            else "lr", text))
             if not nonfinite:
                 raise type(e)(f"{text}; {said}", e.step, e.checkpoint) from None
-            if e.last_update and self.req.training.checkpoint_every:
+            if e.last_update and self.req.training.checkpoint_every != 0:
                 # the weights at the stop are step last_update's: only an earlier checkpoint is another start
                 before = clean_checkpoint_before(self.out / "checkpoints", e.last_update)
                 said += (f"; or go back to {before.name}, the last checkpoint before step {e.last_update}'s update "

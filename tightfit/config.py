@@ -563,7 +563,9 @@ class TrainOptions(_Options):
         max_grad_norm: clip the global gradient norm to this, positive and finite (None: no clipping).
         seed: seed of the sample order, dropout and the new head, in :data:`SEED_RANGE`.
         log_every: write a metrics line every this many optimizer steps.
-        checkpoint_every: write a checkpoint every this many steps (and at the end); 0: only at the end.
+        checkpoint_every: write a checkpoint every this many steps (and at the end); 0: only at the end;
+            None: every 100 steps where the loop is held by checkpoints within 2% of the training
+            time (:mod:`tightfit.runtime.checkpoint_schedule`).
         keep_last: keep this many newest checkpoints.
         max_skipped_steps: stop after this many non-finite steps in a row.
         grow_back_after: after an OOM recovery, try doubling the micro-batch again after this
@@ -588,9 +590,10 @@ class TrainOptions(_Options):
     max_grad_norm: float | None = option(1.0, cli=False, rule=_clip_norm)
     seed: int = option(0, "seed of sample order, dropout and the new head (default: {default})", rule=_seed)
     log_every: int = option(10, "optimizer steps between metrics lines (default: {default})", minimum=1)
-    checkpoint_every: int = option(100, "write a resumable checkpoint every N optimizer steps and at the end; "
-                                        "0: only at the end (default: {default})",
-                                   minimum=0, below=" (0: only at the end)")
+    checkpoint_every: int | None = option(None, "write a resumable checkpoint every N optimizer steps and at the "
+                                                "end; 0: only at the end (default: every 100 steps where "
+                                                "checkpoints stay within 2%% of the training time)",
+                                          minimum=0, below=" (0: only at the end)")
     keep_last: int = option(2, "checkpoints to keep (default: {default})", minimum=1)
     max_skipped_steps: int = option(20, "stop after this many non-finite (skipped) steps in a row "
                                         "(default: {default})", minimum=1)

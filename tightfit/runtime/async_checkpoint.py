@@ -41,6 +41,8 @@ class CheckpointWriter:
         write_seconds: time the writer spent writing and hashing.
         host_bytes: host memory held by the snapshot buffers (one copy of the weights and the
             state, reused by every checkpoint).
+        last_hold: seconds the last :meth:`save` took for its snapshot alone (not waiting for
+            the previous write); None before the first.
     """
 
     def __init__(self, folder: str | Path, keep_last: int = 2, background: bool = True,
@@ -51,6 +53,12 @@ class CheckpointWriter:
         self._buffers = _HostBuffers()
         self.blocked_seconds = self.write_seconds = 0.0
         self.host_bytes = 0
+        self.last_hold: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a background write is still in flight (a :meth:`save` now would wait for it)."""
+        return self._pending is not None and not self._pending.done()
 
     def save(self, step: int, model: torch.nn.Module, state: dict, abandoned=()) -> Path:
         """Snapshot ``model`` and ``state`` now and write them as ``ckpt-<step>`` (in the
@@ -66,7 +74,9 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         try:
             self._wait()  # its buffers are reused by this snapshot
+            t_snap = time.perf_counter()
             snap = take_snapshot(model, state, self._buffers)
+            self.last_hold = time.perf_counter() - t_snap
             self.host_bytes = max(self.host_bytes, snap.nbytes)
             held = self.blocked_seconds + time.perf_counter() - t0  # up to this snapshot, for the write's record
             if self._pool is None:

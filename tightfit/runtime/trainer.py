@@ -45,6 +45,7 @@ from ..workload import Workload
 from .distributed import World, micro_batches_per_rank, shard_of
 from .health import HealthMonitor
 from ..memory.oom import is_oom, release_memory
+from .checkpoint_schedule import CheckpointSchedule, first_hold_seconds
 from .graphs import StepGraphs, graphs_unavailable
 from .prefetch import Prefetcher
 from ..rng import capture_rng, restore_rng
@@ -450,6 +451,7 @@ class Trainer:
         self._stop_signal: str | None = None
         self._stop_note: str | None = None  # a stop signal's note, not yet in the metrics
         self._writer = None  # the CheckpointWriter, made at the first checkpoint
+        self._schedule = CheckpointSchedule(self.cfg.checkpoint_every, self.world.distributed)
         self._abandoned: set[int] = set()  # steps of checkpoints a resume left behind (see resume)
         self._last_update = 0  # the step whose update was the last applied (0: none yet)
         self._listed_modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
@@ -554,8 +556,7 @@ class Trainer:
             if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
                 self.log(self._train_record((self.step - 1) // self.steps_per_epoch, loss, stepped, elapsed, window))
             saved = None
-            if self.cfg.checkpoint_dir and (self.step == self.total_steps or (
-                    self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0)):
+            if self.cfg.checkpoint_dir and (self.step == self.total_steps or self._checkpoint_due(self.step)):
                 self.result.train_seconds = time.perf_counter() - t0
                 saved = self._checkpoint_in_loop()
             if self._skipped_in_row >= self.cfg.max_skipped_steps:
@@ -607,6 +608,19 @@ class Trainer:
         said = (f"CUDA graphs: {g.replayed:,} steps replayed from {g.captured} captured step graphs "
                 f"({format_bytes(g.pool_peak)} of memory for them at most)")
         self._event(said + (f"; then off: {g.off}" if g.off else ""), show=bool(g.off))
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether the loop checkpoints after optimizer step ``step`` (before the end of training):
+        :class:`~tightfit.runtime.checkpoint_schedule.CheckpointSchedule`, with this session's
+        clocks and the next snapshot's predicted hold."""
+        if not self._schedule.adaptive:
+            return self._schedule.due(step, 0.0, 0.0, 0.0, False)
+        w = self._writer
+        hold = w.last_hold if w is not None and w.last_hold is not None else None
+        if hold is None and step % self._schedule.grid == 0:  # predicted from the bytes until one is measured
+            hold = first_hold_seconds(self.model, self.optimizer)
+        return self._schedule.due(step, time.perf_counter() - self._t_fit, w.blocked_seconds if w else 0.0,
+                                  hold or 0.0, w is not None and w.busy)
 
     def _log_stop_note(self) -> None:
         """Log a stop signal's note, if one is waiting (see :meth:`_stop_on_signals`: the handler
@@ -705,8 +719,7 @@ class Trainer:
         boundary = self.step + 1
         return (launched.deferred and not self.world.distributed and boundary < self.total_steps
                 and boundary % self.cfg.log_every != 0
-                and not (self.cfg.checkpoint_dir and self.cfg.checkpoint_every
-                         and boundary % self.cfg.checkpoint_every == 0)
+                and not (self.cfg.checkpoint_dir and self._checkpoint_due(boundary))
                 and self._stop_signal is None and self._skipped_in_row + 1 < self.cfg.max_skipped_steps
                 and not (self.cfg.grow_back_after and self.micro_batch < self.plan.micro_batch))
 
