@@ -130,7 +130,7 @@ def test_a_skipped_non_finite_step_leaves_batchnorm_statistics_as_it_found_them(
     skip, in the Python API's step and in the runtime's, and a checkpoint refuses NaN statistics."""
     import tightfit
     from tightfit.plan import Plan
-    from tightfit.runtime.checkpoint import NonFiniteCheckpointError, _check_finite
+    from tightfit.runtime.checkpoint import NonFiniteCheckpointError, check_finite
 
     model = _cnn()
     step = tightfit.TrainStep(Plan("fp32", 8, 16, False, device="cpu"), model,
@@ -145,7 +145,7 @@ def test_a_skipped_non_finite_step_leaves_batchnorm_statistics_as_it_found_them(
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
     model[1].running_var.fill_(float("nan"))  # as a skipped step left them before
     with pytest.raises(NonFiniteCheckpointError, match=r"buffer '1.running_var' holds inf/NaN"):
-        _check_finite(model)
+        check_finite(model)
 
 
 def test_the_runtimes_skipped_step_puts_the_buffers_back_also_when_decided_on_the_device():

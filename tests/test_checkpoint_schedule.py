@@ -3,9 +3,8 @@ time and never waits for a write; an explicit ``checkpoint_every`` keeps its exa
 
 from __future__ import annotations
 
-import time
-
 import pytest
+import torch
 
 from tightfit.plan import Plan
 from tightfit.runtime import checkpoint_schedule
@@ -36,13 +35,14 @@ def test_several_processes_keep_the_default_grid():
     assert not s.due(150, seconds=1.0, held=0.0, next_hold=0.0, writer_busy=False)
 
 
-def _run(make_workload, tmp_path, **cfg):
+def _run(make_workload, tmp_path, log=None, **cfg):
     from tightfit.runtime.checkpoint import list_checkpoints
     from tightfit.runtime.trainer import TrainConfig, Trainer
 
     # 250 steps of 8 samples, one epoch
     config = TrainConfig(epochs=1, lr=1e-3, keep_last=10, checkpoint_dir=str(tmp_path), prefetch=False, **cfg)
-    trainer = Trainer(make_workload(n=2000, effective_batch=8), Plan("fp32", 8, 8), config, progress=False)
+    trainer = Trainer(make_workload(n=2000, effective_batch=8), Plan("fp32", 8, 8), config, progress=False,
+                      **({"log": log} if log else {}))
     trainer.fit()
     return [p.name for p in list_checkpoints(tmp_path)], trainer
 
@@ -69,10 +69,46 @@ def test_by_default_cheap_checkpoints_come_every_100_steps(make_workload, tmp_pa
 
 
 def test_by_default_the_loop_does_not_wait_for_a_write_in_flight(make_workload, tmp_path, monkeypatch):
+    import threading
+
     import tightfit.runtime.checkpoint as ckpt
 
-    hashing = ckpt.sha256_file
-    monkeypatch.setattr(ckpt, "sha256_file", lambda path: time.sleep(3.0) or hashing(path))  # a slow disk
+    hashing, last_step = ckpt.sha256_file, threading.Event()
+    # a disk so slow that ckpt-100's write ends only once step 250 is logged (just before its checkpoint)
+    monkeypatch.setattr(ckpt, "sha256_file", lambda path: last_step.wait(60) and hashing(path))
     monkeypatch.setattr(checkpoint_schedule, "SHARE", 1.0)
-    names, trainer = _run(make_workload, tmp_path)
+    names, trainer = _run(make_workload, tmp_path, log=lambda r: r.get("step") == 250 and last_step.set())
     assert names == ["ckpt-100", "ckpt-250"]  # step 200 came while ckpt-100 was being written
+
+
+def test_the_last_checkpoint_is_copied_on_the_writer_thread_and_holds_the_final_state(make_workload, tmp_path,
+                                                                                       monkeypatch):
+    """The end of training snapshots nothing in the loop (the writer thread copies the state, which
+    no step changes any more, while the model is evaluated): the checkpoint holds the state at the
+    end."""
+    import threading
+
+    import tightfit.runtime.async_checkpoint as writer_module
+    from safetensors.torch import load_file
+
+    from tightfit.runtime.checkpoint import read_state
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+
+    threads, take = [], writer_module.take_snapshot
+    monkeypatch.setattr(writer_module, "take_snapshot",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or take(*a, **k))
+
+    def fit(folder, max_steps):
+        cfg = TrainConfig(checkpoint_dir=str(folder), checkpoint_every=2, max_steps=max_steps, keep_last=10, lr=1e-3,
+                          seed=3, epochs=2, prefetch=False)
+        trainer = Trainer(make_workload(n=48, effective_batch=8, dropout=0.1), Plan("fp32", 4, 8), cfg, progress=False)
+        trainer.fit()
+        return trainer
+
+    short = fit(tmp_path / "short", 3)  # ckpt-2 in the loop, ckpt-3 at the end
+    assert threads[0] == threading.main_thread().name and threads[-1].startswith("tightfit-checkpoint")
+    state = read_state(tmp_path / "short" / "ckpt-3")
+    for i, p in enumerate(short.optimizer.param_groups[0]["params"]):
+        assert torch.equal(state["optimizer"]["state"][i]["exp_avg"], short.optimizer.state[p]["exp_avg"])
+    weights = load_file(tmp_path / "short" / "ckpt-3" / "model.safetensors")
+    assert all(torch.equal(weights[k], v) for k, v in short.model.state_dict().items() if k in weights)

@@ -192,7 +192,7 @@ class _HostBuffers:
         return buf
 
 
-def _check_finite(model: torch.nn.Module) -> None:
+def check_finite(model: torch.nn.Module) -> None:
     """One device sync for all parameters and BatchNorm's running statistics: their total 2-norm
     (``torch.nn.utils.get_total_norm``, a few multi-tensor kernels where a per-tensor
     ``isfinite().all()`` launched five per tensor, about 500 for MiniLM) is finite unless one holds
@@ -208,18 +208,23 @@ def _check_finite(model: torch.nn.Module) -> None:
         _assert_finite(model)
 
 
-def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | None = None) -> Snapshot:
+def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | None = None, pin: bool = True,
+                  check: bool = True) -> Snapshot:
     """Copy ``model``'s weights and ``state``'s tensors to host memory now (asynchronously from
     CUDA into pinned buffers, in stream order, so the next step's updates cannot reach them).
 
     Args:
         buffers: host buffers to reuse (the previous snapshot from them must be written first);
             None: fresh ones.
+        pin: copy from CUDA into pinned buffers, asynchronously; False: into pageable ones, each
+            copy waiting for the device (no pinning: for a snapshot taken once nothing trains).
+        check: refuse non-finite weights first (False: the caller checked them).
 
     Raises:
         NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is copied).
     """
-    _check_finite(model)
+    if check:
+        check_finite(model)
     buffers = buffers or _HostBuffers()
     on_cuda = any(p.is_cuda for p in model.parameters())
     weights, shared, seen = {}, {}, {}
@@ -229,11 +234,11 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
             shared[name] = seen[where]
             continue
         seen[where] = name
-        weights[name] = buffers.copy(("w", name), t, t.is_cuda)
+        weights[name] = buffers.copy(("w", name), t, pin and t.is_cuda)
     copies: list[torch.Tensor] = []
 
     def host(t: torch.Tensor) -> torch.Tensor:  # each plain tensor, a subclass's (torchao's) inner ones too
-        copies.append(buffers.copy(("s", len(copies)), t, t.is_cuda))  # CPU state too (offloaded): no new memory
+        copies.append(buffers.copy(("s", len(copies)), t, pin and t.is_cuda))  # CPU state too (offloaded): no new memory
         return copies[-1]
 
     host_state = map_tensors(state, host)

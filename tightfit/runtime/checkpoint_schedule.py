@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 AUTO_EVERY = 100  # the default grid, in optimizer steps
 SHARE = 0.02  # the default's bound on the training time checkpoints may hold the loop
-# the first snapshot's host copy rate before one is measured (bytes/s): it allocates the pinned
-# buffers too (a 21M-parameter model with AdamW state: 243 MiB in 73 ms on a 2-core CPU)
-FIRST_SNAPSHOT_BYTES_PER_S = 2e9
+# the first snapshot's rate before one is measured (bytes/s): it pins its host buffers, most of
+# its time (a 21M-parameter model with AdamW state: 243 MiB in 0.22 s, of which 6 ms the copies,
+# on an NVIDIA H100's host; bench/results/checkpoint-schedule)
+FIRST_SNAPSHOT_BYTES_PER_S = 1e9
 
 
 @dataclass

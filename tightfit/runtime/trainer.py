@@ -1026,7 +1026,9 @@ class Trainer:
         if self._writer is None:
             self._writer = CheckpointWriter(self.cfg.checkpoint_dir, self.cfg.keep_last,
                                             background=self.cfg.background_checkpoints, carried=self._checkpoint_base)
-        path = self._writer.save(self.step, self.model, self.state_dict(), self._abandoned)
+        # the end of training: no step changes the state again before flush_checkpoints
+        path = self._writer.save(self.step, self.model, self.state_dict(), self._abandoned,
+                                 last=background and self.step == self.total_steps)
         if not background:
             self.flush_checkpoints()
         self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
