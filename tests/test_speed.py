@@ -750,7 +750,7 @@ def test_steady_state_is_the_median_of_ten_step_windows_and_the_report_shows_all
     assert steady_samples_per_s(ends) == pytest.approx(80.0)
     assert steady_samples_per_s(ends[:9]) is None
     result = SimpleNamespace(step_ends=ends, samples_per_s=240 / t, eval_seconds=1.5, checkpoint_seconds=0.25,
-                             checkpoint_write_seconds=2.0)
+                             checkpoint_write_seconds=2.0, train_seconds=t)
     speed = speed_record(result, 0.4, {"cached": True, "predicted_samples_per_s": 90.0,
                                        "probed_samples_per_s": 100.0, "compile_s": 7.0})
     assert speed["steady_vs_probed"] == pytest.approx(0.8) and speed["plan_cached"]
@@ -761,7 +761,8 @@ def test_steady_state_is_the_median_of_ten_step_windows_and_the_report_shows_all
     assert "compilation before training 7.0 s" in text["time: planning"]  # not within the 0.4 s
     fresh = dict(speed_rows(speed_record(result, 40.0, {"compile_s": 25.0})))
     assert fresh["time: planning"] == "40.0 s, of which compilation 25.0 s"  # a stage of the 40 s, not 65 s in all
-    assert text["time: evaluation"] == "1.5 s" and "0.25 s holding the loop" in text["time: checkpoints"]
+    assert text["time: evaluation"] == "1.5 s"
+    assert text["time: checkpoints"].startswith(f"0.25 s holding the loop ({25 / t:.1f}% of the training time)")
     json.dumps(speed)
 
 

@@ -56,8 +56,8 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
         ``{"predicted_samples_per_s", "probed_samples_per_s", "steady_samples_per_s",
         "whole_run_samples_per_s", "steady_vs_probed", "planning_seconds", "plan_cached", "plan_from_checkpoint",
         "planning_of_first_run" (on resume: planning_seconds is the first run's, from its metrics.jsonl),
-        "compile_seconds", "eval_seconds", "checkpoint_seconds", "checkpoint_write_seconds", "graphed_steps"
-        (steps this session replayed as CUDA graphs), "graphs_off" (why none were, or why they
+        "compile_seconds", "eval_seconds", "checkpoint_seconds", "checkpoint_write_seconds", "checkpoint_share"
+        (the loop's hold by checkpoints over the training time), "graphed_steps" (steps this session replayed as CUDA graphs), "graphs_off" (why none were, or why they
         stopped; None: replayed to the end)}``
         (figures not known are None; samples/s, seconds).
     """
@@ -77,6 +77,9 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
         "eval_seconds": result.eval_seconds,
         "checkpoint_seconds": result.checkpoint_seconds,
         "checkpoint_write_seconds": result.checkpoint_write_seconds,
+        # the share issue 12 bounds (2%) and the default checkpoint schedule keeps to
+        "checkpoint_share": (result.checkpoint_seconds / train if (train := getattr(result, "train_seconds", 0))
+                             else None),
         "graphed_steps": getattr(result, "graphed_steps", 0),
         "graphs_off": getattr(result, "graphs_off", None),
     }
@@ -116,6 +119,8 @@ def speed_rows(speed: dict) -> list[tuple[str, str]]:
                  else f", of which compilation {speed['compile_seconds']:.1f} s")
     rows.append(("time: planning", plan))
     rows.append(("time: evaluation", f"{speed['eval_seconds']:.1f} s"))
-    rows.append(("time: checkpoints", f"{speed['checkpoint_seconds']:.2f} s holding the loop, "
-                                      f"{speed['checkpoint_write_seconds']:.2f} s writing in the background"))
+    share = speed.get("checkpoint_share")
+    held = f"{speed['checkpoint_seconds']:.2f} s holding the loop" + (
+        f" ({100 * share:.1f}% of the training time)" if share is not None else "")
+    rows.append(("time: checkpoints", f"{held}, {speed['checkpoint_write_seconds']:.2f} s writing in the background"))
     return rows
