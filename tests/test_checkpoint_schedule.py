@@ -30,7 +30,7 @@ def test_an_explicit_interval_keeps_its_grid_whatever_the_cost(every):
 
 
 def test_several_processes_keep_the_default_grid():
-    s = CheckpointSchedule(None, distributed=True)  # every rank must checkpoint at the same step
+    s = CheckpointSchedule(None, plain_grid=True)  # every rank must checkpoint at the same step
     assert s.due(100, seconds=1.0, held=5.0, next_hold=5.0, writer_busy=True)
     assert not s.due(150, seconds=1.0, held=0.0, next_hold=0.0, writer_busy=False)
 
@@ -112,3 +112,68 @@ def test_the_last_checkpoint_is_copied_on_the_writer_thread_and_holds_the_final_
         assert torch.equal(state["optimizer"]["state"][i]["exp_avg"], short.optimizer.state[p]["exp_avg"])
     weights = load_file(tmp_path / "short" / "ckpt-3" / "model.safetensors")
     assert all(torch.equal(weights[k], v) for k, v in short.model.state_dict().items() if k in weights)
+
+
+def test_the_last_copy_goes_into_the_buffers_of_the_earlier_snapshots(make_workload, tmp_path, monkeypatch):
+    """One host copy of the state at most: the end's copy, on the writer thread, reuses the
+    buffers the loop's snapshots filled (a fresh set would hold a second copy at the end)."""
+    import tightfit.runtime.async_checkpoint as writer_module
+
+    given, take = [], writer_module.take_snapshot
+    monkeypatch.setattr(writer_module, "take_snapshot", lambda m, s, buffers=None, **k: given.append(buffers)
+                        or take(m, s, buffers, **k))
+    _, trainer = _run(make_workload, tmp_path, checkpoint_every=100)
+    assert len(given) == 3 and all(b is trainer._writer._buffers for b in given)
+
+
+def test_a_run_whose_checkpoints_torch_distributed_checkpoint_writes_keeps_the_plain_grid(make_workload, tmp_path):
+    """Parameter offload on one process writes its checkpoints in the loop through
+    torch.distributed.checkpoint: no background writer whose holds the default could weigh."""
+    from tightfit.runtime.distributed import World
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+
+    world = World()
+    try:
+        trainer = Trainer(make_workload(n=16, effective_batch=8), Plan("fp32", 8, 8, sharding="fsdp-offload"),
+                          TrainConfig(epochs=1, checkpoint_dir=str(tmp_path), prefetch=False), progress=False,
+                          world=world)
+        assert trainer.world.writes_dcp and not trainer._schedule.adaptive
+    finally:
+        world.close()
+
+
+def test_a_second_interrupt_while_the_last_checkpoint_is_written_keeps_the_run(tmp_path, monkeypatch):
+    """Ctrl-C during the evaluation, then again while fit() waits for the end's checkpoint: the
+    run's only checkpoint was still being written, so the new run's folder was deleted under the
+    writer. It is now waited for, and the run can be finished with --resume."""
+    import threading
+
+    from conftest import tiny_cpu_job
+
+    import tightfit.runtime.async_checkpoint as writer_module
+    import tightfit.runtime.checkpoint as ckpt
+    from tightfit.api import TrainRequest, train
+    from tightfit.runtime.trainer import Trainer
+
+    job, hashing, release = tiny_cpu_job(tmp_path), ckpt.sha256_file, threading.Event()
+    monkeypatch.setattr(ckpt, "sha256_file", lambda path: release.wait(30) and hashing(path))  # a slow disk
+
+    def evaluate(self):
+        raise KeyboardInterrupt  # the first Ctrl-C
+
+    flush, second = writer_module.CheckpointWriter.flush, []
+
+    def interrupted_flush(self):
+        if self.busy and not second:
+            second.append(1)
+            release.set()  # the disk catches up while the run is being judged
+            raise KeyboardInterrupt  # the second Ctrl-C, while fit() waits for the write
+        return flush(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    monkeypatch.setattr(writer_module.CheckpointWriter, "flush", interrupted_flush)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainRequest(**job, out=str(tmp_path / "run")))
+    assert second
+    names = [p.name for p in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")]
+    assert names and ckpt.verify_checkpoint(tmp_path / "run" / "checkpoints" / names[-1])

@@ -18,6 +18,7 @@ and silences them with ``logging.getLogger("tightfit").setLevel(logging.ERROR)``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -830,6 +831,13 @@ class TrainRecipe:
 
         if getattr(self, "created", None) is None:
             return
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.writing_checkpoint():
+            # a checkpoint being written (e.g. the end's, during the evaluation): in place before the
+            # folder is judged, or it would be deleted under the writer; another Ctrl-C leaves it as it is
+            log.warning("note: waiting for the checkpoint being written")
+            with contextlib.suppress(Exception):  # a failed write: judged as no checkpoint
+                trainer.flush_checkpoints()
         if has_checkpoint(self.out / "checkpoints"):
             log.warning(f"note: continue with: {self.resume_command()}")
             return

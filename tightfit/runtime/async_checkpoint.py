@@ -109,7 +109,9 @@ class CheckpointWriter:
         """:meth:`save` with ``last``, on the writer thread: the copies, then the write."""
         if ready is not None:
             ready.synchronize()
-        snap = take_snapshot(model, state, pin=False, check=False)  # checked by save
+        # into the buffers of earlier snapshots where there are (the previous write is done: save
+        # waited for it), so that checkpointing still holds one host copy of the state at most
+        snap = take_snapshot(model, state, self._buffers, pin=False, check=False)  # checked by save
         self.host_bytes = max(self.host_bytes, snap.nbytes)
         return self._write(step, snap, abandoned, held)
 

@@ -10,10 +10,11 @@ bench/results/cuda-graphs call 6).
 (``None``) keeps the grid of :data:`AUTO_EVERY` steps but takes a checkpoint at a multiple of it
 only where the previous write is done (the loop never waits for one) and the time checkpoints
 have held the loop in this session, this one's predicted snapshot included, stays within
-:data:`SHARE` of the session's training time so far. A short run then checkpoints at its end
-only; a long one every 100 steps wherever a snapshot is small against 100 steps. Several
-processes keep the plain grid: every rank must checkpoint at the same step, and their clocks
-differ. The end of training and every stop checkpoint regardless.
+:data:`SHARE` of the session's training time so far. A run whose snapshot is costly against its
+steps then checkpoints late or at its end only; one whose snapshot is small against 100 steps,
+every 100 steps. Several processes keep the plain grid (every rank must checkpoint at the same
+step, and their clocks differ), and so does a run whose checkpoints torch.distributed.checkpoint
+writes in the loop. The end of training and every stop checkpoint regardless.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ class CheckpointSchedule:
     Args:
         every: ``checkpoint_every``: steps between checkpoints; 0: at the end only; None: the
             default, at multiples of :data:`AUTO_EVERY` where cheap.
-        distributed: several processes train together (the default keeps the plain grid).
+        plain_grid: the default keeps the plain grid: several processes train together, or
+            torch.distributed.checkpoint writes in the loop (no background write to weigh).
     """
 
     every: int | None
-    distributed: bool = False
+    plain_grid: bool = False
 
     def __post_init__(self):
         self._decided: tuple[int, bool] | None = None  # (step, verdict): asked twice per boundary
@@ -52,7 +54,7 @@ class CheckpointSchedule:
     @property
     def adaptive(self) -> bool:
         """Whether a step of the grid may go without a checkpoint (the default on one process)."""
-        return self.every is None and not self.distributed
+        return self.every is None and not self.plain_grid
 
     def due(self, step: int, seconds: float, held: float, next_hold: float, writer_busy: bool) -> bool:
         """Whether the loop checkpoints after optimizer step ``step`` (the end of training aside,

@@ -451,7 +451,9 @@ class Trainer:
         self._stop_signal: str | None = None
         self._stop_note: str | None = None  # a stop signal's note, not yet in the metrics
         self._writer = None  # the CheckpointWriter, made at the first checkpoint
-        self._schedule = CheckpointSchedule(self.cfg.checkpoint_every, self.world.distributed)
+        # the plain grid where several ranks must agree on the steps, or where torch.distributed.checkpoint
+        # writes in the loop (no background writer whose holds the schedule could weigh)
+        self._schedule = CheckpointSchedule(self.cfg.checkpoint_every, self.world.distributed or self.world.writes_dcp)
         self._abandoned: set[int] = set()  # steps of checkpoints a resume left behind (see resume)
         self._last_update = 0  # the step whose update was the last applied (0: none yet)
         self._listed_modules: list[torch.nn.Module] | None = None  # the model's modules, listed by fit()
@@ -645,7 +647,8 @@ class Trainer:
         from .checkpoint import NonFiniteCheckpointError
 
         try:
-            return self.save_checkpoint(background=True)
+            # at the end of training nothing changes the state before flush_checkpoints: the writer copies it
+            return self.save_checkpoint(background=True, last=self.step == self.total_steps)
         except NonFiniteCheckpointError as e:
             self.flush_checkpoints()  # an earlier checkpoint still being written is in place first
             what = str(e).removeprefix("refusing to write a checkpoint: ")
@@ -988,11 +991,13 @@ class Trainer:
         now = (self.health.max_temp_c, self.health.max_power_w) if self.health is not None else (None, None)
         return tuple(max((v for v in pair if v is not None), default=None) for pair in zip(now, self.resumed_health))
 
-    def save_checkpoint(self, background: bool = False) -> str:
+    def save_checkpoint(self, background: bool = False, last: bool = False) -> str:
         """Write ``ckpt-<step>`` atomically (never with non-finite weights); keep the newest few.
         With ``background`` (and ``config.background_checkpoints``) only the copy to host memory
         happens now and the write goes on in the background (:mod:`.async_checkpoint`; the next
-        save and :meth:`flush_checkpoints` wait for it). Returns its path.
+        save and :meth:`flush_checkpoints` wait for it); with ``last`` too, not even the copy
+        (the caller changes neither the model nor the optimizer before :meth:`flush_checkpoints`:
+        the end of training). Returns its path.
 
         Raises:
             NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is written).
@@ -1026,13 +1031,15 @@ class Trainer:
         if self._writer is None:
             self._writer = CheckpointWriter(self.cfg.checkpoint_dir, self.cfg.keep_last,
                                             background=self.cfg.background_checkpoints, carried=self._checkpoint_base)
-        # the end of training: no step changes the state again before flush_checkpoints
-        path = self._writer.save(self.step, self.model, self.state_dict(), self._abandoned,
-                                 last=background and self.step == self.total_steps)
+        path = self._writer.save(self.step, self.model, self.state_dict(), self._abandoned, last=background and last)
         if not background:
             self.flush_checkpoints()
         self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
         return str(path)
+
+    def writing_checkpoint(self) -> bool:
+        """Whether a checkpoint is being written in the background now."""
+        return self._writer is not None and self._writer.busy
 
     def flush_checkpoints(self) -> None:
         """Wait until the checkpoint being written in the background is in place (re-raising
