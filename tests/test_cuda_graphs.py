@@ -147,6 +147,25 @@ def test_a_run_resumed_with_cuda_graphs_continues_exactly(tmp_path):
 
 
 @pytest.mark.gpu
+def test_the_checkpoint_at_the_end_holds_the_state_the_run_ended_with(tmp_path):
+    """The end's checkpoint is copied from the GPU by the writer thread while the model is
+    evaluated (tightfit.runtime.async_checkpoint, ``last``): it holds the weights and the
+    optimizer state the run ended with, bit for bit."""
+    from safetensors.torch import load_file
+
+    from tightfit.runtime.checkpoint import read_state, verify_checkpoint
+
+    t, _ = _run(tmp_path, "end", keep_last=10)
+    end = tmp_path / "end" / f"ckpt-{t.step}"
+    assert t.step % 12 and verify_checkpoint(end)  # not also a checkpoint of the grid: the end's own
+    weights = load_file(end / "model.safetensors")
+    assert all(torch.equal(weights[k], v.cpu()) for k, v in t.model.state_dict().items() if k in weights)
+    state = read_state(end)["optimizer"]["state"]
+    for i, p in enumerate(t.optimizer.param_groups[0]["params"]):
+        assert torch.equal(state[i]["exp_avg_sq"], t.optimizer.state[p]["exp_avg_sq"].cpu())
+
+
+@pytest.mark.gpu
 def test_a_graphed_run_leaves_no_memory_behind(tmp_path):
     """Run after run in one process (a notebook, a test suite, a bench), the memory allocated
     afterwards does not grow: the captures' stream, whose cuBLAS workspaces live as long as the
