@@ -14,6 +14,8 @@
 #   levers:    issue 14's BERT-large seq 128 row at 4 GiB (bench/optimizer_levers.py: tightfit, compiled and eager
 #              no-budget, 300 steps; env LEVERS_WORKLOADS, LEVERS_SETTINGS) -> OUT/levers.log, OUT/optimizer_levers.{json,md}
 #   main:      the main job at 4 GiB (`tightfit train --full --budget 4GiB`) -> OUT/main.log
+#   schedule:  the main job at 4 GiB with the default checkpoint schedule, --checkpoint-every 100 and --cuda-graphs
+#              off, then bench/warmup_timeline.py on it -> OUT/main-*.log, OUT/warmup-timeline.{json,log}, OUT/runs.tgz
 #   sync:      bench/optimizer_sync.py (8-bit step with and without the per-tensor syncs) -> OUT/optimizer_sync.*
 #   plan-breakdown: bench/plan_breakdown.py (the GPU planner's stages and probe steps timed) on BERT-large
 #              and BERT-base seq 128 at 4 GiB -> OUT/plan-breakdown/plan-breakdown.{json,md}
@@ -100,6 +102,17 @@ for part in "$@"; do
       timeout 200 python3 -m tightfit train --full --budget 4GiB --out "$RUNS/main" --no-progress > "$OUT/main.log" 2>&1
       echo "main exit $?" >> "$OUT/env.txt"
       cp "$RUNS/main/summary.json" "$OUT/main-summary.json" 2>/dev/null ;;
+    schedule)
+      for run in "default" "every100 --checkpoint-every 100" "off --cuda-graphs off"; do
+        set -- $run
+        TIGHTFIT_CACHE_DIR=$(mktemp -d) timeout 100 python3 -m tightfit train --full --budget 4GiB --out "$RUNS/$1" \
+          --no-progress "${@:2}" > "$OUT/main-$1.log" 2>&1
+        echo "main $1 exit $?" >> "$OUT/env.txt"
+      done
+      TIGHTFIT_CACHE_DIR=$(mktemp -d) timeout 100 python3 bench/warmup_timeline.py "$OUT" --full --budget 4GiB \
+        --out "$RUNS/timeline" --no-progress > "$OUT/warmup-timeline.log" 2>&1
+      echo "timeline exit $?" >> "$OUT/env.txt"
+      (cd "$RUNS" && tar czf "$OUT/runs.tgz" */metrics.jsonl */summary.json */report.md) ;;  # one file: a call returns 8
   esac
 done
 tail -3 "$OUT"/pytest-gpu.txt 2>/dev/null; grep -E "planning took|runner-up|decided by" "$OUT"/*.log 2>/dev/null | cut -c1-400
