@@ -13,7 +13,7 @@ import torch
 
 from tightfit.errors import TightfitError
 from tightfit.runtime.checkpoint import (
-    CorruptCheckpointError, latest_intact_checkpoint, list_checkpoints, load_checkpoint, read_state,
+    CorruptCheckpointError, latest_intact_checkpoint, list_checkpoints, load_checkpoint, read_state, resume_point,
     remove_stale_temporaries, save_checkpoint, verify_checkpoint,
 )
 
@@ -218,7 +218,9 @@ def test_checkpoint_without_manifest_is_accepted_with_a_note_and_checked_for_tru
         (ckpt / "state.safetensors").unlink()
     assert verify_checkpoint(tmp_path / "ckpt-6") is False
     point = latest_intact_checkpoint(tmp_path)
-    assert point.path.name == "ckpt-6" and "has no manifest.json" in point.notes[-1]
+    assert point.path.name == "ckpt-6" and "has no manifest.json (written by an older tightfit)" in point.notes[-1]
+    # today's format (state.safetensors) whose manifest was deleted: not blamed on an older tightfit
+    assert "has no manifest.json (lost: this tightfit writes one)" in resume_point(tmp_path / "ckpt-2").notes[-1]
     other = _model(seed=1)
     assert load_checkpoint(tmp_path / "ckpt-6", other)["step"] == 6
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))

@@ -713,7 +713,9 @@ def resume_point(path: Path) -> ResumePoint:
     """
     if verify_checkpoint(path):
         return ResumePoint(Path(path), ())
-    return ResumePoint(Path(path), (f"checkpoint {Path(path).name} has no {MANIFEST} (written by an older tightfit): "
+    # state.safetensors came after manifests: a checkpoint with one lost its manifest (deleted, copied without it)
+    why = "lost: this tightfit writes one" if (Path(path) / STATE_TENSORS).exists() else "written by an older tightfit"
+    return ResumePoint(Path(path), (f"checkpoint {Path(path).name} has no {MANIFEST} ({why}): "
                                     f"checked for truncation only, its weights carry no checksum",))
 
 
