@@ -37,7 +37,7 @@ class CheckpointWriter:
 
     Attributes:
         blocked_seconds: time the caller spent in :meth:`save` and :meth:`flush` (the snapshot,
-            and waiting for the previous write).
+            and waiting for the previous write), a wait that held no training left out.
         write_seconds: time the writer spent writing and hashing.
         host_bytes: host memory held by the snapshot buffers (one copy of the weights and the
             state, reused by every checkpoint).
@@ -131,13 +131,16 @@ class CheckpointWriter:
             write_checkpoint_times(path, self.carried[0] + held, self.carried[1] + self.write_seconds)
         return path
 
-    def flush(self) -> None:
-        """Wait for the write in flight; re-raise its error (raised once)."""
+    def flush(self, holds_loop: bool = True) -> None:
+        """Wait for the write in flight; re-raise its error (raised once). ``holds_loop`` False:
+        the wait holds no training (after the evaluation that followed it): not counted in
+        :attr:`blocked_seconds`."""
         t0 = time.perf_counter()
         try:
             self._wait()
         finally:
-            self.blocked_seconds += time.perf_counter() - t0
+            if holds_loop:
+                self.blocked_seconds += time.perf_counter() - t0
 
     def _wait(self) -> None:
         pending, self._pending = self._pending, None

@@ -103,8 +103,9 @@ class TrainResult:
         eval: last evaluation ``{"accuracy", "loss", "samples"}`` or None.
         step_ends: ``(seconds since this process's loop began, samples so far)`` after each step
             of this process (for the delivered samples/s: :mod:`tightfit.report.speed`).
-        checkpoint_seconds: time the run was held by checkpoints (snapshots, waiting for a write;
-            the last write goes on during the evaluation, and only a wait after it counts);
+        checkpoint_seconds: time the training loop was held by checkpoints (snapshots, waiting for a
+            write in flight); the last write goes on during the evaluation, and a wait for it
+            after the evaluation holds no training (the run's wall time has it, not this);
             checkpoint_write_seconds: time spent writing and hashing them (in the background).
         eval_seconds: wall time of the evaluation.
         graphed_steps, step_graphs, graph_pool_bytes: this session's steps replayed as CUDA graphs,
@@ -513,7 +514,8 @@ class Trainer:
                 self.result.eval_seconds = time.perf_counter() - t_eval
                 self.log({"type": "eval", "step": self.step, **self.result.eval})
         finally:
-            self.flush_checkpoints()  # ... and is in place before fit returns
+            # ... and is in place before fit returns: a wait now holds no training (the run's wall time has it)
+            self.flush_checkpoints(holds_loop=False)
         if self.device.type == "cuda":  # the run's peaks: every step's and the evaluation's
             self.result.peak_allocated_bytes = max(self._peaks[0], torch.cuda.max_memory_allocated(self.device))
             self.result.peak_reserved_bytes = max(self._peaks[1], torch.cuda.max_memory_reserved(self.device))
@@ -1041,12 +1043,13 @@ class Trainer:
         """Whether a checkpoint is being written in the background now."""
         return self._writer is not None and self._writer.busy
 
-    def flush_checkpoints(self) -> None:
+    def flush_checkpoints(self, holds_loop: bool = True) -> None:
         """Wait until the checkpoint being written in the background is in place (re-raising
-        the writer's error), and count the time checkpoints took."""
+        the writer's error), and count the time checkpoints took (``holds_loop`` False: the wait
+        holds no training, as after the final evaluation, and is not counted as holding the loop)."""
         if self._writer is not None:
             try:
-                self._writer.flush()
+                self._writer.flush(holds_loop)
             finally:
                 self.result.checkpoint_seconds, self.result.checkpoint_write_seconds = self._checkpoint_times()
 
