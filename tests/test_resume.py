@@ -287,9 +287,11 @@ def test_an_interrupt_before_the_first_checkpoint_leaves_the_folder_reusable(tin
     monkeypatch.setattr(Trainer, "fit", interrupted)
     assert _short_run(model_dir, data, tmp_path / "run") == 130
     assert not (tmp_path / "run").exists()
+    assert f"stopped before its first checkpoint: removed {tmp_path / 'run'} (nothing" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()  # a folder the user made stays, empty
     assert _short_run(model_dir, data, tmp_path / "empty") == 130
     assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
+    assert f"removed what it had written in {tmp_path / 'empty'}" in capsys.readouterr().out
     monkeypatch.undo()
     assert _short_run(model_dir, data, tmp_path / "run") == 0  # the same --out works again
 

@@ -841,7 +841,11 @@ class TrainRecipe:
         if has_checkpoint(self.out / "checkpoints"):
             log.warning(f"note: continue with: {self.resume_command()}")
             return
+        made_folder = self.created[:1] == [self.out]
         self.remove_created()
+        # said, or the user looks for a run that is gone
+        what = str(self.out) if made_folder and not self.out.exists() else f"what it had written in {self.out}"
+        log.warning(f"note: stopped before its first checkpoint: removed {what} (nothing in it could be resumed)")
 
     def remove_created(self) -> None:
         """Remove what this run made in its folder, files first, then the folder if the run made it
