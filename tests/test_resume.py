@@ -474,3 +474,39 @@ def test_a_resumed_run_counts_the_write_of_the_checkpoint_it_resumed_from(tiny_r
     assert checkpoint_times(newest) is None
     (newest / TIMES).unlink()
     assert checkpoint_times(newest) is None and verify_checkpoint(newest)
+
+
+def test_an_interrupt_during_the_final_evaluation_says_the_run_is_trained_and_is_an_event(tiny_run_inputs, tmp_path,
+                                                                                           monkeypatch, capsys, caplog):
+    """It said only "continue with: tightfit train --resume RUN" (to a user of the Python API too)
+    and "tightfit: interrupted", and the resumed run's report had no word of how the first
+    session ended."""
+    import logging
+
+    import tightfit.api as api
+    from tightfit.runtime.trainer import Trainer
+
+    model_dir, data = tiny_run_inputs
+    evaluate = Trainer.evaluate
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Trainer, "evaluate", interrupted)
+    run = tmp_path / "run"
+    assert _short_run(model_dir, data, run) == 130
+    assert (f"note: interrupted during the final evaluation: the run is trained; continue with: "
+            f"tightfit train --resume {run} (it finishes the run)") in capsys.readouterr().out
+    events = [r["message"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if r["type"] == "event"]
+    assert any(m.startswith("interrupted during the final evaluation") for m in events)
+    with caplog.at_level(logging.WARNING, logger="tightfit.api"), pytest.raises(KeyboardInterrupt):
+        api.train(api.TrainRequest(resume=str(run)))  # the Python API: its own resume call
+    assert f"continue with: tightfit.api.train(TrainRequest(resume={str(run)!r})) (it finishes" in caplog.text
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    assert main_resume(run) == 0
+    assert "interrupted during the final evaluation" in (run / "report.md").read_text()
+
+
+def main_resume(run):
+    from tightfit.cli import main
+    return main(["train", "--resume", str(run), "--no-progress"])

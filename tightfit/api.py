@@ -50,6 +50,8 @@ from .units import count_of, format_bytes, format_bytes_pair, parse_budget
 __all__ = ["TrainRecipe", "TrainRequest", "RunSummary", "resolve_device", "train"]
 
 log = logging.getLogger(__name__)
+# the event of a run interrupted in its final evaluation (metrics.jsonl, the report)
+EVALUATION_INTERRUPTED = "interrupted during the final evaluation: the run is trained"
 
 CPU_DEFAULT_TRAIN_SAMPLES = 2000  # keeps the default run under 10 minutes on 2 CPU cores
 
@@ -110,15 +112,15 @@ def train(req: TrainRequest) -> RunSummary:
                 recipe.remove_created()  # a run folder left half-made (e.g. request.json not written) would block --out
                 raise
             result = recipe.train()
-        except KeyboardInterrupt:  # stopped at once (a second Ctrl-C, or before training began)
-            recipe.interrupted()
+        except KeyboardInterrupt:  # stopped at once (a second Ctrl-C, before training began, in the evaluation)
+            recipe.interrupted("the final evaluation")  # (the training loop's own stops are StoppedError)
             raise
         except OSError as e:  # metrics.jsonl on a full disk, an image gone: one line that says how to go on
             raise recipe.disk_failure(e) or recipe.missing_sample(e) or e
         try:
             summary = recipe.finish(result)
         except KeyboardInterrupt:  # while the model and report were written: the command that finishes the run
-            recipe.interrupted()
+            recipe.interrupted("writing the model and the report")
             raise
         except Exception as e:  # the model or the report on a full disk (safetensors' error is no OSError): likewise
             raise recipe.disk_failure(e) or e
@@ -823,10 +825,15 @@ class TrainRecipe:
         return finished
 
     # ---------------------------------------------------------------- from here on the run folder is written
-    def interrupted(self) -> None:
+    def interrupted(self, after_training: str) -> None:
         """After an interrupt that stopped at once: a new run with no checkpoint yet is removed
         (what it wrote and, if it made it, the folder), so that the same ``--out`` can be used
-        again; otherwise say how to continue."""
+        again; otherwise say how to continue (as this face takes it: the command or the call).
+
+        Args:
+            after_training: what the run was doing if its training had ended (``"the final
+                evaluation"``), for the note.
+        """
         from .runtime.checkpoint import has_checkpoint
 
         if getattr(self, "created", None) is None:
@@ -839,7 +846,9 @@ class TrainRecipe:
             with contextlib.suppress(Exception):  # a failed write: judged as no checkpoint
                 trainer.flush_checkpoints()
         if has_checkpoint(self.out / "checkpoints"):
-            log.warning(f"note: continue with: {self.resume_command()}")
+            trained = trainer is not None and trainer.total_steps and trainer.step == trainer.total_steps
+            log.warning(f"note: {f'interrupted during {after_training}: the run is trained; ' if trained else ''}"
+                        f"continue with: {self.resume_hint()}{' (it finishes the run)' if trained else ''}")
             return
         made_folder = self.created[:1] == [self.out]
         self.remove_created()
@@ -950,14 +959,15 @@ class TrainRecipe:
             then = (f"continue from the newest checkpoint in place once there is room: {self.resume_command()}"
                     if has_checkpoint(e.folder) else "no earlier checkpoint is in place")
             raise CheckpointWriteError(f"{e}; training stopped at step {self.trainer.step}; {then}", e.folder) from None
+        except KeyboardInterrupt:  # stopped at once: after the training, recorded while the metrics are open
+            if self.trainer.total_steps and self.trainer.step == self.trainer.total_steps:
+                self.trainer.event(f"{EVALUATION_INTERRUPTED}, stopped at once", show=False, session=True)
+            raise
         except StoppedError as e:
             nonfinite = isinstance(e, NonFiniteTrainingError)
 
-            def resume(target: Path) -> str:  # as this face takes it: the command line, or the Python API
-                if names_flags():
-                    return self.resume_command(target) + (" --lr <lower>" if nonfinite else "")
-                lower = ", lr=<lower>" if nonfinite else ""
-                return f"tightfit.api.train(TrainRequest(resume={str(target)!r}{lower}))"
+            def resume(target: Path) -> str:
+                return self.resume_hint(target, lower_lr=nonfinite)
 
             said = (f"checkpoint {e.checkpoint} written; continue with: {resume(self.out)}" if e.checkpoint
                     else "no checkpoint could be written")
@@ -978,6 +988,15 @@ class TrainRecipe:
             raise NonFiniteTrainingError(f"{text}; {said}", e.step, e.checkpoint, e.last_update) from None
         finally:
             self.metrics.close()
+
+    def resume_hint(self, target: Path | None = None, lower_lr: bool = False) -> str:
+        """How to continue this run from ``target`` (the run folder by default) as this face takes
+        it: the command line (:meth:`resume_command`) or the Python API's call; ``lower_lr``: with a
+        lower learning rate to fill in."""
+        if names_flags():
+            return self.resume_command(target) + (" --lr <lower>" if lower_lr else "")
+        lower = ", lr=<lower>" if lower_lr else ""
+        return f"tightfit.api.train(TrainRequest(resume={str(target or self.out)!r}{lower}))"
 
     def resume_command(self, target: Path | None = None) -> str:
         """The command line that continues this run from ``target`` (a checkpoint, or the run
