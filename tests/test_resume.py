@@ -507,6 +507,18 @@ def test_an_interrupt_during_the_final_evaluation_says_the_run_is_trained_and_is
     assert "interrupted during the final evaluation" in (run / "report.md").read_text()
 
 
-def main_resume(run):
+def main_resume(run, *extra):
     from tightfit.cli import main
-    return main(["train", "--resume", str(run), "--no-progress"])
+    return main(["train", "--resume", str(run), "--no-progress", *extra])
+
+
+def test_resuming_a_finished_run_with_an_option_given_anew_says_it_was_not_applied(tiny_run_inputs, tmp_path, capsys):
+    """The notes of the resume ("--resume with --lr ...", "resumed from ...") came before "had
+    already finished ... (nothing written)", which did not say the new --lr was not applied."""
+    model_dir, data = tiny_run_inputs
+    run = tmp_path / "run"
+    assert _short_run(model_dir, data, run) == 0
+    capsys.readouterr()
+    assert main_resume(run, "--lr", "1e-4") == 0
+    assert "already finished at step 2: nothing left to train (nothing written; --lr not applied)" in \
+        capsys.readouterr().out

@@ -820,8 +820,11 @@ class TrainRecipe:
             log.warning(f"note: {summary} cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
                         f"the run is evaluated and its results written again")
             return None
+        # the notes above (the checkpoint resumed from, an option given anew) said what a resume would do: undone
+        given = [("--" + k.replace("_", "-")) if names_flags() else k for k in self.changed]
+        anew = f"; {', '.join(given)} not applied" if given else ""
         log.info(f"run {self.out} had already finished at step {self.trainer.step}: nothing left to train "
-                 f"(nothing written)")
+                 f"(nothing written{anew})")
         return finished
 
     # ---------------------------------------------------------------- from here on the run folder is written
