@@ -10,31 +10,36 @@ import torch
 
 from tightfit.plan import Plan
 from tightfit.runtime import checkpoint_schedule
-from tightfit.runtime.checkpoint_schedule import CheckpointSchedule
+from tightfit.runtime.checkpoint_schedule import CheckpointCosts, CheckpointSchedule
+
+
+def _costs(**known):
+    """The costs a step of the grid is weighed by (asked for lazily, as the trainer gives them)."""
+    return lambda: CheckpointCosts(**known)
 
 
 def test_the_default_takes_a_step_of_its_grid_only_where_the_checkpoint_is_cheap():
     s = CheckpointSchedule(None)
-    assert s.due(100, seconds=10.0, held=0.0, next_hold=0.1, writer_busy=False)  # 0.1 s of 10: 1%
-    assert not s.due(200, seconds=10.0, held=0.15, next_hold=0.1, writer_busy=False)  # 2.5%
-    assert not s.due(300, seconds=100.0, held=0.0, next_hold=0.1, writer_busy=True)  # never waits for a write
-    assert not s.due(150, seconds=100.0, held=0.0, next_hold=0.0, writer_busy=False)  # off the grid
-    assert s.due(400, seconds=100.0, held=1.0, next_hold=1.0, writer_busy=False)  # 2.0%: within
+    assert s.due(100, _costs(seconds=10.0, held=0.0, next_hold=0.1, writer_busy=False))  # 0.1 s of 10: 1%
+    assert not s.due(200, _costs(seconds=10.0, held=0.15, next_hold=0.1, writer_busy=False))  # 2.5%
+    assert not s.due(300, _costs(seconds=100.0, held=0.0, next_hold=0.1, writer_busy=True))  # never waits for a write
+    assert not s.due(150, _costs(seconds=100.0, held=0.0, next_hold=0.0, writer_busy=False))  # off the grid
+    assert s.due(400, _costs(seconds=100.0, held=1.0, next_hold=1.0, writer_busy=False))  # 2.0%: within
     # asked again for the same step (the loop asks before queueing the next step and at the boundary)
-    assert s.due(400, seconds=0.0, held=9.0, next_hold=9.0, writer_busy=True)
+    assert s.due(400, _costs(seconds=0.0, held=9.0, next_hold=9.0, writer_busy=True))
 
 
 @pytest.mark.parametrize("every", [7, 0, 100])
 def test_an_explicit_interval_keeps_its_grid_whatever_the_cost(every):
     s = CheckpointSchedule(every)
-    due = [k for k in range(1, 250) if s.due(k, seconds=1.0, held=5.0, next_hold=5.0, writer_busy=True)]
+    due = [k for k in range(1, 250) if s.due(k, _costs(seconds=1.0, held=5.0, next_hold=5.0, writer_busy=True))]
     assert due == (list(range(every, 250, every)) if every else [])
 
 
 def test_several_processes_keep_the_default_grid():
     s = CheckpointSchedule(None, plain_grid=True)  # every rank must checkpoint at the same step
-    assert s.due(100, seconds=1.0, held=5.0, next_hold=5.0, writer_busy=True)
-    assert not s.due(150, seconds=1.0, held=0.0, next_hold=0.0, writer_busy=False)
+    assert s.due(100, _costs(seconds=1.0, held=5.0, next_hold=5.0, writer_busy=True))
+    assert not s.due(150, _costs(seconds=1.0, held=0.0, next_hold=0.0, writer_busy=False))
 
 
 def _run(make_workload, tmp_path, log=None, **cfg):

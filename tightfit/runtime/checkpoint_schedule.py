@@ -20,6 +20,7 @@ writes in the loop. The end of training and every stop checkpoint regardless.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 AUTO_EVERY = 100  # the default grid, in optimizer steps
 SHARE = 0.02  # the default's bound on the training time checkpoints may hold the loop
@@ -27,6 +28,22 @@ SHARE = 0.02  # the default's bound on the training time checkpoints may hold th
 # its time (a 21M-parameter model with AdamW state: 243 MiB in 0.22 s, of which 6 ms the copies,
 # on an NVIDIA H100's host; bench/results/checkpoint-schedule)
 FIRST_SNAPSHOT_BYTES_PER_S = 1e9
+
+
+class CheckpointCosts(NamedTuple):
+    """What the default weighs at a step of its grid.
+
+    Attributes:
+        seconds: training time of this session so far (s).
+        held: time checkpoints held the loop in this session so far (s).
+        next_hold: the predicted hold of this checkpoint's snapshot (s).
+        writer_busy: the previous checkpoint is still being written.
+    """
+
+    seconds: float
+    held: float
+    next_hold: float
+    writer_busy: bool
 
 
 @dataclass
@@ -56,22 +73,17 @@ class CheckpointSchedule:
         """Whether a step of the grid may go without a checkpoint (the default on one process)."""
         return self.every is None and not self.plain_grid
 
-    def due(self, step: int, seconds: float, held: float, next_hold: float, writer_busy: bool) -> bool:
+    def due(self, step: int, costs: Callable[[], CheckpointCosts]) -> bool:
         """Whether the loop checkpoints after optimizer step ``step`` (the end of training aside,
-        which always does). The verdict for a step is kept: the loop asks before it queues the
-        next step and again at the boundary, with other clocks.
-
-        Args:
-            seconds: training time of this session so far (s).
-            held: time checkpoints held the loop in this session so far (s).
-            next_hold: the predicted hold of this checkpoint's snapshot (s).
-            writer_busy: the previous checkpoint is still being written.
-        """
+        which always does); ``costs`` is asked only at a step of the grid, by the default. The
+        verdict for a step is kept: the loop asks before it queues the next step and again at the
+        boundary, with other clocks."""
         if self._decided is not None and self._decided[0] == step:
             return self._decided[1]
         verdict = bool(self.grid) and step % self.grid == 0
         if verdict and self.adaptive:
-            verdict = not writer_busy and held + next_hold <= SHARE * seconds
+            c = costs()
+            verdict = not c.writer_busy and c.held + c.next_hold <= SHARE * c.seconds
         self._decided = (step, verdict)
         return verdict
 

@@ -45,7 +45,7 @@ from ..workload import Workload
 from .distributed import World, micro_batches_per_rank, shard_of
 from .health import HealthMonitor
 from ..memory.oom import is_oom, release_memory
-from .checkpoint_schedule import CheckpointSchedule, first_hold_seconds
+from .checkpoint_schedule import CheckpointCosts, CheckpointSchedule, first_hold_seconds
 from .graphs import StepGraphs, graphs_unavailable
 from .prefetch import Prefetcher
 from ..rng import capture_rng, restore_rng
@@ -616,15 +616,17 @@ class Trainer:
     def _checkpoint_due(self, step: int) -> bool:
         """Whether the loop checkpoints after optimizer step ``step`` (before the end of training):
         :class:`~tightfit.runtime.checkpoint_schedule.CheckpointSchedule`, with this session's
-        clocks and the next snapshot's predicted hold."""
-        if not self._schedule.adaptive:
-            return self._schedule.due(step, 0.0, 0.0, 0.0, False)
-        w = self._writer
-        hold = w.last_hold if w is not None and w.last_hold is not None else None
-        if hold is None and step % self._schedule.grid == 0:  # predicted from the bytes until one is measured
-            hold = first_hold_seconds(self.model, self.optimizer)
-        return self._schedule.due(step, time.perf_counter() - self._t_fit, w.blocked_seconds if w else 0.0,
-                                  hold or 0.0, w is not None and w.busy)
+        clocks and the next snapshot's hold (the last one measured, else predicted from its bytes)."""
+        def costs() -> CheckpointCosts:
+            w = self._writer
+            if w is None or w.last_hold is None:
+                hold = first_hold_seconds(self.model, self.optimizer)
+            else:
+                hold = w.last_hold
+            return CheckpointCosts(time.perf_counter() - self._t_fit, w.blocked_seconds if w else 0.0, hold,
+                                   w is not None and w.busy)
+
+        return self._schedule.due(step, costs)
 
     def _log_stop_note(self) -> None:
         """Log a stop signal's note, if one is waiting (see :meth:`_stop_on_signals`: the handler
