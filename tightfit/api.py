@@ -50,8 +50,6 @@ from .units import count_of, format_bytes, format_bytes_pair, parse_budget
 __all__ = ["TrainRecipe", "TrainRequest", "RunSummary", "resolve_device", "train"]
 
 log = logging.getLogger(__name__)
-# the event of a run interrupted in its final evaluation (metrics.jsonl, the report)
-EVALUATION_INTERRUPTED = "interrupted during the final evaluation: the run is trained"
 
 CPU_DEFAULT_TRAIN_SAMPLES = 2000  # keeps the default run under 10 minutes on 2 CPU cores
 
@@ -821,7 +819,7 @@ class TrainRecipe:
                         f"the run is evaluated and its results written again")
             return None
         # the notes above (the checkpoint resumed from, an option given anew) said what a resume would do: undone
-        given = [("--" + k.replace("_", "-")) if names_flags() else k for k in self.changed]
+        given = [option_name(k) for k in self.changed]
         anew = f"; {', '.join(given)} not applied" if given else ""
         log.info(f"run {self.out} had already finished at step {self.trainer.step}: nothing left to train "
                  f"(nothing written{anew})")
@@ -849,7 +847,7 @@ class TrainRecipe:
             with contextlib.suppress(Exception):  # a failed write: judged as no checkpoint
                 trainer.flush_checkpoints()
         if has_checkpoint(self.out / "checkpoints"):
-            trained = trainer is not None and trainer.total_steps and trainer.step == trainer.total_steps
+            trained = trainer is not None and trainer.trained
             log.warning(f"note: {f'interrupted during {after_training}: the run is trained; ' if trained else ''}"
                         f"continue with: {self.resume_hint()}{' (it finishes the run)' if trained else ''}")
             return
@@ -963,8 +961,9 @@ class TrainRecipe:
                     if has_checkpoint(e.folder) else "no earlier checkpoint is in place")
             raise CheckpointWriteError(f"{e}; training stopped at step {self.trainer.step}; {then}", e.folder) from None
         except KeyboardInterrupt:  # stopped at once: after the training, recorded while the metrics are open
-            if self.trainer.total_steps and self.trainer.step == self.trainer.total_steps:
-                self.trainer.event(f"{EVALUATION_INTERRUPTED}, stopped at once", show=False, session=True)
+            if self.trainer.trained:
+                self.trainer.event("interrupted during the final evaluation: the run is trained, stopped at once",
+                                   show=False, session=True)
             raise
         except StoppedError as e:
             nonfinite = isinstance(e, NonFiniteTrainingError)

@@ -1041,6 +1041,11 @@ class Trainer:
         self.log({"type": "checkpoint", "step": self.step, "path": str(path)})
         return str(path)
 
+    @property
+    def trained(self) -> bool:
+        """Whether the training loop has taken its last step (what follows: the evaluation)."""
+        return bool(self.total_steps) and self.step == self.total_steps
+
     def writing_checkpoint(self) -> bool:
         """Whether a checkpoint is being written in the background now."""
         return self._writer is not None and self._writer.busy
