@@ -652,7 +652,7 @@ class Trainer:
 
         try:
             # at the end of training nothing changes the state before flush_checkpoints: the writer copies it
-            return self.save_checkpoint(background=True, last=self.step == self.total_steps)
+            return self.save_checkpoint(background=True, last=self.trained)
         except NonFiniteCheckpointError as e:
             self.flush_checkpoints()  # an earlier checkpoint still being written is in place first
             what = str(e).removeprefix("refusing to write a checkpoint: ")
