@@ -52,7 +52,7 @@ for part in "$@"; do
       rm -f "$OUT/bert-base-128-profile.txt"
       python3 bench/speed_profile.py report "$OUT" >> "$OUT/env.txt" 2>&1 ;;
     gpu-tests)
-      timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/pytest-gpu.txt" 2>&1
+      timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS_ARGS:--n 6 --dist load} tests > "$OUT/pytest-gpu.txt" 2>&1
       echo "gpu-tests exit $?" >> "$OUT/env.txt" ;;
     sync)
       timeout 150 python3 bench/optimizer_sync.py > "$OUT/optimizer_sync.md" 2>&1
