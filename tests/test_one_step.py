@@ -87,7 +87,14 @@ def test_runtime_probe_and_estimator_run_the_step_with_the_plans_optimizer(make_
         assert c["micro_batch_count"] == 2 and c["normaliser"] == 8 and c["loss_sum"] is w.loss_sum
 
     probe_module.probe_step(w, 4, "fp32", 1 << 40, timed_steps=2, optimizer=kind)
-    assert [c["micro_batch_count"] for c in calls["probe"]] == [1, 2, 2]  # accumulating: 2 when timed
+    assert [c["micro_batch_count"] for c in calls["probe"]] == [1, 2, 2]  # accumulating: the plan's 2 when timed
+    calls["probe"].clear()  # 8 micro-batches of 1: timed with the most a probe step runs, not 2
+    probe_module.probe_step(w, 1, "fp32", 1 << 40, timed_steps=1, optimizer=kind)
+    timed = probe_module.TIMED_MICRO_BATCHES
+    assert 2 < timed < 8 and [c["micro_batch_count"] for c in calls["probe"]] == [1, timed]
+    calls["probe"].clear()  # 3 micro-batches (3, 3, 2): a whole step, so the update is counted once
+    probe_module.probe_step(w, 3, "fp32", 1 << 40, timed_steps=1, optimizer=kind)
+    assert [c["micro_batch_count"] for c in calls["probe"]] == [1, 3]
     assert {_kind(c["optimizer"]) for c in calls["probe"]} == {expected}
     assert all(c["loss_sum"] is w.loss_sum for c in calls["probe"])
 

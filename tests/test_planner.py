@@ -261,11 +261,15 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     probed.clear()
     limit = 200 + E * (1.0 + 0.5 * 1)  # fits with 11 of 12 blocks at micro-batch 256, not with 10
     result = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(11)), 1, None, None), 10**9, n).variant
-    assert probed == [(E, 11), (E, 10)] and result.checkpoint_blocks == tuple(range(11))
+    assert probed[:2] == [(E, 11), (E, 10)] and result.checkpoint_blocks == tuple(range(11))
+    # it needed blocks, so one micro-batch more is tried too (past the eager plan's one), its blocks
+    # stepped down from the 11 found at 256: 128 * (7 - c / 2) <= 384 -> c >= 8; slower per sample, so the walk ends
+    assert [c for mb, c in probed[2:]] == [11, 10, 8, 4, 6, 7] and {mb for mb, _ in probed[2:]} == {128}
     probed.clear()  # compiled keeps less: fewer blocks than the eager 11 fit, stepped down to below 11
     limit = 200 + E * (1.0 + 0.5 * 5)  # (4 fewer: one probe more than a bisection; BERT-large's 1 fewer: 3 less)
     result = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(11)), 1, None, None), 10**9, n).variant
-    assert result.checkpoint_blocks == tuple(range(7)) and len(probed) <= 7 and (E, n) not in probed
+    at_e = [p for p in probed if p[0] == E]  # (then 128 x 2, slower per sample here)
+    assert result.checkpoint_blocks == tuple(range(7)) and len(at_e) <= 7 and (E, n) not in probed
 
     # the fewest blocks one short of the most (BERT-large at 4 GiB: 23 of 24): stepped down to from
     # the most, 12 -> 11 -> 9 -> 10, not bisected from the middle (12 -> 6 -> 9 -> 11 -> 10)
@@ -280,6 +284,50 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     limit = 200 + E * 7.0
     result = gpu.compiled_variant(w, Candidate("bf16", E, (), 1, None, None), 10**9, n).variant
     assert probed == [(E, 0)] and result.micro_batch == E and result.checkpoint_blocks == ()
+
+
+def test_compiled_stage_walks_past_the_eager_micro_batch_while_fewer_blocks_pay(monkeypatch):
+    """An eager plan of one micro-batch with most blocks recomputed (BERT-base seq 128 at 4 GiB:
+    256 x 1, 10 of 12 blocks compiled): the compiled stage tries one micro-batch more per step
+    while each is faster than the one before (the recomputation saved outweighs the smaller
+    micro-batch), each count's blocks searched down from the previous count's, and keeps the
+    fastest. No GPU: probes answered by a memory model linear in the micro-batch and a time
+    model where each recomputed block adds a third of its forward and backward."""
+    from types import SimpleNamespace
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate
+
+    n, E = 12, 256
+    limit = 200 + E * (1.0 + 0.5 * 2)  # 256 fits with 10 of 12 blocks checkpointed, not with 9
+    probed = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        c = len(workload.blocks)
+        probed.append((mb, c))
+        peak = 200 + mb * (1.0 + 0.5 * (n - c))
+        per_micro_batch = 0.002 + 0.001 * mb * (1 + c / (3 * n))  # fixed launch cost + recomputation
+        micro_batches = 2 if mb < E else 1
+        return ProbeResult(mb, peak <= limit, int(peak), int(peak), per_micro_batch * micro_batches, micro_batches)
+
+    w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), blocks=())
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: None)
+    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
+    monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
+    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks, policies=None: setattr(w, "blocks", tuple(blocks)))
+    found = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(10)), 1, None, None), 10**9, n)
+    # fewest blocks: 256 -> 10, 128 -> 6 (128 * (7 - c / 2) <= 512), 86 -> 3, 64 -> 0 (64 * 7 <= 512)
+    fewest = {mb: min(c for m, c in probed if m == mb and 200 + m * (1.0 + 0.5 * (n - c)) <= limit)
+              for mb in {m for m, _ in probed}}
+    assert fewest == {256: 10, 128: 6, 86: 3, 64: 0}, probed
+    v = found.variant
+    assert (v.micro_batch, v.checkpoint_blocks) == (64, ()), v  # nothing left to recompute: the walk ends
+    assert not any(mb < 64 for mb, _ in probed)
+    assert all(c <= 10 for mb, c in probed if mb < E)  # each count searched from the previous count's fewest
+    speeds = [E / (k * (0.002 + 0.001 * mb * (1 + c / 36))) for k, mb, c in ((1, 256, 10), (2, 128, 6), (3, 86, 3))]
+    assert speeds == sorted(speeds) and v.samples_per_s > speeds[-1]  # each count faster than the one before
 
 
 def test_one_micro_batch_of_the_whole_batch_is_traced_exactly():

@@ -815,8 +815,9 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     then bisection over the counts). When the blocks are compiled one by one
     (:func:`~tightfit.levers.compile.compile_scope`), checkpointing other blocks costs no
     compilation, so that ``k`` gets the fewest checkpointed blocks (the first ones first) that
-    fit, stepping down from the most (:func:`~.bisection.gallop`); when it needed checkpointing, the next count is
-    tried too (fewer blocks, one more micro-batch), and the faster is kept. The eager plan's own
+    fit, stepping down from the most (:func:`~.bisection.gallop`); when it needed checkpointing, the next
+    counts are tried too (fewer blocks, one more micro-batch each, past the eager plan's count) while
+    each is faster than the one before, and the fastest is kept. The eager plan's own
     micro-batch is probed with its blocks first (:func:`_compiled_candidates`): an eager plan of
     one micro-batch and no checkpointing is probed compiled once. A model compiled
     whole keeps ``best``'s blocks (another set would recompile). One compiled graph (dynamic
@@ -931,9 +932,17 @@ def whole_model_variant(workload: Workload, best: Candidate, regional: CompiledV
 
 def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tuple, regional: bool,
                          probe, eager_blocks: int | None = None) -> list[CompiledVariant]:
-    """The compiled variants that fit (none, one, or two to compare), by ``probe(mb, blocks)``:
-    at the fewest micro-batches that fit with ``most`` blocks checkpointed, and, where that
-    needed checkpointing and blocks are compiled one by one, at one more micro-batch.
+    """The compiled variants that fit, by ``probe(mb, blocks)``: at the fewest micro-batches that
+    fit with ``most`` blocks checkpointed and, where blocks are compiled one by one and that
+    needed checkpointing, at one micro-batch more per step after another (fewer blocks to
+    recompute at each), for as long as each is faster than the one before. A compiled step's
+    activations are a fraction of an eager one's, so the counts walked may go past the eager
+    plan's: BERT-base seq 128 at 4 GiB (NVIDIA H200, 8-bit AdamW) was planned 256 x 1 with 10 of
+    12 blocks recomputed, 0.71 of the compiled step with no budget, and its compiled step at a
+    smaller micro-batch keeps most blocks (bench/results/session-2026-12-06b). Each count's
+    search over blocks starts from the previous count's fewest (a smaller micro-batch needs no
+    more), and changing either costs no compilation (dynamic batch dimension, blocks
+    checkpointed around their compiled call).
 
     At the eager plan's own micro-batch the search over blocks starts from the eager plan's
     ``eager_blocks`` (the first that many): a compiled step keeps no more than the eager one,
@@ -950,30 +959,32 @@ def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tu
             return True  # fewer blocks than the most fit, so the most fit too
         return probe(mb, most).fits
 
-    def fewest_blocks(mb: int) -> tuple | None:  # the fewest checkpointed blocks that fit at mb, or None
+    def fewest_blocks(mb: int, start: int) -> tuple | None:  # the fewest checkpointed blocks that fit at mb
         fits_at = lambda c: probe(mb, tuple(range(c))).fits  # noqa: E731
         if hinted and mb == eager_micro_batch and fits_at(eager_blocks):
             if eager_blocks == 0 or not fits_at(eager_blocks - 1):
                 return tuple(range(eager_blocks))
             return tuple(range(gallop(eager_blocks - 1, -1, fits_at)))
-        if not probe(mb, most).fits:
+        if not probe(mb, most if not regional or start == len(most) else tuple(range(start))).fits:
             return None
         if not regional:
             return most
-        return tuple(range(gallop(n_blocks, -1, fits_at)))  # the fewest that fit lie near the most
+        return tuple(range(gallop(start, -1, fits_at)))  # the fewest that fit lie near the start
 
     # the first count that fits: k = 1, else bisection (each miss is an out-of-memory probe)
     first = 0 if fits(0) else bisect(len(counts) - 1, 0, fits)
-    found = []
-    for k in counts[first:]:
+    found, k, start = [], counts[first], len(most)
+    while True:
         mb = micro_batch_for(E, k)
-        blocks = fewest_blocks(mb)
+        blocks = fewest_blocks(mb, start)
         if blocks is None:
-            continue
+            break
         pr = probe(mb, blocks)
         found.append(CompiledVariant(_samples_per_s(pr, E), mb, blocks, pr))
-        if not regional or not blocks or len(found) == 2:
+        slower = len(found) > 1 and found[-1].samples_per_s <= found[-2].samples_per_s
+        if not regional or not blocks or slower or mb == 1:
             break
+        k, start = accumulation_steps(E, micro_batch_for(E, k + 1)), len(blocks)
     return found
 
 

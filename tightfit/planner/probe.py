@@ -48,12 +48,21 @@ class ProbeResult:
     micro_batches: int = 1  # micro-batches in that step
 
 
+# Micro-batches in a timed probe step: the plan's own accumulation steps, up to this many. The
+# samples/s of a plan of k micro-batches is read as k / m times a timed step of m, which counts the
+# optimizer's update k / m times: a whole step (m = k) counts it once, as the run does. With two
+# micro-batches per timed step (as before), 64 x 4 for BERT-base at 4 GiB was charged 8-bit
+# AdamW's update (~4 ms of a ~60 ms step) twice, which is what tells it from 128 x 2 or 86 x 3.
+TIMED_MICRO_BATCHES = 4
+
+
 def probe_step(workload: Workload, micro_batch: int, precision: str, budget_bytes: int,
                timed_steps: int = 2, optimizer: str = "adamw") -> ProbeResult:
     """Run ``1 + timed_steps`` full training steps of ``micro_batch`` worst-case samples on the
     model's CUDA device (:func:`run_probe_steps`): the first allocates the optimizer's state;
-    the timed ones run two micro-batches when the plan accumulates (so gradients are held), and
-    their median is the step time (more timed steps give a steadier time).
+    the timed ones run the plan's micro-batches when it accumulates (so gradients are held; at
+    most :data:`TIMED_MICRO_BATCHES`), and their median is the step time (more timed steps give
+    a steadier time).
 
     Args:
         precision: the plan's precision (autocast, and loss scaling for fp16).
@@ -106,7 +115,8 @@ def run_probe_steps(workload: Workload, micro_batch: int, precision: str, optimi
     the cast drops each fp32 weight's low 16 bits).
 
     With accumulation, every micro-batch after the first runs forward and backward while the
-    window's gradients are held: the timed steps do two micro-batches to see that.
+    window's gradients are held: the timed steps do the plan's accumulation steps, at most
+    :data:`TIMED_MICRO_BATCHES` (so that the optimizer's update is counted once per step).
 
     Returns:
         ``(seconds, micro_batches)``: the median wall time of the timed steps (each
@@ -156,7 +166,8 @@ def _probe_steps(workload: Workload, micro_batch: int, precision: str, optimizer
             # The first step allocates the optimizer's state; the later ones run forward and backward
             # with that state held -- the steady state of every later step (one step alone
             # under-predicts). The median timed step is the step time (one alone is noisy).
-            for i, micro_batches in enumerate((1,) + (2 if accumulating else 1,) * max(1, timed_steps)):
+            timed = min(accumulation_steps(workload.effective_batch, micro_batch), TIMED_MICRO_BATCHES)
+            for i, micro_batches in enumerate((1,) + (timed,) * max(1, timed_steps)):
                 hold_gradients(opt, micro_batches)
                 t0 = time.perf_counter()
                 training_step(model, worst_case(micro_batches), workload.loss_sum, normaliser * micro_batches,
