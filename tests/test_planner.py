@@ -330,6 +330,44 @@ def test_compiled_stage_walks_past_the_eager_micro_batch_while_fewer_blocks_pay(
     assert speeds == sorted(speeds) and v.samples_per_s > speeds[-1]  # each count faster than the one before
 
 
+def _table_probe(E, n, limit, log, fixed=0.0001, per_sample_pass=0.001):
+    """A probe for ``_compiled_candidates``: peak ``mb * (1 + unsaved blocks)``, a time per
+    micro-batch that grows with each recomputed block, timed steps of min(k, 4) micro-batches."""
+    from tightfit.plan import accumulation_steps
+    from tightfit.planner.probe import ProbeResult
+    cache = {}
+
+    def probe(mb, blocks):
+        if (mb, blocks) not in cache:
+            c = len(blocks)
+            log.append((mb, c))
+            peak = mb * (1 + (n - c))
+            m = min(accumulation_steps(E, mb), 4)
+            cache[mb, blocks] = ProbeResult(mb, peak <= limit, peak, peak,
+                                            (fixed + per_sample_pass * mb * (1 + c)) * m, m)
+        return cache[mb, blocks]
+    return probe
+
+
+def test_the_compiled_walk_steps_to_the_next_smaller_micro_batch_and_not_back_up_the_blocks():
+    """Found by a review: above sqrt(E) one micro-batch more per step may give the same
+    micro-batch (256 / 17 rounds up to 16), which ended the walk on a duplicate; and a walk
+    that reached the eager plan's micro-batch searched its blocks again from the eager count,
+    above the fewest already found at the larger micro-batch before it (wasted probes)."""
+    from tightfit.planner.gpu import _compiled_candidates
+
+    E, n, log = 20, 50, []  # fine-grained blocks: each smaller micro-batch saves some
+    found = _compiled_candidates(E, 2, n, tuple(range(n)), True, _table_probe(E, n, 100, log), eager_blocks=n)
+    walked = [f.micro_batch for f in found]
+    assert walked[:6] == [20, 10, 7, 5, 4, 3], walked  # after 4 x 5: 3 x 7, not 4 again (20 / 6 rounds up to 4)
+
+    E, n, log = 256, 12, []
+    found = _compiled_candidates(E, 64, n, tuple(range(n)), True,
+                                 _table_probe(E, n, 512, log, per_sample_pass=0.00001), eager_blocks=10)
+    prev = min(len(f.checkpoint_blocks) for f in found if f.micro_batch == 86)
+    assert all(c <= prev for mb, c in log if mb == 64), log
+
+
 def test_one_micro_batch_of_the_whole_batch_is_traced_exactly():
     """With accumulation the window's gradients are held between micro-batches; one micro-batch of
     the whole effective batch holds none. The memory line (traced at micro-batches 4 and 16, both

@@ -6,7 +6,8 @@ that need the card, each a function with a typed result:
    for real under the budget; the fastest that fits wins among eager plans. On a bf16 card, a
    model with convolutions has its winner timed in fp16 too (:func:`challenge_precision`).
 4. **compile** (:func:`compiled_variant` -> :class:`CompileSearch`): the winner compiled, with
-   as few micro-batches and checkpointed blocks as fit.
+   as few micro-batches and checkpointed blocks as fit, then smaller micro-batches with fewer
+   blocks while they time faster.
 5. **retime** (:func:`retime` -> :class:`Retiming`): the eager winner and its compiled variant
    timed again side by side; the faster is kept.
 
@@ -810,8 +811,8 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     fit (compiled steps keep fewer intermediates, so a larger micro-batch may fit than in eager
     mode).
 
-    Micro-batch counts ``k`` run from 1 to the eager plan's count (micro-batch ``ceil(E / k)``);
-    the smallest ``k`` that fits with the most checkpointing on offer is found first (``k = 1``,
+    Micro-batch counts ``k`` run from 1 (micro-batch ``ceil(E / k)``); the smallest ``k`` up to
+    the eager plan's count that fits with the most checkpointing on offer is found first (``k = 1``,
     then bisection over the counts). When the blocks are compiled one by one
     (:func:`~tightfit.levers.compile.compile_scope`), checkpointing other blocks costs no
     compilation, so that ``k`` gets the fewest checkpointed blocks (the first ones first) that
@@ -961,7 +962,7 @@ def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tu
 
     def fewest_blocks(mb: int, start: int) -> tuple | None:  # the fewest checkpointed blocks that fit at mb
         fits_at = lambda c: probe(mb, tuple(range(c))).fits  # noqa: E731
-        if hinted and mb == eager_micro_batch and fits_at(eager_blocks):
+        if hinted and mb == eager_micro_batch and start >= eager_blocks and fits_at(eager_blocks):
             if eager_blocks == 0 or not fits_at(eager_blocks - 1):
                 return tuple(range(eager_blocks))
             return tuple(range(gallop(eager_blocks - 1, -1, fits_at)))
@@ -981,10 +982,13 @@ def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tu
             break
         pr = probe(mb, blocks)
         found.append(CompiledVariant(_samples_per_s(pr, E), mb, blocks, pr))
-        slower = len(found) > 1 and found[-1].samples_per_s <= found[-2].samples_per_s
-        if not regional or not blocks or slower or mb == 1:
+        if not regional or not blocks or mb <= 2 or len(found) > 1 and (
+                found[-1].samples_per_s <= found[-2].samples_per_s  # slower: a smaller one would be too
+                or len(blocks) >= len(found[-2].checkpoint_blocks)):  # no recomputation saved: no gain to come
             break
-        k, start = accumulation_steps(E, micro_batch_for(E, k + 1)), len(blocks)
+        # the next micro-batch down (not k + 1: above sqrt(E) that may give the same micro-batch);
+        # not 1, which a dynamic batch dimension does not cover (another compilation)
+        k, start = accumulation_steps(E, mb - 1), len(blocks)
     return found
 
 
