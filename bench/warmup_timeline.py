@@ -13,6 +13,7 @@ its steady rate.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,13 +42,16 @@ def main(outdir: Path, argv: list[str]) -> None:
         finally:
             launches.append((index, time.perf_counter() - t0, kinds.pop("now", "replay" if self._graphs else "eager")))
 
-    def timed_eager(self, *a, **k):
-        kinds["now"] = "eager"
-        return eager(self, *a, **k)
+    def shapes(key):  # the batch's shapes and the loss normaliser of a step graph's key
+        return " ".join(f"{name}{list(shape)}" for name, shape, _ in key[0]) + f" / {key[1]:g}"
 
-    def timed_capture(self, *a, **k):
-        kinds["now"] = "capture"
-        return capture(self, *a, **k)
+    def timed_eager(self, key, *a, **k):
+        kinds["now"] = f"eager {shapes(key)}"
+        return eager(self, key, *a, **k)
+
+    def timed_capture(self, key, *a, **k):
+        kinds["now"] = f"capture {shapes(key)}"
+        return capture(self, key, *a, **k)
 
     def timed_save(self, *a, **k):
         t0 = time.perf_counter()
@@ -60,18 +64,21 @@ def main(outdir: Path, argv: list[str]) -> None:
         try:
             return fit(self)
         finally:
-            result["step_ends"] = list(self.result.step_ends)
+            result["step_ends"], result["steps_per_epoch"] = list(self.result.step_ends), self.steps_per_epoch
 
     Trainer._launch, Trainer.fit, Trainer.save_checkpoint = timed_launch, kept_fit, timed_save
+    if os.environ.get("TIMELINE_NO_EMPTY_CACHE"):  # an A/B of the allocator flush before each capture
+        graphs.torch.cuda.empty_cache = lambda: None  # noqa: E731 - this process only
+        print("torch.cuda.empty_cache made a no-op", file=sys.stderr)
     graphs.StepGraphs._eager, graphs.StepGraphs._capture = timed_eager, timed_capture
     summary = api.train(req)
-    ends = result["step_ends"]
+    ends, per_epoch = result["step_ends"], result["steps_per_epoch"]
     times = [t for t, _ in ends]
     per_step = [b - a for a, b in zip([0.0, *times], times)]
     steady = statistics.median(per_step[len(per_step) // 2:])
     by_kind: dict[str, list[float]] = {}
     for _, seconds, kind in launches:
-        by_kind.setdefault(kind, []).append(seconds)
+        by_kind.setdefault(kind.split()[0], []).append(seconds)
     out = {"argv": argv, "train_seconds": summary.train_seconds, "steps": len(per_step),
            "steady_step_seconds": steady, "excess_seconds": sum(per_step) - steady * len(per_step),
            "first_steps": [{"step": i + 1, "seconds": per_step[i], "launch_seconds": launches[i][1],
@@ -79,11 +86,22 @@ def main(outdir: Path, argv: list[str]) -> None:
            "excess_by_step_range": {f"{a + 1}-{b}": sum(per_step[a:b]) - steady * len(per_step[a:b])
                                     for a, b in ((0, 1), (1, 10), (10, 40), (40, 200), (200, len(per_step)))},
            "launch_seconds_by_kind": {k: [len(v), sum(v)] for k, v in by_kind.items()},
-           "checkpoint_holds": holds, "summary_speed": summary.speed}
+           "checkpoint_holds": holds, "summary_speed": summary.speed,
+           # the slowest steps with where they fall in their epoch (its first and last windows are
+           # where the order, the prefetch and a short last micro-batch change)
+           "slowest_steps": [{"step": i + 1, "seconds": per_step[i], "epoch_position": i % per_epoch,
+                              "steps_per_epoch": per_epoch,
+                              "launch_seconds": launches[i][1] if i < len(launches) else None,
+                              "kind": launches[i][2] if i < len(launches) else None}
+                             for i in sorted(range(len(per_step)), key=per_step.__getitem__, reverse=True)[:15]]}
+    outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "warmup-timeline.json").write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: out[k] for k in ("train_seconds", "steady_step_seconds", "excess_seconds",
                                           "excess_by_step_range", "launch_seconds_by_kind", "checkpoint_holds")},
                      indent=1))
+    for s in out["slowest_steps"]:
+        print(f"slow step {s['step']:5d} ({s['epoch_position']:4d} of {s['steps_per_epoch']} in its epoch)  "
+              f"{1e3 * s['seconds']:8.2f} ms  launch {1e3 * (s['launch_seconds'] or 0):8.2f} ms  {s['kind']}")
     for s in out["first_steps"][:20]:
         print(f"step {s['step']:3d}  {1e3 * s['seconds']:8.2f} ms  launch {1e3 * s['launch_seconds']:8.2f} ms  {s['kind']}")
 
