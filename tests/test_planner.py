@@ -216,6 +216,17 @@ def test_searching_blocks_is_never_slower_than_all_or_none(capsys, args):
     assert speeds["auto"] >= max(speeds["on"], speeds["off"]) * 0.999, speeds
 
 
+def _blocks_compiled_offline(monkeypatch, gpu, w, fake_probe):
+    """The compiled stage without a GPU: ``fake_probe(w, mb, ...)`` answers the probes, blocks are
+    compiled one by one (nothing compiles), and checkpointing sets ``w.blocks``."""
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: None)
+    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
+    monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
+    monkeypatch.setattr(gpu, "set_activation_checkpointing",
+                        lambda m, on, blocks, policies=None: setattr(w, "blocks", tuple(blocks)))
+
+
 def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(monkeypatch):
     """The compiled stage's search (no GPU: probes answered by a memory model that is linear in the
     micro-batch and falls with each checkpointed block): the smallest micro-batch count that fits
@@ -236,11 +247,7 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
         return ProbeResult(mb, peak <= limit, int(peak), int(peak), 0.001 * mb + 0.01, 1)
 
     w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), blocks=())
-    monkeypatch.setattr(gpu, "probe_step", fake_probe)
-    monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: None)
-    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
-    monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
-    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks, policies=None: setattr(w, "blocks", tuple(blocks)))
+    _blocks_compiled_offline(monkeypatch, gpu, w, fake_probe)
     eager = Candidate("bf16", 8, tuple(range(n)), E // 8, None, None)  # 32 micro-batches of 8
     result = gpu.compiled_variant(w, eager, 10**9, n).variant
     # all blocks: 200 + mb <= 1000 fits at k = 1 (micro-batch 256); the fewest blocks there:
@@ -312,11 +319,7 @@ def test_compiled_stage_walks_past_the_eager_micro_batch_while_fewer_blocks_pay(
         return ProbeResult(mb, peak <= limit, int(peak), int(peak), per_micro_batch * micro_batches, micro_batches)
 
     w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), blocks=())
-    monkeypatch.setattr(gpu, "probe_step", fake_probe)
-    monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: None)
-    monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
-    monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
-    monkeypatch.setattr(gpu, "set_activation_checkpointing", lambda m, on, blocks, policies=None: setattr(w, "blocks", tuple(blocks)))
+    _blocks_compiled_offline(monkeypatch, gpu, w, fake_probe)
     found = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(10)), 1, None, None), 10**9, n)
     # fewest blocks: 256 -> 10, 128 -> 6 (128 * (7 - c / 2) <= 512), 86 -> 3, 64 -> 0 (64 * 7 <= 512)
     fewest = {mb: min(c for m, c in probed if m == mb and 200 + m * (1.0 + 0.5 * (n - c)) <= limit)
