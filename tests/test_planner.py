@@ -395,6 +395,36 @@ def test_micro_batch_1_is_traced_exactly_before_nothing_fits():
     assert (r.best.micro_batch, r.best.accumulation_steps) == (1, 8)
 
 
+def test_what_fits_instead_is_searched_in_every_precision_the_planner_plans_in():
+    """Found by a fresh user: the advice after "nothing fits" re-estimated a shorter --seq-len and
+    a smaller batch in the smallest step's precision alone (bf16), so it said "does not fit
+    either" of sizes the planner then planned in fp32 (GPT-2 medium at 6 GiB: --seq-len 104 plans,
+    the advice said even 6 does not fit). Here bf16 keeps 1 KiB more than fp32 at every size."""
+    from types import SimpleNamespace
+
+    from tightfit.planner.advice import nothing_fits_lines
+
+    def estimator_at(size, effective_batch):
+        return lambda precision, micro_batch, blocks: SimpleNamespace(
+            peak_reserved_bytes=1024 * (size * micro_batch + (40 if precision == "bf16" else 39)))
+
+    step = SimpleNamespace(peak_reserved_bytes=1024 * (64 + 40), breakdown={})
+    limit = 1024 * (24 + 39)  # fp32 fits --seq-len 24 (and batch 1 at 24? no: 64 + 39 > limit)
+
+    def lines(precisions):
+        return [x for x in nothing_fits_lines(torch.nn.Linear(4, 4), step, limit, "bf16", [()], 64, 4, "--seq-len",
+                                              12e9, estimator_at=estimator_at, precisions=precisions)
+                if x.startswith(("fits", "does not fit"))]
+
+    assert lines(None) == ["does not fit either: effective batch 1 (no accumulation) needs 104.00 KiB",
+                           "fits: --seq-len 16 at effective batch 4 (micro-batch 1 x 4 accumulation steps; bf16, "
+                           "checkpointing searched as for the plan)"]
+    assert lines(["bf16", "fp32"]) == [
+        "does not fit either: effective batch 1 (no accumulation) needs 103.00 KiB",
+        "fits: --seq-len 24 at effective batch 4 (micro-batch 1 x 4 accumulation steps; bf16 or fp32, "
+        "checkpointing searched as for the plan)"]
+
+
 def test_the_seq_len_ladder_suggests_no_length_too_short_to_train_on():
     """With the activations of a step growing 1 KiB per token and a limit near 3.5 KiB, the advice
     said "fits: --seq-len 3": tightfit train refuses lengths that leave no text after the

@@ -157,31 +157,35 @@ def _largest(candidates: list[int], peak, limit: float) -> tuple[int | None, int
     return candidates[bisect(0, len(candidates), fits)], first
 
 
-def largest_effective_batch_without_accumulation(estimator_at, size: int, effective_batch: int, precision: str,
+def largest_effective_batch_without_accumulation(estimator_at, size: int, effective_batch: int, precisions,
                                                  block_options, limit: float) -> tuple[int | None, int | None]:
     """The largest effective batch below ``effective_batch`` that fits ``limit`` (bytes) in one
-    micro-batch with one of ``block_options`` checkpointed (None if even 1 does not fit), and the
-    peak reserved bytes of effective batch 1 (None if it could not be estimated).
+    micro-batch in one of ``precisions`` with one of ``block_options`` checkpointed (None if even
+    1 does not fit), and the least peak reserved bytes of effective batch 1 (None if it could not
+    be estimated).
 
     Args:
         estimator_at: ``(size, effective_batch) -> estimate_fn`` (see
             :func:`tightfit.planner.search.estimator_for`); may return None for a size it cannot
             estimate.
+        precisions: those the search plans in (a smaller step may fit in another precision than
+            the smallest one tried: fp32 keeps no half-precision copy of the weights).
     """
     return _largest(list(range(1, effective_batch)),
-                    lambda m: _peak(estimator_at(size, m), precision, m, block_options, limit), limit)
+                    lambda m: smallest_step_peak(estimator_at(size, m), precisions, block_options, limit, (m,)),
+                    limit)
 
 
-def largest_size(estimator_at, size: int, effective_batch: int, precision: str, block_options,
+def largest_size(estimator_at, size: int, effective_batch: int, precisions, block_options,
                  limit: float, smallest: int = 1) -> tuple[int | None, int | None]:
     """The largest sequence length / image size from ``smallest`` to below ``size`` at which
-    micro-batch 1 (with ``effective_batch`` accumulation steps and one of ``block_options``
-    checkpointed) fits ``limit`` (bytes);
+    micro-batch 1 (with ``effective_batch`` accumulation steps, in one of ``precisions``, with one
+    of ``block_options`` checkpointed) fits ``limit`` (bytes);
     multiples of 8 from 16 up (tensor-core friendly), every size below that. None if none fits.
-    Second: the peak reserved bytes at ``smallest`` (None if it could not be estimated)."""
+    Second: the least peak reserved bytes at ``smallest`` (None if it could not be estimated)."""
     sizes = [s for s in range(smallest, size) if s < 16 or s % 8 == 0]
-    return _largest(sizes, lambda s: _peak(estimator_at(s, effective_batch), precision, 1, block_options, limit),
-                    limit)
+    return _largest(sizes, lambda s: smallest_step_peak(estimator_at(s, effective_batch), precisions, block_options,
+                                                        limit), limit)
 
 
 def _resizable(estimator_at, size: int, effective_batch: int) -> bool:
@@ -442,7 +446,7 @@ def check_model_state(model, budget: int, optimizer: str, levers: bool, host_lin
 def nothing_fits_lines(model, estimate, limit: float, precision: str, block_options, size: int,
                        effective_batch: int, size_flag: str, host_link_bytes_per_s: float,
                        estimator_at=None, optimizer: str = "adamw", profile=None, lever_peak=None,
-                       asked_precision: str = "auto") -> list[str]:
+                       asked_precision: str = "auto", precisions=None) -> list[str]:
     """The way forward when the smallest step tried does not fit: what it costs, what does fit,
     and the levers that would make it fit, with their predicted savings (bytes throughout;
     GiB/MiB only in the text).
@@ -464,6 +468,9 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
         lever_peak: whether each optimizer lever fits, as the planner would plan it
             (:func:`lever_peaks`); None: read off its savings.
         asked_precision: ``--precision`` (parameter offload's line: the precision it would run).
+        precisions: those the search plans in, for what fits (None: ``precision`` alone). A
+            shorter input or a smaller batch may fit in another one than the smallest step's
+            (fp32 keeps no half-precision copy of the weights), and the planner then plans it.
 
     Returns:
         Display lines, without indentation.
@@ -490,9 +497,10 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
         lines.append(f"the model state alone is {format_bytes(state - limit)} over the planned limit: no "
                      f"micro-batch, accumulation or checkpointing can fit it")
     elif estimator_at is not None:
-        how = f"{precision}, checkpointing searched as for the plan"
+        precisions = list(precisions or [precision])
+        how = f"{' or '.join(precisions)}, checkpointing searched as for the plan"
         if effective_batch > 1:
-            mb, one = largest_effective_batch_without_accumulation(estimator_at, size, effective_batch, precision,
+            mb, one = largest_effective_batch_without_accumulation(estimator_at, size, effective_batch, precisions,
                                                                    block_options, limit)
             lines.append(f"fits: effective batch {mb} in one micro-batch (no accumulation, so no gradients held "
                          f"across micro-batches; {how}): --batch-size {mb}"
@@ -508,7 +516,7 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
         elif not _resizable(estimator_at, size, effective_batch):
             lines.append(f"a shorter {size_flag} also needs less activation memory (not estimated here)")
         else:
-            s, one = largest_size(estimator_at, size, effective_batch, precision, block_options, limit, smallest)
+            s, one = largest_size(estimator_at, size, effective_batch, precisions, block_options, limit, smallest)
             lines.append(f"fits: {size_flag} {s} at effective batch {effective_batch} (micro-batch 1 x "
                          f"{effective_batch} accumulation steps; {how})" if s else
                          f"does not fit either: a shorter {size_flag} at effective batch {effective_batch} "

@@ -951,9 +951,13 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
         model, lever_estimator, lever_precisions,
         least_memory_options(space.first_blocks, space.last_blocks, n_blocks, space.ladders), limit,
         space.effective_batch)
+    # what fits instead, in every precision the search plans in: fp32 too under --precision auto,
+    # which the search falls back to where the card's 16-bit precision fits nothing (search())
+    planned_precisions = list(space.precisions) + (
+        ["fp32"] if asked_precision == "auto" and "fp32" not in space.precisions else [])
     lines = nothing_fits_lines(model, est, limit, smallest.precision, options, size, space.effective_batch,
                                size_flag, profile.host_link_bytes_per_s, estimator_at, optimizer, profile, peaks,
-                               asked_precision=asked_precision)
+                               asked_precision=asked_precision, precisions=planned_precisions)
     if space.last_blocks < n_blocks:  # checkpointing was turned off
         every = estimate_fn(smallest.precision, 1, tuple(range(n_blocks))).peak_reserved_bytes
         lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch 1 with all "
