@@ -27,6 +27,9 @@ def test_parse_size_rejects(text):
 @pytest.mark.parametrize("text,message", [
     ("-1", "must be positive"), (-1, "must be positive"), ("-1GiB", "must be positive"), (0.0, "must be positive"),
     (4.5, "fraction of a byte"), ("4.5", "fraction of a byte"), ("4.5B", "fraction of a byte"), (True, "cannot read"),
+    # whole bytes mistyped: the hint names them, not 4 billion GiB (found by a fresh user)
+    ("4294967296.5", "give whole bytes, e.g. 4294967296$"), (6442450944.5, "give whole bytes, e.g. 6442450944$"),
+    ("4.5", "e.g. 4.5GiB$"), (4.5, 'e.g. "4.5GiB"$'),
 ])
 def test_parse_size_says_what_is_wrong(text, message):
     with pytest.raises(TightfitError, match=message):

@@ -29,6 +29,11 @@ MiB = 2**20
 _MAX_MEANT_GIB = 1024
 
 
+# A fraction of a byte from here on is whole bytes mistyped (4294967296.5), not GiB without a unit
+# (4.5): the hint then names the whole bytes, not a size of billions of GiB.
+_WHOLE_BYTES_HINT = 1024
+
+
 def parse_size(text: str | int | float) -> int:
     """Parse a memory size into bytes.
 
@@ -54,7 +59,8 @@ def parse_size(text: str | int | float) -> int:
             raise TightfitError(f"memory size must be positive, got {text!r}")
         if isinstance(text, float) and not text.is_integer():
             raise TightfitError(f"memory size {text!r} is a fraction of a byte: give whole bytes, "
-                                f"or a string with a unit, e.g. \"{text:g}GiB\"")
+                                + (f"e.g. {int(text)}" if text >= _WHOLE_BYTES_HINT else
+                                   f"or a string with a unit, e.g. \"{text:g}GiB\""))
         return int(text)
     m = _SIZE_RE.match(str(text))
     if m and len(m.group(2)) == 2 and m.group(2)[0].isupper() and m.group(2)[1] == "b":  # 4Gb, 512Mb: bits
@@ -71,8 +77,9 @@ def parse_size(text: str | int | float) -> int:
         rounded = number == 0 and Decimal(m.group(1)) != 0  # 1e-400: no 0 as written, but a float holds it as one
         raise TightfitError(f"memory size must be positive, got {text!r}" + (" (it rounds to 0)" if rounded else ""))
     if _UNITS[unit] == 1 and not number.is_integer():
-        raise TightfitError(f"memory size {text!r} is a fraction of a byte: write a unit, "
-                            f"e.g. {_as_written(m.group(1))}GiB")
+        raise TightfitError(f"memory size {text!r} is a fraction of a byte: "
+                            + (f"give whole bytes, e.g. {int(number)}" if number >= _WHOLE_BYTES_HINT else
+                               f"write a unit, e.g. {_as_written(m.group(1))}GiB"))
     value = int(number * _UNITS[unit])
     if value <= 0:
         raise TightfitError(f"memory size must be positive, got {text!r}")
