@@ -489,6 +489,12 @@ def test_gpus_2_rendezvous_and_only_rank_0_writes(tmp_path):
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["type"] == "train"]
     assert steps == sorted(set(steps)) and len(steps) == 5  # 36 training samples / 8
+    # the run records the command as given, --gpus 2 included (the processes' own argv has none)
+    request = json.loads((out / "request.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    for recorded in (request.get("command"), summary.get("command") or json.dumps(summary)):
+        assert "--gpus 2" in str(recorded), recorded
+    assert "--gpus 2" in (out / "report.md").read_text()
 
 
 def test_gpus_2_an_input_error_found_by_every_rank_is_printed_once(tmp_path):

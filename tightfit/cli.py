@@ -186,7 +186,7 @@ def _run(args) -> int:
             from .runtime.launch import device_of, launch
 
             TrainRequest.from_args(args)  # the options' own checks: one line here, before any process starts
-            return launch(args.gpus, device_of(args), args.argv)
+            return launch(args.gpus, device_of(args), args.argv, args.command_line)
 
         train(TrainRequest.from_args(args))
         return 0
@@ -245,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             args.given_options = _given_options(parser.train_parser, argv)
             args.command_line = " ".join(shlex.quote(a) for a in ["tightfit", *argv])
+            if "LOCAL_RANK" in os.environ:  # a process of --gpus N: the command as the user gave it
+                from .runtime.launch import COMMAND_ENV
+
+                args.command_line = os.environ.get(COMMAND_ENV) or args.command_line
         # SIGTERM stops like Ctrl-C (outside train's loop, which stops at a step boundary): what a
         # command was writing is cleaned up (an export's temporary folder), nothing is half-written
         old_sigterm = signal.signal(signal.SIGTERM, _interrupt)

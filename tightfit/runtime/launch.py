@@ -12,6 +12,10 @@ from .distributed import NO_MULTICAST_ENV
 
 _log = logging.getLogger(__name__)
 
+# The command as the user gave it (``--gpus N`` included), for the processes started to record in
+# the run (report.md, summary.json, request.json): their own argv has no ``--gpus``.
+COMMAND_ENV = "TIGHTFIT_LAUNCHED_COMMAND"
+
 
 def strip_gpus(argv: list[str]) -> list[str]:
     """``argv`` without ``--gpus N`` / ``--gpus=N`` (the processes started must not start more)."""
@@ -43,9 +47,10 @@ def device_of(args) -> str:
     return args.device
 
 
-def launch(n: int, device: str, argv: list[str]) -> int:
+def launch(n: int, device: str, argv: list[str], command_line: str | None = None) -> int:
     """Run ``tightfit <argv>`` (``argv`` without ``--gpus``) on ``n`` local processes through
     ``torch.distributed.run`` (standalone rendezvous on this machine), NVLink multicast off.
+    ``command_line``: the command as given, which the processes record (:data:`COMMAND_ENV`).
 
     Returns:
         0 when every process finished; otherwise the first failed process's exit code (2 for a
@@ -73,6 +78,8 @@ def launch(n: int, device: str, argv: list[str]) -> int:
         raise TightfitError(f"--gpus {n} with --device cpu starts {n} processes, more than this machine's "
                             f"{os.cpu_count() or 1} CPU cores")
     os.environ.update(NO_MULTICAST_ENV)
+    if command_line:
+        os.environ[COMMAND_ENV] = command_line
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several processes, said once
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={n}", "--module", "tightfit",
                                          *strip_gpus(argv)])
