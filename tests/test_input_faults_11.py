@@ -319,7 +319,11 @@ def test_an_edited_request_json_is_named_when_its_value_is_refused(tmp_path, cap
 
 
 @pytest.mark.parametrize("option, says", [(["--planner", "probe"], "--planner probe applies on a GPU"),
-                                          (["--sharding", "fsdp"], "--sharding fsdp applies to several processes")])
+                                          (["--sharding", "fsdp"], "--sharding fsdp applies to several processes"),
+                                          # found by a fresh user: a GPU temperature to watch on the CPU
+                                          (["--cooldown-temp", "90"], "--cooldown-temp applies to a GPU's temperature"),
+                                          (["--warn-temp", "80", "--cooldown-temp", "90"],
+                                           "--warn-temp/--cooldown-temp apply to a GPU's temperature")])
 def test_an_option_without_effect_on_one_cpu_process_gets_a_note(option, says, tmp_path, caplog):
     """--sharding fsdp and --planner probe on a one-process CPU run were taken without a word."""
     import logging

@@ -348,6 +348,10 @@ class TrainRecipe:
         p = self.req.planning
         self.device, self.profile, self.budget, notes = resolve_device(p)
         self.notes += notes
+        temps = [option_name(k) for k in ("warn_temp", "cooldown_temp") if k in self.req.run.given]
+        if temps and self.device == "cpu":  # the health watch reads a GPU's sensors (NVML)
+            self.notes.append(f"no CUDA GPU in use: {'/'.join(temps)} {'apply' if len(temps) > 1 else 'applies'} "
+                              "to a GPU's temperature; nothing is watched on the CPU")
         if p.sharding not in ("auto", "fsdp-offload") and not self.world.distributed:
             self.notes.append(f"{option_given('sharding', p.sharding)} applies to several processes (--gpus N); "
                               "this run has one")
