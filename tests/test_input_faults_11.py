@@ -339,6 +339,22 @@ def test_an_option_without_effect_on_one_cpu_process_gets_a_note(option, says, t
     assert says in caplog.text and "note: " in caplog.text
 
 
+def test_a_resume_notes_the_temperatures_only_where_its_command_gives_them(tmp_path, caplog):
+    """Every resume of a CPU run said --warn-temp/--cooldown-temp apply to a
+    GPU (the resumed request holds every option the run recorded, defaults too, as given)."""
+    import logging
+
+    run, _ = _short_run(tmp_path, steps=2, every=1)
+    from tightfit.cli import main
+
+    for extra, noted in (([], False), (["--warn-temp", "80"], True)):
+        caplog.clear()
+        (run / "summary.json").unlink(missing_ok=True)
+        with caplog.at_level(logging.INFO, logger="tightfit"):
+            assert main(["train", "--resume", str(run), "--no-progress", *extra]) == 0
+        assert ("GPU's temperature" in caplog.text) is noted, caplog.text
+
+
 def test_an_image_csv_row_naming_a_folder_says_so(tmp_path):
     """A path that is a folder read 'image not found'."""
     from tightfit.images import load_image_classification

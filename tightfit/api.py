@@ -296,6 +296,8 @@ class TrainRecipe:
         self.resume_from: Path | None = None  # the checkpoint a resumed run continues from
         self.resume_notes: list[str] = []  # what the resume found and did in the run folder (events)
         self.changed: dict = {}  # {option: [old, new]} given anew on resume
+        # the options this session's command gave: a resumed request counts every recorded option as given
+        self.given = frozenset(req.run.given)
         # every session's command line, in order: this one's last (on resume the earlier ones'
         # are read back from metrics.jsonl's plan records, open_run_folder)
         self.commands: list[str] = [req.run.command]
@@ -348,7 +350,7 @@ class TrainRecipe:
         p = self.req.planning
         self.device, self.profile, self.budget, notes = resolve_device(p)
         self.notes += notes
-        temps = [option_name(k) for k in ("warn_temp", "cooldown_temp") if k in self.req.run.given]
+        temps = [option_name(k) for k in ("warn_temp", "cooldown_temp") if k in self.given]
         if temps and self.device == "cpu":  # the health watch reads a GPU's sensors (NVML)
             self.notes.append(f"no CUDA GPU in use: {'/'.join(temps)} {'apply' if len(temps) > 1 else 'applies'} "
                               "to a GPU's temperature; nothing is watched on the CPU")
