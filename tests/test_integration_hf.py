@@ -842,3 +842,66 @@ def test_a_checkpointing_plan_runs_on_a_model_without_hugging_faces_hook_and_kee
     ref, checkpointed = run(False), run(True)
     for name in ref:
         torch.testing.assert_close(checkpointed[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _ClassifierOnACausalLM(torch.nn.Module):
+    """A user's classifier on a causal LM's last hidden state: class-id labels ``[B]``, the loss
+    their mean (a module holding a ``...ForCausalLM``, whose token labels hf.train shifts)."""
+
+    def __init__(self):
+        from conftest import tiny_gpt2
+
+        super().__init__()
+        self.lm = tiny_gpt2(dropout=0.0)
+        torch.manual_seed(1)
+        self.head = torch.nn.Linear(self.lm.config.n_embd, 2)
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        h = self.lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[-1]
+        logits = self.head(h[:, 0])
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_class_labels_of_a_model_holding_a_causal_lm_are_not_shifted(tmp_path):
+    """Found by a review: the labelled items of each micro-batch were counted from the second
+    sample on for any model holding a causal LM, class ids too: a window of 10 as 4+4+2 weighed
+    its micro-batches 3:3:1, and at micro-batch 1 every step counted 0 items (NaN, skipped)."""
+
+    def run(n, mb, effective, steps):
+        rows = _Rows(n)
+        plan = Plan("fp32", mb, effective)
+        args = TrainingArguments(output_dir=str(tmp_path / f"{mb}"), max_steps=steps, learning_rate=1e-2,
+                                 logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+                                 optim="sgd", **hf.training_arguments(plan))
+        cb = hf.TightfitCallback(plan)
+        trainer = Trainer(model=_ClassifierOnACausalLM(), args=args, train_dataset=rows, callbacks=[cb])
+        hf.train(trainer)
+        return _logged(trainer), cb.skipped_steps
+
+    whole, _ = run(10, 10, 10, 1)
+    split, _ = run(10, 4, 12, 1)  # the Trainer's window of 12 holds the 10 rows as 4+4+2
+    torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-6)
+    logged, skipped = run(8, 1, 8, 2)
+    assert skipped == 0 and all(torch.isfinite(torch.tensor(x)).all() for x in logged), logged
+
+
+def test_a_label_smoothed_causal_lm_trains_on_its_mean_over_target_tokens(tmp_path):
+    """Found by a review: with label smoothing the Trainer's count of GPT-2's labels, unshifted,
+    was left as it was (scaling the loss by targets / (targets + rows)) at every split."""
+    from conftest import tiny_gpt2
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    rows = _LMRows(8)
+    with torch.no_grad():
+        out = tiny_gpt2(dropout=0.0)(input_ids=rows.batch["input_ids"], attention_mask=rows.batch["attention_mask"])
+        mean = float(LabelSmoother(0.1)(out, rows.batch["labels"], shift_labels=True))  # over the target tokens
+    for mb in (8, 2):
+        plan = Plan("fp32", mb, 8)
+        args = TrainingArguments(output_dir=str(tmp_path / str(mb)), max_steps=1, learning_rate=1e-3, logging_steps=1,
+                                 save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+                                 label_smoothing_factor=0.1, **hf.training_arguments(plan))
+        trainer = Trainer(model=tiny_gpt2(dropout=0.0), args=args, train_dataset=rows,
+                          callbacks=[hf.TightfitCallback(plan)])
+        hf.train(trainer)
+        logged = _logged(trainer)
+        assert abs(logged[0][0] - mean) < 1e-4 * mean, (mb, logged, mean)

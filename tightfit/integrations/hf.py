@@ -243,7 +243,8 @@ def _label_items(trainer, batch):
     labels = batch.get("shift_labels", batch.get("labels")) if isinstance(batch, Mapping) else None
     if not torch.is_tensor(labels):
         return None
-    if "shift_labels" not in batch and _shifts_labels(trainer):
+    # token labels only ([B, T]): a classifier on a causal LM's states has class ids ([B]) nothing shifts
+    if "shift_labels" not in batch and labels.dim() >= 2 and _shifts_labels(trainer):
         labels = labels[..., 1:]
     return labels.ne(-100).sum()
 
@@ -269,9 +270,11 @@ def _recount_targets(trainer) -> bool:
     """Make the Trainer's ``num_items_in_batch`` the window's target tokens for a causal LM whose
     loss divides by it but which the Trainer counts unshifted (its ``_loss_shifts_labels`` False
     or absent: GPT-2 under transformers 5.25, every causal LM under older ones): one label too many
-    per row, so each window's loss came out scaled by targets / (targets + rows). One process only
-    (the Trainer may gather the count across processes). Returns whether it changed anything."""
-    if getattr(trainer, "_loss_shifts_labels", False) or not _shifts_labels(trainer) or not _can_weigh_items(trainer):
+    per row, so each window's loss came out scaled by targets / (targets + rows). The count is the
+    same whoever divides by it: the model's loss, the label smoother or your ``compute_loss_func``.
+    One process only (the Trainer may gather the count across processes). Returns whether it
+    changed anything."""
+    if getattr(trainer, "_loss_shifts_labels", False) or not _shifts_labels(trainer) or not _one_process(trainer):
         return False
     get_batch_samples = trainer.get_batch_samples
 
@@ -290,17 +293,22 @@ def _recount_targets(trainer) -> bool:
     return True
 
 
+def _one_process(trainer) -> bool:
+    """Whether ``trainer`` trains in one process on at most one GPU and has ``get_batch_samples``
+    (where it counts each window's ``num_items_in_batch``)."""
+    args = trainer.args
+    return callable(getattr(trainer, "get_batch_samples", None)) and args.world_size == 1 and args.n_gpu <= 1
+
+
 def _can_weigh_items(trainer) -> bool:
     """Whether :func:`scale_loss_as_one_batch` can weigh each micro-batch's loss itself: the Trainer's
     own ``compute_loss`` on the model's own loss (no ``compute_loss_func``, label smoother, or
     ``loss_is_scaled_for_ga`` of yours), one process, and a Trainer with ``get_batch_samples``."""
-    args = trainer.args
     return (type(trainer).compute_loss is transformers.Trainer.compute_loss
-            and callable(getattr(trainer, "get_batch_samples", None))
             and getattr(trainer, "compute_loss_func", None) is None
             and getattr(trainer, "label_smoother", None) is None
             and getattr(trainer, "loss_is_scaled_for_ga", None) is None
-            and args.world_size == 1 and args.n_gpu <= 1)
+            and _one_process(trainer))
 
 
 def scale_loss_as_one_batch(trainer) -> bool:
