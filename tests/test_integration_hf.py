@@ -905,3 +905,20 @@ def test_a_label_smoothed_causal_lm_trains_on_its_mean_over_target_tokens(tmp_pa
         hf.train(trainer)
         logged = _logged(trainer)
         assert abs(logged[0][0] - mean) < 1e-4 * mean, (mb, logged, mean)
+
+
+@pytest.mark.parametrize("policies", [("offload", "offload"), ("selective", "none")])
+def test_a_plans_per_block_policies_run_under_hf_train_and_a_plain_train_is_told(tmp_path, policies):
+    """Found by a review: a plan offloading (or selectively recomputing) its blocks' activations
+    trained with none of it under hf.train (the Trainer's flag off, its hook unable to), without
+    a word; Lightning's callback applies them."""
+    from tightfit.levers.blocks import block_policy, find_blocks
+    from tightfit.plan import plan_with_blocks
+
+    plan = plan_with_blocks("fp32", 4, 8, (), 2, block_policies=policies, device="cpu")
+    trainer = _trainer(tmp_path / "hf", plan, steps=1)
+    hf.train(trainer)
+    assert [block_policy(b) for b in find_blocks(trainer.model)] == list(policies)
+    cb = hf.TightfitCallback(plan)
+    _trainer(tmp_path / "plain", plan, steps=1, callback=cb).train()
+    assert any("run only under hf.train(trainer)" in e for e in cb.events), cb.events

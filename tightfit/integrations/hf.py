@@ -96,7 +96,8 @@ def training_arguments(plan: Plan, **yours) -> dict:
     loss scaling), ``activation_checkpointing`` (``gradient_checkpointing`` before transformers 5;
     non-reentrant, every layer: the Trainer cannot checkpoint a subset, so a plan that checkpoints
     some blocks uses less memory and more time here; for a model without Hugging Face's hook, or
-    with BatchNorm, :func:`train` runs tightfit's block wrappers instead), ``use_cpu`` and ``auto_find_batch_size=False``
+    with BatchNorm, or a plan of per-block selective recomputation or activation offload
+    (``block_policies``), :func:`train` runs tightfit's block wrappers instead), ``use_cpu`` and ``auto_find_batch_size=False``
     (see the module doc). Everything else is yours or the Trainer's default: ``optim`` is set only
     when you gave none and the Trainer's default is not the plan's optimizer (transformers 5's
     default is the plan's fused AdamW); gradient
@@ -434,6 +435,13 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
             self._skipped_in_row = int(saved.get("skipped_in_row", 0))
         if self.plan is not None:
             self._check_arguments(args, train_dataloader)
+            if not self._in_train and _per_block(self.plan):
+                self._event("the plan's per-block activation policies (selective recomputation, activation offload: "
+                            f"{', '.join(self.plan.block_policies)}) run only under hf.train(trainer); a plain "
+                            "trainer.train() "
+                            + ("recomputes every layer whole instead (more time than planned)"
+                               if getattr(args, _checkpointing_argument(args), False) else
+                               "keeps every layer's activations (more memory than planned)"))
         if not self._in_train and args.gradient_accumulation_steps > 1 and model is not None \
                 and loss_uses_item_count(model) is False:
             self._event(f"{type(model).__name__}'s forward takes **kwargs but its loss ignores num_items_in_batch: "
@@ -643,14 +651,29 @@ def _checkpoint_as_planned(trainer, plans: list) -> None:
     from ..levers.checkpointing import set_activation_checkpointing
 
     args, model = trainer.args, trainer.model
-    name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    name = _checkpointing_argument(args)
+    plan = plans[0] if plans else None
+    if _per_block(plan) and find_blocks(model):  # the Trainer's hook recomputes every layer whole, nothing else
+        setattr(args, name, False)
+        set_activation_checkpointing(model, plan.activation_checkpointing, plan.checkpoint_blocks, plan.block_policies)
+        return
     if not getattr(args, name, False) or not find_blocks(model):
         return
     if getattr(model, "supports_gradient_checkpointing", False) and not running_stat_norms(model):
         return
     setattr(args, name, False)
-    plan = plans[0] if plans else None
     set_activation_checkpointing(model, True, plan and plan.checkpoint_blocks, plan and plan.block_policies)
+
+
+def _checkpointing_argument(args) -> str:
+    """The name of ``args``' activation checkpointing flag (transformers 5 renamed ``gradient_checkpointing``)."""
+    return "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+
+
+def _per_block(plan) -> bool:
+    """Whether ``plan`` keeps some block's activations otherwise than the Trainer can: selective
+    recomputation or activation offload (``block_policies``)."""
+    return plan is not None and any(p not in ("none", "full") for p in plan.block_policies or ())
 
 
 def _redo_checkpoint(saved: list[tuple[int, str]], failed_step: int, started_from) -> str | None:
