@@ -324,3 +324,14 @@ def test_a_worst_case_giving_a_batch_encoding_is_planned_as_a_dict():
     assert type(batch) is dict and batch["input_ids"].shape == (4, 12)
     assert estimate(tiny_bert(), batch, Plan("fp32", 4, 4)).peak_allocated_bytes > 0
 
+
+
+def test_a_diverged_causal_lms_perplexity_is_inf_not_an_overflow():
+    """Found by a review: a finite mean token loss above ~709.78 nats raised OverflowError from
+    math.exp, ending a diverged run in its evaluation with a traceback; an inf loss gave inf."""
+    from tightfit.tasks import CausalLM
+
+    summary = CausalLM().summarize({"loss_sum": 835.0 * 54, "tokens": 54})
+    assert summary["loss"] == pytest.approx(835.0) and summary["perplexity"] == math.inf
+    assert CausalLM().summarize({"loss_sum": 2.0 * 10, "tokens": 10})["perplexity"] == pytest.approx(math.exp(2.0))
+    assert math.isnan(CausalLM().summarize({"loss_sum": 0.0, "tokens": 0})["perplexity"])

@@ -21,6 +21,7 @@ runtime can evaluate in batches of any size (halving them on out-of-memory error
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Protocol, Sequence, runtime_checkable
 
@@ -324,6 +325,9 @@ class ImageClassification(SequenceClassification):
         return {"pixel_values": pixels, "labels": _random_ints(config.num_labels, (micro_batch,), dev)}
 
 
+_LOG_MAX_FLOAT = math.log(sys.float_info.max)  # 709.78...: math.exp raises OverflowError above it
+
+
 @dataclass(frozen=True)
 class CausalLM:
     """Next-token prediction: cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``.
@@ -349,7 +353,9 @@ class CausalLM:
         """Mean token loss, its perplexity and the token count (NaN without tokens)."""
         tokens = int(sums.get("tokens", 0))
         loss = sums["loss_sum"] / tokens if tokens else math.nan
-        return {"loss": loss, "perplexity": math.exp(loss) if tokens else math.nan, "tokens": tokens}
+        # exp overflows a float past ~709.78 nats (a diverged model): its perplexity is inf, as an inf loss's
+        perplexity = math.nan if not tokens else math.exp(loss) if loss < _LOG_MAX_FLOAT else math.inf
+        return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
 
     def evaluate(self, model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, float]:
         return evaluate_batches(self, model, batches)
