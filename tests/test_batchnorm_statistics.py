@@ -294,7 +294,7 @@ def test_an_oom_redo_splits_the_window_so_that_batchnorm_gets_no_single_sample()
     from tightfit.plan import Plan, halved_micro_batch
 
     assert halved_micro_batch(45, 23) == 9 and halved_micro_batch(8, 8) == 4 and halved_micro_batch(7, 7) == 3
-    assert halved_micro_batch(5, 4) == 2 and halved_micro_batch(5, 4, no_single=True) == 2  # 2+2+1: none better
+    assert halved_micro_batch(5, 4) == 2 and halved_micro_batch(5, 4, no_single=True) == 3  # 3+2, not 2+2+1
     assert halved_micro_batch(21, 22, no_single=True) == 11  # 11 + 10
     # 31 at half of 12: 6 x 5 + 1; with BatchNorm not 5 (5 x 6 + 1) but 4 (4 x 7 + 3)
     assert halved_micro_batch(31, 12) == 6 and halved_micro_batch(31, 12, no_single=True) == 4
@@ -350,3 +350,34 @@ def test_an_oom_redo_leaves_no_single_sample_in_the_runs_other_windows():
     assert step((torch.randn(6, 3, 8, 8), torch.randint(0, 4, (6,)))).micro_batch == 2  # an epoch's last batch
     handle.remove()
     assert step((torch.randn(10, 3, 8, 8), torch.randint(0, 4, (10,)))).accumulation_steps == 5
+
+
+def test_an_oom_redo_of_an_odd_window_and_the_growth_back_leave_batchnorm_no_single_sample():
+    """Found by a review: 7 samples at micro-batch 7 were redone as 3 + 3 + 1 (no size up to half
+    avoided one), and BatchNorm stopped the run with a ValueError; growing 3 back took 6 (6 + 1).
+    The redo now takes a size above half where none up to it serves (4 + 3), the growth the
+    largest that leaves no single sample (5 + 2), and a window no smaller split serves is one line."""
+    from tightfit.errors import TightfitError
+    from tightfit.plan import Plan, grown_micro_batch, halved_micro_batch
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    assert halved_micro_batch(7, 7, no_single=True) == 4 and halved_micro_batch(7, 7) == 3
+    assert grown_micro_batch(3, 7, no_single=True, sizes=(7,)) == 5 and grown_micro_batch(3, 7, sizes=(7,)) == 6
+    assert grown_micro_batch(2, 4, no_single=True, sizes=(5,)) == 3  # 3 + 2, not 4 + 1
+    with pytest.raises(TightfitError, match="leaves a micro-batch of 1 sample"):
+        halved_micro_batch(3, 3, no_single=True)  # 2 + 1 or 1 + 1 + 1
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4), "labels": i % 2} for i in range(14)]  # two windows of 7
+    t = Trainer(Workload(_Net(), data, None, 7), Plan("fp32", 7, 7), TrainConfig(epochs=2, lr=1e-3, grow_back_after=1),
+                progress=False)
+    fired = []
+
+    def oom(module, args):
+        if args[0].shape[0] > 4 and not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    t.model.body[0].register_forward_pre_hook(oom)
+    result = t.fit()
+    assert result.steps == 4 and result.oom_recoveries == 1
+    assert any("7 samples as 4+3" in e for e in result.events), result.events

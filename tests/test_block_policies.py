@@ -425,3 +425,23 @@ def test_offloaded_activations_are_held_to_the_hosts_pinned_memory(monkeypatch):
     offloading = [c for c in [small.best, *small.runners_up] if c.block_policies and "offload" in c.block_policies]
     assert offloading and all(pinned(c) <= 200 * MiB for c in offloading), [(c.label(), pinned(c)) for c in offloading]
     assert small.best.micro_batch < 64
+
+
+def test_a_forward_that_ran_out_of_memory_leaves_no_offloaded_activation_on_the_device():
+    """Found by a review: the activations offloading keeps on the device until their copies are
+    done (the stash) were released only by a backward; a forward that failed has none, so the
+    redo after an out-of-memory error started with the failed attempt's tensors still held."""
+    from tightfit.levers.offload import HostOffload
+    from tightfit.memory.oom import release_memory
+
+    layer = torch.nn.Linear(1024, 1024, device="meta")
+    x = torch.randn(64, 1024, device="meta", requires_grad=True)
+    with pytest.raises(torch.OutOfMemoryError):
+        with HostOffload(min_bytes=0):
+            h = x
+            for _ in range(3):
+                h = torch.relu(layer(h))  # each saves an activation: offloaded, stashed
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    del h
+    release_memory()  # what the runtime and TrainStep do before the redo
+    assert not HostOffload._stash.get(torch.device("meta"))

@@ -82,7 +82,7 @@ def test_by_default_the_loop_does_not_wait_for_a_write_in_flight(make_workload, 
 
     hashing, last_step = ckpt.sha256_file, threading.Event()
     # a disk so slow that ckpt-100's write ends only once step 250 is logged (just before its checkpoint)
-    monkeypatch.setattr(ckpt, "sha256_file", lambda path: last_step.wait(60) and hashing(path))
+    monkeypatch.setattr(ckpt, "sha256_file", lambda path: last_step.wait(600) and hashing(path))
     monkeypatch.setattr(checkpoint_schedule, "SHARE", 1.0)
     names, trainer = _run(make_workload, tmp_path, log=lambda r: r.get("step") == 250 and last_step.set())
     assert names == ["ckpt-100", "ckpt-250"]  # step 200 came while ckpt-100 was being written
@@ -200,3 +200,30 @@ def test_a_wait_for_the_last_write_after_the_evaluation_is_not_counted_as_holdin
     result = trainer.fit()
     assert ckpt.verify_checkpoint(tmp_path / "ckpt-2")  # in place when fit returned
     assert result.checkpoint_write_seconds >= 0.5 > result.checkpoint_seconds
+
+
+def test_the_last_checkpoint_holds_the_buffers_the_last_step_left_not_the_evaluations(make_workload, tmp_path,
+                                                                                       monkeypatch):
+    """Found by a review: the end's checkpoint, copied on the writer thread while the model is
+    evaluated, took a buffer the evaluation's forwards write (a counter, an average of the user's)
+    as the evaluation had it by then: a resume from ``ckpt-N`` did not start from step N."""
+    import time
+
+    import tightfit.runtime.async_checkpoint as writer_module
+    from conftest import count_forwards
+    from safetensors.torch import load_file
+
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+
+    take = writer_module.take_snapshot
+    monkeypatch.setattr(writer_module, "take_snapshot", lambda *a, **k: time.sleep(0.3) or take(*a, **k))  # a busy host
+    workload = make_workload(n=16, effective_batch=8)
+    count_forwards(workload.model.classifier)
+    workload.eval = type(workload.train)(400, seed=1)  # evaluation batches enough to outlast the delay
+    cfg = TrainConfig(checkpoint_dir=str(tmp_path), max_steps=2, lr=1e-3, seed=0, epochs=1, prefetch=False)
+    trainer = Trainer(workload, Plan("fp32", 8, 8), cfg, progress=False)
+    seen, evaluate = {}, trainer.evaluate
+    trainer.evaluate = lambda: seen.setdefault("at the end", int(workload.model.classifier.seen)) and evaluate()
+    trainer.fit()
+    assert int(workload.model.classifier.seen) > seen["at the end"]  # the evaluation wrote it
+    assert int(load_file(tmp_path / "ckpt-2" / "model.safetensors")["classifier.seen"]) == seen["at the end"]

@@ -759,8 +759,14 @@ class TrainStep:
         self._clean_steps += 1
         if (self.grow_back_after and self.micro_batch < self.plan.micro_batch
                 and self._clean_steps >= self.grow_back_after):
-            new = min(self.plan.micro_batch, self.micro_batch * 2)
-            self._event(f"{self._clean_steps} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
+            from .buffers import running_stat_norms
+            from .plan import grown_micro_batch
+
+            # later calls bring whole effective batches, which the micro-batch splits too
+            new = grown_micro_batch(self.micro_batch, self.plan.micro_batch, bool(running_stat_norms(self.model)),
+                                    (self.plan.effective_batch, b.size))
+            if new > self.micro_batch:
+                self._event(f"{self._clean_steps} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
             self.micro_batch, self._clean_steps = new, 0
         return True
 

@@ -66,29 +66,50 @@ def balanced_micro_batch(effective_batch: int, micro_batch: int) -> int:
     return micro_batch_for(effective_batch, accumulation_steps(effective_batch, micro_batch))
 
 
+def _leaves_one(micro_batch: int, sizes: Sequence[int]) -> bool:
+    """Whether splitting windows of ``sizes`` samples into micro-batches of ``micro_batch`` (the
+    last one short) gives some micro-batch a single sample (every one, at micro-batch 1)."""
+    return micro_batch == 1 or any(s > micro_batch and s % micro_batch == 1 for s in sizes)
+
+
 def halved_micro_batch(size: int, micro_batch: int, no_single: bool = False, others: Sequence[int] = ()) -> int:
     """The micro-batch an out-of-memory redo of a window of ``size`` samples takes: at most half
     of ``micro_batch``, and of the pass that ran out of memory (a window shorter than the
     micro-batch ran as one pass of ``size``: 3 samples at micro-batch 8 are redone as 2 + 1, not
     as the same pass of 3), balanced (:func:`balanced_micro_batch`: 45 samples at half of 23 run
     as 9 x 5, not 11 + 11 + 11 + 11 + 1). With ``no_single`` (a model whose BatchNorm cannot train
-    on one sample), the largest size up to that whose split leaves no micro-batch of 1 (where any
-    from 2 up does) in this window nor in ``others``, the sizes of the run's other windows, which
-    the micro-batch splits from then on too (an epoch's short last window, or its full ones); where
-    none serves them all, the largest that serves this window. Samples in, samples out."""
+    on one sample), a size whose split leaves no micro-batch of 1 in this window nor in ``others``,
+    the sizes of the run's other windows, which the micro-batch splits from then on too (an
+    epoch's short last window, or its full ones): the largest up to half, else the smallest above
+    half that is still smaller than the failed pass (7 samples: 4 + 3, where 3 and 2 leave one);
+    where none serves them all, the same for this window alone. Samples in, samples out.
+
+    Raises:
+        TightfitError: with ``no_single``, every smaller split of this window leaves one sample.
+    """
     # half of the pass that failed, rounded up (21 samples at micro-batch 22: 11 + 10)
     new = balanced_micro_batch(size, max(1, min(micro_batch // 2, -(-size // 2))))
-    if no_single:
-        def leaves_one(m: int, sizes) -> bool:
-            return any(s > m and s % m == 1 for s in sizes)
+    if not no_single or not _leaves_one(new, (size, *others)):
+        return new
+    smaller = range(new - 1, 1, -1)
+    larger = range(new + 1, min(micro_batch, size))  # still a smaller pass than the one that failed
+    for sizes in ((size, *others), (size,)):  # every window of the run, else this one
+        found = next((m for m in (new, *smaller, *larger) if not _leaves_one(m, sizes)), None)
+        if found is not None:
+            return found
+    raise TightfitError(f"out of memory at micro-batch {micro_batch}, and every smaller split of the window's {size} "
+                        "samples leaves a micro-batch of 1 sample, on which BatchNorm cannot train: raise the budget, "
+                        "or plan a smaller effective batch")
 
-        for sizes in ((size, *others), (size,)):  # every window of the run, else this one
-            if not leaves_one(new, sizes):
-                break
-            found = next((m for m in range(new - 1, 1, -1) if not leaves_one(m, sizes)), None)
-            if found is not None:
-                new = found
-                break
+
+def grown_micro_batch(micro_batch: int, planned: int, no_single: bool = False, sizes: Sequence[int] = ()) -> int:
+    """The micro-batch to grow back to after clean steps since an out-of-memory redo: twice
+    ``micro_batch``, at most the ``planned`` one; with ``no_single`` (BatchNorm), the largest up
+    to that whose split of windows of ``sizes`` samples leaves no micro-batch of 1 (7 samples at
+    3 grow to 5, not 6 + 1), or ``micro_batch`` itself where none does. Samples in, samples out."""
+    new = min(planned, micro_batch * 2)
+    if no_single:
+        new = next((m for m in range(new, micro_batch, -1) if not _leaves_one(m, sizes)), micro_batch)
     return new
 
 

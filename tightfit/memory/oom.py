@@ -61,9 +61,14 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def release_memory() -> None:
-    """Free the memory a failed attempt held: collect its garbage, then return the caching
-    allocator's free blocks to the driver so the retry starts unfragmented.
+    """Free the memory a failed attempt held: the activations offloading still kept on the device
+    (a forward that failed has no backward to release them, :meth:`HostOffload.release
+    <tightfit.levers.offload.HostOffload.release>`), its garbage, then the caching allocator's
+    free blocks, returned to the driver so the retry starts unfragmented.
     Call it outside the ``except`` block, once the traceback (and the frames it keeps) is gone."""
+    from ..levers.offload import HostOffload
+
+    HostOffload.release()
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

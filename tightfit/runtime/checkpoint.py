@@ -208,8 +208,17 @@ def check_finite(model: torch.nn.Module) -> None:
         _assert_finite(model)
 
 
+def frozen_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as it is now, for a snapshot copied later while the model is used
+    without training (evaluated): the parameters by reference (nothing but a step changes them),
+    the buffers cloned on their device (a forward in eval mode may write a buffer: a counter, an
+    average, a cache), in stream order."""
+    return {name: t.detach() if isinstance(t, torch.nn.Parameter) else t.detach().clone()
+            for name, t in model.state_dict(keep_vars=True).items()}
+
+
 def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | None = None, pin: bool = True,
-                  check: bool = True) -> Snapshot:
+                  check: bool = True, entries: dict[str, torch.Tensor] | None = None) -> Snapshot:
     """Copy ``model``'s weights and ``state``'s tensors to host memory now (asynchronously from
     CUDA into pinned buffers, in stream order, so the next step's updates cannot reach them).
 
@@ -219,6 +228,7 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
         pin: copy from CUDA into pinned buffers, asynchronously; False: into pageable ones, each
             copy waiting for the device (no pinning: for a snapshot taken once nothing trains).
         check: refuse non-finite weights first (False: the caller checked them).
+        entries: ``model``'s state dict as the caller took it (:func:`frozen_entries`); None: taken now.
 
     Raises:
         NonFiniteCheckpointError: a parameter holds inf/NaN (nothing is copied).
@@ -228,7 +238,7 @@ def take_snapshot(model: torch.nn.Module, state: dict, buffers: _HostBuffers | N
     buffers = buffers or _HostBuffers()
     on_cuda = any(p.is_cuda for p in model.parameters())
     weights, shared, seen = {}, {}, {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if entries is None else entries).items():
         where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
         if t.numel() and where in seen:  # a tied weight: written once, as safetensors' save_model does
             shared[name] = seen[where]

@@ -40,7 +40,7 @@ from ..buffers import buffer_snapshot, restore_buffers
 from ..step import (PendingStep, StepResult, accumulate, changed_since, in_place_versions, make_optimizer,
                     module_mode, train_mode, training_modes, training_step)
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
-from ..plan import Plan
+from ..plan import Plan, grown_micro_batch
 from ..workload import Workload
 from .distributed import World, micro_batches_per_rank, shard_of
 from .health import HealthMonitor
@@ -907,21 +907,24 @@ class Trainer:
                 + ("" if self.plan.activation_checkpointing else "; a plan with activation checkpointing would use less")
                 + ("; fp16/bf16 autocast would use less" if self.plan.precision == "fp32" else "")
                 + "; or raise the budget")
-        from ..buffers import running_stat_norms
         from ..plan import halved_micro_batch
 
         size = len(self.window_at(index))
         # the new micro-batch splits every window of the run from now on
         others = window_sizes(len(self.w.train), self.w.effective_batch, self.total_steps)
-        # the same on every rank (a function of the window); a one-sample micro-batch avoided where
-        # BatchNorm would refuse it (one process: the ranks' shares split otherwise)
-        new = halved_micro_batch(size, self.micro_batch,
-                                 no_single=not self.world.distributed and bool(running_stat_norms(self.model)),
-                                 others=others)
+        # the same on every rank (a function of the window)
+        new = halved_micro_batch(size, self.micro_batch, no_single=self._no_single(), others=others)
         msg = (f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {index + 1} "
                f"with micro-batch {new}: {size} samples as {describe_split(size, new)}")
         self._event(msg)
         self.micro_batch = new
+
+    def _no_single(self) -> bool:
+        """Whether a micro-batch of one sample is to be avoided: BatchNorm would refuse it (one
+        process: the ranks' shares split otherwise)."""
+        from ..buffers import running_stat_norms
+
+        return not self.world.distributed and bool(running_stat_norms(self.model))
 
     def _after_step(self, finite: bool, window: list[int]) -> bool:
         """Count clean and skipped steps, grow the micro-batch back (the step zeroed the gradients)."""
@@ -930,8 +933,10 @@ class Trainer:
             self._clean_windows += 1
             if (self.cfg.grow_back_after and self.micro_batch < self.plan.micro_batch
                     and self._clean_windows >= self.cfg.grow_back_after):
-                new = min(self.plan.micro_batch, self.micro_batch * 2)
-                self._event(f"{self._clean_windows} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
+                new = grown_micro_batch(self.micro_batch, self.plan.micro_batch, self._no_single(),
+                                        window_sizes(len(self.w.train), self.w.effective_batch, self.total_steps))
+                if new > self.micro_batch:
+                    self._event(f"{self._clean_windows} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
                 self.micro_batch, self._clean_windows = new, 0
             return True
         self.result.skipped_steps += 1
