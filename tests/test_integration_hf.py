@@ -922,3 +922,30 @@ def test_a_plans_per_block_policies_run_under_hf_train_and_a_plain_train_is_told
     cb = hf.TightfitCallback(plan)
     _trainer(tmp_path / "plain", plan, steps=1, callback=cb).train()
     assert any("run only under hf.train(trainer)" in e for e in cb.events), cb.events
+
+
+def test_a_lora_plan_for_a_model_without_adapters_is_refused_and_a_plain_train_is_told(tmp_path):
+    """Found by a review: a LoRA (or freezing) plan trained a model without adapters whole under
+    the Trainer, with the gradients and state the plan left out, without a word."""
+    plan = Plan("fp32", 4, 8, trainable="lora", device="cpu")
+    with pytest.raises(TightfitError, match=r"^hf.train\(trainer\): the plan trains LoRA adapters"):
+        hf.train(_trainer(tmp_path / "hf", plan, steps=1))
+    cb = hf.TightfitCallback(plan)
+    _trainer(tmp_path / "plain", plan, steps=1, callback=cb).train()
+    assert any("the plan trains LoRA adapters" in e for e in cb.events), cb.events
+
+
+def test_a_several_process_plan_is_compared_per_process_and_fsdp_is_noted(caplog):
+    """Found by a review: a plan for 2 processes (16 = 2 x 4 x 2) was noted as 'the Trainer's
+    effective batch is 4 x 2 = 8 (the plan's: 16)'; an FSDP2 plan became DDP without a word."""
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        hf.training_arguments(Plan("bf16", 4, 16, world_size=2, sharding="ddp", device="cuda"), output_dir="x")
+    assert "effective batch" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        hf.training_arguments(Plan("bf16", 4, 16, world_size=2, sharding="fsdp", device="cuda"), output_dir="x")
+    assert "shards the model with FSDP2 over 2 processes" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        hf.training_arguments(Plan("bf16", 4, 16, world_size=2, sharding="fsdp", device="cuda"), output_dir="x",
+                              fsdp="full_shard")
+    assert "FSDP2" not in caplog.text

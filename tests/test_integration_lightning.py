@@ -464,3 +464,17 @@ def test_the_skipped_step_counts_survive_a_resume_from_the_trainers_checkpoint(t
     validated.load_state_dict(saved[next(k for k in saved if "TightfitCallback" in k)])
     fit(2, validated)
     assert validated._skipped_in_row == 2
+
+
+def test_a_lora_plan_for_a_module_without_adapters_is_refused():
+    """Found by a review: a LoRA (or freezing) plan trained a module without adapters whole."""
+    with pytest.raises(TightfitError, match="the plan trains LoRA adapters"):
+        _fit(Plan("fp32", 4, 8, trainable="lora", device="cpu"), steps=1)
+
+
+def test_a_several_process_plan_is_compared_per_process_and_fsdp_is_noted(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        tl.trainer_arguments(Plan("bf16", 4, 16, world_size=2, sharding="fsdp", device="cuda"))
+    assert "effective batch" not in caplog.text and "shards the model with FSDP2" in caplog.text

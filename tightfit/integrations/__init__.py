@@ -57,12 +57,40 @@ def smaller_micro_batch(per_device: int, accumulation: int, samples: int | None 
 
 def note_uneven(plan, framework: str) -> None:
     """Warn (logger ``tightfit.integrations``) when ``framework`` -- which runs micro-batch x
-    accumulation samples per optimizer step, with no shorter last micro-batch -- would not run
-    the plan's effective batch exactly (e.g. 12 x 4 = 48 for 40)."""
-    if plan.micro_batch * plan.accumulation_steps != plan.effective_batch:
+    accumulation samples per optimizer step and process, with no shorter last micro-batch --
+    would not run the plan's samples per process exactly (``plan.rank_batch``; e.g. 12 x 4 = 48
+    for 40)."""
+    if plan.micro_batch * plan.accumulation_steps != plan.rank_batch:
+        per = f" per process, {plan.world_size} processes" if plan.world_size > 1 else ""
         logging.getLogger(__name__).warning(
             f"note: {framework} effective batch is {plan.micro_batch} x {plan.accumulation_steps} = "
-            f"{plan.micro_batch * plan.accumulation_steps} samples (the plan's: {plan.effective_batch})")
+            f"{plan.micro_batch * plan.accumulation_steps} samples{per} (the plan's: {plan.rank_batch}{per})")
+
+
+def note_sharding(plan, framework: str, given: bool, settings: str) -> None:
+    """Warn (logger ``tightfit.integrations``) that ``framework`` replicates the model in every
+    process (DDP) where ``plan`` shards it with FSDP2 and ``given`` is False (none of the
+    framework's own sharding ``settings`` was given): its state may not fit as planned."""
+    if plan.sharding == "fsdp" and not given:
+        logging.getLogger(__name__).warning(
+            f"note: the plan shards the model with FSDP2 over {plan.world_size} processes; {framework} replicates it "
+            f"in every process (DDP), whose state may not fit the budget, unless given {settings}")
+
+
+def check_trainable(trainable: str, model, called: str) -> None:
+    """Refuse a LoRA or freezing plan (``Plan.trainable``) for a model not set up that way, as
+    :class:`tightfit.TrainStep` does (:func:`tightfit.levers.trainable.check_trainable`): the
+    framework would train every parameter, with gradients and optimizer state the plan left out.
+
+    Raises:
+        TightfitError: one line, naming ``called``.
+    """
+    from ..levers.trainable import check_trainable as check
+
+    try:
+        check(trainable, model)
+    except TightfitError as e:
+        raise TightfitError(f"{called}: {e}") from None
 
 
 class Watch:

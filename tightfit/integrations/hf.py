@@ -68,7 +68,8 @@ import torch
 from ..config import check_guard_options
 from ..errors import TightfitError
 from ..plan import Plan, refuse_parameter_offload
-from . import Watch, note_uneven, refuse_fp16_on_cpu, require, skip_through_loss_scaler, smaller_micro_batch
+from . import (Watch, check_trainable, note_sharding, note_uneven, refuse_fp16_on_cpu, require, skip_through_loss_scaler,
+               smaller_micro_batch)
 
 # what the Trainer does with an fp16 plan on the CPU (refuse_fp16_on_cpu)
 _HF_FP16_ON_CPU = ("the Trainer runs fp16=True, use_cpu=True in fp32 without a word (accelerate has no fp16 "
@@ -147,6 +148,7 @@ def training_arguments(plan: Plan, **yours) -> dict:
                             f"batch is {plan.micro_batch} x {plan.accumulation_steps}; "
                             f"it sets {', '.join(planned)})")
     note_uneven(plan, "the Trainer's")
+    note_sharding(plan, "the Trainer", "fsdp" in yours, "its own FSDP settings (fsdp=..., fsdp_config=...)")
     return {**given, **planned}
 
 
@@ -435,6 +437,11 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
             self._skipped_in_row = int(saved.get("skipped_in_row", 0))
         if self.plan is not None:
             self._check_arguments(args, train_dataloader)
+            if model is not None and not self._in_train:  # hf.train refuses it before the Trainer starts
+                try:
+                    check_trainable(self.plan.trainable, model, "the TightfitCallback")
+                except TightfitError as e:
+                    self._event(str(e))
             if not self._in_train and _per_block(self.plan):
                 self._event("the plan's per-block activation policies (selective recomputation, activation offload: "
                             f"{', '.join(self.plan.block_policies)}) run only under hf.train(trainer); a plain "
@@ -830,6 +837,9 @@ def train(trainer, **train_kwargs):
         raise TightfitError(f"hf.train(trainer): trainer must be a transformers.Trainer, got {type(trainer).__name__}")
     args = trainer.args
     ours = [c for c in trainer.callback_handler.callbacks if isinstance(c, TightfitCallback)]
+    for c in ours:  # a LoRA or freezing plan for a model not set up so: its state would not fit as planned
+        if c.plan is not None:
+            check_trainable(c.plan.trainable, trainer.model, "hf.train(trainer)")
     # the user's, put back if no attempt finishes (a redo's smaller batch is no use to a failed run)
     users = (args.per_device_train_batch_size, args.gradient_accumulation_steps, vars(trainer).get("_train_batch_size"),
              [(c, c.plan, c._redone_at) for c in ours])

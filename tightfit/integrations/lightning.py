@@ -55,7 +55,8 @@ import torch
 
 from ..errors import TightfitError
 from ..plan import Plan, refuse_parameter_offload
-from . import Watch, note_uneven, refuse_fp16_on_cpu, require, skip_through_loss_scaler, smaller_micro_batch
+from . import (Watch, check_trainable, note_sharding, note_uneven, refuse_fp16_on_cpu, require, skip_through_loss_scaler,
+               smaller_micro_batch)
 
 # what Lightning does with an fp16 plan on the CPU (refuse_fp16_on_cpu)
 _LIGHTNING_FP16_ON_CPU = ("Lightning trains precision='16-mixed' on the CPU as 'bf16-mixed' (no fp16 autocast or "
@@ -142,6 +143,7 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
                             f"{'it' if len(conflicts) == 1 else 'them'} from your arguments (it sets "
                             f"{', '.join(planned)})")
     note_uneven(plan, "Lightning's")
+    note_sharding(plan, "Lightning", "strategy" in yours, "a sharding strategy (strategy='fsdp')")
     return {**yours, **planned}
 
 
@@ -196,6 +198,7 @@ class TightfitCallback(Watch, L.Callback):
         from ..levers.checkpointing import set_activation_checkpointing, turned_off_note
 
         # on or off as planned: an earlier plan's checkpointing of the same module must not stay on (said: yours too)
+        check_trainable(self.plan.trainable, pl_module, "the TightfitCallback")  # LoRA or freezing as planned
         planned = (self.plan.activation_checkpointing, self.plan.checkpoint_blocks, self.plan.block_policies)
         note = turned_off_note(_checkpointable(pl_module), *planned)
         set_activation_checkpointing(_checkpointable(pl_module), *planned)
