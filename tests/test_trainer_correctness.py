@@ -220,6 +220,21 @@ def test_an_oom_in_an_epochs_short_last_window_is_redone_with_a_smaller_pass():
     assert "redoing step 2 with micro-batch 2: 3 samples as 2+1" in result.events[0]
 
 
+def test_an_oom_in_a_window_given_to_train_step_halves_that_windows_pass():
+    """Found by a review: Trainer.train_step(window) halved the micro-batch for the run's window at
+    that step (8 samples: 4), not the window given (3 samples at 4: the same pass, out of memory again)."""
+    t = Trainer(_workload(n=16), Plan("fp32", 8, 8), TrainConfig(epochs=1, lr=1e-3), progress=False)
+    fired = []
+
+    def inject(module, args):
+        if not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    t.model.bert.encoder.layer[0].register_forward_pre_hook(inject)
+    t.train_step([0, 1, 2])
+    assert t.micro_batch == 2 and "3 samples as 2+1" in t.result.events[0], t.result.events
+
+
 def test_resume_after_an_oom_back_off_grows_back_like_the_uninterrupted_run(tmp_path):
     def run(folder, resume_from=None):
         w = _workload(n=48)

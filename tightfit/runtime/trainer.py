@@ -834,7 +834,7 @@ class Trainer:
             release_memory()
             restore_rng(rng)
             restore_buffers(buffers)
-            self._on_oom(where, index)
+            self._on_oom(where, index, len(window))
             backed_off = True
         lr = float(self.scheduler.get_last_lr()[0])  # this step's (a tensor under torchao's optimizers)
         known = pending.known  # None: decided on the device, where optimizer.step() ran (a no-op if skipped)
@@ -898,7 +898,8 @@ class Trainer:
             self.scaler = make_grad_scaler(self.plan.precision, self.device.type)
             self.scaler.load_state_dict(state)
 
-    def _on_oom(self, where: str, index: int) -> None:
+    def _on_oom(self, where: str, index: int, size: int) -> None:
+        """Halve the micro-batch after an OOM in step ``index`` (0-based) on a window of ``size`` samples."""
         self.result.oom_recoveries += 1
         self._clean_windows = 0
         if self.micro_batch == 1:
@@ -909,7 +910,6 @@ class Trainer:
                 + "; or raise the budget")
         from ..plan import halved_micro_batch
 
-        size = len(self.window_at(index))
         # the new micro-batch splits every window of the run from now on
         others = window_sizes(len(self.w.train), self.w.effective_batch, self.total_steps)
         # the same on every rank (a function of the window)
