@@ -356,3 +356,29 @@ def test_the_estimates_header_names_the_card_whose_rules_it_used(capsys):
     assert "for a Hopper GPU such as the H200 (the default; --gpu NAME for another card)" in capsys.readouterr().out
     assert main(["estimate", "--model", "minilm", "--seq-len", "16", "--micro-batch", "2", "--gpu", "t4"]) == 0
     assert capsys.readouterr().out.splitlines()[0].endswith("for NVIDIA Tesla T4")
+
+
+def test_a_ctrl_c_landing_in_the_trackers_storage_callback_is_not_lost(monkeypatch):
+    """Found by a fresh user: a Ctrl-C that arrived while a traced storage died was raised in the
+    tracker's weakref callback, which Python prints and drops: `tightfit plan` went on and exited 0."""
+    import signal
+    import time
+
+    from tightfit.memory.tracker import AllocationTracker
+
+    tracker = AllocationTracker()
+    free = tracker.free
+
+    def interrupted(*a):  # the signal arrives while the callback runs
+        signal.raise_signal(signal.SIGINT)
+        return free(*a)
+    with pytest.raises(KeyboardInterrupt):
+        with tracker:
+            t = torch.empty(1024, device="meta")
+            monkeypatch.setattr(tracker, "free", interrupted)
+            del t
+            assert not tracker._storages  # the callback did its accounting
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # raised again just after it
+                time.sleep(0.001)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

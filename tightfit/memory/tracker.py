@@ -12,6 +12,10 @@ the peaks under several allocator configurations. The accounting itself is the
 
 from __future__ import annotations
 
+import _thread
+import contextlib
+import signal
+import threading
 import weakref
 
 import torch
@@ -114,7 +118,55 @@ class AllocationTracker(Ledger, TorchDispatchMode):
     def live_bytes(self) -> int:
         return self.allocator.allocated
 
+    def __enter__(self):
+        self._interrupts = _interrupts_outside_callbacks()
+        self._interrupts.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._interrupts.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            # the trace is over: its storages' weak references go, and with them their callbacks
+            # (a Ctrl-C in one after the handler below is gone would be dropped; their frees would
+            # only have lengthened the log past the step)
+            self._storages.clear()
+            self._interrupts.__exit__(None, None, None)
+
     def _storage_died(self, ref: _StorageRef) -> None:
         entry = self._storages.pop(ref.key, None)
         if entry is not None:
             self.free(entry[0])
+
+
+@contextlib.contextmanager
+def _interrupts_outside_callbacks():
+    """Within the block (on the main thread, under Python's default SIGINT handler), a Ctrl-C that
+    arrives while :meth:`AllocationTracker._storage_died` runs is raised just after it instead:
+    Python prints and drops an exception raised in a weakref callback, and the command went on
+    (``tightfit plan`` printed its plan and exited 0). Elsewhere it is raised at once, as usual."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def handler(signum, frame):
+        while frame is not None:
+            if frame.f_code is _CALLBACK_CODE:  # again from another thread, once the callback has returned
+                threading.Timer(0.001, _thread.interrupt_main).start()
+                return
+            frame = frame.f_back
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_CALLBACK_CODE = AllocationTracker._storage_died.__code__
