@@ -240,6 +240,9 @@ def test_small_splits_and_missing_classes_are_noted():
     notes = tdata.check_split(data, data.subset(only_a), data.subset(eval_idx))
     assert any("3 of 4 classes have no training sample" in n for n in notes)
     assert any("0.8 training samples per class" in n for n in notes)
+    one_missing = [i for i in train_idx if labels[i] != 3]
+    assert any("1 of 4 classes has no training sample: the model cannot learn it" in n
+               for n in tdata.check_split(data, data.subset(one_missing), data.subset(eval_idx)))
 
 
 def test_max_skipped_steps_zero_is_refused(tmp_path, capsys):

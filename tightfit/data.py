@@ -624,7 +624,8 @@ def check_split(data: TextClassificationData, train: TextClassificationData,
                      f"({more} for a finer measure)")
     absent = classes - len(set(train.labels))
     if absent:
-        notes.append(f"{absent} of {classes} classes have no training sample: the model cannot learn them")
+        notes.append(f"{absent} of {classes} classes {'has' if absent == 1 else 'have'} no training sample: the model "
+                     f"cannot learn {'it' if absent == 1 else 'them'}")
     if len(train) < FEW_TRAIN_PER_CLASS * classes:
         notes.append(f"{len(train) / classes:.1f} training samples per class on average ({len(train)} samples, "
                      f"{classes} classes): expect accuracy near chance")
