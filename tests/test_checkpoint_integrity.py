@@ -127,6 +127,9 @@ def test_a_manifest_of_an_unknown_format_is_refused_in_one_line(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"manifest\.json: unreadable: not a tightfit-checkpoint/1 or "
                                                      r"tightfit-checkpoint/2 manifest\)$"):
         verify_checkpoint(tmp_path / "ckpt-2")
+    (tmp_path / "ckpt-2" / "manifest.json").write_text('["x"]')  # found by a fresh user: Python's words were shown
+    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json: unreadable: not a JSON object but a list"):
+        verify_checkpoint(tmp_path / "ckpt-2")
 
 
 @pytest.mark.parametrize("name, damage, fault", [

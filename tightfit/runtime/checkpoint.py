@@ -624,6 +624,8 @@ def verify_checkpoint(path: Path) -> bool:
         return False
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict):
+            raise ValueError(f"not a JSON object but a {type(manifest).__name__} (a manifest is an object)")
         files = manifest["files"]
         if manifest.get("format") not in READABLE_FORMATS or not isinstance(files, dict):
             raise ValueError(f"not a {' or '.join(READABLE_FORMATS)} manifest")
