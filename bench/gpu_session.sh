@@ -33,6 +33,7 @@
 # Carried (ignored by git, .git/info/exclude): .carry/site.tgz (bitsandbytes with only its CUDA 13.0
 # and CPU libraries, torchao), .carry/minilm (the shipped MiniLM, weights rounded to bf16 to fit a
 # call's 64 MiB; tightfit loads them as fp32), .carry/data (the shipped Rotten Tomatoes CSV).
+# bench/make_carry.sh builds .carry/ from this checkout's .venv.
 set -uo pipefail
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 if [ -f .carry/site.tgz ]; then tar xzf .carry/site.tgz -C /tmp; export PYTHONPATH=/tmp/site; fi
