@@ -160,6 +160,33 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
     assert calls == [24, 24]  # --replan plans afresh
 
 
+@pytest.mark.parametrize("lever", ["adamw-offload", "activation offload"])
+def test_a_cached_plan_that_the_host_memory_now_free_would_not_hold_is_planned_anew(tmp_path, monkeypatch, lever):
+    """Found by a review: the key holds the host's total memory, but the planner sizes its
+    host-memory levers to the memory free when it plans; a plan made with plenty free was taken
+    from the cache on a host with little free, and the run refused its adamw-offload."""
+    import tightfit.levers.optimizers as levers
+    import tightfit.planner.gpu as gpu
+
+    monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=140 * 2**30))
+    calls = []
+    fields = {"optimizer": "adamw-offload"} if lever == "adamw-offload" else {"block_policies": ("offload", "none")}
+
+    def fake_plan_on_gpu(workload, profile, budget, *a, **k):
+        calls.append(1)
+        return Plan("bf16", 8, 8, device="cuda", budget_bytes=budget, reasons=("searched",), **fields)
+
+    monkeypatch.setattr(gpu, "plan_on_gpu", fake_plan_on_gpu)
+    monkeypatch.setattr(levers, "available_host_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(levers, "is_offloaded", lambda numel: True)  # the tiny model's tensors too
+    _recipe(tmp_path)._cached_gpu_plan()
+    assert _recipe(tmp_path)._cached_gpu_plan().reasons[0].startswith("plan from the cache") and calls == [1]
+    monkeypatch.setattr(levers, "available_host_bytes", lambda: 2**16 if lever == "adamw-offload" else 32 * 2**30)
+    assert not _recipe(tmp_path)._cached_gpu_plan().reasons[0].startswith("plan from the cache")
+    assert calls == [1, 1]
+
+
 def test_a_run_that_compiles_nothing_takes_its_plan_from_the_cache_for_any_length(tmp_path, monkeypatch):
     """The run's length decides only whether compilation repays itself: with --compile off (or
     the probe planner) a longer run of the same job takes the cached plan (it was replanned)."""

@@ -740,7 +740,7 @@ class TrainRecipe:
 
         import torch
 
-        from .planner.cache import from_cache_reason, load_plan, plan_key, store_plan
+        from .planner.cache import from_cache_reason, host_changed, load_plan, plan_key, store_plan
         from .planner.probe import plan_first
 
         p, w, E = self.req.planning, self.workload, self.workload.effective_batch
@@ -754,6 +754,10 @@ class TrainRecipe:
                        self.profile.name, torch.cuda.get_device_properties(0).total_memory,
                        self.budget, run_samples if compiles else None, profile=dataclasses.asdict(self.profile))
         cached = None if p.replan else load_plan(key)
+        changed = cached and host_changed(cached[0], w.model, cached[1])
+        if changed:  # planned for more free host memory than there is now: planned anew (and cached so)
+            log.warning(f"note: the cached plan ({cached[1]['path']}) is planned anew: {changed}")
+            cached = None
         if cached is not None:
             plan, record = cached
             self.plan_timings = {**record["timings"], "cached": True, "planned_s": record["planning_seconds"]}
