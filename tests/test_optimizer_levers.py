@@ -306,6 +306,25 @@ def test_offloaded_adamw_clips_the_complete_host_gradients():
 
 @pytest.mark.gpu
 @needs_torchao
+def test_offloaded_adamw_leaves_out_a_parameter_without_gradient():
+    """A large parameter no forward uses: its host gradient (torchao's uninitialised pinned memory,
+    NaN here as reused memory may hold) is not counted in the norm; the step is finite and its norm
+    that of the gradients computed."""
+    model = bert_with_large_tensors(dropout=0.0).cuda()
+    model.unused = torch.nn.Parameter(torch.randn(4096, 2, device="cuda"))  # offloaded, never in a forward
+    opt = make_optimizer(model.parameters(), "adamw-offload", "cuda", lr=1e-3)
+    opt.param_d2h_map[model.unused].grad.fill_(float("nan"))
+    batch = dict(input_ids=torch.randint(1, 50, (2, 8), device="cuda"), labels=torch.tensor([0, 1], device="cuda"))
+    ref = bert_with_large_tensors(dropout=0.0).cuda()
+    ref(**batch).loss.backward()
+    true_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+    model(**batch).loss.backward()
+    norm, finite = apply_update(opt, None, max_grad_norm=1.0)
+    assert finite and math.isclose(norm, true_norm, rel_tol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_torchao
 def test_resume_refreshes_the_offloaded_master_weights(tmp_path):
     """torchao copies the master weights to the host only when the optimizer is built, before
     the checkpoint's weights are loaded: a stale host copy would undo the resume."""
@@ -472,3 +491,36 @@ def test_the_command_line_silences_bitsandbytes_import_warnings():
     if not stderr(False).strip():
         pytest.skip("this bitsandbytes build warns about nothing at import")
     assert stderr(True).strip() == ""
+
+
+@needs_torchao
+def test_offloaded_adamw_zeroes_the_host_gradients_a_window_did_not_copy():
+    """Found by a review: the runtime's norm and inf check read every host gradient, and one whose
+    parameter got no gradient in a window kept an earlier window's copy (or torchao's uninitialised
+    pinned memory: NaN here), counted again in every later window. (The class's logic, on the CPU
+    with stand-ins for the CUDA stream and events; the GPU test below trains with it.)"""
+    import types
+
+    from tightfit.levers import optimizers as lv
+
+    opt_class = lv._offload_class()
+    opt = opt_class.__new__(opt_class)
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    host_a, host_b = torch.zeros(3), torch.zeros(3)
+    host_a.grad, host_b.grad = torch.full((3,), float("nan")), torch.ones(3)  # a: uninitialised memory
+    opt.param_d2h_map, opt._copied, opt.d_opt = {a: host_a, b: host_b}, {a, b}, None
+    opt.stream = types.SimpleNamespace(synchronize=lambda: None)
+    copied = types.SimpleNamespace(synchronize=lambda: None)
+    opt.queue = {b: copied}  # the first window copies b's gradient only
+    opt.wait_for_gradients()
+    assert torch.equal(host_a.grad, torch.zeros(3)) and torch.equal(host_b.grad, torch.ones(3))
+    opt.queue = {a: copied}  # the next copies a's only: b's earlier copy is not this window's
+    host_a.grad.fill_(2.0)
+    opt.wait_for_gradients()
+    assert torch.equal(host_b.grad, torch.zeros(3)) and torch.equal(host_a.grad, torch.full((3,), 2.0))
+    opt.queue = {b: copied}  # a window skipped before its wait (an out-of-memory redo): b's copy is stale
+    host_b.grad.fill_(3.0)
+    opt.zero_grad()
+    opt.queue = {}
+    opt.wait_for_gradients()
+    assert torch.equal(host_b.grad, torch.zeros(3)) and torch.equal(host_a.grad, torch.zeros(3))

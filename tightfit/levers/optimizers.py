@@ -909,6 +909,9 @@ def _offload_class():
       refreshes the host master weights from the (resumed) model, which torchao copies only at
       construction;
     - ``zero_grad`` forgets the copies queued by a skipped step;
+    - a host gradient not copied in a window is zeroed in ``wait_for_gradients``: the runtime's
+      norm and inf check read every host gradient, and one without a gradient in a window held
+      an earlier window's, or torchao's uninitialised memory;
     - ``close()`` removes the gradient hooks it put on the model's parameters (torchao keeps no
       handle to them; without this a throw-away optimizer, e.g. a probe's, would go on copying
       every gradient to its host buffers): :func:`release`.
@@ -935,6 +938,10 @@ def _offload_class():
             self.optim_dict = {}
             self.host = HostAdamW(self.param_d2h_map.values(), lr, weight_decay) if self.param_d2h_map else None
             self.hold = hold
+            # parameters whose host gradient may hold something other than this window's copy: at first
+            # every one (torchao leaves them uninitialised, in pinned memory that may be reused), zeroed
+            # in the first window that does not copy it (wait_for_gradients)
+            self._copied = set(self.param_d2h_map)
             for p in self.param_d2h_map:  # after torchao's hook, which queues the copy
                 self.handles.append(p.register_post_accumulate_grad_hook(self._free_gradient))
 
@@ -951,6 +958,14 @@ def _offload_class():
         def wait_for_gradients(self) -> None:
             for event in self.queue.values():
                 event.synchronize()
+            # a host gradient copied in an earlier window and not in this one is zeroed: it would count
+            # again in this window's norm and inf check (the host step leaves its parameter alone)
+            stale = [p for p in self._copied if p not in self.queue]
+            if stale:
+                self.stream.synchronize()  # no copy of an earlier, abandoned attempt still writes one
+                for p in stale:
+                    self.param_d2h_map[p].grad.zero_()
+            self._copied = set(self.queue)
 
         @torch.no_grad()
         def step(self, closure=None):
@@ -982,6 +997,7 @@ def _offload_class():
 
         def zero_grad(self, set_to_none: bool = True):
             super().zero_grad(set_to_none)
+            self._copied.update(self.queue)  # copied in a window that did not step (skipped, out of memory)
             self.queue.clear()
 
         def state_dict(self):
