@@ -466,10 +466,18 @@ def test_the_skipped_step_counts_survive_a_resume_from_the_trainers_checkpoint(t
     assert validated._skipped_in_row == 2
 
 
-def test_a_lora_plan_for_a_module_without_adapters_is_refused():
-    """Found by a review: a LoRA (or freezing) plan trained a module without adapters whole."""
+def test_a_lora_plan_for_a_module_without_adapters_is_refused_and_one_with_them_trains():
+    """Found by a review: a LoRA (or freezing) plan trained a module without adapters whole. A
+    LightningModule holding the LoRA-wrapped model it was planned for trains."""
+    from tightfit.levers.lora import apply_lora
+
+    plan = Plan("fp32", 4, 8, trainable="lora", device="cpu")
     with pytest.raises(TightfitError, match="the plan trains LoRA adapters"):
-        _fit(Plan("fp32", 4, 8, trainable="lora", device="cpu"), steps=1)
+        _fit(plan, steps=1)
+    module = _Classifier(dropout=0.0)
+    module.bert = apply_lora(module.bert)
+    _fit(plan, module=module, steps=1)
+    assert module.batches == 2
 
 
 def test_a_several_process_plan_is_compared_per_process_and_fsdp_is_noted(caplog):

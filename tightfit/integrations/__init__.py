@@ -81,16 +81,23 @@ def check_trainable(trainable: str, model, called: str) -> None:
     """Refuse a LoRA or freezing plan (``Plan.trainable``) for a model not set up that way, as
     :class:`tightfit.TrainStep` does (:func:`tightfit.levers.trainable.check_trainable`): the
     framework would train every parameter, with gradients and optimizer state the plan left out.
+    ``model`` or one of its children (a LightningModule's wrapped model) may be the one planned.
 
     Raises:
         TightfitError: one line, naming ``called``.
     """
     from ..levers.trainable import check_trainable as check
 
-    try:
-        check(trainable, model)
-    except TightfitError as e:
-        raise TightfitError(f"{called}: {e}") from None
+    if trainable == "all":
+        return
+    refused = None
+    for candidate in (model, *model.children()):
+        try:
+            check(trainable, candidate)
+            return
+        except TightfitError as e:
+            refused = refused or e
+    raise TightfitError(f"{called}: {refused}") from None
 
 
 class Watch:
