@@ -96,7 +96,9 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
     that step, after the ranks' stop vote), ``eval`` (held-out samples) and ``eval_oom`` (a rank:
     one injected OOM in its first evaluation batch), ``exit_on_error`` (a rank whose ``fit`` raised
     returns at once, without the collectives after it, and exits with 2: :func:`spawn`'s
-    ``failing``), ``token_bn`` (a BatchNorm after the embeddings: :class:`TokenBatchNorm`). Returns the records, the samples each step
+    ``failing``), ``token_bn`` (a BatchNorm after the embeddings: :class:`TokenBatchNorm`),
+    ``inf_buffer`` (``(rank, step)``: that rank's BatchNorm running variance set to inf as it logs
+    that step). Returns the records, the samples each step
     drew on this rank, the final weights, and the error that ended ``fit`` (its type and message)."""
     from conftest import SyntheticBatches, tiny_bert
 
@@ -138,6 +140,9 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
         records.append(record)
         if spec.get("signal") == (rank, record.get("step")) and record["type"] == "train":
             os.kill(os.getpid(), signal.SIGTERM)
+        if spec.get("inf_buffer") == (rank, record.get("step")) and record["type"] == "train":
+            norm = next(m for m in world.unwrap(t.model).modules() if isinstance(m, torch.nn.BatchNorm1d))
+            norm.running_var[0] = float("inf")  # overflowed in a forward whose gradients stayed finite
 
     t = Trainer(w, plan, cfg, log=log, progress=False, world=world)
     rng_after_resume = None

@@ -261,6 +261,29 @@ def test_resume_from_two_ranks_on_two_is_exact_and_on_one_continues(tmp_path):
     _same_weights(one["weights"], full[0]["weights"], exact=False)
 
 
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_resume_on_two_ranks_gives_rank_0_its_own_batchnorm_statistics(tmp_path, sharding):
+    """Found by a review: the ranks' BatchNorm statistics differ (each from its own share; no
+    buffer is broadcast), and DCP wrote each replicated buffer from whichever rank had written
+    least: a resume gave rank 0 rank 1's statistics, and its saved and evaluated model was not the
+    run's. Each is now written from rank 0."""
+    spec = {"n": 24, "effective_batch": 8, "micro_batch": 4, "dropout": 0.0, "sharding": sharding, "token_bn": True}
+    full = spawn({**spec, "checkpoint_dir": str(tmp_path / "full"), "checkpoint_every": 1}, 2, tmp_path)
+    assert not torch.equal(full[0]["bn_mean"][0], full[1]["bn_mean"][0])  # the ranks' statistics differ
+    resumed = spawn({**spec, "resume": str(tmp_path / "full" / "ckpt-1")}, 2, tmp_path)
+    _same_weights(resumed[0]["weights"], full[0]["weights"])
+
+
+def test_a_non_finite_buffer_on_one_rank_stops_every_rank_without_a_checkpoint(tmp_path):
+    """Found by a review: several processes checked only the parameters before a checkpoint, so
+    a BatchNorm running variance that overflowed was written (one process refuses it)."""
+    spec = {"n": 24, "effective_batch": 8, "micro_batch": 4, "dropout": 0.0, "token_bn": True,
+            "checkpoint_dir": str(tmp_path / "run"), "checkpoint_every": 1, "inf_buffer": (1, 2)}
+    ranks = spawn(spec, 2, tmp_path)
+    assert all(r["error"] and "not finite" in r["error"] for r in ranks), [r["error"] for r in ranks]
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt-*")) == ["ckpt-1"]
+
+
 def test_a_signal_on_one_rank_after_the_stop_vote_stops_every_rank_at_the_same_step(tmp_path):
     """SIGTERM reaching rank 1 while it logs step 1 (after the ranks voted on stopping): rank 1
     stopped alone and began its stop checkpoint's collectives while rank 0 began step 2, so the

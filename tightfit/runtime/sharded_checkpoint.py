@@ -126,9 +126,21 @@ def is_sharded(path: Path) -> bool:
 
 
 def _finite_everywhere(model: torch.nn.Module, world: World) -> bool:
-    local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
-                for p in model.parameters())
+    """Whether every rank's parameters and floating-point buffers (a BatchNorm running variance
+    that overflowed) are finite, as one process's checkpoint requires (a collective)."""
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+    local = all(bool(torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all()) for t in tensors)
     return world.all_sum([float(not local)])[0] == 0
+
+
+def _save_planner():
+    """DCP's save planner with each tensor that several ranks hold written from the lowest rank:
+    by default DCP takes it from whichever rank has written least, and the ranks' BatchNorm
+    statistics differ (DDP broadcasts no buffers here, FSDP2 none at all), so a resume mixed
+    rank 0's with another rank's and rank 0's model, saved and evaluated, was not the run's."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, state: dict, world: World,
@@ -145,19 +157,20 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, sta
         The checkpoint folder.
 
     Raises:
-        NonFiniteCheckpointError: a parameter holds inf/NaN on some rank (nothing is written).
+        NonFiniteCheckpointError: a parameter or buffer holds inf/NaN on some rank (nothing is written).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     if not _finite_everywhere(model, world):
-        raise NonFiniteCheckpointError("refusing to write a checkpoint: a parameter holds inf/NaN")
+        raise NonFiniteCheckpointError("refusing to write a checkpoint: a parameter or buffer holds inf/NaN")
     folder, target = Path(folder), Path(folder) / f"ckpt-{step}"
     model_sd, optim_sd = get_state_dict(model, optimizer)
     rngs = world.gather(state.get("rng"))
     if not world.is_main:
         tmp = world.broadcast(None)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(tmp) / DCP_DIR))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(tmp) / DCP_DIR),
+                 planner=_save_planner())
         world.barrier()
         return target
 
@@ -165,7 +178,8 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, sta
 
     def fill(tmp: Path) -> None:
         world.broadcast(str(tmp))
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
+                 planner=_save_planner())
         torch.save({**state, "rng_by_rank": rngs, "world_size": world.size}, tmp / STATE_FILE)
         files = {}
         for f in sorted([tmp / STATE_FILE, *(tmp / DCP_DIR).iterdir()]):
