@@ -356,8 +356,10 @@ def test_an_oom_redo_of_an_odd_window_and_the_growth_back_leave_batchnorm_no_sin
     """Found by a review: 7 samples at micro-batch 7 were redone as 3 + 3 + 1 (no size up to half
     avoided one), and BatchNorm stopped the run with a ValueError; growing 3 back took 6 (6 + 1).
     The redo now takes a size above half where none up to it serves (4 + 3), the growth the
-    largest that leaves no single sample (5 + 2), and a window no smaller split serves is one line."""
-    from tightfit.errors import TightfitError
+    largest that leaves no single sample (5 + 2). On several ranks the same holds for each rank's
+    share and padding, and the pass halved is the largest share's (a review: 10 samples on 2 ranks
+    at 5 were redone at 2, 2 + 2 + 1 on each rank; a short window of 5 at 8, shares 3 and 2, was
+    redone at 3: rank 0's same pass of 3)."""
     from tightfit.plan import Plan, grown_micro_batch, halved_micro_batch
     from tightfit.runtime.trainer import TrainConfig, Trainer
     from tightfit.workload import Workload
@@ -365,8 +367,11 @@ def test_an_oom_redo_of_an_odd_window_and_the_growth_back_leave_batchnorm_no_sin
     assert halved_micro_batch(7, 7, no_single=True) == 4 and halved_micro_batch(7, 7) == 3
     assert grown_micro_batch(3, 7, no_single=True, sizes=(7,)) == 5 and grown_micro_batch(3, 7, sizes=(7,)) == 6
     assert grown_micro_batch(2, 4, no_single=True, sizes=(5,)) == 3  # 3 + 2, not 4 + 1
-    with pytest.raises(TightfitError, match="leaves a micro-batch of 1 sample"):
-        halved_micro_batch(3, 3, no_single=True)  # 2 + 1 or 1 + 1 + 1
+    assert halved_micro_batch(3, 3, no_single=True) == 1  # 2 + 1 or 1 + 1 + 1: the halving stands
+    # two ranks: the largest share's pass is halved, and no rank's share or padding is left one sample
+    assert halved_micro_batch(10, 5, no_single=True, world_size=2) == 3  # 5 as 3 + 2 on each, not 2 + 2 + 1
+    assert halved_micro_batch(5, 8, world_size=2) == 2  # shares 3 and 2: 2 + 1 and 2, not the same passes
+    assert grown_micro_batch(3, 8, no_single=True, sizes=(14,), world_size=2) == 5  # shares of 7: 5 + 2, not 6 + 1
     torch.manual_seed(0)
     data = [{"x": torch.randn(4), "labels": i % 2} for i in range(14)]  # two windows of 7
     t = Trainer(Workload(_Net(), data, None, 7), Plan("fp32", 7, 7), TrainConfig(epochs=2, lr=1e-3, grow_back_after=1),

@@ -206,6 +206,15 @@ def test_oom_on_one_rank_every_rank_redoes_the_window_with_the_smaller_micro_bat
     assert any("out of memory" in m and "redoing step 1" in m for m in events)  # rank 0 redid it too
 
 
+def test_an_oom_redo_on_two_ranks_halves_a_share_and_leaves_batchnorm_no_single_sample(tmp_path):
+    """Found by a review: the redo halved the whole window (10 samples at 5 per rank: 2), which
+    split each rank's share of 5 as 2 + 2 + 1, and BatchNorm stopped both ranks with a ValueError."""
+    hit = spawn({"n": 20, "effective_batch": 10, "micro_batch": 5, "token_bn": True, "oom": (0, 0)}, 2, tmp_path)
+    assert [r["micro_batch"] for r in hit] == [3, 3] and [r["oom_recoveries"] for r in hit] == [1, 1]
+    events = [r["message"] for r in hit[0]["records"] if r["type"] == "event"]
+    assert any("10 samples as 3+2 and 3+2 on the ranks" in m for m in events), events
+
+
 def test_oom_mid_run_on_one_rank_keeps_the_replicas_identical(tmp_path):
     # Step 2: DDP has rebuilt its buckets and armed all-reduces before; the redo must not leave
     # one rank in an all-reduce (gloo aborts on a mismatched collective).

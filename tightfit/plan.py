@@ -66,13 +66,25 @@ def balanced_micro_batch(effective_batch: int, micro_batch: int) -> int:
     return micro_batch_for(effective_batch, accumulation_steps(effective_batch, micro_batch))
 
 
-def _leaves_one(micro_batch: int, sizes: Sequence[int]) -> bool:
+def _leaves_one(micro_batch: int, sizes: Sequence[int], world_size: int = 1) -> bool:
     """Whether splitting windows of ``sizes`` samples into micro-batches of ``micro_batch`` (the
-    last one short) gives some micro-batch a single sample (every one, at micro-batch 1)."""
-    return micro_batch == 1 or any(s > micro_batch and s % micro_batch == 1 for s in sizes)
+    last one short) gives some micro-batch a single sample (every one, at micro-batch 1). On
+    ``world_size`` ranks each window is shared out first (shares differing by one sample), and a
+    rank with fewer micro-batches than another runs padding micro-batches of one sample."""
+    if micro_batch == 1:
+        return True
+    for s in sizes:
+        q, r = divmod(s, world_size)
+        shares = {q, q + 1} if r else {q}
+        if any(x > micro_batch and x % micro_batch == 1 for x in shares):
+            return True
+        if len({-(-x // micro_batch) for x in shares}) > 1:  # padded with micro-batches of 1
+            return True
+    return False
 
 
-def halved_micro_batch(size: int, micro_batch: int, no_single: bool = False, others: Sequence[int] = ()) -> int:
+def halved_micro_batch(size: int, micro_batch: int, no_single: bool = False, others: Sequence[int] = (),
+                       world_size: int = 1) -> int:
     """The micro-batch an out-of-memory redo of a window of ``size`` samples takes: at most half
     of ``micro_batch``, and of the pass that ran out of memory (a window shorter than the
     micro-batch ran as one pass of ``size``: 3 samples at micro-batch 8 are redone as 2 + 1, not
@@ -82,34 +94,36 @@ def halved_micro_batch(size: int, micro_batch: int, no_single: bool = False, oth
     the sizes of the run's other windows, which the micro-batch splits from then on too (an
     epoch's short last window, or its full ones): the largest up to half, else the smallest above
     half that is still smaller than the failed pass (7 samples: 4 + 3, where 3 and 2 leave one);
-    where none serves them all, the same for this window alone. Samples in, samples out.
-
-    Raises:
-        TightfitError: with ``no_single``, every smaller split of this window leaves one sample.
+    where none serves them all, the same for this window alone. On ``world_size`` ranks the pass
+    halved is that of the largest share of the window (every rank takes the same micro-batch),
+    and "no micro-batch of 1" counts every rank's share and padding (:func:`_leaves_one`).
+    Where every smaller split leaves one, the halved size (a BatchNorm that normalises over a
+    feature map trains on one sample). Samples in, samples out.
     """
+    share = -(-size // world_size)  # the largest share: its pass is the one halved
     # half of the pass that failed, rounded up (21 samples at micro-batch 22: 11 + 10)
-    new = balanced_micro_batch(size, max(1, min(micro_batch // 2, -(-size // 2))))
-    if not no_single or not _leaves_one(new, (size, *others)):
+    new = balanced_micro_batch(share, max(1, min(micro_batch // 2, -(-share // 2))))
+    if not no_single or not _leaves_one(new, (size, *others), world_size):
         return new
     smaller = range(new - 1, 1, -1)
-    larger = range(new + 1, min(micro_batch, size))  # still a smaller pass than the one that failed
+    larger = range(new + 1, min(micro_batch, share))  # still a smaller pass than the one that failed
     for sizes in ((size, *others), (size,)):  # every window of the run, else this one
-        found = next((m for m in (new, *smaller, *larger) if not _leaves_one(m, sizes)), None)
+        found = next((m for m in (new, *smaller, *larger) if not _leaves_one(m, sizes, world_size)), None)
         if found is not None:
             return found
-    raise TightfitError(f"out of memory at micro-batch {micro_batch}, and every smaller split of the window's {size} "
-                        "samples leaves a micro-batch of 1 sample, on which BatchNorm cannot train: raise the budget, "
-                        "or plan a smaller effective batch")
+    return new  # every smaller split leaves one: the halving stands (BatchNorm over 7 x 7 values trains on one)
 
 
-def grown_micro_batch(micro_batch: int, planned: int, no_single: bool = False, sizes: Sequence[int] = ()) -> int:
+def grown_micro_batch(micro_batch: int, planned: int, no_single: bool = False, sizes: Sequence[int] = (),
+                      world_size: int = 1) -> int:
     """The micro-batch to grow back to after clean steps since an out-of-memory redo: twice
     ``micro_batch``, at most the ``planned`` one; with ``no_single`` (BatchNorm), the largest up
-    to that whose split of windows of ``sizes`` samples leaves no micro-batch of 1 (7 samples at
-    3 grow to 5, not 6 + 1), or ``micro_batch`` itself where none does. Samples in, samples out."""
+    to that whose split of windows of ``sizes`` samples (over ``world_size`` ranks,
+    :func:`_leaves_one`) leaves no micro-batch of 1 (7 samples at 3 grow to 5, not 6 + 1), or
+    ``micro_batch`` itself where none does. Samples in, samples out."""
     new = min(planned, micro_batch * 2)
     if no_single:
-        new = next((m for m in range(new, micro_batch, -1) if not _leaves_one(m, sizes)), micro_batch)
+        new = next((m for m in range(new, micro_batch, -1) if not _leaves_one(m, sizes, world_size)), micro_batch)
     return new
 
 

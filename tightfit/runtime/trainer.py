@@ -912,19 +912,22 @@ class Trainer:
 
         # the new micro-batch splits every window of the run from now on
         others = window_sizes(len(self.w.train), self.w.effective_batch, self.total_steps)
-        # the same on every rank (a function of the window)
-        new = halved_micro_batch(size, self.micro_batch, no_single=self._no_single(), others=others)
+        # the same on every rank (a function of the window and the world size)
+        world = self.world.size if self.world.distributed else 1
+        new = halved_micro_batch(size, self.micro_batch, no_single=self._no_single(), others=others, world_size=world)
+        split = (describe_split(size, new) if world == 1 else
+                 " and ".join("+".join(map(str, s)) for s in rank_micro_batch_sizes(size, new, world)) + " on the ranks")
         msg = (f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {index + 1} "
-               f"with micro-batch {new}: {size} samples as {describe_split(size, new)}")
+               f"with micro-batch {new}: {size} samples as {split}")
         self._event(msg)
         self.micro_batch = new
 
     def _no_single(self) -> bool:
-        """Whether a micro-batch of one sample is to be avoided: BatchNorm would refuse it (one
-        process: the ranks' shares split otherwise)."""
+        """Whether a micro-batch of one sample is to be avoided: BatchNorm would refuse it (the
+        same on every rank: their models are alike)."""
         from ..buffers import running_stat_norms
 
-        return not self.world.distributed and bool(running_stat_norms(self.model))
+        return bool(running_stat_norms(self.world.unwrap(self.model)))
 
     def _after_step(self, finite: bool, window: list[int]) -> bool:
         """Count clean and skipped steps, grow the micro-batch back (the step zeroed the gradients)."""
@@ -934,7 +937,8 @@ class Trainer:
             if (self.cfg.grow_back_after and self.micro_batch < self.plan.micro_batch
                     and self._clean_windows >= self.cfg.grow_back_after):
                 new = grown_micro_batch(self.micro_batch, self.plan.micro_batch, self._no_single(),
-                                        window_sizes(len(self.w.train), self.w.effective_batch, self.total_steps))
+                                        window_sizes(len(self.w.train), self.w.effective_batch, self.total_steps),
+                                        self.world.size if self.world.distributed else 1)
                 if new > self.micro_batch:
                     self._event(f"{self._clean_windows} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
                 self.micro_batch, self._clean_windows = new, 0
