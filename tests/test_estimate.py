@@ -273,8 +273,8 @@ def test_reduction_staging_buffers_match_the_h200():
 def test_memory_lines_against_full_estimates():
     """The planner's one memory-growth model (tightfit.memory.fast): peak reserved bytes on lines
     through exact estimates at micro-batches 4 and 16, with no and all blocks checkpointed, blended
-    for k blocks in between. Exact at the traced points; measured on MiniLM (seq 128, fp32): -1.5%
-    to +7.4% between 4 and 16, -9.8% to +10.7% outside (micro-batch 1 and 32) -- why the search
+    for k blocks in between. Exact at the traced points; measured on MiniLM (seq 128, fp32): -1.4%
+    to +7.2% between 4 and 16, -10.3% to +10.7% outside (micro-batch 1 and 32) -- why the search
     traces every plan it returns exactly."""
     from tightfit.memory.fast import BlockLines, MemoryLine
 
