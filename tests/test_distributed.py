@@ -596,3 +596,30 @@ def test_gpus_2_fsdp_with_lora_saves_the_plain_model_with_the_adapters_merged(tm
     lora.load_state_dict(state["model"])
     assert any(k.endswith("lora_B.default.weight") and v.abs().sum() > 0 for k, v in state["model"].items())
     _same_weights(saved, merged(lora).state_dict(), exact=False)
+
+
+def test_the_batchnorm_check_before_planning_names_each_ranks_share_as_its_micro_batch():
+    """Found by a review: before planning, 2 ranks were checked at micro-batch = the effective
+    batch, and the refusal said 'micro-batch 16 on 2 ranks' where each rank runs at most 8."""
+    import types
+
+    from tightfit.api import TrainRecipe
+    from tightfit.config import TrainRequest
+    from tightfit.runtime.distributed import World
+    from tightfit.workload import Workload
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+
+        def forward(self, x):
+            return types.SimpleNamespace(logits=self.body(x)[:, :2])
+
+    data = [{"x": torch.randn(4), "labels": i % 2} for i in range(17)]  # windows of 16 and 1: shares 1 and 0
+    recipe = TrainRecipe.__new__(TrainRecipe)
+    recipe.req, recipe.world = TrainRequest(batch_size=16, epochs=1.0), World(rank=0, size=2)
+    recipe.model = Net()
+    recipe.workload, recipe.train_data = Workload(recipe.model, data, None, 16), data
+    with pytest.raises(TightfitError, match=r"micro-batch 8 on 2 ranks splits the last window of 1 sample"):
+        recipe._check_batchnorm()

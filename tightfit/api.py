@@ -596,8 +596,11 @@ class TrainRecipe:
         more = f"{option_name('train_samples')}{' ' if names_flags() else '='}{least} or more"
         fix = (f"train on at least {least} samples ({more})" if n < least
                else f"choose another {option_name('batch_size')} (or drop a sample)")
+        from .plan import rank_batch
+
+        # the whole share of each rank in one micro-batch (the plan comes later: a smaller one is checked then)
         one = batchnorm_sees_one_sample(  # the model is still on the CPU, on every rank whole
-            self.model, n, E, E, self._run_steps(E),
+            self.model, n, E, rank_batch(E, self.world.size), self._run_steps(E),
             one_sample_forward(self.workload, self.model, torch.device("cpu")), fix=fix, world_size=self.world.size)
         if one:
             raise TightfitError(one)
