@@ -98,7 +98,7 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
     returns at once, without the collectives after it, and exits with 2: :func:`spawn`'s
     ``failing``), ``token_bn`` (a BatchNorm after the embeddings: :class:`TokenBatchNorm`),
     ``inf_buffer`` (``(rank, step)``: that rank's BatchNorm running variance set to inf as it logs
-    that step). Returns the records, the samples each step
+    that step), ``mask_buffer`` (a buffer holding -inf by design). Returns the records, the samples each step
     drew on this rank, the final weights, and the error that ended ``fit`` (its type and message)."""
     from conftest import SyntheticBatches, tiny_bert
 
@@ -127,6 +127,8 @@ def train(rank: int, world_size: int, port, spec: dict) -> dict:
     if spec.get("token_bn"):  # a BatchNorm over the tokens after the embeddings (one sample: several values)
         torch.manual_seed(0)
         model.bert.embeddings.LayerNorm = torch.nn.Sequential(model.bert.embeddings.LayerNorm, TokenBatchNorm(32))
+    if spec.get("mask_buffer"):  # a buffer infinite by design (a -inf attention mask), unused here
+        model.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
     w = Workload(model, data, held_out, spec.get("effective_batch", 8))
     plan = Plan("fp32", spec.get("micro_batch", 4), w.effective_batch, world_size=world_size,
                 sharding=spec.get("sharding", "ddp") if world_size > 1 or spec.get("sharding") == "fsdp-offload"

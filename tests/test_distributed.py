@@ -291,6 +291,11 @@ def test_a_non_finite_buffer_on_one_rank_stops_every_rank_without_a_checkpoint(t
     ranks = spawn(spec, 2, tmp_path)
     assert all(r["error"] and "not finite" in r["error"] for r in ranks), [r["error"] for r in ranks]
     assert sorted(p.name for p in (tmp_path / "run").glob("ckpt-*")) == ["ckpt-1"]
+    # a buffer infinite by design (a -inf attention mask) is checkpointed, as by one process (found by a review)
+    masked = spawn({**spec, "inf_buffer": None, "mask_buffer": True, "checkpoint_dir": str(tmp_path / "masked")},
+                   2, tmp_path)
+    assert [r["error"] for r in masked] == [None, None]
+    assert (tmp_path / "masked" / "ckpt-3").is_dir()
 
 
 def test_a_signal_on_one_rank_after_the_stop_vote_stops_every_rank_at_the_same_step(tmp_path):

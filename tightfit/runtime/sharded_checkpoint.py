@@ -34,8 +34,8 @@ import torch
 from ..errors import TightfitError
 from ..fileio import atomic_write_dir
 from .checkpoint import (MANIFEST, MANIFEST_FORMAT, STATE_FILE, NonFiniteCheckpointError, _fail, _first_line, _fsync,
-                         prune_checkpoints, read_state, remove_stale_temporaries, sha256_file, streak_record,
-                         verify_checkpoint)
+                         _statistics, prune_checkpoints, read_state, remove_stale_temporaries, sha256_file,
+                         streak_record, verify_checkpoint)
 from .distributed import World
 
 DCP_DIR = "dcp"
@@ -126,9 +126,10 @@ def is_sharded(path: Path) -> bool:
 
 
 def _finite_everywhere(model: torch.nn.Module, world: World) -> bool:
-    """Whether every rank's parameters and floating-point buffers (a BatchNorm running variance
-    that overflowed) are finite, as one process's checkpoint requires (a collective)."""
-    tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+    """Whether every rank's parameters and norm layers' running statistics (a BatchNorm running
+    variance that overflowed; other buffers may hold an infinity by design, a -inf attention mask)
+    are finite, as one process's checkpoint requires (a collective)."""
+    tensors = [*model.parameters(), *(b for _, b in _statistics(model))]
     local = all(bool(torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all()) for t in tensors)
     return world.all_sum([float(not local)])[0] == 0
 
@@ -157,13 +158,15 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, sta
         The checkpoint folder.
 
     Raises:
-        NonFiniteCheckpointError: a parameter or buffer holds inf/NaN on some rank (nothing is written).
+        NonFiniteCheckpointError: a parameter or a norm layer's running statistic holds inf/NaN on some
+            rank (nothing is written).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     if not _finite_everywhere(model, world):
-        raise NonFiniteCheckpointError("refusing to write a checkpoint: a parameter or buffer holds inf/NaN")
+        raise NonFiniteCheckpointError("refusing to write a checkpoint: a parameter or a running statistic holds "
+                                       "inf/NaN")
     folder, target = Path(folder), Path(folder) / f"ckpt-{step}"
     model_sd, optim_sd = get_state_dict(model, optimizer)
     rngs = world.gather(state.get("rng"))
