@@ -366,8 +366,11 @@ def test_an_oom_redo_of_an_odd_window_and_the_growth_back_leave_batchnorm_no_sin
 
     assert halved_micro_batch(7, 7, no_single=True) == 4 and halved_micro_batch(7, 7) == 3
     assert grown_micro_batch(3, 7, no_single=True, sizes=(7,)) == 5 and grown_micro_batch(3, 7, sizes=(7,)) == 6
-    assert grown_micro_batch(2, 4, no_single=True, sizes=(5,)) == 3  # 3 + 2, not 4 + 1
+    assert grown_micro_batch(2, 8, no_single=True, sizes=(5,)) == 3  # 3 + 2, not 4 + 1
     assert halved_micro_batch(3, 3, no_single=True) == 1  # 2 + 1 or 1 + 1 + 1: the halving stands
+    # ... and grows back (found by a review of the change: it stayed at 1 for good), to the plan's own
+    # micro-batch too where that leaves one (a BatchNorm over feature maps, which the plan check let through)
+    assert grown_micro_batch(1, 3, no_single=True, sizes=(3,)) == 2 and grown_micro_batch(3, 4, True, (9,)) == 4
     # two ranks: the largest share's pass is halved, and no rank's share or padding is left one sample
     assert halved_micro_batch(10, 5, no_single=True, world_size=2) == 3  # 5 as 3 + 2 on each, not 2 + 2 + 1
     assert halved_micro_batch(5, 8, world_size=2) == 2  # shares 3 and 2: 2 + 1 and 2, not the same passes

@@ -120,10 +120,13 @@ def grown_micro_batch(micro_batch: int, planned: int, no_single: bool = False, s
     ``micro_batch``, at most the ``planned`` one; with ``no_single`` (BatchNorm), the largest up
     to that whose split of windows of ``sizes`` samples (over ``world_size`` ranks,
     :func:`_leaves_one`) leaves no micro-batch of 1 (7 samples at 3 grow to 5, not 6 + 1), or
-    ``micro_batch`` itself where none does. Samples in, samples out."""
+    ``micro_batch`` itself where none does, unless ``micro_batch`` leaves one already (then twice
+    it). The ``planned`` micro-batch is always taken (the plan was checked against BatchNorm: one
+    that normalises over a feature map trains on one sample). Samples in, samples out."""
     new = min(planned, micro_batch * 2)
-    if no_single:
-        new = next((m for m in range(new, micro_batch, -1) if not _leaves_one(m, sizes, world_size)), micro_batch)
+    if no_single and new != planned:
+        fits = next((m for m in range(new, micro_batch, -1) if not _leaves_one(m, sizes, world_size)), None)
+        new = fits if fits is not None else new if _leaves_one(micro_batch, sizes, world_size) else micro_batch
     return new
 
 
