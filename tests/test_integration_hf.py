@@ -941,6 +941,9 @@ def test_a_several_process_plan_is_compared_per_process_and_fsdp_is_noted(caplog
     with caplog.at_level(logging.WARNING, logger="tightfit"):
         hf.training_arguments(Plan("bf16", 4, 16, world_size=2, sharding="ddp", device="cuda"), output_dir="x")
     assert "effective batch" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="tightfit"):  # 10 samples a step for 9 (a review of the change)
+        hf.training_arguments(Plan("bf16", 5, 9, world_size=2, sharding="ddp", device="cuda"), output_dir="x")
+    assert "effective batch is 5 x 1 x 2 processes = 10 samples (the plan's: 9)" in caplog.text
     with caplog.at_level(logging.WARNING, logger="tightfit"):
         hf.training_arguments(Plan("bf16", 4, 16, world_size=2, sharding="fsdp", device="cuda"), output_dir="x")
     assert "shards the model with FSDP2 over 2 processes" in caplog.text

@@ -486,3 +486,24 @@ def test_a_several_process_plan_is_compared_per_process_and_fsdp_is_noted(caplog
     with caplog.at_level(logging.WARNING, logger="tightfit"):
         tl.trainer_arguments(Plan("bf16", 4, 16, world_size=2, sharding="fsdp", device="cuda"))
     assert "effective batch" not in caplog.text and "shards the model with FSDP2" in caplog.text
+    caplog.clear()  # a strategy that replicates does not silence it; one that shards does (a review of the change)
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        tl.trainer_arguments(Plan("bf16", 4, 16, world_size=2, sharding="fsdp", device="cuda"), strategy="ddp")
+    assert "shards the model with FSDP2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        tl.trainer_arguments(Plan("bf16", 4, 16, world_size=2, sharding="fsdp", device="cuda"), strategy="fsdp")
+    assert "FSDP2" not in caplog.text
+
+
+def test_a_lora_plan_is_checked_against_the_model_however_deep_the_module_holds_it():
+    """Found by a review of the change: only the module and its children were checked."""
+    from tightfit.integrations import check_trainable
+    from tightfit.levers.lora import apply_lora
+
+    outer = torch.nn.Module()
+    outer.net = torch.nn.Module()
+    outer.net.backbone = apply_lora(tiny_bert())
+    check_trainable("lora", outer, "the TightfitCallback")
+    with pytest.raises(TightfitError, match="the TightfitCallback: the plan trains LoRA adapters"):
+        check_trainable("lora", _Classifier(), "the TightfitCallback")

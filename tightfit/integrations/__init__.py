@@ -57,14 +57,15 @@ def smaller_micro_batch(per_device: int, accumulation: int, samples: int | None 
 
 def note_uneven(plan, framework: str) -> None:
     """Warn (logger ``tightfit.integrations``) when ``framework`` -- which runs micro-batch x
-    accumulation samples per optimizer step and process, with no shorter last micro-batch --
-    would not run the plan's samples per process exactly (``plan.rank_batch``; e.g. 12 x 4 = 48
-    for 40)."""
-    if plan.micro_batch * plan.accumulation_steps != plan.rank_batch:
-        per = f" per process, {plan.world_size} processes" if plan.world_size > 1 else ""
+    accumulation samples per optimizer step on each of the plan's processes, with no shorter last
+    micro-batch -- would not run the plan's effective batch exactly (e.g. 12 x 4 = 48 for 40;
+    5 x 1 x 2 processes = 10 for 9)."""
+    runs = plan.micro_batch * plan.accumulation_steps * plan.world_size
+    if runs != plan.effective_batch:
+        ranks = f" x {plan.world_size} processes" if plan.world_size > 1 else ""
         logging.getLogger(__name__).warning(
-            f"note: {framework} effective batch is {plan.micro_batch} x {plan.accumulation_steps} = "
-            f"{plan.micro_batch * plan.accumulation_steps} samples{per} (the plan's: {plan.rank_batch}{per})")
+            f"note: {framework} effective batch is {plan.micro_batch} x {plan.accumulation_steps}{ranks} = "
+            f"{runs} samples (the plan's: {plan.effective_batch})")
 
 
 def note_sharding(plan, framework: str, given: bool, settings: str) -> None:
@@ -81,7 +82,7 @@ def check_trainable(trainable: str, model, called: str) -> None:
     """Refuse a LoRA or freezing plan (``Plan.trainable``) for a model not set up that way, as
     :class:`tightfit.TrainStep` does (:func:`tightfit.levers.trainable.check_trainable`): the
     framework would train every parameter, with gradients and optimizer state the plan left out.
-    ``model`` or one of its children (a LightningModule's wrapped model) may be the one planned.
+    ``model`` or a module inside it (a LightningModule's wrapped model) may be the one planned.
 
     Raises:
         TightfitError: one line, naming ``called``.
@@ -91,7 +92,8 @@ def check_trainable(trainable: str, model, called: str) -> None:
     if trainable == "all":
         return
     refused = None
-    for candidate in (model, *model.children()):
+    # the module, then every module inside it that holds others (leaves hold no adapters or blocks)
+    for candidate in (model, *(m for m in model.modules() if m is not model and next(m.children(), None))):
         try:
             check(trainable, candidate)
             return

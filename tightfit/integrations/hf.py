@@ -148,7 +148,8 @@ def training_arguments(plan: Plan, **yours) -> dict:
                             f"batch is {plan.micro_batch} x {plan.accumulation_steps}; "
                             f"it sets {', '.join(planned)})")
     note_uneven(plan, "the Trainer's")
-    note_sharding(plan, "the Trainer", "fsdp" in yours, "its own FSDP settings (fsdp=..., fsdp_config=...)")
+    note_sharding(plan, "the Trainer", bool(yours.get("fsdp") or yours.get("deepspeed")),
+                  "its own FSDP settings (fsdp=..., fsdp_config=...) or DeepSpeed ZeRO-3")
     return {**given, **planned}
 
 

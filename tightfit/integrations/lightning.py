@@ -143,7 +143,10 @@ def trainer_arguments(plan: Plan, **yours) -> dict:
                             f"{'it' if len(conflicts) == 1 else 'them'} from your arguments (it sets "
                             f"{', '.join(planned)})")
     note_uneven(plan, "Lightning's")
-    note_sharding(plan, "Lightning", "strategy" in yours, "a sharding strategy (strategy='fsdp')")
+    strategy = yours.get("strategy")  # "fsdp", an FSDPStrategy or ModelParallelStrategy: sharded; "ddp": not
+    name = (strategy if isinstance(strategy, str) else type(strategy).__name__).lower()
+    sharded = strategy is not None and any(w in name for w in ("fsdp", "parallel", "deepspeed"))
+    note_sharding(plan, "Lightning", sharded, "a sharding strategy (strategy='fsdp')")
     return {**yours, **planned}
 
 
