@@ -161,7 +161,8 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
 
 
 @pytest.mark.parametrize("lever", ["adamw-offload", "activation offload"])
-def test_a_cached_plan_that_the_host_memory_now_free_would_not_hold_is_planned_anew(tmp_path, monkeypatch, lever):
+def test_a_cached_adamw_offload_plan_that_the_host_memory_now_free_would_not_hold_is_planned_anew(tmp_path,
+                                                                                                  monkeypatch, lever):
     """Found by a review: the key holds the host's total memory, but the planner sizes its
     host-memory levers to the memory free when it plans; a plan made with plenty free was taken
     from the cache on a host with little free, and the run refused its adamw-offload."""
@@ -182,9 +183,12 @@ def test_a_cached_plan_that_the_host_memory_now_free_would_not_hold_is_planned_a
     monkeypatch.setattr(levers, "is_offloaded", lambda numel: True)  # the tiny model's tensors too
     _recipe(tmp_path)._cached_gpu_plan()
     assert _recipe(tmp_path)._cached_gpu_plan().reasons[0].startswith("plan from the cache") and calls == [1]
-    monkeypatch.setattr(levers, "available_host_bytes", lambda: 2**16 if lever == "adamw-offload" else 32 * 2**30)
-    assert not _recipe(tmp_path)._cached_gpu_plan().reasons[0].startswith("plan from the cache")
-    assert calls == [1, 1]
+    monkeypatch.setattr(levers, "available_host_bytes", lambda: 2**16)
+    # adamw-offload's state is re-checked; offloaded activations are not (their bytes are not kept:
+    # a review found a drop of 10% from the memory free when planned replanned them on ordinary swings)
+    anew = lever == "adamw-offload"
+    assert _recipe(tmp_path)._cached_gpu_plan().reasons[0].startswith("plan from the cache") is not anew
+    assert calls == ([1, 1] if anew else [1])
 
 
 def test_a_run_that_compiles_nothing_takes_its_plan_from_the_cache_for_any_length(tmp_path, monkeypatch):

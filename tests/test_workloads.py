@@ -335,3 +335,4 @@ def test_a_diverged_causal_lms_perplexity_is_inf_not_an_overflow():
     assert summary["loss"] == pytest.approx(835.0) and summary["perplexity"] == math.inf
     assert CausalLM().summarize({"loss_sum": 2.0 * 10, "tokens": 10})["perplexity"] == pytest.approx(math.exp(2.0))
     assert math.isnan(CausalLM().summarize({"loss_sum": 0.0, "tokens": 0})["perplexity"])
+    assert math.isnan(CausalLM().summarize({"loss_sum": math.nan, "tokens": 10})["perplexity"])  # not inf

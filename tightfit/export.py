@@ -493,7 +493,7 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
         spread[b] = speedup_spread(rounds)
         # the round of the median speed-up, its two times shown with it: the two models' own median
         # times can disagree with it on a busy host (10.5 and 3.8 ms beside a median round's 0.88x)
-        middle = sorted(rounds, key=lambda r: r["fp32"] / r["int8"])[len(rounds) // 2]
+        middle = sorted(rounds, key=lambda r: r["fp32"] / r["int8"])[(len(rounds) - 1) // 2]  # the lower, if even
         for name in latency:
             latency[name][b] = middle[name]
         median[b] = middle["fp32"] / middle["int8"]

@@ -354,7 +354,8 @@ class CausalLM:
         tokens = int(sums.get("tokens", 0))
         loss = sums["loss_sum"] / tokens if tokens else math.nan
         # exp overflows a float past ~709.78 nats (a diverged model): its perplexity is inf, as an inf loss's
-        perplexity = math.nan if not tokens else math.exp(loss) if loss < _LOG_MAX_FLOAT else math.inf
+        perplexity = (math.nan if not tokens or math.isnan(loss) else
+                      math.exp(loss) if loss < _LOG_MAX_FLOAT else math.inf)
         return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
 
     def evaluate(self, model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, float]:

@@ -12,9 +12,9 @@ each one's share), and the CUDA allocator's configuration (the probes measure it
 :func:`load_plan` and :func:`store_plan` read and write ``<cache>/plans/<key>.json``
 atomically (:mod:`tightfit.fileio`), where ``<cache>`` is ``$TIGHTFIT_CACHE_DIR`` or
 ``~/.cache/tightfit``. A cache entry that cannot be read is ignored (and replanned), never an
-error: the cache only saves time. The host memory free when a plan was made is not in the key (it
-moves from run to run) but is recorded with it: a cached plan whose host-memory levers the memory
-free now would not hold is planned anew (:func:`host_changed`).
+error: the cache only saves time. The host memory free is not in the key (it moves from run to
+run): a cached ``adamw-offload`` plan whose pinned state the memory free now would not hold is
+planned anew (:func:`host_changed`).
 """
 
 from __future__ import annotations
@@ -132,8 +132,7 @@ def load_plan(key: str, folder: Path | None = None) -> tuple[Plan, dict] | None:
             return None
         return Plan.from_dict(entry["plan"]), {"planning_seconds": float(entry.get("planning_seconds", 0.0)),
                                                "created": entry.get("created", ""), "path": str(path),
-                                               "timings": dict(entry.get("timings") or {}),
-                                               "host_available_bytes": entry.get("host_available_bytes")}
+                                               "timings": dict(entry.get("timings") or {})}
     except Exception as e:  # a damaged entry only costs a fresh plan
         _log.debug("plan cache entry %s unreadable: %s", path, e)
         return None
@@ -144,46 +143,30 @@ def store_plan(key: str, plan: Plan, planning_seconds: float, folder: Path | Non
     """Write ``plan`` under ``key`` atomically, with the planner's ``timings`` (its stage times
     and the speeds it predicted and probed). Returns the path, or None when the cache folder
     cannot be written (logged; the run goes on)."""
-    from ..levers.optimizers import available_host_bytes
-
     path = _path(key, folder)
     try:
         atomic_write_json(path, {"format": CACHE_FORMAT, "key": key, "planning_seconds": planning_seconds,
                                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                 "timings": dict(timings or {}), "plan": plan.to_dict(),
-                                 # what the planner saw free: a host-memory lever is re-checked against it
-                                 "host_available_bytes": available_host_bytes()})
+                                 "timings": dict(timings or {}), "plan": plan.to_dict()})
     except OSError as e:
         _log.warning("tightfit: note: the plan could not be cached in %s (%s)", path.parent, e)
         return None
     return path
 
 
-# A cached plan that offloads activations is planned anew when the host has less than this share of
-# the memory that was available when it was planned (their pinned bytes were sized to that).
-HOST_DROP = 0.9
-
-
 def host_changed(plan: Plan, model: torch.nn.Module, record: dict) -> str | None:
     """Why the cached ``plan`` may not hold on this host now (None: it holds): the key has the
-    host's total memory, but the planner sized its host-memory levers to the memory available
-    then. ``adamw-offload``'s pinned state is checked against what is available now; offloaded
-    activations (whose bytes the plan does not keep) against :data:`HOST_DROP` of what was
-    available when planned (an entry without that figure: planned anew)."""
+    host's total memory, but the planner sized ``adamw-offload`` to the memory available then;
+    its pinned state is checked against what is available now. (Offloaded activations are not:
+    the plan does not keep their bytes, and a run short of pinned memory for them meets an
+    out-of-memory error, redone with a smaller micro-batch.)"""
     from ..levers.optimizers import available_host_bytes, offload_host_bytes, pinned_shortfall
-    from ..units import format_bytes
 
-    have = available_host_bytes()
     if plan.optimizer == "adamw-offload":
-        short = pinned_shortfall(offload_host_bytes([p.numel() for p in model.parameters() if p.requires_grad]), have)
+        need = offload_host_bytes([p.numel() for p in model.parameters() if p.requires_grad])
+        short = pinned_shortfall(need, available_host_bytes())
         if short:
             return f"its optimizer adamw-offload {short} now"
-    if "offload" in (plan.block_policies or ()):
-        then = record.get("host_available_bytes")
-        if not isinstance(then, (int, float)) or have < HOST_DROP * then:
-            return (f"it offloads activations to pinned host memory sized to "
-                    f"{format_bytes(then) if isinstance(then, (int, float)) else 'an unknown amount'} available "
-                    f"then; {format_bytes(have)} now")
     return None
 
 
