@@ -207,7 +207,7 @@ def test_the_last_checkpoint_holds_the_buffers_the_last_step_left_not_the_evalua
     """Found by a review: the end's checkpoint, copied on the writer thread while the model is
     evaluated, took a buffer the evaluation's forwards write (a counter, an average of the user's)
     as the evaluation had it by then: a resume from ``ckpt-N`` did not start from step N."""
-    import time
+    import threading
 
     import tightfit.runtime.async_checkpoint as writer_module
     from conftest import count_forwards
@@ -215,15 +215,26 @@ def test_the_last_checkpoint_holds_the_buffers_the_last_step_left_not_the_evalua
 
     from tightfit.runtime.trainer import TrainConfig, Trainer
 
-    take = writer_module.take_snapshot
-    monkeypatch.setattr(writer_module, "take_snapshot", lambda *a, **k: time.sleep(0.3) or take(*a, **k))  # a busy host
+    evaluated, take = threading.Event(), writer_module.take_snapshot
+
+    def late(*a, **k):  # the writer thread copies only once the evaluation has run (a busy host, at worst)
+        if threading.current_thread() is not threading.main_thread():
+            evaluated.wait(60)
+        return take(*a, **k)
+    monkeypatch.setattr(writer_module, "take_snapshot", late)
     workload = make_workload(n=16, effective_batch=8)
     count_forwards(workload.model.classifier)
-    workload.eval = type(workload.train)(400, seed=1)  # evaluation batches enough to outlast the delay
     cfg = TrainConfig(checkpoint_dir=str(tmp_path), max_steps=2, lr=1e-3, seed=0, epochs=1, prefetch=False)
     trainer = Trainer(workload, Plan("fp32", 8, 8), cfg, progress=False)
     seen, evaluate = {}, trainer.evaluate
-    trainer.evaluate = lambda: seen.setdefault("at the end", int(workload.model.classifier.seen)) and evaluate()
+
+    def evaluate_then_say():
+        seen["at the end"] = int(workload.model.classifier.seen)
+        try:
+            return evaluate()
+        finally:
+            evaluated.set()
+    trainer.evaluate = evaluate_then_say
     trainer.fit()
     assert int(workload.model.classifier.seen) > seen["at the end"]  # the evaluation wrote it
     assert int(load_file(tmp_path / "ckpt-2" / "model.safetensors")["classifier.seen"]) == seen["at the end"]

@@ -134,14 +134,17 @@ def _finite_everywhere(model: torch.nn.Module, world: World) -> bool:
     return world.all_sum([float(not local)])[0] == 0
 
 
-def _save_planner():
-    """DCP's save planner with each tensor that several ranks hold written from the lowest rank:
-    by default DCP takes it from whichever rank has written least, and the ranks' BatchNorm
-    statistics differ (DDP broadcasts no buffers here, FSDP2 none at all), so a resume mixed
-    rank 0's with another rank's and rank 0's model, saved and evaluated, was not the run's."""
+def _save_planner(model: torch.nn.Module):
+    """DCP's save planner; for a model with running statistics (BatchNorm), each tensor that
+    several ranks hold is written from the lowest rank: by default DCP takes it from whichever
+    rank has written least, and the ranks' statistics differ (DDP broadcasts no buffers here,
+    FSDP2 none at all), so a resume mixed rank 0's with another rank's and rank 0's model, saved
+    and evaluated, was not the run's. Other models keep DCP's spread of the writes over the ranks."""
     import torch.distributed.checkpoint as dcp
 
-    return dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    from ..buffers import running_stat_norms
+
+    return dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=bool(running_stat_norms(model)))
 
 
 def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, state: dict, world: World,
@@ -173,7 +176,7 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, sta
     if not world.is_main:
         tmp = world.broadcast(None)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(tmp) / DCP_DIR),
-                 planner=_save_planner())
+                 planner=_save_planner(model))
         world.barrier()
         return target
 
@@ -182,7 +185,7 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer, sta
     def fill(tmp: Path) -> None:
         world.broadcast(str(tmp))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
-                 planner=_save_planner())
+                 planner=_save_planner(model))
         torch.save({**state, "rng_by_rank": rngs, "world_size": world.size}, tmp / STATE_FILE)
         files = {}
         for f in sorted([tmp / STATE_FILE, *(tmp / DCP_DIR).iterdir()]):
