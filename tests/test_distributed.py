@@ -351,13 +351,24 @@ def test_an_evaluation_oom_on_one_rank_under_fsdp2_stops_every_rank_in_one_line(
     assert hit[0] is None or hit[0]["failed"]
 
 
+class _BatchNormNet(torch.nn.Module):
+    """Linear, BatchNorm1d over ``x`` ``[B, 4]``; a classifier's output (``.logits``, 2 classes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+
+    def forward(self, x):
+        import types
+
+        return types.SimpleNamespace(logits=self.body(x)[:, :2])
+
+
 def test_batchnorm_is_checked_on_every_ranks_share_before_training():
     """Two ranks share a window of 7 as 4 + 3; at micro-batch 2 rank 1 ran 2 + 1, and BatchNorm's
     ValueError stopped it mid-step while rank 0 waited in a collective. The check that refuses
     this for one process now splits each rank's share (and its padding micro-batches) as the
     ranks will, and refuses it before any process group is touched."""
-    import types
-
     from tightfit.runtime.distributed import World
     from tightfit.runtime.trainer import TrainConfig, Trainer, rank_micro_batch_sizes
     from tightfit.workload import Workload
@@ -365,24 +376,16 @@ def test_batchnorm_is_checked_on_every_ranks_share_before_training():
     assert rank_micro_batch_sizes(7, 2, 2) == [[2, 2], [2, 1]] and rank_micro_batch_sizes(1, 2, 2) == [[1], [1]]
     assert rank_micro_batch_sizes(8, 4, 2) == [[4], [4]] and rank_micro_batch_sizes(7, 3) == [[3, 3, 1]]
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-
-        def forward(self, x):
-            return types.SimpleNamespace(logits=self.body(x)[:, :2])
-
     data = [{"x": torch.randn(4), "labels": i % 2} for i in range(14)]
     cfg = TrainConfig(epochs=1, prefetch=False)
     with pytest.raises(TightfitError, match=r"micro-batch 2 on 2 ranks splits each window of 7 samples as 2\+2 "
                                             r"and 2\+1;"):
-        Trainer(Workload(Net(), data, None, 7), Plan("fp32", 2, 7, world_size=2, sharding="ddp"), cfg,
+        Trainer(Workload(_BatchNormNet(), data, None, 7), Plan("fp32", 2, 7, world_size=2, sharding="ddp"), cfg,
                 progress=False, world=World(rank=0, size=2))
     with pytest.raises(TightfitError, match=r"on 2 ranks splits each window of 1 sample as 1 and 1 \(a rank"):
-        Trainer(Workload(Net(), data[:2], None, 1), Plan("fp32", 1, 1, world_size=2, sharding="ddp"), cfg,
+        Trainer(Workload(_BatchNormNet(), data[:2], None, 1), Plan("fp32", 1, 1, world_size=2, sharding="ddp"), cfg,
                 progress=False, world=World(rank=0, size=2))
-    Trainer(Workload(Net(), data[:8], None, 8), Plan("fp32", 4, 8), cfg, progress=False)  # 4 + 4 on one: fine
+    Trainer(Workload(_BatchNormNet(), data[:8], None, 8), Plan("fp32", 4, 8), cfg, progress=False)  # 4 + 4 on one: fine
 
 
 def test_a_padding_micro_batch_leaves_batchnorm_statistics_as_they_were():
@@ -606,25 +609,15 @@ def test_gpus_2_fsdp_with_lora_saves_the_plain_model_with_the_adapters_merged(tm
 def test_the_batchnorm_check_before_planning_names_each_ranks_share_as_its_micro_batch():
     """Found by a review: before planning, 2 ranks were checked at micro-batch = the effective
     batch, and the refusal said 'micro-batch 16 on 2 ranks' where each rank runs at most 8."""
-    import types
-
     from tightfit.api import TrainRecipe
     from tightfit.config import TrainRequest
     from tightfit.runtime.distributed import World
     from tightfit.workload import Workload
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-
-        def forward(self, x):
-            return types.SimpleNamespace(logits=self.body(x)[:, :2])
-
     data = [{"x": torch.randn(4), "labels": i % 2} for i in range(17)]  # windows of 16 and 1: shares 1 and 0
     recipe = TrainRecipe.__new__(TrainRecipe)
     recipe.req, recipe.world = TrainRequest(batch_size=16, epochs=1.0), World(rank=0, size=2)
-    recipe.model = Net()
+    recipe.model = _BatchNormNet()
     recipe.workload, recipe.train_data = Workload(recipe.model, data, None, 16), data
     with pytest.raises(TightfitError, match=r"micro-batch 8 on 2 ranks splits the last window of 1 sample"):
         recipe._check_batchnorm()

@@ -290,36 +290,37 @@ def test_offloaded_adamw_trains_like_fused_adamw(micro_batch):
         torch.testing.assert_close(got["adamw-offload"][k], got["adamw"][k], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.gpu
-@needs_torchao
-def test_offloaded_adamw_clips_the_complete_host_gradients():
+def _offloaded_norm_against_fused(unused: bool = False) -> tuple[float, bool, float]:
+    """One backward of a batch through ``adamw-offload``'s update (``unused``: with a large
+    parameter no forward uses, its host gradient NaN, as reused pinned memory may hold):
+    ``(norm, finite)`` of :func:`apply_update` and the norm of the same gradients in a plain model."""
     model = bert_with_large_tensors(dropout=0.0).cuda()
+    if unused:
+        model.unused = torch.nn.Parameter(torch.randn(4096, 2, device="cuda"))  # offloaded, never in a forward
     opt = make_optimizer(model.parameters(), "adamw-offload", "cuda", lr=1e-3)
+    if unused:
+        opt.param_d2h_map[model.unused].grad.fill_(float("nan"))
     batch = dict(input_ids=torch.randint(1, 50, (2, 8), device="cuda"), labels=torch.tensor([0, 1], device="cuda"))
     ref = bert_with_large_tensors(dropout=0.0).cuda()
     ref(**batch).loss.backward()
-    true_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
     model(**batch).loss.backward()
     norm, finite = apply_update(opt, None, max_grad_norm=1.0)
+    return norm, finite, float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_offloaded_adamw_clips_the_complete_host_gradients():
+    norm, finite, true_norm = _offloaded_norm_against_fused()
     assert finite and math.isclose(norm, true_norm, rel_tol=1e-4)
 
 
 @pytest.mark.gpu
 @needs_torchao
 def test_offloaded_adamw_leaves_out_a_parameter_without_gradient():
-    """A large parameter no forward uses: its host gradient (torchao's uninitialised pinned memory,
-    NaN here as reused memory may hold) is not counted in the norm; the step is finite and its norm
-    that of the gradients computed."""
-    model = bert_with_large_tensors(dropout=0.0).cuda()
-    model.unused = torch.nn.Parameter(torch.randn(4096, 2, device="cuda"))  # offloaded, never in a forward
-    opt = make_optimizer(model.parameters(), "adamw-offload", "cuda", lr=1e-3)
-    opt.param_d2h_map[model.unused].grad.fill_(float("nan"))
-    batch = dict(input_ids=torch.randint(1, 50, (2, 8), device="cuda"), labels=torch.tensor([0, 1], device="cuda"))
-    ref = bert_with_large_tensors(dropout=0.0).cuda()
-    ref(**batch).loss.backward()
-    true_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
-    model(**batch).loss.backward()
-    norm, finite = apply_update(opt, None, max_grad_norm=1.0)
+    """A large parameter no forward uses: its host gradient is not counted in the norm; the step
+    is finite and its norm that of the gradients computed."""
+    norm, finite, true_norm = _offloaded_norm_against_fused(unused=True)
     assert finite and math.isclose(norm, true_norm, rel_tol=1e-4)
 
 
