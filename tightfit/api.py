@@ -757,7 +757,7 @@ class TrainRecipe:
                        self.profile.name, torch.cuda.get_device_properties(0).total_memory,
                        self.budget, run_samples if compiles else None, profile=dataclasses.asdict(self.profile))
         cached = None if p.replan else load_plan(key)
-        changed = cached and host_changed(cached[0], w.model, cached[1])
+        changed = cached and host_changed(cached[0], w.model)
         if changed:  # planned for more free host memory than there is now: planned anew (and cached so)
             log.warning(f"note: the cached plan ({cached[1]['path']}) is planned anew: {changed}")
             cached = None

@@ -21,7 +21,6 @@ runtime can evaluate in batches of any size (halving them on out-of-memory error
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Protocol, Sequence, runtime_checkable
 
@@ -325,9 +324,6 @@ class ImageClassification(SequenceClassification):
         return {"pixel_values": pixels, "labels": _random_ints(config.num_labels, (micro_batch,), dev)}
 
 
-_LOG_MAX_FLOAT = math.log(sys.float_info.max)  # 709.78...: math.exp raises OverflowError above it
-
-
 @dataclass(frozen=True)
 class CausalLM:
     """Next-token prediction: cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``.
@@ -353,9 +349,10 @@ class CausalLM:
         """Mean token loss, its perplexity and the token count (NaN without tokens)."""
         tokens = int(sums.get("tokens", 0))
         loss = sums["loss_sum"] / tokens if tokens else math.nan
-        # exp overflows a float past ~709.78 nats (a diverged model): its perplexity is inf, as an inf loss's
-        perplexity = (math.nan if not tokens or math.isnan(loss) else
-                      math.exp(loss) if loss < _LOG_MAX_FLOAT else math.inf)
+        try:
+            perplexity = math.exp(loss)  # NaN for a NaN loss (and without tokens)
+        except OverflowError:  # past ~709.78 nats (a diverged model): inf, as an inf loss's
+            perplexity = math.inf
         return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
 
     def evaluate(self, model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, float]:

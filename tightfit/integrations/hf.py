@@ -661,13 +661,12 @@ def _checkpoint_as_planned(trainer, plans: list) -> None:
     args, model = trainer.args, trainer.model
     name = _checkpointing_argument(args)
     plan = plans[0] if plans else None
-    if _per_block(plan) and find_blocks(model):  # the Trainer's hook recomputes every layer whole, nothing else
-        setattr(args, name, False)
-        set_activation_checkpointing(model, plan.activation_checkpointing, plan.checkpoint_blocks, plan.block_policies)
+    if not find_blocks(model):
         return
-    if not getattr(args, name, False) or not find_blocks(model):
-        return
-    if getattr(model, "supports_gradient_checkpointing", False) and not running_stat_norms(model):
+    # the Trainer's hook runs the plan: a model with the hook and no BatchNorm, and a plan it can run
+    # (it recomputes every layer whole, nothing else: no selective recomputation, no offload)
+    hooked = getattr(model, "supports_gradient_checkpointing", False) and not running_stat_norms(model)
+    if not _per_block(plan) and (not getattr(args, name, False) or hooked):
         return
     setattr(args, name, False)
     set_activation_checkpointing(model, True, plan and plan.checkpoint_blocks, plan and plan.block_policies)

@@ -154,7 +154,7 @@ def store_plan(key: str, plan: Plan, planning_seconds: float, folder: Path | Non
     return path
 
 
-def host_changed(plan: Plan, model: torch.nn.Module, record: dict) -> str | None:
+def host_changed(plan: Plan, model: torch.nn.Module) -> str | None:
     """Why the cached ``plan`` may not hold on this host now (None: it holds): the key has the
     host's total memory, but the planner sized ``adamw-offload`` to the memory available then;
     its pinned state is checked against what is available now. (Offloaded activations are not:

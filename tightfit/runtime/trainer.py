@@ -235,7 +235,7 @@ def batchnorm_sees_one_sample(model: torch.nn.Module, n: int, effective_batch: i
                 return None
             which = "each" if window == effective_batch else "the last"
             if world_size > 1:
-                split = " and ".join("+".join(map(str, sizes)) for sizes in ranks)
+                split = _ranks_split(ranks)
                 padded = len({len(micro_batch_sizes(s, micro_batch)) for s in _share_sizes(window, world_size)}) > 1 \
                     or window < world_size
                 where = (f"micro-batch {micro_batch} on {world_size} ranks splits {which} window of "
@@ -306,6 +306,11 @@ def micro_batch_sizes(window_size: int, micro_batch: int) -> list[int]:
     micro-batches, then the remainder (e.g. 7 samples at micro-batch 3: ``[3, 3, 1]``)."""
     full, rest = divmod(window_size, micro_batch)
     return [micro_batch] * full + ([rest] if rest else [])
+
+
+def _ranks_split(ranks: list[list[int]]) -> str:
+    """``"2+2 and 2+1"``: each rank's micro-batch sizes (:func:`rank_micro_batch_sizes`)."""
+    return " and ".join("+".join(map(str, sizes)) for sizes in ranks)
 
 
 def describe_split(window_size: int, micro_batch: int) -> str:
@@ -913,10 +918,10 @@ class Trainer:
         # the new micro-batch splits every window of the run from now on
         others = window_sizes(len(self.w.train), self.w.effective_batch, self.total_steps)
         # the same on every rank (a function of the window and the world size)
-        world = self.world.size if self.world.distributed else 1
+        world = self.world.size
         new = halved_micro_batch(size, self.micro_batch, no_single=self._no_single(), others=others, world_size=world)
         split = (describe_split(size, new) if world == 1 else
-                 " and ".join("+".join(map(str, s)) for s in rank_micro_batch_sizes(size, new, world)) + " on the ranks")
+                 _ranks_split(rank_micro_batch_sizes(size, new, world)) + " on the ranks")
         msg = (f"out of memory ({where}) at micro-batch {self.micro_batch}: redoing step {index + 1} "
                f"with micro-batch {new}: {size} samples as {split}")
         self._event(msg)
@@ -938,7 +943,7 @@ class Trainer:
                     and self._clean_windows >= self.cfg.grow_back_after):
                 new = grown_micro_batch(self.micro_batch, self.plan.micro_batch, self._no_single(),
                                         window_sizes(len(self.w.train), self.w.effective_batch, self.total_steps),
-                                        self.world.size if self.world.distributed else 1)
+                                        self.world.size)
                 if new > self.micro_batch:
                     self._event(f"{self._clean_windows} clean steps: growing micro-batch back {self.micro_batch} -> {new}")
                 self.micro_batch, self._clean_windows = new, 0
