@@ -184,6 +184,7 @@ def test_a_bare_model_folder_exports_without_accuracy(text_run, tmp_path):
     assert r["held_out_samples"] == 0 and r["fp32"]["accuracy"] is None and r["int8"]["accuracy"] is None
     report = (out / "report.md").read_text()
     assert "not measured" in report and "(0 samples)" not in report  # found by a fresh user
+    assert "shown: the round of the median speed-up" in report  # it said "the median of 10 calls" (a fresh user)
     for b in ("1", "32"):  # the times shown are the median round's: their ratio is the speed-up beside them
         ratio = r["fp32"]["latency_s"][b] / r["int8"]["latency_s"][b]
         assert ratio == pytest.approx(r["speedup_median"][b]), (b, ratio, r["speedup_median"])

@@ -952,3 +952,19 @@ def test_a_several_process_plan_is_compared_per_process_and_fsdp_is_noted(caplog
         hf.training_arguments(Plan("bf16", 4, 16, world_size=2, sharding="fsdp", device="cuda"), output_dir="x",
                               fsdp="full_shard")
     assert "FSDP2" not in caplog.text
+
+
+def test_a_plain_train_of_a_causal_lm_the_trainer_counts_unshifted_is_told(tmp_path):
+    """Found by a fresh user: the README says the callback warns under a plain trainer.train(),
+    but GPT-2's loss, scaled there by targets / (targets + rows), came without a word."""
+    from conftest import tiny_gpt2
+
+    plan = Plan("fp32", 2, 8)
+    args = TrainingArguments(output_dir=str(tmp_path / "lm"), max_steps=1, learning_rate=1e-3, logging_steps=1,
+                             save_strategy="no", report_to=[], disable_tqdm=True, seed=0, **hf.training_arguments(plan))
+    cb = hf.TightfitCallback(plan)
+    Trainer(model=tiny_gpt2(dropout=0.0), args=args, train_dataset=_LMRows(8), callbacks=[cb]).train()
+    assert any("counts GPT2LMHeadModel's labels unshifted" in e for e in cb.events), cb.events
+    classifier = hf.TightfitCallback(Plan("fp32", 2, 8))
+    _trainer(tmp_path / "cls", Plan("fp32", 2, 8), steps=1, callback=classifier).train()
+    assert not any("unshifted" in e for e in classifier.events), classifier.events

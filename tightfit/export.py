@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model_int8.pt"
 LATENCY_BATCHES = (1, 32)
-LATENCY_REPEATS = 10  # timed calls per batch size (after 2 warm-up calls); the median is reported
+LATENCY_REPEATS = 10  # timed rounds per batch size (after 2 warm-up calls); the median round is reported
 EVAL_BATCH = 64
 BARE_SEQ_LEN = 128  # tokens per random text when a bare model folder (no data) is timed
 
@@ -562,8 +562,9 @@ def report_markdown(r: dict) -> str:
     lines = ["# tightfit export --int8", "",
              f"{r['source']} ({r['kind']} classifier): every nn.Linear dynamically quantized to int8 "
              f"(torch.ao.quantization.quantize_dynamic, qint8 weights, activations quantized per batch), "
-             f"torch {r['torch']}, engine {r['quantized_engine']}, {r['threads']} CPU threads; latency: the median "
-             f"of {LATENCY_REPEATS} calls after 2 warm-up calls, the two models taking turns call by call.", "",
+             f"torch {r['torch']}, engine {r['quantized_engine']}, {r['threads']} CPU threads; latency: {LATENCY_REPEATS} "
+             f"rounds after 2 warm-up calls, the two models taking turns call by call; shown: the round of the "
+             f"median speed-up.", "",
              "| | fp32 | int8 |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     lines += ["", f"Load: `tightfit.export.load_int8(folder)` (weights read with torch.load(weights_only=True)); "

@@ -260,6 +260,22 @@ def _window_items(trainer, batches: list):
     return None if not items or any(n is None for n in items) else sum(items)
 
 
+def _counted_unshifted(model) -> bool:
+    """Whether the Trainer counts ``model``'s labels unshifted although its loss shifts them (a
+    causal LM whose ``loss_type`` names no causal LM loss, as the Trainer decides its
+    ``_loss_shifts_labels``; every causal LM under transformers without ``LOSS_MAPPING``): what
+    :func:`_recount_targets` mends under :func:`train`."""
+    from ..loop import label_shift
+
+    if label_shift(model) != 1 or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return True
+    return LOSS_MAPPING.get(getattr(model, "loss_type", None)) is not ForCausalLMLoss
+
+
 def _shifts_labels(trainer) -> bool:
     """Whether the trained model's loss predicts the next token (its targets are ``labels[..., 1:]``):
     the Trainer's own verdict (``_loss_shifts_labels``, from the model's ``loss_type``) or the causal
@@ -450,6 +466,11 @@ class TightfitCallback(Watch, transformers.TrainerCallback):
                             + ("recomputes every layer whole instead (more time than planned)"
                                if getattr(args, _checkpointing_argument(args), False) else
                                "keeps every layer's activations (more memory than planned)"))
+        if not self._in_train and model is not None and _counted_unshifted(model):
+            self._event(f"the Trainer counts {type(model).__name__}'s labels unshifted (its loss_type names no causal LM "
+                        "loss) while its loss predicts the next token: each window's loss and gradient come out "
+                        "scaled by target tokens / (target tokens + rows); hf.train(trainer) counts them from each "
+                        "row's second position on")
         if not self._in_train and args.gradient_accumulation_steps > 1 and model is not None \
                 and loss_uses_item_count(model) is False:
             self._event(f"{type(model).__name__}'s forward takes **kwargs but its loss ignores num_items_in_batch: "
