@@ -7,13 +7,16 @@ each step's end on the loop's clock (``TrainResult.step_ends``), the host time o
 launch and what it was under CUDA graphs (an eager step, a capture then its replay, or a replay),
 the loop's time outside the launches, and checkpoint holds. Writes ``OUTDIR/warmup-timeline.json``
 and prints the breakdown: the first steps one by one, then what the whole run spent beyond
-its steady rate.
+its steady rate. With ``TIMELINE_PROFILE_STEPS=N`` the loop's first N steps run under cProfile
+(its cumulative and own-time tables printed; the timeline then holds the profiler's cost).
 """
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -35,7 +38,16 @@ def main(outdir: Path, argv: list[str]) -> None:
     launch, eager, capture, fit, save = (Trainer._launch, graphs.StepGraphs._eager, graphs.StepGraphs._capture,
                                          Trainer.fit, Trainer.save_checkpoint)
 
+    profile_steps = int(os.environ.get("TIMELINE_PROFILE_STEPS", "0"))  # cProfile the loop's first N steps
+    profiler = cProfile.Profile() if profile_steps else None
+
     def timed_launch(self, window, index):
+        if profiler is not None and index == 0:
+            profiler.enable()
+        elif profiler is not None and index == profile_steps:  # launched ahead: inside step N-1's turn
+            profiler.disable()
+            for order in ("cumulative", "tottime"):
+                pstats.Stats(profiler, stream=sys.stdout).sort_stats(order).print_stats(35)
         t0 = time.perf_counter()
         try:
             return launch(self, window, index)
