@@ -255,14 +255,18 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     # 128 * (7 - c / 2) <= 800 -> c >= 1.5 -> 2. Time per sample is lower at 256: it wins.
     assert (256, 8) in probed and (256, 7) in probed and (128, 2) in probed and (128, 1) in probed
     assert result.micro_batch == 256 and result.checkpoint_blocks == tuple(range(8))
-    assert all(mb in (256, 128) for mb, _ in probed)  # no count beyond the second was probed
+    # the walk ended at 128 with blocks still recomputed: the step that recomputes none is probed
+    # at the largest micro-batch it fits (200 + 7 mb <= 1000: 114), counts doubled then bisected:
+    # 64 (k = 4) fits, 86 (k = 3) fits; slower per sample than 256 with 8 blocks here
+    assert [p for p in probed if p[0] not in (256, 128)] == [(64, 0), (86, 0)], probed
 
     # a tight budget: only the eager plan's 32 micro-batches of 8 fit, with every block checkpointed
     probed.clear()
     limit = 200 + 8 * 1.0
     result = gpu.compiled_variant(w, eager, 10**9, n).variant
     assert result.micro_batch == 8 and len(result.checkpoint_blocks) == n
-    assert len({mb for mb, _ in probed}) <= 7  # bisection over the 29 distinct counts, not a scan
+    assert len({mb for mb, c in probed if c}) <= 7  # bisection over the 29 distinct counts, not a scan
+    assert [p for p in probed if not p[1]] == [(4, 0), (2, 0)], probed  # no step without recomputation fits
 
     # the eager plan's micro-batch: its block count first (fits), then one fewer (does not): two probes
     probed.clear()
@@ -271,7 +275,9 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     assert probed[:2] == [(E, 11), (E, 10)] and result.checkpoint_blocks == tuple(range(11))
     # it needed blocks, so one micro-batch more is tried too (past the eager plan's one), its blocks
     # stepped down from the 11 found at 256: 128 * (7 - c / 2) <= 384 -> c >= 8; slower per sample, so the walk ends
-    assert [c for mb, c in probed[2:]] == [11, 10, 8, 4, 6, 7] and {mb for mb, _ in probed[2:]} == {128}
+    assert [c for mb, c in probed[2:8]] == [11, 10, 8, 4, 6, 7] and {mb for mb, _ in probed[2:8]} == {128}
+    # then the step without recomputation (200 + 7 mb <= 584: 54): 64 no, 32 yes, then 43, 52
+    assert probed[8:] == [(64, 0), (32, 0), (43, 0), (52, 0)], probed
     probed.clear()  # compiled keeps less: fewer blocks than the eager 11 fit, stepped down to below 11
     limit = 200 + E * (1.0 + 0.5 * 5)  # (4 fewer: one probe more than a bisection; BERT-large's 1 fewer: 3 less)
     result = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(11)), 1, None, None), 10**9, n).variant
@@ -331,6 +337,40 @@ def test_compiled_stage_walks_past_the_eager_micro_batch_while_fewer_blocks_pay(
     assert all(c <= 10 for mb, c in probed if mb < E)  # each count searched from the previous count's fewest
     speeds = [E / (k * (0.002 + 0.001 * mb * (1 + c / 36))) for k, mb, c in ((1, 256, 10), (2, 128, 6), (3, 86, 3))]
     assert speeds == sorted(speeds) and v.samples_per_s > speeds[-1]  # each count faster than the one before
+
+
+def test_a_walk_that_ends_on_a_slower_count_still_probes_the_step_that_recomputes_nothing(monkeypatch):
+    """BERT-base seq 128 at 4 GiB (NVIDIA H100, bench/results/recompute-3): 128 x 2 with 7 blocks
+    timed slower than 256 x 1 with 10 and the walk ended there, though the step with no block
+    checkpointed (two compiled calls per block, not three; no recomputation) fits at a smaller
+    micro-batch. That step is probed at the largest micro-batch it fits and kept when fastest.
+    No GPU: a step takes the longer of the host's launches (a checkpointed block's wrapper costs
+    the host more than a compiled call) and the GPU's work (a recomputed block adds a third)."""
+    from types import SimpleNamespace
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.plan import accumulation_steps
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate
+
+    n, E = 12, 256
+    limit = 200 + E * (1.0 + 0.5 * 2)  # 256 fits with 10 blocks, 128 with 6, 64 with none, 86 not
+    probed = []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        c = len(workload.blocks)
+        probed.append((mb, c))
+        peak = 200 + mb * (1.0 + 0.5 * (n - c))
+        host, gpu_s = 0.0003 * 2 * n + 0.005 * c, 0.0002 * mb * (1 + c / (3 * n))
+        m = min(accumulation_steps(E, mb), 4)
+        return ProbeResult(mb, peak <= limit, int(peak), int(peak), max(host, gpu_s) * m, m)
+
+    w = SimpleNamespace(effective_batch=E, model=torch.nn.Linear(1, 1), blocks=())
+    _blocks_compiled_offline(monkeypatch, gpu, w, fake_probe)
+    v = gpu.compiled_variant(w, Candidate("bf16", E, tuple(range(10)), 1, None, None), 10**9, n).variant
+    assert (128, 6) in probed and not any(mb == 86 and c for mb, c in probed)  # the walk ended at 128
+    assert [p for p in probed if not p[1]][-2:] == [(64, 0), (86, 0)], probed  # 64 fits, 86 does not
+    assert (v.micro_batch, v.checkpoint_blocks) == (64, ()), v
 
 
 def _table_probe(E, n, limit, log, fixed=0.0001, per_sample_pass=0.001):

@@ -989,7 +989,33 @@ def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tu
         # the next micro-batch down (not k + 1: above sqrt(E) that may give the same micro-batch);
         # not 1, which a dynamic batch dimension does not cover (another compilation)
         k, start = accumulation_steps(E, mb - 1), len(blocks)
+    # The walk ends at the first count slower than the one before. Where blocks are still
+    # recomputed there, the step that recomputes none is probed too, at the largest micro-batch
+    # it fits: a block not checkpointed makes two compiled calls per micro-batch, not three, and
+    # no recomputation, so it can win where the counts between lost (BERT-base seq 128 at 4 GiB,
+    # NVIDIA H100: 128 x 2 with 7 blocks timed slower than 256 x 1 with 10, and the walk ended;
+    # bench/results/recompute-3).
+    if regional and found and found[-1].checkpoint_blocks:
+        mb = _largest_unrecomputed(E, found[-1].micro_batch, lambda m: probe(m, ()).fits)
+        if mb is not None:
+            found.append(CompiledVariant(_samples_per_s(probe(mb, ()), E), mb, (), probe(mb, ())))
     return found
+
+
+def _largest_unrecomputed(E: int, needs_blocks: int, fits) -> int | None:
+    """The largest micro-batch under ``needs_blocks`` (a micro-batch whose step needs checkpointed
+    blocks), and at least 2, whose step ``fits(micro_batch)`` with none: micro-batch counts doubled
+    from ``needs_blocks``'s until one fits, then bisection between the last two (2 log2 of the
+    distance in counts, or fewer, probes). None when micro-batch 2 does not fit either.
+    (Not 1: a dynamic batch dimension does not cover it, another compilation.)"""
+    miss, last = accumulation_steps(E, needs_blocks), accumulation_steps(E, 2)
+    count_fits = lambda k: fits(micro_batch_for(E, k))  # noqa: E731
+    while miss < last:
+        k = min(2 * miss, last)
+        if count_fits(k):
+            return micro_batch_for(E, bisect(k, miss, count_fits))
+        miss = k
+    return None
 
 
 # ---------------------------------------------------------------- the plan's reasons
