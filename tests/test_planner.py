@@ -373,6 +373,23 @@ def test_a_walk_that_ends_on_a_slower_count_still_probes_the_step_that_recompute
     assert (v.micro_batch, v.checkpoint_blocks) == (64, ()), v
 
 
+def test_the_largest_micro_batch_without_recomputation_is_found_below_one_that_needs_blocks():
+    """Counts doubled from the micro-batch that needs blocks, then bisected; a count whose
+    micro-batch rounds below that micro-batch (E = 4: 3 and 2 both take 2 micro-batches) is
+    probed, not taken for a miss; micro-batch 1 is never probed."""
+    from tightfit.planner.gpu import _largest_unrecomputed
+
+    def fits_below(limit, log):
+        return lambda mb: log.append(mb) or mb <= limit
+
+    log = []
+    assert _largest_unrecomputed(256, 256, fits_below(70, log)) == 64 and log == [128, 64, 86], log
+    log = []
+    assert _largest_unrecomputed(4, 3, fits_below(2, log)) == 2 and log == [2]
+    log = []
+    assert _largest_unrecomputed(256, 4, fits_below(1, log)) is None and log == [2]
+
+
 def _table_probe(E, n, limit, log, fixed=0.0001, per_sample_pass=0.001):
     """A probe for ``_compiled_candidates``: peak ``mb * (1 + unsaved blocks)``, a time per
     micro-batch that grows with each recomputed block, timed steps of min(k, 4) micro-batches."""

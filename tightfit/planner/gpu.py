@@ -1009,6 +1009,8 @@ def _largest_unrecomputed(E: int, needs_blocks: int, fits) -> int | None:
     distance in counts, or fewer, probes). None when micro-batch 2 does not fit either.
     (Not 1: a dynamic batch dimension does not cover it, another compilation.)"""
     miss, last = accumulation_steps(E, needs_blocks), accumulation_steps(E, 2)
+    if micro_batch_for(E, miss) < needs_blocks:  # that count's micro-batch is smaller: not known to miss
+        miss -= 1
     count_fits = lambda k: fits(micro_batch_for(E, k))  # noqa: E731
     while miss < last:
         k = min(2 * miss, last)
