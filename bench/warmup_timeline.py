@@ -8,7 +8,10 @@ launch and what it was under CUDA graphs (an eager step, a capture then its repl
 the loop's time outside the launches, and checkpoint holds. Writes ``OUTDIR/warmup-timeline.json``
 and prints the breakdown: the first steps one by one, then what the whole run spent beyond
 its steady rate. With ``TIMELINE_PROFILE_STEPS=N`` the loop's first N steps run under cProfile
-(its cumulative and own-time tables printed; the timeline then holds the profiler's cost).
+(its cumulative and own-time tables printed; the timeline then holds the profiler's cost); with
+``TIMELINE_PROFILE_SLOW=S`` every eager step and capture of the step graphs runs under cProfile and
+those over S seconds print their table. Each eager step and capture also names the allocator's
+device mallocs and frees it made.
 """
 
 from __future__ import annotations
@@ -57,13 +60,36 @@ def main(outdir: Path, argv: list[str]) -> None:
     def shapes(key):  # the batch's shapes and the loss normaliser of a step graph's key
         return " ".join(f"{name}{list(shape)}" for name, shape, _ in key[0]) + f" / {key[1]:g}"
 
+    slow_s = float(os.environ.get("TIMELINE_PROFILE_SLOW", "0") or 0)  # cProfile tables of eager steps/captures slower
+
+    def watched(what, call, self, key, *a, **k):
+        """An eager step or a capture, with the allocator's device mallocs and frees it made
+        (in the kind's text) and, with TIMELINE_PROFILE_SLOW, its cProfile table when slow."""
+        import torch
+        before = torch.cuda.memory_stats(self.device) if torch.cuda.is_available() else {}
+        prof = cProfile.Profile() if slow_s else None
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        try:
+            return call(self, key, *a, **k)
+        finally:
+            if prof is not None:
+                prof.disable()
+            seconds = time.perf_counter() - t0
+            after = torch.cuda.memory_stats(self.device) if torch.cuda.is_available() else {}
+            delta = {n: after.get(n, 0) - before.get(n, 0) for n in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+            kinds["now"] = (f"{what} {shapes(key)} [cudaMalloc {delta['num_device_alloc']}, cudaFree "
+                            f"{delta['num_device_free']}, retries {delta['num_alloc_retries']}]")
+            if prof is not None and seconds >= slow_s:
+                print(f"--- {what} of {shapes(key)} took {1e3 * seconds:.1f} ms (seen {self.seen} steps):")
+                pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+
     def timed_eager(self, key, *a, **k):
-        kinds["now"] = f"eager {shapes(key)}"
-        return eager(self, key, *a, **k)
+        return watched("eager", eager, self, key, *a, **k)
 
     def timed_capture(self, key, *a, **k):
-        kinds["now"] = f"capture {shapes(key)}"
-        return capture(self, key, *a, **k)
+        return watched("capture", capture, self, key, *a, **k)
 
     def timed_save(self, *a, **k):
         t0 = time.perf_counter()
