@@ -134,3 +134,22 @@ def test_a_state_file_cut_to_nothing_names_the_error_not_str(tmp_path):
     with pytest.raises(TightfitError) as info:
         load_int8(export)
     assert "str)" not in str(info.value), str(info.value)
+
+
+def test_float_class_ids_for_a_classifier_are_refused_before_any_forward_and_leave_the_model_as_it_was():
+    """From a fresh user's trial: float labels [B] (as read from pandas) for a Hugging Face
+    classifier of 2 classes reached its forward, which read them as multi-label targets,
+    failed with "Target size (torch.Size([2])) must be the same as input size" (the size of
+    tightfit's check batch) and kept problem_type "multi_label_classification" in the config,
+    so the same call with int64 labels then failed too. Refused in one line before any forward;
+    int32 class ids, which the model's loss takes, are range-checked like int64."""
+    model = tiny_bert()
+    with pytest.raises(TightfitError, match=re.escape("labels must be class ids, int64 [B] (the model has "
+                                                      "num_labels=2); the batch's are float32 [B]: give labels.long()")):
+        tightfit.plan(model, _text_batch((torch.arange(8) % 2).float()), effective_batch=8, device="cpu")
+    assert model.config.problem_type is None
+    with pytest.raises(TightfitError, match=re.escape(f"{CLASS_IDS}; sample 3 is labelled 5")):
+        tightfit.plan(model, _text_batch(torch.tensor([0, 1, 0, 5, 1, 0, 1, 0], dtype=torch.int32)),
+                      effective_batch=8, device="cpu")
+    plan = tightfit.plan(model, _text_batch(torch.arange(8) % 2), effective_batch=8, device="cpu")
+    assert tightfit.TrainStep(plan, model)(_text_batch(torch.arange(8) % 2)).stepped

@@ -144,20 +144,32 @@ def _check_class_ids(model: torch.nn.Module, batch: _Batch, loss: LossFn | None)
     float labels, a regression head (``num_labels`` 1 or ``problem_type`` "regression", whose
     integer labels are values) or a model whose classes are unknown (:func:`tightfit.tasks.num_classes`).
 
+    Float class ids ``[B]`` for a classifier of several classes are refused too: Hugging Face
+    would read them as multi-label targets and keep that reading in ``config.problem_type``.
+
     Raises:
-        TightfitError: one line with the range, the first sample labelled outside it and the fix.
+        TightfitError: one line with the range, the first sample labelled outside it and the fix;
+            or with the labels' dtype and the fix.
     """
     from .tasks import check_class_ids, num_classes
 
     if loss is not None or batch.keys is None or "labels" not in batch.keys:
         return
     labels = batch.values[batch.keys.index("labels")]
-    if labels.dim() != 1 or labels.dtype not in (torch.int64, torch.uint8):
+    if labels.dim() != 1:
         return
     n = num_classes(model)
     if n is None or _regression_head(model):
         return
-    check_class_ids(labels, n, range(batch.size), type(hf_model(model)).__name__)
+    name = type(hf_model(model)).__name__
+    if labels.is_floating_point() and n > 1:
+        # Hugging Face reads float labels as multi-label targets [B, num_labels] and records that
+        # in config.problem_type at the first forward, which then fails every later call too
+        raise TightfitError(f"{name}: labels must be class ids, int64 [B] (the model has num_labels={n}); the "
+                            f"batch's are {str(labels.dtype).removeprefix('torch.')} [B]: give labels.long() "
+                            f"(float labels are read as multi-label targets [B, {n}])")
+    if labels.dtype in (torch.int64, torch.int32, torch.uint8):  # the dtypes its single-label loss takes
+        check_class_ids(labels, n, range(batch.size), name)
 
 
 def _regression_head(model: torch.nn.Module) -> bool:
