@@ -536,6 +536,9 @@ def test_estimate_says_fits_only_where_plan_would_plan_the_same_step(tmp_path, c
     assert main(args) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["fits"] is plan_fits is False and d["planned_limit_bytes"] == int(planned_limit(budget))
+    # the JSON holds what decides fits (a fresh user saw a peak under the limit and fits false)
+    assert d["fits"] is (d["peak_reserved_bytes"] + d["estimator_margin_bytes"] <= d["planned_limit_bytes"])
+    assert (d["estimator_margin_bytes"] > 0) is (checkpointing == "all")
     assert main(args[:-1]) == 0
     out = capsys.readouterr().out
     assert re.search(r"does NOT fit the planned limit [\d.]+ \w+ of budget [\d.]+ \w+ \(5% headroom", out), out

@@ -206,7 +206,9 @@ def run(args) -> int:
     if args.json:
         d = result.to_dict()
         if profile:
-            d.update(budget_bytes=budget, planned_limit_bytes=verdict[1], fits=verdict[0])
+            # fits: peak_reserved_bytes + estimator_margin_bytes <= planned_limit_bytes
+            d.update(budget_bytes=budget, planned_limit_bytes=verdict[1], estimator_margin_bytes=verdict[3],
+                     fits=verdict[0])
         d["notes"] = [f"gradients: {note}"] if note else []
         print(json.dumps(d, indent=2))
         return 0
@@ -229,12 +231,12 @@ def run(args) -> int:
     return 0
 
 
-def fits_verdict(peak_reserved_bytes: int, checkpointed: bool, budget_bytes: int) -> tuple[bool, int, str]:
+def fits_verdict(peak_reserved_bytes: int, checkpointed: bool, budget_bytes: int) -> tuple[bool, int, str, int]:
     """Whether a step whose predicted peak is ``peak_reserved_bytes`` fits ``budget_bytes`` as
     ``tightfit plan`` decides it without a GPU: the peak, plus the estimator's margin where blocks
     are ``checkpointed`` (:func:`tightfit.planner.margins.estimator_margin_bytes`), against the
     planned limit (:func:`tightfit.planner.margins.planned_limit`: the budget less the planner's
-    headroom). Returns ``(fits, planned limit in bytes, one display line)``."""
+    headroom). Returns ``(fits, planned limit in bytes, one display line, the margin in bytes)``."""
     from ..planner.margins import HEADROOM, estimator_margin_bytes, planned_limit
 
     limit = int(planned_limit(budget_bytes))
@@ -244,4 +246,4 @@ def fits_verdict(peak_reserved_bytes: int, checkpointed: bool, budget_bytes: int
         f" + {format_bytes(margin)} estimator margin (a checkpointed step's, as tightfit plan adds it)" if margin else "")
     return fits, limit, (f"{counted} {'fits' if fits else 'does NOT fit'} the planned limit {format_bytes(limit)} "
                          f"of budget {format_bytes(budget_bytes)} ({int(HEADROOM * 100)}% headroom, as tightfit plan "
-                         f"keeps)")
+                         f"keeps)"), margin
