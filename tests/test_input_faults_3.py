@@ -434,3 +434,24 @@ def test_a_size_too_small_for_a_float_says_it_rounds_to_zero():
         parse_size("1e-400")
     with pytest.raises(TightfitError, match=r"^memory size must be positive, got '0e5'$"):
         parse_size("0e5")
+
+
+def test_a_fraction_of_an_epoch_rounded_up_to_a_whole_effective_batch_is_noted(tmp_path, capsys):
+    """From a fresh user's trial: --epochs 0.05 of 100 samples at batch 32 trained one step of 32
+    samples (0.32 epochs, six times what was asked) without a word. Noted where the whole
+    effective batches train more than a tenth more than asked; not where they train about that."""
+    import sys
+
+    from tightfit.runtime.trainer import rounded_epochs_note
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    model, data = _tiny_model_and_data(tmp_path)  # 36 training samples
+    common = ["train", "--model", str(model), "--data", str(data), "--seq-len", "16", "--batch-size", "8",
+              "--device", "cpu", "--no-progress", "--checkpoint-every", "0"]
+    assert main([*common, "--epochs", "0.1", "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert ("0.1 epoch(s) of 36 training samples is 3.6 samples, but an optimizer step takes a whole effective batch "
+            "of 8: training 1 step, 8 samples (0.222 epochs)") in out, out
+    assert rounded_epochs_note(1.5, 100, 32, 6) is None  # 164 trained for 150 asked
+    assert rounded_epochs_note(2, 100, 32, 8) is None  # whole epochs: their last windows are short
+    assert "training 1 step, 32 samples (0.32 epochs)" in rounded_epochs_note(0.05, 100, 32, 1)

@@ -446,6 +446,12 @@ class TrainRecipe:
         if training.max_steps and training.max_steps > steps:
             self.notes.append(f"{option_given('max_steps', training.max_steps)} is more than the {steps} optimizer steps of "
                               f"{training.epochs:g} epoch(s): training {steps} (raise {option_name('epochs')} for more)")
+        elif not (training.max_steps and training.max_steps < steps):  # else --max-steps says the length
+            from .runtime.trainer import rounded_epochs_note
+
+            note = rounded_epochs_note(training.epochs, len(self.train_data), batch, steps)
+            if note:
+                self.notes.append(note)
         from .images import legacy_fingerprints
 
         fingerprint = f"{self.train_data.fingerprint()}:{self.eval_data.fingerprint()}"

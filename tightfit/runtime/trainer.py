@@ -198,6 +198,20 @@ def steps_per_epoch(n: int, effective_batch: int) -> int:
     return math.ceil(n / effective_batch)
 
 
+def rounded_epochs_note(epochs: float, n: int, effective_batch: int, steps: int) -> str | None:
+    """A note where ``steps`` optimizer steps (``ceil(epochs x steps per epoch)``, whole effective
+    batches) train more than a tenth more samples than ``epochs`` over ``n`` samples asks
+    (``--epochs 0.05`` of 100 samples at batch 32: 5 asked, one step of 32 trained); None otherwise."""
+    asked = epochs * n
+    full, rest = divmod(steps, steps_per_epoch(n, effective_batch))
+    trained = full * n + rest * effective_batch  # an epoch's windows are whole but its last
+    if trained <= 1.1 * asked:
+        return None
+    return (f"{epochs:g} epoch(s) of {n} training samples is {asked:.4g} samples, but an optimizer step takes a "
+            f"whole effective batch of {effective_batch}: training {steps} step{'s' if steps != 1 else ''}, "
+            f"{trained} samples ({trained / n:.3g} epochs)")
+
+
 def window_sizes(n: int, effective_batch: int, steps: int) -> list[int]:
     """The sizes of the windows a run of ``steps`` optimizer steps over ``n`` samples trains
     (samples): ``effective_batch`` where an epoch holds a full window, and the epoch's short last
