@@ -153,3 +153,27 @@ def test_float_class_ids_for_a_classifier_are_refused_before_any_forward_and_lea
                       effective_batch=8, device="cpu")
     plan = tightfit.plan(model, _text_batch(torch.arange(8) % 2), effective_batch=8, device="cpu")
     assert tightfit.TrainStep(plan, model)(_text_batch(torch.arange(8) % 2)).stepped
+
+
+def test_a_dataloader_or_an_iterator_given_as_the_data_is_refused_in_one_line():
+    """From a fresh user's trial: a DataLoader given as a Workload's data failed with "TypeError:
+    'DataLoader' object is not subscriptable", an iterator with "object of type 'iterator' has no
+    len()". Each is refused in one line naming what to give instead."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import Workload, collate_as
+
+    ds = TensorDataset(torch.randn(40, 8), torch.arange(40) % 3)
+
+    def make(data):
+        return Workload(torch.nn.Linear(8, 3), data, None, 8, task=ImageClassification(),
+                        collate_fn=collate_as("pixel_values", "labels"))
+
+    with pytest.raises(TightfitError, match=re.escape("the data is a DataLoader: give its dataset (loader.dataset)")):
+        make(DataLoader(ds, batch_size=4))
+    for data in (iter(ds), (s for s in ds)):
+        with pytest.raises(TightfitError, match=r"the data must be a map-style dataset \(len\(\) and data\[i\].*, got "
+                                                r"(iterator|generator)"):
+            make(data)
+    assert len(make(ds).train) == 40

@@ -260,8 +260,8 @@ def as_batches(data, collate_fn: Callable[[list], dict] | None = None,
     where they are one tensor already (``all_labels()``).
 
     Raises:
-        TightfitError: the collate function does not give a dict of tensors; whatever
-            ``check_batch`` raises.
+        TightfitError: ``data`` is no map-style dataset (a DataLoader, an iterator); the collate
+            function does not give a dict of tensors; whatever ``check_batch`` raises.
     """
     if data is None:
         return data
@@ -274,10 +274,28 @@ def as_batches(data, collate_fn: Callable[[list], dict] | None = None,
     elif collate_fn is None and hasattr(data, "collate") and hasattr(data, "worst_case"):
         batches = data  # its batches are its own: not collated here
     else:
+        _check_map_style(data)
         batches = DatasetBatches(data, collate_fn)
         batches.check(check_batch)
     _check_all_labels(batches, check_batch)
     return batches
+
+
+def _check_map_style(data) -> None:
+    """Refuse in one line what is not a map-style dataset (``len()`` and ``[i]``): a DataLoader
+    (its batches are already made: the plan chooses them), an iterator or generator.
+
+    Raises:
+        TightfitError: naming what was given and what to give instead.
+    """
+    from torch.utils.data import DataLoader
+
+    if isinstance(data, DataLoader):
+        raise TightfitError("the data is a DataLoader: give its dataset (loader.dataset) and, if it has one, its "
+                            "collate_fn as collate_fn; tightfit makes the batches, of the plan's micro-batch")
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TightfitError(f"the data must be a map-style dataset (len() and data[i], e.g. a torch Dataset or a "
+                            f"list of samples), got {type(data).__name__}: materialise it, e.g. list(...)")
 
 
 @dataclass
