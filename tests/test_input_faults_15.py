@@ -177,3 +177,17 @@ def test_a_dataloader_or_an_iterator_given_as_the_data_is_refused_in_one_line():
                                                 r"(iterator|generator)"):
             make(data)
     assert len(make(ds).train) == 40
+
+
+def test_a_model_with_no_parameters_is_refused_by_plan_as_such():
+    """From a fresh user's trial: tightfit.plan returned a plan for nn.ReLU(), which TrainStep then
+    refused saying every parameter had requires_grad=False. plan refuses it first, saying it has none."""
+    batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 3)}
+    loss = lambda model, b: ((model(b["x"]) - b["y"]) ** 2).mean()  # noqa: E731
+    with pytest.raises(TightfitError, match=re.escape("plan: the model has no parameters (ReLU): there is nothing to "
+                                                      "train")):
+        tightfit.plan(torch.nn.ReLU(), batch, loss=loss, device="cpu")
+    frozen = torch.nn.Linear(3, 3).requires_grad_(False)
+    with pytest.raises(TightfitError, match=re.escape("plan: the model has no trainable parameters (every one has "
+                                                      "requires_grad=False)")):
+        tightfit.plan(frozen, batch, loss=loss, device="cpu")

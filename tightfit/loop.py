@@ -136,6 +136,14 @@ def label_shift(model: torch.nn.Module) -> int:
     return int(not type(model).__module__.startswith("peft.") and any(type(m).__name__ in causal for m in model.modules()))
 
 
+def _nothing_to_train(who: str, model: torch.nn.Module) -> str:
+    """The one line for a model with no parameter to train: none at all, or every one frozen."""
+    if next(model.parameters(), None) is None:
+        return f"{who}: the model has no parameters ({type(model).__name__}): there is nothing to train"
+    return (f"{who}: the model has no trainable parameters (every one has requires_grad=False); "
+            "unfreeze the ones to train")
+
+
 def _check_class_ids(model: torch.nn.Module, batch: _Batch, loss: LossFn | None) -> None:
     """Refuse, on the host and before any forward, class ids ``labels`` ``[B]`` that a Hugging Face
     classifier's own loss cannot take: outside ``[0, num_labels)`` and not -100
@@ -380,6 +388,8 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
                             f"(...)), got {type(model).__name__}")
     if loss is not None and not callable(loss):
         raise TightfitError(f"loss must be a function (model, batch) -> scalar loss, got {type(loss).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise TightfitError(_nothing_to_train("plan", model))
     b = _Batch(sample_batch)
     _check_class_ids(model, b, loss)
     E = b.size if effective_batch is None else effective_batch
@@ -554,8 +564,7 @@ class TrainStep:
         if optimizer is not None:
             _check_optimizer(optimizer, model)
         elif not any(p.requires_grad for p in model.parameters()):
-            raise TightfitError("TrainStep: the model has no trainable parameters (every one has requires_grad=False); "
-                                "unfreeze the ones to train")
+            raise TightfitError(_nothing_to_train("TrainStep", model))
         self.plan, self.loss, self.max_grad_norm = plan, loss, max_grad_norm
         self.max_skipped_steps, self.grow_back_after = max_skipped_steps, grow_back_after
         self.model = model
