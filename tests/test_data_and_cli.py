@@ -55,6 +55,7 @@ def test_held_out_split_is_fixed_and_disjoint():
     (["--data", "/nonexistent/x.csv"], "data file not found"),
     (["--precision", "fp8"], "unknown --precision"),
     (["--model", "/nonexistent/model"], "model folder not found"),
+    (["--model", "./nosuch"], r"model folder not found: \./nosuch \("),  # as given (a fresh user saw "nosuch")
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--compile", "maybe"], "unknown --compile"),
     (["--lr", "nan"], "must be positive and finite"),

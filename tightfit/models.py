@@ -282,13 +282,13 @@ def resolve(name_or_path: str | None) -> ModelEntry:
         return REGISTRY[name]
     path = Path(name)
     if path.exists() and not path.is_dir():
-        raise TightfitError(f"{path} is not a folder: {option_name('model')} takes one of {', '.join(REGISTRY)} or a "
+        raise TightfitError(f"{name} is not a folder: {option_name('model')} takes one of {', '.join(REGISTRY)} or a "
                             "local Hugging Face model folder (with config.json)")
     if not path.is_dir():
-        raise TightfitError(f"model folder not found: {path} (not one of {', '.join(REGISTRY)}; "
+        raise TightfitError(f"model folder not found: {name} (not one of {', '.join(REGISTRY)}; "
                             "tightfit loads models offline from a local folder)")
     if not (path / "config.json").is_file():
-        raise TightfitError(f"{path} is not a Hugging Face model folder (no config.json)")
+        raise TightfitError(f"{name} is not a Hugging Face model folder (no config.json)")
     return ModelEntry(name, path.name, folder=path, weights=lambda: path, tokenizer=lambda: path)
 
 
