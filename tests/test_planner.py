@@ -374,9 +374,10 @@ def test_a_walk_that_ends_on_a_slower_count_still_probes_the_step_that_recompute
 
 
 def test_the_largest_micro_batch_without_recomputation_is_found_below_one_that_needs_blocks():
-    """Counts doubled from the micro-batch that needs blocks, then bisected; a count whose
-    micro-batch rounds below that micro-batch (E = 4: 3 and 2 both take 2 micro-batches) is
-    probed, not taken for a miss; micro-batch 1 is never probed."""
+    """Counts doubled from the largest count of the micro-batch that needs blocks, then bisected:
+    no count of a micro-batch known not to fit is probed (E = 256 after 16: 17 micro-batches of 16
+    are a known miss, not probed again; a review found 16 probed), nor micro-batch 1; and a count
+    whose micro-batch rounds below that micro-batch (E = 4: 3 and 2 both take 2) is probed."""
     from tightfit.planner.gpu import _largest_unrecomputed
 
     def fits_below(limit, log):
@@ -388,6 +389,8 @@ def test_the_largest_micro_batch_without_recomputation_is_found_below_one_that_n
     assert _largest_unrecomputed(4, 3, fits_below(2, log)) == 2 and log == [2]
     log = []
     assert _largest_unrecomputed(256, 4, fits_below(1, log)) is None and log == [2]
+    log = []
+    assert _largest_unrecomputed(256, 16, fits_below(15, log)) == 15 and 16 not in log, log
 
 
 def _table_probe(E, n, limit, log, fixed=0.0001, per_sample_pass=0.001):

@@ -1005,12 +1005,14 @@ def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tu
 def _largest_unrecomputed(E: int, needs_blocks: int, fits) -> int | None:
     """The largest micro-batch under ``needs_blocks`` (a micro-batch whose step needs checkpointed
     blocks), and at least 2, whose step ``fits(micro_batch)`` with none: micro-batch counts doubled
-    from ``needs_blocks``'s until one fits, then bisection between the last two (2 log2 of the
-    distance in counts, or fewer, probes). None when micro-batch 2 does not fit either.
+    from the largest count of ``needs_blocks``'s micro-batch until one fits, then bisection between
+    the last two (2 log2 of the distance in counts, or fewer, probes; no count of a micro-batch
+    known not to fit). None when micro-batch 2 does not fit either.
     (Not 1: a dynamic batch dimension does not cover it, another compilation.)"""
-    miss, last = accumulation_steps(E, needs_blocks), accumulation_steps(E, 2)
-    if micro_batch_for(E, miss) < needs_blocks:  # that count's micro-batch is smaller: not known to miss
-        miss -= 1
+    if needs_blocks <= 2:
+        return None
+    # the largest count whose micro-batch is still needs_blocks (or more): known not to fit
+    miss, last = accumulation_steps(E, needs_blocks - 1) - 1, accumulation_steps(E, 2)
     count_fits = lambda k: fits(micro_batch_for(E, k))  # noqa: E731
     while miss < last:
         k = min(2 * miss, last)
