@@ -136,23 +136,26 @@ def test_a_state_file_cut_to_nothing_names_the_error_not_str(tmp_path):
     assert "str)" not in str(info.value), str(info.value)
 
 
-def test_float_class_ids_for_a_classifier_are_refused_before_any_forward_and_leave_the_model_as_it_was():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.bool, torch.int32])
+def test_class_ids_of_another_dtype_than_int64_are_refused_before_any_forward_and_leave_the_model_as_it_was(dtype):
     """From a fresh user's trial: float labels [B] (as read from pandas) for a Hugging Face
-    classifier of 2 classes reached its forward, which read them as multi-label targets,
-    failed with "Target size (torch.Size([2])) must be the same as input size" (the size of
-    tightfit's check batch) and kept problem_type "multi_label_classification" in the config,
-    so the same call with int64 labels then failed too. Refused in one line before any forward;
-    int32 class ids, which the model's loss takes, are range-checked like int64."""
+    classifier of 2 classes reached its forward, which read them as multi-label targets, failed
+    with "Target size (torch.Size([2])) must be the same as input size" (the size of tightfit's
+    check batch) and kept problem_type "multi_label_classification" in the config, so the same
+    call with int64 labels then failed too. A review found uint8 and bool labels do the same, and
+    int32 ones fail in cross-entropy ("expected target dtype to be Long or Byte"). Each is refused
+    in one line before any forward, and the model stays as it was."""
     model = tiny_bert()
-    with pytest.raises(TightfitError, match=re.escape("labels must be class ids, int64 [B] (the model has "
-                                                      "num_labels=2); the batch's are float32 [B]: give labels.long()")):
-        tightfit.plan(model, _text_batch((torch.arange(8) % 2).float()), effective_batch=8, device="cpu")
+    said = (f"labels must be class ids, int64 [B] (the model has num_labels=2); the batch's are "
+            f"{str(dtype).removeprefix('torch.')} [B]: give labels.long()")
+    with pytest.raises(TightfitError, match=re.escape(said)):
+        tightfit.plan(model, _text_batch((torch.arange(8) % 2).to(dtype)), effective_batch=8, device="cpu")
     assert model.config.problem_type is None
-    with pytest.raises(TightfitError, match=re.escape(f"{CLASS_IDS}; sample 3 is labelled 5")):
-        tightfit.plan(model, _text_batch(torch.tensor([0, 1, 0, 5, 1, 0, 1, 0], dtype=torch.int32)),
-                      effective_batch=8, device="cpu")
     plan = tightfit.plan(model, _text_batch(torch.arange(8) % 2), effective_batch=8, device="cpu")
-    assert tightfit.TrainStep(plan, model)(_text_batch(torch.arange(8) % 2)).stepped
+    step = tightfit.TrainStep(plan, model)
+    with pytest.raises(TightfitError, match=re.escape(said)):
+        step(_text_batch((torch.arange(8) % 2).to(dtype)))
+    assert step(_text_batch(torch.arange(8) % 2)).stepped
 
 
 def test_a_dataloader_or_an_iterator_given_as_the_data_is_refused_in_one_line():
@@ -179,15 +182,23 @@ def test_a_dataloader_or_an_iterator_given_as_the_data_is_refused_in_one_line():
     assert len(make(ds).train) == 40
 
 
-def test_a_model_with_no_parameters_is_refused_by_plan_as_such():
-    """From a fresh user's trial: tightfit.plan returned a plan for nn.ReLU(), which TrainStep then
-    refused saying every parameter had requires_grad=False. plan refuses it first, saying it has none."""
+def test_a_model_with_no_parameters_is_told_so_and_tensors_outside_a_frozen_model_still_train():
+    """From a fresh user's trial: TrainStep refused a model with no parameters (nn.ReLU) saying
+    every parameter had requires_grad=False. It now says the model has none. A review of the first
+    fix (plan refused such models) found it refused a use that works: a frozen model and a loss
+    that trains a tensor outside it through the optimizer given to TrainStep (a prompt)."""
     batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 3)}
     loss = lambda model, b: ((model(b["x"]) - b["y"]) ** 2).mean()  # noqa: E731
-    with pytest.raises(TightfitError, match=re.escape("plan: the model has no parameters (ReLU): there is nothing to "
-                                                      "train")):
-        tightfit.plan(torch.nn.ReLU(), batch, loss=loss, device="cpu")
+    plan = tightfit.plan(torch.nn.ReLU(), batch, loss=loss, device="cpu")
+    with pytest.raises(TightfitError, match=re.escape("TrainStep: the model has no parameters (ReLU): give optimizer= "
+                                                      "over the tensors to train")):
+        tightfit.TrainStep(plan, torch.nn.ReLU(), loss=loss)
     frozen = torch.nn.Linear(3, 3).requires_grad_(False)
-    with pytest.raises(TightfitError, match=re.escape("plan: the model has no trainable parameters (every one has "
-                                                      "requires_grad=False)")):
-        tightfit.plan(frozen, batch, loss=loss, device="cpu")
+    with pytest.raises(TightfitError, match=re.escape("TrainStep: the model has no trainable parameters (every one has "
+                                                      "requires_grad=False); unfreeze the ones to train, or give")):
+        tightfit.TrainStep(tightfit.plan(frozen, batch, loss=loss, device="cpu"), frozen, loss=loss)
+    prompt = torch.nn.Parameter(torch.zeros(3))
+    with_prompt = lambda model, b: ((model(b["x"] + prompt) - b["y"]) ** 2).mean()  # noqa: E731
+    step = tightfit.TrainStep(tightfit.plan(frozen, batch, loss=with_prompt, device="cpu"), frozen,
+                              torch.optim.SGD([prompt], lr=0.1), loss=with_prompt)
+    assert step(batch).stepped and bool(prompt.detach().abs().sum() > 0)

@@ -137,11 +137,13 @@ def label_shift(model: torch.nn.Module) -> int:
 
 
 def _nothing_to_train(who: str, model: torch.nn.Module) -> str:
-    """The one line for a model with no parameter to train: none at all, or every one frozen."""
+    """The one line for a model with no parameter to train, none at all or every one frozen, and
+    no optimizer given (one over tensors outside the model may train them, e.g. a prompt)."""
     if next(model.parameters(), None) is None:
-        return f"{who}: the model has no parameters ({type(model).__name__}): there is nothing to train"
+        return (f"{who}: the model has no parameters ({type(model).__name__}): give optimizer= over the tensors "
+                "to train, or a model with parameters")
     return (f"{who}: the model has no trainable parameters (every one has requires_grad=False); "
-            "unfreeze the ones to train")
+            "unfreeze the ones to train, or give optimizer= over the tensors to train")
 
 
 def _check_class_ids(model: torch.nn.Module, batch: _Batch, loss: LossFn | None) -> None:
@@ -152,8 +154,9 @@ def _check_class_ids(model: torch.nn.Module, batch: _Batch, loss: LossFn | None)
     float labels, a regression head (``num_labels`` 1 or ``problem_type`` "regression", whose
     integer labels are values) or a model whose classes are unknown (:func:`tightfit.tasks.num_classes`).
 
-    Float class ids ``[B]`` for a classifier of several classes are refused too: Hugging Face
-    would read them as multi-label targets and keep that reading in ``config.problem_type``.
+    Class ids ``[B]`` of another dtype than int64 for a classifier of several classes are refused
+    too: Hugging Face reads float, uint8 or bool labels as multi-label targets and keeps that reading
+    in ``config.problem_type``; int32 ones fail in cross-entropy.
 
     Raises:
         TightfitError: one line with the range, the first sample labelled outside it and the fix;
@@ -170,14 +173,13 @@ def _check_class_ids(model: torch.nn.Module, batch: _Batch, loss: LossFn | None)
     if n is None or _regression_head(model):
         return
     name = type(hf_model(model)).__name__
-    if labels.is_floating_point() and n > 1:
-        # Hugging Face reads float labels as multi-label targets [B, num_labels] and records that
-        # in config.problem_type at the first forward, which then fails every later call too
+    if labels.dtype != torch.int64 and n > 1:
+        # Hugging Face reads labels of any dtype but int64 and int32 as multi-label targets
+        # [B, num_labels] and records that in config.problem_type at the first forward, which then
+        # fails every later call too; int32 reaches cross-entropy, which takes int64 only
         raise TightfitError(f"{name}: labels must be class ids, int64 [B] (the model has num_labels={n}); the "
-                            f"batch's are {str(labels.dtype).removeprefix('torch.')} [B]: give labels.long() "
-                            f"(float labels are read as multi-label targets [B, {n}])")
-    if labels.dtype in (torch.int64, torch.int32, torch.uint8):  # the dtypes its single-label loss takes
-        check_class_ids(labels, n, range(batch.size), name)
+                            f"batch's are {str(labels.dtype).removeprefix('torch.')} [B]: give labels.long()")
+    check_class_ids(labels, n, range(batch.size), name)
 
 
 def _regression_head(model: torch.nn.Module) -> bool:
@@ -388,8 +390,6 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
                             f"(...)), got {type(model).__name__}")
     if loss is not None and not callable(loss):
         raise TightfitError(f"loss must be a function (model, batch) -> scalar loss, got {type(loss).__name__}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise TightfitError(_nothing_to_train("plan", model))
     b = _Batch(sample_batch)
     _check_class_ids(model, b, loss)
     E = b.size if effective_batch is None else effective_batch
