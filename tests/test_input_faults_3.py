@@ -450,8 +450,26 @@ def test_a_fraction_of_an_epoch_rounded_up_to_a_whole_effective_batch_is_noted(t
               "--device", "cpu", "--no-progress", "--checkpoint-every", "0"]
     assert main([*common, "--epochs", "0.1", "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert ("0.1 epoch(s) of 36 training samples is 3.6 samples, but an optimizer step takes a whole effective batch "
-            "of 8: training 1 step, 8 samples (0.222 epochs)") in out, out
+    assert ("0.1 epoch(s) of 36 training samples trains 1 optimizer step (5 per epoch, each of the effective batch 8 "
+            "but an epoch's last): 8 samples (0.222 epochs), where 0.1 x 36 samples is 3.6") in out, out
     assert rounded_epochs_note(1.5, 100, 32, 6) is None  # 164 trained for 150 asked
     assert rounded_epochs_note(2, 100, 32, 8) is None  # whole epochs: their last windows are short
-    assert "training 1 step, 32 samples (0.32 epochs)" in rounded_epochs_note(0.05, 100, 32, 1)
+    assert "1 optimizer step (4 per epoch" in rounded_epochs_note(0.05, 100, 32, 1)
+    # no step rounded: 0.75 of 4 steps is 3 whole windows, 96 samples where 75 would be (from a review)
+    assert "3 optimizer steps (4 per epoch, each of the effective batch 32 but an epoch's last): 96 samples" in \
+        rounded_epochs_note(0.75, 100, 32, 3)
+    # with --max-steps above the epochs' steps, both notes (from a review: the rounding went unsaid)
+    assert main([*common, "--epochs", "0.1", "--max-steps", "5", "--out", str(tmp_path / "run2")]) == 0
+    out = capsys.readouterr().out
+    assert "--max-steps 5 is more than the 1 optimizer steps" in out and "trains 1 optimizer step (5 per" in out, out
+
+
+def test_a_fraction_of_an_epoch_is_not_rounded_up_by_a_floats_last_digit():
+    """From a review: 0.07 x 100 steps is 7.000000000000001 in floats, and ceil made it 8 steps
+    (in the trainer and in the command's counts alike). A real fraction of a step still rounds up,
+    and any positive length trains at least one step."""
+    from tightfit.runtime.trainer import epoch_steps
+
+    assert epoch_steps(0.07, 100, 1) == 7 and epoch_steps(0.07, 1000, 10) == 7
+    assert epoch_steps(0.071, 100, 1) == 8 and epoch_steps(1.5, 100, 32) == 6
+    assert epoch_steps(1e-12, 100, 32) == 1 and epoch_steps(0, 100, 32) == 0

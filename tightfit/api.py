@@ -446,7 +446,7 @@ class TrainRecipe:
         if training.max_steps and training.max_steps > steps:
             self.notes.append(f"{option_given('max_steps', training.max_steps)} is more than the {steps} optimizer steps of "
                               f"{training.epochs:g} epoch(s): training {steps} (raise {option_name('epochs')} for more)")
-        elif not (training.max_steps and training.max_steps < steps):  # else --max-steps says the length
+        if not (training.max_steps and training.max_steps < steps):  # else --max-steps says the length
             from .runtime.trainer import rounded_epochs_note
 
             note = rounded_epochs_note(training.epochs, len(self.train_data), batch, steps)
@@ -471,9 +471,9 @@ class TrainRecipe:
     def _epoch_steps(self, effective_batch: int) -> int:
         """Optimizer steps of ``--epochs`` over the training split at ``effective_batch`` samples
         each (before ``--max-steps``), as the trainer counts them."""
-        from .runtime.trainer import steps_per_epoch
+        from .runtime.trainer import epoch_steps
 
-        return math.ceil(self.req.training.epochs * steps_per_epoch(len(self.train_data), effective_batch))
+        return epoch_steps(self.req.training.epochs, len(self.train_data), effective_batch)
 
     def _run_steps(self, effective_batch: int) -> int:
         """Optimizer steps the run takes: the epochs' (:meth:`_epoch_steps`), at most ``--max-steps``."""

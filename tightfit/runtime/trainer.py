@@ -198,18 +198,28 @@ def steps_per_epoch(n: int, effective_batch: int) -> int:
     return math.ceil(n / effective_batch)
 
 
+def epoch_steps(epochs: float, n: int, effective_batch: int) -> int:
+    """Optimizer steps of ``epochs`` over ``n`` samples: ``ceil(epochs x steps per epoch)``, a
+    fraction of a step rounded up, except a float's last-digit error (``0.07 x 100`` is
+    ``7.000000000000001``: 7 steps, not 8)."""
+    steps = epochs * steps_per_epoch(n, effective_batch)
+    return max(1, math.ceil(round(steps, 9))) if steps > 0 else 0
+
+
 def rounded_epochs_note(epochs: float, n: int, effective_batch: int, steps: int) -> str | None:
-    """A note where ``steps`` optimizer steps (``ceil(epochs x steps per epoch)``, whole effective
-    batches) train more than a tenth more samples than ``epochs`` over ``n`` samples asks
-    (``--epochs 0.05`` of 100 samples at batch 32: 5 asked, one step of 32 trained); None otherwise."""
+    """A note where ``steps`` optimizer steps (:func:`epoch_steps`: a fraction of an epoch is a
+    fraction of its steps, each a whole effective batch but the epoch's last) train more than a
+    tenth more samples than ``epochs`` x ``n`` (``--epochs 0.05`` of 100 samples at batch 32: 5,
+    and one step of 32 trained); None otherwise."""
     asked = epochs * n
-    full, rest = divmod(steps, steps_per_epoch(n, effective_batch))
+    per_epoch = steps_per_epoch(n, effective_batch)
+    full, rest = divmod(steps, per_epoch)
     trained = full * n + rest * effective_batch  # an epoch's windows are whole but its last
     if trained <= 1.1 * asked:
         return None
-    return (f"{epochs:g} epoch(s) of {n} training samples is {asked:.4g} samples, but an optimizer step takes a "
-            f"whole effective batch of {effective_batch}: training {steps} step{'s' if steps != 1 else ''}, "
-            f"{trained} samples ({trained / n:.3g} epochs)")
+    return (f"{epochs:g} epoch(s) of {n} training samples trains {steps} optimizer step{'s' if steps != 1 else ''} "
+            f"({per_epoch} per epoch, each of the effective batch {effective_batch} but an epoch's last): {trained} "
+            f"samples ({trained / n:.3g} epochs), where {epochs:g} x {n} samples is {asked:.4g}")
 
 
 def window_sizes(n: int, effective_batch: int, steps: int) -> list[int]:
@@ -402,7 +412,7 @@ class Trainer:
         set_activation_checkpointing(self.model, plan.activation_checkpointing, plan.checkpoint_blocks,
                                      plan.block_policies)
         self.steps_per_epoch = steps_per_epoch(len(workload.train), workload.effective_batch)
-        total = math.ceil(config.epochs * self.steps_per_epoch)
+        total = epoch_steps(config.epochs, len(workload.train), workload.effective_batch)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
         one = None if offload else batchnorm_sees_one_sample(  # before compilation and the DDP/FSDP2 wrapper
             self.model, len(workload.train), workload.effective_batch, plan.micro_batch, self.total_steps,
