@@ -17,6 +17,7 @@ device mallocs and frees it made.
 from __future__ import annotations
 
 import cProfile
+import io
 import json
 import os
 import pstats
@@ -44,13 +45,23 @@ def main(outdir: Path, argv: list[str]) -> None:
     profile_steps = int(os.environ.get("TIMELINE_PROFILE_STEPS", "0"))  # cProfile the loop's first N steps
     profiler = cProfile.Profile() if profile_steps else None
 
+    step_profiling = [False]  # one profiler at a time (a second one's enable ends the first's, or raises)
+    tables: list[str] = []  # printed after training: printing inside a launch would add to its time
+
+    def table(prof, order, lines, title):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(lines)
+        tables.append(f"--- {title}\n{text.getvalue()}")
+
     def timed_launch(self, window, index):
         if profiler is not None and index == 0:
             profiler.enable()
+            step_profiling[0] = True
         elif profiler is not None and index == profile_steps:  # launched ahead: inside step N-1's turn
             profiler.disable()
+            step_profiling[0] = False
             for order in ("cumulative", "tottime"):
-                pstats.Stats(profiler, stream=sys.stdout).sort_stats(order).print_stats(35)
+                table(profiler, order, 35, f"the first {profile_steps} steps, by {order}")
         t0 = time.perf_counter()
         try:
             return launch(self, window, index)
@@ -67,7 +78,7 @@ def main(outdir: Path, argv: list[str]) -> None:
         (in the kind's text) and, with TIMELINE_PROFILE_SLOW, its cProfile table when slow."""
         import torch
         before = torch.cuda.memory_stats(self.device) if torch.cuda.is_available() else {}
-        prof = cProfile.Profile() if slow_s else None
+        prof = cProfile.Profile() if slow_s and not step_profiling[0] else None
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -82,8 +93,7 @@ def main(outdir: Path, argv: list[str]) -> None:
             kinds["now"] = (f"{what} {shapes(key)} [cudaMalloc {delta['num_device_alloc']}, cudaFree "
                             f"{delta['num_device_free']}, retries {delta['num_alloc_retries']}]")
             if prof is not None and seconds >= slow_s:
-                print(f"--- {what} of {shapes(key)} took {1e3 * seconds:.1f} ms (seen {self.seen} steps):")
-                pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+                table(prof, "cumulative", 25, f"{what} of {shapes(key)} took {1e3 * seconds:.1f} ms (step {self.seen})")
 
     def timed_eager(self, key, *a, **k):
         return watched("eager", eager, self, key, *a, **k)
@@ -110,6 +120,7 @@ def main(outdir: Path, argv: list[str]) -> None:
         print("torch.cuda.empty_cache made a no-op", file=sys.stderr)
     graphs.StepGraphs._eager, graphs.StepGraphs._capture = timed_eager, timed_capture
     summary = api.train(req)
+    print("\n".join(tables))
     ends, per_epoch = result["step_ends"], result["steps_per_epoch"]
     times = [t for t, _ in ends]
     per_step = [b - a for a, b in zip([0.0, *times], times)]
