@@ -388,6 +388,45 @@ def test_an_image_gone_while_the_run_trains_stops_it_in_one_line_and_it_resumes(
     assert main(["train", "--resume", str(out), "--no-progress"]) == 0
 
 
+def test_an_image_gone_before_the_first_checkpoint_leaves_no_run_folder_so_the_same_command_runs_again(
+        _image_run_inputs, tmp_path, monkeypatch, capsys):
+    """From a fresh user's trial: an image gone before the run's first checkpoint said "put it back
+    and run the same command again", and the same command was then refused: the folder held a run
+    that stopped before its first checkpoint. What the run wrote is removed, as a stop before the
+    first checkpoint removes it."""
+    import shutil
+
+    from tightfit.cli import main
+    from tightfit.report.metrics import MetricsWriter
+
+    root, imgs = _image_run_inputs, tmp_path / "imgs"
+    shutil.copytree(root / "imgs", imgs)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    real = MetricsWriter.__call__
+
+    def delete_all_at_step_1(self, record):
+        if record.get("type") == "train" and record["step"] == 1:
+            for f in imgs.rglob("*.png"):
+                f.rename(moved / f"{f.parent.name}-{f.name}")
+        return real(self, record)
+
+    monkeypatch.setattr(MetricsWriter, "__call__", delete_all_at_step_1)
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(imgs), "--model", str(root / "resnet"), "--image-size", "8", "--max-steps", "4",
+            "--batch-size", "8", "--checkpoint-every", "0", "--log-every", "1", "--out", str(out), "--no-progress",
+            "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a sample of the data is gone" in err[0] and "run the same command again" in err[0], err
+    assert not out.exists()
+    monkeypatch.undo()
+    for f in moved.iterdir():
+        cls, name = f.name.split("-", 1)
+        f.rename(imgs / cls / name)
+    assert main(argv) == 0
+
+
 # ---------------------------------------------------------------- 5, 6. Python API values; --resume with the run's columns
 WORDS = "film plot actor scene great dull awful superb boring moving".split()
 

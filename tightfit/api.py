@@ -1071,8 +1071,15 @@ class TrainRecipe:
                 "restore it as it was"
         else:  # a denied permission, a failing disk, too many open files: not a changed file, raised as it is
             return None
-        then = (f"{back}, then continue from the newest checkpoint: {self.resume_command()}"
-                if has_checkpoint(self.out / "checkpoints") else f"{back} and run the same command again")
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.writing_checkpoint():  # in place before the folder is judged
+            with contextlib.suppress(Exception):  # a failed write: judged as no checkpoint
+                trainer.flush_checkpoints()
+        if has_checkpoint(self.out / "checkpoints"):
+            then = f"{back}, then continue from the newest checkpoint: {self.resume_command()}"
+        else:  # nothing to resume: what this run wrote goes, so that the same command starts it again
+            self.remove_created()
+            then = f"{back} and run the same command again (nothing could be resumed: the run's files were removed)"
         return TightfitError(f"{gone}: a sample of the data {what}; the run "
                              f"is at step {self.trainer.step} of {self.trainer.total_steps}; {then}")
 
