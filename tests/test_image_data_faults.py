@@ -515,8 +515,8 @@ def test_an_image_that_cannot_be_read_for_another_reason_is_not_called_changed(t
 
     image = str(tmp_path / "a.png")
     recipe = SimpleNamespace(train_data=SimpleNamespace(images=[image]), eval_data=SimpleNamespace(images=[]),
-                             out=tmp_path, trainer=SimpleNamespace(step=2, total_steps=4),
-                             resume_command=lambda: "tightfit train --resume run")
+                             out=tmp_path, trainer=SimpleNamespace(step=2, total_steps=4, writing_checkpoint=lambda: False),
+                             resume_command=lambda: "tightfit train --resume run", remove_created=lambda: None)
     for code in (errno.EACCES, errno.EIO, errno.EMFILE):
         assert TrainRecipe.missing_sample(recipe, OSError(code, os.strerror(code), image)) is None
     gone = TrainRecipe.missing_sample(recipe, OSError(errno.ENOENT, "No such file or directory", image))
@@ -676,3 +676,24 @@ def test_a_row_of_an_image_list_that_repeats_the_header_is_skipped_and_counted(t
     (tmp_path / "l.csv").write_text("\n".join(["path,label"] + rows[:5] + ["path,label"] + rows[5:]) + "\n")
     with pytest.raises(TightfitError, match=r"l.csv: row 9: image not found: .*gone.png$"):
         load_image_classification(str(tmp_path / "l.csv"))
+
+
+def test_the_loaders_notes_are_shown_once_and_recorded_in_the_runs_report(tmp_path, capsys):
+    """From a fresh user's trial: a folder's skipped files and its class folders that differ only
+    in case were noted on screen while the images were read, and not in report.md's notes, which
+    hold the notes on a list's blank rows (the README: "the notes it printed on the data")."""
+    root = _folder(tmp_path / "data")
+    (root / "README.txt").write_text("about the images")
+    (root / "A").mkdir()
+    for i in range(10):
+        shutil.copy(root / "a" / f"{i}.png", root / "A" / f"{i}.png")
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--data", str(root), "--model", str(_resnet_folder(tmp_path / "m", labels=("A", "a", "b"))),
+                 "--image-size", "8", "--out", str(out), "--device", "cpu", "--no-progress", "--max-steps", "1"]) == 0
+    shown = capsys.readouterr().out
+    skipped = f"{root}: 1 file skipped, outside the class folders or without an image ending"
+    case = f"{root}: class folders that differ only in case are separate classes: 'A' and 'a'"
+    assert shown.count(skipped) == 1 and shown.count(case) == 1, shown
+    notes = (out / "report.md").read_text().split("## Notes", 1)[1]
+    assert f"- {skipped}" in notes and f"- {case}" in notes, notes

@@ -132,6 +132,31 @@ _HELD: dict[str, tuple[object, int]] = {}  # run folders being written -> (the t
 _HELD_LOCK = threading.Lock()
 
 
+@contextlib.contextmanager
+def _loading_notes():
+    """The notes (``note: ...``) the data loaders (:mod:`tightfit.data`, :mod:`tightfit.images`)
+    log inside the block, taken instead of shown: a list filled as they come (without the prefix),
+    for the run's notes, which its header shows and its report and metrics record (a skipped file
+    or classes differing only in case were shown once and recorded nowhere)."""
+    said: list[str] = []
+
+    def take(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("note: "):
+            said.append(message.removeprefix("note: "))
+            return False
+        return True
+
+    loggers = [logging.getLogger(name) for name in ("tightfit.data", "tightfit.images")]
+    for logger in loggers:
+        logger.addFilter(take)
+    try:
+        yield said
+    finally:
+        for logger in loggers:
+            logger.removeFilter(take)
+
+
 def _hold_run_folder(folder: Path, owner) -> None:
     """Take an exclusive advisory lock on run folder ``folder`` for ``owner`` (one ``train`` call's
     recipe; ``flock`` on the folder itself, so nothing is added to it) until
@@ -335,7 +360,9 @@ class TrainRecipe:
 
             check_data_name(self.req.workload.data)
         self._check_run_folder()  # before the data are read (every image decoded): it needs only their path
-        self._load_data()
+        with _loading_notes() as said:  # the loaders' notes are the run's: shown with the others, and recorded
+            self._load_data()
+        self.notes += said
         self._split_data()
         self._load_model()
         check_checkpointing(self.model, self.req.planning.checkpointing)
