@@ -528,3 +528,17 @@ def test_a_run_resumed_from_an_earlier_checkpoint_is_not_exported_as_finished(te
     assert not out.exists()
     shutil.rmtree(run / "checkpoints")  # nothing to resume from: its model/ is all the run has
     assert main(["export", "--int8", str(run), "--out", str(out)]) == 0
+
+
+def test_a_finished_run_whose_model_lost_its_config_is_told_so(text_run, tmp_path, capsys):
+    """From a fresh user's trial: a finished run whose model/config.json was deleted was called
+    "not finished: run tightfit train --resume first", and the resume said the run had already
+    finished: advice in a circle. The missing file is named."""
+    import shutil
+
+    run, out = tmp_path / "run", tmp_path / "int8"
+    shutil.copytree(text_run, run)
+    (run / "model" / "config.json").unlink()
+    _refused(["export", "--int8", str(run), "--out", str(out)], capsys,
+             f"{run / 'model'}: no config.json (the finished run's model folder is incomplete)")
+    assert not out.exists()

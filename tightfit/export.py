@@ -103,6 +103,10 @@ def _source(path: str) -> _Source:
         run, model_dir = p, p / "model"
     elif (p / "config.json").is_file():
         run, model_dir = None, p
+    elif (p / "request.json").is_file() and (p / "summary.json").is_file() and (p / "model").is_dir():
+        # finished (summary.json is written last), but its model/ lost a file: resuming does nothing
+        raise TightfitError(f"{p / 'model'}: no config.json (the finished run's model folder is incomplete): "
+                            "restore it, or train again and export the new run")
     elif (p / "request.json").is_file():  # a run stopped before it wrote its model, or still training
         from .api import run_folder_in_use
 
