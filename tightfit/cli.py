@@ -25,7 +25,7 @@ def _train_parser(sub):
     from .config import add_train_arguments
 
     p = sub.add_parser("train", help="fine-tune a text or image classifier under a GPU memory budget",
-                       description="Fine-tune a Hugging Face model on labelled text under a GPU memory budget. "
+                       description="Fine-tune a Hugging Face model on labelled text or images under a GPU memory budget. "
                                    "With no arguments: the shipped MiniLM on Rotten Tomatoes fresh/rotten reviews.")
     add_train_arguments(p)
     # not an option of training: refused with one line that says where int8 belongs (tightfit export)

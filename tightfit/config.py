@@ -415,8 +415,9 @@ class WorkloadOptions(_Options):
                              rule=_batch)
     seq_len: int = option(64, "maximum tokens per text (default: {default})", minimum=1)
     image_column: str = option("path", "image models: the CSV column holding image paths (default: {default})")
-    image_size: int | None = option(None, "image models: image side in pixels (default: the model's, 224 for "
-                                          f"ResNet; at most {MAX_IMAGE_SIZE})", minimum=1, rule=_image_size)
+    image_size: int | None = option(None, "image models: image side in pixels (default: the size a model folder "
+                                          "saved by tightfit was trained at, else the model's, 224 for ResNet; at most "
+                                          f"{MAX_IMAGE_SIZE})", minimum=1, rule=_image_size)
     trainable: str = option("all", _TRAINABLE_HELP + " (default: {default})", rule=_trainable_rule)
 
     def _check_together(self) -> None:
