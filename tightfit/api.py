@@ -136,8 +136,8 @@ _HELD_LOCK = threading.Lock()
 def _loading_notes():
     """The notes (``note: ...``) the data loaders (:mod:`tightfit.data`, :mod:`tightfit.images`)
     log inside the block, taken instead of shown: a list filled as they come (without the prefix),
-    for the run's notes, which its header shows and its report and metrics record (a skipped file
-    or classes differing only in case were shown once and recorded nowhere)."""
+    for the run's notes, which its header shows and its report records (a skipped file or classes
+    differing only in case were shown once and recorded nowhere)."""
     said: list[str] = []
 
     def take(record: logging.LogRecord) -> bool:

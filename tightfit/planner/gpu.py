@@ -1012,7 +1012,7 @@ def _largest_unrecomputed(E: int, needs_blocks: int, fits) -> int | None:
     if needs_blocks <= 2:
         return None
     # the largest count whose micro-batch is still needs_blocks (or more): known not to fit
-    miss, last = accumulation_steps(E, needs_blocks - 1) - 1, accumulation_steps(E, 2)
+    miss, last = max(1, accumulation_steps(E, needs_blocks - 1) - 1), accumulation_steps(E, 2)
     count_fits = lambda k: fits(micro_batch_for(E, k))  # noqa: E731
     while miss < last:
         k = min(2 * miss, last)
