@@ -351,40 +351,50 @@ def test_an_image_replaced_by_another_of_the_same_size_is_other_data_on_resume(_
     assert "the data differ from those the run started with" in capsys.readouterr().err
 
 
-def test_an_image_gone_while_the_run_trains_stops_it_in_one_line_and_it_resumes(_image_run_inputs, tmp_path,
-                                                                                    monkeypatch, capsys):
-    """Images are read when their batch is made: one deleted while the run trained ended it in a
-    FileNotFoundError traceback, with nothing saying how to go on."""
+def _images_gone_at_step(inputs, tmp_path, monkeypatch, step: int, checkpoint_every: int):
+    """A copy of the image run's inputs whose every image is moved away when the run logs ``step``
+    (whichever the next batch reads is gone); returns the run's argv, its folder and a function that
+    puts the images back (and undoes the patch)."""
     import shutil
 
-    from tightfit.cli import main
     from tightfit.report.metrics import MetricsWriter
 
-    root, imgs = _image_run_inputs, tmp_path / "imgs"
-    shutil.copytree(root / "imgs", imgs)
-    moved = tmp_path / "moved"
+    imgs, moved, out = tmp_path / "imgs", tmp_path / "moved", tmp_path / "run"
+    shutil.copytree(inputs / "imgs", imgs)
     moved.mkdir()
     real = MetricsWriter.__call__
 
-    def delete_all_at_step_2(self, record):  # every image: whichever the next batch reads is gone
-        if record.get("type") == "train" and record["step"] == 2:
+    def delete_all(self, record):
+        if record.get("type") == "train" and record["step"] == step:
             for f in imgs.rglob("*.png"):
                 f.rename(moved / f"{f.parent.name}-{f.name}")
         return real(self, record)
 
-    monkeypatch.setattr(MetricsWriter, "__call__", delete_all_at_step_2)
-    out = tmp_path / "run"
-    argv = ["train", "--data", str(imgs), "--model", str(root / "resnet"), "--image-size", "8", "--max-steps", "4",
-            "--batch-size", "8", "--checkpoint-every", "1", "--log-every", "1", "--out", str(out), "--no-progress",
-            "--device", "cpu"]
+    def put_back():
+        monkeypatch.undo()
+        for f in moved.iterdir():
+            cls, name = f.name.split("-", 1)
+            f.rename(imgs / cls / name)
+
+    monkeypatch.setattr(MetricsWriter, "__call__", delete_all)
+    argv = ["train", "--data", str(imgs), "--model", str(inputs / "resnet"), "--image-size", "8", "--max-steps", "4",
+            "--batch-size", "8", "--checkpoint-every", str(checkpoint_every), "--log-every", "1", "--out", str(out),
+            "--no-progress", "--device", "cpu"]
+    return argv, out, put_back
+
+
+def test_an_image_gone_while_the_run_trains_stops_it_in_one_line_and_it_resumes(_image_run_inputs, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """Images are read when their batch is made: one deleted while the run trained ended it in a
+    FileNotFoundError traceback, with nothing saying how to go on."""
+    from tightfit.cli import main
+
+    argv, out, put_back = _images_gone_at_step(_image_run_inputs, tmp_path, monkeypatch, step=2, checkpoint_every=1)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a sample of the data is gone" in err[0] and "Traceback" not in err[0], err
     assert re.search(r"the run is at step [23] of 4", err[0]) and f"tightfit train --resume {out}" in err[0]
-    monkeypatch.undo()
-    for f in moved.iterdir():
-        cls, name = f.name.split("-", 1)
-        f.rename(imgs / cls / name)
+    put_back()
     assert main(["train", "--resume", str(out), "--no-progress"]) == 0
 
 
@@ -394,36 +404,14 @@ def test_an_image_gone_before_the_first_checkpoint_leaves_no_run_folder_so_the_s
     and run the same command again", and the same command was then refused: the folder held a run
     that stopped before its first checkpoint. What the run wrote is removed, as a stop before the
     first checkpoint removes it."""
-    import shutil
-
     from tightfit.cli import main
-    from tightfit.report.metrics import MetricsWriter
 
-    root, imgs = _image_run_inputs, tmp_path / "imgs"
-    shutil.copytree(root / "imgs", imgs)
-    moved = tmp_path / "moved"
-    moved.mkdir()
-    real = MetricsWriter.__call__
-
-    def delete_all_at_step_1(self, record):
-        if record.get("type") == "train" and record["step"] == 1:
-            for f in imgs.rglob("*.png"):
-                f.rename(moved / f"{f.parent.name}-{f.name}")
-        return real(self, record)
-
-    monkeypatch.setattr(MetricsWriter, "__call__", delete_all_at_step_1)
-    out = tmp_path / "run"
-    argv = ["train", "--data", str(imgs), "--model", str(root / "resnet"), "--image-size", "8", "--max-steps", "4",
-            "--batch-size", "8", "--checkpoint-every", "0", "--log-every", "1", "--out", str(out), "--no-progress",
-            "--device", "cpu"]
+    argv, out, put_back = _images_gone_at_step(_image_run_inputs, tmp_path, monkeypatch, step=1, checkpoint_every=0)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a sample of the data is gone" in err[0] and "run the same command again" in err[0], err
     assert not out.exists()
-    monkeypatch.undo()
-    for f in moved.iterdir():
-        cls, name = f.name.split("-", 1)
-        f.rename(imgs / cls / name)
+    put_back()
     assert main(argv) == 0
 
 
