@@ -515,8 +515,8 @@ def test_an_image_that_cannot_be_read_for_another_reason_is_not_called_changed(t
 
     image = str(tmp_path / "a.png")
     recipe = SimpleNamespace(train_data=SimpleNamespace(images=[image]), eval_data=SimpleNamespace(images=[]),
-                             out=tmp_path, trainer=SimpleNamespace(step=2, total_steps=4, writing_checkpoint=lambda: False),
-                             resume_command=lambda: "tightfit train --resume run", remove_created=lambda: None)
+                             out=tmp_path, trainer=SimpleNamespace(step=2, total_steps=4),
+                             resume_command=lambda: "tightfit train --resume run", _resumable=lambda: False)
     for code in (errno.EACCES, errno.EIO, errno.EMFILE):
         assert TrainRecipe.missing_sample(recipe, OSError(code, os.strerror(code), image)) is None
     gone = TrainRecipe.missing_sample(recipe, OSError(errno.ENOENT, "No such file or directory", image))

@@ -881,27 +881,37 @@ class TrainRecipe:
             after_training: what the run was doing if its training had ended (``"the final
                 evaluation"``), for the note.
         """
-        from .runtime.checkpoint import has_checkpoint
-
         if getattr(self, "created", None) is None:
             return
-        trainer = getattr(self, "trainer", None)
-        if trainer is not None and trainer.writing_checkpoint():
-            # a checkpoint being written (e.g. the end's, during the evaluation): in place before the
-            # folder is judged, or it would be deleted under the writer; another Ctrl-C leaves it as it is
-            log.warning("note: waiting for the checkpoint being written")
-            with contextlib.suppress(Exception):  # a failed write: judged as no checkpoint
-                trainer.flush_checkpoints()
-        if has_checkpoint(self.out / "checkpoints"):
+        made_folder = self.created[:1] == [self.out]
+        if self._resumable(say_wait=True):
+            trainer = getattr(self, "trainer", None)
             trained = trainer is not None and trainer.trained
             log.warning(f"note: {f'interrupted during {after_training}: the run is trained; ' if trained else ''}"
                         f"continue with: {self.resume_hint()}{' (it finishes the run)' if trained else ''}")
             return
-        made_folder = self.created[:1] == [self.out]
-        self.remove_created()
         # said, or the user looks for a run that is gone
         what = str(self.out) if made_folder and not self.out.exists() else f"what it had written in {self.out}"
         log.warning(f"note: stopped before its first checkpoint: removed {what} (nothing in it could be resumed)")
+
+    def _resumable(self, say_wait: bool = False) -> bool:
+        """Whether the run stopped now has a checkpoint to resume from, once a checkpoint being
+        written is in place (e.g. the end's, during the evaluation; judged before it, the folder
+        would be deleted under the writer; a failed write counts as none). Where it has none, what
+        this run wrote is removed (:meth:`remove_created`), so that the same command starts it
+        again. ``say_wait``: say that it waits for the write."""
+        from .runtime.checkpoint import has_checkpoint
+
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.writing_checkpoint():
+            if say_wait:  # (another Ctrl-C leaves it as it is)
+                log.warning("note: waiting for the checkpoint being written")
+            with contextlib.suppress(Exception):
+                trainer.flush_checkpoints()
+        if has_checkpoint(self.out / "checkpoints"):
+            return True
+        self.remove_created()
+        return False
 
     def remove_created(self) -> None:
         """Remove what this run made in its folder, files first, then the folder if the run made it
@@ -1083,8 +1093,6 @@ class TrainRecipe:
         the run trained: images are read when their batch is made) or can no longer be read (one
         rewritten: :class:`tightfit.images.ImageSamples`), with the step the run is at and how it
         goes on once the file is back as it was; None for any other error (raised as it is)."""
-        from .runtime.checkpoint import has_checkpoint
-
         if e.filename is None:
             return None
         gone = os.fsdecode(e.filename)
@@ -1098,14 +1106,9 @@ class TrainRecipe:
                 "restore it as it was"
         else:  # a denied permission, a failing disk, too many open files: not a changed file, raised as it is
             return None
-        trainer = getattr(self, "trainer", None)
-        if trainer is not None and trainer.writing_checkpoint():  # in place before the folder is judged
-            with contextlib.suppress(Exception):  # a failed write: judged as no checkpoint
-                trainer.flush_checkpoints()
-        if has_checkpoint(self.out / "checkpoints"):
+        if self._resumable():
             then = f"{back}, then continue from the newest checkpoint: {self.resume_command()}"
-        else:  # nothing to resume: what this run wrote goes, so that the same command starts it again
-            self.remove_created()
+        else:
             then = f"{back} and run the same command again (nothing could be resumed: the run's files were removed)"
         return TightfitError(f"{gone}: a sample of the data {what}; the run "
                              f"is at step {self.trainer.step} of {self.trainer.total_steps}; {then}")

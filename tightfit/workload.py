@@ -148,6 +148,23 @@ def _plain_dict(batch):
     return dict(batch) if isinstance(batch, Mapping) and not isinstance(batch, dict) else batch
 
 
+def _check_map_style(data) -> None:
+    """Refuse in one line what is not a map-style dataset (``len()`` and ``[i]``): a DataLoader
+    (its batches are already made: the plan chooses them), an iterator or generator.
+
+    Raises:
+        TightfitError: naming what was given and what to give instead.
+    """
+    from torch.utils.data import DataLoader
+
+    if isinstance(data, DataLoader):
+        raise TightfitError("the data is a DataLoader: give its dataset (loader.dataset) and, if it has one, its "
+                            "collate_fn as collate_fn; tightfit makes the batches, of the plan's micro-batch")
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TightfitError(f"the data must be a map-style dataset (len() and data[i], e.g. a torch Dataset or a "
+                            f"list of samples), got {type(data).__name__}: materialise it, e.g. list(...)")
+
+
 class DatasetBatches:
     """A map-style dataset and its collate function, with the interface the runtime and the
     planner use (``collate(indices)``, ``worst_case(n)``, ``len``).
@@ -167,12 +184,16 @@ class DatasetBatches:
             the host before it can reach a device (e.g. a task's label check, which raises
             :class:`TightfitError`; ``samples``: the batch's sample indices); None: none. Set by
             :meth:`check`.
+
+    Raises:
+        TightfitError: ``dataset`` is no map-style dataset (:func:`_check_map_style`).
     """
 
     def __init__(self, dataset, collate_fn: Callable[[list], dict] | None = None,
                  worst_case: Callable[[int], dict] | None = None):
         from torch.utils.data import default_collate
 
+        _check_map_style(dataset)
         self.dataset, self.collate_fn = dataset, collate_fn or default_collate
         self._worst_case, self._largest = worst_case, None
         self.check_batch: Callable[[dict, Sequence[int]], None] | None = None
@@ -260,7 +281,7 @@ def as_batches(data, collate_fn: Callable[[list], dict] | None = None,
     where they are one tensor already (``all_labels()``).
 
     Raises:
-        TightfitError: ``data`` is no map-style dataset (a DataLoader, an iterator); the collate
+        TightfitError: ``data`` is no map-style dataset (:class:`DatasetBatches`); the collate
             function does not give a dict of tensors; whatever ``check_batch`` raises.
     """
     if data is None:
@@ -274,28 +295,10 @@ def as_batches(data, collate_fn: Callable[[list], dict] | None = None,
     elif collate_fn is None and hasattr(data, "collate") and hasattr(data, "worst_case"):
         batches = data  # its batches are its own: not collated here
     else:
-        _check_map_style(data)
         batches = DatasetBatches(data, collate_fn)
         batches.check(check_batch)
     _check_all_labels(batches, check_batch)
     return batches
-
-
-def _check_map_style(data) -> None:
-    """Refuse in one line what is not a map-style dataset (``len()`` and ``[i]``): a DataLoader
-    (its batches are already made: the plan chooses them), an iterator or generator.
-
-    Raises:
-        TightfitError: naming what was given and what to give instead.
-    """
-    from torch.utils.data import DataLoader
-
-    if isinstance(data, DataLoader):
-        raise TightfitError("the data is a DataLoader: give its dataset (loader.dataset) and, if it has one, its "
-                            "collate_fn as collate_fn; tightfit makes the batches, of the plan's micro-batch")
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-        raise TightfitError(f"the data must be a map-style dataset (len() and data[i], e.g. a torch Dataset or a "
-                            f"list of samples), got {type(data).__name__}: materialise it, e.g. list(...)")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import NamedTuple
 
 from ..errors import TightfitError
 from ..units import format_bytes
@@ -207,8 +208,8 @@ def run(args) -> int:
         d = result.to_dict()
         if profile:
             # fits: peak_reserved_bytes + estimator_margin_bytes <= planned_limit_bytes
-            d.update(budget_bytes=budget, planned_limit_bytes=verdict[1], estimator_margin_bytes=verdict[3],
-                     fits=verdict[0])
+            d.update(budget_bytes=budget, planned_limit_bytes=verdict.limit_bytes,
+                     estimator_margin_bytes=verdict.margin_bytes, fits=verdict.fits)
         d["notes"] = [f"gradients: {note}"] if note else []
         print(json.dumps(d, indent=2))
         return 0
@@ -227,16 +228,25 @@ def run(args) -> int:
     print(f"peak reserved   {format_bytes(result.peak_reserved_bytes)}, of which:")  # the parts add up to it
     print("\n".join(breakdown_lines(result.breakdown, grads, steps)))
     if profile:
-        print(f"{profile.name}: {verdict[2]}")
+        print(f"{profile.name}: {verdict.line}")
     return 0
 
 
-def fits_verdict(peak_reserved_bytes: int, checkpointed: bool, budget_bytes: int) -> tuple[bool, int, str, int]:
+class FitsVerdict(NamedTuple):
+    """:func:`fits_verdict`'s answer: ``fits`` is ``peak + margin_bytes <= limit_bytes``."""
+
+    fits: bool
+    limit_bytes: int  # the planned limit: the budget less the planner's headroom
+    line: str  # one display line
+    margin_bytes: int  # the estimator's margin added to the peak (0 where nothing is checkpointed)
+
+
+def fits_verdict(peak_reserved_bytes: int, checkpointed: bool, budget_bytes: int) -> FitsVerdict:
     """Whether a step whose predicted peak is ``peak_reserved_bytes`` fits ``budget_bytes`` as
     ``tightfit plan`` decides it without a GPU: the peak, plus the estimator's margin where blocks
     are ``checkpointed`` (:func:`tightfit.planner.margins.estimator_margin_bytes`), against the
     planned limit (:func:`tightfit.planner.margins.planned_limit`: the budget less the planner's
-    headroom). Returns ``(fits, planned limit in bytes, one display line, the margin in bytes)``."""
+    headroom)."""
     from ..planner.margins import HEADROOM, estimator_margin_bytes, planned_limit
 
     limit = int(planned_limit(budget_bytes))
@@ -244,6 +254,6 @@ def fits_verdict(peak_reserved_bytes: int, checkpointed: bool, budget_bytes: int
     fits = peak_reserved_bytes + margin <= limit
     counted = f"peak {format_bytes(peak_reserved_bytes)}" + (
         f" + {format_bytes(margin)} estimator margin (a checkpointed step's, as tightfit plan adds it)" if margin else "")
-    return fits, limit, (f"{counted} {'fits' if fits else 'does NOT fit'} the planned limit {format_bytes(limit)} "
+    return FitsVerdict(fits, limit, (f"{counted} {'fits' if fits else 'does NOT fit'} the planned limit {format_bytes(limit)} "
                          f"of budget {format_bytes(budget_bytes)} ({int(HEADROOM * 100)}% headroom, as tightfit plan "
-                         f"keeps)"), margin
+                         f"keeps)"), margin)

@@ -998,7 +998,8 @@ def _compiled_candidates(E: int, eager_micro_batch: int, n_blocks: int, most: tu
     if regional and found and found[-1].checkpoint_blocks:
         mb = _largest_unrecomputed(E, found[-1].micro_batch, lambda m: probe(m, ()).fits)
         if mb is not None:
-            found.append(CompiledVariant(_samples_per_s(probe(mb, ()), E), mb, (), probe(mb, ())))
+            pr = probe(mb, ())  # probed already (cached): it fit
+            found.append(CompiledVariant(_samples_per_s(pr, E), mb, (), pr))
     return found
 
 
