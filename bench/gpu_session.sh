@@ -16,7 +16,7 @@
 #   main:      the main job at 4 GiB (`tightfit train --full --budget 4GiB`) -> OUT/main.log
 #   timeline:  bench/warmup_timeline.py on the main job at 4 GiB four times, alternating the allocator flush before
 #              each CUDA graph capture on and off (env TIMELINE_VARIANTS, e.g. "flush no-flush"; "profile":
-#              flush, the first 4 steps under cProfile and each eager step or capture over 50 ms too,
+#              flush, the planner, the first 4 steps and each eager step or capture over 50 ms under cProfile,
 #              their tables in the log)
 #              -> OUT/timeline-N-{flush,no-flush}.log (slowest steps in env.txt), OUT/timelines.tgz
 #   schedule:  the main job at 4 GiB with the default checkpoint schedule, --checkpoint-every 100 and --cuda-graphs
@@ -112,7 +112,7 @@ for part in "$@"; do
       for v in ${TIMELINE_VARIANTS:-flush no-flush flush no-flush}; do  # alternated: the allocator flush before each capture, or not
         n=$((${n:-0} + 1))
         TIMELINE_NO_EMPTY_CACHE=$([ "$v" = no-flush ] && echo 1) TIMELINE_PROFILE_STEPS=$([ "$v" = profile ] && echo 4) \
-          TIMELINE_PROFILE_SLOW=$([ "$v" = profile ] && echo 0.05) \
+          TIMELINE_PROFILE_SLOW=$([ "$v" = profile ] && echo 0.05) TIMELINE_PROFILE_PLAN=$([ "$v" = profile ] && echo 1) \
           TIGHTFIT_CACHE_DIR=$(mktemp -d) timeout 100 \
           python3 bench/warmup_timeline.py "$RUNS/tl/timeline-$n-$v" --full --budget 4GiB --out "$RUNS/timeline-$n" \
           --no-progress > "$OUT/timeline-$n-$v.log" 2>&1

@@ -11,7 +11,8 @@ its steady rate. With ``TIMELINE_PROFILE_STEPS=N`` the loop's first N steps run 
 (its cumulative and own-time tables printed; the timeline then holds the profiler's cost); with
 ``TIMELINE_PROFILE_SLOW=S`` every eager step and capture of the step graphs runs under cProfile and
 those over S seconds print their table. Each eager step and capture also names the allocator's
-device mallocs and frees it made.
+device mallocs and frees it made. With ``TIMELINE_PROFILE_PLAN=1`` the GPU planner
+(``plan_on_gpu``) runs under cProfile too, its tables printed with the others.
 """
 
 from __future__ import annotations
@@ -115,6 +116,22 @@ def main(outdir: Path, argv: list[str]) -> None:
             result["step_ends"], result["steps_per_epoch"] = list(self.result.step_ends), self.steps_per_epoch
 
     Trainer._launch, Trainer.fit, Trainer.save_checkpoint = timed_launch, kept_fit, timed_save
+    if os.environ.get("TIMELINE_PROFILE_PLAN"):  # where planning's seconds go (the probe steps' set-up)
+        from tightfit.planner import gpu as planner_gpu
+        plan_on_gpu = planner_gpu.plan_on_gpu
+
+        def profiled_plan(*a, **k):
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            try:
+                return plan_on_gpu(*a, **k)
+            finally:
+                prof.disable()
+                for order in ("cumulative", "tottime"):
+                    table(prof, order, 40, f"planning ({time.perf_counter() - t0:.2f} s), by {order}")
+
+        planner_gpu.plan_on_gpu = profiled_plan  # api imports it at the call
     if os.environ.get("TIMELINE_NO_EMPTY_CACHE"):  # an A/B of the allocator flush before each capture
         graphs.torch.cuda.empty_cache = lambda: None  # noqa: E731 - this process only
         print("torch.cuda.empty_cache made a no-op", file=sys.stderr)
