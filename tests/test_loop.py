@@ -298,6 +298,77 @@ def test_a_stop_on_non_finite_steps_names_where_they_first_appear(where):
         assert where == "the gradients (this rank's forward is finite)" and backwards == []
 
 
+def test_a_stop_on_non_finite_data_names_the_batch_not_the_learning_rate():
+    """One NaN in the inputs was blamed on the first module's output, with "try a lower learning
+    rate", though no update had been applied; the batch's own tensors are looked at first."""
+    x, y = _xy(8)
+    x[3, 2] = float("nan")
+    step = tightfit.TrainStep(Plan("fp32", 8, 8), _mlp(), max_skipped_steps=2, loss=_ce)
+    step((x, y))
+    with pytest.raises(NonFiniteTrainingError) as e:
+        step((x, y))
+    assert "first non-finite values in the batch's element 0 (NaN in sample 3 of the batch): the data itself" in str(e.value)
+    assert "learning rate or precision makes such a batch finite" in str(e.value) and "lower" not in str(e.value)
+
+
+class _AuxHead(torch.nn.Module):
+    """Two heads in train mode, one in eval mode, as torchvision's Inception and GoogLeNet."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.main, self.aux = _mlp()[:2], torch.nn.Linear(16, 3), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.body(x)
+        return (self.main(h), self.aux(h)) if self.training else self.main(h)
+
+
+def _aux_loss(model, batch):
+    main, aux = model(batch[0])
+    return torch.nn.functional.cross_entropy(main, batch[1]) + 0.4 * torch.nn.functional.cross_entropy(aux, batch[1])
+
+
+def _penalty_loss(model, batch):  # a gradient penalty: the loss itself calls autograd
+    x = batch[0].clone().requires_grad_(True)
+    out = model(x)
+    g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return torch.nn.functional.cross_entropy(out, batch[1]) + ((g.norm(dim=1) - 1) ** 2).mean()
+
+
+@pytest.mark.parametrize("case", ["aux-head", "gradient-penalty"])
+def test_a_stop_on_non_finite_steps_diagnoses_the_step_as_it_trained(case):
+    """The diagnosis ran an eval-mode forward without gradients: a model whose output differs in
+    eval mode, or a loss that calls autograd, raised its own error there (a ValueError from
+    unpacking one head), hiding the NonFiniteTrainingError a loop is told to catch."""
+    model, loss = (_AuxHead(), _aux_loss) if case == "aux-head" else (_mlp(), _penalty_loss)
+    layer = model.aux if case == "aux-head" else model[3]
+    layer.register_forward_hook(lambda m, a, out: out * float("inf"))
+    step = tightfit.TrainStep(Plan("fp32", 8, 8), model, max_skipped_steps=2, loss=loss)
+    step(_xy(8))
+    with pytest.raises(NonFiniteTrainingError) as e:
+        step(_xy(8))
+    name = "aux" if case == "aux-head" else "3"
+    assert f"first non-finite values in the output of module {name!r}" in str(e.value)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_diagnosis_that_fails_itself_still_raises_the_stop():
+    """The stop's error is the one raised, whatever the forward run to locate it does."""
+    calls = []
+
+    def loss(model, batch):
+        calls.append(1)
+        if len(calls) > 2:  # the diagnosis's own forward
+            raise ValueError("only in the diagnosis")
+        return _ce(model, batch) * float("nan")
+
+    step = tightfit.TrainStep(Plan("fp32", 8, 8), _mlp(), max_skipped_steps=2, loss=loss)
+    step(_xy(8))
+    with pytest.raises(NonFiniteTrainingError, match=r"in a place not found \(the forward and backward run to find "
+                                                     r"it failed: ValueError: only in the diagnosis\)"):
+        step(_xy(8))
+
+
 def test_a_stop_on_a_loss_that_alone_is_not_finite_names_the_loss():
     """A loss of the user's own that is NaN while every module's output is finite was named as
     "the gradient of '0.weight' (backward overflow)", which points at the wrong cause."""

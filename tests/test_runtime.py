@@ -3,6 +3,7 @@ short window is normalised by what it holds, OOM recovery keeps the run identica
 used the smaller micro-batch from the start, and non-finite steps are skipped and diagnosed."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -318,3 +319,27 @@ def test_fp16_finite_gradients_whose_norm_overflows_skip_the_step_they_are_repor
     assert t.scaler.get_scale() == scale / 2
     for n, p in w.model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_run_of_nonfinite_steps_on_nonfinite_data_names_the_batch():
+    """A sample holding NaN was blamed on a module and a learning rate too high; the batch's own
+    tensors are looked at first, and the advice is to repair the data."""
+    from tightfit.workload import Workload
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4) if i != 2 else torch.tensor([0.0, math.nan, 0.0, 0.0]), "labels": i % 2}
+            for i in range(8)]
+    class Net(torch.nn.Module):  # a classifier's output: the workload's loss is cross-entropy on .logits
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return types.SimpleNamespace(logits=self.body(x))
+
+    t = Trainer(Workload(Net(), data, None, 8), Plan("fp32", 8, 8), TrainConfig(epochs=3, lr=1e-3, max_skipped_steps=2),
+                progress=False)
+    with pytest.raises(NonFiniteTrainingError) as e:
+        t.fit()
+    assert "first non-finite values in the batch's 'x' (NaN in sample 2 of the data set): the data itself" in str(e.value)
+    assert "repair or drop the samples" in str(e.value) and "--lr" not in str(e.value)

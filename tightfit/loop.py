@@ -755,7 +755,7 @@ class TrainStep:
         step's batch, first gives non-finite values); grow the micro-batch back after
         ``grow_back_after`` clean ones."""
         from .levers.precision import autocast, nonfinite_advice
-        from .runtime.diagnose import first_nonfinite
+        from .runtime.diagnose import DATA_ADVICE, first_nonfinite, nonfinite_input
         from .runtime.trainer import NonFiniteTrainingError
         from .step import train_mode
 
@@ -768,13 +768,14 @@ class TrainStep:
                 loss_sum = _loss_sum(b, self.loss, _target_tokens(self.model, b, self.loss))
                 # under DDP each rank holds its own batch: a backward run by some ranks only would hang
                 alone = _process_group_size() == 1
-                culprit = first_nonfinite(self.model, lambda: loss_sum(self.model, first),
-                                          lambda: autocast(self.plan.precision, self.device.type),
-                                          lambda: train_mode(self.model), self.scaler.is_enabled(), backward=alone)
+                in_data = nonfinite_input(first)
+                culprit = in_data or first_nonfinite(self.model, lambda: loss_sum(self.model, first),
+                                                     lambda: autocast(self.plan.precision, self.device.type),
+                                                     lambda: train_mode(self.model), self.scaler.is_enabled(),
+                                                     backward=alone)
+                advice = DATA_ADVICE if in_data else as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))
                 raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients; "
-                                             f"first non-finite values in {culprit}. "
-                                             f"{as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))}",
-                                             self.steps)
+                                             f"first non-finite values in {culprit}. {advice}", self.steps)
             return False
         self._skipped_in_row = 0
         self._clean_steps += 1
