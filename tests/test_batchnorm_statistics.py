@@ -224,7 +224,7 @@ def test_an_oom_redo_puts_batchnorms_statistics_back_beside_a_large_buffer(monke
 
 
 def test_planning_on_the_cpu_leaves_a_buffer_the_model_writes_as_it_was():
-    """``tightfit.plan`` runs one forward of the sample batch (eval mode) to check the loss; a
+    """``tightfit.plan`` runs one forward of the sample batch (train mode) to check the loss; a
     buffer the model writes in any mode (a call counter) kept its trace."""
     import tightfit
 

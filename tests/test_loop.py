@@ -605,6 +605,52 @@ def test_cpu_plans_loss_check_leaves_batch_norm_statistics_as_they_were():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and model.training
 
 
+@pytest.mark.parametrize("case", ["aux-head", "gradient-penalty"])
+def test_cpu_plan_checks_the_loss_as_a_training_step_runs_it(case):
+    """The check ran the loss in eval mode without gradients: a model with auxiliary heads in train
+    mode (unpacking one head raised) or a loss that calls autograd was refused, though TrainStep
+    trains both. The check leaves the RNG states and the modules' modes as they were."""
+    model, loss = (_AuxHead(), _aux_loss) if case == "aux-head" else (torch.nn.Sequential(_mlp(dropout=0.2)),
+                                                                      _penalty_loss)
+    model.eval()
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    plan = tightfit.plan(model, _xy(8), loss=loss, device="cpu")
+    assert torch.equal(torch.get_rng_state(), before) and not any(m.training for m in model.modules())
+    assert tightfit.TrainStep(plan, model, loss=loss)(_xy(8)).stepped
+
+
+def test_cpu_plans_check_names_what_it_ran_under_the_losss_own_error():
+    """A loss over groups of 4 samples cannot take the micro-batches a step may split a batch into;
+    its own error is raised, with a note saying what the check ran."""
+    def grouped(model, batch):
+        return model(batch[0]).view(-1, 4, 3).mean(1).sum()
+
+    with pytest.raises(RuntimeError, match="invalid") as e:
+        tightfit.plan(_mlp(), _xy(8), loss=grouped, device="cpu")
+    if sys.version_info >= (3, 11):
+        assert "micro-batches of any size" in "".join(e.value.__notes__)
+
+
+def test_a_plan_that_leaves_batch_norm_one_sample_is_refused_at_plan_time():
+    """A BatchNorm model planned at an effective batch of 1 got a plan whose every step failed;
+    one in eval mode trains on one sample and is planned."""
+    x, y = _xy(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    with pytest.raises(TightfitError, match=r"effective_batch=1, split as 1 x 1, gives the model's BatchNorm layers a "
+                                            r"micro-batch of 1 sample"):
+        tightfit.plan(model, (x, y), loss=_ce, device="cpu")
+    model[1].eval()
+    plan = tightfit.plan(model, (x, y), loss=_ce, device="cpu")
+    assert tightfit.TrainStep(plan, model, loss=_ce)((x, y)).stepped
+
+
+def test_a_lazy_models_budget_is_checked_after_the_forward_that_sizes_it():
+    model = torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    plan = tightfit.plan(model, _xy(8), loss=_ce, budget="4GiB", device="cpu")
+    assert plan.trainable_params == 6 * 16 + 16 + 16 * 3 + 3
+
+
 @pytest.mark.parametrize("micro_batch", [4, 2])
 def test_a_token_mean_loss_split_into_micro_batches_keeps_the_whole_batch_gradient(micro_batch):
     """A causal LM's own loss (``model(**batch).loss``) is a mean over its target tokens; micro-batches

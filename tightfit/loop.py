@@ -288,45 +288,81 @@ def as_arguments(message: str) -> str:
 def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | None, budget_bytes: int | None,
                            gpu: str | None) -> None:
     """Without a GPU, what the probes would have found at plan time: one forward and loss on a
-    2-sample slice of the sample batch (eval mode, no gradients, the RNG states given back, so the
-    model and the run are unchanged), and a budget that holds at least the weights, gradients and AdamW state
-    (:func:`tightfit.models.model_state_bytes`, 16 bytes per trainable fp32 parameter) and no more
-    than the ``gpu`` card's memory.
+    2-sample slice of the sample batch as a training step runs them (train mode with each module's
+    own training mode, gradients on, no backward; the RNG states and the modules' buffers given back,
+    so the model and the run are unchanged), and a budget that holds at least the weights,
+    gradients and AdamW state (:func:`tightfit.models.model_state_bytes`, 16 bytes per trainable
+    fp32 parameter) and no more than the ``gpu`` card's memory.
 
     Raises:
         TightfitError: the loss is not one number (or the model has none, or its forward does not
             take the batch's keys and no ``loss`` was given); the budget cannot hold the model state;
             a budget above the card's memory.
+        Exception: the model's or the loss's own error on the slice, with a note saying what was run.
     """
     from .devices import get_profile
     from .buffers import KeptBuffers
     from .models import model_state_bytes
     from .rng import capture_rng, restore_rng
-    from .step import module_mode
+    from .step import train_mode
     from .units import format_bytes_pair
 
-    if budget_bytes is not None:
-        if gpu is not None and budget_bytes > get_profile(gpu).total_bytes:
-            shown = format_bytes_pair(budget_bytes, get_profile(gpu).total_bytes)
-            raise TightfitError(f"budget={shown[0]} is more than the {shown[1]} of gpu={gpu!r}")
+    if budget_bytes is not None and gpu is not None and budget_bytes > get_profile(gpu).total_bytes:
+        shown = format_bytes_pair(budget_bytes, get_profile(gpu).total_bytes)
+        raise TightfitError(f"budget={shown[0]} is more than the {shown[1]} of gpu={gpu!r}")
+    # two samples (one repeated, as the probes repeat rows): BatchNorm cannot train on one
+    d = {k: v[:2] if len(v) > 1 else torch.cat([v, v]) for k, v in b.as_dict().items()}
+    rng = capture_rng()
+    try:
+        # as the step runs it (a model with other heads in eval mode, a loss that calls autograd);
+        # batch norm's running statistics, and any buffer the model writes, stay as they are
+        with train_mode(model), KeptBuffers(model.modules()):
+            _loss_sum(b, loss)(model, d)
+    except TightfitError:
+        raise
+    except TypeError as e:  # model(**batch) of a forward that takes other arguments: a loss of the user's is needed
+        if loss is not None or "unexpected keyword argument" not in str(e):
+            raise _noted(e)
+        raise TightfitError(f"{e}: without loss= the model is called as model(**batch) and its .loss is trained; "
+                            "pass loss=fn(model, micro_batch) returning the mean loss") from None
+    except Exception as e:
+        raise _noted(e)
+    finally:
+        restore_rng(rng)  # the check draws no dropout mask the run would have drawn
+    if budget_bytes is not None:  # after the forward: it sizes lazy modules' parameters (LazyLinear)
         need = model_state_bytes(model)["total"]
         if budget_bytes < need:
             shown = format_bytes_pair(budget_bytes, need)
             raise TightfitError(f"budget={shown[0]} cannot hold the model's weights, gradients and "
                                 f"AdamW state ({shown[1]}, before any activations): raise the budget")
-    d = {k: v[:2] for k, v in b.as_dict().items()}
-    rng = capture_rng()
-    try:
-        # eval: batch norm's running statistics stay as they are; a buffer the model writes in any mode too
-        with torch.no_grad(), module_mode(model, False), KeptBuffers(model.modules()):
-            _loss_sum(b, loss)(model, d)
-    except TypeError as e:  # model(**batch) of a forward that takes other arguments: a loss of the user's is needed
-        if loss is not None or "unexpected keyword argument" not in str(e):
-            raise
-        raise TightfitError(f"{e}: without loss= the model is called as model(**batch) and its .loss is trained; "
-                            "pass loss=fn(model, micro_batch) returning the mean loss") from None
-    finally:
-        restore_rng(rng)  # the probe draws no dropout mask the run would have drawn
+
+
+def _noted(e: Exception) -> Exception:
+    """``e``, raised by the user's model or loss in the plan's check, with a note (Python >= 3.11
+    shows it under the traceback) saying what the check ran."""
+    if hasattr(e, "add_note"):
+        e.add_note("tightfit.plan checked the loss on 2 samples of sample_batch as a training step runs it (train "
+                   "mode, gradients on); the step splits batches into micro-batches of any size, so the loss "
+                   "must take any number of samples")
+    return e
+
+
+def _one_sample_norms(model: torch.nn.Module, plan: Plan) -> None:
+    """Refuse a plan whose micro-batches leave one sample alone where the model has BatchNorm
+    layers that train (they cannot normalise one sample: every step would fail).
+
+    Raises:
+        TightfitError: such a plan.
+    """
+    from .buffers import running_stat_norms
+    from .runtime.trainer import describe_split, micro_batch_sizes
+
+    sizes = micro_batch_sizes(plan.effective_batch, plan.micro_batch)
+    if 1 in sizes and any(m.training for m in running_stat_norms(model)):
+        raise TightfitError(f"effective_batch={plan.effective_batch}, split as "
+                            f"{describe_split(plan.effective_batch, plan.micro_batch)}, gives the model's BatchNorm "
+                            "layers a micro-batch of 1 sample, which they cannot train on; plan another effective "
+                            "batch, or put BatchNorm in eval mode")
 
 
 def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = None, budget: str | int | None = None,
@@ -421,6 +457,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
                 notes.append(f"budget {format_bytes(budget_bytes)}: checked against the model's weights, gradients "
                              "and AdamW state (on the CPU it applies to no allocation)")
         chosen = plan_first(workload, dev, profile, budget_bytes, precision, checkpointing)
+        _one_sample_norms(model, chosen)
     except TightfitError as e:
         raise TightfitError(as_arguments(str(e))) from None
     from .levers.trainable import trainable_fields
