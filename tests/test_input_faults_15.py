@@ -64,7 +64,7 @@ def test_a_negative_class_id_is_refused_for_a_model_of_unknown_classes():
             return SimpleNamespace(logits=self.fc(pixel_values))
 
     x, y = torch.randn(40, 8), torch.arange(40) % 3
-    refused = "labels must be class ids >= 0, or -100 to leave a sample out; sample 30 is labelled -1"
+    refused = "or -100 to leave a sample out; sample 30 is labelled -1"
     with pytest.raises(TightfitError, match=re.escape(refused)):
         Workload(Plain(), TensorDataset(x, torch.where(torch.arange(40) == 30, -1, y)), None, 8,
                  task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
@@ -80,9 +80,46 @@ def test_a_negative_class_id_is_refused_for_a_model_of_unknown_classes():
                  collate_fn=collate_as("pixel_values", "labels"))
     with pytest.raises(TightfitError, match=re.escape(refused)):
         Trainer(w, Plan("fp32", 4, 8), TrainConfig(epochs=1), progress=False).fit()
-    # -100 and labels past the (unknown) classes are not refused
-    Workload(Plain(), TensorDataset(x, torch.where(torch.arange(40) == 30, -100, y + 1)), None, 8,
+    # -100 leaves a sample out; labels past the classes of a model whose logits' width cannot be
+    # found (its forward reads a value: no meta forward) are not refused
+    class ReadsValues(Plain):
+        def forward(self, pixel_values, labels=None):
+            return SimpleNamespace(logits=self.fc(pixel_values) * float(pixel_values.abs().max() > 0))
+
+    Workload(ReadsValues(), TensorDataset(x, torch.where(torch.arange(40) == 30, -100, y + 1)), None, 8,
              task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
+
+
+def test_class_ids_past_a_plain_modules_logits_are_refused_when_the_workload_is_made():
+    """A plain module's classes were unknown, so a label past its logits passed the Workload's
+    check and failed at the first step (IndexError on the CPU; on a GPU a device-side assert that
+    ends the CUDA context): the logits' width is found by a forward on meta tensors."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import Workload, collate_as
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 3)
+
+        def forward(self, pixel_values):
+            return SimpleNamespace(logits=self.fc(pixel_values))
+
+    model = Plain()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(16, 8), torch.arange(16) % 3
+    refused = ("labels must be class ids in [0, 3) (the model's logits have 3), or -100 to leave a sample out; "
+               "sample 5 is labelled 7 (number the classes 0..2, or give the model a head of 8 outputs)")
+    with pytest.raises(TightfitError, match=re.escape(refused)):
+        Workload(model, TensorDataset(x, torch.where(torch.arange(16) == 5, 7, y)), None, 8,
+                 task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    Workload(model, TensorDataset(x, y), None, 8, task=ImageClassification(),
+             collate_fn=collate_as("pixel_values", "labels"))
 
 
 class _NotATensor:

@@ -180,8 +180,25 @@ def num_classes(model: torch.nn.Module) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
+def logits_classes(model: torch.nn.Module, batch: Batch) -> int | None:
+    """The classes ``C`` of ``model``'s logits ``[B, C]`` on ``batch``'s inputs, from a forward of a
+    meta copy of the model (:func:`tightfit.memory.estimate.meta_copy`: shapes only, no
+    arithmetic, the model untouched), for a model that does not say (:func:`num_classes` None).
+    None where that forward fails (a model that reads its values) or the logits are not ``[B, C]``."""
+    from .memory.estimate import meta_copy
+
+    try:
+        copy = meta_copy(model).eval()
+        inputs = {k: torch.empty_like(v, device="meta") for k, v in batch.items() if torch.is_tensor(v)}
+        with torch.no_grad():
+            logits = _logits(copy, inputs)
+    except Exception:  # noqa: BLE001 - not every model runs on meta tensors: its classes stay unknown
+        return None
+    return int(logits.shape[-1]) if torch.is_tensor(logits) and logits.dim() == 2 else None
+
+
 def check_class_ids(labels: torch.Tensor, num_classes: int | None, samples: Sequence[int] | None = None,
-                    who: str = "SequenceClassification") -> None:
+                    who: str = "SequenceClassification", from_logits: bool = False) -> None:
     """Refuse class ids outside ``[0, num_classes)`` (``num_classes`` None: below 0) other than -100
     (:data:`IGNORE_INDEX`), which
     cross-entropy fails on at the step: on the CPU as ``IndexError: Target 2 is out of bounds``,
@@ -194,6 +211,8 @@ def check_class_ids(labels: torch.Tensor, num_classes: int | None, samples: Sequ
             negative class ids are refused (no model takes one but -100).
         samples: the sample index of each of ``labels`` (``[N]``) for the message; None: unknown.
         who: the task, as the message names it.
+        from_logits: ``num_classes`` is the width of the model's logits (:func:`logits_classes`),
+            not a ``num_labels`` it says.
 
     Raises:
         TightfitError: one line with the range, where it came from, the first label outside it,
@@ -216,9 +235,11 @@ def check_class_ids(labels: torch.Tensor, num_classes: int | None, samples: Sequ
     if num_classes is None:
         raise TightfitError(f"{who}: labels must be class ids >= 0, or {IGNORE_INDEX} to leave a sample out; {where} "
                             "(number the classes from 0)")
-    fix = (f"number the classes 0..{num_classes - 1}, or give the model num_labels={value + 1}" if value >= num_classes
+    grow = f"a head of {value + 1} outputs" if from_logits else f"num_labels={value + 1}"
+    fix = (f"number the classes 0..{num_classes - 1}, or give the model {grow}" if value >= num_classes
            else f"number the classes 0..{num_classes - 1}")
-    raise TightfitError(f"{who}: labels must be class ids in [0, {num_classes}) (the model's num_labels), or "
+    source = f"the model's logits have {num_classes}" if from_logits else "the model's num_labels"
+    raise TightfitError(f"{who}: labels must be class ids in [0, {num_classes}) ({source}), or "
                         f"{IGNORE_INDEX} to leave a sample out; {where} ({fix})")
 
 
@@ -240,7 +261,8 @@ class SequenceClassification:
     def count(self, batch: Batch) -> int:
         return count_samples(batch)
 
-    def check_batch(self, batch: Batch, samples: Sequence[int] | None = None, num_classes: int | None = None) -> None:
+    def check_batch(self, batch: Batch, samples: Sequence[int] | None = None, num_classes: int | None = None,
+                    from_logits: bool = False) -> None:
         """Refuse a batch whose ``labels`` are not class ids ``[B]`` of a type cross-entropy takes,
         int64 or uint8 (float, int32 or ``[B, 1]`` labels failed in cross-entropy at the run's first step),
         or not in ``[0, num_classes)`` or -100 (:func:`check_class_ids`; where the model's number of
@@ -251,6 +273,7 @@ class SequenceClassification:
             samples: the sample index of each row (``[B]``) for the message, or None.
             num_classes: the model's classes (:func:`num_classes`), or None: unknown (only negative
                 ids are refused).
+            from_logits: ``num_classes`` is its logits' width (:func:`logits_classes`).
 
         Raises:
             TightfitError: one line with the labels' dtype and shape and the fix, or with the
@@ -265,7 +288,7 @@ class SequenceClassification:
             raise TightfitError(f"{type(self).__name__}: labels must be class ids, int64 [B]; the batches' are "
                                 f"{str(labels.dtype).removeprefix('torch.')} [{shape}] (e.g. {fix} in the "
                                 "collate function)")
-        check_class_ids(labels, num_classes, samples, type(self).__name__)  # None: negative ids only
+        check_class_ids(labels, num_classes, samples, type(self).__name__, from_logits)  # None: negative ids only
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
         """``{"correct", "loss_sum", "samples"}`` of one batch's labelled samples (argmax of fp32

@@ -23,7 +23,8 @@ from .data import TextClassificationData
 from .errors import TightfitError
 from .plan import MAX_BATCH
 from .tasks import (CausalLM, ImageClassification, SequenceClassification, Task, causal_lm_loss_sum,
-                    classification_loss_sum, count_samples, count_target_tokens, num_classes, task_for)
+                    classification_loss_sum, count_samples, count_target_tokens, logits_classes, num_classes,
+                    task_for)
 
 __all__ = ["CausalLM", "DatasetBatches", "ImageClassification", "SequenceClassification", "Task", "TextBatches",
            "Workload", "as_batches", "causal_lm_loss_sum", "classification_loss_sum", "collate_as",
@@ -262,6 +263,21 @@ class DatasetBatches:
         self.check_batch = check_batch
 
 
+class _ClassIdCheck:
+    """A classification task's batch check (:meth:`SequenceClassification.check_batch`) against the
+    model's classes: those it says (:func:`num_classes`), else those of its logits on the first
+    batch checked with inputs (:func:`logits_classes`, a meta forward), else unknown."""
+
+    def __init__(self, task: SequenceClassification, model: torch.nn.Module):
+        self.task, self.model = task, model
+        self.classes, self.looked = num_classes(model), False
+
+    def __call__(self, batch: dict, samples: Sequence[int] | None = None) -> None:
+        if self.classes is None and not self.looked and any(k != "labels" for k in batch):
+            self.classes, self.looked = logits_classes(self.model, batch), True
+        self.task.check_batch(batch, samples, num_classes=self.classes, from_logits=self.looked)
+
+
 def _check_all_labels(batches, check_batch) -> None:
     """``check_batch`` over every sample's labels at once where ``batches`` holds them as one tensor
     (``all_labels()``: :class:`TextBatches`, a ``TensorDataset`` in :class:`DatasetBatches`): a
@@ -352,6 +368,6 @@ class Workload:
         # index lists themselves, are not collated here
         check = None
         if isinstance(self.task, SequenceClassification) and self.loss_sum == self.task.loss_sum:
-            check = functools.partial(self.task.check_batch, num_classes=num_classes(self.model))
+            check = _ClassIdCheck(self.task, self.model)
         self.train = as_batches(self.train, self.collate_fn, check)
         self.eval = as_batches(self.eval, self.collate_fn, check)
