@@ -239,3 +239,37 @@ def test_a_model_with_no_parameters_is_told_so_and_tensors_outside_a_frozen_mode
     step = tightfit.TrainStep(tightfit.plan(frozen, batch, loss=with_prompt, device="cpu"), frozen,
                               torch.optim.SGD([prompt], lr=0.1), loss=with_prompt)
     assert step(batch).stepped and bool(prompt.detach().abs().sum() > 0)
+
+
+def test_a_model_whose_forward_does_not_take_the_batchs_inputs_by_name_is_told_how():
+    """A plain nn.Sequential given to a Workload failed at the first step with Python's own
+    "Sequential.forward() got an unexpected keyword argument 'pixel_values'"; TrainStep said how
+    to fix it, the Workload path did not. An error of the same words from inside a forward is
+    left as it is."""
+    from torch.utils.data import TensorDataset
+
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.tasks import ImageClassification
+    from tightfit.workload import Workload, collate_as
+
+    data = TensorDataset(torch.randn(16, 8), torch.arange(16) % 3)
+
+    def fit(model):
+        w = Workload(model, data, None, 8, task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
+        Trainer(w, Plan("fp32", 8, 8), TrainConfig(epochs=1), progress=False).fit()
+
+    with pytest.raises(TightfitError, match=re.escape("tightfit calls the model as model(**inputs) with the batch's "
+                                                      "inputs by name (pixel_values); give it a forward that takes")):
+        fit(torch.nn.Sequential(torch.nn.Linear(8, 3)))
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Sequential(torch.nn.Linear(8, 3))
+
+        def forward(self, pixel_values):
+            return self.fc(x=pixel_values)  # the user's own mistake inside: Python's error, untouched
+
+    with pytest.raises(TypeError, match=r"^Sequential\.forward\(\) got an unexpected keyword argument 'x'$"):
+        fit(Inner())

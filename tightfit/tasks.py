@@ -98,9 +98,20 @@ def _logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """``model(**inputs).logits``.
 
     Raises:
-        TightfitError: the model's output has no ``.logits`` (a plain tensor, say).
+        TightfitError: the model's output has no ``.logits`` (a plain tensor, say); its forward does
+            not take the batch's inputs by name.
     """
-    out = model(**model_inputs(model, batch))
+    inputs = model_inputs(model, batch)
+    try:
+        out = model(**inputs)
+    except TypeError as e:  # the call itself, not some call inside the forward: its class names the error
+        names = {type(m).__name__ for m in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None))
+                 if m is not None}
+        if not any(str(e).startswith(f"{n}.forward() got an unexpected keyword argument") for n in names):
+            raise
+        raise TightfitError(f"{e}: tightfit calls the model as model(**inputs) with the batch's inputs by name "
+                            f"({', '.join(inputs)}); give it a forward that takes them (e.g. def forward(self, "
+                            f"{next(iter(inputs), 'x')}): ... return SimpleNamespace(logits=...))") from None
     logits = getattr(out, "logits", None)
     if logits is None:
         raise TightfitError(f"the model returned {type(out).__name__}, not an output with .logits: its forward must "
