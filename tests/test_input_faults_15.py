@@ -273,3 +273,23 @@ def test_a_model_whose_forward_does_not_take_the_batchs_inputs_by_name_is_told_h
 
     with pytest.raises(TypeError, match=r"^Sequential\.forward\(\) got an unexpected keyword argument 'x'$"):
         fit(Inner())
+
+
+def test_estimate_refuses_a_batch_without_labels_and_a_model_without_logits_in_one_line():
+    """Its docstring promises a TightfitError for a malformed batch: a batch without labels raised
+    KeyError: 'labels', a model returning a bare tensor AttributeError: no attribute 'logits'."""
+    from tightfit.memory import estimate
+    from tightfit.plan import Plan
+
+    class Bare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with pytest.raises(TightfitError, match=r"the example batch has no 'labels'"):
+        estimate(Bare(), {"x": torch.randn(2, 8)}, Plan("fp32", 4, 4))
+    with pytest.raises(TightfitError, match=r"the model returned Tensor, not an output with \.logits"):
+        estimate(Bare(), {"x": torch.randn(2, 8), "labels": torch.zeros(2, dtype=torch.long)}, Plan("fp32", 4, 4))

@@ -105,7 +105,9 @@ def training_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     labels are next-token targets for ``logits [B, T, V]`` (shifted by one, as causal LMs train).
     Logits are upcast to fp32 first, as tightfit's runtime and Hugging Face's LM loss do.
     """
-    logits = model(**model_inputs(model, batch)).logits
+    from .tasks import model_logits  # the one call of a model for its logits, with its messages
+
+    logits = model_logits(model, batch)
     labels = batch["labels"]
     if labels.dim() == 2:
         logits, labels = logits[:, :-1], labels[:, 1:]

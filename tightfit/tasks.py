@@ -94,7 +94,7 @@ def count_samples(batch: Batch) -> int:
     return int((batch["labels"] != -100).sum())
 
 
-def _logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def model_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """``model(**inputs).logits``.
 
     Raises:
@@ -123,7 +123,7 @@ def classification_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tenso
     """Summed (not averaged) cross-entropy of ``logits`` ``[B, C]`` against ``labels`` ``[B]``,
     as a 0-d fp32 tensor, so that dividing by the window's sample count gives the mean over the
     whole accumulation window."""
-    logits = _logits(model, batch)
+    logits = model_logits(model, batch)
     return F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
 
 
@@ -138,7 +138,7 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     padding; ``logits`` ``[B, T, V]``), as a 0-d fp32 tensor in nats: divided by the window's
     :func:`count_target_tokens`, the accumulated gradient is that of the token-level mean over
     the whole window."""
-    logits = _logits(model, batch)[:, :-1].float()
+    logits = model_logits(model, batch)[:, :-1].float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
                            ignore_index=-100, reduction="sum")
 
@@ -202,7 +202,7 @@ def logits_classes(model: torch.nn.Module, batch: Batch) -> int | None:
         copy = meta_copy(model).eval()
         inputs = {k: torch.empty_like(v, device="meta") for k, v in batch.items() if torch.is_tensor(v)}
         with torch.no_grad():
-            logits = _logits(copy, inputs)
+            logits = model_logits(copy, inputs)
     except Exception:  # noqa: BLE001 - not every model runs on meta tensors: its classes stay unknown
         return None
     return int(logits.shape[-1]) if torch.is_tensor(logits) and logits.dim() == 2 else None
@@ -304,7 +304,7 @@ class SequenceClassification:
     def eval_sums(self, model: torch.nn.Module, batch: Batch) -> dict[str, float]:
         """``{"correct", "loss_sum", "samples"}`` of one batch's labelled samples (argmax of fp32
         logits; a label of -100 is left out, as in training)."""
-        logits = _logits(model, batch).float()
+        logits = model_logits(model, batch).float()
         loss = F.cross_entropy(logits, batch["labels"], reduction="sum")  # ignore_index -100
         return {"correct": int((logits.argmax(-1) == batch["labels"]).sum()), "loss_sum": float(loss),
                 "samples": count_samples(batch)}

@@ -167,6 +167,9 @@ def _apply_order(module: torch.nn.Module, seen: set):
 def _meta_batch(batch: dict, micro_batch: int) -> dict:
     if not isinstance(batch, dict) or not batch:
         raise TightfitError("the example batch must be a non-empty dict of tensors")
+    if "labels" not in batch:  # the traced loss is cross-entropy on them
+        raise TightfitError("the example batch has no 'labels' (class ids [B] or next-token targets [B, T]): the "
+                            "estimate traces the step's cross-entropy loss on them")
     out = {}
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor) or v.dim() == 0:
