@@ -953,3 +953,15 @@ def test_a_train_step_refused_for_its_optimizer_leaves_the_models_checkpointing_
     with pytest.raises(TightfitError, match="adamw-offload needs a CUDA GPU"):
         tightfit.TrainStep(Plan("fp32", 4, 8, optimizer="adamw-offload", activation_checkpointing=True), model)
     assert not checkpointing_active(model)
+
+
+def test_a_plan_for_half_precision_weights_says_they_stay_so(caplog):
+    """A model loaded in fp16 got an "fp32" plan without a word and trained its fp16 weights,
+    whose small updates are lost; the plan now says so (and logs it)."""
+    model = _mlp().to(torch.bfloat16)
+    x, y = _xy(8)
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        plan = tightfit.plan(model, (x.bfloat16(), y), loss=_ce, device="cpu")
+    assert any("trainable weights are bfloat16: the plan leaves them so" in r for r in plan.reasons)
+    assert "load the model in fp32" in caplog.text
+    assert not any("trainable weights" in r for r in tightfit.plan(_mlp(), (x, y), loss=_ce, device="cpu").reasons)

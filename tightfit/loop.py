@@ -463,6 +463,14 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
     from .levers.trainable import trainable_fields
 
     chosen = replace(chosen, **trainable_fields(model))  # what is trained, as the other faces' plans say it
+    half = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                   if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)})
+    if half:  # the plan's precision is autocast's: weights stored in half precision stay so, and so do their updates
+        note = (f"the model's trainable weights are {' and '.join(half)}: the plan leaves them so (its precision is "
+                "autocast's), and updates under half a unit of their last place are lost; load the model in fp32 "
+                "(e.g. torch_dtype=torch.float32) to train with fp32 weights")
+        log.warning(f"tightfit: {note}")
+        notes.append(note)
     return replace(chosen, reasons=chosen.reasons + tuple(notes)) if notes else chosen
 
 
