@@ -36,7 +36,8 @@ def test_a_batch_over_half_the_host_memory_is_split_with_accumulation(monkeypatc
 def test_a_small_batch_is_not_traced_and_an_untraceable_model_keeps_the_whole_batch():
     w = _workload(16)
     w.train.worst_case = None  # not called: nothing traced up to 16 samples
-    assert host_micro_batch(w, "fp32", False, available_bytes=1) == (16, None)
+    mb, why = host_micro_batch(w, "fp32", False, available_bytes=1)
+    assert mb == 16 and why.endswith("(a batch of up to 16 samples; its host memory is not estimated)")  # not "it fits"
 
     class Opaque(torch.nn.Module):  # its forward leaves the tensors for numpy: the tracer cannot follow
         def __init__(self):

@@ -23,7 +23,7 @@ def host_micro_batch(workload, precision: str, checkpointing: bool,
                      available_bytes: int | None = None) -> tuple[int, str | None]:
     """The micro-batch of a CPU run: the whole effective batch where its predicted peak fits
     :data:`HOST_SHARE` of the available host memory, else the largest that does (balanced over
-    the accumulation steps, at least 1), and the reason (None when the whole batch fits).
+    the accumulation steps, at least 1), and the reason (None when the whole batch was estimated to fit).
 
     The peak is the memory estimator's allocated bytes (:func:`tightfit.memory.estimate`: two
     training steps traced on meta tensors, AdamW's state included) at micro-batches 4 and 16
@@ -48,7 +48,8 @@ def host_micro_batch(workload, precision: str, checkpointing: bool,
 
     E = workload.effective_batch
     if E <= max(TRACED_AT):
-        return E, None
+        return E, (f"CPU: the whole effective batch in one micro-batch (a batch of up to {max(TRACED_AT)} samples; its "
+                   "host memory is not estimated)")
     if isinstance(getattr(workload, "task", None), LossOnly):  # a loss of the user's own (tightfit.plan(loss=...))
         return E, ("CPU: the whole effective batch in one micro-batch; its host memory is not estimated: the "
                    "estimator traces a model's logits with its task's loss, not a loss function of your own")
