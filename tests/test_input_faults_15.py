@@ -118,8 +118,22 @@ def test_class_ids_past_a_plain_modules_logits_are_refused_when_the_workload_is_
         Workload(model, TensorDataset(x, torch.where(torch.arange(16) == 5, 7, y)), None, 8,
                  task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    seen = []
+    model.fc.register_forward_hook(lambda m, a, out: seen.append(out))  # the owner's hook sees no meta forward
     Workload(model, TensorDataset(x, y), None, 8, task=ImageClassification(),
              collate_fn=collate_as("pixel_values", "labels"))
+    assert seen == []
+
+    class Pointer(torch.nn.Module):  # one logit per position: its width follows the input, no class count
+        def __init__(self):
+            super().__init__()
+            self.score = torch.nn.Linear(1, 1)
+
+        def forward(self, pixel_values):
+            return SimpleNamespace(logits=self.score(pixel_values.unsqueeze(-1)).squeeze(-1))
+
+    Workload(Pointer(), TensorDataset(x, torch.where(torch.arange(16) == 5, 11, y)), None, 8,  # 11 > its 8 positions
+             task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
 
 
 class _NotATensor:
@@ -262,6 +276,12 @@ def test_a_model_whose_forward_does_not_take_the_batchs_inputs_by_name_is_told_h
     with pytest.raises(TightfitError, match=re.escape("tightfit calls the model as model(**inputs) with the batch's "
                                                       "inputs by name (pixel_values); give it a forward that takes")):
         fit(torch.nn.Sequential(torch.nn.Linear(8, 3)))
+
+    class Classifier(torch.nn.Sequential):  # its forward inherited: Python names "Sequential.forward"
+        pass
+
+    with pytest.raises(TightfitError, match=re.escape("tightfit calls the model as model(**inputs)")):
+        fit(Classifier(torch.nn.Linear(8, 3)))
 
     class Inner(torch.nn.Module):
         def __init__(self):

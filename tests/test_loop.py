@@ -298,17 +298,56 @@ def test_a_stop_on_non_finite_steps_names_where_they_first_appear(where):
         assert where == "the gradients (this rank's forward is finite)" and backwards == []
 
 
-def test_a_stop_on_non_finite_data_names_the_batch_not_the_learning_rate():
-    """One NaN in the inputs was blamed on the first module's output, with "try a lower learning
-    rate", though no update had been applied; the batch's own tensors are looked at first."""
+def test_a_stop_on_non_finite_steps_says_what_the_batch_itself_holds():
+    """One NaN in the inputs was blamed on the first module's output with "try a lower learning
+    rate" alone, though no update had been applied: the batch's own tensors are named beside the
+    diagnosis (never in its place: a loss may mask missing values by design)."""
     x, y = _xy(8)
     x[3, 2] = float("nan")
     step = tightfit.TrainStep(Plan("fp32", 8, 8), _mlp(), max_skipped_steps=2, loss=_ce)
     step((x, y))
     with pytest.raises(NonFiniteTrainingError) as e:
         step((x, y))
-    assert "first non-finite values in the batch's element 0 (NaN in sample 3 of the batch): the data itself" in str(e.value)
-    assert "learning rate or precision makes such a batch finite" in str(e.value) and "lower" not in str(e.value)
+    assert ("first non-finite values in the output of module '0'; the batch's element 0 holds NaN (sample 3 of the "
+            "batch). If such values are not meant to be in the data, repair or drop those samples; otherwise: ") \
+        in str(e.value)
+
+
+def test_non_finite_data_named_by_its_own_row_and_only_in_tensors_of_one_row_per_sample():
+    from tightfit.runtime.diagnose import nonfinite_input
+
+    x = torch.zeros(4, 3)
+    x[1, 0], x[2, 2] = float("inf"), float("nan")
+    assert nonfinite_input({"x": x}, 4) == "the batch's 'x' holds inf (sample 1 of the batch)"
+    assert nonfinite_input({"x": x}, 4, [10, 11, 12, 13]) == "the batch's 'x' holds inf (sample 11 of the data set)"
+    bias = torch.zeros(9)
+    bias[7] = float("-inf")  # a tensor shared by the samples (not one row each) is not read
+    assert nonfinite_input({"bias": bias, "x": torch.zeros(4, 3)}, 4) is None
+
+
+def test_data_a_loss_masks_by_design_does_not_hide_where_the_step_went_non_finite():
+    """NaN targets a regression loss leaves out ("missing") were blamed for a stop whose cause was
+    a weight gone to inf."""
+    x = torch.randn(8, 6)
+    target = torch.randn(8, 3)
+    target[3, 1] = float("nan")
+
+    def masked_mse(model, batch):
+        out, t = model(batch[0]), batch[1]
+        keep = torch.isfinite(t)
+        return ((out - torch.nan_to_num(t)) ** 2)[keep].mean()
+
+    model = _mlp()
+    step = tightfit.TrainStep(Plan("fp32", 8, 8), model, max_skipped_steps=2, loss=masked_mse)
+    for _ in range(3):
+        assert step((x, target)).stepped
+    with torch.no_grad():
+        model[3].weight[0, 0] = float("inf")
+    step((x, target))
+    with pytest.raises(NonFiniteTrainingError) as e:
+        step((x, target))
+    assert "first non-finite values in the output of module '3'; the batch's element 1 holds NaN" in str(e.value)
+    assert "otherwise: Try a lower learning rate" in str(e.value)
 
 
 class _AuxHead(torch.nn.Module):
@@ -350,6 +389,40 @@ def test_a_stop_on_non_finite_steps_diagnoses_the_step_as_it_trained(case):
     name = "aux" if case == "aux-head" else "3"
     assert f"first non-finite values in the output of module {name!r}" in str(e.value)
     assert all(p.grad is None for p in model.parameters())
+
+
+class _SqrtBlock(torch.nn.Module):
+    """Finite forward, NaN gradient (d sqrt at 0), dropout on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = torch.nn.Linear(6, 6), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.drop(torch.relu(self.lin(x)))
+        return x + h + torch.sqrt(h - h)
+
+
+def test_the_diagnosis_recomputes_checkpointed_blocks_in_train_mode_too():
+    """The diagnosis's backward ran after its train-mode context had ended: a model in eval mode
+    (as from_pretrained returns it) with checkpointed blocks recomputed them in eval mode, and the
+    stop said "a place not found (CheckpointError ...)" instead of the gradient."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([_SqrtBlock(), _SqrtBlock()])
+            self.head = torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            for block in self.layers:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    step = tightfit.TrainStep(Plan("fp32", 8, 8, True), model, max_skipped_steps=1, loss=_ce)
+    with pytest.raises(NonFiniteTrainingError, match=r"first non-finite values in the gradient of 'layers\.\d\.lin\."):
+        step(_xy(8))
 
 
 def test_a_diagnosis_that_fails_itself_still_raises_the_stop():
@@ -640,9 +713,17 @@ def test_a_plan_that_leaves_batch_norm_one_sample_is_refused_at_plan_time():
     with pytest.raises(TightfitError, match=r"effective_batch=1, split as 1 x 1, gives the model's BatchNorm layers a "
                                             r"micro-batch of 1 sample"):
         tightfit.plan(model, (x, y), loss=_ce, device="cpu")
-    model[1].eval()
+    with pytest.raises(TightfitError, match="micro-batch of 1 sample"):  # in eval mode, as from_pretrained gives it
+        tightfit.plan(model.eval(), (x, y), loss=_ce, device="cpu")  # its step trains every module
+    model.train()
+    model[1].eval()  # frozen statistics, inside a model in train mode: kept so by the step
     plan = tightfit.plan(model, (x, y), loss=_ce, device="cpu")
     assert tightfit.TrainStep(plan, model, loss=_ce)((x, y)).stepped
+    # BatchNorm2d normalises an image's many values per channel: one sample trains
+    cnn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    images = (torch.randn(1, 3, 8, 8), torch.zeros(1, dtype=torch.long))
+    plan = tightfit.plan(cnn, images, loss=_ce, device="cpu")
+    assert plan.micro_batch == 1 and tightfit.TrainStep(plan, cnn, loss=_ce)(images).stepped
 
 
 def test_a_lazy_models_budget_is_checked_after_the_forward_that_sizes_it():

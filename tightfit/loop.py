@@ -347,22 +347,40 @@ def _noted(e: Exception) -> Exception:
     return e
 
 
-def _one_sample_norms(model: torch.nn.Module, plan: Plan) -> None:
-    """Refuse a plan whose micro-batches leave one sample alone where the model has BatchNorm
-    layers that train (they cannot normalise one sample: every step would fail).
+def _one_sample_norms(model: torch.nn.Module, plan: Plan, b: _Batch, loss: LossFn | None) -> None:
+    """Refuse a plan whose micro-batches leave one sample alone where the model's norm layers
+    cannot train on one (BatchNorm with one value per channel: every step would fail): one
+    forward of one sample of the sample batch as a training step runs it (each module's own
+    mode, no gradients; RNG and buffers given back) tells, as torch decides it (BatchNorm2d of an
+    image has many values per channel and trains).
 
     Raises:
         TightfitError: such a plan.
     """
-    from .buffers import running_stat_norms
+    from .buffers import KeptBuffers, running_stat_norms
+    from .rng import capture_rng, restore_rng
     from .runtime.trainer import describe_split, micro_batch_sizes
+    from .step import train_mode
 
-    sizes = micro_batch_sizes(plan.effective_batch, plan.micro_batch)
-    if 1 in sizes and any(m.training for m in running_stat_norms(model)):
+    if 1 not in micro_batch_sizes(plan.effective_batch, plan.micro_batch) or not running_stat_norms(model):
+        return
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    one = {k: v[:1].to(device) for k, v in b.as_dict().items()}
+    rng = capture_rng()
+    try:
+        with torch.no_grad(), train_mode(model), KeptBuffers(model.modules()):
+            _loss_sum(b, loss)(model, one)
+    except ValueError as e:
+        if "Expected more than 1 value per channel" not in str(e):
+            return  # not this check's to say: the plan's own check ran the loss
         raise TightfitError(f"effective_batch={plan.effective_batch}, split as "
                             f"{describe_split(plan.effective_batch, plan.micro_batch)}, gives the model's BatchNorm "
                             "layers a micro-batch of 1 sample, which they cannot train on; plan another effective "
-                            "batch, or put BatchNorm in eval mode")
+                            "batch, or put BatchNorm in eval mode") from None
+    except Exception:  # noqa: BLE001 - any other error of one sample is the step's to meet
+        return
+    finally:
+        restore_rng(rng)
 
 
 def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = None, budget: str | int | None = None,
@@ -457,7 +475,7 @@ def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = Non
                 notes.append(f"budget {format_bytes(budget_bytes)}: checked against the model's weights, gradients "
                              "and AdamW state (on the CPU it applies to no allocation)")
         chosen = plan_first(workload, dev, profile, budget_bytes, precision, checkpointing)
-        _one_sample_norms(model, chosen)
+        _one_sample_norms(model, chosen, b, loss)
     except TightfitError as e:
         raise TightfitError(as_arguments(str(e))) from None
     from .levers.trainable import trainable_fields
@@ -800,7 +818,7 @@ class TrainStep:
         step's batch, first gives non-finite values); grow the micro-batch back after
         ``grow_back_after`` clean ones."""
         from .levers.precision import autocast, nonfinite_advice
-        from .runtime.diagnose import DATA_ADVICE, first_nonfinite, nonfinite_input
+        from .runtime.diagnose import first_nonfinite, nonfinite_input, stop_phrase
         from .runtime.trainer import NonFiniteTrainingError
         from .step import train_mode
 
@@ -813,14 +831,13 @@ class TrainStep:
                 loss_sum = _loss_sum(b, self.loss, _target_tokens(self.model, b, self.loss))
                 # under DDP each rank holds its own batch: a backward run by some ranks only would hang
                 alone = _process_group_size() == 1
-                in_data = nonfinite_input(first)
-                culprit = in_data or first_nonfinite(self.model, lambda: loss_sum(self.model, first),
-                                                     lambda: autocast(self.plan.precision, self.device.type),
-                                                     lambda: train_mode(self.model), self.scaler.is_enabled(),
-                                                     backward=alone)
-                advice = DATA_ADVICE if in_data else as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))
+                culprit = first_nonfinite(self.model, lambda: loss_sum(self.model, first),
+                                          lambda: autocast(self.plan.precision, self.device.type),
+                                          lambda: train_mode(self.model), self.scaler.is_enabled(), backward=alone)
+                in_data = nonfinite_input(first, len(next(iter(first.values()))))
+                advice = as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))
                 raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients; "
-                                             f"first non-finite values in {culprit}. {advice}", self.steps)
+                                             f"{stop_phrase(culprit, in_data, advice)}", self.steps)
             return False
         self._skipped_in_row = 0
         self._clean_steps += 1

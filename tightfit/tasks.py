@@ -105,9 +105,10 @@ def model_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     try:
         out = model(**inputs)
     except TypeError as e:  # the call itself, not some call inside the forward: its class names the error
-        names = {type(m).__name__ for m in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None))
-                 if m is not None}
-        if not any(str(e).startswith(f"{n}.forward() got an unexpected keyword argument") for n in names):
+        # the forward's own name (an inherited one is its base class's: "Sequential.forward")
+        names = {getattr(type(m).forward, "__qualname__", "") for m in
+                 (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)) if m is not None}
+        if not any(str(e).startswith(f"{n}() got an unexpected keyword argument") for n in names if n):
             raise
         raise TightfitError(f"{e}: tightfit calls the model as model(**inputs) with the batch's inputs by name "
                             f"({', '.join(inputs)}); give it a forward that takes them (e.g. def forward(self, "
@@ -192,20 +193,36 @@ def num_classes(model: torch.nn.Module) -> int | None:
 
 
 def logits_classes(model: torch.nn.Module, batch: Batch) -> int | None:
-    """The classes ``C`` of ``model``'s logits ``[B, C]`` on ``batch``'s inputs, from a forward of a
+    """The classes ``C`` of ``model``'s logits ``[B, C]`` on ``batch``'s inputs, from forwards of a
     meta copy of the model (:func:`tightfit.memory.estimate.meta_copy`: shapes only, no
-    arithmetic, the model untouched), for a model that does not say (:func:`num_classes` None).
-    None where that forward fails (a model that reads its values) or the logits are not ``[B, C]``."""
+    arithmetic; the model, its hooks and its compiled graphs untouched), for a model that does not
+    say (:func:`num_classes` None). Read twice, the second time with each input's last dimension
+    doubled (more tokens, a wider image): a width that follows the input (a pointer over positions)
+    is no class count. None where the first forward fails (a model that reads its values) or the
+    logits are not ``[B, C]``.
+    """
     from .memory.estimate import meta_copy
 
+    inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None) or model  # compiled, DDP
     try:
-        copy = meta_copy(model).eval()
+        copy = meta_copy(inner).eval()
+        for m in copy.modules():  # the owner's hooks (their closures) see no meta tensors
+            m._forward_hooks.clear()
+            m._forward_pre_hooks.clear()
         inputs = {k: torch.empty_like(v, device="meta") for k, v in batch.items() if torch.is_tensor(v)}
         with torch.no_grad():
             logits = model_logits(copy, inputs)
     except Exception:  # noqa: BLE001 - not every model runs on meta tensors: its classes stay unknown
         return None
-    return int(logits.shape[-1]) if torch.is_tensor(logits) and logits.dim() == 2 else None
+    if not torch.is_tensor(logits) or logits.dim() != 2:
+        return None
+    wider = {k: v.new_empty((*v.shape[:-1], 2 * v.shape[-1])) if v.dim() >= 2 else v for k, v in inputs.items()}
+    try:
+        with torch.no_grad():
+            again = model_logits(copy, wider)
+    except Exception:  # noqa: BLE001 - a model of one input size: its width stands
+        return int(logits.shape[-1])
+    return int(logits.shape[-1]) if torch.is_tensor(again) and again.shape[-1] == logits.shape[-1] else None
 
 
 def check_class_ids(labels: torch.Tensor, num_classes: int | None, samples: Sequence[int] | None = None,

@@ -40,7 +40,7 @@ from ..buffers import buffer_snapshot, restore_buffers
 from ..step import (PendingStep, StepResult, accumulate, changed_since, in_place_versions, make_optimizer,
                     module_mode, train_mode, training_modes, training_step)
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
-from .diagnose import DATA_ADVICE
+from .diagnose import stop_phrase
 from ..plan import Plan, grown_micro_batch
 from ..workload import Workload
 from .distributed import World, micro_batches_per_rank, shard_of
@@ -596,15 +596,13 @@ class Trainer:
             if self._skipped_in_row >= self.cfg.max_skipped_steps:
                 where = saved or self._checkpoint_at_stop(t0)  # skipped steps left the weights finite
                 self.flush_checkpoints()
-                culprit, in_data = self._first_nonfinite(window)  # after the checkpoint: it may draw random numbers
+                culprit, in_data = self._first_nonfinite(window)  # after the checkpoint
                 what = f"{self._skipped_in_row} steps in a row had non-finite gradients"
                 self._event(f"{what} (first non-finite values in {culprit}): stopped after step {self.step}"
                             + (f", checkpoint {where}" if where else ""), show=False, session=True)  # the error says it
-                raise NonFiniteTrainingError(
-                    f"{what}; first non-finite values in {culprit}. "
-                    f"{DATA_ADVICE if in_data else nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)}",
-                    self.step, where,
-                    last_update=self._last_update)
+                advice = nonfinite_advice(self.plan.precision, self.profile, self.cfg.lr)
+                raise NonFiniteTrainingError(f"{what}; {stop_phrase(culprit, in_data, advice)}", self.step, where,
+                                             last_update=self._last_update)
             # several ranks stop on the vote only: a signal that reaches one rank after it (in its logging
             # or checkpoint) waits for the next step's, or that rank alone would stop and its checkpoint's
             # collectives meet the others' next step (DESIGN invariant 12); one process stops at once
@@ -981,17 +979,18 @@ class Trainer:
         self._event(f"step {self.step + 1}: non-finite gradients, update skipped{scale}", show=False)
         return False
 
-    def _first_nonfinite(self, window: list[int]) -> tuple[str, bool]:
-        """Where this window's first micro-batch first gives non-finite values, and whether that is
-        the batch itself (:func:`.diagnose.nonfinite_input`, else :func:`.diagnose.first_nonfinite`)."""
+    def _first_nonfinite(self, window: list[int]) -> tuple[str, str | None]:
+        """Where this window's first micro-batch first gives non-finite values
+        (:func:`.diagnose.first_nonfinite`), and what non-finite values the batch itself holds
+        (:func:`.diagnose.nonfinite_input`, or None)."""
         from .diagnose import first_nonfinite, nonfinite_input
 
-        batch = _to_device(self.w.train.collate(window[:self.micro_batch]), self.device)
-        if in_data := nonfinite_input(batch, window[:self.micro_batch]):
-            return in_data, True
-        return first_nonfinite(self.model, lambda: self.w.loss_sum(self.model, batch),
-                               lambda: autocast(self.plan.precision, self.device.type),
-                               lambda: train_mode(self.model, self._train_modes), self.scaler.is_enabled()), False
+        first = window[:self.micro_batch]
+        batch = _to_device(self.w.train.collate(first), self.device)
+        culprit = first_nonfinite(self.model, lambda: self.w.loss_sum(self.model, batch),
+                                  lambda: autocast(self.plan.precision, self.device.type),
+                                  lambda: train_mode(self.model, self._train_modes), self.scaler.is_enabled())
+        return culprit, nonfinite_input(batch, len(first), first)
 
     # ---------------------------------------------------------------- checkpoint / resume
     def plan_in_force(self) -> Plan:
