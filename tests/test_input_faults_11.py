@@ -575,3 +575,21 @@ def test_a_text_column_of_numbers_is_noted(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         load_text_classification(tmp_path / "w.csv")
     assert "are numbers" not in caplog.text
+
+
+def test_a_resume_drops_a_metrics_line_of_bytes_that_are_not_utf8_as_damaged(tmp_path, caplog):
+    """Bytes that are not UTF-8 in metrics.jsonl (one flipped bit on disk) ended the resume with
+    a UnicodeDecodeError traceback; such a line is now a damaged line like any other."""
+    import logging
+
+    from tightfit.cli import main
+
+    run, ckpts = _short_run(tmp_path)
+    shutil.rmtree(ckpts / "ckpt-6")
+    data = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    data[2] = b"\xff\xfe" + data[2][2:]
+    (run / "metrics.jsonl").write_bytes(b"".join(data))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert "note: metrics.jsonl: 1 damaged line (not JSON) dropped: line 3" in caplog.text

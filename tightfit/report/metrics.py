@@ -60,7 +60,7 @@ def keep_metrics_until(path: str | Path, step: int) -> list[int]:
     path = Path(path)
     if not path.is_file():
         return []
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     records, damaged = [], []
     for n, line in enumerate(lines, 1):
         try:
@@ -116,7 +116,7 @@ def _readable_records(path: str | Path) -> list[dict]:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
