@@ -352,3 +352,26 @@ def test_a_row_that_repeats_the_header_is_skipped_and_counted_not_a_sample(tmp_p
         assert main(["train", "--model", job["model"], "--data", job["data"], "--batch-size", "8", "--max-steps", "1",
                      "--seq-len", "16", "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     assert "1 row identical to the header was skipped (files joined, each with its header?)" in caplog.text
+
+
+def test_labels_mixing_numbers_and_words_are_noted_and_a_text_as_a_label_is_refused(tmp_path, caplog):
+    """pos/neg and 0/1 in one file trained four classes without a word; a 10 MB label was taken as
+    a class name and written whole into the report and the model's config."""
+    import logging
+
+    import pytest
+
+    from tightfit.data import MAX_LABEL_CHARS, load_text_classification
+    from tightfit.errors import TightfitError
+
+    rows = [f"good film {i},{'pos' if i % 2 else '1'}" for i in range(20)] + [f"bad film {i},neg" for i in range(20)]
+    (tmp_path / "mixed.csv").write_text("text,label\n" + "\n".join(rows) + "\n")
+    with caplog.at_level(logging.WARNING, logger="tightfit"):
+        data = load_text_classification(tmp_path / "mixed.csv")
+    assert data.label_names == ["1", "neg", "pos"]
+    assert "labels of column 'label' mix numbers ('1') and words ('neg', 'pos'): each is a class of its own, " \
+           "3 classes in all" in caplog.text
+    (tmp_path / "long.csv").write_text("text,label\n" + "\n".join(rows) + f"\nx,{'a' * (MAX_LABEL_CHARS + 1)}\n")
+    with pytest.raises(TightfitError, match=r"row 41: the label \(column 'label'\) is 1,001 characters long, not a "
+                                            r"class name"):
+        load_text_classification(tmp_path / "long.csv")

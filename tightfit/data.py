@@ -37,6 +37,7 @@ SPLIT_SEED = 20240601  # fixed: the held-out split never changes with --seed
 # fill memory (a text that is whitespace up to the cut is cut after its leading whitespace).
 # (Python's csv module refuses fields over 128 KiB by default.)
 MAX_TEXT_CHARS = 64 * 1024
+MAX_LABEL_CHARS = 1000     # a class name longer than this is a text in the label column
 MIN_ROWS = 20              # usable rows a data file needs: 18 to train and 2 to evaluate
 MIN_ROWS_PER_CLASS = 2     # average rows per class below which the label column is refused
 FEW_TRAIN_PER_CLASS = 5    # a note below this many training samples per class on average
@@ -432,6 +433,10 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         if not label or not text.strip():  # a blank label is no class; a blank text no sample
             blank += 1
             continue
+        if len(label) > MAX_LABEL_CHARS:  # kept whole in the model's config and the report otherwise
+            raise TightfitError(f"{path}: row {n}: the label (column {label_column!r}) is {len(label):,} characters "
+                                f"long, not a class name; is {label_column!r} the label column "
+                                f"({option_name('label_column')})?")
         cut = text[:MAX_TEXT_CHARS]
         if not cut.strip():  # all whitespace up to the cut: the words begin later (a tokenizer skips what precedes them)
             cut = text.lstrip()[:MAX_TEXT_CHARS]
@@ -455,6 +460,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
     _note_texts_that_are_numbers(path, text_column, texts)
     _note_labels_in_two_cases(path, label_column, names)
     _note_labels_read_as_one(path, label_column, spellings)
+    _note_labels_of_two_kinds(path, label_column, names)
     if all(_is_int(x) for x in names):
         names = sorted(names, key=int)
     if len(names) < 2:
@@ -504,6 +510,25 @@ def _note_case_twins(path: Path, what: str, names: list[str]) -> None:
         shown = "; ".join(" and ".join(repr(n) for n in group) for group in twins[:3])
         log.warning(f"note: {path}: {what} that differ only in case are separate classes: "
                     f"{shown}{' ...' if len(twins) > 3 else ''}")
+
+
+def _note_labels_of_two_kinds(path: Path, column: str, names: list[str]) -> None:
+    """Warn where some labels are numbers and others words (``0``, ``1``, ``neg``, ``pos``): each is
+    its own class, likely two codings of the same classes mixed in one file."""
+    def number(t: str) -> bool:
+        try:
+            return math.isfinite(float(t))
+        except ValueError:
+            return False
+
+    numbers = [n for n in names if number(n)]
+    words = [n for n in names if not number(n)]
+    if numbers and words:
+        def shown(xs):
+            return ", ".join(repr(x if len(x) <= 20 else x[:17] + "...") for x in xs[:3]) + (" ..." if len(xs) > 3 else "")
+
+        log.warning(f"note: {path}: labels of column {column!r} mix numbers ({shown(numbers)}) and words "
+                    f"({shown(words)}): each is a class of its own, {len(names)} classes in all")
 
 
 def _note_labels_read_as_one(path: Path, column: str, spellings: dict[str, set[str]]) -> None:
