@@ -593,3 +593,24 @@ def test_a_resume_drops_a_metrics_line_of_bytes_that_are_not_utf8_as_damaged(tmp
     with caplog.at_level(logging.INFO, logger="tightfit"):
         assert main(["train", "--resume", str(run), "--no-progress"]) == 0
     assert "note: metrics.jsonl: 1 damaged line (not JSON) dropped: line 3" in caplog.text
+
+
+def test_a_finished_run_whose_model_is_gone_is_written_again_on_resume(tmp_path, caplog):
+    """A finished run whose model/ was deleted said "already finished, nothing written" on resume,
+    and the model stayed missing though its last checkpoint held the weights."""
+    import logging
+
+    from tightfit.cli import main
+
+    run, _ = _short_run(tmp_path)
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0  # finished again: summary.json back
+    weights = sorted((run / "model").glob("*.safetensors"))
+    before = [w.read_bytes() for w in weights]
+    shutil.rmtree(run / "model")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert "lacks the trained model (config.json or its weights): the run is evaluated and its results written " \
+           "again" in caplog.text
+    assert [w.read_bytes() for w in sorted((run / "model").glob("*.safetensors"))] == before
+    assert (run / "model" / "config.json").is_file()

@@ -864,6 +864,12 @@ class TrainRecipe:
             log.warning(f"note: {summary} cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
                         f"the run is evaluated and its results written again")
             return None
+        model = self.out / "model"
+        if not (model / "config.json").is_file() or not any(model.glob("*.safetensors")):
+            # the checkpoint holds the weights: written again, as a summary cut short is
+            log.warning(f"note: {model} lacks the trained model (config.json or its weights): the run is evaluated "
+                        f"and its results written again")
+            return None
         # the notes above (the checkpoint resumed from, an option given anew) said what a resume would do: undone
         given = [option_name(k) for k in self.changed]
         anew = f"; {', '.join(given)} not applied" if given else ""
