@@ -43,7 +43,7 @@ def main(outdir: Path, argv: list[str]) -> None:
     launch, eager, capture, fit, save = (Trainer._launch, graphs.StepGraphs._eager, graphs.StepGraphs._capture,
                                          Trainer.fit, Trainer.save_checkpoint)
 
-    profile_steps = int(os.environ.get("TIMELINE_PROFILE_STEPS", "0"))  # cProfile the loop's first N steps
+    profile_steps = int(os.environ.get("TIMELINE_PROFILE_STEPS") or 0)  # cProfile the loop's first N steps
     profiler = cProfile.Profile() if profile_steps else None
 
     step_profiling = [False]  # one profiler at a time (a second one's enable ends the first's, or raises)
