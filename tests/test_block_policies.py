@@ -445,3 +445,22 @@ def test_a_forward_that_ran_out_of_memory_leaves_no_offloaded_activation_on_the_
     del h
     release_memory()  # what the runtime and TrainStep do before the redo
     assert not HostOffload._stash.get(torch.device("meta"))
+
+
+def test_a_ladder_step_that_misses_at_the_whole_batch_climbs_its_ladder_before_shrinking(capsys):
+    """BERT-base at 1000 MiB (GTX 1650 Ti rules, AdamW state offloaded): 7 offloaded blocks at
+    32 x 1 were over when traced, and a smaller micro-batch holds the window's gradients, so every
+    one was over too; the plan fell to fp32 recomputation at 30.4 samples/s, slower than the
+    34.7 found at 900 MiB. A step of the whole batch that misses now takes the lowest rung above
+    it on its ladder that fits at the same micro-batch (9 blocks offloaded fit at 900 MiB)."""
+    import json
+
+    from tightfit.cli import main
+
+    speeds = {}
+    for budget in ("900MiB", "1000MiB"):
+        assert main(["plan", "--model", "bert-base", "--gpu", "gtx-1650-ti", "--budget", budget, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        speeds[budget] = out["predicted_samples_per_s"]
+        assert out["plan"]["micro_batch"] == 32 and "offload" in out["plan"]["block_policies"]
+    assert speeds["1000MiB"] >= speeds["900MiB"]

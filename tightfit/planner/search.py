@@ -713,7 +713,10 @@ def _largest_fitting(space: SearchSpace, prec: str, k: int, line, estimate_fn: E
 def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateFn, beat: float = 0.0) -> Prediction:
     """Stage 2: trace the candidates that fit by the lines exactly, fastest predicted first.
     One that does not fit is tried with more blocks checkpointed at its micro-batch
-    (:func:`_more_blocks`) and shrunk (:func:`_shrink`); both results compete. A shrunk plan is
+    (:func:`_more_blocks`) and shrunk (:func:`_shrink`); both results compete. A per-block
+    ladder's candidate over at its micro-batch is shrunk, and at the end, where the next rung of
+    its ladder is predicted faster than every plan traced, climbs it at the same micro-batch
+    (:func:`_higher_rung`). A shrunk plan is
     slower, so tracing stops once the next candidate's prediction -- an upper bound -- cannot
     beat the best traced so far, or ``beat`` (samples/s found elsewhere).
 
@@ -725,6 +728,7 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
     fitting = sorted((c for c in evaluated if c.samples_per_s > 0),
                      key=lambda c: (-round(c.samples_per_s, 6), order.index(c.precision), len(c.checkpoint_blocks)))
     traced: list[Candidate] = []
+    missed: list[Candidate] = []  # per-block ladder candidates over at their own micro-batch
     # the first traces of the candidates the loop below reaches first, side by side
     _prefetch(estimate_fn, [(c.precision, c.micro_batch, c.choice) for c in fitting if c.samples_per_s > beat]
               [:max(1, plan_workers())])
@@ -739,13 +743,66 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
                 continue  # it fit as predicted (or with fewer blocks)
         got = _shrink(space, cand, estimate_fn, None if cand.block_policies is not None else
                       enumeration.lines[cand.precision](len(cand.checkpoint_blocks)))
+        if cand.block_policies is not None and not (isinstance(got, Candidate) and got.micro_batch == cand.micro_batch):
+            missed.append(cand)  # over at its micro-batch: higher on its ladder, below, if that can still win
         if isinstance(got, Candidate):
             traced.append(got)
             continue
         evaluated = [c for c in evaluated if c is not cand] + [replace(
             cand, micro_batch=1, peak_reserved_bytes=got, samples_per_s=0.0,
             why=f"does not fit when traced exactly: {format_bytes(got)} at micro-batch 1")]
+    for cand in missed:  # fastest first, as they were met
+        more = _higher_rung(space, cand, estimate_fn, max([beat] + [v.samples_per_s for v in traced]))
+        if more is not None:
+            traced.append(more)
     return Prediction(traced, evaluated)
+
+
+def _ladder_of(policies: tuple) -> list[tuple]:
+    """The rungs of the per-block ladder ``policies`` stands on (:func:`_choice_ladders`), least
+    saving first: the first k blocks offloaded; or the first k selective, then every block
+    selective with the first k recomputed fully, up to every block recomputed."""
+    n = len(policies)
+    if "offload" in policies:
+        return [("offload",) * k + ("none",) * (n - k) for k in range(1, n + 1)]
+    return ([("selective",) * k + ("none",) * (n - k) for k in range(1, n + 1)]
+            + [("full",) * k + ("selective",) * (n - k) for k in range(1, n + 1)])
+
+
+def _higher_rung(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn, beat: float = 0.0) -> Candidate | None:
+    """``c`` (a per-block ladder's candidate) traced exactly at its micro-batch; where it does not
+    fit, the lowest rung above it on its ladder (:func:`_ladder_of`) that does at the same
+    micro-batch, by bisection, its offloaded activations within the host's pinned memory, where
+    the next rung is predicted faster than ``beat`` (samples/s already traced). None where not even
+    the top rung fits, or climbing cannot win. Why not only a smaller micro-batch (:func:`_shrink`): a
+    micro-batch of the whole batch holds no gradients across micro-batches, so the step one
+    micro-batch smaller can need more memory, not less (BERT-base at 1000 MiB on a GTX 1650 Ti
+    rules, AdamW state offloaded: 7 offloaded blocks at 32 x 1 were over, every smaller micro-batch
+    too, while 9 blocks at 32 x 1 fit; the plan fell to a slower one of fp32 recomputation)."""
+    rungs = _ladder_of(c.block_policies)
+    at, mb, tm = rungs.index(c.block_policies), c.micro_batch, space.time_model
+    host = space.host_bytes
+    top = len(rungs) - 1
+    while top > at and host is not None and tm.offloaded_bytes(c.precision, mb, rungs[top]) > host:
+        top -= 1  # offloading more than the pinned memory holds
+    peaks = {}
+
+    def fits(i: int) -> bool:
+        peaks[i] = estimate_fn(c.precision, mb, rungs[i])
+        return peaks[i].peak_reserved_bytes <= space.limit
+
+    def speed(i: int) -> float:
+        return tm.samples_per_s(c.precision, mb, space.effective_batch, rungs[i].count("full"), rungs[i])
+
+    if fits(at):
+        good = at
+    elif top > at and speed(at + 1) > beat and fits(top):
+        good = bisect(top, at, fits)
+    else:
+        return None
+    policies = rungs[good]
+    full = tuple(i for i, p in enumerate(policies) if p == "full")
+    return _traced(space, replace(c, block_policies=policies, checkpoint_blocks=full), mb, full, peaks[good])
 
 
 def _more_blocks(space: SearchSpace, c: Candidate, lines: BlockLines, estimate_fn: EstimateFn) -> list[Candidate]:
