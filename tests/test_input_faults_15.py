@@ -118,6 +118,9 @@ def test_class_ids_past_a_plain_modules_logits_are_refused_when_the_workload_is_
         Workload(model, TensorDataset(x, torch.where(torch.arange(16) == 5, 7, y)), None, 8,
                  task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(TightfitError, match=r"^the evaluation data: ImageClassification: labels must be class ids"):
+        Workload(model, TensorDataset(x, y), TensorDataset(x, torch.where(torch.arange(16) == 5, 7, y)), 8,
+                 task=ImageClassification(), collate_fn=collate_as("pixel_values", "labels"))
     seen = []
     model.fc.register_forward_hook(lambda m, a, out: seen.append(out))  # the owner's hook sees no meta forward
     Workload(model, TensorDataset(x, y), None, 8, task=ImageClassification(),

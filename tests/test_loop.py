@@ -308,7 +308,7 @@ def test_a_stop_on_non_finite_steps_says_what_the_batch_itself_holds():
     step((x, y))
     with pytest.raises(NonFiniteTrainingError) as e:
         step((x, y))
-    assert ("first non-finite values in the output of module '0'; the batch's element 0 holds NaN (sample 3 of the "
+    assert ("first non-finite values in the output of module '0'; the batch's tensor at position 0 holds NaN (sample 3 of the "
             "batch). If such values are not meant to be in the data, repair or drop those samples; otherwise: ") \
         in str(e.value)
 
@@ -346,8 +346,8 @@ def test_data_a_loss_masks_by_design_does_not_hide_where_the_step_went_non_finit
     step((x, target))
     with pytest.raises(NonFiniteTrainingError) as e:
         step((x, target))
-    assert "first non-finite values in the output of module '3'; the batch's element 1 holds NaN" in str(e.value)
-    assert "otherwise: Try a lower learning rate" in str(e.value)
+    assert "first non-finite values in the output of module '3'; the batch's tensor at position 1 holds NaN" in str(e.value)
+    assert "otherwise: try a lower learning rate" in str(e.value)
 
 
 class _AuxHead(torch.nn.Module):
@@ -1046,3 +1046,22 @@ def test_a_plan_for_half_precision_weights_says_they_stay_so(caplog):
     assert any("trainable weights are bfloat16: the plan leaves them so" in r for r in plan.reasons)
     assert "load the model in fp32" in caplog.text
     assert not any("trainable weights" in r for r in tightfit.plan(_mlp(), (x, y), loss=_ce, device="cpu").reasons)
+
+
+def test_a_stop_after_a_blown_up_update_names_that_update():
+    """After a learning rate that blew the weights up (step 2 applied, every step after it
+    non-finite), the stop said only "try a lower learning rate", and last_update was None: the
+    weights at the stop are that update's, and a lower rate alone will not bring them back."""
+    model = _mlp()
+    step = tightfit.TrainStep(Plan("fp32", 8, 8), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              max_skipped_steps=2, loss=_ce)
+    assert step(_xy(8)).stepped
+    assert step(_xy(8)).stepped
+    with torch.no_grad():
+        model[3].weight.fill_(float("inf"))  # as a blown-up update leaves them
+    step(_xy(8))
+    with pytest.raises(NonFiniteTrainingError) as e:
+        step(_xy(8))
+    assert e.value.last_update == 2
+    assert "The last update applied was step 2's (the weights are its weights): if it spoiled them, a lower " \
+           "learning rate alone will not help; restore the weights from before it." in str(e.value)

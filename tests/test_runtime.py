@@ -342,5 +342,5 @@ def test_run_of_nonfinite_steps_on_nonfinite_data_names_the_batch():
     with pytest.raises(NonFiniteTrainingError) as e:
         t.fit()
     assert ("first non-finite values in the output of module 'body'; the batch's 'x' holds NaN (sample 2 of the data "
-            "set). If such values are not meant to be in the data, repair or drop those samples; otherwise: Try a "
+            "set). If such values are not meant to be in the data, repair or drop those samples; otherwise: try a "
             "lower --lr") in str(e.value)

@@ -653,6 +653,7 @@ class TrainStep:
         self.micro_batch = self._used_micro_batch = plan.micro_batch
         self.steps = self.skipped_steps = self.oom_recoveries = 0
         self._skipped_in_row = self._clean_steps = 0
+        self._last_update = 0  # the step whose update was the last applied (0: none yet)
         self.memory_timeline: list[tuple[int, int, int]] = []
         self.model.zero_grad(set_to_none=True)  # a stray backward before the loop must not leak into step 1
 
@@ -738,7 +739,8 @@ class TrainStep:
                                "give the step batches that leave no one-sample micro-batch (e.g. drop_last=True "
                                "on the loader)")
                         raise TightfitError(
-                            f"a batch of {b.size} samples, split as {describe_split(b.size, self.micro_batch)}, gives "
+                            f"a batch of {b.size} sample{'' if b.size == 1 else 's'}, split as "
+                            f"{describe_split(b.size, self.micro_batch)}, gives "
                             "the model's BatchNorm layers a micro-batch of 1 sample, which they cannot train on; "
                             f"{fix}, or put BatchNorm in eval mode") from e
                     raise
@@ -836,9 +838,15 @@ class TrainStep:
                                           lambda: train_mode(self.model), self.scaler.is_enabled(), backward=alone)
                 in_data = nonfinite_input(first, len(next(iter(first.values()))))
                 advice = as_arguments(nonfinite_advice(self.plan.precision, own_loop=True))
+                last = self._last_update
+                spoiled = (f" The last update applied was step {last}'s (the weights are its weights): if it spoiled "
+                           "them, a lower learning rate alone will not help; restore the weights from before it."
+                           if last else "")
                 raise NonFiniteTrainingError(f"{self._skipped_in_row} steps in a row had non-finite gradients; "
-                                             f"{stop_phrase(culprit, in_data, advice)}", self.steps)
+                                             f"{stop_phrase(culprit, in_data, advice)}{spoiled}", self.steps,
+                                             last_update=last or None)
             return False
+        self._last_update = self.steps
         self._skipped_in_row = 0
         self._clean_steps += 1
         if (self.grow_back_after and self.micro_batch < self.plan.micro_batch
@@ -960,6 +968,7 @@ class TrainStep:
         self.scaler, self._used_micro_batch = scaler, mb
         for k, attribute in _STATE_COUNTS.items():
             setattr(self, attribute, state[k])
+        self._last_update = self.steps - self._skipped_in_row  # the steps before the skipped ones were applied
 
     def plan_in_force(self) -> Plan:
         """The plan with the micro-batch now in use (after OOM recoveries)."""

@@ -370,4 +370,7 @@ class Workload:
         if isinstance(self.task, SequenceClassification) and self.loss_sum == self.task.loss_sum:
             check = _ClassIdCheck(self.task, self.model)
         self.train = as_batches(self.train, self.collate_fn, check)
-        self.eval = as_batches(self.eval, self.collate_fn, check)
+        try:
+            self.eval = as_batches(self.eval, self.collate_fn, check)
+        except TightfitError as e:  # the same words as the training data's: say which
+            raise TightfitError(f"the evaluation data: {e}") from None

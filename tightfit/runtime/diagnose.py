@@ -41,7 +41,7 @@ def nonfinite_input(batch: dict, samples: int, indices: Sequence[int] | None = N
         rows = v.detach().reshape(samples, -1)
         at = int((~torch.isfinite(rows)).any(dim=1).nonzero()[0, 0])
         kind = "NaN" if bool(torch.isnan(rows[at]).any()) else "inf"
-        name = f"element {key}" if str(key).isdigit() else repr(key)  # a tuple batch's tensors are numbered
+        name = f"tensor at position {key}" if str(key).isdigit() else repr(key)  # a tuple batch's are numbered
         where = f"sample {at} of the batch" if indices is None else f"sample {indices[at]} of the data set"
         return f"the batch's {name} holds {kind} ({where})"
     return None
@@ -53,7 +53,7 @@ def stop_phrase(culprit: str, in_data: str | None, advice: str) -> str:
     if in_data is None:
         return f"first non-finite values in {culprit}. {advice}"
     return (f"first non-finite values in {culprit}; {in_data}. If such values are not meant to be in the data, "
-            f"repair or drop those samples; otherwise: {advice}")
+            f"repair or drop those samples; otherwise: {advice[:1].lower()}{advice[1:]}")
 
 
 def first_nonfinite(model: torch.nn.Module, forward: Callable[[], torch.Tensor], autocast_ctx: Callable,
