@@ -8,7 +8,6 @@ from typing import Callable, Sequence
 import torch
 
 
-
 def _nonfinite(x) -> bool:
     if isinstance(x, torch.Tensor):
         return x.is_floating_point() and not bool(torch.isfinite(x).all())
@@ -67,9 +66,9 @@ def first_nonfinite(model: torch.nn.Module, forward: Callable[[], torch.Tensor],
 
     One forward, in train mode as the step runs it (a model whose output differs in eval mode,
     auxiliary heads say, or a loss that calls autograd, runs as it trained), with gradients
-    enabled where ``backward`` and the RNG seeded alike on every rank; BatchNorm's statistics (which the skipped steps left as they found
-    them, and the stop's checkpoint holds) and the RNG states are put back after, the gradients
-    zeroed, and every module keeps its own mode (DESIGN invariant 9). A diagnosis that fails
+    enabled where ``backward`` and the RNG seeded alike on every rank; BatchNorm's statistics
+    (which the skipped steps left as they found them, and the stop's checkpoint holds) and the RNG
+    states are put back after, the gradients zeroed, and every module keeps its own mode (DESIGN invariant 9). A diagnosis that fails
     itself says so in the phrase: the stop's own error is what the caller raises. With several
     ranks, each must run the same forward and backward (the runtime diagnoses one global
     micro-batch on every rank); where the ranks hold batches of their own, ``backward=False``: the
