@@ -479,15 +479,9 @@ def _note_texts_that_are_numbers(path: Path, column: str, texts: list[str]) -> N
     """Warn where most texts of ``column`` are numbers (a JSON number, or a CSV field such as
     ``3.5``): they are learned from as the text of the number, which is seldom what is meant
     (the label column given as the text one, or ids)."""
-    def number(t: str) -> bool:
-        try:
-            return math.isfinite(float(t))
-        except ValueError:
-            return False
-
-    count = sum(number(t) for t in texts)
+    count = sum(_is_number(t) for t in texts)
     if count and count >= len(texts) / 2:
-        example = next(t for t in texts if number(t))
+        example = next(t for t in texts if _is_number(t))
         log.warning(f"note: {path}: {count} of {len(texts)} texts of column {column!r} are numbers (e.g. "
                     f"{example.strip()!r}): they train as the text of the number; is {column!r} the text column "
                     f"({option_name('text_column')})?")
@@ -515,14 +509,8 @@ def _note_case_twins(path: Path, what: str, names: list[str]) -> None:
 def _note_labels_of_two_kinds(path: Path, column: str, names: list[str]) -> None:
     """Warn where some labels are numbers and others words (``0``, ``1``, ``neg``, ``pos``): each is
     its own class, likely two codings of the same classes mixed in one file."""
-    def number(t: str) -> bool:
-        try:
-            return math.isfinite(float(t))
-        except ValueError:
-            return False
-
-    numbers = [n for n in names if number(n)]
-    words = [n for n in names if not number(n)]
+    numbers = [n for n in names if _is_number(n)]
+    words = [n for n in names if not _is_number(n)]
     if numbers and words:
         def shown(xs):
             return ", ".join(repr(x if len(x) <= 20 else x[:17] + "...") for x in xs[:3]) + (" ..." if len(xs) > 3 else "")
@@ -574,6 +562,14 @@ def _one_number_twice(names: list[str]) -> tuple[str, str] | None:
             return by_value[value], name
         by_value[value] = name
     return None
+
+
+def _is_number(s: str) -> bool:
+    """Whether ``s`` reads as a finite number (``3``, ``3.5``, ``1e3``)."""
+    try:
+        return math.isfinite(float(s))
+    except ValueError:
+        return False
 
 
 def _is_int(s: str) -> bool:

@@ -301,10 +301,7 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
         Exception: the model's or the loss's own error on the slice, with a note saying what was run.
     """
     from .devices import get_profile
-    from .buffers import KeptBuffers
     from .models import model_state_bytes
-    from .rng import capture_rng, restore_rng
-    from .step import train_mode
     from .units import format_bytes_pair
 
     if budget_bytes is not None and gpu is not None and budget_bytes > get_profile(gpu).total_bytes:
@@ -312,12 +309,8 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
         raise TightfitError(f"budget={shown[0]} is more than the {shown[1]} of gpu={gpu!r}")
     # two samples (one repeated, as the probes repeat rows): BatchNorm cannot train on one
     d = {k: v[:2] if len(v) > 1 else torch.cat([v, v]) for k, v in b.as_dict().items()}
-    rng = capture_rng()
-    try:
-        # as the step runs it (a model with other heads in eval mode, a loss that calls autograd);
-        # batch norm's running statistics, and any buffer the model writes, stay as they are
-        with train_mode(model), KeptBuffers(model.modules()):
-            _loss_sum(b, loss)(model, d)
+    try:  # as the step runs it: a model with other heads in eval mode, a loss that calls autograd
+        _loss_as_a_step(model, b, loss, d)
     except TightfitError:
         raise
     except TypeError as e:  # model(**batch) of a forward that takes other arguments: a loss of the user's is needed
@@ -327,14 +320,30 @@ def _check_loss_and_budget(model: torch.nn.Module, b: _Batch, loss: LossFn | Non
                             "pass loss=fn(model, micro_batch) returning the mean loss") from None
     except Exception as e:
         raise _noted(e)
-    finally:
-        restore_rng(rng)  # the check draws no dropout mask the run would have drawn
     if budget_bytes is not None:  # after the forward: it sizes lazy modules' parameters (LazyLinear)
         need = model_state_bytes(model)["total"]
         if budget_bytes < need:
             shown = format_bytes_pair(budget_bytes, need)
             raise TightfitError(f"budget={shown[0]} cannot hold the model's weights, gradients and "
                                 f"AdamW state ({shown[1]}, before any activations): raise the budget")
+
+
+def _loss_as_a_step(model: torch.nn.Module, b: _Batch, loss: LossFn | None, batch: dict, grad: bool = True) -> None:
+    """The loss of ``batch`` (a slice of the sample batch ``b``) as a training step runs it, each
+    module in the mode a step gives it, with the RNG states and the modules' buffers (BatchNorm's
+    running statistics, any buffer the model writes) given back: the model and the run are as
+    they were (the check draws no dropout mask the run would have drawn). No backward;
+    ``grad``: gradients on (a loss that calls autograd needs them)."""
+    from .buffers import KeptBuffers
+    from .rng import capture_rng, restore_rng
+    from .step import train_mode
+
+    rng = capture_rng()
+    try:
+        with torch.set_grad_enabled(grad), train_mode(model), KeptBuffers(model.modules()):
+            _loss_sum(b, loss)(model, batch)
+    finally:
+        restore_rng(rng)
 
 
 def _noted(e: Exception) -> Exception:
@@ -357,19 +366,14 @@ def _one_sample_norms(model: torch.nn.Module, plan: Plan, b: _Batch, loss: LossF
     Raises:
         TightfitError: such a plan.
     """
-    from .buffers import KeptBuffers, running_stat_norms
-    from .rng import capture_rng, restore_rng
+    from .buffers import running_stat_norms
     from .runtime.trainer import describe_split, micro_batch_sizes
-    from .step import train_mode
 
     if 1 not in micro_batch_sizes(plan.effective_batch, plan.micro_batch) or not running_stat_norms(model):
         return
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    one = {k: v[:1].to(device) for k, v in b.as_dict().items()}
-    rng = capture_rng()
     try:
-        with torch.no_grad(), train_mode(model), KeptBuffers(model.modules()):
-            _loss_sum(b, loss)(model, one)
+        _loss_as_a_step(model, b, loss, {k: v[:1].to(device) for k, v in b.as_dict().items()}, grad=False)
     except ValueError as e:
         if "Expected more than 1 value per channel" not in str(e):
             return  # not this check's to say: the plan's own check ran the loss
@@ -379,8 +383,6 @@ def _one_sample_norms(model: torch.nn.Module, plan: Plan, b: _Batch, loss: LossF
                             "batch, or put BatchNorm in eval mode") from None
     except Exception:  # noqa: BLE001 - any other error of one sample is the step's to meet
         return
-    finally:
-        restore_rng(rng)
 
 
 def plan(model: torch.nn.Module, sample_batch, effective_batch: int | None = None, budget: str | int | None = None,

@@ -609,12 +609,22 @@ def _choice_ladders(space: SearchSpace, prec: str, lines: BlockLines, estimate_f
     out = []
     if "selective" in space.ladders:
         sel = MemoryLine.traced(estimate_fn, prec, ("selective",) * n)
-        out += [(("selective",) * k + ("none",) * (n - k), none.blend(sel, k / n)) for k in range(1, n + 1)]
-        out += [(("full",) * k + ("selective",) * (n - k), sel.blend(full, k / n)) for k in range(1, n)]
+        blends = [none.blend(sel, k / n) for k in range(1, n + 1)] + [sel.blend(full, k / n) for k in range(1, n)]
+        out += list(zip(_rungs("selective", n), blends))  # (the last rung, every block full, is whole blocks')
     if "offload" in space.ladders:
         off = MemoryLine.traced(estimate_fn, prec, ("offload",) * n)
-        out += [(("offload",) * k + ("none",) * (n - k), none.blend(off, k / n)) for k in range(1, n + 1)]
+        out += list(zip(_rungs("offload", n), [none.blend(off, k / n) for k in range(1, n + 1)]))
     return out
+
+
+def _rungs(ladder: str, n: int) -> list[tuple]:
+    """The choices of a per-block ladder over ``n`` blocks, least saving first: ``offload``, the
+    first k blocks offloaded; ``selective``, the first k selective, then every block selective with
+    the first k recomputed fully, up to every block recomputed."""
+    if ladder == "offload":
+        return [("offload",) * k + ("none",) * (n - k) for k in range(1, n + 1)]
+    return ([("selective",) * k + ("none",) * (n - k) for k in range(1, n + 1)]
+            + [("full",) * k + ("selective",) * (n - k) for k in range(1, n + 1)])
 
 
 def _ladder_candidates(space: SearchSpace, prec: str, lines: BlockLines, estimate_fn: EstimateFn) -> list[Candidate]:
@@ -758,28 +768,17 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
     return Prediction(traced, evaluated)
 
 
-def _ladder_of(policies: tuple) -> list[tuple]:
-    """The rungs of the per-block ladder ``policies`` stands on (:func:`_choice_ladders`), least
-    saving first: the first k blocks offloaded; or the first k selective, then every block
-    selective with the first k recomputed fully, up to every block recomputed."""
-    n = len(policies)
-    if "offload" in policies:
-        return [("offload",) * k + ("none",) * (n - k) for k in range(1, n + 1)]
-    return ([("selective",) * k + ("none",) * (n - k) for k in range(1, n + 1)]
-            + [("full",) * k + ("selective",) * (n - k) for k in range(1, n + 1)])
-
-
 def _higher_rung(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn, beat: float = 0.0) -> Candidate | None:
-    """``c`` (a per-block ladder's candidate) traced exactly at its micro-batch; where it does not
-    fit, the lowest rung above it on its ladder (:func:`_ladder_of`) that does at the same
-    micro-batch, by bisection, its offloaded activations within the host's pinned memory, where
-    the next rung is predicted faster than ``beat`` (samples/s already traced). None where not even
-    the top rung fits, or climbing cannot win. Why not only a smaller micro-batch (:func:`_shrink`): a
+    """For ``c``, a per-block ladder's candidate over the limit at its micro-batch: the lowest rung
+    above it on its ladder (:func:`_rungs`) that fits at the same micro-batch, by bisection, its
+    offloaded activations within the host's pinned memory, where the next rung is predicted faster
+    than ``beat`` (samples/s already traced). None where not even the top rung fits, or climbing
+    cannot win. Why not only a smaller micro-batch (:func:`_shrink`): a
     micro-batch of the whole batch holds no gradients across micro-batches, so the step one
     micro-batch smaller can need more memory, not less (BERT-base at 1000 MiB on a GTX 1650 Ti
     rules, AdamW state offloaded: 7 offloaded blocks at 32 x 1 were over, every smaller micro-batch
     too, while 9 blocks at 32 x 1 fit; the plan fell to a slower one of fp32 recomputation)."""
-    rungs = _ladder_of(c.block_policies)
+    rungs = _rungs("offload" if "offload" in c.block_policies else "selective", len(c.block_policies))
     at, mb, tm = rungs.index(c.block_policies), c.micro_batch, space.time_model
     host = space.host_bytes
     top = len(rungs) - 1
@@ -794,12 +793,9 @@ def _higher_rung(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn, beat
     def speed(i: int) -> float:
         return tm.samples_per_s(c.precision, mb, space.effective_batch, rungs[i].count("full"), rungs[i])
 
-    if fits(at):
-        good = at
-    elif top > at and speed(at + 1) > beat and fits(top):
-        good = bisect(top, at, fits)
-    else:
+    if top == at or speed(at + 1) <= beat or not fits(top):
         return None
+    good = bisect(top, at, fits)
     policies = rungs[good]
     full = tuple(i for i, p in enumerate(policies) if p == "full")
     return _traced(space, replace(c, block_policies=policies, checkpoint_blocks=full), mb, full, peaks[good])

@@ -40,9 +40,9 @@ from ..buffers import buffer_snapshot, restore_buffers
 from ..step import (PendingStep, StepResult, accumulate, changed_since, in_place_versions, make_optimizer,
                     module_mode, train_mode, training_modes, training_step)
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
-from .diagnose import stop_phrase
 from ..plan import Plan, grown_micro_batch
 from ..workload import Workload
+from .diagnose import stop_phrase
 from .distributed import World, micro_batches_per_rank, shard_of
 from .health import HealthMonitor
 from ..memory.oom import is_oom, release_memory
