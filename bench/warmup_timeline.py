@@ -12,7 +12,9 @@ its steady rate. With ``TIMELINE_PROFILE_STEPS=N`` the loop's first N steps run 
 ``TIMELINE_PROFILE_SLOW=S`` every eager step and capture of the step graphs runs under cProfile and
 those over S seconds print their table. Each eager step and capture also names the allocator's
 device mallocs and frees it made. With ``TIMELINE_PROFILE_PLAN=1`` the GPU planner
-(``plan_on_gpu``) runs under cProfile too, its tables printed with the others.
+(``plan_on_gpu``) runs under cProfile too, its tables printed with the others. With
+``TIMELINE_NO_CUDNN_SDPA=1`` the run's attention takes no cuDNN kernel (an A/B of that backend's
+per-shape set-up at shapes the run meets first).
 """
 
 from __future__ import annotations
@@ -135,6 +137,10 @@ def main(outdir: Path, argv: list[str]) -> None:
     if os.environ.get("TIMELINE_NO_EMPTY_CACHE"):  # an A/B of the allocator flush before each capture
         graphs.torch.cuda.empty_cache = lambda: None  # noqa: E731 - this process only
         print("torch.cuda.empty_cache made a no-op", file=sys.stderr)
+    if os.environ.get("TIMELINE_NO_CUDNN_SDPA"):  # an A/B of cuDNN attention's per-shape set-up at first-met shapes
+        import torch
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        print("cuDNN scaled_dot_product_attention disabled", file=sys.stderr)
     graphs.StepGraphs._eager, graphs.StepGraphs._capture = timed_eager, timed_capture
     summary = api.train(req)
     print("\n".join(tables))

@@ -85,6 +85,7 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
     # failed step's memory is gone and the peaks are read: the restore is no part of the step
     try:
         with weights_in(workload.model, optimizer):
+            before = torch.cuda.memory_allocated(device)
             try:
                 seconds, micro_batches = run_probe_steps(workload, micro_batch, precision, optimizer, timed_steps)
             except Exception as e:
@@ -93,7 +94,7 @@ def probe_step(workload: Workload, micro_batch: int, precision: str, budget_byte
                 oom = True
             reserved = torch.cuda.max_memory_reserved(device)
             allocated = torch.cuda.max_memory_allocated(device)
-            release_memory()
+            release_memory(before, device)
     finally:  # a failed probe too leaves the random streams as it found them
         restore_rng(rng)
     if oom:
