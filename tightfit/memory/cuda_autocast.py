@@ -104,6 +104,8 @@ class CudaOnMeta(TorchFunctionMode):
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (the autocast dtype).
     """
 
+    fused_dropout = True  # CUDA's native_dropout: a 1-byte mask
+
     def __init__(self, precision: str):
         super().__init__()
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
@@ -132,7 +134,7 @@ class CudaOnMeta(TorchFunctionMode):
             elif name in FP32_OPT_DTYPE and kwargs.get("dtype") is None and args \
                     and isinstance(args[0], torch.Tensor) and args[0].dtype in _LOW_DTYPES:
                 kwargs = dict(kwargs, dtype=torch.float32)
-        if name == "dropout" and args and isinstance(args[0], torch.Tensor):
+        if name == "dropout" and self.fused_dropout and args and isinstance(args[0], torch.Tensor):
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             if training and 0 < p < 1:
@@ -150,3 +152,25 @@ class CudaOnMeta(TorchFunctionMode):
         if attn_mask is not None:
             torch.empty_like(attn_mask)  # the kernel's expanded/aligned copy of the mask, freed at once
         return _FusedAttention.apply(query, key, value, flash)
+
+
+class CpuOnMeta(CudaOnMeta):
+    """As :class:`CudaOnMeta`, for a step the CPU runs (``tightfit train`` on a CPU: the host's
+    micro-batch, :func:`tightfit.planner.host.host_micro_batch`). Two kernels choose otherwise there:
+
+    - **dropout** keeps its mask in the input's dtype (ATen's ``_dropout_impl``; the fused
+      ``native_dropout`` with a 1-byte mask is for CUDA devices only, ``is_fused_kernel_acceptable``);
+    - **scaled_dot_product_attention** runs the CPU flash kernel only without dropout
+      (``sdp_utils_cpp.cpp``, ``check_for_dropout``); with dropout it takes the math path, which
+      keeps the ``[B, H, T, T]`` softmax, the dropout mask and the dropped weights for the backward.
+      BERT (2 layers, 2 heads, attention dropout 0.1) at T=256 and a batch of 1,024 took 5.0 GiB more
+      host memory for its step, where the trace as on CUDA said 1.9 GiB in all.
+    """
+
+    fused_dropout = False
+
+    def _sdpa(self, func, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        if dropout_p > 0:  # the math path, traced as it runs (matmul, softmax, dropout, matmul)
+            return func(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+        return super()._sdpa(func, query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                             is_causal=is_causal, **kw)

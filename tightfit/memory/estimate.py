@@ -30,7 +30,7 @@ from ..plan import Plan
 from ..units import MiB, format_bytes
 from ..levers.blocks import apply_block_policies, check_block_indices, find_blocks, parse_checkpointing
 from ..levers.optimizers import cast_weights
-from .cuda_autocast import CudaOnMeta, fused_attention_running
+from .cuda_autocast import CpuOnMeta, CudaOnMeta, fused_attention_running
 from ..step import OPTIMIZERS, MetaOptimizer, make_optimizer, training_loss, training_step
 from .allocator import ALLOCATORS, make_allocator
 from .ledger import Ledger
@@ -180,7 +180,7 @@ def _meta_batch(batch: dict, micro_batch: int) -> dict:
 
 def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: DeviceProfile | None = None,
              checkpoint_blocks=None, allocator: str = "expandable", block_policies=None,
-             log: list | None = None) -> MemoryEstimate:
+             log: list | None = None, host: bool = False) -> MemoryEstimate:
     """Predict peak allocated/reserved GPU memory of a training step, on any machine.
 
     Args:
@@ -205,6 +205,8 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
         log: a list the trace's accounting is appended to (:data:`.ledger.EVENTS`): replayed by
             :func:`from_ledger`, it gives this estimate again (:mod:`.replay` answers other
             micro-batches from it). None: not recorded.
+        host: trace the step as the CPU runs it (:class:`~.cuda_autocast.CpuOnMeta`: its dropout
+            and attention kernels, no cuBLAS workspaces), for a CPU run's host memory.
 
     Returns:
         A :class:`MemoryEstimate` (peak over two steps; see the module doc).
@@ -233,16 +235,18 @@ def estimate(model: torch.nn.Module, example_batch: dict, plan: Plan, device: De
             else check_block_indices(checkpoint_blocks, n_blocks)
         block_policies = ["full" if i in indices else "none" for i in range(n_blocks)]
     block_policies = tuple(block_policies)
-    blocks = apply_block_policies(meta, block_policies, recompute_context=lambda: CudaOnMeta(plan.precision),
+    on_meta = CpuOnMeta if host else CudaOnMeta
+    blocks = apply_block_policies(meta, block_policies, recompute_context=lambda: on_meta(plan.precision),
                                   also_saved=fused_attention_running)
     batch = _meta_batch(example_batch, plan.micro_batch)
 
     others = [k for k in ALLOCATORS if k != allocator]
     tracker = AllocationTracker(make_allocator(allocator), [make_allocator(k) for k in others], device, log)
-    emulation = CudaOnMeta(plan.precision)
+    emulation = on_meta(plan.precision)
     params = [p for p in _apply_order(meta, set()) if isinstance(p, torch.nn.Parameter)]
     with tracker, emulation:
-        workspaces = [torch.empty(n, dtype=torch.uint8, device="meta") for n in handle_workspace_bytes(device)]
+        workspaces = [torch.empty(n, dtype=torch.uint8, device="meta")
+                      for n in ([] if host else handle_workspace_bytes(device))]
         for w in workspaces:
             tracker.track(w, "temporaries")
         keep = [t for t in _apply_order(meta, set())]

@@ -9,9 +9,8 @@ accumulation (the same samples per optimizer step, the same result up to summati
 
 from __future__ import annotations
 
-from ..devices import get_profile
 from ..memory.fast import TRACED_AT, MemoryLine
-from ..plan import balanced_micro_batch
+from ..plan import Plan, balanced_micro_batch
 from ..units import format_bytes
 
 # The share of the host memory available at planning time that one step may hold: the rest is
@@ -25,8 +24,9 @@ def host_micro_batch(workload, precision: str, checkpointing: bool,
     :data:`HOST_SHARE` of the available host memory, else the largest that does (balanced over
     the accumulation steps, at least 1), and the reason (None when the whole batch was estimated to fit).
 
-    The peak is the memory estimator's allocated bytes (:func:`tightfit.memory.estimate`: two
-    training steps traced on meta tensors, AdamW's state included) at micro-batches 4 and 16
+    The peak is the memory estimator's allocated bytes (:func:`tightfit.memory.estimate` with
+    ``host=True``: two training steps traced on meta tensors as the CPU runs them, AdamW's state
+    included) at micro-batches 4 and 16
     (:data:`~tightfit.memory.fast.TRACED_AT`), extended as a line; an effective batch up to 16
     is not traced (no such batch of the models tightfit trains needs gigabytes).
 
@@ -44,7 +44,7 @@ def host_micro_batch(workload, precision: str, checkpointing: bool,
     from ..levers.blocks import find_blocks
     from ..levers.optimizers import available_host_bytes
     from ..tasks import LossOnly
-    from .search import estimator_for
+    from ..memory.estimate import estimate
 
     E = workload.effective_batch
     if E <= max(TRACED_AT):
@@ -56,10 +56,14 @@ def host_micro_batch(workload, precision: str, checkpointing: bool,
     have = available_host_bytes() if available_bytes is None else available_bytes
     limit = HOST_SHARE * have
     blocks = tuple(range(len(find_blocks(workload.model)))) if checkpointing else ()
-    estimate = estimator_for(workload.model, lambda n, size: workload.train.worst_case(n), 0, get_profile("h200"),
-                             E, checkpointed_margin=0.0)
+    example = workload.train.worst_case(1)
+
+    def peak(m: int) -> int:  # a micro-batch of m, the window's gradients held as with accumulation
+        return estimate(workload.model, example, Plan(precision, m, max(m, E), device="cpu"),
+                        checkpoint_blocks=blocks, host=True).peak_allocated_bytes
+
     try:
-        small, large = (estimate(precision, m, blocks).peak_allocated_bytes for m in TRACED_AT)
+        small, large = (peak(m) for m in TRACED_AT)
     except Exception as e:  # noqa: BLE001 - a model the meta-tensor tracer cannot run: the whole batch, as asked
         return E, (f"CPU: the whole effective batch in one micro-batch; its host memory could not be estimated "
                    f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
