@@ -673,7 +673,7 @@ def test_failed_oom_redo_leaves_the_users_arguments(tmp_path):
 
 
 @pytest.mark.parametrize("divides", [True, False])
-def test_your_compute_loss_that_divides_by_the_item_count_is_left_to_do_so(tmp_path, divides):
+def test_your_compute_loss_that_divides_by_the_item_count_is_left_to_do_so(tmp_path, divides, caplog):
     """transformers' documented custom loss: ``compute_loss(..., num_items_in_batch)`` sums and
     divides by the window's count. hf.train took the count away from it (a TypeError, or a mean
     weighed wrongly on a short last window). One that takes the keyword but returns a mean (the
@@ -704,8 +704,15 @@ def test_your_compute_loss_that_divides_by_the_item_count_is_left_to_do_so(tmp_p
                                  **hf.training_arguments(plan))
         rows = _Rows(22) if divides else _Rows(16)  # a mean is exact only where micro-batches hold as many
         t = Yours(model=tiny_bert(), args=args, train_dataset=rows, callbacks=[hf.TightfitCallback(plan)])
-        hf.train(t)  # 22 samples: a short last window of 6 (4 + 2 at micro-batch 4)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tightfit"):
+            hf.train(t)  # 22 samples: a short last window of 6 (4 + 2 at micro-batch 4)
         weights[mb] = _weights(t)
+        # a mean divided by the accumulation steps is one batch only for equal micro-batches: said, as a
+        # warning (it was an INFO line claiming one batch of the effective size, seen by a fresh user)
+        warned = "only where its micro-batches hold as many labelled items" in caplog.text
+        assert warned == (not divides and mb == 4), caplog.text
+        assert not warned or "have your compute_loss divide its sum by num_items_in_batch" in caplog.text
     for a, b in zip(weights[4], weights[8]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 

@@ -1065,3 +1065,57 @@ def test_a_stop_after_a_blown_up_update_names_that_update():
     assert e.value.last_update == 2
     assert "The last update applied was step 2's (the weights are its weights): if it spoiled them, a lower " \
            "learning rate alone will not help; restore the weights from before it." in str(e.value)
+
+
+def test_batches_smaller_than_the_effective_batch_in_a_row_are_said_once():
+    """A loader whose batch_size is the micro-batch makes every step's effective batch that size,
+    silently (a fresh user's loop of 16-sample batches under a plan of 64 took 8 steps of 16).
+    Only an epoch's last batch may be short: one short batch between full ones says nothing."""
+    step = tightfit.TrainStep(Plan("fp32", 16, 64), _mlp(), loss=_ce)
+    sizes = [64, 40, 64, 16, 16, 16]
+    said = []
+    for i, n in enumerate(sizes):
+        out = step(_xy(n, i))
+        said.append(sum("a second batch in a row of fewer samples" in e for e in step.events))
+        assert out.micro_batch == min(16, n)
+    assert said == [0, 0, 0, 0, 1, 1]
+    assert "give each step 64 samples" in [e for e in step.events if "in a row" in e][0]
+
+
+def test_a_step_on_a_batch_under_the_micro_batch_says_the_pass_it_ran():
+    """StepOutcome.micro_batch is the samples per forward pass: a 16-sample batch under a plan of
+    64 runs one pass of 16 (it said 64)."""
+    passes = []
+    model = _mlp()
+    model[0].register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
+    out = tightfit.TrainStep(Plan("fp32", 64, 64), model, loss=_ce)(_xy(16))
+    assert (out.micro_batch, out.accumulation_steps, passes) == (16, 1, [16])
+
+
+def test_a_loss_of_ones_own_over_token_labels_with_ignored_targets_is_said_once():
+    """loss= is weighed by samples across micro-batches: a token-mean loss with -100 labels then
+    differs from one batch (a fresh user's GPT-2 run moved its weights by 0.02, unsaid). Without
+    -100, or without accumulation, nothing is said."""
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+
+        def forward(self, input_ids):
+            return self.emb(input_ids)
+
+    def token_mean(m, b):
+        return torch.nn.functional.cross_entropy(m(b["input_ids"]).flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+
+    def batch(ignored):
+        labels = torch.arange(32).reshape(8, 4) % 4
+        if ignored:
+            labels[:3, 2:] = -100
+        return {"input_ids": torch.arange(32).reshape(8, 4) % 10, "labels": labels}
+
+    torch.manual_seed(0)
+    for plan, ignored, said in ((Plan("fp32", 4, 8), False, 0), (Plan("fp32", 8, 8), True, 0), (Plan("fp32", 4, 8), True, 1)):
+        step = tightfit.TrainStep(plan, Tokens(), loss=token_mean)
+        step(batch(ignored))
+        step(batch(ignored))
+        assert sum("weighed across the micro-batches by their samples" in e for e in step.events) == said, plan

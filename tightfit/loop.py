@@ -505,7 +505,8 @@ class StepOutcome:
         grad_norm: global L2 norm of the unscaled gradients (before clipping, if ``max_grad_norm`` is set).
         stepped: whether the optimizer step was applied (False: non-finite gradients, skipped; or a batch
             without any target, every label -100, where there is nothing to learn: loss and norm 0.0).
-        micro_batch: samples per forward/backward pass in this step (after any OOM recovery).
+        micro_batch: samples per forward/backward pass in this step (after any OOM recovery; a batch
+            smaller than the micro-batch runs as one pass of its samples).
         accumulation_steps: micro-batches this step ran.
         oom_recoveries: times this step was redone with a smaller micro-batch.
         peak_allocated_bytes, peak_reserved_bytes: this step's CUDA peaks (None on the CPU).
@@ -655,6 +656,8 @@ class TrainStep:
         self.micro_batch = self._used_micro_batch = plan.micro_batch
         self.steps = self.skipped_steps = self.oom_recoveries = 0
         self._skipped_in_row = self._clean_steps = 0
+        self._short_in_row, self._told_short = 0, False  # batches under the effective batch in a row; said
+        self._told_token_loss = False
         self._last_update = 0  # the step whose update was the last applied (0: none yet)
         self.memory_timeline: list[tuple[int, int, int]] = []
         self.model.zero_grad(set_to_none=True)  # a stray backward before the loop must not leak into step 1
@@ -671,6 +674,18 @@ class TrainStep:
                                 f"{self.plan.effective_batch}: give each step at most {self.plan.effective_batch} "
                                 f"samples (the loader's batch_size), or plan(effective_batch={b.size})")
         _check_class_ids(self.model, b, self.loss)  # before anything of the step: nothing to undo
+        # only an epoch's last batch may be short: two in a row mean a loader whose batch_size is
+        # the micro-batch, each step then training on fewer samples than planned (said once)
+        self._short_in_row = self._short_in_row + 1 if b.size < self.plan.effective_batch else 0
+        if self._short_in_row == 2 and not self._told_short:
+            self._told_short = True
+            self._event(f"step {self.steps + 1}: a second batch in a row of fewer samples ({b.size}) than the plan's "
+                        f"effective batch of {self.plan.effective_batch}: each step trains on the batch it is given "
+                        f"(accumulating only within it), so these steps have an effective batch of {b.size}; give "
+                        f"each step {self.plan.effective_batch} samples (the loader's batch_size; only an epoch's "
+                        "last batch may be smaller)", logging.WARNING)
+        if self.loss is not None and not self._told_token_loss and b.size > self.micro_batch:
+            self._say_token_loss(b)
         recoveries = self.oom_recoveries
         # every window starts from zero gradients (DESIGN invariant 1), not only the first: a backward
         # of the caller's between two calls (a gradient-based metric) would otherwise add to this step's
@@ -685,14 +700,14 @@ class TrainStep:
             self._event(f"step {self.steps}: no target in the batch (every label is -100): nothing to learn, "
                         "no update", logging.WARNING)
             peaks, reading = self._record_memory_and_health()
-            return StepOutcome(0.0, 0.0, False, self.micro_batch, accumulation_steps(b.size, self.micro_batch), 0,
-                               *peaks, reading)
+            return StepOutcome(0.0, 0.0, False, min(self.micro_batch, b.size), accumulation_steps(b.size, self.micro_batch),
+                               0, *peaks, reading)
         with train_mode(self.model):  # dropout on; a train-mode model's eval-mode parts stay in eval mode
             result = self._step_with_recovery(b, tokens, _normaliser(b, targets))
         self.steps += 1
         stepped = self._after_step(result.finite, b)
         peaks, reading = self._record_memory_and_health()
-        return StepOutcome(result.loss, result.grad_norm, stepped, self._used_micro_batch,
+        return StepOutcome(result.loss, result.grad_norm, stepped, min(self._used_micro_batch, b.size),
                            accumulation_steps(b.size, self._used_micro_batch), self.oom_recoveries - recoveries, *peaks, reading)
 
     def _step_with_recovery(self, b: _Batch, tokens, normaliser: float):
@@ -990,6 +1005,22 @@ class TrainStep:
                 "peak_reserved_bytes": max((x[2] for x in t), default=None),
                 "max_temp_c": h.max_temp_c if h else None, "max_power_w": h.max_power_w if h else None,
                 "health": h.status if h else "off (CPU)"}
+
+    def _say_token_loss(self, b: _Batch) -> None:
+        """Warn once where ``loss=`` meets token labels with -100 in a batch split into micro-batches:
+        the micro-batches' losses are weighed by their samples, so a loss that is a mean over target
+        tokens weighs a micro-batch with fewer targets more than one batch would (the model's own
+        loss, ``loss`` left out, is weighed by its targets). Labels on the host only: no GPU sync."""
+        if b.keys is None or "labels" not in b.keys:
+            return
+        labels = b.values[b.keys.index("labels")]
+        if labels.is_floating_point() or labels.dim() < 2 or labels.device.type != "cpu" or not (labels == -100).any():
+            return
+        self._told_token_loss = True
+        self._event(f"step {self.steps + 1}: your loss= is weighed across the micro-batches by their samples; with "
+                    "token labels of -100, a loss that is a mean over target tokens then weighs micro-batches "
+                    "with fewer targets more than one batch of the effective size would: leave loss= out to "
+                    "train on the model's own loss, weighed by its target tokens", logging.WARNING)
 
     def _event(self, message: str, level: int = logging.INFO) -> None:
         self.events.append(message)

@@ -361,9 +361,16 @@ def scale_loss_as_one_batch(trainer) -> bool:
         if not _drops_item_count(trainer):
             return False
         trainer.model_accepts_loss_kwargs = False
-        log.info("tightfit: %s's loss ignores num_items_in_batch: the Trainer divides it by the accumulation "
-                 "steps (model_accepts_loss_kwargs=False), as one batch of the effective size",
-                 type(trainer.model).__name__)
+        # the Trainer's division is exact only for windows of equal micro-batches: tightfit cannot
+        # weigh a loss it did not compute (your compute_loss, label smoothing, several processes)
+        say = log.warning if trainer.args.gradient_accumulation_steps > 1 else log.info  # one micro-batch: exact
+        say("tightfit: %s's loss ignores num_items_in_batch, so the Trainer divides each micro-batch's mean "
+            "by the accumulation steps (model_accepts_loss_kwargs=False): a window trains as one batch "
+            "of its samples only where its micro-batches hold as many labelled items (a short last "
+            "micro-batch, or labels of -100, weigh differently); %s", type(trainer.model).__name__,
+            "to make every window exact, have your compute_loss divide its sum by num_items_in_batch"
+            if type(trainer).compute_loss is not transformers.Trainer.compute_loss else
+            "hf.train weighs each micro-batch itself only for the model's own loss, without label smoothing, in one process")
         return True
 
     window = {"items": None}  # the labelled items of the accumulation window being trained
