@@ -14,7 +14,8 @@ those over S seconds print their table. Each eager step and capture also names t
 device mallocs and frees it made. With ``TIMELINE_PROFILE_PLAN=1`` the GPU planner
 (``plan_on_gpu``) runs under cProfile too, its tables printed with the others. With
 ``TIMELINE_NO_CUDNN_SDPA=1`` the run's attention takes no cuDNN kernel (an A/B of that backend's
-per-shape set-up at shapes the run meets first).
+per-shape set-up at shapes the run meets first; what a text run does since ``tightfit.levers.attention``),
+with ``TIMELINE_CUDNN_SDPA=1`` it keeps PyTorch's choice (cuDNN's kernels first on sm90).
 """
 
 from __future__ import annotations
@@ -141,6 +142,9 @@ def main(outdir: Path, argv: list[str]) -> None:
         import torch
         torch.backends.cuda.enable_cudnn_sdp(False)
         print("cuDNN scaled_dot_product_attention disabled", file=sys.stderr)
+    if os.environ.get("TIMELINE_CUDNN_SDPA"):  # the other side: a text run with PyTorch's own attention kernels
+        api.TrainRecipe.VARYING_SHAPES = False
+        print("the text run keeps PyTorch's attention kernels (cuDNN's first on sm90)", file=sys.stderr)
     graphs.StepGraphs._eager, graphs.StepGraphs._capture = timed_eager, timed_capture
     summary = api.train(req)
     print("\n".join(tables))

@@ -438,3 +438,25 @@ def test_a_model_sized_by_its_image_side_without_position_embeddings_is_held_to_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--image-size 48: the model in" in err[0] and "use --image-size 64" in err[0], err
     assert main([*args, "--image-size", "64", "--json"]) == 0
+
+
+def test_attention_keeps_cudnn_for_images_and_a_text_run_trains_without_it(models, tmp_path, monkeypatch):
+    """A text run's micro-batches are padded to their longest text, so each new length is a new
+    shape, for which cuDNN's attention builds a graph (115-175 ms per eager step at a new shape on
+    an H100); a text run trains, plans and evaluates without cuDNN's kernels, and the setting is
+    put back after. An image run's shapes are fixed: PyTorch's choice stays."""
+    from conftest import tiny_cpu_job
+
+    from tightfit import api
+    from tightfit.config import TrainRequest
+    from tightfit.runtime.trainer import Trainer
+
+    seen = []
+    fit = Trainer.fit
+    monkeypatch.setattr(Trainer, "fit", lambda self: (seen.append(torch.backends.cuda.cudnn_sdp_enabled()), fit(self))[1])
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    (tmp_path / "text").mkdir()
+    api.train(TrainRequest(**tiny_cpu_job(tmp_path / "text"), max_steps=1, out=str(tmp_path / "text-run")))
+    assert _train(["--data", "digits", "--model", str(models / "resnet"), "--image-size", "16", "--max-steps", "1",
+                   "--device", "cpu", "--out", str(tmp_path / "image-run")], tmp_path / "image-run") == 0
+    assert seen == [False, True] and torch.backends.cuda.cudnn_sdp_enabled()

@@ -79,9 +79,17 @@ def train(req: TrainRequest) -> RunSummary:
 
     configure_allocator()  # effective only if CUDA has not started yet in this process
     from .image_train import recipe_class
+    from .levers.attention import without_cudnn_attention
 
     world = World.from_env(req.planning.device)  # several ranks under torchrun (docs/distributed.md)
     recipe = recipe_class(req)(req, world)  # TrainRecipe, or ImageTrainRecipe for an image model
+    with without_cudnn_attention(recipe.VARYING_SHAPES):  # planning's probes, training and evaluation alike
+        return _train(recipe, world)
+
+
+def _train(recipe: TrainRecipe, world) -> RunSummary:
+    """:func:`train`'s steps on ``recipe``: setup, then the run, then its end."""
+    req = recipe.req
     try:
         if req.run.resume and world.is_main:  # before the resume touches anything in the folder: one writer
             from .runtime.checkpoint import resume_target
@@ -288,6 +296,9 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
 class TrainRecipe:
     """One ``tightfit train`` run, as steps on its state (in the manner of torchtune's recipes).
 
+    Its batches vary in shape (each micro-batch padded to its longest text), so its attention
+    runs without cuDNN's kernels, which build a plan per shape (:mod:`tightfit.levers.attention`).
+
     Use: ``recipe.setup()``; if ``recipe.finished_summary()`` is None, ``recipe.open_run_folder()``,
     then ``recipe.finish(recipe.train())``. The options were checked when the request was made
     (:mod:`tightfit.config`); :meth:`setup` does every other check and writes nothing (but a new
@@ -310,6 +321,8 @@ class TrainRecipe:
         trainer: the :class:`tightfit.runtime.trainer.Trainer`.
         metrics: the open ``metrics.jsonl`` writer (after :meth:`open_run_folder`).
     """
+
+    VARYING_SHAPES = True  # micro-batches padded to their longest text: see tightfit.levers.attention
 
     def __init__(self, req: TrainRequest, world=None):
         from .runtime.distributed import World

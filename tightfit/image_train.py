@@ -164,7 +164,10 @@ class ImageTrainRecipe(TrainRecipe):
     """``tightfit train`` for an image model: image data, an image classifier, the same plan,
     guards, run folder and report as :class:`tightfit.api.TrainRecipe`. The run folder's
     ``model/`` holds the weights (safetensors), ``config.json`` and :data:`PREPROCESSING_FILE`
-    (how images become ``pixel_values``)."""
+    (how images become ``pixel_values``). Its batches have one shape (but an epoch's short last
+    micro-batch): attention keeps PyTorch's kernels (:mod:`tightfit.levers.attention`)."""
+
+    VARYING_SHAPES = False
 
     def _load_data(self) -> None:
         """The image model's registry entry and the labelled images (every image checked)."""
