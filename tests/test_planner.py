@@ -259,6 +259,10 @@ def test_compiled_stage_finds_the_fewest_micro_batches_then_the_fewest_blocks(mo
     # at the largest micro-batch it fits (200 + 7 mb <= 1000: 114), counts doubled then bisected:
     # 64 (k = 4) fits, 86 (k = 3) fits; slower per sample than 256 with 8 blocks here
     assert [p for p in probed if p[0] not in (256, 128)] == [(64, 0), (86, 0)], probed
+    # the stage's line gives each probe's speed beside its peak: why the one kept won is readable
+    line = gpu.compiled_variant(w, eager, 10**9, n).notes
+    assert any("256 x 1, 8 blocks: " in x and "samples/s" in x.split("256 x 1, 8 blocks: ")[1].split(";")[0]
+               for x in line), line
 
     # a tight budget: only the eager plan's 32 micro-batches of 8 fit, with every block checkpointed
     probed.clear()

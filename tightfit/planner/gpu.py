@@ -838,7 +838,8 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
             set_activation_checkpointing(model, bool(blocks), blocks)
             pr = probes[mb, blocks] = probe_step(workload, mb, best.precision, budget_bytes, optimizer=best.optimizer,
                                                  timed_steps=VERIFIED_STEPS)
-            tried.append(f"{mb} x {accumulation_steps(E, mb)}, {len(blocks)} blocks: {_peak(pr)}")
+            timing = f", {format_rate(_samples_per_s(pr, E))} samples/s" if pr.fits and pr.step_seconds else ""
+            tried.append(f"{mb} x {accumulation_steps(E, mb)}, {len(blocks)} blocks: {_peak(pr)}{timing}")
         return probes[mb, blocks]
 
     most = tuple(range(n_blocks)) if regional else best.checkpoint_blocks
