@@ -372,6 +372,9 @@ def test_an_epoch_ending_in_a_one_sample_window_of_a_batchnorm_model_is_refused_
           "--epochs", "1"], tmp_path, capsys,
          "BatchNorm layers cannot train on a micro-batch of 1 sample, and the last window of each epoch holds 1 "
          "sample (1617 training samples, effective batch 16); choose another --batch-size (or drop a sample)")
+    # at batch 1 every window holds one sample: dropping one cannot help, only a larger batch (a fresh user)
+    _bad(["--data", "digits", "--model", str(models / "resnet"), "--image-size", "8", "--batch-size", "1",
+          "--epochs", "1"], tmp_path, capsys, "choose a --batch-size of at least 2")
 
 
 def test_a_folder_saved_by_tightfit_keeps_the_side_it_was_trained_at(models, tmp_path):

@@ -640,7 +640,10 @@ class TrainRecipe:
         E, n, least = self.workload.effective_batch, len(self.train_data), 2 * self.world.size
         # below 2 samples a rank, every window leaves some rank 1: no batch size helps, more samples do
         more = f"{option_name('train_samples')}{' ' if names_flags() else '='}{least} or more"
+        # a batch of 1 a rank has every window of one sample: only a larger batch helps, not a sample less
+        per_rank = -(-E // self.world.size)
         fix = (f"train on at least {least} samples ({more})" if n < least
+               else f"choose a {option_name('batch_size')} of at least {least}" if per_rank < 2
                else f"choose another {option_name('batch_size')} (or drop a sample)")
         from .plan import rank_batch
 
