@@ -140,11 +140,15 @@ def test_the_plan_found_reads_the_same_beside_every_levers_ceiling():
     from tightfit.planner.optimizers import _apart
 
     found = 20.6713
-    assert {_apart(c, found)[1] for c in (3.1, 15.0, 20.6, 20.7)} == {"20.67"}  # one text for one number
-    assert _apart(909.7, 910.3) == ("909.7", "910.3") and _apart(333.8, 910.3) == ("334", "910")
+    assert {_apart(c, found)[1] for c in (3.1, 15.0, 20.6, 20.7)} == {"20.7"}  # one text for one number
+    assert _apart(909.7, 910.3) == ("909.7", "910") and _apart(333.8, 910.3) == ("334", "910")
+    assert _apart(20.671, 20.6713) == ("20.67", "20.7") and _apart(910.3, 910.2) == ("910", "910")
     assert _apart(1233.6, 1834.4) == ("1234", "1834")
-    assert _apart(1233.6, 1234.4) == ("1233.6", "1234.4")  # more decimals only to tell them apart
-    assert _apart(20.671, 20.6713) == ("21", "21")
+    assert _apart(0.61, 0.642) == ("0.61", "0.642")  # as the headline writes 0.642 samples/s (a fresh user)
+    assert _apart(13.149, 13.151) == ("13.1", "13.2")
+    from tightfit.units import format_rate
+
+    assert _apart(3.1, found)[1] == format_rate(found)
 
 
 def test_blocks_checkpointed_because_asked_are_not_what_fp32_adamw_pays(monkeypatch):

@@ -222,15 +222,18 @@ def unconstrained_samples_per_s(cost, profile, kind: str, effective_batch: int, 
 
 
 def _apart(a: float, b: float) -> tuple[str, str]:
-    """``a`` and ``b`` (samples/s) as text, with the fewest decimals (up to two) that tell them
-    apart, starting from none for ``b`` >= 100 and from two below it, so that a small ``b`` -- the
-    plan already found, named beside every lever's ceiling -- reads the same in each (it read
-    "20.67" beside one lever and "20.7" beside the next). Equal to two decimals: both with none."""
-    for d in range(0 if b >= 100 else 2, 3):
-        x, y = f"{a:.{d}f}", f"{b:.{d}f}"
-        if x != y:
-            return x, y
-    return f"{a:.0f}", f"{b:.0f}"
+    """``a`` and ``b`` (samples/s) as text, each as the plan's headline writes a rate
+    (:func:`~tightfit.units.format_rate`), so that ``b`` -- the plan already found, named beside
+    every lever's ceiling -- reads the same in each line and in the headline (it read "13.15" beside
+    one lever, "13" beside the next and "13.2" in the headline). An ``a`` just below ``b`` that
+    would read the same gets the decimals (up to 3) that read as below: "909.7" beside "910".
+    Equal texts: about the same."""
+    x, y = format_rate(a), format_rate(b)
+    if x == y and a < b:
+        for d in range(1, 4):
+            if float(f"{a:.{d}f}") < float(y):
+                return f"{a:.{d}f}", y
+    return x, y
 
 
 def _cost_line(model, result: SearchResult, kind: str, profile) -> str:
