@@ -735,3 +735,37 @@ def test_fewer_blocks_go_straight_to_the_fewest_the_shifted_line_says_fit():
     fewest = min(k for k in range(13) if exact("fp32", 64, tuple(range(k))).peak_reserved_bytes <= limit)
     assert (r.best.micro_batch, len(r.best.checkpoint_blocks)) == (64, fewest) and fewest == 6
     assert seen.count(9) == 1 and not set(seen) & {7, 8}, seen  # 9, then 6: none of the counts between
+
+
+def test_the_image_size_ladder_passes_over_sizes_too_small_to_trace():
+    """A fresh user: ResNet-50 at 4096 px on a 4 GB card was told no smaller --image-size fits
+    ("the sizes down to where the model can still be traced were tried"), where 2048 planned: the
+    search began at 1 px, which BatchNorm cannot trace, and gave up there. It now starts from the
+    smallest size that traces (by bisection) and names the largest that fits."""
+    from types import SimpleNamespace
+
+    from tightfit.planner.advice import largest_size, nothing_fits_lines
+
+    traced = []
+
+    def estimator_at(size, effective_batch):
+        def fn(precision, micro_batch, blocks):
+            traced.append(size)
+            if size < 32:
+                raise ValueError("Expected more than 1 value per channel when training")
+            return SimpleNamespace(peak_reserved_bytes=size * size)
+        return fn
+
+    limit = 2100 ** 2
+    assert largest_size(estimator_at, 4096, 1, ["fp32"], [()], limit) == (2096, 32 * 32, 32)
+    assert len(set(traced)) < 30  # bisections, not a scan of 500 sizes
+    step = SimpleNamespace(peak_reserved_bytes=4096 ** 2, breakdown={})
+    lines = [x for x in nothing_fits_lines(torch.nn.Linear(4, 4), step, limit, "fp32", [()], 4096, 32,
+                                           "--image-size", 12e9, estimator_at=estimator_at) if "--image-size" in x]
+    assert lines == ["fits: --image-size 2096 at effective batch 32 (micro-batch 1 x 32 accumulation steps; fp32, "
+                     "checkpointing searched as for the plan)"], lines
+    # nothing fits even at the smallest size that traces: that size is named, not 1
+    lines = [x for x in nothing_fits_lines(torch.nn.Linear(4, 4), step, 500, "fp32", [()], 4096, 32,
+                                           "--image-size", 12e9, estimator_at=estimator_at) if "--image-size" in x]
+    assert lines == ["does not fit either: a shorter --image-size at effective batch 32 (--image-size 32 needs "
+                     "1.00 KiB)"], lines

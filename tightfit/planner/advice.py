@@ -177,15 +177,30 @@ def largest_effective_batch_without_accumulation(estimator_at, size: int, effect
 
 
 def largest_size(estimator_at, size: int, effective_batch: int, precisions, block_options,
-                 limit: float, smallest: int = 1) -> tuple[int | None, int | None]:
+                 limit: float, smallest: int = 1) -> tuple[int | None, int | None, int]:
     """The largest sequence length / image size from ``smallest`` to below ``size`` at which
     micro-batch 1 (with ``effective_batch`` accumulation steps, in one of ``precisions``, with one
     of ``block_options`` checkpointed) fits ``limit`` (bytes);
     multiples of 8 from 16 up (tensor-core friendly), every size below that. None if none fits.
-    Second: the least peak reserved bytes at ``smallest`` (None if it could not be estimated)."""
+    Second: the least peak reserved bytes at the smallest size that could be estimated (None if
+    none could), third: that size. Sizes too small to trace (ResNet-50's BatchNorm at 1 px: one
+    value per channel) are passed over, found by bisection (a model traces at every size above
+    its smallest): the search gave up at 1 px and said no smaller size fits where 2048 did."""
     sizes = [s for s in range(smallest, size) if s < 16 or s % 8 == 0]
-    return _largest(sizes, lambda s: smallest_step_peak(estimator_at(s, effective_batch), precisions, block_options,
-                                                        limit), limit)
+    memo: dict[int, int | None] = {}
+
+    def peak(s: int) -> int | None:
+        if s not in memo:
+            memo[s] = smallest_step_peak(estimator_at(s, effective_batch), precisions, block_options, limit)
+        return memo[s]
+
+    start = 0
+    if len(sizes) > 1 and peak(sizes[0]) is None:
+        if peak(sizes[-1]) is None:
+            return None, None, sizes[-1]
+        start = bisect(len(sizes) - 1, 0, lambda i: peak(sizes[i]) is not None)  # the smallest that traces
+    best, first = _largest(sizes[start:], peak, limit)
+    return best, first, sizes[start] if sizes else smallest
 
 
 def _resizable(estimator_at, size: int, effective_batch: int) -> bool:
@@ -516,7 +531,8 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
         elif not _resizable(estimator_at, size, effective_batch):
             lines.append(f"a shorter {size_flag} also needs less activation memory (not estimated here)")
         else:
-            s, one = largest_size(estimator_at, size, effective_batch, precisions, block_options, limit, smallest)
+            s, one, smallest = largest_size(estimator_at, size, effective_batch, precisions, block_options, limit,
+                                            smallest)
             lines.append(f"fits: {size_flag} {s} at effective batch {effective_batch} (micro-batch 1 x "
                          f"{effective_batch} accumulation steps; {how})" if s else
                          f"does not fit either: a shorter {size_flag} at effective batch {effective_batch} "
