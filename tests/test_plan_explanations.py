@@ -595,3 +595,19 @@ def test_the_refusal_says_a_lever_fits_where_its_own_search_plans_it(capsys):
     assert main([*args, "--optimizer", "adamw-offload", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["predicted_peak_reserved_bytes"] <= 829.5 * 2**20
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_json_carries_the_notes_the_text_prints(command, capsys):
+    """A fresh user: `--json` left out the notes (the budget lowered to the card's usable memory,
+    went to stderr only); the JSON now holds them in ``notes``, as the text says them."""
+    from tightfit.cli import main
+
+    args = [command, "--model", "minilm", "--gpu", "gtx-1650-ti", "--budget", "3.5GiB", "--json"]
+    args += ["--micro-batch", "8"] if command == "estimate" else ["--batch-size", "8"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    said = [line[len("note: "):] for line in captured.err.splitlines() if line.startswith("note: ")]
+    assert said and any("more than the" in n and "usable" in n for n in said), captured.err
+    assert all(n in d["notes"] for n in said), (said, d["notes"])

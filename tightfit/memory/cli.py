@@ -210,7 +210,8 @@ def run(args) -> int:
             # fits: peak_reserved_bytes + estimator_margin_bytes <= planned_limit_bytes
             d.update(budget_bytes=budget, planned_limit_bytes=verdict.limit_bytes,
                      estimator_margin_bytes=verdict.margin_bytes, fits=verdict.fits)
-        d["notes"] = [f"gradients: {note}"] if note else []
+        # every note the text prints (the card's, the model's, --trainable's), then the gradients'
+        d["notes"] = card_notes + warnings + notes + ([f"gradients: {note}"] if note else [])
         print(json.dumps(d, indent=2))
         return 0
     from ..levers.blocks import find_blocks

@@ -189,7 +189,8 @@ def _print_offload(args, plan, model, notes: list[str], profile, budget: int, ki
                           "budget_bytes": budget, "predicted_peak_bytes": plan.predicted_peak_reserved_bytes,
                           "predicted_peak_allocated_bytes": None, "breakdown": None, "predicted_samples_per_s": None,
                           "runners_up": [], "planning_seconds": seconds, "breakdown_notes": [],
-                          "graphs_off": graphs_unavailable(plan, model), "host_state_bytes": host}, indent=2))
+                          "graphs_off": graphs_unavailable(plan, model), "notes": list(notes),
+                          "host_state_bytes": host}, indent=2))
         return
     for n in notes:
         print(f"note: {n}")
@@ -281,7 +282,7 @@ def card_budget(gpu: str | None, budget_text: str | None):
 
 
 def _print_json(result, model, notes: list[str]) -> None:
-    """The search result as JSON on stdout (notes on stderr)."""
+    """The search result as JSON on stdout, its ``notes`` also on stderr."""
     from ..levers.optimizers import trainable_gradient_bytes
     from ..memory.cli import gradient_note
     from ..runtime.graphs import graphs_unavailable
@@ -294,6 +295,7 @@ def _print_json(result, model, notes: list[str]) -> None:
     d = result.to_dict()
     d["breakdown_notes"] = [f"gradients: {grad_note}"] if grad_note else []
     d["graphs_off"] = graphs_unavailable(result.to_plan(), model)  # None: the run would capture them
+    d["notes"] = list(notes)  # those printed on stderr too: the JSON carries what the text says
     print(json.dumps(d, indent=2))
 
 
