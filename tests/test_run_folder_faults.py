@@ -544,3 +544,27 @@ def test_a_resume_from_a_checkpoint_written_at_another_learning_rate_says_which_
     with caplog.at_level(logging.INFO, logger="tightfit"):  # resumed at its own rate: nothing to say
         api.train(api.TrainRequest(**common, lr=first, resume=str(run / "checkpoints" / "ckpt-4")))
     assert not [r for r in caplog.records if "was written at" in r.getMessage()]
+
+
+def test_an_interrupt_while_the_finished_runs_summary_is_printed_says_the_run_is_complete(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """A fresh user's Ctrl-C as the summary lines were printed: every file was written, yet the note
+    said "interrupted during writing the model and the report ... continue with --resume (it
+    finishes the run)". It now says the run had finished and where its results are."""
+    import logging
+
+    common = tiny_cpu_job(tmp_path)
+    run = tmp_path / "run"
+    info = api.log.info
+
+    def interrupted_at_the_summary(message, *a, **k):
+        if message == "summary:":  # right after summary.json was written
+            raise KeyboardInterrupt
+        return info(message, *a, **k)
+
+    monkeypatch.setattr(api.log, "info", interrupted_at_the_summary)
+    with caplog.at_level(logging.WARNING, logger="tightfit"), pytest.raises(KeyboardInterrupt):
+        api.train(api.TrainRequest(**common, max_steps=2, out=str(run)))
+    assert (run / "summary.json").is_file()
+    assert f"interrupted after the run had finished: its model, report and summary are in {run}" in caplog.text
+    assert "--resume" not in caplog.text

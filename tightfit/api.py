@@ -905,6 +905,9 @@ class TrainRecipe:
         """
         if getattr(self, "created", None) is None:
             return
+        if getattr(self, "finished", False):  # while the summary was printed: nothing is left to do
+            log.warning(f"note: interrupted after the run had finished: its model, report and summary are in {self.out}")
+            return
         made_folder = self.created[:1] == [self.out]
         if self._resumable(say_wait=True):
             trainer = getattr(self, "trainer", None)
@@ -1158,6 +1161,7 @@ class TrainRecipe:
         summary = RunSummary.of_run(result, info, self._planning_seconds(), self._wall_seconds(),
                                     health.status if health else None, speed)
         atomic_write_json(out / "summary.json", summary.to_dict())
+        self.finished = True  # an interrupt from here on stops nothing: the run is complete
         log.info("summary:")
         for k, v in summary_rows(result, info) + speed_rows(speed):
             log.info(f"  {k:<20} {v}")
