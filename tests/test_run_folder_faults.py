@@ -568,3 +568,30 @@ def test_an_interrupt_while_the_finished_runs_summary_is_printed_says_the_run_is
     assert (run / "summary.json").is_file()
     assert f"interrupted after the run had finished: its model, report and summary are in {run}" in caplog.text
     assert "--resume" not in caplog.text
+
+
+def test_a_run_whose_data_moved_resumes_from_the_new_place_with_the_same_data(tmp_path, capsys):
+    """A fresh user moved the data folder of a stopped run: --resume said "data not found" and
+    --data at the new place was refused as a changed option. The run's recorded data gone, its new
+    place may be given; other data are still refused by the data check."""
+    import shutil
+
+    from tightfit.cli import main
+
+    common = tiny_cpu_job(tmp_path)
+    run = tmp_path / "run"
+    api.train(api.TrainRequest(**common, max_steps=4, checkpoint_every=2, out=str(run)))
+    (run / "summary.json").unlink()  # as if stopped before its end
+    moved = tmp_path / "moved.csv"
+    shutil.move(common["data"], moved)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"the run's data {common['data']} is gone (moved or deleted)" in err and "--data" in err, err
+    other = tmp_path / "other.csv"
+    other.write_text(moved.read_text().replace("pos", "neg", 3))
+    assert main(["train", "--resume", str(run), "--data", str(other), "--no-progress"]) == 2
+    assert "the data differ from those the run started with" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--data", str(moved), "--no-progress"]) == 0
+    assert (run / "summary.json").is_file()
+    assert json.loads((run / "request.json").read_text())["data"] == str(moved)

@@ -1350,7 +1350,14 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     # change is refused (ignored, an asked-for change such as more epochs would never happen).
     recorded = _request_record(req)  # the given values as request.json holds them (absolute paths)
     resolved = _resolved_options(run)  # repeating what an `auto` became is repeating the run's own
-    refused = [option_name(k) for k, v in given.items() if k not in RESUME_MAY_CHANGE and k != "out"
+    # data moved since: its new place may be given (the fingerprint check then wants the same samples)
+    gone = isinstance(saved.get("data"), str) and Path(saved["data"]).is_absolute() and not Path(saved["data"]).exists()
+    if gone and "data" not in given:
+        raise TightfitError(f"{option_given('resume', str(run))}: the run's data {saved['data']} is gone (moved or "
+                            f"deleted): put it back, or give its new place with {option_name('data')} (the same "
+                            "data: checked against the run's)")
+    may_change = RESUME_MAY_CHANGE + (("data",) if gone else ())
+    refused = [option_name(k) for k, v in given.items() if k not in may_change and k != "out"
                and not _same_option(k, saved.get(k), recorded.get(k, v), resolved)]
     if "out" in given and Path(now["out"]).resolve() != run.resolve():
         refused.append(option_name("out"))
@@ -1360,7 +1367,8 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
                             f"change only {', '.join(option_name(k) for k in RESUME_MAY_CHANGE)}): leave "
                             f"{'it' if len(refused) == 1 else 'them'} out, or start a new run")
     try:
-        changed = {k: [saved.get(k), v] for k, v in given.items() if k in RESUME_MAY_CHANGE and saved.get(k) != v}
+        given = {**given, **({"data": recorded["data"]} if "data" in given else {})}  # the new place, absolute
+        changed = {k: [saved.get(k), v] for k, v in given.items() if k in may_change and saved.get(k) != v}
         command = saved.get("command", req.run.command)  # the run's own command,
         if changed:  # and the resume that changed its options: both make the run (--lr 1e-3, then 1e-4)
             command = f"{command} (resumed as: {req.run.command})"
