@@ -463,3 +463,22 @@ def test_attention_keeps_cudnn_for_images_and_a_text_run_trains_without_it(model
     assert _train(["--data", "digits", "--model", str(models / "resnet"), "--image-size", "16", "--max-steps", "1",
                    "--device", "cpu", "--out", str(tmp_path / "image-run")], tmp_path / "image-run") == 0
     assert seen == [False, True] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_overlapping_runs_leave_the_attention_setting_as_they_found_it():
+    """The cuDNN attention setting is the process's: two text runs overlapping in threads (the
+    review's case) turned it back on under the second and left it off after both. Counted now:
+    off while any is inside, put back when the last leaves, whatever the order."""
+    from tightfit.levers.attention import without_cudnn_attention
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    first, second = without_cudnn_attention(), without_cudnn_attention()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first run ends while the second trains
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    second.__exit__(None, None, None)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with without_cudnn_attention(False):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+

@@ -1080,6 +1080,8 @@ def test_batches_smaller_than_the_effective_batch_in_a_row_are_said_once():
         assert out.micro_batch == min(16, n)
     assert said == [0, 0, 0, 0, 1, 1]
     assert "give each step 64 samples" in [e for e in step.events if "in a row" in e][0]
+    # a data set smaller than the effective batch: every step is short, and the advice names the plan too
+    assert "or plan for the batch you give" in [e for e in step.events if "in a row" in e][0]
 
 
 def test_a_step_on_a_batch_under_the_micro_batch_says_the_pass_it_ran():

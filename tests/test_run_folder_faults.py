@@ -595,3 +595,11 @@ def test_a_run_whose_data_moved_resumes_from_the_new_place_with_the_same_data(tm
     assert main(["train", "--resume", str(run), "--data", str(moved), "--no-progress"]) == 0
     assert (run / "summary.json").is_file()
     assert json.loads((run / "request.json").read_text())["data"] == str(moved)
+    # a run that recorded no fingerprint (before fingerprints were kept) cannot check new data: refused
+    record = json.loads((run / "request.json").read_text())
+    record.pop("data_fingerprint", None)
+    (run / "request.json").write_text(json.dumps(record))
+    (run / "summary.json").unlink()
+    shutil.move(moved, tmp_path / "moved-again.csv")
+    assert main(["train", "--resume", str(run), "--data", str(other), "--no-progress"]) == 2
+    assert "recorded no fingerprint" in capsys.readouterr().err

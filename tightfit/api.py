@@ -641,7 +641,7 @@ class TrainRecipe:
         # below 2 samples a rank, every window leaves some rank 1: no batch size helps, more samples do
         more = f"{option_name('train_samples')}{' ' if names_flags() else '='}{least} or more"
         # a batch of 1 a rank has every window of one sample: only a larger batch helps, not a sample less
-        per_rank = -(-E // self.world.size)
+        per_rank = E // self.world.size  # the smallest share a rank gets
         fix = (f"train on at least {least} samples ({more})" if n < least
                else f"choose a {option_name('batch_size')} of at least {least}" if per_rank < 2
                else f"choose another {option_name('batch_size')} (or drop a sample)")
@@ -1352,10 +1352,11 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     resolved = _resolved_options(run)  # repeating what an `auto` became is repeating the run's own
     # data moved since: its new place may be given (the fingerprint check then wants the same samples)
     gone = isinstance(saved.get("data"), str) and Path(saved["data"]).is_absolute() and not Path(saved["data"]).exists()
-    if gone and "data" not in given:
+    if gone and ("data" not in given or fingerprint is None):  # a run that recorded none cannot check new data
+        where = (f"or give its new place with {option_name('data')} (the same data: checked against the run's)"
+                 if fingerprint is not None else "(the run recorded no fingerprint to check other data against)")
         raise TightfitError(f"{option_given('resume', str(run))}: the run's data {saved['data']} is gone (moved or "
-                            f"deleted): put it back, or give its new place with {option_name('data')} (the same "
-                            "data: checked against the run's)")
+                            f"deleted): put it back {where}")
     may_change = RESUME_MAY_CHANGE + (("data",) if gone else ())
     refused = [option_name(k) for k, v in given.items() if k not in may_change and k != "out"
                and not _same_option(k, saved.get(k), recorded.get(k, v), resolved)]

@@ -683,7 +683,7 @@ class TrainStep:
                         f"effective batch of {self.plan.effective_batch}: each step trains on the batch it is given "
                         f"(accumulating only within it), so these steps have an effective batch of {b.size}; give "
                         f"each step {self.plan.effective_batch} samples (the loader's batch_size; only an epoch's "
-                        "last batch may be smaller)", logging.WARNING)
+                        "last batch may be smaller), or plan for the batch you give", logging.WARNING)
         if self.loss is not None and not self._told_token_loss and b.size > self.micro_batch:
             self._say_token_loss(b)
         recoveries = self.oom_recoveries
@@ -1010,11 +1010,13 @@ class TrainStep:
         """Warn once where ``loss=`` meets token labels with -100 in a batch split into micro-batches:
         the micro-batches' losses are weighed by their samples, so a loss that is a mean over target
         tokens weighs a micro-batch with fewer targets more than one batch would (the model's own
-        loss, ``loss`` left out, is weighed by its targets). Labels on the host only: no GPU sync."""
+        loss, ``loss`` left out, is weighed by its targets). Labels on a GPU are read on the first
+        step only (one sync)."""
         if b.keys is None or "labels" not in b.keys:
             return
         labels = b.values[b.keys.index("labels")]
-        if labels.is_floating_point() or labels.dim() < 2 or labels.device.type != "cpu" or not (labels == -100).any():
+        on_device = labels.device.type != "cpu"  # read there on the first step only: a sync per step otherwise
+        if labels.is_floating_point() or labels.dim() < 2 or (on_device and self.steps) or not (labels == -100).any():
             return
         self._told_token_loss = True
         self._event(f"step {self.steps + 1}: your loss= is weighed across the micro-batches by their samples; with "

@@ -15,7 +15,8 @@ Measured side by side on one NVIDIA H100 (the main job, ``tightfit train --full 
 memory capped at 4 GiB, two runs each, ``bench/results/attention-kernels/``): with cuDNN's kernels
 the whole run trained at 7,666-7,829 samples/s against a steady 10,041-10,049 (0.76-0.78), its
 eager steps at new shapes 115-175 ms; without them at 9,206-9,208 against a steady 10,471-10,474
-(0.88), the steady step itself 4% faster, planning 0.88 s instead of 1.06-1.18 s.
+(0.88), the steady step itself 4% faster, planning 0.88-0.89 s instead of 1.06-1.18 s. (Those runs set
+the flag before ``tightfit.api.train``, as this module now does inside it.)
 
 Runs of fixed shapes (images, the bench's worst-case batches) keep PyTorch's choice: there
 cuDNN's graphs are built once and its kernels may be the faster.
@@ -24,22 +25,34 @@ cuDNN's graphs are built once and its kernels may be the faster.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
+
+_LOCK = threading.Lock()
+_ACTIVE = [0, True]  # blocks inside, and the setting the first found (put back when the last leaves)
 
 
 @contextlib.contextmanager
 def without_cudnn_attention(active: bool = True):
-    """Within the block, ``scaled_dot_product_attention`` takes no cuDNN kernel (the process-wide
-    setting ``torch.backends.cuda.enable_cudnn_sdp``, put back as it was on exit); ``active``
-    False: nothing changes. The backward of an attention call runs the kernel its forward chose,
-    so only the forwards (and CUDA graph captures) need to be inside."""
+    """Within the block, ``scaled_dot_product_attention`` takes no cuDNN kernel; ``active`` False:
+    nothing changes. The setting (``torch.backends.cuda.enable_cudnn_sdp``) is the process's, not the
+    thread's: overlapping blocks (two ``tightfit.api.train`` calls in threads) count, the first turns
+    it off and the last to leave puts back what the first found, and any run in the process meanwhile
+    (an image run too) takes no cuDNN attention kernel. The backward of an attention call runs the
+    kernel its forward chose, so only the forwards (and CUDA graph captures) need to be inside."""
     if not active:
         yield
         return
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    with _LOCK:
+        if _ACTIVE[0] == 0:
+            _ACTIVE[1] = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _ACTIVE[0] += 1
     try:
         yield
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(before)
+        with _LOCK:
+            _ACTIVE[0] -= 1
+            if _ACTIVE[0] == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_ACTIVE[1])

@@ -37,7 +37,9 @@ _log = logging.getLogger(__name__)
 # raised when what a cached plan holds changes meaning (its reasons' wording, the time model behind
 # its choice) within one tightfit version: entries of another format are planned anew. 2: the
 # planner's stage times without a second "planning took"; adamw8bit-bf16 timed per call, not per tensor.
-CACHE_FORMAT = "tightfit-plan-cache/2"
+# 3: a text run's probes without cuDNN's attention kernels (levers/attention.py); the compiled stage's
+# line with each probe's speed; the plan found written as the headline writes its rate.
+CACHE_FORMAT = "tightfit-plan-cache/3"
 
 
 def cache_dir() -> Path:
