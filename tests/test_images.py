@@ -446,8 +446,9 @@ def test_a_model_sized_by_its_image_side_without_position_embeddings_is_held_to_
 def test_attention_keeps_cudnn_for_images_and_a_text_run_trains_without_it(models, tmp_path, monkeypatch):
     """A text run's micro-batches are padded to their longest text, so each new length is a new
     shape, for which cuDNN's attention builds a graph (115-175 ms per eager step at a new shape on
-    an H100); a text run trains, plans and evaluates without cuDNN's kernels, and the setting is
-    put back after. An image run's shapes are fixed: PyTorch's choice stays."""
+    an H100); a text run's api.train runs without cuDNN's kernels (seen here while the trainer
+    trains; planning and evaluation are inside the same block), and the setting is put back after.
+    An image run's shapes are fixed: PyTorch's choice stays."""
     from conftest import tiny_cpu_job
 
     from tightfit import api
