@@ -348,6 +348,7 @@ class TrainRecipe:
         self.offload_reason: str | None = None  # one process offloading its parameters: why (_check_budget)
         self._refused: str | None = None  # the single-GPU refusal offload was taken instead of
         self.made_parents: list[Path] = []  # the parents a new run's folder needed (_check_run_folder)
+        self.finished = False  # summary.json written (finish): an interrupt after it stops nothing
 
     # ---------------------------------------------------------------- setup: writes nothing (but a new run's empty folder)
     def setup(self) -> None:
@@ -905,7 +906,7 @@ class TrainRecipe:
         """
         if getattr(self, "created", None) is None:
             return
-        if getattr(self, "finished", False):  # while the summary was printed: nothing is left to do
+        if self.finished:  # while the summary was printed: nothing is left to do
             log.warning(f"note: interrupted after the run had finished: its model, report and summary are in {self.out}")
             return
         made_folder = self.created[:1] == [self.out]
@@ -1161,7 +1162,7 @@ class TrainRecipe:
         summary = RunSummary.of_run(result, info, self._planning_seconds(), self._wall_seconds(),
                                     health.status if health else None, speed)
         atomic_write_json(out / "summary.json", summary.to_dict())
-        self.finished = True  # an interrupt from here on stops nothing: the run is complete
+        self.finished = True
         log.info("summary:")
         for k, v in summary_rows(result, info) + speed_rows(speed):
             log.info(f"  {k:<20} {v}")

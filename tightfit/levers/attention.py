@@ -30,7 +30,7 @@ import threading
 import torch
 
 _LOCK = threading.Lock()
-_ACTIVE = [0, True]  # blocks inside, and the setting the first found (put back when the last leaves)
+_STATE = {"inside": 0, "found": True}  # blocks inside; the setting the first found, put back by the last
 
 
 @contextlib.contextmanager
@@ -45,14 +45,14 @@ def without_cudnn_attention(active: bool = True):
         yield
         return
     with _LOCK:
-        if _ACTIVE[0] == 0:
-            _ACTIVE[1] = torch.backends.cuda.cudnn_sdp_enabled()
+        if _STATE["inside"] == 0:
+            _STATE["found"] = torch.backends.cuda.cudnn_sdp_enabled()
             torch.backends.cuda.enable_cudnn_sdp(False)
-        _ACTIVE[0] += 1
+        _STATE["inside"] += 1
     try:
         yield
     finally:
         with _LOCK:
-            _ACTIVE[0] -= 1
-            if _ACTIVE[0] == 0:
-                torch.backends.cuda.enable_cudnn_sdp(_ACTIVE[1])
+            _STATE["inside"] -= 1
+            if _STATE["inside"] == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_STATE["found"])
