@@ -1,0 +1,76 @@
+"""Issue 17: a compiled step without recomputation at a smaller micro-batch (more accumulation
+steps), blocks compiled one by one against one whole-model graph, with the 4 GiB cap and
+without it. BERT-base seq 128, effective batch 256, bf16 autocast, 8-bit AdamW with bf16
+weights (the planner's optimizer at 4 GiB).
+
+Why: the planner's compiled stage probed 64 x 4 with no block checkpointed at 1,648 samples/s
+(fits, 3.53 GiB) against 3,246 for 256 x 1 with 10 blocks recomputed (NVIDIA H100,
+bench/results/recompute-4); uncapped, the same 64 x 4 per-block step ran 2,782. A step of four
+micro-batches of 64 launches each block's compiled forward and backward four times: it may be
+bound by the host that launches them, which one graph per pass would relieve.
+
+Rows: (scope, micro-batch, checkpointing, capped) -> peak reserved, samples/s (``probe_step``,
+1 + 5 timed steps, the median). Usage (repository root, CUDA machine):
+    PYTHONPATH=.:$PYTHONPATH python bench/whole_graph_accumulation.py OUT
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from tightfit.bench.workloads import get_workload, make_workload
+from tightfit.levers.checkpointing import set_activation_checkpointing
+from tightfit.levers.compile import WHOLE_MODEL, compile_model, uncompile_model
+from tightfit.planner.probe import probe_step
+
+# (scope, micro-batch, checkpointing: None none / "model" the model's own hook on every block /
+# int: the first n blocks around their compiled call, capped)
+ROWS = [("blocks", 256, 10, True), ("blocks", 64, None, True), ("blocks", 64, None, False),
+        ("model", 64, None, True), ("model", 64, None, False), ("model", 86, None, True),
+        ("model", 128, "model", True), ("model", 256, "model", True)]
+
+
+def main(out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    w = get_workload("bert-base-128@4GiB")
+    wl = make_workload(w, w.effective_batch, 4 * w.effective_batch)
+    total = torch.cuda.get_device_properties(0).total_memory
+    rows, scope_now = [], None
+    for scope, mb, ckpt, capped in ROWS:
+        if scope != scope_now:
+            uncompile_model(wl.model)
+            torch._dynamo.reset()
+            compile_model(wl.model, WHOLE_MODEL if scope == "model" else None)
+            scope_now = scope
+        if ckpt == "model":
+            set_activation_checkpointing(wl.model, True, None)
+        else:
+            set_activation_checkpointing(wl.model, bool(ckpt), tuple(range(ckpt)) if ckpt else None)
+        torch.cuda.set_per_process_memory_fraction(w.budget_bytes / total if capped else 1.0)
+        t0 = time.perf_counter()
+        try:
+            pr = probe_step(wl, mb, "bf16", w.budget_bytes, timed_steps=5, optimizer="adamw8bit-bf16")
+            rate = mb * pr.micro_batches / pr.step_seconds if pr.step_seconds else None
+            row = dict(scope=scope, micro_batch=mb, checkpointing=ckpt, capped=capped,
+                       peak_reserved=pr.peak_reserved_bytes, samples_per_s=rate, fits=pr.fits,
+                       micro_batches=pr.micro_batches)
+        except Exception as e:  # noqa: BLE001 - a row's failure is its result
+            row = dict(scope=scope, micro_batch=mb, checkpointing=ckpt, capped=capped, error=str(e)[:300])
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    with open(f"{out}/whole_graph_accumulation.json", "w") as f:
+        json.dump(rows, f, indent=1)
+    for r in rows:
+        print(f"| {r['scope']} | {r['micro_batch']} | {r['checkpointing']} | {r['capped']} | "
+              f"{(r.get('peak_reserved') or 0) / 2**30:.2f} | {r.get('samples_per_s') or 0:.0f} | {r.get('fits')} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
