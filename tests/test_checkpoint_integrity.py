@@ -489,3 +489,24 @@ def test_the_state_read_back_does_not_keep_its_file_mapped(tmp_path):
     state = read_state(tmp_path / "ckpt-2")
     maps = Path("/proc/self/maps").read_text()
     assert state["optimizer"]["state"] and str(tmp_path / "ckpt-2" / "state.safetensors") not in maps
+
+
+def test_an_atomic_folder_write_that_fails_leaves_the_folder_it_would_replace(tmp_path):
+    """A checkpoint folder rewritten in place (the same step saved again after a resume) by a write
+    that fails part-way (disk full, an interrupt): the old folder is whole and no temp folder is
+    left. Deleting the old folder before the new one is complete loses the last good checkpoint."""
+    import errno
+
+    from tightfit.fileio import atomic_write_dir
+
+    path = tmp_path / "ckpt-4"
+    atomic_write_dir(path, lambda d: (d / "model.safetensors").write_bytes(b"old weights"))
+
+    def fails(d):
+        (d / "model.safetensors").write_bytes(b"new wei")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        atomic_write_dir(path, fails)
+    assert (path / "model.safetensors").read_bytes() == b"old weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4"]

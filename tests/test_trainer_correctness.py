@@ -754,3 +754,15 @@ def test_a_resume_gives_back_the_loss_scale_a_skipped_fp16_step_lowered(tmp_path
     assert resumed.scaler.state_dict() == full.scaler.state_dict()
     assert resumed.result.skipped_steps == 1
     assert_same_params(params_of(resumed.model), params_of(full.model))
+
+
+def test_each_epoch_has_its_own_order_of_every_sample_once():
+    """Epoch ``e``'s order is a permutation of the samples, fixed by (seed, epoch) and different
+    from epoch to epoch: the same order every epoch would train on the same windows each time."""
+    from tightfit.runtime.trainer import epoch_order
+
+    n = 50
+    orders = [epoch_order(n, 7, e) for e in range(3)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
+    assert epoch_order(n, 7, 1) == orders[1] and epoch_order(n, 8, 1) != orders[1]
