@@ -15,7 +15,8 @@ device mallocs and frees it made. With ``TIMELINE_PROFILE_PLAN=1`` the GPU plann
 (``plan_on_gpu``) runs under cProfile too, its tables printed with the others. With
 ``TIMELINE_NO_CUDNN_SDPA=1`` the run's attention takes no cuDNN kernel (an A/B of that backend's
 per-shape set-up at shapes the run meets first; what a text run does since ``tightfit.levers.attention``),
-with ``TIMELINE_CUDNN_SDPA=1`` it keeps PyTorch's choice (cuDNN's kernels first on sm90).
+with ``TIMELINE_CUDNN_SDPA=1`` it keeps PyTorch's choice (cuDNN's kernels first on sm90). With
+``TIMELINE_VERIFY=1`` the GPU planner probes every plan (``planner.gpu.nothing_to_verify`` off).
 """
 
 from __future__ import annotations
@@ -145,6 +146,10 @@ def main(outdir: Path, argv: list[str]) -> None:
     if os.environ.get("TIMELINE_CUDNN_SDPA"):  # the other side: a text run with PyTorch's own attention kernels
         api.TrainRecipe.VARYING_SHAPES = False
         print("the text run keeps PyTorch's attention kernels (cuDNN's first on sm90)", file=sys.stderr)
+    if os.environ.get("TIMELINE_VERIFY"):  # the other side of the planner's nothing-to-verify shortcut
+        import tightfit.planner.gpu as planner_gpu
+        planner_gpu.nothing_to_verify = lambda *a, **k: None  # noqa: E731 - this process only
+        print("the GPU planner verifies every plan (its nothing-to-verify shortcut off)", file=sys.stderr)
     graphs.StepGraphs._eager, graphs.StepGraphs._capture = timed_eager, timed_capture
     summary = api.train(req)
     print("\n".join(tables))
@@ -175,6 +180,12 @@ def main(outdir: Path, argv: list[str]) -> None:
     print(json.dumps({k: out[k] for k in ("train_seconds", "steady_step_seconds", "excess_seconds",
                                           "excess_by_step_range", "launch_seconds_by_kind", "checkpoint_holds")},
                      indent=1))
+    sp = summary.speed or {}
+    whole, steady_rate = sp.get("whole_run_samples_per_s"), sp.get("steady_samples_per_s")
+    print(f"speed: whole run {whole or 0:.0f} samples/s, steady {steady_rate or 0:.0f}, whole / steady "
+          f"{(whole or 0) / (steady_rate or 1):.3f}; planning {sp.get('planning_seconds') or 0:.2f} s, training "
+          f"{summary.train_seconds:.2f} s, evaluation {sp.get('eval_seconds') or 0:.2f} s; probed "
+          f"{sp.get('probed_samples_per_s') or 0:.0f} samples/s")
     for s in out["slowest_steps"]:
         print(f"slow step {s['step']:5d} ({s['epoch_position']:4d} of {s['steps_per_epoch']} in its epoch)  "
               f"{1e3 * s['seconds']:8.2f} ms  launch {1e3 * (s['launch_seconds'] or 0):8.2f} ms  {s['kind']}")
