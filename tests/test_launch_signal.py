@@ -1,6 +1,7 @@
 """`tightfit train --gpus N` stopped by Ctrl-C or SIGTERM: torch.distributed.run passes the signal
 on to the processes (they checkpoint and print the --resume command) and raises SignalException
-in the launcher, which must end with exit code 130 like a one-process run, not a traceback."""
+in the launcher, which must end with 128 plus the signal's number (130 for Ctrl-C, 143 for SIGTERM)
+like a one-process run, not a traceback."""
 
 import signal
 
@@ -12,7 +13,7 @@ from tightfit.runtime.launch import launch
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_to_the_launcher_ends_it_with_exit_code_130(monkeypatch, sig):
+def test_a_signal_to_the_launcher_ends_it_with_128_plus_the_signals_number(monkeypatch, sig):
     started = []
 
     def fake_run(args):  # what torch.distributed.run does after the processes stopped on the signal
@@ -20,7 +21,7 @@ def test_a_signal_to_the_launcher_ends_it_with_exit_code_130(monkeypatch, sig):
         raise SignalException(f"Process 1 got signal: {sig}", sigval=sig)
 
     monkeypatch.setattr(torchrun, "run", fake_run)
-    assert launch(2, "cpu", ["train", "--device", "cpu", "--gpus", "2"]) == 130
+    assert launch(2, "cpu", ["train", "--device", "cpu", "--gpus", "2"]) == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig]
     assert started == ["2"]  # it did start the processes
 
 
@@ -61,3 +62,23 @@ def test_bad_options_with_gpus_are_one_line_before_any_process_starts(monkeypatc
     assert started == [] and "starting" not in out.out
     assert out.err.count("\n") == 1 and "--lr" in out.err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_stopped_by_sigterm_exits_143_and_by_ctrl_c_130(monkeypatch, capsys):
+    """The exit code says which signal stopped the run (128 plus its number), as a shell reports a
+    process it ended: a scheduler's SIGTERM (preemption, `timeout`) read 130, Ctrl-C's code. In the
+    training loop (the stop at a step boundary) and outside it (loading, planning, evaluating)."""
+    import os
+
+    import tightfit.cli as cli
+    from tightfit.runtime.trainer import TrainingInterrupted
+
+    for name, code in (("SIGINT", 130), ("SIGTERM", 143)):
+        def stopped(args, name=name):
+            raise TrainingInterrupted(f"{name}: stopped after step 3 of 9", 3, None, name)
+
+        monkeypatch.setattr(cli, "_run", stopped)
+        assert cli.main(["train", "--device", "cpu"]) == code
+    monkeypatch.setattr(cli, "_run", lambda args: os.kill(os.getpid(), signal.SIGTERM))
+    assert cli.main(["train", "--device", "cpu"]) == 143
+    assert "terminated (SIGTERM)" in capsys.readouterr().err

@@ -408,8 +408,8 @@ def test_a_resumed_runs_report_lists_every_sessions_command(tiny_run_inputs, tmp
              "--no-progress", "--device", "cpu"]
     second = ["train", "--resume", str(run), "--no-progress"]
     third = ["train", "--resume", str(run), "--no-progress", "--log-every", "2"]  # an option given anew too
-    assert _main_stopped_at(monkeypatch, 3, first) == 130
-    assert _main_stopped_at(monkeypatch, 5, second) == 130
+    assert _main_stopped_at(monkeypatch, 3, first) == 143  # SIGTERM: 128 + 15
+    assert _main_stopped_at(monkeypatch, 5, second) == 143
     assert main(third) == 0
     commands = [" ".join(["tightfit", *argv]) for argv in (first, second, third)]
     report = (run / "report.md").read_text()
@@ -459,7 +459,7 @@ def test_a_resumed_run_counts_the_write_of_the_checkpoint_it_resumed_from(tiny_r
     assert _main_stopped_at(monkeypatch, 3, ["train", "--model", str(model_dir), "--data", str(data), "--batch-size",
                                              "8", "--max-steps", "8", "--lr", "1e-3", "--seq-len", "32",
                                              "--checkpoint-every", "2", "--log-every", "1", "--out", str(run),
-                                             "--no-progress", "--device", "cpu"]) == 130
+                                             "--no-progress", "--device", "cpu"]) == 143  # SIGTERM
     assert writes == [2, 3]
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0
     assert writes == [2, 3, 4, 6, 8]

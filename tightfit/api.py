@@ -1062,7 +1062,7 @@ class TrainRecipe:
                 text = as_arguments(re.sub(r"--lr(?: ([0-9][^)\s:;,]*))?", lambda m: f"lr={m.group(1)}" if m.group(1)
                                            else "lr", text))
             if not nonfinite:
-                raise type(e)(f"{text}; {said}", e.step, e.checkpoint) from None
+                raise e.reworded(f"{text}; {said}") from None  # TrainingInterrupted keeps its signal
             if e.last_update and self.req.training.checkpoint_every != 0:
                 # the weights at the stop are step last_update's: only an earlier checkpoint is another start
                 before = clean_checkpoint_before(self.out / "checkpoints", e.last_update)

@@ -16,7 +16,7 @@ import signal
 import sys
 import warnings
 
-from .errors import TightfitError
+from .errors import Terminated, TightfitError, signal_exit_code
 from .fileio import discard_from_now
 
 
@@ -229,7 +229,7 @@ def _negative_values_attached(argv: list[str], switches: set[str] = frozenset())
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,16 +267,17 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, TrainingInterrupted):  # asked for: not an error, but not a finished run
             if os.environ.get("RANK", "0") == "0":  # every rank stops at the same step: rank 0 says so
                 print(f"tightfit: {e}", file=sys.stderr)
-            return 130
+            return signal_exit_code(e.signal_name)  # 130 for Ctrl-C, 143 for SIGTERM
         if not getattr(e, "every_rank", False) or os.environ.get("RANK", "0") == "0":
             try:
                 print(f"tightfit: error: {e}", file=sys.stderr)
             except BrokenPipeError:  # stderr piped into a reader that stopped: still bad input, still 2
                 discard_from_now(sys.stderr)
         return 2
-    except KeyboardInterrupt:  # outside the training loop (loading, planning): nothing was half-written
-        print("tightfit: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # outside the training loop (loading, planning): nothing was half-written
+        terminated = isinstance(e, Terminated)
+        print(f"tightfit: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
+        return signal_exit_code("SIGTERM" if terminated else "SIGINT")
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
         discard_from_now(sys.stdout)  # no second error at exit
         return 0

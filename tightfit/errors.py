@@ -14,3 +14,21 @@ class TightfitError(Exception):
 def error_line(e: BaseException) -> str:
     """An error in one reason line: its type and the first line of its message (at most 200 characters)."""
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside the training loop (loading, planning, the final evaluation, writing the
+    model): it stops as Ctrl-C does, cleaning up what was being written, and the command's exit
+    code says which signal it was (143, not Ctrl-C's 130)."""
+
+
+def signal_exit_code(name: str | None) -> int:
+    """The exit code of a command stopped by the signal ``name`` (``"SIGINT"``, ``"SIGTERM"``):
+    128 plus its number, as a shell reports a process ended by that signal (130 for Ctrl-C, 143
+    for SIGTERM), so that a scheduler or script reads how the run ended; 130 for an unknown name."""
+    import signal
+
+    try:
+        return 128 + int(signal.Signals[name])
+    except (KeyError, TypeError):
+        return 130

@@ -54,9 +54,10 @@ def launch(n: int, device: str, argv: list[str], command_line: str | None = None
 
     Returns:
         0 when every process finished; otherwise the first failed process's exit code (2 for a
-        bad input, 130 for an interrupt). 130 also when this launcher is sent SIGINT or SIGTERM:
-        torch.distributed.run passes the signal on to every process (which stop at a step
-        boundary, write a checkpoint and say how to resume) and then raises ``SignalException``.
+        bad input, 130 for Ctrl-C, 143 for SIGTERM). 128 plus the signal's number also when this
+        launcher is sent SIGINT or SIGTERM: torch.distributed.run passes the signal on to every
+        process (which stop at a step boundary, write a checkpoint and say how to resume) and then
+        raises ``SignalException``.
 
     Raises:
         TightfitError: ``n`` below 1, or more than the visible GPUs (on the CPU: than its cores),
@@ -88,9 +89,9 @@ def launch(n: int, device: str, argv: list[str], command_line: str | None = None
         run(args)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
-        return next((c for c in codes if c in (2, 130)), codes[0] if codes and codes[0] > 0 else 1)
-    except SignalException:  # Ctrl-C or SIGTERM here: the processes have stopped as asked; no traceback
-        return 130
+        return next((c for c in codes if c in (2, 130, 143)), codes[0] if codes and codes[0] > 0 else 1)
+    except SignalException as e:  # Ctrl-C or SIGTERM here: the processes have stopped as asked; no traceback
+        return 128 + int(e.sigval) if getattr(e, "sigval", None) else 130
     return 0
 
 

@@ -11,6 +11,7 @@ memory estimator run too (DESIGN invariant 13); the trainer adds the guards arou
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -150,6 +151,13 @@ class StoppedError(TightfitError):
         super().__init__(message)
         self.step, self.checkpoint = step, checkpoint
 
+    def reworded(self, message: str) -> "StoppedError":
+        """The same stop (its type and every attribute: step, checkpoint, a subclass's own) said
+        in ``message``."""
+        again = copy.copy(self)
+        again.args = (message,)
+        return again
+
 
 class NonFiniteTrainingError(StoppedError):
     """Too many optimizer steps in a row had non-finite (inf/NaN) gradients. The weights are
@@ -166,7 +174,16 @@ class NonFiniteTrainingError(StoppedError):
 
 
 class TrainingInterrupted(StoppedError):
-    """SIGINT (Ctrl-C) or SIGTERM arrived; the run stopped at the next step boundary."""
+    """SIGINT (Ctrl-C) or SIGTERM arrived; the run stopped at the next step boundary.
+
+    Attributes:
+        signal_name: the signal that stopped it, ``"SIGINT"`` or ``"SIGTERM"`` (the command's exit
+            code is 128 plus its number: :func:`tightfit.errors.signal_exit_code`).
+    """
+
+    def __init__(self, message: str, step: int = 0, checkpoint: str | None = None, signal_name: str = "SIGINT"):
+        super().__init__(message, step, checkpoint)
+        self.signal_name = signal_name
 
 
 class PartialUpdateError(TightfitError):
@@ -616,7 +633,7 @@ class Trainer:
                 self._event(f"{self._stop_signal}: stopped after step {self.step}"  # the error says it on screen
                             + (f", checkpoint {where}" if where else ""), show=False, session=True)
                 raise TrainingInterrupted(f"{self._stop_signal}: stopped after step {self.step} of "
-                                          f"{self.total_steps}", self.step, where)
+                                          f"{self.total_steps}", self.step, where, self._stop_signal or "SIGINT")
             self._cool_down()
 
     def _note_graphs(self) -> None:
