@@ -67,7 +67,11 @@ def _entry(rank, world_size, port, spec, out):
     os.dup2(err, 2)
     torch.set_num_threads(1)
     result = train(rank, world_size, port, spec)
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    # written whole or not at all: the harness kills the other ranks once one exits with 2, and a
+    # rank killed while saving left a truncated file (EOFError in the test, once in a CI run)
+    path = os.path.join(out, f"rank{rank}.pt")
+    torch.save(result, path + ".part")
+    os.replace(path + ".part", path)
     if result.get("failed"):  # the ranks are out of step: no barrier, the exit status says it
         os._exit(2)
     # Leave without the interpreter's shutdown: there a gloo thread still alive now and then
