@@ -129,3 +129,20 @@ def test_plan_and_estimate_take_trains_default_size_when_none_is_given(capsys):
     capsys.readouterr()
     assert main(["estimate", "--model", "resnet50", "--micro-batch", "2", "--seq-len", "3"]) == 2
     assert capsys.readouterr().err.strip() == "tightfit: error: resnet50 takes images: give --image-size, not --seq-len"
+
+
+def test_a_cpu_runs_summary_says_no_budget_was_applied(tmp_path):
+    """A --budget given to a CPU run is checked, not applied: summary.json said budget_bytes 4 GiB
+    at the top while its plan said none and the report "no GPU budget applies" (a fresh user's
+    finding). The request keeps what was asked."""
+    import json
+
+    from conftest import tiny_cpu_job
+    from tightfit import api
+
+    out = tmp_path / "run"
+    api.train(api.TrainRequest(**tiny_cpu_job(tmp_path), budget="4GiB", max_steps=1, checkpoint_every=0,
+                               out=str(out)))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["budget_bytes"] is None and summary["plan"]["budget_bytes"] is None
+    assert json.loads((out / "request.json").read_text())["budget"] == "4GiB"

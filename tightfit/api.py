@@ -1218,7 +1218,10 @@ class TrainRecipe:
             n_eval=len(self.eval_data), label_names=self.data.label_names,
             majority=self.eval_data.majority_fraction(),
             device_name=self.device_name + (f", memory capped at {format_bytes(self.budget)}" if cuda else ""),
-            budget_bytes=self.budget, torch=torch.__version__, version=__version__, command=self.req.run.command,
+            # the budget applied: a --budget given to a CPU run is checked, not applied (the plan's and
+            # the report's "no GPU budget applies" say so too)
+            budget_bytes=self.budget if cuda else None, torch=torch.__version__, version=__version__,
+            command=self.req.run.command,
             commands=tuple(self.commands),
             peak_rss_bytes=None if cuda and self.plan.sharding != "fsdp-offload"  # offload: the host holds the state
             else self.trainer.peak_rss_bytes(),  # the earlier sessions' too
