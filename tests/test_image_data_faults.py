@@ -77,6 +77,48 @@ def test_a_text_folder_head_of_as_many_other_classes_is_new(tmp_path):
     assert not _same(_head(load_classifier(tmp_path / "m", ["pos", "neg"])[0]), kept)
 
 
+def test_a_run_says_whether_the_model_folders_head_was_kept_or_replaced(tmp_path, caplog):
+    """Training on from a folder with a classification head: kept for the same classes, replaced
+    for other names, another order or another number of classes; both trained without a word, and
+    only the first losses told them apart (a fresh user's finding). A base model (no head), or a
+    head with transformers' default class names (LABEL_0, ...: never trained on named classes),
+    says nothing. `tightfit train` shows the note and records it with the run's notes."""
+    import logging
+
+    from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+    from tightfit.models import default_model_path, load_classifier
+
+    def folder(name, model):
+        model.save_pretrained(tmp_path / name)
+        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            if (default_model_path() / f).exists():
+                shutil.copy(default_model_path() / f, tmp_path / name / f)
+        return tmp_path / name
+
+    config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    headed = folder("m", BertForSequenceClassification(BertConfig(**config, num_labels=2, id2label={0: "neg", 1: "pos"},
+                                                                  label2id={"neg": 0, "pos": 1})))
+    base = folder("base", BertModel(BertConfig(**config)))
+    unnamed = folder("unnamed", BertForSequenceClassification(BertConfig(**config, num_labels=2)))  # LABEL_0, LABEL_1
+
+    def notes(path, labels):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tightfit.models"):
+            load_classifier(path, labels)
+        return [r.getMessage() for r in caplog.records if r.name == "tightfit.models"]
+
+    assert notes(headed, ["neg", "pos"]) == [f"note: the classification head of {headed} (2 classes: neg, pos) is "
+                                             "kept: the data's classes are the same, so training goes on from it"]
+    assert notes(headed, ["pos", "neg"]) == [f"note: the classification head of {headed} (2 classes: neg, pos) is "
+                                             "replaced by a new one for the data's classes (pos, neg): other names or "
+                                             "another order"]
+    assert notes(headed, ["a", "b", "c"]) == [f"note: the classification head of {headed} (2 classes: neg, pos) is "
+                                              "replaced by a new one for the data's 3 classes"]
+    assert notes(base, ["neg", "pos"]) == [] and notes(unnamed, ["neg", "pos"]) == []  # no head, or never trained on named classes
+
+
 def test_exif_orientation_is_applied(tmp_path):
     img = Image.fromarray(np.zeros((20, 40, 3), dtype=np.uint8))  # stored 40 wide, 20 high
     exif = Image.Exif()

@@ -142,9 +142,9 @@ _HELD_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def _loading_notes():
-    """The notes (``note: ...``) the data loaders (:mod:`tightfit.data`, :mod:`tightfit.images`)
-    log inside the block, taken instead of shown: a list filled as they come (without the prefix),
-    for the run's notes, which its header shows and its report records (a skipped file or classes
+    """The notes (``note: ...``) the data and model loaders (:mod:`tightfit.data`,
+    :mod:`tightfit.images`, :mod:`tightfit.models`) log inside the block, taken instead of shown: a
+    list filled as they come (without the prefix), for the run's notes, which its header shows and its report records (a skipped file or classes
     differing only in case were shown once and recorded nowhere)."""
     said: list[str] = []
 
@@ -155,7 +155,7 @@ def _loading_notes():
             return False
         return True
 
-    loggers = [logging.getLogger(name) for name in ("tightfit.data", "tightfit.images")]
+    loggers = [logging.getLogger(name) for name in ("tightfit.data", "tightfit.images", "tightfit.models")]
     for logger in loggers:
         logger.addFilter(take)
     try:
@@ -378,7 +378,9 @@ class TrainRecipe:
             self._load_data()
         self.notes += said
         self._split_data()
-        self._load_model()
+        with _loading_notes() as said:  # the model folder's head kept or replaced (tightfit.models.new_head)
+            self._load_model()
+        self.notes += said
         check_checkpointing(self.model, self.req.planning.checkpointing)
         self._check_batchnorm()
         self._check_resume_point()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ import torch
 from .config import option_given, option_name
 from .errors import TightfitError
 from .tasks import CausalLM, ImageClassification, SequenceClassification, Task
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "minilm"
 DEFAULT_IMAGE_SIZE = 224  # ImageNet's side, for image models whose config names none (ResNet)
@@ -535,19 +538,36 @@ def new_head(model, info: dict, folder: Path, label_names: list[str]) -> bool:
     head of as many classes kept its old weights under new names (0.0 held-out accuracy on the
     same images under permuted class names). A head trained on the same classes is kept (training
     goes on from it). Returns whether a head was initialised here.
+
+    Where the folder had a head trained on named classes (not transformers' defaults, ``LABEL_0``
+    ...), a note (logged as ``note: ...``, which ``tightfit train`` shows and records among the
+    run's notes) says whether it was kept or replaced: both train without an error, and only the
+    first losses would tell them apart.
     """
-    if _saved_labels(folder) == list(label_names):
-        return False
     config = copy.deepcopy(model.config)
     config.num_labels = len(label_names) + 1
     with torch.device("meta"):
         other = type(model)(config)
     shapes = {n: p.shape for n, p in other.named_parameters()}
-    fresh = set(info.get("missing_keys") or ()) | {k[0] if isinstance(k, tuple) else k
-                                                   for k in info.get("mismatched_keys") or ()}
+    missing = set(info.get("missing_keys") or ())
+    mismatched = {k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or ()}
     by_class = [n for n, p in model.named_parameters() if shapes.get(n, p.shape) != p.shape]
-    if not by_class or all(n in fresh for n in by_class):
-        return False  # the folder had no head, or one of another shape: from_pretrained made it new
+    saved = _saved_labels(folder)
+    theirs = f"{len(saved)} classes: {_shown(saved)}" if saved else "its own classes"
+    # a head whose classes have transformers' default names (LABEL_0, ...) was never trained on named
+    # classes (a model built and saved as is): replacing it is what the user expects, said by nothing
+    named = saved is not None and saved != [f"LABEL_{i}" for i in range(len(saved))]
+    if not by_class or all(n in missing for n in by_class):
+        return False  # the folder had no head (a base model): from_pretrained made one, as expected
+    if all(n in missing | mismatched for n in by_class):  # a head of another shape: from_pretrained made it new
+        if named:
+            log.warning(f"note: the classification head of {folder} ({theirs}) is replaced by a new one for the "
+                        f"data's {len(label_names)} classes")
+        return False
+    if saved == list(label_names):
+        log.warning(f"note: the classification head of {folder} ({theirs}) is kept: the data's classes are the same, "
+                    f"so training goes on from it")
+        return False
     for name in dict.fromkeys(n.rpartition(".")[0] for n in by_class):
         m = model.get_submodule(name)
         # transformers 5 skips what it loaded (a flag on each module and parameter): cleared here
@@ -555,7 +575,16 @@ def new_head(model, info: dict, folder: Path, label_names: list[str]) -> bool:
             if getattr(t, "_is_hf_initialized", False):
                 t._is_hf_initialized = False
         model._init_weights(m)
+    if named:
+        log.warning(f"note: the classification head of {folder} ({theirs}) is replaced by a new one for the data's "
+                    f"classes ({_shown(list(label_names))}): other names or another order")
     return True
+
+
+def _shown(names: list[str], most: int = 4) -> str:
+    """Class names for a note: the first ``most``, then how many more."""
+    more = f", ... ({len(names) - most} more)" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _check_loaded_weights(model, info: dict, path: Path) -> None:
