@@ -82,3 +82,20 @@ def test_a_run_stopped_by_sigterm_exits_143_and_by_ctrl_c_130(monkeypatch, capsy
     monkeypatch.setattr(cli, "_run", lambda args: os.kill(os.getpid(), signal.SIGTERM))
     assert cli.main(["train", "--device", "cpu"]) == 143
     assert "terminated (SIGTERM)" in capsys.readouterr().err
+
+
+def test_the_launcher_reports_bad_input_then_sigterm_then_ctrl_c_whichever_rank_failed_first(monkeypatch):
+    """A SIGTERM that reached one rank stops the others on its stop vote, and they know no signal
+    (130): the launcher's code is 143 whichever rank torchrun saw fail first; bad input (2) first."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fails_with(*codes):
+        def fake_run(args):
+            raise ChildFailedError("tightfit", {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=c,
+                                                                  error_file="/nonexistent")
+                                                for r, c in enumerate(codes)})
+        monkeypatch.setattr(torchrun, "run", fake_run)
+        return launch(2, "cpu", ["train", "--device", "cpu", "--gpus", "2"])
+
+    assert fails_with(130, 143) == 143 and fails_with(143, 130) == 143
+    assert fails_with(130, 130) == 130 and fails_with(143, 2) == 2 and fails_with(1, 1) == 1

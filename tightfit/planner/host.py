@@ -48,8 +48,10 @@ def host_micro_batch(workload, precision: str, checkpointing: bool,
 
     E = workload.effective_batch
     if E <= max(TRACED_AT):
-        return E, (f"CPU: the whole effective batch of {E} in one micro-batch (batches of up to {max(TRACED_AT)} "
-                   "samples are small enough not to estimate their host memory)")
+        # no figure of the batch here: under several processes E is one process's share, which the plan's
+        # own line gives beside the effective batch
+        return E, (f"CPU: the whole effective batch in one micro-batch (batches of up to {max(TRACED_AT)} samples a "
+                   "process are small enough not to estimate their host memory)")
     if isinstance(getattr(workload, "task", None), LossOnly):  # a loss of the user's own (tightfit.plan(loss=...))
         return E, ("CPU: the whole effective batch in one micro-batch; its host memory is not estimated: the "
                    "estimator traces a model's logits with its task's loss, not a loss function of your own")

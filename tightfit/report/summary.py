@@ -109,7 +109,7 @@ class RunSummary:
             time (on resume: every session's up to the checkpoint resumed, then this one's).
         peak_allocated_bytes, peak_reserved_bytes: CUDA peaks (None on the CPU).
         peak_rss_bytes: peak host memory (CPU runs and parameter offload).
-        budget_bytes: the memory budget.
+        budget_bytes: the memory budget applied, bytes (None on the CPU).
         skipped_steps, oom_recoveries: steps not applied (non-finite) and windows redone after an OOM.
         device, torch, command: where and how it ran.
         commands: every session's command line, in order (one for a run never resumed; None in

@@ -89,7 +89,9 @@ def launch(n: int, device: str, argv: list[str], command_line: str | None = None
         run(args)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
-        return next((c for c in codes if c in (2, 130, 143)), codes[0] if codes and codes[0] > 0 else 1)
+        # bad input first; then SIGTERM's 143 over Ctrl-C's 130: a rank stopped by the others' stop vote
+        # knows no signal (130), and the rank the scheduler's SIGTERM reached may not fail first
+        return next((c for want in (2, 143, 130) for c in codes if c == want), codes[0] if codes and codes[0] > 0 else 1)
     except SignalException as e:  # Ctrl-C or SIGTERM here: the processes have stopped as asked; no traceback
         return 128 + int(e.sigval) if getattr(e, "sigval", None) else 130
     return 0

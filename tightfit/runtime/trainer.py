@@ -178,7 +178,9 @@ class TrainingInterrupted(StoppedError):
 
     Attributes:
         signal_name: the signal that stopped it, ``"SIGINT"`` or ``"SIGTERM"`` (the command's exit
-            code is 128 plus its number: :func:`tightfit.errors.signal_exit_code`).
+            code is 128 plus its number: :func:`tightfit.errors.signal_exit_code`); on a rank that
+            stopped on the other ranks' stop vote, what that rank recorded (no signal's name: 130;
+            the ``--gpus`` launcher reports a SIGTERM's 143 from any rank first).
     """
 
     def __init__(self, message: str, step: int = 0, checkpoint: str | None = None, signal_name: str = "SIGINT"):
