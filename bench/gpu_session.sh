@@ -31,6 +31,9 @@
 #              -> OUT/checkpoint-gil.{json,md}
 #   cuda-graphs: bench/cuda_graphs.py (the eager step, its forward and backward graphed, the whole step captured;
 #              env GRAPH_WORKLOADS) -> OUT/cuda-graphs.{json,md}
+#   steady-windows: bench/steady_windows.py (BERT-base's 4 GiB plan built directly, probed, run 300 steps by the
+#              Trainer in 25-step windows with the SM clock and power sampled, probed again: issue 12's
+#              run-against-probe gap, the loop's or the clocks') -> OUT/steady-windows/{run.log,steady_windows.json}
 #   plan-time: bench/plan_time.py on three workloads (`tightfit plan`, no GPU: exact estimates traced one
 #              by one and in worker processes) -> OUT/plan-time/plan-time.{json,md}
 # Carried (ignored by git, .git/info/exclude): .carry/site.tgz (bitsandbytes with only its CUDA 13.0
@@ -83,6 +86,12 @@ for part in "$@"; do
       python3 -m tightfit bench report "$OUT/recompute" >> "$OUT/env.txt" 2>&1
       for f in "$OUT"/recompute/*@*; do mv "$f" "${f//@/-at-}"; done  # '@' does not travel back
       cat "$OUT/recompute/results.md" >> "$OUT/env.txt" 2>/dev/null ;;
+    steady-windows)
+      mkdir -p "$OUT/steady-windows"
+      timeout ${STEADY_TIMEOUT:-200} python3 bench/steady_windows.py "$OUT/steady-windows" 300 \
+        > "$OUT/steady-windows/run.log" 2>&1
+      echo "steady-windows exit $?" >> "$OUT/env.txt"
+      grep -E "^probe|^steps|^\{" "$OUT/steady-windows/run.log" >> "$OUT/env.txt" ;;
     loop-overhead)
       timeout ${LOOP_TIMEOUT:-300} python3 bench/loop_overhead.py "$OUT" > "$OUT/loop-overhead.log" 2>&1
       echo "loop-overhead exit $?" >> "$OUT/env.txt"; cat "$OUT/loop-overhead.md" >> "$OUT/env.txt" 2>/dev/null ;;
