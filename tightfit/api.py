@@ -144,8 +144,9 @@ _HELD_LOCK = threading.Lock()
 def _loading_notes():
     """The notes (``note: ...``) the data and model loaders (:mod:`tightfit.data`,
     :mod:`tightfit.images`, :mod:`tightfit.models`) log inside the block, taken instead of shown: a
-    list filled as they come (without the prefix), for the run's notes, which its header shows and its report records (a skipped file or classes
-    differing only in case were shown once and recorded nowhere)."""
+    list filled as they come (without the prefix), for the run's notes, which its header shows and
+    its report records (a skipped file or classes differing only in case were shown once and
+    recorded nowhere)."""
     said: list[str] = []
 
     def take(record: logging.LogRecord) -> bool:
@@ -374,19 +375,22 @@ class TrainRecipe:
 
             check_data_name(self.req.workload.data)
         self._check_run_folder()  # before the data are read (every image decoded): it needs only their path
-        with _loading_notes() as said:  # the loaders' notes are the run's: shown with the others, and recorded
-            self._load_data()
-        self.notes += said
+        self._noting(self._load_data)
         self._split_data()
-        with _loading_notes() as said:  # the model folder's head kept or replaced (tightfit.models.new_head)
-            self._load_model()
-        self.notes += said
+        self._noting(self._load_model)  # the model folder's head kept or replaced (tightfit.models.new_head)
         check_checkpointing(self.model, self.req.planning.checkpointing)
         self._check_batchnorm()
         self._check_resume_point()
         self._announce()  # the notes, the resume's too, once every check has passed
         self._plan()
         self._make_trainer()
+
+    def _noting(self, load) -> None:
+        """``load()`` with the loaders' notes taken as the run's (:func:`_loading_notes`): shown with
+        the others once every check has passed, and recorded."""
+        with _loading_notes() as said:
+            load()
+        self.notes += said
 
     def _resolve_device(self) -> None:
         """Device, profile and budget; the options that depend on the device."""

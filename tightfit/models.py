@@ -557,16 +557,18 @@ def new_head(model, info: dict, folder: Path, label_names: list[str]) -> bool:
     # a head whose classes have transformers' default names (LABEL_0, ...) was never trained on named
     # classes (a model built and saved as is): replacing it is what the user expects, said by nothing
     named = saved is not None and saved != [f"LABEL_{i}" for i in range(len(saved))]
+
+    def say(what: str) -> None:
+        log.warning(f"note: the classification head of {folder} ({theirs}) is {what}")
+
     if not by_class or all(n in missing for n in by_class):
         return False  # the folder had no head (a base model): from_pretrained made one, as expected
     if all(n in missing | mismatched for n in by_class):  # a head of another shape: from_pretrained made it new
         if named:
-            log.warning(f"note: the classification head of {folder} ({theirs}) is replaced by a new one for the "
-                        f"data's {len(label_names)} classes")
+            say(f"replaced by a new one for the data's {len(label_names)} classes")
         return False
     if saved == list(label_names):
-        log.warning(f"note: the classification head of {folder} ({theirs}) is kept: the data's classes are the same, "
-                    f"so training goes on from it")
+        say("kept: the data's classes are the same, so training goes on from it")
         return False
     for name in dict.fromkeys(n.rpartition(".")[0] for n in by_class):
         m = model.get_submodule(name)
@@ -576,8 +578,7 @@ def new_head(model, info: dict, folder: Path, label_names: list[str]) -> bool:
                 t._is_hf_initialized = False
         model._init_weights(m)
     if named:
-        log.warning(f"note: the classification head of {folder} ({theirs}) is replaced by a new one for the data's "
-                    f"classes ({_shown(list(label_names))}): other names or another order")
+        say(f"replaced by a new one for the data's classes ({_shown(list(label_names))}): other names or another order")
     return True
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..errors import TightfitError
+from ..errors import TightfitError, signal_exit_code
 from .distributed import NO_MULTICAST_ENV
 
 _log = logging.getLogger(__name__)
@@ -91,9 +91,10 @@ def launch(n: int, device: str, argv: list[str], command_line: str | None = None
         codes = [f.exitcode for f in e.failures.values()]
         # bad input first; then SIGTERM's 143 over Ctrl-C's 130: a rank stopped by the others' stop vote
         # knows no signal (130), and the rank the scheduler's SIGTERM reached may not fail first
-        return next((c for want in (2, 143, 130) for c in codes if c == want), codes[0] if codes and codes[0] > 0 else 1)
+        order = (2, signal_exit_code("SIGTERM"), signal_exit_code("SIGINT"))
+        return next((c for want in order for c in codes if c == want), codes[0] if codes and codes[0] > 0 else 1)
     except SignalException as e:  # Ctrl-C or SIGTERM here: the processes have stopped as asked; no traceback
-        return 128 + int(e.sigval) if getattr(e, "sigval", None) else 130
+        return signal_exit_code(getattr(getattr(e, "sigval", None), "name", None))
     return 0
 
 

@@ -635,7 +635,7 @@ class Trainer:
                 self._event(f"{self._stop_signal}: stopped after step {self.step}"  # the error says it on screen
                             + (f", checkpoint {where}" if where else ""), show=False, session=True)
                 raise TrainingInterrupted(f"{self._stop_signal}: stopped after step {self.step} of "
-                                          f"{self.total_steps}", self.step, where, self._stop_signal or "SIGINT")
+                                          f"{self.total_steps}", self.step, where, self._stop_signal)
             self._cool_down()
 
     def _note_graphs(self) -> None:
