@@ -18,8 +18,7 @@
 #              each CUDA graph capture on and off (env TIMELINE_VARIANTS, e.g. "flush no-flush"; "profile":
 #              flush, the planner, the first 4 steps and each eager step or capture over 50 ms under cProfile,
 #              their tables in the log; "no-cudnn-sdpa": flush, attention without cuDNN kernels;
-#              "cudnn-sdpa": flush, the text run keeping PyTorch's attention kernels; "verify": flush, the
-#              planner probing every plan, its nothing-to-verify shortcut off)
+#              "cudnn-sdpa": flush, the text run keeping PyTorch's attention kernels)
 #              -> OUT/timeline-N-{flush,no-flush}.log (slowest steps in env.txt), OUT/timelines.tgz
 #   schedule:  the main job at 4 GiB with the default checkpoint schedule, --checkpoint-every 100 and --cuda-graphs
 #              off, then bench/warmup_timeline.py on it -> OUT/main-*.log, OUT/warmup-timeline.{json,log}, OUT/runs.tgz
@@ -123,7 +122,7 @@ for part in "$@"; do
       for v in ${TIMELINE_VARIANTS:-flush no-flush flush no-flush}; do  # alternated: the allocator flush before each capture, or not
         n=$((${n:-0} + 1))
         TIMELINE_NO_EMPTY_CACHE=$([ "$v" = no-flush ] && echo 1) TIMELINE_NO_CUDNN_SDPA=$([ "$v" = no-cudnn-sdpa ] && echo 1) \
-          TIMELINE_CUDNN_SDPA=$([ "$v" = cudnn-sdpa ] && echo 1) TIMELINE_VERIFY=$([ "$v" = verify ] && echo 1) \
+          TIMELINE_CUDNN_SDPA=$([ "$v" = cudnn-sdpa ] && echo 1) \
           TIMELINE_PROFILE_STEPS=$([ "$v" = profile ] && echo 4) \
           TIMELINE_PROFILE_SLOW=$([ "$v" = profile ] && echo 0.05) TIMELINE_PROFILE_PLAN=$([ "$v" = profile ] && echo 1) \
           TIGHTFIT_CACHE_DIR=$(mktemp -d) timeout 100 \

@@ -15,8 +15,7 @@ device mallocs and frees it made. With ``TIMELINE_PROFILE_PLAN=1`` the GPU plann
 (``plan_on_gpu``) runs under cProfile too, its tables printed with the others. With
 ``TIMELINE_NO_CUDNN_SDPA=1`` the run's attention takes no cuDNN kernel (an A/B of that backend's
 per-shape set-up at shapes the run meets first; what a text run does since ``tightfit.levers.attention``),
-with ``TIMELINE_CUDNN_SDPA=1`` it keeps PyTorch's choice (cuDNN's kernels first on sm90). With
-``TIMELINE_VERIFY=1`` the GPU planner probes every plan (``planner.gpu.nothing_to_verify`` off).
+with ``TIMELINE_CUDNN_SDPA=1`` it keeps PyTorch's choice (cuDNN's kernels first on sm90).
 """
 
 from __future__ import annotations
@@ -146,10 +145,6 @@ def main(outdir: Path, argv: list[str]) -> None:
     if os.environ.get("TIMELINE_CUDNN_SDPA"):  # the other side: a text run with PyTorch's own attention kernels
         api.TrainRecipe.VARYING_SHAPES = False
         print("the text run keeps PyTorch's attention kernels (cuDNN's first on sm90)", file=sys.stderr)
-    if os.environ.get("TIMELINE_VERIFY"):  # the other side of the planner's nothing-to-verify shortcut
-        import tightfit.planner.gpu as planner_gpu
-        planner_gpu.nothing_to_verify = lambda *a, **k: None  # noqa: E731 - this process only
-        print("the GPU planner verifies every plan (its nothing-to-verify shortcut off)", file=sys.stderr)
     graphs.StepGraphs._eager, graphs.StepGraphs._capture = timed_eager, timed_capture
     summary = api.train(req)
     print("\n".join(tables))

@@ -102,51 +102,6 @@ def too_short_for_whole_model(run_samples: int | None, blocks_samples_per_s: flo
             f"blocks' speed, less than the {WHOLE_MODEL_MIN_RUN_S:.0f} s that its compilation needs to repay it")
 
 
-# The unconstrained plan (the effective batch in one micro-batch, no block recomputed, fp32 AdamW
-# state) predicted at most this share of the budget is not verified on the GPU when it is the
-# search's only candidate and the run too short to compile (:func:`nothing_to_verify`): no timing
-# could change the plan, and the estimator's error (within +/-5% of measured peaks,
-# docs/memory-estimator.md) is far inside the margin left. The main job at 4 GiB: 586 MiB predicted
-# (14%); its two probes (verification, last timing) took 0.96 s of 1.39 s of planning for a
-# 4-second run on an NVIDIA H100 (cProfile, bench/results/checkpoint-schedule/call-3).
-UNVERIFIED_MAX_SHARE = 0.5
-
-
-def nothing_to_verify(result: SearchResult, budget_bytes: int, run_samples: int | None, compile: str,
-                      why_not: str | None, has_convolutions: bool) -> str | None:
-    """Why the search's winner needs no probe on the GPU (None: it is verified as usual): it is
-    the only candidate (no runner-up, no other optimizer in play), trains the effective batch in
-    one micro-batch with no block recomputed, its predicted peak reserved memory is at most
-    :data:`UNVERIFIED_MAX_SHARE` of ``budget_bytes``, and the run will not be compiled
-    (``compile="off"``, ``why_not`` set, or a run too short to compile at the predicted speed:
-    :func:`too_short_to_compile`; an unknown length is verified). A model with convolutions is
-    verified as usual (its precision is timed, :func:`challenge_precision`). Should the estimate be
-    wrong after all, the runtime backs off an out-of-memory step with nothing lost (DESIGN
-    invariant 2).
-
-    Args:
-        result: the search's result; ``budget_bytes``: the budget, bytes; ``run_samples``: the
-            run's samples (None: unknown); ``compile``: ``auto|on|off``.
-    """
-    c = result.best
-    others = [r for r in result.runners_up if r.samples_per_s > 0]
-    peak = c.peak_reserved_bytes
-    if compile == "on" or others or result.other_optimizers or has_convolutions or peak is None \
-            or (c.optimizer or "adamw") != "adamw":
-        return None
-    if c.micro_batch < result.effective_batch or c.checkpoint_blocks or \
-            any(p != "none" for p in (c.block_policies or ())):
-        return None
-    if peak > UNVERIFIED_MAX_SHARE * budget_bytes:
-        return None
-    short = why_not or (compile == "off" and "--compile off") or too_short_to_compile(run_samples, c.samples_per_s)
-    if not short:
-        return None
-    return (f"not verified on the GPU: the search's only plan, nothing recomputed and no accumulation, predicted "
-            f"at {format_bytes(peak)} reserved, {peak / budget_bytes:.0%} of the budget (a probe could change "
-            f"nothing; the runtime backs off an out-of-memory step with nothing lost)")
-
-
 def compiled_next(compile: str, why_not: str | None, run_samples: int | None, result: SearchResult) -> bool:
     """Whether the plan will be compiled whatever the eager timings say: ``compile="on"``, or
     ``"auto"`` for a run long enough to repay compilation even at the search's predicted speed
@@ -385,10 +340,6 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
 
     searched_first = searched(optimizer)
     t_verify = time.perf_counter()
-    unverified = nothing_to_verify(searched_first, budget_bytes, run_samples, compile, why_not,
-                                   convolutions(model))
-    if unverified:
-        return _unverified_plan(workload, searched_first, budget_bytes, unverified, t_verify - t0, timings)
 
     def verified(thin: bool):  # stage 3 and the challenges of its winner (thin: see compiled_next)
         r, v, fb = _verified(workload, searched_first, profile, budget_bytes, optimizer, searched, compiled_next=thin)
@@ -461,32 +412,6 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
                    f"plan {t_end - t_compile:.1f} s")
     plan = _gpu_plan(best, variant, workload.effective_batch, budget_bytes, result.n_blocks, reasons)
     plan = without_free_blocks(plan, best.candidate.free_blocks, result.n_blocks)  # frozen first blocks: nothing to recompute
-    return replace(plan, trainable=result.trainable, trainable_params=result.trainable_params)
-
-
-def _unverified_plan(workload: Workload, result: SearchResult, budget_bytes: int, why: str, search_s: float,
-                     timings: dict | None) -> Plan:
-    """The search's winner as the plan, with no step run on the GPU (:func:`nothing_to_verify`
-    says why, in ``why``): eager, its predicted peak and speed; ``timings`` as
-    :func:`plan_on_gpu` fills it (no verification, no compilation, no probed speed)."""
-    c = result.best
-    if timings is not None:
-        timings.update(search_s=search_s, verify_s=0.0, compile_s=0.0,
-                       predicted_samples_per_s=c.samples_per_s or None, probed_samples_per_s=None)
-    reasons = [why]
-    chosen = c.why.find("; optimizer ")  # why this optimizer, and its cost (.optimizers)
-    if chosen >= 0:
-        reasons.insert(0, c.why[chosen + 2:])
-    reasons.append(f"where the planner's time went: search {search_s:.1f} s (exact estimates, no GPU), "
-                   f"nothing on the GPU")
-    uncompile_model(workload.model)
-    set_activation_checkpointing(workload.model, False, ())
-    plan = plan_with_blocks(c.precision, c.micro_batch, result.effective_batch, c.checkpoint_blocks, result.n_blocks,
-                            device="cuda", budget_bytes=budget_bytes, reasons=tuple(reasons), optimizer=c.optimizer,
-                            probe_peak_reserved_bytes=None, predicted_peak_reserved_bytes=c.peak_reserved_bytes,
-                            predicted_samples_per_s=c.samples_per_s or None, compile=False,
-                            block_policies=c.block_policies)
-    plan = without_free_blocks(plan, c.free_blocks, result.n_blocks)
     return replace(plan, trainable=result.trainable, trainable_params=result.trainable_params)
 
 
