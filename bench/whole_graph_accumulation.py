@@ -10,7 +10,10 @@ micro-batches of 64 launches each block's compiled forward and backward four tim
 bound by the host that launches them, which one graph per pass would relieve.
 
 Rows: (scope, micro-batch, checkpointing, capped) -> peak reserved, samples/s (``probe_step``,
-1 + 5 timed steps, the median). Usage (repository root, CUDA machine):
+1 + 5 timed steps, the median). Scope ``eager`` runs the rows uncompiled. Env (another workload's
+sweep): ``SWEEP_WORKLOAD`` (a bench workload, default bert-base-128@4GiB), ``SWEEP_PRECISION``
+(bf16), ``SWEEP_OPTIMIZER`` (adamw8bit-bf16), ``SWEEP_ROWS`` (a JSON list of the rows' 4-lists).
+Usage (repository root, CUDA machine):
     PYTHONPATH=.:$PYTHONPATH python bench/whole_graph_accumulation.py OUT
 """
 
@@ -37,15 +40,19 @@ ROWS = [("blocks", 256, 10, True), ("blocks", 64, None, True), ("blocks", 64, No
 
 def main(out: str) -> None:
     os.makedirs(out, exist_ok=True)
-    w = get_workload("bert-base-128@4GiB")
+    rows_asked = json.loads(os.environ["SWEEP_ROWS"]) if os.environ.get("SWEEP_ROWS") else ROWS
+    precision = os.environ.get("SWEEP_PRECISION", "bf16")
+    optimizer = os.environ.get("SWEEP_OPTIMIZER", "adamw8bit-bf16")
+    w = get_workload(os.environ.get("SWEEP_WORKLOAD", "bert-base-128@4GiB"))
     wl = make_workload(w, w.effective_batch, 4 * w.effective_batch)
     total = torch.cuda.get_device_properties(0).total_memory
     rows, scope_now = [], None
-    for scope, mb, ckpt, capped in ROWS:
+    for scope, mb, ckpt, capped in rows_asked:
         if scope != scope_now:
             uncompile_model(wl.model)
             torch._dynamo.reset()
-            compile_model(wl.model, WHOLE_MODEL if scope == "model" else None)
+            if scope != "eager":
+                compile_model(wl.model, WHOLE_MODEL if scope == "model" else None)
             scope_now = scope
         if ckpt == "model":
             set_activation_checkpointing(wl.model, True, None)
@@ -54,7 +61,7 @@ def main(out: str) -> None:
         torch.cuda.set_per_process_memory_fraction(w.budget_bytes / total if capped else 1.0)
         t0 = time.perf_counter()
         try:
-            pr = probe_step(wl, mb, "bf16", w.budget_bytes, timed_steps=5, optimizer="adamw8bit-bf16")
+            pr = probe_step(wl, mb, precision, w.budget_bytes, timed_steps=5, optimizer=optimizer)
             rate = mb * pr.micro_batches / pr.step_seconds if pr.step_seconds else None
             row = dict(scope=scope, micro_batch=mb, checkpointing=ckpt, capped=capped,
                        peak_reserved=pr.peak_reserved_bytes, samples_per_s=rate, fits=pr.fits,
@@ -65,8 +72,9 @@ def main(out: str) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
-    with open(f"{out}/whole_graph_accumulation.json", "w") as f:
-        json.dump(rows, f, indent=1)
+    name = os.environ.get("SWEEP_WORKLOAD", "").replace("@", "-at-") or "whole_graph_accumulation"
+    with open(f"{out}/{name}.json", "w") as f:
+        json.dump({"workload": w.name, "precision": precision, "optimizer": optimizer, "rows": rows}, f, indent=1)
     for r in rows:
         print(f"| {r['scope']} | {r['micro_batch']} | {r['checkpointing']} | {r['capped']} | "
               f"{(r.get('peak_reserved') or 0) / 2**30:.2f} | {r.get('samples_per_s') or 0:.0f} | {r.get('fits')} |")
