@@ -32,7 +32,7 @@ from tightfit.levers.compile import WHOLE_MODEL, compile_model, uncompile_model
 from tightfit.planner.probe import probe_step
 
 # (scope, micro-batch, checkpointing: None none / "model" the model's own hook on every block /
-# int: the first n blocks around their compiled call, capped)
+# int: the first n blocks around their compiled call / a list: one policy per block, capped)
 ROWS = [("blocks", 256, 10, True), ("blocks", 64, None, True), ("blocks", 64, None, False),
         ("model", 64, None, True), ("model", 64, None, False), ("model", 86, None, True),
         ("model", 128, "model", True), ("model", 256, "model", True)]
@@ -56,6 +56,8 @@ def main(out: str) -> None:
             scope_now = scope
         if ckpt == "model":
             set_activation_checkpointing(wl.model, True, None)
+        elif isinstance(ckpt, list):  # one policy per block: none|selective|full|offload
+            set_activation_checkpointing(wl.model, True, None, policies=tuple(ckpt))
         else:
             set_activation_checkpointing(wl.model, bool(ckpt), tuple(range(ckpt)) if ckpt else None)
         torch.cuda.set_per_process_memory_fraction(w.budget_bytes / total if capped else 1.0)
