@@ -10,7 +10,8 @@ micro-batches of 64 launches each block's compiled forward and backward four tim
 bound by the host that launches them, which one graph per pass would relieve.
 
 Rows: (scope, micro-batch, checkpointing, capped) -> peak reserved, samples/s (``probe_step``,
-1 + 5 timed steps, the median). Scope ``eager`` runs the rows uncompiled. Env (another workload's
+1 + 5 timed steps, the median). Scope ``eager`` runs the rows uncompiled; ``model-ro``
+compiles the whole model with ``mode="reduce-overhead"`` (CUDA graphs, static shapes). Env (another workload's
 sweep): ``SWEEP_WORKLOAD`` (a bench workload, default bert-base-128@4GiB), ``SWEEP_PRECISION``
 (bf16), ``SWEEP_OPTIMIZER`` (adamw8bit-bf16), ``SWEEP_ROWS`` (a JSON list of the rows' 4-lists).
 Usage (repository root, CUDA machine):
@@ -28,7 +29,7 @@ import torch
 
 from tightfit.bench.workloads import get_workload, make_workload
 from tightfit.levers.checkpointing import set_activation_checkpointing
-from tightfit.levers.compile import WHOLE_MODEL, compile_model, uncompile_model
+from tightfit.levers.compile import WHOLE_MODEL, compile_model, set_compiled_call, uncompile_model
 from tightfit.planner.probe import probe_step
 
 # (scope, micro-batch, checkpointing: None none / "model" the model's own hook on every block /
@@ -50,8 +51,11 @@ def main(out: str) -> None:
     for scope, mb, ckpt, capped in rows_asked:
         if scope != scope_now:
             uncompile_model(wl.model)
+            set_compiled_call(wl.model, None)
             torch._dynamo.reset()
-            if scope != "eager":
+            if scope == "model-ro":  # CUDA graphs (cudagraph trees) inside the cap, shapes static
+                wl.model.compile(mode="reduce-overhead")
+            elif scope != "eager":
                 compile_model(wl.model, WHOLE_MODEL if scope == "model" else None)
             scope_now = scope
         if ckpt == "model":
