@@ -29,7 +29,7 @@ import torch
 
 from tightfit.bench.workloads import get_workload, make_workload
 from tightfit.levers.checkpointing import set_activation_checkpointing
-from tightfit.levers.compile import WHOLE_MODEL, compile_model, set_compiled_call, uncompile_model
+from tightfit.levers.compile import WHOLE_MODEL, compile_model, compiled_call, set_compiled_call, uncompile_model
 from tightfit.planner.probe import probe_step
 
 # (scope, micro-batch, checkpointing: None none / "model" the model's own hook on every block /
@@ -55,6 +55,12 @@ def main(out: str) -> None:
             torch._dynamo.reset()
             if scope == "model-ro":  # CUDA graphs (cudagraph trees) inside the cap, shapes static
                 wl.model.compile(mode="reduce-overhead")
+                ro = compiled_call(wl.model)
+
+                def fresh(*args, ro=ro, **kwargs):  # each micro-batch a new step of the trees
+                    torch.compiler.cudagraph_mark_step_begin()
+                    return ro(*args, **kwargs)
+                set_compiled_call(wl.model, fresh)
             elif scope != "eager":
                 compile_model(wl.model, WHOLE_MODEL if scope == "model" else None)
             scope_now = scope
