@@ -7,6 +7,6 @@ OUT=${OUT:-out}; mkdir -p $OUT
 [ -f .carry/site.tgz ] && tar xzf .carry/site.tgz -C /tmp && export PYTHONPATH=/tmp/site
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 echo "tightfit commit $(git rev-parse HEAD) $(git status --porcelain | wc -l) uncommitted" > $OUT/env.txt
-SWEEP_ROWS='[["model-ro",64,null,true],["model-ro",64,null,false],["model-ro",256,null,false],["model",64,null,true],["model",256,null,false]]' \
+SWEEP_ROWS='[["model-ro",64,null,false],["model-ro",64,null,true],["model-ro",64,null,true],["model",64,null,true],["model",256,null,false],["eager",256,null,false]]' \
   timeout 400 python3 bench/whole_graph_accumulation.py $OUT > $OUT/cudagraph-ceiling.log 2>&1; echo "exit $?" >> $OUT/env.txt
 grep "^|" $OUT/*.log
