@@ -459,29 +459,6 @@ def test_a_shape_is_captured_at_its_first_measured_step_then_replayed(monkeypatc
     assert fake.calls[-1][0] == "capture" and sg.captured == 3
 
 
-def test_a_shape_within_a_measured_one_is_captured_at_its_first_step(monkeypatch):
-    """Shorter texts and an epoch's last partial batch need no more memory than a measured larger
-    shape: captured at their first step, with no eager launch first; a longer shape, or one of
-    another dtype or rank, is measured eagerly first."""
-    from tightfit.runtime.graphs import _within
-
-    fake = _Fake(monkeypatch)
-    sg = fake.graphs()
-    sg.step(_batch(4, 16), 4)  # makes the optimizer's state: not measured
-    sg.step(_batch(4, 16), 4)  # measured
-    sg.step(_batch(4, 8), 4)  # within it: captured at once
-    sg.step(_batch(2, 16), 2)  # the epoch's last partial batch, another normaliser: captured at once
-    sg.step(_batch(4, 24), 4)  # longer: eager, measured
-    sg.step(_batch(4, 24), 4)
-    assert [c[0] for c in fake.calls] == ["eager", "eager", "capture", "capture", "eager", "capture"]
-    assert sg.captured == sg.replayed == 3 and sg.off is None
-    key = lambda shape, dtype=torch.long: ((("input_ids", shape, dtype),), 4.0)  # noqa: E731
-    assert _within(key((4, 8)), key((4, 16))) and _within(key((4, 16)), key((4, 16)))
-    assert not _within(key((4, 17)), key((4, 16))) and not _within(key((5, 8)), key((4, 16)))
-    assert not _within(key((4, 8), torch.int32), key((4, 16))) and not _within(key((4, 8, 1)), key((4, 16)))
-    assert not _within(((("pixel_values", (4, 8), torch.long),), 4.0), key((4, 16)))
-
-
 def test_a_shape_the_budget_cannot_hold_runs_eagerly(monkeypatch):
     fake = _Fake(monkeypatch)
     sg = fake.graphs(budget=1150)  # 1000 allocated + 2 x 100 needed > 95% of 1150

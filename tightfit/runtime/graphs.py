@@ -15,10 +15,7 @@ What a replay cannot do, the capture is kept from needing:
   normaliser, which the graph holds as a constant). A key is captured the next time it comes;
   its first step runs eagerly, which also creates the optimizer's state (an allocation captured
   would be replayed as a reset) and measures the memory the step needs above what is allocated
-  (at a later step where the first created the optimizer's state). A key whose every input is
-  no larger, dimension by dimension, than those of a key already measured is captured at its
-  first step: its step needs no more memory than that key's (shorter texts, the epoch's last
-  partial batch), so the measured need bounds it and its eager step would only cost launches.
+  (at a later step where the first created the optimizer's state).
   At most :data:`MAX_GRAPHS` keys are captured; the rest run eagerly.
 - **The learning rate moves**: during capture each parameter group's ``lr`` is a 0-d fp32 CUDA
   tensor (fused AdamW reads a tensor ``lr`` on the device), written before every replay; between
@@ -216,17 +213,6 @@ def _end_generator_capture(device: torch.device) -> None:
     generator.graphsafe_set_state(generator.clone_state())
 
 
-def _within(key: tuple, other: tuple) -> bool:
-    """Whether every input of step key ``key`` (``(((name, shape, dtype), ...), normaliser)``,
-    as :meth:`StepGraphs.step` makes it) is no larger in any dimension than the same-named input
-    of ``other``, with the same dtype and rank. The normalisers need not match: a constant of the
-    graph, not an allocation."""
-    mine, theirs = key[0], other[0]
-    return len(mine) == len(theirs) and all(
-        n == m and d == e and len(s) == len(t) and all(a <= b for a, b in zip(s, t))
-        for (n, s, d), (m, t, e) in zip(mine, theirs))
-
-
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -277,7 +263,7 @@ class StepGraphs:
         self.seen += 1
         key = (tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items())), float(normaliser))
         graph = self._graphs.get(key)
-        if graph is None and self._measured(key) and self._may_capture(key):
+        if graph is None and key in self._need and self._may_capture(key):
             graph = self._capture(key, batch, normaliser)
         if graph is None:
             return self._eager(key, batch, normaliser)
@@ -346,12 +332,6 @@ class StepGraphs:
         if len(self.optimizer.state) == states:  # the allocator counts at launch: no sync to read the peak
             self._need[key] = max(0, torch.cuda.max_memory_allocated(self.device) - before)
         return pending
-
-    def _measured(self, key: tuple) -> bool:
-        """Whether ``key``'s step needs no more memory than a measured step: its own, or that of
-        a key whose inputs have the same names, dtypes and ranks and are each at least as large in
-        every dimension (:func:`_within`)."""
-        return key in self._need or any(_within(key, other) for other in self._need)
 
     def _may_capture(self, key: tuple) -> bool:
         if self.off is not None or key in self._declined:
