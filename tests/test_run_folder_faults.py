@@ -4,6 +4,7 @@ damaged files of a run, leftovers of a write cut short."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -424,6 +425,30 @@ def test_the_parents_a_new_runs_folder_needed_are_removed_with_it_when_the_setup
     with pytest.raises(TightfitError, match="refused after planning"):
         api.train(api.TrainRequest(**common, max_steps=2, out=str(work / "a" / "b" / "c" / "run")))
     assert sorted(str(p.relative_to(work)) for p in work.rglob("*")) == ["a", "a/b", "a/b/other"]
+
+
+def test_runs_started_in_the_same_second_without_out_get_folders_of_their_own(tmp_path, monkeypatch):
+    """The default runs/<date-time> is tightfit's choice, so it must not collide: a second run
+    started in the same second (a sweep launched with ``&``), while the first writes its folder or
+    after it ended, gets runs/<date-time>-2, -3; a name another run takes between the choice and
+    the folder's creation is skipped too."""
+    common = tiny_cpu_job(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(api.time, "strftime", lambda fmt, *a: "20261207-090615")
+    first = object()
+    held = api._claim_default_run_folder(api._default_run_folder(), first)
+    assert held == (Path("runs/20261207-090615"), [Path("runs/20261207-090615"), Path("runs")])
+    try:  # the first run is writing it: the next run gets -2, and ends
+        api.train(api.TrainRequest(**common, max_steps=1))
+        assert (work / "runs" / "20261207-090615-2" / "summary.json").is_file()
+        assert list((work / "runs" / "20261207-090615").iterdir()) == []
+    finally:
+        api._release_run_folders(first)
+    (work / "runs" / "20261207-090615-3").mkdir()  # taken between the choice and the creation
+    assert api._claim_default_run_folder(Path("runs/20261207-090615-3"), first)[0] == Path("runs/20261207-090615-4")
+    api._release_run_folders(first)
 
 
 def test_the_lock_is_each_train_calls_own_and_a_filesystem_without_locks_is_no_refusal(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import itertools
 import json
 import logging
 import math
@@ -222,6 +223,37 @@ def _claim_run_folder(folder: Path, owner) -> list[Path]:
         raise TightfitError(f"cannot create the run folder {folder}: {e.strerror or e}") from e
     _hold_run_folder(folder, owner)
     return missing
+
+
+def _default_run_folder() -> Path:
+    """The default run folder: ``runs/<date-time>``, or ``runs/<date-time>-2``, ``-3``, ... where
+    that name is taken already (runs started in the same second, e.g. a sweep launched with ``&``)."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    return next(f for n in itertools.count(1)
+                for f in [base if n == 1 else base.with_name(f"{base.name}-{n}")] if not os.path.lexists(f))
+
+
+def _claim_default_run_folder(folder: Path, owner) -> tuple[Path, list[Path]]:
+    """:func:`_claim_run_folder` for a default run folder (:func:`_default_run_folder`), whose
+    name another run may have taken since it was chosen: the folder is made only where it is not
+    there yet (``mkdir`` is the test, exclusive), else the next free name is chosen. Returns the
+    folder made and held, and the folders made (it first, then its parents, innermost first).
+
+    Raises:
+        TightfitError: it cannot be made.
+    """
+    for _ in range(100):
+        missing = missing_folders(folder)
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:  # taken since it was chosen
+            folder = _default_run_folder()
+            continue
+        except OSError as e:
+            raise TightfitError(f"cannot create the run folder {folder}: {e.strerror or e}") from e
+        _hold_run_folder(folder, owner)
+        return folder, missing
+    raise TightfitError(f"no free run folder name under runs/ (the last tried: {folder}): give {option_name('out')}")
 
 
 def _release_run_folders(owner) -> None:
@@ -433,7 +465,8 @@ class TrainRecipe:
 
     def _check_run_folder(self) -> None:
         """The run folder: new or empty (or the run being resumed), and creatable; a new run's is
-        then made (if need be) and held (:func:`_claim_run_folder`).
+        then made (if need be) and held (:func:`_claim_run_folder`; without ``--out``,
+        :func:`_default_run_folder` and :func:`_claim_default_run_folder`).
 
         Raises:
             TightfitError: it cannot be used, or another run is writing it.
@@ -442,8 +475,9 @@ class TrainRecipe:
         if out is not None and not str(out).strip():  # "" would silently become runs/<date-time>
             raise TightfitError(f"{option_name('out')} is empty: give the run folder, or leave {option_name('out')} out for "
                                 "runs/<date-time>")
-        self.out = output_folder(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         new = self.resume_from is None  # a resumed run's folder is held from train() on
+        # the default named once, on rank 0: ranks started a second apart would name two folders
+        self.out = output_folder(out) if out else self.world.decide(_default_run_folder)
         if new:  # a folder another run is writing: refused as such, not as "not empty" (rank 0 holds it)
             self.world.decide(lambda: self.out.is_dir() and _hold_run_folder(self.out, self))
         _check_out(self.out, resuming=not new)
@@ -453,8 +487,10 @@ class TrainRecipe:
             # its files would become samples (a class of their own) and the data would change under it
             raise TightfitError(f"{option_given('out', str(self.out))} is inside the data folder {data}: its files "
                                 f"would become samples; choose a folder outside it")
-        if new:  # rank 0 writes it: it makes and holds it; a refusal is every rank's
-            made = self.world.decide(lambda: _claim_run_folder(self.out, self))
+        if new:  # rank 0 writes it: it makes and holds it (the default: the next name where another run
+            # took this one meanwhile); a refusal is every rank's
+            self.out, made = self.world.decide(lambda: _claim_default_run_folder(self.out, self) if not out
+                                               else (self.out, _claim_run_folder(self.out, self)))
             self.created = made[:1] if self.world.is_main else []
             self.made_parents = made[1:] if self.world.is_main else []  # removed with it, once empty (remove_created)
 
