@@ -96,6 +96,23 @@ def test_blank_rows_skipped_and_bom_read(tmp_path):
     assert d.texts == ["good", "awful"] and d.label_names == ["neg", "pos"] and d.skipped_blank == 2
 
 
+def test_rows_labelled_minus_100_are_skipped_as_unlabelled_not_a_class(tmp_path, caplog):
+    """-100 is Hugging Face's ignore index: a row so labelled has no label. It was a class "-100",
+    trained on and counted in the conflicting-labels note."""
+    import logging
+
+    f = tmp_path / "d.csv"
+    rows = ["review,label"] + [f"text {i},{i % 2}" for i in range(40)] + ["text 0,-100", "other,-100", "third, -100 "]
+    f.write_text("\n".join(rows) + "\n")
+    d = load_text_classification(f, "review", "label")
+    assert d.label_names == ["0", "1"] and len(d.texts) == 40 and d.skipped_unlabelled == 3 and d.skipped_blank == 0
+    with caplog.at_level(logging.INFO, logger="tightfit"):
+        assert main(["train", "--data", str(f), "--text-column", "review", "--max-steps", "1", "--device", "cpu",
+                     "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert "3 rows labelled -100 (no label, as in Hugging Face's losses) were skipped" in caplog.text
+    assert "'-100'" not in caplog.text  # no class of that name, nor a conflict with one
+
+
 def test_out_is_a_file(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")

@@ -318,6 +318,10 @@ def test_jsonl_list_with_integer_label_0_keeps_those_rows(image_folder, tmp_path
     data = load_image_classification(str(tmp_path / "l.jsonl"))
     assert data.label_names == ["0", "1"] and len(data) == 24 and data.skipped_blank == 2
     assert sorted(data.labels) == [0] * 12 + [1] * 12
+    rows.append({"path": str(rows[0]["path"]), "label": -100})  # no label (the ignore index): skipped, no class
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_image_classification(str(tmp_path / "l.jsonl"))
+    assert (data.label_names, len(data), data.skipped_blank, data.skipped_unlabelled) == (["0", "1"], 24, 2, 1)
 
 
 def test_a_list_label_written_as_two_numbers_is_refused_and_a_minus_minus_label_is_a_name(image_folder, tmp_path):

@@ -508,6 +508,9 @@ class TrainRecipe:
         if data.skipped_blank:
             self.notes.append(f"{count_of(data.skipped_blank, 'row')} with a blank {data.SAMPLE_FIELD} or label "
                               f"{'was' if data.skipped_blank == 1 else 'were'} skipped")
+        if data.skipped_unlabelled:  # -100 marks no label (Hugging Face's ignore index), not a class
+            self.notes.append(f"{count_of(data.skipped_unlabelled, 'row')} labelled -100 (no label, as in Hugging "
+                              f"Face's losses) {'was' if data.skipped_unlabelled == 1 else 'were'} skipped")
         if data.skipped_header:  # said, as blank rows are: a count the file's row total does not show
             self.notes.append(f"{count_of(data.skipped_header, 'row')} identical to the header "
                               f"{'was' if data.skipped_header == 1 else 'were'} skipped (files joined, each with its "

@@ -55,6 +55,7 @@ class TextClassificationData:
         source: where the data came from (for reports).
         skipped_blank: rows dropped for a blank text or label.
         skipped_header: rows of a CSV/TSV dropped for repeating its header (files joined with both headers).
+        skipped_unlabelled: rows dropped for the label -100 (:func:`unlabelled`).
     """
 
     SAMPLE_FIELD = "text"  # what a skipped row lacked, in the note that counts them
@@ -69,6 +70,7 @@ class TextClassificationData:
     source: str
     skipped_blank: int = 0
     skipped_header: int = 0
+    skipped_unlabelled: int = 0
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -411,7 +413,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
             raise TightfitError(f"{path}: no column {col!r} ({option_name(option)}); columns are: "
                                 f"{', '.join(sorted(_shown_column(c) for c in columns))}"
                                 f"{_delimiter_hint(path, columns)}")
-    texts, raw, blank, spellings = [], [], 0, {}
+    texts, raw, blank, ignored, spellings = [], [], 0, 0, {}
     for n, r in enumerate(rows, 1):
         if n - 1 in headers:  # counted (len(headers)) and said, as blank rows are
             continue
@@ -432,6 +434,9 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
             continue
         if not label or not text.strip():  # a blank label is no class; a blank text no sample
             blank += 1
+            continue
+        if unlabelled(label):
+            ignored += 1
             continue
         if len(label) > MAX_LABEL_CHARS:  # kept whole in the model's config and the report otherwise
             raise TightfitError(f"{path}: row {n}: the label (column {label_column!r}) is {len(label):,} characters "
@@ -467,7 +472,7 @@ def load_text_classification(path: str | Path, text_column: str = "text", label_
         raise TightfitError(f"{path}: column {label_column!r} has {len(names)} class(es); need at least 2")
     index = {name: i for i, name in enumerate(names)}
     return TextClassificationData(texts, [index[x] for x in raw], names, str(path), skipped_blank=blank,
-                                  skipped_header=len(headers))
+                                  skipped_header=len(headers), skipped_unlabelled=ignored)
 
 
 def _missing(value) -> bool:
@@ -570,6 +575,12 @@ def _is_number(s: str) -> bool:
         return math.isfinite(float(s))
     except ValueError:
         return False
+
+
+def unlabelled(label: str) -> bool:
+    """Whether a data file's label (stripped text) is -100: Hugging Face's ignore index, which marks
+    a sample without a label (``tightfit.tasks.IGNORE_INDEX``), not a class named "-100"."""
+    return _is_int(label) and int(label) == -100
 
 
 def _is_int(s: str) -> bool:

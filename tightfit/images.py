@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .data import (_check_numbers_written_once, _is_int, _missing, _note_case_twins, _note_labels_in_two_cases,
-                   _one_number_twice, _read_rows, _shown_column, majority_fraction)
+                   _one_number_twice, _read_rows, _shown_column, majority_fraction, unlabelled)
 from .config import option_given, option_name
 from .errors import TightfitError
 from .units import count_of
@@ -69,6 +69,7 @@ class ImageClassificationData:
         digests: per sample, the SHA-256 of its file's bytes (:func:`_check_image`), or empty for
             pixels in memory: what :meth:`contents` compares.
         skipped_header: rows of a CSV/TSV dropped for repeating its header (lists joined with both headers).
+        skipped_unlabelled: rows of a CSV dropped for the label -100 (:func:`tightfit.data.unlabelled`).
     """
 
     SAMPLE_FIELD = "image path"  # what a skipped row lacked, in the note that counts them
@@ -84,6 +85,7 @@ class ImageClassificationData:
     root: str | None = None
     digests: tuple = ()
     skipped_header: int = 0
+    skipped_unlabelled: int = 0
 
     def __len__(self) -> int:
         return len(self.images)
@@ -281,10 +283,11 @@ def _check_image(path: Path) -> bytes:
 
 
 def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int = 0,
-            root: str | None = None, label_column: str | None = None, headers: int = 0) -> ImageClassificationData:
+            root: str | None = None, label_column: str | None = None, headers: int = 0,
+            unlabelled_rows: int = 0) -> ImageClassificationData:
     """Check every image, number the classes (numerically when all are integers); ``root``: see
     :class:`ImageClassificationData`; ``label_column``: a list's, None for a folder's class folders;
-    ``headers``: a list's rows left out for repeating its header.
+    ``headers``: a list's rows left out for repeating its header; ``unlabelled_rows``: for the label -100.
     Either's class names are checked as a text list's labels are: one number written two ways
     (``1`` and ``01``, ``1`` and ``1.0``) is refused (two classes, the model an output too many),
     names that differ only in case (``Cat`` and ``cat``) are noted."""
@@ -307,7 +310,7 @@ def _finish(paths: list[str], raw_labels: list[str], source: str, skipped: int =
     digests = tuple(_check_image(Path(p)) for p in paths)
     index = {n: i for i, n in enumerate(names)}
     return ImageClassificationData(paths, [index[x] for x in raw_labels], names, source, skipped, root, digests,
-                                  skipped_header=headers)
+                                  skipped_header=headers, skipped_unlabelled=unlabelled_rows)
 
 
 def _paths_under(folder: Path) -> list[Path]:
@@ -410,13 +413,16 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
         if col not in columns:  # the option as its user named it (--image-column, or image_column=)
             raise TightfitError(f"{path}: no column {col!r} ({option_name(option)}); columns are: "
                                 f"{', '.join(sorted(_shown_column(c) for c in columns))}")
-    paths, labels, blank = [], [], 0
+    paths, labels, blank, ignored = [], [], 0, 0
     for n, r in enumerate(rows, 1):
         if n - 1 in headers:  # counted (len(headers)) and said, as blank rows are
             continue
         file, label = _cell(path, n, r, image_column), _cell(path, n, r, label_column)
         if not file or not label:
             blank += 1
+            continue
+        if unlabelled(label):
+            ignored += 1
             continue
         p = Path(file) if Path(file).is_absolute() else path.parent / file
         if p.is_dir():
@@ -426,7 +432,7 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
         paths.append(str(p))
         labels.append(label)
     return _finish(paths, labels, str(path), blank, root=str(path.parent), label_column=label_column,
-                   headers=len(headers))
+                   headers=len(headers), unlabelled_rows=ignored)
 
 
 # PIL modes of one grey channel wider than 8 bits, and the value that becomes 255: PIL's
