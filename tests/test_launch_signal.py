@@ -99,3 +99,22 @@ def test_the_launcher_reports_bad_input_then_sigterm_then_ctrl_c_whichever_rank_
 
     assert fails_with(130, 143) == 143 and fails_with(143, 130) == 143
     assert fails_with(130, 130) == 130 and fails_with(143, 2) == 2 and fails_with(1, 1) == 1
+
+
+def test_a_sigterm_the_process_was_started_ignoring_stays_ignored(monkeypatch):
+    """The command stops on SIGTERM as on Ctrl-C, unless whoever started it ignored SIGTERM
+    (``SIG_IGN`` is inherited): then it stays ignored, as Python leaves an ignored SIGINT."""
+    import tightfit.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda args: seen.append(signal.getsignal(signal.SIGTERM)) or 0)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        assert cli.main(["doctor"]) == 0
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert cli.main(["doctor"]) == 0
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [signal.SIG_IGN, cli._interrupt]

@@ -304,6 +304,28 @@ def test_sigint_stops_at_a_step_boundary_with_a_checkpoint_that_resumes_exactly(
     assert_same_params(params_of(resumed.model), params_of(full.model))
 
 
+def test_a_sigint_the_process_ignores_stays_ignored_during_training(tmp_path):
+    """A shell starts a background job (``cmd &``) with SIGINT ignored; Python then leaves it so,
+    and tightfit's evaluation did, but its training loop put its own handler in: a SIGINT meant
+    for the foreground stopped the training of a background run, not its evaluation. Now both
+    leave an ignored signal ignored: the run finishes, and the ignore is in force after."""
+    t = Trainer(_workload(n=24), Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3, seed=3), progress=False)
+    calls = []
+
+    def ctrl_c(*a):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+    t.model.bert.encoder.layer[0].register_forward_pre_hook(ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        r = t.fit()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert r.steps == 3 and r.eval is not None and not any(e.startswith("SIGINT") for e in r.events)
+
+
 def test_ctrl_c_in_the_last_step_stops_before_the_final_evaluation(tmp_path):
     """A Ctrl-C during the last training step was acknowledged ("stopping after the current step")
     and then ignored: the final evaluation ran and the run exited as finished. It now stops after

@@ -250,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 args.command_line = os.environ.get(COMMAND_ENV) or args.command_line
         # SIGTERM stops like Ctrl-C (outside train's loop, which stops at a step boundary): what a
-        # command was writing is cleaned up (an export's temporary folder), nothing is half-written
-        old_sigterm = signal.signal(signal.SIGTERM, _interrupt)
+        # command was writing is cleaned up (an export's temporary folder), nothing is half-written.
+        # Unless the process was started with it ignored: then it stays so, as Python leaves SIGINT.
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            old_sigterm = signal.signal(signal.SIGTERM, _interrupt)
         from .runtime.allocator import configure_allocator
 
         configure_allocator()  # before anything touches CUDA

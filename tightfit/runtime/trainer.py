@@ -726,7 +726,8 @@ class Trainer:
 
     def _stop_on_signals(self):
         """Within the block, SIGINT/SIGTERM ask for a stop at the next step boundary (a second
-        SIGINT interrupts at once); the previous handlers are restored after."""
+        SIGINT interrupts at once), unless the process ignores them (``SIG_IGN``); the previous
+        handlers are restored after."""
         if threading.current_thread() is not threading.main_thread():
             return contextlib.nullcontext()  # signal handlers can only be set from the main thread
 
@@ -745,7 +746,10 @@ class Trainer:
                 # write to metrics.jsonl or the log stream: a write here raised "reentrant call".
                 # The loop logs and shows the note at the step's end.
 
-            old = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+            # a signal ignored by whoever started the process stays ignored, as Python leaves it (a
+            # shell starts background jobs, `cmd &`, with SIGINT ignored: Ctrl-C is not theirs)
+            old = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGINT, signal.SIGTERM)
+                   if signal.getsignal(s) is not signal.SIG_IGN}
             try:
                 yield
             finally:
