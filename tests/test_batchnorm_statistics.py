@@ -389,3 +389,31 @@ def test_an_oom_redo_of_an_odd_window_and_the_growth_back_leave_batchnorm_no_sin
     result = t.fit()
     assert result.steps == 4 and result.oom_recoveries == 1
     assert any("7 samples as 4+3" in e for e in result.events), result.events
+
+
+def test_the_trainers_oom_redo_leaves_batchnorm_statistics_as_the_smaller_micro_batch_gives_them():
+    """The runtime trainer's redo after an out-of-memory step puts the buffers back first: the
+    failed attempt's forward had already folded its micro-batch into BatchNorm's statistics."""
+    from tightfit.plan import Plan
+    from tightfit.runtime.trainer import TrainConfig, Trainer
+    from tightfit.workload import Workload
+
+    def run(micro_batch, oom):
+        torch.manual_seed(0)
+        data = [{"x": torch.randn(4), "labels": i % 2} for i in range(8)]
+        t = Trainer(Workload(_Net(), data, None, 8), Plan("fp32", micro_batch, 8),
+                    TrainConfig(epochs=1, lr=1e-3, grow_back_after=0), progress=False)
+        fired = []
+
+        def hook(module, inputs, output):
+            if oom and not fired:
+                fired.append(1)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        t.model.body[1].register_forward_hook(hook)
+        r = t.fit()
+        norm = t.model.body[1]
+        return r.oom_recoveries, int(norm.num_batches_tracked), norm.running_mean.clone(), norm.running_var.clone()
+
+    planned, redone = run(4, False), run(8, True)
+    assert (planned[0], redone[0]) == (0, 1) and planned[1] == redone[1] == 2
+    torch.testing.assert_close(redone[2:], planned[2:], rtol=0, atol=0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tightfit.cli import main
-from tightfit.data import held_out_split, load_text_classification
+from tightfit.data import held_out_split, load_text_classification, take
 from tightfit.errors import TightfitError
 
 
@@ -111,6 +111,19 @@ def test_rows_labelled_minus_100_are_skipped_as_unlabelled_not_a_class(tmp_path,
                      "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     assert "3 rows labelled -100 (no label, as in Hugging Face's losses) were skipped" in caplog.text
     assert "'-100'" not in caplog.text  # no class of that name, nor a conflict with one
+
+
+def test_a_subset_of_the_samples_is_the_same_in_every_run():
+    """--train-samples / --eval-samples take the same samples in every run and its resume: the
+    choice is seeded by itself, whatever the process's random state, and pinned (a change would
+    make a resume of an older run refuse its data)."""
+    import random
+
+    random.seed(1)
+    a = take(list(range(100)), 10)
+    random.seed(2)
+    assert a == take(list(range(100)), 10) == [15, 25, 30, 33, 40, 53, 54, 58, 60, 74]
+    assert take(list(range(100)), None) == take(list(range(100)), 100) == list(range(100))
 
 
 def test_out_is_a_file(tmp_path, capsys):

@@ -146,6 +146,21 @@ def test_probe_and_runtime_run_the_plans_precision(make_workload, monkeypatch, p
     assert {seen(c) for cs in calls.values() for c in cs} == {want}
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_forward_runs_under_the_plans_autocast(make_workload, monkeypatch, precision):
+    """The context handed to the step is entered around the forward and loss themselves (the test
+    above checks only which context the callers hand over): every training forward of a run sees
+    the plan's autocast, and the backward sees none."""
+    _no_cuda_stats(monkeypatch)
+    w = make_workload(n=8, effective_batch=8)
+    seen = []
+    w.model.register_forward_pre_hook(lambda m, a: seen.append(
+        (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))))
+    Trainer(w, Plan(precision, 4, 8), TrainConfig(epochs=1), progress=False).fit()
+    want = torch.bfloat16 if precision == "bf16" else False
+    assert [amp for grad, amp in seen if grad] == [want, want]
+
+
 def test_the_documented_estimator_names_are_the_function_and_its_result():
     """docs/memory-estimator.md: ``tightfit.memory.estimate(model, example_batch, plan, ...)``; the
     lazy package attribute had recursed (its submodule has the same name)."""

@@ -326,6 +326,57 @@ def test_a_sigint_the_process_ignores_stays_ignored_during_training(tmp_path):
     assert r.steps == 3 and r.eval is not None and not any(e.startswith("SIGINT") for e in r.events)
 
 
+def test_a_resumed_run_counts_the_samples_of_its_earlier_sessions(tmp_path):
+    """The resumed run's samples (summary, metrics lines) go on from the checkpoint's count, as
+    the uninterrupted run's do, and its last logged step and final loss are those of the
+    uninterrupted run; a total of steps that is no multiple of log_every still logs the last step."""
+    def trainer(folder, log):
+        return Trainer(_workload(n=40), Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3, seed=3, log_every=2,
+                                                                       checkpoint_dir=str(folder)),
+                       log=log, progress=False)
+
+    torch.manual_seed(11)
+    full_records = []
+    full = trainer(tmp_path / "full", full_records.append).fit()
+    torch.manual_seed(11)
+    stopped, calls = trainer(tmp_path / "stopped", lambda record: None), []
+
+    def ctrl_c(*a):  # in the third step's forward: stops after it, with ckpt-3
+        calls.append(1)
+        if stopped.step == 2 and len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+    stopped.model.bert.encoder.layer[0].register_forward_pre_hook(ctrl_c)
+    with pytest.raises(TrainingInterrupted) as e:
+        stopped.fit()
+    resumed_records = []
+    resumed = trainer(tmp_path / "stopped", resumed_records.append)
+    resumed.resume(e.value.checkpoint)
+    r = resumed.fit()
+    steps = [(x["step"], x["samples"], x["loss"]) for x in full_records if x["type"] == "train"]
+    assert [s for s, _, _ in steps] == [2, 4, 5]  # 5 steps, logged every 2: the last one too
+    assert [(x["step"], x["samples"], x["loss"]) for x in resumed_records if x["type"] == "train"] == steps[1:]
+    assert r.samples == full.samples == 40 and math.isfinite(full.final_loss)
+    assert full.final_loss == steps[-1][2] and r.final_loss == full.final_loss
+
+
+def test_a_second_sigint_interrupts_at_once_and_a_second_sigterm_does_not(tmp_path):
+    """Ctrl-C twice stops at once (KeyboardInterrupt, no step boundary waited for); a repeated
+    SIGTERM (a supervisor and its child both passing it on) is the same request again."""
+    for sig, raised in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, TrainingInterrupted)):
+        t = Trainer(_workload(n=24), Plan("fp32", 4, 8), TrainConfig(epochs=1, lr=1e-3, seed=3), progress=False)
+        calls = []
+
+        def twice(*a, t=t, sig=sig):
+            calls.append(1)
+            if t.step == 1 and len(calls) == 3:
+                os.kill(os.getpid(), sig)
+                os.kill(os.getpid(), sig)
+        t.model.bert.encoder.layer[0].register_forward_pre_hook(twice)
+        with pytest.raises(raised):
+            t.fit()
+        assert t.step == (1 if raised is KeyboardInterrupt else 2)
+
+
 def test_ctrl_c_in_the_last_step_stops_before_the_final_evaluation(tmp_path):
     """A Ctrl-C during the last training step was acknowledged ("stopping after the current step")
     and then ignored: the final evaluation ran and the run exited as finished. It now stops after
