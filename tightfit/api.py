@@ -229,8 +229,10 @@ def _default_run_folder() -> Path:
     """The default run folder: ``runs/<date-time>``, or ``runs/<date-time>-2``, ``-3``, ... where
     that name is taken already (runs started in the same second, e.g. a sweep launched with ``&``)."""
     base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    return next(f for n in itertools.count(1)
-                for f in [base if n == 1 else base.with_name(f"{base.name}-{n}")] if not os.path.lexists(f))
+    for n in itertools.count(1):
+        folder = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        if not os.path.lexists(folder):
+            return folder
 
 
 def _claim_default_run_folder(folder: Path, owner) -> tuple[Path, list[Path]]:

@@ -578,9 +578,11 @@ def _is_number(s: str) -> bool:
 
 
 def unlabelled(label: str) -> bool:
-    """Whether a data file's label (stripped text) is -100: Hugging Face's ignore index, which marks
-    a sample without a label (``tightfit.tasks.IGNORE_INDEX``), not a class named "-100"."""
-    return _is_int(label) and int(label) == -100
+    """Whether a data file's label (stripped text) is -100 (:data:`tightfit.tasks.IGNORE_INDEX`):
+    Hugging Face's ignore index, which marks a sample without a label, not a class named "-100"."""
+    from .tasks import IGNORE_INDEX
+
+    return _is_int(label) and int(label) == IGNORE_INDEX
 
 
 def _is_int(s: str) -> bool:
