@@ -41,8 +41,10 @@ def _cmd(model_dir, data, out):
 
 
 def _losses(run):
-    """``{step: loss}`` of the train records; a step logged twice fails (a resumed run must not repeat)."""
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """``{step: loss}`` of the train records; a step logged twice fails (a resumed run must not repeat).
+    A last line without its newline is a record still being written by the run polled: left out."""
+    text = (run / "metrics.jsonl").read_text()
+    steps = [json.loads(line) for line in text.splitlines()[:None if text.endswith("\n") else -1]]
     steps = [(r["step"], r["loss"]) for r in steps if r["type"] == "train"]
     assert len({s for s, _ in steps}) == len(steps), "a step is logged twice"
     return dict(steps)
