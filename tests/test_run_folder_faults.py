@@ -438,7 +438,7 @@ def test_runs_started_in_the_same_second_without_out_get_folders_of_their_own(tm
     monkeypatch.chdir(work)
     monkeypatch.setattr(api.time, "strftime", lambda fmt, *a: "20261207-090615")
     first = object()
-    held = api._claim_default_run_folder(api._default_run_folder(), first)
+    held = api._claim_run_folder(api._default_run_folder(), first, api._default_run_folder)
     assert held == (Path("runs/20261207-090615"), [Path("runs/20261207-090615"), Path("runs")])
     try:  # the first run is writing it: the next run gets -2, and ends
         api.train(api.TrainRequest(**common, max_steps=1))
@@ -447,7 +447,8 @@ def test_runs_started_in_the_same_second_without_out_get_folders_of_their_own(tm
     finally:
         api._release_run_folders(first)
     (work / "runs" / "20261207-090615-3").mkdir()  # taken between the choice and the creation
-    assert api._claim_default_run_folder(Path("runs/20261207-090615-3"), first)[0] == Path("runs/20261207-090615-4")
+    assert api._claim_run_folder(Path("runs/20261207-090615-3"), first, api._default_run_folder)[0] == \
+        Path("runs/20261207-090615-4")
     api._release_run_folders(first)
 
 

@@ -204,25 +204,38 @@ def _hold_run_folder(folder: Path, owner) -> None:
         _HELD[key] = (owner, fd)
 
 
-def _claim_run_folder(folder: Path, owner) -> list[Path]:
+def _claim_run_folder(folder: Path, owner, next_name=None) -> tuple[Path, list[Path]]:
     """Make new run folder ``folder`` (unless it is there, empty) and hold it for ``owner``
     (:func:`_hold_run_folder`) once it is checked, before the data are read and the plan is made:
-    a second run started into it at once is refused before it plans, not after. Returns the
-    folders made here, ``folder`` first, then the parents it needed, innermost first (``runs/``
-    for the default ``runs/<date-time>``): to be removed if the run stops before it writes anything.
+    a second run started into it at once is refused before it plans, not after.
+
+    Args:
+        next_name: for the default run folder (:func:`_default_run_folder`), whose name another
+            run may take between its choice and its creation: ``folder`` is then used only if it
+            is made here (``mkdir`` is the test, exclusive), else ``next_name()`` is tried.
+
+    Returns:
+        The folder held, and the folders made here, it first, then the parents it needed,
+        innermost first (``runs/`` for the default ``runs/<date-time>``): to be removed if the run
+        stops before it writes anything.
 
     Raises:
         TightfitError: it cannot be made, or another run holds it.
     """
-    missing = missing_folders(folder)
-    try:
-        folder.mkdir(parents=True)
-    except FileExistsError:
-        missing = []
-    except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
-        raise TightfitError(f"cannot create the run folder {folder}: {e.strerror or e}") from e
-    _hold_run_folder(folder, owner)
-    return missing
+    for _ in range(100):
+        missing = missing_folders(folder)
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:
+            if next_name is not None:  # taken since it was chosen
+                folder = next_name()
+                continue
+            missing = []
+        except OSError as e:  # e.g. under /proc: the folder check passed (root may write anywhere)
+            raise TightfitError(f"cannot create the run folder {folder}: {e.strerror or e}") from e
+        _hold_run_folder(folder, owner)
+        return folder, missing
+    raise TightfitError(f"no free run folder name under runs/ (the last tried: {folder}): give {option_name('out')}")
 
 
 def _default_run_folder() -> Path:
@@ -233,29 +246,6 @@ def _default_run_folder() -> Path:
         folder = base if n == 1 else base.with_name(f"{base.name}-{n}")
         if not os.path.lexists(folder):
             return folder
-
-
-def _claim_default_run_folder(folder: Path, owner) -> tuple[Path, list[Path]]:
-    """:func:`_claim_run_folder` for a default run folder (:func:`_default_run_folder`), whose
-    name another run may have taken since it was chosen: the folder is made only where it is not
-    there yet (``mkdir`` is the test, exclusive), else the next free name is chosen. Returns the
-    folder made and held, and the folders made (it first, then its parents, innermost first).
-
-    Raises:
-        TightfitError: it cannot be made.
-    """
-    for _ in range(100):
-        missing = missing_folders(folder)
-        try:
-            folder.mkdir(parents=True)
-        except FileExistsError:  # taken since it was chosen
-            folder = _default_run_folder()
-            continue
-        except OSError as e:
-            raise TightfitError(f"cannot create the run folder {folder}: {e.strerror or e}") from e
-        _hold_run_folder(folder, owner)
-        return folder, missing
-    raise TightfitError(f"no free run folder name under runs/ (the last tried: {folder}): give {option_name('out')}")
 
 
 def _release_run_folders(owner) -> None:
@@ -468,7 +458,7 @@ class TrainRecipe:
     def _check_run_folder(self) -> None:
         """The run folder: new or empty (or the run being resumed), and creatable; a new run's is
         then made (if need be) and held (:func:`_claim_run_folder`; without ``--out``,
-        :func:`_default_run_folder` and :func:`_claim_default_run_folder`).
+        :func:`_default_run_folder`'s name).
 
         Raises:
             TightfitError: it cannot be used, or another run is writing it.
@@ -491,8 +481,8 @@ class TrainRecipe:
                                 f"would become samples; choose a folder outside it")
         if new:  # rank 0 writes it: it makes and holds it (the default: the next name where another run
             # took this one meanwhile); a refusal is every rank's
-            self.out, made = self.world.decide(lambda: _claim_default_run_folder(self.out, self) if not out
-                                               else (self.out, _claim_run_folder(self.out, self)))
+            self.out, made = self.world.decide(
+                lambda: _claim_run_folder(self.out, self, None if out else _default_run_folder))
             self.created = made[:1] if self.world.is_main else []
             self.made_parents = made[1:] if self.world.is_main else []  # removed with it, once empty (remove_created)
 
@@ -1019,7 +1009,7 @@ class TrainRecipe:
         self.created = []  # what interrupted() may remove: only what this run made
         # made and held by the setup already (a new run's folder) or there (a resumed run's): made
         # here only if it went in between, by this process, so another one starting into it finds it made
-        made_now = bool(_claim_run_folder(out, self))
+        made_now = bool(_claim_run_folder(out, self)[1])
         made = made or made_now
         if not made_now and self.resume_from is None:  # again under the lock: another writer may have filled it
             _check_out(out, resuming=False)
