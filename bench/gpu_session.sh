@@ -34,6 +34,9 @@
 #   steady-windows: bench/steady_windows.py (BERT-base's 4 GiB plan built directly, probed, run 300 steps by the
 #              Trainer in 25-step windows with the SM clock and power sampled, probed again: issue 12's
 #              run-against-probe gap, the loop's or the clocks') -> OUT/steady-windows/{run.log,steady_windows.json}
+#   sweep:     bench/whole_graph_accumulation.py (probe steps of rows of scope, micro-batch, checkpointing, cap; env
+#              SWEEP_WORKLOAD, SWEEP_PRECISION, SWEEP_OPTIMIZER, SWEEP_ROWS, SWEEP_TIMEOUT) -> OUT/sweep.log, OUT/*.json
+#              (bench/micro_batch_sweep.sh, offload_sweep.sh and cudagraph_ceiling.sh run it)
 #   plan-time: bench/plan_time.py on three workloads (`tightfit plan`, no GPU: exact estimates traced one
 #              by one and in worker processes) -> OUT/plan-time/plan-time.{json,md}
 # Carried (ignored by git, .git/info/exclude): .carry/site.tgz (bitsandbytes with only its CUDA 13.0
@@ -92,6 +95,9 @@ for part in "$@"; do
         > "$OUT/steady-windows/run.log" 2>&1
       echo "steady-windows exit $?" >> "$OUT/env.txt"
       grep -E "^probe|^steps|^\{" "$OUT/steady-windows/run.log" >> "$OUT/env.txt" ;;
+    sweep)
+      timeout ${SWEEP_TIMEOUT:-400} python3 bench/whole_graph_accumulation.py "$OUT" > "$OUT/sweep.log" 2>&1
+      echo "sweep exit $?" >> "$OUT/env.txt"; grep "^|" "$OUT/sweep.log" >> "$OUT/env.txt" ;;
     loop-overhead)
       timeout ${LOOP_TIMEOUT:-300} python3 bench/loop_overhead.py "$OUT" > "$OUT/loop-overhead.log" 2>&1
       echo "loop-overhead exit $?" >> "$OUT/env.txt"; cat "$OUT/loop-overhead.md" >> "$OUT/env.txt" 2>/dev/null ;;

@@ -28,15 +28,27 @@ import time
 import torch
 
 from tightfit.bench.workloads import get_workload, make_workload
+from tightfit.levers.blocks import find_blocks
 from tightfit.levers.checkpointing import set_activation_checkpointing
 from tightfit.levers.compile import WHOLE_MODEL, compile_model, compiled_call, set_compiled_call, uncompile_model
 from tightfit.planner.probe import probe_step
 
 # (scope, micro-batch, checkpointing: None none / "model" the model's own hook on every block /
-# int: the first n blocks around their compiled call / a list: one policy per block, capped)
+# int: the first n blocks around their compiled call / a string: policies per block, "2xoffload+10xfull",
+# capped)
 ROWS = [("blocks", 256, 10, True), ("blocks", 64, None, True), ("blocks", 64, None, False),
         ("model", 64, None, True), ("model", 64, None, False), ("model", 86, None, True),
         ("model", 128, "model", True), ("model", 256, "model", True)]
+
+
+def _policies(spec: str, n: int) -> tuple[str, ...]:
+    """``"2xoffload+10xfull"`` -> the first 2 blocks offloaded, the next 10 fully recomputed, the
+    rest of the ``n`` blocks ``none``."""
+    out = []
+    for part in spec.split("+"):
+        k, policy = part.split("x")
+        out += [policy] * int(k)
+    return tuple(out + ["none"] * (n - len(out)))
 
 
 def main(out: str) -> None:
@@ -66,8 +78,8 @@ def main(out: str) -> None:
             scope_now = scope
         if ckpt == "model":
             set_activation_checkpointing(wl.model, True, None)
-        elif isinstance(ckpt, list):  # one policy per block: none|selective|full|offload
-            set_activation_checkpointing(wl.model, True, None, policies=tuple(ckpt))
+        elif isinstance(ckpt, str):  # policies per block, e.g. "2xoffload+10xfull" (the rest: none)
+            set_activation_checkpointing(wl.model, True, None, policies=_policies(ckpt, len(find_blocks(wl.model))))
         else:
             set_activation_checkpointing(wl.model, bool(ckpt), tuple(range(ckpt)) if ckpt else None)
         torch.cuda.set_per_process_memory_fraction(w.budget_bytes / total if capped else 1.0)
