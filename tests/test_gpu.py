@@ -181,6 +181,72 @@ def test_a_whole_model_graph_with_every_block_checkpointed_trains_as_eager_does(
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=1e-4)
 
 
+def _graphs_recorded() -> int:
+    """CUDA graphs cudagraph trees recorded on GPU 0 since their last reset."""
+    from torch._inductor import cudagraph_trees
+    manager = cudagraph_trees.get_manager(0, create_if_none_exists=False)
+    if manager is None:
+        return 0
+    seen, stack = 0, [n for nodes in manager.roots.values() for n in nodes]
+    while stack:
+        node = stack.pop()
+        seen += 1
+        stack += [c for nodes in node.children.values() for c in nodes]
+    return seen
+
+
+def _fit_scoped(scope, dropout=0.1, seed=3, folder=None, resume=None, max_steps=None):
+    """tiny BERT, fp32, 4 x 4 accumulation steps, compiled whole in ``scope``: the losses by step."""
+    from conftest import tiny_bert
+    model = tiny_bert(dropout=dropout).cuda()
+    w = Workload(model, SyntheticBatches(72, seq_len=16, pad_multiple=8), None, 16)
+    log = []
+    cfg = TrainConfig(epochs=2, lr=1e-3, log_every=1, seed=seed, max_steps=max_steps, prefetch=False,
+                      **({"checkpoint_dir": str(folder), "checkpoint_every": 2, "keep_last": 10} if folder else {}))
+    t = Trainer(w, Plan("fp32", 4, 16, device="cuda", compile=True, compile_scope=scope), cfg, log=log.append,
+                progress=False)
+    if resume:
+        t.resume(resume)
+    t.fit()
+    return t, {r["step"]: r["loss"] for r in log if r["type"] == "train"}
+
+
+def test_a_model_replayed_as_cuda_graphs_trains_as_the_compiled_model_does():
+    """``compile_scope="model-graphs"``: the whole model compiled and its forward and backward
+    replayed as CUDA graphs, four micro-batches accumulated per step, dropout on: the losses of
+    the same model compiled in the default mode, and graphs really recorded and replayed (no
+    cudagraph skipped). Accumulation is what the graphs' gradients would break (a replay
+    overwrites the previous one's outputs); dropout is seen to act (other losses without it)."""
+    from torch._dynamo.utils import counters
+    losses = {}
+    for scope, dropout in (("model", 0.1), ("model-graphs", 0.1), ("model-graphs", 0.0)):
+        torch._dynamo.reset()
+        counters.clear()
+        trainer, losses[scope, dropout] = _fit_scoped(scope, dropout)
+        if scope == "model-graphs":
+            assert _graphs_recorded() >= 2 and not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch._dynamo.reset()
+    a, b = losses["model", 0.1], losses["model-graphs", 0.1]
+    assert len(a) == 10 and a.keys() == b.keys()
+    torch.testing.assert_close(torch.tensor(list(b.values())), torch.tensor(list(a.values())), rtol=1e-5, atol=1e-6)
+    assert max(abs(x - y) for x, y in zip(b.values(), losses["model-graphs", 0.0].values())) > 1e-3
+
+
+def test_a_resumed_cuda_graph_run_reproduces_the_uninterrupted_one(tmp_path):
+    """A plan replayed as CUDA graphs, dropout on, resumed from its step-2 checkpoint in a new
+    trainer with nothing compiled or recorded: the losses of steps 3-6 and the final weights are
+    the uninterrupted run's, bit for bit."""
+    torch._dynamo.reset()
+    full, full_losses = _fit_scoped("model-graphs", folder=tmp_path / "full", max_steps=6)
+    torch._dynamo.reset()  # also frees the recorded graphs: as a new process
+    resumed, rest = _fit_scoped("model-graphs", folder=tmp_path / "resumed", max_steps=6,
+                                resume=tmp_path / "full" / "ckpt-2")
+    torch._dynamo.reset()
+    assert rest == {k: v for k, v in full_losses.items() if k > 2} and len(rest) == 4
+    a, b = full.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_compiled_checkpointed_block_recomputes_with_the_dropout_mask_of_its_forward():
     """Blocks compiled one by one and every one checkpointed, dropout 0.5 on: the last block's
     output is ``dropout(sin(h)) * w``, so its weight's gradient is ``out.sum(0) / w`` exactly

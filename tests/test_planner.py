@@ -218,8 +218,10 @@ def test_searching_blocks_is_never_slower_than_all_or_none(capsys, args):
 
 def _blocks_compiled_offline(monkeypatch, gpu, w, fake_probe):
     """The compiled stage without a GPU: ``fake_probe(w, mb, ...)`` answers the probes, blocks are
-    compiled one by one (nothing compiles), and checkpointing sets ``w.blocks``."""
+    compiled one by one (nothing compiles), and checkpointing sets ``w.blocks``. The CUDA-graph
+    variant at the end is not tried (its own tests try it)."""
     monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    monkeypatch.setattr(gpu, "graphed_variant", lambda *args: (None, "graphs not tried here"))
     monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: None)
     monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
     monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
@@ -661,6 +663,61 @@ def test_a_whole_model_graph_over_the_budget_is_probed_at_one_more_micro_batch(m
     assert [p for p in probed if p[0]] == [(True, 16), (True, 8)]
     assert v.scope == "model" and v.micro_batch == 8 and v.samples_per_s == E / 0.015
     assert "16 x 1: out of memory; 8 x 2: " in note and note.endswith("kept"), note
+
+
+@pytest.mark.parametrize("graphs", ["faster", "slower", "fails", "short run"])
+def test_a_recomputing_compiled_plan_is_tried_replayed_as_cuda_graphs_at_its_largest_micro_batch_without(
+        monkeypatch, graphs):
+    """The compiled blocks fit 16 x 1 only with a block recomputed, and 8 x 2 with none: 8 x 2 is
+    timed once more compiled whole and replayed as CUDA graphs (no GPU: a fake answers the probes),
+    kept only if faster, the model then compiled so and recomputing nothing; slower or failing,
+    the blocks are compiled and checkpointed as before; a run too short to repay a whole-model
+    compilation does not try it."""
+    from types import SimpleNamespace
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.levers.blocks import block_policy, find_blocks
+    from tightfit.levers.checkpointing import hf_hook_active
+    from tightfit.levers.compile import compiled_call, is_graphed
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate
+
+    model, E = tiny_bert(), 16
+    blocks, probed = find_blocks(model), []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        recomputed = sum(block_policy(b) == "full" for b in blocks) + 99 * hf_hook_active(model)
+        probed.append(("graphs" if is_graphed(model) else "blocks", mb, recomputed))
+        steps = E // mb
+        if is_graphed(model):
+            if graphs == "fails":
+                raise RuntimeError("cudagraph trees failed\ntraceback ...")
+            return ProbeResult(mb, True, 100, 100, {"slower": 0.1}.get(graphs, 0.01), steps)
+        fits = recomputed >= 1 if mb == E else True
+        return ProbeResult(mb, fits, 100, 100, 0.02 if mb == E else 0.05, steps)  # 800 and 320 samples/s
+
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    run_samples = int(100 * 800) if graphs == "short run" else None  # 100 s at the blocks' speed
+    found = gpu.compiled_variant(SimpleNamespace(effective_batch=E, model=model),
+                                 Candidate("bf16", E, tuple(range(len(blocks))), 1, None, None), 10**9,
+                                 len(blocks), run_samples)
+    v, note = found.variant, found.notes[-1]
+    tried = [p for p in probed if p[0] == "graphs"]
+    if graphs == "short run":
+        assert not tried and v.scope is None and "one whole-model graph not tried" not in " ".join(found.notes)
+        return
+    assert tried == [("graphs", 8, 0)] and "replayed as CUDA graphs" in note and "8 x 2" in note
+    if graphs == "faster":
+        assert v.scope == "model-graphs" and v.micro_batch == 8 and v.checkpoint_blocks == () and note.endswith("kept")
+        assert is_graphed(model) and not any(block_policy(b) != "none" for b in blocks) and not hf_hook_active(model)
+        plan = gpu._gpu_plan(SimpleNamespace(candidate=Candidate("bf16", E, (), 1, None, None)), v, E, 10**9,
+                             len(blocks), [])
+        assert plan.compile_scope == "model-graphs" and not plan.activation_checkpointing
+        return
+    assert v.scope is None and (v.micro_batch, len(v.checkpoint_blocks)) == (16, 1)
+    assert note.endswith("the variant before kept") and ("failed (RuntimeError: cudagraph trees" in note) == (graphs == "fails")
+    assert not is_graphed(model) and compiled_call(model) is None and all(compiled_call(b) is not None for b in blocks)
+    assert [block_policy(b) for b in blocks] == ["full", "none"]
 
 
 def test_a_compiled_plan_that_checkpoints_some_blocks_is_not_tried_whole(monkeypatch):

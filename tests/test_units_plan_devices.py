@@ -134,6 +134,65 @@ def test_the_whole_model_scope_compiles_one_graph_and_survives_the_plan_round_tr
         Plan("bf16", 64, 256, compile=True, compile_scope="blocks")
 
 
+def test_the_cuda_graph_scope_compiles_the_whole_model_and_recomputes_nothing():
+    from conftest import tiny_bert
+    from tightfit.levers.blocks import find_blocks
+    from tightfit.levers.compile import GRAPHED, compile_model, compiled_call, is_compiled, is_graphed, uncompile_model
+    bert = tiny_bert()
+    compile_model(bert, GRAPHED)  # lazy: nothing compiles or records until the first call
+    assert is_compiled(bert) and is_graphed(bert) and compiled_call(bert) is not None
+    assert all(compiled_call(b) is None for b in find_blocks(bert))
+    uncompile_model(bert)
+    assert not is_compiled(bert) and not is_graphed(bert) and compiled_call(bert) is None
+    plan = Plan("bf16", 64, 256, device="cuda", compile=True, compile_scope="model-graphs")
+    assert Plan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(TightfitError, match="recompute nothing"):
+        Plan("bf16", 64, 256, True, device="cuda", compile=True, compile_scope="model-graphs")
+    with pytest.raises(TightfitError, match="recompute nothing"):
+        Plan("bf16", 64, 256, device="cuda", compile=True, compile_scope="model-graphs", block_policies=("full",) * 2)
+
+
+def test_gradients_a_replayed_graph_adds_into_live_outside_its_outputs():
+    """cudagraph trees overwrite a run's outputs at the next run, a backward graph's gradients
+    included: a ``.grad`` autograd took over from them would be overwritten by the next
+    micro-batch. StableGrads gives every parameter the graph trains a ``.grad`` of its own before
+    backward (views of one buffer), zeroed at each step's first micro-batch; a parameter the graph
+    does not reach keeps ``.grad`` None. Eager here (no graph): the gradients are the eager ones."""
+    from tightfit.levers.compile import StableGrads
+
+    torch.manual_seed(0)
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+            self.unused = torch.nn.Linear(2, 2)  # a part of the model its forward does not run
+
+        def forward(self, x):
+            return self.body(x)
+
+    model = Net()
+    trained = list(model.body.parameters())
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    reference = {}
+    for step in range(2):  # eager accumulation of two micro-batches per step
+        for x in xs[2 * step:2 * step + 2]:
+            model(x).square().sum().backward()
+        reference[step] = [p.grad.clone() for p in trained]
+        model.zero_grad(set_to_none=True)
+    grads = StableGrads()
+    for step in range(2):
+        for x in xs[2 * step:2 * step + 2]:
+            out = model(x)
+            grads.ensure({"logits": out})
+            held = [p.grad for p in trained]
+            assert all(g is not None and g._base is not None for g in held)  # views of the buffer, before backward
+            out.square().sum().backward()
+            assert all(p.grad is g for p, g in zip(trained, held))  # added into, not replaced
+        assert all(torch.allclose(p.grad, r) for p, r in zip(trained, reference[step]))
+        assert model.unused.weight.grad is None and model.unused.bias.grad is None
+        model.zero_grad(set_to_none=True)  # as apply_update does: the next step's first micro-batch zeroes
+
+
 def test_identical_blocks_are_compiled_one_by_one_and_other_models_whole():
     from conftest import tiny_bert
     from tightfit.levers.blocks import find_blocks

@@ -21,6 +21,9 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 # bf16 weights with torchao's 8-bit AdamW rounding them stochastically).
 OPTIMIZER_CHOICES = ("auto", "adamw", "adamw8bit", "adamw-offload", "adamw8bit-bf16")
 SHARDINGS = ("none", "ddp", "fsdp", "fsdp-offload")
+# Plan.compile_scope: blocks one by one where identical (None), the whole model ("model"), the
+# whole model replayed as CUDA graphs ("model-graphs"); tightfit.levers.compile applies them
+COMPILE_SCOPES = (None, "model", "model-graphs")
 # The largest batch, micro or effective (samples): no data set fills a larger one, and far above it
 # the tracer's and torch's size arithmetic overflows (--batch-size 10**30 died in a TypeError deep
 # in the search, --micro-batch 10**15 in "Storage size calculation overflowed").
@@ -157,8 +160,10 @@ class Plan:
         compile: run the model's forward (and its backward) compiled by ``torch.compile``
             (:mod:`tightfit.levers.compile`); CUDA only.
         compile_scope: with ``compile``, ``"model"`` compiles the whole model as one graph
-            (:data:`tightfit.levers.compile.WHOLE_MODEL`); None: repeated blocks one by one where
-            they are identical (:func:`tightfit.levers.compile.compile_scope`).
+            (:data:`tightfit.levers.compile.WHOLE_MODEL`); ``"model-graphs"`` compiles it whole and
+            replays it as CUDA graphs (:data:`tightfit.levers.compile.GRAPHED`; no recomputation);
+            None: repeated blocks one by one where they are identical
+            (:func:`tightfit.levers.compile.compile_scope`).
         block_policies: what each repeated block keeps for backward, one of ``none``,
             ``selective`` (recompute only the cheap ops), ``full`` (recompute the block) or
             ``offload`` (saved tensors in pinned host memory) per block
@@ -212,8 +217,12 @@ class Plan:
             raise TightfitError(f"micro-batch and effective batch must be at most {MAX_BATCH} (2**31 - 1) samples")
         if self.world_size < 1 or self.sharding not in SHARDINGS:
             raise TightfitError(f"world size must be >= 1 and sharding one of {', '.join(SHARDINGS)}")
-        if self.compile_scope not in (None, "model"):
-            raise TightfitError(f"unknown compile scope {self.compile_scope!r}; use \"model\" or none")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise TightfitError(f"unknown compile scope {self.compile_scope!r}; use \"model\", "
+                                f"\"model-graphs\" or none")
+        if self.compile_scope == "model-graphs" and (self.activation_checkpointing or self.block_policies):
+            raise TightfitError("Plan: compile_scope \"model-graphs\" (CUDA graphs) is for steps that recompute "
+                                "nothing; give no checkpointing or block policies")
         from .levers.optimizers import check_precision
 
         check_precision(self.optimizer, self.precision)  # bf16 weights: bf16 autocast only
@@ -342,7 +351,7 @@ def without_free_blocks(plan: Plan, free: int, n_blocks: int) -> Plan:
     backward (frozen, nothing trained before them: checkpointing them recomputes and saves
     nothing); unchanged for a whole-model compiled plan (its graph checkpoints every block) or a
     plan of per-block policies."""
-    if not free or not plan.activation_checkpointing or plan.compile_scope == "model" or plan.block_policies:
+    if not free or not plan.activation_checkpointing or plan.compile_scope or plan.block_policies:
         return plan
     kept = tuple(i for i in plan.checkpointed_blocks(n_blocks) if i >= free)
     return replace(plan, activation_checkpointing=bool(kept),

@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from ..plan import COMPILE_SCOPES
 from .blocks import COMPILED_MARK, block_buffers, block_policy, find_blocks, run_block
 
 
@@ -78,6 +79,13 @@ def compile_scope(model: torch.nn.Module) -> str:
 
 # compile_model's scope that compiles the whole model as one graph whatever its blocks
 WHOLE_MODEL = "model"
+# compile_model's scope that compiles the whole model as one graph and replays it as CUDA graphs
+# (``mode="reduce-overhead"``): a step of small micro-batches without recomputation that fits where
+# larger ones need it, without the host's launches that make small micro-batches slow
+# (BERT-base seq 128 at 4 GiB, 64 x 4: 3,514-3,646 samples/s against 2,241-2,849 compiled in the
+# default mode; NVIDIA H100, bench/results/session-2026-12-07b)
+GRAPHED = "model-graphs"
+GRAPHED_MARK = "_tightfit_graphed"  # in a model's __dict__: compiled with GRAPHED
 
 
 def compile_model(model: torch.nn.Module, scope: str | None = None) -> None:
@@ -86,8 +94,10 @@ def compile_model(model: torch.nn.Module, scope: str | None = None) -> None:
     whole forward in any case (a plan that checkpoints every block runs faster as one graph,
     checkpointing inside it: one compiled call per micro-batch where blocks compiled one by one
     make three per block, forward, recomputation and backward; BERT-large, 4 GiB plan, NVIDIA
-    H200: 782 vs 620 samples/s, bench/results/step-breakdown-2). Default mode: no CUDA graphs, whose private
-    memory pool would sit outside the planned budget. Every compiled call marks the micro-batch
+    H200: 782 vs 620 samples/s, bench/results/step-breakdown-2); ``scope`` :data:`GRAPHED` compiles
+    it whole and replays its forward and backward as CUDA graphs (:func:`_compile_graphed`).
+    Otherwise the default mode: no CUDA graphs, whose private memory pool holds each recorded
+    shape's intermediates between steps. Every compiled call marks the micro-batch
     dimension of its tensor arguments dynamic before entering the compiled code. Compilation
     itself happens at the first call. A second call does nothing.
 
@@ -100,9 +110,12 @@ def compile_model(model: torch.nn.Module, scope: str | None = None) -> None:
     is replaced by tightfit's block wrappers (:func:`~tightfit.levers.checkpointing.set_activation_checkpointing`
     does so for a model compiled block by block).
     """
-    if scope not in (None, WHOLE_MODEL):
+    if scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile scope {scope!r}")
     if is_compiled(model):
+        return
+    if scope == GRAPHED:
+        _compile_graphed(model)
         return
     if scope != WHOLE_MODEL and compile_scope(model) == "blocks":
         modules = find_blocks(model)
@@ -123,6 +136,109 @@ def compile_model(model: torch.nn.Module, scope: str | None = None) -> None:
 
     set_compiled_call(model, call)
     model.__dict__[COMPILED_MARK] = [model]
+
+
+def _compile_graphed(model: torch.nn.Module) -> None:
+    """:func:`compile_model`'s :data:`GRAPHED` scope: the whole model compiled with
+    ``mode="reduce-overhead"``, whose forward and backward TorchInductor records as CUDA graphs
+    (cudagraph trees: one recording per batch shape, replayed after; a private memory pool for
+    their intermediates and outputs).
+
+    Two rules of cudagraph trees make accumulation safe here:
+
+    - each micro-batch is a new run (``torch.compiler.cudagraph_mark_step_begin()`` before its
+      forward): the previous micro-batch's backward has run, so its outputs are dead, and the
+      replay may reuse their memory;
+    - a replay overwrites the previous run's outputs, gradients included: a ``.grad`` that
+      autograd took over from the backward graph's output (as it does when ``.grad`` is None)
+      would be overwritten by the next micro-batch's backward. Before each forward, the
+      parameters the graph trains get a ``.grad`` of their own where they have none
+      (:class:`StableGrads`), so that autograd adds into it, outside the pool.
+    """
+    model.compile(mode="reduce-overhead")
+    compiled, grads = compiled_call(model), StableGrads()
+
+    def call(*args, **kwargs):
+        _mark_batch_dynamic(_tensors(args, kwargs))
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(*args, **kwargs)
+        if torch.is_grad_enabled():
+            grads.ensure(out)
+        return out
+
+    set_compiled_call(model, call)
+    model.__dict__[COMPILED_MARK] = [model]
+    model.__dict__[GRAPHED_MARK] = True
+
+
+class StableGrads:
+    """Gradients that a replayed backward graph adds into rather than hands over: for every
+    parameter the graph trains (a leaf its outputs' autograd graph reaches, found at the first
+    call), a view of one flat buffer per dtype and device, zeroed and given as ``.grad`` where the
+    parameter has none (after ``zero_grad(set_to_none=True)``: at each step's first micro-batch).
+    Parameters the graph does not reach keep ``.grad`` None, as in an eager step. The buffers
+    live as long as the compiled call: the gradients' bytes stay allocated between steps
+    (eager steps free them; the planner's probes measure the step as it runs).
+    """
+
+    def __init__(self):
+        self.params: list[torch.Tensor] | None = None
+        self.views: list[torch.Tensor] = []
+        self.flats: list[torch.Tensor] = []
+
+    def ensure(self, outputs) -> None:
+        """Give ``.grad`` to the trained parameters that have none, before the backward of
+        ``outputs`` (the compiled call's return: tensors, in tuples, lists, dicts or a Hugging Face
+        ``ModelOutput``) runs."""
+        if self.params is None:
+            self._allocate(_trained_leaves(outputs))
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if not missing:
+            return
+        if len(missing) == len(self.params):  # a step's first micro-batch: one zeroing per buffer
+            for flat in self.flats:
+                flat.zero_()
+        else:
+            for i in missing:
+                self.views[i].zero_()
+        for i in missing:
+            self.params[i].grad = self.views[i]
+
+    def _allocate(self, params: list[torch.Tensor]) -> None:
+        by_kind: dict = {}
+        for p in params:
+            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        self.params, views = [], {}
+        for (dtype, device), group in by_kind.items():
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+            self.flats.append(flat)
+            start = 0
+            for p in group:
+                views[p] = flat[start:start + p.numel()].view(p.shape)
+                start += p.numel()
+            self.params += group
+        self.views = [views[p] for p in self.params]
+
+
+def _trained_leaves(outputs) -> list[torch.Tensor]:
+    """The leaf tensors that require grad (parameters) reached from the autograd graph of the
+    tensors in ``outputs``, in the order first met (a walk over ``grad_fn.next_functions``)."""
+    from torch.utils._pytree import tree_leaves
+
+    roots = [t.grad_fn for t in tree_leaves(outputs) if torch.is_tensor(t) and t.grad_fn is not None]
+    if not roots and hasattr(outputs, "values"):  # a mapping pytree does not know
+        roots = [t.grad_fn for t in outputs.values() if torch.is_tensor(t) and t.grad_fn is not None]
+    seen, leaves, stack = set(), {}, list(roots)
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            leaves.setdefault(id(variable), variable)
+        stack.extend(f for f, _ in fn.next_functions)
+    return list(leaves.values())
 
 
 def set_compiled_call(module: torch.nn.Module, call) -> None:
@@ -157,9 +273,18 @@ def _call_block(forward, block, *args, **kwargs):
 
 
 def uncompile_model(model: torch.nn.Module) -> None:
-    """Undo :func:`compile_model`: the eager forward runs again."""
+    """Undo :func:`compile_model`: the eager forward runs again (and, for :data:`GRAPHED`, the
+    recorded CUDA graphs and their memory pool are freed: ``reset_cudagraph_trees``)."""
     for module in model.__dict__.pop(COMPILED_MARK, None) or ():
         set_compiled_call(module, None)
+    if model.__dict__.pop(GRAPHED_MARK, False):
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+        reset_cudagraph_trees()
+
+
+def is_graphed(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was compiled by :func:`compile_model` with scope :data:`GRAPHED`."""
+    return bool(model.__dict__.get(GRAPHED_MARK))
 
 
 @contextlib.contextmanager

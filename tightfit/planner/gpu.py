@@ -27,7 +27,7 @@ from ..errors import TightfitError, error_line
 from ..memory.oom import release_memory
 from ..levers.blocks import find_blocks
 from ..levers.checkpointing import set_activation_checkpointing
-from ..levers.compile import WHOLE_MODEL, compile_model, compile_scope, compile_unavailable, uncompile_model
+from ..levers.compile import GRAPHED, WHOLE_MODEL, compile_model, compile_scope, compile_unavailable, uncompile_model
 from ..levers.layout import CHANNELS_LAST_OPTIMIZERS, convolutions
 from ..levers.optimizers import BF16_WEIGHTS, LEVER_OPTIMIZERS, weights_dtype
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks, without_free_blocks
@@ -862,14 +862,63 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     # (Frozen first blocks recompute nothing either way: only the blocks that keep activations count.)
     kept = n_blocks - best.free_blocks
     paid = sum(i >= best.free_blocks for i in v.checkpoint_blocks)
+    short = too_short_for_whole_model(run_samples, v.samples_per_s)
     if regional and kept > 0 and paid and kept - paid <= kept // 8 and \
             getattr(model, "supports_gradient_checkpointing", False):
-        short = too_short_for_whole_model(run_samples, v.samples_per_s)
         if short:
             return CompileSearch(v, notes + [short])
         whole, note = whole_model_variant(workload, best, v, budget_bytes)
-        return CompileSearch(whole or v, notes + [note])
+        v, notes = whole or v, notes + [note]
+    unrecomputed = [f for f in found if not f.checkpoint_blocks and accumulation_steps(E, f.micro_batch) > 1]
+    if regional and v.checkpoint_blocks and unrecomputed and not short:
+        graphed, note = graphed_variant(workload, best, v, max(f.micro_batch for f in unrecomputed), budget_bytes)
+        v, notes = graphed or v, notes + [note]
     return CompileSearch(v, notes)
+
+
+def graphed_variant(workload: Workload, best: Candidate, current: CompiledVariant, micro_batch: int,
+                    budget_bytes: int) -> tuple[CompiledVariant | None, str]:
+    """Stage 4, last: the largest ``micro_batch`` whose compiled step fit with no block
+    recomputed (several micro-batches per step) compiled whole and replayed as CUDA graphs
+    (:data:`~tightfit.levers.compile.GRAPHED`), against ``current``, which recomputes blocks at a
+    larger micro-batch. A small micro-batch's compiled step is bound by the host that launches
+    its kernels; replayed as graphs it is not, and it recomputes nothing: BERT-base seq 128 at
+    4 GiB, 64 x 4 replayed, ran 3,514-3,646 samples/s, 0.91-1.0 of the compiled step with no
+    budget, where the blocks' 64 x 4 ran 2,241-2,849 (NVIDIA H100, bench/results/session-2026-12-07b).
+    Only a micro-batch whose step fit compiled block by block is tried (the whole graph's
+    intermediates were fewer there): a capture that runs out of memory part-way keeps its memory
+    under torch 2.11 (pytorch/pytorch#190308), so no bisection over sizes happens here.
+
+    Returns:
+        The graphed variant when it fits and its timing beats ``current``'s (the model is left
+        compiled so), else None (the model is compiled as ``current`` says again, with its
+        blocks checkpointed), and the reason line. A compiler error counts as not kept, with its
+        first line in the reason.
+    """
+    model, E = workload.model, workload.effective_batch
+    t0, pr, failed = time.perf_counter(), None, None
+    uncompile_model(model)
+    try:
+        set_activation_checkpointing(model, False, ())
+        compile_model(model, GRAPHED)
+        pr = probe_step(workload, micro_batch, best.precision, budget_bytes, optimizer=best.optimizer,
+                        timed_steps=VERIFIED_STEPS)
+    except Exception as e:  # noqa: BLE001 - a compiler failure keeps the current variant
+        failed = error_line(e)
+    line = (f"as one whole-model graph replayed as CUDA graphs, nothing recomputed ({time.perf_counter() - t0:.0f} s "
+            f"incl. compilation): {micro_batch} x {accumulation_steps(E, micro_batch)}: ")
+    if failed is None and pr.fits and _samples_per_s(pr, E) > current.samples_per_s:
+        rate = _samples_per_s(pr, E)
+        return (CompiledVariant(rate, micro_batch, (), pr, GRAPHED),
+                line + f"{format_rate(rate)} samples/s, peak {format_bytes(pr.peak_reserved_bytes)} reserved, kept")
+    uncompile_model(model)  # the graphs' memory pool freed too
+    release_memory()
+    compile_model(model, current.scope)
+    set_activation_checkpointing(model, True, None if current.scope == WHOLE_MODEL else current.checkpoint_blocks)
+    if failed:
+        return None, line + f"failed ({failed}), the variant before kept"
+    return None, line + (f"{format_rate(_samples_per_s(pr, E))} samples/s, the variant before kept" if pr.fits
+                         else f"{_peak(pr)}, the variant before kept")
 
 
 def whole_model_variant(workload: Workload, best: Candidate, regional: CompiledVariant,

@@ -42,7 +42,8 @@ def plan_lines(plan: Plan) -> list[str]:
         lines.append(f"trainable        {plan.trainable}: {plan.trainable_params:,} parameters")
     if plan.predicted_samples_per_s and plan.compile:  # no prediction for compiled steps: a timing decided
         lines.append(f"measured         {format_rate(plan.predicted_samples_per_s)} samples/s, compiled"
-                     + (" as one whole-model graph" if plan.compile_scope == "model" else "")
+                     + {"model": " as one whole-model graph",
+                        "model-graphs": " as one whole-model graph replayed as CUDA graphs"}.get(plan.compile_scope, "")
                      + " (the timing is named in 'decided by' below)")
     elif plan.predicted_samples_per_s:
         lines.append(f"predicted        {format_rate(plan.predicted_samples_per_s)} samples/s"
