@@ -273,13 +273,14 @@ def _call_block(forward, block, *args, **kwargs):
 
 
 def uncompile_model(model: torch.nn.Module) -> None:
-    """Undo :func:`compile_model`: the eager forward runs again (and, for :data:`GRAPHED`, the
-    recorded CUDA graphs and their memory pool are freed: ``reset_cudagraph_trees``)."""
+    """Undo :func:`compile_model`: the eager forward runs again. For :data:`GRAPHED` the recorded
+    CUDA graphs and their memory pool are freed with all compiled code (``torch._dynamo.reset()``:
+    compiled functions keep the graphs' manager, so freeing the graphs alone would break them);
+    compiling again traces again, from TorchInductor's on-disk caches."""
     for module in model.__dict__.pop(COMPILED_MARK, None) or ():
         set_compiled_call(module, None)
     if model.__dict__.pop(GRAPHED_MARK, False):
-        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-        reset_cudagraph_trees()
+        torch._dynamo.reset()
 
 
 def is_graphed(model: torch.nn.Module) -> bool:

@@ -38,7 +38,7 @@ from .cost import passes, peak_flops
 from .probe import PROBE_HEADROOM, ProbeResult, probe_step
 from .optimizers import levers_installed, search_optimizers
 from .search import Candidate, SearchResult, estimator_for
-from .warmup import any_length, warm_other_lengths
+from .warmup import any_length, warm_compiled, warm_other_lengths
 
 VERIFIED = 3  # candidates timed for real (each: one probe, probe_step)
 # timed steps of each verification probe; their median is the step time. Three, not two: the
@@ -802,6 +802,8 @@ def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget
     if not retiming.compiled_kept:
         return replace(retiming, note=note + ": eager kept")
     compile_model(model, variant.scope)
+    if variant.scope == GRAPHED:  # uncompiling it dropped the compiled code and the graphs: again now, not in the run
+        warm_compiled(workload, variant.micro_batch, (), best.precision, budget_bytes, best.optimizer)
     return replace(retiming, note=note + ": compiled kept")
 
 

@@ -162,12 +162,20 @@ def warm_compiled_plan(workload: Workload, plan, budget_bytes: int) -> float:
     model = workload.model
     blocks = plan.checkpointed_blocks(_n_blocks(model))
     compile_model(model, plan.compile_scope)
-    set_activation_checkpointing(model, bool(blocks), blocks)
-    with any_length(workload.train):
-        probe_step(workload, plan.micro_batch, plan.precision, budget_bytes, timed_steps=1, optimizer=plan.optimizer)
-    warm_other_lengths(workload, plan.micro_batch, blocks, plan.precision, budget_bytes, plan.optimizer)
+    warm_compiled(workload, plan.micro_batch, blocks, plan.precision, budget_bytes, plan.optimizer)
     set_activation_checkpointing(model, False, ())
     return time.perf_counter() - t0
+
+
+def warm_compiled(workload: Workload, micro_batch: int, blocks: tuple, precision: str, budget_bytes: int,
+                  optimizer: str) -> None:
+    """Run the compiled model's steps once at the worst case and at :func:`other_length`
+    (:func:`warm_other_lengths`), ``blocks`` checkpointed (left so): what compiles, and what is
+    recorded as CUDA graphs, does so now rather than in the run's first steps."""
+    set_activation_checkpointing(workload.model, bool(blocks), blocks)
+    with any_length(workload.train):
+        probe_step(workload, micro_batch, precision, budget_bytes, timed_steps=1, optimizer=optimizer)
+    warm_other_lengths(workload, micro_batch, blocks, precision, budget_bytes, optimizer)
 
 
 def _n_blocks(model) -> int:
