@@ -665,7 +665,7 @@ def test_a_whole_model_graph_over_the_budget_is_probed_at_one_more_micro_batch(m
     assert "16 x 1: out of memory; 8 x 2: " in note and note.endswith("kept"), note
 
 
-@pytest.mark.parametrize("graphs", ["faster", "slower", "fails", "short run"])
+@pytest.mark.parametrize("graphs", ["faster", "slower", "fails", "short run", "--cuda-graphs off"])
 def test_a_recomputing_compiled_plan_is_tried_replayed_as_cuda_graphs_at_its_largest_micro_batch_without(
         monkeypatch, graphs):
     """The compiled blocks fit 16 x 1 only with a block recomputed, and 8 x 2 with none: 8 x 2 is
@@ -700,10 +700,10 @@ def test_a_recomputing_compiled_plan_is_tried_replayed_as_cuda_graphs_at_its_lar
     run_samples = int(100 * 800) if graphs == "short run" else None  # 100 s at the blocks' speed
     found = gpu.compiled_variant(SimpleNamespace(effective_batch=E, model=model),
                                  Candidate("bf16", E, tuple(range(len(blocks))), 1, None, None), 10**9,
-                                 len(blocks), run_samples)
+                                 len(blocks), run_samples, cuda_graphs=graphs != "--cuda-graphs off")
     v, note = found.variant, found.notes[-1]
     tried = [p for p in probed if p[0] == "graphs"]
-    if graphs == "short run":
+    if graphs in ("short run", "--cuda-graphs off"):
         assert not tried and v.scope is None and "one whole-model graph not tried" not in " ".join(found.notes)
         return
     assert tried == [("graphs", 8, 0)] and "replayed as CUDA graphs" in note and "8 x 2" in note
@@ -718,6 +718,46 @@ def test_a_recomputing_compiled_plan_is_tried_replayed_as_cuda_graphs_at_its_lar
     assert note.endswith("the variant before kept") and ("failed (RuntimeError: cudagraph trees" in note) == (graphs == "fails")
     assert not is_graphed(model) and compiled_call(model) is None and all(compiled_call(b) is not None for b in blocks)
     assert [block_policy(b) for b in blocks] == ["full", "none"]
+
+
+@pytest.mark.parametrize("predicted", [8, None])
+def test_a_model_compiled_whole_is_tried_replayed_at_the_micro_batch_the_search_predicts_without_recomputation(
+        monkeypatch, predicted):
+    """A model compiled whole (blocks not identical: ResNet-50) keeps the eager plan's blocks in its
+    probes, so no micro-batch without recomputation is probed: the search's largest that fits so
+    (here 8 x 2) is the one replayed as CUDA graphs; with none predicted, nothing is tried."""
+    from types import SimpleNamespace
+
+    import tightfit.planner.gpu as gpu
+    from tightfit.levers.blocks import block_policy, find_blocks
+    from tightfit.levers.compile import is_graphed
+    from tightfit.planner.probe import ProbeResult
+    from tightfit.planner.search import Candidate, SearchResult
+
+    model, E = tiny_bert(), 16
+    blocks, probed = find_blocks(model), []
+
+    def fake_probe(workload, mb, precision, budget, timed_steps=2, optimizer="adamw"):
+        probed.append(("graphs" if is_graphed(model) else "whole", mb, sum(block_policy(b) == "full" for b in blocks)))
+        return ProbeResult(mb, True, 100, 100, 0.01 if is_graphed(model) else 0.02, E // mb)
+
+    monkeypatch.setattr(gpu, "probe_step", fake_probe)
+    monkeypatch.setattr(gpu, "compile_scope", lambda m: "model")
+    best = Candidate("bf16", E, (0, 1), 1, None, None, samples_per_s=700.0)
+    found = gpu.compiled_variant(SimpleNamespace(effective_batch=E, model=model), best, 10**9, len(blocks),
+                                 unrecomputed_micro_batch=predicted)
+    if predicted is None:
+        assert [p[0] for p in probed] == ["whole"] and found.variant.checkpoint_blocks == (0, 1)
+        return
+    assert probed == [("whole", 16, 2), ("graphs", 8, 0)] and found.variant.scope == "model-graphs"
+    # the search's prediction: the largest micro-batch under the effective batch that fits with
+    # nothing recomputed, in the winner's precision and optimizer
+    others = [Candidate("bf16", 8, (), 2, 1, 1, samples_per_s=500.0), Candidate("bf16", 12, (), 2, 1, 1),
+              Candidate("fp32", 12, (), 2, 1, 1, samples_per_s=400.0), Candidate("bf16", 4, (), 4, 1, 1, samples_per_s=1.0),
+              Candidate("bf16", 12, (1,), 2, 1, 1, samples_per_s=600.0),
+              Candidate("bf16", 10, (), 2, 1, 1, samples_per_s=400.0, optimizer="adamw8bit")]
+    result = SearchResult(best, others, 10**9, E, 2, 0.0)
+    assert gpu._unrecomputed_micro_batch(result, best) == 8
 
 
 def test_a_compiled_plan_that_checkpoints_some_blocks_is_not_tried_whole(monkeypatch):

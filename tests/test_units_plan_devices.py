@@ -318,3 +318,20 @@ def test_detect_knows_real_cards_by_the_names_torch_gives_them(monkeypatch, name
     assert (p.key, p.name, p.total_bytes) == (key, name, gib * 2**30)
     assert p.fp16_tflops / p.fp32_tflops == pytest.approx(fp16_ratio)
     assert p.fp16_tensor_cores == (fp16_ratio > 1)
+
+
+@pytest.mark.parametrize("graphs", ["auto", "off"])
+def test_a_plan_replayed_as_cuda_graphs_resumes_compiled_without_them_under_cuda_graphs_off(graphs):
+    """--cuda-graphs may change on resume: off, a plan compiled whole and replayed as CUDA graphs
+    runs the same compiled graph without them, and its reasons say so."""
+    from tightfit import api
+
+    plan = Plan("bf16", 64, 256, device="cuda", compile=True, compile_scope="model-graphs", reasons=("planned",))
+    recipe = api.TrainRecipe(api.TrainRequest(progress=False, cuda_graphs=graphs))
+    recipe.resume_from, recipe.resume_state = "ckpt-2", {"plan": plan.to_dict()}
+    resumed = recipe._choose_plan()
+    if graphs == "auto":
+        assert resumed == plan
+    else:
+        assert resumed.compile_scope == "model" and resumed.compile and not resumed.activation_checkpointing
+        assert resumed.reasons == ("planned", "--cuda-graphs off on resume: compiled whole, not replayed as CUDA graphs")

@@ -804,7 +804,13 @@ class TrainRecipe:
         if self.resume_from is not None:
             from .plan import Plan
 
-            return Plan.from_dict(self.resume_state["plan"])  # read and checked by _check_resume_point
+            plan = Plan.from_dict(self.resume_state["plan"])  # read and checked by _check_resume_point
+            if plan.compile_scope == "model-graphs" and self.req.training.cuda_graphs == "off":
+                # the same compiled graph, without CUDA graphs (--cuda-graphs may change on resume)
+                plan = replace(plan, compile_scope="model",
+                               reasons=plan.reasons + ("--cuda-graphs off on resume: compiled whole, not replayed "
+                                                       "as CUDA graphs",))
+            return plan
         if self.offload_reason is not None:
             return self._offload_plan()
         if self.device == "cuda":
@@ -840,7 +846,8 @@ class TrainRecipe:
         compiles = p.planner == "search" and p.compile != "off"
         key = plan_key(w.model, w.train.worst_case(1), E,
                        {"precision": p.precision, "checkpointing": p.checkpointing, "compile": p.compile,
-                        "planner": p.planner, "optimizer": p.optimizer, "trainable": self.req.workload.trainable},
+                        "planner": p.planner, "optimizer": p.optimizer, "trainable": self.req.workload.trainable,
+                        "cuda_graphs": self.req.training.cuda_graphs},
                        self.profile.name, torch.cuda.get_device_properties(0).total_memory,
                        self.budget, run_samples if compiles else None, profile=dataclasses.asdict(self.profile))
         cached = None if p.replan else load_plan(key)
@@ -859,7 +866,8 @@ class TrainRecipe:
             from .planner.gpu import plan_on_gpu
 
             plan = plan_on_gpu(w, self.profile, self.budget, self.input_size(), p.precision, p.checkpointing,
-                               p.compile, run_samples=run_samples, timings=self.plan_timings, optimizer=p.optimizer)
+                               p.compile, run_samples=run_samples, timings=self.plan_timings, optimizer=p.optimizer,
+                               cuda_graphs=self.req.training.cuda_graphs != "off")
         else:
             # the probes step the optimizer asked for: 8-bit or offloaded state fits where fp32 AdamW's does not
             plan = plan_first(w, self.device, self.profile, self.budget, p.precision, p.checkpointing,

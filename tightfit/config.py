@@ -577,8 +577,10 @@ class TrainOptions(_Options):
             pauses for the session; option ``cooldown_temp``.
         cuda_graphs: ``auto``: on a CUDA GPU, replay the steps of a plain eager plan (fused AdamW,
             one micro-batch per step, no compilation, recomputation or loss scaling) as CUDA
-            graphs, one per batch shape, where memory allows (:mod:`tightfit.runtime.graphs`);
-            ``off``: never.
+            graphs, one per batch shape, where memory allows (:mod:`tightfit.runtime.graphs`), and
+            let the GPU planner choose a compiled model replayed as CUDA graphs
+            (:data:`tightfit.levers.compile.GRAPHED`); ``off``: never (a resumed plan replayed so
+            runs compiled without graphs).
     """
 
     epochs: float = option(3.0, "passes over the training data; fractions allowed (default: {default})",
@@ -603,8 +605,9 @@ class TrainOptions(_Options):
                                 rule=_temperature)
     cooldown_temp_c: float | None = option(None, "pause between steps while the GPU is this hot (deg C)",
                                            key="cooldown_temp", rule=_temperature)
-    cuda_graphs: str = option("auto", "replay the eager steps of one micro-batch as CUDA graphs: auto|off "
-                                      "(default: {default}: where the plan allows it)", choices=("auto", "off"))
+    cuda_graphs: str = option("auto", "replay steps as CUDA graphs: auto|off (default: {default}: an eager "
+                                      "step of one micro-batch, and a compiled plan where the planner finds it "
+                                      "faster)", choices=("auto", "off"))
 
 
 # What a request made in Python records as its command: the command line records its own

@@ -276,7 +276,7 @@ def _peak(pr: ProbeResult) -> str:
 def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, seq_len: int,
                 precision: str = "auto", checkpointing: str = "auto", compile: str = "auto",
                 run_samples: int | None = None, timings: dict | None = None, per_block: bool = True,
-                optimizer: str = "auto") -> Plan:
+                optimizer: str = "auto", cuda_graphs: bool = True) -> Plan:
     """The fastest plan that really fits: the search's ranking, verified on the GPU.
 
     Candidates are probed in the search's order (real training steps under the allocator cap,
@@ -358,7 +358,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     t_compile = time.perf_counter()
     others = [m.candidate.optimizer for m in verification.measured if m.candidate.optimizer != best.candidate.optimizer]
     outcome = compile_and_retime(workload, best.candidate, budget_bytes, result.n_blocks, compile, why_not,
-                                 run_samples, others[0] if others else None)
+                                 run_samples, others[0] if others else None, cuda_graphs,
+                                 _unrecomputed_micro_batch(result, best.candidate))
     if thin and compile == "auto" and outcome.variant is None:
         # eager after all (too short at the measured speed, slower compiled, or a compiler error): the
         # candidates and calibration left to the compiled stage are timed now, as for an eager plan
@@ -677,11 +678,23 @@ def steady_timing(workload: Workload, precision: str, optimizer: str, micro_batc
     return _samples_per_s(pr, workload.effective_batch) if pr.fits else None
 
 
+def _unrecomputed_micro_batch(result: SearchResult, best: Candidate) -> int | None:
+    """The largest micro-batch, with several per step, that the search predicts to fit with
+    ``best``'s precision and optimizer and nothing recomputed (None: none)."""
+    fits = [c.micro_batch for c in (result.best, *result.runners_up)
+            if c.samples_per_s > 0 and c.checkpoint_blocks == () and c.block_policies is None
+            and c.precision == best.precision and c.optimizer == best.optimizer
+            and c.micro_batch < result.effective_batch]
+    return max(fits, default=None)
+
+
 def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n_blocks: int, compile: str,
                        why_not: str | None, run_samples: int | None = None,
-                       other_optimizer: str | None = None) -> CompileOutcome:
+                       other_optimizer: str | None = None, cuda_graphs: bool = True,
+                       unrecomputed_micro_batch: int | None = None) -> CompileOutcome:
     """Stages 4 and 5 for the eager winner ``best``: its compiled variant
-    (:func:`compiled_variant`), retimed against it with ``compile="auto"`` (:func:`retime`), and
+    (:func:`compiled_variant`; ``cuda_graphs`` and ``unrecomputed_micro_batch`` as there), retimed
+    against it with ``compile="auto"`` (:func:`retime`), and
     timed with ``other_optimizer`` (the runner-up optimizer that fit in the verification; None:
     none) too (:func:`challenge_compiled_optimizer`). ``why_not``: why ``torch.compile`` cannot
     run here (None: it can). A compiler failure with ``compile="auto"`` leaves the model eager
@@ -695,7 +708,8 @@ def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n
     variant, retiming, notes, steady = None, None, [], None
     try:
         with any_length(workload.train):  # compiled for every sequence length from the first probe
-            found = compiled_variant(workload, best, budget_bytes, n_blocks, run_samples)
+            found = compiled_variant(workload, best, budget_bytes, n_blocks, run_samples, cuda_graphs,
+                                     unrecomputed_micro_batch)
             variant, notes = found.variant, found.notes
             if variant is not None:  # other sequence lengths compile now, not during the run
                 notes = notes + warm_other_lengths(workload, variant.micro_batch, variant.checkpoint_blocks,
@@ -808,7 +822,8 @@ def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget
 
 
 def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_blocks: int,
-                     run_samples: int | None = None) -> CompileSearch:
+                     run_samples: int | None = None, cuda_graphs: bool = True,
+                     unrecomputed_micro_batch: int | None = None) -> CompileSearch:
     """Stage 4: try ``best`` (a verified eager candidate) compiled, with as few micro-batches as
     fit (compiled steps keep fewer intermediates, so a larger micro-batch may fit than in eager
     mode).
@@ -828,6 +843,12 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     Blocks compiled one by one with (nearly) every block checkpointed are then tried as one
     whole-model graph (:func:`whole_model_variant`), unless a run of ``run_samples`` samples is
     too short to repay that compilation (:func:`too_short_for_whole_model`; None: unknown length).
+    Last, a variant that recomputes blocks is tried against the largest micro-batch without
+    recomputation compiled whole and replayed as CUDA graphs (:func:`graphed_variant`): the
+    largest probed so (blocks compiled one by one), else ``unrecomputed_micro_batch`` (the
+    search's prediction, for a model compiled whole, whose probes keep the eager plan's blocks;
+    None: none); not with ``cuda_graphs`` False, nor for a run too short to repay a whole-model
+    compilation.
     """
     E, model = workload.effective_batch, workload.model
     regional = compile_scope(model) == "blocks"
@@ -871,9 +892,12 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
             return CompileSearch(v, notes + [short])
         whole, note = whole_model_variant(workload, best, v, budget_bytes)
         v, notes = whole or v, notes + [note]
-    unrecomputed = [f for f in found if not f.checkpoint_blocks and accumulation_steps(E, f.micro_batch) > 1]
-    if regional and v.checkpoint_blocks and unrecomputed and not short:
-        graphed, note = graphed_variant(workload, best, v, max(f.micro_batch for f in unrecomputed), budget_bytes)
+    unrecomputed = [f.micro_batch for f in found if not f.checkpoint_blocks]
+    if not regional and unrecomputed_micro_batch:
+        unrecomputed = [unrecomputed_micro_batch]
+    unrecomputed = [mb for mb in unrecomputed if accumulation_steps(E, mb) > 1]
+    if cuda_graphs and v.checkpoint_blocks and unrecomputed and not short:
+        graphed, note = graphed_variant(workload, best, v, max(unrecomputed), budget_bytes)
         v, notes = graphed or v, notes + [note]
     return CompileSearch(v, notes)
 
