@@ -911,9 +911,11 @@ def graphed_variant(workload: Workload, best: Candidate, current: CompiledVarian
     its kernels; replayed as graphs it is not, and it recomputes nothing: BERT-base seq 128 at
     4 GiB, 64 x 4 replayed, ran 3,514-3,646 samples/s, 0.91-1.0 of the compiled step with no
     budget, where the blocks' 64 x 4 ran 2,241-2,849 (NVIDIA H100, bench/results/session-2026-12-07b).
-    Only a micro-batch whose step fit compiled block by block is tried (the whole graph's
-    intermediates were fewer there): a capture that runs out of memory part-way keeps its memory
-    under torch 2.11 (pytorch/pytorch#190308), so no bisection over sizes happens here.
+    Only a micro-batch whose step fit compiled block by block, or (a model compiled whole) that
+    the search predicts to fit eager, is tried (the whole graph's intermediates were fewer than
+    either): a capture that runs out of memory part-way keeps its memory under torch 2.11
+    (pytorch/pytorch#190308), so no bisection over sizes happens here; the probe's first step,
+    the graphs' eager warm-up, meets any shortage before a capture does.
 
     Returns:
         The graphed variant when it fits and its timing beats ``current``'s (the model is left
