@@ -141,8 +141,8 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
     calls = []
 
     def fake_plan_on_gpu(workload, profile, budget, seq_len, precision, checkpointing, compile, run_samples=None,
-                         timings=None, optimizer="auto"):
-        calls.append(run_samples)
+                         timings=None, optimizer="auto", cuda_graphs=True):
+        calls.append(run_samples if cuda_graphs else "no graphs")
         timings.update(probed_samples_per_s=500.0, predicted_samples_per_s=450.0, compile_s=3.0)
         return Plan("bf16", 8, 8, device="cuda", budget_bytes=budget, reasons=("searched",))
 
@@ -158,6 +158,8 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
     assert sum(r.startswith("plan from the cache") for r in again.reasons) == 1
     _recipe(tmp_path, replan=True)._cached_gpu_plan()
     assert calls == [24, 24]  # --replan plans afresh
+    _recipe(tmp_path, cuda_graphs="off")._cached_gpu_plan()  # a plan that may not replay CUDA graphs: its own
+    assert calls == [24, 24, "no graphs"]
 
 
 @pytest.mark.parametrize("lever", ["adamw-offload", "activation offload"])
@@ -200,7 +202,7 @@ def test_a_run_that_compiles_nothing_takes_its_plan_from_the_cache_for_any_lengt
     calls = []
 
     def fake_plan_on_gpu(workload, profile, budget, seq_len, precision, checkpointing, compile, run_samples=None,
-                         timings=None, optimizer="auto"):
+                         timings=None, optimizer="auto", cuda_graphs=True):
         calls.append((compile, run_samples))
         return Plan("bf16", 8, 8, device="cuda", budget_bytes=budget, reasons=("searched",))
 
