@@ -720,6 +720,15 @@ def test_a_recomputing_compiled_plan_is_tried_replayed_as_cuda_graphs_at_its_lar
     assert [block_policy(b) for b in blocks] == ["full", "none"]
 
 
+def test_the_planner_tries_cuda_graphs_only_where_asked_and_not_under_cuda_graphs_off(monkeypatch):
+    import tightfit.planner.gpu as gpu
+
+    monkeypatch.delenv(gpu.GRAPHS_ENV, raising=False)
+    assert not gpu.graphs_planned()
+    monkeypatch.setenv(gpu.GRAPHS_ENV, "1")
+    assert gpu.graphs_planned() and not gpu.graphs_planned(allowed=False)
+
+
 @pytest.mark.parametrize("predicted", [8, None])
 def test_a_model_compiled_whole_is_tried_replayed_at_the_micro_batch_the_search_predicts_without_recomputation(
         monkeypatch, predicted):

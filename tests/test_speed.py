@@ -137,6 +137,7 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
     import tightfit.planner.gpu as gpu
 
     monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(gpu.GRAPHS_ENV, "1")  # the planner may replay CUDA graphs: not under --cuda-graphs off
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=140 * 2**30))
     calls = []
 

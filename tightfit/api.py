@@ -844,10 +844,13 @@ class TrainRecipe:
         # the run's length decides only whether compiling repays itself: a run that compiles
         # nothing takes the same plan for any --epochs
         compiles = p.planner == "search" and p.compile != "off"
+        from .planner.gpu import graphs_planned
+
+        graphs = graphs_planned(self.req.training.cuda_graphs != "off")  # the planner may replay CUDA graphs
         key = plan_key(w.model, w.train.worst_case(1), E,
                        {"precision": p.precision, "checkpointing": p.checkpointing, "compile": p.compile,
                         "planner": p.planner, "optimizer": p.optimizer, "trainable": self.req.workload.trainable,
-                        "cuda_graphs": self.req.training.cuda_graphs},
+                        "cuda_graphs": graphs},
                        self.profile.name, torch.cuda.get_device_properties(0).total_memory,
                        self.budget, run_samples if compiles else None, profile=dataclasses.asdict(self.profile))
         cached = None if p.replan else load_plan(key)
@@ -867,7 +870,7 @@ class TrainRecipe:
 
             plan = plan_on_gpu(w, self.profile, self.budget, self.input_size(), p.precision, p.checkpointing,
                                p.compile, run_samples=run_samples, timings=self.plan_timings, optimizer=p.optimizer,
-                               cuda_graphs=self.req.training.cuda_graphs != "off")
+                               cuda_graphs=graphs)
         else:
             # the probes step the optimizer asked for: 8-bit or offloaded state fits where fp32 AdamW's does not
             plan = plan_first(w, self.device, self.profile, self.budget, p.precision, p.checkpointing,

@@ -275,12 +275,17 @@ def _call_block(forward, block, *args, **kwargs):
 def uncompile_model(model: torch.nn.Module) -> None:
     """Undo :func:`compile_model`: the eager forward runs again. For :data:`GRAPHED` the recorded
     CUDA graphs and their memory pool are freed with all compiled code (``torch._dynamo.reset()``:
-    compiled functions keep the graphs' manager, so freeing the graphs alone would break them);
-    compiling again traces again, from TorchInductor's on-disk caches."""
+    compiled functions keep the graphs' manager, so freeing the graphs alone would break them),
+    and the pool's memory is handed back to the driver (the planner's eager retiming after it ran
+    out of memory within the budget otherwise; the fix is not yet measured on a GPU); compiling
+    again traces again, from TorchInductor's on-disk caches."""
     for module in model.__dict__.pop(COMPILED_MARK, None) or ():
         set_compiled_call(module, None)
     if model.__dict__.pop(GRAPHED_MARK, False):
+        from ..memory.oom import release_memory
+
         torch._dynamo.reset()
+        release_memory()
 
 
 def is_graphed(model: torch.nn.Module) -> bool:

@@ -18,6 +18,7 @@ run them on the CPU with an injected ``probe_step``.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -62,6 +63,21 @@ FP16_MIN_GAIN = 1.05
 # A run predicted to take less than this at its eager speed is not compiled: regional compilation
 # and the retiming cost 15-40 s on an H200 (bench/results), which a short run cannot win back.
 COMPILE_MIN_RUN_S = 60.0
+
+
+# The compiled stage's last try, the model compiled whole and replayed as CUDA graphs
+# (graphed_variant), runs only where this environment variable is "1". Measured once in the
+# planner (NVIDIA H100, BERT-base seq 128 at 4 GiB, bench/results/session-2026-12-07c): kept at
+# 3,146 samples/s against the blocks' 3,051 in their first timings (+3%; the run then delivered
+# 3,321, 0.69 of the compiled no-budget step), and that session's device time ran out before its
+# retiming (whose eager side then ran out of memory) and the GPU test suite were seen right.
+GRAPHS_ENV = "TIGHTFIT_PLAN_CUDA_GRAPHS"
+
+
+def graphs_planned(allowed: bool = True) -> bool:
+    """Whether the GPU planner tries a compiled plan replayed as CUDA graphs: ``allowed`` (not
+    ``--cuda-graphs off``) and :data:`GRAPHS_ENV` set to ``"1"``."""
+    return allowed and os.environ.get(GRAPHS_ENV) == "1"
 
 
 def _run_seconds_under(run_samples: int | None, samples_per_s: float, minimum_s: float) -> float | None:
@@ -276,7 +292,7 @@ def _peak(pr: ProbeResult) -> str:
 def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, seq_len: int,
                 precision: str = "auto", checkpointing: str = "auto", compile: str = "auto",
                 run_samples: int | None = None, timings: dict | None = None, per_block: bool = True,
-                optimizer: str = "auto", cuda_graphs: bool = True) -> Plan:
+                optimizer: str = "auto", cuda_graphs: bool | None = None) -> Plan:
     """The fastest plan that really fits: the search's ranking, verified on the GPU.
 
     Candidates are probed in the search's order (real training steps under the allocator cap,
@@ -311,6 +327,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
             and ``probed_samples_per_s`` (the timing that decided).
         per_block: also search selective recomputation and activation offload per block
             (:func:`~tightfit.planner.search.search`); False: whole blocks only.
+        cuda_graphs: the compiled stage may try the model replayed as CUDA graphs
+            (:func:`graphed_variant`); None: as :func:`graphs_planned` says.
         optimizer: ``auto`` (fp32 AdamW state first, then the optimizer levers:
             :mod:`.optimizers`) or the one to use.
 
@@ -358,7 +376,8 @@ def plan_on_gpu(workload: Workload, profile: DeviceProfile, budget_bytes: int, s
     t_compile = time.perf_counter()
     others = [m.candidate.optimizer for m in verification.measured if m.candidate.optimizer != best.candidate.optimizer]
     outcome = compile_and_retime(workload, best.candidate, budget_bytes, result.n_blocks, compile, why_not,
-                                 run_samples, others[0] if others else None, cuda_graphs,
+                                 run_samples, others[0] if others else None,
+                                 graphs_planned() if cuda_graphs is None else cuda_graphs,
                                  _unrecomputed_micro_batch(result, best.candidate))
     if thin and compile == "auto" and outcome.variant is None:
         # eager after all (too short at the measured speed, slower compiled, or a compiler error): the
