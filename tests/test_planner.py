@@ -767,6 +767,10 @@ def test_a_model_compiled_whole_is_tried_replayed_at_the_micro_batch_the_search_
               Candidate("bf16", 10, (), 2, 1, 1, samples_per_s=400.0, optimizer="adamw8bit")]
     result = SearchResult(best, others, 10**9, E, 2, 0.0)
     assert gpu._unrecomputed_micro_batch(result, best) == 8
+    # frozen first blocks, counted among the checkpointed for the search, recompute nothing (a review)
+    frozen = Candidate("bf16", 16, (0, 1), 1, None, None, samples_per_s=700.0, free_blocks=1)
+    kept = Candidate("bf16", 8, (0,), 2, 1, 1, samples_per_s=500.0, free_blocks=1)
+    assert gpu._unrecomputed_micro_batch(SearchResult(frozen, [kept], 10**9, E, 2, 0.0), frozen) == 8
 
 
 def test_a_compiled_plan_that_checkpoints_some_blocks_is_not_tried_whole(monkeypatch):

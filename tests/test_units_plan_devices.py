@@ -335,3 +335,45 @@ def test_a_plan_replayed_as_cuda_graphs_resumes_compiled_without_them_under_cuda
     else:
         assert resumed.compile_scope == "model" and resumed.compile and not resumed.activation_checkpointing
         assert resumed.reasons == ("planned", "--cuda-graphs off on resume: compiled whole, not replayed as CUDA graphs")
+
+
+def test_stable_gradients_cover_the_parameters_trained_now_in_their_own_layout():
+    """Found by a review (eager stand-ins for the compiled call): a bare output that trains
+    nothing, an input that requires grad, a first call that trains nothing, a parameter frozen or
+    weights cast after the first call, and channels-last weights."""
+    from tightfit.levers.compile import StableGrads, _trained_leaves
+
+    frozen = torch.nn.Linear(4, 2).requires_grad_(False)
+    assert _trained_leaves(frozen(torch.randn(3, 4))) == []  # a bare tensor: no Tensor.values() mistaken for a dict
+    m, x = torch.nn.Linear(4, 2), torch.randn(3, 4, requires_grad=True)
+    assert {id(t) for t in _trained_leaves(m(x))} == {id(m.weight), id(m.bias)}  # not the input
+
+    sg = StableGrads()  # a first call that trains nothing is not remembered
+    sg.ensure({"out": frozen(torch.randn(3, 4))})
+    frozen.requires_grad_(True)
+    sg.ensure({"out": frozen(torch.randn(3, 4))})
+    assert frozen.weight.grad is not None
+
+    net, sg = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), StableGrads()
+    sg.ensure(net(torch.randn(3, 4)))
+    net.zero_grad(set_to_none=True)
+    net[0].weight.requires_grad_(False)  # frozen since: no zero .grad for weight decay to act on
+    out = net(torch.randn(3, 4))
+    sg.ensure(out)
+    out.sum().backward()
+    assert net[0].weight.grad is None and net[1].weight.grad is not None
+
+    net.zero_grad(set_to_none=True)
+    net.to(torch.bfloat16)  # cast since the first call: new buffers of the new dtype
+    sg.ensure(net(torch.randn(3, 4, dtype=torch.bfloat16)))
+    assert net[1].weight.grad.dtype == torch.bfloat16
+
+    conv, sg = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last), StableGrads()
+    sg.ensure(conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)))
+    assert conv.weight.grad.stride() == conv.weight.stride()
+
+
+def test_the_cuda_graph_scope_is_for_one_process_and_allows_blocks_that_keep_everything():
+    Plan("bf16", 64, 256, device="cuda", compile=True, compile_scope="model-graphs", block_policies=("none",) * 2)
+    with pytest.raises(TightfitError, match="one process"):
+        Plan("bf16", 64, 512, device="cuda", compile=True, compile_scope="model-graphs", world_size=2, sharding="ddp")

@@ -220,9 +220,13 @@ class Plan:
         if self.compile_scope not in COMPILE_SCOPES:
             raise TightfitError(f"unknown compile scope {self.compile_scope!r}; use \"model\", "
                                 f"\"model-graphs\" or none")
-        if self.compile_scope == "model-graphs" and (self.activation_checkpointing or self.block_policies):
+        if self.compile_scope == "model-graphs" and (self.activation_checkpointing or
+                                                     any(p != "none" for p in self.block_policies or ())):
             raise TightfitError("Plan: compile_scope \"model-graphs\" (CUDA graphs) is for steps that recompute "
                                 "nothing; give no checkpointing or block policies")
+        if self.compile_scope == "model-graphs" and (self.world_size > 1 or self.sharding != "none"):
+            raise TightfitError("Plan: compile_scope \"model-graphs\" (CUDA graphs) is for one process without "
+                                "sharding; give compile_scope \"model\" for several")
         from .levers.optimizers import check_precision
 
         check_precision(self.optimizer, self.precision)  # bf16 weights: bf16 autocast only

@@ -173,16 +173,19 @@ def _compile_graphed(model: torch.nn.Module) -> None:
 
 class StableGrads:
     """Gradients that a replayed backward graph adds into rather than hands over: for every
-    parameter the graph trains (a leaf its outputs' autograd graph reaches, found at the first
-    call), a view of one flat buffer per dtype and device, zeroed and given as ``.grad`` where the
-    parameter has none (after ``zero_grad(set_to_none=True)``: at each step's first micro-batch).
-    Parameters the graph does not reach keep ``.grad`` None, as in an eager step. The buffers
-    live as long as the compiled call: the gradients' bytes stay allocated between steps
-    (eager steps free them; the planner's probes measure the step as it runs).
+    parameter the graph trains (an ``nn.Parameter`` its outputs' autograd graph reaches, found at
+    the first call that trains any), a view of one flat buffer per dtype and device, with the
+    parameter's strides (channels-last weights get channels-last gradients), zeroed and given as
+    ``.grad`` where the parameter has none and requires grad (after
+    ``zero_grad(set_to_none=True)``: at each step's first micro-batch). Parameters the graph does
+    not reach, or frozen since, keep ``.grad`` None, as in an eager step; weights cast or moved
+    since (another dtype or device) get new buffers. The buffers live as long as the compiled
+    call or a ``.grad`` view of them: the gradients' bytes stay allocated between steps (eager
+    steps free them; the planner's probes measure the step as it runs).
     """
 
     def __init__(self):
-        self.params: list[torch.Tensor] | None = None
+        self.params: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []
         self.flats: list[torch.Tensor] = []
 
@@ -190,9 +193,10 @@ class StableGrads:
         """Give ``.grad`` to the trained parameters that have none, before the backward of
         ``outputs`` (the compiled call's return: tensors, in tuples, lists, dicts or a Hugging Face
         ``ModelOutput``) runs."""
-        if self.params is None:
-            self._allocate(_trained_leaves(outputs))
-        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if not self.params or any(p.grad is None and (v.dtype, v.device) != (p.dtype, p.device)
+                                  for p, v in zip(self.params, self.views)):
+            self._allocate(_trained_leaves(outputs))  # none trained now: walked again at the next call
+        missing = [i for i, p in enumerate(self.params) if p.grad is None and p.requires_grad]
         if not missing:
             return
         if len(missing) == len(self.params):  # a step's first micro-batch: one zeroing per buffer
@@ -208,25 +212,36 @@ class StableGrads:
         by_kind: dict = {}
         for p in params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
-        self.params, views = [], {}
+        self.params, self.flats, views = [], [], {}
         for (dtype, device), group in by_kind.items():
             flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
             self.flats.append(flat)
             start = 0
-            for p in group:
-                views[p] = flat[start:start + p.numel()].view(p.shape)
+            for p in group:  # the parameter's own strides where they are dense (channels-last)
+                views[p] = flat.as_strided(p.shape, p.stride(), start) if _dense(p) \
+                    else flat[start:start + p.numel()].view(p.shape)
                 start += p.numel()
             self.params += group
         self.views = [views[p] for p in self.params]
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides cover its elements exactly: contiguous, channels-last (4-D) or
+    channels-last-3d (5-D)."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or \
+        (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+
+
 def _trained_leaves(outputs) -> list[torch.Tensor]:
-    """The leaf tensors that require grad (parameters) reached from the autograd graph of the
-    tensors in ``outputs``, in the order first met (a walk over ``grad_fn.next_functions``)."""
+    """The parameters (``nn.Parameter`` leaves; not inputs that require grad) reached from the
+    autograd graph of the tensors in ``outputs``, in the order first met (a walk over
+    ``grad_fn.next_functions``)."""
+    from collections.abc import Mapping
+
     from torch.utils._pytree import tree_leaves
 
     roots = [t.grad_fn for t in tree_leaves(outputs) if torch.is_tensor(t) and t.grad_fn is not None]
-    if not roots and hasattr(outputs, "values"):  # a mapping pytree does not know
+    if not roots and isinstance(outputs, Mapping):  # a mapping pytree does not know
         roots = [t.grad_fn for t in outputs.values() if torch.is_tensor(t) and t.grad_fn is not None]
     seen, leaves, stack = set(), {}, list(roots)
     while stack:
@@ -235,7 +250,7 @@ def _trained_leaves(outputs) -> list[torch.Tensor]:
             continue
         seen.add(fn)
         variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
-        if variable is not None:
+        if isinstance(variable, torch.nn.Parameter):
             leaves.setdefault(id(variable), variable)
         stack.extend(f for f, _ in fn.next_functions)
     return list(leaves.values())

@@ -701,7 +701,7 @@ def _unrecomputed_micro_batch(result: SearchResult, best: Candidate) -> int | No
     """The largest micro-batch, with several per step, that the search predicts to fit with
     ``best``'s precision and optimizer and nothing recomputed (None: none)."""
     fits = [c.micro_batch for c in (result.best, *result.runners_up)
-            if c.samples_per_s > 0 and c.checkpoint_blocks == () and c.block_policies is None
+            if c.samples_per_s > 0 and not c.paid_blocks and c.block_policies is None
             and c.precision == best.precision and c.optimizer == best.optimizer
             and c.micro_batch < result.effective_batch]
     return max(fits, default=None)
@@ -911,11 +911,12 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
             return CompileSearch(v, notes + [short])
         whole, note = whole_model_variant(workload, best, v, budget_bytes)
         v, notes = whole or v, notes + [note]
-    unrecomputed = [f.micro_batch for f in found if not f.checkpoint_blocks]
+    # (frozen first blocks recompute nothing: a micro-batch that checkpoints only those recomputes nothing)
+    unrecomputed = [f.micro_batch for f in found if all(i < best.free_blocks for i in f.checkpoint_blocks)]
     if not regional and unrecomputed_micro_batch:
         unrecomputed = [unrecomputed_micro_batch]
     unrecomputed = [mb for mb in unrecomputed if accumulation_steps(E, mb) > 1]
-    if cuda_graphs and v.checkpoint_blocks and unrecomputed and not short:
+    if cuda_graphs and paid and unrecomputed and not short:
         graphed, note = graphed_variant(workload, best, v, max(unrecomputed), budget_bytes)
         v, notes = graphed or v, notes + [note]
     return CompileSearch(v, notes)
