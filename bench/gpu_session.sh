@@ -34,6 +34,10 @@
 #   steady-windows: bench/steady_windows.py (BERT-base's 4 GiB plan built directly, probed, run 300 steps by the
 #              Trainer in 25-step windows with the SM clock and power sampled, probed again: issue 12's
 #              run-against-probe gap, the loop's or the clocks') -> OUT/steady-windows/{run.log,steady_windows.json}
+#   graphs-lever: the bench's tightfit setting on GRAPHS_WORKLOAD (bert-base-128@4GiB) planned with
+#              TIGHTFIT_PLAN_CUDA_GRAPHS=1 then 0 (BENCH_SETTINGS adds others), then the sweep's static
+#              reduce-overhead step (its first row after compilation fails: gradients left in the graphs'
+#              pool) against the lever's, two rows each -> OUT/graphs-{1,0}/, OUT/sweep.log
 #   sweep:     bench/whole_graph_accumulation.py (probe steps of rows of scope, micro-batch, checkpointing, cap; env
 #              SWEEP_WORKLOAD, SWEEP_PRECISION, SWEEP_OPTIMIZER, SWEEP_ROWS, SWEEP_TIMEOUT) -> OUT/sweep.log, OUT/*.json
 #              (bench/micro_batch_sweep.sh, offload_sweep.sh and cudagraph_ceiling.sh run it)
@@ -89,6 +93,20 @@ for part in "$@"; do
       python3 -m tightfit bench report "$OUT/recompute" >> "$OUT/env.txt" 2>&1
       for f in "$OUT"/recompute/*@*; do mv "$f" "${f//@/-at-}"; done  # '@' does not travel back
       cat "$OUT/recompute/results.md" >> "$OUT/env.txt" 2>/dev/null ;;
+    graphs-lever)
+      # the planner with and without its CUDA-graph stage (TIGHTFIT_PLAN_CUDA_GRAPHS), then the
+      # static reduce-overhead step against the lever's (batch dimension dynamic), one call
+      for g in 1 0; do
+        TIGHTFIT_PLAN_CUDA_GRAPHS=$g timeout ${BENCH_TIMEOUT:-300} python3 -m tightfit bench run \
+          --workload "${GRAPHS_WORKLOAD:-bert-base-128@4GiB}" --settings "${BENCH_SETTINGS:-tightfit}" \
+          --out "$OUT/graphs-$g" > "$OUT/graphs-$g.log" 2>&1
+        echo "graphs-lever TIGHTFIT_PLAN_CUDA_GRAPHS=$g exit $?" >> "$OUT/env.txt"
+        for f in "$OUT"/graphs-$g/*@*; do mv "$f" "${f//@/-at-}"; done
+      done
+      SWEEP_WORKLOAD=${GRAPHS_WORKLOAD:-bert-base-128@4GiB} \
+        SWEEP_ROWS='[["model-ro", 64, null, true], ["model-ro", 64, null, true], ["model-graphs", 64, null, true], ["model-graphs", 64, null, true]]' \
+        timeout ${SWEEP_TIMEOUT:-300} python3 bench/whole_graph_accumulation.py "$OUT" > "$OUT/sweep.log" 2>&1
+      echo "graphs-lever sweep exit $?" >> "$OUT/env.txt"; grep "^|" "$OUT/sweep.log" >> "$OUT/env.txt" ;;
     steady-windows)
       mkdir -p "$OUT/steady-windows"
       timeout ${STEADY_TIMEOUT:-200} python3 bench/steady_windows.py "$OUT/steady-windows" 300 \

@@ -11,7 +11,9 @@ bound by the host that launches them, which one graph per pass would relieve.
 
 Rows: (scope, micro-batch, checkpointing, capped) -> peak reserved, samples/s (``probe_step``,
 1 + 5 timed steps, the median). Scope ``eager`` runs the rows uncompiled; ``model-ro``
-compiles the whole model with ``mode="reduce-overhead"`` (CUDA graphs, static shapes). Env (another workload's
+compiles the whole model with ``mode="reduce-overhead"`` (CUDA graphs, static shapes); ``model-graphs``
+is tightfit's lever of the same (compile scope ``GRAPHED``: the batch dimension dynamic, gradients
+outside the graphs' pool). Env (another workload's
 sweep): ``SWEEP_WORKLOAD`` (a bench workload, default bert-base-128@4GiB), ``SWEEP_PRECISION``
 (bf16), ``SWEEP_OPTIMIZER`` (adamw8bit-bf16), ``SWEEP_ROWS`` (a JSON list of the rows' 4-lists).
 Usage (repository root, CUDA machine):
@@ -30,7 +32,7 @@ import torch
 from tightfit.bench.workloads import get_workload, make_workload
 from tightfit.levers.blocks import find_blocks
 from tightfit.levers.checkpointing import set_activation_checkpointing
-from tightfit.levers.compile import WHOLE_MODEL, compile_model, compiled_call, set_compiled_call, uncompile_model
+from tightfit.levers.compile import GRAPHED, WHOLE_MODEL, compile_model, compiled_call, set_compiled_call, uncompile_model
 from tightfit.planner.probe import probe_step
 
 # (scope, micro-batch, checkpointing: None none / "model" the model's own hook on every block /
@@ -73,6 +75,8 @@ def main(out: str) -> None:
                     torch.compiler.cudagraph_mark_step_begin()
                     return ro(*args, **kwargs)
                 set_compiled_call(wl.model, fresh)
+            elif scope == "model-graphs":  # tightfit's lever: reduce-overhead, batch dimension dynamic, StableGrads
+                compile_model(wl.model, GRAPHED)
             elif scope != "eager":
                 compile_model(wl.model, WHOLE_MODEL if scope == "model" else None)
             scope_now = scope
