@@ -218,10 +218,8 @@ def test_searching_blocks_is_never_slower_than_all_or_none(capsys, args):
 
 def _blocks_compiled_offline(monkeypatch, gpu, w, fake_probe):
     """The compiled stage without a GPU: ``fake_probe(w, mb, ...)`` answers the probes, blocks are
-    compiled one by one (nothing compiles), and checkpointing sets ``w.blocks``. The CUDA-graph
-    variant at the end is not tried (its own tests try it)."""
+    compiled one by one (nothing compiles), and checkpointing sets ``w.blocks``."""
     monkeypatch.setattr(gpu, "probe_step", fake_probe)
-    monkeypatch.setattr(gpu, "graphed_variant", lambda *args: (None, "graphs not tried here"))
     monkeypatch.setattr(gpu, "compile_model", lambda m, scope=None: None)
     monkeypatch.setattr(gpu, "uncompile_model", lambda m: None)
     monkeypatch.setattr(gpu, "compile_scope", lambda m: "blocks")
@@ -754,7 +752,7 @@ def test_a_model_compiled_whole_is_tried_replayed_at_the_micro_batch_the_search_
     monkeypatch.setattr(gpu, "compile_scope", lambda m: "model")
     best = Candidate("bf16", E, (0, 1), 1, None, None, samples_per_s=700.0)
     found = gpu.compiled_variant(SimpleNamespace(effective_batch=E, model=model), best, 10**9, len(blocks),
-                                 unrecomputed_micro_batch=predicted)
+                                 cuda_graphs=True, unrecomputed_micro_batch=predicted)
     if predicted is None:
         assert [p[0] for p in probed] == ["whole"] and found.variant.checkpoint_blocks == (0, 1)
         return

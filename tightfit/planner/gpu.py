@@ -709,7 +709,7 @@ def _unrecomputed_micro_batch(result: SearchResult, best: Candidate) -> int | No
 
 def compile_and_retime(workload: Workload, best: Candidate, budget_bytes: int, n_blocks: int, compile: str,
                        why_not: str | None, run_samples: int | None = None,
-                       other_optimizer: str | None = None, cuda_graphs: bool = True,
+                       other_optimizer: str | None = None, cuda_graphs: bool = False,
                        unrecomputed_micro_batch: int | None = None) -> CompileOutcome:
     """Stages 4 and 5 for the eager winner ``best``: its compiled variant
     (:func:`compiled_variant`; ``cuda_graphs`` and ``unrecomputed_micro_batch`` as there), retimed
@@ -841,7 +841,7 @@ def retime(workload: Workload, best: Candidate, variant: CompiledVariant, budget
 
 
 def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_blocks: int,
-                     run_samples: int | None = None, cuda_graphs: bool = True,
+                     run_samples: int | None = None, cuda_graphs: bool = False,
                      unrecomputed_micro_batch: int | None = None) -> CompileSearch:
     """Stage 4: try ``best`` (a verified eager candidate) compiled, with as few micro-batches as
     fit (compiled steps keep fewer intermediates, so a larger micro-batch may fit than in eager
@@ -866,8 +866,8 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     recomputation compiled whole and replayed as CUDA graphs (:func:`graphed_variant`): the
     largest probed so (blocks compiled one by one), else ``unrecomputed_micro_batch`` (the
     search's prediction, for a model compiled whole, whose probes keep the eager plan's blocks;
-    None: none); not with ``cuda_graphs`` False, nor for a run too short to repay a whole-model
-    compilation.
+    None: none); only with ``cuda_graphs`` (:func:`graphs_planned`), and not for a run too short to
+    repay a whole-model compilation.
     """
     E, model = workload.effective_batch, workload.model
     regional = compile_scope(model) == "blocks"
