@@ -220,13 +220,8 @@ class Plan:
         if self.compile_scope not in COMPILE_SCOPES:
             raise TightfitError(f"unknown compile scope {self.compile_scope!r}; use \"model\", "
                                 f"\"model-graphs\" or none")
-        if self.compile_scope == "model-graphs" and (self.activation_checkpointing or
-                                                     any(p != "none" for p in self.block_policies or ())):
-            raise TightfitError("Plan: compile_scope \"model-graphs\" (CUDA graphs) is for steps that recompute "
-                                "nothing; give no checkpointing or block policies")
-        if self.compile_scope == "model-graphs" and (self.world_size > 1 or self.sharding != "none"):
-            raise TightfitError("Plan: compile_scope \"model-graphs\" (CUDA graphs) is for one process without "
-                                "sharding; give compile_scope \"model\" for several")
+        if self.compile_scope == "model-graphs":
+            self._check_graphed()
         from .levers.optimizers import check_precision
 
         check_precision(self.optimizer, self.precision)  # bf16 weights: bf16 autocast only
@@ -235,6 +230,15 @@ class Plan:
                                 "False: set activation_checkpointing=True to checkpoint them, or give no blocks")
         if self.micro_batch > self.rank_batch:
             object.__setattr__(self, "micro_batch", self.rank_batch)
+
+    def _check_graphed(self) -> None:
+        """compile_scope ``"model-graphs"``: a step that recomputes nothing, in one process."""
+        if self.activation_checkpointing or any(p != "none" for p in self.block_policies or ()):
+            raise TightfitError("Plan: compile_scope \"model-graphs\" (CUDA graphs) is for steps that recompute "
+                                "nothing; give no checkpointing or block policies")
+        if self.world_size > 1 or self.sharding != "none":
+            raise TightfitError("Plan: compile_scope \"model-graphs\" (CUDA graphs) is for one process without "
+                                "sharding; give compile_scope \"model\" for several")
 
     def _check_kinds(self) -> None:
         """Refuse fields of the wrong kind (a hand-made plan, or a plan.json edited by hand), one

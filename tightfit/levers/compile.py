@@ -193,12 +193,15 @@ class StableGrads:
         """Give ``.grad`` to the trained parameters that have none, before the backward of
         ``outputs`` (the compiled call's return: tensors, in tuples, lists, dicts or a Hugging Face
         ``ModelOutput``) runs."""
-        if not self.params or any(p.grad is None and (v.dtype, v.device) != (p.dtype, p.device)
-                                  for p, v in zip(self.params, self.views)):
-            self._allocate(_trained_leaves(outputs))  # none trained now: walked again at the next call
+        if not self.params:  # none trained at an earlier call: walked again
+            self._allocate(_trained_leaves(outputs))
         missing = [i for i, p in enumerate(self.params) if p.grad is None and p.requires_grad]
-        if not missing:
+        if not missing:  # the step's later micro-batches: one pass over the parameters, nothing else
             return
+        if any((self.views[i].dtype, self.views[i].device) != (self.params[i].dtype, self.params[i].device)
+               for i in missing):  # weights cast or moved since: new buffers
+            self._allocate(_trained_leaves(outputs))
+            missing = [i for i, p in enumerate(self.params) if p.grad is None and p.requires_grad]
         if len(missing) == len(self.params):  # a step's first micro-batch: one zeroing per buffer
             for flat in self.flats:
                 flat.zero_()

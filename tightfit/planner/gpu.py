@@ -911,10 +911,9 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
             return CompileSearch(v, notes + [short])
         whole, note = whole_model_variant(workload, best, v, budget_bytes)
         v, notes = whole or v, notes + [note]
-    # (frozen first blocks recompute nothing: a micro-batch that checkpoints only those recomputes nothing)
-    unrecomputed = [f.micro_batch for f in found if all(i < best.free_blocks for i in f.checkpoint_blocks)]
-    if not regional and unrecomputed_micro_batch:
-        unrecomputed = [unrecomputed_micro_batch]
+    # probed without recomputation (frozen first blocks recompute nothing), or the search's prediction
+    unrecomputed = [f.micro_batch for f in found if all(i < best.free_blocks for i in f.checkpoint_blocks)] \
+        if regional else [unrecomputed_micro_batch] if unrecomputed_micro_batch else []
     unrecomputed = [mb for mb in unrecomputed if accumulation_steps(E, mb) > 1]
     if cuda_graphs and paid and unrecomputed and not short:
         graphed, note = graphed_variant(workload, best, v, max(unrecomputed), budget_bytes)
@@ -959,8 +958,7 @@ def graphed_variant(workload: Workload, best: Candidate, current: CompiledVarian
         rate = _samples_per_s(pr, E)
         return (CompiledVariant(rate, micro_batch, (), pr, GRAPHED),
                 line + f"{format_rate(rate)} samples/s, peak {format_bytes(pr.peak_reserved_bytes)} reserved, kept")
-    uncompile_model(model)  # the graphs' memory pool freed too
-    release_memory()
+    uncompile_model(model)  # the graphs and their memory pool freed too (released to the driver)
     compile_model(model, current.scope)
     set_activation_checkpointing(model, True, None if current.scope == WHOLE_MODEL else current.checkpoint_blocks)
     if failed:
