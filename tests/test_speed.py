@@ -161,6 +161,8 @@ def test_a_second_run_of_the_same_job_takes_its_plan_from_the_cache(tmp_path, mo
     assert calls == [24, 24]  # --replan plans afresh
     _recipe(tmp_path, cuda_graphs="off")._cached_gpu_plan()  # a plan that may not replay CUDA graphs: its own
     assert calls == [24, 24, "no graphs"]
+    _recipe(tmp_path, deterministic=True)._cached_gpu_plan()  # compiled under deterministic kernels: its own
+    assert calls == [24, 24, "no graphs", 24]
 
 
 @pytest.mark.parametrize("lever", ["adamw-offload", "activation offload"])

@@ -81,10 +81,13 @@ def train(req: TrainRequest) -> RunSummary:
     configure_allocator()  # effective only if CUDA has not started yet in this process
     from .image_train import recipe_class
     from .levers.attention import without_cudnn_attention
+    from .runtime.determinism import deterministic_kernels
 
     world = World.from_env(req.planning.device)  # several ranks under torchrun (docs/distributed.md)
     recipe = recipe_class(req)(req, world)  # TrainRecipe, or ImageTrainRecipe for an image model
-    with without_cudnn_attention(recipe.VARYING_SHAPES):  # planning's probes, training and evaluation alike
+    # planning's probes, training and evaluation alike (compiled code is lowered under these settings)
+    deterministic = deterministic_kernels(req.training.deterministic, option_name("deterministic"))
+    with without_cudnn_attention(recipe.VARYING_SHAPES), deterministic:
         return _train(recipe, world)
 
 
@@ -850,7 +853,7 @@ class TrainRecipe:
         key = plan_key(w.model, w.train.worst_case(1), E,
                        {"precision": p.precision, "checkpointing": p.checkpointing, "compile": p.compile,
                         "planner": p.planner, "optimizer": p.optimizer, "trainable": self.req.workload.trainable,
-                        "cuda_graphs": graphs},
+                        "cuda_graphs": graphs, "deterministic": self.req.training.deterministic},
                        self.profile.name, torch.cuda.get_device_properties(0).total_memory,
                        self.budget, run_samples if compiles else None, profile=dataclasses.asdict(self.profile))
         cached = None if p.replan else load_plan(key)

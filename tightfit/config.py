@@ -581,6 +581,10 @@ class TrainOptions(_Options):
             let the GPU planner choose a compiled model replayed as CUDA graphs
             (:data:`tightfit.levers.compile.GRAPHED`); ``off``: never (a resumed plan replayed so
             runs compiled without graphs).
+        deterministic: plan, train and evaluate with deterministic kernels
+            (:func:`tightfit.runtime.determinism.deterministic_kernels`), so that two runs, and a
+            resumed run and the uninterrupted one, agree bit for bit also where a compiled model
+            would add with atomic operations (a text model compiled as one graph).
     """
 
     epochs: float = option(3.0, "passes over the training data; fractions allowed (default: {default})",
@@ -608,6 +612,9 @@ class TrainOptions(_Options):
     cuda_graphs: str = option("auto", "replay steps as CUDA graphs: auto|off (default: {default}: an eager "
                                       "step of one micro-batch, and a compiled plan where the planner finds it "
                                       "faster)", choices=("auto", "off"))
+    deterministic: bool = option(False, "deterministic kernels (torch.use_deterministic_algorithms): runs, and a "
+                                        "resumed run and the uninterrupted one, agree bit for bit also where a "
+                                        "compiled step would add with atomic operations")
 
 
 # What a request made in Python records as its command: the command line records its own
