@@ -81,13 +81,10 @@ def train(req: TrainRequest) -> RunSummary:
     configure_allocator()  # effective only if CUDA has not started yet in this process
     from .image_train import recipe_class
     from .levers.attention import without_cudnn_attention
-    from .runtime.determinism import deterministic_kernels
 
     world = World.from_env(req.planning.device)  # several ranks under torchrun (docs/distributed.md)
     recipe = recipe_class(req)(req, world)  # TrainRecipe, or ImageTrainRecipe for an image model
-    # planning's probes, training and evaluation alike (compiled code is lowered under these settings)
-    deterministic = deterministic_kernels(req.training.deterministic, option_name("deterministic"))
-    with without_cudnn_attention(recipe.VARYING_SHAPES), deterministic:
+    with without_cudnn_attention(recipe.VARYING_SHAPES):  # planning's probes, training and evaluation alike
         return _train(recipe, world)
 
 
@@ -138,6 +135,7 @@ def _train(recipe: TrainRecipe, world) -> RunSummary:
         return summary
     finally:
         _release_run_folders(recipe)
+        recipe.settings.close()  # the process's settings the run changed (--deterministic), as they were
 
 
 _HELD: dict[str, tuple[object, int]] = {}  # run folders being written -> (the train call's recipe, lock fd)
@@ -371,6 +369,7 @@ class TrainRecipe:
         self.device, self.profile, self.budget = "cpu", None, None
         self.records: list[dict] = []  # what the trainer logs before the metrics file is open
         self.data_fingerprint: str | None = None  # of the samples trained on and held out
+        self.settings = contextlib.ExitStack()  # the process's settings changed for the run, until train returns
         self.metrics = None
         self.plan_timings: dict = {}  # the planner's stage times (seconds), or {"cached": True, ...}
         self.offload_reason: str | None = None  # one process offloading its parameters: why (_check_budget)
@@ -396,6 +395,10 @@ class TrainRecipe:
             self.notes += [f"{option_name('resume')} with {option_given(k, new)} (the run had {old})"
                            for k, (old, new) in self.changed.items()]
             self.notes += [n for n in self.resume_notes if not n.startswith(_DONE_TO_THE_FOLDER)]  # said already
+        from .runtime.determinism import deterministic_kernels
+
+        # the run's own setting (a resumed run's recorded one), before anything is planned or compiled under it
+        self.settings.enter_context(deterministic_kernels(self.req.training.deterministic))
         self._resolve_device()
         if self.resume_from is None:  # a resumed run's --data is as recorded: names stay names, folders absolute
             from .images import check_data_name
