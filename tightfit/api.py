@@ -1117,7 +1117,12 @@ class TrainRecipe:
                                            else "lr", text))
             if not nonfinite:
                 raise e.reworded(f"{text}; {said}") from None  # TrainingInterrupted keeps its signal
-            if e.last_update and self.req.training.checkpoint_every != 0:
+            from .runtime.checkpoint import has_checkpoint
+
+            if not has_checkpoint(self.out / "checkpoints"):  # the folder holds nothing to continue from
+                said = (f"no checkpoint could be written, and {self.out} holds none to continue from: start again "
+                        f"with another {option_name('out')}, or delete {self.out} first")
+            elif e.last_update and self.req.training.checkpoint_every != 0:
                 # the weights at the stop are step last_update's: only an earlier checkpoint is another start
                 before = clean_checkpoint_before(self.out / "checkpoints", e.last_update)
                 said += (f"; or go back to {before.name}, the last checkpoint before step {e.last_update}'s update "
@@ -1482,13 +1487,16 @@ def _check_out(out: Path, resuming: bool) -> None:
     """The run folder must be new or empty (or the run being resumed), and creatable.
 
     Raises:
-        TightfitError: it is a file, holds another run, lies inside another run's folder, or cannot
-            be created.
+        TightfitError: it is a file or a link to nothing, holds another run, lies inside another
+            run's folder, or cannot be created.
     """
     from .runtime.checkpoint import has_checkpoint
 
     if out.exists() and not out.is_dir():
         raise TightfitError(f"{option_given('out', str(out))} is a file, not a folder")
+    if out.is_symlink() and not out.exists():  # mkdir would fail on the link itself, after planning
+        raise TightfitError(f"{option_given('out', str(out))} is a link to nothing ({os.readlink(out)}): make its "
+                            f"target folder first, or choose another {option_name('out')}")
     if not resuming:  # a run writes, replaces and prunes inside its folder: another run's place is not there
         inside = next((p for p in out.resolve().parents
                        if (p / "request.json").is_file() and (p / "plan.json").is_file()), None)

@@ -435,6 +435,13 @@ def load_int8(folder: str | Path) -> torch.nn.Module:
         except RuntimeError as e:
             raise TightfitError(f"{folder / WEIGHTS_FILE}: weights do not match config.json ({str(e).splitlines()[0]})") \
                 from None
+    # a quantized Linear takes its packed weights without a shape check (seen: a config.json
+    # edited to 5 labels loaded a head that printed out_features=5 and gave 2 logits)
+    for name, m in model.named_modules():
+        if isinstance(m, torch.ao.nn.quantized.dynamic.Linear) and \
+                tuple(m.weight().shape) != (m.out_features, m.in_features):
+            raise TightfitError(f"{folder / WEIGHTS_FILE}: weights do not match config.json ({name}: "
+                                f"{tuple(m.weight().shape)} packed for a {m.in_features} -> {m.out_features} layer)")
     return model.eval()
 
 
