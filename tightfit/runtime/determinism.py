@@ -6,9 +6,10 @@ two uninterrupted runs already differ in the last bits, and a resumed run differ
 uninterrupted one as much. TorchInductor lowers an embedding's backward (a scatter-add) to such
 a kernel when a model with embeddings is compiled as one graph (compile scopes ``model`` and
 ``model-graphs``): measured on an NVIDIA H100, two uninterrupted runs of a tiny BERT differed by
-up to 1.5e-8 in their weights after 4 steps, first in the embeddings, and with deterministic
-algorithms both they and the resumed run were equal bit for bit (``bench/results/session-2026-12-07d``).
-Eager steps and blocks compiled one by one (embeddings eager) were equal bit for bit without it.
+up to 2.7e-8 in their weights after 4 steps (a run resumed at step 2, first in the embeddings),
+and with deterministic algorithms both they and the resumed run were equal bit for bit
+(``bench/results/session-2026-12-07d``).
+Blocks compiled one by one (the embeddings eager) were equal bit for bit without it.
 
 PyTorch's switch (https://pytorch.org/docs/stable/notes/randomness.html) makes TorchInductor
 lower scatter-adds to ATen's sorted (deterministic) kernels and ATen pick deterministic kernels.
