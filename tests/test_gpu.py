@@ -252,7 +252,8 @@ def test_a_resumed_compiled_run_reproduces_the_uninterrupted_one(tmp_path, scope
         torch._dynamo.reset()
         full, full_losses = _fit_scoped(scope, folder=tmp_path / "full", max_steps=6)
         torch._dynamo.reset()  # also frees the recorded graphs: as a new process
-        resumed, rest = _fit_scoped(scope, folder=tmp_path / "resumed", max_steps=6, resume=tmp_path / "full" / "ckpt-2")
+        resumed, rest = _fit_scoped(scope, folder=tmp_path / "resumed", max_steps=6,
+                                    resume=tmp_path / "full" / "ckpt-2")
         torch._dynamo.reset()
     assert rest == {k: v for k, v in full_losses.items() if k > 2} and len(rest) == 4
     a, b = full.model.state_dict(), resumed.model.state_dict()

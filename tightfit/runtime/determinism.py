@@ -8,8 +8,8 @@ a kernel when a model with embeddings is compiled as one graph (compile scopes `
 ``model-graphs``): measured on an NVIDIA H100, two uninterrupted runs of a tiny BERT differed by
 up to 2.7e-8 in their weights after 4 steps (a run resumed at step 2, first in the embeddings),
 and with deterministic algorithms both they and the resumed run were equal bit for bit
-(``bench/results/session-2026-12-07d``).
-Blocks compiled one by one (the embeddings eager) were equal bit for bit without it.
+(``bench/results/session-2026-12-07d``). Blocks compiled one by one (the embeddings eager) were
+equal bit for bit without it.
 
 PyTorch's switch (https://pytorch.org/docs/stable/notes/randomness.html) makes TorchInductor
 lower scatter-adds to ATen's sorted (deterministic) kernels and ATen pick deterministic kernels.
@@ -35,8 +35,8 @@ def deterministic_kernels(active: bool = True):
     - ``warn_only``: an operation without a deterministic kernel warns (PyTorch's warning names
       it) and runs as it would without the switch, rather than stop a run after its planning
       (PyTorch's list has e.g. adaptive average pooling's backward; seen warning on an NVIDIA
-      H100: the memory-efficient attention's backward in the main job). Such a run is not guaranteed bit
-      for bit. The setting that raises instead was not run on a GPU.
+      H100: the memory-efficient attention's backward in the main job). Such a run is not
+      guaranteed bit for bit. The setting that raises instead was not run on a GPU.
     - ``torch.utils.deterministic.fill_uninitialized_memory`` is turned off: filling every new
       tensor with NaN costs a pass over its memory and changes no result of a correct program.
     - :data:`CUBLAS_ENV` is set to :data:`CUBLAS_DETERMINISTIC` unless the user set it; it takes
