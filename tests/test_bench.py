@@ -67,6 +67,21 @@ def test_report_files(tmp_path):
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_keeps_three_digits_of_a_rate_under_100(tmp_path):
+    """Found by a review: every rate was rounded to a whole number (a CPU smoke run's 1.40 and 1.85
+    samples/s read "1" and "2"); from 100 up, whole numbers with thousands separators, as before."""
+    rows = [{"setting": "no budget", "precision": "fp32", "samples_per_s": 1.4003599},
+            {"setting": "tightfit", "precision": "fp32", "samples_per_s": 1.848, "planning_seconds": 5.1,
+             "ooms_after_planning": 0, "steps": 5},
+            {"setting": "plain", "precision": "bf16", "samples_per_s": 3321.4}]
+    res = {"workload": {"name": "minilm-32@smoke", "arch": "minilm", "size": 32, "budget": "1GiB",
+                        "effective_batch": 8}, "device": "cpu", "torch": "2.13", "rows": rows}
+    (tmp_path / "minilm-32@smoke.json").write_text(json.dumps(res))
+    assert main(["bench", "report", str(tmp_path)]) == 0
+    table = [line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[6] for line in table[1:4]] == ["1.4", "1.85", "3,321"]
+
+
 def test_bench_bad_input(tmp_path, capsys):
     assert main(["bench", "report", str(tmp_path)]) == 2  # no results
     if not torch.cuda.is_available():

@@ -59,3 +59,20 @@ def test_an_int8_export_whose_config_has_other_labels_than_its_weights_is_refuse
     with pytest.raises(TightfitError, match=rf"{WEIGHTS_FILE}: weights do not match config.json \(classifier: "
                                             rf"\(2, 16\) packed for a 16 -> 5 layer\)"):
         load_int8(out)
+
+
+def test_an_image_list_row_naming_the_list_itself_is_refused_with_its_row(tmp_path):
+    """It said "l.csv: not a readable image", which reads as if the list itself were broken."""
+    Image = pytest.importorskip("PIL.Image")
+    from tightfit.errors import TightfitError
+    from tightfit.images import load_image_classification
+
+    rows = ["path,label"]
+    for c, v in (("a", 30), ("b", 200)):
+        for k in range(3):
+            Image.new("RGB", (4, 4), (v, k, 0)).save(tmp_path / f"{c}{k}.png")
+            rows.append(f"{c}{k}.png,{c}")
+    listing = tmp_path / "l.csv"
+    listing.write_text("\n".join(rows + ["l.csv,a"]) + "\n")
+    with pytest.raises(TightfitError, match=r"l\.csv: row 7: l\.csv is this list itself, not an image file$"):
+        load_image_classification(str(listing))

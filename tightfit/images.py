@@ -429,6 +429,8 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
             raise TightfitError(f"{path}: row {n}: {p} is a folder, not an image file")
         if not p.is_file():
             raise TightfitError(f"{path}: row {n}: image not found: {p}")
+        if p.resolve() == path.resolve():  # else "not a readable image", which reads as if the list were broken
+            raise TightfitError(f"{path}: row {n}: {file} is this list itself, not an image file")
         paths.append(str(p))
         labels.append(label)
     return _finish(paths, labels, str(path), blank, root=str(path.parent), label_column=label_column,

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from ..fileio import atomic_write_bytes, atomic_write_text
-from ..units import format_bytes
+from ..units import format_bytes, format_rate
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,12 @@ def _fmt(v, key):
     if key == "peak_reserved_bytes":
         return format_bytes(v)
     if isinstance(v, float):
-        return "" if math.isnan(v) else f"{v:,.1f}" if key == "planning_seconds" else f"{v:,.0f}"
+        if math.isnan(v):
+            return ""
+        if key == "planning_seconds":
+            return f"{v:,.1f}"
+        # a rate under 100 keeps three significant digits (1.40 and 1.85 samples/s read "1" and "2")
+        return format_rate(v) if key == "samples_per_s" and abs(v) < 100 else f"{v:,.0f}"
     return str(v)
 
 
