@@ -1083,7 +1083,7 @@ class TrainRecipe:
         """
         import torch
 
-        from .runtime.checkpoint import CheckpointWriteError, clean_checkpoint_before
+        from .runtime.checkpoint import CheckpointWriteError, clean_checkpoint_before, has_checkpoint
         from .runtime.trainer import NonFiniteTrainingError, StoppedError
 
         if self.device == "cuda":
@@ -1091,8 +1091,6 @@ class TrainRecipe:
         try:
             return self.trainer.fit()
         except CheckpointWriteError as e:  # the run stops; what is in place stays, and resumes
-            from .runtime.checkpoint import has_checkpoint
-
             then = (f"continue from the newest checkpoint in place once there is room: {self.resume_command()}"
                     if has_checkpoint(e.folder) else "no earlier checkpoint is in place")
             raise CheckpointWriteError(f"{e}; training stopped at step {self.trainer.step}; {then}", e.folder) from None
@@ -1117,8 +1115,6 @@ class TrainRecipe:
                                            else "lr", text))
             if not nonfinite:
                 raise e.reworded(f"{text}; {said}") from None  # TrainingInterrupted keeps its signal
-            from .runtime.checkpoint import has_checkpoint
-
             if not has_checkpoint(self.out / "checkpoints"):  # the folder holds nothing to continue from
                 said = (f"no checkpoint could be written, and {self.out} holds none to continue from: start again "
                         f"with another {option_name('out')}, or delete {self.out} first")

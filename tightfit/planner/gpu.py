@@ -38,7 +38,7 @@ from .bisection import bisect, gallop
 from .cost import passes, peak_flops
 from .probe import PROBE_HEADROOM, ProbeResult, probe_step
 from .optimizers import levers_installed, search_optimizers
-from .search import Candidate, SearchResult, estimator_for
+from .search import Candidate, SearchResult, estimator_for, paid_blocks
 from .warmup import any_length, warm_compiled, warm_other_lengths
 
 VERIFIED = 3  # candidates timed for real (each: one probe, probe_step)
@@ -903,7 +903,7 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
     # work) against three compiled calls per block saved: worth one more timing.
     # (Frozen first blocks recompute nothing either way: only the blocks that keep activations count.)
     kept = n_blocks - best.free_blocks
-    paid = sum(i >= best.free_blocks for i in v.checkpoint_blocks)
+    paid = len(paid_blocks(v.checkpoint_blocks, best.free_blocks))
     short = too_short_for_whole_model(run_samples, v.samples_per_s)
     if regional and kept > 0 and paid and kept - paid <= kept // 8 and \
             getattr(model, "supports_gradient_checkpointing", False):
@@ -912,8 +912,10 @@ def compiled_variant(workload: Workload, best: Candidate, budget_bytes: int, n_b
         whole, note = whole_model_variant(workload, best, v, budget_bytes)
         v, notes = whole or v, notes + [note]
     # probed without recomputation (frozen first blocks recompute nothing), or the search's prediction
-    unrecomputed = [f.micro_batch for f in found if all(i < best.free_blocks for i in f.checkpoint_blocks)] \
-        if regional else [unrecomputed_micro_batch] if unrecomputed_micro_batch else []
+    if regional:
+        unrecomputed = [f.micro_batch for f in found if not paid_blocks(f.checkpoint_blocks, best.free_blocks)]
+    else:
+        unrecomputed = [unrecomputed_micro_batch] if unrecomputed_micro_batch else []
     unrecomputed = [mb for mb in unrecomputed if accumulation_steps(E, mb) > 1]
     if cuda_graphs and paid and unrecomputed and not short:
         graphed, note = graphed_variant(workload, best, v, max(unrecomputed), budget_bytes)

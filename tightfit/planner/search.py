@@ -49,6 +49,12 @@ from .parallel import plan_workers, trace_all
 EstimateFn = Callable
 
 
+def paid_blocks(checkpoint_blocks, free_blocks: int) -> tuple[int, ...]:
+    """The checkpointed blocks (indices) that keep activations, and so cost recomputation: not the
+    frozen first ``free_blocks``, whose forward saves nothing for a backward."""
+    return tuple(i for i in checkpoint_blocks or () if i >= free_blocks)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One evaluated plan.
@@ -89,9 +95,8 @@ class Candidate:
 
     @property
     def paid_blocks(self) -> tuple[int, ...]:
-        """The checkpointed blocks that keep activations, and so cost recomputation (not the
-        frozen first ``free_blocks``)."""
-        return tuple(i for i in self.checkpoint_blocks or () if i >= self.free_blocks)
+        """The checkpointed blocks that cost recomputation (:func:`paid_blocks`)."""
+        return paid_blocks(self.checkpoint_blocks, self.free_blocks)
 
     @property
     def choice(self) -> tuple:
