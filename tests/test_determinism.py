@@ -24,7 +24,7 @@ def test_inside_the_kernels_are_deterministic_and_after_it_the_settings_are_as_f
             # warn_only: an operation without a deterministic kernel warns, it does not stop the run
             assert _settings() == (True, True, False, True, False)
             assert os.environ[CUBLAS_ENV] == ":4096:8"
-        assert _settings() == before
+        assert _settings() == before and CUBLAS_ENV not in os.environ  # found unset: left unset
         with deterministic_kernels(False):
             assert _settings() == before
     finally:

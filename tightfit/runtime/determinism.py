@@ -39,8 +39,9 @@ def deterministic_kernels(active: bool = True):
       guaranteed bit for bit. The setting that raises instead was not run on a GPU.
     - ``torch.utils.deterministic.fill_uninitialized_memory`` is turned off: filling every new
       tensor with NaN costs a pass over its memory and changes no result of a correct program.
-    - :data:`CUBLAS_ENV` is set to :data:`CUBLAS_DETERMINISTIC` unless the user set it; it takes
-      effect only if no cuBLAS call ran in the process yet (``tightfit train`` makes none before).
+    - :data:`CUBLAS_ENV` is set to :data:`CUBLAS_DETERMINISTIC` unless the user set it, and removed
+      after; it takes effect only if no cuBLAS call ran in the process yet (``tightfit train``
+      makes none before).
 
     The settings are the process's: compiled code is lowered, and its guards checked, under them,
     so planning, training and evaluation all run inside.
@@ -51,6 +52,7 @@ def deterministic_kernels(active: bool = True):
     found = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic,
              torch.backends.cudnn.benchmark)
+    set_cublas = CUBLAS_ENV not in os.environ
     os.environ.setdefault(CUBLAS_ENV, CUBLAS_DETERMINISTIC)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -61,3 +63,5 @@ def deterministic_kernels(active: bool = True):
         torch.use_deterministic_algorithms(found[0], warn_only=found[1])
         torch.utils.deterministic.fill_uninitialized_memory = found[2]
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = found[3], found[4]
+        if set_cublas:  # the environment as found too (a later cuBLAS handle of the process is not ours)
+            os.environ.pop(CUBLAS_ENV, None)
