@@ -65,6 +65,10 @@ def test_train_plans_trains_and_evaluates_deterministically_when_asked(tmp_path,
                      "--seq-len", "16", "--out", str(tmp_path / name), "--no-progress", *flags]) == 0
         assert not torch.are_deterministic_algorithms_enabled()
     assert seen == [True, False]
+    # the plan does not show it: the run's notes do, in the header and report.md
+    said = "--deterministic: planned, trained and evaluated with PyTorch's deterministic kernels"
+    assert said in (tmp_path / "a" / "report.md").read_text()
+    assert "deterministic" not in (tmp_path / "b" / "report.md").read_text()
 
 
 def test_a_resumed_run_keeps_the_setting_it_was_started_with(tmp_path, capsys, monkeypatch):

@@ -290,6 +290,8 @@ def test_nonfinite_advice_depends_on_the_precision():
     assert "--precision fp32" in precision.nonfinite_advice("bf16", ampere)
     fp32 = precision.nonfinite_advice("fp32", ampere, lr=1e-3)
     assert "--precision" not in fp32 and "--lr 1e-04" in fp32 and "labels" in fp32
+    # a tenth of a rate far beyond any that trains would take many failed runs: at most 1e-3
+    assert "--lr 1e-03" in precision.nonfinite_advice("fp32", ampere, lr=1e308)
 
 
 @pytest.mark.parametrize("argv,message", [

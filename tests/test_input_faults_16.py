@@ -22,6 +22,11 @@ def test_an_out_that_is_a_link_to_nothing_is_refused_in_one_line_before_any_work
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--out {link} is a link to nothing" in err, err
     assert link.is_symlink() and not (tmp_path / "nowhere").exists()
+    loop = tmp_path / "loop"  # a link to itself leads nowhere either, but not for want of a folder
+    loop.symlink_to(loop)
+    assert main(_train_args(job, loop)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {loop} is a link in a loop of links" in err, err
 
 
 def test_a_run_stopped_non_finite_before_any_checkpoint_says_to_start_again_elsewhere(tmp_path, capsys):

@@ -399,6 +399,9 @@ class TrainRecipe:
 
         # the run's own setting (a resumed run's recorded one), before anything is planned or compiled under it
         self.settings.enter_context(deterministic_kernels(self.req.training.deterministic))
+        if self.req.training.deterministic:  # the plan does not show it: a note in the header and report.md
+            self.notes.append(f"{option_name('deterministic')}: planned, trained and evaluated with PyTorch's "
+                              "deterministic kernels (an operation without one warns and runs as it would without)")
         self._resolve_device()
         if self.resume_from is None:  # a resumed run's --data is as recorded: names stay names, folders absolute
             from .images import check_data_name
@@ -1491,6 +1494,14 @@ def _check_out(out: Path, resuming: bool) -> None:
     if out.exists() and not out.is_dir():
         raise TightfitError(f"{option_given('out', str(out))} is a file, not a folder")
     if out.is_symlink() and not out.exists():  # mkdir would fail on the link itself, after planning
+        try:
+            os.stat(out)
+            loop = False
+        except OSError as e:
+            loop = e.errno == errno.ELOOP
+        if loop:
+            raise TightfitError(f"{option_given('out', str(out))} is a link in a loop of links ({os.readlink(out)}): "
+                                f"choose another {option_name('out')}")
         raise TightfitError(f"{option_given('out', str(out))} is a link to nothing ({os.readlink(out)}): make its "
                             f"target folder first, or choose another {option_name('out')}")
     if not resuming:  # a run writes, replaces and prunes inside its folder: another run's place is not there

@@ -92,7 +92,9 @@ def nonfinite_advice(precision: str, profile: DeviceProfile | None = None, lr: f
     Args:
         precision: the precision the run used (``fp32|fp16|bf16``).
         profile: the GPU, or None (unknown: bf16 is then not suggested).
-        lr: the run's peak learning rate, to suggest a tenth of it.
+        lr: the run's peak learning rate, to suggest a tenth of it, at most 1e-3 (AdamW's usual
+            rate from scratch; fine-tuning takes less): a tenth of a rate far beyond any that
+            trains (``--lr 1e308``) would take many failed runs to reach one.
         own_loop: raised from the user's own training loop (:class:`tightfit.TrainStep`, the
             Lightning callback), whose data and loss tightfit did not make: the fp32 advice then
             names those, not texts and labels.
@@ -100,7 +102,7 @@ def nonfinite_advice(precision: str, profile: DeviceProfile | None = None, lr: f
     Returns:
         One sentence, starting with "Try".
     """
-    lower = f"a lower --lr (e.g. --lr {lr / 10:.0e})" if lr else "a lower --lr"
+    lower = f"a lower --lr (e.g. --lr {min(lr / 10, 1e-3):.0e})" if lr else "a lower --lr"
     if precision == "fp16" and profile is not None and profile.bf16:
         return f"Try --precision bf16 (fp32's range, no loss scaling) or fp32, or {lower}"
     if precision in ("fp16", "bf16"):
