@@ -301,9 +301,13 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
     if p.device == "cuda" and not torch.cuda.is_available():
         raise TightfitError(f"{option_given('device', 'cuda')}, but no CUDA GPU is visible")
     if not torch.cuda.is_available() or p.device == "cpu":
-        if profile or budget:
-            notes.append(f"no CUDA GPU in use: {option_name('gpu')}/{option_name('budget')} are checked but training "
-                         "runs on the CPU")
+        if profile:
+            notes.append(f"no CUDA GPU in use: {option_name('gpu')}"
+                         + (f"/{option_name('budget')} are" if p.budget else " is")
+                         + f" checked against the {profile.name}'s memory but not applied: training runs on the CPU")
+        elif budget:  # no card to check it against
+            notes.append(f"no CUDA GPU in use: {option_name('budget')} caps a GPU's memory and is not applied: "
+                         "training runs on the CPU")
         if getattr(p, "planner", "search") != "search":
             notes.append(f"no CUDA GPU in use: {option_given('planner', p.planner)} applies on a GPU; the CPU takes "
                          "the first plan that fits")

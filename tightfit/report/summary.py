@@ -66,8 +66,7 @@ class RunInfo:
         label_names: the classes.
         majority: held-out accuracy of always answering the most common class.
         device_name: ``"CPU"`` or the GPU's name (with ``", memory capped at ..."``).
-        budget_bytes: the GPU memory budget applied (None on the CPU, where a ``--budget`` is checked
-            but not applied).
+        budget_bytes: the GPU memory budget applied (None on the CPU, where a ``--budget`` is not applied).
         torch, version: the versions of PyTorch and tightfit.
         command: the command line.
         commands: every session's command line, in order (a resumed run's; empty: ``command`` alone).
