@@ -193,6 +193,21 @@ def test_a_result_records_the_tightfit_version_that_measured_it(tmp_path, monkey
     assert json.loads((tmp_path / "minilm-32@smoke.json").read_text())["tightfit"] == tightfit.__version__
 
 
+def test_a_cpu_run_without_settings_runs_the_smoke_test(tmp_path, monkeypatch):
+    """--device cpu runs only the HF Trainer peer, yet without --settings it was refused
+    ("--device cpu runs only --settings hf"): the CPU's default is now that one setting."""
+    import shlex
+
+    from tightfit.bench import peers
+
+    monkeypatch.setattr(peers, "hf_trainer", lambda w, precision, ck, *a, **k: {
+        "setting": "HF Trainer auto_find_batch_size", "precision": precision, "samples_per_s": 1.0})
+    assert main(["bench", "run", "--workload", "minilm-32@smoke", "--out", str(tmp_path), "--device", "cpu",
+                 "--steps", "3", "--warmup", "1"]) == 0
+    argv = shlex.split(json.loads((tmp_path / "minilm-32@smoke.json").read_text())["command"])
+    assert argv[argv.index("--settings") + 1] == "hf"
+
+
 def test_report_without_matplotlib_writes_its_tables_and_says_the_chart_is_not_drawn(tmp_path, capsys, monkeypatch):
     """matplotlib is optional (the plots extra): without it the report wrote results.md and
     results.csv, then ended in ModuleNotFoundError's traceback at the chart. Now the tables are

@@ -12,6 +12,8 @@ from .. import __version__
 from ..errors import TightfitError
 from ..fileio import atomic_write_json, unwritable_folder
 
+ALL_SETTINGS = "no-budget,compiled-no-budget,plain,hf,tightfit"  # what a GPU run compares by default
+
 
 def add_parser(subparsers) -> None:
     """Add the ``bench`` sub-command to an argparse ``subparsers`` object."""
@@ -29,8 +31,8 @@ def add_parser(subparsers) -> None:
     r.add_argument("--steps", type=int, default=12, help="steps per compared setting (default 12)")
     r.add_argument("--tightfit-steps", type=int, default=300, help="steps of tightfit's run (default 300)")
     r.add_argument("--warmup", type=int, default=3, help="steps left out of samples/s (default 3)")
-    r.add_argument("--settings", default="no-budget,compiled-no-budget,plain,hf,tightfit",
-                   help="comma-separated subset of no-budget,compiled-no-budget,plain,hf,tightfit")
+    r.add_argument("--settings", default=None,
+                   help=f"comma-separated subset of {ALL_SETTINGS} (default: all; with --device cpu: hf)")
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda (default) or cpu: a smoke test of the HF Trainer peer only")
     g = s.add_parser("report", help="write results.md, results.csv and results.png from a results folder")
@@ -63,6 +65,8 @@ def _checked_settings(args) -> list[str]:
     """
     import torch
 
+    if args.settings is None:  # the CPU runs the HF Trainer smoke test alone
+        args.settings = "hf" if args.device == "cpu" else ALL_SETTINGS
     settings = [s for s in args.settings.split(",") if s]
     unknown = set(settings) - {"no-budget", "compiled-no-budget", "plain", "hf", "tightfit"}
     if unknown:
