@@ -1,6 +1,8 @@
 """Faults a careful user found (review helpers, 2026-12-07, left from the last session): each
 reproduced, then fixed."""
 
+import json
+
 from conftest import tiny_cpu_job
 
 
@@ -24,3 +26,37 @@ def test_a_cpu_run_says_its_budget_is_not_applied_rather_than_checked(tmp_path, 
         assert main(_train_args(job, tmp_path / "b") + ["--gpu", "gtx-1650-ti", "--budget", "3GiB"]) == 0
     notes = [r.getMessage() for r in caplog.records if "no CUDA GPU in use" in r.getMessage()]
     assert notes and "--gpu/--budget are checked against the NVIDIA GeForce GTX 1650 Ti's memory" in notes[0]
+
+
+def _tiny_resnet(folder):
+    """A ResNet whose last maps are 1 x 1 at 8 pixels: its BatchNorm cannot train on one sample."""
+    import torch
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    ResNetForImageClassification(ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                              layer_type="basic", num_labels=3)).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_planned_from_micro_batch_2(tmp_path, capsys):
+    """ResNet-50 at 32 pixels (CIFAR-sized) planned at 350 and 600 MiB but stopped at 400 MiB with
+    "cannot trace resnet50 at size 32: Expected more than 1 value per channel": the search's exact
+    trace of micro-batch 1, made only to see whether anything fits, met BatchNorm's refusal of
+    one sample. The search now starts at micro-batch 2 for such a model: a tight budget gets the
+    nothing-fits answer at micro-batch 2, a larger one its plan; never a micro-batch of 1."""
+    from tightfit.cli import main
+    from tightfit.planner.search import refuses_one_sample_step
+    from tightfit.models import build_model
+
+    model = _tiny_resnet(tmp_path / "resnet")
+    built, make_batch = build_model(model, image_size=8)
+    assert refuses_one_sample_step(built, make_batch, 8)
+    assert not refuses_one_sample_step(*build_model(model, image_size=32), 32)  # 2 x 2 maps: one sample trains
+    args = ["plan", "--model", model, "--image-size", "8", "--batch-size", "64", "--budget"]
+    capsys.readouterr()
+    assert main(args + ["86MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "micro-batch 2," in err and "cannot trace" not in err, err
+    assert main(args + ["90MiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["micro_batch"] == 64

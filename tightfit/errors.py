@@ -16,6 +16,14 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
+def refuses_one_sample(e: BaseException) -> bool:
+    """Whether ``e`` is BatchNorm's refusal, in train mode, of a single value per channel
+    (``ValueError: Expected more than 1 value per channel when training``): a micro-batch of one
+    sample over ``[1, C]`` features or feature maps pooled to 1 x 1 (ResNet-50 at 32 pixels).
+    Also what ``torch.compile`` raises around it, which keeps torch's message."""
+    return "Expected more than 1 value per channel" in str(e)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM outside the training loop (loading, planning, the final evaluation, writing the
     model): it stops as Ctrl-C does, cleaning up what was being written, and the command's exit

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .errors import TightfitError
+from .errors import TightfitError, refuses_one_sample
 from .levers.checkpointing import check_checkpointing
 from .masks import hf_model, with_prepared_mask
 from .plan import Plan, accumulation_steps, refuse_parameter_offload
@@ -375,7 +375,7 @@ def _one_sample_norms(model: torch.nn.Module, plan: Plan, b: _Batch, loss: LossF
     try:
         _loss_as_a_step(model, b, loss, {k: v[:1].to(device) for k, v in b.as_dict().items()}, grad=False)
     except ValueError as e:
-        if "Expected more than 1 value per channel" not in str(e):
+        if not refuses_one_sample(e):
             return  # not this check's to say: the plan's own check ran the loss
         raise TightfitError(f"effective_batch={plan.effective_batch}, split as "
                             f"{describe_split(plan.effective_batch, plan.micro_batch)}, gives the model's BatchNorm "
@@ -748,7 +748,7 @@ class TrainStep:
                         self._undo_attempt(had_state, False, rng, buffers)
                     except Exception:  # noqa: BLE001 - a device left unusable (a device-side assert): e says why
                         pass
-                    if "Expected more than 1 value per channel" in str(e):  # torch's, or torch.compile's around it
+                    if refuses_one_sample(e):  # torch's, or torch.compile's around it
                         from .runtime.trainer import describe_split
 
                         fix = ("plan another effective batch, so that its micro-batches leave no sample alone"

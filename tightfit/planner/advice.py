@@ -517,10 +517,11 @@ def nothing_fits_lines(model, estimate, limit: float, precision: str, block_opti
         if effective_batch > 1:
             mb, one = largest_effective_batch_without_accumulation(estimator_at, size, effective_batch, precisions,
                                                                    block_options, limit)
-            lines.append(f"fits: effective batch {mb} in one micro-batch (no accumulation, so no gradients held "
-                         f"across micro-batches; {how}): --batch-size {mb}"
-                         if mb else f"does not fit either: effective batch 1 (no accumulation) needs "
-                                    f"{format_bytes(one)}")
+            if mb or one is not None:  # None: not traced (BatchNorm cannot train on one sample)
+                lines.append(f"fits: effective batch {mb} in one micro-batch (no accumulation, so no gradients held "
+                             f"across micro-batches; {how}): --batch-size {mb}"
+                             if mb else f"does not fit either: effective batch 1 (no accumulation) needs "
+                                        f"{format_bytes(one)}")
         from ..models import MIN_TEXT_TOKENS
 
         # the shortest --seq-len `tightfit train` takes (text after the special tokens, which

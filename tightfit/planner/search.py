@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from ..devices import DeviceProfile
-from ..errors import TightfitError
+from ..errors import TightfitError, refuses_one_sample
 from ..levers.precision import check_precision, preferred_precision
 from ..memory.fast import TRACED_AT, BlockLines, MemoryLine
 from ..plan import Plan, accumulation_steps, micro_batch_for, plan_with_blocks, without_free_blocks
@@ -211,6 +211,8 @@ class SearchSpace:
         ladders: the per-block choices searched past whole-block recomputation
             (``"selective"``, ``"offload"``; :func:`_choice_ladders`).
         host_bytes: pinned host memory offloaded activations may hold, bytes (None: not limited).
+        least_micro_batch: the smallest micro-batch the model trains on: 1, or 2 where its
+            BatchNorm cannot train on one sample (:func:`refuses_one_sample_step`).
     """
 
     precisions: list[str]
@@ -225,6 +227,7 @@ class SearchSpace:
     time_model: TimeModel
     ladders: tuple[str, ...] = ()
     host_bytes: float | None = None
+    least_micro_batch: int = 1
 
     def is_end(self, k: int) -> bool:
         """Whether ``k`` checkpointed blocks is an end of the range (where lines are traced)."""
@@ -484,8 +487,38 @@ def search_space(model, make_batch, size: int, effective_batch: int, profile: De
     if checkpointing == "auto":  # the memory lines run from the first block that keeps activations
         ends = (min(free, n_blocks), n_blocks)
     ladders = per_block_ladders(checkpointing, n_blocks, free, per_block)
+    least = 2 if effective_batch >= 2 and refuses_one_sample_step(model, make_batch, size) else 1
     return SearchSpace(candidate_precisions(profile, precision), ends[0], ends[1], n_blocks, effective_batch,
-                       budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders, host_bytes)
+                       budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders, host_bytes,
+                       least)
+
+
+def refuses_one_sample_step(model, make_batch, size: int) -> bool:
+    """Whether ``model`` cannot train on a micro-batch of one sample: its forward on one sample
+    (``make_batch(1, size)``; a meta copy in train mode, nothing computed) meets BatchNorm's
+    refusal of a single value per channel (:func:`~tightfit.errors.refuses_one_sample`), as
+    ResNet-50 does at 32 pixels, where its last maps are 1 x 1. The search then plans no
+    micro-batch below 2, and its exact traces of the smallest step take 2: a trace at 1 raised,
+    and stopped the whole plan at some budgets and not at others. False without running-stat
+    norms (nothing run), and where the forward fails otherwise (the traces then say why)."""
+    import torch
+
+    from ..buffers import running_stat_norms
+    from ..memory.estimate import meta_copy
+    from ..step import train_mode
+
+    if not running_stat_norms(model):
+        return False
+    meta = meta_copy(model)
+    batch = {k: v.to("meta") for k, v in make_batch(1, size).items() if k != "labels"}  # CPU batches too
+    try:
+        with train_mode(meta), torch.no_grad():
+            meta(**batch)
+    except ValueError as e:
+        return refuses_one_sample(e)
+    except Exception:  # noqa: BLE001 - not this check's to say
+        return False
+    return False
 
 
 def per_block_ladders(checkpointing: str, n_blocks: int, free_blocks: int, per_block: bool = True) -> tuple:
@@ -651,7 +684,7 @@ def _ladder_candidates(space: SearchSpace, prec: str, lines: BlockLines, estimat
         if m < E and line.reserved(E) - space.grad_bytes <= space.limit and \
                 not (on_host and space.host_bytes is not None and on_host * E > space.host_bytes):
             m, held = E, space.grad_bytes
-        if m == 0:
+        if m < space.least_micro_batch:
             continue
         steps = accumulation_steps(E, m)
         mb = micro_batch_for(E, steps)
@@ -679,8 +712,9 @@ def _frontier(space: SearchSpace, prec: str, lines: BlockLines, estimate_fn: Est
         exact = fit.exact_peaks
         if fit.micro_batch == 0:
             if space.is_end(k):  # why fewer blocks lose, or nothing fits
-                out.append(Candidate(prec, 1, tuple(range(k)), E, exact[1], None,
-                                     why=f"does not fit: {format_bytes(exact[1])} at micro-batch 1"))
+                least = space.least_micro_batch
+                out.append(Candidate(prec, least, tuple(range(k)), accumulation_steps(E, least), exact[least], None,
+                                     why=f"does not fit: {format_bytes(exact[least])} at micro-batch {least}"))
             continue
         steps = accumulation_steps(E, fit.micro_batch)
         if steps in frontier:  # more recomputation for the same number of micro-batches
@@ -710,16 +744,17 @@ def _largest_fitting(space: SearchSpace, prec: str, k: int, line, estimate_fn: E
     gradients across micro-batches (:func:`estimator_for` traces them held only when accumulating), and
     below 4 the line extrapolates. Those ends are traced exactly when the answer could change.
     """
-    E, limit = space.effective_batch, space.limit
+    E, limit, least = space.effective_batch, space.limit, space.least_micro_batch
     m = line.largest_fitting(limit, E)
+    m = m if m >= least else 0
     exact: dict[int, int] = {}
     if space.is_end(k):
         if m < E and line.reserved(E) - space.grad_bytes <= limit:
             exact[E] = estimate_fn(prec, E, tuple(range(k))).peak_reserved_bytes
             m = E if exact[E] <= limit else m
         if m == 0:
-            exact[1] = estimate_fn(prec, 1, tuple(range(k))).peak_reserved_bytes
-            m = 1 if exact[1] <= limit else 0
+            exact[least] = estimate_fn(prec, least, tuple(range(k))).peak_reserved_bytes
+            m = least if exact[least] <= limit else 0
     return _Fit(m, exact)
 
 
@@ -763,9 +798,11 @@ def predict(space: SearchSpace, enumeration: Enumeration, estimate_fn: EstimateF
         if isinstance(got, Candidate):
             traced.append(got)
             continue
+        least = space.least_micro_batch
         evaluated = [c for c in evaluated if c is not cand] + [replace(
-            cand, micro_batch=1, peak_reserved_bytes=got, samples_per_s=0.0,
-            why=f"does not fit when traced exactly: {format_bytes(got)} at micro-batch 1")]
+            cand, micro_batch=least, accumulation_steps=accumulation_steps(space.effective_batch, least),
+            peak_reserved_bytes=got, samples_per_s=0.0,
+            why=f"does not fit when traced exactly: {format_bytes(got)} at micro-batch {least}")]
     for cand in missed:  # fastest first, as they were met
         more = _higher_rung(space, cand, estimate_fn, max([beat] + [v.samples_per_s for v in traced]))
         if more is not None:
@@ -864,18 +901,18 @@ def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn, line: Mem
     that did not fit), by steps that double away from the
     guess until the boundary is bracketed, then by bisection (:func:`.bisection.bisect`): two or
     three exact traces when the guess is close, never more than about twice a plain bisection's.
-    If even micro-batch 1 does not fit: its exact peak reserved bytes (an int) instead of a
+    If even the least micro-batch (1, or 2: ``space.least_micro_batch``) does not fit: its exact peak reserved bytes (an int) instead of a
     candidate."""
     E, mb = space.effective_batch, c.micro_batch
     est = estimate_fn(c.precision, mb, c.choice)
     if est.peak_reserved_bytes <= space.limit:
         return _traced(space, c, mb, c.checkpoint_blocks, est)
-    smaller = [mb]  # balanced micro-batches below mb, largest first, down to 1
-    while smaller[-1] > 1:
+    smaller = [mb]  # balanced micro-batches below mb, largest first, down to the least (1, or 2: BatchNorm)
+    while smaller[-1] > space.least_micro_batch:
         m = smaller[-1]
         smaller.append(min(m - 1, micro_batch_for(E, accumulation_steps(E, m) + 1)))  # strictly smaller
     last = len(smaller) - 1
-    if last == 0:  # micro-batch 1 did not fit
+    if last == 0:  # the least micro-batch did not fit
         return est.peak_reserved_bytes
     peaks = {0: est}
 
@@ -900,7 +937,7 @@ def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn, line: Mem
                 good = j
             else:
                 bad, step = j, 2 * step
-        if good is None:  # not even micro-batch 1
+        if good is None:  # not even the least micro-batch
             return peaks[last].peak_reserved_bytes
     good = bisect(good, bad, fits)
     return _traced(space, c, smaller[good], c.checkpoint_blocks, peaks[good])
@@ -994,12 +1031,13 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
     Raises:
         NothingFitsError: always.
     """
-    limit, n_blocks = space.limit, space.n_blocks
+    limit, n_blocks, mb = space.limit, space.n_blocks, space.least_micro_batch
     smallest = min((c for c in evaluated if c.peak_reserved_bytes), key=lambda c: c.peak_reserved_bytes)
-    # the least memory searched, exactly: micro-batch 1 with every block or none checkpointed
-    # (a checkpointed step carries the estimator's margin, :mod:`.margins`, so either may be smaller)
+    # the least memory searched, exactly: the least micro-batch (1, or 2: BatchNorm) with every
+    # block or none checkpointed (a checkpointed step carries the estimator's margin, :mod:`.margins`,
+    # so either may be smaller)
     options = [tuple(range(k)) for k in dict.fromkeys((space.last_blocks, space.first_blocks))]
-    ests = [estimate_fn(smallest.precision, 1, o) for o in options]
+    ests = [estimate_fn(smallest.precision, mb, o) for o in options]
     i = min(range(len(options)), key=lambda j: ests[j].peak_reserved_bytes)
     est, least = ests[i], options[i]
     options.sort(key=lambda o: o != least)
@@ -1017,12 +1055,12 @@ def _raise_nothing_fits(space: SearchSpace, evaluated: list[Candidate], model, m
                                size_flag, profile.host_link_bytes_per_s, estimator_at, optimizer, profile, peaks,
                                asked_precision=asked_precision, precisions=planned_precisions)
     if space.last_blocks < n_blocks:  # checkpointing was turned off
-        every = estimate_fn(smallest.precision, 1, tuple(range(n_blocks))).peak_reserved_bytes
-        lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch 1 with all "
+        every = estimate_fn(smallest.precision, mb, tuple(range(n_blocks))).peak_reserved_bytes
+        lines.insert(0, f"{'fits' if every <= limit else 'does not fit either'}: micro-batch {mb} with all "
                         f"{n_blocks} blocks checkpointed, {format_bytes(every)} (--checkpointing auto)")
     raise NothingFitsError(
         f"nothing fits {format_bytes(space.budget_bytes)} (planned against {format_bytes(limit)}, keeping "
-        f"{int(space.headroom * 100)}% headroom): the smallest step tried ({smallest.precision}, micro-batch 1, "
+        f"{int(space.headroom * 100)}% headroom): the smallest step tried ({smallest.precision}, micro-batch {mb}, "
         f"{len(least)} of {n_blocks} blocks checkpointed) needs {format_bytes(est.peak_reserved_bytes)}, "
         f"{format_bytes(est.peak_reserved_bytes - limit)} over" + "".join("\n  " + x for x in lines))
 
