@@ -60,3 +60,24 @@ def test_a_model_that_cannot_train_on_one_sample_is_planned_from_micro_batch_2(t
     assert "nothing fits" in err and "micro-batch 2," in err and "cannot trace" not in err, err
     assert main(args + ["90MiB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["micro_batch"] == 64
+
+
+def test_frozen_n_freezes_what_lies_between_the_blocks_too(tmp_path):
+    """A ResNet of basic layers repeats the conv layers inside each residual layer, and each
+    layer's shortcut is registered beside them: ``frozen-4`` of its 4 blocks said "the first 4
+    of 4 blocks frozen" yet left stage 2's shortcut convolution and its BatchNorm training in the
+    middle of the frozen network (frozen-N should train only what comes after the blocks)."""
+    import torch
+
+    from tightfit.levers.freezing import apply_freezing
+    from tightfit.models import build_model
+
+    folder = _tiny_resnet(tmp_path / "resnet")
+    model, _ = build_model(folder, image_size=8, device="cpu")
+    apply_freezing(model, "frozen-4")
+    assert [k for k, p in model.named_parameters() if p.requires_grad] == ["classifier.1.weight", "classifier.1.bias"]
+    assert not [k for k, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d) and m.training]
+    model, _ = build_model(folder, image_size=8, device="cpu")
+    apply_freezing(model, "frozen-3")  # the last conv layer's block trains, and what comes after it
+    shortcut = model.resnet.encoder.stages[1].layers[0].shortcut
+    assert not any(p.requires_grad for p in shortcut.parameters()) and not shortcut.normalization.training

@@ -98,7 +98,11 @@ def frozen_prefix_blocks(model: torch.nn.Module, batch: dict) -> int:
 
 def frozen_parameters(model: torch.nn.Module, trainable: str) -> list[tuple[str, torch.nn.Parameter]]:
     """The parameters ``trainable`` (a freezing value, :func:`frozen_blocks`) freezes in ``model``:
-    its input layers, then the parameters of its first ``N`` repeated blocks.
+    its input layers, then every parameter registered up to the end of its ``N``-th repeated
+    block: the first ``N`` blocks and what is registered between them. A ResNet of basic layers
+    repeats the conv layers inside each residual layer, and each layer's shortcut is registered
+    beside them: counting the blocks alone left a shortcut (and its BatchNorm) training in the
+    middle of a frozen network.
 
     Raises:
         TightfitError: not a freezing value; the model has no repeated blocks, fewer than ``N``, or
@@ -119,13 +123,15 @@ def frozen_parameters(model: torch.nn.Module, trainable: str) -> list[tuple[str,
     if not frozen and n == 0:
         raise TightfitError(f"{given}: the model has no parameters before its first repeated block; "
                             "freeze blocks with frozen-N")
-    names = {id(b): i for i, b in enumerate(blocks[:n])}
-    prefixes = [name + "." for name, m in model.named_modules() if id(m) in names]
-    seen = {id(p) for _, p in frozen}
+    inside = {id(p) for b in blocks[:n] for p in b.parameters()}  # left to meet, in registration order
+    if not inside:
+        return frozen
+    frozen = []
     for name, p in model.named_parameters():
-        if id(p) not in seen and any(name.startswith(pre) for pre in prefixes):
-            seen.add(id(p))
-            frozen.append((name, p))
+        frozen.append((name, p))
+        inside.discard(id(p))
+        if not inside:
+            break
     return frozen
 
 
@@ -154,13 +160,15 @@ def apply_freezing(model: torch.nn.Module, trainable: str) -> str:
         ([f"the first {n} of {len(find_blocks(model))} blocks"] if n else [])
     return (f"{option_given('trainable', trainable)}: {' and '.join(parts)} frozen ({total - trained:,} parameters"
             + (f", tied to {', '.join(tied)}, frozen with them" if tied else "")
-            + (f"; their {norms} BatchNorm layers keep their running statistics (eval mode)" if norms else "")
+            + (f"; their {norms} BatchNorm layers keep their running statistics (eval mode)" if norms > 1 else
+               "; its BatchNorm layer keeps its running statistics (eval mode)" if norms else "")
             + f"); {trained:,} of {total:,} parameters trainable ({100 * trained / total:.2f}%)")
 
 
 def _freeze_running_statistics(model: torch.nn.Module, n_blocks: int) -> int:
     """Put the BatchNorm layers of the frozen part (the input layers and the first ``n_blocks``
-    repeated blocks, by position, as :func:`frozen_parameters` takes them; an ``affine=False``
+    repeated blocks with what is registered between them, by position, as :func:`frozen_parameters`
+    takes them; an ``affine=False``
     layer has no parameter to tell) in eval mode, so that training leaves their running
     statistics as they are and a frozen part computes the same function after training (a frozen
     backbone's usual treatment). The model's root is put in train mode first where it was in eval
@@ -170,11 +178,13 @@ def _freeze_running_statistics(model: torch.nn.Module, n_blocks: int) -> int:
     mode, the statistics adapt. Returns how many layers were set so."""
     blocks = find_blocks(model)
     starts = {id(b) for b in blocks}
-    region = {id(m) for b in blocks[:n_blocks] for m in b.modules()}
-    for m in model.modules():  # registration order: what comes before the first block is input layers
-        if id(m) in starts:
+    inside = {id(m) for b in blocks[:n_blocks] for m in b.modules()}  # left to meet, in registration order
+    region = set()
+    for m in model.modules():  # registration order: the input layers, then up to the last frozen block's end
+        if not inside and (n_blocks or id(m) in starts):
             break
         region.add(id(m))
+        inside.discard(id(m))
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
              and m.track_running_stats and id(m) in region]
     if norms and not model.training:
