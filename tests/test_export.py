@@ -250,9 +250,19 @@ def test_an_empty_out_is_refused(text_run, capsys):
 
 def test_an_out_inside_the_model_folder_it_exports_is_refused_before_any_work(text_run, capsys):
     before = sorted(p.name for p in (text_run / "model").iterdir())
-    assert main(["export", "--int8", str(text_run), "--out", str(text_run / "model" / "int8")]) == 2
+    assert main(["export", "--int8", str(text_run / "model"), "--out", str(text_run / "model" / "int8")]) == 2
     assert "is inside the model folder" in capsys.readouterr().err
     assert sorted(p.name for p in (text_run / "model").iterdir()) == before  # nothing written there
+
+
+def test_an_out_inside_the_run_folder_it_exports_is_refused_before_any_work(text_run, capsys):
+    """It wrote the export into the run folder (exit 0), which a run writes, replaces and prunes
+    (--resume), as `train` refuses an --out inside a run folder (a review helper, 2026-12-07)."""
+    before = sorted(p.name for p in text_run.iterdir())
+    for out in (text_run / "sub", text_run / "model" / "int8"):
+        assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 2
+        assert f"is inside the run folder {text_run}" in capsys.readouterr().err
+    assert sorted(p.name for p in text_run.iterdir()) == before  # nothing written there
 
 
 def test_an_export_stopped_by_sigterm_leaves_no_out_and_no_temporary_folder(text_run, tmp_path, monkeypatch):

@@ -166,7 +166,7 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
 
     Raises:
         TightfitError: ``device`` is not ``cpu``; a bad source; ``out`` is a file, or a folder
-            that is not empty, or inside the model folder it exports, or cannot be written where it is.
+            that is not empty, or inside the run or model folder it exports, or cannot be written where it is.
     """
     if device != "cpu":
         raise TightfitError(CUDA_REFUSAL)
@@ -185,6 +185,10 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
         raise TightfitError(f"--out {o} is the working folder; give a new folder (e.g. --out int8), or run the "
                             "export from another folder")
     model_dir = Path(os.path.realpath(src.model_dir))
+    if src.run is not None and where.is_relative_to(Path(os.path.realpath(src.run))):
+        # a run writes, replaces and prunes inside its folder (--resume): another's files are not
+        # to be there, as `train` refuses an --out inside a run folder
+        raise TightfitError(f"--out {o} is inside the run folder {src.run} it exports; choose a folder outside it")
     if where.is_relative_to(model_dir):
         # the export would become part of the model folder it reads (a later export or
         # from_pretrained of that folder would find its files beside the model's)
