@@ -148,11 +148,15 @@ def main() -> None:
             rows.append(f"| {variant} | failed (exit {proc.returncode}) |")
             continue
         r = json.loads(path.read_text())
-        shapes = ", ".join(f"{s['shape'][0]}x{s['shape'][1]} {s['cold_ms']:.0f}/{s['warm_ms']:.0f}" for s in r["shapes"])
-        attn = ", ".join(f"{s['shape'][0]}x{s['shape'][1]} {s['cold_ms']:.1f}/{s['warm_ms']:.1f}" for s in r["attention"])
-        rows.append(f"| {variant} | {r['cuda_init_s']:.2f} | {r['first_steps_ms'][0]:.0f}, then {min(r['first_steps_ms'][1:]):.1f} | "
+        shapes = ", ".join(f"{s['shape'][0]}x{s['shape'][1]} {s['cold_ms']:.0f}/{s['warm_ms']:.0f}"
+                           for s in r["shapes"])
+        attn = ", ".join(f"{s['shape'][0]}x{s['shape'][1]} {s['cold_ms']:.1f}/{s['warm_ms']:.1f}"
+                         for s in r["attention"])
+        steps = r["first_steps_ms"]
+        rows.append(f"| {variant} | {r['cuda_init_s']:.2f} | {steps[0]:.0f}, then {min(steps[1:]):.1f} | "
                     f"{shapes} | {attn} |")
-    print("| variant | CUDA init (s) | steps at 32x64 (ms): first, then best | new shapes, cold/warm ms | attention alone, cold/warm ms |")
+    print("| variant | CUDA init (s) | steps at 32x64 (ms): first, then best | new shapes, cold/warm ms "
+          "| attention alone, cold/warm ms |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
 

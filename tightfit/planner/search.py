@@ -489,8 +489,8 @@ def search_space(model, make_batch, size: int, effective_batch: int, profile: De
     ladders = per_block_ladders(checkpointing, n_blocks, free, per_block)
     least = 2 if effective_batch >= 2 and refuses_one_sample_step(model, make_batch, size) else 1
     return SearchSpace(candidate_precisions(profile, precision), ends[0], ends[1], n_blocks, effective_batch,
-                       budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders, host_bytes,
-                       least)
+                       budget_bytes, planned_limit(budget_bytes, headroom), headroom, grad_bytes, tm, ladders,
+                       host_bytes, least)
 
 
 def refuses_one_sample_step(model, make_batch, size: int) -> bool:
@@ -901,8 +901,8 @@ def _shrink(space: SearchSpace, c: Candidate, estimate_fn: EstimateFn, line: Mem
     that did not fit), by steps that double away from the
     guess until the boundary is bracketed, then by bisection (:func:`.bisection.bisect`): two or
     three exact traces when the guess is close, never more than about twice a plain bisection's.
-    If even the least micro-batch (1, or 2: ``space.least_micro_batch``) does not fit: its exact peak reserved bytes (an int) instead of a
-    candidate."""
+    If even the least micro-batch (1, or 2: ``space.least_micro_batch``) does not fit: its exact
+    peak reserved bytes (an int) instead of a candidate."""
     E, mb = space.effective_batch, c.micro_batch
     est = estimate_fn(c.precision, mb, c.choice)
     if est.peak_reserved_bytes <= space.limit:
