@@ -162,7 +162,7 @@ def _shrink_with(peak, E: int, mb: int, limit: float, with_line: bool = True):
         return SimpleNamespace(peak_reserved_bytes=p, peak_allocated_bytes=p,
                                breakdown={"parameters": peak(0) // 2, "activations": p - peak(0) // 2})
 
-    space = SimpleNamespace(effective_batch=E, limit=limit,
+    space = SimpleNamespace(effective_batch=E, limit=limit, least_micro_batch=1,
                             time_model=SimpleNamespace(samples_per_s=lambda *a, **k: 1.0))
     line = MemoryLine(peak(4) - (peak(16) - peak(4)) / 12 * 4, (peak(16) - peak(4)) / 12) if with_line else None
     got = _shrink(space, Candidate("bf16", mb, (), -(-E // mb), None, None), fn, line)
