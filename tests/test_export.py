@@ -259,8 +259,9 @@ def test_an_out_inside_the_run_folder_it_exports_is_refused_before_any_work(text
     """It wrote the export into the run folder (exit 0), which a run writes, replaces and prunes
     (--resume), as `train` refuses an --out inside a run folder (a review helper, 2026-12-07)."""
     before = sorted(p.name for p in text_run.iterdir())
-    for out in (text_run / "sub", text_run / "model" / "int8"):
-        assert main(["export", "--int8", str(text_run), "--out", str(out)]) == 2
+    for source, out in ((text_run, text_run / "sub"),
+                        (text_run / "model", text_run / "int8")):  # its model folder named: the run's still
+        assert main(["export", "--int8", str(source), "--out", str(out)]) == 2
         assert f"is inside the run folder {text_run}" in capsys.readouterr().err
     assert sorted(p.name for p in text_run.iterdir()) == before  # nothing written there
 

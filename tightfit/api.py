@@ -305,9 +305,9 @@ def resolve_device(options: PlanOptions | TrainRequest) -> tuple[str, DeviceProf
             notes.append(f"no CUDA GPU in use: {option_name('gpu')}"
                          + (f"/{option_name('budget')} are" if p.budget else " is")
                          + f" checked against the {profile.name}'s memory but not applied: training runs on the CPU")
-        elif budget:  # no card to check it against
-            notes.append(f"no CUDA GPU in use: {option_name('budget')} caps a GPU's memory and is not applied: "
-                         "training runs on the CPU")
+        elif budget:  # no card to check it against: only that it holds the model state
+            notes.append(f"no CUDA GPU in use: {option_name('budget')} caps a GPU's memory and is not applied "
+                         "(checked only against the model state): training runs on the CPU")
         if getattr(p, "planner", "search") != "search":
             notes.append(f"no CUDA GPU in use: {option_given('planner', p.planner)} applies on a GPU; the CPU takes "
                          "the first plan that fits")

@@ -185,14 +185,16 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
         raise TightfitError(f"--out {o} is the working folder; give a new folder (e.g. --out int8), or run the "
                             "export from another folder")
     model_dir = Path(os.path.realpath(src.model_dir))
-    if src.run is not None and where.is_relative_to(Path(os.path.realpath(src.run))):
-        # a run writes, replaces and prunes inside its folder (--resume): another's files are not
-        # to be there, as `train` refuses an --out inside a run folder
-        raise TightfitError(f"--out {o} is inside the run folder {src.run} it exports; choose a folder outside it")
     if where.is_relative_to(model_dir):
         # the export would become part of the model folder it reads (a later export or
         # from_pretrained of that folder would find its files beside the model's)
         raise TightfitError(f"--out {o} is inside the model folder {src.model_dir} it exports; choose a folder outside it")
+    run = next((p for p in (where, *where.parents) if (p / "request.json").is_file() and (p / "plan.json").is_file()),
+               None)
+    if run is not None:
+        # a run writes, replaces and prunes inside its folder (--resume): another's files are not
+        # to be there, as `train` refuses an --out inside a run folder
+        raise TightfitError(f"--out {o} is inside the run folder {run}; choose a folder outside it")
     data = _run_data_folder(src)
     if data is not None and where.is_relative_to(data):
         # its folder would be a class folder without images: the run's held-out samples could no

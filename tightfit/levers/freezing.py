@@ -83,8 +83,11 @@ def frozen_prefix_blocks(model: torch.nn.Module, batch: dict) -> int:
     hooks = [b.register_forward_pre_hook(functools.partial(seen, i), with_kwargs=True)
              for i, b in enumerate(find_blocks(meta))]
     try:
+        # at least two rows: BatchNorm refuses one sample where maps are pooled to 1 x 1 (ResNet-50
+        # at 32 pixels), and which inputs need a gradient does not depend on the rows
         with torch.enable_grad(), CudaOnMeta("fp32"):
-            meta(**{k: v.to("meta") for k, v in batch.items() if k != "labels"})
+            meta(**{k: torch.empty((max(2, v.shape[0]), *v.shape[1:]), dtype=v.dtype, device="meta")
+                    for k, v in batch.items() if k != "labels"})
     finally:
         for h in hooks:
             h.remove()
