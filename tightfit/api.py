@@ -1486,6 +1486,14 @@ def _remove_run_folder_leftovers(out: Path) -> list[str]:
     return notes
 
 
+def enclosing_run_folder(path: Path) -> Path | None:
+    """The run folder (``request.json`` and ``plan.json``) that ``path`` lies inside, the nearest
+    of its parents (resolved), or None. A run writes, replaces and prunes inside its folder, so
+    neither a run's ``--out`` nor an export's goes there."""
+    return next((p for p in Path(path).resolve().parents
+                 if (p / "request.json").is_file() and (p / "plan.json").is_file()), None)
+
+
 def _check_out(out: Path, resuming: bool) -> None:
     """The run folder must be new or empty (or the run being resumed), and creatable.
 
@@ -1499,18 +1507,15 @@ def _check_out(out: Path, resuming: bool) -> None:
         raise TightfitError(f"{option_given('out', str(out))} is a file, not a folder")
     if out.is_symlink() and not out.exists():  # mkdir would fail on the link itself, after planning
         try:
-            os.stat(out)
-            loop = False
+            os.stat(out)  # raises: the link leads nowhere
         except OSError as e:
-            loop = e.errno == errno.ELOOP
-        if loop:
-            raise TightfitError(f"{option_given('out', str(out))} is a link in a loop of links ({os.readlink(out)}): "
-                                f"choose another {option_name('out')}")
+            if e.errno == errno.ELOOP:
+                raise TightfitError(f"{option_given('out', str(out))} is a link in a loop of links "
+                                    f"({os.readlink(out)}): choose another {option_name('out')}") from None
         raise TightfitError(f"{option_given('out', str(out))} is a link to nothing ({os.readlink(out)}): make its "
                             f"target folder first, or choose another {option_name('out')}")
     if not resuming:  # a run writes, replaces and prunes inside its folder: another run's place is not there
-        inside = next((p for p in out.resolve().parents
-                       if (p / "request.json").is_file() and (p / "plan.json").is_file()), None)
+        inside = enclosing_run_folder(out)
         if inside is not None:
             raise TightfitError(f"{option_given('out', str(out))} is inside the run folder {inside}, which would "
                                 f"replace or delete it: choose a folder outside it")

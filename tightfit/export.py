@@ -189,11 +189,10 @@ def check_request(source: str, out: str, device: str = "cpu") -> _Source:
         # the export would become part of the model folder it reads (a later export or
         # from_pretrained of that folder would find its files beside the model's)
         raise TightfitError(f"--out {o} is inside the model folder {src.model_dir} it exports; choose a folder outside it")
-    run = next((p for p in (where, *where.parents) if (p / "request.json").is_file() and (p / "plan.json").is_file()),
-               None)
-    if run is not None:
-        # a run writes, replaces and prunes inside its folder (--resume): another's files are not
-        # to be there, as `train` refuses an --out inside a run folder
+    from .api import enclosing_run_folder
+
+    run = enclosing_run_folder(where)  # (--out itself a run folder is not empty: refused above)
+    if run is not None:  # as `train` refuses an --out inside a run folder
         raise TightfitError(f"--out {o} is inside the run folder {run}; choose a folder outside it")
     data = _run_data_folder(src)
     if data is not None and where.is_relative_to(data):

@@ -126,16 +126,20 @@ def frozen_parameters(model: torch.nn.Module, trainable: str) -> list[tuple[str,
     if not frozen and n == 0:
         raise TightfitError(f"{given}: the model has no parameters before its first repeated block; "
                             "freeze blocks with frozen-N")
-    inside = {id(p) for b in blocks[:n] for p in b.parameters()}  # left to meet, in registration order
-    if not inside:
-        return frozen
-    frozen = []
-    for name, p in model.named_parameters():
-        frozen.append((name, p))
-        inside.discard(id(p))
-        if not inside:
+    inside = {id(p) for b in blocks[:n] for p in b.parameters()}
+    return _through(model.named_parameters(), inside, key=lambda named: id(named[1])) if inside else frozen
+
+
+def _through(items, ids: set, key=id) -> list:
+    """The leading ``items`` (registration order) up to the last one whose ``key`` is in ``ids``:
+    the first blocks, the input layers before them and what is registered between them."""
+    left, out = set(ids), []
+    for item in items:
+        if not left:
             break
-    return frozen
+        out.append(item)
+        left.discard(key(item))
+    return out
 
 
 def apply_freezing(model: torch.nn.Module, trainable: str) -> str:
@@ -180,14 +184,15 @@ def _freeze_running_statistics(model: torch.nn.Module, n_blocks: int) -> int:
     With the Hugging Face Trainer or Lightning, whose ``train()`` call puts every module in train
     mode, the statistics adapt. Returns how many layers were set so."""
     blocks = find_blocks(model)
-    starts = {id(b) for b in blocks}
-    inside = {id(m) for b in blocks[:n_blocks] for m in b.modules()}  # left to meet, in registration order
-    region = set()
-    for m in model.modules():  # registration order: the input layers, then up to the last frozen block's end
-        if not inside and (n_blocks or id(m) in starts):
-            break
-        region.add(id(m))
-        inside.discard(id(m))
+    if n_blocks:  # registration order: the input layers, then up to the last frozen block's end
+        region = {id(m) for m in _through(model.modules(), {id(m) for b in blocks[:n_blocks] for m in b.modules()})}
+    else:  # the input layers: what comes before the first block
+        starts = {id(b) for b in blocks}
+        region = set()
+        for m in model.modules():
+            if id(m) in starts:
+                break
+            region.add(id(m))
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
              and m.track_running_stats and id(m) in region]
     if norms and not model.training:
