@@ -161,7 +161,7 @@ def test_the_8bit_step_time_is_the_measured_one():
 def test_a_plan_that_fits_unconstrained_keeps_fp32_adamw(m):
     r = plan(m, 4 << 30)
     assert r.best.optimizer == "adamw" and r.best.accumulation_steps == 1
-    assert "no optimizer lever can make it faster" in r.best.why
+    assert "no optimizer lever is needed" in r.best.why
     assert r.to_plan().optimizer == "adamw"
 
 
@@ -196,7 +196,8 @@ def test_auto_traces_no_optimizer_whose_model_state_alone_is_over_the_limit():
     budget = int(eight / 0.95) + 4 * MiB  # 8-bit's smallest step fits ...
     assert least_state_bytes(big, "adamw")[0] > 0.95 * budget  # ... fp32 AdamW's state alone does not
     r = search_optimizers(big, make_batch, SEQ, E, H200, budget, estimator, levers=True, precision="bf16")
-    assert r.best.optimizer in ("adamw8bit", "adamw-offload") and "fp32 AdamW state fits nothing" in r.best.why
+    # 8-bit state fits the whole batch; bf16 weights, searched after it, are predicted faster still
+    assert r.best.optimizer in ("adamw8bit", "adamw8bit-bf16") and "fp32 AdamW state fits nothing" in r.best.why
     assert "adamw" not in traced and "adamw8bit" in traced
 
 
