@@ -63,6 +63,7 @@ class TextClassificationData:
     COPIES = "word for word among the training samples (duplicate rows in the data)"  # check_split's note
     ROWS = ("rows", "is the label column the label?")  # check_split's refusals: what a sample is, where classes come from
     CHANGED = "other rows, order or labels"  # how data can differ, when a resume or export finds it has
+    SAME = "the same words"  # _two_labels: how two copies of a sample written differently are alike
 
     texts: list[str]
     labels: list[int]
@@ -88,8 +89,11 @@ class TextClassificationData:
         return h.hexdigest()
 
     def contents(self) -> list[str]:
-        """Per sample, what a copy of it shares (:func:`check_split`): its text."""
-        return self.texts
+        """Per sample, what a copy of it shares (:func:`check_split`): its words, the text with its
+        runs of whitespace made one space and none around it (a copy with a trailing space, CRLF
+        line ends or a doubled space is the same text word for word: the tokenizer gives it the
+        same tokens)."""
+        return [" ".join(t.split()) for t in self.texts]
 
     def sample_name(self, i: int) -> str:
         """Sample ``i`` as a note names it: its text, quoted (cut to 60 characters)."""
@@ -327,12 +331,18 @@ def _one_value_per_key(path: Path, line: int, pairs: list) -> dict:
 
 def _check_merged_records(path: Path, rows: list[dict], columns: list[str], delimiter: str) -> None:
     """Refuse a file where a quote opened and never closed swallowed the next records into one
-    field: a field holding a line that splits into a whole record, whose fields other than one
-    (the text) are values those columns hold elsewhere in the file (e.g. a label). Line breaks
-    inside a quoted text are kept (real multi-line texts do not end in another record's label).
-    With two columns, one such line is only a text line with one delimiter that ends in a label
-    ("Rating 4,5" where 5 is a label), so there two lines of the field must read as records (a
-    merge's first line is the open record's own text and label, its next the next record).
+    field: a field holding a line that splits into a whole record, whose fields are values those
+    columns hold elsewhere in the file: all but one (the text), or, where some columns repeat
+    their values (a label; an id column or the texts never do, and a swallowed record's id or
+    text is nowhere else), every one of those. Line breaks inside a quoted text are kept (real
+    multi-line texts do not end in another record's label). A quote opens only at a field's
+    start, so the merged field's first line is the open record's own text and, where columns
+    follow it, their values: a field whose first line does not end so is a quoted text, whatever
+    its later lines hold ("Battery,5" and "Screen,4" in a review's per-aspect scores). Where no
+    column follows (the text is the last one), with two columns one such line is only a text
+    line with one delimiter that ends in a label ("Rating 4,5" where 5 is a label), so there two
+    lines of the field must read as records (a merge's first line is the open record's own text
+    and label, its next the next record).
 
     Raises:
         TightfitError: one line naming the record.
@@ -340,18 +350,34 @@ def _check_merged_records(path: Path, rows: list[dict], columns: list[str], deli
     if len(columns) < 2:
         return
     seen = {c: {r[c] for r in rows if r.get(c) is not None} for c in columns}
+    repeated = [c for c in columns if len(seen[c]) <= len(rows) / 2]  # labels, categories: not ids or texts
+
+    def known(fields: list[str], names: list[str], least: int) -> bool:
+        """``fields`` are values of the columns ``names``: every repeated one's, or at least ``least``."""
+        pairs = list(zip(fields, names))
+        if any(c in repeated for _, c in pairs) and all(f in seen[c] for f, c in pairs if c in repeated):
+            return True
+        return sum(f in seen[c] for f, c in pairs) >= least
 
     def reads_as_record(line: str) -> bool:
         fields = line.split(delimiter)
-        return len(fields) == len(columns) and sum(f in seen[c] for f, c in zip(fields, columns)) >= len(columns) - 1
+        return len(fields) == len(columns) and known(fields, columns, len(columns) - 1)
+
+    def ends_as_record(line: str, after: list[str]) -> bool:
+        """``line`` is a text followed by values of the columns ``after`` (the open record's rest)."""
+        fields = line.rsplit(delimiter, len(after))
+        return len(fields) == len(after) + 1 and known(fields[1:], after, len(after))
 
     for n, row in enumerate(rows, 1):
-        for value in row.values():
+        for column, value in row.items():
             if not isinstance(value, str) or "\n" not in value:
                 continue
             lines = value.splitlines()
+            after = columns[columns.index(column) + 1:] if column in columns else []
+            if after and not ends_as_record(lines[0], after):
+                continue  # a quoted text: a merge's first line ends in the open record's other values
             records = [line for line in lines[1:] if reads_as_record(line)]
-            if len(columns) == 2 and len(records) + reads_as_record(lines[0]) < 2:
+            if not after and len(columns) == 2 and len(records) + reads_as_record(lines[0]) < 2:
                 continue
             if records:
                 raise TightfitError(f"{path}: record {n} holds a line break followed by what reads as another "
@@ -685,7 +711,8 @@ def _two_labels(data) -> list[str]:
     if not examples:
         return []
     j, i = next(iter(examples.values()))
-    other = "" if data.sample_name(i) == data.sample_name(j) else f" {data.sample_name(i)}, byte for byte the same,"
+    same = getattr(data, "SAME", "byte for byte the same")  # how two names of one sample's copies are alike
+    other = "" if data.sample_name(i) == data.sample_name(j) else f" {data.sample_name(i)}, {same},"
     return [f"{count_of(len(examples), data.SAMPLE_KIND)} {'is' if len(examples) == 1 else 'are'} in the data "
             f"under two or more labels (e.g. {data.sample_name(j)} as {data.label_names[data.labels[j]]!r} and{other} as "
             f"{data.label_names[data.labels[i]]!r}): the model is taught both; correct the labels if one is wrong"]
