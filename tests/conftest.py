@@ -97,12 +97,14 @@ def make_workload():
 def tiny_text_model_folder(root, words, **config):
     """Save a seeded BERT classifier (``BertConfig(**config)``) with a WordPiece tokenizer of the
     special tokens plus ``words`` under ``root/model``, as ``tightfit train --model`` reads it."""
+    import transformers
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
     (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
     model_dir = root / "model"
     torch.manual_seed(0)
+    transformers.logging.disable_progress_bar()  # as tightfit's loading does: a test's stderr is tightfit's alone
     BertForSequenceClassification(BertConfig(vocab_size=len(vocab), **config)).save_pretrained(model_dir)
     BertTokenizerFast(vocab=str(root / "vocab.txt")).save_pretrained(model_dir)  # transformers 5 ignores vocab_file=
     return model_dir

@@ -116,6 +116,9 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line_and_it_re
     monkeypatch.undo()
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0
     assert (run / "summary.json").is_file()
+    # the stop is one of the run's events: the resumed run's report shows it
+    report = (run / "report.md").read_text()
+    assert "checkpoint ckpt-4 could not be written" in report, report
 
 
 class _FullDisk:

@@ -66,10 +66,12 @@ def keep_metrics_until(path: str | Path, step: int) -> list[int]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):  # not JSON, or JSON but not a record ([1], 5: edited): damaged
             if n < len(lines):
                 damaged.append(n)
             continue
-        records.append((line, record if isinstance(record, dict) else {}))
+        records.append((line, record))
     mark = max((i for i, (_, r) in enumerate(records) if r.get("type") == "checkpoint" and r.get("step") == step),
                default=None)  # the last record of that checkpoint
     kept = []
@@ -94,24 +96,19 @@ def _session_event(record: dict) -> bool:
         message.startswith("resumed from ") or "stopped" in message or "stopping after" in message)
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a ``metrics.jsonl`` file."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def earlier_events(path: str | Path) -> list[str]:
     """The event messages of the sessions before a resume: the ``event`` records of
     ``metrics.jsonl``, in order, as :func:`keep_metrics_until` left them (how a stopped session
     ended is kept, also past the checkpoint resumed from). Empty when the file is missing;
     unreadable lines are skipped."""
-    return [r["message"] for r in _readable_records(path) if r.get("type") == "event"
+    return [r["message"] for r in read_metrics(path) if r.get("type") == "event"
             and isinstance(r.get("message"), str)]
 
 
-def _readable_records(path: str | Path) -> list[dict]:
+def read_metrics(path: str | Path) -> list[dict]:
     """The records of a ``metrics.jsonl`` file that read as JSON objects ([] when it is missing):
-    what a resume reads back of the earlier sessions, skipping a line a kill cut short."""
+    what a resume and the plots read back, skipping a line a kill cut short or one edited into
+    something else ([1], 5)."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -132,7 +129,7 @@ def session_commands(path: str | Path, first: str) -> list[str]:
     session's is ``first`` (the run's own, from ``request.json``) where its record has none
     (written before commands were recorded) or the file is missing; a later session's record
     without one is left out. Unreadable lines are skipped."""
-    plans = [r for r in _readable_records(path) if r.get("type") == "plan"]
+    plans = [r for r in read_metrics(path) if r.get("type") == "plan"]
     if not plans or plans[0].get("resumed_from"):  # the first session's record is gone (metrics.jsonl was lost)
         plans.insert(0, {})
     commands = []
@@ -155,7 +152,7 @@ def planned_speeds(path: str | Path) -> dict:
     ``planning_seconds`` as ``first_planning_s``, for a resumed run's summary: its
     plan comes from the checkpoint and is not timed again. Empty when the file, the record or the
     figures are missing (an older run, or a CPU run); unreadable lines are skipped."""
-    for record in _readable_records(path):
+    for record in read_metrics(path):
         if record.get("type") == "plan" and not record.get("resumed_from"):
             speeds = record.get("planned_speeds")
             speeds = speeds if isinstance(speeds, dict) else {}

@@ -41,7 +41,7 @@ def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], b
         written.append(run_dir / name)
 
     gib = 2**30
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    records = read_metrics(run_dir / "metrics.jsonl")  # objects only: a line edited by hand is no record
     if memory_timeline:
         # the timeline is this process's steps: a resumed run's earlier ones are in metrics.jsonl (logged steps)
         first = memory_timeline[0][0]

@@ -581,6 +581,11 @@ def torch_load_error(e: BaseException) -> str:
                         text)
     if refused:
         return f"it holds something torch.load(weights_only=True) refuses to run: {refused.group(1).strip()}"[:200]
+    # a global of a module torch blocks outright (os.system: posix), worded otherwise and without that line
+    blocked = re.search(r"Trying to load unsupported GLOBAL (\S+) whose module (\S+) is blocked", text)
+    if blocked:
+        return (f"it holds something torch.load(weights_only=True) refuses to run: GLOBAL {blocked.group(1)} "
+                f"(module {blocked.group(2)} is blocked)")[:200]
     return _first_line(e)  # the error itself: one with no message is named by its type (EOFError), not "str"
 
 
