@@ -307,6 +307,19 @@ def test_float_image_outside_0_1_is_refused_before_any_work(models, tmp_path, ca
          "3.tif: a float image with values outside [0, 1]")
 
 
+def test_32_bit_integer_image_of_8_bit_levels_is_refused_before_any_work(models, tmp_path, capsys):
+    """A 32-bit integer grey image holding 0-255 (what PIL's convert("I") makes of a photo) was read
+    as 16-bit: 200 became 1 of 255, a nearly black image, without a word."""
+    root = tmp_path / "int32"
+    for cls, value in (("a", 10000), ("b", 50000)):
+        (root / cls).mkdir(parents=True)
+        for n in range(12):
+            _wide_grey("I", value).save(root / cls / f"{n}.tif")
+    _wide_grey("I", 200).save(root / "b" / "3.tif")
+    _bad(["--data", str(root), "--model", str(models / "resnet")], tmp_path, capsys,
+         "3.tif: a 32-bit integer image with values 0-200")
+
+
 def test_jsonl_list_with_integer_label_0_keeps_those_rows(image_folder, tmp_path):
     """``str(0 or "")`` made every JSONL row of label 0 (a JSON number) blank: those rows were dropped,
     leaving one class. Only a missing, null or empty value is blank."""

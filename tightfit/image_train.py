@@ -160,6 +160,32 @@ def load_image_classifier(entry: ModelEntry, label_names: list[str], image_size:
     return model, size, channels
 
 
+def _check_trainable_before_data(config, trainable: str) -> None:
+    """Refuse a ``--trainable`` the model cannot take (``frozen-N`` above its repeated blocks, LoRA
+    without linear layers in them) from its config alone, on a model built on the meta device (no
+    memory, no weights), before every image is decoded: the same checks
+    :func:`tightfit.levers.trainable.apply_trainable` makes on the real model later.
+
+    Raises:
+        TightfitError: as :func:`tightfit.levers.freezing.frozen_parameters` or
+            :func:`tightfit.levers.lora.lora_targets`.
+    """
+    import torch
+    from transformers import AutoModelForImageClassification
+
+    from .levers.freezing import frozen_blocks, frozen_parameters
+    from .levers.lora import lora_targets
+
+    if trainable == "all" or (trainable != "lora" and frozen_blocks(trainable) is None):
+        return
+    with torch.device("meta"):
+        model = AutoModelForImageClassification.from_config(config)
+    if trainable == "lora":
+        lora_targets(model)
+    else:
+        frozen_parameters(model, trainable)
+
+
 class ImageTrainRecipe(TrainRecipe):
     """``tightfit train`` for an image model: image data, an image classifier, the same plan,
     guards, run folder and report as :class:`tightfit.api.TrainRecipe`. The run folder's
@@ -180,6 +206,7 @@ class ImageTrainRecipe(TrainRecipe):
         config = self.source.load_config()[1]  # the model's checks before the images are read (each decoded)
         self.source.fit_image_size(config, w.image_size)
         input_channels(self.source, config)
+        _check_trainable_before_data(config, w.trainable)
         self.data = load_image_classification(w.data, w.label_column, w.image_column)
 
     def _load_model(self) -> None:

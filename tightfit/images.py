@@ -454,7 +454,8 @@ def load_image(image, name: str | None = None) -> np.ndarray:
 
     Raises:
         TightfitError: a float image with a value outside [0, 1] (or not a number), or a 32-bit
-            integer image with a value outside 0-65535: no one scale is right for them.
+            integer image with a value outside 0-65535 or none above 255 (8-bit levels: as 16-bit
+            they would be nearly black): no one scale is right for them.
         Exception: whatever PIL raises for a file it cannot open or decode (:func:`_check_image`
             turns it into a TightfitError before any work).
     """
@@ -489,6 +490,9 @@ def load_image(image, name: str | None = None) -> np.ndarray:
             "a 32-bit integer image with values outside 0-65535"
         raise TightfitError(f"{name or image}: {what} (min {x.min():g}, max {x.max():g}); tightfit reads float images as "
                             "0-1 and integer ones as 16-bit: convert it to 8- or 16-bit")
+    if im.mode == "I" and 0 < x.max(initial=0) <= 255:  # 8-bit levels (PIL's convert("I") of a photo gives them)
+        raise TightfitError(f"{name or image}: a 32-bit integer image with values 0-{x.max():g}: read as 16-bit, as "
+                            "tightfit reads such images, it would be nearly black; convert it to 8- or 16-bit")
     return np.rint(x * (255 / top)).astype(np.uint8)
 
 
