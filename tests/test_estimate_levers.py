@@ -1,6 +1,7 @@
 """``tightfit estimate`` with the optimizer levers: its help names them, the gradients it reports
 are in the weights' dtype (bf16 under ``adamw8bit-bf16``), and a precision or card that bf16
-weights cannot train with is refused in one line whose advice the command accepts."""
+weights cannot train with is refused in one line whose advice the command accepts; a plan's
+per-block choices (--block-policies) are estimated as the plan predicted them."""
 
 import pytest
 
@@ -43,3 +44,44 @@ def test_bf16_weights_refused_with_advice_the_command_accepts(capsys, extra, say
     assert main([*ARGS, "--optimizer", "adamw8bit-bf16", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "adamw8bit-bf16" in err and says in err and "or auto" not in err, err
+
+
+def test_a_plans_per_block_policies_are_estimated_as_the_plan_predicted_them(capsys):
+    """A plan of per-block choices ("blocks 0-0 full, 1-5 selective") could not be checked with
+    `tightfit estimate`, whose --checkpointing names recomputed blocks only: --block-policies takes
+    them as `tightfit plan` prints them, or one word per block as its --json lists them, and the
+    estimate plus the estimator's margin is the plan's predicted peak."""
+    import json
+
+    from tightfit.planner.margins import estimator_margin_bytes
+
+    policies = ["full"] + ["selective"] * 5
+    BIG = ["estimate", "--model", "minilm", "--seq-len", "128", "--micro-batch", "32"]  # activations to tell apart
+    assert main([*BIG, "--budget", "1GiB", "--block-policies", "0 full, 1-5 selective", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    assert main([*BIG, "--budget", "1GiB", "--block-policies", ",".join(policies), "--json"]) == 0
+    words = json.loads(capsys.readouterr().out)
+    assert runs == words and runs["plan"]["block_policies"] == policies
+    assert main([*BIG, "--budget", "1GiB", "--checkpointing", "0,1,2,3,4,5", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert runs["peak_reserved_bytes"] != full["peak_reserved_bytes"]  # selective keeps more than full
+    assert runs["estimator_margin_bytes"] == estimator_margin_bytes(runs["peak_reserved_bytes"], True) > 0
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("full,none", "2 block policies for a model with 6 blocks"),
+    ("0-4 full", "block 5 has none"),
+    ("0-5 full, 5 none", "block 5 is given twice"),
+    ("0-6 full", "are not among the model's 6"),
+    ("0-5 fast", "unknown block policy 'fast'"),
+    ("all", "neither a policy"),
+])
+def test_bad_block_policies_are_refused_in_one_line(capsys, spec, says):
+    assert main([*ARGS, "--block-policies", spec]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and says in err, err
+
+
+def test_block_policies_and_checkpointing_are_not_given_together(capsys):
+    assert main([*ARGS, "--block-policies", "0-5 full", "--checkpointing", "all"]) == 2
+    assert "not both" in capsys.readouterr().err

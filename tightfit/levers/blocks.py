@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import numbers
+import re
 from collections import defaultdict
 
 import torch
@@ -40,6 +41,44 @@ def describe_policies(policies) -> str:
             runs.append(f"{start}{'' if i - 1 == start else f'-{i - 1}'} {policies[start]}")
             start = i
     return ", ".join(runs)
+
+
+def parse_policies(spec: str, n_blocks: int) -> tuple[str, ...]:
+    """One policy per block from ``spec``: one word per block (``"full,full,selective"``, as
+    ``tightfit plan --json`` lists them) or runs as :func:`describe_policies` shows them
+    (``"0-22 full, 23 selective"``, as ``tightfit plan`` prints them).
+
+    Raises:
+        TightfitError: an unknown policy, a malformed run, a block named twice or left out, or as
+            many words as blocks not given.
+    """
+    items = [x.strip() for x in spec.split(",") if x.strip()]
+    if all(x in BLOCK_POLICIES for x in items):
+        if len(items) != n_blocks:
+            raise TightfitError(f"{len(items)} block policies for a model with {n_blocks} blocks: give one per block, "
+                                f"or runs such as '0-{n_blocks - 1} full'")
+        return tuple(items)
+    policies: list[str | None] = [None] * n_blocks
+    for item in items:
+        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?\s+(\w+)", item)
+        if not m:
+            raise TightfitError(f"block policies {spec!r}: {item!r} is neither a policy ({', '.join(BLOCK_POLICIES)}) "
+                                f"nor a run of blocks such as '0-3 full'")
+        first, last, policy = int(m.group(1)), int(m.group(2) or m.group(1)), m.group(3)
+        if policy not in BLOCK_POLICIES:
+            raise TightfitError(f"unknown block policy {policy!r}: use one of {', '.join(BLOCK_POLICIES)}")
+        if not first <= last < n_blocks:
+            raise TightfitError(f"block policies {spec!r}: blocks {item.split()[0]} are not among the model's "
+                                f"{n_blocks} (0-{n_blocks - 1})")
+        for i in range(first, last + 1):
+            if policies[i] is not None:
+                raise TightfitError(f"block policies {spec!r}: block {i} is given twice")
+            policies[i] = policy
+    missing = [i for i, p in enumerate(policies) if p is None]
+    if missing:
+        raise TightfitError(f"block policies {spec!r}: block {missing[0]} has none; give every block of the "
+                            f"{n_blocks} (0-{n_blocks - 1}) one")
+    return tuple(policies)
 
 
 def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

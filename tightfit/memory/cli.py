@@ -104,6 +104,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpointing", default="none",
                    help="none|all|comma-separated block indices (default none; off and on, as tightfit plan "
                         "and train write them, mean none and all)")
+    p.add_argument("--block-policies",
+                   help="instead of --checkpointing, what each repeated block keeps for backward: none|selective|"
+                        "full|offload, one per block (as tightfit plan --json lists them) or runs of blocks (as "
+                        "tightfit plan prints them, e.g. '0-9 full, 10-11 selective')")
     p.add_argument("--optimizer", default="adamw",
                    help="adamw (fused; default) | adamw-foreach (multi-tensor: one more fp32 copy of the "
                         "parameters at its step) | sgd (momentum) | adamw8bit | adamw-offload | adamw8bit-bf16 "
@@ -126,7 +130,7 @@ def run(args) -> int:
 
     Raises:
         TightfitError: bad arguments (unknown model/profile/precision/allocator, sizes < 1, a batch
-            above :data:`tightfit.plan.MAX_BATCH`, bad blocks).
+            above :data:`tightfit.plan.MAX_BATCH`, bad blocks or block policies, or both given).
     """
     from ..tasks import size_name
     from ..plan import Plan
@@ -182,13 +186,21 @@ def run(args) -> int:
 
         check_planned_seq_len(size, args.model)
     batch = make_batch(1, size)
+    policies = None
+    if args.block_policies is not None:
+        if args.checkpointing not in ("none", "off"):
+            raise TightfitError("give --block-policies or --checkpointing, not both: the policies say which blocks "
+                                "recompute")
+        from ..levers.blocks import find_blocks, parse_policies
+
+        policies = parse_policies(args.block_policies, len(find_blocks(model)))
     from ..levers.trainable import trainable_fields
 
     plan = Plan(args.precision, args.micro_batch, effective_batch, optimizer=args.optimizer, device="cuda",
                 budget_bytes=budget, **trainable_fields(model))  # what is trained, as plan --json says it
     try:
         result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing,
-                          allocator=getattr(args, "allocator", "expandable"))
+                          allocator=getattr(args, "allocator", "expandable"), block_policies=policies)
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
         from ..models import NO_PAD_HINT
 
@@ -197,8 +209,10 @@ def run(args) -> int:
     from ..levers.freezing import frozen_prefix_blocks
 
     free = frozen_prefix_blocks(model, batch)  # frozen first blocks: checkpointed, they recompute nothing
-    verdict = fits_verdict(result.peak_reserved_bytes, any(i >= free for i in result.plan["checkpoint_blocks"]),
-                           budget) if budget else None
+    # the estimator's margin as the planner adds it: any policy but none, else a recomputed block past the frozen ones
+    checkpointed = any(p != "none" for p in policies) if policies else \
+        any(i >= free for i in result.plan["checkpoint_blocks"])
+    verdict = fits_verdict(result.peak_reserved_bytes, checkpointed, budget) if budget else None
     from ..levers.optimizers import trainable_gradient_bytes
 
     grads = trainable_gradient_bytes(model, args.optimizer)
@@ -218,6 +232,10 @@ def run(args) -> int:
 
     n, blocks = len(find_blocks(model)), result.plan["checkpoint_blocks"]  # what was traced
     ck = "none" if not blocks else f"all {n} blocks" if len(blocks) == n else "blocks " + ",".join(map(str, blocks))
+    if policies:
+        from ..levers.blocks import describe_policies
+
+        ck = f"per block {describe_policies(policies)}"
     last = effective_batch - (steps - 1) * args.micro_batch  # the window's short last micro-batch
     batch = f"micro-batch {args.micro_batch}" + (
         f" x {steps} accumulation steps" + (f" (the last {last})" if last != args.micro_batch else "")
