@@ -453,7 +453,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
                 and not _constrained(results["adamw8bit"], forced):
             continue  # 8-bit state fits without paying: offload cannot be faster
         # bf16 weights can be (no fp32 weights to cast, half the update's bytes): their ceiling decides;
-        # stopping here planned ResNet-50 at 32 pixels slower at 380-500 MiB than at 300-350 MiB
+        # stopping here planned ResNet-50 at 32 pixels slower at 400-450 MiB than at 300 MiB
         if cannot_win(kind):
             continue
         if kind in stand_in_for and 0 < bounds[kind] * STAND_IN_ERROR <= found:  # untraced
