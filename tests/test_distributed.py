@@ -409,9 +409,8 @@ def test_a_padding_micro_batch_leaves_batchnorm_statistics_as_they_were():
     torch.testing.assert_close(model[1].running_var, after_real[1], rtol=0, atol=0)
 
 
-def _tiny_cli_run(tmp_path, *extra):
-    """``tightfit train ... --device cpu`` of a tiny text classifier (40 rows, effective batch 8,
-    dropout on) into ``tmp_path/run``; returns the finished process and the run folder."""
+def _tiny_inputs(tmp_path):
+    """The model folder and the CSV of :func:`_tiny_cli_run`."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_resume import WORDS
 
@@ -422,6 +421,13 @@ def _tiny_cli_run(tmp_path, *extra):
     data = tmp_path / "data.csv"
     data.write_text("text,label\n" + "".join(f"{WORDS[i % 12]} {WORDS[(i * 5) % 12]},{'ab'[i % 2]}\n"
                                              for i in range(40)))
+    return model, data
+
+
+def _tiny_cli_run(tmp_path, *extra):
+    """``tightfit train ... --device cpu`` of a tiny text classifier (40 rows, effective batch 8,
+    dropout on) into ``tmp_path/run``; returns the finished process and the run folder."""
+    model, data = _tiny_inputs(tmp_path)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tightfit", "train", "--model", str(model), "--data", str(data), "--batch-size",
            "8", "--epochs", "1", "--seq-len", "16", "--log-every", "1", "--out", str(out), "--no-progress",
@@ -621,3 +627,50 @@ def test_the_batchnorm_check_before_planning_names_each_ranks_share_as_its_micro
     recipe.workload, recipe.train_data = Workload(recipe.model, data, None, 16), data
     with pytest.raises(TightfitError, match=r"micro-batch 8 on 2 ranks splits the last window of 1 sample"):
         recipe._check_batchnorm()
+
+
+_RANK_1_FAILS = """
+# rank 1 alone meets an input error mid-training (as a sample's image deleted while the run reads it)
+import os, sys, importlib.abc, importlib.util
+if os.environ.get("RANK") == "1":
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "tightfit.runtime.trainer":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                settle = module.Trainer._settle
+
+                def failing(self, *a, **k):
+                    if self.step == 2:
+                        from tightfit.errors import TightfitError
+                        raise TightfitError("a sample of rank 1 is gone")
+                    return settle(self, *a, **k)
+                module.Trainer._settle = failing
+            spec.loader.exec_module = exec_module
+            return spec
+    sys.meta_path.insert(0, _Hook())
+"""
+
+
+def test_gpus_2_an_error_on_one_rank_mid_training_is_one_line_not_the_others_traceback(tmp_path):
+    """Found by a review: a rank that meets an input error mid-training (an image deleted while
+    the run read it) said so in one line and exited with 2, but the other rank, whose collective
+    then lost its peer, printed gloo's "Connection closed by peer" with a 40-line traceback."""
+    import os
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_RANK_1_FAILS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    model, data = _tiny_inputs(tmp_path)
+    cmd = [sys.executable, "-m", "tightfit", "train", "--model", str(model), "--data", str(data), "--batch-size", "8",
+           "--seq-len", "16", "--out", str(tmp_path / "run"), "--no-progress", "--device", "cpu", "--gpus", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("tightfit: error:") == 1 and "a sample of rank 1 is gone" in done.stderr
+    assert "Traceback" not in done.stderr and "Connection closed by peer" not in done.stderr, done.stderr[-3000:]

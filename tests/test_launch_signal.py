@@ -118,3 +118,39 @@ def test_a_sigterm_the_process_was_started_ignoring_stays_ignored(monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert seen == [signal.SIG_IGN, cli._interrupt]
+
+
+def test_the_launcher_leaves_the_processes_time_for_their_stop_checkpoint(monkeypatch):
+    """Found by a review: torch.distributed.run kills the processes (SIGKILL) 30 s after passing a
+    signal on, by default; a step plus the stop checkpoint that took longer (a long accumulation
+    window, a large model) left no stop checkpoint and no resume command, unlike one process, which
+    waits for its stop as long as it takes. A timeout set in the environment is kept."""
+    got = []
+
+    def fake_run(args):
+        got.append(args)
+
+    if not any("--shutdown-timeout" in a.option_strings for a in torchrun.get_args_parser()._actions):
+        pytest.skip("this torch.distributed.run has no --shutdown-timeout")
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    for k in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(k, raising=False)
+    assert launch(2, "cpu", ["train", "--device", "cpu"]) == 0
+    assert got[-1].shutdown_timeout is not None and got[-1].shutdown_timeout >= 600
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")
+    assert launch(2, "cpu", ["train", "--device", "cpu"]) == 0
+    assert got[-1].shutdown_timeout in (None, 45)  # torch's launcher reads the environment itself
+
+
+@pytest.mark.parametrize("rank, said", [("0", True), ("1", False)])
+def test_an_interrupt_before_training_is_said_once_for_the_run(monkeypatch, capsys, rank, said):
+    """Ctrl-C while loading reaches every process of --gpus N: each printed "tightfit: interrupted";
+    rank 0 alone says so, as it does for a stop in the loop."""
+    import tightfit.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(cli, "_run", interrupted)
+    assert cli.main(["plan"]) == 130
+    assert ("tightfit: interrupted" in capsys.readouterr().err) == said

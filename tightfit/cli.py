@@ -278,11 +278,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:  # outside the training loop (loading, planning): nothing was half-written
         terminated = isinstance(e, Terminated)
-        print(f"tightfit: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # the signal reaches every rank: rank 0 says so
+            print(f"tightfit: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
         return signal_exit_code("SIGTERM" if terminated else "SIGINT")
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
         discard_from_now(sys.stdout)  # no second error at exit
         return 0
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a peer's exit seen from a collective
+        from .runtime.distributed import lost_a_peer
+
+        if not lost_a_peer(e):
+            raise
+        # another process of the run failed first and said why (one line): not this one's traceback too
+        print(f"tightfit: process {os.environ.get('RANK', '?')} stopped: another process of the run ended first",
+              file=sys.stderr)
+        return 1
     finally:
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)

@@ -50,6 +50,22 @@ class PeerOutOfMemory(torch.OutOfMemoryError):
     ``torch.OutOfMemoryError``, so the trainer's one OOM path handles it)."""
 
 
+# What gloo and torch.distributed say when a collective loses a peer that has exited (its own error
+# said why, on its own stderr): gloo raises a plain RuntimeError.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def lost_a_peer(e: BaseException) -> bool:
+    """Whether ``e``, raised in a process of several (under torchrun), is a collective's error
+    after another process ended (its error, if any, is its own to say): a ``DistNetworkError``,
+    or gloo's RuntimeError of a connection the peer closed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not isinstance(e, RuntimeError):
+        return False
+    import torch.distributed as dist
+
+    return isinstance(e, getattr(dist, "DistNetworkError", ())) or any(s in str(e) for s in _PEER_GONE)
+
+
 def shard_of(window: list[int], rank: int, world_size: int) -> list[int]:
     """Rank ``rank``'s contiguous share of ``window``: shares differ by at most one sample (the
     first ``len(window) % world_size`` ranks hold one more), and together they are ``window``."""

@@ -16,6 +16,14 @@ _log = logging.getLogger(__name__)
 # the run (report.md, summary.json, request.json): their own argv has no ``--gpus``.
 COMMAND_ENV = "TIGHTFIT_LAUNCHED_COMMAND"
 
+# How long torch.distributed.run waits, after passing a SIGINT/SIGTERM on, for the processes to
+# finish their step and write their stop checkpoint before it kills them (SIGKILL). torch's own
+# default is 30 s: less than one step of a long accumulation window or the write of a large
+# checkpoint, and the killed ranks then leave no stop checkpoint and no resume command. One process
+# waits for its stop as long as it takes; TORCH_ELASTIC_SHUTDOWN_TIMEOUT (or --shutdown-timeout of a
+# torchrun started by hand) still sets it.
+STOP_GRACE_S = 3600
+
 
 def strip_gpus(argv: list[str]) -> list[str]:
     """``argv`` without ``--gpus N`` / ``--gpus=N`` (the processes started must not start more)."""
@@ -82,8 +90,13 @@ def launch(n: int, device: str, argv: list[str], command_line: str | None = None
     if command_line:
         os.environ[COMMAND_ENV] = command_line
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several processes, said once
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={n}", "--module", "tightfit",
-                                         *strip_gpus(argv)])
+    parser = get_args_parser()
+    grace = []  # where torch.distributed.run has the option (older ones kill the processes after 30 s)
+    if any("--shutdown-timeout" in a.option_strings for a in parser._actions) and not any(
+            k in os.environ for k in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT")):
+        grace = [f"--shutdown-timeout={STOP_GRACE_S}"]
+    args = parser.parse_args(["--standalone", f"--nproc-per-node={n}", *grace, "--module", "tightfit",
+                              *strip_gpus(argv)])
     _log.info(f"tightfit: starting {n} processes (torch.distributed.run)")
     try:
         run(args)
