@@ -169,3 +169,50 @@ def test_a_lora_model_merged_from_gathered_weights_keeps_their_bf16_dtype():
     assert {p.dtype for p in out.parameters()} == {torch.bfloat16}
     for a, b in zip(out.state_dict().values(), merged(lora).state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_lora_keeps_the_running_statistics_of_the_frozen_input_layers():
+    """The input layers (a stem before the first block) get no adapter under LoRA: frozen as under
+    frozen-embeddings, their BatchNorm layers keep their running statistics, so the frozen stem of
+    the saved (merged) model computes the function it had. Before: every training forward moved
+    them (a LeViT's patch embeddings: conv + BatchNorm)."""
+    import torch.nn.functional as F
+    from transformers import LevitConfig, LevitForImageClassification
+
+    from tightfit import TrainStep
+
+    torch.manual_seed(0)
+    config = LevitConfig(image_size=32, num_channels=3, hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+                         depths=[1, 1], key_dim=[8, 8], patch_size=16, stride=2,
+                         down_ops=[["Subsample", 8, 2, 4, 2, 2]], num_labels=3)
+    model = apply_lora(LevitForImageClassification(config).eval())  # as from_pretrained returns it
+    stem = {n: b.clone() for n, b in model.named_buffers() if "patch_embeddings" in n}
+    assert stem
+    step = TrainStep(Plan("fp32", 4, 4, trainable="lora"), model, lr=1e-3,
+                     loss=lambda m, b: F.cross_entropy(m(pixel_values=b["x"]).logits, b["y"]))
+    for _ in range(2):
+        step({"x": torch.randn(4, 3, 32, 32), "y": torch.randint(0, 3, (4,))})
+    buffers = dict(model.named_buffers())
+    for n, b in stem.items():
+        assert torch.equal(buffers[n], b), n
+    assert model.get_base_model().levit.encoder.training  # the rest trains (dropout on)
+
+
+def test_the_headline_counts_the_models_parameters_not_the_adapters(tmp_path, capsys):
+    """``tightfit train --trainable lora`` names the model with its own parameter count, as a run
+    training all of it does; the adapters are counted in the LoRA note. Before: the headline
+    counted the adapters into the model (the tiny BERT's 20,770 parameters shown as 27,938;
+    MiniLM's 22.7M as 23.0M)."""
+    from conftest import tiny_cpu_job
+    from tightfit.cli import main
+
+    j = tiny_cpu_job(tmp_path)
+    args = ["train", "--model", j["model"], "--data", j["data"], "--batch-size", "8", "--seq-len", "16",
+            "--device", "cpu", "--no-progress", "--max-steps", "1", "--trainable", "lora"]
+    assert main(args + ["--out", str(tmp_path / "lora")]) == 0
+    lora = capsys.readouterr().out
+    assert main(args[:-2] + ["--out", str(tmp_path / "all")]) == 0
+    everything = capsys.readouterr().out
+    headline = re.compile(r"fine-tuning \S+ \(([0-9,.]+M?) parameters\)")
+    assert headline.search(lora).group(1) == headline.search(everything).group(1) == "20,770"
+    assert "7,234 of 27,938 parameters trainable" in lora

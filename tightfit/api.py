@@ -726,7 +726,9 @@ class TrainRecipe:
 
         self.device_name = "CPU" if self.device == "cpu" else torch.cuda.get_device_name(0)
         name = self.source.about
-        n = sum(p.numel() for p in self.model.parameters())
+        from .levers.lora import model_parameters
+
+        n = model_parameters(self.model)  # the model's own: LoRA's adapters are counted in its note
         count = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"  # a tiny model is not "0.0M"
         log.info(f"tightfit {__version__}: fine-tuning {name} ({count} parameters) on {self.data.source}: "
                  f"{len(self.train_data)} training / {len(self.eval_data)} held-out samples, "

@@ -157,7 +157,7 @@ def apply_freezing(model: torch.nn.Module, trainable: str) -> str:
     inputs = bool(input_parameters(model))
     for _, p in frozen:
         p.requires_grad_(False)
-    norms = _freeze_running_statistics(model, n)
+    norms = freeze_running_statistics(model, n)
     setattr(model, MARK, trainable)
     named = {name for name, _ in frozen}
     tied = [name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in ids and name not in named]
@@ -172,7 +172,7 @@ def apply_freezing(model: torch.nn.Module, trainable: str) -> str:
             + f"); {trained:,} of {total:,} parameters trainable ({100 * trained / total:.2f}%)")
 
 
-def _freeze_running_statistics(model: torch.nn.Module, n_blocks: int) -> int:
+def freeze_running_statistics(model: torch.nn.Module, n_blocks: int) -> int:
     """Put the BatchNorm layers of the frozen part (the input layers and the first ``n_blocks``
     repeated blocks with what is registered between them, by position, as :func:`frozen_parameters`
     takes them; an ``affine=False``

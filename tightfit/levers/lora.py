@@ -83,6 +83,12 @@ def apply_lora(model: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
     for h in heads:  # the head learns in full (peft wraps model in place: its children are the same)
         for p in getattr(model, h).parameters():
             p.requires_grad_(True)
+    # the input layers (a stem before the first block) get no adapter: frozen, as under
+    # frozen-embeddings, their BatchNorm layers keep their running statistics (eval mode), so the
+    # merged model's stem computes the function it had
+    from .freezing import freeze_running_statistics
+
+    freeze_running_statistics(model, 0)
     return wrapped
 
 
@@ -101,6 +107,18 @@ def check_adapters(trainable: str, model: torch.nn.Module) -> None:
     if trainable == "lora" and not has_adapters(model):
         raise TightfitError("the plan trains LoRA adapters (trainable lora), but the model has none: wrap it "
                             "with tightfit.levers.lora.apply_lora first, or plan it with trainable all")
+
+
+def model_parameters(model: torch.nn.Module) -> int:
+    """Parameters of ``model`` without its LoRA adapters (peft's ``lora_*`` tensors): the model's
+    own size, which a LoRA-wrapped model and the plain one share."""
+    adapters = set()
+    if has_adapters(model):  # (peft is installed then)
+        from peft.tuners.lora import LoraLayer
+
+        adapters = {id(p) for m in model.modules() if isinstance(m, LoraLayer)
+                    for name, p in m.named_parameters() if name.startswith("lora_")}
+    return sum(p.numel() for p in model.parameters() if id(p) not in adapters)
 
 
 def trainable_note(model: torch.nn.Module) -> str:
