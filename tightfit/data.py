@@ -711,7 +711,7 @@ def _two_labels(data) -> list[str]:
     if not examples:
         return []
     j, i = next(iter(examples.values()))
-    same = getattr(data, "SAME", "byte for byte the same")  # how two names of one sample's copies are alike
+    same = data.SAME  # how two copies of one sample that read differently are alike
     other = "" if data.sample_name(i) == data.sample_name(j) else f" {data.sample_name(i)}, {same},"
     return [f"{count_of(len(examples), data.SAMPLE_KIND)} {'is' if len(examples) == 1 else 'are'} in the data "
             f"under two or more labels (e.g. {data.sample_name(j)} as {data.label_names[data.labels[j]]!r} and{other} as "

@@ -76,6 +76,7 @@ class ImageClassificationData:
     SAMPLE_KIND = "image"  # what one sample is, in notes
     COPIES = "among the training samples as the same image file, byte for byte (files repeated in the data)"
     CHANGED = "other images (files, order or labels)"  # how data can differ, when a resume or export finds it has
+    SAME = "byte for byte the same"  # _two_labels: how two copies of a sample named differently are alike
 
     images: list
     labels: list[int]
