@@ -85,3 +85,19 @@ def test_bad_block_policies_are_refused_in_one_line(capsys, spec, says):
 def test_block_policies_and_checkpointing_are_not_given_together(capsys):
     assert main([*ARGS, "--block-policies", "0-5 full", "--checkpointing", "all"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_estimate_without_model_and_micro_batch_traces_the_main_jobs_step(capsys):
+    """`tightfit plan --gpu X` plans the main job with no model and batch given; estimate refused
+    the same ("the following arguments are required: --model, --micro-batch"): it now traces the
+    main job's model at its effective batch, as the plan of it predicts."""
+    import json
+
+    assert main(["estimate", "--gpu", "gtx-1650-ti", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["plan"]["micro_batch"] == 32 and d["plan"]["effective_batch"] == 32
+    assert main(["plan", "--gpu", "gtx-1650-ti", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    planned = planned.get("plan", planned)
+    assert planned["micro_batch"] == 32 and planned["precision"] == d["plan"]["precision"] == "fp32"
+    assert planned["predicted_peak_reserved_bytes"] == d["peak_reserved_bytes"]  # nothing checkpointed: no margin

@@ -37,3 +37,8 @@ def __getattr__(name):
         globals().update({n: getattr(trainer, n) for n in _ERRORS})
         return globals()[name]
     raise AttributeError(f"module 'tightfit' has no attribute {name!r}")
+
+
+def __dir__():
+    # the attributes loaded on first use are listed too
+    return sorted(set(globals()) | set(__all__))

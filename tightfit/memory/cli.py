@@ -94,8 +94,13 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("estimate", help="predict a training step's peak GPU memory (no GPU needed)",
                               description="Predict peak allocated/reserved GPU memory of one training step "
                                           "(forward, backward, optimizer step) by tracing it on meta tensors.")
-    add_model_arguments(p)
-    p.add_argument("--micro-batch", type=int, required=True, help="samples per forward/backward pass")
+    from ..config import WorkloadOptions
+
+    add_model_arguments(p, default_model="minilm")  # as tightfit plan: tightfit train's main job
+    batch = WorkloadOptions.batch_size
+    p.add_argument("--micro-batch", type=int, default=batch,
+                   help=f"samples per forward/backward pass (default: {batch}, the main job's whole effective "
+                        "batch, as tightfit plan plans it)")
     p.add_argument("--batch-size", type=int,
                    help="effective batch: samples per optimizer step (default: the micro-batch); above it the "
                         "step accumulates gradients over micro-batches, holding every gradient, as tightfit plan "
@@ -139,8 +144,6 @@ def run(args) -> int:
 
     from ..config import WorkloadOptions, check_option
 
-    if args.micro_batch is None:
-        raise TightfitError("--micro-batch must be >= 1")
     check_option(WorkloadOptions, "batch_size", args.micro_batch, called="--micro-batch")  # >= 1, <= MAX_BATCH
     if args.batch_size is not None:  # as `tightfit plan` checks it
         check_option(WorkloadOptions, "batch_size", args.batch_size, called="--batch-size")

@@ -220,7 +220,9 @@ def _graphs_line(plan, model) -> str:
         return f"CUDA graphs: not used: {why}"
     return ("CUDA graphs: `tightfit train` captures these steps and replays them, one graph per batch shape, "
             "where the budget holds a graph beside an eager step (unless its GPU planner compiles the model): "
-            "the run's peak then adds their memory, which the prediction above leaves out")
+            "the run's peak then adds their memory, which the prediction above leaves out, and a host-bound "
+            "step runs faster than the eager step predicted (the main job on an NVIDIA H100: 10,105 samples/s "
+            "steady, 2,576 eager)")
 
 
 def _planned_in(seconds: float) -> str:
