@@ -216,3 +216,15 @@ def test_the_headline_counts_the_models_parameters_not_the_adapters(tmp_path, ca
     headline = re.compile(r"fine-tuning \S+ \(([0-9,.]+M?) parameters\)")
     assert headline.search(lora).group(1) == headline.search(everything).group(1) == "20,770"
     assert "7,234 of 27,938 parameters trainable" in lora
+
+
+def test_the_headline_names_a_model_folder_as_given(tmp_path, capsys):
+    """A run's model folder is named `model` in every run: the headline said "fine-tuning model
+    (...)"; it names the folder as given."""
+    from conftest import tiny_cpu_job
+    from tightfit.cli import main
+
+    j = tiny_cpu_job(tmp_path)
+    assert main(["train", "--model", j["model"], "--data", j["data"], "--batch-size", "8", "--seq-len", "16",
+                 "--device", "cpu", "--no-progress", "--max-steps", "1", "--out", str(tmp_path / "r")]) == 0
+    assert f"fine-tuning {j['model']} (" in capsys.readouterr().out

@@ -77,7 +77,8 @@ class ModelEntry:
 
     Attributes:
         name: the registry name, or the folder as given.
-        about: how ``tightfit train`` names it, e.g. ``"minilm (all-MiniLM-L6-v2)"``.
+        about: how ``tightfit train`` names it, e.g. ``"minilm (all-MiniLM-L6-v2)"``; a folder as given
+            (``runs/x/model``, not its last part ``model``, which every run folder's model shares).
         task: its task (what ``estimate``/``plan``/``bench`` train and the Python API's default);
             None for a folder, whose task comes from its ``config.json`` (:meth:`load_config`).
         config_class: transformers config class of a registry entry, built with ``config_kwargs``.
@@ -292,7 +293,7 @@ def resolve(name_or_path: str | None) -> ModelEntry:
                             "tightfit loads models offline from a local folder)")
     if not (path / "config.json").is_file():
         raise TightfitError(f"{name} is not a Hugging Face model folder (no config.json)")
-    return ModelEntry(name, path.name, folder=path, weights=lambda: path, tokenizer=lambda: path)
+    return ModelEntry(name, name, folder=path, weights=lambda: path, tokenizer=lambda: path)
 
 
 def resolve_for_training(name_or_path: str | None) -> ModelEntry:
