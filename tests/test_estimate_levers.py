@@ -61,7 +61,9 @@ def test_a_plans_per_block_policies_are_estimated_as_the_plan_predicted_them(cap
     runs = json.loads(capsys.readouterr().out)
     assert main([*BIG, "--budget", "1GiB", "--block-policies", ",".join(policies), "--json"]) == 0
     words = json.loads(capsys.readouterr().out)
-    assert runs == words and runs["plan"]["block_policies"] == policies
+    assert main([*BIG, "--budget", "1GiB", "--block-policies", "blocks 0 full, 1-5 selective", "--json"]) == 0
+    line = json.loads(capsys.readouterr().out)  # the plan's line as printed, "blocks" and all
+    assert runs == words == line and runs["plan"]["block_policies"] == policies
     assert main([*BIG, "--budget", "1GiB", "--checkpointing", "0,1,2,3,4,5", "--json"]) == 0
     full = json.loads(capsys.readouterr().out)
     assert runs["peak_reserved_bytes"] != full["peak_reserved_bytes"]  # selective keeps more than full
@@ -75,6 +77,8 @@ def test_a_plans_per_block_policies_are_estimated_as_the_plan_predicted_them(cap
     ("0-6 full", "are not among the model's 6"),
     ("0-5 fast", "unknown block policy 'fast'"),
     ("all", "neither a policy"),
+    ("full, 1-5 selective", "'full' is a policy without its blocks"),
+    ("5-3 full", "runs backwards; write 3-5"),
 ])
 def test_bad_block_policies_are_refused_in_one_line(capsys, spec, says):
     assert main([*ARGS, "--block-policies", spec]) == 2
@@ -101,3 +105,14 @@ def test_estimate_without_model_and_micro_batch_traces_the_main_jobs_step(capsys
     planned = planned.get("plan", planned)
     assert planned["micro_batch"] == 32 and planned["precision"] == d["plan"]["precision"] == "fp32"
     assert planned["predicted_peak_reserved_bytes"] == d["peak_reserved_bytes"]  # nothing checkpointed: no margin
+
+
+def test_estimate_with_a_batch_size_below_32_and_no_micro_batch_takes_it_whole(capsys):
+    """The default micro-batch (32, the main job's) refused --batch-size 16 given alone: "--batch-size
+    16 is below --micro-batch 32", a flag the user never gave. Without --micro-batch the step is the
+    whole effective batch, as tightfit plan plans one that fits."""
+    import json
+
+    assert main(["estimate", "--seq-len", "16", "--batch-size", "16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["plan"]["micro_batch"] == 16 and d["plan"]["effective_batch"] == 16

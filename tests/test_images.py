@@ -320,6 +320,19 @@ def test_32_bit_integer_image_of_8_bit_levels_is_refused_before_any_work(models,
          "3.tif: a 32-bit integer image with values 0-200")
 
 
+def test_a_dark_16_bit_pgm_is_read_as_16_bit_not_refused(tmp_path):
+    """Pillow opens a 16-bit PGM as mode "I", as it does a 32-bit integer TIFF: a dark one (no level
+    above 255) is 16-bit all the same, read as such, not refused as 8-bit levels in 32 bits."""
+    from PIL import Image
+
+    from tightfit.images import load_image
+
+    Image.fromarray(np.full((6, 6), 200, np.uint16)).save(tmp_path / "dark.pgm")
+    with Image.open(tmp_path / "dark.pgm") as im:
+        assert im.mode == "I"
+    assert load_image(str(tmp_path / "dark.pgm")).max() == round(200 / 257)
+
+
 def test_jsonl_list_with_integer_label_0_keeps_those_rows(image_folder, tmp_path):
     """``str(0 or "")`` made every JSONL row of label 0 (a JSON number) blank: those rows were dropped,
     leaving one class. Only a missing, null or empty value is blank."""

@@ -71,3 +71,17 @@ def test_a_quote_left_open_in_a_middle_column_is_still_refused(tmp_path):
     (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
     with pytest.raises(TightfitError, match=r"record 10 .*unbalanced"):
         load_text_classification(tmp_path / "d.csv")
+
+
+def test_a_correctly_quoted_last_column_text_with_a_line_of_a_label_and_words_still_loads(tmp_path):
+    """With the text the last column and ids beside it, a line of the text that starts with a label
+    value ("5,screen,bright") was taken for a swallowed record on the label alone (ids and texts
+    repeat nowhere): a file csv.writer wrote, every quote closed, was refused. It loaded before."""
+    text = "My scores (stars,part,why):\n5,screen,bright and sharp\n4,battery,lasts a day"
+    with open(tmp_path / "d.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["stars", "id", "text"])
+        w.writerows([str(1 + i % 5), str(i), f"review {i} of the phone"] for i in range(40))
+        w.writerow(["5", "40", text])
+    data = load_text_classification(tmp_path / "d.csv", label_column="stars")
+    assert len(data) == 41 and data.texts[-1] == text

@@ -88,4 +88,18 @@ def test_a_stop_at_once_mid_training_is_an_event_of_the_run(tmp_path, monkeypatc
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("type") == "event" and "interrupted" in r.get("message", "") for r in events), events
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0
-    assert "interrupted at once during step 5" in (run / "report.md").read_text()
+    assert "interrupted at once after step 4" in (run / "report.md").read_text()
+
+
+def test_a_metrics_line_of_json_that_python_refuses_to_read_is_skipped_not_a_crash(tmp_path):
+    """A line of valid JSON that json.loads refuses with a ValueError that is not a JSONDecodeError
+    (an integer of more than 4,300 digits) or a RecursionError (arrays nested 100,000 deep) crashed
+    read_metrics and the resume's cut-back, as a line of ``[1]`` did before it was skipped."""
+    from tightfit.report.metrics import keep_metrics_until, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "event", "message": "x"}\n' + "9" * 5000 + "\n" + "[" * 100000 + "]" * 100000 + "\n"
+                    + '{"type": "checkpoint", "step": 2}\n')
+    assert [r["type"] for r in read_metrics(path)] == ["event", "checkpoint"]
+    keep_metrics_until(path, 2)
+    assert [r["type"] for r in read_metrics(path)] == ["event", "checkpoint"]

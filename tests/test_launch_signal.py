@@ -154,3 +154,21 @@ def test_an_interrupt_before_training_is_said_once_for_the_run(monkeypatch, caps
     monkeypatch.setattr(cli, "_run", interrupted)
     assert cli.main(["plan"]) == 130
     assert ("tightfit: interrupted" in capsys.readouterr().err) == said
+
+
+def test_a_store_that_cannot_be_reached_is_not_said_as_a_lost_peer(monkeypatch):
+    """Every DistNetworkError was taken for a peer's exit: a process of several machines whose
+    rendezvous store timed out (or whose port was in use) said only "another process of the run
+    ended first", though none had, and its own error was not shown."""
+    import torch.distributed as dist
+
+    from tightfit.runtime.distributed import lost_a_peer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    timed_out = dist.DistNetworkError("The client socket has timed out after 2000ms while trying to connect to "
+                                      "(10.0.0.1, 29500).")
+    assert not lost_a_peer(timed_out)
+    assert lost_a_peer(dist.DistNetworkError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1"))
+    assert lost_a_peer(RuntimeError("Connection reset by peer"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not lost_a_peer(RuntimeError("Connection reset by peer"))

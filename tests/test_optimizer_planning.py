@@ -169,7 +169,7 @@ def test_8bit_state_is_chosen_where_fp32_state_fits_nothing_and_says_why(m):
     fp32, eight = least_peak(m, "adamw"), least_peak(m, "adamw8bit")
     assert eight < fp32 - 4 * MiB
     budget = int((eight + fp32) / 2 / 0.95)  # between the two, with the planner's headroom
-    r = plan(m, budget)
+    r = plan(m, budget, host_bytes=0)  # no host memory for offload (predicted faster here: 910 against 753)
     assert r.best.optimizer == "adamw8bit" and r.to_plan().optimizer == "adamw8bit"
     assert "fp32 AdamW state fits nothing" in r.best.why and "optimizer state on the GPU" in r.best.why
     assert all(c.optimizer == "adamw8bit" for c in r.runners_up)
@@ -360,8 +360,8 @@ def test_a_search_traces_only_candidates_predicted_faster_than_a_plan_found_else
 def test_auto_returns_the_other_optimizers_that_fit_fastest_predicted_first(m):
     """The GPU planner times the runner-up optimizer too (:func:`tightfit.planner.gpu.challenge_optimizer`):
     the search hands it every other optimizer whose plan fits, fastest predicted first."""
-    r = plan(m, 132 * MiB, host_bytes=64 << 30, E=64)  # fp32 AdamW fits, but only by paying; 8-bit wins
-    assert r.best.optimizer == "adamw8bit" and "adamw" in [o.best.optimizer for o in r.other_optimizers]
+    r = plan(m, 132 * MiB, host_bytes=64 << 30, E=64)  # fp32 AdamW fits, but only by paying; a lever wins
+    assert r.best.optimizer != "adamw" and "adamw" in [o.best.optimizer for o in r.other_optimizers]
     assert r.other_optimizers, r.best.why
     kinds = [o.best.optimizer for o in r.other_optimizers]
     assert r.best.optimizer not in kinds and len(set(kinds)) == len(kinds)

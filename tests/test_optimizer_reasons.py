@@ -101,7 +101,7 @@ def test_bf16_weights_are_searched_where_8bit_state_fits_the_whole_batch(monkeyp
     stopping there planned ResNet-50 at 32 pixels slower at 400 MiB (8-bit state, whole batch) than at
     300 MiB (bf16 weights)."""
     searched = []
-    per_kind = {"adamw": result(100, accumulation=2), "adamw8bit": result(150), "adamw-offload": result(500),
+    per_kind = {"adamw": result(100, accumulation=2), "adamw8bit": result(150), "adamw-offload": result(140),
                 "adamw8bit-bf16": result(200)}
 
     def fake_search(*a, optimizer="adamw", **k):
@@ -109,9 +109,23 @@ def test_bf16_weights_are_searched_where_8bit_state_fits_the_whole_batch(monkeyp
         return per_kind[optimizer]
 
     monkeypatch.setattr(po, "search", fake_search)
+    ceilings = {"adamw-offload": 140.0, "adamw8bit-bf16": 250.0}
+    monkeypatch.setattr(po, "unconstrained_samples_per_s", lambda cost, profile, kind, *a: ceilings.get(kind, 1e9))
     r = plan(model())
-    assert r.best.optimizer == "adamw8bit-bf16"
-    assert "adamw-offload" not in searched  # offload cannot beat 8-bit state that pays nothing (the stub says 500)
+    assert r.best.optimizer == "adamw8bit-bf16" and "adamw8bit-bf16" in searched
+
+
+def test_offload_is_searched_where_8bit_state_fits_the_whole_batch_if_its_ceiling_is_above(monkeypatch):
+    """ResNet-50 at 32 pixels, --precision fp16 (no bf16 weights), H200 rates: offload at 300-350 MiB
+    planned 1,018 samples/s; at 400 MiB 8-bit state fitted the whole batch (1,010) and offload, whose
+    ceiling is above that, was skipped as "cannot be faster": the larger budget planned slower."""
+    search_stub(monkeypatch, {"adamw": result(100, accumulation=2), "adamw8bit": result(1010),
+                              "adamw-offload": result(1018)})
+    monkeypatch.setattr(po, "unconstrained_samples_per_s",
+                        lambda cost, profile, kind, *a: {"adamw-offload": 1018.0}.get(kind, 1010.0))
+    r = po.search_optimizers(model(), None, 16, E, H200, 1 << 30, lambda kind: None, levers=True,
+                             host_bytes=64 << 30, precision="fp16")
+    assert r.best.optimizer == "adamw-offload" and r.best.samples_per_s == 1018
 
 
 def test_the_planning_time_counts_every_optimizer_searched(monkeypatch):
@@ -128,8 +142,10 @@ def test_the_planning_time_counts_every_optimizer_searched(monkeypatch):
     monkeypatch.setattr(po, "predicted_bound", lambda *a, optimizer, **k: (per_kind[optimizer].best.samples_per_s,
                                                                            optimizer == "adamw8bit"))
     monkeypatch.setattr(po.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(po, "unconstrained_samples_per_s",  # offload's ceiling below 8-bit's plan: not searched
+                        lambda cost, profile, kind, *a: 100.0 if kind == "adamw-offload" else float("inf"))
     r = plan(model())
-    # fp32, 8-bit (which pays nothing: offload not searched) and bf16 weights (which may still be faster)
+    # fp32, 8-bit and bf16 weights (which may still be faster); offload's ceiling rules it out
     assert r.best.optimizer == "adamw8bit" and r.seconds == 30.0
 
 

@@ -1102,18 +1102,15 @@ class TrainRecipe:
         except CheckpointWriteError as e:  # the run stops; what is in place stays, and resumes
             then = (f"continue from the newest checkpoint in place once there is room: {self.resume_command()}"
                     if has_checkpoint(e.folder) else "no earlier checkpoint is in place")
-            try:  # the stop is one of the run's events, as every stop is; a full disk may refuse it too
+            with contextlib.suppress(OSError):  # the stop is one of the run's events; a full disk may refuse it too
                 self.trainer.event(f"stopped at step {self.trainer.step}: {e}", show=False, session=True)
-            except OSError:
-                pass
             raise CheckpointWriteError(f"{e}; training stopped at step {self.trainer.step}; {then}", e.folder) from None
         except KeyboardInterrupt:  # stopped at once: after the training, recorded while the metrics are open
-            if self.trainer.trained:
-                self.trainer.event("interrupted during the final evaluation: the run is trained, stopped at once",
-                                   show=False, session=True)
-            else:  # a second Ctrl-C in a step: the session's end is one of the run's events like any stop's
-                self.trainer.event(f"interrupted at once during step {self.trainer.step + 1}: stopped after step "
-                                   f"{self.trainer.step}", show=False, session=True)
+            # the session's end is one of the run's events, as any stop's; a full disk may refuse it too
+            with contextlib.suppress(OSError):
+                self.trainer.event("interrupted during the final evaluation: the run is trained, stopped at once"
+                                   if self.trainer.trained else  # a second Ctrl-C: in a step, an evaluation, a write
+                                   f"interrupted at once after step {self.trainer.step}", show=False, session=True)
             raise
         except StoppedError as e:
             nonfinite = isinstance(e, NonFiniteTrainingError)

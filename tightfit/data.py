@@ -91,8 +91,8 @@ class TextClassificationData:
     def contents(self) -> list[str]:
         """Per sample, what a copy of it shares (:func:`check_split`): its words, the text with its
         runs of whitespace made one space and none around it (a copy with a trailing space, CRLF
-        line ends or a doubled space is the same text word for word: the tokenizer gives it the
-        same tokens)."""
+        line ends or a doubled space is the same text word for word; a WordPiece tokenizer such as
+        BERT's gives it the same tokens)."""
         return [" ".join(t.split()) for t in self.texts]
 
     def sample_name(self, i: int) -> str:
@@ -359,9 +359,15 @@ def _check_merged_records(path: Path, rows: list[dict], columns: list[str], deli
             return True
         return sum(f in seen[c] for f, c in pairs) >= least
 
-    def reads_as_record(line: str) -> bool:
+    def reads_as_record(line: str, opened: bool) -> bool:
+        """``line`` splits into a record: all fields but one are values their columns hold, or, where
+        the field's first line ended as the open record's rest (``opened``), every repeated one's (the
+        labels alone are no proof in a text that ends a record: "5,screen,bright" in a review)."""
         fields = line.split(delimiter)
-        return len(fields) == len(columns) and known(fields, columns, len(columns) - 1)
+        if len(fields) != len(columns):
+            return False
+        return known(fields, columns, len(columns) - 1) if opened else \
+            sum(f in seen[c] for f, c in zip(fields, columns)) >= len(columns) - 1
 
     def ends_as_record(line: str, after: list[str]) -> bool:
         """``line`` is a text followed by values of the columns ``after`` (the open record's rest)."""
@@ -376,8 +382,8 @@ def _check_merged_records(path: Path, rows: list[dict], columns: list[str], deli
             after = columns[columns.index(column) + 1:] if column in columns else []
             if after and not ends_as_record(lines[0], after):
                 continue  # a quoted text: a merge's first line ends in the open record's other values
-            records = [line for line in lines[1:] if reads_as_record(line)]
-            if not after and len(columns) == 2 and len(records) + reads_as_record(lines[0]) < 2:
+            records = [line for line in lines[1:] if reads_as_record(line, bool(after))]
+            if not after and len(columns) == 2 and len(records) + reads_as_record(lines[0], False) < 2:
                 continue
             if records:
                 raise TightfitError(f"{path}: record {n} holds a line break followed by what reads as another "

@@ -444,6 +444,17 @@ def _load_csv(path: Path, label_column: str, image_column: str) -> ImageClassifi
 _WIDE_GREY = {"I;16": 65535, "I;16B": 65535, "I;16L": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
 
 
+def _sixteen_bit_file(im) -> bool:
+    """Whether an open PIL image of mode ``I`` was stored with 16 bits per sample: Pillow opens a
+    16-bit PGM and a signed 16-bit TIFF as ``I`` too, and a dark one is 16-bit all the same."""
+    if im.format == "PPM":
+        return True  # a PGM wider than 8 bits (maxval > 255) is 16-bit
+    if im.format == "TIFF":
+        bits = getattr(im, "tag_v2", {}).get(258)  # BitsPerSample
+        return (bits[0] if isinstance(bits, tuple) else bits) == 16
+    return False
+
+
 def load_image(image, name: str | None = None) -> np.ndarray:
     """One sample's pixels (``image``: a file's path, an open binary file -- ``name`` names it in
     errors -- or pixels, returned as they are): uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB; other modes converted),
@@ -455,8 +466,8 @@ def load_image(image, name: str | None = None) -> np.ndarray:
 
     Raises:
         TightfitError: a float image with a value outside [0, 1] (or not a number), or a 32-bit
-            integer image with a value outside 0-65535 or none above 255 (8-bit levels: as 16-bit
-            they would be nearly black): no one scale is right for them.
+            integer image with a value outside 0-65535, or one stored with 32 bits and none above 255
+            (8-bit levels: as 16-bit they would be nearly black): no one scale is right for them.
         Exception: whatever PIL raises for a file it cannot open or decode (:func:`_check_image`
             turns it into a TightfitError before any work).
     """
@@ -484,6 +495,7 @@ def load_image(image, name: str | None = None) -> np.ndarray:
         if top is None:
             return np.array(im.convert("L" if grey else "RGB"))
         x = np.asarray(im).astype(np.float64)  # any byte order (I;16B) to native
+        sixteen = _sixteen_bit_file(im)
     if x.ndim != 2:
         raise TightfitError(f"{name or image}: a {im.mode} image of shape {x.shape}: expected one grey channel")
     if not (np.isfinite(x).all() and x.min(initial=0) >= 0 and x.max(initial=0) <= top):
@@ -491,7 +503,7 @@ def load_image(image, name: str | None = None) -> np.ndarray:
             "a 32-bit integer image with values outside 0-65535"
         raise TightfitError(f"{name or image}: {what} (min {x.min():g}, max {x.max():g}); tightfit reads float images as "
                             "0-1 and integer ones as 16-bit: convert it to 8- or 16-bit")
-    if im.mode == "I" and 0 < x.max(initial=0) <= 255:  # 8-bit levels (PIL's convert("I") of a photo gives them)
+    if im.mode == "I" and not sixteen and 0 < x.max(initial=0) <= 255:  # 8-bit levels (PIL's convert("I") of a photo)
         raise TightfitError(f"{name or image}: a 32-bit integer image with values 0-{x.max():g}: read as 16-bit, as "
                             "tightfit reads such images, it would be nearly black; convert it to 8- or 16-bit")
     return np.rint(x * (255 / top)).astype(np.uint8)

@@ -46,13 +46,13 @@ def describe_policies(policies) -> str:
 def parse_policies(spec: str, n_blocks: int) -> tuple[str, ...]:
     """One policy per block from ``spec``: one word per block (``"full,full,selective"``, as
     ``tightfit plan --json`` lists them) or runs as :func:`describe_policies` shows them
-    (``"0-22 full, 23 selective"``, as ``tightfit plan`` prints them).
+    (``"0-22 full, 23 selective"``, as ``tightfit plan`` prints them, its leading ``blocks`` too).
 
     Raises:
         TightfitError: an unknown policy, a malformed run, a block named twice or left out, or as
             many words as blocks not given.
     """
-    items = [x.strip() for x in spec.split(",") if x.strip()]
+    items = [x.strip() for x in re.sub(r"^\s*blocks\s+", "", spec).split(",") if x.strip()]  # the plan line's word
     if all(x in BLOCK_POLICIES for x in items):
         if len(items) != n_blocks:
             raise TightfitError(f"{len(items)} block policies for a model with {n_blocks} blocks: give one per block, "
@@ -62,11 +62,15 @@ def parse_policies(spec: str, n_blocks: int) -> tuple[str, ...]:
     for item in items:
         m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?\s+(\w+)", item)
         if not m:
-            raise TightfitError(f"block policies {spec!r}: {item!r} is neither a policy ({', '.join(BLOCK_POLICIES)}) "
-                                f"nor a run of blocks such as '0-3 full'")
+            what = (f"a policy without its blocks: give one word per block, or runs of blocks such as '0-3 {item}', "
+                    "not both") if item in BLOCK_POLICIES else \
+                f"neither a policy ({', '.join(BLOCK_POLICIES)}) nor a run of blocks such as '0-3 full'"
+            raise TightfitError(f"block policies {spec!r}: {item!r} is {what}")
         first, last, policy = int(m.group(1)), int(m.group(2) or m.group(1)), m.group(3)
         if policy not in BLOCK_POLICIES:
             raise TightfitError(f"unknown block policy {policy!r}: use one of {', '.join(BLOCK_POLICIES)}")
+        if first > last:
+            raise TightfitError(f"block policies {spec!r}: {item.split()[0]} runs backwards; write {last}-{first}")
         if not first <= last < n_blocks:
             raise TightfitError(f"block policies {spec!r}: blocks {item.split()[0]} are not among the model's "
                                 f"{n_blocks} (0-{n_blocks - 1})")

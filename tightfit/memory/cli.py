@@ -98,9 +98,9 @@ def add_parser(subparsers) -> None:
 
     add_model_arguments(p, default_model="minilm")  # as tightfit plan: tightfit train's main job
     batch = WorkloadOptions.batch_size
-    p.add_argument("--micro-batch", type=int, default=batch,
-                   help=f"samples per forward/backward pass (default: {batch}, the main job's whole effective "
-                        "batch, as tightfit plan plans it)")
+    p.add_argument("--micro-batch", type=int,
+                   help=f"samples per forward/backward pass (default: the whole effective batch, --batch-size or "
+                        f"{batch}, the main job's, as tightfit plan plans it)")
     p.add_argument("--batch-size", type=int,
                    help="effective batch: samples per optimizer step (default: the micro-batch); above it the "
                         "step accumulates gradients over micro-batches, holding every gradient, as tightfit plan "
@@ -144,9 +144,11 @@ def run(args) -> int:
 
     from ..config import WorkloadOptions, check_option
 
-    check_option(WorkloadOptions, "batch_size", args.micro_batch, called="--micro-batch")  # >= 1, <= MAX_BATCH
     if args.batch_size is not None:  # as `tightfit plan` checks it
         check_option(WorkloadOptions, "batch_size", args.batch_size, called="--batch-size")
+    if args.micro_batch is None:  # the whole effective batch in one micro-batch: --batch-size's, else the main job's
+        args.micro_batch = args.batch_size if args.batch_size is not None else WorkloadOptions.batch_size
+    check_option(WorkloadOptions, "batch_size", args.micro_batch, called="--micro-batch")  # >= 1, <= MAX_BATCH
     effective_batch = args.micro_batch if args.batch_size is None else args.batch_size
     if effective_batch < args.micro_batch:
         raise TightfitError(f"--batch-size {args.batch_size} is below --micro-batch {args.micro_batch}: the effective "

@@ -2,14 +2,15 @@
 levers of :mod:`tightfit.levers.optimizers` where they can help.
 
 Order (``optimizer="auto"``): search with fused AdamW (:func:`.search.search`). If its best plan
-needs neither accumulation nor any block recomputed or offloaded, it stands (offload cannot be
-faster; 8-bit state and bf16 weights change the numerics and are taken only to pay less for memory). Otherwise (or if
+needs neither accumulation nor any block recomputed or offloaded, it stands (the levers are taken only
+to pay less for memory; 8-bit state and bf16 weights also change the numerics). Otherwise (or if
 nothing fits) the levers may help: 8-bit AdamW state; the state offloaded to the CPU (only where
 the host has the memory for it); bf16 weights and 8-bit state (``adamw8bit-bf16``: bf16 autocast
 only, so only where the precision asked for is ``auto`` or ``bf16`` and the card runs bf16; it
 changes the numerics: no fp32 copy of the weights, updates stochastically rounded). Where 8-bit
-state fits without accumulation or recomputation, offload is not searched (it cannot be faster), and
-bf16 weights only where their ceiling (below) is above that plan. The levers are
+state fits without accumulation or recomputation, offload and bf16 weights are searched only where
+their ceiling (below) is above that plan (either can be faster: offload's step off the GPU, bf16
+weights' half the bytes). The levers are
 searched in the order of their bounds (:func:`.search.predicted_bound`: the fastest plan their
 memory lines say fits, from the traces their searches begin with), each with the best plan found
 so far to beat (``beat``: only plans its lines predict faster are traced); a bound may come from
@@ -423,10 +424,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
     elif ref is None:
         pending.sort(key=lambda k: (step_temporary_bytes(model, k) > 0 or weights_dtype(k) is not None,
                                     least_state_bytes(model, k)[0]))
-    eight_whole = False  # 8-bit state found to fit without paying
     for kind in pending:
-        if eight_whole and weights_dtype(kind) is None:
-            continue  # 8-bit state fits without paying: offload cannot be faster (bf16 weights can)
         found = max((r.best.samples_per_s for r in results.values()), default=0.0)
         bound_at = dict(optimizer=kind, beat=found, host_bytes=activation_host_bytes(kind), **opts_for(kind))
         if ref is not None:
@@ -437,7 +435,7 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
             except NotTraced:  # the reference knows no step at all: the lever's own traces
                 pass
             else:
-                if not (whole and kind == "adamw8bit"):  # 8-bit state fitting whole rules out offload: traced, to be sure
+                if not (whole and kind == "adamw8bit"):  # 8-bit state fitting whole: traced, its plan the one to beat
                     bounds[kind], stand_in_for[kind] = bound, ref
                     continue
         if bounds and ceiling(kind) <= max(bounds.values()):
@@ -446,14 +444,11 @@ def search_optimizers(model, make_batch, size: int, effective_batch: int, profil
         bounds[kind], whole = predicted_bound(model, make_batch, size, effective_batch, profile, budget_bytes,
                                               estimate_fn(kind), **bound_at)
         ref = ref or kind
-        eight_whole = eight_whole or (kind == "adamw8bit" and whole)
     for kind in sorted(bounds, key=lambda k: -bounds[k]):  # stable: ties in the levers' order
         found = max((r.best.samples_per_s for r in results.values()), default=0.0)
-        if kind != "adamw8bit" and weights_dtype(kind) is None and "adamw8bit" in results \
-                and not _constrained(results["adamw8bit"], forced):
-            continue  # 8-bit state fits without paying: offload cannot be faster
-        # bf16 weights can be (no fp32 weights to cast, half the update's bytes): their ceiling decides;
-        # stopping here planned ResNet-50 at 32 pixels slower at 400-450 MiB than at 300 MiB
+        # where 8-bit state fits without paying, a lever can still be faster (bf16 weights: no fp32 weights
+        # to cast; offload: its optimizer step off the GPU): its ceiling decides. Stopping there planned
+        # ResNet-50 at 32 pixels slower at 400-450 MiB than at 300 MiB (bf16 weights; offload under fp16)
         if cannot_win(kind):
             continue
         if kind in stand_in_for and 0 < bounds[kind] * STAND_IN_ERROR <= found:  # untraced

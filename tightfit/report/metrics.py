@@ -65,7 +65,7 @@ def keep_metrics_until(path: str | Path, step: int) -> list[int]:
     for n, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or JSON json.loads refuses (a 5,000-digit integer)
             record = None
         if not isinstance(record, dict):  # not JSON, or JSON but not a record ([1], 5: edited): damaged
             if n < len(lines):
@@ -116,7 +116,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or JSON json.loads refuses (a 5,000-digit integer)
             continue
         if isinstance(record, dict):
             records.append(record)

@@ -57,13 +57,13 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote w
 
 def lost_a_peer(e: BaseException) -> bool:
     """Whether ``e``, raised in a process of several (under torchrun), is a collective's error
-    after another process ended (its error, if any, is its own to say): a ``DistNetworkError``,
-    or gloo's RuntimeError of a connection the peer closed."""
+    after another process ended (its error, if any, is its own to say): gloo's error (a
+    RuntimeError or ``DistNetworkError``) of a connection the peer closed or reset. Not every
+    ``DistNetworkError``: a store that could not be reached (a client timed out connecting, a port
+    in use) is one too, which no process's exit explains and whose own message is the one to show."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not isinstance(e, RuntimeError):
         return False
-    import torch.distributed as dist
-
-    return isinstance(e, getattr(dist, "DistNetworkError", ())) or any(s in str(e) for s in _PEER_GONE)
+    return any(s in str(e) for s in _PEER_GONE)
 
 
 def shard_of(window: list[int], rank: int, world_size: int) -> list[int]:
