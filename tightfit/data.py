@@ -352,10 +352,12 @@ def _check_merged_records(path: Path, rows: list[dict], columns: list[str], deli
     seen = {c: {r[c] for r in rows if r.get(c) is not None} for c in columns}
     repeated = [c for c in columns if len(seen[c]) <= len(rows) / 2]  # labels, categories: not ids or texts
 
-    def known(fields: list[str], names: list[str], least: int) -> bool:
-        """``fields`` are values of the columns ``names``: every repeated one's, or at least ``least``."""
+    def known(fields: list[str], names: list[str], least: int, by_repeated: bool = True) -> bool:
+        """``fields`` are values of the columns ``names``: at least ``least`` of them, or, with
+        ``by_repeated``, every repeated column's."""
         pairs = list(zip(fields, names))
-        if any(c in repeated for _, c in pairs) and all(f in seen[c] for f, c in pairs if c in repeated):
+        if by_repeated and any(c in repeated for _, c in pairs) and \
+                all(f in seen[c] for f, c in pairs if c in repeated):
             return True
         return sum(f in seen[c] for f, c in pairs) >= least
 
@@ -364,10 +366,7 @@ def _check_merged_records(path: Path, rows: list[dict], columns: list[str], deli
         the field's first line ended as the open record's rest (``opened``), every repeated one's (the
         labels alone are no proof in a text that ends a record: "5,screen,bright" in a review)."""
         fields = line.split(delimiter)
-        if len(fields) != len(columns):
-            return False
-        return known(fields, columns, len(columns) - 1) if opened else \
-            sum(f in seen[c] for f, c in zip(fields, columns)) >= len(columns) - 1
+        return len(fields) == len(columns) and known(fields, columns, len(columns) - 1, by_repeated=opened)
 
     def ends_as_record(line: str, after: list[str]) -> bool:
         """``line`` is a text followed by values of the columns ``after`` (the open record's rest)."""
@@ -717,8 +716,7 @@ def _two_labels(data) -> list[str]:
     if not examples:
         return []
     j, i = next(iter(examples.values()))
-    same = data.SAME  # how two copies of one sample that read differently are alike
-    other = "" if data.sample_name(i) == data.sample_name(j) else f" {data.sample_name(i)}, {same},"
+    other = "" if data.sample_name(i) == data.sample_name(j) else f" {data.sample_name(i)}, {data.SAME},"
     return [f"{count_of(len(examples), data.SAMPLE_KIND)} {'is' if len(examples) == 1 else 'are'} in the data "
             f"under two or more labels (e.g. {data.sample_name(j)} as {data.label_names[data.labels[j]]!r} and{other} as "
             f"{data.label_names[data.labels[i]]!r}): the model is taught both; correct the labels if one is wrong"]

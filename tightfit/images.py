@@ -450,7 +450,7 @@ def _sixteen_bit_file(im) -> bool:
     if im.format == "PPM":
         return True  # a PGM wider than 8 bits (maxval > 255) is 16-bit
     if im.format == "TIFF":
-        bits = getattr(im, "tag_v2", {}).get(258)  # BitsPerSample
+        bits = im.tag_v2.get(258)  # BitsPerSample
         return (bits[0] if isinstance(bits, tuple) else bits) == 16
     return False
 

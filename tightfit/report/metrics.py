@@ -63,11 +63,8 @@ def keep_metrics_until(path: str | Path, step: int) -> list[int]:
     lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     records, damaged = [], []
     for n, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, or JSON json.loads refuses (a 5,000-digit integer)
-            record = None
-        if not isinstance(record, dict):  # not JSON, or JSON but not a record ([1], 5: edited): damaged
+        record = _record(line)
+        if record is None:  # damaged
             if n < len(lines):
                 damaged.append(n)
             continue
@@ -112,15 +109,18 @@ def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         return []
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, or JSON json.loads refuses (a 5,000-digit integer)
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    records = (_record(line) for line in path.read_text(encoding="utf-8", errors="replace").splitlines())
+    return [r for r in records if r is not None]
+
+
+def _record(line: str) -> dict | None:
+    """One ``metrics.jsonl`` line's record, or None where it is none: not JSON (cut by a kill), JSON
+    that ``json.loads`` refuses (a 5,000-digit integer), or JSON but not an object ([1], 5: edited)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def session_commands(path: str | Path, first: str) -> list[str]:
