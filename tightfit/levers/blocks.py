@@ -55,7 +55,8 @@ def parse_policies(spec: str, n_blocks: int) -> tuple[str, ...]:
     items = [x.strip() for x in re.sub(r"^\s*blocks\s+", "", spec).split(",") if x.strip()]  # the plan line's word
     if all(x in BLOCK_POLICIES for x in items):
         if len(items) != n_blocks:
-            raise TightfitError(f"{len(items)} block policies for a model with {n_blocks} blocks: give one per block, "
+            raise TightfitError(f"{len(items)} block polic{'y' if len(items) == 1 else 'ies'} for a model with "
+                                f"{n_blocks} blocks: give one per block, "
                                 f"or runs such as '0-{n_blocks - 1} full'")
         return tuple(items)
     policies: list[str | None] = [None] * n_blocks
@@ -72,8 +73,8 @@ def parse_policies(spec: str, n_blocks: int) -> tuple[str, ...]:
         if first > last:
             raise TightfitError(f"block policies {spec!r}: {item.split()[0]} runs backwards; write {last}-{first}")
         if not first <= last < n_blocks:
-            raise TightfitError(f"block policies {spec!r}: blocks {item.split()[0]} are not among the model's "
-                                f"{n_blocks} (0-{n_blocks - 1})")
+            named = f"blocks {item.split()[0]} are" if first < last else f"block {first} is"
+            raise TightfitError(f"block policies {spec!r}: {named} not among the model's {n_blocks} (0-{n_blocks - 1})")
         for i in range(first, last + 1):
             if policies[i] is not None:
                 raise TightfitError(f"block policies {spec!r}: block {i} is given twice")
