@@ -240,6 +240,16 @@ def _drops_item_count(trainer) -> bool:
     return loss_uses_item_count(model) is False
 
 
+def _divides_by_steps(trainer) -> bool:
+    """Whether ``trainer`` (as set now) divides each micro-batch's loss by the accumulation steps
+    (transformers' ``training_step``): no ``loss_is_scaled_for_ga`` of True, no ``compute_loss_func``,
+    and no count handed to the model (``model_accepts_loss_kwargs`` False)."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is not None:
+        return not scaled
+    return getattr(trainer, "compute_loss_func", None) is None and not getattr(trainer, "model_accepts_loss_kwargs", False)
+
+
 def _label_items(trainer, batch):
     """The labelled items of one micro-batch as the Trainer counts ``num_items_in_batch`` (labels not
     -100; a causal LM's from the second position on, as its loss shifts them): a 0-d tensor, or None
@@ -358,20 +368,25 @@ def scale_loss_as_one_batch(trainer) -> bool:
     if trainer.model_accepts_loss_kwargs and loss_uses_item_count(model) is True:
         return _recount_targets(trainer)  # the model divides by the window's count itself: that count right
     if not _can_weigh_items(trainer):
-        if not _drops_item_count(trainer):
-            return False
-        trainer.model_accepts_loss_kwargs = False
+        changed = _drops_item_count(trainer)
+        if changed:
+            trainer.model_accepts_loss_kwargs = False
+        # a forward without **kwargs (model_accepts_loss_kwargs False) is given no count either: the
+        # Trainer divides its mean by the accumulation steps all the same, and that is said too
+        if not _divides_by_steps(trainer):
+            return changed
         # the Trainer's division is exact only for windows of equal micro-batches: tightfit cannot
         # weigh a loss it did not compute (your compute_loss, label smoothing, several processes)
         say = log.warning if trainer.args.gradient_accumulation_steps > 1 else log.info  # one micro-batch: exact
-        say("tightfit: %s's loss ignores num_items_in_batch, so the Trainer divides each micro-batch's mean "
-            "by the accumulation steps (model_accepts_loss_kwargs=False): a window trains as one batch "
+        say("tightfit: %s's loss ignores num_items_in_batch (or is given none), so the Trainer divides each "
+            "micro-batch's mean by the accumulation steps (model_accepts_loss_kwargs=False): a window trains as one batch "
             "of its samples only where its micro-batches hold as many labelled items (a short last "
             "micro-batch, or labels of -100, weigh differently); %s", type(trainer.model).__name__,
-            "to make every window exact, have your compute_loss divide its sum by num_items_in_batch"
+            "to make every window exact, have your compute_loss divide its sum by num_items_in_batch (for a forward "
+            "without **kwargs, set trainer.model_accepts_loss_kwargs = True too, so that the Trainer counts them)"
             if type(trainer).compute_loss is not transformers.Trainer.compute_loss else
             "hf.train weighs each micro-batch itself only for the model's own loss, without label smoothing, in one process")
-        return True
+        return changed
 
     window = {"items": None}  # the labelled items of the accumulation window being trained
     get_batch_samples, compute_loss = trainer.get_batch_samples, trainer.compute_loss
