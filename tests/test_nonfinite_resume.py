@@ -136,7 +136,7 @@ def test_failed_resumes_keep_the_checkpoint_from_before_the_nonfinite_steps(tmp_
     assert any(e.startswith("3 steps in a row had non-finite gradients") and e.endswith("ckpt-9") for e in events)
     assert main(["train", "--resume", str(run / "checkpoints" / "ckpt-2"), "--lr", "1e-4", *base]) == 0
     said = capsys.readouterr()
-    assert "resuming from ckpt-2: the later ckpt-9 will be deleted" in said.out + said.err
+    assert "resuming from ckpt-2: the later ckpt-9 is deleted at the resumed run's first checkpoint" in said.out + said.err
     assert _names(run / "checkpoints") == ["ckpt-16", "ckpt-18"]  # 2 epochs of 9 steps
     assert (run / "summary.json").is_file()
 

@@ -1465,8 +1465,8 @@ def _resume_request(req: TrainRequest, main: bool = True) -> tuple[TrainRequest,
     later = [p.name for p in list_checkpoints(run / "checkpoints")
              if chosen and checkpoint_step(p) > checkpoint_step(chosen)]
     if later:
-        notes.append(f"resuming from {chosen.name}: the later {', '.join(later)} will be deleted when the resumed run "
-                     f"writes its first checkpoint")
+        notes.append(f"resuming from {chosen.name}: the later {', '.join(later)} {'is' if len(later) == 1 else 'are'} "
+                     f"deleted at the resumed run's first checkpoint")  # read in the final report too: no future tense
     notes += point.notes
     removed = [f"removed {name} ({format_bytes(size)}), left by a checkpoint write that was cut short"
                for name, size in (remove_stale_temporaries(run / "checkpoints") if main else ())]  # rank 0 cleans up

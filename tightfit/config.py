@@ -577,8 +577,9 @@ class TrainOptions(_Options):
             pauses for the session; option ``cooldown_temp``.
         cuda_graphs: ``auto``: on a CUDA GPU, replay the steps of a plain eager plan (fused AdamW,
             one micro-batch per step, no compilation, recomputation or loss scaling) as CUDA
-            graphs, one per batch shape, where memory allows (:mod:`tightfit.runtime.graphs`), and
-            let the GPU planner choose a compiled model replayed as CUDA graphs
+            graphs, one per batch shape, where memory allows (:mod:`tightfit.runtime.graphs`), and,
+            with ``TIGHTFIT_PLAN_CUDA_GRAPHS=1`` (:data:`tightfit.planner.gpu.GRAPHS_ENV`), let the GPU
+            planner choose a compiled model replayed as CUDA graphs
             (:data:`tightfit.levers.compile.GRAPHED`); ``off``: never (a resumed plan replayed so
             runs compiled without graphs).
         deterministic: plan, train and evaluate with deterministic kernels
@@ -610,8 +611,8 @@ class TrainOptions(_Options):
     cooldown_temp_c: float | None = option(None, "pause between steps while the GPU is this hot (deg C)",
                                            key="cooldown_temp", rule=_temperature)
     cuda_graphs: str = option("auto", "replay steps as CUDA graphs: auto|off (default: {default}: an eager "
-                                      "step of one micro-batch, and a compiled plan where the planner finds it "
-                                      "faster)", choices=("auto", "off"))
+                                      "step of one micro-batch; with TIGHTFIT_PLAN_CUDA_GRAPHS=1 also a compiled "
+                                      "plan where the planner finds it faster)", choices=("auto", "off"))
     deterministic: bool = option(False, "deterministic kernels (torch.use_deterministic_algorithms): runs, and a "
                                         "resumed run and the uninterrupted one, agree bit for bit also where a "
                                         "compiled step would add with atomic operations")

@@ -660,7 +660,7 @@ class TrainStep:
         self._told_token_loss = False
         self._last_update = 0  # the step whose update was the last applied (0: none yet)
         self.memory_timeline: list[tuple[int, int, int]] = []
-        self.model.zero_grad(set_to_none=True)  # a stray backward before the loop must not leak into step 1
+        self._zero_grad()  # a stray backward before the loop must not leak into step 1
 
     def __call__(self, batch) -> StepOutcome:
         """One optimizer step on ``batch`` (a dict or tuple of tensors, samples along dim 0, on any
@@ -688,8 +688,9 @@ class TrainStep:
             self._say_token_loss(b)
         recoveries = self.oom_recoveries
         # every window starts from zero gradients (DESIGN invariant 1), not only the first: a backward
-        # of the caller's between two calls (a gradient-based metric) would otherwise add to this step's
-        self.model.zero_grad(set_to_none=True)
+        # of the caller's between two calls (a gradient-based metric) would otherwise add to this step's;
+        # the optimizer's tensors outside the model too (a learnable temperature, a prompt)
+        self._zero_grad()
         tokens = _target_tokens(self.model, b, self.loss)  # None: the loss is a mean over samples
         targets = None if tokens is None else int(tokens(b.as_dict()))
         if targets == 0 and not _ranks_in_step(self.model):
@@ -710,6 +711,12 @@ class TrainStep:
         return StepOutcome(result.loss, result.grad_norm, stepped, min(self._used_micro_batch, b.size),
                            accumulation_steps(b.size, self._used_micro_batch), self.oom_recoveries - recoveries, *peaks, reading)
 
+    def _zero_grad(self) -> None:
+        """Drop the gradients of the model's parameters and of every tensor the optimizer updates (yours
+        may hold some outside the model)."""
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _step_with_recovery(self, b: _Batch, tokens, normaliser: float):
         """:func:`tightfit.step.training_step` on ``b`` (``tokens`` and ``normaliser``: as
         :func:`_target_tokens` and :func:`_normaliser` give them), redone with half the micro-batch after each
@@ -722,7 +729,7 @@ class TrainStep:
         from .runtime.trainer import PartialUpdateError
         from .buffers import buffer_snapshot, restore_buffers
         from .levers.optimizers import hold_gradients
-        from .step import changed_since, in_place_versions, training_step
+        from .step import changed_since, in_place_versions, training_step, update_ran
 
         d, loss_sum, rng = b.as_dict(), _loss_sum(b, self.loss, tokens), capture_rng()
         buffers = buffer_snapshot(self.model.modules())  # BatchNorm's statistics: a redo starts from these
@@ -740,7 +747,9 @@ class TrainStep:
                     restore_buffers(buffers)
                 return result
             except Exception as e:  # OOMs are redone; anything else propagates, the attempt undone
-                written = before is not None and changed_since(self.optimizer, before)
+                # an OOM after the update was applied (fused AdamW too) must not be redone either
+                ran = update_ran(e)
+                written = ran or (before is not None and changed_since(self.optimizer, before))
                 if not is_oom(e):
                     # a caller that skips the batch goes on clean; the optimizer's state is kept: only its
                     # step allocates state, and one that failed inside or after its step may have written it
@@ -762,6 +771,10 @@ class TrainStep:
                             f"{fix}, or put BatchNorm in eval mode") from e
                     raise
                 where = type(e).__name__
+            if ran:
+                raise PartialUpdateError(f"out of memory after the optimizer step of step {self.steps + 1} had applied its "
+                                         "update (in what follows it: the loss scaler's update); redoing it would "
+                                         "apply the update twice")
             if written:
                 raise PartialUpdateError(f"out of memory inside the optimizer step of step {self.steps + 1} after it had "
                                          "updated part of the parameters or their state; redoing it would apply that "

@@ -525,12 +525,23 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
         _step_unless_nonfinite(optimizer, verdict)
     elif finite:
         optimizer.step()
-    if scaler is not None:
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    if pending is not None:
-        return PendingStep(pending)
+    try:  # the update is in the weights: an error from here on (the loss scaler's or the verdict's small
+        # allocations running out of memory) must not have the window redone, which would apply it twice
+        if scaler is not None:
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if pending is not None:
+            return PendingStep(pending)
+    except BaseException as e:
+        e.tightfit_update_ran = True  # read by update_ran()
+        raise
     return (grad_norm, finite) if loss_value is None else (grad_norm, finite, loss_value)
+
+
+def update_ran(error: BaseException) -> bool:
+    """Whether ``error`` was raised by :func:`apply_update` after the optimizer's step had run (its
+    update, if not skipped, is in the weights and the state): a caller must not redo the window."""
+    return bool(getattr(error, "tightfit_update_ran", False))
 
 
 def _step_unless_nonfinite(optimizer, grad_norm: torch.Tensor) -> None:

@@ -60,12 +60,13 @@ def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], b
         ax.set_title("GPU memory")
         ax.legend()
         save(fig, "memory.png")
-    # a non-finite loss is written as a string ("nan"): matplotlib would make the axis categorical
-    train = [r for r in records if r.get("type") == "train" and _finite(r.get("loss"))]
+    # a non-finite loss is written as a string ("nan"): matplotlib would make the axis categorical;
+    # a record without a step number (edited by hand, another tool's) has no place on the step axis
+    train = [r for r in records if r.get("type") == "train" and _finite(r.get("loss")) and _step(r)]
     if train:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss")
-        evals = [r for r in records if r.get("type") == "eval" and _finite(r.get("loss"))]
+        evals = [r for r in records if r.get("type") == "eval" and _finite(r.get("loss")) and _step(r)]
         if evals:
             ax.scatter([r["step"] for r in evals], [r["loss"] for r in evals], color="black", label="held-out loss")
         ax.set_xlabel("optimizer step")
@@ -73,6 +74,11 @@ def plot_run(run_dir: str | Path, memory_timeline: list[tuple[int, int, int]], b
         ax.legend()
         save(fig, "loss.png")
     return written
+
+
+def _step(record: dict) -> bool:
+    """Whether a record has a step number (an int, not a bool) to plot it at."""
+    return isinstance(record.get("step"), int) and not isinstance(record.get("step"), bool)
 
 
 def _finite(value) -> bool:

@@ -39,7 +39,7 @@ from ..levers.trainable import check_trainable
 from ..levers.optimizers import cast_weights, hold_gradients, set_lr
 from ..buffers import buffer_snapshot, restore_buffers
 from ..step import (PendingStep, StepResult, accumulate, changed_since, in_place_versions, make_optimizer,
-                    module_mode, train_mode, training_modes, training_step)
+                    module_mode, train_mode, training_modes, training_step, update_ran)
 from ..levers.precision import autocast, make_grad_scaler, nonfinite_advice
 from ..plan import Plan, grown_micro_batch
 from ..workload import Workload
@@ -868,6 +868,11 @@ class Trainer:
             except Exception as e:  # only OOMs are handled; anything else propagates unchanged
                 if not is_oom(e):
                     raise
+                if update_ran(e):  # after the update was applied (fused AdamW too): a redo would apply it twice
+                    raise PartialUpdateError(
+                        f"out of memory after the optimizer step of step {index + 1} had applied its update (in "
+                        "what follows it: the loss scaler's update); redoing the window would apply it twice, so "
+                        "training stops (the last checkpoint is intact)") from e
                 where = type(e).__name__
                 self.world.on_oom(e, self._guard)  # the other ranks learn of it (or all stop)
             if before is not None and changed_since(self.optimizer, before):
