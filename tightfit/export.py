@@ -308,12 +308,12 @@ def _example_batch(src: _Source, model: torch.nn.Module, held_out, n: int) -> di
     else:
         from .images import trained_image_size
         from .models import batch_maker
-        from .tasks import ImageClassification, SequenceClassification
+        from .tasks import ImageClassification, SequenceClassification, max_positions
 
         task = ImageClassification() if src.kind == "image" else SequenceClassification()
         size = (trained_image_size(src.model_dir) or getattr(model.config, "image_size", None) or 224) \
             if src.kind == "image" else \
-            min(BARE_SEQ_LEN, getattr(model.config, "max_position_embeddings", None) or BARE_SEQ_LEN)
+            min(BARE_SEQ_LEN, max_positions(model.config) or BARE_SEQ_LEN)
         torch.manual_seed(0)
         batch = batch_maker(task, model.config)(n, size, device="cpu")
     return {k: v for k, v in batch.items() if k != "labels"}

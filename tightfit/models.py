@@ -352,6 +352,24 @@ def _folder_config(path: Path):
 NO_PAD_HINT = "config.json sets neither pad_token_id nor eos_token_id: set pad_token_id in config.json"
 
 
+def trace_failure(model: str, size: int, e: BaseException) -> TightfitError:
+    """The one-line refusal of ``estimate`` and ``plan`` for a step the meta-tensor trace could not
+    run (``e``: a ValueError or RuntimeError, e.g. an image smaller than the model's kernels). An
+    operation whose output depends on the values of its input (BART's and T5's classifiers count each
+    text's end tokens with ``unique_consecutive`` and gather them with a boolean mask) has no meta
+    kernel: torch's message for it speaks of torch.compile and custom ops, which the user never asked for."""
+    import re
+
+    first = (str(e).splitlines() or [type(e).__name__])[0]
+    op = re.match(r"(\S+): attempted to run this operator with Meta tensors", first)
+    if op:
+        return TightfitError(f"cannot trace {model} at size {size}: its forward calls {op.group(1)}, whose result "
+                             "depends on the values of its input, which a trace on meta tensors (shapes only) does "
+                             "not have: tightfit estimate and plan cannot predict its memory")
+    hint = f" ({NO_PAD_HINT})" if "no padding token" in str(e) else ""
+    return TightfitError(f"cannot trace {model} at size {size}: {first}{hint}")
+
+
 def _fill_pad_token_id(config) -> list[str]:
     """Give a text classifier's config without ``pad_token_id`` its end-of-sequence token id, if
     it has one: GPT-style classifiers find each text's end by its padding and cannot take batches
@@ -748,7 +766,9 @@ def _check_seq_len(model, tokenizer, seq_len: int, given: bool = True) -> None:
     Raises:
         TightfitError: otherwise.
     """
-    positions = getattr(model.config, "max_position_embeddings", None)
+    from .tasks import max_positions
+
+    positions = max_positions(model.config)
     if positions and seq_len > positions:
         raise TightfitError(("" if given else "the default ") + f"{option_given('seq_len', seq_len)} exceeds the "
                             f"model's {positions} positions: give {option_given('seq_len', positions)} or less")

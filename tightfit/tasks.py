@@ -165,9 +165,20 @@ def _random_ints(high: int, shape: tuple[int, ...], dev: torch.device) -> torch.
     return torch.randint(0, high, shape, device=dev)
 
 
+def max_positions(config) -> int | None:
+    """The longest sequence a text model's ``config`` takes (``max_position_embeddings``, else
+    ``n_positions``), or None where it names no limit: absent, or not positive (XLNet's -1: its
+    relative positions take any length)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        limit = getattr(config, name, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            return limit
+    return None
+
+
 def _token_batch(config, micro_batch: int, size: int, dev: torch.device) -> Batch:
     """Random ``input_ids`` and an all-ones ``attention_mask``, int64 ``[micro_batch, size]``."""
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    limit = max_positions(config)
     if limit and size > limit:
         raise TightfitError(f"sequence length {size} exceeds the model's {limit} positions")
     ids = _random_ints(config.vocab_size, (micro_batch, size), dev)

@@ -89,16 +89,23 @@ def parse_policies(spec: str, n_blocks: int) -> tuple[str, ...]:
 def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of ``model`` in forward order.
 
-    Candidates are the children of ``nn.ModuleList``/``nn.Sequential`` containers, grouped by
-    class; among the classes holding at least 90% of the parameters of the largest group,
-    the one with the most instances wins (ResNet: the 16 bottleneck layers rather than the 4
-    stages; BERT: its layers). Returns ``[]`` for a model without such containers.
+    Candidates are the children of ``nn.ModuleList``/``nn.Sequential`` containers (not lists
+    themselves, which have no forward to wrap), grouped by class; among the classes holding at
+    least 90% of the parameters of the largest group, the one with the most instances wins
+    (ResNet: the 16 bottleneck layers rather than the 4 stages; BERT: its layers). A second stack
+    of another class beside those blocks, neither inside nor around them, with at least
+    :data:`OTHER_STACK_SHARE` of their parameters (an encoder-decoder's encoder layers) joins
+    them, in registration order. Returns ``[]`` for a model without such containers.
     """
     groups: dict[type, list[torch.nn.Module]] = defaultdict(list)
     seen = set()
     for module in model.modules():
         if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             for child in module.children():
+                # a list nested in a list (Funnel's blocks of layers) is iterated, never called: a
+                # wrapper on its forward would checkpoint nothing; its layers are the candidates
+                if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                    continue
                 if id(child) not in seen and any(True for _ in child.parameters()):
                     seen.add(id(child))
                     groups[type(child)].append(child)
@@ -108,7 +115,27 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     size = {k: sum(p.numel() for m in v for p in m.parameters()) for k, v in groups.items()}
     top = max(size.values())
     best = max((k for k in groups if size[k] >= 0.9 * top), key=lambda k: (len(groups[k]), size[k]))
-    return groups[best]
+    # an encoder-decoder (BART: its encoder's and its decoder's layers are two classes) repeats two
+    # kinds of block side by side: a group of another class, outside the chosen blocks and around none
+    # of them, holding a comparable share of the parameters, is blocks too (else the encoder's layers
+    # would count among the input layers: frozen by frozen-embeddings, never checkpointed)
+    chosen, taken = [best], {id(m) for b in groups[best] for m in b.modules()}
+    for k in groups:
+        if k in chosen or size[k] < OTHER_STACK_SHARE * size[best]:
+            continue
+        inside = {id(m) for b in groups[k] for m in b.modules()}
+        if taken.isdisjoint(inside):  # neither within the chosen blocks (ResNet's conv layers) nor around them (stages)
+            chosen.append(k)
+            taken |= inside
+    if len(chosen) == 1:
+        return groups[best]
+    members = {id(b) for c in chosen for b in groups[c]}
+    return [m for m in model.modules() if id(m) in members]  # registration order: the encoder's first
+
+
+#: the share of the chosen blocks' parameters a second, separate stack of blocks of another class
+#: holds to count as blocks too (:func:`find_blocks`; BART's encoder layers hold 3/4 of its decoder's)
+OTHER_STACK_SHARE = 0.25
 
 
 def parse_checkpointing(spec: str | None, n_blocks: int) -> tuple[int, ...]:

@@ -207,10 +207,9 @@ def run(args) -> int:
         result = estimate(model, batch, plan, device=profile, checkpoint_blocks=args.checkpointing,
                           allocator=getattr(args, "allocator", "expandable"), block_policies=policies)
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
-        from ..models import NO_PAD_HINT
+        from ..models import trace_failure
 
-        hint = f" ({NO_PAD_HINT})" if "no padding token" in str(e) else ""
-        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}{hint}") from None
+        raise trace_failure(args.model, size, e) from None
     from ..levers.freezing import frozen_prefix_blocks
 
     free = frozen_prefix_blocks(model, batch)  # frozen first blocks: checkpointed, they recompute nothing

@@ -124,10 +124,9 @@ def run(args) -> int:
             _print_offload(args, plan, model, notes, profile, budget, kind, size, time.perf_counter() - started)
             return 0
     except (ValueError, RuntimeError) as e:  # e.g. an image smaller than the model's kernels
-        from ..models import NO_PAD_HINT
+        from ..models import trace_failure
 
-        hint = f" ({NO_PAD_HINT})" if "no padding token" in str(e) else ""
-        raise TightfitError(f"cannot trace {args.model} at size {size}: {str(e).splitlines()[0]}{hint}") from None
+        raise trace_failure(args.model, size, e) from None
     if args.json:
         _print_json(result, model, notes)
     else:
