@@ -96,6 +96,10 @@ def test_report_refuses_what_is_not_a_bench_result(tmp_path, capsys):
     from tightfit.cli import main
     assert main(["bench", "report", str(tmp_path / "missing")]) == 2
     assert "not found" in capsys.readouterr().err
+    (tmp_path / "one.json").write_text("{}")  # a result file named instead of its folder: not "not found"
+    assert main(["bench", "report", str(tmp_path / "one.json")]) == 2
+    assert "is a file, not a folder of benchmark results" in capsys.readouterr().err
+    (tmp_path / "one.json").unlink()
     for text in ("{bad", '{"a": 1}', "[]"):
         (tmp_path / "x.json").write_text(text)
         assert main(["bench", "report", str(tmp_path)]) == 2

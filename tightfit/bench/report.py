@@ -61,7 +61,8 @@ def load(folder: str | Path) -> list[dict]:
 
     folder = Path(folder)
     if not folder.is_dir():
-        raise TightfitError(f"benchmark results folder not found: {folder}")
+        raise TightfitError(f"{folder} is a file, not a folder of benchmark results (give the folder that holds it)"
+                            if folder.exists() else f"benchmark results folder not found: {folder}")
     results = []
     for p in sorted(folder.glob("*.json")):
         try:
