@@ -47,7 +47,7 @@ class DeviceProfile:
         host_link_bytes_per_s: host-to-device bandwidth (PCIe), bytes/s.
         memory_bytes_per_s: device memory bandwidth, bytes/s (0: unknown).
         sm_count: streaming multiprocessors (0: unknown); sizes the staging buffers of
-            PyTorch's multi-block reductions (:func:`tightfit.memory.tracker.reduction_staging_bytes`).
+            PyTorch's multi-block reductions (:func:`tightfit.memory.scratch.reduction_staging_bytes`).
         sustained_share: share of the peak rates that a long run of matrix products sustains
             within the card's power limit (1.0 unless measured lower; the 70 W T4 holds about
             24 of its 65 fp16 TFLOPS, see docs/planner.md).

@@ -23,9 +23,9 @@ A pool that fails says so once on stderr and the search goes on in the calling p
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
@@ -37,6 +37,7 @@ MAX_WORKERS = 16  # a search rarely knows more keys in advance
 
 _FN: Callable | None = None  # the estimate function forked workers call (inherited at the fork)
 _WARNED = False
+_log = logging.getLogger(__name__)
 
 
 def plan_workers() -> int:
@@ -101,8 +102,8 @@ def trace_all(estimate_fn: Callable, keys: Iterable[tuple], workers: int | None 
     except Exception as e:  # a pool that could not start or broke (a worker killed): trace in this process
         if not _WARNED:
             _WARNED = True
-            print(f"warning: {ENV}: worker processes failed ({type(e).__name__}: {e}); tracing in the planning "
-                  f"process", file=sys.stderr)
+            _log.warning(f"warning: {ENV}: worker processes failed ({type(e).__name__}: {e}); tracing in the "
+                         "planning process")  # logged: a Python caller silences it with the logging module
         return {}
     finally:
         _FN = None
