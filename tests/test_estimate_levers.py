@@ -63,7 +63,11 @@ def test_a_plans_per_block_policies_are_estimated_as_the_plan_predicted_them(cap
     words = json.loads(capsys.readouterr().out)
     assert main([*BIG, "--budget", "1GiB", "--block-policies", "blocks 0 full, 1-5 selective", "--json"]) == 0
     line = json.loads(capsys.readouterr().out)  # the plan's line as printed, "blocks" and all
-    assert runs == words == line and runs["plan"]["block_policies"] == policies
+    assert main([*BIG, "--budget", "1GiB", "--block-policies", " ".join(policies), "--json"]) == 0
+    spaced = json.loads(capsys.readouterr().out)  # the words apart by spaces (a fresh user's first try)
+    assert main([*BIG, "--budget", "1GiB", "--block-policies", json.dumps(policies), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)  # the --json list pasted as it is
+    assert runs == words == line == spaced == listed and runs["plan"]["block_policies"] == policies
     assert main([*BIG, "--budget", "1GiB", "--checkpointing", "0,1,2,3,4,5", "--json"]) == 0
     full = json.loads(capsys.readouterr().out)
     assert runs["peak_reserved_bytes"] != full["peak_reserved_bytes"]  # selective keeps more than full
@@ -76,7 +80,8 @@ def test_a_plans_per_block_policies_are_estimated_as_the_plan_predicted_them(cap
     ("0-5 full, 5 none", "block 5 is given twice"),
     ("0-6 full", "are not among the model's 6"),
     ("0-5 fast", "unknown block policy 'fast'"),
-    ("all", "neither a policy"),
+    ("all", "unknown policy 'all'"),
+    ("full full fulll none none none", "unknown policy 'fulll'"),
     ("full, 1-5 selective", "'full' is a policy without its blocks"),
     ("5-3 full", "runs backwards; write 3-5"),
 ])

@@ -91,6 +91,10 @@ def test_gtx_1650_ti_fp16_only_where_it_pays():
     # fp32 needs 4 micro-batches, fp16 fits 2 with the same per-sample rate: fewer launches pay.
     r = _search("gtx-1650-ti", 300 * MiB, memory(100 * MiB, 20 * MiB), E=32)
     assert r.best.precision == "fp16" and r.best.accumulation_steps < 4
+    # and says why it is not the card's fp32 (a fresh user read "not on a GTX 1650 Ti" in the README)
+    why = r.best.why.split("; precision ", 1)[1]
+    assert why.startswith("fp16: predicted faster here than fp32, this card's first choice, whose activations take "
+                          "twice the memory") and "(its fastest plan: " in why, why
 
 
 def test_checkpoints_only_as_many_blocks_as_needed():

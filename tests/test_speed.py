@@ -793,6 +793,11 @@ def test_steady_state_is_the_median_of_ten_step_windows_and_the_report_shows_all
     text = dict(speed_rows(speed))
     assert "predicted 90; probed 100; delivered 80 steady" in text["speed, samples/s"]
     assert "|" not in text["speed, samples/s"]  # a cell of report.md's Markdown table
+    assert "not yet a steady state" not in text["speed, samples/s"]  # 3 windows: the warm-up one is outvoted
+    # 18 steps: one window, the first steps' own (a fresh user's run read 14.3 steady against 23.2 whole)
+    short = SimpleNamespace(**{**vars(result), "step_ends": ends[:18]})
+    said = dict(speed_rows(speed_record(short, 0.4, {})))["speed, samples/s"]
+    assert "median of 10-step windows; only 1, the first steps' warm-up included: not yet a steady state" in said
     assert "plan from the cache" in text["time: planning"]
     assert "compilation before training 7.0 s" in text["time: planning"]  # not within the 0.4 s
     fresh = dict(speed_rows(speed_record(result, 40.0, {"compile_s": 25.0})))

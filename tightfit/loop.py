@@ -715,7 +715,9 @@ class TrainStep:
         """Drop the gradients of the model's parameters and of every tensor the optimizer updates (yours
         may hold some outside the model)."""
         self.model.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad(set_to_none=True)
+        zero = getattr(self.optimizer, "zero_grad", None)  # every torch optimizer's; a stand-in may lack it
+        if zero is not None:
+            zero(set_to_none=True)
 
     def _step_with_recovery(self, b: _Batch, tokens, normaliser: float):
         """:func:`tightfit.step.training_step` on ``b`` (``tokens`` and ``normaliser``: as

@@ -26,6 +26,8 @@ def hf_trainer(w: BenchWorkload, precision: str, checkpointing: bool, start_batc
     on or off), capped at the workload's budget by the caller."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from ..integrations.hf import checkpointing_field
+
     torch.manual_seed(0)
     model, make_batch = build_model(w.arch, device="cpu")
     setting = {"setting": "HF Trainer auto_find_batch_size", "precision": precision,
@@ -44,7 +46,7 @@ def hf_trainer(w: BenchWorkload, precision: str, checkpointing: bool, start_batc
         args = TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=start_batch, auto_find_batch_size=True,
             max_steps=steps, learning_rate=1e-5, bf16=precision == "bf16", fp16=precision == "fp16",
-            gradient_checkpointing=checkpointing, report_to=[], save_strategy="no", logging_strategy="no",
+            **{checkpointing_field(): checkpointing}, report_to=[], save_strategy="no", logging_strategy="no",
             dataloader_num_workers=0, use_cpu=device == "cpu")
         trainer = Trainer(model=model, args=args, train_dataset=ZooSamples(make_batch, w.size, start_batch * (steps + 1)),
                           callbacks=[Clock()])

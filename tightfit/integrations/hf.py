@@ -88,6 +88,13 @@ log = logging.getLogger(__name__)
 _OPTIM = {"adamw": "adamw_torch_fused", "adamw-foreach": "adamw_torch", "sgd": "sgd", "adamw8bit": "adamw_bnb_8bit"}
 
 
+def checkpointing_field() -> str:
+    """The ``TrainingArguments`` field that turns activation checkpointing on: transformers 5.x
+    renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name warns)."""
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 def training_arguments(plan: Plan, **yours) -> dict:
     """``TrainingArguments`` keyword arguments that run ``plan``, merged with ``yours``:
     ``TrainingArguments(**training_arguments(plan, output_dir="out", learning_rate=2e-5, ...))``.
@@ -126,9 +133,7 @@ def training_arguments(plan: Plan, **yours) -> dict:
     if plan.optimizer not in _OPTIM:
         raise TightfitError(f"the HF Trainer has no optimizer for plan.optimizer {plan.optimizer!r}; "
                             f"plan with one of {', '.join(_OPTIM)}")
-    # transformers 5.x renamed gradient_checkpointing* to activation_checkpointing* (the old names warn)
-    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    name = checkpointing_field()
     planned = {"per_device_train_batch_size": plan.micro_batch, "gradient_accumulation_steps": plan.accumulation_steps,
                "fp16": plan.precision == "fp16", "bf16": plan.precision == "bf16",
                name: ckpt, f"{name}_kwargs": {"use_reentrant": False} if ckpt else None,

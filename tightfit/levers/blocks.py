@@ -44,15 +44,24 @@ def describe_policies(policies) -> str:
 
 
 def parse_policies(spec: str, n_blocks: int) -> tuple[str, ...]:
-    """One policy per block from ``spec``: one word per block (``"full,full,selective"``, as
-    ``tightfit plan --json`` lists them) or runs as :func:`describe_policies` shows them
+    """One policy per block from ``spec``: one word per block, apart by commas or spaces
+    (``"full,full,selective"``, ``"full full selective"``, or the JSON list ``tightfit plan --json``
+    prints, ``'["full", "full", "selective"]'``) or runs as :func:`describe_policies` shows them
     (``"0-22 full, 23 selective"``, as ``tightfit plan`` prints them, its leading ``blocks`` too).
 
     Raises:
         TightfitError: an unknown policy, a malformed run, a block named twice or left out, or as
             many words as blocks not given.
     """
-    items = [x.strip() for x in re.sub(r"^\s*blocks\s+", "", spec).split(",") if x.strip()]  # the plan line's word
+    words = [w for w in re.split(r"[\s,\[\]\"']+", spec) if w]
+    if words and not re.search(r"\d", spec):  # no block numbers: one word per block, however they are apart
+        unknown = [w for w in words if w not in BLOCK_POLICIES]
+        if unknown:
+            raise TightfitError(f"block policies {spec!r}: unknown policy {unknown[0]!r}: use one of "
+                                f"{', '.join(BLOCK_POLICIES)}, one per block, or runs such as '0-3 full'")
+        items = words
+    else:
+        items = [x.strip() for x in re.sub(r"^\s*blocks\s+", "", spec).split(",") if x.strip()]  # the plan line's word
     if all(x in BLOCK_POLICIES for x in items):
         if len(items) != n_blocks:
             raise TightfitError(f"{len(items)} block polic{'y' if len(items) == 1 else 'ies'} for a model with "

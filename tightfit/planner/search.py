@@ -986,6 +986,15 @@ def rank(space: SearchSpace, prediction: Prediction, seconds: float) -> SearchRe
     best = replace(best, why=f"fastest predicted: {format_rate(best.samples_per_s)} samples/s, peak "
                              f"{format_bytes(best.peak_reserved_bytes)} of {format_bytes(space.budget_bytes)}"
                              + _overheads(space, best))
+    first = space.precisions[0]
+    if best.precision != first:  # not the card's preferred precision: memory made the other one pay
+        rival = max((c.samples_per_s for c in traced + evaluated if c.precision == first and c.samples_per_s > 0),
+                    default=0.0)
+        because = (", whose activations take twice the memory and so more recomputation or offload to fit"
+                   if first == "fp32" else "")
+        best = replace(best, why=f"{best.why}; precision {best.precision}: predicted faster here than {first}, this "
+                                 f"card's first choice{because}" + (f" (its fastest plan: {format_rate(rival)} samples/s)"
+                                                                   if rival else " (it fits nothing)"))
     done = {_key(v) for v in traced}
     others = [v for v in traced if _key(v) != _key(best)]
     others += [c for c in evaluated if c.samples_per_s > 0 and _key(c) not in done]

@@ -23,6 +23,10 @@ import statistics
 WINDOW = 10  # steps per window of the steady-state figure
 
 
+# Under this many windows the first one, warm-up and all, weighs on the median
+FEW_WINDOWS = 3
+
+
 def steady_samples_per_s(step_ends: list[tuple[float, int]], window: int = WINDOW) -> float | None:
     """Median samples/s over consecutive ``window``-step windows.
 
@@ -53,8 +57,8 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
             ``compile_s``, ...).
 
     Returns:
-        ``{"predicted_samples_per_s", "probed_samples_per_s", "steady_samples_per_s",
-        "whole_run_samples_per_s", "steady_vs_probed", "planning_seconds", "plan_cached", "plan_from_checkpoint",
+        ``{"predicted_samples_per_s", "probed_samples_per_s", "steady_samples_per_s", "steady_windows"
+        (the windows that median is of), "whole_run_samples_per_s", "steady_vs_probed", "planning_seconds", "plan_cached", "plan_from_checkpoint",
         "planning_of_first_run" (on resume: planning_seconds is the first run's, from its metrics.jsonl),
         "compile_seconds", "eval_seconds", "checkpoint_seconds", "checkpoint_write_seconds", "checkpoint_share"
         (the loop's hold by checkpoints over the training time), "graphed_steps" (steps this session replayed as CUDA graphs), "graphs_off" (why none were, or why they
@@ -67,6 +71,7 @@ def speed_record(result, planning_seconds: float, timings: dict) -> dict:
         "predicted_samples_per_s": timings.get("predicted_samples_per_s"),
         "probed_samples_per_s": probed,
         "steady_samples_per_s": steady,
+        "steady_windows": len(result.step_ends) // WINDOW,
         "whole_run_samples_per_s": result.samples_per_s,
         "steady_vs_probed": steady / probed if steady and probed else None,
         "planning_seconds": planning_seconds,
@@ -101,6 +106,9 @@ def speed_rows(speed: dict) -> list[tuple[str, str]]:
                           f"{_rate(speed['probed_samples_per_s'])}; delivered {_rate(speed['steady_samples_per_s'])} "
                           f"steady (median of {WINDOW}-step windows"
                           + ("" if speed["steady_samples_per_s"] else f"; none: this session ran under {WINDOW} steps")
+                          + (f"; only {windows}, the first steps' warm-up included: not yet a steady state"
+                             if speed["steady_samples_per_s"] and (windows := speed.get("steady_windows")) is not None
+                             and windows < FEW_WINDOWS else "")
                           + f"), {_rate(speed['whole_run_samples_per_s'])} whole run")]
     if speed.get("steady_vs_probed"):
         # the planner times eager steps: a run that replayed CUDA graphs is measured against them
