@@ -189,6 +189,15 @@ def test_a_bare_model_folder_exports_without_accuracy(text_run, tmp_path):
         ratio = r["fp32"]["latency_s"][b] / r["int8"]["latency_s"][b]
         assert ratio == pytest.approx(r["speedup_median"][b]), (b, ratio, r["speedup_median"])
     assert (out / "vocab.txt").is_file() or (out / "tokenizer.json").is_file()
+    # what was timed is said: random ids of 128 tokens, or the model's 32 positions here, and the run's
+    # own texts from its folder (a fresh user saw the same weights 6x slower from the model folder and
+    # could not tell why)
+    assert r["latency_inputs"] == {"from": "random inputs", "shape": {"1": [1, 32], "32": [32, 32]}}
+    assert "Latency inputs: random inputs, batch 1: 1 x 32; batch 32: 32 x 32 (token ids" in report
+    run = tmp_path / "from-run"
+    assert main(["export", "--int8", str(text_run), "--out", str(run)]) == 0
+    timed = json.loads((run / "export.json").read_text())["latency_inputs"]
+    assert timed["from"] == "held-out samples" and timed["shape"]["32"][0] == 32
 
 
 def test_a_run_saved_with_full_and_train_samples_still_exports(text_run, tmp_path):

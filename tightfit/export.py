@@ -502,10 +502,13 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
     result = {"source": str(source), "kind": src.kind, "held_out_samples": len(held_out) if held_out else 0,
               "torch": torch.__version__, "quantized_engine": torch.backends.quantized.engine,
               "threads": torch.get_num_threads()}
-    latency, spread, median = {"fp32": {}, "int8": {}}, {}, {}
+    latency, spread, median, shapes = {"fp32": {}, "int8": {}}, {}, {}, {}
     for b in LATENCY_BATCHES:  # side by side, call by call (cpu_latency)
         rounds = []
-        cpu_latency({"fp32": fp32, "int8": int8}, _example_batch(src, fp32, held_out, b), rounds=rounds)
+        batch = _example_batch(src, fp32, held_out, b)
+        # what was timed: a run's held-out texts are as long as they are, a bare folder's BARE_SEQ_LEN
+        shapes[b] = list(next(iter(batch.values())).shape)
+        cpu_latency({"fp32": fp32, "int8": int8}, batch, rounds=rounds)
         spread[b] = speedup_spread(rounds)
         # the round of the median speed-up, its two times shown with it: the two models' own median
         # times can disagree with it on a busy host (10.5 and 3.8 ms beside a median round's 0.88x)
@@ -514,6 +517,8 @@ def export_int8(source: str | Path, out: str | Path, device: str = "cpu") -> dic
             latency[name][b] = middle[name]
         median[b] = middle["fp32"] / middle["int8"]
     result["speedup_middle_half"], result["speedup_median"] = spread, median
+    result["latency_inputs"] = {"from": "held-out samples" if held_out is not None else "random inputs",
+                                "shape": shapes}
 
     from .models import _tokenizer_files
 
@@ -583,6 +588,12 @@ def report_markdown(r: dict) -> str:
              f"median speed-up.", "",
              "| | fp32 | int8 |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    timed = r.get("latency_inputs")
+    if timed:  # latencies of two exports compare only at the same input shapes
+        lines += ["", f"Latency inputs: {timed['from']}, "
+                      + "; ".join(f"batch {b}: {' x '.join(map(str, shape))}" for b, shape in timed["shape"].items())
+                      + (" (token ids: samples x tokens)" if r["kind"] == "text" else " (samples x channels x height x "
+                         "width)") + "."]
     lines += ["", f"Load: `tightfit.export.load_int8(folder)` (weights read with torch.load(weights_only=True)); "
                   "CPU inference only."]
     return "\n".join(lines) + "\n"
