@@ -31,3 +31,14 @@ def test_train_help_says_the_compiled_graphs_plan_needs_its_environment_variable
     train = _parser().train_parser
     action = next(a for a in train._actions if "--cuda-graphs" in a.option_strings)
     assert f"{GRAPHS_ENV}=1" in action.help
+
+
+def test_an_unknown_train_request_keyword_names_the_one_meant():
+    """A fresh user wrote TrainRequest(no_progress=True), as the flag reads, and got a bare TypeError
+    with no hint that --no-progress is progress=False."""
+    from tightfit.config import TrainRequest
+
+    with pytest.raises(TypeError, match=r"'no_progress': --no-progress is progress=False$"):
+        TrainRequest(no_progress=True)
+    with pytest.raises(TypeError, match=r"'batchsize' \(did you mean batch_size\?\)$"):
+        TrainRequest(batchsize=8)

@@ -688,6 +688,17 @@ _FLAT: dict[str, tuple[str, str]] = {option_key(f): (attr, f.name) for attr, cls
 _FIELD_OF: dict[str, Field] = {option_key(f): f for _, cls, _ in GROUPS for f in fields(cls)}
 
 
+def _did_you_mean(key: str) -> str:
+    """The keyword meant by a flag's name written as a keyword (``no_progress``: ``progress=False``),
+    or the nearest keywords, for :class:`TrainRequest`'s TypeError; "" where none is near."""
+    import difflib
+
+    if key.startswith("no_") and key[3:] in _FLAT:
+        return f": --no-{key[3:].replace('_', '-')} is {key[3:]}=False"
+    near = difflib.get_close_matches(key, list(_FLAT), n=3)
+    return f" (did you mean {' or '.join(near)}?)" if near else f" (the keywords: {', '.join(sorted(_FLAT))})"
+
+
 @dataclass(frozen=True, init=False)
 class TrainRequest:
     """Everything ``tightfit train`` accepts (see ``tightfit train --help``) but ``--gpus``, which
@@ -725,7 +736,7 @@ class TrainRequest:
         groups = {attr: options.pop(attr) for attr, _, _ in GROUPS if attr in options}
         for key, value in options.items():
             if key not in _FLAT:
-                raise TypeError(f"TrainRequest() got an unexpected keyword argument {key!r}")
+                raise TypeError(f"TrainRequest() got an unexpected keyword argument {key!r}{_did_you_mean(key)}")
             attr, name = _FLAT[key]
             flat[attr][name] = value
         if "given" not in options:  # recorded here: a value equal to its default was given all the same
