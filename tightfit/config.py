@@ -693,8 +693,8 @@ def _did_you_mean(key: str) -> str:
     or the nearest keywords, for :class:`TrainRequest`'s TypeError; "" where none is near."""
     import difflib
 
-    if key.startswith("no_") and key[3:] in _FLAT:
-        return f": --no-{key[3:].replace('_', '-')} is {key[3:]}=False"
+    if key.startswith("no_") and key[3:] in _FLAT and option_flag(_FIELD_OF[key[3:]]) == "--" + key.replace("_", "-"):
+        return f": {option_flag(_FIELD_OF[key[3:]])} is {key[3:]}=False"  # a flag that exists (--no-progress)
     near = difflib.get_close_matches(key, list(_FLAT), n=3)
     return f" (did you mean {' or '.join(near)}?)" if near else f" (the keywords: {', '.join(sorted(_FLAT))})"
 

@@ -593,7 +593,8 @@ class TrainStep:
             ``loss`` that is not callable.
         NonFiniteTrainingError: ``max_skipped_steps`` non-finite steps in a row.
         PartialUpdateError: out of memory inside an optimizer step that had already written part of
-            the update (not possible with fused AdamW).
+            the update (not possible with fused AdamW), or after the step had applied it (the loss
+            scaler's update: fused AdamW too).
     """
 
     def __init__(self, plan: Plan, model: torch.nn.Module, optimizer=None, *, loss: LossFn | None = None,

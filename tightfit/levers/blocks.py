@@ -102,12 +102,14 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     themselves, which have no forward to wrap), grouped by class; among the classes holding at
     least 90% of the parameters of the largest group, the one with the most instances wins
     (ResNet: the 16 bottleneck layers rather than the 4 stages; BERT: its layers). A second stack
-    of another class beside those blocks, neither inside nor around them, with at least
-    :data:`OTHER_STACK_SHARE` of their parameters (an encoder-decoder's encoder layers) joins
-    them, in registration order. Returns ``[]`` for a model without such containers.
+    of another class beside those blocks (one list of them, held by another module than the one
+    holding the blocks' list; modules of layers, not single ``Linear`` layers), neither inside nor around them,
+    with at least :data:`OTHER_STACK_SHARE` of their parameters (an encoder-decoder's encoder
+    layers) joins them, in registration order. Returns ``[]`` for a model without such containers.
     """
     groups: dict[type, list[torch.nn.Module]] = defaultdict(list)
-    seen = set()
+    seen, container = set(), {}  # id(child) -> the list holding it
+    parent = {id(c): m for m in model.modules() for c in m.children()}
     for module in model.modules():
         if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             for child in module.children():
@@ -117,6 +119,7 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
                     continue
                 if id(child) not in seen and any(True for _ in child.parameters()):
                     seen.add(id(child))
+                    container[id(child)] = module
                     groups[type(child)].append(child)
     groups = {k: v for k, v in groups.items() if len(v) >= 2}
     if not groups:
@@ -129,9 +132,14 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     # of them, holding a comparable share of the parameters, is blocks too (else the encoder's layers
     # would count among the input layers: frozen by frozen-embeddings, never checkpointed)
     chosen, taken = [best], {id(m) for b in groups[best] for m in b.modules()}
+    owners = {id(parent.get(id(container[id(b)]))) for b in groups[best]}  # the modules holding the blocks' lists
     for k in groups:
-        if k in chosen or size[k] < OTHER_STACK_SHARE * size[best]:
-            continue
+        if k in chosen or size[k] < OTHER_STACK_SHARE * size[best] or not any(True for _ in groups[k][0].children()):
+            continue  # a single layer (Linear, Conv1d) repeated in lists is no stack of blocks
+        lists = {id(container[id(b)]) for b in groups[k]}
+        if len(lists) != 1 or id(parent.get(id(container[id(groups[k][0])]))) in owners:
+            continue  # a stack is one list, held by another module than the blocks' (XLM's attention and
+            # feed-forward lists, side by side in one module, run interleaved: not a stack of their own)
         inside = {id(m) for b in groups[k] for m in b.modules()}
         if taken.isdisjoint(inside):  # neither within the chosen blocks (ResNet's conv layers) nor around them (stages)
             chosen.append(k)

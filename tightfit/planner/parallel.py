@@ -18,7 +18,7 @@ The number of workers is :func:`plan_workers`: ``TIGHTFIT_PLAN_WORKERS`` (defaul
 by default because it has not paid where it matters: on the 16-core host of an NVIDIA H200 the
 search took 0.86-1.29x its one-by-one time with 12 workers (``bench/results/plan-time-2/``), for
 reasons not yet found, while on a 2-core host two workers traced two estimates 1.4-1.8x faster.
-A pool that fails says so once on stderr and the search goes on in the calling process.
+A pool that fails says so once (a warning of the ``tightfit.planner.parallel`` logger) and the search goes on in the calling process.
 """
 
 from __future__ import annotations

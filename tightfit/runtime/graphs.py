@@ -273,7 +273,11 @@ class StepGraphs:
             lr.fill_(group["lr"])  # the schedule's rate for this step (a kernel, no sync)
         graph.graph.replay()
         self.replayed += 1
-        return PendingStep(graph.values)
+        try:  # the replay has applied the update: an OOM here (the verdict's tensor) must not have it redone
+            return PendingStep(graph.values)
+        except BaseException as e:
+            e.tightfit_update_ran = True  # read by tightfit.step.update_ran
+            raise
 
     def why_none(self) -> str:
         """Why no step was replayed though graphs stayed on: the budget declined every capture, or

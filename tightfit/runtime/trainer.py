@@ -189,8 +189,9 @@ class TrainingInterrupted(StoppedError):
 
 
 class PartialUpdateError(TightfitError):
-    """Out of memory inside the optimizer step after it had changed some parameters or state:
-    redoing the step would apply part of the update twice (DESIGN invariant 10)."""
+    """Out of memory inside the optimizer step after it had changed some parameters or state, or
+    after the step had applied its update: redoing the step would apply (part of) the update twice
+    (DESIGN invariant 10)."""
 
 
 # Added to the key of a negative seed: Python seeds random.Random from abs(key), so seed -5 shuffled
@@ -801,7 +802,8 @@ class Trainer:
             TightfitError: a micro-batch of 1 still runs out of memory.
             PartialUpdateError: the OOM came inside the optimizer step after it had changed a
                 parameter or its state (impossible with fused AdamW, whose only allocations, the
-                state on the first step, come before any write).
+                state on the first step, come before any write), or after the step had applied its
+                update (the loss scaler's update, the buffers' restore: fused AdamW too).
             NonFiniteTrainingError: after ``max_skipped_steps`` non-finite steps in a row.
         """
         return self._settle(self._launch(window, self.step))
@@ -846,6 +848,7 @@ class Trainer:
             # needs no snapshot, which would cost a walk over every state tensor at every step.
             before = None if self._fused else in_place_versions(self.optimizer)
             had_state = set(self.optimizer.state)
+            stepped = False  # the step has returned: its update (unless skipped) is in the weights
             try:
                 micro_batches, normaliser = self._micro_batches(window, index)
                 if not normaliser:  # no target in the window (one process): nothing to learn, nothing runs
@@ -857,6 +860,9 @@ class Trainer:
                     pending = training_step(self.model, micro_batches, self._guard or self.w.loss_sum, normaliser,
                                             self.optimizer, self.scaler, self._autocast, self.cfg.max_grad_norm,
                                             defer=True)
+                # from here on an OOM (restore_buffers' torch.where below allocates on the device) comes
+                # after the update: a redo would apply it twice, as after apply_update's own (update_ran)
+                stepped = True
                 if self._guard is not None:
                     self._guard.restore_statistics()
                 # a skipped (non-finite) step leaves the buffers too as it found them: BatchNorm's
@@ -868,10 +874,10 @@ class Trainer:
             except Exception as e:  # only OOMs are handled; anything else propagates unchanged
                 if not is_oom(e):
                     raise
-                if update_ran(e):  # after the update was applied (fused AdamW too): a redo would apply it twice
+                if stepped or update_ran(e):  # after the update was applied (fused AdamW too): a redo would apply it twice
                     raise PartialUpdateError(
                         f"out of memory after the optimizer step of step {index + 1} had applied its update (in "
-                        "what follows it: the loss scaler's update); redoing the window would apply it twice, so "
+                        "what follows it: the loss scaler's update, the buffers' restore); redoing the window would apply it twice, so "
                         "training stops (the last checkpoint is intact)") from e
                 where = type(e).__name__
                 self.world.on_oom(e, self._guard)  # the other ranks learn of it (or all stop)
