@@ -47,6 +47,14 @@ def test_plan_key_depends_on_what_decides_the_plan_and_not_on_the_weights():
                    {"card": "NVIDIA A100"}, {"total_bytes": 80 * 2**30}, {"budget_bytes": 8 * 2**30},
                    {"run_samples": 8000}):
         assert _key(**change) != base, change
+    from tightfit.levers import blocks  # the blocks the plan's indices name, as this tightfit finds them
+
+    real = blocks.find_blocks
+    try:
+        blocks.find_blocks = lambda m: real(m)[:1]
+        assert _key() != base
+    finally:
+        blocks.find_blocks = real
 
 
 def test_plan_key_depends_on_the_attention_implementation(tmp_path):

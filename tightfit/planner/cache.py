@@ -91,7 +91,12 @@ def plan_key(model: torch.nn.Module, worst_case: dict, effective_batch: int, opt
     from ..memory.allocator import ALLOC_CONF, ALLOC_CONF_ANY_DEVICE
     from .optimizers import _ranks_on_this_host
 
+    from ..levers.blocks import find_blocks
+
     key = {"format": CACHE_FORMAT, "model": model_structure(model), "batch": batch_shapes(worst_case),
+           # a plan's checkpointed blocks are indices into these: another tightfit's way of finding them
+           # (an encoder-decoder's encoder layers counted since) must not read an old plan's indices
+           "blocks": [type(b).__qualname__ for b in find_blocks(model)],
            "effective_batch": effective_batch, "options": dict(sorted(options.items())), "card": card,
            "total_bytes": total_bytes, "budget_bytes": budget_bytes, "run_samples": run_samples,
            "torch": torch.__version__, "tightfit": __version__, "profile": profile, "levers": lever_libraries(),
