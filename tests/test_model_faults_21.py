@@ -114,3 +114,19 @@ def test_a_model_with_a_value_dependent_operation_is_refused_in_words_of_its_own
     assert code == 2
     assert "aten::unique_consecutive" in err and "values of its input" in err, err
     assert "PT2" not in err and "fake impl" not in err, err  # was: torch's advice on custom ops for torch.compile
+
+
+def test_a_boolean_mask_on_meta_tensors_is_refused_as_value_dependent_too():
+    """A boolean mask's indexing runs nonzero, whose meta kernel raises another message than
+    unique_consecutive's ("The register_meta function for torch.nonzero() raises unimplemented ..."):
+    it reached the user raw."""
+    from tightfit.models import trace_failure
+
+    x, mask = torch.ones(3, 4, device="meta"), torch.ones(3, dtype=torch.bool, device="meta")
+    try:
+        x[mask]
+    except RuntimeError as e:
+        said = str(trace_failure("mine", 16, e))
+    else:
+        pytest.skip("this torch indexes a boolean mask on meta tensors")
+    assert "its forward calls torch.nonzero, whose result depends on the values of its input" in said, said

@@ -361,8 +361,9 @@ def trace_failure(model: str, size: int, e: BaseException) -> TightfitError:
     import re
 
     first = (str(e).splitlines() or [type(e).__name__])[0]
-    op = re.match(r"(\S+): attempted to run this operator with Meta tensors", first)
-    if op:
+    op = re.match(r"(\S+): attempted to run this operator with Meta tensors", first) or \
+        re.search(r"for (torch\.\w+)\(\) raises unimplemented by default, as a correct data-independent", first)
+    if op:  # the second: a boolean mask's indexing (nonzero)
         return TightfitError(f"cannot trace {model} at size {size}: its forward calls {op.group(1)}, whose result "
                              "depends on the values of its input, which a trace on meta tensors (shapes only) does "
                              "not have: tightfit estimate and plan cannot predict its memory")
