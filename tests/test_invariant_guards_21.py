@@ -6,22 +6,8 @@ import pytest
 import torch
 
 import tightfit
+from test_loop import _ce, _mlp, _xy  # the same small model, data and loss
 from tightfit.plan import Plan
-
-
-def _mlp(seed=0, dropout=0.3):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 3))
-
-
-def _xy(n=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def _ce(model, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
 
 
 class _OOMOnce:
