@@ -525,22 +525,29 @@ def apply_update(optimizer, scaler, max_grad_norm: float | None,
         _step_unless_nonfinite(optimizer, verdict)
     elif finite:
         optimizer.step()
-    try:  # the update is in the weights: an error from here on (the loss scaler's or the verdict's small
-        # allocations running out of memory) must not have the window redone, which would apply it twice
+    with update_applied():  # the loss scaler's or the verdict's small allocations may run out of memory
         if scaler is not None:
             scaler.update()
         optimizer.zero_grad(set_to_none=True)
         if pending is not None:
             return PendingStep(pending)
-    except BaseException as e:
-        e.tightfit_update_ran = True  # read by update_ran()
-        raise
     return (grad_norm, finite) if loss_value is None else (grad_norm, finite, loss_value)
 
 
+@contextlib.contextmanager
+def update_applied():
+    """Marks an error raised inside as coming after the optimizer's update was applied (its update,
+    if not skipped, is in the weights and the state), for :func:`update_ran`: a caller must not
+    redo the window, which would apply it twice (DESIGN invariant 10)."""
+    try:
+        yield
+    except BaseException as e:
+        e.tightfit_update_ran = True
+        raise
+
+
 def update_ran(error: BaseException) -> bool:
-    """Whether ``error`` was raised by :func:`apply_update` after the optimizer's step had run (its
-    update, if not skipped, is in the weights and the state): a caller must not redo the window."""
+    """Whether ``error`` was raised inside :func:`update_applied` (after the optimizer's step had run)."""
     return bool(getattr(error, "tightfit_update_ran", False))
 
 

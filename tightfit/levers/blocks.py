@@ -108,8 +108,7 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers) joins them, in registration order. Returns ``[]`` for a model without such containers.
     """
     groups: dict[type, list[torch.nn.Module]] = defaultdict(list)
-    seen, container = set(), {}  # id(child) -> the list holding it
-    parent = {id(c): m for m in model.modules() for c in m.children()}
+    container = {}  # id(child) -> the list holding it (its first)
     for module in model.modules():
         if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             for child in module.children():
@@ -117,8 +116,7 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
                 # wrapper on its forward would checkpoint nothing; its layers are the candidates
                 if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
                     continue
-                if id(child) not in seen and any(True for _ in child.parameters()):
-                    seen.add(id(child))
+                if id(child) not in container and any(True for _ in child.parameters()):
                     container[id(child)] = module
                     groups[type(child)].append(child)
     groups = {k: v for k, v in groups.items() if len(v) >= 2}
@@ -131,6 +129,9 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     # kinds of block side by side: a group of another class, outside the chosen blocks and around none
     # of them, holding a comparable share of the parameters, is blocks too (else the encoder's layers
     # would count among the input layers: frozen by frozen-embeddings, never checkpointed)
+    if len(groups) == 1:
+        return groups[best]
+    parent = {id(c): m for m in model.modules() for c in m.children()}
     chosen, taken = [best], {id(m) for b in groups[best] for m in b.modules()}
     owners = {id(parent.get(id(container[id(b)]))) for b in groups[best]}  # the modules holding the blocks' lists
     for k in groups:

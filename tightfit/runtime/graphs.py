@@ -59,7 +59,7 @@ import torch
 
 from ..errors import error_line
 from ..levers.compile import MODULE_HOOKS, compiled_call, has_hooks
-from ..step import PendingStep, training_step
+from ..step import PendingStep, training_step, update_applied
 
 SYNCING_STEPS = 2  # eager steps seen syncing on the host that turn graphs off
 MAX_GRAPHS = 16  # keys captured at most (the main job's run met 4)
@@ -273,11 +273,8 @@ class StepGraphs:
             lr.fill_(group["lr"])  # the schedule's rate for this step (a kernel, no sync)
         graph.graph.replay()
         self.replayed += 1
-        try:  # the replay has applied the update: an OOM here (the verdict's tensor) must not have it redone
+        with update_applied():  # the replay has applied the update: an OOM in the verdict's tensor is not redone
             return PendingStep(graph.values)
-        except BaseException as e:
-            e.tightfit_update_ran = True  # read by tightfit.step.update_ran
-            raise
 
     def why_none(self) -> str:
         """Why no step was replayed though graphs stayed on: the budget declined every capture, or
